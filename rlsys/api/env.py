@@ -1,0 +1,43 @@
+"""The environment contract: a gym-like async service that turns actions into observations and rewards."""
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlsys.api.registry import Registry
+
+
+class EnvironmentService(abc.ABC):
+    """Gym-like and async, so one slow episode never blocks the others.
+
+    CPU-heavy work (answer checking, code execution) belongs off the event loop with a hard timeout.
+    """
+
+    async def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
+        return None, {}
+
+    @abc.abstractmethod
+    async def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict]:
+        """Returns (observation, reward, terminated, truncated, info)."""
+
+    async def close(self) -> None:
+        """Release what reset acquired. Called once at the end of every episode."""
+
+
+@dataclass
+class EnvServiceAbstraction:
+    """An environment by registered name plus the keyword args for its constructor."""
+
+    name: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+ENVIRONMENTS: Registry[EnvironmentService] = Registry("environment")
+
+
+def register_environment(name: str, cls: type[EnvironmentService]) -> None:
+    ENVIRONMENTS.register(name, cls)
+
+
+def make_env(abstraction: EnvServiceAbstraction) -> EnvironmentService:
+    return ENVIRONMENTS.make(abstraction.name, abstraction.args)

@@ -1,0 +1,49 @@
+"""A name -> class registry whose errors say what is registered and what is accepted."""
+
+import difflib
+import inspect
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+def close_matches(word: str, candidates) -> list[str]:
+    """The candidates that look like `word`, best first (for 'did you mean' messages)."""
+    return difflib.get_close_matches(word, list(candidates), n=3, cutoff=0.6)
+
+
+class Registry(Generic[T]):
+    """Maps plugin names to classes; `kind` ("agent", "environment") names them in errors."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._classes: dict[str, type[T]] = {}
+
+    def register(self, name: str, cls: type[T]) -> None:
+        if name in self._classes:
+            raise ValueError(
+                f"{self.kind} {name!r} is already registered (by {self._classes[name].__qualname__}); "
+                f"registered {self.kind}s: {self.names()}"
+            )
+        self._classes[name] = cls
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def lookup(self, name: str) -> type[T]:
+        if name not in self._classes:
+            hint = close_matches(name, self._classes)
+            did_you_mean = f" Did you mean {hint}?" if hint else ""
+            raise KeyError(f"unknown {self.kind} {name!r}.{did_you_mean} Registered {self.kind}s: {self.names()}")
+        return self._classes[name]
+
+    def make(self, name: str, args: dict[str, Any]) -> T:
+        cls = self.lookup(name)
+        signature = inspect.signature(cls.__init__)
+        try:
+            signature.bind(None, **args)
+        except TypeError as e:
+            accepted = [p for p in signature.parameters if p != "self"]
+            raise TypeError(f"{self.kind} {name!r} ({cls.__qualname__}) cannot take args {sorted(args)}: {e}. "
+                            f"It accepts: {accepted}") from None
+        return cls(**args)
