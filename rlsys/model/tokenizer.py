@@ -1,0 +1,42 @@
+"""A character-level tokenizer with a chat template, built locally (no model hub here)."""
+
+import string
+from functools import lru_cache
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+PAD, EOS, UNK = "<|pad|>", "<|end|>", "<|unk|>"
+ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
+CHARS = string.printable[:95]  # digits, letters, punctuation, space: every printable ASCII character
+
+# Each message is <|role|>content<|end|>; the assistant's <|end|> is the model's end of sequence.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    specials = [PAD, EOS, UNK, *ROLE_TOKENS]
+    vocab = {tok: i for i, tok in enumerate(specials + list(CHARS) + ["\n"])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK,
+                                        additional_special_tokens=ROLE_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def chat_prompt_ids(tokenizer, user_text: str) -> list[int]:
+    """Token ids of a one-message chat, ending where the assistant's answer begins."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(path: str):
+    """One tokenizer per path and process: every episode of a worker shares it."""
+    return AutoTokenizer.from_pretrained(path)

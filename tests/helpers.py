@@ -1,0 +1,17 @@
+"""Small builders shared by tests: a tiny randomly initialised model saved in HF format."""
+
+from pathlib import Path
+
+from experiments.common import ModelConfig
+from rlsys.model.tiny import build_tiny_model
+from rlsys.model.tokenizer import build_char_tokenizer
+
+
+def save_random_tiny_model(directory: Path, tie_word_embeddings: bool = True, seed: int = 0) -> Path:
+    tokenizer = build_char_tokenizer()
+    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                      tie_word_embeddings=tie_word_embeddings)
+    model = build_tiny_model(cfg, tokenizer, seed)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
