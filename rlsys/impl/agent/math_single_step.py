@@ -1,0 +1,48 @@
+"""`math-single-step`: sample a group of answers to one problem, score them, return one trajectory each."""
+
+import asyncio
+
+from rlsys.api import (NOT_GENERATED, Agent, EnvironmentService, GenerationConfig, GenerationOutput, Prompt,
+                       Trajectory, register_agent)
+from rlsys.model.tokenizer import load_tokenizer
+
+
+def single_turn_trajectory(prompt: Prompt, act: GenerationOutput, sample: int, reward: float,
+                           metrics: dict[str, float]) -> Trajectory:
+    """Prompt tokens (not trained on) followed by exactly the tokens the model produced."""
+    n_prompt, output = len(act.prompt_ids), act.output_ids[sample]
+    return Trajectory(
+        token_ids=list(act.prompt_ids) + list(output),
+        loss_mask=[0] * n_prompt + [1] * len(output),
+        logprobs=[0.0] * n_prompt + list(act.logprobs[sample]),
+        versions=[NOT_GENERATED] * n_prompt + list(act.versions[sample]),
+        turn_ends=[n_prompt + len(output)],
+        turn_rewards=[reward],
+        reward=reward,
+        group_id=prompt.qid,
+        stop_reason=act.stop_reasons[sample],
+        metrics=metrics,
+    )
+
+
+class MathSingleStepAgent(Agent):
+    def __init__(self, gconfig: GenerationConfig, tokenizer_path: str):
+        self.gconfig = gconfig
+        self.tokenizer = load_tokenizer(tokenizer_path)
+
+    async def collect_trajectory(self, prompt: Prompt, env: EnvironmentService, obs_queue: asyncio.Queue,
+                                 act_queue: asyncio.Queue) -> list[Trajectory]:
+        await env.reset(options=prompt.data)
+        await obs_queue.put((prompt.qid, prompt.token_ids, self.gconfig))
+        act: GenerationOutput = await act_queue.get()
+        answers = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in act.output_ids]
+        _, rewards, _, _, info = await env.step((prompt.qid, answers))
+        statuses = info.get("statuses", ["ok"] * len(answers))
+        return [
+            single_turn_trajectory(prompt, act, i, float(rewards[i]),
+                                   {"correct": float(rewards[i]), "verify_failed": float(statuses[i] != "ok")})
+            for i in range(len(answers))
+        ]
+
+
+register_agent("math-single-step", MathSingleStepAgent)
