@@ -40,7 +40,7 @@ class MathSingleStepAgent(Agent):
         statuses = info.get("statuses", ["ok"] * len(answers))
         return [
             single_turn_trajectory(prompt, act, i, float(rewards[i]),
-                                   {"correct": float(rewards[i]), "verify_failed": float(statuses[i] != "ok")})
+                                   {"correct": float(rewards[i]), "verify_failed": float(statuses[i] in ("timeout", "error"))})
             for i in range(len(answers))
         ]
 

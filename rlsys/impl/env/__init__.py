@@ -1,0 +1,3 @@
+"""Built-in environments; importing this package registers them."""
+
+from rlsys.impl.env import math_code_single_step  # noqa: F401

@@ -1,0 +1,222 @@
+"""Math answer checking in a pool of long-lived worker processes with a hard wall-clock deadline.
+
+math-verify runs sympy, which can take unbounded time (or crash) on adversarial model output, and its own
+signal-based timeout only works on a main thread and cannot interrupt every C-level loop. So each check runs
+in a child process; a check that overruns its deadline gets its worker SIGKILLed and replaced, and the caller
+gets a "timeout" verdict instead of an exception. Workers are started with "spawn" because the parent (an
+asyncio rollout worker) holds threads, and forking a threaded process can deadlock the child. As with any
+spawned process, the program's entry script needs the `if __name__ == "__main__":` guard.
+"""
+
+import asyncio
+import atexit
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from math_verify import parse, verify
+
+DEFAULT_CHECK = "rlsys.impl.env.math_verifier:check_answer"
+READY = "ready"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of checking one answer; `status` says whether `correct` can be trusted."""
+
+    correct: bool
+    status: str  # "ok" | "timeout" | "error" | "unparsable"
+    reason: str = ""
+
+
+def check_answer(answer: str, reference: str) -> Verdict:
+    """The default check: does `answer` contain a math expression equal to `reference`?"""
+    gold = parse(reference)
+    if not gold:
+        return Verdict(False, "unparsable", f"reference {reference[:80]!r} has no math expression")
+    predicted = parse(answer)
+    if not predicted:
+        return Verdict(False, "unparsable", "answer has no math expression")
+    return Verdict(bool(verify(gold, predicted)), "ok")
+
+
+def resolve(path: str) -> Callable[[str, str], Verdict]:
+    """Imports "package.module:function"; a path (not a callable) is what can cross a spawn boundary."""
+    module_name, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def serve(conn, check_path: str) -> None:
+    """Worker main loop: import the check once, announce readiness, then answer (answer, reference) jobs."""
+    check = resolve(check_path)
+    conn.send(READY)
+    while True:
+        try:
+            answer, reference = conn.recv()
+        except EOFError:  # the parent went away
+            return
+        try:
+            verdict = check(answer, reference)
+        except Exception as e:  # a bad answer must never take the worker down
+            verdict = Verdict(False, "error", f"{type(e).__name__}: {e}")
+        conn.send(verdict)
+
+
+class Worker:
+    """One child process and the parent's end of its pipe; used by one thread at a time."""
+
+    def __init__(self, ctx, check_path: str):
+        self.conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child_conn, check_path), daemon=True,
+                                   name="math-verifier")
+        self.process.start()
+        child_conn.close()  # so the parent sees EOF when the child dies
+        self.ready = False
+        self.dead = False
+
+    def wait_ready(self, startup_timeout: float) -> Verdict | None:
+        """None once the worker is ready. Startup (interpreter + sympy import) is not charged to a check."""
+        if not self.ready:
+            message = self.receive(startup_timeout, "startup")
+            self.ready = message == READY
+            if not self.ready:
+                return message
+        return None
+
+    def run(self, answer: str, reference: str, timeout: float) -> Verdict:
+        self.conn.send((answer, reference))
+        return self.receive(timeout, "check")
+
+    def receive(self, timeout: float, what: str):
+        """The worker's next message; if it overran or died, it is killed and a Verdict says so instead."""
+        try:
+            if not self.conn.poll(timeout):
+                self.kill()
+                return Verdict(False, "timeout", f"{what} exceeded {timeout:g}s; worker killed")
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(timeout=1)  # let it finish exiting, so the exit code is its own, not our SIGKILL
+            self.kill()
+            return Verdict(False, "error", f"worker died during {what} (exit code {self.process.exitcode})")
+
+    def kill(self) -> None:
+        self.dead = True
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class VerifierPool:
+    """A fixed number of workers; each check holds one worker, so concurrent checks never share a deadline.
+
+    Checks run on the pool's own threads (one per worker), which block on the worker's pipe while the event
+    loop stays free. Not bound to any event loop, so one pool serves every `asyncio.run` in the process.
+    """
+
+    def __init__(self, size: int | None = None, check: str = DEFAULT_CHECK, startup_timeout: float = 60.0):
+        resolve(check)  # a typo in the path fails here, not as a dead worker per check
+        self.size = size or default_size()
+        self.check_path = check
+        self.startup_timeout = startup_timeout
+        self.closed = False
+        self._ctx = mp.get_context("spawn")
+        self._lock = threading.Lock()
+        self._workers: set[Worker] = set()
+        self._idle: queue.SimpleQueue[Worker | None] = queue.SimpleQueue()  # None: closed
+        for _ in range(self.size):
+            self._idle.put(self._spawn())
+        self._threads = ThreadPoolExecutor(self.size, thread_name_prefix="math-verifier")
+        atexit.register(self.close)
+
+    async def check(self, answer: str, reference: str, timeout: float) -> Verdict:
+        if self.closed:
+            raise RuntimeError("VerifierPool is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, self.check_blocking, answer, reference, timeout)
+
+    async def score(self, answers: list[str], reference: str, timeout: float) -> list[Verdict]:
+        """One verdict per answer, in order; `timeout` is per check, counted from when a worker takes it."""
+        return list(await asyncio.gather(*(self.check(a, reference, timeout) for a in answers)))
+
+    def check_blocking(self, answer: str, reference: str, timeout: float) -> Verdict:
+        worker = self._idle.get()
+        if worker is None:  # close() was called: pass the pill on so no other thread waits forever
+            self._idle.put(None)
+            return Verdict(False, "error", "verifier pool closed")
+        try:
+            verdict = worker.wait_ready(self.startup_timeout) or worker.run(answer, reference, timeout)
+        except OSError as e:  # died while idle, or killed by close()
+            worker.kill()
+            verdict = Verdict(False, "error", f"worker unusable: {type(e).__name__}: {e}")
+        finally:
+            self._release(worker)
+        return verdict
+
+    def _release(self, worker: Worker) -> None:
+        """Return a live worker to the idle queue, or replace a dead one (unless the pool is closing)."""
+        if not worker.dead:
+            self._idle.put(worker)
+            return
+        with self._lock:
+            self._workers.discard(worker)
+        replacement = self._spawn()
+        if replacement is not None:
+            self._idle.put(replacement)
+
+    def _spawn(self) -> Worker | None:
+        with self._lock:  # close() must see every worker it has to kill
+            if self.closed:
+                return None
+            worker = Worker(self._ctx, self.check_path)
+            self._workers.add(worker)
+            return worker
+
+    def close(self) -> None:
+        """Kill every worker; in-flight checks get "error" verdicts. Idempotent, and also run at exit."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            workers, self._workers = self._workers, set()
+        for worker in workers:
+            worker.kill()
+        self._idle.put(None)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        atexit.unregister(self.close)
+
+
+def default_size() -> int:
+    """Half the cores: checking shares the machine with the event loop and the trainer's data pipeline."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+_shared: VerifierPool | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_pool(size: int | None = None) -> VerifierPool:
+    """The process-wide pool, created on first use so that merely importing an environment spawns nothing.
+
+    `size` only matters when the pool is created; asking for a different size later is an error rather
+    than being silently ignored.
+    """
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared.closed:
+            _shared = VerifierPool(size)
+        elif size is not None and size != _shared.size:
+            raise ValueError(f"shared verifier pool already has {_shared.size} workers, asked for {size}")
+        return _shared
+
+
+def close_shared_pool() -> None:
+    global _shared
+    with _shared_lock:
+        if _shared is not None:
+            _shared.close()
+        _shared = None
