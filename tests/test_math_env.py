@@ -1,0 +1,122 @@
+"""The math verifier pool and the `math-code-single-step` environment, through the real math-verify.
+
+Worker processes are spawned, so the scripted check below is found by import path inside the worker:
+its magic answers hang or crash the worker for real, which is what the hard deadline must handle.
+"""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+import rlsys.impl.env  # noqa: F401  (registers the environments)
+from rlsys.api import EnvServiceAbstraction, make_env
+from rlsys.impl.env.math_verifier import Verdict, VerifierPool, check_answer, close_shared_pool
+
+HANG, CRASH, RAISE = "<hang>", "<crash>", "<raise>"
+
+
+def scripted_check(answer: str, reference: str) -> Verdict:
+    """Runs in the worker: the real check, except for answers that hang, kill, or raise inside it."""
+    if answer == HANG:
+        time.sleep(3600)
+    if answer == CRASH:
+        os._exit(3)
+    if answer == RAISE:
+        raise ValueError("scripted failure")
+    return check_answer(answer, reference)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = VerifierPool(size=2, check=f"{__name__}:scripted_check")
+    asyncio.run(pool.score(["1", "1"], "1", timeout=30))  # both workers started, so timings below are honest
+    yield pool
+    pool.close()
+
+
+def score(pool: VerifierPool, answers: list[str], reference: str = "57", timeout: float = 10.0) -> list[Verdict]:
+    return asyncio.run(pool.score(answers, reference, timeout))
+
+
+def test_right_answers_are_correct(pool):
+    verdicts = score(pool, ["57", "\\boxed{57}", "The answer is 57", "$57$", "so we get 57.0"])
+    assert verdicts == [Verdict(True, "ok")] * 5
+
+
+def test_wrong_answers_are_incorrect(pool):
+    verdicts = score(pool, ["58", "\\boxed{56}", "-57", "The answer is 5 7/10"])
+    assert [v.correct for v in verdicts] == [False] * 4
+    assert {v.status for v in verdicts} == {"ok"}
+
+
+def test_malformed_answers_are_incorrect_not_errors(pool):
+    malformed = ["", "abc", "é漢字🙂\u200b\x00", "x" * 100_000, "\\boxed{", "}}}{{{$$", "   "]
+    verdicts = score(pool, malformed)
+    assert [v.correct for v in verdicts] == [False] * len(malformed)
+    assert {v.status for v in verdicts} <= {"ok", "unparsable"}
+
+
+def test_hang_times_out_without_holding_up_other_checks(pool):
+    async def timed(answer: str, timeout: float) -> tuple[Verdict, float]:
+        verdict = await pool.check(answer, "57", timeout)
+        return verdict, time.monotonic() - start
+
+    async def race():
+        return await asyncio.gather(timed(HANG, 1.0), timed("57", 10.0))
+
+    start = time.monotonic()
+    (hung, hung_after), (normal, normal_after) = asyncio.run(race())
+    assert hung.status == "timeout" and not hung.correct
+    assert 1.0 <= hung_after < 3.0
+    assert normal == Verdict(True, "ok") and normal_after < 1.0
+    # the killed worker was replaced
+    assert score(pool, ["57", "12"]) == [Verdict(True, "ok"), Verdict(False, "ok")]
+
+
+def test_crashing_worker_gives_error_and_is_replaced(pool):
+    crashed, = score(pool, [CRASH])
+    assert crashed.status == "error" and not crashed.correct
+    assert "exit code 3" in crashed.reason
+    assert score(pool, ["57"]) == [Verdict(True, "ok")]
+
+
+def test_exception_in_check_gives_error(pool):
+    failed, fine = score(pool, [RAISE, "57"])
+    assert failed.status == "error" and "ValueError" in failed.reason
+    assert fine == Verdict(True, "ok")
+
+
+def test_close_kills_workers():
+    pool = VerifierPool(size=1)
+    assert score(pool, ["\\frac{1}{2}"], reference="0.5") == [Verdict(True, "ok")]
+    processes = [w.process for w in pool._workers]
+    pool.close()
+    assert processes and not any(p.is_alive() for p in processes)
+    with pytest.raises(RuntimeError):
+        score(pool, ["1"])
+
+
+def test_env_from_registry_scores_a_group():
+    env = make_env(EnvServiceAbstraction("math-code-single-step", {}))
+
+    async def episode():
+        await env.reset(options={"prompt": "What is 50+7?", "answer": "57"})
+        return await env.step(("q0", ["\\boxed{57}", "58", ""]))
+
+    try:
+        obs, rewards, terminated, truncated, info = asyncio.run(episode())
+    finally:
+        close_shared_pool()
+    assert obs is None and terminated and not truncated
+    assert rewards == [1.0, 0.0, 0.0]
+    assert info["statuses"] == ["ok", "ok", "unparsable"]
+
+
+def test_env_rejects_misuse():
+    env = make_env(EnvServiceAbstraction("math-code-single-step", {"verify_timeout": 1.0}))
+    with pytest.raises(RuntimeError):
+        asyncio.run(env.step(("q0", ["1"])))
+    with pytest.raises(KeyError):
+        asyncio.run(env.reset(options={"prompt": "no answer"}))
