@@ -35,8 +35,8 @@ class DatasetConfig:
     """JSONL training prompts ({"prompt", "answer"} per line); empty generates the arithmetic set."""
     eval_path: str = ""
     """JSONL held-out prompts; empty uses the generated held-out split."""
-    num_train: int = 20000
-    """Generated set: training problems."""
+    num_train: int = 7600
+    """Generated set: training problems (of the 8,100 two-digit sums, disjoint from the held-out ones)."""
     num_eval: int = 500
     """Generated set: held-out problems (500+ keeps the accuracy's standard error near 2 points)."""
 

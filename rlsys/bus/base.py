@@ -1,0 +1,127 @@
+"""The message-bus contract every role codes against, and the one wire format (msgpack) all buses share.
+
+Roles are separate processes; the bus is the only thing they share. Keeping the interface small and
+synchronous lets the same role code run over an in-process bus (tests, single process) or Redis
+(real runs); asyncio callers wrap calls in `asyncio.to_thread`. Payloads are msgpack, never pickle:
+a bus message must never be able to run code in the process that reads it.
+"""
+
+import abc
+import re
+
+import msgpack
+
+
+class BusError(Exception):
+    """Base class of the bus's own errors."""
+
+
+class BusEncodeError(BusError, TypeError):
+    """A value cannot be sent: it is not msgpack-serializable (only dict/list/str/int/float/bytes/bool/None)."""
+
+
+class BusDecodeError(BusError, ValueError):
+    """Bytes read from the bus are not a valid message; someone other than a Bus wrote them."""
+
+
+def encode(value, where: str) -> bytes:
+    """msgpack bytes of `value`; `where` names the queue/key in the error."""
+    try:
+        return msgpack.packb(value, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise BusEncodeError(f"cannot send {type(value).__name__} on {where!r}: not msgpack-serializable ({e})") from e
+
+
+def decode(data: bytes, where: str):
+    """The value msgpack-encoded in `data`; a clear BusDecodeError naming `where` for anything else."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises many types (ExtraData, FormatError, StackError, UnicodeDecodeError...)
+        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise BusDecodeError(f"undecodable message on {where!r}, not msgpack written by a Bus ({reason}); "
+                             f"first bytes {bytes(data[:16])!r}") from e
+
+
+# Keys hold counters too: Redis INCR needs the value stored as decimal text, so integer values of keys are
+# stored that way and everything else as msgpack. This is unambiguous: the only msgpack encodings made of
+# ASCII digits are the single bytes b"0".."9" (ints 48..57), which `encode_value` never produces.
+_DECIMAL = re.compile(rb"-?[0-9]+")
+
+
+def encode_value(value, key: str) -> bytes:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value).encode()
+    return encode(value, f"key {key}")
+
+
+def decode_value(data: bytes, key: str):
+    if _DECIMAL.fullmatch(data):
+        return int(data)
+    return decode(data, f"key {key}")
+
+
+class Bus(abc.ABC):
+    """FIFO queues plus a key/value store with atomic counters. Sync and thread-safe.
+
+    Messages and values are msgpack-serializable Python values; tuples come back as lists.
+    """
+
+    @abc.abstractmethod
+    def put(self, queue: str, message) -> None:
+        """Append one message to the tail of `queue`."""
+
+    @abc.abstractmethod
+    def put_many(self, queue: str, messages: list) -> None:
+        """Append messages, in order, to the tail of `queue` (one round trip)."""
+
+    @abc.abstractmethod
+    def get_many(self, queue: str, max_count: int, timeout: float) -> list:
+        """Wait up to `timeout` s for one message, then also take up to `max_count` - 1 more already there.
+
+        Returns [] on timeout; never waits for a second message. `timeout` <= 0 means do not wait.
+        """
+
+    @abc.abstractmethod
+    def qsize(self, queue: str) -> int:
+        """Number of messages waiting in `queue`."""
+
+    @abc.abstractmethod
+    def set(self, key: str, value) -> None:
+        """Store `value` under `key`, replacing what was there."""
+
+    @abc.abstractmethod
+    def get(self, key: str, default=None):
+        """The value under `key` (an int for counters), or `default` if unset."""
+
+    @abc.abstractmethod
+    def incr(self, key: str, amount: int = 1) -> int:
+        """Atomically add `amount` to the integer under `key` (unset counts as 0); returns the new value."""
+
+    @abc.abstractmethod
+    def delete(self, *keys: str) -> None:
+        """Remove keys or queues; missing ones are ignored."""
+
+    def close(self) -> None:
+        """Release connections. The bus must not be used afterwards."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(url: str) -> Bus:
+    """The bus at `url`: "inproc://NAME" (one shared object per NAME in this process) or "redis://...".
+
+    A Redis URL may carry `?namespace=NAME` to prefix every key, so several runs can share one server.
+    """
+    if url.startswith("inproc://"):
+        from rlsys.bus.inproc import InProcessBus
+
+        return InProcessBus.named(url[len("inproc://"):])
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from rlsys.bus.redis_bus import RedisBus
+
+        return RedisBus.from_url(url)
+    raise ValueError(f"unsupported bus url {url!r}: expected inproc://NAME or redis://[:PASSWORD@]HOST:PORT/DB")

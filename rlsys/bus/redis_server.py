@@ -1,0 +1,214 @@
+"""EmbeddedRedis: a private redis-server for a single-machine run, that never outlives its owner.
+
+Security: binds 127.0.0.1 only, protected mode on, a random password that is written to a 0600
+config file (never on the command line, where `ps` would show it).
+Durability: append-only file in the run directory, so restarting on the same run_dir keeps the data.
+Cleanup on every way the owning process can end:
+  * normal end / exception / KeyboardInterrupt: the `with` block (or atexit) calls stop();
+  * SIGTERM: Python's default is to die without running cleanup, so use `raise_on_sigterm()` to turn
+    it into SystemExit; the same path as above then applies;
+  * SIGKILL (or any other death): the server is started with PR_SET_PDEATHSIG (Linux), so the kernel
+    sends it SIGTERM when the owner dies, and redis-server shuts down cleanly on SIGTERM.
+Note that PDEATHSIG fires when the *thread* that started the server exits: call start() from a thread
+that lives as long as the server should (normally the main thread).
+The server runs in its own session, so a Ctrl-C on the terminal reaches only the owner, which can
+still use the bus (e.g. to tell its roles to stop) before it stops the server.
+"""
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+START_TIMEOUT = 10.0
+STOP_TIMEOUT = 10.0
+PORT_ATTEMPTS = 5
+_PR_SET_PDEATHSIG = 1
+
+
+class EmbeddedRedisError(RuntimeError):
+    """The private redis-server could not be started (missing binary, bad config, no free port)."""
+
+
+def _free_port() -> int:
+    """A port free right now; another process may take it before redis binds, so start() retries."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent_hook():
+    """A preexec_fn that makes the kernel SIGTERM the child when its parent dies (Linux; else no-op)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, in the parent, not after fork
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook():
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return hook
+
+
+@contextlib.contextmanager
+def raise_on_sigterm():
+    """Within the block, SIGTERM raises SystemExit(143), so `with`/`finally`/atexit cleanup runs.
+
+    Main thread only (a Python signal-handler rule); the previous handler is restored on exit.
+    """
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class EmbeddedRedis:
+    """A redis-server owned by this process, with its data, config and log in `run_dir`.
+
+    Usage: `with EmbeddedRedis(run_dir) as server: bus = connect(server.url)`.
+    """
+
+    def __init__(self, run_dir):
+        self.run_dir = Path(run_dir).resolve()
+        self.password = ""
+        self.port = 0
+        self.process: subprocess.Popen | None = None
+        self._owner = 0
+
+    @property
+    def url(self) -> str:
+        if self.process is None:
+            raise EmbeddedRedisError("EmbeddedRedis is not started")
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def log_file(self) -> Path:
+        return self.run_dir / "redis.log"
+
+    def start(self) -> "EmbeddedRedis":
+        """Start the server and wait until it answers PING as an authenticated client."""
+        if self.process is not None:
+            return self
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise EmbeddedRedisError("redis-server is not on PATH; install it (Debian/Ubuntu: "
+                                     "`sudo apt-get install redis-server`; conda: `conda install -c "
+                                     "conda-forge redis`) or set cluster.redis_url to an existing server")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.password = secrets.token_hex(24)
+        for _ in range(PORT_ATTEMPTS):
+            self.port = _free_port()
+            if self._launch(binary):
+                self._owner = os.getpid()
+                atexit.register(self.stop)
+                return self
+        raise EmbeddedRedisError(f"redis-server found no free port in {PORT_ATTEMPTS} attempts; "
+                                 f"log tail:\n{self._log_tail()}")
+
+    def _write_config(self) -> Path:
+        def quote(text: str) -> str:  # redis config takes double-quoted strings with \\ and \" escapes
+            return json.dumps(text, ensure_ascii=False)
+
+        lines = [
+            "bind 127.0.0.1",
+            f"port {self.port}",
+            "protected-mode yes",
+            f"requirepass {quote(self.password)}",
+            f"dir {quote(str(self.run_dir))}",
+            "appendonly yes",
+            'save ""',  # the AOF is the durability; no RDB snapshots
+            "hz 100",  # blocking-pop timeouts are checked at this rate: 10 ms, not the default 100 ms
+            "daemonize no",
+            'logfile ""',  # stdout, which goes to redis.log
+        ]
+        path = self.run_dir / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, 0o600)  # the file may predate us with wider permissions
+            f.write("\n".join(lines) + "\n")
+        return path
+
+    def _launch(self, binary: str) -> bool:
+        """True once the server answers; False if it lost the race for the port; raises otherwise."""
+        config = self._write_config()
+        log_start = self.log_file.stat().st_size if self.log_file.exists() else 0
+        with open(self.log_file, "ab") as log:
+            self.process = subprocess.Popen([binary, str(config)], stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=_die_with_parent_hook(), close_fds=True)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                             socket_timeout=0.25, socket_connect_timeout=0.25, retry=None)  # re-polled
+        deadline = time.monotonic() + START_TIMEOUT
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    self.process = None
+                    if "Address already in use" in self._log_tail(since=log_start):
+                        return False
+                    raise EmbeddedRedisError(f"redis-server exited at start; log tail:\n{self._log_tail()}")
+                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                    if client.ping():
+                        return True
+                time.sleep(0.02)
+        except BaseException:  # e.g. Ctrl-C while waiting: the caller never gets an object to stop
+            self._terminate()
+            raise
+        finally:
+            client.close()
+        self._terminate()
+        raise EmbeddedRedisError(f"redis-server did not answer PING within {START_TIMEOUT}s; "
+                                 f"log tail:\n{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 20, since: int = 0) -> str:
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(since)
+                return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def _terminate(self) -> None:
+        """SIGTERM (redis flushes the AOF and exits), then SIGKILL if it hangs; always reaps the process."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def stop(self) -> None:
+        """Shut the server down and wait for it to exit. Idempotent; a no-op in forked children."""
+        if self.process is None or os.getpid() != self._owner:
+            return
+        atexit.unregister(self.stop)
+        self._terminate()
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

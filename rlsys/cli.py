@@ -1,0 +1,460 @@
+"""Command-line configuration: `key=value` overrides (and YAML files) merged onto an experiment dataclass.
+
+    python training/main_async_ppo.py [--config FILE.yaml] [experiment=NAME] [key=value ...] [--help]
+
+The experiment's dataclass is the schema (OmegaConf.structured), so every field a subclass adds is a
+valid key as is: no Hydra-style `+key=` is needed. `plugins=[...]` is imported before the experiment
+is looked up, because a plugin may be what registers it. Every mistake becomes a ConfigError whose
+message names the key; omegaconf's own exceptions never reach the user.
+"""
+
+import ast
+import dataclasses
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
+
+import experiments  # noqa: F401  (registers the built-in experiments)
+from experiments.registry import EXPERIMENTS
+from rlsys.api.registry import close_matches
+
+# Keys the command line reads itself; they are not fields of any experiment.
+EXPERIMENT_KEY = "experiment"
+CONFIG_FILE_KEY = "config"
+HELP_FLAGS = ("--help", "-h")
+USAGE = "[--config FILE.yaml] [experiment=NAME] [key=value ...] [--help]"
+
+
+class ConfigError(ValueError):
+    """The command line or a config file is wrong; the message says which key and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldInfo:
+    """One settable key of an experiment: dotted path, declared type, default and one-line doc."""
+
+    path: str
+    type: Any
+    default: Any
+    doc: str
+    is_group: bool  # a nested dataclass: its own fields are the keys, it takes no value itself
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------
+
+def parse_config(argv: list[str], default_experiment: str = "async-ppo-math"):
+    """The experiment dataclass instance the arguments describe; `--help` prints the keys and exits 0."""
+    wants_help, config_files, overrides = split_argv(argv)
+    raw = merge_sources(config_files, overrides)
+    experiment = pop_experiment_name(raw, default_experiment)
+    if "plugins" in raw:
+        raw["plugins"] = plugin_entries(raw["plugins"])
+    import_plugins(raw.get("plugins", []))  # first: a plugin may be what registers the experiment
+    cls = lookup_experiment(experiment)
+    if wants_help:
+        print(help_text(cls, experiment))
+        raise SystemExit(0)
+    return build_config(cls, raw)
+
+
+def import_plugins(entries: list[str]) -> None:
+    """Imports each dotted module name or `.py` file once per process, so what it registers exists."""
+    for entry in entries:
+        if is_plugin_file(entry):
+            import_plugin_file(Path(entry))
+        else:
+            import_plugin_module(entry)
+
+
+def save_config(config, path) -> None:
+    """Writes the resolved config as YAML, with its registry name, so `--config PATH` reruns it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = config_to_dict(config)
+    document = {EXPERIMENT_KEY: payload["experiment"], **payload["config"]}
+    path.write_text(yaml.safe_dump(document, sort_keys=False, default_flow_style=False))
+
+
+def load_config(path, experiment: str | None = None):
+    """Reads a config saved by save_config (or any YAML config); `experiment` overrides the file's."""
+    argv = ["--config", str(path)]
+    if experiment is not None:
+        argv.append(f"{EXPERIMENT_KEY}={experiment}")
+    return parse_config(argv)
+
+
+def config_to_dict(config) -> dict:
+    """`{"experiment": <registry name>, "config": <plain dict>}`: what worker processes are sent."""
+    as_plain = OmegaConf.to_container(OmegaConf.structured(config), resolve=True, enum_to_str=True)
+    return {"experiment": registry_name_of(config), "config": as_plain}
+
+
+def config_from_dict(payload: dict):
+    """The dataclass instance back from config_to_dict's output, checked like the command line."""
+    config = dict(payload["config"])
+    import_plugins(plugin_entries(config.get("plugins")))  # the experiment may come from a plugin
+    return build_config(lookup_experiment(payload["experiment"]), config)
+
+
+def describe_fields(cls: type) -> list[FieldInfo]:
+    """Every key of an experiment class, nested ones with dotted paths, in declaration order."""
+    return list(_iter_fields(cls, defaults=None, prefix=""))
+
+
+def help_text(cls: type, experiment: str) -> str:
+    lines = [
+        f"usage: {Path(sys.argv[0]).name} {USAGE}",
+        "",
+        f"experiment: {experiment} ({cls.__module__}.{cls.__qualname__})",
+        f"registered experiments: {', '.join(EXPERIMENTS.names())}",
+        "",
+        "Lists use omegaconf syntax (plugins=[a,b]); command-line keys override the --config file's.",
+        "",
+        "keys (key: type = default):",
+    ]
+    for info in describe_fields(cls):
+        if info.is_group:
+            continue
+        lines.append(f"  {info.path}: {type_name(info.type)} = {format_default(info.default)}")
+        if info.doc:
+            lines.append(f"      {info.doc}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading the arguments
+# ---------------------------------------------------------------------------------------------------------
+
+def split_argv(argv: list[str]) -> tuple[bool, list[str], list[str]]:
+    """(wants help, config files in order, `key=value` overrides in order)."""
+    wants_help, config_files, overrides = False, [], []
+    args = iter(argv)
+    for arg in args:
+        if arg in HELP_FLAGS:
+            wants_help = True
+        elif arg == "--config":
+            path = next(args, None)
+            if path is None:
+                raise ConfigError("--config needs a path: --config FILE.yaml")
+            config_files.append(path)
+        elif arg.startswith("--config="):
+            config_files.append(arg.split("=", 1)[1])
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg!r}; arguments are key=value (e.g. ppo.lr=1e-5), "
+                              f"--config FILE.yaml or --help")
+        elif "=" not in arg or arg.startswith("="):
+            raise ConfigError(f"expected key=value, got {arg!r} (e.g. ppo.lr=1e-5 or plugins=[my_plugin])")
+        elif arg.split("=", 1)[0] == CONFIG_FILE_KEY:
+            config_files.append(arg.split("=", 1)[1])
+        else:
+            overrides.append(arg)
+    return wants_help, config_files, overrides
+
+
+def merge_sources(config_files: list[str], overrides: list[str]) -> dict:
+    """Config files, then overrides, merged into one plain dict; later sources win. Nothing is typed yet."""
+    sources = [read_yaml_file(path) for path in config_files] + [parse_override(arg) for arg in overrides]
+    merged = OmegaConf.merge(*sources) if sources else OmegaConf.create()
+    return OmegaConf.to_container(merged, resolve=False)  # interpolations resolve later, against the schema
+
+
+def read_yaml_file(path: str):
+    if not Path(path).is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        loaded = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    if not OmegaConf.is_dict(loaded):
+        raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+    return loaded
+
+
+def parse_override(arg: str):
+    """`a.b=value` as a nested config; the value is read as YAML (numbers, [lists], null), `key=` is ''."""
+    key, value = arg.split("=", 1)
+    if value == "":
+        arg = f"{key}=''"  # omegaconf would read an empty value as null, which no str field accepts
+    try:
+        return OmegaConf.from_dotlist([arg])
+    except (yaml.YAMLError, OmegaConfBaseException, ValueError) as e:
+        reason = getattr(e, "problem", None) or first_line(e)  # YAML's first line is only its context
+        raise ConfigError(f"cannot parse {arg!r}: {reason}") from None
+
+
+def pop_experiment_name(raw: dict, default: str) -> str:
+    name = raw.pop(EXPERIMENT_KEY, None)
+    if name is None or name == "":
+        return default
+    if not isinstance(name, (str, int, float)):
+        raise ConfigError(f"experiment must be a name, got {name!r}; registered: {EXPERIMENTS.names()}")
+    return str(name)
+
+
+def lookup_experiment(name: str) -> type:
+    try:
+        return EXPERIMENTS.lookup(name)
+    except KeyError as e:
+        raise ConfigError(e.args[0]) from None  # the Registry's message lists what is registered
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plugins
+# ---------------------------------------------------------------------------------------------------------
+
+def plugin_entries(value) -> list[str]:
+    """`plugins` as a list of strings; a single bare entry (`plugins=my_plugin`) is accepted as well."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, (str, int, float)):
+        return [str(value)]
+    if isinstance(value, (list, tuple)):
+        return [str(entry) for entry in value]
+    raise ConfigError(f"plugins must be a list of modules or .py files (plugins=[a,b]), got {value!r}")
+
+
+def is_plugin_file(entry: str) -> bool:
+    return entry.endswith(".py") or "/" in entry or "\\" in entry
+
+
+def import_plugin_module(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+            raise  # the plugin itself imports something missing: its traceback says what
+        raise ConfigError(f"cannot import plugin {name!r}: no module named {e.name!r} "
+                          f"(is it on PYTHONPATH? a file is given by its path, ending in .py)") from None
+
+
+def plugin_module_name(path: Path) -> str:
+    """Stable across processes (workers import the same file), distinct for same-named files elsewhere."""
+    resolved = path.resolve()
+    stem = re.sub(r"\W", "_", resolved.stem)
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:8]
+    return f"rlsys_plugin_{stem}_{digest}"
+
+
+def import_plugin_file(path: Path) -> None:
+    if not path.is_file():
+        raise ConfigError(f"plugin file not found: {path}")
+    name = plugin_module_name(path)
+    if name in sys.modules:
+        return  # executing it again would register its classes twice, which the registries refuse
+    spec = importlib.util.spec_from_file_location(name, path.resolve())
+    module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: dataclasses and inspect.getsource look classes' modules up by name.
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building and checking the config
+# ---------------------------------------------------------------------------------------------------------
+
+def build_config(cls: type, raw: dict):
+    """The instance of `cls` with `raw` (plain nested dict) merged over its defaults, every key checked."""
+    fields = {info.path: info for info in describe_fields(cls)}
+    problems = list(key_problems(raw, fields, prefix=""))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cls), raw)
+        return OmegaConf.to_object(merged)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} has no default and must be set: {e.full_key}=...") from None
+    except InterpolationResolutionError as e:
+        raise ConfigError(f"cannot resolve the value of {e.full_key}: {first_line(e)}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(value_error_message(e, raw, fields)) from None
+    except ValueError as e:  # raised by the dataclass's own __post_init__ checks
+        raise ConfigError(f"{cls.__qualname__}: {e}") from None
+
+
+def key_problems(raw: dict, fields: dict[str, FieldInfo], prefix: str) -> Iterator[str]:
+    """A message for each key in `raw` that is not a field, and each group given a plain value."""
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        info = fields.get(path)
+        if info is None:
+            yield from unknown_key_messages(path, value, fields)
+        elif info.is_group and isinstance(value, dict):
+            yield from key_problems(value, fields, prefix=f"{path}.")
+        elif info.is_group and value is not None:
+            example = next(p for p in fields if p.startswith(f"{path}."))
+            yield (f"{path} is a group of settings ({type_name(info.type)}), not a value; "
+                   f"set its keys instead, e.g. {example}=...")
+
+
+def unknown_key_messages(path: str, value, fields: dict[str, FieldInfo]) -> Iterator[str]:
+    # An unknown group (`ppp: {lr: 1}`) is reported leaf by leaf: `ppp.lr` finds `ppo.lr`, `ppp` alone may not.
+    if isinstance(value, dict) and value:
+        for key, inner in value.items():
+            yield from unknown_key_messages(f"{path}.{key}", inner, fields)
+        return
+    settable = [p for p, info in fields.items() if not info.is_group]  # a group takes no value itself
+    hints = suggest_keys(path, settable)
+    if hints:
+        yield f"unknown key {path!r}; did you mean {' or '.join(repr(h) for h in hints)}?"
+    else:
+        yield f"unknown key {path!r}; --help lists every key"
+
+
+def suggest_keys(path: str, known: list[str]) -> list[str]:
+    """Close matches on the whole dotted path, on the last name among its siblings, then the same last
+    name in another group (`lr` -> `ppo.lr`)."""
+    parent, _, leaf = path.rpartition(".")
+    siblings = [p.rpartition(".")[2] for p in known if p.rpartition(".")[0] == parent]
+    by_path = close_matches(path, known)
+    by_leaf = [f"{parent}.{name}" if parent else name for name in close_matches(leaf, siblings)]
+    same_leaf = [p for p in known if p.rpartition(".")[2] == leaf]
+    return list(dict.fromkeys(by_path + by_leaf + same_leaf))[:4]
+
+
+def value_error_message(e: OmegaConfBaseException, raw: dict, fields: dict[str, FieldInfo]) -> str:
+    """`invalid value for KEY: expected TYPE, got VALUE` from an omegaconf validation error."""
+    key = e.full_key
+    if not key:
+        return f"invalid configuration: {first_line(e)}"
+    field_path = re.sub(r"\[\d+\]", "", key)  # `plugins[0]` -> the `plugins` field
+    info = fields.get(field_path)
+    given = value_at(raw, field_path.split("."), default=getattr(e, "value", None))
+    expected = type_name(info.type) if info else "a different type"
+    return f"invalid value for {key}: expected {expected}, got {given!r}"
+
+
+def value_at(raw: dict, keys: list[str], default):
+    node = raw
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            return default
+        node = node[key]
+    return node
+
+
+def first_line(e: BaseException) -> str:
+    message = getattr(e, "msg", None) or str(e)
+    return message.splitlines()[0] if message else type(e).__name__
+
+
+def registry_name_of(config) -> str:
+    for name in EXPERIMENTS.names():
+        if EXPERIMENTS.lookup(name) is type(config):
+            return name
+    raise ConfigError(f"{type(config).__qualname__} is not a registered experiment; register it with "
+                      f"register_experiment(name, cls) so worker processes can rebuild it")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The schema: fields, types, defaults and attribute docstrings
+# ---------------------------------------------------------------------------------------------------------
+
+def _iter_fields(cls: type, defaults, prefix: str) -> Iterator[FieldInfo]:
+    """`defaults` is the instance a parent's default_factory made, so a subclass's overridden group
+    defaults show up; None reads each field's own default."""
+    hints = type_hints(cls)
+    docs = attribute_docs(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        declared = hints.get(f.name, f.type)
+        default = getattr(defaults, f.name) if defaults is not None else field_default(f)
+        group = nested_dataclass(declared, default)
+        yield FieldInfo(path, declared, default, docs.get(f.name, ""), is_group=group is not None)
+        if group is not None:
+            group_defaults = default if dataclasses.is_dataclass(default) else None
+            yield from _iter_fields(group, group_defaults, prefix=f"{path}.")
+
+
+def field_default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def nested_dataclass(declared, default) -> type | None:
+    """The dataclass a field holds (also through Optional[...]), or None for a plain value."""
+    if dataclasses.is_dataclass(default) and not isinstance(default, type):
+        return type(default)
+    if typing.get_origin(declared) in (typing.Union, types.UnionType):
+        candidates = [arg for arg in typing.get_args(declared) if arg is not type(None)]
+    else:
+        candidates = [declared]
+    for candidate in candidates:
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def type_hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # an unresolvable forward reference: fall back to the raw annotations
+        return {}
+
+
+@functools.lru_cache(maxsize=None)
+def attribute_docs(cls: type) -> dict[str, str]:
+    """Field name -> first paragraph of the string literal right after it, over the MRO (subclass wins)."""
+    docs: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        for name, doc in class_attribute_docs(klass).items():
+            docs.setdefault(name, doc)
+    return docs
+
+
+def class_attribute_docs(klass: type) -> dict[str, str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):  # built in a REPL, by exec or make_dataclass: no source
+        return {}
+    class_def = next((node for node in tree.body if isinstance(node, ast.ClassDef)), None)
+    if class_def is None:
+        return {}
+    docs = {}
+    for statement, following in zip(class_def.body, class_def.body[1:]):
+        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[statement.target.id] = one_line(following.value.value)
+    return docs
+
+
+def one_line(docstring: str) -> str:
+    first_paragraph = inspect.cleandoc(docstring).split("\n\n")[0]
+    return " ".join(first_paragraph.split())
+
+
+def type_name(declared) -> str:
+    if isinstance(declared, str):
+        return declared  # an annotation left as text
+    if isinstance(declared, type) and not typing.get_args(declared):
+        return declared.__name__
+    return str(declared).replace("typing.", "")
+
+
+def format_default(default) -> str:
+    return "(required)" if default is dataclasses.MISSING else repr(default)

@@ -1,0 +1,175 @@
+"""Starts a run's roles as processes joined by the bus, watches them, and always cleans up."""
+
+import contextlib
+import ctypes
+import json
+import logging
+import multiprocessing
+import signal
+import time
+from pathlib import Path
+
+from rlsys import protocol
+from rlsys.bus import EmbeddedRedis, connect, raise_on_sigterm
+from rlsys.cli import config_from_dict, config_to_dict, save_config
+from rlsys.metrics import read_jsonl_metrics
+
+log = logging.getLogger("rlsys")
+STOP_GRACE_SECONDS = 20
+
+
+class RoleFailed(RuntimeError):
+    """A role process died; the run cannot go on."""
+
+
+def run_directory(config) -> Path:
+    trial = config.trial_name or time.strftime("run-%Y%m%d-%H%M%S")
+    config.trial_name = trial
+    return Path(config.output_dir) / config.experiment_name / trial
+
+
+@contextlib.contextmanager
+def message_bus(config, run_dir: Path):
+    """The configured Redis, or a private server in the run directory, stopped on every way out."""
+    if config.cluster.redis_url:
+        yield config.cluster.redis_url
+        return
+    with EmbeddedRedis(run_dir / "redis") as server:
+        yield server.url
+
+
+def initialize_bus_state(bus, start_version: int, batch_size: int) -> None:
+    """Before any role starts: a resumed run must not admit a burst of prompts the learner already trained."""
+    bus.delete(protocol.STOP, protocol.LEARNER_DONE)
+    bus.set(protocol.ADMITTED, 0)
+    bus.incr(protocol.ADMITTED, start_version * batch_size)
+    bus.set(protocol.WEIGHTS, {"version": start_version, "path": ""})
+
+
+def start_roles(config, bus_url: str, run_dir: Path) -> list[multiprocessing.Process]:
+    payload = config_to_dict(config)
+    roles = [("inference", i) for i in range(config.cluster.n_inference_workers)]
+    roles += [("rollout", i) for i in range(config.cluster.n_rollout_workers)]
+    roles += [("learner", 0)]
+    ctx = multiprocessing.get_context("spawn")  # vLLM and torch do not survive fork
+    processes = [ctx.Process(target=run_role, name=f"{role}{i}", args=(role, i, payload, bus_url, str(run_dir)))
+                 for role, i in roles]
+    for p in processes:
+        p.start()
+    return processes
+
+
+def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -> None:
+    """Entry point of every role process."""
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}{index} %(levelname)s %(message)s")
+    import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
+    import rlsys.impl.env  # noqa: F401
+    import torch
+
+    torch.set_num_threads(1)  # roles share the machine's cores; more threads per role only contend
+    config = config_from_dict(payload)
+    bus = connect(bus_url)
+    if role == "learner":
+        from rlsys.workers.learner import Learner
+
+        Learner(config, bus, Path(run_dir)).run()
+    elif role == "inference":
+        from rlsys.engine.vllm_engine import VLLMEngine
+        from rlsys.workers.inference_worker import InferenceWorker
+
+        engine = VLLMEngine(config.model.path, config.inference, config.seed + index)
+        InferenceWorker(engine, bus, index, config.inference.max_batch_requests).run()
+    elif role == "rollout":
+        import asyncio
+
+        from rlsys.workers.rollout_worker import RolloutWorker
+
+        asyncio.run(RolloutWorker(config, bus, index).run())
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGTERM to this process if the launcher dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def supervise(processes, bus, config, report) -> None:
+    """Returns when every rollout worker finished; raises RoleFailed if any role dies first."""
+    done_keys = [protocol.rollout_done(i) for i in range(config.cluster.n_rollout_workers)]
+    while not all(bus.get(key) for key in done_keys):
+        for p in processes:
+            if not p.is_alive():
+                raise RoleFailed(f"{p.name} exited with code {p.exitcode} before the run finished; see its log above")
+        report()
+        time.sleep(0.5)
+
+
+def stop_roles(bus, processes) -> None:
+    with contextlib.suppress(Exception):
+        bus.set(protocol.STOP, 1)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+class ProgressReporter:
+    """Prints a line every `logging_steps` learner steps, read from the learner's metrics file."""
+
+    def __init__(self, metrics_file: Path, every: int, max_steps: int):
+        self.metrics_file, self.every, self.max_steps = metrics_file, max(every, 1), max_steps
+        self.seen = 0
+
+    def __call__(self) -> None:
+        if not self.metrics_file.exists():
+            return
+        rows = read_jsonl_metrics(self.metrics_file)
+        for row in rows[self.seen:]:
+            if row["step"] % self.every == 0 or row["step"] == self.max_steps:
+                print(f"step {row['step']:>5}/{self.max_steps}  reward {row['reward']:.3f}  "
+                      f"staleness {row['staleness_mean']:.2f}  wait {row['time/wait_data']:.2f}s  "
+                      f"update {row['time/compute']:.2f}s", flush=True)
+        self.seen = len(rows)
+
+
+def launch(config) -> dict:
+    """Runs a whole experiment; returns (and writes to <run dir>/summary.json) its before/after accuracy."""
+    from rlsys.assets import prepare_assets
+
+    started = time.monotonic()
+    run_dir = run_directory(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_assets(config)
+    config.logging_dir = config.logging_dir or str(run_dir / "logs")
+    save_config(config, run_dir / "config.yaml")
+    print(f"run directory: {run_dir}", flush=True)
+    start_version = 0
+    if config.resume_from_checkpoint:
+        from rlsys.checkpoint import read_trainer_state
+
+        start_version = read_trainer_state(Path(config.resume_from_checkpoint))["version"]
+    with raise_on_sigterm(), message_bus(config, run_dir) as bus_url:
+        bus = connect(bus_url)
+        initialize_bus_state(bus, start_version, config.ppo.batch_size)
+        processes = start_roles(config, bus_url, run_dir)
+        report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps, config.max_steps)
+        try:
+            supervise(processes, bus, config, report)
+            report()
+        finally:
+            stop_roles(bus, processes)
+        summary = {
+            "initial_accuracy": (bus.get(protocol.eval_result("initial")) or {}).get("accuracy"),
+            "final_accuracy": (bus.get(protocol.eval_result("final")) or {}).get("accuracy"),
+            "steps": config.max_steps,
+            "minutes": (time.monotonic() - started) / 60,
+            "run_dir": str(run_dir),
+        }
+        bus.close()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+

@@ -1,0 +1,212 @@
+"""One behavioural suite run over both buses: InProcessBus and RedisBus on a real private redis-server."""
+
+import subprocess
+import threading
+import time
+import uuid
+
+import pytest
+
+from rlsys.bus import Bus, BusDecodeError, BusError, EmbeddedRedis, InProcessBus, RedisBus, connect
+
+
+def redis_server_pids() -> set[str]:
+    return set(subprocess.run(["pgrep", "-f", "redis-server"], capture_output=True, text=True).stdout.split())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leaked_servers():
+    before = redis_server_pids()
+    yield
+    assert redis_server_pids() <= before, "a redis-server started by these tests is still running"
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
+
+
+@pytest.fixture(params=["inproc", "redis"])
+def bus(request) -> Bus:
+    if request.param == "inproc":
+        b = InProcessBus()
+    else:  # a fresh namespace per test keeps tests independent on the shared server
+        b = RedisBus.from_url(request.getfixturevalue("redis_url"), namespace=uuid.uuid4().hex)
+    yield b
+    b.close()
+
+
+def inject_raw(bus: Bus, queue: str, data: bytes) -> None:
+    """Bytes written behind the bus's back, as a foreign or buggy writer would."""
+    if isinstance(bus, RedisBus):
+        bus._client.rpush(bus._k(queue), data)
+    else:
+        with bus._cond:
+            bus._queues[queue].append(data)
+
+
+def test_fifo_order_across_put_and_put_many(bus):
+    for i in range(5):
+        bus.put("q", i)
+    bus.put_many("q", list(range(5, 20)))
+    bus.put_many("q", [])
+    assert bus.qsize("q") == 20
+    assert bus.get_many("q", 100, timeout=1) == list(range(20))
+    assert bus.qsize("q") == 0
+
+
+def test_get_many_takes_at_most_max_count(bus):
+    bus.put_many("q", list(range(10)))
+    assert bus.get_many("q", 3, timeout=1) == [0, 1, 2]
+    assert bus.get_many("q", 1, timeout=1) == [3]
+    assert bus.qsize("q") == 6
+    assert bus.get_many("q", 0, timeout=1) == []
+
+
+def test_get_many_returns_empty_after_timeout(bus):
+    start = time.monotonic()
+    assert bus.get_many("empty", 5, timeout=0.2) == []
+    assert 0.15 <= time.monotonic() - start < 0.6
+
+
+def test_get_many_returns_at_once_when_data_is_there(bus):
+    bus.put_many("q", ["a", "b"])
+    start = time.monotonic()
+    assert bus.get_many("q", 10, timeout=5) == ["a", "b"]  # does not wait for more than what is there
+    assert time.monotonic() - start < 0.1
+
+
+def test_get_many_with_zero_timeout_does_not_block(bus):
+    start = time.monotonic()
+    assert bus.get_many("q", 10, timeout=0) == []
+    bus.put("q", 1)
+    assert bus.get_many("q", 10, timeout=0) == [1]
+    assert time.monotonic() - start < 0.1
+
+
+def test_producer_thread_wakes_blocked_consumer(bus):
+    def produce():
+        time.sleep(0.2)
+        bus.put_many("q", [1, 2, 3])
+
+    thread = threading.Thread(target=produce)
+    start = time.monotonic()
+    thread.start()
+    got = bus.get_many("q", 10, timeout=5)
+    elapsed = time.monotonic() - start
+    thread.join()
+    got += bus.get_many("q", 10, timeout=0)
+    assert got == [1, 2, 3]
+    assert 0.15 <= elapsed < 1.5
+
+
+def test_concurrent_producers_and_consumers_lose_nothing(bus):
+    producers, per_producer, received, lock = 4, 200, [], threading.Lock()
+
+    def produce(p):
+        for i in range(0, per_producer, 10):
+            bus.put_many("q", [[p, j] for j in range(i, i + 10)])
+
+    def consume():
+        while True:
+            batch = bus.get_many("q", 7, timeout=0.3)
+            if not batch:
+                return
+            with lock:
+                received.extend(batch)
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+    threads += [threading.Thread(target=consume) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(received) == sorted([p, j] for p in range(producers) for j in range(per_producer))
+
+
+def test_counters(bus):
+    assert bus.incr("c") == 1
+    assert bus.incr("c", 5) == 6
+    assert bus.incr("c", -2) == 4
+    assert bus.get("c") == 4 and isinstance(bus.get("c"), int)
+    bus.set("admitted", 0)  # what the launcher does before a resumed run
+    assert bus.incr("admitted", 12) == 12
+    bus.set("big", -(2**40))
+    assert bus.get("big") == -(2**40)
+
+    threads = [threading.Thread(target=lambda: [bus.incr("shared") for _ in range(100)]) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bus.get("shared") == 800
+
+
+def test_incr_of_a_non_integer_fails_clearly(bus):
+    bus.set("k", {"version": 1})
+    with pytest.raises(BusError, match="integer"):
+        bus.incr("k")
+
+
+def test_set_get_delete_nested_values(bus):
+    value = {"version": 3, "path": "/ckpt/3", "stats": [1.5, None, True, {"deep": ["x", -7]}], "t": (1, 2)}
+    bus.set("k", value)
+    assert bus.get("k") == {**value, "t": [1, 2]}  # msgpack has no tuples
+    for v in (True, False, None, 0.5, "7", 48, 57, 45, "", [], {}):  # the edge cases of the int encoding
+        bus.set("v", v)
+        got = bus.get("v", default="unset")
+        assert got == v and type(got) is type(v)
+    assert bus.get("missing") is None
+    assert bus.get("missing", default=5) == 5
+    bus.put("q", 1)
+    bus.delete("k", "v", "q", "never-existed")
+    bus.delete()
+    assert bus.get("k") is None and bus.get("v") is None and bus.qsize("q") == 0
+
+
+def test_bytes_round_trip(bus):
+    blob = bytes(range(256)) * 40
+    bus.put("q", {"token_ids": [1, 2], "raw": blob, "text": "héllo"})
+    (got,) = bus.get_many("q", 1, timeout=1)
+    assert got["raw"] == blob and isinstance(got["raw"], bytes) and got["text"] == "héllo"
+    bus.set("blob", blob)
+    assert bus.get("blob") == blob
+
+
+def test_non_serializable_message_fails_on_put_and_sends_nothing(bus):
+    with pytest.raises(TypeError, match="queue q"):
+        bus.put("q", {"obj": object()})
+    with pytest.raises(TypeError):
+        bus.put_many("q", [1, {2, 3}])
+    with pytest.raises(TypeError, match="key k"):
+        bus.set("k", lambda: None)
+    assert bus.qsize("q") == 0
+
+
+def test_garbage_in_a_queue_raises_decode_error_naming_it(bus):
+    inject_raw(bus, "obs", b"\xc1\xc1 definitely not msgpack")
+    with pytest.raises(BusDecodeError, match="queue obs"):
+        bus.get_many("obs", 10, timeout=1)
+    inject_raw(bus, "obs", b"\x01\x02")  # a valid value followed by trailing bytes
+    with pytest.raises(BusDecodeError, match="obs"):
+        bus.get_many("obs", 10, timeout=1)
+
+
+def test_connect_dispatch(redis_url):
+    name = uuid.uuid4().hex
+    a = connect(f"inproc://{name}")
+    assert isinstance(a, InProcessBus) and a is connect(f"inproc://{name}")
+    assert a is not connect(f"inproc://{name}-other")
+    a.put("q", "hello")
+    assert connect(f"inproc://{name}").get_many("q", 1, timeout=1) == ["hello"]
+
+    first, second = connect(redis_url + "?namespace=run1"), connect(redis_url + "?namespace=run2")
+    assert isinstance(first, RedisBus)
+    first.set("shared-name", 1)
+    assert second.get("shared-name") is None and first.get("shared-name") == 1
+    first.delete("shared-name")
+    first.close()
+    second.close()
+    with pytest.raises(ValueError, match="unsupported bus url"):
+        connect("ftp://example.com")

@@ -1,0 +1,201 @@
+"""Command-line configuration: overrides, YAML files, subclass fields, plugins, errors, --help, round trips."""
+
+import sys
+import textwrap
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from experiments import AsyncPPOMATHConfig, register_experiment
+from rlsys.cli import (ConfigError, config_from_dict, config_to_dict, import_plugins, load_config, parse_config,
+                       plugin_module_name, save_config)
+
+SUBCLASS_EXPERIMENT = "test-cli-my-param"
+
+
+@dataclass
+class MyParamConfig(AsyncPPOMATHConfig):
+    my_param: float = 1.0
+    """A setting only this subclass has."""
+
+    @property
+    def agent_args(self) -> dict:
+        return {"my_param": self.my_param, **self.agent.args}
+
+
+register_experiment(SUBCLASS_EXPERIMENT, MyParamConfig)
+
+
+def test_defaults_are_the_dataclass_defaults():
+    config = parse_config([])
+    assert type(config) is AsyncPPOMATHConfig
+    assert config == AsyncPPOMATHConfig()
+    assert config.agent.name == "math-single-step"  # properties work: it is a real instance
+
+
+def test_nested_override():
+    config = parse_config(["ppo.lr=1e-5", "cluster.redis_url=redis://:pw@localhost:6380/0", "model.path="])
+    assert config.ppo.lr == 1e-5 and isinstance(config.ppo.lr, float)
+    assert config.cluster.redis_url == "redis://:pw@localhost:6380/0"
+    assert config.model.path == ""  # an empty value is the empty string, not null
+    assert config.ppo.batch_size == 16
+
+
+def test_list_override():
+    assert parse_config(["plugins=[json,os.path]"]).plugins == ["json", "os.path"]
+
+
+def test_yaml_file_then_command_line_overrides_it(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 7\nppo:\n  lr: 1.0e-4\n  batch_size: 4\n")
+    config = parse_config(["--config", str(path), "ppo.batch_size=8"])
+    assert (config.seed, config.ppo.lr, config.ppo.batch_size) == (7, 1e-4, 8)
+    assert parse_config([f"config={path}"]).ppo.batch_size == 4
+    assert parse_config(["ppo.batch_size=8", f"--config={path}"]).ppo.batch_size == 8  # order does not matter
+
+
+def test_yaml_keys_are_checked_like_command_line_keys(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("ppo:\n  lrr: 1.0e-4\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'ppo.lrr'; did you mean 'ppo.lr'\?"):
+        parse_config(["--config", str(path)])
+
+
+def test_subclass_field_needs_no_plus_prefix():
+    config = parse_config([f"experiment={SUBCLASS_EXPERIMENT}", "my_param=5.0", "group_size=4"])
+    assert type(config) is MyParamConfig
+    assert config.my_param == 5.0
+    assert config.agent_args["my_param"] == 5.0
+    assert config.agent.args["gconfig"].n == 4
+
+
+def test_plugin_file_registers_the_experiment_it_is_run_with(tmp_path, capsys):
+    name = f"test-cli-plugin-{uuid.uuid4().hex[:8]}"
+    plugin = tmp_path / "my_plugin.py"
+    plugin.write_text(textwrap.dedent(f"""
+        from dataclasses import dataclass
+        from experiments import AsyncPPOMATHConfig, register_experiment
+
+        @dataclass
+        class PluginConfig(AsyncPPOMATHConfig):
+            temperature_floor: float = 0.1
+            \"\"\"Documented in a plugin file.\"\"\"
+
+        register_experiment({name!r}, PluginConfig)
+    """))
+    config = parse_config([f"plugins=[{plugin}]", f"experiment={name}", "temperature_floor=0.5"])
+    assert type(config).__name__ == "PluginConfig" and config.temperature_floor == 0.5
+    assert config.plugins == [str(plugin)]
+    # Importing again (as a worker's config_from_dict does) must not run it again: it would register twice.
+    import_plugins([str(plugin)])
+    assert sys.modules[plugin_module_name(plugin)].PluginConfig is type(config)
+    assert config_from_dict(config_to_dict(config)) == config
+    with pytest.raises(SystemExit):
+        parse_config([f"plugins=[{plugin}]", f"experiment={name}", "--help"])
+    assert "temperature_floor: float = 0.1\n      Documented in a plugin file." in capsys.readouterr().out
+
+
+def test_plugin_module_that_does_not_exist():
+    with pytest.raises(ConfigError, match="cannot import plugin 'no_such_plugin_module'"):
+        parse_config(["plugins=[no_such_plugin_module]"])
+    with pytest.raises(ConfigError, match="plugin file not found"):
+        parse_config(["plugins=[/no/such/plugin.py]"])
+
+
+def test_misspelled_top_level_key_lists_close_matches():
+    with pytest.raises(ConfigError, match=r"unknown key 'group_sise'; did you mean 'group_size'\?"):
+        parse_config(["group_sise=4"])
+
+
+def test_misspelled_nested_key_lists_close_matches():
+    with pytest.raises(ConfigError, match=r"unknown key 'ppo.lrr'; did you mean 'ppo.lr'\?"):
+        parse_config(["ppo.lrr=1e-5"])
+    with pytest.raises(ConfigError, match=r"unknown key 'ppp.lr'; did you mean 'ppo.lr'\?"):
+        parse_config(["ppp.lr=1e-5"])
+    with pytest.raises(ConfigError, match=r"unknown key 'lr'; did you mean 'ppo.lr'\?"):
+        parse_config(["lr=1e-5"])
+
+
+def test_every_unknown_key_is_reported():
+    with pytest.raises(ConfigError) as err:
+        parse_config(["seeed=3", "ppo.lrr=1"])
+    assert "'seeed'" in str(err.value) and "'ppo.lrr'" in str(err.value)
+
+
+def test_subclass_field_is_unknown_to_the_base_experiment():
+    with pytest.raises(ConfigError, match="unknown key 'my_param'"):
+        parse_config(["my_param=5.0"])
+
+
+def test_wrong_type_names_key_expected_type_and_value():
+    with pytest.raises(ConfigError, match=r"ppo.batch_size: expected int, got 'abc'"):
+        parse_config(["ppo.batch_size=abc"])
+    with pytest.raises(ConfigError, match=r"ppo is a group of settings"):
+        parse_config(["ppo=5"])
+
+
+def test_argument_without_equals_says_the_expected_form():
+    with pytest.raises(ConfigError, match=r"expected key=value, got 'ppo.lr'"):
+        parse_config(["ppo.lr"])
+    with pytest.raises(ConfigError, match=r"unknown option '--lr'"):
+        parse_config(["--lr", "3"])
+
+
+def test_unparseable_value_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"cannot parse 'plugins=\[a,'"):
+        parse_config(["plugins=[a,"])
+
+
+def test_unknown_experiment_lists_registered():
+    with pytest.raises(ConfigError, match=r"unknown experiment 'async-ppo-mth'.*Registered experiments: .*"
+                                          r"'async-ppo-math'.*'test-cli-my-param'"):
+        parse_config(["experiment=async-ppo-mth"])
+
+
+def test_help_lists_every_field_with_type_default_and_doc(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "ppo.lr: float = 3e-05" in out
+    assert "AdamW learning rate" in out
+    assert "cluster.redis_url: str = ''" in out
+    assert "plugins: list[str] = []" in out
+
+
+def test_help_shows_a_subclass_fields_doc_even_with_a_bad_key(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["-h", f"experiment={SUBCLASS_EXPERIMENT}", "no_such_key=1"])
+    out = capsys.readouterr().out
+    assert "my_param: float = 1.0\n      A setting only this subclass has." in out
+    assert "ppo.lr: float" in out
+
+
+def test_save_then_load_round_trip(tmp_path):
+    config = parse_config([f"experiment={SUBCLASS_EXPERIMENT}", "my_param=2.5", "ppo.lr=1e-5",
+                           "plugins=[json]", "trial_name=t1"])
+    path = tmp_path / "nested" / "dir" / "config.yaml"
+    save_config(config, path)
+    assert path.read_text().startswith(f"experiment: {SUBCLASS_EXPERIMENT}\n")
+    loaded = load_config(path)
+    assert type(loaded) is MyParamConfig and loaded == config
+    # The saved file is an ordinary --config file: a rerun can override it.
+    assert parse_config(["--config", str(path), "my_param=3.0"]).my_param == 3.0
+
+
+def test_dict_round_trip():
+    config = parse_config([f"experiment={SUBCLASS_EXPERIMENT}", "my_param=2.5", "cluster.n_rollout_workers=3"])
+    payload = config_to_dict(config)
+    assert payload["experiment"] == SUBCLASS_EXPERIMENT
+    assert payload["config"]["my_param"] == 2.5 and payload["config"]["cluster"]["n_rollout_workers"] == 3
+    assert config_from_dict(payload) == config
+
+
+def test_unregistered_class_cannot_be_sent_to_workers():
+    @dataclass
+    class Unregistered(AsyncPPOMATHConfig):
+        pass
+
+    with pytest.raises(ConfigError, match="not a registered experiment"):
+        config_to_dict(Unregistered())

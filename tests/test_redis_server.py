@@ -1,0 +1,180 @@
+"""EmbeddedRedis: locked down, durable, and gone (process exited, port closed) on every way its owner ends."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect
+from rlsys.bus import redis_server as redis_server_module
+
+ROOT = Path(__file__).resolve().parents[1]
+OWNER_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from rlsys.bus.redis_server import EmbeddedRedis, raise_on_sigterm
+    with raise_on_sigterm(), EmbeddedRedis(sys.argv[1]) as server:
+        print(server.pid, server.port, flush=True)
+        time.sleep(60)
+""")
+
+
+def redis_server_pids() -> set[int]:
+    """Live redis-servers. The SIGKILL test's orphan is reaped by init, maybe slowly: a zombie has exited."""
+    found = subprocess.run(["pgrep", "-f", "redis-server"], capture_output=True, text=True).stdout.split()
+    return {pid for pid in map(int, found) if alive(pid)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leaked_servers():
+    before = redis_server_pids()
+    yield
+    assert redis_server_pids() <= before, "a redis-server started by these tests is still running"
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a (possibly non-reaping) init to collect it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def assert_gone(pid: int, port: int, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while (alive(pid) or port_open(port)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not alive(pid), f"redis-server {pid} still running"
+    assert not port_open(port), f"port {port} still accepting connections"
+
+
+def test_with_block_starts_and_stops(tmp_path):
+    with EmbeddedRedis(tmp_path) as server:
+        pid, port = server.pid, server.port
+        assert alive(pid) and port_open(port)
+        assert server.url.startswith(f"redis://:{server.password}@127.0.0.1:{port}/")
+        bus = connect(server.url)
+        bus.put("q", "ping")
+        assert bus.get_many("q", 1, timeout=1) == ["ping"]
+        bus.close()
+    assert_gone(pid, port)
+    server.stop()  # idempotent
+
+
+def test_exception_inside_with_block_stops_server(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmbeddedRedis(tmp_path) as server:
+            pid, port = server.pid, server.port
+            raise RuntimeError("boom")
+    assert_gone(pid, port)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["SIGINT", "SIGTERM", "SIGKILL"])
+def test_server_dies_with_signalled_owner(tmp_path, sig):
+    owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT, str(tmp_path)], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        pid, port = map(int, owner.stdout.readline().split())
+        assert alive(pid) and port_open(port)
+        owner.send_signal(sig)
+        owner.wait(timeout=10)
+        assert_gone(pid, port)  # SIGKILL: the kernel's parent-death signal stops it
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+    if sig == signal.SIGTERM:
+        assert owner.returncode == 128 + signal.SIGTERM  # the SystemExit of raise_on_sigterm
+
+
+def test_atexit_stops_a_server_left_running_at_normal_exit(tmp_path):
+    script = ("import sys; from rlsys.bus import EmbeddedRedis\n"
+              "server = EmbeddedRedis(sys.argv[1]).start()\nprint(server.pid, server.port)")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "dir with spaces é")], cwd=ROOT, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True).stdout
+    assert_gone(*map(int, out.split()))
+
+
+def test_password_required_and_not_on_command_line(tmp_path):
+    with EmbeddedRedis(tmp_path) as server:
+        anonymous = redis.Redis(port=server.port, retry=None, socket_timeout=2)
+        with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
+            anonymous.ping()
+        wrong = redis.Redis(port=server.port, password="wrong", retry=None, socket_timeout=2)
+        with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
+            wrong.ping()
+        assert server.password.encode() not in Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        assert (tmp_path / "redis.conf").stat().st_mode & 0o777 == 0o600
+
+
+def test_bound_to_loopback_in_protected_mode(tmp_path):
+    with EmbeddedRedis(tmp_path) as server:
+        client = redis.Redis.from_url(server.url, decode_responses=True)
+        assert client.config_get("bind") == {"bind": "127.0.0.1"}
+        assert client.config_get("protected-mode") == {"protected-mode": "yes"}
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert str(tmp_path.resolve()) == client.config_get("dir")["dir"]
+        client.close()
+
+
+def test_data_survives_restart_on_same_run_dir(tmp_path):
+    with EmbeddedRedis(tmp_path) as server:
+        bus = connect(server.url)
+        bus.set("weights:latest", {"version": 7, "path": "/ckpt/7"})
+        bus.incr("admitted", 42)
+        bus.put_many("trajectories", [b"a", b"b"])
+        bus.close()
+        first_password = server.password
+    with EmbeddedRedis(tmp_path) as server:
+        assert server.password != first_password  # a fresh secret per start; the data is what persists
+        bus = connect(server.url)
+        assert bus.get("weights:latest") == {"version": 7, "path": "/ckpt/7"}
+        assert bus.get("admitted") == 42
+        assert bus.get_many("trajectories", 10, timeout=1) == [b"a", b"b"]
+        bus.close()
+
+
+def test_retries_when_the_chosen_port_is_taken(tmp_path, monkeypatch):
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    ports = iter([taken, redis_server_module._free_port()])
+    monkeypatch.setattr(redis_server_module, "_free_port", lambda: next(ports))
+    try:
+        with EmbeddedRedis(tmp_path) as server:
+            assert server.port != taken
+            assert connect(server.url).get("x", default=1) == 1
+    finally:
+        squatter.close()
+
+
+def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setattr(redis_server_module.shutil, "which", lambda name: None)
+    with pytest.raises(EmbeddedRedisError, match="apt-get install redis-server"):
+        EmbeddedRedis(tmp_path).start()
+
+
+def test_startup_failure_reports_log_tail(tmp_path, monkeypatch):
+    original = EmbeddedRedis._write_config
+
+    def broken_config(self):
+        path = original(self)
+        with open(path, "a") as f:
+            f.write("no-such-directive yes\n")
+        return path
+
+    monkeypatch.setattr(EmbeddedRedis, "_write_config", broken_config)
+    with pytest.raises(EmbeddedRedisError, match="no-such-directive"):
+        EmbeddedRedis(tmp_path).start()
