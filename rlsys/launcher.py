@@ -38,12 +38,16 @@ def message_bus(config, run_dir: Path):
         yield server.url
 
 
-def initialize_bus_state(bus, start_version: int, batch_size: int) -> None:
-    """Before any role starts: a resumed run must not admit a burst of prompts the learner already trained."""
-    bus.delete(protocol.STOP, protocol.LEARNER_DONE)
-    bus.set(protocol.ADMITTED, 0)
-    bus.incr(protocol.ADMITTED, start_version * batch_size)
-    bus.set(protocol.WEIGHTS, {"version": start_version, "path": ""})
+def initialize_bus_state(bus, config, start_version: int) -> None:
+    """Before any role starts: nothing left from an earlier run on the same Redis, and a resumed run
+    counts the prompts it already trained as admitted, so it does not admit a burst."""
+    cluster = config.cluster
+    bus.delete(protocol.STOP, protocol.LEARNER_DONE, protocol.WEIGHTS, protocol.OBSERVATIONS, protocol.TRAJECTORIES,
+               *(protocol.eval_result(tag) for tag in ("initial", "final")),
+               *(protocol.inference_version(i) for i in range(cluster.n_inference_workers)),
+               *(key for i in range(cluster.n_rollout_workers)
+                 for key in (protocol.replies(i), protocol.rollout_done(i))))
+    bus.set(protocol.ADMITTED, start_version * config.ppo.batch_size)
 
 
 def start_roles(config, bus_url: str, run_dir: Path) -> list[multiprocessing.Process]:
@@ -62,6 +66,7 @@ def start_roles(config, bus_url: str, run_dir: Path) -> list[multiprocessing.Pro
 def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -> None:
     """Entry point of every role process."""
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}{index} %(levelname)s %(message)s")
     import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
     import rlsys.impl.env  # noqa: F401
@@ -154,7 +159,7 @@ def launch(config) -> dict:
         start_version = read_trainer_state(Path(config.resume_from_checkpoint))["version"]
     with raise_on_sigterm(), message_bus(config, run_dir) as bus_url:
         bus = connect(bus_url)
-        initialize_bus_state(bus, start_version, config.ppo.batch_size)
+        initialize_bus_state(bus, config, start_version)
         processes = start_roles(config, bus_url, run_dir)
         report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps, config.max_steps)
         try:

@@ -15,3 +15,13 @@ def save_random_tiny_model(directory: Path, tie_word_embeddings: bool = True, se
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def small_run_overrides(cache_dir: Path, output_dir: Path) -> list[str]:
+    """A run small enough for CI: a 0.4M-parameter model warm-started to 20%, 200 held-out problems."""
+    return [
+        f"model.cache_dir={cache_dir}", f"output_dir={output_dir}",
+        "model.hidden_size=128", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+        "model.warm_start_accuracy=0.2", "dataset.num_eval=200",
+        "ppo.lr=1e-4", "logging_steps=5",
+    ]

@@ -29,4 +29,8 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:
+        print("interrupted: every process of the run was stopped", file=sys.stderr)
+        raise SystemExit(130) from None
