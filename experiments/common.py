@@ -107,8 +107,8 @@ class InferenceConfig:
 
 @dataclass
 class BaseExperimentConfig:
-    experiment_name: str = "async-ppo-math"
-    """Experiment name; also the directory under output_dir."""
+    experiment_name: str = ""
+    """Experiment name, the directory under output_dir; empty means the registered name (experiment=NAME)."""
     trial_name: str = ""
     """Trial name; empty means run-<timestamp>."""
     seed: int = 1

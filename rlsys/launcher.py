@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rlsys import protocol
 from rlsys.bus import EmbeddedRedis, connect, raise_on_sigterm
-from rlsys.cli import config_from_dict, config_to_dict, save_config
+from rlsys.cli import config_from_dict, config_to_dict, registry_name_of, save_config
 from rlsys.metrics import read_jsonl_metrics
 
 log = logging.getLogger("rlsys")
@@ -23,9 +23,9 @@ class RoleFailed(RuntimeError):
 
 
 def run_directory(config) -> Path:
-    trial = config.trial_name or time.strftime("run-%Y%m%d-%H%M%S")
-    config.trial_name = trial
-    return Path(config.output_dir) / config.experiment_name / trial
+    config.experiment_name = config.experiment_name or registry_name_of(config)
+    config.trial_name = config.trial_name or time.strftime("run-%Y%m%d-%H%M%S")
+    return Path(config.output_dir) / config.experiment_name / config.trial_name
 
 
 @contextlib.contextmanager
