@@ -89,3 +89,18 @@ def test_bad_key_on_the_command_line_exits_2_with_close_matches(tmp_path):
                             cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     assert "unknown key 'ppo.lrr'; did you mean 'ppo.lr'?" in result.stderr
+
+
+def test_resume_from_checkpoint_continues_step_and_version(cache_dir, tmp_path):
+    first = parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=2", "trial_name=a"])
+    launch(first)
+    checkpoint = tmp_path / "async-ppo-math" / "a" / "checkpoints" / "step_2"
+    second = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "max_steps=4", "trial_name=b", f"resume_from_checkpoint={checkpoint}"])
+    launch(second)
+    steps = read_jsonl_metrics(tmp_path / "async-ppo-math" / "b" / "logs" / "learner.jsonl")
+    assert [(s["step"], s["version"]) for s in steps] == [(3, 3), (4, 4)]
+    # The gate counted the trained prompts as admitted: the resumed run never trains on weights
+    # older than its checkpoint, so nothing it trains on is more than eta versions behind.
+    assert all(s["staleness_max"] <= second.max_head_offpolicyness for s in steps)
+    assert min(s["newest_version"] for s in steps) >= 2
