@@ -1,5 +1,6 @@
 """Turns trajectories into the padded, shifted tensors the policy loss works on."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,9 @@ class TrainingBatch:
     behaviour_logprobs: torch.Tensor  # [B, T-1] logprob the inference engine gave each predicted token
     advantages: torch.Tensor  # [B, T-1]
     versions: torch.Tensor  # [B, T-1] weight version of each predicted token (-1 if not generated)
+
+    def to(self, device) -> "TrainingBatch":
+        return TrainingBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
     @property
     def num_tokens(self) -> int:

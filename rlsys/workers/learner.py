@@ -26,7 +26,8 @@ class Learner:
         self.config, self.bus, self.run_dir = config, bus, Path(run_dir)
         self.ppo = config.ppo
         torch.manual_seed(config.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).to(self.device)
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.reference = self._frozen_copy() if self.ppo.init_kl_coef > 0 else None
@@ -44,7 +45,7 @@ class Learner:
     def _resume(self, checkpoint: Path) -> None:
         state = read_trainer_state(checkpoint)
         self.step, self.version = state["step"], state["version"]
-        self.optimizer.load_state_dict(torch.load(checkpoint / OPTIMIZER_STATE))
+        self.optimizer.load_state_dict(torch.load(checkpoint / OPTIMIZER_STATE, map_location=self.device))
 
     def run(self) -> None:
         if self.version > 0:
@@ -82,7 +83,7 @@ class Learner:
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         rewards = [t.reward for t in trajectories]
         advantages = grpo_advantages(rewards, [t.group_id for t in trajectories])
-        batch = build_batch(trajectories, advantages, self.tokenizer.pad_token_id)
+        batch = build_batch(trajectories, advantages, self.tokenizer.pad_token_id).to(self.device)
         ref_logp = self._reference_logprobs(batch) if self.reference is not None else None
         stats: dict[str, float] = {}
         for _ in range(self.ppo.ppo_epochs):
