@@ -13,7 +13,7 @@ setup(
         "msgpack>=1.0",
         "omegaconf>=2.3",
         "redis>=5.0",
-        "math-verify[antlr4_13_2]>=0.8",
+        "math-verify>=0.8",
         "tensorboard",
         "pyyaml",
     ],
