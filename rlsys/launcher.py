@@ -5,6 +5,7 @@ import ctypes
 import json
 import logging
 import multiprocessing
+import os
 import signal
 import time
 from pathlib import Path
@@ -80,6 +81,7 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -
 
         Learner(config, bus, Path(run_dir)).run()
     elif role == "inference":
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console for the run's own progress
         from rlsys.engine.vllm_engine import VLLMEngine
         from rlsys.workers.inference_worker import InferenceWorker
 

@@ -57,11 +57,17 @@ def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
 
 
 def test_max_head_offpolicyness_zero_is_on_policy(cache_dir, tmp_path):
-    config = parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=4", "max_head_offpolicyness=0"])
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "max_steps=4", "max_head_offpolicyness=0", "eval_steps=2"])
     launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
     assert len(steps) == 4
     assert all(s["staleness_max"] == 0 for s in steps), [s["staleness_max"] for s in steps]
+    rollout = read_jsonl_metrics(Path(config.logging_dir) / "rollout0.jsonl")
+    eval_versions = [r["step"] for r in rollout if "eval/accuracy" in r]
+    assert eval_versions[0] == 0 and eval_versions[-1] == 4  # before and after training
+    assert any(2 <= v < 4 for v in eval_versions[1:-1]), eval_versions  # and every eval_steps versions
+    assert [r["episodes/failed"] for r in rollout if "episodes/failed" in r] == [0]
 
 
 def test_ctrl_c_stops_every_process(cache_dir, tmp_path):

@@ -71,6 +71,7 @@ class RolloutWorker:
             if self.index == 0:
                 await self.evaluate("initial")
             await self.train()
+            self.metrics.log(await self.current_version(), {"episodes/failed": self.failed})
             if self.index == 0:
                 await self.wait_for_final_weights()
                 await self.evaluate("final")
