@@ -15,3 +15,9 @@ def _one_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One model cache for the session: the small test model is warm-started once, not once per module."""
+    return tmp_path_factory.mktemp("cache")

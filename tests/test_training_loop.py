@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
@@ -17,11 +16,6 @@ from tests.helpers import small_run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "training" / "main_async_ppo.py"
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
 
 
 def descendants_and_redis() -> list[psutil.Process]:

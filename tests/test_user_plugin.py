@@ -18,10 +18,10 @@ def readme_plugin_source() -> str:
     return blocks[0]
 
 
-def test_user_plugin_param_reaches_the_agent(tmp_path):
+def test_user_plugin_param_reaches_the_agent(cache_dir, tmp_path):
     plugin = tmp_path / "my_plugin.py"
     plugin.write_text(readme_plugin_source())
-    args = small_run_overrides(tmp_path / "cache", tmp_path / "runs") + [
+    args = small_run_overrides(cache_dir, tmp_path / "runs") + [
         "experiment=my-experiment", f"plugins=[{plugin}]", "my_param=5.0", "max_steps=2", "trial_name=t"]
     result = subprocess.run([sys.executable, str(ROOT / "training" / "main_async_ppo.py"), *args],
                             capture_output=True, text=True, cwd=tmp_path, timeout=900)
