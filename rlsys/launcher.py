@@ -106,7 +106,7 @@ def supervise(processes, bus, config, report) -> None:
     done_keys = [protocol.rollout_done(i) for i in range(config.cluster.n_rollout_workers)]
     while not all(bus.get(key) for key in done_keys):
         for p in processes:
-            if not p.is_alive():
+            if p.exitcode not in (None, 0):  # 0: a role that finished its part (the learner, before the final eval)
                 raise RoleFailed(f"{p.name} exited with code {p.exitcode} before the run finished; see its log above")
         report()
         time.sleep(0.5)

@@ -1,12 +1,16 @@
-"""GRPO advantages, the PPO clipped loss and batch alignment against plain reference computations."""
+"""Advantage estimators, the PPO losses, KL controllers and batch alignment against plain reference computations."""
 
 import math
+import random
 
+import pytest
 import torch
 
-from rlsys.algorithms.advantages import grpo_advantages
+from rlsys.algorithms.advantages import discounted_turn_returns, gae_advantages, grpo_advantages, \
+    reinforce_advantages
 from rlsys.algorithms.batch import build_batch
-from rlsys.algorithms.ppo import kl_penalty, ppo_clip_loss
+from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, aggregate_token_loss, kl_penalty, \
+    ppo_clip_loss
 from rlsys.api import Trajectory
 
 
@@ -62,3 +66,290 @@ def test_batch_aligns_targets_with_the_tokens_the_model_produced():
     assert batch.advantages.tolist() == [[0, 2, 2], [-1, 0, 0]]
     assert batch.versions.tolist() == [[-1, 3, 3], [2, -1, -1]]
     assert batch.num_tokens == 6
+
+
+# ---- plain-Python references -------------------------------------------------------------------------------------
+
+def reference_grpo(rewards, group_ids, scale_by_std, eps=1e-6):
+    out = []
+    for r, g in zip(rewards, group_ids):
+        group = [x for x, h in zip(rewards, group_ids) if h == g]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / len(group))
+        out.append((r - mean) / (std + eps) if scale_by_std else r - mean)
+    return out
+
+
+def reference_whiten(values, eps=1e-6):
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((x - mean) ** 2 for x in values) / len(values))
+    return [(x - mean) / (std + eps) for x in values]
+
+
+def reference_gae(rewards, values, mask, gamma, lambd):
+    """One row: walks the generated positions right to left; tool/prompt positions are not steps at all."""
+    steps = [t for t, m in enumerate(mask) if m]
+    adv, ret = [0.0] * len(mask), [0.0] * len(mask)
+    last_adv, next_value = 0.0, 0.0
+    for t in reversed(steps):
+        delta = rewards[t] + gamma * next_value - values[t]
+        last_adv = delta + gamma * lambd * last_adv
+        adv[t], ret[t] = last_adv, last_adv + values[t]
+        next_value = values[t]
+    return adv, ret
+
+
+def reference_token_loss(lp, old, a, clip, dual_clip=None, behaviour=None, cap=None):
+    """(loss, d loss / d lp) of one token."""
+    ratio = math.exp(lp - old)
+    unclipped, clipped = -a * ratio, -a * min(max(ratio, 1 - clip), 1 + clip)
+    loss, grad = (unclipped, -a * ratio) if unclipped >= clipped else (clipped, 0.0)
+    if dual_clip is not None and a < 0 and -a * dual_clip < loss:
+        loss, grad = -a * dual_clip, 0.0
+    if behaviour is not None:
+        weight = math.exp(old - behaviour)
+        if cap is not None and weight > cap:
+            weight = 0.0
+        loss, grad = loss * weight, grad * weight
+    return loss, grad
+
+
+def reference_ppo(logp, old, adv, mask, clip, agg="token-mean", dual_clip=None, behaviour=None, cap=None):
+    """Loss and gradient w.r.t. logp, as nested lists, aggregated like the rlsys loss."""
+    rows = len(mask)
+    per_token = [[reference_token_loss(logp[b][t], old[b][t], adv[b][t], clip, dual_clip,
+                                       None if behaviour is None else behaviour[b][t], cap) if mask[b][t] else (0, 0)
+                  for t in range(len(mask[b]))] for b in range(rows)]
+    counts = [sum(1 for m in row if m) for row in mask]
+    total = sum(counts)
+    nonempty = sum(1 for c in counts if c)
+    loss, grad = 0.0, [[0.0] * len(row) for row in mask]
+    for b in range(rows):
+        for t, (token_loss, token_grad) in enumerate(per_token[b]):
+            if not mask[b][t]:
+                continue
+            if agg == "token-mean":
+                scale = 1 / total
+            elif agg == "seq-mean-token-mean":
+                scale = 1 / (counts[b] * nonempty)
+            else:
+                scale = 1 / nonempty
+            loss += token_loss * scale
+            grad[b][t] = token_grad * scale
+    return loss, grad
+
+
+def random_ppo_inputs(seed, rows=5, cols=7):
+    torch.manual_seed(seed)
+    logp = (torch.randn(rows, cols, dtype=torch.float64) * 0.3 - 1).requires_grad_()
+    old = logp.detach() + torch.randn(rows, cols, dtype=torch.float64) * 0.3
+    adv = torch.randn(rows, cols, dtype=torch.float64)
+    mask = (torch.rand(rows, cols) > 0.3).double()
+    mask[-1] = 0  # a sequence without generated tokens
+    mask[0, 0] = 1
+    return logp, old, adv, mask
+
+
+def check_against_reference(logp, old, adv, mask, clip, **kwargs):
+    ref_kwargs = {"agg": kwargs.get("agg", "token-mean"), "dual_clip": kwargs.get("dual_clip"),
+                  "cap": kwargs.get("imp_weight_cap")}
+    if kwargs.get("behaviour_logprobs") is not None:
+        ref_kwargs["behaviour"] = kwargs["behaviour_logprobs"].tolist()
+    expected_loss, expected_grad = reference_ppo(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), clip,
+                                                 **ref_kwargs)
+    logp.grad = None
+    loss, stats = ppo_clip_loss(logp, old, adv, mask, clip, **kwargs)
+    loss.backward()
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-10)
+    assert torch.allclose(logp.grad, torch.tensor(expected_grad, dtype=torch.float64), atol=1e-10)
+    return loss, stats
+
+
+# ---- advantages ---------------------------------------------------------------------------------------------------
+
+def test_grpo_with_and_without_std_scaling_matches_reference():
+    rng = random.Random(0)
+    rewards = [rng.random() for _ in range(12)]
+    groups = [rng.choice("abc") for _ in range(12)] + ["single"]
+    rewards.append(0.7)
+    for scale in (True, False):
+        adv = grpo_advantages(rewards, groups, scale_by_std=scale)
+        assert torch.allclose(adv, torch.tensor(reference_grpo(rewards, groups, scale)), atol=1e-5)
+    assert grpo_advantages(rewards, groups, scale_by_std=False)[-1].item() == 0  # a lone answer has no baseline
+    assert torch.equal(grpo_advantages(rewards, groups), grpo_advantages(rewards, groups, scale_by_std=True))
+
+
+def test_reinforce_baseline_and_whitening_match_reference():
+    rng = random.Random(1)
+    rewards = [rng.gauss(0, 2) for _ in range(10)]
+    groups = [rng.choice("xy") for _ in range(10)]
+    mean = sum(rewards) / len(rewards)
+    assert torch.allclose(reinforce_advantages(rewards), torch.tensor([r - mean for r in rewards]), atol=1e-5)
+    whitened = reinforce_advantages(rewards, whiten=True)
+    assert torch.allclose(whitened, torch.tensor(reference_whiten(rewards)), atol=1e-5)
+    assert abs(whitened.mean().item()) < 1e-5 and abs(whitened.std(unbiased=False).item() - 1) < 1e-4
+    grouped = reinforce_advantages(rewards, groups)
+    assert torch.allclose(grouped, torch.tensor(reference_grpo(rewards, groups, False)), atol=1e-5)
+    grouped_whitened = reinforce_advantages(rewards, groups, whiten=True)
+    expected = reference_whiten(reference_grpo(rewards, groups, False))
+    assert torch.allclose(grouped_whitened, torch.tensor(expected), atol=1e-5)
+    assert reinforce_advantages([1.0, 1.0, 1.0], whiten=True).abs().max().item() == 0  # no signal, no blow-up
+
+
+def test_gae_skips_tool_output_between_turns():
+    # Two turns of two generated tokens each, separated by two tool-output tokens, rewards at turn ends.
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]], dtype=torch.float32)
+    rewards = torch.tensor([[0, 0.5, 9, 9, 0, 1.0, 9]])  # the 9s sit on non-generated positions: ignored
+    values = torch.tensor([[0.1, 0.2, 5, 5, 0.3, 0.4, 5]])
+    gamma, lambd = 0.9, 0.8
+    adv, ret = gae_advantages(rewards, values, mask, gamma, lambd)
+    expected_adv, expected_ret = reference_gae(rewards[0].tolist(), values[0].tolist(), mask[0].tolist(), gamma,
+                                               lambd)
+    assert torch.allclose(adv[0], torch.tensor(expected_adv), atol=1e-6)
+    assert torch.allclose(ret[0], torch.tensor(expected_ret), atol=1e-6)
+    assert adv[0, 2:4].tolist() == [0, 0] and ret[0, 6].item() == 0
+    # With lambd = 0 the end of turn 1 is bootstrapped by the first generated token of turn 2, not by the tool
+    # tokens' values, and is discounted once.
+    adv0, _ = gae_advantages(rewards, values, mask, gamma, 0.0)
+    assert adv0[0, 1].item() == pytest.approx(0.5 + gamma * 0.3 - 0.2, abs=1e-6)
+    # gamma = lambd = 1 with zero values: every generated token's advantage is its reward-to-go.
+    adv1, ret1 = gae_advantages(rewards, torch.zeros_like(values), mask, 1.0, 1.0)
+    assert adv1[0].tolist() == pytest.approx([1.5, 1.5, 0, 0, 1.0, 1.0, 0])
+    assert torch.equal(adv1, ret1)
+
+
+def test_gae_matches_reference_on_random_multi_turn_batches():
+    torch.manual_seed(3)
+    rows, cols = 6, 12
+    mask = (torch.rand(rows, cols) > 0.35).float()
+    mask[0] = torch.tensor([0, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0])  # prompt, turn, tool, turn, padding
+    rewards = torch.randn(rows, cols) * (torch.rand(rows, cols) > 0.6)
+    values = torch.randn(rows, cols, requires_grad=True)
+    adv, ret = gae_advantages(rewards, values, mask, 0.97, 0.9)
+    assert not adv.requires_grad and not ret.requires_grad  # targets, not part of the graph
+    for b in range(rows):
+        expected_adv, expected_ret = reference_gae(rewards[b].tolist(), values[b].tolist(), mask[b].tolist(), 0.97,
+                                                   0.9)
+        assert torch.allclose(adv[b], torch.tensor(expected_adv), atol=1e-5)
+        assert torch.allclose(ret[b], torch.tensor(expected_ret), atol=1e-5)
+
+
+def test_discounted_turn_returns():
+    assert discounted_turn_returns([1.0, 0.0, 2.0], 0.5) == [1.5, 1.0, 2.0]
+    rng = random.Random(4)
+    rewards = [rng.random() for _ in range(6)]
+    expected = [sum(0.9 ** (j - k) * rewards[j] for j in range(k, 6)) for k in range(6)]
+    assert discounted_turn_returns(rewards, 0.9) == pytest.approx(expected)
+    assert discounted_turn_returns([], 0.9) == []
+
+
+# ---- PPO loss -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_ppo_aggregation_modes_match_reference_values_and_gradients(agg):
+    logp, old, adv, mask = random_ppo_inputs(5)
+    check_against_reference(logp, old, adv, mask, 0.2, agg=agg)
+
+
+def test_ppo_defaults_are_unchanged():
+    logp, old, adv, mask = random_ppo_inputs(6)
+    default, stats = ppo_clip_loss(logp, old, adv, mask, 0.2)
+    explicit, explicit_stats = ppo_clip_loss(logp, old, adv, mask, 0.2, dual_clip=None, agg="token-mean",
+                                             behaviour_logprobs=None, imp_weight_cap=None)
+    assert default.item() == explicit.item() and set(stats) == {"clip_fraction", "importance_ratio"} == set(
+        explicit_stats)
+    # Decoupled with behaviour == proximal: every weight is 1, the loss is the plain PPO loss.
+    decoupled, decoupled_stats = ppo_clip_loss(logp, old, adv, mask, 0.2, behaviour_logprobs=old.clone())
+    assert decoupled.item() == pytest.approx(default.item(), abs=1e-12)
+    assert decoupled_stats["importance_weight_mean"] == decoupled_stats["importance_weight_max"] == 1
+
+
+def test_aggregate_token_loss_rejects_unknown_modes():
+    with pytest.raises(ValueError):
+        aggregate_token_loss(torch.ones(2, 3), torch.ones(2, 3), "seq-sum")
+    with pytest.raises(ValueError):
+        ppo_clip_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 0.2, dual_clip=1.0)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_dual_clip_matches_reference_on_random_data(agg):
+    logp, old, adv, mask = random_ppo_inputs(7)
+    old = logp.detach() - torch.randn_like(old).abs() * 1.5  # ratios well above 1 + clip: bound often active
+    _, stats = check_against_reference(logp, old, adv, mask, 0.2, dual_clip=2.0, agg=agg)
+    assert 0 < stats["dual_clip_fraction"] < 1
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    # Token 0: A = -1, ratio e^2 ~ 7.39: PPO's max() gives 7.39, the dual clip bounds it at -A*c = 3, no gradient.
+    # Token 1: A = +1, same ratio: the ordinary clip applies (loss -1.2), the dual clip never touches A > 0.
+    logp = torch.tensor([[0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-2.0, -2.0]], dtype=torch.float64)
+    adv = torch.tensor([[-1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    plain, _ = ppo_clip_loss(logp, old, adv, mask, 0.2)
+    assert plain.item() == pytest.approx((math.exp(2) - 1.2) / 2)
+    loss, stats = ppo_clip_loss(logp, old, adv, mask, 0.2, dual_clip=3.0)
+    assert loss.item() == pytest.approx((3.0 - 1.2) / 2)
+    loss.backward()
+    assert logp.grad.tolist() == [[0.0, 0.0]]
+    assert stats["dual_clip_fraction"] == 0.5
+
+
+def test_decoupled_loss_matches_reference_values_and_gradients():
+    logp, old, adv, mask = random_ppo_inputs(8)
+    behaviour = old - torch.randn_like(old) * 0.5
+    for agg in ("token-mean", "seq-mean-token-sum"):
+        _, stats = check_against_reference(logp, old, adv, mask, 0.2, agg=agg, behaviour_logprobs=behaviour)
+        weights = [math.exp(o - b) for o, b, m in zip(old.flatten().tolist(), behaviour.flatten().tolist(),
+                                                       mask.flatten().tolist()) if m]
+        assert stats["importance_weight_mean"] == pytest.approx(sum(weights) / len(weights))
+        assert stats["importance_weight_max"] == pytest.approx(max(weights))
+    cap = sorted(w for w in weights if w > 1)[0] + 1e-6  # every weight above the smallest one over 1 is dropped
+    _, stats = check_against_reference(logp, old, adv, mask, 0.2, behaviour_logprobs=behaviour, imp_weight_cap=cap)
+    dropped = sum(1 for w in weights if w > cap) / len(weights)
+    assert stats["importance_weight_capped_fraction"] == pytest.approx(dropped) and 0 < dropped < 1
+
+
+def test_decoupled_weight_cap_masks_a_token():
+    logp = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    proximal = torch.tensor([[-1.1, -0.9, -1.0]], dtype=torch.float64)
+    behaviour = torch.tensor([[-1.1, -3.0, -1.2]], dtype=torch.float64)  # token 1: weight e^2.1 ~ 8.2 > cap 5
+    adv = torch.tensor([[1.0, 2.0, -0.5]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    loss, stats = ppo_clip_loss(logp, proximal, adv, mask, 0.2, behaviour_logprobs=behaviour, imp_weight_cap=5.0)
+    loss.backward()
+    token0 = -1.0 * math.exp(0.1) * 1.0  # ratio e^0.1 inside the clip range, weight 1
+    token2 = 0.5 * 1.0 * math.exp(0.2)  # ratio 1, weight e^0.2
+    assert loss.item() == pytest.approx((token0 + token2) / 3)  # capped token: 0, still counted in the mean
+    assert logp.grad[0, 1].item() == 0 and logp.grad[0, 0].item() != 0 and logp.grad[0, 2].item() != 0
+    assert stats["importance_weight_max"] == pytest.approx(math.exp(2.1))
+    assert stats["importance_weight_capped_fraction"] == pytest.approx(1 / 3)
+    uncapped, _ = ppo_clip_loss(logp, proximal, adv, mask, 0.2, behaviour_logprobs=behaviour)
+    assert uncapped.item() == pytest.approx((token0 - 2.0 * math.exp(-0.1) * math.exp(2.1) + token2) / 3)
+
+
+# ---- KL controllers -----------------------------------------------------------------------------------------------
+
+def test_adaptive_kl_controller_follows_the_reference_and_moves_kl_to_target():
+    controller = AdaptiveKLController(0.1, target_kl=6.0, horizon=10000)
+    expected = 0.1
+    for kl in (12.0, 6.3, 5.0, 0.1):
+        expected *= 1 + min(max(kl / 6.0 - 1, -0.2), 0.2) * 256 / 10000
+        assert controller.update(kl, 256) == pytest.approx(expected)
+    assert controller.value == pytest.approx(expected)
+    saturated = AdaptiveKLController(1.0, target_kl=1.0, horizon=100)
+    assert saturated.update(50.0, 100) == pytest.approx(1.2)  # error clipped to +0.2
+    assert saturated.update(0.0, 100) == pytest.approx(1.2 * 0.8)  # and to -0.2
+    # A policy whose KL falls as the penalty rises (KL = 1 / beta): the controller drives KL to the target.
+    controller, kl = AdaptiveKLController(0.05, target_kl=4.0, horizon=1000), 20.0
+    gaps = []
+    for _ in range(300):
+        controller.update(kl, 100)
+        kl = 1 / controller.value
+        gaps.append(abs(kl - 4.0))
+    assert gaps[-1] < 0.05 < gaps[0] and all(b <= a + 1e-9 for a, b in zip(gaps, gaps[1:]))
+
+
+def test_fixed_kl_controller_never_moves():
+    controller = FixedKLController(0.05)
+    assert controller.update(100.0, 1000) == 0.05 and controller.value == 0.05

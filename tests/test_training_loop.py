@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from rlsys.cli import parse_config
-from rlsys.launcher import launch
+from rlsys.launcher import RoleFailed, launch
 from rlsys.metrics import read_jsonl_metrics
 from tests.helpers import small_run_overrides
 
@@ -104,3 +105,37 @@ def test_resume_from_checkpoint_continues_step_and_version(cache_dir, tmp_path):
     # older than its checkpoint, so nothing it trains on is more than eta versions behind.
     assert all(s["staleness_max"] <= second.max_head_offpolicyness for s in steps)
     assert min(s["newest_version"] for s in steps) >= 2
+
+
+BROKEN_PLUGIN = '''
+import dataclasses
+from experiments import AsyncPPOMATHConfig, register_experiment
+from rlsys.api import Agent, AgentAbstraction, register_agent
+
+class BrokenAgent(Agent):
+    def __init__(self):
+        raise RuntimeError("this agent cannot start")
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        return []
+
+register_agent("broken-agent", BrokenAgent)
+
+@dataclasses.dataclass
+class BrokenExperiment(AsyncPPOMATHConfig):
+    @property
+    def agent(self):
+        return AgentAbstraction("broken-agent")
+
+register_experiment("broken-experiment", BrokenExperiment)
+'''
+
+
+def test_a_role_that_dies_stops_the_run_with_its_name_and_leaves_nothing(cache_dir, tmp_path):
+    plugin = tmp_path / "broken_plugin.py"
+    plugin.write_text(BROKEN_PLUGIN)
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "experiment=broken-experiment", f"plugins=[{plugin}]", "max_steps=2"])
+    with pytest.raises(RoleFailed, match="rollout0 exited with code 1"):
+        launch(config)
+    assert descendants_and_redis() == []
