@@ -67,7 +67,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         # max(...) grows without bound in r; the dual clip caps that token's loss, and so its gradient, at -A*c.
         dual_bound = -advantages * dual_clip
         dual_clipped = (advantages < 0) & (dual_bound < token_loss)
-        token_loss = torch.minimum(token_loss, dual_bound.abs())
+        token_loss = torch.where(advantages < 0, torch.minimum(token_loss, dual_bound), token_loss)
     if behaviour_logprobs is not None:
         # Decoupled PPO (AReaL, Fu et al. 2025): the trust region is centred on the proximal policy (old_logp,
         # recomputed by the learner) and the off-policyness of stale rollouts is corrected separately by the
