@@ -22,7 +22,7 @@ def grpo_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-
         if not scale_by_std:
             # Dr. GRPO (Liu et al. 2025): dividing by the group std up-weights groups that are almost all
             # right or all wrong (tiny std), a question-difficulty bias; the plain centred reward has none.
-            adv[idx] = group - r.mean()
+            adv[idx] = group - group.mean()
             continue
         std = group.std(unbiased=False) if len(idx) > 1 else torch.tensor(0.0)
         adv[idx] = (group - group.mean()) / (std + eps)

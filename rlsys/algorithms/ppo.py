@@ -44,13 +44,12 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
                   clip: float, *, dual_clip: float | None = None, agg: str = "token-mean",
                   behaviour_logprobs: torch.Tensor | None = None,
                   imp_weight_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate max(-A*r, -A*clip(r, 1-eps, 1+eps)), r = exp(logp - old_logp), aggregated by `agg`.
-
-    dual_clip=c: for A < 0 the token loss is further bounded by -A*c (Ye et al. 2020).
-    behaviour_logprobs: AReaL's decoupled objective; old_logp is then the proximal policy's logprob and each
-    token's loss is multiplied by the detached weight exp(old_logp - behaviour_logprobs); tokens whose weight
-    exceeds imp_weight_cap contribute 0 but still count in the normaliser (as AReaL does).
-    """
+    """l_t = w_t * max(-A r, -A clip(r, 1-clip, 1+clip)) [min -A*dual_clip if A<0], r = exp(logp-old_logp); agg(l)."""
+    # dual_clip=c bounds the loss of a negative-advantage token by -A*c (Ye et al. 2020); None: no bound.
+    # behaviour_logprobs switches to AReaL's decoupled objective: old_logp is then the proximal policy's logprob
+    # (recomputed by the learner) and w_t = exp(old_logp - behaviour_logprobs), detached; otherwise w_t = 1.
+    # imp_weight_cap: tokens with w_t above it contribute 0 but still count in the normaliser, as in AReaL.
+    # agg: see aggregate_token_loss; the default "token-mean" is the original behaviour.
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if imp_weight_cap is not None and behaviour_logprobs is None:
