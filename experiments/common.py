@@ -6,7 +6,10 @@ as `key=value` (nested: `ppo.lr=1e-5`).
 
 from dataclasses import dataclass, field
 
+from rlsys.algorithms.ppo import LOSS_AGG_MODES
 from rlsys.api import GenerationConfig
+
+ADV_ESTIMATORS = ("grpo", "reinforce")  # gae needs a critic, which the learner does not train yet
 
 
 @dataclass
@@ -69,14 +72,41 @@ class PPOHyperparameters:
     """Passes over each batch."""
     pg_clip: float = 0.2
     """PPO ratio clip."""
+    dual_clip: float = 0.0
+    """Dual-clip bound (> 1) on the loss of negative-advantage tokens; 0 disables it."""
     init_kl_coef: float = 0.0
     """KL penalty coefficient against the initial policy; 0 disables it."""
+    target_kl: float = 0.0
+    """With init_kl_coef > 0: adapt the coefficient toward this KL per token; 0 keeps it fixed."""
+    kl_horizon: int = 10000
+    """Adaptive KL: sequences over which the coefficient may change by at most 20%."""
     entropy_loss_coef: float = 0.0
     """Entropy bonus coefficient."""
     adv_estimator: str = "grpo"
-    """Advantage estimator: grpo (group-normalised outcome reward)."""
+    """Advantage estimator: grpo (group-normalised outcome reward) or reinforce (batch-mean baseline)."""
+    grpo_scale_by_std: bool = True
+    """grpo: divide by the group's reward std; false subtracts the group mean only (Dr. GRPO)."""
+    whiten_advantages: bool = False
+    """reinforce: whiten advantages over the batch (REINFORCE++)."""
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum."""
+    decoupled_loss: bool = False
+    """AReaL's decoupled objective: ratio against the learner's recomputed (proximal) logprobs, weighted by prox/behaviour."""
+    behaviour_imp_weight_cap: float = 5.0
+    """Decoupled objective: tokens whose prox/behaviour weight exceeds this are left out; 0 disables the cap."""
     max_grad_norm: float = 1.0
     """Gradient norm clip."""
+
+    def __post_init__(self):
+        if self.adv_estimator not in ADV_ESTIMATORS:
+            raise ValueError(f"ppo.adv_estimator must be one of {ADV_ESTIMATORS}, got {self.adv_estimator!r}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"ppo.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ValueError(f"ppo.dual_clip must be 0 (off) or greater than 1, got {self.dual_clip}")
+        if self.behaviour_imp_weight_cap and self.behaviour_imp_weight_cap <= 1:
+            raise ValueError(f"ppo.behaviour_imp_weight_cap must be 0 (off) or greater than 1, "
+                             f"got {self.behaviour_imp_weight_cap}")
 
 
 @dataclass

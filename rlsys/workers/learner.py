@@ -9,10 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlsys import protocol
-from rlsys.algorithms.advantages import grpo_advantages
+from rlsys.algorithms.advantages import grpo_advantages, reinforce_advantages
 from rlsys.algorithms.batch import TrainingBatch, build_batch
-from rlsys.algorithms.ppo import gather_logprobs, kl_penalty, masked_mean, next_token_logits, ppo_clip_loss, \
-    token_entropy
+from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, gather_logprobs, kl_penalty, masked_mean, \
+    next_token_logits, ppo_clip_loss, token_entropy
 from rlsys.api import Trajectory
 from rlsys.checkpoint import OPTIMIZER_STATE, read_trainer_state, save_checkpoint
 from rlsys.engine.weights import write_weight_update
@@ -31,6 +31,8 @@ class Learner:
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.reference = self._frozen_copy() if self.ppo.init_kl_coef > 0 else None
+        self.kl_controller = (AdaptiveKLController(self.ppo.init_kl_coef, self.ppo.target_kl, self.ppo.kl_horizon)
+                              if self.ppo.target_kl else FixedKLController(self.ppo.init_kl_coef))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.ppo.lr, weight_decay=self.ppo.weight_decay)
         self.step = self.version = 0
         if config.resume_from_checkpoint:
@@ -80,14 +82,25 @@ class Learner:
                 groups.append([Trajectory.from_dict(t) for t in message["trajectories"]])
         return groups
 
+    def advantages(self, trajectories: list[Trajectory]) -> torch.Tensor:
+        rewards = [t.reward for t in trajectories]
+        if self.ppo.adv_estimator == "reinforce":
+            return reinforce_advantages(rewards, whiten=self.ppo.whiten_advantages)
+        return grpo_advantages(rewards, [t.group_id for t in trajectories], scale_by_std=self.ppo.grpo_scale_by_std)
+
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         rewards = [t.reward for t in trajectories]
-        advantages = grpo_advantages(rewards, [t.group_id for t in trajectories])
-        batch = build_batch(trajectories, advantages, self.tokenizer.pad_token_id).to(self.device)
-        ref_logp = self._reference_logprobs(batch) if self.reference is not None else None
+        batch = build_batch(trajectories, self.advantages(trajectories), self.tokenizer.pad_token_id).to(self.device)
+        ref_logp = self._logprobs(self.reference, batch) if self.reference is not None else None
+        # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
+        # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
+        proximal = self._logprobs(self.model, batch) if self.ppo.decoupled_loss else None
         stats: dict[str, float] = {}
         for _ in range(self.ppo.ppo_epochs):
-            stats = self._update(batch, ref_logp)
+            stats = self._update(batch, ref_logp, proximal)
+        if ref_logp is not None:
+            stats["kl_coef"] = self.kl_controller.value
+            self.kl_controller.update(stats["kl"], n_steps=len(trajectories))
         generated = batch.loss_mask.sum().item()
         newest = batch.versions.max().item()
         stats.update({
@@ -102,26 +115,30 @@ class Learner:
         stats.update(_mean_metrics(trajectories))
         return stats
 
-    def _reference_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
+    def _logprobs(self, model, batch: TrainingBatch) -> torch.Tensor:
         with torch.no_grad():
-            logits = next_token_logits(self.reference, batch.input_ids, batch.attention_mask, self.temperature)
+            logits = next_token_logits(model, batch.input_ids, batch.attention_mask, self.temperature)
             return gather_logprobs(logits, batch.input_ids)
 
     @property
     def temperature(self) -> float:
         return self.config.gen.temperature or 1.0  # greedy (0) rollouts are scored at temperature 1
 
-    def _update(self, batch: TrainingBatch, ref_logp: torch.Tensor | None) -> dict[str, float]:
+    def _update(self, batch: TrainingBatch, ref_logp: torch.Tensor | None,
+                proximal: torch.Tensor | None) -> dict[str, float]:
         logits = next_token_logits(self.model, batch.input_ids, batch.attention_mask, self.temperature)
         logp = gather_logprobs(logits, batch.input_ids)
-        loss, stats = ppo_clip_loss(logp, batch.behaviour_logprobs, batch.advantages, batch.loss_mask,
-                                    self.ppo.pg_clip)
+        decoupled = dict(behaviour_logprobs=batch.behaviour_logprobs,
+                         imp_weight_cap=self.ppo.behaviour_imp_weight_cap or None) if proximal is not None else {}
+        loss, stats = ppo_clip_loss(
+            logp, proximal if proximal is not None else batch.behaviour_logprobs, batch.advantages, batch.loss_mask,
+            self.ppo.pg_clip, dual_clip=self.ppo.dual_clip or None, agg=self.ppo.loss_agg_mode, **decoupled)
         entropy = masked_mean(token_entropy(logits), batch.loss_mask)
         if self.ppo.entropy_loss_coef:
             loss = loss - self.ppo.entropy_loss_coef * entropy
         if ref_logp is not None:
             kl = kl_penalty(logp, ref_logp, batch.loss_mask)
-            loss = loss + self.ppo.init_kl_coef * kl
+            loss = loss + self.kl_controller.value * kl
             stats["kl"] = kl.item()
         self.optimizer.zero_grad()
         loss.backward()
