@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from rlsys.algorithms.ppo import LOSS_AGG_MODES
 from rlsys.api import GenerationConfig
 
+LR_SCHEDULES = ("constant", "linear", "cosine")
 ADV_ESTIMATORS = ("grpo", "reinforce")  # gae needs a critic, which the learner does not train yet
 
 
@@ -70,6 +71,12 @@ class PPOHyperparameters:
     """AdamW weight decay."""
     ppo_epochs: int = 2
     """Passes over each batch."""
+    num_mini_batches: int = 1
+    """Optimizer steps per pass: the batch's sequences are split into this many shuffled mini-batches."""
+    warmup_steps: int = 0
+    """Learning-rate warm-up, in optimizer steps, linear from 0."""
+    lr_scheduler_type: str = "constant"
+    """After warm-up: constant, linear (to 0 at the last step) or cosine (to 0 at the last step)."""
     pg_clip: float = 0.2
     """PPO ratio clip."""
     dual_clip: float = 0.0
@@ -100,6 +107,10 @@ class PPOHyperparameters:
     def __post_init__(self):
         if self.adv_estimator not in ADV_ESTIMATORS:
             raise ValueError(f"ppo.adv_estimator must be one of {ADV_ESTIMATORS}, got {self.adv_estimator!r}")
+        if self.lr_scheduler_type not in LR_SCHEDULES:
+            raise ValueError(f"ppo.lr_scheduler_type must be one of {LR_SCHEDULES}, got {self.lr_scheduler_type!r}")
+        if self.num_mini_batches < 1:
+            raise ValueError(f"ppo.num_mini_batches must be at least 1, got {self.num_mini_batches}")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"ppo.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
         if self.dual_clip and self.dual_clip <= 1:

@@ -10,14 +10,14 @@ TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.pt"
 
 
-def save_checkpoint(directory: Path, model, tokenizer, optimizer, step: int, version: int) -> Path:
+def save_checkpoint(directory: Path, model, tokenizer, optimizer_state: dict, step: int, version: int) -> Path:
     """Writes to a temporary directory first, so a crash never leaves a half checkpoint under `directory`."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_STATE)
+    torch.save(optimizer_state, tmp / OPTIMIZER_STATE)
     (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, "version": version}))
     shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)

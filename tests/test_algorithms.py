@@ -353,3 +353,11 @@ def test_adaptive_kl_controller_follows_the_reference_and_moves_kl_to_target():
 def test_fixed_kl_controller_never_moves():
     controller = FixedKLController(0.05)
     assert controller.update(100.0, 1000) == 0.05 and controller.value == 0.05
+
+
+def test_lr_schedules_warm_up_then_decay_to_zero():
+    from rlsys.algorithms.schedule import lr_multiplier
+
+    assert [lr_multiplier(s, 4, 12, "constant") for s in (0, 2, 4, 12)] == [0.0, 0.5, 1.0, 1.0]
+    assert [lr_multiplier(s, 4, 12, "linear") for s in (4, 8, 12)] == [1.0, 0.5, 0.0]
+    assert [round(lr_multiplier(s, 0, 10, "cosine"), 6) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]

@@ -81,3 +81,19 @@ def test_learner_publishes_weights_for_inference(tmp_path):
     learner.publish_weights()
     assert bus.get(protocol.WEIGHTS) == {"version": 7, "path": str(tmp_path / "run" / "weights" / "v7")}
     assert (tmp_path / "run" / "weights" / "v7" / WEIGHTS_FILE).exists()
+
+
+def test_mini_batches_and_warm_up_drive_the_optimizer(tmp_path):
+    config = AsyncPPOMATHConfig()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    config.max_steps, config.ppo.lr = 10, 1e-3
+    config.ppo.ppo_epochs, config.ppo.num_mini_batches, config.ppo.warmup_steps = 2, 2, 8
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    lrs = []
+    for _ in range(3):
+        batch = [trajectory(learner.model, GOOD, 1.0), trajectory(learner.model, BAD, 0.0)] * 2
+        lrs.append(learner.train_step(batch)["lr"])
+    state = learner.optimizer.state_dict()["state"]
+    assert next(iter(state.values()))["step"].item() == 3 * 2 * 2  # steps x epochs x mini-batches
+    assert lrs == pytest.approx([3 / 8 * 1e-3, 7 / 8 * 1e-3, 1e-3])  # lr of each step's last mini-batch

@@ -17,6 +17,9 @@ class TrainingBatch:
     advantages: torch.Tensor  # [B, T-1]
     versions: torch.Tensor  # [B, T-1] weight version of each predicted token (-1 if not generated)
 
+    def select(self, rows: torch.Tensor) -> "TrainingBatch":
+        return TrainingBatch(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+
     def to(self, device) -> "TrainingBatch":
         return TrainingBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 

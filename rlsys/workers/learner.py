@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlsys import protocol
 from rlsys.algorithms.advantages import grpo_advantages, reinforce_advantages
 from rlsys.algorithms.batch import TrainingBatch, build_batch
+from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, gather_logprobs, kl_penalty, masked_mean, \
     next_token_logits, ppo_clip_loss, token_entropy
 from rlsys.api import Trajectory
@@ -34,6 +35,9 @@ class Learner:
         self.kl_controller = (AdaptiveKLController(self.ppo.init_kl_coef, self.ppo.target_kl, self.ppo.kl_horizon)
                               if self.ppo.target_kl else FixedKLController(self.ppo.init_kl_coef))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.ppo.lr, weight_decay=self.ppo.weight_decay)
+        optimizer_steps = config.max_steps * self.ppo.ppo_epochs * self.ppo.num_mini_batches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_multiplier(
+            step, self.ppo.warmup_steps, optimizer_steps, self.ppo.lr_scheduler_type))
         self.step = self.version = 0
         if config.resume_from_checkpoint:
             self._resume(Path(config.resume_from_checkpoint))
@@ -47,7 +51,9 @@ class Learner:
     def _resume(self, checkpoint: Path) -> None:
         state = read_trainer_state(checkpoint)
         self.step, self.version = state["step"], state["version"]
-        self.optimizer.load_state_dict(torch.load(checkpoint / OPTIMIZER_STATE, map_location=self.device))
+        state = torch.load(checkpoint / OPTIMIZER_STATE, map_location=self.device)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
 
     def run(self) -> None:
         if self.version > 0:
@@ -97,7 +103,9 @@ class Learner:
         proximal = self._logprobs(self.model, batch) if self.ppo.decoupled_loss else None
         stats: dict[str, float] = {}
         for _ in range(self.ppo.ppo_epochs):
-            stats = self._update(batch, ref_logp, proximal)
+            order = torch.randperm(len(trajectories))
+            for rows in order.chunk(self.ppo.num_mini_batches):
+                stats = self._update(batch.select(rows), _rows(ref_logp, rows), _rows(proximal, rows))
         if ref_logp is not None:
             stats["kl_coef"] = self.kl_controller.value
             self.kl_controller.update(stats["kl"], n_steps=len(trajectories))
@@ -144,6 +152,8 @@ class Learner:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ppo.max_grad_norm)
         self.optimizer.step()
+        stats["lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
         return {**stats, "loss": loss.item(), "entropy": entropy.item(), "grad_norm": grad_norm.item()}
 
     def publish_weights(self) -> None:
@@ -154,7 +164,8 @@ class Learner:
 
     def save(self) -> Path:
         return save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.model, self.tokenizer,
-                               self.optimizer, self.step, self.version)
+                               {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                               self.step, self.version)
 
 
 def _mean_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
@@ -164,3 +175,7 @@ def _mean_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         for key, value in t.metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value)
     return {f"agent/{key}": total / len(trajectories) for key, total in sums.items()}
+
+
+def _rows(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if tensor is None else tensor[rows]
