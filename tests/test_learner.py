@@ -32,6 +32,13 @@ def trajectory(model, answer: list[int], reward: float, staleness_shift: float =
                       stop_reason="stop")
 
 
+def learner_config(tmp_path) -> AsyncPPOMATHConfig:
+    config = AsyncPPOMATHConfig()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    return config
+
+
 SETTINGS = {  # name -> (ppo overrides, expected mean |advantage| for rewards 1, 0, 1, 0)
     "grpo+kl": ({}, 1.0),
     "reinforce": ({"adv_estimator": "reinforce"}, 0.5),
@@ -43,9 +50,7 @@ SETTINGS = {  # name -> (ppo overrides, expected mean |advantage| for rewards 1,
 
 @pytest.mark.parametrize("name", SETTINGS)
 def test_ppo_steps_prefer_the_rewarded_answer(tmp_path, name):
-    config = AsyncPPOMATHConfig()
-    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
-    config.logging_dir = str(tmp_path / "logs")
+    config = learner_config(tmp_path)
     config.ppo.lr, config.ppo.init_kl_coef = 1e-3, 0.1
     overrides, expected_advantage = SETTINGS[name]
     for key, value in overrides.items():
@@ -72,9 +77,7 @@ def test_ppo_steps_prefer_the_rewarded_answer(tmp_path, name):
 
 
 def test_learner_publishes_weights_for_inference(tmp_path):
-    config = AsyncPPOMATHConfig()
-    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
-    config.logging_dir = str(tmp_path / "logs")
+    config = learner_config(tmp_path)
     bus = InProcessBus()
     learner = Learner(config, bus, tmp_path / "run")
     learner.version = 7
@@ -84,9 +87,7 @@ def test_learner_publishes_weights_for_inference(tmp_path):
 
 
 def test_mini_batches_and_warm_up_drive_the_optimizer(tmp_path):
-    config = AsyncPPOMATHConfig()
-    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
-    config.logging_dir = str(tmp_path / "logs")
+    config = learner_config(tmp_path)
     config.max_steps, config.ppo.lr = 10, 1e-3
     config.ppo.ppo_epochs, config.ppo.num_mini_batches, config.ppo.warmup_steps = 2, 2, 8
     learner = Learner(config, InProcessBus(), tmp_path / "run")
