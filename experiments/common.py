@@ -103,6 +103,8 @@ class PPOHyperparameters:
     """Decoupled objective: tokens whose prox/behaviour weight exceeds this are left out; 0 disables the cap."""
     max_grad_norm: float = 1.0
     """Gradient norm clip."""
+    filter_uniform_groups: bool = False
+    """Drop groups whose rewards are all equal (no signal for group baselines); counted as groups/filtered."""
 
     def __post_init__(self):
         if self.adv_estimator not in ADV_ESTIMATORS:

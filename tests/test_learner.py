@@ -98,3 +98,20 @@ def test_mini_batches_and_warm_up_drive_the_optimizer(tmp_path):
     state = learner.optimizer.state_dict()["state"]
     assert next(iter(state.values()))["step"].item() == 3 * 2 * 2  # steps x epochs x mini-batches
     assert lrs == pytest.approx([3 / 8 * 1e-3, 7 / 8 * 1e-3, 1e-3])  # lr of each step's last mini-batch
+
+
+def test_uniform_groups_are_filtered_and_give_their_gate_slot_back(tmp_path):
+    config = learner_config(tmp_path)
+    config.ppo.batch_size, config.ppo.filter_uniform_groups = 2, True
+    bus = InProcessBus()
+    bus.set(protocol.ADMITTED, 5)
+    learner = Learner(config, bus, tmp_path / "run")
+
+    def group(rewards):
+        return {"trajectories": [trajectory(learner.model, GOOD if r else BAD, r).to_dict() for r in rewards]}
+
+    bus.put_many(protocol.TRAJECTORIES, [group([0.0, 0.0]), group([1.0, 0.0]), group([1.0, 1.0]), group([0.0, 1.0])])
+    batch = learner.wait_for_batch()
+    assert [[t.reward for t in g] for g in batch] == [[1.0, 0.0], [0.0, 1.0]]
+    assert learner.filtered_groups == 2
+    assert bus.get(protocol.ADMITTED) == 3

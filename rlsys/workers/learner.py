@@ -39,6 +39,7 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_multiplier(
             step, self.ppo.warmup_steps, optimizer_steps, self.ppo.lr_scheduler_type))
         self.step = self.version = 0
+        self.filtered_groups = 0
         if config.resume_from_checkpoint:
             self._resume(Path(config.resume_from_checkpoint))
         self.metrics = MetricsLogger(Path(config.logging_dir), "learner")
@@ -70,7 +71,7 @@ class Learner:
             self.version += 1
             self.publish_weights()
             published = time.monotonic() - started - waited - computed
-            self.metrics.log(self.step, {**stats, "time/wait_data": waited, "time/compute": computed,
+            self.metrics.log(self.step, {**stats, "groups/filtered": self.filtered_groups, "time/wait_data": waited, "time/compute": computed,
                                          "time/publish": published, "version": self.version})
             if self.config.save_steps and self.step % self.config.save_steps == 0:
                 self.save()
@@ -85,8 +86,18 @@ class Learner:
             if self.bus.get(protocol.STOP):
                 return None
             for message in self.bus.get_many(protocol.TRAJECTORIES, self.ppo.batch_size - len(groups), timeout=0.5):
-                groups.append([Trajectory.from_dict(t) for t in message["trajectories"]])
+                group = [Trajectory.from_dict(t) for t in message["trajectories"]]
+                if self.ppo.filter_uniform_groups and len({t.reward for t in group}) == 1:
+                    self.filter_group()
+                else:
+                    groups.append(group)
         return groups
+
+    def filter_group(self) -> None:
+        """A dropped group will never be trained, so its prompt gives its staleness-gate slot back;
+        otherwise the gate, which expects `batch_size` admitted prompts per step, would stall."""
+        self.filtered_groups += 1
+        self.bus.incr(protocol.ADMITTED, -1)
 
     def advantages(self, trajectories: list[Trajectory]) -> torch.Tensor:
         rewards = [t.reward for t in trajectories]
