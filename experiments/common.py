@@ -169,7 +169,7 @@ class BaseExperimentConfig:
     eval_steps: int = 0
     """Evaluate on the held-out set every this many steps; 0 evaluates only before and after."""
     resume_from_checkpoint: str = ""
-    """Checkpoint directory to start the policy from (its weights, optimizer and step)."""
+    """Checkpoint to continue from (weights, optimizer, step, dataset position); auto: this trial's newest."""
     plugins: list[str] = field(default_factory=list)
     """Modules or .py files to import first, so their agents, envs and experiments register."""
 

@@ -10,15 +10,19 @@ TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.pt"
 
 
-def save_checkpoint(directory: Path, model, tokenizer, optimizer_state: dict, step: int, version: int) -> Path:
-    """Writes to a temporary directory first, so a crash never leaves a half checkpoint under `directory`."""
+def save_checkpoint(directory: Path, model, tokenizer, optimizer_state: dict, trainer_state: dict) -> Path:
+    """Writes to a temporary directory first, so a crash never leaves a half checkpoint under `directory`.
+
+    `trainer_state` ({"step", "version", "consumed_prompts", ...}) is JSON; it is written last, and a
+    directory without it is never taken as a checkpoint.
+    """
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save(optimizer_state, tmp / OPTIMIZER_STATE)
-    (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, "version": version}))
+    (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
     shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)
     return directory
@@ -29,3 +33,10 @@ def read_trainer_state(directory: Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{directory} is not an rlsys checkpoint (no {TRAINER_STATE})")
     return json.loads(path.read_text())
+
+
+def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None; half-written `.tmp` directories never count."""
+    complete = [d for d in Path(checkpoints_dir).glob("step_*")
+                if not d.name.endswith(".tmp") and (d / TRAINER_STATE).exists()]
+    return max(complete, key=lambda d: read_trainer_state(d)["step"], default=None)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rlsys import protocol
 from rlsys.bus import EmbeddedRedis, connect, raise_on_sigterm
+from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import config_from_dict, config_to_dict, registry_name_of, save_config
 from rlsys.metrics import read_jsonl_metrics
 
@@ -27,6 +28,14 @@ def run_directory(config) -> Path:
     config.experiment_name = config.experiment_name or registry_name_of(config)
     config.trial_name = config.trial_name or time.strftime("run-%Y%m%d-%H%M%S")
     return Path(config.output_dir) / config.experiment_name / config.trial_name
+
+
+def resolve_resume(config, run_dir: Path) -> None:
+    """`resume_from_checkpoint=auto`: the run directory's newest complete checkpoint, or a fresh start."""
+    if config.resume_from_checkpoint != "auto":
+        return
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    config.resume_from_checkpoint = str(latest) if latest else ""
 
 
 @contextlib.contextmanager
@@ -150,15 +159,15 @@ def launch(config) -> dict:
     started = time.monotonic()
     run_dir = run_directory(config)
     run_dir.mkdir(parents=True, exist_ok=True)
+    resolve_resume(config, run_dir)
     prepare_assets(config)
     config.logging_dir = config.logging_dir or str(run_dir / "logs")
     save_config(config, run_dir / "config.yaml")
     print(f"run directory: {run_dir}", flush=True)
     start_version = 0
     if config.resume_from_checkpoint:
-        from rlsys.checkpoint import read_trainer_state
-
         start_version = read_trainer_state(Path(config.resume_from_checkpoint))["version"]
+        print(f"resuming from {config.resume_from_checkpoint} (version {start_version})", flush=True)
     with raise_on_sigterm(), message_bus(config, run_dir) as bus_url:
         bus = connect(bus_url)
         initialize_bus_state(bus, config, start_version)

@@ -108,10 +108,12 @@ def test_uniform_groups_are_filtered_and_give_their_gate_slot_back(tmp_path):
     learner = Learner(config, bus, tmp_path / "run")
 
     def group(rewards):
-        return {"trajectories": [trajectory(learner.model, GOOD if r else BAD, r).to_dict() for r in rewards]}
+        return {"group_id": str(rewards),
+                "trajectories": [trajectory(learner.model, GOOD if r else BAD, r).to_dict() for r in rewards]}
 
     bus.put_many(protocol.TRAJECTORIES, [group([0.0, 0.0]), group([1.0, 0.0]), group([1.0, 1.0]), group([0.0, 1.0])])
     batch = learner.wait_for_batch()
     assert [[t.reward for t in g] for g in batch] == [[1.0, 0.0], [0.0, 1.0]]
     assert learner.filtered_groups == 2
+    assert learner.consumed_prompts == ["[0.0, 0.0]", "[1.0, 1.0]"]  # trained groups join after their step
     assert bus.get(protocol.ADMITTED) == 3

@@ -10,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import parse_config
 from rlsys.launcher import RoleFailed, launch
 from rlsys.metrics import read_jsonl_metrics
@@ -142,3 +143,34 @@ def test_a_role_that_dies_stops_the_run_with_its_name_and_leaves_nothing(cache_d
     with pytest.raises(RoleFailed, match="rollout0 exited with code 1"):
         launch(config)
     assert descendants_and_redis() == []
+
+
+def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache_dir, tmp_path):
+    args = small_run_overrides(cache_dir, tmp_path) + ["trial_name=k", "save_steps=2"]
+    checkpoints = tmp_path / "async-ppo-math" / "k" / "checkpoints"
+    with open(tmp_path / "killed-run.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(ENTRY), *args, "max_steps=100000"], stdout=log,
+                                stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 600
+        while not ((latest := latest_checkpoint(checkpoints)) and read_trainer_state(latest)["step"] >= 4):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "killed-run.log").read_text()
+            time.sleep(0.2)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, alive = psutil.wait_procs(children, timeout=20)
+    assert alive == [], f"left running after kill -9 of the launcher: {[p.cmdline() for p in alive]}"
+
+    before = read_trainer_state(latest_checkpoint(checkpoints))
+    config = parse_config(args + [f"max_steps={before['step'] + 3}", "resume_from_checkpoint=auto"])
+    launch(config)
+    after = read_trainer_state(latest_checkpoint(checkpoints))
+    assert (after["step"], after["version"]) == (before["step"] + 3, before["version"] + 3)
+    consumed = after["consumed_prompts"]
+    assert consumed[:len(before["consumed_prompts"])] == before["consumed_prompts"]
+    assert len(consumed) == len(set(consumed)), "a prompt was trained twice"
+    assert len(consumed) == after["step"] * config.ppo.batch_size

@@ -1,5 +1,6 @@
 """Weight files handed from the learner to inference engines."""
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -17,8 +18,11 @@ def write_weight_update(model: torch.nn.Module, directory: Path) -> Path:
     """
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
+    tmp.mkdir(parents=True)
     tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
     save_file(tensors, str(tmp / WEIGHTS_FILE))
+    # A resumed run publishes again versions a killed run had written, with different weights.
+    shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)  # a reader sees the whole file or nothing
     return directory

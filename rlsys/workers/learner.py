@@ -40,6 +40,7 @@ class Learner:
             step, self.ppo.warmup_steps, optimizer_steps, self.ppo.lr_scheduler_type))
         self.step = self.version = 0
         self.filtered_groups = 0
+        self.consumed_prompts: list[str] = []  # group ids trained or filtered: the dataset position on resume
         if config.resume_from_checkpoint:
             self._resume(Path(config.resume_from_checkpoint))
         self.metrics = MetricsLogger(Path(config.logging_dir), "learner")
@@ -50,11 +51,13 @@ class Learner:
         return reference
 
     def _resume(self, checkpoint: Path) -> None:
-        state = read_trainer_state(checkpoint)
-        self.step, self.version = state["step"], state["version"]
-        state = torch.load(checkpoint / OPTIMIZER_STATE, map_location=self.device)
+        trainer = read_trainer_state(checkpoint)
+        self.step, self.version = trainer["step"], trainer["version"]
+        self.consumed_prompts = trainer["consumed_prompts"]
+        state = torch.load(checkpoint / OPTIMIZER_STATE, map_location=self.device, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
 
     def run(self) -> None:
         if self.version > 0:
@@ -66,6 +69,7 @@ class Learner:
                 break
             waited = time.monotonic() - started
             stats = self.train_step([t for group in groups for t in group])
+            self.consumed_prompts += [group[0].group_id for group in groups]
             computed = time.monotonic() - started - waited
             self.step += 1
             self.version += 1
@@ -88,15 +92,16 @@ class Learner:
             for message in self.bus.get_many(protocol.TRAJECTORIES, self.ppo.batch_size - len(groups), timeout=0.5):
                 group = [Trajectory.from_dict(t) for t in message["trajectories"]]
                 if self.ppo.filter_uniform_groups and len({t.reward for t in group}) == 1:
-                    self.filter_group()
+                    self.filter_group(message["group_id"])
                 else:
                     groups.append(group)
         return groups
 
-    def filter_group(self) -> None:
+    def filter_group(self, group_id: str) -> None:
         """A dropped group will never be trained, so its prompt gives its staleness-gate slot back;
         otherwise the gate, which expects `batch_size` admitted prompts per step, would stall."""
         self.filtered_groups += 1
+        self.consumed_prompts.append(group_id)
         self.bus.incr(protocol.ADMITTED, -1)
 
     def advantages(self, trajectories: list[Trajectory]) -> torch.Tensor:
@@ -174,9 +179,11 @@ class Learner:
         shutil.rmtree(weights_dir / f"v{self.version - KEEP_WEIGHT_VERSIONS}", ignore_errors=True)
 
     def save(self) -> Path:
+        optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                           "rng": torch.get_rng_state()}
+        trainer_state = {"step": self.step, "version": self.version, "consumed_prompts": self.consumed_prompts}
         return save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.model, self.tokenizer,
-                               {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                               self.step, self.version)
+                               optimizer_state, trainer_state)
 
 
 def _mean_metrics(trajectories: list[Trajectory]) -> dict[str, float]:

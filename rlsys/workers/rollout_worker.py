@@ -11,6 +11,7 @@ from pathlib import Path
 from rlsys import protocol
 from rlsys.api import (AgentAbstraction, GenerationConfig, GenerationOutput, Prompt, Trajectory, make_agent,
                        make_env)
+from rlsys.checkpoint import read_trainer_state
 from rlsys.data.dataset import load_jsonl_dataset
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import chat_prompt_ids, load_tokenizer
@@ -52,6 +53,9 @@ class RolloutWorker:
         self.metrics = MetricsLogger(Path(config.logging_dir), f"rollout{index}")
         self.running: set[asyncio.Task] = set()
         self.failed = 0
+        # Prompts a resumed run already trained (or filtered): skipped, so none is trained twice.
+        self.consumed = set(read_trainer_state(Path(config.resume_from_checkpoint))["consumed_prompts"]
+                            if config.resume_from_checkpoint else [])
 
     def prompts(self, path: str, tag: str, shuffle: bool):
         """Endless (training) or one-pass (evaluation) stream of this worker's share of a dataset."""
@@ -62,6 +66,8 @@ class RolloutWorker:
             if shuffle:
                 random.Random(self.config.seed + epoch).shuffle(order)
             for i in order[self.index::n]:
+                if f"{tag}-{epoch}-{i}" in self.consumed:
+                    continue
                 yield Prompt(qid=f"{tag}-{epoch}-{i}", token_ids=chat_prompt_ids(self.tokenizer, rows[i]["prompt"]),
                              data=rows[i])
 
