@@ -1,0 +1,39 @@
+"""Contract tests of the built-in agents: real episode router, bus and inference worker, scripted model."""
+
+import asyncio
+
+import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
+import rlsys.impl.env  # noqa: F401
+from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, Prompt, make_agent, make_env
+from rlsys.engine.scripted import ScriptedEngine
+from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
+from tests.scripted import run_scripted_episode
+
+
+def test_math_single_step_scores_each_sample_and_masks_the_prompt(tmp_path):
+    tokenizer = build_char_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    answers = ["46", "45", "x"]
+    eos = tokenizer.eos_token_id
+
+    def policy(prompt_ids, gconfig, i):
+        return tokenizer(answers[i], add_special_tokens=False)["input_ids"] + [eos]
+
+    gconfig = GenerationConfig(n=3, max_new_tokens=8, stop_token_ids=[eos])
+    agent = make_agent(AgentAbstraction("math-single-step", {"gconfig": gconfig, "tokenizer_path": str(tmp_path)}))
+    env = make_env(EnvServiceAbstraction("math-code-single-step"))
+    prompt = Prompt("q1", chat_prompt_ids(tokenizer, "12+34="), {"prompt": "12+34=", "answer": "46"})
+    engine = ScriptedEngine(policy, logprob=-0.25)
+    trajectories = asyncio.run(run_scripted_episode(agent, env, prompt, policy, engine))
+
+    assert [t.reward for t in trajectories] == [1.0, 0.0, 0.0]
+    assert engine.requests == [(prompt.token_ids, gconfig)]
+    n = len(prompt.token_ids)
+    for t, answer in zip(trajectories, answers):
+        generated = tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
+        assert t.token_ids == prompt.token_ids + generated
+        assert t.loss_mask == [0] * n + [1] * len(generated)
+        assert t.logprobs == [0.0] * n + [-0.25] * len(generated)
+        assert t.versions == [NOT_GENERATED] * n + [0] * len(generated)
+        assert t.group_id == "q1" and t.stop_reason == "stop" and t.turn_ends == [len(t.token_ids)]
+    assert [t.metrics["correct"] for t in trajectories] == [1.0, 0.0, 0.0]
