@@ -10,7 +10,7 @@ from rlsys.algorithms.ppo import LOSS_AGG_MODES
 from rlsys.api import GenerationConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
-ADV_ESTIMATORS = ("grpo", "reinforce")  # gae needs a critic, which the learner does not train yet
+ADV_ESTIMATORS = ("grpo", "reinforce", "gae")
 
 
 @dataclass
@@ -90,11 +90,21 @@ class PPOHyperparameters:
     entropy_loss_coef: float = 0.0
     """Entropy bonus coefficient."""
     adv_estimator: str = "grpo"
-    """Advantage estimator: grpo (group-normalised outcome reward) or reinforce (batch-mean baseline)."""
+    """Advantage estimator: grpo (group-normalised outcome reward), reinforce (batch-mean baseline) or gae (critic)."""
     grpo_scale_by_std: bool = True
     """grpo: divide by the group's reward std; false subtracts the group mean only (Dr. GRPO)."""
     whiten_advantages: bool = False
-    """reinforce: whiten advantages over the batch (REINFORCE++)."""
+    """reinforce: whiten advantages over the batch (REINFORCE++); gae: whiten over the batch's generated tokens."""
+    gamma: float = 1.0
+    """gae: discount per generated token (tool output and feedback tokens between turns are not discounted)."""
+    lambd: float = 0.95
+    """gae: the lambda of GAE, trading the critic's bias (0) for the Monte Carlo return's variance (1)."""
+    critic_lr: float = 1e-4
+    """gae: learning rate of the critic (a value head on a copy of the policy's backbone)."""
+    value_clip: float = 0.2
+    """gae: PPO value clipping, how far a value may move from its pre-update estimate; 0 disables it."""
+    value_loss_coef: float = 0.5
+    """gae: scale of the critic's squared-error loss."""
     loss_agg_mode: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum."""
     decoupled_loss: bool = False
@@ -103,6 +113,10 @@ class PPOHyperparameters:
     """Decoupled objective: tokens whose prox/behaviour weight exceeds this are left out; 0 disables the cap."""
     max_grad_norm: float = 1.0
     """Gradient norm clip."""
+    sequence_packing: bool = True
+    """Pack sequences end to end into micro-batches (no padding computed); false pads each micro-batch's rows."""
+    max_tokens_per_micro_batch: int = 2048
+    """Token budget of one forward/backward pass; micro-batches accumulate into one optimizer step per mini-batch."""
     filter_uniform_groups: bool = False
     """Drop groups whose rewards are all equal (no signal for group baselines); counted as groups/filtered."""
 
@@ -117,6 +131,10 @@ class PPOHyperparameters:
             raise ValueError(f"ppo.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
         if self.dual_clip and self.dual_clip <= 1:
             raise ValueError(f"ppo.dual_clip must be 0 (off) or greater than 1, got {self.dual_clip}")
+        if self.max_tokens_per_micro_batch < 1:
+            raise ValueError(f"ppo.max_tokens_per_micro_batch must be at least 1, got {self.max_tokens_per_micro_batch}")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lambd <= 1:
+            raise ValueError(f"ppo.gamma and ppo.lambd must be in [0, 1], got {self.gamma} and {self.lambd}")
         if self.behaviour_imp_weight_cap and self.behaviour_imp_weight_cap <= 1:
             raise ValueError(f"ppo.behaviour_imp_weight_cap must be 0 (off) or greater than 1, "
                              f"got {self.behaviour_imp_weight_cap}")

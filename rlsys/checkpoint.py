@@ -10,17 +10,22 @@ TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.pt"
 
 
-def save_checkpoint(directory: Path, model, tokenizer, optimizer_state: dict, trainer_state: dict) -> Path:
+def save_checkpoint(directory: Path, model, tokenizer, optimizer_state: dict, trainer_state: dict,
+                    extra_models: dict | None = None) -> Path:
     """Writes to a temporary directory first, so a crash never leaves a half checkpoint under `directory`.
 
     `trainer_state` ({"step", "version", "consumed_prompts", ...}) is JSON; it is written last, and a
-    directory without it is never taken as a checkpoint.
+    directory without it is never taken as a checkpoint. `extra_models` (name -> model or None, e.g. the
+    critic) are saved in HF format in subdirectories.
     """
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    for name, extra in (extra_models or {}).items():
+        if extra is not None:
+            extra.save_pretrained(tmp / name)
     torch.save(optimizer_state, tmp / OPTIMIZER_STATE)
     (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
     shutil.rmtree(directory, ignore_errors=True)

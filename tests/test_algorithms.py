@@ -8,9 +8,10 @@ import torch
 
 from rlsys.algorithms.advantages import discounted_turn_returns, gae_advantages, grpo_advantages, \
     reinforce_advantages
-from rlsys.algorithms.batch import build_batch
-from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, aggregate_token_loss, kl_penalty, \
-    ppo_clip_loss
+from rlsys.algorithms.batch import sequence_batch
+from rlsys.algorithms.packing import micro_batches, pack_by_token_budget, pad_by_token_budget
+from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, aggregate_token_loss, clipped_value_loss, \
+    kl_penalty, ppo_clip_loss, token_loss_weights
 from rlsys.api import Trajectory
 
 
@@ -53,19 +54,79 @@ def test_kl_penalty_is_zero_only_at_the_reference():
     assert kl_penalty(logp, logp + 0.1, mask).item() > 0
 
 
-def test_batch_aligns_targets_with_the_tokens_the_model_produced():
+def two_trajectories():
     t = Trajectory(token_ids=[5, 6, 7, 8], loss_mask=[0, 0, 1, 1], logprobs=[0, 0, -0.5, -0.25],
                    versions=[-1, -1, 3, 3], turn_ends=[4], turn_rewards=[1.0], reward=1.0, group_id="g",
                    stop_reason="stop")
     short = Trajectory(token_ids=[5, 9], loss_mask=[0, 1], logprobs=[0, -1.0], versions=[-1, 2], turn_ends=[2],
-                       turn_rewards=[0.0], reward=0.0, group_id="g", stop_reason="length")
-    batch = build_batch([t, short], torch.tensor([2.0, -1.0]), pad_id=0)
-    assert batch.input_ids.tolist() == [[5, 6, 7, 8], [5, 9, 0, 0]]
-    assert batch.loss_mask.tolist() == [[0, 1, 1], [1, 0, 0]]  # position t predicts token t+1
-    assert batch.behaviour_logprobs.tolist() == [[0, -0.5, -0.25], [-1.0, 0, 0]]
-    assert batch.advantages.tolist() == [[0, 2, 2], [-1, 0, 0]]
-    assert batch.versions.tolist() == [[-1, 3, 3], [2, -1, -1]]
+                       turn_rewards=[0.5], reward=0.5, group_id="g", stop_reason="length")
+    return [t, short]
+
+
+def test_sequence_fields_align_with_the_tokens_they_predict():
+    batch = sequence_batch(two_trajectories())
+    assert [ids.tolist() for ids in batch.token_ids] == [[5, 6, 7, 8], [5, 9]]
+    assert [m.tolist() for m in batch.fields["loss_mask"]] == [[0, 1, 1], [1]]  # position t predicts token t+1
+    assert [b.tolist() for b in batch.fields["behaviour_logprobs"]] == [[0, -0.5, -0.25], [-1.0]]
+    assert [v.tolist() for v in batch.fields["versions"]] == [[-1, 3, 3], [2]]
+    assert [r.tolist() for r in batch.fields["token_rewards"]] == [[0, 0, 1.0], [0.5]]  # on each turn's last token
     assert batch.num_tokens == 6
+
+
+def test_padded_and_packed_micro_batches_hold_the_same_fields():
+    batch = sequence_batch(two_trajectories())
+    padded = micro_batches(batch.token_ids, batch.fields, budget=100, packed=False, pad_id=0)[0]
+    assert padded.input_ids.tolist() == [[5, 6, 7, 8], [5, 9, 0, 0]]
+    assert padded.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert padded.fields["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    packed = micro_batches(batch.token_ids, batch.fields, budget=100, packed=True)[0]
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 5, 9]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 0, 1]]  # restarts mark the sequences
+    assert packed.attention_mask is None
+    # The slot where sequence 1's last token "predicts" sequence 2's first is never trained on.
+    assert packed.fields["loss_mask"].tolist() == [[0, 1, 1, 0, 1]]
+    assert packed.fields["behaviour_logprobs"].tolist() == [[0, -0.5, -0.25, 0, -1.0]]
+    for mb in (padded, packed):
+        split = mb.split(mb.fields["behaviour_logprobs"])
+        assert [x.tolist() for x in split] == [[0, -0.5, -0.25], [-1.0]] and mb.indices == [0, 1]
+
+
+def test_token_budgets_bound_the_micro_batches():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 50) for _ in range(40)]
+    packed = pack_by_token_budget(lengths, 64)
+    assert sorted(i for b in packed for i in b) == list(range(40))
+    assert all(sum(lengths[i] for i in b) <= 64 for b in packed)
+    assert len(packed) <= math.ceil(sum(lengths) / 64) + 2  # first-fit decreasing wastes little
+    padded = pad_by_token_budget(lengths, 64)
+    assert [i for b in padded for i in b] == list(range(40))  # order kept
+    assert all(len(b) * max(lengths[i] for i in b) <= 64 for b in padded)
+    assert pack_by_token_budget([100, 3], 64) == [[0], [1]]  # too long for the budget: a bin of its own
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_token_loss_weights_make_micro_batch_sums_equal_the_aggregate(agg):
+    _, _, _, mask = random_ppo_inputs(3)
+    token_loss = torch.randn_like(mask)
+    weights = torch.stack(token_loss_weights(list(mask), agg))
+    whole = aggregate_token_loss(token_loss, mask, agg)
+    split = sum((token_loss[rows] * weights[rows]).sum() for rows in ([0, 1], [2], [3, 4]))
+    assert split.item() == pytest.approx(whole.item(), abs=1e-12)
+
+
+def test_clipped_value_loss_matches_reference_values_and_gradients():
+    torch.manual_seed(1)
+    values = torch.randn(20, dtype=torch.float64, requires_grad=True)
+    old, returns = values.detach() + torch.randn(20, dtype=torch.float64) * 0.3, torch.randn(20, dtype=torch.float64)
+    loss = clipped_value_loss(values, old, returns, clip=0.2)
+    loss.sum().backward()
+    for v, o, r, l, g in zip(values.tolist(), old.tolist(), returns.tolist(), loss.tolist(), values.grad.tolist()):
+        clipped = o + min(max(v - o, -0.2), 0.2)
+        assert l == pytest.approx(0.5 * max((v - r) ** 2, (clipped - r) ** 2))
+        inside = abs(v - o) < 0.2
+        expected_grad = v - r if (v - r) ** 2 >= (clipped - r) ** 2 or inside else 0.0
+        assert g == pytest.approx(expected_grad)
+    assert torch.equal(clipped_value_loss(values, old, returns, clip=0), 0.5 * (values - returns) ** 2)
 
 
 # ---- plain-Python references -------------------------------------------------------------------------------------

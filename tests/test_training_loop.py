@@ -52,6 +52,22 @@ def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
     assert descendants_and_redis() == []
 
 
+@pytest.mark.parametrize("estimator", ["reinforce", "gae"])
+def test_other_estimators_train_in_the_full_loop(cache_dir, tmp_path, estimator):
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "max_steps=24", f"ppo.adv_estimator={estimator}", "ppo.whiten_advantages=true", "eval_steps=0"])
+    launch(config)
+    steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 25))
+    first, last = steps[:8], steps[-8:]
+    assert sum(s["reward"] for s in last) > sum(s["reward"] for s in first), [round(s["reward"], 3) for s in steps]
+    if estimator == "gae":
+        # The critic learns: its estimates explain more of the returns at the end than at the start.
+        explained = [s["critic/explained_variance"] for s in steps]
+        assert sum(explained[-8:]) > sum(explained[:8]), explained
+    assert descendants_and_redis() == []
+
+
 def test_max_head_offpolicyness_zero_is_on_policy_even_with_filtering(cache_dir, tmp_path):
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         "max_steps=4", "max_head_offpolicyness=0", "eval_steps=2", "ppo.filter_uniform_groups=true"])

@@ -83,3 +83,12 @@ def discounted_turn_returns(turn_rewards: list[float], gamma: float) -> list[flo
         running = turn_rewards[k] + gamma * running
         returns[k] = running
     return returns
+
+
+def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
+    """(x - mean) / (std + eps) over all masked tokens of all sequences; unmasked tokens stay 0."""
+    flat = torch.cat([v[m > 0] for v, m in zip(values, masks)])
+    if flat.numel() == 0:
+        return values
+    mean, std = flat.mean(), flat.std(unbiased=False)
+    return [torch.where(m > 0, (v - mean) / (std + eps), 0.0) for v, m in zip(values, masks)]

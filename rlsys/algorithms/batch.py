@@ -1,6 +1,5 @@
-"""Turns trajectories into the padded, shifted tensors the policy loss works on."""
+"""Turns trajectories into per-sequence tensors aligned with the tokens each position predicts."""
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -9,35 +8,35 @@ from rlsys.api import Trajectory
 
 
 @dataclass
-class TrainingBatch:
-    input_ids: torch.Tensor  # [B, T] right-padded
-    attention_mask: torch.Tensor  # [B, T]
-    loss_mask: torch.Tensor  # [B, T-1]: 1 where the predicted token was produced by the model
-    behaviour_logprobs: torch.Tensor  # [B, T-1] logprob the inference engine gave each predicted token
-    advantages: torch.Tensor  # [B, T-1]
-    versions: torch.Tensor  # [B, T-1] weight version of each predicted token (-1 if not generated)
+class SequenceBatch:
+    """One entry per trajectory: token ids [n] and per-token fields [n-1], field[t] belonging to token t+1."""
 
-    def select(self, rows: torch.Tensor) -> "TrainingBatch":
-        return TrainingBatch(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+    token_ids: list[torch.Tensor]
+    fields: dict[str, list[torch.Tensor]]
 
-    def to(self, device) -> "TrainingBatch":
-        return TrainingBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def select(self, indices: list[int]) -> "SequenceBatch":
+        return SequenceBatch([self.token_ids[i] for i in indices],
+                             {name: [values[i] for i in indices] for name, values in self.fields.items()})
 
     @property
     def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
+        return sum(len(ids) for ids in self.token_ids)
 
 
-def build_batch(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int) -> TrainingBatch:
-    width = max(len(t.token_ids) for t in trajectories)
-
-    def padded(values: list, fill) -> list:
-        return list(values) + [fill] * (width - len(values))
-
-    ids = torch.tensor([padded(t.token_ids, pad_id) for t in trajectories])
-    attention = torch.tensor([padded([1] * len(t.token_ids), 0) for t in trajectories])
-    # Token t+1 is predicted at position t, so per-token targets drop the first column.
-    loss_mask = torch.tensor([padded(t.loss_mask, 0) for t in trajectories], dtype=torch.float32)[:, 1:]
-    behaviour = torch.tensor([padded(t.logprobs, 0.0) for t in trajectories], dtype=torch.float32)[:, 1:]
-    versions = torch.tensor([padded(t.versions, -1) for t in trajectories])[:, 1:]
-    return TrainingBatch(ids, attention, loss_mask, behaviour, advantages[:, None] * loss_mask, versions)
+def sequence_batch(trajectories: list[Trajectory]) -> SequenceBatch:
+    """loss_mask, behaviour_logprobs, versions and token_rewards (each turn's reward on its last token)."""
+    fields: dict[str, list[torch.Tensor]] = {"loss_mask": [], "behaviour_logprobs": [], "versions": [],
+                                             "token_rewards": []}
+    for t in trajectories:
+        # Token t+1 is predicted at position t, so per-token targets drop the first token.
+        fields["loss_mask"].append(torch.tensor(t.loss_mask[1:], dtype=torch.float32))
+        fields["behaviour_logprobs"].append(torch.tensor(t.logprobs[1:], dtype=torch.float32))
+        fields["versions"].append(torch.tensor(t.versions[1:]))
+        rewards = torch.zeros(len(t.token_ids) - 1)
+        for end, reward in zip(t.turn_ends, t.turn_rewards):
+            rewards[end - 2] += reward  # the turn's last token, token end-1, is predicted at position end-2
+        fields["token_rewards"].append(rewards)
+    return SequenceBatch([torch.tensor(t.token_ids) for t in trajectories], fields)

@@ -3,10 +3,15 @@
 import torch
 
 
-def next_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      temperature: float = 1.0) -> torch.Tensor:
-    """Logits that predict input_ids[:, 1:], divided by the sampling temperature, shape [B, T-1, V]."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+def next_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      temperature: float = 1.0, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits that predict input_ids[:, 1:], divided by the sampling temperature, shape [B, T-1, V].
+
+    A packed row passes position_ids restarting at 0 per sequence and no attention mask; no KV cache is
+    built, since a training forward pass never decodes further (and a cache would hide the packing).
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits[:, :-1].float()
     return logits / temperature
 
 
@@ -22,34 +27,45 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
-def aggregate_token_loss(token_loss: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
-    """token-mean sum(lm)/sum(m); seq-mean-token-mean mean_b[sum_t lm/sum_t m]; seq-mean-token-sum mean_b[sum_t lm]."""
+def token_loss_weights(masks: list[torch.Tensor], agg: str = "token-mean") -> list[torch.Tensor]:
+    """Per-token weights w with sum(w * l) = the aggregated loss of these sequences' token losses l.
+
+    Weights are fixed per mini-batch before it is split into micro-batches, so summing each micro-batch's
+    sum(w * l) (gradient accumulation) gives exactly the mini-batch's loss, whatever the split or packing.
+    token-mean: m / sum(m); seq-mean-token-mean: m / (S * sum_t m); seq-mean-token-sum: m / S, where S counts
+    the sequences that have generated tokens.
+    """
+    if agg not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {agg!r}; expected one of {LOSS_AGG_MODES}")
+    masks = [m if m.is_floating_point() else m.float() for m in masks]
     if agg == "token-mean":
         # Every generated token weighs the same, so a sequence counts in proportion to its length (DAPO).
-        return masked_mean(token_loss, mask)
-    tokens = mask.sum(-1)
-    summed = (token_loss * mask).sum(-1)
-    if agg == "seq-mean-token-mean":
-        per_sequence = summed / tokens.clamp(min=1)  # every sequence weighs the same, whatever its length
-    elif agg == "seq-mean-token-sum":
-        per_sequence = summed  # Dr. GRPO up to a constant: no 1/length that lets long wrong answers off lightly
-    else:
-        raise ValueError(f"unknown loss aggregation {agg!r}; expected one of {LOSS_AGG_MODES}")
+        total = max(sum(m.sum().item() for m in masks), 1.0)
+        return [m / total for m in masks]
     # A sequence without generated tokens has no loss to contribute; counting it would only shrink the mean.
-    has_tokens = (tokens > 0).to(token_loss.dtype)
-    return (per_sequence * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+    sequences = max(sum(1 for m in masks if m.sum() > 0), 1)
+    if agg == "seq-mean-token-mean":
+        return [m / (sequences * m.sum().clamp(min=1)) for m in masks]  # every sequence weighs the same
+    return [m / sequences for m in masks]  # Dr. GRPO up to a constant: no 1/length that lets long wrong answers off
+
+
+def aggregate_token_loss(token_loss: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
+    """token-mean sum(lm)/sum(m); seq-mean-token-mean mean_b[sum_t lm/sum_t m]; seq-mean-token-sum mean_b[sum_t lm]."""
+    return (token_loss * torch.stack(token_loss_weights(list(mask), agg))).sum()
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   clip: float, *, dual_clip: float | None = None, agg: str = "token-mean",
                   behaviour_logprobs: torch.Tensor | None = None,
-                  imp_weight_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                  imp_weight_cap: float | None = None,
+                  weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """l_t = w_t * max(-A r, -A clip(r, 1-clip, 1+clip)) [min -A*dual_clip if A<0], r = exp(logp-old_logp); agg(l)."""
     # dual_clip=c bounds the loss of a negative-advantage token by -A*c (Ye et al. 2020); None: no bound.
     # behaviour_logprobs switches to AReaL's decoupled objective: old_logp is then the proximal policy's logprob
     # (recomputed by the learner) and w_t = exp(old_logp - behaviour_logprobs), detached; otherwise w_t = 1.
     # imp_weight_cap: tokens with w_t above it contribute 0 but still count in the normaliser, as in AReaL.
-    # agg: see aggregate_token_loss; the default "token-mean" is the original behaviour.
+    # agg: see aggregate_token_loss; weights (from token_loss_weights over a whole mini-batch) replace it when the
+    # tokens are one micro-batch of a larger mini-batch.
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if imp_weight_cap is not None and behaviour_logprobs is None:
@@ -80,7 +96,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
             # hardly represents; the normaliser keeps counting it, so capping never up-weights the others.
             weight = torch.where(kept, raw_weight, 0.0)
         token_loss = token_loss * weight
-    loss = aggregate_token_loss(token_loss, mask, agg)
+    loss = aggregate_token_loss(token_loss, mask, agg) if weights is None else (token_loss * weights).sum()
     with torch.no_grad():
         stats = {
             "clip_fraction": masked_mean((clipped > unclipped).float(), mask).item(),
@@ -96,10 +112,15 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     return loss, stats
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token-mean k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1, never negative."""
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1, never negative (Schulman)."""
     delta = ref_logp - logp
-    return masked_mean(torch.exp(delta) - delta - 1, mask)
+    return torch.exp(delta) - delta - 1
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean k3 KL over the generated tokens."""
+    return masked_mean(kl_k3(logp, ref_logp), mask)
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -131,3 +152,14 @@ class AdaptiveKLController:
         error = min(max(float(current_kl) / self.target_kl - 1, -0.2), 0.2)
         self.value *= 1 + error * n_steps / self.horizon
         return self.value
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       clip: float | None) -> torch.Tensor:
+    """Per-token 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = old + clip(V - old, -clip, clip) (PPO2's critic)."""
+    loss = (values - returns) ** 2
+    if clip:
+        # The critic gets the same trust region as the policy: a value may not leave old +- clip in one update.
+        clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * loss

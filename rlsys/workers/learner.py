@@ -1,23 +1,25 @@
 """The learner: turns batches of trajectories into PPO updates and publishes each new policy version."""
 
-import copy
 import shutil
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from torch.nn.utils.rnn import pad_sequence
+from transformers import AutoTokenizer
 
 from rlsys import protocol
-from rlsys.algorithms.advantages import grpo_advantages, reinforce_advantages
-from rlsys.algorithms.batch import TrainingBatch, build_batch
+from rlsys.algorithms.advantages import gae_advantages, grpo_advantages, reinforce_advantages, whiten
+from rlsys.algorithms.batch import SequenceBatch, sequence_batch
+from rlsys.algorithms.packing import MicroBatch, micro_batches
+from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clipped_value_loss, gather_logprobs, kl_k3, \
+    next_token_logits, ppo_clip_loss, token_entropy, token_loss_weights
 from rlsys.algorithms.schedule import lr_multiplier
-from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, gather_logprobs, kl_penalty, masked_mean, \
-    next_token_logits, ppo_clip_loss, token_entropy
 from rlsys.api import Trajectory
 from rlsys.checkpoint import OPTIMIZER_STATE, read_trainer_state, save_checkpoint
 from rlsys.engine.weights import write_weight_update
 from rlsys.metrics import MetricsLogger
+from rlsys.model.loading import CRITIC_DIR, load_critic, load_policy
 
 KEEP_WEIGHT_VERSIONS = 3  # an inference worker may still be reading a slightly older version
 
@@ -28,10 +30,20 @@ class Learner:
         self.ppo = config.ppo
         torch.manual_seed(config.seed)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).to(self.device)
+        packing = self.ppo.sequence_packing
+        self.model = load_policy(config.model.path, packing).to(self.device)
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-        self.reference = self._frozen_copy() if self.ppo.init_kl_coef > 0 else None
+        resumed = read_trainer_state(Path(config.resume_from_checkpoint)) if config.resume_from_checkpoint else {}
+        # The KL reference is the policy the run started from, also after a resume from a later checkpoint.
+        self.initial_model_path = resumed.get("initial_model_path", config.model.path)
+        self.reference = self._frozen(load_policy(self.initial_model_path, packing)) if self.ppo.init_kl_coef > 0 else None
+        self.critic = self.critic_optimizer = None
+        if self.ppo.adv_estimator == "gae":
+            critic_dir = Path(config.resume_from_checkpoint or "/nonexistent") / CRITIC_DIR
+            self.critic = load_critic(str(critic_dir if critic_dir.exists() else config.model.path), packing)
+            self.critic = self.critic.to(self.device).train()
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.ppo.critic_lr)
         self.kl_controller = (AdaptiveKLController(self.ppo.init_kl_coef, self.ppo.target_kl, self.ppo.kl_horizon)
                               if self.ppo.target_kl else FixedKLController(self.ppo.init_kl_coef))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.ppo.lr, weight_decay=self.ppo.weight_decay)
@@ -41,22 +53,23 @@ class Learner:
         self.step = self.version = 0
         self.filtered_groups = 0
         self.consumed_prompts: list[str] = []  # group ids trained or filtered: the dataset position on resume
-        if config.resume_from_checkpoint:
-            self._resume(Path(config.resume_from_checkpoint))
+        if resumed:
+            self._resume(Path(config.resume_from_checkpoint), resumed)
         self.metrics = MetricsLogger(Path(config.logging_dir), "learner")
 
-    def _frozen_copy(self):
-        reference = copy.deepcopy(self.model).eval()
-        reference.requires_grad_(False)
-        return reference
+    def _frozen(self, model):
+        model = model.to(self.device).eval()
+        model.requires_grad_(False)
+        return model
 
-    def _resume(self, checkpoint: Path) -> None:
-        trainer = read_trainer_state(checkpoint)
+    def _resume(self, checkpoint: Path, trainer: dict) -> None:
         self.step, self.version = trainer["step"], trainer["version"]
         self.consumed_prompts = trainer["consumed_prompts"]
         state = torch.load(checkpoint / OPTIMIZER_STATE, map_location=self.device, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None and "critic_optimizer" in state:
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
         torch.set_rng_state(state["rng"])
 
     def run(self) -> None:
@@ -75,8 +88,10 @@ class Learner:
             self.version += 1
             self.publish_weights()
             published = time.monotonic() - started - waited - computed
-            self.metrics.log(self.step, {**stats, "groups/filtered": self.filtered_groups, "time/wait_data": waited, "time/compute": computed,
-                                         "time/publish": published, "version": self.version})
+            self.metrics.log(self.step, {
+                **stats, "groups/filtered": self.filtered_groups, "version": self.version,
+                "time/wait_data": waited, "time/compute": computed, "time/publish": published,
+                "throughput/tokens_per_second": stats["tokens"] * self.ppo.ppo_epochs / max(computed, 1e-9)})
             if self.config.save_steps and self.step % self.config.save_steps == 0:
                 self.save()
         self.save()
@@ -104,73 +119,127 @@ class Learner:
         self.consumed_prompts.append(group_id)
         self.bus.incr(protocol.ADMITTED, -1)
 
-    def advantages(self, trajectories: list[Trajectory]) -> torch.Tensor:
-        rewards = [t.reward for t in trajectories]
-        if self.ppo.adv_estimator == "reinforce":
-            return reinforce_advantages(rewards, whiten=self.ppo.whiten_advantages)
-        return grpo_advantages(rewards, [t.group_id for t in trajectories], scale_by_std=self.ppo.grpo_scale_by_std)
-
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        rewards = [t.reward for t in trajectories]
-        batch = build_batch(trajectories, self.advantages(trajectories), self.tokenizer.pad_token_id).to(self.device)
-        ref_logp = self._logprobs(self.reference, batch) if self.reference is not None else None
-        # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
-        # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
-        proximal = self._logprobs(self.model, batch) if self.ppo.decoupled_loss else None
+        batch = sequence_batch(trajectories)
+        if self.reference is not None:
+            batch.fields["ref_logprobs"] = self.per_token(self._policy_logprobs(self.reference), batch)
+        if self.ppo.decoupled_loss:
+            # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
+            # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
+            batch.fields["proximal_logprobs"] = self.per_token(self._policy_logprobs(self.model), batch)
+        if self.critic is not None:
+            batch.fields["old_values"] = self.per_token(self._values, batch)
+        batch.fields.update(self.advantages(trajectories, batch))
         stats: dict[str, float] = {}
         for _ in range(self.ppo.ppo_epochs):
-            order = torch.randperm(len(trajectories))
+            order = torch.randperm(len(batch))
             for rows in order.chunk(self.ppo.num_mini_batches):
-                stats = self._update(batch.select(rows), _rows(ref_logp, rows), _rows(proximal, rows))
-        if ref_logp is not None:
+                stats = self._update(batch.select(rows.tolist()))
+        if self.reference is not None:
             stats["kl_coef"] = self.kl_controller.value
             self.kl_controller.update(stats["kl"], n_steps=len(trajectories))
-        generated = batch.loss_mask.sum().item()
-        newest = batch.versions.max().item()
-        stats.update({
-            "reward": sum(rewards) / len(rewards),
-            "advantage_abs_mean": masked_mean(batch.advantages.abs(), batch.loss_mask).item(),
-            "response_length": generated / len(trajectories),
-            "tokens": batch.num_tokens,
-            "staleness_max": float(self.version - batch.versions[batch.loss_mask > 0].min().item()),
-            "staleness_mean": float(self.version - masked_mean(batch.versions.float(), batch.loss_mask).item()),
-            "newest_version": float(newest),
-        })
+        stats.update(_batch_stats(trajectories, batch, self.version))
         stats.update(_mean_metrics(trajectories))
         return stats
 
-    def _logprobs(self, model, batch: TrainingBatch) -> torch.Tensor:
+    def advantages(self, trajectories: list[Trajectory], batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
+        """Per-token advantages (and the critic's regression targets, for gae)."""
+        masks = batch.fields["loss_mask"]
+        if self.ppo.adv_estimator == "gae":
+            advantages, returns = _per_sequence_gae(batch, self.ppo.gamma, self.ppo.lambd)
+            if self.ppo.whiten_advantages:
+                advantages = whiten(advantages, masks)
+            return {"advantages": advantages, "returns": returns}
+        rewards = [t.reward for t in trajectories]
+        if self.ppo.adv_estimator == "reinforce":
+            scalars = reinforce_advantages(rewards, whiten=self.ppo.whiten_advantages)
+        else:
+            scalars = grpo_advantages(rewards, [t.group_id for t in trajectories], scale_by_std=self.ppo.grpo_scale_by_std)
+        return {"advantages": [a * m for a, m in zip(scalars.tolist(), masks)]}
+
+    def micro_batches(self, batch: SequenceBatch) -> list[MicroBatch]:
+        return [mb.to(self.device) for mb in micro_batches(
+            batch.token_ids, batch.fields, self.ppo.max_tokens_per_micro_batch, self.ppo.sequence_packing,
+            self.tokenizer.pad_token_id)]
+
+    def per_token(self, forward, batch: SequenceBatch) -> list[torch.Tensor]:
+        """forward(micro-batch) -> [R, L-1] values, without gradients, back as one [n-1] tensor per sequence."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(batch)
         with torch.no_grad():
-            logits = next_token_logits(model, batch.input_ids, batch.attention_mask, self.temperature)
-            return gather_logprobs(logits, batch.input_ids)
+            for mb in self.micro_batches(batch):
+                for i, values in zip(mb.indices, mb.split(forward(mb))):
+                    out[i] = values.cpu()
+        return out
+
+    def _policy_logprobs(self, model):
+        return lambda mb: gather_logprobs(self._logits(model, mb), mb.input_ids)
+
+    def _logits(self, model, mb: MicroBatch) -> torch.Tensor:
+        return next_token_logits(model, mb.input_ids, mb.attention_mask, self.temperature, mb.position_ids)
+
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
+        """V of the state before each predicted token: the value head's output at the position predicting it."""
+        out = self.critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                          use_cache=False)
+        return out.logits[:, :-1, 0].float()
 
     @property
     def temperature(self) -> float:
         return self.config.gen.temperature or 1.0  # greedy (0) rollouts are scored at temperature 1
 
-    def _update(self, batch: TrainingBatch, ref_logp: torch.Tensor | None,
-                proximal: torch.Tensor | None) -> dict[str, float]:
-        logits = next_token_logits(self.model, batch.input_ids, batch.attention_mask, self.temperature)
-        logp = gather_logprobs(logits, batch.input_ids)
-        decoupled = dict(behaviour_logprobs=batch.behaviour_logprobs,
-                         imp_weight_cap=self.ppo.behaviour_imp_weight_cap or None) if proximal is not None else {}
-        loss, stats = ppo_clip_loss(
-            logp, proximal if proximal is not None else batch.behaviour_logprobs, batch.advantages, batch.loss_mask,
-            self.ppo.pg_clip, dual_clip=self.ppo.dual_clip or None, agg=self.ppo.loss_agg_mode, **decoupled)
-        entropy = masked_mean(token_entropy(logits), batch.loss_mask)
-        if self.ppo.entropy_loss_coef:
-            loss = loss - self.ppo.entropy_loss_coef * entropy
-        if ref_logp is not None:
-            kl = kl_penalty(logp, ref_logp, batch.loss_mask)
-            loss = loss + self.kl_controller.value * kl
-            stats["kl"] = kl.item()
+    def _update(self, mini_batch: SequenceBatch) -> dict[str, float]:
+        """One optimizer step on a mini-batch, its micro-batches' gradients accumulated.
+
+        Each token's loss weight is fixed over the whole mini-batch first (token_loss_weights), so the
+        accumulated gradient equals the mini-batch's, however it is split or packed.
+        """
+        masks = mini_batch.fields["loss_mask"]
+        mini_batch.fields["weights"] = token_loss_weights(masks, self.ppo.loss_agg_mode)
+        mini_batch.fields["token_share"] = token_loss_weights(masks, "token-mean")  # for KL, entropy, value loss
         self.optimizer.zero_grad()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ppo.max_grad_norm)
+        if self.critic is not None:
+            self.critic_optimizer.zero_grad()
+        totals = StatsAccumulator()
+        for mb in self.micro_batches(mini_batch):
+            totals.add(self._accumulate_gradients(mb), share=mb.fields["token_share"].sum().item())
+        stats = totals.result()
+        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ppo.max_grad_norm).item()
         self.optimizer.step()
         stats["lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        return {**stats, "loss": loss.item(), "entropy": entropy.item(), "grad_norm": grad_norm.item()}
+        if self.critic is not None:
+            stats["critic/grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                self.critic.parameters(), self.ppo.max_grad_norm).item()
+            self.critic_optimizer.step()
+        return stats
+
+    def _accumulate_gradients(self, mb: MicroBatch) -> dict[str, float]:
+        f = mb.fields
+        logits = self._logits(self.model, mb)
+        logp = gather_logprobs(logits, mb.input_ids)
+        decoupled = dict(behaviour_logprobs=f["behaviour_logprobs"],
+                         imp_weight_cap=self.ppo.behaviour_imp_weight_cap or None) if self.ppo.decoupled_loss else {}
+        old_logp = f["proximal_logprobs"] if self.ppo.decoupled_loss else f["behaviour_logprobs"]
+        loss, stats = ppo_clip_loss(logp, old_logp, f["advantages"], f["loss_mask"], self.ppo.pg_clip,
+                                    dual_clip=self.ppo.dual_clip or None, weights=f["weights"], **decoupled)
+        stats["policy_loss"] = loss.item()
+        entropy = (token_entropy(logits) * f["token_share"]).sum()
+        stats["entropy"] = entropy.item()
+        if self.ppo.entropy_loss_coef:
+            loss = loss - self.ppo.entropy_loss_coef * entropy
+        if self.reference is not None:
+            kl = (kl_k3(logp, f["ref_logprobs"]) * f["token_share"]).sum()
+            loss = loss + self.kl_controller.value * kl
+            stats["kl"] = kl.item()
+        stats["loss"] = loss.item()
+        loss.backward()
+        if self.critic is not None:
+            values = self._values(mb)
+            value_loss = (clipped_value_loss(values, f["old_values"], f["returns"], self.ppo.value_clip)
+                          * f["token_share"]).sum()
+            (self.ppo.value_loss_coef * value_loss).backward()
+            stats["critic/value_loss"] = value_loss.item()
+        return stats
 
     def publish_weights(self) -> None:
         weights_dir = self.run_dir / "weights"
@@ -181,9 +250,12 @@ class Learner:
     def save(self) -> Path:
         optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                            "rng": torch.get_rng_state()}
-        trainer_state = {"step": self.step, "version": self.version, "consumed_prompts": self.consumed_prompts}
+        if self.critic is not None:
+            optimizer_state["critic_optimizer"] = self.critic_optimizer.state_dict()
+        trainer_state = {"step": self.step, "version": self.version, "consumed_prompts": self.consumed_prompts,
+                         "initial_model_path": self.initial_model_path}
         return save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.model, self.tokenizer,
-                               optimizer_state, trainer_state)
+                               optimizer_state, trainer_state, extra_models={CRITIC_DIR: self.critic})
 
 
 def _mean_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
@@ -195,5 +267,62 @@ def _mean_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     return {f"agent/{key}": total / len(trajectories) for key, total in sums.items()}
 
 
-def _rows(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    return None if tensor is None else tensor[rows]
+def _per_sequence_gae(batch: SequenceBatch, gamma: float, lambd: float) -> tuple[list, list]:
+    """GAE over each sequence's generated tokens, rewards at turn ends, V from the pre-update critic."""
+    lengths = [len(m) for m in batch.fields["loss_mask"]]
+    padded = [pad_sequence(batch.fields[name], batch_first=True) for name in ("token_rewards", "old_values", "loss_mask")]
+    advantages, returns = gae_advantages(*padded, gamma=gamma, lambd=lambd)
+    return ([row[:n] for row, n in zip(advantages, lengths)], [row[:n] for row, n in zip(returns, lengths)])
+
+
+def _batch_stats(trajectories: list[Trajectory], batch: SequenceBatch, version: int) -> dict[str, float]:
+    """Reward, advantage, value and staleness statistics of the batch as consumed."""
+    masks = torch.cat(batch.fields["loss_mask"]) > 0
+    advantages = torch.cat(batch.fields["advantages"])[masks]
+    versions = torch.cat(batch.fields["versions"])[masks].float()
+    rewards = torch.tensor([t.reward for t in trajectories])
+    stats = {
+        "reward": rewards.mean().item(),
+        "reward_std": rewards.std(unbiased=False).item(),
+        "advantage_mean": advantages.mean().item(),
+        "advantage_std": advantages.std(unbiased=False).item(),
+        "advantage_abs_mean": advantages.abs().mean().item(),
+        "advantage_max": advantages.max().item(),
+        "advantage_min": advantages.min().item(),
+        "response_length": masks.sum().item() / len(trajectories),
+        "tokens": batch.num_tokens,
+        # Versions behind the learner when consumed; AReaL's eta bounds the max.
+        "staleness_max": float(version - versions.min().item()),
+        "staleness_mean": float(version - versions.mean().item()),
+        "newest_version": versions.max().item(),
+    }
+    if "returns" in batch.fields:
+        values, returns = torch.cat(batch.fields["old_values"])[masks], torch.cat(batch.fields["returns"])[masks]
+        stats["critic/values_mean"] = values.mean().item()
+        # 1 - Var(R - V) / Var(R): 1 is a perfect critic, 0 one no better than a constant.
+        stats["critic/explained_variance"] = (1 - (returns - values).var() / returns.var().clamp(min=1e-8)).item()
+    return stats
+
+
+class StatsAccumulator:
+    """Combines micro-batch statistics into the mini-batch's.
+
+    Losses, entropy and KL are already weighted sums over the whole mini-batch's tokens, so they add up;
+    per-micro-batch means (clip fraction, ratios) are weighted by the micro-batch's share of the tokens;
+    maxima stay maxima.
+    """
+
+    SUMMED = {"loss", "policy_loss", "entropy", "kl", "critic/value_loss"}
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def add(self, stats: dict[str, float], share: float) -> None:
+        for key, value in stats.items():
+            if key.endswith("_max"):
+                self.totals[key] = max(self.totals.get(key, value), value)
+            else:
+                self.totals[key] = self.totals.get(key, 0.0) + (value if key in self.SUMMED else value * share)
+
+    def result(self) -> dict[str, float]:
+        return dict(self.totals)
