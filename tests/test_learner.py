@@ -5,7 +5,7 @@ import torch
 
 from experiments import AsyncPPOMATHConfig
 from rlsys import protocol
-from rlsys.algorithms.ppo import gather_logprobs, next_token_logits, token_loss_weights
+from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import Trajectory
 from rlsys.bus import InProcessBus
 from rlsys.engine.weights import WEIGHTS_FILE
@@ -148,30 +148,9 @@ def mixed_length_batch(model, rng) -> list[Trajectory]:
 
 def accumulated_gradients(learner, trajectories) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and gradients of one mini-batch through the learner's own micro-batching, without a step."""
-    batch = learner_batch(learner, trajectories)
-    masks = batch.fields["loss_mask"]
-    batch.fields["weights"] = token_loss_weights(masks, learner.ppo.loss_agg_mode)
-    batch.fields["token_share"] = token_loss_weights(masks, "token-mean")
-    learner.model.zero_grad()
-    if learner.critic is not None:
-        learner.critic.zero_grad()
-    loss = sum(learner._accumulate_gradients(mb)["loss"] for mb in learner.micro_batches(batch))
+    loss = learner.mini_batch_gradients(learner.prepare_batch(trajectories))["loss"]
     models = [learner.model] + ([learner.critic] if learner.critic is not None else [])
     return loss, {f"{i}.{n}": p.grad.clone() for i, m in enumerate(models) for n, p in m.named_parameters()}
-
-
-def learner_batch(learner, trajectories):
-    from rlsys.algorithms.batch import sequence_batch
-
-    batch = sequence_batch(trajectories)
-    if learner.reference is not None:
-        batch.fields["ref_logprobs"] = learner.per_token(learner._policy_logprobs(learner.reference), batch)
-    if learner.ppo.decoupled_loss:
-        batch.fields["proximal_logprobs"] = learner.per_token(learner._policy_logprobs(learner.model), batch)
-    if learner.critic is not None:
-        batch.fields["old_values"] = learner.per_token(learner._values, batch)
-    batch.fields.update(learner.advantages(trajectories, batch))
-    return batch
 
 
 @pytest.mark.parametrize("ppo", [
@@ -189,7 +168,7 @@ def test_packed_and_padded_micro_batches_give_the_same_loss_and_gradients(tmp_pa
             setattr(config.ppo, key, value)
         learner = Learner(config, InProcessBus(), tmp_path / "run")
         batch = mixed_length_batch(learner.model, random.Random(0))
-        assert len(learner.micro_batches(learner_batch(learner, batch))) > (1 if budget == 64 else 0)
+        assert len(learner.micro_batches(learner.prepare_batch(batch))) > (1 if budget == 64 else 0)
         results[(packing, budget)] = accumulated_gradients(learner, batch)
     reference_loss, reference_grads = results[(False, 10_000)]  # one padded micro-batch: no accumulation
     for loss, grads in (results[(True, 64)], results[(False, 64)]):
@@ -208,7 +187,7 @@ def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
     config.ppo.adv_estimator, config.ppo.gamma, config.ppo.lambd = "gae", 1.0, 1.0
     learner = Learner(config, InProcessBus(), tmp_path / "run")
     trajectories = mixed_length_batch(learner.model, random.Random(1))
-    batch = learner_batch(learner, trajectories)
+    batch = learner.prepare_batch(trajectories)
     for t, advantages, returns, values, mask in zip(trajectories, batch.fields["advantages"], batch.fields["returns"],
                                                     batch.fields["old_values"], batch.fields["loss_mask"]):
         generated = mask > 0

@@ -120,16 +120,7 @@ class Learner:
         self.bus.incr(protocol.ADMITTED, -1)
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        batch = sequence_batch(trajectories)
-        if self.reference is not None:
-            batch.fields["ref_logprobs"] = self.per_token(self._policy_logprobs(self.reference), batch)
-        if self.ppo.decoupled_loss:
-            # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
-            # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
-            batch.fields["proximal_logprobs"] = self.per_token(self._policy_logprobs(self.model), batch)
-        if self.critic is not None:
-            batch.fields["old_values"] = self.per_token(self._values, batch)
-        batch.fields.update(self.advantages(trajectories, batch))
+        batch = self.prepare_batch(trajectories)
         stats: dict[str, float] = {}
         for _ in range(self.ppo.ppo_epochs):
             order = torch.randperm(len(batch))
@@ -141,6 +132,20 @@ class Learner:
         stats.update(_batch_stats(trajectories, batch, self.version))
         stats.update(_mean_metrics(trajectories))
         return stats
+
+    def prepare_batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
+        """Per-sequence tensors plus what stays fixed during the step: reference, proximal, values, advantages."""
+        batch = sequence_batch(trajectories)
+        if self.reference is not None:
+            batch.fields["ref_logprobs"] = self.per_token(self._policy_logprobs(self.reference), batch)
+        if self.ppo.decoupled_loss:
+            # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
+            # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
+            batch.fields["proximal_logprobs"] = self.per_token(self._policy_logprobs(self.model), batch)
+        if self.critic is not None:
+            batch.fields["old_values"] = self.per_token(self._values, batch)
+        batch.fields.update(self.advantages(trajectories, batch))
+        return batch
 
     def advantages(self, trajectories: list[Trajectory], batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
         """Per-token advantages (and the critic's regression targets, for gae)."""
@@ -188,7 +193,20 @@ class Learner:
         return self.config.gen.temperature or 1.0  # greedy (0) rollouts are scored at temperature 1
 
     def _update(self, mini_batch: SequenceBatch) -> dict[str, float]:
-        """One optimizer step on a mini-batch, its micro-batches' gradients accumulated.
+        """One optimizer step on a mini-batch (and one critic step, for gae)."""
+        stats = self.mini_batch_gradients(mini_batch)
+        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ppo.max_grad_norm).item()
+        self.optimizer.step()
+        stats["lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        if self.critic is not None:
+            stats["critic/grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                self.critic.parameters(), self.ppo.max_grad_norm).item()
+            self.critic_optimizer.step()
+        return stats
+
+    def mini_batch_gradients(self, mini_batch: SequenceBatch) -> dict[str, float]:
+        """Gradients of a mini-batch's loss, accumulated over its micro-batches.
 
         Each token's loss weight is fixed over the whole mini-batch first (token_loss_weights), so the
         accumulated gradient equals the mini-batch's, however it is split or packed.
@@ -202,16 +220,7 @@ class Learner:
         totals = StatsAccumulator()
         for mb in self.micro_batches(mini_batch):
             totals.add(self._accumulate_gradients(mb), share=mb.fields["token_share"].sum().item())
-        stats = totals.result()
-        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ppo.max_grad_norm).item()
-        self.optimizer.step()
-        stats["lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        if self.critic is not None:
-            stats["critic/grad_norm"] = torch.nn.utils.clip_grad_norm_(
-                self.critic.parameters(), self.ppo.max_grad_norm).item()
-            self.critic_optimizer.step()
-        return stats
+        return totals.result()
 
     def _accumulate_gradients(self, mb: MicroBatch) -> dict[str, float]:
         f = mb.fields
