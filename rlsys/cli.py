@@ -320,11 +320,15 @@ def unknown_key_messages(path: str, value, fields: dict[str, FieldInfo]) -> Iter
 
 
 def suggest_keys(path: str, known: list[str]) -> list[str]:
-    """Close matches on the whole dotted path, on the last name among its siblings, then the same last
-    name in another group (`lr` -> `ppo.lr`)."""
+    """Close matches on the last name among its siblings, then the same last name in another group
+    (`lr` -> `ppo.lr`); on the whole dotted path only when the group itself is misspelled (`ppp.lr`).
+
+    Whole paths of a known group share their prefix, which alone makes `ppo.lrr` look like `ppo.lambd`.
+    """
     parent, _, leaf = path.rpartition(".")
     siblings = [p.rpartition(".")[2] for p in known if p.rpartition(".")[0] == parent]
-    by_path = close_matches(path, known)
+    group_is_known = not parent or bool(siblings)
+    by_path = [] if group_is_known else close_matches(path, known)
     by_leaf = [f"{parent}.{name}" if parent else name for name in close_matches(leaf, siblings)]
     same_leaf = [p for p in known if p.rpartition(".")[2] == leaf]
     return list(dict.fromkeys(by_path + by_leaf + same_leaf))[:4]
