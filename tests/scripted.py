@@ -10,22 +10,46 @@ from rlsys.engine.scripted import Policy, ScriptedEngine
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.rollout_worker import EpisodeRouter
 
+EPISODE_TIMEOUT = 60.0
+
+
+class WorkerThread(threading.Thread):
+    """The inference worker on a thread that keeps the exception it died of, so the test can raise it."""
+
+    def __init__(self, worker: InferenceWorker):
+        super().__init__(daemon=True)
+        self.worker, self.error = worker, None
+
+    def run(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the test's thread)
+            self.error = e
+
 
 async def run_scripted_episode(agent: Agent, env: EnvironmentService, prompt: Prompt, policy: Policy,
                                engine: ScriptedEngine | None = None) -> list[Trajectory]:
     """One episode, its requests served by an inference worker thread; the env is closed at the end."""
     engine = engine or ScriptedEngine(policy)
     bus = InProcessBus()
-    worker = InferenceWorker(engine, bus, index=0, max_batch_requests=64)
-    thread = threading.Thread(target=worker.run, daemon=True)
+    thread = WorkerThread(InferenceWorker(engine, bus, index=0, max_batch_requests=64))
     thread.start()
     router = EpisodeRouter(bus, protocol.replies(0))
     dispatcher = asyncio.create_task(router.dispatch_replies())
     obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
     forwarder = asyncio.create_task(router.forward(obs_queue, act_queue))
+    episode = asyncio.create_task(agent.collect_trajectory(prompt, env, obs_queue, act_queue))
+    started = asyncio.get_running_loop().time()
     try:
-        return await agent.collect_trajectory(prompt, env, obs_queue, act_queue)
+        while not episode.done():
+            await asyncio.wait([episode], timeout=0.05)
+            if thread.error is not None:
+                raise RuntimeError("the inference worker died") from thread.error
+            if asyncio.get_running_loop().time() - started > EPISODE_TIMEOUT:
+                raise TimeoutError(f"episode did not finish in {EPISODE_TIMEOUT}s")
+        return episode.result()
     finally:
+        episode.cancel()
         forwarder.cancel()
         dispatcher.cancel()
         await env.close()

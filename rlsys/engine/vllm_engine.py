@@ -1,10 +1,15 @@
-"""The vLLM generation engine: token ids in, token ids + logprobs + weight version out."""
+"""The vLLM backend: continuous batching on vLLM's engine, stepped by the inference worker itself.
+
+The worker owns the step loop (`LLMEngine.add_request` / `step` / `abort_request`), so requests that
+arrive while others generate join the running batch at the next step, and a weight update can stop
+every sequence between two steps, which vLLM's own async front end offers no way to do in place.
+"""
 
 import os
 
-from rlsys.api import GenerationConfig, GenerationOutput
+from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
 
-MAX_MODEL_LEN = 256
+WARM_UP_TOKENS = 4
 
 
 def configure_cpu_backend(kv_cache_gib: int) -> None:
@@ -13,59 +18,69 @@ def configure_cpu_backend(kv_cache_gib: int) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-class VLLMEngine:
-    def __init__(self, model_path: str, inference_cfg, seed: int, max_model_len: int = MAX_MODEL_LEN):
+class VLLMBackend(GenerationBackend):
+    def __init__(self, model_path: str, inference_cfg, seed: int):
         configure_cpu_backend(inference_cfg.kv_cache_gib)
         from vllm import LLM
 
         self.llm = LLM(
-            model=model_path, dtype=inference_cfg.dtype, seed=seed, max_model_len=max_model_len,
+            model=model_path, dtype=inference_cfg.dtype, seed=seed, max_model_len=inference_cfg.max_model_len,
             gpu_memory_utilization=inference_cfg.gpu_memory_utilization, max_num_seqs=inference_cfg.max_num_seqs,
-            enforce_eager=True,
+            enforce_eager=inference_cfg.enforce_eager, enable_prefix_caching=inference_cfg.enable_prefix_caching,
             # Logprobs after temperature, as the learner recomputes them, so the PPO ratio starts at 1.
             logprobs_mode="processed_logprobs",
         )
-        self.version = 0
+        self.engine = self.llm.llm_engine
+        self._running: set[str] = set()
+        self._warm_up()
 
-    def generate(self, requests: list[tuple[str, list[int], GenerationConfig]]) -> list[GenerationOutput]:
-        """One batched engine call for many (qid, prompt ids, config) requests."""
+    def _warm_up(self) -> None:
+        """One short generation, so the first real batch does not pay for lazy initialisation."""
+        self.add("warm-up", [0, 1, 2], SamplingSettings(max_tokens=WARM_UP_TOKENS))
+        while self.has_unfinished():
+            self.step()
+
+    def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        prompts = [TokensPrompt(prompt_token_ids=ids) for _, ids, _ in requests]
-        params = [_sampling_params(SamplingParams, g) for _, _, g in requests]
-        results = self.llm.generate(prompts, params, use_tqdm=False)
-        return [self._to_output(qid, ids, result) for (qid, ids, _), result in zip(requests, results)]
+        params = SamplingParams(
+            n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
+            output_kind=RequestOutputKind.DELTA)
+        self.engine.add_request(seq_id, TokensPrompt(prompt_token_ids=list(token_ids)), params)
+        self._running.add(seq_id)
 
-    def _to_output(self, qid: str, prompt_ids: list[int], result) -> GenerationOutput:
-        samples = sorted(result.outputs, key=lambda s: s.index)
-        return GenerationOutput(
-            qid=qid,
-            prompt_ids=list(prompt_ids),
-            output_ids=[list(s.token_ids) for s in samples],
-            logprobs=[[step[tok].logprob for tok, step in zip(s.token_ids, s.logprobs)] for s in samples],
-            versions=[[self.version] * len(s.token_ids) for s in samples],
-            stop_reasons=["length" if s.finish_reason == "length" else "stop" for s in samples],
-        )
+    def step(self) -> list[TokenDelta]:
+        deltas = []
+        for output in self.engine.step():
+            sample = output.outputs[0]
+            finish = None
+            if output.finished:
+                finish = "length" if sample.finish_reason == "length" else "stop"
+                self._running.discard(output.request_id)
+            ids = list(sample.token_ids)
+            logprobs = [step[token].logprob for token, step in zip(ids, sample.logprobs or [])]
+            deltas.append(TokenDelta(output.request_id, ids, logprobs, finish))
+        return deltas
+
+    def abort(self, seq_ids: list[str]) -> None:
+        if seq_ids:
+            self.engine.abort_request(list(seq_ids))
+            self._running.difference_update(seq_ids)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running)
+
+    def load_weights(self, directory: str) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def score(self, token_ids: list[int]) -> list[float]:
-        """Logprob of each token after the first given its prefix (the weight-sync check)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         result = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
         return [step[tok].logprob for tok, step in zip(token_ids[1:], result.prompt_logprobs[1:])]
-
-    def load_weights(self, directory: str, version: int) -> None:
-        """In-place reload from a directory written by `write_weight_update`."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
-        self.version = version
-
-
-def _sampling_params(sampling_params_cls, g: GenerationConfig):
-    return sampling_params_cls(
-        n=g.n, max_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-        stop_token_ids=list(g.stop_token_ids), seed=g.seed, logprobs=0,
-    )

@@ -26,7 +26,7 @@ class InferenceWorker:
         """Between engine calls, so every token of a request comes from one version (and says which)."""
         published = self.bus.get(protocol.WEIGHTS)
         if published and published["version"] > self.engine.version:
-            self.engine.load_weights(published["path"], published["version"])
+            self.engine.update_weights(published["path"], published["version"])
             self.bus.set(protocol.inference_version(self.index), self.engine.version)
 
     def serve(self, requests: list[dict]) -> None:

@@ -1,0 +1,63 @@
+"""The contract between the generation engine and a model backend: sequences in, token deltas out.
+
+A backend runs many sequences at once and lets new ones join between steps (continuous batching). It
+knows nothing of requests, groups or weight versions: `GenerationEngine` builds those on top, so every
+backend (vLLM, transformers, the scripted stand-in) gets interruptible weight updates for free.
+"""
+
+import abc
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingSettings:
+    """How one sequence is sampled. Logprobs are of the sampled token after temperature, before top-p/top-k,
+    which is what the learner recomputes."""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables top-k
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the model's end-of-sequence token
+    seed: int | None = None
+
+
+@dataclass
+class TokenDelta:
+    """Tokens a sequence produced since the previous step."""
+
+    seq_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None  # None while running; "stop" (eos or stop token, included) or "length"
+
+
+class GenerationBackend(abc.ABC):
+    """One model serving many sequences; not thread-safe (the inference worker drives it from one thread)."""
+
+    @abc.abstractmethod
+    def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings) -> None:
+        """Start a sequence; it is generated from the next `step` on."""
+
+    @abc.abstractmethod
+    def step(self) -> list[TokenDelta]:
+        """One engine iteration over every running sequence; returns what each produced (finished ones last time)."""
+
+    @abc.abstractmethod
+    def abort(self, seq_ids: list[str]) -> None:
+        """Stop sequences now; tokens they produced since the last step are discarded."""
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool:
+        """Whether any added sequence has not finished or been aborted."""
+
+    @abc.abstractmethod
+    def load_weights(self, directory: str) -> None:
+        """Replace the weights in place from a directory written by `write_weight_update`.
+
+        Called with no sequence running; any cached prefix computed with the old weights is dropped.
+        """
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Logprob of each token after the first given its prefix, at temperature 1 (the weight-sync check)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score sequences")
