@@ -118,9 +118,12 @@ def test_resume_from_checkpoint_continues_step_and_version(cache_dir, tmp_path):
     checkpoint = tmp_path / "async-ppo-math" / "a" / "checkpoints" / "step_2"
     second = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         "max_steps=4", "trial_name=b", f"resume_from_checkpoint={checkpoint}"])
-    launch(second)
+    summary = launch(second)
     steps = read_jsonl_metrics(tmp_path / "async-ppo-math" / "b" / "logs" / "learner.jsonl")
     assert [(s["step"], s["version"]) for s in steps] == [(3, 3), (4, 4)]
+    # The prompt accounting went on from the checkpoint's: its 2 steps' prompts, then 2 more steps'.
+    assert summary["prompts_accounted"] and summary["prompts"]["trained"] == 4 * second.ppo.batch_size
+    assert steps[0]["prompts/trained"] == 3 * second.ppo.batch_size
     # The gate counted the trained prompts as admitted: the resumed run never trains on weights
     # older than its checkpoint, so nothing it trains on is more than eta versions behind.
     assert all(s["staleness_max"] <= second.max_head_offpolicyness for s in steps)
@@ -183,9 +186,10 @@ def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache
 
     before = read_trainer_state(latest_checkpoint(checkpoints))
     config = parse_config(args + [f"max_steps={before['step'] + 3}", "resume_from_checkpoint=auto"])
-    launch(config)
+    summary = launch(config)
     after = read_trainer_state(latest_checkpoint(checkpoints))
     assert (after["step"], after["version"]) == (before["step"] + 3, before["version"] + 3)
+    assert summary["prompts_accounted"] and summary["prompts"]["trained"] == after["step"] * config.ppo.batch_size
     consumed = after["consumed_prompts"]
     assert consumed[:len(before["consumed_prompts"])] == before["consumed_prompts"]
     assert len(consumed) == len(set(consumed)), "a prompt was trained twice"
