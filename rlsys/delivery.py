@@ -100,7 +100,8 @@ def _trajectory_problem(t: Trajectory, vocab_size: int | None) -> str | None:
         ("loss_mask", t.loss_mask, lambda x: x in (0, 1) and type(x) is int),
         ("logprobs", t.logprobs, _finite),
         ("versions", t.versions, lambda x: type(x) is int and x >= -1),
-        ("turn_ends", t.turn_ends, lambda x: type(x) is int and 0 < x <= len(t.token_ids)),
+        # a turn's reward sits on its last token, which is predicted from the one before: ends from 2 on
+        ("turn_ends", t.turn_ends, lambda x: type(x) is int and 2 <= x <= len(t.token_ids)),
         ("turn_rewards", t.turn_rewards, _finite),
     ]
     for name, values, ok in checks:
@@ -110,8 +111,8 @@ def _trajectory_problem(t: Trajectory, vocab_size: int | None) -> str | None:
         if bad is not _NONE:
             vocabulary = f" (vocabulary of {vocab_size})" if name == "token_ids" and vocab_size else ""
             return f"{name} holds {bad!r:.40}{vocabulary}"
-    if not t.loss_mask or t.loss_mask[0] or not any(t.loss_mask):
-        return "needs a first token that was not generated and at least one generated token"
+    if not any(t.loss_mask[1:]):  # the first token is never predicted, so never trained
+        return "has no generated token after the first: nothing to train on"
     if not _finite(t.reward):
         return f"reward must be a finite number, got {t.reward!r:.40}"
     for name in ("group_id", "stop_reason", "traj_id"):
@@ -126,7 +127,7 @@ _NONE = object()
 
 
 def _finite(x) -> bool:
-    return type(x) in (int, float) and math.isfinite(x)
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _type_names(value) -> str:

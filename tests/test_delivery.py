@@ -137,9 +137,10 @@ BAD_MESSAGES = {  # name -> (payload, words the reason must contain)
     "token outside vocab": (raw({"group_id": "x", "trajectories": [good_dict("x", token_ids=[5, 6, 7, 10**6])]}),
                             "vocabulary of 100"),
     "nan reward": (raw({"group_id": "x", "trajectories": [good_dict("x", reward=math.nan)]}), "reward"),
+    "turn end at 1": (raw({"group_id": "x", "trajectories": [good_dict("x", turn_ends=[1])]}), "turn_ends holds 1"),
     "inf logprob": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0, 0, -math.inf, 0])]}), "logprobs"),
-    "nothing generated": (raw({"group_id": "x", "trajectories": [good_dict("x", loss_mask=[0, 0, 0, 0])]}),
-                          "generated"),
+    "nothing generated": (raw({"group_id": "x", "trajectories": [good_dict("x", loss_mask=[1, 0, 0, 0])]}),
+                          "nothing to train on"),
     "huge": (raw({"group_id": "x", "trajectories": [good_dict("x", metrics={"blob": 1.0}, stop_reason="s" * 3 * MB)]}),
              "exceeds the limit of 1.0 MiB"),
 }
