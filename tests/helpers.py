@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import psutil
+
 from experiments.common import ModelConfig
 from rlsys.model.tiny import build_tiny_model
 from rlsys.model.tokenizer import build_char_tokenizer
@@ -25,3 +27,13 @@ def small_run_overrides(cache_dir: Path, output_dir: Path) -> list[str]:
         "model.warm_start_accuracy=0.2", "dataset.num_eval=200",
         "ppo.lr=1e-4", "logging_steps=5",
     ]
+
+
+def left_behind(tmp_path: Path) -> list[str]:
+    """Live processes a run in `tmp_path` could leave: our children, and anything started on its files
+    (an embedded redis-server's command line names its config there); not other tests' servers."""
+    found = [p for p in psutil.Process().children(recursive=True)
+             if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+    found += [p for p in psutil.process_iter(["cmdline", "status"])
+              if p.info["status"] != psutil.STATUS_ZOMBIE and str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    return [" ".join(p.cmdline()) for p in found]

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 import rlsys.impl.env  # noqa: F401  (registers the environments)
@@ -23,20 +22,10 @@ from rlsys.data.dataset import DatasetError, load_jsonl_dataset
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.launcher import launch
 from rlsys.preflight import StartupError
+from tests.helpers import left_behind
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "training" / "main_async_ppo.py"
-
-
-def left_behind(tmp_path: Path) -> list[str]:
-    """Live processes a stopped run could leave: our children, and anything started on the run's files."""
-    me = psutil.Process()
-    found = [p for p in me.children(recursive=True)
-             if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
-    for p in psutil.process_iter(["cmdline", "status"]):
-        if p.info["status"] != psutil.STATUS_ZOMBIE and str(tmp_path) in " ".join(p.info["cmdline"] or []):
-            found.append(p)
-    return [" ".join(p.cmdline()) for p in found]
 
 
 # ---------------------------------------------------------------------------------------------------------

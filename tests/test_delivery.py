@@ -2,34 +2,16 @@
 
 import math
 import os
-import uuid
 
 import msgpack
 import pytest
 
 from rlsys import accounting, protocol
 from rlsys.api import Trajectory
-from rlsys.bus import EmbeddedRedis, InProcessBus, RedisBus
 from rlsys.delivery import MAX_DELIVERIES, InvalidMessage, TrajectoryInbox, group_message
-from tests.test_bus import inject_raw_entry, no_leaked_servers  # noqa: F401  (the fixture checks for leaks)
+from tests.test_bus import bus, inject_raw_entry, no_leaked_servers, redis_url  # noqa: F401  (fixtures: both buses)
 
 MB = 2**20
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
-        yield server.url
-
-
-@pytest.fixture(params=["inproc", "redis"])
-def bus(request):
-    if request.param == "inproc":
-        b = InProcessBus()
-    else:
-        b = RedisBus.from_url(request.getfixturevalue("redis_url"), namespace=uuid.uuid4().hex)
-    yield b
-    b.close()
 
 
 def trajectory(group_id: str, reward: float = 1.0, **changes) -> Trajectory:

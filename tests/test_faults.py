@@ -13,14 +13,12 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
-
 from rlsys import accounting, protocol
 from rlsys.bus import EmbeddedRedis, RedisBus
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
-from tests.helpers import small_run_overrides
+from tests.helpers import left_behind, small_run_overrides
 
 FAULTY_PLUGIN = '''
 import asyncio
@@ -94,14 +92,6 @@ def inject_once_training_runs(redis_url: str, learner_log: Path, stop: threading
                 inject_poison(bus)
             return
         time.sleep(0.2)
-
-
-def left_behind(tmp_path: Path) -> list[str]:
-    found = [p for p in psutil.Process().children(recursive=True)
-             if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
-    found += [p for p in psutil.process_iter(["cmdline", "status"])
-              if p.info["status"] != psutil.STATUS_ZOMBIE and str(tmp_path) in " ".join(p.info["cmdline"] or [])]
-    return [" ".join(p.cmdline()) for p in found]
 
 
 def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cache_dir, tmp_path, capfd):
