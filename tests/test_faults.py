@@ -124,6 +124,7 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     assert prompts["trained"] == 6 * config.ppo.batch_size and prompts["in_flight"] == 0
     assert set(prompts["filtered"]) <= {"run_ended"}
     assert accounting.accounted(prompts) == prompts["admitted"]
+    print(accounting.describe(prompts))  # for BENCHMARKS.md: pytest -s shows it
 
     assert summary["dead_letters"] == len(POISON) and len(letters) == len(POISON)
     for (name, words), letter in zip(POISON.items(), letters):
