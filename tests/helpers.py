@@ -1,5 +1,6 @@
 """Small builders shared by tests: a tiny randomly initialised model saved in HF format."""
 
+import contextlib
 from pathlib import Path
 
 import psutil
@@ -30,10 +31,12 @@ def small_run_overrides(cache_dir: Path, output_dir: Path) -> list[str]:
 
 
 def left_behind(tmp_path: Path) -> list[str]:
-    """Live processes a run in `tmp_path` could leave: our children, and anything started on its files
-    (an embedded redis-server's command line names its config there); not other tests' servers."""
+    """Live processes a run in `tmp_path` could leave: our children, and any process working in `tmp_path`
+    (an embedded redis-server runs in its data directory); not the servers of tests running beside us."""
     found = [p for p in psutil.Process().children(recursive=True)
              if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
-    found += [p for p in psutil.process_iter(["cmdline", "status"])
-              if p.info["status"] != psutil.STATUS_ZOMBIE and str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    for p in psutil.process_iter(["status"]):
+        with contextlib.suppress(psutil.Error):
+            if p.info["status"] != psutil.STATUS_ZOMBIE and p.cwd().startswith(str(tmp_path)):
+                found.append(p)
     return [" ".join(p.cmdline()) for p in found]

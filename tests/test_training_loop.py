@@ -14,21 +14,10 @@ from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import parse_config
 from rlsys.launcher import RoleFailed, launch
 from rlsys.metrics import read_jsonl_metrics
-from tests.helpers import small_run_overrides
+from tests.helpers import left_behind, small_run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "training" / "main_async_ppo.py"
-
-
-def descendants_and_redis() -> list[psutil.Process]:
-    """Processes a run could leave behind: our children, and any redis-server still running."""
-    me = psutil.Process()
-    leftovers = [p for p in me.children(recursive=True)
-                 if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
-    for p in psutil.process_iter(["name", "status"]):
-        if p.info["name"] == "redis-server" and p.info["status"] != psutil.STATUS_ZOMBIE:
-            leftovers.append(p)
-    return leftovers
 
 
 def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
@@ -49,7 +38,7 @@ def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
         checkpoint = run_dir / "checkpoints" / f"step_{step}"
         assert (checkpoint / "config.json").exists() and (checkpoint / "tokenizer.json").exists()
     assert (run_dir / "config.yaml").exists()
-    assert descendants_and_redis() == []
+    assert left_behind(tmp_path) == []
 
 
 @pytest.mark.parametrize("estimator", ["reinforce", "gae"])
@@ -65,7 +54,7 @@ def test_other_estimators_train_in_the_full_loop(cache_dir, tmp_path, estimator)
         # The critic learns: its estimates explain more of the returns at the end than at the start.
         explained = [s["critic/explained_variance"] for s in steps]
         assert sum(explained[-8:]) > sum(explained[:8]), explained
-    assert descendants_and_redis() == []
+    assert left_behind(tmp_path) == []
 
 
 def test_max_head_offpolicyness_zero_is_on_policy_even_with_filtering(cache_dir, tmp_path):
@@ -161,7 +150,7 @@ def test_a_role_that_dies_stops_the_run_with_its_name_and_leaves_nothing(cache_d
         "experiment=broken-experiment", f"plugins=[{plugin}]", "max_steps=2"])
     with pytest.raises(RoleFailed, match="rollout0 exited with code 1"):
         launch(config)
-    assert descendants_and_redis() == []
+    assert left_behind(tmp_path) == []
 
 
 def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache_dir, tmp_path):
