@@ -30,11 +30,18 @@ def small_run_overrides(cache_dir: Path, output_dir: Path) -> list[str]:
     ]
 
 
-def left_behind(tmp_path: Path) -> list[str]:
-    """Live processes a run in `tmp_path` could leave: our children, and any process working in `tmp_path`
-    (an embedded redis-server runs in its data directory); not the servers of tests running beside us."""
+def child_pids() -> set[int]:
+    """This process's live descendants now: what a test started before its run is not the run's."""
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def left_behind(tmp_path: Path, existing: set[int]) -> list[str]:
+    """Live processes a run in `tmp_path` could leave: our descendants not among `existing`, and any
+    process working in `tmp_path` (an embedded redis-server runs in its data directory); not the servers
+    of tests running beside us, nor pools an earlier test of the session keeps."""
     found = [p for p in psutil.Process().children(recursive=True)
-             if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+             if p.pid not in existing and p.status() != psutil.STATUS_ZOMBIE
+             and "resource_tracker" not in " ".join(p.cmdline())]
     for p in psutil.process_iter(["status"]):
         with contextlib.suppress(psutil.Error):
             if p.info["status"] != psutil.STATUS_ZOMBIE and p.cwd().startswith(str(tmp_path)):

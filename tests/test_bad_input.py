@@ -22,7 +22,7 @@ from rlsys.data.dataset import DatasetError, load_jsonl_dataset
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.launcher import launch
 from rlsys.preflight import StartupError
-from tests.helpers import left_behind
+from tests.helpers import child_pids, left_behind
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "training" / "main_async_ppo.py"
@@ -118,25 +118,28 @@ def run_config(tmp_path: Path, *overrides: str):
 
 
 def test_a_missing_model_path_stops_the_run(tmp_path):
+    existing = child_pids()
     with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist; give an HF checkpoint"):
         launch(run_config(tmp_path, "model.path=/nonexistent/model"))
     not_a_checkpoint = tmp_path / "empty"
     not_a_checkpoint.mkdir()
     with pytest.raises(StartupError, match="no config.json"):
         launch(run_config(tmp_path, f"model.path={not_a_checkpoint}"))
-    assert left_behind(tmp_path) == []
+    assert left_behind(tmp_path, existing) == []
 
 
 def test_a_malformed_dataset_stops_the_run_naming_line_and_field(tmp_path):
+    existing = child_pids()
     train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     train.write_text(f"{GOOD_ROW}\n{json.dumps({'prompt': '2+2=', 'answer': 4})}\n")
     held_out.write_text(f"{GOOD_ROW}\n")
     with pytest.raises(StartupError, match=r"train.jsonl:2: field 'answer' must be a string, got int"):
         launch(run_config(tmp_path, f"dataset.path={train}", f"dataset.eval_path={held_out}"))
-    assert left_behind(tmp_path) == []
+    assert left_behind(tmp_path, existing) == []
 
 
 def test_a_taken_redis_port_stops_the_run(tmp_path):
+    existing = child_pids()
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
@@ -147,10 +150,11 @@ def test_a_taken_redis_port_stops_the_run(tmp_path):
         from rlsys.bus.redis_server import EmbeddedRedisError
         with pytest.raises(EmbeddedRedisError, match=f"cluster.redis_port {port} is in use"):
             EmbeddedRedis(tmp_path / "redis", port=port).start()
-    assert left_behind(tmp_path) == []
+    assert left_behind(tmp_path, existing) == []
 
 
 def test_a_redis_url_nobody_answers_on_stops_the_run(tmp_path):
+    existing = child_pids()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nobody listens there
@@ -160,10 +164,11 @@ def test_a_redis_url_nobody_answers_on_stops_the_run(tmp_path):
         with pytest.raises(StartupError, match="refused the credentials") as error:
             launch(run_config(tmp_path, f"cluster.redis_url=redis://:wrong-password@127.0.0.1:{server.port}/0"))
         assert "wrong-password" not in str(error.value)
-    assert left_behind(tmp_path) == []
+    assert left_behind(tmp_path, existing) == []
 
 
 def test_without_redis_server_installed_the_entry_point_says_how_to_get_it(tmp_path):
+    existing = child_pids()
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # python, but no /usr/bin/redis-server
     result = subprocess.run([sys.executable, str(ENTRY), f"output_dir={tmp_path}", f"model.cache_dir={tmp_path}"],
                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
@@ -172,7 +177,7 @@ def test_without_redis_server_installed_the_entry_point_says_how_to_get_it(tmp_p
                                     "`sudo apt-get install redis-server`"), result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "data").exists()  # stopped before preparing anything
-    assert left_behind(tmp_path) == []
+    assert left_behind(tmp_path, existing) == []
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from rlsys.bus import EmbeddedRedis, RedisBus
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
-from tests.helpers import left_behind, small_run_overrides
+from tests.helpers import child_pids, left_behind, small_run_overrides
 
 FAULTY_PLUGIN = '''
 import asyncio
@@ -95,6 +95,7 @@ def inject_once_training_runs(redis_url: str, learner_log: Path, stop: threading
 
 
 def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cache_dir, tmp_path, capfd):
+    existing = child_pids()
     plugin = tmp_path / "faulty_plugin.py"
     plugin.write_text(FAULTY_PLUGIN)
     with EmbeddedRedis(tmp_path / "redis") as server:
@@ -142,4 +143,4 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     (totals,) = [r for r in rollout if "episodes/failed" in r]
     for reason, n in failed.items():  # evaluation episodes fail too, so the worker counts at least these
         assert totals[f"episodes/failed/{reason}"] >= n
-    assert left_behind(tmp_path) == []
+    assert left_behind(tmp_path, existing) == []

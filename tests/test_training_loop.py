@@ -14,13 +14,14 @@ from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import parse_config
 from rlsys.launcher import RoleFailed, launch
 from rlsys.metrics import read_jsonl_metrics
-from tests.helpers import left_behind, small_run_overrides
+from tests.helpers import child_pids, left_behind, small_run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "training" / "main_async_ppo.py"
 
 
 def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
+    existing = child_pids()
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=40", "save_steps=20"])
     summary = launch(config)
 
@@ -38,11 +39,12 @@ def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
         checkpoint = run_dir / "checkpoints" / f"step_{step}"
         assert (checkpoint / "config.json").exists() and (checkpoint / "tokenizer.json").exists()
     assert (run_dir / "config.yaml").exists()
-    assert left_behind(tmp_path) == []
+    assert left_behind(tmp_path, existing) == []
 
 
 @pytest.mark.parametrize("estimator", ["reinforce", "gae"])
 def test_other_estimators_train_in_the_full_loop(cache_dir, tmp_path, estimator):
+    existing = child_pids()
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         "max_steps=24", f"ppo.adv_estimator={estimator}", "ppo.whiten_advantages=true", "eval_steps=0"])
     launch(config)
@@ -54,7 +56,7 @@ def test_other_estimators_train_in_the_full_loop(cache_dir, tmp_path, estimator)
         # The critic learns: its estimates explain more of the returns at the end than at the start.
         explained = [s["critic/explained_variance"] for s in steps]
         assert sum(explained[-8:]) > sum(explained[:8]), explained
-    assert left_behind(tmp_path) == []
+    assert left_behind(tmp_path, existing) == []
 
 
 def test_max_head_offpolicyness_zero_is_on_policy_even_with_filtering(cache_dir, tmp_path):
@@ -144,13 +146,14 @@ register_experiment("broken-experiment", BrokenExperiment)
 
 
 def test_a_role_that_dies_stops_the_run_with_its_name_and_leaves_nothing(cache_dir, tmp_path):
+    existing = child_pids()
     plugin = tmp_path / "broken_plugin.py"
     plugin.write_text(BROKEN_PLUGIN)
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         "experiment=broken-experiment", f"plugins=[{plugin}]", "max_steps=2"])
     with pytest.raises(RoleFailed, match="rollout0 exited with code 1"):
         launch(config)
-    assert left_behind(tmp_path) == []
+    assert left_behind(tmp_path, existing) == []
 
 
 def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache_dir, tmp_path):
