@@ -148,6 +148,10 @@ class ClusterConfig:
     """Inference worker processes."""
     n_rollout_workers: int = 1
     """Rollout worker processes."""
+    inference_dead_after: float = 3.0
+    """Seconds without a heartbeat after which an inference worker counts as dead and its requests are re-sent."""
+    max_role_restarts: int = 3
+    """Times a crashed inference worker is restarted before the run stops."""
 
 
 ENGINES = ("vllm", "transformers")
@@ -165,8 +169,8 @@ class InferenceConfig:
     """Fraction of accelerator memory vLLM may take (of host memory on CPU)."""
     max_num_seqs: int = 256
     """Most sequences the engine runs at once (one per sample: a request of n samples is n sequences)."""
-    max_model_len: int = 256
-    """Longest prompt + response, in tokens, the engine accepts."""
+    max_model_len: int = 0
+    """Longest prompt + response, in tokens, the engine accepts; 0 means the model's own limit."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes: a group's samples and an episode's earlier turns."""
     enforce_eager: bool = True

@@ -190,3 +190,29 @@ def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache
     assert consumed[:len(before["consumed_prompts"])] == before["consumed_prompts"]
     assert len(consumed) == len(set(consumed)), "a prompt was trained twice"
     assert len(consumed) == after["step"] * config.ppo.batch_size
+
+
+def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish(cache_dir, tmp_path):
+    args = small_run_overrides(cache_dir, tmp_path) + [
+        "trial_name=i", "max_steps=8", "cluster.n_inference_workers=2", "cluster.inference_dead_after=2"]
+    logs = tmp_path / "async-ppo-math" / "i" / "logs"
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(ENTRY), *args], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 600
+        while not ((logs / "learner.jsonl").exists() and len(read_jsonl_metrics(logs / "learner.jsonl")) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.2)
+        (victim,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "inference0"]
+        victim.kill()
+        assert proc.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = (tmp_path / "run.log").read_text()
+    assert "inference0 exited with code -9; restarting it" in output
+    steps = read_jsonl_metrics(logs / "learner.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 9))
+    (routing,) = [r for r in read_jsonl_metrics(logs / "rollout0.jsonl") if "requests/resent" in r]
+    assert routing["requests/resent"] > 0  # the dead worker's requests went to the other worker
+    assert descendants_and_redis() == []

@@ -5,48 +5,24 @@ import dataclasses
 import itertools
 import logging
 import random
-import uuid
 from pathlib import Path
 
 from rlsys import protocol
-from rlsys.api import (AgentAbstraction, GenerationConfig, GenerationOutput, Prompt, Trajectory, make_agent,
-                       make_env)
+from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent, make_env
 from rlsys.checkpoint import read_trainer_state
 from rlsys.data.dataset import load_jsonl_dataset
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import chat_prompt_ids, load_tokenizer
+from rlsys.workers.routing import EpisodeRouter
 
 log = logging.getLogger(__name__)
-
-
-class EpisodeRouter:
-    """Sends each episode's requests to the inference workers and routes replies to its act_queue."""
-
-    def __init__(self, bus, reply_queue: str):
-        self.bus, self.reply_queue = bus, reply_queue
-        self.waiting: dict[str, tuple[str, asyncio.Queue]] = {}  # request id -> (agent's qid, act_queue)
-
-    async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> None:
-        while True:
-            qid, token_ids, gconfig = await obs_queue.get()
-            rid = uuid.uuid4().hex  # agents may reuse a qid across turns; request ids never repeat
-            self.waiting[rid] = (qid, act_queue)
-            request = {"rid": rid, "token_ids": list(token_ids), "gconfig": gconfig.to_dict(),
-                       "reply_to": self.reply_queue}
-            await asyncio.to_thread(self.bus.put, protocol.OBSERVATIONS, request)
-
-    async def dispatch_replies(self) -> None:
-        while True:
-            for message in await asyncio.to_thread(self.bus.get_many, self.reply_queue, 4096, 0.1):
-                qid, act_queue = self.waiting.pop(message["qid"], (None, None))
-                if act_queue is not None:  # None: the episode was cancelled while its request ran
-                    act_queue.put_nowait(dataclasses.replace(GenerationOutput.from_dict(message), qid=qid))
 
 
 class RolloutWorker:
     def __init__(self, config, bus, index: int):
         self.config, self.bus, self.index = config, bus, index
-        self.router = EpisodeRouter(bus, protocol.replies(index))
+        cluster = config.cluster
+        self.router = EpisodeRouter(bus, protocol.replies(index), cluster.n_inference_workers, cluster.inference_dead_after)
         self.tokenizer = load_tokenizer(config.model.path)
         self.agent = make_agent(config.agent)
         self.eval_agent = make_agent(_greedy(config.agent))
@@ -72,17 +48,18 @@ class RolloutWorker:
                              data=rows[i])
 
     async def run(self) -> None:
-        dispatcher = asyncio.create_task(self.router.dispatch_replies())
+        routing = [asyncio.create_task(self.router.dispatch_replies()), asyncio.create_task(self.router.watch_workers())]
         try:
             if self.index == 0:
                 await self.evaluate("initial")
             await self.train()
-            self.metrics.log(await self.current_version(), {"episodes/failed": self.failed})
+            self.metrics.log(await self.current_version(), {"episodes/failed": self.failed, **self.routing_metrics()})
             if self.index == 0:
                 await self.wait_for_final_weights()
                 await self.evaluate("final")
         finally:
-            dispatcher.cancel()
+            for task in routing:
+                task.cancel()
             self.metrics.close()
         self.bus.set(protocol.rollout_done(self.index), 1)
 
@@ -107,10 +84,13 @@ class RolloutWorker:
         self.running.add(task)
         task.add_done_callback(self.running.discard)
 
+    def routing_metrics(self) -> dict[str, float]:
+        stats = self.router.stats
+        return {"requests/resent": stats.resent, "requests/latency_p50": stats.latency_percentile(0.5),
+                "requests/latency_p99": stats.latency_percentile(0.99)}
+
     async def current_version(self) -> int:
-        """The oldest version any inference worker serves: new requests are generated with it or newer."""
-        workers = range(self.config.cluster.n_inference_workers)
-        return min([await self._bus_get(protocol.inference_version(i)) or 0 for i in workers])
+        return self.router.workers.served_version()
 
     async def admit(self) -> bool:
         """Staleness gate: admit while admitted prompts <= (version + max_head_offpolicyness + 1) * batch_size.
@@ -137,6 +117,7 @@ class RolloutWorker:
             return None
         finally:
             forwarder.cancel()
+            self.router.forget(act_queue)
             await env.close()
 
     async def run_training_episode(self, prompt: Prompt) -> None:
