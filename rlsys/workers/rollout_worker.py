@@ -2,9 +2,7 @@
 
 import asyncio
 import dataclasses
-import itertools
 import logging
-import random
 from pathlib import Path
 
 from rlsys import protocol
@@ -12,7 +10,8 @@ from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, Trajectory, ma
 from rlsys.checkpoint import read_trainer_state
 from rlsys.data.dataset import load_jsonl_dataset
 from rlsys.metrics import MetricsLogger
-from rlsys.model.tokenizer import chat_prompt_ids, load_tokenizer
+from rlsys.data.prompts import prompt_stream
+from rlsys.model.tokenizer import load_tokenizer
 from rlsys.workers.routing import EpisodeRouter
 
 log = logging.getLogger(__name__)
@@ -24,8 +23,8 @@ class RolloutWorker:
         cluster = config.cluster
         self.router = EpisodeRouter(bus, protocol.replies(index), cluster.n_inference_workers, cluster.inference_dead_after)
         self.tokenizer = load_tokenizer(config.model.path)
-        self.agent = make_agent(config.agent)
-        self.eval_agent = make_agent(_greedy(config.agent))
+        self.agents = _build_agents(config, lambda agent: agent)
+        self.eval_agents = _build_agents(config, _greedy)
         self.metrics = MetricsLogger(Path(config.logging_dir), f"rollout{index}")
         self.running: set[asyncio.Task] = set()
         self.failed = 0
@@ -35,27 +34,19 @@ class RolloutWorker:
 
     def prompts(self, path: str, tag: str, shuffle: bool):
         """Endless (training) or one-pass (evaluation) stream of this worker's share of a dataset."""
-        rows = load_jsonl_dataset(path)
-        n = self.config.cluster.n_rollout_workers
-        for epoch in itertools.count() if shuffle else [0]:
-            order = list(range(len(rows)))
-            if shuffle:
-                random.Random(self.config.seed + epoch).shuffle(order)
-            for i in order[self.index::n]:
-                if f"{tag}-{epoch}-{i}" in self.consumed:
-                    continue
-                yield Prompt(qid=f"{tag}-{epoch}-{i}", token_ids=chat_prompt_ids(self.tokenizer, rows[i]["prompt"]),
-                             data=rows[i])
+        return prompt_stream(load_jsonl_dataset(path), self.tokenizer, tag, seed=self.config.seed, shuffle=shuffle,
+                             shard=self.index, num_shards=self.config.cluster.n_rollout_workers,
+                             skip=frozenset(self.consumed))
 
     async def run(self) -> None:
         routing = [asyncio.create_task(self.router.dispatch_replies()), asyncio.create_task(self.router.watch_workers())]
         try:
+            await self.router.live_worker()  # engines take a while to start; episodes begin once one serves
             if self.index == 0:
                 await self.evaluate("initial")
             await self.train()
             self.metrics.log(await self.current_version(), {"episodes/failed": self.failed, **self.routing_metrics()})
-            if self.index == 0:
-                await self.wait_for_final_weights()
+            if self.index == 0 and await self.wait_for_final_weights():
                 await self.evaluate("final")
         finally:
             for task in routing:
@@ -105,6 +96,11 @@ class RolloutWorker:
         await asyncio.to_thread(self.bus.incr, protocol.ADMITTED, -1)
         return False
 
+    @staticmethod
+    def agent_for(prompt: Prompt, agents: dict):
+        """The agent the row names (`agent_name`, checked when the run started), else the experiment's default."""
+        return agents[prompt.data.get("agent_name")]
+
     async def run_episode(self, agent, prompt: Prompt) -> list[Trajectory] | None:
         env = make_env(self.config.env)
         obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
@@ -121,7 +117,7 @@ class RolloutWorker:
             await env.close()
 
     async def run_training_episode(self, prompt: Prompt) -> None:
-        trajectories = await self.run_episode(self.agent, prompt)
+        trajectories = await self.run_episode(self.agent_for(prompt, self.agents), prompt)
         if trajectories:
             message = {"group_id": prompt.qid, "trajectories": [t.to_dict() for t in trajectories]}
             await asyncio.to_thread(self.bus.put, protocol.TRAJECTORIES, message)
@@ -130,7 +126,7 @@ class RolloutWorker:
         """Greedy accuracy (mean final reward) on the held-out set, logged and stored on the bus."""
         version = await self.current_version()
         prompts = list(self.prompts(self.config.dataset.eval_path, "eval", shuffle=False))
-        results = await asyncio.gather(*(self.run_episode(self.eval_agent, p) for p in prompts))
+        results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p) for p in prompts))
         rewards = [t.reward for trajectories in results if trajectories for t in trajectories]
         accuracy = sum(rewards) / max(len(rewards), 1)
         result = {"accuracy": accuracy, "version": version, "episodes": len(rewards)}
@@ -139,13 +135,23 @@ class RolloutWorker:
         log.info("held-out accuracy %s (version %d): %.1f%% of %d", tag, version, 100 * accuracy, len(rewards))
         return accuracy
 
-    async def wait_for_final_weights(self) -> None:
+    async def wait_for_final_weights(self) -> bool:
+        """True once inference serves the learner's final version; False if the run is stopped first."""
         final = await self._bus_get(protocol.LEARNER_DONE)
-        while not await self._bus_get(protocol.STOP) and await self.current_version() < final:
+        while not await self._bus_get(protocol.STOP):
+            if final is not None and await self.current_version() >= final:
+                return True
             await asyncio.sleep(0.05)
+        return False
 
     async def _bus_get(self, key: str):
         return await asyncio.to_thread(self.bus.get, key)
+
+
+def _build_agents(config, variant) -> dict:
+    """The experiment's default agent (under None) and every agent a dataset row may name."""
+    abstractions = {None: config.agent, **config.agents}
+    return {name: make_agent(variant(agent)) for name, agent in abstractions.items()}
 
 
 def _greedy(agent: AgentAbstraction) -> AgentAbstraction:
