@@ -13,8 +13,9 @@ Steps, each recorded in the report so the parent can say which isolation was in 
    shows nothing of the parent (no /proc/<pid>/environ to read).
 3. The filesystem becomes a read-only view of the host (every mount remounted read-only and nosuid);
    home and temporary directories are covered by empty tmpfs (the interpreter's own prefix is bound
-   back in so Python still runs); the only writable place is /tmp, a fresh size-limited tmpfs that
-   vanishes with the namespace.
+   back in so Python still runs); the only writable place is a fresh size-limited tmpfs that
+   vanishes with the namespace (mounted at /tmp/work, inside the hidden /tmp, so an interpreter
+   that lives under /tmp stays visible).
 4. Resource limits, then (as real root) a uid/gid of its own with no supplementary groups, so the
    per-user process limit counts only this sandbox and nothing else of the host is writable by it;
    no-new-privileges so setuid binaries cannot regain root; lower CPU priority.
@@ -38,7 +39,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVA
     0x1, 0x2, 0x4, 0x8, 0x20, 0x1000, 0x4000, 0x40000)
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 0x400, 0x800, 0x200000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
-WORKDIR = "/tmp"  # inside the namespace: the sandbox's own tmpfs
+WORKDIR = "/tmp/work"  # inside the namespace: the sandbox's own tmpfs, in the (hidden) /tmp
 
 # statvfs flags of a mount that a read-only bind remount must keep (dropping a locked one is EPERM)
 KEPT_MOUNT_FLAGS = {os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC, os.ST_NOATIME: MS_NOATIME,
@@ -82,15 +83,19 @@ def write_file(path: str, text: str) -> None:
 
 def build_filesystem(config: dict, code: str, report: dict) -> None:
     """Read-only host view, hidden home/temp dirs, private writable /tmp, fresh /proc."""
+    hidden = [path for path in config["hide"] if os.path.isdir(path) and not os.path.islink(path)]
+    if os.path.dirname(WORKDIR) not in hidden:  # the work dir is made inside a hidden tmpfs, never on the host
+        raise RuntimeError(f"{os.path.dirname(WORKDIR)} must be among the hidden directories")
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates back to the host
-    exposed = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in config["expose"] if os.path.isdir(path)}
-    for path in config["hide"]:
-        if os.path.isdir(path) and not os.path.islink(path):
-            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
+    exposed = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in config["expose"]
+               if os.path.isdir(path) and any(path == h or path.startswith(h + "/") for h in hidden)}
+    for path in hidden:
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
     for path, fd in exposed.items():  # the interpreter, if it lives under a hidden directory
         os.makedirs(path, exist_ok=True)
         mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
         os.close(fd)
+    os.makedirs(WORKDIR)
     report["isolation"].append("hidden-home-and-tmp")
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     report["isolation"].append("private-proc")
@@ -108,6 +113,8 @@ def remount_read_only(report: dict) -> None:
     failed = []
     for target in mount_points():
         if target == "/proc" or target.startswith("/proc/"):
+            continue
+        if not os.path.exists(target):  # under a directory we covered: out of the program's reach anyway
             continue
         try:
             flags = os.statvfs(target).f_flag
