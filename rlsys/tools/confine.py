@@ -77,7 +77,7 @@ def enter_namespaces(report: dict) -> str:
 
 
 def write_file(path: str, text: str) -> None:
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         f.write(text)
 
 
@@ -177,7 +177,7 @@ def child(config: dict, mode: str, report: dict, status_fd: int) -> None:
     no handler for, and that includes SIGXCPU and the SIGKILL of the CPU limit.
     """
     try:
-        code = open(config["code_path"]).read()
+        code = open(config["code_path"], encoding="utf-8").read()
         if mode == "none":
             workdir = os.path.dirname(config["code_path"])
         else:

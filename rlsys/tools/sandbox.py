@@ -94,7 +94,7 @@ async def _run(code: str, limits: SandboxLimits, isolate: bool) -> SandboxResult
     report_read, report_write = os.pipe()
     process = None
     try:
-        Path(workdir, "main.py").write_text(code)
+        Path(workdir, "main.py").write_text(code, encoding="utf-8")
         config = launcher_config(Path(workdir, "main.py"), limits, isolate)
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-S", CONFINE, str(report_write), json.dumps(config),
