@@ -16,7 +16,7 @@ from rlsys.tools import sandbox
 from rlsys.tools.sandbox import SANDBOX_UIDS, SandboxLimits, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMITS = SandboxLimits(wall_seconds=4, cpu_seconds=2, memory_mb=512, max_processes=16, file_mb=4,
+LIMITS = SandboxLimits(wall_seconds=5, cpu_seconds=2, memory_mb=512, max_processes=16, file_mb=4,
                        output_bytes=4096)
 SECRET_NAME = "RLSYS_TEST_SECRET"
 

@@ -139,9 +139,11 @@ def test_python_session_keeps_variables_until_stopped_and_skips_failed_cells():
 
 def test_python_tool_reports_limits_and_truncates_output():
     async def calls():
-        tool = make_tool("python", {"limits": {"wall_seconds": 1.5}, "max_output_chars": 20, "persistent": False})
-        await tool.start()
-        return [await tool.call(code=code) for code in ["import time\ntime.sleep(10)", "print('y' * 100)"]]
+        hasty = make_tool("python", {"limits": {"wall_seconds": 1.5}, "persistent": False})
+        terse = make_tool("python", {"max_output_chars": 20})
+        await hasty.start()
+        await terse.start()
+        return await hasty.call(code="import time\ntime.sleep(10)"), await terse.call(code="print('y' * 100)")
 
     timeout, long = asyncio.run(calls())
     assert timeout.status == "timeout" and timeout.text == "[wall time limit of 1.5s exceeded; killed]"
