@@ -54,8 +54,8 @@ class MathToolsEnv(EnvironmentService):
         parsed = parse_turn(text, self.schemas)
         counts = Counter({key: 0 for key in STEP_COUNTS})
         if parsed.answer is not None:
-            verdict = await shared_pool(self.verifier_workers).check(parsed.answer, self.reference,
-                                                                     self.verify_timeout)
+            [verdict] = await shared_pool(self.verifier_workers).score([parsed.answer], self.reference,
+                                                                       self.verify_timeout)
             counts["answered"] = 1
             info = {**counts, "verify_status": verdict.status, "verify_reason": verdict.reason}
             return None, float(verdict.correct), True, False, info
