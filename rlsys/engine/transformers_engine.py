@@ -2,8 +2,8 @@
 
 All running sequences share one left-padded batch and one KV cache, so a step is a single batched
 decode forward pass, whatever the number of sequences. Sequences added between steps are prefilled
-together as a cohort (identical prompts, such as a request's n samples, once) and join the running
-batch in the same step; rows that finish or are aborted leave it. Each row has its own position ids,
+together (identical prompts, such as a request's n samples, once) and join the running batch in the
+same step, in the places that finished or aborted sequences left. Each row has its own position ids,
 so left padding moves no token and the logits equal an unpadded forward pass's to float rounding.
 
 Sampling and logprobs follow vLLM with `logprobs_mode="processed_logprobs"`: the logprob of the sampled
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
+from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
@@ -44,7 +44,7 @@ class TransformersBackend(GenerationBackend):
         self.model.to(self.device).eval()
         _require_full_attention(self.model.config)
         self.max_num_seqs, self.max_model_len = inference_cfg.max_num_seqs, inference_cfg.max_model_len
-        self.eos_token_ids = _eos_token_ids(model_path, self.model.config)
+        self.eos_token_ids = _eos_token_ids(self.model)
         self.generator = torch.Generator(self.device).manual_seed(seed)  # for sequences without a seed
         self._waiting: dict[str, _Sequence] = {}  # in arrival order
         self._running = _RunningBatch(self.max_num_seqs)
@@ -80,6 +80,7 @@ class TransformersBackend(GenerationBackend):
                                 if row.seq_id not in done], prefill, mask)
         return deltas
 
+    @torch.inference_mode()  # the cache buffers are inference tensors
     def abort(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             self._waiting.pop(seq_id, None)
@@ -227,7 +228,7 @@ class _RunningBatch:
     def next_column(self) -> tuple[Cache, torch.Tensor]:
         """A cache and attention mask over the slots in use, for a decode step that fills column `end`."""
         if self.end == self.mask.shape[1]:
-            self._relayout(len(self.mask), before=0)
+            self._relayout(len(self.mask))
         rows = len(self.slots)
         # Free slots attend to their own column too: a row that attends to nothing could turn into NaNs.
         self.mask[:rows, self.end] = 1
@@ -246,7 +247,7 @@ class _RunningBatch:
             self._allocate(prefill, slots=min(max(len(rows), 8), self.max_slots), columns=width + SPARE_COLUMNS)
             self.end = width
         elif free[-1] >= len(self.mask) or width > self.end:
-            self._relayout(max(free[-1] + 1, min(2 * len(self.mask), self.max_slots)), before=width)
+            self._relayout(max(free[-1] + 1, min(2 * len(self.mask), self.max_slots)), min_end=width)
         slots = _index(free[:len(rows)], self.mask.device)
         cache_rows = _index([cache_row for _, cache_row in rows], self.mask.device)
         columns = slice(self.end - width, self.end)
@@ -287,15 +288,15 @@ class _RunningBatch:
                        for layer in like.layers]
         self.mask = like.layers[0].keys.new_zeros(slots, columns, dtype=torch.long)
 
-    def _relayout(self, slots: int, before: int) -> None:
-        """New buffers of `slots` slots where the columns in use start at column `before`, or at 0 when
-        there are more of them; then SPARE_COLUMNS free columns."""
+    def _relayout(self, slots: int, min_end: int = 0) -> None:
+        """Copies the columns in use into new buffers of `slots` slots, ending at column `min_end` or later
+        (room on the left for a longer prompt), followed by SPARE_COLUMNS free columns."""
         rows = len(self.slots)
         occupied = _index([i for i, row in enumerate(self.slots) if row], self.mask.device)
         used = self.mask[occupied, :self.end].any(dim=0).nonzero()
         start = int(used[0]) if len(used) else self.end  # free slots lose their columns before it
         width = self.end - start
-        shift = max(before - width, 0)
+        shift = max(min_end - width, 0)
         old_keys, old_values, old_mask = self.keys, self.values, self.mask
         columns = shift + width + SPARE_COLUMNS
         self.keys = [k.new_zeros(slots, k.shape[1], columns, k.shape[3]) for k in old_keys]
@@ -335,17 +336,12 @@ def _tensors(cache: Cache) -> list[torch.Tensor]:
     return [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
 
 
-def _eos_token_ids(model_path: str, config) -> frozenset[int]:
-    """End-of-sequence ids from the model config and generation config, as vLLM reads them."""
-    ids = [config.eos_token_id]
-    try:
-        ids.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
-    except OSError:  # no generation_config.json
-        pass
-    flat = set()
-    for entry in ids:
-        flat.update(entry if isinstance(entry, list) else [entry])
-    return frozenset(flat - {None})
+def _eos_token_ids(model) -> frozenset[int]:
+    """End-of-sequence ids of the model config and of the generation config, as vLLM reads them."""
+    ids = set()
+    for entry in (model.config.eos_token_id, model.generation_config.eos_token_id):
+        ids.update(entry if isinstance(entry, list) else [entry])
+    return frozenset(ids - {None})
 
 
 def _require_full_attention(config) -> None:
