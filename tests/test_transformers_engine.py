@@ -63,7 +63,7 @@ def transformers_engine(path, **inference) -> GenerationEngine:
 
 
 def learner_logits(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
-    """The learner's logits at each of `output`'s positions (the forward pass also sees the last token)."""
+    """The learner's logits that predict each of `output`'s tokens."""
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
         return next_token_logits(model, ids, torch.ones_like(ids), temperature)[0, len(prompt) - 1:]
@@ -169,8 +169,8 @@ def test_at_most_max_num_seqs_run_at_once_and_waiting_ones_lose_nothing(model_pa
 
 def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypatch):
     """Requests of mixed lengths arrive over 100 steps into 6 places: the running batch refills freed places,
-    moves sequences into holes, makes room for a prompt longer than the batch, and runs out of columns;
-    every sampled token's logprob must still be the learner's."""
+    moves sequences into holes, makes room for a prompt longer than the batch, and runs out of columns, and
+    prompts are prefilled a few at a time; every sampled token's logprob must still be the learner's."""
     import rlsys.engine.transformers_engine as engine_module
 
     calls = Counter()
@@ -178,6 +178,16 @@ def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypa
         original = getattr(engine_module._RunningBatch, method)
         monkeypatch.setattr(engine_module._RunningBatch, method,
                             lambda self, *a, _f=original, _m=method, **k: calls.update([_m]) or _f(self, *a, **k))
+    budget = 30
+    monkeypatch.setattr(engine_module, "PREFILL_TOKENS", budget)
+    prefilled = []  # (distinct prompts, longest) of each prefill forward pass
+
+    def spied_groups(rows, _groups=engine_module._prefill_groups):
+        groups = _groups(rows)
+        prefilled.extend((len({tuple(r.token_ids) for r in g}), max(len(r.token_ids) for r in g)) for g in groups)
+        return groups
+
+    monkeypatch.setattr(engine_module, "_prefill_groups", spied_groups)
     path = str(save_random_tiny_model(tmp_path / "model"))  # untrained: rarely ends, so sequences run long
     engine = transformers_engine(path, max_num_seqs=6)
     rng = random.Random(3)
@@ -193,6 +203,8 @@ def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypa
         finished.update((out.qid, out) for out in engine.step())
         step += 1
     assert calls["_relayout"] >= 2 and calls["_fill_holes"] >= 1, f"the schedule must exercise the batch: {calls}"
+    assert all(count * longest <= budget or count == 1 for count, longest in prefilled)
+    assert max(count for count, _ in prefilled) > 1 and len(prefilled) > len(arrivals), prefilled
 
     model = load_model(path)
     for rid, (prompt, gconfig) in requests.items():

@@ -22,8 +22,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
 from rlsys.engine.weights import WEIGHTS_FILE
+from rlsys.model.tokenizer import load_tokenizer
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy, as in vLLM (dividing by them overflows)
+PREFILL_TOKENS = 8192  # padded prompt tokens per prefill forward pass: bounds its activations and mask
 SPARE_COLUMNS = 64  # free cache columns kept ahead: decode steps write into them instead of reallocating
 
 
@@ -44,7 +46,7 @@ class TransformersBackend(GenerationBackend):
         self.model.to(self.device).eval()
         _require_full_attention(self.model.config)
         self.max_num_seqs, self.max_model_len = inference_cfg.max_num_seqs, inference_cfg.max_model_len
-        self.eos_token_ids = _eos_token_ids(self.model)
+        self.eos_token_ids = _eos_token_ids(self.model, load_tokenizer(model_path))
         self.generator = torch.Generator(self.device).manual_seed(seed)  # for sequences without a seed
         self._waiting: dict[str, _Sequence] = {}  # in arrival order
         self._running = _RunningBatch(self.max_num_seqs)
@@ -70,13 +72,12 @@ class TransformersBackend(GenerationBackend):
             deltas = self._advance(self._running.sequences(), self._decode())
             # Places that finishing sequences free go to waiting ones in this same step.
             self._running.leave(_finished_ids(deltas))
-        admitted = self._admit(self._running.count)
-        if admitted:
-            prefill, mask, cache_rows, logits = self._prefill(admitted)
-            joined = self._advance(admitted, logits)
+        for rows in _prefill_groups(self._admit(self._running.count)):
+            prefill, mask, cache_rows, logits = self._prefill(rows)
+            joined = self._advance(rows, logits)
             deltas += joined
             done = _finished_ids(joined)
-            self._running.join([(row, cache_row) for row, cache_row in zip(admitted, cache_rows)
+            self._running.join([(row, cache_row) for row, cache_row in zip(rows, cache_rows)
                                 if row.seq_id not in done], prefill, mask)
         return deltas
 
@@ -165,6 +166,20 @@ class TransformersBackend(GenerationBackend):
             if row.generator is not None:
                 noise[i].exponential_(generator=row.generator)
         return (logprobs.exp() / noise).argmax(dim=-1)
+
+
+def _prefill_groups(rows: list[_Sequence]) -> list[list[_Sequence]]:
+    """`rows` in groups whose distinct prompts, left-padded to the longest, fill at most PREFILL_TOKENS (or
+    hold one prompt); shortest first, so that prompts of like length share a group and little padding."""
+    by_prompt: dict[tuple[int, ...], list[_Sequence]] = {}
+    for row in rows:
+        by_prompt.setdefault(tuple(row.token_ids), []).append(row)
+    groups: list[list[tuple[int, ...]]] = []
+    for prompt in sorted(by_prompt, key=len):
+        if not groups or (len(groups[-1]) + 1) * len(prompt) > PREFILL_TOKENS:
+            groups.append([])
+        groups[-1].append(prompt)
+    return [[row for prompt in group for row in by_prompt[prompt]] for group in groups]
 
 
 def _finished_ids(deltas: list[TokenDelta]) -> set[str]:
@@ -336,11 +351,11 @@ def _tensors(cache: Cache) -> list[torch.Tensor]:
     return [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
 
 
-def _eos_token_ids(model) -> frozenset[int]:
-    """End-of-sequence ids of the model config and of the generation config, as vLLM reads them."""
-    ids = set()
-    for entry in (model.config.eos_token_id, model.generation_config.eos_token_id):
-        ids.update(entry if isinstance(entry, list) else [entry])
+def _eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """The tokenizer's end-of-sequence token and the generation config's, where vLLM stops too."""
+    ids = {tokenizer.eos_token_id}
+    entry = model.generation_config.eos_token_id  # from the model config when there is no generation config
+    ids.update(entry if isinstance(entry, list) else [entry])
     return frozenset(ids - {None})
 
 
