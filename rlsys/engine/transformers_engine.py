@@ -46,6 +46,10 @@ class TransformersBackend(GenerationBackend):
         self.model.to(self.device).eval()
         _require_full_attention(self.model.config)
         self.max_num_seqs, self.max_model_len = inference_cfg.max_num_seqs, inference_cfg.max_model_len
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if positions is not None and self.max_model_len > positions:
+            raise ValueError(f"inference.max_model_len={self.max_model_len} is longer than the model's "
+                             f"max_position_embeddings={positions}")
         self.eos_token_ids = _eos_token_ids(self.model, load_tokenizer(model_path))
         self.generator = torch.Generator(self.device).manual_seed(seed)  # for sequences without a seed
         self._waiting: dict[str, _Sequence] = {}  # in arrival order
@@ -69,7 +73,7 @@ class TransformersBackend(GenerationBackend):
     def step(self) -> list[TokenDelta]:
         deltas = []
         if self._running.count:
-            deltas = self._advance(self._running.sequences(), self._decode())
+            deltas = self._advance(*self._decode())
             # Places that finishing sequences free go to waiting ones in this same step.
             self._running.leave(_finished_ids(deltas))
         for rows in _prefill_groups(self._admit(self._running.count)):
@@ -81,7 +85,6 @@ class TransformersBackend(GenerationBackend):
                                 if row.seq_id not in done], prefill, mask)
         return deltas
 
-    @torch.inference_mode()  # the cache buffers are inference tensors
     def abort(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             self._waiting.pop(seq_id, None)
@@ -110,16 +113,16 @@ class TransformersBackend(GenerationBackend):
         admitted = list(self._waiting)[:max(self.max_num_seqs - running, 0)]
         return [self._waiting.pop(seq_id) for seq_id in admitted]
 
-    def _decode(self) -> torch.Tensor:
-        """Feeds every running sequence its last token; returns their next-token logits [sequences, vocab]."""
+    def _decode(self) -> tuple[list[_Sequence], torch.Tensor]:
+        """Feeds every running sequence its last token; returns them and their next-token logits."""
+        cache, mask = self._running.next_column()  # may move sequences to other slots
         slots = self._running.slots
         last = torch.tensor([[row.token_ids[-1] if row else 0] for row in slots], device=self.device)
         positions = torch.tensor([[len(row.token_ids) - 1 if row else 0] for row in slots], device=self.device)
-        cache, mask = self._running.next_column()
         out = self.model(input_ids=last, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True)
-        occupied = _index([i for i, row in enumerate(slots) if row], self.device)
-        return out.logits[occupied, -1].float()
+        occupied = [i for i, row in enumerate(slots) if row]
+        return [slots[i] for i in occupied], out.logits[_index(occupied, self.device), -1].float()
 
     def _prefill(self, rows: list[_Sequence]) -> tuple[Cache, torch.Tensor, list[int], torch.Tensor]:
         """The KV cache of `rows`' prompts, each distinct prompt computed once and left-padded: the cache, its
@@ -219,7 +222,8 @@ class _RunningBatch:
 
     A decode step writes that one column in place (DynamicCache would concatenate, copying the whole
     cache every step); a joining sequence's prompt is copied into a free slot, ending at `end`; a finished
-    one frees its slot, and once a quarter of the slots are free the last sequences move into the holes.
+    one frees its slot, and when a quarter of the slots a decode step would run are free, the last
+    sequences move into the holes first.
     The buffers are copied whole only when they run out of columns (dropping the leading columns no
     sequence uses any more) or slots, or when a joining prompt is longer than `end`.
     """
@@ -237,11 +241,12 @@ class _RunningBatch:
         return sum(row is not None for row in self.slots)
 
     def sequences(self) -> list[_Sequence]:
-        """The running sequences, in slot order (the order of `next_column`'s occupied rows)."""
         return [row for row in self.slots if row is not None]
 
     def next_column(self) -> tuple[Cache, torch.Tensor]:
         """A cache and attention mask over the slots in use, for a decode step that fills column `end`."""
+        if 4 * (len(self.slots) - self.count) > len(self.slots):
+            self._fill_holes()
         if self.end == self.mask.shape[1]:
             self._relayout(len(self.mask))
         rows = len(self.slots)
@@ -279,8 +284,6 @@ class _RunningBatch:
         self.slots = [None if row is not None and row.seq_id in seq_ids else row for row in self.slots]
         while self.slots and self.slots[-1] is None:
             self.slots.pop()
-        if 4 * (len(self.slots) - self.count) > len(self.slots):
-            self._fill_holes()
 
     def _fill_holes(self) -> None:
         """Moves the last sequences into the free slots before them."""
