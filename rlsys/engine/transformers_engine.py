@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
 from rlsys.engine.weights import WEIGHTS_FILE
@@ -42,7 +43,9 @@ class _Sequence:
 class TransformersBackend(GenerationBackend):
     def __init__(self, model_path: str, inference_cfg, seed: int):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, inference_cfg.dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, inference_cfg.dtype),
+            attn_implementation=CPU_ATTENTION if self.device.type == "cpu" else "sdpa")
         self.model.to(self.device).eval()
         _require_full_attention(self.model.config)
         self.max_num_seqs, self.max_model_len = inference_cfg.max_num_seqs, inference_cfg.max_model_len
@@ -368,3 +371,18 @@ def _require_full_attention(config) -> None:
     if layer_types != {"full_attention"}:
         raise NotImplementedError(f"the transformers backend runs full-attention models only; this one has "
                                   f"layers of types {sorted(layer_types)}")
+
+
+def _grouped_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' sdpa attention, minus one copy: with a mask, it repeats the key/value heads of
+    grouped-query attention for every layer and step (copying the whole cache), where torch's CPU kernel
+    takes the groups as they are (measured 4x faster for a 256-row decode step)."""
+    causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           scale=scaling, is_causal=causal, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+CPU_ATTENTION = "rlsys_grouped_query_sdpa"  # on GPUs the kernels that take a mask want the heads repeated
+AttentionInterface.register(CPU_ATTENTION, _grouped_query_sdpa)
+AttentionMaskInterface.register(CPU_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
