@@ -48,11 +48,8 @@ class TransformersBackend(GenerationBackend):
             attn_implementation=CPU_ATTENTION if self.device.type == "cpu" else "sdpa")
         self.model.to(self.device).eval()
         _require_full_attention(self.model.config)
-        self.max_num_seqs, self.max_model_len = inference_cfg.max_num_seqs, inference_cfg.max_model_len
-        positions = getattr(self.model.config, "max_position_embeddings", None)
-        if positions is not None and self.max_model_len > positions:
-            raise ValueError(f"inference.max_model_len={self.max_model_len} is longer than the model's "
-                             f"max_position_embeddings={positions}")
+        self.max_num_seqs = inference_cfg.max_num_seqs
+        self.max_model_len = _max_model_len(inference_cfg.max_model_len, self.model.config)
         self.eos_token_ids = _eos_token_ids(self.model, load_tokenizer(model_path))
         self.generator = torch.Generator(self.device).manual_seed(seed)  # for sequences without a seed
         self._waiting: dict[str, _Sequence] = {}  # in arrival order
@@ -363,6 +360,18 @@ def _eos_token_ids(model, tokenizer) -> frozenset[int]:
     entry = model.generation_config.eos_token_id  # from the model config when there is no generation config
     ids.update(entry if isinstance(entry, list) else [entry])
     return frozenset(ids - {None})
+
+
+def _max_model_len(configured: int, config) -> int:
+    """The configured limit, or the model's own (max_position_embeddings) when it is 0, as in vLLM."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if configured and positions is not None and configured > positions:
+        raise ValueError(f"inference.max_model_len={configured} is longer than the model's "
+                         f"max_position_embeddings={positions}")
+    if not configured and positions is None:
+        raise ValueError("inference.max_model_len=0 means the model's own limit, but its config has no "
+                         "max_position_embeddings; set inference.max_model_len")
+    return configured or positions
 
 
 def _require_full_attention(config) -> None:
