@@ -96,10 +96,9 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -
     elif role == "inference":
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console for the run's own progress
         from rlsys.engine.generation import GenerationEngine
-        from rlsys.engine.vllm_engine import VLLMBackend
         from rlsys.workers.inference_worker import InferenceWorker
 
-        engine = GenerationEngine(VLLMBackend(config.model.path, config.inference, config.seed + index))
+        engine = GenerationEngine(make_backend(config.model.path, config.inference, config.seed + index))
         InferenceWorker(engine, bus, index, config.inference.max_batch_requests).run()
     elif role == "rollout":
         import asyncio
@@ -107,6 +106,17 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -
         from rlsys.workers.rollout_worker import RolloutWorker
 
         asyncio.run(RolloutWorker(config, bus, index).run())
+
+
+def make_backend(model_path: str, inference_cfg, seed: int):
+    """The generation backend `inference.engine` names."""
+    if inference_cfg.engine == "transformers":
+        from rlsys.engine.transformers_engine import TransformersBackend
+
+        return TransformersBackend(model_path, inference_cfg, seed)
+    from rlsys.engine.vllm_engine import VLLMBackend
+
+    return VLLMBackend(model_path, inference_cfg, seed)
 
 
 def _die_with_parent() -> None:

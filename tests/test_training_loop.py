@@ -216,3 +216,13 @@ def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish
     (routing,) = [r for r in read_jsonl_metrics(logs / "rollout0.jsonl") if "requests/resent" in r]
     assert routing["requests/resent"] > 0  # the dead worker's requests went to the other worker
     assert descendants_and_redis() == []
+
+
+def test_the_transformers_engine_serves_the_whole_loop(cache_dir, tmp_path):
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=4", "inference.engine=transformers"])
+    summary = launch(config)
+    steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
+    assert [(s["step"], s["version"]) for s in steps] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    assert all(s["staleness_max"] <= config.max_head_offpolicyness + 1 for s in steps)
+    assert summary["final_accuracy"] is not None and summary["initial_accuracy"] is not None
+    assert descendants_and_redis() == []
