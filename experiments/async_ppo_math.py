@@ -17,6 +17,11 @@ class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
         )
 
     @property
+    def agents(self) -> dict[str, AgentAbstraction]:
+        """Agents a dataset row may name in its `agent_name` field; rows without one use `agent`."""
+        return {self.agent.name: self.agent}
+
+    @property
     def env(self) -> EnvServiceAbstraction:
         return EnvServiceAbstraction("math-code-single-step")
 

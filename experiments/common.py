@@ -179,13 +179,19 @@ class ClusterConfig:
     """Inference worker processes."""
     n_rollout_workers: int = 1
     """Rollout worker processes."""
+    inference_dead_after: float = 3.0
+    """Seconds without a heartbeat after which an inference worker counts as dead and its requests are re-sent."""
+    max_role_restarts: int = 3
+    """Times a crashed inference worker is restarted before the run stops."""
     redis_port: int = 0
     """Port of the private Redis (loopback only); 0 picks a free one. Ignored with redis_url."""
     max_message_mb: float = 64.0
     """Largest message of one prompt's trajectories; a larger one fails its episode (invalid_output)."""
 
     def __post_init__(self):
-        check_at_least("cluster.", self, n_inference_workers=1, n_rollout_workers=1, redis_port=0)
+        check_at_least("cluster.", self, n_inference_workers=1, n_rollout_workers=1, redis_port=0, max_role_restarts=0)
+        if self.inference_dead_after <= 0:
+            raise ValueError(f"cluster.inference_dead_after must be positive, got {self.inference_dead_after}")
         if self.redis_port > 65535:
             raise ValueError(f"cluster.redis_port must be a TCP port (0 to 65535), got {self.redis_port}")
         if self.max_message_mb <= 0:
@@ -210,8 +216,8 @@ class InferenceConfig:
     """Fraction of accelerator memory vLLM may take (of host memory on CPU)."""
     max_num_seqs: int = 256
     """Most sequences the engine runs at once (one per sample: a request of n samples is n sequences)."""
-    max_model_len: int = 256
-    """Longest prompt + response, in tokens, the engine accepts."""
+    max_model_len: int = 0
+    """Longest prompt + response, in tokens, the engine accepts; 0 means the model's own limit."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes: a group's samples and an episode's earlier turns."""
     enforce_eager: bool = True
@@ -222,7 +228,7 @@ class InferenceConfig:
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"inference.engine must be one of {ENGINES}, got {self.engine!r}")
-        check_at_least("inference.", self, kv_cache_gib=1, max_num_seqs=1, max_model_len=2, max_batch_requests=1)
+        check_at_least("inference.", self, kv_cache_gib=1, max_num_seqs=1, max_model_len=0, max_batch_requests=1)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"inference.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -21,7 +21,8 @@ def prepare_assets(config, log=print) -> None:
         data.path, data.eval_path = str(train), data.eval_path or str(held_out)
     elif not data.eval_path:
         raise AssetError("dataset.eval_path is required with dataset.path: the run reports held-out accuracy")
-    train_rows, eval_rows = load_jsonl_dataset(data.path), load_jsonl_dataset(data.eval_path)
+    agent_names = list(config.agents)
+    train_rows, eval_rows = load_jsonl_dataset(data.path, agent_names), load_jsonl_dataset(data.eval_path, agent_names)
     if config.resume_from_checkpoint:
         config.model.path = config.resume_from_checkpoint
     elif not config.model.path:

@@ -60,9 +60,10 @@ def initialize_bus_state(bus, config, trainer_state: dict) -> None:
     accounting continues from the checkpoint's (a fresh run's dead letters are cleared; a resumed
     one keeps those of its earlier part)."""
     cluster = config.cluster
-    bus.delete(protocol.STOP, protocol.LEARNER_DONE, protocol.WEIGHTS, protocol.OBSERVATIONS, protocol.TRAJECTORIES,
+    bus.delete(protocol.STOP, protocol.LEARNER_DONE, protocol.WEIGHTS, protocol.TRAJECTORIES,
                *(protocol.eval_result(tag) for tag in ("initial", "final")),
-               *(protocol.inference_version(i) for i in range(cluster.n_inference_workers)),
+               *(key for i in range(cluster.n_inference_workers)
+                 for key in (protocol.generation_requests(i), protocol.inference_status(i))),
                *(key for i in range(cluster.n_rollout_workers)
                  for key in (protocol.replies(i), protocol.rollout_done(i))))
     if not trainer_state:
@@ -71,22 +72,25 @@ def initialize_bus_state(bus, config, trainer_state: dict) -> None:
     accounting.restore(bus, trainer_state.get("accounting"))
 
 
-def start_roles(config, bus_url: str, run_dir: Path) -> list[multiprocessing.Process]:
-    payload = config_to_dict(config)
+def start_roles(config, bus_url: str, run_dir: Path) -> dict[tuple[str, int], multiprocessing.Process]:
     roles = [("inference", i) for i in range(config.cluster.n_inference_workers)]
     roles += [("rollout", i) for i in range(config.cluster.n_rollout_workers)]
     roles += [("learner", 0)]
+    return {(role, index): start_role(role, index, config, bus_url, run_dir) for role, index in roles}
+
+
+def start_role(role: str, index: int, config, bus_url: str, run_dir: Path) -> multiprocessing.Process:
     ctx = multiprocessing.get_context("spawn")  # vLLM and torch do not survive fork
-    processes = [ctx.Process(target=run_role, name=f"{role}{i}", args=(role, i, payload, bus_url, str(run_dir)))
-                 for role, i in roles]
-    for p in processes:
-        p.start()
-    return processes
+    process = ctx.Process(target=run_role, name=f"{role}{index}",
+                          args=(role, index, config_to_dict(config), bus_url, str(run_dir)))
+    process.start()
+    return process
 
 
 def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -> None:
     """Entry point of every role process."""
     _die_with_parent()
+    _name_process(f"{role}{index}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}{index} %(levelname)s %(message)s")
     import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
@@ -103,10 +107,9 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -
     elif role == "inference":
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console for the run's own progress
         from rlsys.engine.generation import GenerationEngine
-        from rlsys.engine.vllm_engine import VLLMBackend
         from rlsys.workers.inference_worker import InferenceWorker
 
-        engine = GenerationEngine(VLLMBackend(config.model.path, config.inference, config.seed + index))
+        engine = GenerationEngine(make_backend(config.model.path, config.inference, config.seed + index))
         InferenceWorker(engine, bus, index, config.inference.max_batch_requests).run()
     elif role == "rollout":
         import asyncio
@@ -116,30 +119,56 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -
         asyncio.run(RolloutWorker(config, bus, index).run())
 
 
+def make_backend(model_path: str, inference_cfg, seed: int):
+    """The generation backend `inference.engine` names."""
+    if inference_cfg.engine == "transformers":
+        from rlsys.engine.transformers_engine import TransformersBackend
+
+        return TransformersBackend(model_path, inference_cfg, seed)
+    from rlsys.engine.vllm_engine import VLLMBackend
+
+    return VLLMBackend(model_path, inference_cfg, seed)
+
+
 def _die_with_parent() -> None:
     """Linux: the kernel sends SIGTERM to this process if the launcher dies, even by SIGKILL."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def supervise(processes, bus, config, report) -> None:
-    """Returns when every rollout worker finished; raises RoleFailed if any role dies first."""
+def _name_process(name: str) -> None:
+    """Linux: `ps`, `top` and psutil show the role (e.g. inference0) instead of `python`."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
+
+
+def supervise(processes: dict, bus, config, report, restart) -> None:
+    """Returns when every rollout worker finished; restarts a crashed inference worker (its requests are
+    re-sent by the routers) up to `cluster.max_role_restarts` times; raises RoleFailed otherwise."""
     done_keys = [protocol.rollout_done(i) for i in range(config.cluster.n_rollout_workers)]
+    restarts = 0
     while not all(bus.get(key) for key in done_keys):
-        for p in processes:
-            if p.exitcode not in (None, 0):  # 0: a role that finished its part (the learner, before the final eval)
-                raise RoleFailed(f"{p.name} exited with code {p.exitcode} before the run finished; see its log above")
+        for (role, index), p in processes.items():
+            if p.exitcode in (None, 0):  # 0: a role that finished its part (the learner, before the final eval)
+                continue
+            if role == "inference" and restarts < config.cluster.max_role_restarts:
+                restarts += 1
+                log.warning("%s exited with code %s; restarting it (restart %d of %d)", p.name, p.exitcode,
+                            restarts, config.cluster.max_role_restarts)
+                processes[(role, index)] = restart(role, index)
+                continue
+            raise RoleFailed(f"{p.name} exited with code {p.exitcode} before the run finished; see its log above")
         report()
         time.sleep(0.5)
 
 
-def stop_roles(bus, processes) -> None:
+def stop_roles(bus, processes: dict) -> None:
     with contextlib.suppress(Exception):
         bus.set(protocol.STOP, 1)
     deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for p in processes:
+    for p in processes.values():
         p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in processes:
+    for p in processes.values():
         if p.is_alive():
             p.kill()
             p.join()
@@ -196,8 +225,12 @@ def launch(config) -> dict:
         initialize_bus_state(bus, config, trainer_state)
         processes = start_roles(config, bus_url, run_dir)
         report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps, config.max_steps)
+
+        def restart(role: str, index: int) -> multiprocessing.Process:
+            return start_role(role, index, config, bus_url, run_dir)
+
         try:
-            supervise(processes, bus, config, report)
+            supervise(processes, bus, config, report, restart)
             report()
         finally:
             stop_roles(bus, processes)

@@ -1,6 +1,5 @@
 """The names the roles use on the bus: one place, so every role agrees on them."""
 
-OBSERVATIONS = "obs"  # queue: generation requests from rollout workers to inference workers
 TRAJECTORIES = "trajectories"  # stream: finished episodes, one entry per prompt's group, read by LEARNERS
 LEARNERS = "learners"  # the consumer group that reads TRAJECTORIES
 DEAD_LETTERS = "trajectories:dead"  # stream: trajectory messages the learner could not use, with the reason
@@ -16,9 +15,23 @@ def replies(rollout_worker: int) -> str:
     return f"act:{rollout_worker}"
 
 
-def inference_version(inference_worker: int) -> str:
-    """Key: the weight version an inference worker currently serves."""
-    return f"inference:{inference_worker}:version"
+def generation_requests(inference_worker: int) -> str:
+    """Queue of generation requests for one inference worker (routers choose the worker)."""
+    return f"inference:{inference_worker}:requests"
+
+
+def inference_status(inference_worker: int) -> str:
+    """Key: {"epoch", "beat", "version", "load"} of an inference worker, refreshed while it lives.
+
+    epoch: incremented each time a process takes this index (a restart); beat: a counter that keeps
+    moving while the worker is alive; version: the weights it serves; load: requests in its engine.
+    """
+    return f"inference:{inference_worker}:status"
+
+
+def inference_epoch(inference_worker: int) -> str:
+    """Counter: how many processes have served as this inference worker (each restart adds one)."""
+    return f"inference:{inference_worker}:epoch"
 
 
 def eval_result(tag: str) -> str:

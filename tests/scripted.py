@@ -8,7 +8,7 @@ from rlsys.api import Agent, EnvironmentService, Prompt, Trajectory
 from rlsys.bus import InProcessBus
 from rlsys.engine.scripted import Policy, ScriptedEngine
 from rlsys.workers.inference_worker import InferenceWorker
-from rlsys.workers.rollout_worker import EpisodeRouter
+from rlsys.workers.routing import EpisodeRouter
 
 EPISODE_TIMEOUT = 60.0
 
@@ -34,8 +34,8 @@ async def run_scripted_episode(agent: Agent, env: EnvironmentService, prompt: Pr
     bus = InProcessBus()
     thread = WorkerThread(InferenceWorker(engine, bus, index=0, max_batch_requests=64))
     thread.start()
-    router = EpisodeRouter(bus, protocol.replies(0))
-    dispatcher = asyncio.create_task(router.dispatch_replies())
+    router = EpisodeRouter(bus, protocol.replies(0), n_inference_workers=1)
+    routing = [asyncio.create_task(router.dispatch_replies()), asyncio.create_task(router.watch_workers())]
     obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
     forwarder = asyncio.create_task(router.forward(obs_queue, act_queue))
     episode = asyncio.create_task(agent.collect_trajectory(prompt, env, obs_queue, act_queue))
@@ -51,7 +51,8 @@ async def run_scripted_episode(agent: Agent, env: EnvironmentService, prompt: Pr
     finally:
         episode.cancel()
         forwarder.cancel()
-        dispatcher.cancel()
+        for task in routing:
+            task.cancel()
         await env.close()
         bus.set(protocol.STOP, 1)
         await asyncio.to_thread(thread.join, 5)

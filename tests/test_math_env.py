@@ -12,7 +12,7 @@ import pytest
 
 import rlsys.impl.env  # noqa: F401  (registers the environments)
 from rlsys.api import EnvServiceAbstraction, make_env
-from rlsys.impl.env.math_verifier import Verdict, VerifierPool, check_answer, close_shared_pool
+from rlsys.impl.env.math_verifier import Verdict, VerifierPool, check_answer, close_shared_pool, plain_number_verdict
 
 HANG, CRASH, RAISE = "<hang>", "<crash>", "<raise>"
 
@@ -49,6 +49,17 @@ def test_wrong_answers_are_incorrect(pool):
     verdicts = score(pool, ["58", "\\boxed{56}", "-57", "The answer is 5 7/10"])
     assert [v.correct for v in verdicts] == [False] * 4
     assert {v.status for v in verdicts} == {"ok"}
+
+
+@pytest.mark.parametrize("answer,reference,fast", [
+    ("46", "46", True), (" 46 ", "46", True), ("46.0", "46", True), ("046", "46", True), ("45", "46", True),
+    ("-46", "46", True), ("0.5", "0.50", True), ("1.25", "1.2", True), ("+46", "46", False), ("100", "1e2", False),
+    ("46", "46/1", False), ("4 6", "46", False), ("46.", "46", False), ("\\boxed{46}", "46", False)])
+def test_plain_number_fast_path_agrees_with_math_verify(answer, reference, fast):
+    verdict = plain_number_verdict(answer, reference)
+    assert (verdict is not None) == fast
+    if fast:
+        assert verdict == check_answer(answer, reference)
 
 
 def test_malformed_answers_are_incorrect_not_errors(pool):

@@ -1,8 +1,9 @@
 """The default task: two-digit addition, generated and seeded, with a disjoint held-out split."""
 
-import json
 import random
 from pathlib import Path
+
+from rlsys.data.dataset import write_jsonl
 
 
 def addition_problems(seed: int) -> list[dict]:
@@ -10,13 +11,6 @@ def addition_problems(seed: int) -> list[dict]:
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 100) for b in range(10, 100)]
     random.Random(seed).shuffle(rows)
     return rows
-
-
-def write_jsonl(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tmp.rename(path)  # atomic: a reader never sees half a file
 
 
 def generate_addition_dataset(directory: Path, seed: int, num_train: int, num_eval: int) -> tuple[Path, Path]:

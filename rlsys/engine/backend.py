@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SamplingSettings:
-    """How one sequence is sampled. Logprobs are of the sampled token after temperature, before top-p/top-k,
-    which is what the learner recomputes."""
+    """How one sequence is sampled. Logprobs are of the sampled token after temperature, which is what the
+    learner recomputes. With top-p or top-k on, vLLM's logprobs are of the truncated, renormalised
+    distribution (vLLM has no mode between), the transformers backend's of the full one: the learner's
+    ratio then starts away from 1 on vLLM, and `ppo.decoupled_loss=true` is the objective that fits."""
 
     max_tokens: int
     temperature: float = 1.0  # 0 is greedy

@@ -24,7 +24,7 @@ class VLLMBackend(GenerationBackend):
         from vllm import LLM
 
         self.llm = LLM(
-            model=model_path, dtype=inference_cfg.dtype, seed=seed, max_model_len=inference_cfg.max_model_len,
+            model=model_path, dtype=inference_cfg.dtype, seed=seed, max_model_len=inference_cfg.max_model_len or None,
             gpu_memory_utilization=inference_cfg.gpu_memory_utilization, max_num_seqs=inference_cfg.max_num_seqs,
             enforce_eager=inference_cfg.enforce_eager, enable_prefix_caching=inference_cfg.enable_prefix_caching,
             # Logprobs after temperature, as the learner recomputes them, so the PPO ratio starts at 1.

@@ -36,6 +36,24 @@ def chat_prompt_ids(tokenizer, user_text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def continuation_ids(tokenizer, role: str, content: str) -> list[int]:
+    """Token ids that follow an assistant turn ending in eos: one more message, then the assistant's prompt.
+
+    Rendered by the chat template after a stand-in exchange and cut right after that exchange's eos, so
+    whatever a template puts between an assistant's eos and the next message (Qwen's newline) is kept
+    rather than silently dropped at every turn boundary.
+    """
+    exchange = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+    before = tokenizer.apply_chat_template(exchange, tokenize=False)
+    after = tokenizer.apply_chat_template(exchange + [{"role": role, "content": content}], add_generation_prompt=True,
+                                          tokenize=False)
+    if not after.startswith(before):
+        raise ValueError("this chat template renders earlier messages differently once a message follows them")
+    eos = tokenizer.eos_token
+    cut = before.rindex(eos) + len(eos) if eos and eos in before else len(before)
+    return tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
+
+
 @lru_cache(maxsize=8)
 def load_tokenizer(path: str):
     """One tokenizer per path and process: every episode of a worker shares it."""

@@ -1,39 +1,98 @@
-"""The inference worker: drains generation requests from the bus into batched engine calls."""
+"""The inference worker: keeps its engine full with the requests routed to it, and serves the newest weights.
+
+Continuous batching: between two engine steps the worker takes whatever requests arrived and adds them
+to the running batch, so a request never waits for another to finish. Weight updates interrupt the batch
+(see GenerationEngine.update_weights). A heartbeat thread publishes the worker's status (epoch, a beat
+counter, the version it serves, its load) so that routers can pick the least loaded worker, notice a dead
+one and re-send its requests elsewhere.
+"""
 
 import logging
-from collections import defaultdict
+import threading
+import time
 
 from rlsys import protocol
 from rlsys.api import GenerationConfig
+from rlsys.engine.generation import GenerationEngine
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT = 0.02  # seconds an idle worker blocks on its queue before checking for weights and stop
+CONTROL_INTERVAL = 0.02  # while busy, how often the worker checks for new weights and the stop flag
+HEARTBEAT_INTERVAL = 0.1
+
 
 class InferenceWorker:
-    def __init__(self, engine, bus, index: int, max_batch_requests: int):
+    def __init__(self, engine: GenerationEngine, bus, index: int, max_batch_requests: int):
         self.engine, self.bus, self.index = engine, bus, index
         self.max_batch_requests = max_batch_requests
-        self.bus.set(protocol.inference_version(index), engine.version)
+        self.reply_to: dict[str, str] = {}  # request id -> the router's reply queue
+        self.queue = protocol.generation_requests(index)
+        self.epoch = 0
+        self._stopping = threading.Event()
+        self._next_control = 0.0
 
     def run(self) -> None:
-        while not self.bus.get(protocol.STOP):
-            self.load_newest_weights()
-            requests = self.bus.get_many(protocol.OBSERVATIONS, self.max_batch_requests, timeout=0.05)
-            if requests:
-                self.serve(requests)
+        self.load_newest_weights()
+        self.start_epoch()
+        heartbeat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+        heartbeat.start()
+        try:
+            while not self._control():
+                self.take_requests(timeout=0.0 if self.engine.in_flight else IDLE_WAIT)
+                if self.engine.in_flight:
+                    self.reply(self.engine.step())
+        finally:
+            self._stopping.set()
+            heartbeat.join()
+
+    def start_epoch(self) -> None:
+        """A new process on this index: whatever a dead predecessor left queued is re-sent by the routers."""
+        self.bus.delete(self.queue)
+        self.epoch = self.bus.incr(protocol.inference_epoch(self.index))
+        self.publish_status(beat=0)
+        log.info("inference worker %d ready (epoch %d, version %d)", self.index, self.epoch, self.engine.version)
+
+    def _control(self) -> bool:
+        """Every CONTROL_INTERVAL: load new weights; True once the run is stopping."""
+        now = time.monotonic()
+        if now < self._next_control:
+            return False
+        self._next_control = now + CONTROL_INTERVAL
+        if self.bus.get(protocol.STOP):
+            return True
+        self.load_newest_weights()
+        return False
 
     def load_newest_weights(self) -> None:
-        """Between engine calls, so every token of a request comes from one version (and says which)."""
         published = self.bus.get(protocol.WEIGHTS)
         if published and published["version"] > self.engine.version:
-            self.engine.update_weights(published["path"], published["version"])
-            self.bus.set(protocol.inference_version(self.index), self.engine.version)
+            interrupted = self.engine.update_weights(published["path"], published["version"])
+            if interrupted:
+                log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
 
-    def serve(self, requests: list[dict]) -> None:
-        batch = [(r["rid"], r["token_ids"], GenerationConfig.from_dict(r["gconfig"])) for r in requests]
-        outputs = self.engine.generate(batch)
-        by_reply_queue = defaultdict(list)
-        for request, output in zip(requests, outputs):
-            by_reply_queue[request["reply_to"]].append(output.to_dict())
-        for queue, messages in by_reply_queue.items():
+    def take_requests(self, timeout: float) -> None:
+        for request in self.bus.get_many(self.queue, self.max_batch_requests, timeout):
+            self.reply_to[request["rid"]] = request["reply_to"]
+            self.engine.add_request(request["rid"], request["token_ids"], GenerationConfig.from_dict(request["gconfig"]))
+
+    def reply(self, outputs) -> None:
+        by_queue: dict[str, list[dict]] = {}
+        for output in outputs:
+            by_queue.setdefault(self.reply_to.pop(output.qid), []).append(output.to_dict())
+        for queue, messages in by_queue.items():
             self.bus.put_many(queue, messages)
+
+    def publish_status(self, beat: int) -> None:
+        self.bus.set(protocol.inference_status(self.index), {
+            "epoch": self.epoch, "beat": beat, "version": self.engine.version, "load": self.engine.in_flight})
+
+    def _heartbeat(self) -> None:
+        """On its own thread, so a long engine step never makes a live worker look dead."""
+        beat = 0
+        while not self._stopping.wait(HEARTBEAT_INTERVAL):
+            beat += 1
+            try:
+                self.publish_status(beat)
+            except Exception:  # the bus may be briefly unreachable; the next beat tries again
+                log.warning("heartbeat failed", exc_info=True)

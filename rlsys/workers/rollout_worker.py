@@ -3,56 +3,31 @@
 import asyncio
 import collections
 import dataclasses
-import itertools
 import logging
-import random
-import uuid
 from pathlib import Path
 
 from rlsys import accounting, protocol
-from rlsys.api import (AgentAbstraction, GenerationConfig, GenerationOutput, Prompt, Trajectory, make_agent,
-                       make_env)
+from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent, make_env
 from rlsys.checkpoint import read_trainer_state
 from rlsys.data.dataset import load_jsonl_dataset
+from rlsys.data.prompts import prompt_stream
 from rlsys.delivery import InvalidMessage, group_message
 from rlsys.metrics import MetricsLogger
-from rlsys.model.tokenizer import chat_prompt_ids, load_tokenizer
+from rlsys.model.tokenizer import load_tokenizer
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
+from rlsys.workers.routing import EpisodeRouter
 
 log = logging.getLogger(__name__)
-
-
-class EpisodeRouter:
-    """Sends each episode's requests to the inference workers and routes replies to its act_queue."""
-
-    def __init__(self, bus, reply_queue: str):
-        self.bus, self.reply_queue = bus, reply_queue
-        self.waiting: dict[str, tuple[str, asyncio.Queue]] = {}  # request id -> (agent's qid, act_queue)
-
-    async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> None:
-        while True:
-            qid, token_ids, gconfig = await obs_queue.get()
-            rid = uuid.uuid4().hex  # agents may reuse a qid across turns; request ids never repeat
-            self.waiting[rid] = (qid, act_queue)
-            request = {"rid": rid, "token_ids": list(token_ids), "gconfig": gconfig.to_dict(),
-                       "reply_to": self.reply_queue}
-            await asyncio.to_thread(self.bus.put, protocol.OBSERVATIONS, request)
-
-    async def dispatch_replies(self) -> None:
-        while True:
-            for message in await asyncio.to_thread(self.bus.get_many, self.reply_queue, 4096, 0.1):
-                qid, act_queue = self.waiting.pop(message["qid"], (None, None))
-                if act_queue is not None:  # None: the episode was cancelled while its request ran
-                    act_queue.put_nowait(dataclasses.replace(GenerationOutput.from_dict(message), qid=qid))
 
 
 class RolloutWorker:
     def __init__(self, config, bus, index: int):
         self.config, self.bus, self.index = config, bus, index
-        self.router = EpisodeRouter(bus, protocol.replies(index))
+        cluster = config.cluster
+        self.router = EpisodeRouter(bus, protocol.replies(index), cluster.n_inference_workers, cluster.inference_dead_after)
         self.tokenizer = load_tokenizer(config.model.path)
-        self.agent = make_agent(config.agent)
-        self.eval_agent = make_agent(_greedy(config.agent))
+        self.agents = _build_agents(config, lambda agent: agent)
+        self.eval_agents = _build_agents(config, _greedy)
         self.metrics = MetricsLogger(Path(config.logging_dir), f"rollout{index}")
         self.running: set[asyncio.Task] = set()
         self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
@@ -62,32 +37,25 @@ class RolloutWorker:
 
     def prompts(self, path: str, tag: str, shuffle: bool):
         """Endless (training) or one-pass (evaluation) stream of this worker's share of a dataset."""
-        rows = load_jsonl_dataset(path)
-        n = self.config.cluster.n_rollout_workers
-        for epoch in itertools.count() if shuffle else [0]:
-            order = list(range(len(rows)))
-            if shuffle:
-                random.Random(self.config.seed + epoch).shuffle(order)
-            for i in order[self.index::n]:
-                if f"{tag}-{epoch}-{i}" in self.consumed:
-                    continue
-                yield Prompt(qid=f"{tag}-{epoch}-{i}", token_ids=chat_prompt_ids(self.tokenizer, rows[i]["prompt"]),
-                             data=rows[i])
+        return prompt_stream(load_jsonl_dataset(path), self.tokenizer, tag, seed=self.config.seed, shuffle=shuffle,
+                             shard=self.index, num_shards=self.config.cluster.n_rollout_workers,
+                             skip=frozenset(self.consumed))
 
     async def run(self) -> None:
-        dispatcher = asyncio.create_task(self.router.dispatch_replies())
+        routing = [asyncio.create_task(self.router.dispatch_replies()), asyncio.create_task(self.router.watch_workers())]
         try:
+            await self.router.live_worker()  # engines take a while to start; episodes begin once one serves
             if self.index == 0:
                 await self.evaluate("initial")
             await self.train()
             self.metrics.log(await self.current_version(), {
                 "episodes/failed": sum(self.failures.values()),
-                **{f"episodes/failed/{reason}": n for reason, n in self.failures.items()}})
-            if self.index == 0:
-                await self.wait_for_final_weights()
+                **{f"episodes/failed/{reason}": n for reason, n in self.failures.items()}, **self.routing_metrics()})
+            if self.index == 0 and await self.wait_for_final_weights():
                 await self.evaluate("final")
         finally:
-            dispatcher.cancel()
+            for task in routing:
+                task.cancel()
             self.metrics.close()
         self.bus.set(protocol.rollout_done(self.index), 1)
 
@@ -112,10 +80,13 @@ class RolloutWorker:
         self.running.add(task)
         task.add_done_callback(self.running.discard)
 
+    def routing_metrics(self) -> dict[str, float]:
+        stats = self.router.stats
+        return {"requests/resent": stats.resent, "requests/latency_p50": stats.latency_percentile(0.5),
+                "requests/latency_p99": stats.latency_percentile(0.99)}
+
     async def current_version(self) -> int:
-        """The oldest version any inference worker serves: new requests are generated with it or newer."""
-        workers = range(self.config.cluster.n_inference_workers)
-        return min([await self._bus_get(protocol.inference_version(i)) or 0 for i in workers])
+        return self.router.workers.served_version()
 
     async def admit(self) -> bool:
         """Staleness gate: admit while admitted prompts <= (version + max_head_offpolicyness + 1) * batch_size.
@@ -129,6 +100,11 @@ class RolloutWorker:
             return True
         await asyncio.to_thread(self.bus.incr, protocol.ADMITTED, -1)
         return False
+
+    @staticmethod
+    def agent_for(prompt: Prompt, agents: dict):
+        """The agent the row names (`agent_name`, checked when the run started), else the experiment's default."""
+        return agents[prompt.data.get("agent_name")]
 
     async def run_episode(self, agent, prompt: Prompt) -> list[Trajectory]:
         """The agent's trajectories; EpisodeFailed (logged in one line and counted) if the env or agent failed."""
@@ -145,6 +121,7 @@ class RolloutWorker:
             raise self.failed(prompt, EpisodeFailed("agent_error", describe_exception(e))) from None
         finally:
             forwarder.cancel()
+            self.router.forget(act_queue)
             if env is not None:
                 await self.close_env(env, prompt)
 
@@ -168,7 +145,7 @@ class RolloutWorker:
             await asyncio.to_thread(self.bus.incr, protocol.ADMITTED, -1)
             return
         try:
-            trajectories = await self.run_episode(self.agent, prompt)
+            trajectories = await self.run_episode(self.agent_for(prompt, self.agents), prompt)
             message = self.trajectory_message(prompt, trajectories)
         except EpisodeFailed as failure:
             await asyncio.to_thread(accounting.settle_untrained, self.bus, prompt.qid, accounting.failed(failure.reason))
@@ -185,7 +162,8 @@ class RolloutWorker:
         """Greedy accuracy (mean final reward) on the held-out set, logged and stored on the bus."""
         version = await self.current_version()
         prompts = list(self.prompts(self.config.dataset.eval_path, "eval", shuffle=False))
-        results = await asyncio.gather(*(self.run_episode(self.eval_agent, p) for p in prompts), return_exceptions=True)
+        results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p) for p in prompts),
+                                       return_exceptions=True)
         for result in results:
             if not isinstance(result, (list, EpisodeFailed)):
                 raise result  # not an episode's failure (already counted): a bug or a cancellation
@@ -197,13 +175,23 @@ class RolloutWorker:
         log.info("held-out accuracy %s (version %d): %.1f%% of %d", tag, version, 100 * accuracy, len(rewards))
         return accuracy
 
-    async def wait_for_final_weights(self) -> None:
+    async def wait_for_final_weights(self) -> bool:
+        """True once inference serves the learner's final version; False if the run is stopped first."""
         final = await self._bus_get(protocol.LEARNER_DONE)
-        while not await self._bus_get(protocol.STOP) and await self.current_version() < final:
+        while not await self._bus_get(protocol.STOP):
+            if final is not None and await self.current_version() >= final:
+                return True
             await asyncio.sleep(0.05)
+        return False
 
     async def _bus_get(self, key: str):
         return await asyncio.to_thread(self.bus.get, key)
+
+
+def _build_agents(config, variant) -> dict:
+    """The experiment's default agent (under None) and every agent a dataset row may name."""
+    abstractions = {None: config.agent, **config.agents}
+    return {name: make_agent(variant(agent)) for name, agent in abstractions.items()}
 
 
 def _greedy(agent: AgentAbstraction) -> AgentAbstraction:

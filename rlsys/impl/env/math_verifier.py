@@ -14,9 +14,11 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Callable
 
 from math_verify import parse, verify
@@ -43,6 +45,21 @@ def check_answer(answer: str, reference: str) -> Verdict:
     if not predicted:
         return Verdict(False, "unparsable", "answer has no math expression")
     return Verdict(bool(verify(gold, predicted)), "ok")
+
+
+PLAIN_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?")  # math-verify reads "+46" as no number; so do we
+
+
+def plain_number_verdict(answer: str, reference: str) -> Verdict | None:
+    """The verdict for two plain decimal numbers (what math-verify would say, without sympy); else None.
+
+    Most answers to arithmetic and word problems are plain numbers: deciding those in-process keeps the
+    worker pool, and the core it costs, for the answers that need a real check.
+    """
+    answer, reference = answer.strip(), reference.strip()
+    if PLAIN_NUMBER.fullmatch(answer) and PLAIN_NUMBER.fullmatch(reference):
+        return Verdict(Decimal(answer) == Decimal(reference), "ok")
+    return None
 
 
 def resolve(path: str) -> Callable[[str, str], Verdict]:
@@ -140,8 +157,18 @@ class VerifierPool:
         return await loop.run_in_executor(self._threads, self.check_blocking, answer, reference, timeout)
 
     async def score(self, answers: list[str], reference: str, timeout: float) -> list[Verdict]:
-        """One verdict per answer, in order; `timeout` is per check, counted from when a worker takes it."""
-        return list(await asyncio.gather(*(self.check(a, reference, timeout) for a in answers)))
+        """One verdict per answer, in order; `timeout` is per check, counted from when a worker takes it.
+
+        With the default check, plain numbers are compared in-process (plain_number_verdict).
+        """
+        if self.closed:
+            raise RuntimeError("VerifierPool is closed")
+
+        async def verdict(answer: str) -> Verdict:
+            fast = plain_number_verdict(answer, reference) if self.check_path == DEFAULT_CHECK else None
+            return fast or await self.check(answer, reference, timeout)
+
+        return list(await asyncio.gather(*(verdict(a) for a in answers)))
 
     def check_blocking(self, answer: str, reference: str, timeout: float) -> Verdict:
         worker = self._idle.get()

@@ -1,0 +1,172 @@
+"""Rollout throughput: generated tokens per second through the whole rollout path vs the engine alone.
+
+    python3 bench/rollout_throughput.py [--episodes 640] [--concurrency 64] [--repeats 3]
+
+Same prompts (the default run's training set, in the rollout worker's order) and settings (the default
+experiment: math-single-step, 8 samples per prompt, up to 8 new tokens, temperature 1) on both sides:
+
+- engine alone: a GenerationEngine on vLLM in this process, `concurrency` requests kept in flight;
+- full path: a private Redis, inference worker process(es) and a real rollout worker process running
+  `concurrency` episodes at once (agent, math env, episode router, bus); trajectories are read off the bus.
+
+Windows of `episodes` finished requests (engine) or episodes (full path) alternate, `repeats` times each,
+after a warm-up with the pipeline full. While the engine alone is timed, the full path is paused by
+closing its admission gate, so the two never share the machine; the ratio is of the medians. The last
+line is the headline: the full path's throughput with one inference worker over the engine's.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlsys import protocol  # noqa: E402
+from rlsys.assets import prepare_assets  # noqa: E402
+from rlsys.bus import EmbeddedRedis, connect  # noqa: E402
+from rlsys.cli import parse_config  # noqa: E402
+from rlsys.data.dataset import load_jsonl_dataset, write_jsonl  # noqa: E402
+from rlsys.data.prompts import prompt_stream  # noqa: E402
+from rlsys.launcher import initialize_bus_state, start_role, stop_roles  # noqa: E402
+from rlsys.metrics import read_jsonl_metrics  # noqa: E402
+from rlsys.model.tokenizer import load_tokenizer  # noqa: E402
+
+WARM_UP_EPISODES = 64
+EVAL_ROWS = 16  # the rollout worker evaluates before it trains; a small held-out file keeps that short
+GATE_CLOSED = 10**15  # an admitted-prompt count no staleness limit allows
+
+
+class EngineAlone:
+    """The engine with `concurrency` requests in flight, fed from the same prompt stream as the rollout worker."""
+
+    def __init__(self, config, concurrency: int):
+        from rlsys.engine.generation import GenerationEngine
+        from rlsys.engine.vllm_engine import VLLMBackend
+
+        self.engine = GenerationEngine(VLLMBackend(config.model.path, config.inference, config.seed))
+        rows = load_jsonl_dataset(config.dataset.path)
+        self.prompts = prompt_stream(rows, load_tokenizer(config.model.path), "train", seed=config.seed, shuffle=True)
+        self.gconfig, self.concurrency = config.agent.args["gconfig"], concurrency
+
+    def generated_tokens(self, requests: int) -> int:
+        """Runs until `requests` more requests finished, refilling as they finish; their generated tokens."""
+        finished = tokens = 0
+        while finished < requests:
+            while self.engine.in_flight < self.concurrency:
+                prompt = next(self.prompts)
+                self.engine.add_request(prompt.qid, prompt.token_ids, self.gconfig)
+            for output in self.engine.step():
+                finished += 1
+                tokens += sum(len(ids) for ids in output.output_ids)
+        return tokens
+
+
+class FullPath:
+    """A private Redis, inference worker(s) and a rollout worker; paused and resumed through the admission gate."""
+
+    def __init__(self, config, n_workers: int, concurrency: int, run_dir: Path):
+        self.config = dataclasses.replace(config, max_concurrent_rollouts=concurrency, max_head_offpolicyness=10**9,
+                                          logging_dir=str(run_dir / "logs"))
+        self.config.cluster = dataclasses.replace(config.cluster, n_inference_workers=n_workers)
+        self.run_dir, self.n_workers = run_dir, n_workers
+
+    @contextlib.contextmanager
+    def running(self):
+        with EmbeddedRedis(self.run_dir / "redis") as server:
+            self.bus = connect(server.url)
+            initialize_bus_state(self.bus, self.config, start_version=0)
+            self.bus.set(protocol.ADMITTED, GATE_CLOSED)
+            roles = [("inference", i) for i in range(self.n_workers)] + [("rollout", 0)]
+            processes = {(role, i): start_role(role, i, self.config, server.url, self.run_dir) for role, i in roles}
+            try:
+                yield self
+            finally:
+                stop_roles(self.bus, processes)
+                self.bus.close()
+
+    def generated_tokens(self, episodes: int) -> int:
+        """Opens the gate, waits for `episodes` episodes, closes it and waits until the path is idle."""
+        self.bus.set(protocol.ADMITTED, 0)
+        tokens = sum(self.take_episode() for _ in range(episodes))
+        self.bus.set(protocol.ADMITTED, GATE_CLOSED)
+        return tokens
+
+    def take_episode(self) -> int:
+        while not (messages := self.bus.get_many(protocol.TRAJECTORIES, 1, timeout=60)):
+            pass
+        return sum(sum(t["loss_mask"]) for t in messages[0]["trajectories"])
+
+    def drain(self) -> None:
+        """Waits until every admitted episode has finished, then drops what they produced."""
+        while any((self.bus.get(protocol.inference_status(i)) or {"load": 1})["load"] for i in range(self.n_workers)):
+            time.sleep(0.05)
+        time.sleep(0.5)  # the last replies reach their episodes, which finish and post trajectories
+        self.bus.delete(protocol.TRAJECTORIES)
+
+    def latencies(self) -> tuple[float, float]:
+        (routing,) = [r for r in read_jsonl_metrics(self.run_dir / "logs" / "rollout0.jsonl") if "requests/resent" in r]
+        return routing["requests/latency_p50"], routing["requests/latency_p99"]
+
+
+def tokens_per_second(measure, units: int) -> float:
+    started = time.perf_counter()
+    tokens = measure(units)
+    return tokens / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--episodes", type=int, default=640, help="timed episodes (requests) per window")
+    parser.add_argument("--concurrency", type=int, default=64, help="episodes (requests) in flight")
+    parser.add_argument("--repeats", type=int, default=3, help="windows per side")
+    parser.add_argument("--out", default="bench/results/rollout_throughput.json")
+    args = parser.parse_args()
+
+    config = parse_config([])
+    prepare_assets(config)
+    results: dict[str, dict] = {}
+    engine_rates: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        config.dataset.eval_path = str(write_jsonl(load_jsonl_dataset(config.dataset.eval_path)[:EVAL_ROWS],
+                                                   tmp / "eval.jsonl"))
+        alone = EngineAlone(config, args.concurrency)
+        alone.generated_tokens(WARM_UP_EPISODES)
+        for n_workers in (1, 2):
+            with FullPath(config, n_workers, args.concurrency, tmp / f"run{n_workers}").running() as path:
+                path.generated_tokens(WARM_UP_EPISODES)
+                path.drain()
+                rates = []
+                for _ in range(args.repeats):
+                    engine_rates.append(tokens_per_second(alone.generated_tokens, args.episodes))
+                    rates.append(tokens_per_second(path.generated_tokens, args.episodes))
+                    path.drain()
+            p50, p99 = path.latencies()
+            results[f"full path, {n_workers} inference worker(s)"] = {
+                "tokens_per_second": statistics.median(rates), "windows": rates, "latency_p50": p50, "latency_p99": p99}
+    results["engine alone"] = {"tokens_per_second": statistics.median(engine_rates), "windows": engine_rates}
+
+    reference = results["engine alone"]["tokens_per_second"]
+    ratios = {n: results[f"full path, {n} inference worker(s)"]["tokens_per_second"] / reference for n in (1, 2)}
+    print(f"windows of {args.episodes} episodes, {args.concurrency} in flight, {args.repeats} per side, default tiny "
+          f"model, {config.group_size} samples x up to {config.gen.max_new_tokens} tokens each")
+    print(f"{'path':<34} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}   windows")
+    for name, row in results.items():
+        p50, p99 = (f"{1000 * row[k]:8.1f}" if k in row else f"{'-':>8}" for k in ("latency_p50", "latency_p99"))
+        windows = " ".join(f"{rate:.0f}" for rate in row["windows"])
+        print(f"{name:<34} {row['tokens_per_second']:>9.0f} {p50} {p99}   {windows}")
+    print(f"ratio with 2 inference workers: {ratios[2]:.3f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "ratio_1_worker": ratios[1],
+                                          "ratio_2_workers": ratios[2]}, indent=2))
+    print(f"ratio: {ratios[1]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Asynchronous PPO on math problems the model may solve with a calculator and a Python sandbox.
+
+Picks the `tool-calling` agent and the `math-tools` environment; the call format is documented in
+`rlsys/tools/call_format.py`. The tiny default model has 256 positions: with it, set
+`tool_instructions=false` (the tool list alone fills most of them) or point `model.path` at a real model.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from experiments.async_ppo_math import AsyncPPOMATHConfig
+from experiments.common import GenerationHyperparameters
+from experiments.registry import register_experiment
+from rlsys.api import AgentAbstraction, EnvServiceAbstraction
+from rlsys.tools.sandbox import SandboxLimits
+
+
+@dataclass
+class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
+    max_turns: int = 4
+    """Model turns per episode; each turn may call tools or answer."""
+    max_total_tokens: int = 1024
+    """Token budget of an episode (prompt, turns and tool responses); capped at inference.max_model_len."""
+    tool_instructions: bool = True
+    """Start with a system message describing the call format and the tools."""
+    tools: list[str] = field(default_factory=lambda: ["calculator", "python"])
+    """Tools offered to the model, by registered name."""
+    python_persistent: bool = True
+    """python tool: variables persist across the calls of an episode (earlier cells re-run silently)."""
+    python_isolate: bool = True
+    """python tool: confine the sandbox with namespaces where the machine allows; false keeps only the limits."""
+    tool_output_chars: int = 1024
+    """Longest tool response the model reads; the rest is cut."""
+    tool_timeout: float = 30.0
+    """Backstop deadline of any one tool call, in seconds (the sandbox's own limits come first)."""
+    max_calls_per_turn: int = 4
+    """Tool calls run per turn; further calls get an error response."""
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)
+    gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=256))
+
+    @property
+    def agent(self) -> AgentAbstraction:
+        return AgentAbstraction("tool-calling", args=dict(
+            gconfig=self.gen.generation_config(n=self.group_size), tokenizer_path=self.model.path,
+            max_turns=self.max_turns, max_total_tokens=min(self.max_total_tokens, self.inference.max_model_len),
+            use_instructions=self.tool_instructions))
+
+    @property
+    def env(self) -> EnvServiceAbstraction:
+        python = dict(limits=dataclasses.asdict(self.sandbox), persistent=self.python_persistent,
+                      max_output_chars=self.tool_output_chars, isolate=self.python_isolate)
+        return EnvServiceAbstraction("math-tools", args=dict(
+            tools={name: python if name == "python" else {} for name in self.tools},
+            tool_timeout=self.tool_timeout, max_calls_per_turn=self.max_calls_per_turn,
+            max_response_chars=self.tool_output_chars))
+
+
+register_experiment("async-ppo-math-tools", AsyncPPOMATHToolsConfig)

@@ -1,0 +1,25 @@
+"""Prompt streams over a dataset: reshuffled every epoch, split across rollout workers, resumable."""
+
+import itertools
+import random
+from collections.abc import Iterator
+
+from rlsys.api import Prompt
+from rlsys.model.tokenizer import chat_prompt_ids
+
+
+def prompt_stream(rows: list[dict], tokenizer, tag: str, *, seed: int, shuffle: bool, shard: int = 0,
+                  num_shards: int = 1, skip: frozenset[str] = frozenset()) -> Iterator[Prompt]:
+    """Endless (shuffle=True: a new order per epoch) or one-pass stream of shard `shard`'s rows.
+
+    Prompt ids are `{tag}-{epoch}-{row}`, the same in every process and run, so `skip` (the ids a
+    resumed run already trained) keeps a prompt from being trained twice.
+    """
+    for epoch in itertools.count() if shuffle else [0]:
+        order = list(range(len(rows)))
+        if shuffle:
+            random.Random(seed + epoch).shuffle(order)
+        for i in order[shard::num_shards]:
+            qid = f"{tag}-{epoch}-{i}"
+            if qid not in skip:
+                yield Prompt(qid=qid, token_ids=chat_prompt_ids(tokenizer, rows[i]["prompt"]), data=rows[i])

@@ -1,0 +1,127 @@
+"""`tool-calling`: the model works in turns, calling tools through the environment, until it answers.
+
+Each of the group's `gconfig.n` samples is an independent chain of turns (its own requests, its own
+tool state in the environment). A chain's trajectory is the prompt, then per turn exactly the tokens
+the model produced (loss mask 1) followed by the observation: the environment's tool responses as a
+user message through the chat template (loss mask 0, version NOT_GENERATED). The user role carries
+observations, as Qwen's template does for tool results, so any chat template works unchanged. A turn
+the model ended without eos (it hit max_new_tokens) is closed with an eos that is not trained on.
+
+A chain ends when the model answers (stop_reason "answer"), after `max_turns` turns ("max_turns"), or
+when the next turn would not fit in `max_total_tokens` ("token_budget"). Tokens are never
+re-tokenized: new pieces are appended as ids.
+"""
+
+import asyncio
+import dataclasses
+from collections import Counter
+
+from rlsys.api import (NOT_GENERATED, Agent, EnvironmentService, GenerationConfig, GenerationOutput, Prompt,
+                       Trajectory, register_agent)
+from rlsys.impl.agent.model_client import ModelClient
+from rlsys.model.tokenizer import continuation_ids, load_tokenizer
+
+OBSERVATION_ROLE = "user"
+COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "decode_errors", "void_turns", "answered")
+
+
+@dataclasses.dataclass
+class Transcript:
+    """One chain's tokens so far, with the per-token lists a Trajectory needs."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+    @classmethod
+    def of_prompt(cls, ids: list[int]) -> "Transcript":
+        return cls(list(ids), [0] * len(ids), [0.0] * len(ids), [NOT_GENERATED] * len(ids))
+
+    def add_generated(self, output: GenerationOutput) -> None:
+        self.token_ids += output.output_ids[0]
+        self.loss_mask += [1] * len(output.output_ids[0])
+        self.logprobs += output.logprobs[0]
+        self.versions += output.versions[0]
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [NOT_GENERATED] * len(ids)
+
+
+class ToolCallingAgent(Agent):
+    def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, max_turns: int = 4,
+                 max_total_tokens: int = 1024, use_instructions: bool = True):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be at least 1, got {max_turns}")
+        self.gconfig = gconfig
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        self.use_instructions = use_instructions
+
+    async def collect_trajectory(self, prompt: Prompt, env: EnvironmentService, obs_queue: asyncio.Queue,
+                                 act_queue: asyncio.Queue) -> list[Trajectory]:
+        instructions, _ = await env.reset(options=prompt.data)
+        prompt_ids = self.prompt_ids(prompt, instructions)
+        if len(prompt_ids) >= self.max_total_tokens:
+            raise ValueError(f"prompt {prompt.qid} is {len(prompt_ids)} tokens, leaving nothing of the "
+                             f"{self.max_total_tokens}-token budget (raise max_total_tokens or drop the instructions)")
+        async with ModelClient(obs_queue, act_queue) as model:
+            chains = [self.run_chain(chain, prompt, prompt_ids, env, model) for chain in range(self.gconfig.n)]
+            return list(await asyncio.gather(*chains))
+
+    def prompt_ids(self, prompt: Prompt, instructions: str | None) -> list[int]:
+        """The row's prompt, after a system message with the environment's instructions if there are any."""
+        if not (self.use_instructions and instructions):
+            return list(prompt.token_ids)
+        messages = [{"role": "system", "content": instructions}, {"role": "user", "content": prompt.data["prompt"]}]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    async def run_chain(self, chain: int, prompt: Prompt, prompt_ids: list[int], env: EnvironmentService,
+                        model: ModelClient) -> Trajectory:
+        transcript = Transcript.of_prompt(prompt_ids)
+        turn_ends, turn_rewards, counts = [], [], Counter({key: 0 for key in COUNTED})
+        stop_reason = "max_turns"
+        for turn in range(self.max_turns):
+            output = await model.generate(f"{prompt.qid}:{chain}:{turn}", transcript.token_ids,
+                                          self.turn_config(chain, len(transcript.token_ids)))
+            transcript.add_generated(output)
+            turn_ends.append(len(transcript.token_ids))
+            text = self.tokenizer.decode(output.output_ids[0], skip_special_tokens=True)
+            observation, reward, terminated, truncated, info = await env.step((chain, text))
+            turn_rewards.append(float(reward))
+            counts.update({key: info.get(key, 0) for key in COUNTED})
+            if terminated or truncated:
+                stop_reason = "answer" if terminated else "truncated"
+                break
+            if turn == self.max_turns - 1:
+                break
+            piece = self.observation_ids(output.output_ids[0], observation)
+            if len(transcript.token_ids) + len(piece) >= self.max_total_tokens:  # no room left to generate
+                stop_reason = "token_budget"
+                break
+            transcript.add_observation(piece)
+        metrics = {key: float(value) for key, value in counts.items()}
+        metrics.update(turns=float(len(turn_ends)), correct=float(sum(turn_rewards) > 0))
+        return Trajectory(token_ids=transcript.token_ids, loss_mask=transcript.loss_mask,
+                          logprobs=transcript.logprobs, versions=transcript.versions, turn_ends=turn_ends,
+                          turn_rewards=turn_rewards, reward=sum(turn_rewards), group_id=prompt.qid,
+                          stop_reason=stop_reason, metrics=metrics)
+
+    def turn_config(self, chain: int, used_tokens: int) -> GenerationConfig:
+        """One sample; no longer than the budget allows; a seed of its own per chain (if seeded at all)."""
+        seed = None if self.gconfig.seed is None else self.gconfig.seed + chain
+        return dataclasses.replace(self.gconfig, n=1, seed=seed,
+                                   max_new_tokens=min(self.gconfig.max_new_tokens, self.max_total_tokens - used_tokens))
+
+    def observation_ids(self, generated: list[int], observation: str) -> list[int]:
+        """eos if the model's turn did not end with one, then the observation message and the assistant's prompt."""
+        eos = self.tokenizer.eos_token_id
+        closing = [] if generated and generated[-1] == eos else [eos]
+        return closing + continuation_ids(self.tokenizer, OBSERVATION_ROLE, observation or "")
+
+
+register_agent("tool-calling", ToolCallingAgent)

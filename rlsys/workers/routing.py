@@ -1,0 +1,162 @@
+"""Routing an episode's generation requests to inference workers, and their replies back to the episode.
+
+- Sticky: every request of an episode goes to the worker that served its first one, so its earlier
+  turns are in that worker's prefix cache.
+- Least loaded: a new episode goes to the live worker with the fewest requests in flight (its published
+  load plus what this router sent it since).
+- Nothing lost: a router remembers every request until its reply arrives. When a worker stops beating
+  or restarts (a new epoch: its queue was cleared), the requests it held are re-sent to a live worker;
+  the episode just waits a little longer. A late duplicate reply is dropped.
+"""
+
+import asyncio
+import collections
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from rlsys import protocol
+from rlsys.api import GenerationOutput
+
+REFRESH_INTERVAL = 0.05  # seconds between reads of the workers' status keys
+LATENCY_WINDOW = 100_000  # request latencies kept for percentiles
+
+
+@dataclass
+class WorkerView:
+    """One inference worker as this router last saw it."""
+
+    epoch: int = 0
+    beat: int = -1
+    version: int = 0
+    load: int = 0
+    beat_seen_at: float = 0.0  # monotonic time the beat last moved
+    sent_since_refresh: int = 0
+    seen: bool = False
+
+
+class InferenceWorkers:
+    """Liveness, load and served version of every inference worker, from their status keys."""
+
+    def __init__(self, bus, n_workers: int, dead_after: float):
+        self.bus, self.dead_after = bus, dead_after
+        self.views = [WorkerView() for _ in range(n_workers)]
+
+    def refresh(self) -> None:
+        now = time.monotonic()
+        for index, view in enumerate(self.views):
+            status = self.bus.get(protocol.inference_status(index))
+            if status is None:
+                continue
+            if not view.seen or status["beat"] != view.beat or status["epoch"] != view.epoch:
+                view.beat_seen_at = now
+            view.seen = True
+            view.epoch, view.beat, view.version, view.load = (status["epoch"], status["beat"], status["version"],
+                                                              status["load"])
+            view.sent_since_refresh = 0
+
+    def is_alive(self, index: int) -> bool:
+        view = self.views[index]
+        return view.seen and time.monotonic() - view.beat_seen_at < self.dead_after
+
+    def serves(self, index: int, epoch: int) -> bool:
+        """Whether a request sent to `index` in `epoch` is still in a live worker's hands."""
+        return self.is_alive(index) and self.views[index].epoch == epoch
+
+    def least_loaded(self) -> int | None:
+        live = [i for i in range(len(self.views)) if self.is_alive(i)]
+        return min(live, key=lambda i: self.views[i].load + self.views[i].sent_since_refresh, default=None)
+
+    def served_version(self) -> int:
+        """The oldest version a live worker serves: new requests are generated with it or newer."""
+        versions = [v.version for i, v in enumerate(self.views) if self.is_alive(i)]
+        return min(versions or [v.version for v in self.views if v.seen] or [0])
+
+
+@dataclass
+class PendingRequest:
+    qid: str  # the agent's id for it, restored on the reply
+    act_queue: asyncio.Queue
+    message: dict
+    put_at: float  # when the agent asked (monotonic), for latency
+    worker: int = -1
+    epoch: int = 0
+
+
+@dataclass
+class RouterStats:
+    latencies: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LATENCY_WINDOW))
+    resent: int = 0
+
+    def latency_percentile(self, q: float) -> float:
+        if not self.latencies:
+            return 0.0
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class EpisodeRouter:
+    """One per rollout worker. Start `dispatch_replies` and `watch_workers` as tasks, and one `forward`
+    task per episode."""
+
+    def __init__(self, bus, reply_queue: str, n_inference_workers: int, dead_after: float = 3.0):
+        self.bus, self.reply_queue = bus, reply_queue
+        self.workers = InferenceWorkers(bus, n_inference_workers, dead_after)
+        self.waiting: dict[str, PendingRequest] = {}  # request id -> request not yet answered
+        self.stats = RouterStats()
+
+    async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> None:
+        """Sends one episode's requests, all to the worker that took its first, while that worker lives."""
+        worker = None
+        while True:
+            qid, token_ids, gconfig = await obs_queue.get()
+            put_at = time.monotonic()
+            if worker is None or not self.workers.is_alive(worker):
+                worker = await self.live_worker()
+            rid = uuid.uuid4().hex  # agents may reuse a qid across turns; request ids never repeat
+            message = {"rid": rid, "token_ids": list(token_ids), "gconfig": gconfig.to_dict(),
+                       "reply_to": self.reply_queue}
+            pending = self.waiting[rid] = PendingRequest(qid, act_queue, message, put_at)
+            await self.send(pending, worker)
+
+    async def live_worker(self) -> int:
+        while (worker := self.workers.least_loaded()) is None:
+            await asyncio.sleep(REFRESH_INTERVAL)
+        return worker
+
+    async def send(self, pending: PendingRequest, worker: int) -> None:
+        pending.worker, pending.epoch = worker, self.workers.views[worker].epoch
+        self.workers.views[worker].sent_since_refresh += 1
+        await asyncio.to_thread(self.bus.put, protocol.generation_requests(worker), pending.message)
+
+    async def dispatch_replies(self) -> None:
+        while True:
+            for message in await asyncio.to_thread(self.bus.get_many, self.reply_queue, 4096, 0.1):
+                pending = self.waiting.pop(message["qid"], None)
+                if pending is None:
+                    continue  # a duplicate of a re-sent request, or the episode was cancelled
+                self.stats.latencies.append(time.monotonic() - pending.put_at)
+                output = GenerationOutput.from_dict({**message, "qid": pending.qid})
+                pending.act_queue.put_nowait(output)
+
+    async def watch_workers(self) -> None:
+        while True:
+            await asyncio.to_thread(self.workers.refresh)
+            await self.resend_orphans()
+            await asyncio.sleep(REFRESH_INTERVAL)
+
+    async def resend_orphans(self) -> None:
+        """Requests whose worker died or restarted go to a live worker (they wait if there is none)."""
+        for pending in list(self.waiting.values()):
+            if self.workers.serves(pending.worker, pending.epoch):
+                continue
+            worker = self.workers.least_loaded()
+            if worker is None:
+                return
+            self.stats.resent += 1
+            await self.send(pending, worker)
+
+    def forget(self, act_queue: asyncio.Queue) -> None:
+        """An episode ended: its unanswered requests (if it was cancelled) need no reply."""
+        for rid in [rid for rid, p in self.waiting.items() if p.act_queue is act_queue]:
+            del self.waiting[rid]

@@ -1,0 +1,256 @@
+"""The tool-call parser, the calculator, the tool registry, the python tool's session and the math-tools env."""
+
+import asyncio
+import re
+import time
+
+import pytest
+
+import rlsys.impl.env  # noqa: F401  (registers the environments)
+from rlsys.api import TOOLS, EnvServiceAbstraction, Tool, ToolOutput, make_env, make_tool, register_tool
+from rlsys.tools.calculator import CalculatorError, evaluate, format_number
+from rlsys.tools.call_format import DecodeError, ToolCall, parse_turn
+
+SCHEMAS = {name: TOOLS.lookup(name).parameters for name in ("calculator", "python")}
+
+
+# --- the call format --------------------------------------------------------------------------------------
+
+def test_parser_returns_calls_in_order():
+    text = ('I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call> and '
+            '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>')
+    parsed = parse_turn(text, SCHEMAS)
+    assert parsed.answer is None
+    assert parsed.items == [ToolCall("calculator", {"expression": "2*3"}), ToolCall("python", {"code": "print(1)"})]
+
+
+def test_parser_takes_the_answer_and_ignores_calls_beside_it():
+    parsed = parse_turn('<tool_call>{"name": "calculator"}</tool_call> <answer> 42 </answer>', SCHEMAS)
+    assert parsed.answer == "42" and parsed.items == []
+
+
+@pytest.mark.parametrize("body, reason", [
+    ('{"name": "calculator", "arguments": {"expression": "1"}', "not valid JSON"),
+    ('["calculator"]', "must be a JSON object"),
+    ('{"name": "calculator"}', "missing ['arguments']"),
+    ('{"name": "calculator", "arguments": {}, "id": 1}', "unexpected ['id']"),
+    ('{"name": "shell", "arguments": {"cmd": "ls"}}', "unknown tool 'shell'; tools: calculator, python"),
+    ('{"name": "calculator", "arguments": "1+1"}', "'arguments' must be a JSON object"),
+    ('{"name": "calculator", "arguments": {}}', "calculator: missing argument 'expression'"),
+    ('{"name": "calculator", "arguments": {"expression": "1", "x": 2}}', "unknown argument 'x'"),
+    ('{"name": "calculator", "arguments": {"expression": 12}}', "argument 'expression' must be a JSON string, got int"),
+])
+def test_parser_gives_a_reason_for_each_bad_call(body, reason):
+    [item] = parse_turn(f"<tool_call>{body}</tool_call>", SCHEMAS).items
+    assert isinstance(item, DecodeError) and reason in item.reason and item.text == body
+
+
+def test_parser_reports_unclosed_tags_and_keeps_good_calls():
+    text = ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
+            '<tool_call>{"name": "calculator", "argu')
+    first, second = parse_turn(text, SCHEMAS).items
+    assert first == ToolCall("calculator", {"expression": "1"})
+    assert isinstance(second, DecodeError) and "without </tool_call>" in second.reason
+    [item] = parse_turn("<answer>12", SCHEMAS).items
+    assert "<answer> without </answer>" in item.reason
+    assert parse_turn("just thinking", SCHEMAS).items == [] and parse_turn("just thinking", SCHEMAS).answer is None
+
+
+# --- the calculator ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("expression, value", [
+    ("1+2*3", "7"), ("(12+3)*4", "60"), ("10/4", "2.5"), ("6/3", "2"), ("7//2", "3"), ("-7%3", "2"),
+    ("2**10", "1024"), ("2**-2", "0.25"), ("sqrt(16)", "4"), ("round(2.567, 2)", "2.57"), ("max(1, 5, 3)", "5"),
+    ("factorial(20)", "2432902008176640000"), ("pi", "3.14159265359"), ("gcd(12, 18)", "6"),
+])
+def test_calculator_evaluates_arithmetic(expression, value):
+    assert format_number(evaluate(expression)) == value
+
+
+@pytest.mark.parametrize("expression, reason", [
+    ("9**9**9", "would exceed 4096 bits"),
+    ("10**5000", "would exceed 4096 bits"),
+    ("2**4000*2**4000", "larger than 4096 bits"),
+    ("factorial(10**6)", "limited to 450"),
+    ("round(5, -10**7)", "limited to 100"),
+    ("1/0", "ZeroDivisionError"),
+    ("sqrt(-1)", "math domain error"),
+    ("2.0**100000", "OverflowError"),
+    ("1e308*10", "not finite"),
+    ("(-8)**(1/3)", "not a real number"),
+    ("__import__('os').system('id')", "unsupported"),
+    ("().__class__.__bases__", "unsupported"),
+    ("open('/etc/passwd')", "unsupported"),
+    ("lambda: 1", "unsupported"),
+    ("x + 1", "unsupported"),
+    ("'a' * 3", "unsupported"),
+    ("True + 1", "unsupported"),
+    ("1 +", "not an arithmetic expression"),
+    ("(" * 300 + "1" + ")" * 300, "longer than 500"),
+    ("-" * 200 + "1", "nested deeper than 50"),
+])
+def test_calculator_refuses_hostile_or_unbounded_input_quickly(expression, reason):
+    started = time.perf_counter()
+    with pytest.raises(CalculatorError, match=re.escape(reason)):
+        evaluate(expression)
+    assert time.perf_counter() - started < 0.1
+
+
+def test_calculator_tool_reports_errors_as_output():
+    tool = make_tool("calculator")
+    assert asyncio.run(tool.call(expression="12*34")) == ToolOutput("408")
+    failed = asyncio.run(tool.call(expression="9**9**9"))
+    assert failed.status == "error" and failed.text.startswith("error: ") and "4096 bits" in failed.reason
+
+
+# --- the registry -----------------------------------------------------------------------------------------
+
+def test_registry_errors_name_the_registered_tools():
+    with pytest.raises(KeyError, match=r"unknown tool 'calculater'. Did you mean \['calculator'\]\?.*'python'"):
+        make_tool("calculater")
+    with pytest.raises(ValueError, match="already registered"):
+        register_tool("calculator", type("Other", (Tool,), {"call": lambda self: None}))
+    with pytest.raises(TypeError, match="cannot take args"):
+        make_tool("python", {"timeout": 3})
+    with pytest.raises(KeyError, match="unknown tool 'shell'"):
+        make_env(EnvServiceAbstraction("math-tools", {"tools": {"shell": {}}}))
+
+
+# --- the python tool --------------------------------------------------------------------------------------
+
+def test_python_session_keeps_variables_until_stopped_and_skips_failed_cells():
+    async def session():
+        tool = make_tool("python")
+        await tool.start()
+        outputs = [await tool.call(code=code) for code in
+                   ["x = 20\nprint('set')", "def f(n):\n    return n + 1\nprint(f(x))", "y = 1 / 0", "print(y)",
+                    "print(f(x) * 2)"]]
+        await tool.stop()
+        return tool, outputs
+
+    tool, outputs = asyncio.run(session())
+    assert [o.text for o in outputs[:2]] == ["set\n", "21\n"]  # earlier cells re-run silently
+    assert outputs[2].status == "error" and 'File "<cell 3>", line 1' in outputs[2].text
+    assert "ZeroDivisionError" in outputs[2].text and "main.py" not in outputs[2].text
+    assert outputs[3].status == "error" and "NameError: name 'y' is not defined" in outputs[3].text  # failed cell dropped
+    assert outputs[4] == ToolOutput("42\n")
+    assert tool.cells is None  # released at stop
+
+
+def test_python_tool_reports_limits_and_truncates_output():
+    async def calls():
+        hasty = make_tool("python", {"limits": {"wall_seconds": 1.5}, "persistent": False})
+        terse = make_tool("python", {"max_output_chars": 20})
+        await hasty.start()
+        await terse.start()
+        return await hasty.call(code="import time\ntime.sleep(10)"), await terse.call(code="print('y' * 100)")
+
+    timeout, long = asyncio.run(calls())
+    assert timeout.status == "timeout" and timeout.text == "[wall time limit of 1.5s exceeded; killed]"
+    assert long == ToolOutput("y" * 20 + "...(truncated)")
+
+
+# --- the environment's handling of tools ------------------------------------------------------------------
+
+class RecordingTool(Tool):
+    """Counts starts and stops; `mode` makes it misbehave."""
+
+    description = "test tool"
+    parameters = {"type": "object", "properties": {"mode": {"type": "string"}}, "required": ["mode"]}
+    started = stopped = 0
+
+    async def start(self):
+        RecordingTool.started += 1
+        self.calls = 0
+
+    async def call(self, mode):
+        self.calls += 1
+        if mode == "raise":
+            raise RuntimeError("tool broke")
+        if mode == "hang":
+            await asyncio.sleep(3600)
+        if mode == "junk":
+            return 42
+        return ToolOutput(f"call {self.calls}")
+
+    async def stop(self):
+        RecordingTool.stopped += 1
+
+
+register_tool("recording-test-tool", RecordingTool)
+
+
+def call(mode: str) -> str:
+    return f'<tool_call>{{"name": "recording-test-tool", "arguments": {{"mode": "{mode}"}}}}</tool_call>'
+
+
+def test_env_gives_each_chain_its_own_tool_state_and_releases_it_at_close():
+    RecordingTool.started = RecordingTool.stopped = 0
+    env = make_env(EnvServiceAbstraction("math-tools", {"tools": {"recording-test-tool": {}}, "tool_timeout": 0.5}))
+
+    async def episode():
+        instructions, info = await env.reset(options={"prompt": "1+1", "answer": "2"})
+        steps = [await env.step((chain, call(mode))) for chain, mode in
+                 [(0, "ok"), (0, "ok"), (1, "ok"), (1, "raise"), (1, "hang"), (0, "junk")]]
+        stopped_before_close = RecordingTool.stopped
+        await env.close()
+        return instructions, info, steps, stopped_before_close
+
+    instructions, info, steps, stopped_before_close = asyncio.run(episode())
+    assert info == {"tools": ["recording-test-tool"]} and "recording-test-tool(mode): test tool" in instructions
+    observations = [s[0] for s in steps]
+    assert observations[:3] == ["<tool_response>call 1</tool_response>", "<tool_response>call 2</tool_response>",
+                                "<tool_response>call 1</tool_response>"]  # chain 1 has its own count
+    assert observations[3] == "<tool_response>error: recording-test-tool failed: RuntimeError: tool broke</tool_response>"
+    assert observations[4] == "<tool_response>error: recording-test-tool did not finish in 0.5s</tool_response>"
+    assert "returned int, not ToolOutput" in observations[5]
+    assert [s[4]["tool_errors"] for s in steps] == [0, 0, 0, 1, 1, 1]
+    assert [s[4]["tool_timeouts"] for s in steps] == [0, 0, 0, 0, 1, 0]
+    assert all(s[1:4] == (0.0, False, False) for s in steps)
+    assert (RecordingTool.started, stopped_before_close, RecordingTool.stopped) == (2, 0, 2)
+
+
+def test_env_scores_answers_and_hints_after_a_turn_without_action():
+    env = make_env(EnvServiceAbstraction("math-tools"))
+
+    async def episode():
+        await env.reset(options={"prompt": "12+34=", "answer": "46"})
+        results = [await env.step((0, text)) for text in ["hmm", "<answer>45</answer>", "<answer>46</answer>"]]
+        await env.close()
+        return results
+
+    void, wrong, right = asyncio.run(episode())
+    assert void[0].startswith("No tool call and no answer found") and void[4]["void_turns"] == 1 and not void[2]
+    assert wrong[1:3] == (0.0, True) and wrong[4]["answered"] == 1
+    assert right[1:3] == (1.0, True) and right[4]["verify_status"] == "ok"
+
+
+def test_env_runs_at_most_max_calls_per_turn():
+    env = make_env(EnvServiceAbstraction("math-tools", {"max_calls_per_turn": 2}))
+    calc = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+
+    async def episode():
+        await env.reset(options={"answer": "2"})
+        return await env.step((0, calc * 3))
+
+    observation, _, _, _, info = asyncio.run(episode())
+    assert observation.split("\n") == ["<tool_response>2</tool_response>"] * 2 + [
+        "<tool_response>error: at most 2 calls per turn; not run</tool_response>"]
+    assert (info["tool_calls"], info["tool_errors"]) == (3, 1)
+
+
+# --- the experiment ---------------------------------------------------------------------------------------
+
+def test_experiment_is_picked_by_name_and_its_fields_reach_the_agent_and_env():
+    from rlsys.cli import parse_config
+
+    config = parse_config(["experiment=async-ppo-math-tools", "max_turns=2", "max_total_tokens=200",
+                           "tools=[calculator,python]", "sandbox.wall_seconds=2.5", "python_persistent=false",
+                           "inference.max_model_len=150", "model.path=/models/x"])
+    assert config.agent.name == "tool-calling" and config.env.name == "math-tools"
+    assert config.agent.args["max_turns"] == 2 and config.agent.args["max_total_tokens"] == 150  # capped by the engine
+    python = config.env.args["tools"]["python"]
+    assert python["limits"]["wall_seconds"] == 2.5 and python["persistent"] is False
+    assert config.env.args["tools"]["calculator"] == {}
+    env = make_env(config.env)
+    assert make_tool("python", python).limits.wall_seconds == 2.5 and list(env.tool_args) == ["calculator", "python"]

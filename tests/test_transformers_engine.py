@@ -1,0 +1,345 @@
+"""The transformers backend behind GenerationEngine (float32, CPU): vLLM's greedy tokens and logprobs,
+continuous batching, sampling distributions and seeds, and weight updates in the middle of generation."""
+
+import random
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from experiments.common import InferenceConfig
+from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
+from rlsys.api import GenerationConfig
+from rlsys.engine.backend import SamplingSettings
+from rlsys.engine.generation import GenerationEngine
+from rlsys.engine.transformers_engine import TransformersBackend
+from rlsys.engine.weights import write_weight_update
+from tests.helpers import save_random_tiny_model
+
+EOS = 1  # the character tokenizer's <|end|>
+FIRST_CHAR, NUM_CHARS = 7, 95  # character token ids follow the special tokens
+TOLERANCE = 1e-4
+
+
+def progression(rng: random.Random, length: int, stride: int | None = None) -> list[int]:
+    """Characters in arithmetic progression (cycling through the alphabet): what the test model continues."""
+    start, stride = rng.randrange(NUM_CHARS), stride or rng.randint(1, 3)
+    return [FIRST_CHAR + (start + stride * i) % NUM_CHARS for i in range(length)]
+
+
+def train(model, rows, steps: int, lr: float) -> None:
+    """Real AdamW steps on next-token loss over sequences from `rows(rng)`."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = random.Random(0)
+    for _ in range(steps):
+        batch = [rows(rng) for _ in range(32)]
+        width = max(map(len, batch))
+        ids = torch.tensor([row + [0] * (width - len(row)) for row in batch])
+        labels = torch.tensor([row + [-100] * (width - len(row)) for row in batch])
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """A tiny tied-embedding model trained for a few seconds to continue progressions and end them: its greedy
+    outputs vary with the prompt and some end in EOS, where a random model repeats one token forever."""
+    directory = save_random_tiny_model(tmp_path_factory.mktemp("model"))
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    train(model, lambda rng: progression(rng, rng.randint(3, 14)) + [EOS], steps=150, lr=3e-3)
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def load_model(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def transformers_engine(path, **inference) -> GenerationEngine:
+    return GenerationEngine(TransformersBackend(path, InferenceConfig(engine="transformers", **inference), seed=0))
+
+
+def learner_logits(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The learner's logits that predict each of `output`'s tokens."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        return next_token_logits(model, ids, torch.ones_like(ids), temperature)[0, len(prompt) - 1:]
+
+
+def learner_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """What the learner recomputes for `output`'s tokens."""
+    logits = learner_logits(model, prompt, output, temperature)
+    return gather_logprobs(logits[None], torch.tensor([prompt[-1:] + output]))[0]
+
+
+def assert_same_outputs(got, expected) -> None:
+    for a, b in zip(got, expected, strict=True):
+        assert (a.qid, a.output_ids, a.stop_reasons) == (b.qid, b.output_ids, b.stop_reasons)
+        for lp_a, lp_b in zip(a.logprobs, b.logprobs, strict=True):
+            assert torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b), atol=TOLERANCE, rtol=0), a.qid
+
+
+def greedy_requests() -> list[tuple[str, list[int], GenerationConfig]]:
+    """Prompts of 1-7 tokens, n of 1 or 3, short and long limits, some with a stop token two steps ahead."""
+    rng = random.Random(1)
+    requests = []
+    for i in range(10):
+        stride = rng.randint(1, 3)
+        prompt = progression(rng, rng.randint(1, 7), stride)
+        stop = [FIRST_CHAR + (prompt[-1] - FIRST_CHAR + 2 * stride) % NUM_CHARS] if i % 3 == 0 else []
+        requests.append((f"q{i}", prompt, GenerationConfig(n=rng.choice([1, 3]), max_new_tokens=rng.choice([2, 20]),
+                                                           temperature=0.0, stop_token_ids=stop)))
+    return requests
+
+
+def test_greedy_tokens_and_logprobs_equal_vllm(model_path):
+    from rlsys.engine.vllm_engine import VLLMBackend
+
+    requests = greedy_requests()
+    # Fewer places than sequences, so most sequences wait, then join a running batch.
+    ours = transformers_engine(model_path, max_num_seqs=4).generate(requests)
+    theirs = GenerationEngine(VLLMBackend(model_path, InferenceConfig(), seed=0)).generate(requests)
+    assert_same_outputs(ours, theirs)
+
+    endings = Counter()
+    for (_, _, gconfig), out in zip(requests, ours):
+        for ids, reason in zip(out.output_ids, out.stop_reasons):
+            endings["eos" if ids[-1] == EOS else "stop token" if ids[-1] in gconfig.stop_token_ids else reason] += 1
+    assert endings.keys() == {"eos", "stop token", "length"}, f"the requests must cover every ending: {endings}"
+
+
+def test_request_added_mid_generation_gives_what_it_gives_alone(model_path):
+    early = ("early", [20, 22, 24], GenerationConfig(n=2, max_new_tokens=20, temperature=0.0))
+    late = ("late", [50, 51], GenerationConfig(n=3, max_new_tokens=20, temperature=0.0))
+    alone = [transformers_engine(model_path).generate([request])[0] for request in (early, late)]
+
+    engine = transformers_engine(model_path)
+    engine.add_request(*early)
+    for _ in range(3):
+        assert engine.step() == [], "the early request must still be generating when the late one arrives"
+    engine.add_request(*late)
+    finished = {}
+    while len(finished) < 2:
+        finished.update((out.qid, out) for out in engine.step())
+    assert_same_outputs([finished["early"], finished["late"]], alone)
+
+
+def test_aborting_a_request_mid_generation_leaves_the_others_exact(model_path):
+    requests = [(f"q{i}", prompt, GenerationConfig(n=2, max_new_tokens=20, temperature=0.0))
+                for i, prompt in enumerate([[10, 12], [46, 48], [55, 56]])]  # 13 to 18 greedy tokens
+    alone = [transformers_engine(model_path).generate([request])[0] for request in requests]
+    engine = transformers_engine(model_path)
+    for request in requests:
+        engine.add_request(*request)
+    for _ in range(3):
+        assert engine.step() == []
+    engine.abort_request("q0")  # a third of the batch: its places are filled by moving the others
+    finished = {}
+    while engine.in_flight:
+        finished.update((out.qid, out) for out in engine.step())
+    assert finished.keys() == {"q1", "q2"}
+    assert_same_outputs([finished["q1"], finished["q2"]], alone[1:])
+
+
+def test_at_most_max_num_seqs_run_at_once_and_waiting_ones_lose_nothing(model_path):
+    rng = random.Random(2)
+    prompts = [progression(rng, rng.randint(1, 6)) for _ in range(8)]
+
+    def run(max_num_seqs: int) -> tuple[dict[str, list[int]], list[int]]:
+        backend = TransformersBackend(model_path, InferenceConfig(max_num_seqs=max_num_seqs), seed=0)
+        batch_sizes = []
+        forward = backend.model.forward
+        backend.model.forward = lambda input_ids, **kw: batch_sizes.append(len(input_ids)) or forward(input_ids, **kw)
+        for i, prompt in enumerate(prompts):
+            backend.add(f"s{i}", prompt, SamplingSettings(max_tokens=6, temperature=0.0))
+        tokens = defaultdict(list)
+        while backend.has_unfinished():
+            for delta in backend.step():
+                tokens[delta.seq_id] += delta.token_ids
+        return dict(tokens), batch_sizes
+
+    queued, batch_sizes = run(max_num_seqs=3)
+    together, _ = run(max_num_seqs=256)
+    assert max(batch_sizes) == 3
+    assert queued == together
+
+
+def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypatch):
+    """Requests of mixed lengths arrive over 100 steps into 6 places: the running batch refills freed places,
+    moves sequences into holes, makes room for a prompt longer than the batch, and runs out of columns, and
+    prompts are prefilled a few at a time; every sampled token's logprob must still be the learner's."""
+    import rlsys.engine.transformers_engine as engine_module
+
+    calls = Counter()
+    for method in ("_relayout", "_fill_holes"):
+        original = getattr(engine_module._RunningBatch, method)
+        monkeypatch.setattr(engine_module._RunningBatch, method,
+                            lambda self, *a, _f=original, _m=method, **k: calls.update([_m]) or _f(self, *a, **k))
+    budget = 30
+    monkeypatch.setattr(engine_module, "PREFILL_TOKENS", budget)
+    prefilled = []  # (distinct prompts, longest) of each prefill forward pass
+
+    def spied_groups(rows, _groups=engine_module._prefill_groups):
+        groups = _groups(rows)
+        prefilled.extend((len({tuple(r.token_ids) for r in g}), max(len(r.token_ids) for r in g)) for g in groups)
+        return groups
+
+    monkeypatch.setattr(engine_module, "_prefill_groups", spied_groups)
+    path = str(save_random_tiny_model(tmp_path / "model"))  # untrained: rarely ends, so sequences run long
+    engine = transformers_engine(path, max_num_seqs=6)
+    rng = random.Random(3)
+    arrivals = {0: 3, 1: 1, 5: 1, 30: 2, 70: 1}  # step -> requests of n=2
+    requests, finished, step = {}, {}, 0
+    while step <= max(arrivals) or engine.in_flight:
+        for _ in range(arrivals.get(step, 0)):
+            rid = f"q{len(requests)}"
+            length = 60 if step == 5 else rng.randint(2, 12)
+            requests[rid] = (progression(rng, length), GenerationConfig(
+                n=2, max_new_tokens=rng.choice([4, 30, 90]), temperature=1.0, seed=len(requests)))
+            engine.add_request(rid, *requests[rid])
+        finished.update((out.qid, out) for out in engine.step())
+        step += 1
+    assert calls["_relayout"] >= 2 and calls["_fill_holes"] >= 1, f"the schedule must exercise the batch: {calls}"
+    assert all(count * longest <= budget or count == 1 for count, longest in prefilled)
+    assert max(count for count, _ in prefilled) > 1 and len(prefilled) > len(arrivals), prefilled
+
+    model = load_model(path)
+    for rid, (prompt, gconfig) in requests.items():
+        for ids, logprobs in zip(finished[rid].output_ids, finished[rid].logprobs):
+            assert len(ids) == gconfig.max_new_tokens or ids[-1] == EOS
+            assert (torch.tensor(logprobs) - learner_logprobs(model, prompt, ids)).abs().max() < TOLERANCE, rid
+
+
+def test_seeded_sampling_is_reproducible_and_its_logprobs_are_the_learners(model_path):
+    temperature = 0.8
+    requests = [(f"q{i}", [20 + 3 * i], GenerationConfig(n=4, max_new_tokens=12, temperature=temperature, seed=7))
+                for i in range(3)]
+    first = transformers_engine(model_path).generate(requests)
+    assert_same_outputs(transformers_engine(model_path).generate(requests), first)
+    reseeded = [(rid, prompt, GenerationConfig(n=4, max_new_tokens=12, temperature=temperature, seed=8))
+                for rid, prompt, _ in requests]
+    other = transformers_engine(model_path).generate(reseeded)
+    assert [o.output_ids for o in other] != [o.output_ids for o in first], "the seed must matter"
+
+    model = load_model(model_path)
+    for out in first:
+        for ids, logprobs in zip(out.output_ids, out.logprobs):
+            expected = learner_logprobs(model, out.prompt_ids, ids, temperature)
+            assert (torch.tensor(logprobs) - expected).abs().max() < TOLERANCE
+
+
+def test_top_k_one_is_greedy(model_path):
+    requests = [(f"q{i}", [30 + 5 * i, 31 + 5 * i], GenerationConfig(n=2, max_new_tokens=10, temperature=0.0))
+                for i in range(3)]
+    top_1 = [(rid, prompt, GenerationConfig(n=2, max_new_tokens=10, temperature=1.0, top_k=1, seed=3))
+             for rid, prompt, _ in requests]
+    assert_same_outputs(transformers_engine(model_path).generate(top_1),
+                        transformers_engine(model_path).generate(requests))
+
+
+def kept_probabilities(probs: torch.Tensor, top_k: int, top_p: float) -> dict[int, float]:
+    """The distribution a sampler with these settings draws from: the k most likely tokens, then the
+    most likely ones until their mass reaches top_p, renormalised."""
+    values, tokens = probs.sort(descending=True)
+    keep = top_k if top_k > 0 else len(values)
+    mass_before = values.cumsum(0) - values
+    keep = min(keep, int((mass_before < top_p).sum()))
+    kept = values[:keep] / values[:keep].sum()
+    return dict(zip(tokens[:keep].tolist(), kept.tolist()))
+
+
+def pooled_total_variation(counts: Counter, expected: dict[int, float]) -> float:
+    """Total variation between sampled frequencies and `expected`, tokens under 1% pooled into one bucket,
+    so that the sampling noise of a hundred rare tokens does not swamp the comparison."""
+    samples = sum(counts.values())
+    common = [t for t, p in expected.items() if p >= 0.01]
+    gaps = [counts[t] / samples - expected[t] for t in common]
+    gaps.append(sum(gaps) * -1)  # the rare bucket's gap: frequencies and probabilities both sum to 1
+    return sum(map(abs, gaps)) / 2
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.5, -1, 1.0), (1.0, 2, 1.0), (1.5, -1, 0.7)])
+def test_sampled_first_tokens_follow_the_distribution(model_path, temperature, top_k, top_p):
+    prompt, samples = [20], 3000
+    gconfig = GenerationConfig(n=samples, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+    out = transformers_engine(model_path, max_num_seqs=samples).generate([("q", prompt, gconfig)])[0]
+    counts = Counter(ids[0] for ids in out.output_ids)
+
+    with torch.no_grad():
+        logits = load_model(model_path)(torch.tensor([prompt])).logits[0, -1]
+    expected = kept_probabilities(torch.softmax(logits / temperature, dim=-1), top_k, top_p)
+    assert set(counts) <= set(expected), f"drew tokens outside the top-k/top-p set {sorted(expected)}"
+    tv = pooled_total_variation(counts, expected)
+    assert tv < 0.03, f"sampled frequencies are {tv:.3f} (total variation) from the model's distribution"
+
+
+def test_weight_update_mid_generation_tags_each_token_with_the_weights_that_made_it(model_path, tmp_path):
+    engine = transformers_engine(model_path)
+    requests = [("greedy", [20, 22, 24], GenerationConfig(n=2, max_new_tokens=10, temperature=0.0)),
+                ("sampled", [60, 61], GenerationConfig(n=1, max_new_tokens=10, temperature=1.0, seed=5))]
+    for request in requests:
+        engine.add_request(*request)
+    before = 4
+    for _ in range(before):
+        assert engine.step() == []
+
+    old, new = load_model(model_path), load_model(model_path)
+    train(new, lambda rng: progression(rng, 8, stride=-1) + [EOS], steps=5, lr=1e-2)  # now counts down
+    assert engine.update_weights(str(write_weight_update(new, tmp_path / "v1")), version=1) == 3
+    finished = {}
+    while len(finished) < 2:
+        finished.update((out.qid, out) for out in engine.step())
+
+    changed = 0.0
+    for rid, prompt, gconfig in requests:
+        out = finished[rid]
+        for ids, logprobs, versions in zip(out.output_ids, out.logprobs, out.versions):
+            assert versions == [0] * before + [1] * (len(ids) - before)
+            assert len(ids) == gconfig.max_new_tokens or ids[-1] == EOS, "tokens were lost or generated twice"
+            old_logprobs, new_logprobs = learner_logprobs(old, prompt, ids), learner_logprobs(new, prompt, ids)
+            logprobs = torch.tensor(logprobs)
+            assert (logprobs[:before] - old_logprobs[:before]).abs().max() < TOLERANCE
+            assert (logprobs[before:] - new_logprobs[before:]).abs().max() < TOLERANCE
+            changed = max(changed, (old_logprobs[before:] - new_logprobs[before:]).abs().max().item())
+            if gconfig.temperature == 0:  # greedy under the weights of the moment
+                assert ids[:before] == learner_logits(old, prompt, ids)[:before].argmax(-1).tolist()
+                assert ids[before:] == learner_logits(new, prompt, ids)[before:].argmax(-1).tolist()
+    assert changed > 1e-2, "the update must change the logprobs, or this test proves nothing"
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_load_weights_replaces_every_weight_tied_output_head_included(tmp_path, tied):
+    path = str(save_random_tiny_model(tmp_path / "model", tie_word_embeddings=tied))
+    backend = TransformersBackend(path, InferenceConfig(), seed=0)
+    model = load_model(path)
+    sequence = [4, 7, 8, 78, 9, 10, 86, 1, 5, 10, 12, 1]
+    train(model, lambda rng: sequence, steps=3, lr=1e-2)
+    expected = learner_logprobs(model, sequence[:1], sequence[1:])
+    assert (torch.tensor(backend.score(sequence)) - expected).abs().max() > 1e-2, "the update must change the scores"
+
+    backend.load_weights(str(write_weight_update(model, tmp_path / "v1")))
+    assert (torch.tensor(backend.score(sequence)) - expected).abs().max() < TOLERANCE
+
+
+def test_bad_input_and_the_context_limit(model_path, tmp_path):
+    with pytest.raises(ValueError, match="max_position_embeddings=256"):
+        TransformersBackend(model_path, InferenceConfig(max_model_len=257), seed=0)
+    assert TransformersBackend(model_path, InferenceConfig(max_model_len=0), seed=0).max_model_len == 256
+    backend = TransformersBackend(model_path, InferenceConfig(max_model_len=8), seed=0)
+    with pytest.raises(ValueError, match="max_model_len=8"):
+        backend.add("long", list(range(10, 18)), SamplingSettings(max_tokens=4))
+    with pytest.raises(ValueError, match="at least 1"):
+        backend.add("empty", [], SamplingSettings(max_tokens=4))
+
+    backend.add("s", [40, 41, 42, 43, 44], SamplingSettings(max_tokens=10, temperature=0.0))
+    (delta,) = backend.step()
+    tokens = delta.token_ids
+    with pytest.raises(RuntimeError, match="finished or aborted"):
+        backend.load_weights(str(write_weight_update(load_model(model_path), tmp_path / "v1")))
+    while backend.has_unfinished():
+        (delta,) = backend.step()
+        tokens += delta.token_ids
+    assert tokens == [45, 46, 47] and delta.finish_reason == "length", "prompt + output stop at max_model_len"
