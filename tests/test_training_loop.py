@@ -189,6 +189,7 @@ def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache
 
 
 def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish(cache_dir, tmp_path):
+    existing = child_pids()
     args = small_run_overrides(cache_dir, tmp_path) + [
         "trial_name=i", "max_steps=8", "cluster.n_inference_workers=2", "cluster.inference_dead_after=2"]
     logs = tmp_path / "async-ppo-math" / "i" / "logs"
@@ -211,14 +212,15 @@ def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish
     assert [s["step"] for s in steps] == list(range(1, 9))
     (routing,) = [r for r in read_jsonl_metrics(logs / "rollout0.jsonl") if "requests/resent" in r]
     assert routing["requests/resent"] > 0  # the dead worker's requests went to the other worker
-    assert descendants_and_redis() == []
+    assert left_behind(tmp_path, existing) == []
 
 
 def test_the_transformers_engine_serves_the_whole_loop(cache_dir, tmp_path):
+    existing = child_pids()
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=4", "inference.engine=transformers"])
     summary = launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
     assert [(s["step"], s["version"]) for s in steps] == [(1, 1), (2, 2), (3, 3), (4, 4)]
     assert all(s["staleness_max"] <= config.max_head_offpolicyness + 1 for s in steps)
     assert summary["final_accuracy"] is not None and summary["initial_accuracy"] is not None
-    assert descendants_and_redis() == []
+    assert left_behind(tmp_path, existing) == []
