@@ -107,10 +107,10 @@ def _trajectory_problem(t: Trajectory, vocab_size: int | None) -> str | None:
     for name, values, ok in checks:
         if not isinstance(values, list):
             return f"{name} must be a list, got {type(values).__name__}"
-        bad = next((x for x in values if not ok(x)), _NONE)
-        if bad is not _NONE:
+        bad = [x for x in values if not ok(x)]
+        if bad:
             vocabulary = f" (vocabulary of {vocab_size})" if name == "token_ids" and vocab_size else ""
-            return f"{name} holds {bad!r:.40}{vocabulary}"
+            return f"{name} holds {bad[0]!r:.40}{vocabulary}"
     if not any(t.loss_mask[1:]):  # the first token is never predicted, so never trained
         return "has no generated token after the first: nothing to train on"
     if not _finite(t.reward):
@@ -122,8 +122,6 @@ def _trajectory_problem(t: Trajectory, vocab_size: int | None) -> str | None:
         return "metrics must map names to finite numbers"
     return None
 
-
-_NONE = object()
 
 
 def _finite(x) -> bool:
