@@ -76,7 +76,10 @@ def read_group_message(message, vocab_size: int | None = None) -> tuple[str, lis
     if not isinstance(trajectories, list) or not trajectories:
         raise InvalidMessage(f"group {group_id}: trajectories must be a non-empty list, got {trajectories!r:.80}",
                              group_id)
-    return group_id, [_trajectory(d, group_id, i, vocab_size) for i, d in enumerate(trajectories)]
+    checked = [_trajectory(d, group_id, i, vocab_size) for i, d in enumerate(trajectories)]
+    if len({t.traj_id for t in checked}) < len(checked):
+        raise InvalidMessage(f"group {group_id}: the same trajectory id appears twice", group_id)
+    return group_id, checked
 
 
 def _trajectory(d, group_id: str, index: int, vocab_size: int | None) -> Trajectory:
