@@ -76,7 +76,10 @@ def read_group_message(message, vocab_size: int | None = None) -> tuple[str, lis
     if not isinstance(trajectories, list) or not trajectories:
         raise InvalidMessage(f"group {group_id}: trajectories must be a non-empty list, got {trajectories!r:.80}",
                              group_id)
-    return group_id, [_trajectory(d, group_id, i, vocab_size) for i, d in enumerate(trajectories)]
+    checked = [_trajectory(d, group_id, i, vocab_size) for i, d in enumerate(trajectories)]
+    if len({t.traj_id for t in checked}) < len(checked):
+        raise InvalidMessage(f"group {group_id}: the same trajectory id appears twice", group_id)
+    return group_id, checked
 
 
 def _trajectory(d, group_id: str, index: int, vocab_size: int | None) -> Trajectory:
@@ -107,10 +110,10 @@ def _trajectory_problem(t: Trajectory, vocab_size: int | None) -> str | None:
     for name, values, ok in checks:
         if not isinstance(values, list):
             return f"{name} must be a list, got {type(values).__name__}"
-        bad = next((x for x in values if not ok(x)), _NONE)
-        if bad is not _NONE:
+        bad = [x for x in values if not ok(x)]
+        if bad:
             vocabulary = f" (vocabulary of {vocab_size})" if name == "token_ids" and vocab_size else ""
-            return f"{name} holds {bad!r:.40}{vocabulary}"
+            return f"{name} holds {bad[0]!r:.40}{vocabulary}"
     if not any(t.loss_mask[1:]):  # the first token is never predicted, so never trained
         return "has no generated token after the first: nothing to train on"
     if not _finite(t.reward):
@@ -122,8 +125,6 @@ def _trajectory_problem(t: Trajectory, vocab_size: int | None) -> str | None:
         return "metrics must map names to finite numbers"
     return None
 
-
-_NONE = object()
 
 
 def _finite(x) -> bool:

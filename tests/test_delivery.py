@@ -118,6 +118,7 @@ BAD_MESSAGES = {  # name -> (payload, words the reason must contain)
     "string tokens": (raw({"group_id": "x", "trajectories": [good_dict("x", token_ids=list("abcd"))]}), "token_ids"),
     "token outside vocab": (raw({"group_id": "x", "trajectories": [good_dict("x", token_ids=[5, 6, 7, 10**6])]}),
                             "vocabulary of 100"),
+    "repeated trajectory": (raw({"group_id": "x", "trajectories": [good_dict("x", traj_id="t")] * 2}), "appears twice"),
     "nan reward": (raw({"group_id": "x", "trajectories": [good_dict("x", reward=math.nan)]}), "reward"),
     "turn end at 1": (raw({"group_id": "x", "trajectories": [good_dict("x", turn_ends=[1])]}), "turn_ends holds 1"),
     "inf logprob": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0, 0, -math.inf, 0])]}), "logprobs"),
