@@ -13,6 +13,14 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 ADV_ESTIMATORS = ("grpo", "reinforce", "gae")
 
 
+def check_at_least(group: str, config, **minimums) -> None:
+    """ValueError naming the key (`group` is its prefix, e.g. "ppo.") of the first field below its minimum."""
+    for name, minimum in minimums.items():
+        value = getattr(config, name)
+        if value < minimum:
+            raise ValueError(f"{group}{name} must be at least {minimum}, got {value}")
+
+
 @dataclass
 class ModelConfig:
     path: str = ""
@@ -32,6 +40,14 @@ class ModelConfig:
     cache_dir: str = "~/.cache/rlsys"
     """Where the generated tiny model and dataset are cached between runs."""
 
+    def __post_init__(self):
+        check_at_least("model.", self, hidden_size=1, num_layers=1, num_heads=1, num_kv_heads=1)
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be a multiple of model.num_heads "
+                             f"({self.num_heads}), and that of model.num_kv_heads ({self.num_kv_heads})")
+        if not 0 <= self.warm_start_accuracy <= 1:
+            raise ValueError(f"model.warm_start_accuracy must be in [0, 1], got {self.warm_start_accuracy}")
+
 
 @dataclass
 class DatasetConfig:
@@ -44,6 +60,9 @@ class DatasetConfig:
     num_eval: int = 500
     """Generated set: held-out problems (500+ keeps the accuracy's standard error near 2 points)."""
 
+    def __post_init__(self):
+        check_at_least("dataset.", self, num_train=1, num_eval=1)
+
 
 @dataclass
 class GenerationHyperparameters:
@@ -55,6 +74,13 @@ class GenerationHyperparameters:
     """Nucleus sampling mass."""
     top_k: int = -1
     """Top-k sampling; -1 disables it."""
+
+    def __post_init__(self):
+        check_at_least("gen.", self, max_new_tokens=1, temperature=0)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"gen.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"gen.top_k must be -1 (off) or at least 1, got {self.top_k}")
 
     def generation_config(self, n: int) -> GenerationConfig:
         return GenerationConfig(n=n, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
@@ -121,6 +147,11 @@ class PPOHyperparameters:
     """Drop groups whose rewards are all equal (no signal for group baselines); counted as groups/filtered."""
 
     def __post_init__(self):
+        check_at_least("ppo.", self, batch_size=1, ppo_epochs=1, warmup_steps=0, weight_decay=0, init_kl_coef=0,
+                       target_kl=0, kl_horizon=1, value_clip=0, value_loss_coef=0)
+        for name in ("lr", "critic_lr", "pg_clip", "max_grad_norm"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ppo.{name} must be positive, got {getattr(self, name)}")
         if self.adv_estimator not in ADV_ESTIMATORS:
             raise ValueError(f"ppo.adv_estimator must be one of {ADV_ESTIMATORS}, got {self.adv_estimator!r}")
         if self.lr_scheduler_type not in LR_SCHEDULES:
@@ -152,6 +183,22 @@ class ClusterConfig:
     """Seconds without a heartbeat after which an inference worker counts as dead and its requests are re-sent."""
     max_role_restarts: int = 3
     """Times a crashed inference worker is restarted before the run stops."""
+    redis_port: int = 0
+    """Port of the private Redis (loopback only); 0 picks a free one. Ignored with redis_url."""
+    max_message_mb: float = 64.0
+    """Largest message of one prompt's trajectories; a larger one fails its episode (invalid_output)."""
+
+    def __post_init__(self):
+        check_at_least("cluster.", self, n_inference_workers=1, n_rollout_workers=1, redis_port=0, max_role_restarts=0)
+        if self.inference_dead_after <= 0:
+            raise ValueError(f"cluster.inference_dead_after must be positive, got {self.inference_dead_after}")
+        if self.redis_port > 65535:
+            raise ValueError(f"cluster.redis_port must be a TCP port (0 to 65535), got {self.redis_port}")
+        if self.max_message_mb <= 0:
+            raise ValueError(f"cluster.max_message_mb must be positive, got {self.max_message_mb}")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("cluster.redis_url must look like redis://[:PASSWORD@]HOST:PORT/DB, "
+                             f"got {self.redis_url.split('@')[-1]!r}")
 
 
 ENGINES = ("vllm", "transformers")
@@ -181,6 +228,9 @@ class InferenceConfig:
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"inference.engine must be one of {ENGINES}, got {self.engine!r}")
+        check_at_least("inference.", self, kv_cache_gib=1, max_num_seqs=1, max_model_len=0, max_batch_requests=1)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"inference.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass
@@ -208,6 +258,9 @@ class BaseExperimentConfig:
     plugins: list[str] = field(default_factory=list)
     """Modules or .py files to import first, so their agents, envs and experiments register."""
 
+    def __post_init__(self):
+        check_at_least("", self, max_steps=1, save_steps=0, logging_steps=1, eval_steps=0)
+
 
 @dataclass
 class PPOMATHConfig(BaseExperimentConfig):
@@ -218,6 +271,16 @@ class PPOMATHConfig(BaseExperimentConfig):
     group_size: int = 8
     """Samples per prompt; advantages are normalised within each group."""
 
+    def __post_init__(self):
+        super().__post_init__()
+        check_at_least("", self, group_size=1)
+        if self.group_size < 2 and (self.ppo.adv_estimator == "grpo" or self.ppo.filter_uniform_groups):
+            raise ValueError(f"group_size must be at least 2 with ppo.adv_estimator=grpo or "
+                             f"ppo.filter_uniform_groups=true (both compare a prompt's samples), got {self.group_size}")
+        if self.ppo.num_mini_batches > self.ppo.batch_size * self.group_size:
+            raise ValueError(f"ppo.num_mini_batches ({self.ppo.num_mini_batches}) is more than the sequences of a step "
+                             f"(ppo.batch_size x group_size = {self.ppo.batch_size * self.group_size})")
+
 
 @dataclass
 class AsyncRLExperimentConfig(BaseExperimentConfig):
@@ -227,3 +290,9 @@ class AsyncRLExperimentConfig(BaseExperimentConfig):
     """A rollout is admitted only while it cannot be more than this many versions stale when trained."""
     max_concurrent_rollouts: int = 64
     """Most episodes in flight per rollout worker."""
+    env_timeout: float = 120.0
+    """Seconds an environment's reset, step or close may take; a longer call fails its episode (env_timeout). 0: no limit."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_at_least("", self, max_head_offpolicyness=0, max_concurrent_rollouts=1, env_timeout=0)

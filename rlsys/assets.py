@@ -28,6 +28,9 @@ def prepare_assets(config, log=print) -> None:
     elif not config.model.path:
         directory = tiny_model_dir(config.model, config.seed, Path(data.path).parent)
         config.model.path = str(prepare_tiny_model(config.model, config.seed, train_rows, eval_rows, directory, log))
+    if not Path(config.model.path).exists():
+        raise AssetError(f"model.path {config.model.path!r} does not exist; give an HF checkpoint directory "
+                         "(written by save_pretrained), or leave model.path empty for the tiny model")
     if not (Path(config.model.path) / "config.json").exists():
         raise AssetError(f"model.path {config.model.path!r} is not an HF checkpoint directory (no config.json); "
                          "give a directory written by save_pretrained, or leave model.path empty for the tiny model")

@@ -10,11 +10,12 @@ import signal
 import time
 from pathlib import Path
 
-from rlsys import protocol
-from rlsys.bus import EmbeddedRedis, connect, raise_on_sigterm
+from rlsys import accounting, protocol
+from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import config_from_dict, config_to_dict, registry_name_of, save_config
 from rlsys.metrics import read_jsonl_metrics
+from rlsys.preflight import StartupError, check_message_bus
 
 log = logging.getLogger("rlsys")
 STOP_GRACE_SECONDS = 20
@@ -44,13 +45,20 @@ def message_bus(config, run_dir: Path):
     if config.cluster.redis_url:
         yield config.cluster.redis_url
         return
-    with EmbeddedRedis(run_dir / "redis") as server:
+    server = EmbeddedRedis(run_dir / "redis", config.cluster.redis_port)
+    try:
+        server.start()
+    except EmbeddedRedisError as e:
+        raise StartupError(str(e)) from None
+    with server:
         yield server.url
 
 
-def initialize_bus_state(bus, config, start_version: int) -> None:
+def initialize_bus_state(bus, config, trainer_state: dict) -> None:
     """Before any role starts: nothing left from an earlier run on the same Redis, and a resumed run
-    counts the prompts it already trained as admitted, so it does not admit a burst."""
+    counts the prompts it already trained as admitted, so it does not admit a burst. The prompt
+    accounting continues from the checkpoint's (a fresh run's dead letters are cleared; a resumed
+    one keeps those of its earlier part)."""
     cluster = config.cluster
     bus.delete(protocol.STOP, protocol.LEARNER_DONE, protocol.WEIGHTS, protocol.TRAJECTORIES,
                *(protocol.eval_result(tag) for tag in ("initial", "final")),
@@ -58,7 +66,10 @@ def initialize_bus_state(bus, config, start_version: int) -> None:
                  for key in (protocol.generation_requests(i), protocol.inference_status(i))),
                *(key for i in range(cluster.n_rollout_workers)
                  for key in (protocol.replies(i), protocol.rollout_done(i))))
-    bus.set(protocol.ADMITTED, start_version * config.ppo.batch_size)
+    if not trainer_state:
+        bus.delete(protocol.DEAD_LETTERS)
+    bus.set(protocol.ADMITTED, trainer_state.get("version", 0) * config.ppo.batch_size)
+    accounting.restore(bus, trainer_state.get("accounting"))
 
 
 def start_roles(config, bus_url: str, run_dir: Path) -> dict[tuple[str, int], multiprocessing.Process]:
@@ -182,25 +193,36 @@ class ProgressReporter:
         self.seen = len(rows)
 
 
-def launch(config) -> dict:
-    """Runs a whole experiment; returns (and writes to <run dir>/summary.json) its before/after accuracy."""
-    from rlsys.assets import prepare_assets
+def prepare(config) -> None:
+    """Dataset and model ready, or a StartupError that names what is wrong with them."""
+    from rlsys.assets import AssetError, prepare_assets
+    from rlsys.data.dataset import DatasetError
 
+    check_message_bus(config.cluster)  # first: it takes a second, preparing the assets may take minutes
+    try:
+        prepare_assets(config)
+    except (AssetError, DatasetError) as e:
+        raise StartupError(str(e)) from None
+
+
+def launch(config) -> dict:
+    """Runs a whole experiment; returns (and writes to <run dir>/summary.json) its before/after accuracy
+    and where its prompts ended. StartupError, before any process starts, if it cannot run."""
     started = time.monotonic()
     run_dir = run_directory(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolve_resume(config, run_dir)
-    prepare_assets(config)
+    prepare(config)
     config.logging_dir = config.logging_dir or str(run_dir / "logs")
     save_config(config, run_dir / "config.yaml")
     print(f"run directory: {run_dir}", flush=True)
-    start_version = 0
+    trainer_state = {}
     if config.resume_from_checkpoint:
-        start_version = read_trainer_state(Path(config.resume_from_checkpoint))["version"]
-        print(f"resuming from {config.resume_from_checkpoint} (version {start_version})", flush=True)
+        trainer_state = read_trainer_state(Path(config.resume_from_checkpoint))
+        print(f"resuming from {config.resume_from_checkpoint} (version {trainer_state['version']})", flush=True)
     with raise_on_sigterm(), message_bus(config, run_dir) as bus_url:
         bus = connect(bus_url)
-        initialize_bus_state(bus, config, start_version)
+        initialize_bus_state(bus, config, trainer_state)
         processes = start_roles(config, bus_url, run_dir)
         report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps, config.max_steps)
 
@@ -212,14 +234,20 @@ def launch(config) -> dict:
             report()
         finally:
             stop_roles(bus, processes)
+        prompts = accounting.end_run(bus)
         summary = {
             "initial_accuracy": (bus.get(protocol.eval_result("initial")) or {}).get("accuracy"),
             "final_accuracy": (bus.get(protocol.eval_result("final")) or {}).get("accuracy"),
             "steps": config.max_steps,
             "minutes": (time.monotonic() - started) / 60,
             "run_dir": str(run_dir),
+            "prompts": prompts,
+            "prompts_accounted": accounting.accounted(prompts) == prompts[accounting.ADMITTED],
+            "dead_letters": bus.stream_length(protocol.DEAD_LETTERS),
         }
         bus.close()
+    if not summary["prompts_accounted"]:
+        log.error("the prompt accounting does not add up: %s", accounting.describe(prompts))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -1,6 +1,9 @@
 """The names the roles use on the bus: one place, so every role agrees on them."""
 
-TRAJECTORIES = "trajectories"  # queue: finished episodes (one message per prompt's group)
+TRAJECTORIES = "trajectories"  # stream: finished episodes, one entry per prompt's group, read by LEARNERS
+LEARNERS = "learners"  # the consumer group that reads TRAJECTORIES
+DEAD_LETTERS = "trajectories:dead"  # stream: trajectory messages the learner could not use, with the reason
+PROMPTS_IN_FLIGHT = "prompts:in_flight"  # set: ids of admitted prompts whose outcome is not recorded yet
 WEIGHTS = "weights:latest"  # key: {"version", "path"} of the newest published policy
 ADMITTED = "rollout:admitted"  # counter: prompts admitted for training, for the staleness gate
 LEARNER_DONE = "learner:final_version"  # key: set once the learner published its last version
@@ -38,3 +41,8 @@ def eval_result(tag: str) -> str:
 
 def rollout_done(rollout_worker: int) -> str:
     return f"rollout:{rollout_worker}:done"
+
+
+def prompt_outcome(outcome: str) -> str:
+    """Counter of admitted prompts that ended in `outcome` ("admitted", "trained", "failed:env_error", ...)."""
+    return f"prompts:{outcome}"

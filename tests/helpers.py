@@ -1,6 +1,9 @@
 """Small builders shared by tests: a tiny randomly initialised model saved in HF format."""
 
+import contextlib
 from pathlib import Path
+
+import psutil
 
 from experiments.common import ModelConfig
 from rlsys.model.tiny import build_tiny_model
@@ -25,3 +28,22 @@ def small_run_overrides(cache_dir: Path, output_dir: Path) -> list[str]:
         "model.warm_start_accuracy=0.2", "dataset.num_eval=200",
         "ppo.lr=1e-4", "logging_steps=5",
     ]
+
+
+def child_pids() -> set[int]:
+    """This process's live descendants now: what a test started before its run is not the run's."""
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def left_behind(tmp_path: Path, existing: set[int]) -> list[str]:
+    """Live processes a run in `tmp_path` could leave: our descendants not among `existing`, and any
+    process working in `tmp_path` (an embedded redis-server runs in its data directory); not the servers
+    of tests running beside us, nor pools an earlier test of the session keeps."""
+    found = [p for p in psutil.Process().children(recursive=True)
+             if p.pid not in existing and p.status() != psutil.STATUS_ZOMBIE
+             and "resource_tracker" not in " ".join(p.cmdline())]
+    for p in psutil.process_iter(["status"]):
+        with contextlib.suppress(psutil.Error):
+            if p.info["status"] != psutil.STATUS_ZOMBIE and p.cwd().startswith(str(tmp_path)):
+                found.append(p)
+    return [" ".join(p.cmdline()) for p in found]

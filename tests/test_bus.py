@@ -46,6 +46,17 @@ def inject_raw(bus: Bus, queue: str, data: bytes) -> None:
             bus._queues[queue].append(data)
 
 
+def inject_raw_entry(bus: Bus, stream: str, data: bytes) -> None:
+    """A stream entry written behind the bus's back."""
+    if isinstance(bus, RedisBus):
+        bus._client.xadd(bus._k(stream), {b"m": data})
+    else:
+        with bus._cond:
+            s = bus._streams[stream]
+            s.entries[s.next_id()] = data
+            bus._cond.notify_all()
+
+
 def test_fifo_order_across_put_and_put_many(bus):
     for i in range(5):
         bus.put("q", i)
@@ -210,3 +221,149 @@ def test_connect_dispatch(redis_url):
     second.close()
     with pytest.raises(ValueError, match="unsupported bus url"):
         connect("ftp://example.com")
+
+
+def test_set_add_and_remove_count_each_member_once(bus):
+    assert bus.set_add("s", "a", counter="added") is True
+    assert bus.set_add("s", "a", counter="added") is False
+    assert bus.set_add("s", "b") is True
+    assert bus.set_size("s") == 2 and bus.get("added") == 1
+    assert bus.set_remove("s", "a", counter="removed") is True
+    assert bus.set_remove("s", "a", counter="removed") is False
+    assert bus.set_remove("s", "never", counter="removed") is False
+    assert bus.set_size("s") == 1 and bus.get("removed") == 1
+
+    for i in range(50):
+        bus.set_add("race", str(i))
+    results = []
+
+    def remove_all():
+        results.extend(bus.set_remove("race", str(i), counter="race-removed") for i in range(50))
+
+    threads = [threading.Thread(target=remove_all) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(results) == 50 and bus.get("race-removed") == 50  # each member counted by exactly one remover
+    assert bus.set_size("race") == 0
+
+
+def test_set_with_a_counter_that_is_not_an_integer_changes_nothing(bus):
+    bus.set("not-a-counter", {"x": 1})
+    with pytest.raises(BusError):
+        bus.set_add("s", "a", counter="not-a-counter")
+    assert bus.set_size("s") == 0
+    bus.set_add("s", "a")
+    with pytest.raises(BusError):
+        bus.set_remove("s", "a", counter="not-a-counter")
+    assert bus.set_size("s") == 1
+
+
+def test_stream_hands_each_entry_to_one_consumer_of_a_group(bus):
+    ids = [bus.stream_add("st", {"n": i}) for i in range(5)]
+    assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+    first = bus.stream_read("st", "g", "c1", 3, timeout=1)
+    second = bus.stream_read("st", "g", "c2", 10, timeout=1)
+    assert [e.decode("st") for e in first + second] == [{"n": i} for i in range(5)]
+    assert [e.id for e in first + second] == ids and {e.deliveries for e in first + second} == {1}
+    assert bus.stream_read("st", "g", "c1", 10, timeout=0) == []
+    assert bus.stream_pending("st", "g") == 5 and bus.stream_length("st") == 5
+    other_group = bus.stream_read("st", "other", "c1", 10, timeout=0)  # a group starts at the stream's start
+    assert [e.id for e in other_group] == ids
+
+
+def test_stream_ack_deletes_only_what_is_acknowledged(bus):
+    ids = [bus.stream_add("st", i) for i in range(6)]
+    entries = bus.stream_read("st", "g", "c", 4, timeout=1)
+    assert bus.stream_ack("st", "g", [entries[0].id, entries[2].id]) == 2
+    assert bus.stream_ack("st", "g", [entries[0].id]) == 0  # already acknowledged
+    assert bus.stream_ack("st", "g", []) == 0
+    assert bus.stream_pending("st", "g") == 2
+    # the unacknowledged and the unread entries are all still there
+    assert [e.id for e in bus.stream_range("st", 100)] == [ids[1], ids[3], ids[4], ids[5]]
+    assert bus.stream_length("st") == 4
+    assert [e.decode("st") for e in bus.stream_read("st", "g", "c", 10, timeout=0)] == [4, 5]
+
+
+def test_stream_read_waits_for_a_producer_and_times_out(bus):
+    start = time.monotonic()
+    assert bus.stream_read("st", "g", "c", 5, timeout=0.2) == []
+    assert 0.15 <= time.monotonic() - start < 0.8
+
+    def produce():
+        time.sleep(0.2)
+        bus.stream_add("st", "late")
+
+    thread = threading.Thread(target=produce)
+    start = time.monotonic()
+    thread.start()
+    got = bus.stream_read("st", "g", "c", 5, timeout=5)
+    thread.join()
+    assert [e.decode("st") for e in got] == ["late"] and 0.15 <= time.monotonic() - start < 1.5
+
+
+def test_claim_takes_over_the_entries_of_a_dead_consumer(bus):
+    for i in range(3):
+        bus.stream_add("st", i)
+    held = bus.stream_read("st", "g", "dead", 10, timeout=1)
+    assert bus.stream_claim("st", "g", "heir", min_idle=0.3, max_count=10) == []  # not idle long enough
+    time.sleep(0.35)
+    assert bus.stream_claim("st", "g", "dead", min_idle=0.3, max_count=10) == []  # never its own entries
+    claimed = bus.stream_claim("st", "g", "heir", min_idle=0.3, max_count=2)
+    assert [e.id for e in claimed] == [e.id for e in held[:2]]
+    assert [e.payload for e in claimed] == [e.payload for e in held[:2]] and {e.deliveries for e in claimed} == {2}
+    rest = bus.stream_claim("st", "g", "heir", min_idle=0.3, max_count=10)
+    assert [e.id for e in rest] == [held[2].id]
+    assert bus.stream_claim("st", "g", "third", min_idle=0, max_count=10)[0].deliveries == 3
+    bus.stream_ack("st", "g", [e.id for e in held])
+    assert bus.stream_pending("st", "g") == 0 and bus.stream_length("st") == 0
+    assert bus.stream_claim("st", "nogroup", "x", min_idle=0, max_count=10) == []
+
+
+def test_concurrent_consumers_of_a_group_get_every_entry_exactly_once(bus):
+    expected = [[p, i] for p in range(3) for i in range(100)]
+    received, lock = [], threading.Lock()
+
+    def produce(p):
+        for i in range(100):
+            bus.stream_add("st", [p, i])
+
+    def consume(name):
+        while True:
+            entries = bus.stream_read("st", "g", name, 7, timeout=0.3)
+            if not entries:
+                return
+            with lock:
+                received.extend(e.decode("st") for e in entries)
+            bus.stream_ack("st", "g", [e.id for e in entries])
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(3)]
+    threads += [threading.Thread(target=consume, args=(f"c{c}",)) for c in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(received) == sorted(expected)
+    assert bus.stream_length("st") == 0 and bus.stream_pending("st", "g") == 0
+
+
+def test_stream_entries_keep_raw_bytes_and_decode_errors_name_the_entry(bus):
+    inject_raw_entry(bus, "st", b"\xc1 not msgpack")
+    bus.stream_add("st", {"blob": bytes(range(256))})
+    bad, good = bus.stream_read("st", "g", "c", 10, timeout=1)
+    assert bad.payload == b"\xc1 not msgpack"
+    with pytest.raises(BusDecodeError, match=f"stream st entry {bad.id}"):
+        bad.decode("st")
+    assert good.decode("st") == {"blob": bytes(range(256))}
+    with pytest.raises(TypeError, match="stream st"):
+        bus.stream_add("st", {"obj": object()})
+    assert bus.stream_length("st") == 2
+
+
+def test_delete_removes_sets_and_streams(bus):
+    bus.set_add("s", "a")
+    bus.stream_add("st", 1)
+    bus.stream_read("st", "g", "c", 1, timeout=0)
+    bus.delete("s", "st")
+    assert bus.set_size("s") == 0 and bus.stream_length("st") == 0 and bus.stream_pending("st", "g") == 0

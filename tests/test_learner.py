@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from experiments import AsyncPPOMATHConfig
-from rlsys import protocol
+from rlsys import accounting, protocol
 from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import Trajectory
 from rlsys.bus import InProcessBus
@@ -113,15 +113,22 @@ def test_uniform_groups_are_filtered_and_give_their_gate_slot_back(tmp_path):
     learner = Learner(config, bus, tmp_path / "run")
 
     def group(rewards):
+        accounting.admit(bus, str(rewards))
         return {"group_id": str(rewards),
                 "trajectories": [trajectory(learner.model, GOOD if r else BAD, r).to_dict() for r in rewards]}
 
-    bus.put_many(protocol.TRAJECTORIES, [group([0.0, 0.0]), group([1.0, 0.0]), group([1.0, 1.0]), group([0.0, 1.0])])
+    for rewards in ([0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0]):
+        bus.stream_add(protocol.TRAJECTORIES, group(rewards))
     batch = learner.wait_for_batch()
-    assert [[t.reward for t in g] for g in batch] == [[1.0, 0.0], [0.0, 1.0]]
+    assert [[t.reward for t in g.trajectories] for g in batch] == [[1.0, 0.0], [0.0, 1.0]]
     assert learner.filtered_groups == 2
     assert learner.consumed_prompts == ["[0.0, 0.0]", "[1.0, 1.0]"]  # trained groups join after their step
     assert bus.get(protocol.ADMITTED) == 3
+    counts = accounting.counts(bus)
+    assert counts["filtered"] == {"uniform_reward": 2} and counts["in_flight"] == 2
+    # filtered groups are acknowledged (so deleted) at once; the batch's stay pending until their step
+    assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 2
+    assert bus.stream_length(protocol.TRAJECTORIES) == 2
 
 
 def mixed_length_batch(model, rng) -> list[Trajectory]:

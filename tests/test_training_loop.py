@@ -14,24 +14,14 @@ from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import parse_config
 from rlsys.launcher import RoleFailed, launch
 from rlsys.metrics import read_jsonl_metrics
-from tests.helpers import small_run_overrides
+from tests.helpers import child_pids, left_behind, small_run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "training" / "main_async_ppo.py"
 
 
-def descendants_and_redis() -> list[psutil.Process]:
-    """Processes a run could leave behind: our children, and any redis-server still running."""
-    me = psutil.Process()
-    leftovers = [p for p in me.children(recursive=True)
-                 if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
-    for p in psutil.process_iter(["name", "status"]):
-        if p.info["name"] == "redis-server" and p.info["status"] != psutil.STATUS_ZOMBIE:
-            leftovers.append(p)
-    return leftovers
-
-
 def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
+    existing = child_pids()
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=40", "save_steps=20"])
     summary = launch(config)
 
@@ -49,11 +39,12 @@ def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
         checkpoint = run_dir / "checkpoints" / f"step_{step}"
         assert (checkpoint / "config.json").exists() and (checkpoint / "tokenizer.json").exists()
     assert (run_dir / "config.yaml").exists()
-    assert descendants_and_redis() == []
+    assert left_behind(tmp_path, existing) == []
 
 
 @pytest.mark.parametrize("estimator", ["reinforce", "gae"])
 def test_other_estimators_train_in_the_full_loop(cache_dir, tmp_path, estimator):
+    existing = child_pids()
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         "max_steps=24", f"ppo.adv_estimator={estimator}", "ppo.whiten_advantages=true", "eval_steps=0"])
     launch(config)
@@ -65,7 +56,7 @@ def test_other_estimators_train_in_the_full_loop(cache_dir, tmp_path, estimator)
         # The critic learns: its estimates explain more of the returns at the end than at the start.
         explained = [s["critic/explained_variance"] for s in steps]
         assert sum(explained[-8:]) > sum(explained[:8]), explained
-    assert descendants_and_redis() == []
+    assert left_behind(tmp_path, existing) == []
 
 
 def test_max_head_offpolicyness_zero_is_on_policy_even_with_filtering(cache_dir, tmp_path):
@@ -118,9 +109,12 @@ def test_resume_from_checkpoint_continues_step_and_version(cache_dir, tmp_path):
     checkpoint = tmp_path / "async-ppo-math" / "a" / "checkpoints" / "step_2"
     second = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         "max_steps=4", "trial_name=b", f"resume_from_checkpoint={checkpoint}"])
-    launch(second)
+    summary = launch(second)
     steps = read_jsonl_metrics(tmp_path / "async-ppo-math" / "b" / "logs" / "learner.jsonl")
     assert [(s["step"], s["version"]) for s in steps] == [(3, 3), (4, 4)]
+    # The prompt accounting went on from the checkpoint's: its 2 steps' prompts, then 2 more steps'.
+    assert summary["prompts_accounted"] and summary["prompts"]["trained"] == 4 * second.ppo.batch_size
+    assert steps[0]["prompts/trained"] == 3 * second.ppo.batch_size
     # The gate counted the trained prompts as admitted: the resumed run never trains on weights
     # older than its checkpoint, so nothing it trains on is more than eta versions behind.
     assert all(s["staleness_max"] <= second.max_head_offpolicyness for s in steps)
@@ -152,13 +146,14 @@ register_experiment("broken-experiment", BrokenExperiment)
 
 
 def test_a_role_that_dies_stops_the_run_with_its_name_and_leaves_nothing(cache_dir, tmp_path):
+    existing = child_pids()
     plugin = tmp_path / "broken_plugin.py"
     plugin.write_text(BROKEN_PLUGIN)
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         "experiment=broken-experiment", f"plugins=[{plugin}]", "max_steps=2"])
     with pytest.raises(RoleFailed, match="rollout0 exited with code 1"):
         launch(config)
-    assert descendants_and_redis() == []
+    assert left_behind(tmp_path, existing) == []
 
 
 def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache_dir, tmp_path):
@@ -183,9 +178,10 @@ def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache
 
     before = read_trainer_state(latest_checkpoint(checkpoints))
     config = parse_config(args + [f"max_steps={before['step'] + 3}", "resume_from_checkpoint=auto"])
-    launch(config)
+    summary = launch(config)
     after = read_trainer_state(latest_checkpoint(checkpoints))
     assert (after["step"], after["version"]) == (before["step"] + 3, before["version"] + 3)
+    assert summary["prompts_accounted"] and summary["prompts"]["trained"] == after["step"] * config.ppo.batch_size
     consumed = after["consumed_prompts"]
     assert consumed[:len(before["consumed_prompts"])] == before["consumed_prompts"]
     assert len(consumed) == len(set(consumed)), "a prompt was trained twice"
@@ -193,6 +189,7 @@ def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache
 
 
 def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish(cache_dir, tmp_path):
+    existing = child_pids()
     args = small_run_overrides(cache_dir, tmp_path) + [
         "trial_name=i", "max_steps=8", "cluster.n_inference_workers=2", "cluster.inference_dead_after=2"]
     logs = tmp_path / "async-ppo-math" / "i" / "logs"
@@ -215,14 +212,15 @@ def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish
     assert [s["step"] for s in steps] == list(range(1, 9))
     (routing,) = [r for r in read_jsonl_metrics(logs / "rollout0.jsonl") if "requests/resent" in r]
     assert routing["requests/resent"] > 0  # the dead worker's requests went to the other worker
-    assert descendants_and_redis() == []
+    assert left_behind(tmp_path, existing) == []
 
 
 def test_the_transformers_engine_serves_the_whole_loop(cache_dir, tmp_path):
+    existing = child_pids()
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=4", "inference.engine=transformers"])
     summary = launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
     assert [(s["step"], s["version"]) for s in steps] == [(1, 1), (2, 2), (3, 3), (4, 4)]
     assert all(s["staleness_max"] <= config.max_head_offpolicyness + 1 for s in steps)
     assert summary["final_accuracy"] is not None and summary["initial_accuracy"] is not None
-    assert descendants_and_redis() == []
+    assert left_behind(tmp_path, existing) == []

@@ -11,20 +11,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from rlsys.accounting import describe  # noqa: E402
 from rlsys.cli import ConfigError, parse_config  # noqa: E402
 from rlsys.launcher import launch  # noqa: E402
+from rlsys.preflight import StartupError  # noqa: E402
 
 
 def main(argv: list[str]) -> dict:
     try:
-        config = parse_config(argv)
-    except ConfigError as e:
+        summary = launch(parse_config(argv))
+    except (ConfigError, StartupError) as e:  # nothing was started: the message says what to fix
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    summary = launch(config)
     before, after = summary["initial_accuracy"], summary["final_accuracy"]
     print(f"held-out accuracy: {before:.1%} before, {after:.1%} after {summary['steps']} steps "
           f"({100 * (after - before):+.1f} points) in {summary['minutes']:.1f} min")
+    print(f"{describe(summary['prompts'])}; {summary['dead_letters']} trajectory messages dead-lettered")
     return summary
 
 

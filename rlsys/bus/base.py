@@ -7,6 +7,7 @@ a bus message must never be able to run code in the process that reads it.
 """
 
 import abc
+import dataclasses
 import re
 
 import msgpack
@@ -60,10 +61,27 @@ def decode_value(data: bytes, key: str):
     return decode(data, f"key {key}")
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamEntry:
+    """One stream message as a consumer group delivered it: raw bytes, so a bad one can be set aside whole."""
+
+    id: str  # the stream's id for it, "<ms>-<seq>", increasing
+    payload: bytes  # the msgpack bytes as stored
+    deliveries: int  # times the group has handed it to a consumer, this time included (0 from stream_range)
+
+    def decode(self, stream: str):
+        return decode(self.payload, f"stream {stream} entry {self.id}")
+
+
 class Bus(abc.ABC):
-    """FIFO queues plus a key/value store with atomic counters. Sync and thread-safe.
+    """FIFO queues, a key/value store with atomic counters, sets of strings, and streams read by consumer
+    groups with acknowledgement. Sync and thread-safe.
 
     Messages and values are msgpack-serializable Python values; tuples come back as lists.
+
+    Streams give at-least-once delivery: an entry read by a consumer stays pending until acknowledged,
+    and if that consumer dies another one can claim it. Each stream here has one consumer group, so an
+    acknowledged entry is deleted: a stream only ever holds what is unread or unacknowledged.
     """
 
     @abc.abstractmethod
@@ -100,6 +118,54 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     def delete(self, *keys: str) -> None:
         """Remove keys or queues; missing ones are ignored."""
+
+    @abc.abstractmethod
+    def set_add(self, key: str, member: str, counter: str | None = None) -> bool:
+        """Add `member` to the set under `key`; if it was not there, atomically add 1 to the integer under
+        `counter` too. Returns whether it was added."""
+
+    @abc.abstractmethod
+    def set_remove(self, key: str, member: str, counter: str | None = None) -> bool:
+        """Remove `member` from the set under `key`; if it was there, atomically add 1 to the integer under
+        `counter` too. Returns whether it was removed, so of several callers exactly one counts it."""
+
+    @abc.abstractmethod
+    def set_size(self, key: str) -> int:
+        """Number of members of the set under `key` (0 if unset)."""
+
+    @abc.abstractmethod
+    def stream_add(self, stream: str, message) -> str:
+        """Append `message` to `stream`; returns its entry id. Nothing is ever trimmed by adding."""
+
+    @abc.abstractmethod
+    def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float) -> list[StreamEntry]:
+        """Entries of `stream` that `group` has not handed out yet, now pending for `consumer` until acked.
+
+        The group is created on first use, at the start of the stream. Waits like get_many: up to
+        `timeout` s for the first entry, then takes up to `max_count` - 1 more already there.
+        """
+
+    @abc.abstractmethod
+    def stream_claim(self, stream: str, group: str, consumer: str, min_idle: float,
+                     max_count: int) -> list[StreamEntry]:
+        """Take over up to `max_count` entries pending with *other* consumers of `group` for at least
+        `min_idle` s (their consumer died or stalls); their delivery count goes up by one."""
+
+    @abc.abstractmethod
+    def stream_ack(self, stream: str, group: str, ids: list[str]) -> int:
+        """Acknowledge entries and delete them from the stream; returns how many were pending."""
+
+    @abc.abstractmethod
+    def stream_pending(self, stream: str, group: str) -> int:
+        """Entries of `stream` handed to consumers of `group` and not acknowledged yet."""
+
+    @abc.abstractmethod
+    def stream_length(self, stream: str) -> int:
+        """Entries in `stream`: unread plus pending."""
+
+    @abc.abstractmethod
+    def stream_range(self, stream: str, max_count: int) -> list[StreamEntry]:
+        """The oldest `max_count` entries, for inspection (e.g. of a dead-letter stream); reads nothing."""
 
     def close(self) -> None:
         """Release connections. The bus must not be used afterwards."""

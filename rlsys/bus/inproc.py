@@ -5,14 +5,50 @@ would fail over Redis fails here too, and readers never share mutable objects wi
 """
 
 import collections
+import dataclasses
 import threading
 import time
 
-from rlsys.bus.base import Bus, BusError, decode, decode_value, encode, encode_value
+from rlsys.bus.base import Bus, BusError, StreamEntry, decode, decode_value, encode, encode_value
+
+
+@dataclasses.dataclass
+class _Pending:
+    consumer: str
+    delivered_at: float  # time.monotonic() of the last delivery
+    deliveries: int
+
+
+@dataclasses.dataclass
+class _Group:
+    last_delivered: tuple[int, int] = (0, 0)
+    pending: dict[str, _Pending] = dataclasses.field(default_factory=dict)  # entry id -> who holds it
+
+
+@dataclasses.dataclass
+class _Stream:
+    entries: dict[str, bytes] = dataclasses.field(default_factory=dict)  # entry id -> payload, in id order
+    last_id: tuple[int, int] = (0, 0)
+    groups: dict[str, _Group] = dataclasses.field(default_factory=dict)
+
+    def next_id(self) -> str:
+        """Redis's scheme: milliseconds of the clock, and a sequence number when the clock did not move."""
+        ms = int(time.time() * 1000)
+        self.last_id = (ms, 0) if ms > self.last_id[0] else (self.last_id[0], self.last_id[1] + 1)
+        return _format_id(self.last_id)
+
+
+def _parse_id(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
+def _format_id(parts: tuple[int, int]) -> str:
+    return f"{parts[0]}-{parts[1]}"
 
 
 class InProcessBus(Bus):
-    """Queues and keys in memory, guarded by one lock; a Condition wakes blocked `get_many` callers."""
+    """Queues, keys, sets and streams in memory, guarded by one lock; a Condition wakes blocked readers."""
 
     _registry: dict[str, "InProcessBus"] = {}
     _registry_lock = threading.Lock()
@@ -21,6 +57,8 @@ class InProcessBus(Bus):
         self._cond = threading.Condition()
         self._queues: dict[str, collections.deque[bytes]] = collections.defaultdict(collections.deque)
         self._values: dict[str, bytes] = {}
+        self._sets: dict[str, set[str]] = collections.defaultdict(set)
+        self._streams: dict[str, _Stream] = collections.defaultdict(_Stream)
 
     @classmethod
     def named(cls, name: str) -> "InProcessBus":
@@ -71,17 +109,117 @@ class InProcessBus(Bus):
 
     def incr(self, key: str, amount: int = 1) -> int:
         with self._cond:
-            current = decode_value(self._values.get(key, b"0"), key)
-            if not isinstance(current, int):
-                raise BusError(f"key {key!r} does not hold an integer; cannot incr it")
-            self._values[key] = str(current + amount).encode()
-            return current + amount
+            return self._incr(key, amount)
+
+    def _incr(self, key: str, amount: int) -> int:
+        current = decode_value(self._values.get(key, b"0"), key)
+        if not isinstance(current, int):
+            raise BusError(f"key {key!r} does not hold an integer; cannot incr it")
+        self._values[key] = str(current + amount).encode()
+        return current + amount
 
     def delete(self, *keys: str) -> None:
         with self._cond:
             for key in keys:
                 self._queues.pop(key, None)
                 self._values.pop(key, None)
+                self._sets.pop(key, None)
+                self._streams.pop(key, None)
+
+    def set_add(self, key: str, member: str, counter: str | None = None) -> bool:
+        with self._cond:
+            if member in self._sets[key]:
+                return False
+            if counter is not None:
+                self._incr(counter, 1)  # first: a counter that is not an integer changes nothing, as in Redis
+            self._sets[key].add(member)
+            return True
+
+    def set_remove(self, key: str, member: str, counter: str | None = None) -> bool:
+        with self._cond:
+            if member not in self._sets.get(key, ()):
+                return False
+            if counter is not None:
+                self._incr(counter, 1)
+            self._sets[key].discard(member)
+            return True
+
+    def set_size(self, key: str) -> int:
+        with self._cond:
+            return len(self._sets.get(key, ()))
+
+    def stream_add(self, stream: str, message) -> str:
+        payload = encode(message, f"stream {stream}")
+        with self._cond:
+            s = self._streams[stream]
+            entry_id = s.next_id()
+            s.entries[entry_id] = payload
+            self._cond.notify_all()
+            return entry_id
+
+    def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float) -> list[StreamEntry]:
+        if max_count <= 0:
+            return []
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._cond:
+            while True:
+                s = self._streams[stream]
+                g = s.groups.setdefault(group, _Group())
+                fresh = [i for i in s.entries if _parse_id(i) > g.last_delivered][:max_count]
+                if fresh:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self._cond.wait(remaining)
+            g.last_delivered = _parse_id(fresh[-1])
+            now = time.monotonic()
+            for i in fresh:
+                g.pending[i] = _Pending(consumer, now, 1)
+            return [StreamEntry(i, s.entries[i], 1) for i in fresh]
+
+    def stream_claim(self, stream: str, group: str, consumer: str, min_idle: float,
+                     max_count: int) -> list[StreamEntry]:
+        with self._cond:
+            s = self._streams[stream]
+            g = s.groups.setdefault(group, _Group())
+            now = time.monotonic()
+            claimed = []
+            for entry_id, p in list(g.pending.items()):
+                if len(claimed) >= max_count:
+                    break
+                if p.consumer == consumer or now - p.delivered_at < min_idle:
+                    continue
+                if entry_id not in s.entries:  # deleted while pending: nothing left to deliver
+                    del g.pending[entry_id]
+                    continue
+                p.consumer, p.delivered_at, p.deliveries = consumer, now, p.deliveries + 1
+                claimed.append(StreamEntry(entry_id, s.entries[entry_id], p.deliveries))
+            return claimed
+
+    def stream_ack(self, stream: str, group: str, ids: list[str]) -> int:
+        with self._cond:
+            s = self._streams[stream]
+            g = s.groups.setdefault(group, _Group())
+            acked = 0
+            for entry_id in ids:
+                acked += g.pending.pop(entry_id, None) is not None
+                s.entries.pop(entry_id, None)
+            return acked
+
+    def stream_pending(self, stream: str, group: str) -> int:
+        with self._cond:
+            g = self._streams[stream].groups.get(group)
+            return len(g.pending) if g else 0
+
+    def stream_length(self, stream: str) -> int:
+        with self._cond:
+            return len(self._streams[stream].entries)
+
+    def stream_range(self, stream: str, max_count: int) -> list[StreamEntry]:
+        with self._cond:
+            entries = list(self._streams[stream].entries.items())[:max_count]
+        return [StreamEntry(i, payload, 0) for i, payload in entries]
 
     def close(self) -> None:
         """Nothing to release: the bus is shared by everyone in the process who connected to its name."""

@@ -1,19 +1,32 @@
 """RedisBus: the bus between processes (and machines), on redis-py's sync client.
 
-Queues are Redis lists (RPUSH / BLPOP / LPOP count), keys are strings, counters use INCRBY. One
-redis-py client with its connection pool is thread-safe, so one RedisBus serves every thread of a role.
+Queues are Redis lists (RPUSH / BLPOP / LPOP count), keys are strings, counters use INCRBY, sets are
+sets, and streams are Redis streams with one consumer group each (XADD / XREADGROUP / XCLAIM / XACK).
+One redis-py client with its connection pool is thread-safe, so one RedisBus serves every thread of a role.
 """
 
 import urllib.parse
 
 import redis
 
-from rlsys.bus.base import Bus, BusError, decode, decode_value, encode, encode_value
+from rlsys.bus.base import Bus, BusError, StreamEntry, decode, decode_value, encode, encode_value
 
 # A blocking command must return before the socket times out, or redis-py drops the connection while
 # the server may already have popped a message for it (lost). Long waits are therefore cut into slices.
 SOCKET_TIMEOUT = 30.0
 MAX_BLOCK = 10.0
+PAYLOAD = b"m"  # the one field of a stream entry: its msgpack payload
+PENDING_PAGE = 100
+
+# SADD or SREM, and the counter's INCRBY only if the member changes, in one atomic step. INCRBY goes
+# first: a script that fails keeps the writes it made, and a counter that is not an integer must change nothing.
+_SET_AND_COUNT = """
+local present = redis.call('SISMEMBER', KEYS[1], ARGV[2]) == 1
+if (ARGV[1] == 'SADD') == present then return 0 end
+if #KEYS == 2 then redis.call('INCRBY', KEYS[2], 1) end
+redis.call(ARGV[1], KEYS[1], ARGV[2])
+return 1
+"""
 
 
 class RedisBus(Bus):
@@ -22,6 +35,7 @@ class RedisBus(Bus):
     def __init__(self, client: redis.Redis, namespace: str = ""):
         self._client = client
         self._prefix = f"{namespace}:" if namespace else ""
+        self._set_and_count = client.register_script(_SET_AND_COUNT)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "") -> "RedisBus":
@@ -94,6 +108,108 @@ class RedisBus(Bus):
     def delete(self, *keys: str) -> None:
         if keys:
             self._client.delete(*(self._k(k) for k in keys))
+
+    def set_add(self, key: str, member: str, counter: str | None = None) -> bool:
+        return self._change_set("SADD", key, member, counter)
+
+    def set_remove(self, key: str, member: str, counter: str | None = None) -> bool:
+        return self._change_set("SREM", key, member, counter)
+
+    def _change_set(self, command: str, key: str, member: str, counter: str | None) -> bool:
+        keys = [self._k(key)] + ([self._k(counter)] if counter is not None else [])
+        try:
+            return bool(self._set_and_count(keys=keys, args=[command, member]))
+        except redis.ResponseError as e:
+            raise BusError(f"{command} {member!r} on {key!r} counted in {counter!r} failed: {e}") from e
+
+    def set_size(self, key: str) -> int:
+        return self._client.scard(self._k(key))
+
+    def stream_add(self, stream: str, message) -> str:
+        return self._client.xadd(self._k(stream), {PAYLOAD: encode(message, f"stream {stream}")}).decode()
+
+    def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float) -> list[StreamEntry]:
+        """Long waits are cut into MAX_BLOCK slices like get_many's, for the same reason."""
+        if max_count <= 0:
+            return []
+        remaining = timeout
+        while True:
+            block = min(remaining, MAX_BLOCK)
+            reply = self._read_group(stream, group, consumer, max_count, block)
+            if reply:
+                return [StreamEntry(entry_id.decode(), fields[PAYLOAD], 1) for entry_id, fields in reply[0][1]]
+            remaining -= block
+            if remaining <= 0:
+                return []
+
+    def _read_group(self, stream: str, group: str, consumer: str, max_count: int, block: float):
+        key = self._k(stream)
+        block_ms = int(block * 1000) if block > 0 else None  # BLOCK 0 would wait forever
+        try:
+            return self._client.xreadgroup(group, consumer, {key: ">"}, count=max_count, block=block_ms)
+        except redis.ResponseError as e:
+            if not str(e).startswith("NOGROUP"):
+                raise
+        self._create_group(key, group)
+        return self._client.xreadgroup(group, consumer, {key: ">"}, count=max_count, block=block_ms)
+
+    def _create_group(self, key: str, group: str) -> None:
+        try:
+            self._client.xgroup_create(key, group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if not str(e).startswith("BUSYGROUP"):  # another consumer created it first
+                raise
+
+    def stream_claim(self, stream: str, group: str, consumer: str, min_idle: float,
+                     max_count: int) -> list[StreamEntry]:
+        """XPENDING pages (with their delivery counts), then XCLAIM of those held by others. XCLAIM
+        checks the idle time again, so of two consumers claiming the same entry only one gets it."""
+        key, min_idle_ms = self._k(stream), int(min_idle * 1000)
+        deliveries: dict[bytes, int] = {}
+        start = "-"
+        while len(deliveries) < max_count:
+            try:
+                page = self._client.xpending_range(key, group, start, "+", PENDING_PAGE, idle=min_idle_ms)
+            except redis.ResponseError as e:
+                if str(e).startswith("NOGROUP"):
+                    return []
+                raise
+            for p in page:
+                if p["consumer"].decode() != consumer and len(deliveries) < max_count:
+                    deliveries[p["message_id"]] = p["times_delivered"] + 1
+            if len(page) < PENDING_PAGE:
+                break
+            start = "(" + page[-1]["message_id"].decode()
+        if not deliveries:
+            return []
+        claimed = self._client.xclaim(key, group, consumer, min_idle_ms, list(deliveries))
+        return [StreamEntry(entry_id.decode(), fields[PAYLOAD], deliveries[entry_id])
+                for entry_id, fields in claimed if fields]  # entries deleted meanwhile come back empty
+
+    def stream_ack(self, stream: str, group: str, ids: list[str]) -> int:
+        if not ids:
+            return 0
+        key = self._k(stream)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.xack(key, group, *ids)
+        pipe.xdel(key, *ids)
+        acked, _deleted = pipe.execute()
+        return acked
+
+    def stream_pending(self, stream: str, group: str) -> int:
+        try:
+            return self._client.xpending(self._k(stream), group)["pending"]
+        except redis.ResponseError as e:
+            if str(e).startswith("NOGROUP"):
+                return 0
+            raise
+
+    def stream_length(self, stream: str) -> int:
+        return self._client.xlen(self._k(stream))
+
+    def stream_range(self, stream: str, max_count: int) -> list[StreamEntry]:
+        return [StreamEntry(entry_id.decode(), fields[PAYLOAD], 0)
+                for entry_id, fields in self._client.xrange(self._k(stream), count=max_count)]
 
     def close(self) -> None:
         self._client.close()

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -33,11 +34,41 @@ import redis
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 10.0
 PORT_ATTEMPTS = 5
+MIN_VERSION = (6, 2)  # XPENDING IDLE and XAUTOCLAIM-era stream commands
 _PR_SET_PDEATHSIG = 1
 
 
 class EmbeddedRedisError(RuntimeError):
     """The private redis-server could not be started (missing binary, bad config, no free port)."""
+
+
+def find_redis_server() -> str:
+    """The redis-server binary on PATH, checked to be recent enough for the bus's stream commands."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise EmbeddedRedisError("redis-server is not on PATH; install it (Debian/Ubuntu: "
+                                 "`sudo apt-get install redis-server`; conda: `conda install -c "
+                                 "conda-forge redis`) or set cluster.redis_url to an existing server")
+    output = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    found = re.search(r"v=(\d+)\.(\d+)", output)
+    if found and tuple(map(int, found.groups())) < MIN_VERSION:
+        raise EmbeddedRedisError(f"{binary} is Redis {found[1]}.{found[2]}; rlsys needs {MIN_VERSION[0]}.{MIN_VERSION[1]} "
+                                 "or newer (stream consumer groups with claims); install a newer redis-server")
+    return binary
+
+
+def check_port_free(port: int) -> None:
+    """EmbeddedRedisError unless `port` can be bound on the loopback interface right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise _port_in_use(port) from None
+
+
+def _port_in_use(port: int) -> EmbeddedRedisError:
+    return EmbeddedRedisError(f"cluster.redis_port {port} is in use on 127.0.0.1; choose another port, "
+                              "or set cluster.redis_port=0 to pick a free one")
 
 
 def _free_port() -> int:
@@ -82,12 +113,13 @@ def raise_on_sigterm():
 class EmbeddedRedis:
     """A redis-server owned by this process, with its data, config and log in `run_dir`.
 
-    Usage: `with EmbeddedRedis(run_dir) as server: bus = connect(server.url)`.
+    Usage: `with EmbeddedRedis(run_dir) as server: bus = connect(server.url)`. `port` 0 picks a free one.
     """
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir, port: int = 0):
         self.run_dir = Path(run_dir).resolve()
         self.password = ""
+        self.requested_port = port
         self.port = 0
         self.process: subprocess.Popen | None = None
         self._owner = 0
@@ -110,19 +142,17 @@ class EmbeddedRedis:
         """Start the server and wait until it answers PING as an authenticated client."""
         if self.process is not None:
             return self
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise EmbeddedRedisError("redis-server is not on PATH; install it (Debian/Ubuntu: "
-                                     "`sudo apt-get install redis-server`; conda: `conda install -c "
-                                     "conda-forge redis`) or set cluster.redis_url to an existing server")
+        binary = find_redis_server()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.password = secrets.token_hex(24)
-        for _ in range(PORT_ATTEMPTS):
-            self.port = _free_port()
+        for _ in range(PORT_ATTEMPTS if not self.requested_port else 1):
+            self.port = self.requested_port or _free_port()
             if self._launch(binary):
                 self._owner = os.getpid()
                 atexit.register(self.stop)
                 return self
+        if self.requested_port:
+            raise _port_in_use(self.port)
         raise EmbeddedRedisError(f"redis-server found no free port in {PORT_ATTEMPTS} attempts; "
                                  f"log tail:\n{self._log_tail()}")
 

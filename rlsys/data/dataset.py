@@ -14,24 +14,33 @@ class DatasetError(ValueError):
     """A dataset that cannot be used; the message names the file, line and field."""
 
 
+FORMAT = 'one JSON object per line, with string fields "prompt" and "answer"'
+
+
 def load_jsonl_dataset(path: str | Path, agent_names: list[str] | None = None) -> list[dict]:
     """The rows of `path`, each checked; with `agent_names`, a row's `agent_name` must be one of them."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().splitlines()
     except OSError as e:
-        raise DatasetError(f"cannot read dataset {path}: {e.strerror}") from None
+        raise DatasetError(f"cannot read dataset {path}: {e.strerror}; give a JSONL file ({FORMAT})") from None
     rows = [_parse_row(line, path, number, agent_names) for number, line in enumerate(lines, start=1) if line.strip()]
     if not rows:
-        raise DatasetError(f"dataset {path} has no rows")
+        raise DatasetError(f"dataset {path} has no rows; it needs {FORMAT}")
     return rows
 
 
-def _parse_row(line: str, path: Path, number: int, agent_names: list[str] | None) -> dict:
+def _parse_row(line: bytes, path: Path, number: int, agent_names: list[str] | None) -> dict:
     try:
-        row = json.loads(line)
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}:{number}: not UTF-8 text (byte {e.start} is {line[e.start:e.start + 1]!r}); "
+                           f"a dataset is {FORMAT}") from None
+    try:
+        row = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DatasetError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        raise DatasetError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); "
+                           f"a dataset is {FORMAT}") from None
     if not isinstance(row, dict):
         raise DatasetError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
     for name in REQUIRED_FIELDS:

@@ -2,13 +2,14 @@
 
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoTokenizer
 
-from rlsys import protocol
+from rlsys import accounting, protocol
 from rlsys.algorithms.advantages import gae_advantages, grpo_advantages, reinforce_advantages, whiten
 from rlsys.algorithms.batch import SequenceBatch, sequence_batch
 from rlsys.algorithms.packing import MicroBatch, micro_batches
@@ -17,6 +18,7 @@ from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clippe
 from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.api import Trajectory
 from rlsys.checkpoint import OPTIMIZER_STATE, read_trainer_state, save_checkpoint
+from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.engine.weights import write_weight_update
 from rlsys.metrics import MetricsLogger
 from rlsys.model.loading import CRITIC_DIR, load_critic, load_policy
@@ -55,6 +57,8 @@ class Learner:
         self.consumed_prompts: list[str] = []  # group ids trained or filtered: the dataset position on resume
         if resumed:
             self._resume(Path(config.resume_from_checkpoint), resumed)
+        self.inbox = TrajectoryInbox(bus, f"learner-{uuid.uuid4().hex[:8]}", int(config.cluster.max_message_mb * 2**20),
+                                     self.model.config.vocab_size, consumed=self.consumed_prompts)
         self.metrics = MetricsLogger(Path(config.logging_dir), "learner")
 
     def _frozen(self, model):
@@ -81,43 +85,52 @@ class Learner:
             if groups is None:
                 break
             waited = time.monotonic() - started
-            stats = self.train_step([t for group in groups for t in group])
-            self.consumed_prompts += [group[0].group_id for group in groups]
+            stats = self.train_step([t for group in groups for t in group.trajectories])
+            self.consumed_prompts += [group.group_id for group in groups]
             computed = time.monotonic() - started - waited
             self.step += 1
             self.version += 1
             self.publish_weights()
             published = time.monotonic() - started - waited - computed
+            for group in groups:
+                accounting.settle(self.bus, group.group_id, accounting.TRAINED)
             self.metrics.log(self.step, {
                 **stats, "groups/filtered": self.filtered_groups, "version": self.version,
                 "time/wait_data": waited, "time/compute": computed, "time/publish": published,
-                "throughput/tokens_per_second": stats["tokens"] * self.ppo.ppo_epochs / max(computed, 1e-9)})
+                "throughput/tokens_per_second": stats["tokens"] * self.ppo.ppo_epochs / max(computed, 1e-9),
+                **self.delivery_metrics()})
             if self.config.save_steps and self.step % self.config.save_steps == 0:
                 self.save()
+            self.inbox.ack([group.entry_id for group in groups])  # taken into a step: see rlsys/delivery.py
         self.save()
         self.bus.set(protocol.LEARNER_DONE, self.version)
         self.metrics.close()
 
-    def wait_for_batch(self) -> list[list[Trajectory]] | None:
+    def wait_for_batch(self) -> list[Delivery] | None:
         """Blocks until `batch_size` groups arrived; None if the run is being stopped."""
-        groups: list[list[Trajectory]] = []
+        groups: list[Delivery] = []
         while len(groups) < self.ppo.batch_size:
             if self.bus.get(protocol.STOP):
                 return None
-            for message in self.bus.get_many(protocol.TRAJECTORIES, self.ppo.batch_size - len(groups), timeout=0.5):
-                group = [Trajectory.from_dict(t) for t in message["trajectories"]]
-                if self.ppo.filter_uniform_groups and len({t.reward for t in group}) == 1:
-                    self.filter_group(message["group_id"])
+            for group in self.inbox.receive(self.ppo.batch_size - len(groups), timeout=0.5):
+                if self.ppo.filter_uniform_groups and len({t.reward for t in group.trajectories}) == 1:
+                    self.filter_group(group)
                 else:
                     groups.append(group)
         return groups
 
-    def filter_group(self, group_id: str) -> None:
+    def filter_group(self, group: Delivery) -> None:
         """A dropped group will never be trained, so its prompt gives its staleness-gate slot back;
         otherwise the gate, which expects `batch_size` admitted prompts per step, would stall."""
         self.filtered_groups += 1
-        self.consumed_prompts.append(group_id)
-        self.bus.incr(protocol.ADMITTED, -1)
+        self.consumed_prompts.append(group.group_id)
+        accounting.settle_untrained(self.bus, group.group_id, accounting.filtered("uniform_reward"))
+        self.inbox.ack([group.entry_id])
+
+    def delivery_metrics(self) -> dict[str, int]:
+        """Where the run's prompts stand, and what the inbox dropped or set aside."""
+        return {**accounting.as_metrics(accounting.counts(self.bus)),
+                "trajectories/duplicates": self.inbox.duplicates, "trajectories/dead_letters": self.inbox.dead_letters}
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         batch = self.prepare_batch(trajectories)
@@ -262,7 +275,8 @@ class Learner:
         if self.critic is not None:
             optimizer_state["critic_optimizer"] = self.critic_optimizer.state_dict()
         trainer_state = {"step": self.step, "version": self.version, "consumed_prompts": self.consumed_prompts,
-                         "initial_model_path": self.initial_model_path}
+                         "initial_model_path": self.initial_model_path,
+                         "accounting": accounting.settled_snapshot(self.bus)}
         return save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.model, self.tokenizer,
                                optimizer_state, trainer_state, extra_models={CRITIC_DIR: self.critic})
 

@@ -1,17 +1,20 @@
 """The rollout worker: runs many episodes at once and bridges each episode's queues to the bus."""
 
 import asyncio
+import collections
 import dataclasses
 import logging
 from pathlib import Path
 
-from rlsys import protocol
+from rlsys import accounting, protocol
 from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent, make_env
 from rlsys.checkpoint import read_trainer_state
 from rlsys.data.dataset import load_jsonl_dataset
-from rlsys.metrics import MetricsLogger
 from rlsys.data.prompts import prompt_stream
+from rlsys.delivery import InvalidMessage, group_message
+from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
+from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
 from rlsys.workers.routing import EpisodeRouter
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,7 @@ class RolloutWorker:
         self.eval_agents = _build_agents(config, _greedy)
         self.metrics = MetricsLogger(Path(config.logging_dir), f"rollout{index}")
         self.running: set[asyncio.Task] = set()
-        self.failed = 0
+        self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
         # Prompts a resumed run already trained (or filtered): skipped, so none is trained twice.
         self.consumed = set(read_trainer_state(Path(config.resume_from_checkpoint))["consumed_prompts"]
                             if config.resume_from_checkpoint else [])
@@ -45,7 +48,9 @@ class RolloutWorker:
             if self.index == 0:
                 await self.evaluate("initial")
             await self.train()
-            self.metrics.log(await self.current_version(), {"episodes/failed": self.failed, **self.routing_metrics()})
+            self.metrics.log(await self.current_version(), {
+                "episodes/failed": sum(self.failures.values()),
+                **{f"episodes/failed/{reason}": n for reason, n in self.failures.items()}, **self.routing_metrics()})
             if self.index == 0 and await self.wait_for_final_weights():
                 await self.evaluate("final")
         finally:
@@ -101,33 +106,68 @@ class RolloutWorker:
         """The agent the row names (`agent_name`, checked when the run started), else the experiment's default."""
         return agents[prompt.data.get("agent_name")]
 
-    async def run_episode(self, agent, prompt: Prompt) -> list[Trajectory] | None:
-        env = make_env(self.config.env)
+    async def run_episode(self, agent, prompt: Prompt) -> list[Trajectory]:
+        """The agent's trajectories; EpisodeFailed (logged in one line and counted) if the env or agent failed."""
         obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
         forwarder = asyncio.create_task(self.router.forward(obs_queue, act_queue))
+        env = None
         try:
+            env = guard_env(make_env(self.config.env), self.config.env_timeout)
             return await agent.collect_trajectory(prompt, env, obs_queue, act_queue)
-        except Exception:
-            log.exception("episode %s failed", prompt.qid)
-            self.failed += 1
-            return None
+        except EpisodeFailed as failure:
+            raise self.failed(prompt, failure) from None
+        except Exception as e:
+            log.debug("episode %s: the agent's traceback", prompt.qid, exc_info=True)
+            raise self.failed(prompt, EpisodeFailed("agent_error", describe_exception(e))) from None
         finally:
             forwarder.cancel()
             self.router.forget(act_queue)
+            if env is not None:
+                await self.close_env(env, prompt)
+
+    async def close_env(self, env, prompt: Prompt) -> None:
+        """A failing close is logged, and does not undo an episode that finished."""
+        try:
             await env.close()
+        except EpisodeFailed as failure:
+            log.warning("episode %s: closing its environment failed (%s)", prompt.qid, failure)
+
+    def failed(self, prompt: Prompt, failure: EpisodeFailed) -> EpisodeFailed:
+        self.failures[failure.reason] += 1
+        log.warning("episode %s failed (%s): %s", prompt.qid, failure.reason, failure.detail)
+        return failure
 
     async def run_training_episode(self, prompt: Prompt) -> None:
-        trajectories = await self.run_episode(self.agent_for(prompt, self.agents), prompt)
-        if trajectories:
-            message = {"group_id": prompt.qid, "trajectories": [t.to_dict() for t in trajectories]}
-            await asyncio.to_thread(self.bus.put, protocol.TRAJECTORIES, message)
+        """One admitted prompt: its group goes to the learner, or it is counted as failed and gives its gate
+        slot back. Cancelled (the run is ending), it stays in flight and is counted as run_ended."""
+        if not await asyncio.to_thread(accounting.admit, self.bus, prompt.qid):
+            log.error("prompt %s is already in flight; not run twice", prompt.qid)
+            await asyncio.to_thread(self.bus.incr, protocol.ADMITTED, -1)
+            return
+        try:
+            trajectories = await self.run_episode(self.agent_for(prompt, self.agents), prompt)
+            message = self.trajectory_message(prompt, trajectories)
+        except EpisodeFailed as failure:
+            await asyncio.to_thread(accounting.settle_untrained, self.bus, prompt.qid, accounting.failed(failure.reason))
+            return
+        await asyncio.to_thread(self.bus.stream_add, protocol.TRAJECTORIES, message)
+
+    def trajectory_message(self, prompt: Prompt, trajectories) -> dict:
+        try:
+            return group_message(prompt.qid, trajectories, int(self.config.cluster.max_message_mb * 2**20))
+        except InvalidMessage as e:
+            raise self.failed(prompt, EpisodeFailed("invalid_output", str(e))) from None
 
     async def evaluate(self, tag: str) -> float:
         """Greedy accuracy (mean final reward) on the held-out set, logged and stored on the bus."""
         version = await self.current_version()
         prompts = list(self.prompts(self.config.dataset.eval_path, "eval", shuffle=False))
-        results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p) for p in prompts))
-        rewards = [t.reward for trajectories in results if trajectories for t in trajectories]
+        results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p) for p in prompts),
+                                       return_exceptions=True)
+        for result in results:
+            if not isinstance(result, (list, EpisodeFailed)):
+                raise result  # not an episode's failure (already counted): a bug or a cancellation
+        rewards = [t.reward for trajectories in results if isinstance(trajectories, list) for t in trajectories]
         accuracy = sum(rewards) / max(len(rewards), 1)
         result = {"accuracy": accuracy, "version": version, "episodes": len(rewards)}
         self.metrics.log(version, {f"eval/{k}": v for k, v in result.items()})

@@ -1,0 +1,241 @@
+"""Trajectory delivery from rollout workers to the learner: at least once, and consumed exactly once.
+
+A rollout worker appends one message per prompt, `{"group_id", "trajectories"}`, to the TRAJECTORIES
+stream; it checks the message first (`group_message`), so it never sends what the learner would refuse.
+The learner reads the stream through the LEARNERS consumer group (`TrajectoryInbox`). An entry stays
+pending, and in the stream, until the learner acknowledges it, which deletes it:
+  * a group it trained: after the step that trained it, once the optimizer update is done, the new
+    weights are published, the group is counted as trained, and the step's checkpoint (if it saves one)
+    is written;
+  * a group it filtered, a duplicate, or a message it set aside: as soon as it has decided.
+Nothing else ever removes an entry, so the stream is never trimmed below what is unacknowledged. A
+learner that dies leaves its entries pending; the next one claims them when it starts (a run has one
+learner, so at that moment every pending entry belongs to a dead one) and gets them again.
+
+Duplicates (a group delivered again, e.g. after a claim, or resent) are dropped by group id and by
+trajectory id, against a bounded window of recent ids. The window starts from the checkpoint's consumed
+prompts, so a resumed learner still drops groups it trained before.
+
+A message the learner cannot use goes to the DEAD_LETTERS stream with its reason, and is acknowledged:
+  * one over the size limit, undecodable, of the wrong shape, or with trajectories the learner cannot
+    train on: at its first delivery, since checking the same bytes again gives the same answer;
+  * one delivered MAX_DELIVERIES times without an acknowledgement: every consumer that took it died
+    (say it crashes the learner), so it is set aside rather than taking the next one down.
+If its group id is a prompt in flight, that prompt is counted as failed (rejected) and gives its
+staleness-gate slot back, so the run neither stalls nor loses count.
+"""
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterable
+
+from rlsys import accounting, protocol
+from rlsys.api import Trajectory
+from rlsys.bus import BusDecodeError, StreamEntry
+from rlsys.bus.base import encode
+
+log = logging.getLogger(__name__)
+
+MAX_DELIVERIES = 3
+DEDUP_WINDOW = 100_000  # recent group and trajectory ids: thousands of steps of groups, a few MB
+DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024  # a dead letter keeps the start of the payload, for inspection
+CLAIM_PAGE = 1000
+
+
+class InvalidMessage(ValueError):
+    """A trajectory message the learner cannot use; the message says why, `group_id` whose it is if known."""
+
+    def __init__(self, reason: str, group_id: str | None = None):
+        super().__init__(reason)
+        self.group_id = group_id
+
+
+def group_message(group_id: str, trajectories: list[Trajectory], max_bytes: int) -> dict:
+    """The message for one prompt's trajectories, checked as the learner will check it."""
+    if not isinstance(trajectories, list) or not all(isinstance(t, Trajectory) for t in trajectories):
+        raise InvalidMessage(f"collect_trajectory must return a list of Trajectory, got {_type_names(trajectories)}")
+    message = {"group_id": group_id, "trajectories": [t.to_dict() for t in trajectories]}
+    size = len(encode(message, f"stream {protocol.TRAJECTORIES}"))
+    if size > max_bytes:
+        raise InvalidMessage(_too_large(size, max_bytes))
+    read_group_message(message)
+    return message
+
+
+def read_group_message(message, vocab_size: int | None = None) -> tuple[str, list[Trajectory]]:
+    """(group id, trajectories) of a decoded message; InvalidMessage says what is wrong with it."""
+    group_id = message.get("group_id") if isinstance(message, dict) else None
+    if not isinstance(group_id, str) or not group_id:
+        shape = f"group_id {group_id!r:.80}" if isinstance(message, dict) else type(message).__name__
+        raise InvalidMessage(f"expected a map with a non-empty string group_id, got {shape}")
+    if set(message) != {"group_id", "trajectories"}:
+        raise InvalidMessage(f"group {group_id}: expected keys ['group_id', 'trajectories'], "
+                             f"got {sorted(map(str, message))}", group_id)
+    trajectories = message["trajectories"]
+    if not isinstance(trajectories, list) or not trajectories:
+        raise InvalidMessage(f"group {group_id}: trajectories must be a non-empty list, got {trajectories!r:.80}",
+                             group_id)
+    checked = [_trajectory(d, group_id, i, vocab_size) for i, d in enumerate(trajectories)]
+    if len({t.traj_id for t in checked}) < len(checked):
+        raise InvalidMessage(f"group {group_id}: the same trajectory id appears twice", group_id)
+    return group_id, checked
+
+
+def _trajectory(d, group_id: str, index: int, vocab_size: int | None) -> Trajectory:
+    where = f"group {group_id} trajectory {index}"
+    if not isinstance(d, dict):
+        raise InvalidMessage(f"{where}: expected a map, got {type(d).__name__}", group_id)
+    try:
+        t = Trajectory.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise InvalidMessage(f"{where}: {e}", group_id) from None
+    problem = _trajectory_problem(t, vocab_size)
+    if problem:
+        raise InvalidMessage(f"{where}: {problem}", group_id)
+    return t
+
+
+def _trajectory_problem(t: Trajectory, vocab_size: int | None) -> str | None:
+    """What would make the learner fail or train on garbage: wrong types, NaN, tokens outside the vocabulary."""
+    checks = [
+        ("token_ids", t.token_ids, lambda x: type(x) is int and x >= 0 and (vocab_size is None or x < vocab_size)),
+        ("loss_mask", t.loss_mask, lambda x: x in (0, 1) and type(x) is int),
+        ("logprobs", t.logprobs, _finite),
+        ("versions", t.versions, lambda x: type(x) is int and x >= -1),
+        # a turn's reward sits on its last token, which is predicted from the one before: ends from 2 on
+        ("turn_ends", t.turn_ends, lambda x: type(x) is int and 2 <= x <= len(t.token_ids)),
+        ("turn_rewards", t.turn_rewards, _finite),
+    ]
+    for name, values, ok in checks:
+        if not isinstance(values, list):
+            return f"{name} must be a list, got {type(values).__name__}"
+        bad = [x for x in values if not ok(x)]
+        if bad:
+            vocabulary = f" (vocabulary of {vocab_size})" if name == "token_ids" and vocab_size else ""
+            return f"{name} holds {bad[0]!r:.40}{vocabulary}"
+    if not any(t.loss_mask[1:]):  # the first token is never predicted, so never trained
+        return "has no generated token after the first: nothing to train on"
+    if not _finite(t.reward):
+        return f"reward must be a finite number, got {t.reward!r:.40}"
+    for name in ("group_id", "stop_reason", "traj_id"):
+        if not isinstance(getattr(t, name), str):
+            return f"{name} must be a string, got {type(getattr(t, name)).__name__}"
+    if not isinstance(t.metrics, dict) or not all(isinstance(k, str) and _finite(v) for k, v in t.metrics.items()):
+        return "metrics must map names to finite numbers"
+    return None
+
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _type_names(value) -> str:
+    if isinstance(value, list):
+        return f"a list of {sorted({type(v).__name__ for v in value})}"
+    return type(value).__name__
+
+
+def _too_large(size: int, max_bytes: int) -> str:
+    return (f"message of {size / 2**20:.1f} MiB exceeds the limit of {max_bytes / 2**20:.1f} MiB "
+            f"(cluster.max_message_mb)")
+
+
+@dataclasses.dataclass
+class Delivery:
+    """One prompt's group, taken from the stream and not yet acknowledged."""
+
+    entry_id: str
+    group_id: str
+    trajectories: list[Trajectory]
+
+
+class RecentIds:
+    """The last `capacity` ids seen, oldest forgotten first."""
+
+    def __init__(self, capacity: int, ids: Iterable[str] = ()):
+        self.capacity = capacity
+        self._ids: dict[str, None] = {}  # insertion-ordered: the first key is the oldest
+        for i in ids:
+            self.add(i)
+
+    def __contains__(self, item: str) -> bool:
+        return item in self._ids
+
+    def add(self, item: str) -> None:
+        self._ids[item] = None
+        if len(self._ids) > self.capacity:
+            del self._ids[next(iter(self._ids))]
+
+
+class TrajectoryInbox:
+    """The learner's end of the trajectory stream: valid, new groups only; the rest dropped or set aside."""
+
+    def __init__(self, bus, consumer: str, max_message_bytes: int, vocab_size: int | None = None,
+                 consumed: Iterable[str] = ()):
+        self.bus, self.consumer = bus, consumer
+        self.max_message_bytes, self.vocab_size = max_message_bytes, vocab_size
+        self.seen = RecentIds(DEDUP_WINDOW, list(consumed)[-DEDUP_WINDOW:])
+        self.duplicates = self.dead_letters = 0
+        self.orphans = self._claim_orphans()
+
+    def _claim_orphans(self) -> list[StreamEntry]:
+        """Every entry a dead learner left pending; they are delivered again, first."""
+        orphans = []
+        while page := self.bus.stream_claim(protocol.TRAJECTORIES, protocol.LEARNERS, self.consumer, 0, CLAIM_PAGE):
+            orphans += page
+        if orphans:
+            log.info("took over %d trajectory messages a previous learner left unacknowledged", len(orphans))
+        return orphans
+
+    def receive(self, max_count: int, timeout: float) -> list[Delivery]:
+        """Up to `max_count` new groups (waiting up to `timeout` s for the first entry); each must be acked."""
+        if self.orphans:
+            entries, self.orphans = self.orphans[:max_count], self.orphans[max_count:]
+        else:
+            entries = self.bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, self.consumer, max_count, timeout)
+        return [d for d in map(self._accept, entries) if d is not None]
+
+    def ack(self, entry_ids: list[str]) -> None:
+        self.bus.stream_ack(protocol.TRAJECTORIES, protocol.LEARNERS, entry_ids)
+
+    def _accept(self, entry: StreamEntry) -> Delivery | None:
+        try:
+            group_id, trajectories = self._parse(entry)
+        except InvalidMessage as e:
+            self._dead_letter(entry, str(e), e.group_id)
+            return None
+        if entry.deliveries > MAX_DELIVERIES:
+            self._dead_letter(entry, f"delivered {entry.deliveries} times without an acknowledgement", group_id)
+            return None
+        if group_id in self.seen or any(t.traj_id in self.seen for t in trajectories):
+            self.duplicates += 1
+            log.warning("dropped a duplicate of group %s (stream entry %s)", group_id, entry.id)
+            self.ack([entry.id])
+            return None
+        for i in [group_id, *(t.traj_id for t in trajectories)]:
+            self.seen.add(i)
+        return Delivery(entry.id, group_id, trajectories)
+
+    def _parse(self, entry: StreamEntry) -> tuple[str, list[Trajectory]]:
+        if len(entry.payload) > self.max_message_bytes:
+            raise InvalidMessage(_too_large(len(entry.payload), self.max_message_bytes))
+        try:
+            message = entry.decode(protocol.TRAJECTORIES)
+        except BusDecodeError as e:
+            raise InvalidMessage(str(e)) from None
+        return read_group_message(message, self.vocab_size)
+
+    def _dead_letter(self, entry: StreamEntry, reason: str, group_id: str | None) -> None:
+        """Keeps the reason and the payload's start in DEAD_LETTERS, acks the entry, settles its prompt."""
+        self.bus.stream_add(protocol.DEAD_LETTERS, {
+            "reason": reason, "entry_id": entry.id, "deliveries": entry.deliveries, "group_id": group_id,
+            "size": len(entry.payload), "payload": entry.payload[:DEAD_LETTER_PAYLOAD_BYTES]})
+        self.ack([entry.id])
+        self.dead_letters += 1
+        if group_id is not None:
+            self.seen.add(group_id)  # a copy arriving later is a duplicate of a prompt that has its outcome
+            accounting.settle_untrained(self.bus, group_id, accounting.failed("rejected"))
+        log.warning("trajectory message %s%s set aside in %s: %s", entry.id,
+                    f" (group {group_id})" if group_id else "", protocol.DEAD_LETTERS, reason)

@@ -1,0 +1,61 @@
+"""Why an episode failed: environment calls bounded in time, and every failure named by one reason.
+
+An environment's `reset`, `step` and `close` are the only calls into environment code (rewards are
+computed in `step`). `guard_env` binds them, on the env object itself, to a deadline, and turns what they
+raise into `EpisodeFailed("env_error")` or, past the deadline, `EpisodeFailed("env_timeout")`: the agent's
+`await env.step(...)` raises it, and unless the agent handles it, the episode ends with that reason.
+Anything else the agent raises is an `agent_error`. The env stays the same object (its other methods and
+attributes, isinstance) so agents that use more of their env than the contract keep working.
+
+The deadline can only interrupt an env that awaits (I/O, `asyncio.to_thread`, a process pool): one that
+blocks the event loop with synchronous work stalls every episode of the worker, which is why CPU-heavy
+environment work belongs off the loop (see rlsys/api/env.py).
+"""
+
+import asyncio
+import functools
+import traceback
+
+
+class EpisodeFailed(Exception):
+    """An episode that produced nothing trainable; `reason` is one of accounting.FAILURE_REASONS."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+def guard_env(env, timeout: float):
+    """`env`, with reset/step/close raising EpisodeFailed on an exception or after `timeout` s (0: no limit)."""
+    for name in ("reset", "step", "close"):
+        setattr(env, name, _guarded(getattr(env, name), f"{type(env).__name__}.{name}", timeout))
+    return env
+
+
+def _guarded(method, label: str, timeout: float):
+    @functools.wraps(method)
+    async def call(*args, **kwargs):
+        try:
+            async with asyncio.timeout(timeout or None) as deadline:
+                return await method(*args, **kwargs)
+        except EpisodeFailed:
+            raise
+        except TimeoutError as e:
+            if deadline.expired():
+                raise EpisodeFailed("env_timeout", f"{label} took longer than {timeout:g}s (env_timeout)") from None
+            raise EpisodeFailed("env_error", f"{label} raised {describe_exception(e)}") from e
+        except Exception as e:
+            raise EpisodeFailed("env_error", f"{label} raised {describe_exception(e)}") from e
+
+    return call
+
+
+def describe_exception(e: BaseException) -> str:
+    """`Type: message (at file:line in function)`, where the innermost frame is: one line for a log."""
+    where = ""
+    frames = traceback.extract_tb(e.__traceback__)
+    if frames:
+        last = frames[-1]
+        where = f" (at {last.filename}:{last.lineno} in {last.name})"
+    message = str(e).splitlines()[0][:300] if str(e) else ""
+    return f"{type(e).__name__}{': ' + message if message else ''}{where}"

@@ -1,0 +1,211 @@
+"""Bad input gets a clear error, and a run that cannot work stops before it starts anything.
+
+Malformed configs, datasets and model outputs here; malformed bus messages (random bytes, wrong schema,
+huge payloads) in tests/test_delivery.py, and injected into a live run in tests/test_faults.py.
+"""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rlsys.impl.env  # noqa: F401  (registers the environments)
+from rlsys.api import EnvServiceAbstraction, make_env
+from rlsys.bus import EmbeddedRedis
+from rlsys.cli import ConfigError, parse_config
+from rlsys.data.dataset import DatasetError, load_jsonl_dataset
+from rlsys.impl.env.math_verifier import close_shared_pool
+from rlsys.launcher import launch
+from rlsys.preflight import StartupError
+from tests.helpers import child_pids, left_behind
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY = ROOT / "training" / "main_async_ppo.py"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["ppo.lr=fast"], "invalid value for ppo.lr: expected float, got 'fast'"),
+    (["group_size=[1,2]"], "group_size"),
+    (["ppo.batch_size=1.5"], "ppo.batch_size"),
+    (["ppo.batchsize=4"], "unknown key 'ppo.batchsize'; did you mean 'ppo.batch_size'?"),
+    (["ppo=3"], "ppo is a group of settings"),
+    (["ppo.batch_size=0"], "ppo.batch_size must be at least 1, got 0"),
+    (["group_size=0"], "group_size must be at least 1"),
+    (["group_size=1"], "group_size must be at least 2 with ppo.adv_estimator=grpo"),
+    (["max_concurrent_rollouts=0"], "max_concurrent_rollouts must be at least 1"),
+    (["save_steps=-1"], "save_steps must be at least 0"),
+    (["eval_steps=-5"], "eval_steps must be at least 0"),
+    (["max_steps=0"], "max_steps must be at least 1"),
+    (["env_timeout=-1"], "env_timeout must be at least 0"),
+    (["ppo.num_mini_batches=1000"], "ppo.num_mini_batches (1000) is more than the sequences of a step"),
+    (["gen.temperature=-1"], "gen.temperature must be at least 0"),
+    (["gen.top_p=1.5"], "gen.top_p must be in (0, 1]"),
+    (["cluster.redis_port=99999"], "cluster.redis_port must be a TCP port"),
+    (["cluster.n_rollout_workers=0"], "cluster.n_rollout_workers must be at least 1"),
+    (["cluster.max_message_mb=0"], "cluster.max_message_mb must be positive"),
+    (["cluster.redis_url=localhost:6379"], "cluster.redis_url must look like redis://"),
+    (["inference.gpu_memory_utilization=2"], "inference.gpu_memory_utilization must be in (0, 1]"),
+    (["model.num_heads=3"], "model.hidden_size (256) must be a multiple of model.num_heads (3)"),
+])
+def test_a_config_that_cannot_work_names_its_key(args, message):
+    with pytest.raises(ConfigError) as error:
+        parse_config(args)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("ppo: [unclosed\n", "cannot read config file"),
+    ("- just\n- a list\n", "must hold a mapping"),
+    ("ppo:\n  lr: {nested: 1}\n", "ppo.lr"),
+    ("seed: 1\nseed: 2\n", "cannot read config file"),
+    ("\x00\x01binary", "cannot read config file"),
+])
+def test_a_malformed_yaml_config_is_a_clear_error(tmp_path, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        parse_config(["--config", str(path)])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------------------------
+
+GOOD_ROW = json.dumps({"prompt": "1+1=", "answer": "2"})
+
+
+@pytest.mark.parametrize("content, message", [
+    (f"{GOOD_ROW}\n{{\"prompt\": \"2+2=\", \"answer\": \n", r":2: not valid JSON"),
+    (f"{GOOD_ROW}\n{GOOD_ROW}\n{json.dumps({'prompt': '3+3='})}\n", r":3: field 'answer' missing"),
+    (f"{json.dumps({'prompt': 7, 'answer': '7'})}\n", r":1: field 'prompt' must be a string, got int"),
+    (f"{GOOD_ROW}\n[1, 2]\n", r":2: expected a JSON object, got list"),
+    ("", r"has no rows"),
+    ("\n   \n\n", r"has no rows"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", r":1: not UTF-8 text|:1: not valid JSON"),
+    (GOOD_ROW.encode() + b"\n" + bytes(range(128, 256)), r":2: not UTF-8 text \(byte 0"),
+])
+def test_a_malformed_dataset_names_its_line_and_field(tmp_path, content, message):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(DatasetError, match=message) as error:
+        load_jsonl_dataset(path)
+    assert str(path) in str(error.value)
+
+
+def test_an_unreadable_dataset_says_why(tmp_path):
+    with pytest.raises(DatasetError, match="No such file or directory"):
+        load_jsonl_dataset(tmp_path / "missing.jsonl")
+    with pytest.raises(DatasetError, match="Is a directory"):
+        load_jsonl_dataset(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stops at start: each before any process starts, nothing left behind
+# ---------------------------------------------------------------------------------------------------------
+
+def run_config(tmp_path: Path, *overrides: str):
+    return parse_config([f"output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'cache'}",
+                         "dataset.num_train=50", "dataset.num_eval=10", *overrides])
+
+
+def test_a_missing_model_path_stops_the_run(tmp_path):
+    existing = child_pids()
+    with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist; give an HF checkpoint"):
+        launch(run_config(tmp_path, "model.path=/nonexistent/model"))
+    not_a_checkpoint = tmp_path / "empty"
+    not_a_checkpoint.mkdir()
+    with pytest.raises(StartupError, match="no config.json"):
+        launch(run_config(tmp_path, f"model.path={not_a_checkpoint}"))
+    assert left_behind(tmp_path, existing) == []
+
+
+def test_a_malformed_dataset_stops_the_run_naming_line_and_field(tmp_path):
+    existing = child_pids()
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text(f"{GOOD_ROW}\n{json.dumps({'prompt': '2+2=', 'answer': 4})}\n")
+    held_out.write_text(f"{GOOD_ROW}\n")
+    with pytest.raises(StartupError, match=r"train.jsonl:2: field 'answer' must be a string, got int"):
+        launch(run_config(tmp_path, f"dataset.path={train}", f"dataset.eval_path={held_out}"))
+    assert left_behind(tmp_path, existing) == []
+
+
+def test_a_taken_redis_port_stops_the_run(tmp_path):
+    existing = child_pids()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(StartupError, match=f"cluster.redis_port {port} is in use.*cluster.redis_port=0"):
+            launch(run_config(tmp_path, f"cluster.redis_port={port}"))
+        # and if it is taken between the check and the server's start, the server's failure says the same
+        from rlsys.bus.redis_server import EmbeddedRedisError
+        with pytest.raises(EmbeddedRedisError, match=f"cluster.redis_port {port} is in use"):
+            EmbeddedRedis(tmp_path / "redis", port=port).start()
+    assert left_behind(tmp_path, existing) == []
+
+
+def test_a_redis_url_nobody_answers_on_stops_the_run(tmp_path):
+    existing = child_pids()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    with pytest.raises(StartupError, match=f"nobody answers at redis://127.0.0.1:{port}/0 .*cluster.redis_url empty"):
+        launch(run_config(tmp_path, f"cluster.redis_url=redis://:secret@127.0.0.1:{port}/0"))
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        with pytest.raises(StartupError, match="refused the credentials") as error:
+            launch(run_config(tmp_path, f"cluster.redis_url=redis://:wrong-password@127.0.0.1:{server.port}/0"))
+        assert "wrong-password" not in str(error.value)
+    assert left_behind(tmp_path, existing) == []
+
+
+def test_without_redis_server_installed_the_entry_point_says_how_to_get_it(tmp_path):
+    existing = child_pids()
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # python, but no /usr/bin/redis-server
+    result = subprocess.run([sys.executable, str(ENTRY), f"output_dir={tmp_path}", f"model.cache_dir={tmp_path}"],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: redis-server is not on PATH; install it (Debian/Ubuntu: "
+                                    "`sudo apt-get install redis-server`"), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "data").exists()  # stopped before preparing anything
+    assert left_behind(tmp_path, existing) == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model outputs
+# ---------------------------------------------------------------------------------------------------------
+
+def test_junk_huge_and_pathological_answers_score_zero_with_a_reason():
+    answers = {
+        "binary junk": bytes(range(256)).decode("latin-1") + "\x00\ufffd",
+        "extremely long": "+".join(["1"] * 200_000),
+        "power tower": "\\boxed{9^{9^{9^{9^{9}}}}}",
+        "huge factorial": "\\boxed{(10^{100})!}",
+        "deep nesting": "(" * 5000 + "57" + ")" * 5000,
+        "right": "\\boxed{57}",
+    }
+    env = make_env(EnvServiceAbstraction("math-code-single-step", {"verify_timeout": 1.0}))
+
+    async def episode():
+        await env.reset(options={"prompt": "50+7=", "answer": "57"})
+        return await env.step(("q0", list(answers.values())))
+
+    try:
+        _, rewards, terminated, _, info = asyncio.run(episode())
+    finally:
+        close_shared_pool()
+    assert terminated and rewards == [0.0] * 5 + [1.0]
+    verdicts = dict(zip(answers, zip(info["statuses"], info["reasons"])))
+    assert verdicts["binary junk"] == ("unparsable", "answer has no math expression")
+    for name in ("extremely long", "power tower", "huge factorial"):
+        assert verdicts[name] == ("timeout", "check exceeded 1s; worker killed"), (name, verdicts[name])
+    assert verdicts["deep nesting"][0] in ("unparsable", "timeout") and verdicts["deep nesting"][1]

@@ -1,0 +1,172 @@
+"""Trajectory delivery to the learner, over both buses: at least once, consumed once, bad messages set aside."""
+
+import math
+import os
+
+import msgpack
+import pytest
+
+from rlsys import accounting, protocol
+from rlsys.api import Trajectory
+from rlsys.delivery import MAX_DELIVERIES, InvalidMessage, TrajectoryInbox, group_message
+from tests.test_bus import bus, inject_raw_entry, no_leaked_servers, redis_url  # noqa: F401  (fixtures: both buses)
+
+MB = 2**20
+
+
+def trajectory(group_id: str, reward: float = 1.0, **changes) -> Trajectory:
+    fields = dict(token_ids=[5, 6, 7, 8], loss_mask=[0, 0, 1, 1], logprobs=[0.0, 0.0, -0.5, -0.25],
+                  versions=[-1, -1, 3, 3], turn_ends=[4], turn_rewards=[reward], reward=reward,
+                  group_id=group_id, stop_reason="stop")
+    return Trajectory(**{**fields, **changes})
+
+
+def send(bus, group_id: str, n: int = 2, admit: bool = True) -> dict:
+    if admit:
+        accounting.admit(bus, group_id)
+    message = group_message(group_id, [trajectory(group_id) for _ in range(n)], max_bytes=MB)
+    bus.stream_add(protocol.TRAJECTORIES, message)
+    return message
+
+
+def inbox(bus, name: str = "learner-a", **kwargs) -> TrajectoryInbox:
+    return TrajectoryInbox(bus, name, max_message_bytes=kwargs.pop("max_message_bytes", MB), vocab_size=100, **kwargs)
+
+
+def dead_letters(bus) -> list[dict]:
+    return [e.decode(protocol.DEAD_LETTERS) for e in bus.stream_range(protocol.DEAD_LETTERS, 100)]
+
+
+def test_a_group_stays_in_the_stream_until_acknowledged(bus):
+    message = send(bus, "train-0-1")
+    learner = inbox(bus)
+    (delivery,) = learner.receive(4, timeout=1)
+    assert delivery.group_id == "train-0-1"
+    assert [t.to_dict() for t in delivery.trajectories] == message["trajectories"]
+    assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 1
+    assert bus.stream_length(protocol.TRAJECTORIES) == 1  # not trimmed while unacknowledged
+    learner.ack([delivery.entry_id])
+    assert bus.stream_length(protocol.TRAJECTORIES) == 0 and bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 0
+
+
+def test_duplicates_are_dropped_by_group_id_and_by_trajectory_id(bus):
+    message = send(bus, "g1")
+    bus.stream_add(protocol.TRAJECTORIES, message)  # the same message sent again
+    reused = group_message("g2", [Trajectory.from_dict(message["trajectories"][0])], max_bytes=MB)
+    bus.stream_add(protocol.TRAJECTORIES, reused)  # a new group id, but a trajectory already delivered
+    send(bus, "g3")
+    learner = inbox(bus)
+    received = learner.receive(10, timeout=1)
+    assert [d.group_id for d in received] == ["g1", "g3"]
+    assert learner.duplicates == 2
+    assert bus.stream_length(protocol.TRAJECTORIES) == 2  # duplicates acknowledged (deleted), the rest pending
+
+
+def test_a_resumed_learner_drops_groups_its_checkpoint_consumed(bus):
+    send(bus, "trained-before", admit=False)
+    send(bus, "new")
+    learner = inbox(bus, consumed=["other", "trained-before"])
+    assert [d.group_id for d in learner.receive(10, timeout=1)] == ["new"]
+    assert learner.duplicates == 1
+
+
+def test_a_dead_learners_pending_groups_go_to_the_next_one(bus):
+    for i in range(3):
+        send(bus, f"g{i}")
+    dead = inbox(bus, "learner-dead")
+    held = dead.receive(2, timeout=1)  # taken, never acknowledged: the learner died in its step
+    heir = inbox(bus, "learner-heir")
+    received = heir.receive(10, timeout=1)
+    assert [d.group_id for d in received] == [d.group_id for d in held]  # the orphans first
+    assert [d.group_id for d in heir.receive(10, timeout=1)] == ["g2"]
+    heir.ack([d.entry_id for d in received])
+    assert bus.stream_length(protocol.TRAJECTORIES) == 1
+
+
+def test_a_group_whose_learners_keep_dying_is_set_aside_after_max_deliveries(bus):
+    send(bus, "poison-pill")
+    send(bus, "fine")
+    for attempt in range(MAX_DELIVERIES):  # each learner takes it and dies before acknowledging
+        assert [d.group_id for d in inbox(bus, f"learner-{attempt}").receive(1, timeout=1)] == ["poison-pill"]
+    survivor = inbox(bus, "learner-last")
+    assert survivor.receive(10, timeout=1) == []  # it claimed the pill, and set it aside
+    assert [d.group_id for d in survivor.receive(10, timeout=1)] == ["fine"]
+    (letter,) = dead_letters(bus)
+    assert letter["group_id"] == "poison-pill" and letter["deliveries"] == MAX_DELIVERIES + 1
+    assert "without an acknowledgement" in letter["reason"]
+    assert accounting.counts(bus)["failed"] == {"rejected": 1}
+
+
+def raw(value) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def good_dict(group_id: str, **changes) -> dict:
+    return {**trajectory(group_id).to_dict(), **changes}
+
+
+BAD_MESSAGES = {  # name -> (payload, words the reason must contain)
+    "random bytes": (os.urandom(64) + b"\xc1", "undecodable"),
+    "trailing garbage": (raw({"group_id": "x"}) + b"\x00", "undecodable"),
+    "a list": (raw([1, 2, 3]), "group_id"),
+    "no group id": (raw({"trajectories": []}), "group_id"),
+    "extra keys": (raw({"group_id": "x", "trajectories": [], "evil": 1}), "expected keys"),
+    "no trajectories": (raw({"group_id": "x", "trajectories": []}), "non-empty list"),
+    "unknown field": (raw({"group_id": "x", "trajectories": [good_dict("x", extra=1)]}), "unknown Trajectory fields"),
+    "missing field": (raw({"group_id": "x", "trajectories": [{"token_ids": [1]}]}), "missing"),
+    "length mismatch": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0.0])]}), "logprobs has 1"),
+    "string tokens": (raw({"group_id": "x", "trajectories": [good_dict("x", token_ids=list("abcd"))]}), "token_ids"),
+    "token outside vocab": (raw({"group_id": "x", "trajectories": [good_dict("x", token_ids=[5, 6, 7, 10**6])]}),
+                            "vocabulary of 100"),
+    "repeated trajectory": (raw({"group_id": "x", "trajectories": [good_dict("x", traj_id="t")] * 2}), "appears twice"),
+    "nan reward": (raw({"group_id": "x", "trajectories": [good_dict("x", reward=math.nan)]}), "reward"),
+    "turn end at 1": (raw({"group_id": "x", "trajectories": [good_dict("x", turn_ends=[1])]}), "turn_ends holds 1"),
+    "inf logprob": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0, 0, -math.inf, 0])]}), "logprobs"),
+    "nothing generated": (raw({"group_id": "x", "trajectories": [good_dict("x", loss_mask=[1, 0, 0, 0])]}),
+                          "nothing to train on"),
+    "huge": (raw({"group_id": "x", "trajectories": [good_dict("x", metrics={"blob": 1.0}, stop_reason="s" * 3 * MB)]}),
+             "exceeds the limit of 1.0 MiB"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_MESSAGES)
+def test_a_bad_message_is_dead_lettered_with_its_reason_and_the_stream_goes_on(bus, name):
+    payload, reason = BAD_MESSAGES[name]
+    send(bus, "before")
+    inject_raw_entry(bus, protocol.TRAJECTORIES, payload)
+    send(bus, "after")
+    learner = inbox(bus)
+    assert [d.group_id for d in learner.receive(10, timeout=1)] == ["before", "after"]
+    (letter,) = dead_letters(bus)
+    assert reason in letter["reason"], letter["reason"]
+    assert letter["size"] == len(payload) and letter["payload"] == payload[:64 * 1024]
+    assert learner.dead_letters == 1
+    assert bus.stream_length(protocol.TRAJECTORIES) == 2  # the bad one acknowledged; the good ones pending
+
+
+def test_a_rejected_group_of_an_admitted_prompt_counts_as_failed_and_gives_its_slot_back(bus):
+    bus.set(protocol.ADMITTED, 7)
+    accounting.admit(bus, "train-0-3")
+    inject_raw_entry(bus, protocol.TRAJECTORIES, raw({"group_id": "train-0-3", "trajectories": ["junk"]}))
+    inject_raw_entry(bus, protocol.TRAJECTORIES, raw({"group_id": "never-admitted", "trajectories": []}))
+    send(bus, "train-0-3", admit=False)  # a later copy of the rejected prompt's group
+    learner = inbox(bus)
+    assert learner.receive(10, timeout=1) == []
+    assert learner.dead_letters == 2 and learner.duplicates == 1
+    counts = accounting.counts(bus)
+    assert counts["failed"] == {"rejected": 1} and counts["admitted"] == 1 and counts["in_flight"] == 0
+    assert bus.get(protocol.ADMITTED) == 6  # only the admitted prompt gave a slot back
+
+
+def test_the_rollout_side_refuses_what_the_learner_would_reject():
+    with pytest.raises(InvalidMessage, match="non-empty list"):
+        group_message("g", [], max_bytes=MB)
+    with pytest.raises(InvalidMessage, match="list of Trajectory"):
+        group_message("g", [{"token_ids": [1]}], max_bytes=MB)
+    with pytest.raises(InvalidMessage, match="list of Trajectory"):
+        group_message("g", None, max_bytes=MB)
+    with pytest.raises(InvalidMessage, match="turn_rewards holds inf"):
+        group_message("g", [trajectory("g", reward=math.inf)], max_bytes=MB)
+    with pytest.raises(InvalidMessage, match="exceeds the limit"):
+        group_message("g", [trajectory("g", stop_reason="x" * 2 * MB)], max_bytes=MB)
+    assert group_message("g", [trajectory("g")], max_bytes=MB)["group_id"] == "g"

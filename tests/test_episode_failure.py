@@ -1,0 +1,70 @@
+"""Environment calls bounded in time, and failures named by their reason."""
+
+import asyncio
+import time
+
+import pytest
+
+from rlsys.api import EnvironmentService
+from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
+
+
+class Env(EnvironmentService):
+    def __init__(self, behaviour: str):
+        self.behaviour = behaviour
+
+    async def step(self, action):
+        if self.behaviour == "raise":
+            raise ZeroDivisionError("reward divided by zero")
+        if self.behaviour == "hang":
+            await asyncio.sleep(3600)
+        if self.behaviour == "own-timeout":
+            raise TimeoutError("the env's own HTTP call timed out")
+        return None, 1.0, True, False, {}
+
+    def extra(self) -> str:
+        return "still here"
+
+
+def step(env) -> tuple:
+    return asyncio.run(env.step("action"))
+
+
+def test_a_raising_env_fails_the_episode_as_env_error_naming_the_call():
+    with pytest.raises(EpisodeFailed) as failure:
+        step(guard_env(Env("raise"), timeout=5))
+    assert failure.value.reason == "env_error"
+    assert "Env.step raised ZeroDivisionError: reward divided by zero (at " in failure.value.detail
+    assert "\n" not in failure.value.detail
+
+
+def test_a_hanging_env_fails_the_episode_as_env_timeout_after_its_timeout():
+    start = time.monotonic()
+    with pytest.raises(EpisodeFailed) as failure:
+        step(guard_env(Env("hang"), timeout=0.3))
+    assert failure.value.reason == "env_timeout" and "took longer than 0.3s" in failure.value.detail
+    assert 0.3 <= time.monotonic() - start < 2
+
+
+def test_an_envs_own_timeout_error_is_an_env_error():
+    with pytest.raises(EpisodeFailed) as failure:
+        step(guard_env(Env("own-timeout"), timeout=5))
+    assert failure.value.reason == "env_error"
+
+
+def test_a_guarded_env_is_the_same_object_and_works_as_before():
+    env = Env("fine")
+    guarded = guard_env(env, timeout=0)  # 0: no limit
+    assert guarded is env and isinstance(guarded, Env) and guarded.extra() == "still here"
+    assert step(guarded) == (None, 1.0, True, False, {})
+    asyncio.run(guarded.reset())
+    asyncio.run(guarded.close())
+
+
+def test_describe_exception_is_one_line():
+    try:
+        raise ValueError("first line\nsecond line")
+    except ValueError as e:
+        text = describe_exception(e)
+    assert text.startswith("ValueError: first line (at ") and "test_episode_failure.py" in text and "\n" not in text
+    assert describe_exception(KeyError()) == "KeyError"

@@ -1,0 +1,146 @@
+"""Fault injection into a short real run (real Redis, vLLM inference worker, rollout worker, learner).
+
+One run carries every fault of the rollout and delivery side, each on a fixed share of the prompts
+(chosen by the last digit of the reference answer, so about a tenth each): an environment whose reset
+raises, a reward (env.step) that raises, an env.step that hangs past env_timeout, and an agent that
+raises. While it trains, poisoned messages are written into the trajectory stream. The run must finish
+its steps, set the poison aside with reasons, count every admitted prompt in exactly one outcome, log
+one line per fault, and leave no process behind.
+"""
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from rlsys import accounting, protocol
+from rlsys.bus import EmbeddedRedis, RedisBus
+from rlsys.cli import parse_config
+from rlsys.launcher import launch
+from rlsys.metrics import read_jsonl_metrics
+from tests.helpers import child_pids, left_behind, small_run_overrides
+
+FAULTY_PLUGIN = '''
+import asyncio
+import dataclasses
+
+from experiments import AsyncPPOMATHConfig, register_experiment
+from rlsys.api import AgentAbstraction, EnvServiceAbstraction, register_agent, register_environment
+from rlsys.impl.agent.math_single_step import MathSingleStepAgent
+from rlsys.impl.env.math_code_single_step import MathCodeSingleStepEnv
+
+
+class FaultyEnv(MathCodeSingleStepEnv):
+    async def reset(self, seed=None, options=None):
+        if options["answer"].endswith("4"):
+            raise KeyError("the env cannot start on this problem")
+        return await super().reset(seed, options)
+
+    async def step(self, action):
+        if self.reference.endswith("1"):
+            raise ZeroDivisionError("the reward function divided by zero")
+        if self.reference.endswith("2"):
+            await asyncio.sleep(3600)
+        return await super().step(action)
+
+
+class FaultyAgent(MathSingleStepAgent):
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        if prompt.data["answer"].endswith("3"):
+            raise RuntimeError("the agent has a bug on this problem")
+        return await super().collect_trajectory(prompt, env, obs_queue, act_queue)
+
+
+register_environment("faulty-env", FaultyEnv)
+register_agent("faulty-agent", FaultyAgent)
+
+
+@dataclasses.dataclass
+class FaultyExperiment(AsyncPPOMATHConfig):
+    @property
+    def agent(self):
+        return AgentAbstraction("faulty-agent", dict(super().agent.args))
+
+    @property
+    def env(self):
+        return EnvServiceAbstraction("faulty-env")
+
+
+register_experiment("faulty-experiment", FaultyExperiment)
+'''
+
+MB = 2**20
+POISON = {  # what is injected -> words of the reason it must be set aside with
+    "raw bytes": "undecodable",
+    "a list": "expected a map with a non-empty string group_id",
+    "a bad trajectory": "unknown Trajectory fields",
+    "huge": "exceeds the limit of 1.0 MiB",
+}
+
+
+def inject_poison(bus: RedisBus) -> None:
+    bus._client.xadd(bus._k(protocol.TRAJECTORIES), {b"m": os.urandom(256) + b"\xc1"})
+    bus.stream_add(protocol.TRAJECTORIES, [1, 2, 3])
+    bus.stream_add(protocol.TRAJECTORIES, {"group_id": "forged", "trajectories": [{"evil": True}]})
+    bus.stream_add(protocol.TRAJECTORIES, {"group_id": "big", "trajectories": [{"blob": os.urandom(3 * MB)}]})
+
+
+def inject_once_training_runs(redis_url: str, learner_log: Path, stop: threading.Event) -> None:
+    while not stop.is_set():
+        if learner_log.exists() and read_jsonl_metrics(learner_log):
+            with RedisBus.from_url(redis_url) as bus:
+                inject_poison(bus)
+            return
+        time.sleep(0.2)
+
+
+def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cache_dir, tmp_path, capfd):
+    existing = child_pids()
+    plugin = tmp_path / "faulty_plugin.py"
+    plugin.write_text(FAULTY_PLUGIN)
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+            "experiment=faulty-experiment", f"plugins=[{plugin}]", "trial_name=faults", "max_steps=6",
+            "env_timeout=3", "cluster.max_message_mb=1", f"cluster.redis_url={server.url}"])
+        learner_log = tmp_path / "faulty-experiment" / "faults" / "logs" / "learner.jsonl"
+        stop = threading.Event()
+        injector = threading.Thread(target=inject_once_training_runs, args=(server.url, learner_log, stop))
+        injector.start()
+        try:
+            summary = launch(config)
+        finally:
+            stop.set()
+            injector.join()
+        with RedisBus.from_url(server.url) as bus:
+            letters = [e.decode(protocol.DEAD_LETTERS) for e in bus.stream_range(protocol.DEAD_LETTERS, 100)]
+    output = capfd.readouterr().err
+
+    steps = read_jsonl_metrics(learner_log)
+    assert [s["step"] for s in steps] == list(range(1, 7))
+    prompts = summary["prompts"]
+    failed = prompts["failed"]
+    assert {"env_error", "env_timeout", "agent_error"} <= set(failed), prompts
+    assert summary["prompts_accounted"], prompts
+    assert prompts["admitted"] == (prompts["trained"] + sum(prompts["filtered"].values()) + sum(failed.values()))
+    assert prompts["trained"] == 6 * config.ppo.batch_size and prompts["in_flight"] == 0
+    assert set(prompts["filtered"]) <= {"run_ended"}
+    assert accounting.accounted(prompts) == prompts["admitted"]
+    print(accounting.describe(prompts))  # for BENCHMARKS.md: pytest -s shows it
+
+    assert summary["dead_letters"] == len(POISON) and len(letters) == len(POISON)
+    for (name, words), letter in zip(POISON.items(), letters):
+        assert words in letter["reason"], (name, letter["reason"])
+    assert steps[-1]["trajectories/dead_letters"] == len(POISON)
+    assert steps[-1]["prompts/failed/env_timeout"] >= 1  # the learner's metrics show the counts as they grow
+
+    # one clear line per fault, with its reason
+    assert "failed (env_error): FaultyEnv.reset raised KeyError: 'the env cannot start on this problem'" in output
+    assert "failed (env_error): FaultyEnv.step raised ZeroDivisionError: the reward function divided by zero" in output
+    assert "failed (env_timeout): FaultyEnv.step took longer than 3s (env_timeout)" in output
+    assert "failed (agent_error): RuntimeError: the agent has a bug on this problem" in output
+    assert output.count("set aside in trajectories:dead") == len(POISON)
+    rollout = read_jsonl_metrics(Path(config.logging_dir) / "rollout0.jsonl")
+    (totals,) = [r for r in rollout if "episodes/failed" in r]
+    for reason, n in failed.items():  # evaluation episodes fail too, so the worker counts at least these
+        assert totals[f"episodes/failed/{reason}"] >= n
+    assert left_behind(tmp_path, existing) == []
