@@ -178,3 +178,24 @@ def test_startup_failure_reports_log_tail(tmp_path, monkeypatch):
     monkeypatch.setattr(EmbeddedRedis, "_write_config", broken_config)
     with pytest.raises(EmbeddedRedisError, match="no-such-directive"):
         EmbeddedRedis(tmp_path).start()
+
+
+def test_clients_ride_out_a_restart_and_find_their_data(tmp_path):
+    """A server that goes down mid-run comes back on the same URL: a client's blocked and later commands
+    wait for it instead of failing, and what was queued before survives in the append-only file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with EmbeddedRedis(tmp_path) as server, ThreadPoolExecutor(1) as client_thread:
+        bus = connect(server.url)
+        bus.put_many("q", [1, 2])
+        bus.stream_add("s", {"n": 1})
+        server.process.terminate()  # a clean shutdown: the AOF is flushed
+        server.process.wait(10)
+        assert server.exited()
+        waiting = client_thread.submit(bus.get_many, "q", 10, 5)  # issued while the server is down
+        time.sleep(1.0)
+        assert not waiting.done()
+        server.restart()  # from the thread that owns the server, as the launcher does
+        assert waiting.result(timeout=30) == [1, 2]
+        assert not server.exited() and bus.stream_length("s") == 1
+        bus.close()

@@ -8,6 +8,8 @@ One redis-py client with its connection pool is thread-safe, so one RedisBus ser
 import urllib.parse
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from rlsys.bus.base import Bus, BusError, StreamEntry, decode, decode_value, encode, encode_value
 
@@ -17,6 +19,8 @@ SOCKET_TIMEOUT = 30.0
 MAX_BLOCK = 10.0
 PAYLOAD = b"m"  # the one field of a stream entry: its msgpack payload
 PENDING_PAGE = 100
+RECONNECT_SECONDS = 60.0  # how long roles keep retrying while Redis restarts
+RECONNECT_BACKOFF_CAP = 1.0
 
 # SADD or SREM, and the counter's INCRBY only if the member changes, in one atomic step. INCRBY goes
 # first: a script that fails keeps the writes it made, and a counter that is not an integer must change nothing.
@@ -27,6 +31,12 @@ if #KEYS == 2 then redis.call('INCRBY', KEYS[2], 1) end
 redis.call(ARGV[1], KEYS[1], ARGV[2])
 return 1
 """
+
+
+def _reconnect_retry() -> Retry:
+    """Commands wait out a restarting server (down, then loading its append-only file) for about RECONNECT_SECONDS."""
+    backoff = ExponentialBackoff(cap=RECONNECT_BACKOFF_CAP, base=0.05)
+    return Retry(backoff, retries=int(RECONNECT_SECONDS / RECONNECT_BACKOFF_CAP) + 5)
 
 
 class RedisBus(Bus):
@@ -45,7 +55,8 @@ class RedisBus(Bus):
         namespace = namespace or query.pop("namespace", [""])[0]
         url = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query, doseq=True)))
         client = redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=10,
-                                      decode_responses=False)
+                                      decode_responses=False, retry=_reconnect_retry(),
+                                      retry_on_error=[redis.ConnectionError, redis.BusyLoadingError])
         return cls(client, namespace)
 
     def _k(self, name: str) -> str:

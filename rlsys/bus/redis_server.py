@@ -156,6 +156,17 @@ class EmbeddedRedis:
         raise EmbeddedRedisError(f"redis-server found no free port in {PORT_ATTEMPTS} attempts; "
                                  f"log tail:\n{self._log_tail()}")
 
+    def exited(self) -> bool:
+        """Whether a started server has died (killed, crashed, shut down by someone else)."""
+        return self.process is not None and self.process.poll() is not None
+
+    def restart(self) -> None:
+        """A dead server started again on the same port, password and data directory: clients reconnect
+        to the same URL and find what the append-only file kept."""
+        self.process = None
+        if not self._launch(find_redis_server()):
+            raise _port_in_use(self.port)
+
     def _write_config(self) -> Path:
         def quote(text: str) -> str:  # redis config takes double-quoted strings with \\ and \" escapes
             return json.dumps(text, ensure_ascii=False)
