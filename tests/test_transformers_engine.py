@@ -310,6 +310,20 @@ def test_weight_update_mid_generation_tags_each_token_with_the_weights_that_made
     assert changed > 1e-2, "the update must change the logprobs, or this test proves nothing"
 
 
+def test_interrupted_samples_keep_their_place_ahead_of_newer_requests(model_path, tmp_path):
+    """One place in the batch: the old request, interrupted by an update, resumes before the newer one that
+    was waiting; queued behind it, the oldest rollout would become the stalest."""
+    engine = transformers_engine(model_path, max_num_seqs=1)
+    engine.add_request("old", [20, 22, 24], GenerationConfig(max_new_tokens=10, temperature=0.0))
+    engine.step()
+    engine.add_request("new", [30, 32, 34], GenerationConfig(max_new_tokens=10, temperature=0.0))
+    engine.update_weights(str(write_weight_update(load_model(model_path), tmp_path / "v1")), version=1)
+    order = []
+    while len(order) < 2:
+        order += [out.qid for out in engine.step()]
+    assert order == ["old", "new"]
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_load_weights_replaces_every_weight_tied_output_head_included(tmp_path, tied):
     path = str(save_random_tiny_model(tmp_path / "model", tie_word_embeddings=tied))

@@ -38,8 +38,13 @@ class GenerationBackend(abc.ABC):
     """One model serving many sequences; not thread-safe (the inference worker drives it from one thread)."""
 
     @abc.abstractmethod
-    def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings) -> None:
-        """Start a sequence; it is generated from the next `step` on."""
+    def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings, arrival: float = 0.0) -> None:
+        """Start a sequence; it is generated from the next `step` on.
+
+        Sequences wait for a place in the batch in order of `arrival` (a monotonic time): a sequence
+        resumed after a weight update keeps its request's place instead of queueing behind newer ones,
+        which would make the oldest rollouts the stalest.
+        """
 
     @abc.abstractmethod
     def step(self) -> list[TokenDelta]:

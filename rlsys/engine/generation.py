@@ -7,6 +7,7 @@ update is a true record of two policies, which the decoupled loss is built for. 
 twice and nothing is dropped; the cost is one prefill of prompt + partial output under the new weights.
 """
 
+import time
 from dataclasses import dataclass, field
 
 from rlsys.api import GenerationConfig, GenerationOutput
@@ -34,6 +35,7 @@ class _Request:
     prompt_ids: list[int]
     gconfig: GenerationConfig
     samples: list[_Sample]
+    arrival: float = field(default_factory=time.monotonic)
 
 
 class GenerationEngine:
@@ -111,7 +113,8 @@ class GenerationEngine:
         seed = None if g.seed is None else g.seed + index + SEGMENT_SEED_STRIDE * sample.segment
         settings = SamplingSettings(max_tokens=g.max_new_tokens - len(sample.token_ids), temperature=g.temperature,
                                     top_p=g.top_p, top_k=g.top_k, stop_token_ids=list(g.stop_token_ids), seed=seed)
-        self.backend.add(_seq_id(request.rid, index, sample.segment), request.prompt_ids + sample.token_ids, settings)
+        self.backend.add(_seq_id(request.rid, index, sample.segment), request.prompt_ids + sample.token_ids, settings,
+                         request.arrival)
 
 
 def _seq_id(rid: str, index: int, segment: int) -> str:

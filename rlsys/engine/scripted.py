@@ -22,7 +22,7 @@ class ScriptedBackend(GenerationBackend):
         self.running: dict[str, tuple[list[int], int, SamplingSettings]] = {}  # seq id -> (script, position, settings)
         self.loaded: list[str] = []  # weight directories, in the order they were loaded
 
-    def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings) -> None:
+    def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings, arrival: float = 0.0) -> None:
         rid, index, _ = seq_id.rsplit("|", 2)
         prompt_length, script = self.scripts[(rid, int(index))]
         produced = len(token_ids) - prompt_length  # a resumed sample goes on where it was interrupted

@@ -37,6 +37,7 @@ class _Sequence:
     sampling: SamplingSettings
     stop_ids: frozenset[int]
     generator: torch.Generator | None  # a seeded sequence draws from its own stream
+    arrival: float = 0.0
     generated: int = 0
 
 
@@ -52,10 +53,10 @@ class TransformersBackend(GenerationBackend):
         self.max_model_len = _max_model_len(inference_cfg.max_model_len, self.model.config)
         self.eos_token_ids = _eos_token_ids(self.model, load_tokenizer(model_path))
         self.generator = torch.Generator(self.device).manual_seed(seed)  # for sequences without a seed
-        self._waiting: dict[str, _Sequence] = {}  # in arrival order
+        self._waiting: dict[str, _Sequence] = {}
         self._running = _RunningBatch(self.max_num_seqs)
 
-    def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings) -> None:
+    def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings, arrival: float = 0.0) -> None:
         if seq_id in self._waiting or any(row.seq_id == seq_id for row in self._running.sequences()):
             raise ValueError(f"sequence {seq_id!r} is already running")
         if not 0 < len(token_ids) < self.max_model_len:
@@ -67,7 +68,7 @@ class TransformersBackend(GenerationBackend):
         if sampling.seed is not None:
             generator = torch.Generator(self.device).manual_seed(sampling.seed)
         stop_ids = frozenset(sampling.stop_token_ids) | self.eos_token_ids
-        self._waiting[seq_id] = _Sequence(seq_id, list(token_ids), sampling, stop_ids, generator)
+        self._waiting[seq_id] = _Sequence(seq_id, list(token_ids), sampling, stop_ids, generator, arrival)
 
     @torch.inference_mode()
     def step(self) -> list[TokenDelta]:
@@ -110,8 +111,8 @@ class TransformersBackend(GenerationBackend):
 
     def _admit(self, running: int) -> list[_Sequence]:
         """Waiting sequences, in arrival order, for the places `running` sequences leave free."""
-        admitted = list(self._waiting)[:max(self.max_num_seqs - running, 0)]
-        return [self._waiting.pop(seq_id) for seq_id in admitted]
+        by_arrival = sorted(self._waiting.values(), key=lambda s: s.arrival)  # stable: ties keep the order added
+        return [self._waiting.pop(s.seq_id) for s in by_arrival[:max(self.max_num_seqs - running, 0)]]
 
     def _decode(self) -> tuple[list[_Sequence], torch.Tensor]:
         """Feeds every running sequence its last token; returns them and their next-token logits."""

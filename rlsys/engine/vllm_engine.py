@@ -27,6 +27,7 @@ class VLLMBackend(GenerationBackend):
             model=model_path, dtype=inference_cfg.dtype, seed=seed, max_model_len=inference_cfg.max_model_len or None,
             gpu_memory_utilization=inference_cfg.gpu_memory_utilization, max_num_seqs=inference_cfg.max_num_seqs,
             enforce_eager=inference_cfg.enforce_eager, enable_prefix_caching=inference_cfg.enable_prefix_caching,
+            scheduling_policy="priority",  # all priorities equal: waiting sequences go in order of arrival time
             # Logprobs after temperature, as the learner recomputes them, so the PPO ratio starts at 1.
             logprobs_mode="processed_logprobs",
         )
@@ -40,7 +41,7 @@ class VLLMBackend(GenerationBackend):
         while self.has_unfinished():
             self.step()
 
-    def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings) -> None:
+    def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings, arrival: float = 0.0) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -49,7 +50,7 @@ class VLLMBackend(GenerationBackend):
             n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
             output_kind=RequestOutputKind.DELTA)
-        self.engine.add_request(seq_id, TokensPrompt(prompt_token_ids=list(token_ids)), params)
+        self.engine.add_request(seq_id, TokensPrompt(prompt_token_ids=list(token_ids)), params, arrival_time=arrival)
         self._running.add(seq_id)
 
     def step(self) -> list[TokenDelta]:
