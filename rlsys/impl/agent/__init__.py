@@ -1,3 +1,3 @@
 """Built-in agents; importing this package registers them."""
 
-from rlsys.impl.agent import math_single_step  # noqa: F401
+from rlsys.impl.agent import math_multi_turn, math_single_step, text_game  # noqa: F401
