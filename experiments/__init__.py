@@ -1,7 +1,10 @@
 """Experiment dataclasses: pick one with `experiment=NAME`, subclass one to add fields."""
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
+from experiments.async_ppo_multi_turn import AsyncPPOFrozenLakeConfig, AsyncPPOMathMultiTurnConfig, \
+    AsyncPPOSokobanConfig, AsyncPPOTextGameConfig
 from experiments.common import AsyncRLExperimentConfig, PPOMATHConfig
 from experiments.registry import EXPERIMENTS, register_experiment
 
-__all__ = ["AsyncPPOMATHConfig", "AsyncRLExperimentConfig", "PPOMATHConfig", "EXPERIMENTS", "register_experiment"]
+__all__ = ["AsyncPPOMATHConfig", "AsyncPPOFrozenLakeConfig", "AsyncPPOMathMultiTurnConfig", "AsyncPPOSokobanConfig",
+           "AsyncPPOTextGameConfig", "AsyncRLExperimentConfig", "PPOMATHConfig", "EXPERIMENTS", "register_experiment"]

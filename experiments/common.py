@@ -36,13 +36,13 @@ class ModelConfig:
 @dataclass
 class DatasetConfig:
     path: str = ""
-    """JSONL training prompts ({"prompt", "answer"} per line); empty generates the arithmetic set."""
+    """JSONL training prompts ({"prompt", "answer"} per line); empty generates the experiment's set (arithmetic)."""
     eval_path: str = ""
     """JSONL held-out prompts; empty uses the generated held-out split."""
     num_train: int = 7600
-    """Generated set: training problems (of the 8,100 two-digit sums, disjoint from the held-out ones)."""
+    """Generated set: training rows, disjoint from the held-out ones (arithmetic: of the 8,100 two-digit sums)."""
     num_eval: int = 500
-    """Generated set: held-out problems (500+ keeps the accuracy's standard error near 2 points)."""
+    """Generated set: held-out rows (500+ keeps the accuracy's standard error near 2 points)."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ from rlsys.engine.scripted import ScriptedEngine
 from rlsys.impl.agent.math_multi_turn import CORRECT_FEEDBACK, WRONG_FEEDBACK
 from rlsys.impl.agent.multi_turn import ModelClient, RolloutStrategy, token_key
 from rlsys.impl.env.frozen_lake import FrozenLakeEnv, generate_lake, shortest_path
+from rlsys.impl.env.sokoban import SokobanEnv, generate_room, solve
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
 from tests.scripted import run_scripted_episode
 
@@ -289,3 +290,77 @@ def test_text_game_episode_ends_at_max_turns_or_in_a_hole(tokenizer, tokenizer_d
     assert falling.metrics["num_turns"] == 1 and falling.metrics["truncated"] == 0.0
     assert falling.turn_rewards == [0.0] and falling.metrics["success"] == 0.0
     assert falling.token_ids == prompt.token_ids + ids(tokenizer, "D") + [eos]  # nothing after the fall
+
+
+def test_tree_rollout_forks_the_game_so_branches_play_on_their_own_boards(tokenizer, tokenizer_dir):
+    seed = 3
+    env = SokobanEnv()
+    assert solve(generate_room(6, 1, seed)) == "LLDR"
+    prompt_text = env.first_observation(seed)
+    prompt = Prompt("room3", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": "LLDR",
+                                                                        "seed": seed})
+    eos = tokenizer.eos_token_id
+
+    def policy(prompt_ids, gconfig, sample):
+        made = moves_made(tokenizer, prompt_ids)
+        if len(made) == 1 and sample == 1:
+            return ids(tokenizer, "U") + [eos]  # into the wall: the branch keeps its board
+        rest = "LLDR"[len([m for m in made if m != "U"]):]
+        return ids(tokenizer, rest[0]) + [eos]
+
+    agent = make_agent(AgentAbstraction("text-game", {
+        "gconfig": GenerationConfig(n=1, max_new_tokens=4, stop_token_ids=[eos]),
+        "tokenizer_path": str(tokenizer_dir), "max_turns": 10, "max_context_tokens": 512,
+        "strategy": RolloutStrategy(mode="tree", tree_branching=2, tree_depth=1)}))
+    trajectories, requests = play(agent, env, prompt, policy)
+
+    assert sorted(g.n for _, g in requests) == [1] * 6 + [2]  # the branch at turn 2, then two chains
+    paths = sorted(turn_answers(tokenizer, t) for t in trajectories)
+    assert paths == [["L", "L", "D", "R"], ["L", "U", "L", "D", "R"]]
+    for t in trajectories:
+        assert t.reward == 1.0 and t.metrics["success"] == 1.0 and t.group_id == "room3"
+    bumped = next(t for t in trajectories if len(t.turn_ends) == 5)
+    assert bumped.metrics["action_is_effective"] == pytest.approx(4 / 5)
+    assert bumped.turn_obs_keys[1] == bumped.turn_obs_keys[2]  # the wall left the board as it was
+    assert bumped.turn_obs_keys[:2] == next(t for t in trajectories if t is not bumped).turn_obs_keys[:2]
+
+
+def moves_made(tokenizer, token_ids) -> list[str]:
+    """What the model answered after each <|assistant|> of a context."""
+    parts = tokenizer.decode(token_ids).split("<|assistant|>")[1:]
+    return [part.split("<|end|>")[0] for part in parts if part]
+
+
+def test_warm_start_walks_are_tokenized_exactly_like_the_agents_conversations(tokenizer, tokenizer_dir):
+    from rlsys.data.games import random_walks, valid_moves
+    from rlsys.impl.env.frozen_lake import FrozenLake
+
+    eos = tokenizer.eos_token_id
+    for seed in (3, 15):
+        env = FrozenLakeEnv(max_steps=6)
+        row = {"prompt": env.first_observation(seed), "answer": "", "seed": seed}
+        (walk,), checks = random_walks(tokenizer, env, [row], max_turns=6, seed=seed, hint=0.5)
+        moves = moves_made(tokenizer, walk.token_ids)
+        prompt = Prompt(f"lake{seed}", chat_prompt_ids(tokenizer, row["prompt"]), row)
+        (trajectory,), _ = play(frozen_lake_agent(tokenizer_dir, n=1, max_turns=6), env, prompt,
+                                lambda p, g, i: ids(tokenizer, moves[len(moves_made(tokenizer, p))]) + [eos])
+        assert trajectory.token_ids == walk.token_ids and trajectory.loss_mask == walk.taught
+        assert len(checks) == len(moves)
+        for check in checks:  # each state of the walk accepts exactly the valid moves there
+            game = FrozenLake(generate_lake(4, 0.8, seed))
+            for move in moves_made(tokenizer, check.prompt_ids):
+                game.move(move)
+            assert check.accepted == tuple(valid_moves(game))
+
+
+def test_retry_warm_start_is_tokenized_exactly_like_the_agents_second_attempt(tokenizer, tokenizer_dir):
+    from rlsys.impl.agent.math_multi_turn import retry_sequences
+
+    (sequence,) = retry_sequences(tokenizer, [{"prompt": "12+34=", "answer": "46"}], seed=0)
+    wrong = moves_made(tokenizer, sequence.token_ids)[0]
+    assert wrong != "46" and abs(int(wrong) - 46) in (1, 10)
+    agent, _ = math_agent(tokenizer_dir, n=1, num_turns=2)
+    (trajectory,), _ = play(agent, math_env(), math_prompt(tokenizer), answer_by_history(tokenizer, [[wrong, "46"]]))
+    right = ids(tokenizer, "46") + [tokenizer.eos_token_id]
+    assert trajectory.token_ids == sequence.token_ids + user_turn(tokenizer, CORRECT_FEEDBACK)
+    assert sequence.taught == [0] * (len(sequence.token_ids) - len(right)) + [1] * len(right)

@@ -123,3 +123,39 @@ def test_sokoban_cannot_push_a_box_into_a_wall_or_another_box():
     assert game.move("R") == (0.0, False, True)  # pushes the lower box right: free cell behind it
     assert game.boxes == {(1, 2), (2, 3)} and game.player == (2, 2)
     assert game.move("U") == (0.0, False, False)  # box against the top wall
+
+
+def test_game_dataset_rows_rebuild_their_puzzles_and_splits_are_disjoint(tmp_path):
+    from rlsys.data.dataset import load_jsonl_dataset
+    from rlsys.data.games import generate_game_dataset
+
+    env, options = FrozenLakeEnv(), {"size": 4, "frozen_prob": 0.8}
+    train, held_out = generate_game_dataset(tmp_path / "a", env, options, seed=5, num_train=60, num_eval=20)
+    again = generate_game_dataset(tmp_path / "b", env, options, seed=5, num_train=60, num_eval=20)
+    assert [p.read_text() for p in (train, held_out)] == [p.read_text() for p in again]
+    train_rows, eval_rows = load_jsonl_dataset(train), load_jsonl_dataset(held_out)
+    assert len(train_rows) == 60 and len(eval_rows) == 20
+    boards = [row["prompt"] for row in train_rows + eval_rows]
+    assert len(set(boards)) == 80  # distinct puzzles, none in both splits
+    for row in eval_rows:
+        board, _ = run(env.reset(options=row))
+        assert row["prompt"] == env.instruction + board and row["size"] == 4
+        for move in row["answer"]:  # the reference answer solves it
+            *_, info = run(env.step(move))
+        assert info["success"]
+
+
+def test_too_few_distinct_puzzles_is_a_clear_error(tmp_path):
+    from rlsys.data.games import generate_game_dataset
+
+    with pytest.raises(ValueError, match="only 51 distinct puzzles with {'size': 3}"):
+        generate_game_dataset(tmp_path, FrozenLakeEnv(), {"size": 3}, seed=0, num_train=100, num_eval=10)
+
+
+def test_valid_moves_change_the_board_and_never_lose():
+    from rlsys.data.games import valid_moves
+    from rlsys.impl.env.frozen_lake import FrozenLake
+
+    game = FrozenLake(generate_lake(4, 0.8, 15))  # start: ice to the right, a hole below
+    assert valid_moves(game) == ["R"]
+    assert game.position == (0, 0)  # probing moved nothing

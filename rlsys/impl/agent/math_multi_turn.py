@@ -11,8 +11,12 @@ nearly every chain of an easy problem ends with 1.0 and the group carries no sig
 A turn is void when its answer is empty or was cut off by the token limit before its end of sequence.
 """
 
+import random
+
 from rlsys.api import EnvironmentService, GenerationConfig, Prompt, register_agent
-from rlsys.impl.agent.multi_turn import MultiTurnAgent, Reaction, RolloutStrategy
+from rlsys.impl.agent.multi_turn import ChatRenderer, MultiTurnAgent, Reaction, RolloutStrategy
+from rlsys.model.tiny import TaughtSequence, answer_ids
+from rlsys.model.tokenizer import chat_prompt_ids
 
 CORRECT_FEEDBACK = "Congratulations! You are correct!"
 WRONG_FEEDBACK = "Unfortunately your answer is wrong. Let's try again."
@@ -35,6 +39,22 @@ class MathMultiTurnAgent(MultiTurnAgent):
         return Reaction(reward=float(correct), done=correct, feedback=CORRECT_FEEDBACK if correct else WRONG_FEEDBACK,
                         success=correct, void=stop_reason != "stop" or not response.strip(),
                         metrics={"verify_failed": float(status in ("timeout", "error"))})
+
+
+def retry_sequences(tokenizer, rows: list[dict], seed: int) -> list[TaughtSequence]:
+    """Each problem answered wrong once, told so, then answered right, tokenized as this agent's conversation.
+
+    Only the right answer is taught: a warm start on these shows a model what a second attempt looks like.
+    """
+    rng, chat = random.Random(seed), ChatRenderer(tokenizer)
+    sequences = []
+    for row in rows:
+        prompt = chat_prompt_ids(tokenizer, row["prompt"])
+        wrong = answer_ids(tokenizer, str(int(row["answer"]) + rng.choice([-10, -1, 1, 10])))
+        right = answer_ids(tokenizer, row["answer"])
+        context = prompt + wrong + chat.message_ids("user", WRONG_FEEDBACK, wrong)
+        sequences.append(TaughtSequence(context + right, [0] * len(context) + [1] * len(right)))
+    return sequences
 
 
 register_agent("math-multi-turn", MathMultiTurnAgent)

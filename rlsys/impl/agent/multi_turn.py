@@ -51,10 +51,10 @@ class RolloutStrategy:
 
     def __post_init__(self):
         if self.mode not in ROLLOUT_MODES:
-            raise ValueError(f"rollout mode must be one of {ROLLOUT_MODES}, got {self.mode!r}")
+            raise ValueError(f"rollout.mode must be one of {ROLLOUT_MODES}, got {self.mode!r}")
         if self.tree_branching < 1 or self.tree_depth < 0:
-            raise ValueError(f"tree_branching must be >= 1 and tree_depth >= 0, got {self.tree_branching} "
-                             f"and {self.tree_depth}")
+            raise ValueError(f"rollout.tree_branching must be >= 1 and rollout.tree_depth >= 0, got "
+                             f"{self.tree_branching} and {self.tree_depth}")
 
     def branching(self, turn: int, gconfig: GenerationConfig) -> int:
         """Responses to ask for at `turn` (2, 3, ...) from one node."""

@@ -64,18 +64,12 @@ class FrozenLake(GridGame):
         here = self.cell(self.position)
         return (1.0 if here == GOAL else 0.0), here in (GOAL, HOLE), True
 
-    def safe_moves(self) -> list[str]:
-        """Moves that stay on the board and off the holes (the warm start imitates these)."""
-        safe = []
-        for move in MOVES:
-            r, c = step_to(self.position, move)
-            if 0 <= r < len(self.lake) and 0 <= c < len(self.lake) and self.lake[r][c] != HOLE:
-                safe.append(move)
-        return safe
-
     @property
     def solved(self) -> bool:
         return self.cell(self.position) == GOAL
+
+    def solution(self) -> str | None:
+        return shortest_path(self.lake, self.position)
 
     def render(self) -> str:
         rows = [list(row.replace(START_CELL, ICE)) for row in self.lake]

@@ -38,6 +38,9 @@ class Sokoban(GridGame):
     def solved(self) -> bool:
         return self.boxes == self.targets
 
+    def solution(self) -> str | None:
+        return solve(self)
+
     def render(self) -> str:
         def symbol(cell: Cell) -> str:
             if cell in self.walls:

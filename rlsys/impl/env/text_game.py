@@ -48,6 +48,10 @@ class GridGame(abc.ABC):
     def solved(self) -> bool:
         ...
 
+    @abc.abstractmethod
+    def solution(self) -> str | None:
+        """The moves of a shortest solution from the current state, or None if there is none."""
+
 
 class TextGameEnv(EnvironmentService):
     """Parses the model's move, applies it to a GridGame, enforces the step limit and the format penalty."""
