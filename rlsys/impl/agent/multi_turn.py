@@ -126,6 +126,18 @@ class ChatRenderer:
         return closing + self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+async def gather_or_cancel(coroutines) -> list:
+    """Runs them concurrently; if one fails, the others are cancelled (none is left waiting on a reply)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def token_key(token_ids: list[int]) -> str:
     """A short key of a token context: two turns with the same context share it."""
     return hashlib.sha1(str(token_ids).encode()).hexdigest()[:16]
@@ -259,11 +271,11 @@ class MultiTurnAgent(Agent):
         try:
             async with ModelClient(obs_queue, act_queue, prompt.qid) as model:
                 envs = [await fork(env) for _ in range(self.gconfig.n)]  # one per chain, before any reset
-                keys = await asyncio.gather(*(self.start(e, prompt) for e in envs))
+                keys = await gather_or_cancel(self.start(e, prompt) for e in envs)
                 first = await model.generate(prompt.token_ids, self.gconfig)
                 chains = [self._play(model, prompt, Transcript.from_prompt(prompt.token_ids, key or token_key(
                     prompt.token_ids)), e, first, i, 1, fork) for i, (e, key) in enumerate(zip(envs, keys))]
-                transcripts = [t for leaves in await asyncio.gather(*chains) for t in leaves]
+                transcripts = [t for leaves in await gather_or_cancel(chains) for t in leaves]
         finally:
             await asyncio.gather(*(f.close() for f in forks), return_exceptions=True)
         if self.strategy.single_turn_samples and self.gconfig.temperature > 0:
@@ -277,17 +289,21 @@ class MultiTurnAgent(Agent):
         response = self.tokenizer.decode(out.output_ids[sample], skip_special_tokens=True)
         reaction = await self.react(env, prompt, response, out.stop_reasons[sample])
         transcript.reactions.append(reaction)
-        goes_on = not reaction.done and turn < self.max_turns
-        if reaction.feedback is not None and (goes_on or reaction.done):
-            transcript.add_context(self.chat.message_ids("user", reaction.feedback, out.output_ids[sample]))
-        if not goes_on or len(transcript.token_ids) + self.gconfig.max_new_tokens > self.max_context_tokens:
-            transcript.truncated = not reaction.done
+        feedback = [] if reaction.feedback is None else self.chat.message_ids("user", reaction.feedback,
+                                                                             out.output_ids[sample])
+        if reaction.done:
+            transcript.add_context(feedback)  # a closing message, if any
             return [transcript]
+        next_request = len(transcript.token_ids) + len(feedback) + self.gconfig.max_new_tokens
+        if turn >= self.max_turns or next_request > self.max_context_tokens:
+            transcript.truncated = True
+            return [transcript]
+        transcript.add_context(feedback)
         transcript.next_key = reaction.state_key or token_key(transcript.token_ids)
         width = self.strategy.branching(turn + 1, self.gconfig)
         # Every branch starts from this node's state, so copy transcript and env before any branch moves on.
         branches = [(transcript, env)] + [(transcript.branch(), await fork(env)) for _ in range(width - 1)]
         following = await model.generate(transcript.token_ids, dataclasses.replace(self.gconfig, n=width))
-        leaves = await asyncio.gather(*(self._play(model, prompt, t, e, following, i, turn + 1, fork)
-                                        for i, (t, e) in enumerate(branches)))
+        leaves = await gather_or_cancel(self._play(model, prompt, t, e, following, i, turn + 1, fork)
+                                        for i, (t, e) in enumerate(branches))
         return [t for branch in leaves for t in branch]
