@@ -21,12 +21,14 @@ def test_math_multi_turn_trains_in_the_full_loop(cache_dir, tmp_path):
     summary = launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
     assert [s["step"] for s in steps] == list(range(1, 25))
-    rewards = [round(s["reward"], 3) for s in steps]
-    assert mean(rewards[-8:]) > mean(rewards[:8]), rewards
-    # Retries happen and some succeed: the reward (discounted) is below the success rate.
+    # The held-out reward (greedy, 200 problems, a success at attempt k worth 0.5**(k-1)) is the steady measure:
+    # it rose 17-21 points in our runs, while the training reward (temperature 1, 128 episodes a step) rose
+    # by 0.03-0.06 in two runs of three and stayed flat in the third, within its step-to-step noise.
+    before, after = summary["initial_accuracy"], summary["final_accuracy"]
+    assert after >= before + 0.08, f"held-out reward {before:.3f} -> {after:.3f}: RL did not help"
+    # Retries happen and some succeed: the (discounted) reward is below the success rate.
     assert all(1 < s["agent/num_turns"] <= 3 for s in steps)
     assert sum(s["agent/success"] - s["reward"] for s in steps) > 0
-    assert summary["final_accuracy"] > summary["initial_accuracy"], summary
 
 
 def test_frozen_lake_trains_with_gigpo_in_the_full_loop(cache_dir, tmp_path):
