@@ -12,7 +12,8 @@ from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, Ge
     Prompt, make_agent, make_env
 from rlsys.engine.scripted import ScriptedEngine
 from rlsys.impl.agent.math_multi_turn import CORRECT_FEEDBACK, WRONG_FEEDBACK
-from rlsys.impl.agent.multi_turn import ModelClient, RolloutStrategy, token_key
+from rlsys.impl.agent.model_client import ModelClient
+from rlsys.impl.agent.multi_turn import RolloutStrategy, token_key
 from rlsys.impl.env.frozen_lake import FrozenLakeEnv, generate_lake, shortest_path
 from rlsys.impl.env.sokoban import SokobanEnv, generate_room, solve
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
@@ -75,8 +76,8 @@ def turn_answers(tokenizer, trajectory) -> list[str]:
                              skip_special_tokens=True) for s, e in zip(starts, trajectory.turn_ends)]
 
 
-def math_agent(tokenizer_dir, n: int, **kwargs):
-    gconfig = GenerationConfig(n=n, max_new_tokens=8, stop_token_ids=[build_char_tokenizer().eos_token_id])
+def math_agent(tokenizer_dir, n: int, seed: int | None = None, **kwargs):
+    gconfig = GenerationConfig(n=n, max_new_tokens=8, stop_token_ids=[build_char_tokenizer().eos_token_id], seed=seed)
     return make_agent(AgentAbstraction("math-multi-turn", {"gconfig": gconfig, "tokenizer_path": str(tokenizer_dir),
                                                            **kwargs})), gconfig
 
@@ -87,7 +88,7 @@ def math_prompt(tokenizer) -> Prompt:
 
 def test_math_multi_turn_chains_retry_after_wrong_answers(tokenizer, tokenizer_dir):
     scripts = [["46"], ["45", "46"], ["1", "2", "3"]]
-    agent, gconfig = math_agent(tokenizer_dir, n=3, num_turns=3, turn_discount=0.5)
+    agent, gconfig = math_agent(tokenizer_dir, n=3, seed=5, num_turns=3, turn_discount=0.5)
     prompt = math_prompt(tokenizer)
     trajectories, requests = play(agent, math_env(), prompt, answer_by_history(tokenizer, scripts))
 
@@ -96,6 +97,7 @@ def test_math_multi_turn_chains_retry_after_wrong_answers(tokenizer, tokenizer_d
     # The group: one request of n=3 for the prompt, then each chain alone: n=1 per later turn.
     assert [(len(p), g.n) for p, g in requests][0] == (n, 3)
     assert sorted(g.n for _, g in requests[1:]) == [1, 1, 1]
+    assert len({g.seed for _, g in requests}) == 4  # one fixed seed, yet each request draws its own stream
     assert len(trajectories) == 3 and {t.group_id for t in trajectories} == {"q7"}
     by_first = {turn_answers(tokenizer, t)[0]: t for t in trajectories}
 
@@ -209,12 +211,11 @@ def test_single_turn_samples_train_each_turn_with_its_history_as_prompt(tokenize
 def test_model_client_matches_replies_to_requests_by_qid():
     async def scenario():
         obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
-        async with ModelClient(obs_queue, act_queue, "q") as model:
-            first = asyncio.create_task(model.generate([1], GenerationConfig()))
-            second = asyncio.create_task(model.generate([2], GenerationConfig(seed=5)))
+        async with ModelClient(obs_queue, act_queue) as model:
+            first = asyncio.create_task(model.generate("q/1", [1], GenerationConfig()))
+            second = asyncio.create_task(model.generate("q/2", [2], GenerationConfig()))
             requests = [await obs_queue.get(), await obs_queue.get()]
             assert [(qid, tokens) for qid, tokens, _ in requests] == [("q/1", [1]), ("q/2", [2])]
-            assert requests[1][2].seed != 5  # each request of an episode draws its own random stream
             for qid, tokens, _ in reversed(requests):  # replies arrive out of order
                 act_queue.put_nowait(GenerationOutput(qid, tokens, [[tokens[0] * 10]], [[0.0]], [[0]], ["stop"]))
             return await first, await second
@@ -406,3 +407,16 @@ def test_an_episode_stops_before_its_context_outgrows_the_budget(tokenizer, toke
     (trajectory,), _ = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "L") + [eos])
     assert trajectory.metrics["num_turns"] == 3 and trajectory.metrics["truncated"] == 1.0
     assert len(trajectory.token_ids) <= budget
+
+
+def test_a_zero_context_budget_means_the_models_own_limit(tmp_path, tokenizer_dir):
+    import json
+    import sys
+
+    from rlsys.impl.agent.multi_turn import context_limit
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 300}))
+    assert context_limit(str(tmp_path)) == 300
+    assert context_limit(str(tokenizer_dir)) == sys.maxsize  # a directory that does not say: no limit
+    build_char_tokenizer().save_pretrained(tmp_path)
+    assert frozen_lake_agent(tmp_path, n=1).max_context_tokens == 300

@@ -25,7 +25,7 @@ WRONG_FEEDBACK = "Unfortunately your answer is wrong. Let's try again."
 class MathMultiTurnAgent(MultiTurnAgent):
     def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, num_turns: int = 3,
                  turn_discount: float = 0.5, strategy: RolloutStrategy | dict | None = None,
-                 max_context_tokens: int = 256):
+                 max_context_tokens: int = 0):
         super().__init__(gconfig, tokenizer_path, num_turns, turn_discount, strategy, max_context_tokens)
 
     async def start(self, env: EnvironmentService, prompt: Prompt) -> None:

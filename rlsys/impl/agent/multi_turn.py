@@ -1,5 +1,5 @@
-"""What multi-turn agents share: their queues as a model client, the token record of a conversation, and the
-rollout strategies that turn one prompt into trajectories.
+"""What multi-turn agents share: the token record of a conversation and the rollout strategies that turn one
+prompt into trajectories.
 
 A subclass of MultiTurnAgent says how one turn plays out (`start`, `react`); this module does the rest:
 
@@ -25,14 +25,15 @@ import asyncio
 import dataclasses
 import hashlib
 import itertools
-import logging
+import json
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rlsys.algorithms.advantages import discounted_turn_returns
 from rlsys.api import NOT_GENERATED, Agent, EnvironmentService, GenerationConfig, GenerationOutput, Prompt, Trajectory
+from rlsys.impl.agent.model_client import ModelClient
 from rlsys.model.tokenizer import load_tokenizer
-
-log = logging.getLogger(__name__)
 
 ROLLOUT_MODES = ("chain", "tree")
 SEED_STRIDE = 7919  # requests of one episode with a fixed seed still draw different random streams
@@ -61,43 +62,6 @@ class RolloutStrategy:
         if self.mode == "tree" and 2 <= turn <= self.tree_depth + 1 and gconfig.temperature > 0:
             return self.tree_branching
         return 1
-
-
-class ModelClient:
-    """One episode's side of the queues: several requests in flight at once, each reply matched by its qid."""
-
-    def __init__(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue, qid_prefix: str):
-        self.obs_queue, self.act_queue, self.qid_prefix = obs_queue, act_queue, qid_prefix
-        self.pending: dict[str, asyncio.Future] = {}
-        self.counter = itertools.count(1)
-        self.reader: asyncio.Task | None = None
-
-    async def __aenter__(self) -> "ModelClient":
-        self.reader = asyncio.create_task(self._route_replies())
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.reader.cancel()
-        await asyncio.gather(self.reader, return_exceptions=True)
-
-    async def generate(self, token_ids: list[int], gconfig: GenerationConfig) -> GenerationOutput:
-        number = next(self.counter)
-        qid = f"{self.qid_prefix}/{number}"
-        if gconfig.seed is not None:
-            gconfig = dataclasses.replace(gconfig, seed=gconfig.seed + SEED_STRIDE * number)
-        future = asyncio.get_running_loop().create_future()
-        self.pending[qid] = future
-        await self.obs_queue.put((qid, list(token_ids), gconfig))
-        return await future
-
-    async def _route_replies(self) -> None:
-        while True:
-            act: GenerationOutput = await self.act_queue.get()
-            future = self.pending.pop(act.qid, None)
-            if future is None:
-                log.warning("reply for unknown request %s dropped", act.qid)
-            else:
-                future.set_result(act)
 
 
 class ChatRenderer:
@@ -136,6 +100,12 @@ async def gather_or_cancel(coroutines) -> list:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def context_limit(model_path: str) -> int:
+    """The model's own limit on prompt + response (max_position_embeddings), or none if it does not say."""
+    config = Path(model_path) / "config.json"
+    return json.loads(config.read_text()).get("max_position_embeddings", sys.maxsize) if config.exists() else sys.maxsize
 
 
 def token_key(token_ids: list[int]) -> str:
@@ -248,7 +218,8 @@ class MultiTurnAgent(Agent):
             raise ValueError(f"turn_discount must be in [0, 1], got {turn_discount}")
         self.gconfig, self.max_turns, self.turn_discount = gconfig, max_turns, turn_discount
         self.strategy = RolloutStrategy(**strategy) if isinstance(strategy, dict) else strategy or RolloutStrategy()
-        self.max_context_tokens = max_context_tokens
+        # An episode ends before a request could outgrow this; 0: the model's own limit.
+        self.max_context_tokens = max_context_tokens or context_limit(tokenizer_path)
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.chat = ChatRenderer(self.tokenizer)
 
@@ -263,17 +234,24 @@ class MultiTurnAgent(Agent):
     async def collect_trajectory(self, prompt: Prompt, env: EnvironmentService, obs_queue: asyncio.Queue,
                                  act_queue: asyncio.Queue) -> list[Trajectory]:
         forks: list[EnvironmentService] = []
+        numbers = itertools.count(1)
 
         async def fork(source: EnvironmentService) -> EnvironmentService:
             forks.append(await source.fork())
             return forks[-1]
 
+        async def ask(token_ids: list[int], gconfig: GenerationConfig) -> GenerationOutput:
+            number = next(numbers)
+            if gconfig.seed is not None:  # a fixed seed still gives each request its own random stream
+                gconfig = dataclasses.replace(gconfig, seed=gconfig.seed + SEED_STRIDE * number)
+            return await model.generate(f"{prompt.qid}/{number}", token_ids, gconfig)
+
         try:
-            async with ModelClient(obs_queue, act_queue, prompt.qid) as model:
+            async with ModelClient(obs_queue, act_queue) as model:
                 envs = [await fork(env) for _ in range(self.gconfig.n)]  # one per chain, before any reset
                 keys = await gather_or_cancel(self.start(e, prompt) for e in envs)
-                first = await model.generate(prompt.token_ids, self.gconfig)
-                chains = [self._play(model, prompt, Transcript.from_prompt(prompt.token_ids, key or token_key(
+                first = await ask(prompt.token_ids, self.gconfig)
+                chains = [self._play(ask, prompt, Transcript.from_prompt(prompt.token_ids, key or token_key(
                     prompt.token_ids)), e, first, i, 1, fork) for i, (e, key) in enumerate(zip(envs, keys))]
                 transcripts = [t for leaves in await gather_or_cancel(chains) for t in leaves]
         finally:
@@ -282,7 +260,7 @@ class MultiTurnAgent(Agent):
             return [s for t in transcripts for s in t.single_turn_samples(prompt.qid, self.turn_discount)]
         return [t.trajectory(prompt.qid, self.turn_discount) for t in transcripts]
 
-    async def _play(self, model: ModelClient, prompt: Prompt, transcript: Transcript, env: EnvironmentService,
+    async def _play(self, ask, prompt: Prompt, transcript: Transcript, env: EnvironmentService,
                     out: GenerationOutput, sample: int, turn: int, fork) -> list[Transcript]:
         """Turn `turn` of one chain (response `sample` of `out`) and everything after it; returns the leaves."""
         transcript.add_response(out, sample)
@@ -303,7 +281,7 @@ class MultiTurnAgent(Agent):
         width = self.strategy.branching(turn + 1, self.gconfig)
         # Every branch starts from this node's state, so copy transcript and env before any branch moves on.
         branches = [(transcript, env)] + [(transcript.branch(), await fork(env)) for _ in range(width - 1)]
-        following = await model.generate(transcript.token_ids, dataclasses.replace(self.gconfig, n=width))
-        leaves = await gather_or_cancel(self._play(model, prompt, t, e, following, i, turn + 1, fork)
+        following = await ask(transcript.token_ids, dataclasses.replace(self.gconfig, n=width))
+        leaves = await gather_or_cancel(self._play(ask, prompt, t, e, following, i, turn + 1, fork)
                                         for i, (t, e) in enumerate(branches))
         return [t for branch in leaves for t in branch]

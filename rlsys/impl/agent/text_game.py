@@ -14,7 +14,7 @@ from rlsys.impl.agent.multi_turn import MultiTurnAgent, Reaction, RolloutStrateg
 class TextGameAgent(MultiTurnAgent):
     def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, max_turns: int = 8,
                  turn_discount: float = 1.0, strategy: RolloutStrategy | dict | None = None,
-                 max_context_tokens: int = 256):
+                 max_context_tokens: int = 0):
         super().__init__(gconfig, tokenizer_path, max_turns, turn_discount, strategy, max_context_tokens)
 
     async def start(self, env: EnvironmentService, prompt: Prompt) -> str:
