@@ -1,10 +1,13 @@
 """Asynchronous PPO on math problems: the default experiment, and the class users subclass."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from experiments.common import AsyncRLExperimentConfig, PPOMATHConfig
 from experiments.registry import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
+from rlsys.data.arithmetic import generate_addition_dataset
+from rlsys.model.tiny import AnswerCheck, TaughtSequence, arithmetic_warm_start
 
 
 @dataclass
@@ -24,6 +27,22 @@ class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
     @property
     def env(self) -> EnvServiceAbstraction:
         return EnvServiceAbstraction("math-code-single-step")
+
+    def generate_dataset(self, data_dir: Path) -> tuple[Path, Path]:
+        """(train, held-out) JSONL written under `data_dir` when dataset.path is empty: seeded two-digit sums."""
+        d = self.dataset
+        directory = data_dir / f"addition-seed{self.seed}-{d.num_train}-{d.num_eval}"
+        return generate_addition_dataset(directory, self.seed, d.num_train, d.num_eval)
+
+    @property
+    def warm_start_settings(self) -> dict:
+        """Settings besides model.* and the dataset that change the warm start (part of the model's cache key)."""
+        return {}
+
+    def warm_start_examples(self, tokenizer, train_rows: list[dict],
+                            eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
+        """What the tiny default model is taught before RL, and the held-out checks that stop the teaching."""
+        return arithmetic_warm_start(tokenizer, train_rows, eval_rows)
 
 
 register_experiment("async-ppo-math", AsyncPPOMATHConfig)

@@ -10,7 +10,7 @@ from rlsys.algorithms.ppo import LOSS_AGG_MODES
 from rlsys.api import GenerationConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
-ADV_ESTIMATORS = ("grpo", "reinforce", "gae")
+ADV_ESTIMATORS = ("grpo", "reinforce", "gae", "starpo", "gigpo")
 
 
 def check_at_least(group: str, config, **minimums) -> None:
@@ -52,13 +52,13 @@ class ModelConfig:
 @dataclass
 class DatasetConfig:
     path: str = ""
-    """JSONL training prompts ({"prompt", "answer"} per line); empty generates the arithmetic set."""
+    """JSONL training prompts ({"prompt", "answer"} per line); empty generates the experiment's set (arithmetic)."""
     eval_path: str = ""
     """JSONL held-out prompts; empty uses the generated held-out split."""
     num_train: int = 7600
-    """Generated set: training problems (of the 8,100 two-digit sums, disjoint from the held-out ones)."""
+    """Generated set: training rows, disjoint from the held-out ones (arithmetic: of the 8,100 two-digit sums)."""
     num_eval: int = 500
-    """Generated set: held-out problems (500+ keeps the accuracy's standard error near 2 points)."""
+    """Generated set: held-out rows (500+ keeps the accuracy's standard error near 2 points)."""
 
     def __post_init__(self):
         check_at_least("dataset.", self, num_train=1, num_eval=1)
@@ -116,9 +116,15 @@ class PPOHyperparameters:
     entropy_loss_coef: float = 0.0
     """Entropy bonus coefficient."""
     adv_estimator: str = "grpo"
-    """Advantage estimator: grpo (group-normalised outcome reward), reinforce (batch-mean baseline) or gae (critic)."""
+    """Advantage estimator: grpo (group-normalised reward), reinforce (batch-mean baseline), gae (critic), starpo or gigpo."""
     grpo_scale_by_std: bool = True
-    """grpo: divide by the group's reward std; false subtracts the group mean only (Dr. GRPO)."""
+    """grpo, starpo, gigpo: divide by the group's reward std; false subtracts the group mean only (Dr. GRPO)."""
+    gigpo_step_gamma: float = 0.95
+    """gigpo: discount of the per-turn returns compared among the turns that saw the same state (anchor states)."""
+    gigpo_step_weight: float = 1.0
+    """gigpo: weight of the step advantage added to the episode (StarPO) advantage."""
+    mask_void_trajectories: bool = False
+    """Keep trajectories with a void turn (neither action nor answer) out of the loss; they still count in baselines."""
     whiten_advantages: bool = False
     """reinforce: whiten advantages over the batch (REINFORCE++); gae: whiten over the batch's generated tokens."""
     gamma: float = 1.0
@@ -164,6 +170,8 @@ class PPOHyperparameters:
             raise ValueError(f"ppo.dual_clip must be 0 (off) or greater than 1, got {self.dual_clip}")
         if self.max_tokens_per_micro_batch < 1:
             raise ValueError(f"ppo.max_tokens_per_micro_batch must be at least 1, got {self.max_tokens_per_micro_batch}")
+        if not 0 <= self.gigpo_step_gamma <= 1:
+            raise ValueError(f"ppo.gigpo_step_gamma must be in [0, 1], got {self.gigpo_step_gamma}")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lambd <= 1:
             raise ValueError(f"ppo.gamma and ppo.lambd must be in [0, 1], got {self.gamma} and {self.lambd}")
         if self.behaviour_imp_weight_cap and self.behaviour_imp_weight_cap <= 1:

@@ -1,8 +1,8 @@
 """What a run needs before its roles start: a dataset and a policy checkpoint, generated when not given."""
 
+import functools
 from pathlib import Path
 
-from rlsys.data.arithmetic import generate_addition_dataset
 from rlsys.data.dataset import load_jsonl_dataset
 from rlsys.model.tiny import prepare_tiny_model, tiny_model_dir
 
@@ -12,12 +12,15 @@ class AssetError(ValueError):
 
 
 def prepare_assets(config, log=print) -> None:
-    """Fills in `config.dataset.path`, `config.dataset.eval_path` and `config.model.path`."""
+    """Fills in `config.dataset.path`, `config.dataset.eval_path` and `config.model.path`.
+
+    The experiment says what its generated dataset and its warm-start examples are (`generate_dataset`,
+    `warm_start_examples`), so each task gets a tiny default model that knows its answer format.
+    """
     cache = Path(config.model.cache_dir).expanduser()
     data = config.dataset
     if not data.path:
-        directory = cache / "data" / f"addition-seed{config.seed}-{data.num_train}-{data.num_eval}"
-        train, held_out = generate_addition_dataset(directory, config.seed, data.num_train, data.num_eval)
+        train, held_out = config.generate_dataset(cache / "data")
         data.path, data.eval_path = str(train), data.eval_path or str(held_out)
     elif not data.eval_path:
         raise AssetError("dataset.eval_path is required with dataset.path: the run reports held-out accuracy")
@@ -26,8 +29,9 @@ def prepare_assets(config, log=print) -> None:
     if config.resume_from_checkpoint:
         config.model.path = config.resume_from_checkpoint
     elif not config.model.path:
-        directory = tiny_model_dir(config.model, config.seed, Path(data.path).parent)
-        config.model.path = str(prepare_tiny_model(config.model, config.seed, train_rows, eval_rows, directory, log))
+        directory = tiny_model_dir(config.model, config.seed, Path(data.path).parent, config.warm_start_settings)
+        examples = functools.partial(config.warm_start_examples, train_rows=train_rows, eval_rows=eval_rows)
+        config.model.path = str(prepare_tiny_model(config.model, config.seed, examples, directory, log))
     if not Path(config.model.path).exists():
         raise AssetError(f"model.path {config.model.path!r} does not exist; give an HF checkpoint directory "
                          "(written by save_pretrained), or leave model.path empty for the tiny model")

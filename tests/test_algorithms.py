@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from rlsys.algorithms.advantages import discounted_turn_returns, gae_advantages, grpo_advantages, \
-    reinforce_advantages
-from rlsys.algorithms.batch import sequence_batch
+from rlsys.algorithms.advantages import discounted_turn_returns, gae_advantages, gigpo_turn_advantages, \
+    grpo_advantages, reinforce_advantages, starpo_advantages
+from rlsys.algorithms.batch import per_turn_to_tokens, sequence_batch
 from rlsys.algorithms.packing import micro_batches, pack_by_token_budget, pad_by_token_budget
 from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, aggregate_token_loss, clipped_value_loss, \
     kl_penalty, ppo_clip_loss, token_loss_weights
@@ -302,6 +302,68 @@ def test_discounted_turn_returns():
     expected = [sum(0.9 ** (j - k) * rewards[j] for j in range(k, 6)) for k in range(6)]
     assert discounted_turn_returns(rewards, 0.9) == pytest.approx(expected)
     assert discounted_turn_returns([], 0.9) == []
+
+
+def reference_normalise(values: list[float], scale_by_std: bool, eps: float = 1e-6) -> list[float]:
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) if len(values) > 1 else 0.0
+    return [(v - mean) / (std + eps) if scale_by_std else v - mean for v in values]
+
+
+def random_episodes(rng, n: int) -> tuple[list[list[float]], list[list[str]], list[str]]:
+    """Episodes of 1-5 turns in 3 groups; states drawn from a few boards so that some repeat (anchor states)."""
+    turn_rewards = [[rng.choice([0.0, 0.0, -0.1, 1.0]) for _ in range(rng.randint(1, 5))] for _ in range(n)]
+    keys = [[rng.choice("abcd") for _ in rewards] for rewards in turn_rewards]
+    return turn_rewards, keys, [f"g{i % 3}" for i in range(n)]
+
+
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_starpo_normalises_summed_turn_rewards_within_groups(scale_by_std):
+    turn_rewards, _, groups = random_episodes(random.Random(5), 24)
+    adv = starpo_advantages(turn_rewards, groups, scale_by_std)
+    for g in set(groups):
+        members = [i for i, gid in enumerate(groups) if gid == g]
+        expected = reference_normalise([sum(turn_rewards[i]) for i in members], scale_by_std)
+        assert adv[members].tolist() == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_gigpo_adds_anchor_state_step_advantages_to_the_episode_advantage(scale_by_std):
+    turn_rewards, keys, groups = random_episodes(random.Random(6), 30)
+    keys[0] = []  # an episode without state keys: its turns anchor nothing
+    gamma, weight = 0.9, 0.7
+    adv = gigpo_turn_advantages(turn_rewards, keys, groups, gamma, weight, scale_by_std)
+
+    # Plain reference: episode term from summed rewards per group; step term per (group, state) over all turns.
+    episode = {}
+    for g in set(groups):
+        members = [i for i, gid in enumerate(groups) if gid == g]
+        episode.update(zip(members, reference_normalise([sum(turn_rewards[i]) for i in members], scale_by_std)))
+    returns = {(i, t): sum(gamma ** (k - t) * turn_rewards[i][k] for k in range(t, len(turn_rewards[i])))
+               for i in range(len(turn_rewards)) for t in range(len(turn_rewards[i]))}
+    anchors = {}
+    for (i, t) in returns:
+        anchors.setdefault((groups[i], keys[i][t]) if keys[i] else (i, t), []).append((i, t))
+    step = {}
+    for members in anchors.values():
+        step.update(zip(members, reference_normalise([returns[m] for m in members], scale_by_std)))
+    assert any(len(m) > 1 for m in anchors.values())
+    for i, per_turn in enumerate(adv):
+        assert per_turn == pytest.approx([episode[i] + weight * step[(i, t)] for t in range(len(per_turn))], abs=1e-5)
+    assert adv[0] == pytest.approx([episode[0]] * len(adv[0]), abs=1e-6)
+
+
+def test_gigpo_prefers_the_action_that_leads_on_from_a_shared_state():
+    # Two episodes of one puzzle both start on board "s"; one moves on to win, the other bumps and stays.
+    adv = gigpo_turn_advantages([[0.0, 1.0], [0.0, 0.0]], [["s", "t"], ["s", "s"]], ["g", "g"], step_gamma=1.0)
+    assert adv[0][0] > adv[1][0] and adv[0][0] > 0 > adv[1][1]
+
+
+def test_per_turn_values_land_on_each_turns_generated_tokens():
+    # prompt(2) turn1(2) feedback(2) turn2(3): token ids 0..8; shifted positions 0..7 predict tokens 1..8.
+    loss_mask = torch.tensor([0, 1, 1, 0, 0, 1, 1, 1], dtype=torch.float32)
+    values = per_turn_to_tokens([4, 9], [0.5, -2.0], loss_mask)
+    assert values.tolist() == [0, 0.5, 0.5, 0, 0, -2.0, -2.0, -2.0]
 
 
 # ---- PPO loss -----------------------------------------------------------------------------------------------------

@@ -81,6 +81,19 @@ def test_trajectory_round_trips_through_msgpack_unchanged():
     assert back.num_generated == 2
 
 
+def test_multi_turn_fields_round_trip_and_older_payloads_get_their_defaults():
+    import dataclasses
+
+    trajectory = dataclasses.replace(make_trajectory(), turn_ends=[4, 5], turn_rewards=[-0.1, 1.0],
+                                     turn_obs_keys=["P_\n_G", "_P\n_G"], void=True)
+    assert Trajectory.from_msgpack(trajectory.to_msgpack()) == trajectory
+    older = {k: v for k, v in make_trajectory().to_dict().items() if k not in ("turn_obs_keys", "void")}
+    back = Trajectory.from_msgpack(msgpack.packb(older))
+    assert back.turn_obs_keys == [] and back.void is False
+    with pytest.raises(ValueError, match="1 turn_obs_keys for 2 turns"):
+        dataclasses.replace(trajectory, turn_obs_keys=["x"])
+
+
 def test_trajectory_rejects_misaligned_fields_and_unknown_keys():
     with pytest.raises(ValueError, match="loss_mask has 1 entries for 2 tokens"):
         Trajectory(token_ids=[1, 2], loss_mask=[1], logprobs=[0, 0], versions=[0, 0], turn_ends=[2],

@@ -212,3 +212,50 @@ def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
     for (name, a), b in zip(learner.critic.state_dict().items(), resumed.critic.state_dict().values()):
         assert torch.equal(a, b), name
     assert resumed.critic_optimizer.state_dict()["state"]  # Adam moments came back too
+
+
+def test_gigpo_puts_each_turns_advantage_on_that_turns_tokens(tmp_path):
+    import dataclasses
+    import random
+
+    from rlsys.algorithms.advantages import gigpo_turn_advantages
+
+    config = learner_config(tmp_path)
+    config.ppo.adv_estimator, config.ppo.gigpo_step_gamma = "gigpo", 0.9
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    rng = random.Random(2)
+    trajectories = [dataclasses.replace(t, turn_obs_keys=[rng.choice("ab"), rng.choice("ab")])
+                    for t in mixed_length_batch(learner.model, rng)]
+    batch = learner.prepare_batch(trajectories)
+    expected = gigpo_turn_advantages([t.turn_rewards for t in trajectories], [t.turn_obs_keys for t in trajectories],
+                                     [t.group_id for t in trajectories], 0.9)
+    for t, advantages, mask, per_turn in zip(trajectories, batch.fields["advantages"], batch.fields["loss_mask"],
+                                             expected):
+        first_turn = torch.arange(len(mask)) < t.turn_ends[0] - 1
+        assert torch.allclose(advantages, torch.where(first_turn, per_turn[0], per_turn[1]) * mask)
+    assert len({round(a[0] - a[1], 6) for a in expected}) > 1  # the step term really differs between turns
+    assert learner.train_step(trajectories)["grad_norm"] > 0
+
+
+def test_void_trajectories_count_in_the_baseline_but_not_in_the_loss(tmp_path):
+    import dataclasses
+
+    config = learner_config(tmp_path)
+    config.ppo.mask_void_trajectories = True
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    good, bad = trajectory(learner.model, GOOD, 1.0), trajectory(learner.model, BAD, 0.0)
+    batch = [good, bad, dataclasses.replace(bad, void=True), dataclasses.replace(bad, void=True)]
+    prepared = learner.prepare_batch(batch)
+    assert [m.sum().item() for m in prepared.fields["loss_mask"]] == [3, 3, 0, 0]
+    # Rewards 1, 0, 0, 0: the void ones still pull the group mean down to 0.25.
+    mean, std = 0.25, (0.25 * 0.75) ** 0.5
+    assert prepared.fields["advantages"][0].max().item() == pytest.approx((1 - mean) / std, rel=1e-4)
+    assert prepared.fields["advantages"][1].min().item() == pytest.approx(-mean / std, rel=1e-4)
+    stats = learner.train_step(batch)
+    assert stats["void_fraction"] == 0.5 and stats["response_length"] == 3
+
+    all_void = [dataclasses.replace(t, void=True) for t in (good, bad)]
+    before = [p.clone() for p in learner.model.parameters()]
+    stats = learner.train_step(all_void)  # nothing left to learn from: no change, but the step goes on
+    assert stats["void_fraction"] == 1.0 and stats["grad_norm"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))

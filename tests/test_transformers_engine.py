@@ -339,9 +339,10 @@ def test_load_weights_replaces_every_weight_tied_output_head_included(tmp_path, 
 
 
 def test_bad_input_and_the_context_limit(model_path, tmp_path):
-    with pytest.raises(ValueError, match="max_position_embeddings=256"):
-        TransformersBackend(model_path, InferenceConfig(max_model_len=257), seed=0)
-    assert TransformersBackend(model_path, InferenceConfig(max_model_len=0), seed=0).max_model_len == 256
+    positions = load_model(model_path).config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_position_embeddings={positions}"):
+        TransformersBackend(model_path, InferenceConfig(max_model_len=positions + 1), seed=0)
+    assert TransformersBackend(model_path, InferenceConfig(max_model_len=0), seed=0).max_model_len == positions
     backend = TransformersBackend(model_path, InferenceConfig(max_model_len=8), seed=0)
     with pytest.raises(ValueError, match="max_model_len=8"):
         backend.add("long", list(range(10, 18)), SamplingSettings(max_tokens=4))

@@ -1,4 +1,4 @@
-"""Advantage estimators: per-trajectory scalars (GRPO, REINFORCE) and per-token GAE for multi-turn trajectories."""
+"""Advantage estimators: per-trajectory scalars (GRPO, REINFORCE, StarPO), per-turn GiGPO and per-token GAE."""
 
 from collections import defaultdict
 
@@ -83,6 +83,36 @@ def discounted_turn_returns(turn_rewards: list[float], gamma: float) -> list[flo
         running = turn_rewards[k] + gamma * running
         returns[k] = running
     return returns
+
+
+def starpo_advantages(turn_rewards: list[list[float]], group_ids: list[str], scale_by_std: bool = True,
+                      eps: float = 1e-6) -> torch.Tensor:
+    """StarPO (RAGEN; ROLL's trajectory-wise training): each episode's summed turn rewards, group-normalised."""
+    return grpo_advantages([sum(rewards) for rewards in turn_rewards], group_ids, eps, scale_by_std)
+
+
+def gigpo_turn_advantages(turn_rewards: list[list[float]], turn_keys: list[list[str]], group_ids: list[str],
+                          step_gamma: float, step_weight: float = 1.0, scale_by_std: bool = True,
+                          eps: float = 1e-6) -> list[list[float]]:
+    """GiGPO (Feng et al. 2025): per turn, A = A_episode + step_weight * A_step.
+
+    A_episode is StarPO's. A_step compares the turn's discounted return G_t = sum_k step_gamma**(k-t) r_k with
+    the returns of every turn, in any episode of the same group, that acted on the same state (equal key): an
+    anchor-state group, normalised like a GRPO group. A turn whose state no other turn saw gets A_step = 0,
+    as does every turn of an episode that recorded no keys.
+    """
+    episode = starpo_advantages(turn_rewards, group_ids, scale_by_std, eps)
+    returns, anchors = [], []
+    for i, (rewards, keys, gid) in enumerate(zip(turn_rewards, turn_keys, group_ids)):
+        returns += discounted_turn_returns(rewards, step_gamma)
+        # The group id is part of the anchor: equal boards of different puzzles are different states.
+        anchors += [repr((gid, keys[k])) if keys else repr((gid, i, k)) for k in range(len(rewards))]
+    step = grpo_advantages(returns, anchors, eps, scale_by_std).tolist()
+    advantages, offset = [], 0
+    for i, rewards in enumerate(turn_rewards):
+        advantages.append([episode[i].item() + step_weight * a for a in step[offset:offset + len(rewards)]])
+        offset += len(rewards)
+    return advantages
 
 
 def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:

@@ -40,3 +40,13 @@ def sequence_batch(trajectories: list[Trajectory]) -> SequenceBatch:
             rewards[end - 2] += reward  # the turn's last token, token end-1, is predicted at position end-2
         fields["token_rewards"].append(rewards)
     return SequenceBatch([torch.tensor(t.token_ids) for t in trajectories], fields)
+
+
+def per_turn_to_tokens(turn_ends: list[int], turn_values: list[float], loss_mask: torch.Tensor) -> torch.Tensor:
+    """Each turn's value on the generated tokens of that turn, in the shifted layout of `loss_mask` ([n-1])."""
+    values = torch.zeros_like(loss_mask, dtype=torch.float32)
+    start = 0
+    for end, value in zip(turn_ends, turn_values):
+        values[max(start - 1, 0):end - 1] = value  # tokens start..end-1 are predicted at positions start-1..end-2
+        start = end
+    return values * loss_mask

@@ -1,6 +1,7 @@
 """The environment contract: a gym-like async service that turns actions into observations and rewards."""
 
 import abc
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,14 @@ class EnvironmentService(abc.ABC):
 
     async def close(self) -> None:
         """Release what reset acquired. Called once at the end of every episode."""
+
+    async def fork(self) -> "EnvironmentService":
+        """An independent copy in the same state, for rollouts that branch: one per chain, one per tree branch.
+
+        Chains fork before `reset`; a tree forks mid-episode. The copy is closed like any env. An env that
+        holds something a copy cannot share (a process, a sandbox) overrides this or raises.
+        """
+        return copy.deepcopy(self)
 
 
 @dataclass

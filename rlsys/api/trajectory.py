@@ -33,6 +33,10 @@ class Trajectory:
     stop_reason: str  # "stop", "length", ...
     metrics: dict[str, float] = field(default_factory=dict)
     traj_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Key of the observation (environment state) each turn acted on; turns of one group with equal keys are
+    # GiGPO's anchor states. Empty: the agent recorded none (every turn then stands alone).
+    turn_obs_keys: list[str] = field(default_factory=list)
+    void: bool = False  # a turn had neither a complete action nor a final answer (SimpleTIR's void turn)
 
     def __post_init__(self):
         n = len(self.token_ids)
@@ -41,6 +45,8 @@ class Trajectory:
                 raise ValueError(f"Trajectory.{name} has {len(getattr(self, name))} entries for {n} tokens")
         if len(self.turn_ends) != len(self.turn_rewards):
             raise ValueError("Trajectory needs one turn reward per turn end")
+        if self.turn_obs_keys and len(self.turn_obs_keys) != len(self.turn_ends):
+            raise ValueError(f"Trajectory has {len(self.turn_obs_keys)} turn_obs_keys for {len(self.turn_ends)} turns")
 
     @property
     def num_generated(self) -> int:

@@ -8,6 +8,8 @@ so that reinforcement learning has something left to do.
 import hashlib
 import json
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,7 +17,37 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
 
-MAX_POSITIONS = 256
+MAX_POSITIONS = 512  # multi-turn games run to a few hundred tokens; RoPE adds no parameters for it
+
+
+@dataclass
+class TaughtSequence:
+    """A supervised sequence: its token ids, and 1 for each token the model is taught to produce (0: context)."""
+
+    token_ids: list[int]
+    taught: list[int]
+
+
+@dataclass
+class AnswerCheck:
+    """A held-out check: a context, and every answer counted right for it (greedy, exact after stripping)."""
+
+    prompt_ids: list[int]
+    accepted: tuple[str, ...]
+
+
+def answer_ids(tokenizer, answer: str) -> list[int]:
+    return tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def arithmetic_warm_start(tokenizer, train_rows: list[dict],
+                          eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
+    """Each training prompt, as the rollout worker renders it, followed by its answer; held-out prompts to check."""
+    taught = []
+    for row in train_rows:
+        prompt, answer = chat_prompt_ids(tokenizer, row["prompt"]), answer_ids(tokenizer, row["answer"])
+        taught.append(TaughtSequence(prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+    return taught, [AnswerCheck(chat_prompt_ids(tokenizer, row["prompt"]), (row["answer"],)) for row in eval_rows]
 
 
 def build_tiny_model(cfg, tokenizer, seed: int) -> Qwen2ForCausalLM:
@@ -30,14 +62,10 @@ def build_tiny_model(cfg, tokenizer, seed: int) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config)
 
 
-def _supervised_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+answer+eos ids and labels that score only the answer and eos."""
-    sequences, labels = [], []
-    for row in rows:
-        prompt = chat_prompt_ids(tokenizer, row["prompt"])
-        answer = tokenizer(row["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        sequences.append(prompt + answer)
-        labels.append([-100] * len(prompt) + answer)
+def _supervised_batch(tokenizer, examples: list[TaughtSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids, and labels that score only the taught tokens."""
+    sequences = [example.token_ids for example in examples]
+    labels = [[t if m else -100 for t, m in zip(example.token_ids, example.taught)] for example in examples]
     width = max(map(len, sequences))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in sequences])
@@ -46,12 +74,12 @@ def _supervised_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 4) -> float:
-    """Fraction of rows whose greedy answer equals the reference exactly (all prompts share a length)."""
+def greedy_accuracy(model, tokenizer, examples: list[AnswerCheck], max_new_tokens: int = 4) -> float:
+    """Fraction of examples whose greedy answer is one they accept, exactly."""
     model.eval()
-    prompts = [chat_prompt_ids(tokenizer, row["prompt"]) for row in rows]
+    prompts = [example.prompt_ids for example in examples]
     correct = 0
-    for start in range(0, len(rows), 256):
+    for start in range(0, len(prompts), 256):
         chunk = prompts[start:start + 256]
         width = max(map(len, chunk))
         pad = tokenizer.pad_token_id
@@ -59,12 +87,12 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 4)
         out = model.generate(ids, attention_mask=(ids != pad).long(), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        correct += sum(text.strip() == row["answer"] for text, row in zip(texts, rows[start:start + 256]))
+        correct += sum(text.strip() in example.accepted for text, example in zip(texts, examples[start:start + 256]))
     model.train()
-    return correct / len(rows)
+    return correct / len(examples)
 
 
-def warm_start(model, tokenizer, train_rows, eval_rows, target_accuracy: float, seed: int,
+def warm_start(model, tokenizer, train_examples, eval_examples, target_accuracy: float, seed: int,
                max_steps: int = 3000, eval_every: int = 25, lr: float = 1e-3, batch_size: int = 64) -> float:
     """Supervised steps until greedy held-out accuracy reaches `target_accuracy`; returns the accuracy."""
     rng = random.Random(seed)
@@ -72,35 +100,43 @@ def warm_start(model, tokenizer, train_rows, eval_rows, target_accuracy: float, 
     model.train()
     accuracy = 0.0
     for step in range(1, max_steps + 1):
-        ids, labels = _supervised_batch(tokenizer, rng.sample(train_rows, batch_size))
+        ids, labels = _supervised_batch(tokenizer, rng.sample(train_examples, batch_size))
         loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if step % eval_every == 0:
-            accuracy = greedy_accuracy(model, tokenizer, eval_rows)
+            accuracy = greedy_accuracy(model, tokenizer, eval_examples)
             if accuracy >= target_accuracy:
                 break
     return accuracy
 
 
-def tiny_model_dir(cfg, seed: int, dataset_dir: Path) -> Path:
-    """Cache directory keyed by everything that changes the model."""
-    key = json.dumps({"model": vars(cfg), "seed": seed, "data": str(dataset_dir)}, sort_keys=True, default=str)
+def tiny_model_dir(cfg, seed: int, dataset_dir: Path, warm_start: dict | None = None) -> Path:
+    """Cache directory keyed by everything that changes the model (`warm_start`: the experiment's own settings)."""
+    fields = {"model": vars(cfg), "seed": seed, "data": str(dataset_dir)}
+    if warm_start:  # absent for the default task, so its cached models stay valid
+        fields["warm_start"] = warm_start
+    key = json.dumps(fields, sort_keys=True, default=str)
     return Path(cfg.cache_dir).expanduser() / "models" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def prepare_tiny_model(cfg, seed: int, train_rows, eval_rows, directory: Path, log=print) -> Path:
-    """Builds, warm-starts and saves the tiny model (HF format) unless `directory` already holds one."""
+def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, list]], directory: Path,
+                       log=print) -> Path:
+    """Builds, warm-starts and saves the tiny model (HF format) unless `directory` already holds one.
+
+    `examples(tokenizer)` gives the TaughtSequences and the held-out AnswerChecks; it runs only when a model is built.
+    """
     if (directory / "config.json").exists():
         return directory
     tokenizer = build_char_tokenizer()
+    train_examples, eval_examples = examples(tokenizer)
     model = build_tiny_model(cfg, tokenizer, seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"building the tiny default model ({n_params / 1e6:.1f}M parameters), warm start to "
         f"{cfg.warm_start_accuracy:.0%} held-out accuracy")
-    accuracy = warm_start(model, tokenizer, train_rows, eval_rows[:200], cfg.warm_start_accuracy, seed)
-    log(f"warm start reached {accuracy:.1%} on 200 held-out problems")
+    accuracy = warm_start(model, tokenizer, train_examples, eval_examples[:200], cfg.warm_start_accuracy, seed)
+    log(f"warm start reached {accuracy:.1%} on {len(eval_examples[:200])} held-out examples")
     tmp = directory.with_name(directory.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -10,8 +10,9 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoTokenizer
 
 from rlsys import accounting, protocol
-from rlsys.algorithms.advantages import gae_advantages, grpo_advantages, reinforce_advantages, whiten
-from rlsys.algorithms.batch import SequenceBatch, sequence_batch
+from rlsys.algorithms.advantages import gae_advantages, gigpo_turn_advantages, grpo_advantages, \
+    reinforce_advantages, starpo_advantages, whiten
+from rlsys.algorithms.batch import SequenceBatch, per_turn_to_tokens, sequence_batch
 from rlsys.algorithms.packing import MicroBatch, micro_batches
 from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clipped_value_loss, gather_logprobs, kl_k3, \
     next_token_logits, ppo_clip_loss, token_entropy, token_loss_weights
@@ -139,7 +140,7 @@ class Learner:
             order = torch.randperm(len(batch))
             for rows in order.chunk(self.ppo.num_mini_batches):
                 stats = self._update(batch.select(rows.tolist()))
-        if self.reference is not None:
+        if self.reference is not None and "kl" in stats:
             stats["kl_coef"] = self.kl_controller.value
             self.kl_controller.update(stats["kl"], n_steps=len(trajectories))
         stats.update(_batch_stats(trajectories, batch, self.version))
@@ -158,6 +159,11 @@ class Learner:
         if self.critic is not None:
             batch.fields["old_values"] = self.per_token(self._values, batch)
         batch.fields.update(self.advantages(trajectories, batch))
+        if self.ppo.mask_void_trajectories:
+            # SimpleTIR: out of the loss (and KL, entropy), after their rewards served in their groups' baselines.
+            for i, t in enumerate(trajectories):
+                if t.void:
+                    batch.fields["loss_mask"][i] = torch.zeros_like(batch.fields["loss_mask"][i])
         return batch
 
     def advantages(self, trajectories: list[Trajectory], batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
@@ -168,11 +174,21 @@ class Learner:
             if self.ppo.whiten_advantages:
                 advantages = whiten(advantages, masks)
             return {"advantages": advantages, "returns": returns}
+        group_ids = [t.group_id for t in trajectories]
+        if self.ppo.adv_estimator == "gigpo":
+            per_turn = gigpo_turn_advantages([t.turn_rewards for t in trajectories],
+                                             [t.turn_obs_keys for t in trajectories], group_ids,
+                                             self.ppo.gigpo_step_gamma, self.ppo.gigpo_step_weight,
+                                             self.ppo.grpo_scale_by_std)
+            return {"advantages": [per_turn_to_tokens(t.turn_ends, a, m)
+                                   for t, a, m in zip(trajectories, per_turn, masks)]}
         rewards = [t.reward for t in trajectories]
         if self.ppo.adv_estimator == "reinforce":
             scalars = reinforce_advantages(rewards, whiten=self.ppo.whiten_advantages)
+        elif self.ppo.adv_estimator == "starpo":
+            scalars = starpo_advantages([t.turn_rewards for t in trajectories], group_ids, self.ppo.grpo_scale_by_std)
         else:
-            scalars = grpo_advantages(rewards, [t.group_id for t in trajectories], scale_by_std=self.ppo.grpo_scale_by_std)
+            scalars = grpo_advantages(rewards, group_ids, scale_by_std=self.ppo.grpo_scale_by_std)
         return {"advantages": [a * m for a, m in zip(scalars.tolist(), masks)]}
 
     def micro_batches(self, batch: SequenceBatch) -> list[MicroBatch]:
@@ -207,6 +223,9 @@ class Learner:
 
     def _update(self, mini_batch: SequenceBatch) -> dict[str, float]:
         """One optimizer step on a mini-batch (and one critic step, for gae)."""
+        if not any(m.any() for m in mini_batch.fields["loss_mask"]):
+            # Every trajectory in it is void: no loss, and a step on zero gradients would still move by Adam's momentum.
+            return {"grad_norm": 0.0}
         stats = self.mini_batch_gradients(mini_batch)
         stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ppo.max_grad_norm).item()
         self.optimizer.step()
@@ -302,7 +321,11 @@ def _batch_stats(trajectories: list[Trajectory], batch: SequenceBatch, version: 
     """Reward, advantage, value and staleness statistics of the batch as consumed."""
     masks = torch.cat(batch.fields["loss_mask"]) > 0
     advantages = torch.cat(batch.fields["advantages"])[masks]
-    versions = torch.cat(batch.fields["versions"])[masks].float()
+    if advantages.numel() == 0:  # every trajectory kept out of the loss (void)
+        advantages = torch.zeros(1)
+    versions = torch.cat(batch.fields["versions"])
+    generated = versions >= 0  # every token the model produced, trained on or not
+    versions = versions[generated].float()
     rewards = torch.tensor([t.reward for t in trajectories])
     stats = {
         "reward": rewards.mean().item(),
@@ -312,7 +335,8 @@ def _batch_stats(trajectories: list[Trajectory], batch: SequenceBatch, version: 
         "advantage_abs_mean": advantages.abs().mean().item(),
         "advantage_max": advantages.max().item(),
         "advantage_min": advantages.min().item(),
-        "response_length": masks.sum().item() / len(trajectories),
+        "response_length": generated.sum().item() / len(trajectories),
+        "void_fraction": sum(t.void for t in trajectories) / len(trajectories),
         "tokens": batch.num_tokens,
         # Versions behind the learner when consumed; AReaL's eta bounds the max.
         "staleness_max": float(version - versions.min().item()),

@@ -1,0 +1,142 @@
+"""Multi-turn experiments: math with retries after feedback, and text games (FrozenLake, Sokoban).
+
+Each picks its rollout strategy with `rollout.mode=chain|tree`, `rollout.tree_branching`, `rollout.tree_depth`
+and `rollout.single_turn_samples`, and its advantage estimator with `ppo.adv_estimator=` (starpo, gigpo, ...).
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments.async_ppo_math import AsyncPPOMATHConfig
+from experiments.common import DatasetConfig, GenerationHyperparameters, InferenceConfig, ModelConfig
+from experiments.registry import register_experiment
+from rlsys.api import AgentAbstraction, EnvServiceAbstraction, make_env
+from rlsys.data.games import generate_game_dataset, random_walks
+from rlsys.impl.agent.math_multi_turn import retry_sequences
+from rlsys.impl.agent.multi_turn import RolloutStrategy
+from rlsys.model.tiny import AnswerCheck, TaughtSequence
+
+WARM_START_PUZZLES = 500  # random walks through this many training puzzles: thousands of moves, in a few seconds
+
+
+def multi_turn_agent(config, name: str, **own_args) -> AgentAbstraction:
+    """A MultiTurnAgent with the settings every one takes, from the experiment, plus its own."""
+    return AgentAbstraction(name, args=dict(
+        gconfig=config.gen.generation_config(n=config.group_size), tokenizer_path=config.model.path,
+        turn_discount=config.turn_discount, strategy=config.rollout,
+        max_context_tokens=config.inference.max_model_len, **own_args))
+
+
+@dataclass
+class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
+    num_turns: int = 3
+    """Attempts per problem: after a wrong answer the model is told so and tries again."""
+    turn_discount: float = 0.5
+    """A success at attempt k earns turn_discount**(k-1), so a first-try answer is worth the most."""
+    rollout: RolloutStrategy = field(default_factory=RolloutStrategy)
+
+    @property
+    def agent(self) -> AgentAbstraction:
+        return multi_turn_agent(self, "math-multi-turn", num_turns=self.num_turns)
+
+    @property
+    def warm_start_settings(self) -> dict:
+        return {"retries": True}
+
+    def warm_start_examples(self, tokenizer, train_rows: list[dict],
+                            eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
+        """Arithmetic, plus every other problem as a retry after a wrong answer; checked on first answers."""
+        taught, checks = super().warm_start_examples(tokenizer, train_rows, eval_rows)
+        return taught + retry_sequences(tokenizer, train_rows[::2], self.seed), checks
+
+
+@dataclass
+class AsyncPPOTextGameConfig(AsyncPPOMATHConfig):
+    """A text game played by the `text-game` agent; subclasses name the env and its board options."""
+
+    game_size: int = 4
+    """Board side, in cells."""
+    max_turns: int = 8
+    """Moves per episode; the env truncates the episode after this many."""
+    invalid_action_penalty: float = 0.1
+    """Reward added (negated) for a response that is not a move; the board stays as it was."""
+    turn_discount: float = 1.0
+    """The episode reward is sum_k turn_discount**(k-1) * (reward of move k)."""
+    warm_start_hint: float = 0.25
+    """Tiny model: share of warm-start moves that follow a shortest solution (the rest are random valid moves)."""
+    rollout: RolloutStrategy = field(default_factory=RolloutStrategy)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_accuracy=0.8))
+    dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(num_train=2000, num_eval=200))
+    gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=4))
+
+    env_name = ""  # the registered environment (a class attribute, not a setting)
+
+    @property
+    def board_options(self) -> dict:
+        """What a dataset row says about its board besides the seed (the env rebuilds the puzzle from both)."""
+        return {"size": self.game_size}
+
+    @property
+    def env_args(self) -> dict:
+        return dict(max_steps=self.max_turns, invalid_action_penalty=self.invalid_action_penalty,
+                    **self.board_options)
+
+    @property
+    def env(self) -> EnvServiceAbstraction:
+        return EnvServiceAbstraction(self.env_name, args=self.env_args)
+
+    @property
+    def agent(self) -> AgentAbstraction:
+        return multi_turn_agent(self, "text-game", max_turns=self.max_turns)
+
+    def generate_dataset(self, data_dir: Path) -> tuple[Path, Path]:
+        """Distinct seeded puzzles, train and held-out disjoint; each row is one puzzle (its seed and options)."""
+        d, options = self.dataset, self.board_options
+        name = "-".join(f"{k}{v}" for k, v in options.items())
+        directory = data_dir / f"{self.env_name}-{name}-seed{self.seed}-{d.num_train}-{d.num_eval}"
+        return generate_game_dataset(directory, make_env(self.env), options, self.seed, d.num_train, d.num_eval)
+
+    @property
+    def warm_start_settings(self) -> dict:
+        return {"hint": self.warm_start_hint, "max_turns": self.max_turns}
+
+    def warm_start_examples(self, tokenizer, train_rows: list[dict],
+                            eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
+        """Walks of valid moves, mostly random: the tiny model learns the format and rules, RL finds the goal."""
+        env, turns, hint = make_env(self.env), self.max_turns, self.warm_start_hint
+        taught, _ = random_walks(tokenizer, env, train_rows[:WARM_START_PUZZLES], turns, self.seed, hint)
+        _, checks = random_walks(tokenizer, env, eval_rows[:WARM_START_PUZZLES // 10], turns, self.seed + 1, hint)
+        return taught, checks
+
+
+@dataclass
+class AsyncPPOFrozenLakeConfig(AsyncPPOTextGameConfig):
+    frozen_prob: float = 0.8
+    """Chance that a cell is ice rather than a hole (maps are redrawn until the goal is reachable)."""
+
+    env_name = "frozen-lake"
+
+    @property
+    def board_options(self) -> dict:
+        return {"size": self.game_size, "frozen_prob": self.frozen_prob}
+
+
+@dataclass
+class AsyncPPOSokobanConfig(AsyncPPOTextGameConfig):
+    game_size: int = 6
+    """Room side, in cells, walls included."""
+    num_boxes: int = 1
+    """Boxes (and targets) per room."""
+    inference: InferenceConfig = field(default_factory=lambda: InferenceConfig(max_model_len=512))
+
+    env_name = "sokoban"
+
+    @property
+    def board_options(self) -> dict:
+        return {"size": self.game_size, "num_boxes": self.num_boxes}
+
+
+register_experiment("async-ppo-math-multi-turn", AsyncPPOMathMultiTurnConfig)
+register_experiment("async-ppo-frozen-lake", AsyncPPOFrozenLakeConfig)
+register_experiment("async-ppo-sokoban", AsyncPPOSokobanConfig)

@@ -1,0 +1,88 @@
+"""Text-game datasets (one puzzle per row, by seed) and warm-start transcripts of valid moves, all seeded."""
+
+import copy
+import random
+from pathlib import Path
+
+from rlsys.data.arithmetic import write_jsonl
+from rlsys.impl.agent.multi_turn import ChatRenderer
+from rlsys.impl.env.text_game import MOVES, GridGame, TextGameEnv
+from rlsys.model.tiny import AnswerCheck, TaughtSequence, answer_ids
+from rlsys.model.tokenizer import chat_prompt_ids
+
+MAX_DRAWS_PER_ROW = 50  # small boards repeat; give up rather than loop if the options allow too few
+
+
+def generate_game_dataset(directory: Path, env: TextGameEnv, options: dict, seed: int, num_train: int,
+                          num_eval: int) -> tuple[Path, Path]:
+    """train.jsonl and eval.jsonl of distinct puzzles (no board in both); rows {"prompt", "answer", "seed", **options}.
+
+    "prompt" is the first observation, "answer" a shortest solution (for reference; rewards come from the env).
+    """
+    train, held_out = directory / "train.jsonl", directory / "eval.jsonl"
+    if train.exists() and held_out.exists():
+        return train, held_out
+    rng, rows, boards = random.Random(seed), [], set()
+    for _ in range(MAX_DRAWS_PER_ROW * (num_train + num_eval)):
+        if len(rows) == num_train + num_eval:
+            break
+        puzzle_seed = rng.randrange(2**31)
+        game = env.new_game(puzzle_seed, options)
+        if game.render() in boards:
+            continue
+        boards.add(game.render())
+        rows.append({"prompt": env.instruction + game.render(), "answer": game.solution(), "seed": puzzle_seed,
+                     **options})
+    if len(rows) < num_train + num_eval:
+        raise ValueError(f"only {len(rows)} distinct puzzles with {options}; asked for {num_train} train + "
+                         f"{num_eval} eval")
+    write_jsonl(rows[:num_eval], held_out)
+    write_jsonl(rows[num_eval:], train)
+    return train, held_out
+
+
+def valid_moves(game: GridGame) -> list[str]:
+    """Moves that change the board and do not lose the game (into a hole), in MOVES order."""
+    valid = []
+    for move in MOVES:
+        probe = copy.deepcopy(game)
+        _, terminated, effective = probe.move(move)
+        if effective and (probe.solved or not terminated):
+            valid.append(move)
+    return valid
+
+
+def random_walks(tokenizer, env: TextGameEnv, rows: list[dict], max_turns: int, seed: int,
+                 hint: float) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
+    """A walk of valid moves through each row's puzzle, tokenized as the text-game agent's conversation would be.
+
+    With probability `hint` a step takes the first move of a shortest solution, otherwise a random valid move:
+    the walks teach the move format and the rules and hint at the goal, and leave finding it to RL. Each walk
+    is one taught sequence (every move and its eos taught, the boards not); each state is also a check that
+    accepts every valid move there.
+    """
+    rng, chat = random.Random(seed), ChatRenderer(tokenizer)
+    walks, checks = [], []
+    for row in rows:
+        game = env.new_game(row["seed"], row)
+        prompt = chat_prompt_ids(tokenizer, row["prompt"])
+        walk = TaughtSequence(prompt, [0] * len(prompt))
+        for turn in range(1, min(max_turns, env.max_steps) + 1):
+            moves = valid_moves(game)
+            if not moves:
+                break
+            checks.append(AnswerCheck(list(walk.token_ids), tuple(moves)))
+            solution = game.solution() if rng.random() < hint else None
+            move = solution[0] if solution else rng.choice(moves)
+            response = answer_ids(tokenizer, move)
+            walk.token_ids += response
+            walk.taught += [1] * len(response)
+            _, terminated, _ = game.move(move)
+            if terminated or turn == min(max_turns, env.max_steps):
+                break  # as the agent does: no board after the last move
+            board = chat.message_ids("user", game.render(), response)
+            walk.token_ids += board
+            walk.taught += [0] * len(board)
+        walks.append(walk)
+    rng.shuffle(checks)
+    return walks, checks

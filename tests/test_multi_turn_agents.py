@@ -1,0 +1,422 @@
+"""Contract tests of the multi-turn agents and rollout strategies: real episode router, bus and inference
+worker, scripted model. Each checks the trajectories token by token: ids, loss masks, logprobs, versions,
+turn ends and rewards, group ids, state keys, void flags and the counted metrics."""
+
+import asyncio
+
+import pytest
+
+import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
+import rlsys.impl.env  # noqa: F401
+from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, GenerationOutput, \
+    Prompt, make_agent, make_env
+from rlsys.engine.scripted import ScriptedEngine
+from rlsys.impl.agent.math_multi_turn import CORRECT_FEEDBACK, WRONG_FEEDBACK
+from rlsys.impl.agent.model_client import ModelClient
+from rlsys.impl.agent.multi_turn import RolloutStrategy, token_key
+from rlsys.impl.env.frozen_lake import FrozenLakeEnv, generate_lake, shortest_path
+from rlsys.impl.env.sokoban import SokobanEnv, generate_room, solve
+from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
+from tests.scripted import run_scripted_episode
+
+LOGPROB = -0.25
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokenizer")
+    build_char_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def user_turn(tokenizer, text: str) -> list[int]:
+    """The seed's feedback: the message rendered by the chat template on its own, then tokenized."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return ids(tokenizer, rendered)
+
+
+def answer_by_history(tokenizer, scripts: list[list[str]]):
+    """Chain i answers scripts[i][k] at turn k; a chain is recognised by its first answer in the context."""
+    eos = tokenizer.eos_token_id
+
+    def policy(prompt_ids, gconfig, sample):
+        history = tokenizer.decode(prompt_ids).split("<|assistant|>")[1:]
+        if len(history) == 1:  # the first turn: the group's samples
+            return ids(tokenizer, scripts[sample][0]) + [eos]
+        first_answer = history[0].split("<|end|>")[0]
+        chain = next(s for s in scripts if s[0] == first_answer)
+        return ids(tokenizer, chain[len(history) - 1]) + [eos]
+    return policy
+
+
+def play(agent, env, prompt: Prompt, policy):
+    """One episode through the real queues; returns its trajectories and the requests the model saw."""
+    engine = ScriptedEngine(policy, logprob=LOGPROB)
+    return asyncio.run(run_scripted_episode(agent, env, prompt, policy, engine)), engine.requests
+
+
+def math_env():
+    return make_env(EnvServiceAbstraction("math-code-single-step"))
+
+
+def turn_answers(tokenizer, trajectory) -> list[str]:
+    """The text the model generated in each turn (the loss-mask-1 tokens up to each turn end)."""
+    starts = [0] + trajectory.turn_ends[:-1]
+    return [tokenizer.decode([tok for tok, m in zip(trajectory.token_ids[s:e], trajectory.loss_mask[s:e]) if m],
+                             skip_special_tokens=True) for s, e in zip(starts, trajectory.turn_ends)]
+
+
+def math_agent(tokenizer_dir, n: int, seed: int | None = None, **kwargs):
+    gconfig = GenerationConfig(n=n, max_new_tokens=8, stop_token_ids=[build_char_tokenizer().eos_token_id], seed=seed)
+    return make_agent(AgentAbstraction("math-multi-turn", {"gconfig": gconfig, "tokenizer_path": str(tokenizer_dir),
+                                                           **kwargs})), gconfig
+
+
+def math_prompt(tokenizer) -> Prompt:
+    return Prompt("q7", chat_prompt_ids(tokenizer, "12+34="), {"prompt": "12+34=", "answer": "46"})
+
+
+def test_math_multi_turn_chains_retry_after_wrong_answers(tokenizer, tokenizer_dir):
+    scripts = [["46"], ["45", "46"], ["1", "2", "3"]]
+    agent, gconfig = math_agent(tokenizer_dir, n=3, seed=5, num_turns=3, turn_discount=0.5)
+    prompt = math_prompt(tokenizer)
+    trajectories, requests = play(agent, math_env(), prompt, answer_by_history(tokenizer, scripts))
+
+    eos, n = tokenizer.eos_token_id, len(prompt.token_ids)
+    right, wrong = user_turn(tokenizer, CORRECT_FEEDBACK), user_turn(tokenizer, WRONG_FEEDBACK)
+    # The group: one request of n=3 for the prompt, then each chain alone: n=1 per later turn.
+    assert [(len(p), g.n) for p, g in requests][0] == (n, 3)
+    assert sorted(g.n for _, g in requests[1:]) == [1, 1, 1]
+    assert len({g.seed for _, g in requests}) == 4  # one fixed seed, yet each request draws its own stream
+    assert len(trajectories) == 3 and {t.group_id for t in trajectories} == {"q7"}
+    by_first = {turn_answers(tokenizer, t)[0]: t for t in trajectories}
+
+    first = by_first["46"]
+    a46 = ids(tokenizer, "46") + [eos]
+    assert first.token_ids == prompt.token_ids + a46 + right
+    assert first.loss_mask == [0] * n + [1] * 3 + [0] * len(right)
+    assert first.logprobs == [0.0] * n + [LOGPROB] * 3 + [0.0] * len(right)
+    assert first.versions == [NOT_GENERATED] * n + [0] * 3 + [NOT_GENERATED] * len(right)
+    assert first.turn_ends == [n + 3] and first.turn_rewards == [1.0] and first.reward == 1.0
+
+    second = by_first["45"]
+    a45 = ids(tokenizer, "45") + [eos]
+    assert second.token_ids == prompt.token_ids + a45 + wrong + a46 + right
+    assert second.loss_mask == [0] * n + [1] * 3 + [0] * len(wrong) + [1] * 3 + [0] * len(right)
+    assert second.turn_ends == [n + 3, n + 6 + len(wrong)]
+    assert second.turn_rewards == [0.0, 1.0] and second.reward == 0.5  # a success at turn 2 earns 0.5**1
+
+    third = by_first["1"]
+    assert third.turn_rewards == [0.0, 0.0, 0.0] and third.reward == 0.0
+    assert third.token_ids[-2:] == [ids(tokenizer, "3")[0], eos]  # no feedback after the last allowed turn
+    assert [t.metrics["num_turns"] for t in (first, second, third)] == [1, 2, 3]
+    assert [t.metrics["success"] for t in (first, second, third)] == [1, 1, 0]
+    assert [t.metrics["truncated"] for t in (first, second, third)] == [0, 0, 1]
+    assert not any(t.void for t in trajectories)
+    # Every chain's first turn saw the same context: one anchor state; later contexts differ by the answers.
+    assert len({t.turn_obs_keys[0] for t in trajectories}) == 1
+    assert second.turn_obs_keys[1] == token_key(second.token_ids[:second.turn_ends[0]] + wrong)
+
+
+def test_math_multi_turn_marks_cut_off_and_empty_answers_void(tokenizer, tokenizer_dir):
+    eos = tokenizer.eos_token_id
+    agent, _ = math_agent(tokenizer_dir, n=2, num_turns=2)
+
+    def policy(prompt_ids, gconfig, sample):
+        if tokenizer.decode(prompt_ids).count("<|assistant|>") == 2:
+            return ids(tokenizer, "46") + [eos]
+        return ids(tokenizer, "123456789") if sample == 0 else [eos]  # cut off at 8 tokens; empty
+
+    prompt = math_prompt(tokenizer)
+    trajectories, _ = play(agent, math_env(), prompt, policy)
+    cut, empty = trajectories
+    assert cut.stop_reason == "stop" and cut.void and empty.void
+    assert [t.metrics["void_turns"] for t in trajectories] == [1, 1]
+    n = len(prompt.token_ids)
+    # The cut-off answer is closed with an eos the model did not produce before the feedback follows.
+    assert cut.token_ids[n:n + 9] == ids(tokenizer, "12345678") + [eos]
+    assert cut.loss_mask[n:n + 9] == [1] * 8 + [0] and cut.versions[n + 8] == NOT_GENERATED
+    assert [t.turn_rewards for t in trajectories] == [[0.0, 1.0], [0.0, 1.0]]
+
+
+def test_tree_rollout_branches_at_the_first_turns_after_the_first(tokenizer, tokenizer_dir):
+    eos = tokenizer.eos_token_id
+
+    def policy(prompt_ids, gconfig, sample):
+        turn = tokenizer.decode(prompt_ids).count("<|assistant|>")
+        answer = {1: ["10", "20"][sample], 2: ["46", "30"][sample], 3: "40"}[turn]
+        return ids(tokenizer, answer) + [eos]
+
+    agent, _ = math_agent(tokenizer_dir, n=2, num_turns=3,
+                          strategy=RolloutStrategy(mode="tree", tree_branching=2, tree_depth=1))
+    prompt = math_prompt(tokenizer)
+    trajectories, requests = play(agent, math_env(), prompt, policy)
+
+    # n=2 roots, each branching into 2 at turn 2; turn 3 goes on as chains (depth 1): 4 leaves, 2*2**1.
+    assert sorted(g.n for _, g in requests) == [1, 1, 2, 2, 2]
+    paths = sorted(turn_answers(tokenizer, t) for t in trajectories)
+    assert paths == [["10", "30", "40"], ["10", "46"], ["20", "30", "40"], ["20", "46"]]
+    assert {t.group_id for t in trajectories} == {"q7"}
+    # Siblings share their parent's tokens and the state they branched from.
+    siblings = [t for t in trajectories if turn_answers(tokenizer, t)[0] == "10"]
+    assert len(siblings) == 2
+    assert siblings[0].token_ids[:siblings[0].turn_ends[0]] == siblings[1].token_ids[:siblings[1].turn_ends[0]]
+    assert siblings[0].turn_obs_keys[:2] == siblings[1].turn_obs_keys[:2]
+    assert sorted(t.reward for t in trajectories) == [0.0, 0.0, 0.5, 0.5]
+
+
+def test_greedy_rollouts_never_branch_nor_split(tokenizer, tokenizer_dir):
+    eos = tokenizer.eos_token_id
+    agent, _ = math_agent(tokenizer_dir, n=1, num_turns=3,
+                          strategy=RolloutStrategy(mode="tree", tree_branching=3, single_turn_samples=True))
+    agent.gconfig.temperature = 0.0
+    trajectories, _ = play(agent, math_env(), math_prompt(tokenizer), lambda p, g, i: ids(tokenizer, "45") + [eos])
+    assert len(trajectories) == 1 and trajectories[0].metrics["num_turns"] == 3
+
+
+def test_single_turn_samples_train_each_turn_with_its_history_as_prompt(tokenizer, tokenizer_dir):
+    agent, _ = math_agent(tokenizer_dir, n=1, num_turns=3, turn_discount=0.5,
+                          strategy={"single_turn_samples": True})
+    prompt = math_prompt(tokenizer)
+    samples, _ = play(agent, math_env(), prompt, answer_by_history(tokenizer, [["1", "2", "46"]]))
+
+    eos, n = tokenizer.eos_token_id, len(prompt.token_ids)
+    wrong = user_turn(tokenizer, WRONG_FEEDBACK)
+    a = {x: ids(tokenizer, x) + [eos] for x in ("1", "2", "46")}
+    full = prompt.token_ids + a["1"] + wrong + a["2"] + wrong + a["46"]
+    assert len(samples) == 3
+    for k, (sample, answer) in enumerate(zip(samples, ("1", "2", "46"))):
+        end = sample.turn_ends[0]
+        assert sample.token_ids == full[:end]  # the history is this sample's prompt
+        start = end - len(a[answer])
+        assert sample.loss_mask == [0] * start + [1] * len(a[answer])
+        assert sample.versions == [NOT_GENERATED] * start + [0] * len(a[answer])
+        assert sample.logprobs == [0.0] * start + [LOGPROB] * len(a[answer])
+        assert sample.group_id == "q7" and len(sample.turn_obs_keys) == 1
+    # Each sample's reward is its discounted return: the success at turn 3 seen from turns 1, 2, 3.
+    assert [s.reward for s in samples] == [0.25, 0.5, 1.0]
+    assert [s.turn_rewards for s in samples] == [[0.25], [0.5], [1.0]]
+
+
+def test_model_client_matches_replies_to_requests_by_qid():
+    async def scenario():
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+        async with ModelClient(obs_queue, act_queue) as model:
+            first = asyncio.create_task(model.generate("q/1", [1], GenerationConfig()))
+            second = asyncio.create_task(model.generate("q/2", [2], GenerationConfig()))
+            requests = [await obs_queue.get(), await obs_queue.get()]
+            assert [(qid, tokens) for qid, tokens, _ in requests] == [("q/1", [1]), ("q/2", [2])]
+            for qid, tokens, _ in reversed(requests):  # replies arrive out of order
+                act_queue.put_nowait(GenerationOutput(qid, tokens, [[tokens[0] * 10]], [[0.0]], [[0]], ["stop"]))
+            return await first, await second
+    first, second = asyncio.run(scenario())
+    assert first.output_ids == [[10]] and second.output_ids == [[20]]
+
+
+def frozen_lake_agent(tokenizer_dir, n: int, **kwargs):
+    gconfig = GenerationConfig(n=n, max_new_tokens=4, stop_token_ids=[build_char_tokenizer().eos_token_id])
+    return make_agent(AgentAbstraction("text-game", {"gconfig": gconfig, "tokenizer_path": str(tokenizer_dir),
+                                                     **kwargs}))
+
+
+def test_text_game_agent_plays_frozen_lake_turn_by_turn(tokenizer, tokenizer_dir):
+    seed = 3
+    env = FrozenLakeEnv(max_steps=12, invalid_action_penalty=0.1)
+    path = shortest_path(generate_lake(4, 0.8, seed))
+    prompt_text = env.first_observation(seed)
+    prompt = Prompt("lake3", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": path,
+                                                                        "seed": seed})
+    eos = tokenizer.eos_token_id
+
+    def policy(prompt_ids, gconfig, sample):
+        turn = tokenizer.decode(prompt_ids).count("<|assistant|>")
+        if sample == 1 and turn == 1:
+            return ids(tokenizer, "jump") + [eos]  # not a move: penalised, and nothing happens
+        moves_made = turn - 1 - (1 if "jump" in tokenizer.decode(prompt_ids) else 0)
+        return ids(tokenizer, path[moves_made]) + [eos]
+
+    agent = frozen_lake_agent(tokenizer_dir, n=2, max_turns=12)
+    trajectories, _ = play(agent, env, prompt, policy)
+    clean, invalid = trajectories
+
+    assert clean.turn_rewards == [0.0] * (len(path) - 1) + [1.0] and clean.reward == 1.0
+    assert invalid.turn_rewards == [-0.1] + [0.0] * (len(path) - 1) + [1.0]
+    assert invalid.reward == pytest.approx(0.9)
+    assert clean.metrics["action_is_valid"] == 1.0 and invalid.metrics["action_is_valid"] == pytest.approx(
+        len(path) / (len(path) + 1))
+    assert invalid.void and not clean.void and invalid.metrics["void_turns"] == 1
+    assert clean.metrics["success"] == invalid.metrics["success"] == 1.0
+
+    # Tokens: prompt, then per turn the move (trained) and the new board as a user message (not trained).
+    replay = FrozenLakeEnv(max_steps=12)
+    board, _ = asyncio.run(replay.reset(seed=seed))
+    expected, mask, keys = list(prompt.token_ids), [0] * len(prompt.token_ids), []
+    for k, move in enumerate(path):
+        keys.append(board)
+        board, *_ = asyncio.run(replay.step(move))
+        expected += ids(tokenizer, move) + [eos]
+        mask += [1, 1]
+        if k < len(path) - 1:  # the game ended: no observation after the last move
+            expected += user_turn(tokenizer, board)
+            mask += [0] * len(user_turn(tokenizer, board))
+    assert clean.token_ids == expected and clean.loss_mask == mask
+    assert clean.turn_obs_keys == keys and keys[0] == prompt_text[len(env.instruction):]
+    assert invalid.turn_obs_keys[:2] == [keys[0], keys[0]]  # the invalid move left the board as it was
+    assert all(v == NOT_GENERATED for v, m in zip(clean.versions, clean.loss_mask) if not m)
+
+
+def test_text_game_episode_ends_at_max_turns_or_in_a_hole(tokenizer, tokenizer_dir):
+    seed = 15
+    assert generate_lake(4, 0.8, seed)[1][0] == "O"  # moving down from the start falls through
+    env = FrozenLakeEnv()
+    prompt_text = env.first_observation(seed)
+    prompt = Prompt("lake15", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": "",
+                                                                         "seed": seed})
+    eos = tokenizer.eos_token_id
+    agent = frozen_lake_agent(tokenizer_dir, n=2, max_turns=3)
+    trajectories, _ = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "UD"[i]) + [eos])
+    bumping, falling = trajectories
+    assert bumping.metrics["num_turns"] == 3 and bumping.metrics["truncated"] == 1.0
+    assert bumping.metrics["action_is_effective"] == 0.0 and bumping.turn_rewards == [0.0] * 3
+    assert falling.metrics["num_turns"] == 1 and falling.metrics["truncated"] == 0.0
+    assert falling.turn_rewards == [0.0] and falling.metrics["success"] == 0.0
+    assert falling.token_ids == prompt.token_ids + ids(tokenizer, "D") + [eos]  # nothing after the fall
+
+
+def test_tree_rollout_forks_the_game_so_branches_play_on_their_own_boards(tokenizer, tokenizer_dir):
+    seed = 3
+    env = SokobanEnv()
+    assert solve(generate_room(6, 1, seed)) == "LLDR"
+    prompt_text = env.first_observation(seed)
+    prompt = Prompt("room3", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": "LLDR",
+                                                                        "seed": seed})
+    eos = tokenizer.eos_token_id
+
+    def policy(prompt_ids, gconfig, sample):
+        made = moves_made(tokenizer, prompt_ids)
+        if len(made) == 1 and sample == 1:
+            return ids(tokenizer, "U") + [eos]  # into the wall: the branch keeps its board
+        rest = "LLDR"[len([m for m in made if m != "U"]):]
+        return ids(tokenizer, rest[0]) + [eos]
+
+    agent = make_agent(AgentAbstraction("text-game", {
+        "gconfig": GenerationConfig(n=1, max_new_tokens=4, stop_token_ids=[eos]),
+        "tokenizer_path": str(tokenizer_dir), "max_turns": 10, "max_context_tokens": 512,
+        "strategy": RolloutStrategy(mode="tree", tree_branching=2, tree_depth=1)}))
+    trajectories, requests = play(agent, env, prompt, policy)
+
+    assert sorted(g.n for _, g in requests) == [1] * 6 + [2]  # the branch at turn 2, then two chains
+    paths = sorted(turn_answers(tokenizer, t) for t in trajectories)
+    assert paths == [["L", "L", "D", "R"], ["L", "U", "L", "D", "R"]]
+    for t in trajectories:
+        assert t.reward == 1.0 and t.metrics["success"] == 1.0 and t.group_id == "room3"
+    bumped = next(t for t in trajectories if len(t.turn_ends) == 5)
+    assert bumped.metrics["action_is_effective"] == pytest.approx(4 / 5)
+    assert bumped.turn_obs_keys[1] == bumped.turn_obs_keys[2]  # the wall left the board as it was
+    assert bumped.turn_obs_keys[:2] == next(t for t in trajectories if t is not bumped).turn_obs_keys[:2]
+
+
+def moves_made(tokenizer, token_ids) -> list[str]:
+    """What the model answered after each <|assistant|> of a context."""
+    parts = tokenizer.decode(token_ids).split("<|assistant|>")[1:]
+    return [part.split("<|end|>")[0] for part in parts if part]
+
+
+def test_warm_start_walks_are_tokenized_exactly_like_the_agents_conversations(tokenizer, tokenizer_dir):
+    from rlsys.data.games import random_walks, valid_moves
+    from rlsys.impl.env.frozen_lake import FrozenLake
+
+    eos = tokenizer.eos_token_id
+    for seed in (3, 15):
+        env = FrozenLakeEnv(max_steps=6)
+        row = {"prompt": env.first_observation(seed), "answer": "", "seed": seed}
+        (walk,), checks = random_walks(tokenizer, env, [row], max_turns=6, seed=seed, hint=0.5)
+        moves = moves_made(tokenizer, walk.token_ids)
+        prompt = Prompt(f"lake{seed}", chat_prompt_ids(tokenizer, row["prompt"]), row)
+        (trajectory,), _ = play(frozen_lake_agent(tokenizer_dir, n=1, max_turns=6), env, prompt,
+                                lambda p, g, i: ids(tokenizer, moves[len(moves_made(tokenizer, p))]) + [eos])
+        assert trajectory.token_ids == walk.token_ids and trajectory.loss_mask == walk.taught
+        assert len(checks) == len(moves)
+        for check in checks:  # each state of the walk accepts exactly the valid moves there
+            game = FrozenLake(generate_lake(4, 0.8, seed))
+            for move in moves_made(tokenizer, check.prompt_ids):
+                game.move(move)
+            assert check.accepted == tuple(valid_moves(game))
+
+
+def test_retry_warm_start_is_tokenized_exactly_like_the_agents_second_attempt(tokenizer, tokenizer_dir):
+    from rlsys.impl.agent.math_multi_turn import retry_sequences
+
+    (sequence,) = retry_sequences(tokenizer, [{"prompt": "12+34=", "answer": "46"}], seed=0)
+    wrong = moves_made(tokenizer, sequence.token_ids)[0]
+    assert wrong != "46" and abs(int(wrong) - 46) in (1, 10)
+    agent, _ = math_agent(tokenizer_dir, n=1, num_turns=2)
+    (trajectory,), _ = play(agent, math_env(), math_prompt(tokenizer), answer_by_history(tokenizer, [[wrong, "46"]]))
+    right = ids(tokenizer, "46") + [tokenizer.eos_token_id]
+    assert trajectory.token_ids == sequence.token_ids + user_turn(tokenizer, CORRECT_FEEDBACK)
+    assert sequence.taught == [0] * (len(sequence.token_ids) - len(right)) + [1] * len(right)
+
+
+class BrokenLake(FrozenLakeEnv):
+    """Crashes on a move down: the episode must fail as a whole, leaving no chain behind."""
+
+    async def step(self, action):
+        if action.strip() == "D":
+            raise RuntimeError("the lake cracked")
+        await asyncio.sleep(0.05)  # the other chain is mid-episode when the crash comes
+        return await super().step(action)
+
+
+def test_a_crashing_env_fails_the_episode_and_cancels_its_other_chains(tokenizer, tokenizer_dir):
+    seed = 3
+    env = BrokenLake(max_steps=50)
+    prompt_text = env.first_observation(seed)
+    prompt = Prompt("lake3", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": "",
+                                                                        "seed": seed})
+    eos = tokenizer.eos_token_id
+
+    async def scenario():
+        agent = frozen_lake_agent(tokenizer_dir, n=2, max_turns=50, max_context_tokens=10_000)
+        with pytest.raises(RuntimeError, match="the lake cracked"):
+            await run_scripted_episode(agent, env, prompt, lambda p, g, i: ids(tokenizer, "LD"[i]) + [eos])
+        await asyncio.sleep(0.2)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert asyncio.run(scenario()) == []
+
+
+def test_an_episode_stops_before_its_context_outgrows_the_budget(tokenizer, tokenizer_dir):
+    seed = 3
+    env = FrozenLakeEnv(max_steps=20)
+    prompt_text = env.first_observation(seed)
+    prompt = Prompt("lake3", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": "",
+                                                                        "seed": seed})
+    eos = tokenizer.eos_token_id
+    per_turn = 2 + len(user_turn(tokenizer, prompt_text[len(env.instruction):]))  # a move, then the board
+    budget = len(prompt.token_ids) + 2 * per_turn + 4  # room for two turns and a third's 4 new tokens
+    agent = frozen_lake_agent(tokenizer_dir, n=1, max_turns=20, max_context_tokens=budget)
+    (trajectory,), _ = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "L") + [eos])
+    assert trajectory.metrics["num_turns"] == 3 and trajectory.metrics["truncated"] == 1.0
+    assert len(trajectory.token_ids) <= budget
+
+
+def test_a_zero_context_budget_means_the_models_own_limit(tmp_path, tokenizer_dir):
+    import json
+    import sys
+
+    from rlsys.impl.agent.multi_turn import context_limit
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 300}))
+    assert context_limit(str(tmp_path)) == 300
+    assert context_limit(str(tokenizer_dir)) == sys.maxsize  # a directory that does not say: no limit
+    build_char_tokenizer().save_pretrained(tmp_path)
+    assert frozen_lake_agent(tmp_path, n=1).max_context_tokens == 300

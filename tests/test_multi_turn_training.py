@@ -1,0 +1,56 @@
+"""The default tiny model learns in the full loop (Redis, vLLM, rollout worker, learner) as a multi-turn agent:
+math with retries after feedback, and FrozenLake with GiGPO."""
+
+from pathlib import Path
+
+import pytest
+
+from rlsys.cli import ConfigError, parse_config
+from rlsys.launcher import launch
+from rlsys.metrics import read_jsonl_metrics
+from tests.helpers import small_run_overrides
+
+
+def mean(values) -> float:
+    return sum(values) / len(values)
+
+
+def test_math_multi_turn_trains_in_the_full_loop(cache_dir, tmp_path):
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "experiment=async-ppo-math-multi-turn", "max_steps=24", "eval_steps=0"])
+    summary = launch(config)
+    steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 25))
+    # The held-out reward (greedy, 200 problems, a success at attempt k worth 0.5**(k-1)) is the steady measure:
+    # it rose 17-24 points in our five runs, while the training reward (temperature 1, 128 episodes a step;
+    # mean of the last 8 steps against the first 8) rose in four of them, by 0.01-0.06, and fell by 0.01 in one.
+    before, after = summary["initial_accuracy"], summary["final_accuracy"]
+    assert after >= before + 0.08, f"held-out reward {before:.3f} -> {after:.3f}: RL did not help"
+    # Retries happen and some succeed: the (discounted) reward is below the success rate.
+    assert all(1 < s["agent/num_turns"] <= 3 for s in steps)
+    assert sum(s["agent/success"] - s["reward"] for s in steps) > 0
+
+
+def test_frozen_lake_trains_with_gigpo_in_the_full_loop(cache_dir, tmp_path):
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "experiment=async-ppo-frozen-lake", "model.warm_start_accuracy=0.8", "max_steps=30", "ppo.batch_size=8",
+        "ppo.lr=3e-4", "ppo.adv_estimator=gigpo", "eval_steps=0"])
+    launch(config)
+    steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 31))
+    rewards = [round(s["reward"], 3) for s in steps]
+    assert mean(rewards[-8:]) > mean(rewards[:8]), rewards
+    valid = [s["agent/action_is_valid"] for s in steps]
+    assert mean(valid[-8:]) > mean(valid[:8]), valid  # fewer penalised non-moves
+    assert all(s["agent/num_turns"] > 1 for s in steps)
+
+
+def test_multi_turn_experiments_check_their_settings():
+    config = parse_config(["experiment=async-ppo-sokoban", "rollout.mode=tree", "rollout.tree_branching=3"])
+    assert config.agent.name == "text-game" and config.agent.args["strategy"].tree_branching == 3
+    assert config.env.args == {"max_steps": 8, "invalid_action_penalty": 0.1, "size": 6, "num_boxes": 1}
+    assert config.agent.args["max_context_tokens"] == config.inference.max_model_len == 512
+    with pytest.raises(ConfigError, match="rollout.mode must be one of"):
+        parse_config(["experiment=async-ppo-frozen-lake", "rollout.mode=forest"])
+    with pytest.raises(ConfigError, match="ppo.gigpo_step_gamma must be in"):
+        parse_config(["experiment=async-ppo-math-multi-turn", "ppo.gigpo_step_gamma=2"])
