@@ -12,7 +12,8 @@ import pytest
 
 from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import parse_config
-from rlsys.launcher import RoleFailed, launch
+from rlsys.launcher import launch
+from rlsys.supervisor import RoleFailed
 from rlsys.metrics import read_jsonl_metrics
 from tests.helpers import child_pids, left_behind, small_run_overrides
 
