@@ -33,9 +33,10 @@ from rlsys.bus import EmbeddedRedis, connect  # noqa: E402
 from rlsys.cli import parse_config  # noqa: E402
 from rlsys.data.dataset import load_jsonl_dataset, write_jsonl  # noqa: E402
 from rlsys.data.prompts import prompt_stream  # noqa: E402
-from rlsys.launcher import initialize_bus_state, start_role, stop_roles  # noqa: E402
+from rlsys.launcher import initialize_bus_state, start_role  # noqa: E402
 from rlsys.metrics import read_jsonl_metrics  # noqa: E402
 from rlsys.model.tokenizer import load_tokenizer  # noqa: E402
+from rlsys.supervisor import stop_processes  # noqa: E402
 
 WARM_UP_EPISODES = 64
 EVAL_ROWS = 16  # the rollout worker evaluates before it trains; a small held-out file keeps that short
@@ -80,14 +81,14 @@ class FullPath:
     def running(self):
         with EmbeddedRedis(self.run_dir / "redis") as server:
             self.bus = connect(server.url)
-            initialize_bus_state(self.bus, self.config, start_version=0)
+            initialize_bus_state(self.bus, self.config, trainer_state={})
             self.bus.set(protocol.ADMITTED, GATE_CLOSED)
             roles = [("inference", i) for i in range(self.n_workers)] + [("rollout", 0)]
             processes = {(role, i): start_role(role, i, self.config, server.url, self.run_dir) for role, i in roles}
             try:
                 yield self
             finally:
-                stop_roles(self.bus, processes)
+                stop_processes(self.bus, processes.values())
                 self.bus.close()
 
     def generated_tokens(self, episodes: int) -> int:

@@ -16,13 +16,9 @@ from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import config_from_dict, config_to_dict, registry_name_of, save_config
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.preflight import StartupError, check_message_bus
+from rlsys.supervisor import LearnerFailed, RoleFailed, Supervisor
 
 log = logging.getLogger("rlsys")
-STOP_GRACE_SECONDS = 20
-
-
-class RoleFailed(RuntimeError):
-    """A role process died; the run cannot go on."""
 
 
 def run_directory(config) -> Path:
@@ -41,9 +37,10 @@ def resolve_resume(config, run_dir: Path) -> None:
 
 @contextlib.contextmanager
 def message_bus(config, run_dir: Path):
-    """The configured Redis, or a private server in the run directory, stopped on every way out."""
+    """(url, embedded server or None): the configured Redis, or a private server in the run directory,
+    stopped on every way out."""
     if config.cluster.redis_url:
-        yield config.cluster.redis_url
+        yield config.cluster.redis_url, None
         return
     server = EmbeddedRedis(run_dir / "redis", config.cluster.redis_port)
     try:
@@ -51,32 +48,26 @@ def message_bus(config, run_dir: Path):
     except EmbeddedRedisError as e:
         raise StartupError(str(e)) from None
     with server:
-        yield server.url
+        yield server.url, server
 
 
-def initialize_bus_state(bus, config, trainer_state: dict) -> None:
+def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bool = False) -> None:
     """Before any role starts: nothing left from an earlier run on the same Redis, and a resumed run
     counts the prompts it already trained as admitted, so it does not admit a burst. The prompt
     accounting continues from the checkpoint's (a fresh run's dead letters are cleared; a resumed
     one keeps those of its earlier part)."""
     cluster = config.cluster
     bus.delete(protocol.STOP, protocol.LEARNER_DONE, protocol.WEIGHTS, protocol.TRAJECTORIES,
-               *(protocol.eval_result(tag) for tag in ("initial", "final")),
+               *(protocol.eval_result(tag) for tag in (("final",) if keep_initial_eval else ("initial", "final"))),
                *(key for i in range(cluster.n_inference_workers)
                  for key in (protocol.generation_requests(i), protocol.inference_status(i))),
                *(key for i in range(cluster.n_rollout_workers)
-                 for key in (protocol.replies(i), protocol.rollout_done(i))))
+                 for key in (protocol.replies(i), protocol.rollout_done(i), protocol.rollout_episodes(i),
+                             protocol.rollout_position(i))))
     if not trainer_state:
         bus.delete(protocol.DEAD_LETTERS)
     bus.set(protocol.ADMITTED, trainer_state.get("version", 0) * config.ppo.batch_size)
     accounting.restore(bus, trainer_state.get("accounting"))
-
-
-def start_roles(config, bus_url: str, run_dir: Path) -> dict[tuple[str, int], multiprocessing.Process]:
-    roles = [("inference", i) for i in range(config.cluster.n_inference_workers)]
-    roles += [("rollout", i) for i in range(config.cluster.n_rollout_workers)]
-    roles += [("learner", 0)]
-    return {(role, index): start_role(role, index, config, bus_url, run_dir) for role, index in roles}
 
 
 def start_role(role: str, index: int, config, bus_url: str, run_dir: Path) -> multiprocessing.Process:
@@ -142,38 +133,6 @@ def _name_process(name: str) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
 
 
-def supervise(processes: dict, bus, config, report, restart) -> None:
-    """Returns when every rollout worker finished; restarts a crashed inference worker (its requests are
-    re-sent by the routers) up to `cluster.max_role_restarts` times; raises RoleFailed otherwise."""
-    done_keys = [protocol.rollout_done(i) for i in range(config.cluster.n_rollout_workers)]
-    restarts = 0
-    while not all(bus.get(key) for key in done_keys):
-        for (role, index), p in processes.items():
-            if p.exitcode in (None, 0):  # 0: a role that finished its part (the learner, before the final eval)
-                continue
-            if role == "inference" and restarts < config.cluster.max_role_restarts:
-                restarts += 1
-                log.warning("%s exited with code %s; restarting it (restart %d of %d)", p.name, p.exitcode,
-                            restarts, config.cluster.max_role_restarts)
-                processes[(role, index)] = restart(role, index)
-                continue
-            raise RoleFailed(f"{p.name} exited with code {p.exitcode} before the run finished; see its log above")
-        report()
-        time.sleep(0.5)
-
-
-def stop_roles(bus, processes: dict) -> None:
-    with contextlib.suppress(Exception):
-        bus.set(protocol.STOP, 1)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for p in processes.values():
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in processes.values():
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
 class ProgressReporter:
     """Prints a line every `logging_steps` learner steps, read from the learner's metrics file."""
 
@@ -205,6 +164,24 @@ def prepare(config) -> None:
         raise StartupError(str(e)) from None
 
 
+def resume_from_latest(config, run_dir: Path) -> dict:
+    """After the learner died: every role starts again from the run's newest checkpoint (or from the start,
+    if it saved none), so the learner's weights, step and dataset position agree with inference's again."""
+    latest = latest_checkpoint(run_dir / "checkpoints") or config.resume_from_checkpoint
+    if latest:
+        config.resume_from_checkpoint = config.model.path = str(latest)
+    log.warning("restarting every role from %s", latest or "the start (no checkpoint was saved yet)")
+    return read_trainer_state(Path(latest)) if latest else {}
+
+
+def last_checkpoint_note(run_dir: Path) -> str:
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    if latest is None:
+        return "no checkpoint was saved"
+    return (f"the newest checkpoint is {latest} (step {read_trainer_state(latest)['step']}); "
+            "continue with resume_from_checkpoint=auto")
+
+
 def launch(config) -> dict:
     """Runs a whole experiment; returns (and writes to <run dir>/summary.json) its before/after accuracy
     and where its prompts ended. StartupError, before any process starts, if it cannot run."""
@@ -220,20 +197,28 @@ def launch(config) -> dict:
     if config.resume_from_checkpoint:
         trainer_state = read_trainer_state(Path(config.resume_from_checkpoint))
         print(f"resuming from {config.resume_from_checkpoint} (version {trainer_state['version']})", flush=True)
-    with raise_on_sigterm(), message_bus(config, run_dir) as bus_url:
+    with raise_on_sigterm(), message_bus(config, run_dir) as (bus_url, server):
         bus = connect(bus_url)
-        initialize_bus_state(bus, config, trainer_state)
-        processes = start_roles(config, bus_url, run_dir)
+        supervisor = Supervisor(config, lambda role, index: start_role(role, index, config, bus_url, run_dir), server)
         report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps, config.max_steps)
-
-        def restart(role: str, index: int) -> multiprocessing.Process:
-            return start_role(role, index, config, bus_url, run_dir)
-
+        restarted = False
         try:
-            supervise(processes, bus, config, report, restart)
-            report()
-        finally:
-            stop_roles(bus, processes)
+            while True:
+                initialize_bus_state(bus, config, trainer_state, keep_initial_eval=restarted)
+                supervisor.start()
+                try:
+                    supervisor.watch(bus, report)
+                    report()
+                    break
+                except LearnerFailed as e:
+                    supervisor.stop(bus)
+                    supervisor.count_restart("learner0", str(e).removeprefix("learner0 "))
+                    trainer_state = resume_from_latest(config, run_dir)
+                    restarted = True
+                finally:
+                    supervisor.stop(bus)  # the learner saves a checkpoint when it is told to stop
+        except RoleFailed as e:
+            raise RoleFailed(f"{e}; {last_checkpoint_note(run_dir)}") from None
         prompts = accounting.end_run(bus)
         summary = {
             "initial_accuracy": (bus.get(protocol.eval_result("initial")) or {}).get("accuracy"),
@@ -244,6 +229,7 @@ def launch(config) -> dict:
             "prompts": prompts,
             "prompts_accounted": accounting.accounted(prompts) == prompts[accounting.ADMITTED],
             "dead_letters": bus.stream_length(protocol.DEAD_LETTERS),
+            "restarts": dict(supervisor.restarts),
         }
         bus.close()
     if not summary["prompts_accounted"]:

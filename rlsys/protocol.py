@@ -39,6 +39,16 @@ def eval_result(tag: str) -> str:
     return f"eval:{tag}"
 
 
+def rollout_episodes(rollout_worker: int) -> str:
+    """Set: ids of the training prompts a rollout worker is running; a restarted worker redoes them."""
+    return f"rollout:{rollout_worker}:episodes"
+
+
+def rollout_position(rollout_worker: int) -> str:
+    """Counter: prompts a rollout worker took from its training stream; a restarted worker goes on from there."""
+    return f"rollout:{rollout_worker}:position"
+
+
 def rollout_done(rollout_worker: int) -> str:
     return f"rollout:{rollout_worker}:done"
 

@@ -54,7 +54,7 @@ def test_rows_choose_their_agent_and_the_rest_use_the_default(tmp_path):
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2+2=", "answer": "4", "agent_name": "echo"}]
     config.dataset.path = config.dataset.eval_path = write_rows(tmp_path / "rows.jsonl", rows)
     worker = RolloutWorker(config, InProcessBus(), 0)
-    prompts = list(worker.prompts(config.dataset.path, "eval", shuffle=False))
+    prompts = list(worker.prompts(load_jsonl_dataset(config.dataset.path), "eval", shuffle=False))
     assert type(worker.agent_for(prompts[0], worker.agents)).__name__ == "MathSingleStepAgent"
     assert worker.agent_for(prompts[1], worker.agents).tag == 7.0
     assert worker.agent_for(prompts[1], worker.eval_agents).tag == 7.0  # evaluation plays rows the same way

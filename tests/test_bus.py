@@ -232,6 +232,8 @@ def test_set_add_and_remove_count_each_member_once(bus):
     assert bus.set_remove("s", "a", counter="removed") is False
     assert bus.set_remove("s", "never", counter="removed") is False
     assert bus.set_size("s") == 1 and bus.get("removed") == 1
+    bus.set_add("s", "c-é")
+    assert bus.set_members("s") == ["b", "c-é"] and bus.set_members("unset") == []
 
     for i in range(50):
         bus.set_add("race", str(i))

@@ -144,3 +144,62 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     for reason, n in failed.items():  # evaluation episodes fail too, so the worker counts at least these
         assert totals[f"episodes/failed/{reason}"] >= n
     assert left_behind(tmp_path, existing) == []
+
+
+def test_killed_workers_a_restarted_redis_and_a_killed_learner_do_not_stop_the_run(cache_dir, tmp_path):
+    """A rollout worker killed with SIGKILL, the private redis-server shut down, the learner killed: each is
+    restarted (the learner by restarting the run from its last checkpoint), logged, counted, and the run
+    finishes its steps with every prompt accounted and nothing left running."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from rlsys.checkpoint import latest_checkpoint, read_trainer_state
+
+    existing = child_pids()
+    entry = Path(__file__).resolve().parents[1] / "training" / "main_async_ppo.py"
+    args = small_run_overrides(cache_dir, tmp_path) + ["trial_name=k", "max_steps=10", "save_steps=2",
+                                                       "cluster.inference_dead_after=2"]
+    run_dir = tmp_path / "async-ppo-math" / "k"
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(entry), *args], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+
+    def output() -> str:
+        return (tmp_path / "run.log").read_text()
+
+    def wait_for_step(step: int) -> None:
+        deadline = time.monotonic() + 600
+        while not (latest := latest_checkpoint(run_dir / "checkpoints")) or read_trainer_state(latest)["step"] < step:
+            assert proc.poll() is None and time.monotonic() < deadline, output()[-3000:]
+            time.sleep(0.2)
+
+    def child(name: str) -> psutil.Process:
+        (found,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == name]
+        return found
+
+    try:
+        wait_for_step(2)
+        child("rollout0").send_signal(signal.SIGKILL)
+        wait_for_step(4)
+        child("redis-server").send_signal(signal.SIGTERM)
+        wait_for_step(6)
+        child("learner0").send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=900) == 0, output()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"] == {"rollout0": 1, "redis-server": 1, "learner0": 1}
+    for line in ("rollout0 exited with code -9; restarting it", "redis-server exited with code 0; restarting it",
+                 "learner0 exited with code -9; restarting it", "restarting every role from"):
+        assert line in output()
+    final = read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))
+    assert (final["step"], final["version"]) == (10, 10)
+    consumed = final["consumed_prompts"]
+    assert len(consumed) == len(set(consumed)) == 10 * 16, "a prompt was trained twice or skipped"
+    assert summary["prompts_accounted"], summary["prompts"]
+    assert summary["final_accuracy"] is not None
+    assert left_behind(tmp_path, existing) == []

@@ -1,6 +1,6 @@
 """The whole loop on real parts: embedded Redis, vLLM inference worker, rollout worker, learner."""
 
-import os
+import json
 import signal
 import subprocess
 import sys
@@ -10,10 +10,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rlsys import protocol
+from rlsys.bus import RedisBus
 from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import parse_config
-from rlsys.launcher import RoleFailed, launch
+from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
+from rlsys.supervisor import RoleFailed
 from tests.helpers import child_pids, left_behind, small_run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,6 +191,12 @@ def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache
     assert len(consumed) == after["step"] * config.ppo.batch_size
 
 
+def run_bus(run_dir: Path):
+    """A client of a running run's private Redis, from the config file it keeps in the run directory."""
+    config = dict(line.split(" ", 1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines())
+    return RedisBus.from_url(f"redis://:{json.loads(config['requirepass'])}@127.0.0.1:{config['port']}/0")
+
+
 def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish(cache_dir, tmp_path):
     existing = child_pids()
     args = small_run_overrides(cache_dir, tmp_path) + [
@@ -201,7 +210,11 @@ def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(0.2)
         (victim,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "inference0"]
-        victim.kill()
+        with run_bus(tmp_path / "async-ppo-math" / "i") as bus:  # killed while it holds requests
+            while not (bus.get(protocol.inference_status(0)) or {}).get("load"):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            victim.kill()
         assert proc.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:

@@ -134,6 +134,10 @@ class Bus(abc.ABC):
         """Number of members of the set under `key` (0 if unset)."""
 
     @abc.abstractmethod
+    def set_members(self, key: str) -> list[str]:
+        """The members of the set under `key`, sorted; [] if it is unset."""
+
+    @abc.abstractmethod
     def stream_add(self, stream: str, message) -> str:
         """Append `message` to `stream`; returns its entry id. Nothing is ever trimmed by adding."""
 

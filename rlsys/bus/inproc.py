@@ -148,6 +148,10 @@ class InProcessBus(Bus):
         with self._cond:
             return len(self._sets.get(key, ()))
 
+    def set_members(self, key: str) -> list[str]:
+        with self._cond:
+            return sorted(self._sets.get(key, ()))
+
     def stream_add(self, stream: str, message) -> str:
         payload = encode(message, f"stream {stream}")
         with self._cond:

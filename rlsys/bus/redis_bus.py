@@ -136,6 +136,9 @@ class RedisBus(Bus):
     def set_size(self, key: str) -> int:
         return self._client.scard(self._k(key))
 
+    def set_members(self, key: str) -> list[str]:
+        return sorted(member.decode() for member in self._client.smembers(self._k(key)))
+
     def stream_add(self, stream: str, message) -> str:
         return self._client.xadd(self._k(stream), {PAYLOAD: encode(message, f"stream {stream}")}).decode()
 

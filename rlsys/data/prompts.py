@@ -8,6 +8,12 @@ from rlsys.api import Prompt
 from rlsys.model.tokenizer import chat_prompt_ids
 
 
+def prompt_by_id(rows: list[dict], tokenizer, qid: str) -> Prompt:
+    """The prompt `prompt_stream` gave the id `{tag}-{epoch}-{row}`."""
+    row = rows[int(qid.rsplit("-", 1)[1])]
+    return Prompt(qid=qid, token_ids=chat_prompt_ids(tokenizer, row["prompt"]), data=row)
+
+
 def prompt_stream(rows: list[dict], tokenizer, tag: str, *, seed: int, shuffle: bool, shard: int = 0,
                   num_shards: int = 1, skip: frozenset[str] = frozenset()) -> Iterator[Prompt]:
     """Endless (shuffle=True: a new order per epoch) or one-pass stream of shard `shard`'s rows.

@@ -10,7 +10,7 @@ from rlsys import accounting, protocol
 from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent, make_env
 from rlsys.checkpoint import read_trainer_state
 from rlsys.data.dataset import load_jsonl_dataset
-from rlsys.data.prompts import prompt_stream
+from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, group_message
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
@@ -35,17 +35,16 @@ class RolloutWorker:
         self.consumed = set(read_trainer_state(Path(config.resume_from_checkpoint))["consumed_prompts"]
                             if config.resume_from_checkpoint else [])
 
-    def prompts(self, path: str, tag: str, shuffle: bool):
+    def prompts(self, rows: list[dict], tag: str, shuffle: bool):
         """Endless (training) or one-pass (evaluation) stream of this worker's share of a dataset."""
-        return prompt_stream(load_jsonl_dataset(path), self.tokenizer, tag, seed=self.config.seed, shuffle=shuffle,
-                             shard=self.index, num_shards=self.config.cluster.n_rollout_workers,
-                             skip=frozenset(self.consumed))
+        return prompt_stream(rows, self.tokenizer, tag, seed=self.config.seed, shuffle=shuffle, shard=self.index,
+                             num_shards=self.config.cluster.n_rollout_workers, skip=frozenset(self.consumed))
 
     async def run(self) -> None:
         routing = [asyncio.create_task(self.router.dispatch_replies()), asyncio.create_task(self.router.watch_workers())]
         try:
             await self.router.live_worker()  # engines take a while to start; episodes begin once one serves
-            if self.index == 0:
+            if self.index == 0 and not await self._bus_get(protocol.eval_result("initial")):  # not a restart
                 await self.evaluate("initial")
             await self.train()
             self.metrics.log(await self.current_version(), {
@@ -60,11 +59,15 @@ class RolloutWorker:
         self.bus.set(protocol.rollout_done(self.index), 1)
 
     async def train(self) -> None:
-        prompts = self.prompts(self.config.dataset.path, "train", shuffle=True)
+        rows = load_jsonl_dataset(self.config.dataset.path)
+        prompts = self.prompts(rows, "train", shuffle=True)
+        await self.take_over(rows, prompts)
         next_eval = self.config.eval_steps
         while not await self._bus_get(protocol.LEARNER_DONE) and not await self._bus_get(protocol.STOP):
             if len(self.running) < self.config.max_concurrent_rollouts and await self.admit():
-                self._start(self.run_training_episode(next(prompts)))
+                prompt = next(prompts)
+                await asyncio.to_thread(self.bus.incr, protocol.rollout_position(self.index))
+                self._start(self.run_training_episode(prompt))
                 continue
             version = await self.current_version()
             if self.index == 0 and next_eval and version >= next_eval:
@@ -74,6 +77,22 @@ class RolloutWorker:
         for task in list(self.running):
             task.cancel()  # the learner is done: unfinished episodes will never be trained
         await asyncio.gather(*self.running, return_exceptions=True)
+
+    async def take_over(self, rows: list[dict], prompts) -> None:
+        """A restarted worker goes on where its killed predecessor stopped: past the prompts it took, and
+        redoing the episodes it had not finished (they are admitted already and hold their gate slots)."""
+        for _ in range(await self._bus_get(protocol.rollout_position(self.index)) or 0):
+            next(prompts)
+        unfinished = await asyncio.to_thread(self.bus.set_members, protocol.rollout_episodes(self.index))
+        in_flight = set(await asyncio.to_thread(self.bus.set_members, protocol.PROMPTS_IN_FLIGHT))
+        for qid in unfinished:
+            if qid in in_flight:
+                self._start(self.run_training_episode(prompt_by_id(rows, self.tokenizer, qid), redo=True))
+            else:  # its outcome was recorded just before the predecessor died
+                await asyncio.to_thread(self.bus.set_remove, protocol.rollout_episodes(self.index), qid)
+        if unfinished:
+            log.warning("rollout worker %d restarted: redoing %d unfinished episodes", self.index,
+                        len(unfinished))
 
     def _start(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
@@ -137,20 +156,25 @@ class RolloutWorker:
         log.warning("episode %s failed (%s): %s", prompt.qid, failure.reason, failure.detail)
         return failure
 
-    async def run_training_episode(self, prompt: Prompt) -> None:
+    async def run_training_episode(self, prompt: Prompt, redo: bool = False) -> None:
         """One admitted prompt: its group goes to the learner, or it is counted as failed and gives its gate
-        slot back. Cancelled (the run is ending), it stays in flight and is counted as run_ended."""
-        if not await asyncio.to_thread(accounting.admit, self.bus, prompt.qid):
-            log.error("prompt %s is already in flight; not run twice", prompt.qid)
-            await asyncio.to_thread(self.bus.incr, protocol.ADMITTED, -1)
-            return
+        slot back. Cancelled (the run is ending), it stays in flight and is counted as run_ended. `redo`:
+        a killed predecessor's episode, admitted and counted already."""
+        episodes = protocol.rollout_episodes(self.index)
+        if not redo:
+            if not await asyncio.to_thread(accounting.admit, self.bus, prompt.qid):
+                log.error("prompt %s is already in flight; not run twice", prompt.qid)
+                await asyncio.to_thread(self.bus.incr, protocol.ADMITTED, -1)
+                return
+            await asyncio.to_thread(self.bus.set_add, episodes, prompt.qid)
         try:
             trajectories = await self.run_episode(self.agent_for(prompt, self.agents), prompt)
             message = self.trajectory_message(prompt, trajectories)
         except EpisodeFailed as failure:
             await asyncio.to_thread(accounting.settle_untrained, self.bus, prompt.qid, accounting.failed(failure.reason))
-            return
-        await asyncio.to_thread(self.bus.stream_add, protocol.TRAJECTORIES, message)
+        else:
+            await asyncio.to_thread(self.bus.stream_add, protocol.TRAJECTORIES, message)
+        await asyncio.to_thread(self.bus.set_remove, episodes, prompt.qid)
 
     def trajectory_message(self, prompt: Prompt, trajectories) -> dict:
         try:
@@ -161,7 +185,7 @@ class RolloutWorker:
     async def evaluate(self, tag: str) -> float:
         """Greedy accuracy (mean final reward) on the held-out set, logged and stored on the bus."""
         version = await self.current_version()
-        prompts = list(self.prompts(self.config.dataset.eval_path, "eval", shuffle=False))
+        prompts = list(self.prompts(load_jsonl_dataset(self.config.dataset.eval_path), "eval", shuffle=False))
         results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p) for p in prompts),
                                        return_exceptions=True)
         for result in results:

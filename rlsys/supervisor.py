@@ -1,0 +1,98 @@
+"""Watching a run's processes: what dies is restarted where the run can go on, or the run stops and says why.
+
+- An inference worker that dies is restarted; the routers re-send the requests it held.
+- A rollout worker that dies is restarted; the new one redoes its predecessor's unfinished episodes and
+  goes on from its place in the prompt stream.
+- The private redis-server that dies is restarted on the same port, with the data its append-only file
+  kept; every role's client waits for it (rlsys.bus.redis_bus).
+- The learner that dies cannot be replaced alone: the weights in inference are newer than its last
+  checkpoint. LearnerFailed tells the launcher to restart the whole run from that checkpoint.
+
+Each process (and the server) may be restarted `cluster.max_role_restarts` times; one more death stops
+the run with RoleFailed. Every restart logs one line and is counted in the run's summary.
+"""
+
+import collections
+import contextlib
+import logging
+import time
+
+from rlsys import protocol
+
+log = logging.getLogger("rlsys")
+STOP_GRACE_SECONDS = 20
+POLL_SECONDS = 0.5
+
+
+class RoleFailed(RuntimeError):
+    """A role process died and could not be restarted; the run cannot go on."""
+
+
+class LearnerFailed(RoleFailed):
+    """The learner died: the run can only go on from its last checkpoint."""
+
+
+class Supervisor:
+    """Starts a run's roles with `start_role(role, index)` and watches them (and the embedded server, if any)."""
+
+    def __init__(self, config, start_role, server=None):
+        self.config, self.start_role, self.server = config, start_role, server
+        self.processes: dict = {}
+        self.restarts: collections.Counter[str] = collections.Counter()  # name -> times restarted
+
+    def start(self) -> None:
+        cluster = self.config.cluster
+        roles = [("inference", i) for i in range(cluster.n_inference_workers)]
+        roles += [("rollout", i) for i in range(cluster.n_rollout_workers)]
+        roles += [("learner", 0)]
+        self.processes = {(role, index): self.start_role(role, index) for role, index in roles}
+
+    def watch(self, bus, report) -> None:
+        """Returns when every rollout worker finished; restarts what died, or raises RoleFailed."""
+        done_keys = [protocol.rollout_done(i) for i in range(self.config.cluster.n_rollout_workers)]
+        while True:
+            self.restart_dead_server()
+            if all(bus.get(key) for key in done_keys):
+                return
+            self.restart_dead_roles()
+            report()
+            time.sleep(POLL_SECONDS)
+
+    def restart_dead_server(self) -> None:
+        if self.server is not None and self.server.exited():
+            self.count_restart("redis-server", f"exited with code {self.server.process.returncode}")
+            self.server.restart()
+
+    def restart_dead_roles(self) -> None:
+        for (role, index), process in self.processes.items():
+            if process.exitcode in (None, 0):  # 0: a role that finished its part (the learner, before the final eval)
+                continue
+            why = f"exited with code {process.exitcode}"
+            if role == "learner":
+                raise LearnerFailed(f"{process.name} {why}")
+            self.count_restart(process.name, why)
+            self.processes[(role, index)] = self.start_role(role, index)
+
+    def count_restart(self, name: str, why: str) -> None:
+        """Logs the restart and counts it; RoleFailed once `name` used up its restarts."""
+        limit = self.config.cluster.max_role_restarts
+        if self.restarts[name] >= limit:
+            raise RoleFailed(f"{name} {why}, and was restarted {limit} times already (cluster.max_role_restarts)")
+        self.restarts[name] += 1
+        log.warning("%s %s; restarting it (restart %d of %d)", name, why, self.restarts[name], limit)
+
+    def stop(self, bus) -> None:
+        stop_processes(bus, self.processes.values())
+
+
+def stop_processes(bus, processes) -> None:
+    """Tells every role to stop (the learner saves a checkpoint), then kills what outlives the grace period."""
+    with contextlib.suppress(Exception):
+        bus.set(protocol.STOP, 1)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
