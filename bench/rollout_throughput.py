@@ -99,16 +99,20 @@ class FullPath:
         return tokens
 
     def take_episode(self) -> int:
-        while not (messages := self.bus.get_many(protocol.TRAJECTORIES, 1, timeout=60)):
+        """Generated tokens of the next episode on the trajectory stream, read as the learner would."""
+        while not (entries := self.bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, "bench", 1, 60)):
             pass
-        return sum(sum(t["loss_mask"]) for t in messages[0]["trajectories"])
+        self.bus.stream_ack(protocol.TRAJECTORIES, protocol.LEARNERS, [entries[0].id])
+        message = entries[0].decode(protocol.TRAJECTORIES)
+        return sum(sum(t["loss_mask"]) for t in message["trajectories"])
 
     def drain(self) -> None:
         """Waits until every admitted episode has finished, then drops what they produced."""
         while any((self.bus.get(protocol.inference_status(i)) or {"load": 1})["load"] for i in range(self.n_workers)):
             time.sleep(0.05)
         time.sleep(0.5)  # the last replies reach their episodes, which finish and post trajectories
-        self.bus.delete(protocol.TRAJECTORIES)
+        while self.bus.stream_length(protocol.TRAJECTORIES):
+            self.take_episode()
 
     def latencies(self) -> tuple[float, float]:
         (routing,) = [r for r in read_jsonl_metrics(self.run_dir / "logs" / "rollout0.jsonl") if "requests/resent" in r]
