@@ -190,14 +190,17 @@ class ClusterConfig:
     inference_dead_after: float = 3.0
     """Seconds without a heartbeat after which an inference worker counts as dead and its requests are re-sent."""
     max_role_restarts: int = 3
-    """Times a crashed inference worker is restarted before the run stops."""
+    """Times each role process (and the private redis-server) is restarted after dying before the run stops."""
     redis_port: int = 0
     """Port of the private Redis (loopback only); 0 picks a free one. Ignored with redis_url."""
     max_message_mb: float = 64.0
     """Largest message of one prompt's trajectories; a larger one fails its episode (invalid_output)."""
+    max_failed_in_a_row: int = 200
+    """Training episodes of a rollout worker that may fail one after another before the run stops (0: never)."""
 
     def __post_init__(self):
-        check_at_least("cluster.", self, n_inference_workers=1, n_rollout_workers=1, redis_port=0, max_role_restarts=0)
+        check_at_least("cluster.", self, n_inference_workers=1, n_rollout_workers=1, redis_port=0, max_role_restarts=0,
+                           max_failed_in_a_row=0)
         if self.inference_dead_after <= 0:
             raise ValueError(f"cluster.inference_dead_after must be positive, got {self.inference_dead_after}")
         if self.redis_port > 65535:

@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import config_from_dict, config_to_dict, registry_name_of, save_config
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.preflight import StartupError, check_message_bus
-from rlsys.supervisor import LearnerFailed, RoleFailed, Supervisor
+from rlsys.supervisor import CANNOT_GO_ON_EXIT, LearnerFailed, RoleFailed, RunCannotGoOn, Supervisor
 
 log = logging.getLogger("rlsys")
 
@@ -63,7 +64,7 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
                  for key in (protocol.generation_requests(i), protocol.inference_status(i))),
                *(key for i in range(cluster.n_rollout_workers)
                  for key in (protocol.replies(i), protocol.rollout_done(i), protocol.rollout_episodes(i),
-                             protocol.rollout_position(i))))
+                             protocol.rollout_position(i), protocol.role_stop_reason(f"rollout{i}"))))
     if not trainer_state:
         bus.delete(protocol.DEAD_LETTERS)
     bus.set(protocol.ADMITTED, trainer_state.get("version", 0) * config.ppo.batch_size)
@@ -89,8 +90,16 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -
     import torch
 
     torch.set_num_threads(1)  # roles share the machine's cores; more threads per role only contend
-    config = config_from_dict(payload)
     bus = connect(bus_url)
+    try:
+        _run(role, index, config_from_dict(payload), bus, run_dir)
+    except RunCannotGoOn as e:
+        log.error("%s%d: the run cannot go on: %s", role, index, e)
+        bus.set(protocol.role_stop_reason(f"{role}{index}"), str(e))
+        sys.exit(CANNOT_GO_ON_EXIT)
+
+
+def _run(role: str, index: int, config, bus, run_dir: str) -> None:
     if role == "learner":
         from rlsys.workers.learner import Learner
 

@@ -53,6 +53,11 @@ def rollout_done(rollout_worker: int) -> str:
     return f"rollout:{rollout_worker}:done"
 
 
+def role_stop_reason(role: str) -> str:
+    """Key: why role `role` (e.g. "rollout0") found that the run cannot go on, before it exited."""
+    return f"role:{role}:stop_reason"
+
+
 def prompt_outcome(outcome: str) -> str:
     """Counter of admitted prompts that ended in `outcome` ("admitted", "trained", "failed:env_error", ...)."""
     return f"prompts:{outcome}"

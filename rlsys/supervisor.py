@@ -10,6 +10,10 @@
 
 Each process (and the server) may be restarted `cluster.max_role_restarts` times; one more death stops
 the run with RoleFailed. Every restart logs one line and is counted in the run's summary.
+
+A role that finds the run cannot go on (every episode fails: the env or agent is broken, not unlucky)
+raises RunCannotGoOn; it leaves its reason on the bus and exits with CANNOT_GO_ON_EXIT, and the run stops
+at once with that reason instead of restarting a role that would only fail the same way.
 """
 
 import collections
@@ -22,10 +26,15 @@ from rlsys import protocol
 log = logging.getLogger("rlsys")
 STOP_GRACE_SECONDS = 20
 POLL_SECONDS = 0.5
+CANNOT_GO_ON_EXIT = 3
 
 
 class RoleFailed(RuntimeError):
     """A role process died and could not be restarted; the run cannot go on."""
+
+
+class RunCannotGoOn(RuntimeError):
+    """Raised in a role that found the run cannot go on; the message says why and what to fix."""
 
 
 class LearnerFailed(RoleFailed):
@@ -54,7 +63,7 @@ class Supervisor:
             self.restart_dead_server()
             if all(bus.get(key) for key in done_keys):
                 return
-            self.restart_dead_roles()
+            self.restart_dead_roles(bus)
             report()
             time.sleep(POLL_SECONDS)
 
@@ -63,10 +72,12 @@ class Supervisor:
             self.count_restart("redis-server", f"exited with code {self.server.process.returncode}")
             self.server.restart()
 
-    def restart_dead_roles(self) -> None:
+    def restart_dead_roles(self, bus) -> None:
         for (role, index), process in self.processes.items():
             if process.exitcode in (None, 0):  # 0: a role that finished its part (the learner, before the final eval)
                 continue
+            if process.exitcode == CANNOT_GO_ON_EXIT:
+                raise RoleFailed(f"{process.name} stopped the run: {bus.get(protocol.role_stop_reason(process.name))}")
             why = f"exited with code {process.exitcode}"
             if role == "learner":
                 raise LearnerFailed(f"{process.name} {why}")

@@ -13,7 +13,12 @@ class Env(EnvironmentService):
     def __init__(self, behaviour: str):
         self.behaviour = behaviour
 
+    async def reset(self, seed=None, options=None):
+        self.steps = 0
+        return None, {}
+
     async def step(self, action):
+        self.steps = getattr(self, "steps", 0) + 1
         if self.behaviour == "raise":
             raise ZeroDivisionError("reward divided by zero")
         if self.behaviour == "hang":
@@ -59,6 +64,23 @@ def test_a_guarded_env_is_the_same_object_and_works_as_before():
     assert step(guarded) == (None, 1.0, True, False, {})
     asyncio.run(guarded.reset())
     asyncio.run(guarded.close())
+
+
+def test_a_fork_of_a_guarded_env_steps_itself_and_is_guarded_too():
+    async def fork_and_step():
+        original = guard_env(Env("fine"), timeout=5)
+        await original.reset()
+        copies = [await original.fork(), await original.fork()]
+        await copies[0].step("a")
+        await copies[0].step("b")
+        await copies[1].step("c")
+        twice_removed = await copies[1].fork()
+        twice_removed.behaviour = "raise"
+        with pytest.raises(EpisodeFailed, match="Env.step raised ZeroDivisionError"):
+            await twice_removed.step("d")
+        return original.steps, [c.steps for c in copies]
+
+    assert asyncio.run(fork_and_step()) == (0, [2, 1])
 
 
 def test_describe_exception_is_one_line():

@@ -9,15 +9,19 @@ one line per fault, and leave no process behind.
 """
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from rlsys import accounting, protocol
 from rlsys.bus import EmbeddedRedis, RedisBus
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
+from rlsys.supervisor import RoleFailed
 from tests.helpers import child_pids, left_behind, small_run_overrides
 
 FAULTY_PLUGIN = '''
@@ -67,6 +71,24 @@ class FaultyExperiment(AsyncPPOMATHConfig):
 
 
 register_experiment("faulty-experiment", FaultyExperiment)
+
+
+class BrokenEnv(MathCodeSingleStepEnv):
+    async def step(self, action):
+        raise ImportError("the reward package is not installed")
+
+
+register_environment("broken-env", BrokenEnv)
+
+
+@dataclasses.dataclass
+class BrokenExperiment(AsyncPPOMATHConfig):
+    @property
+    def env(self):
+        return EnvServiceAbstraction("broken-env")
+
+
+register_experiment("broken-experiment", BrokenExperiment)
 '''
 
 MB = 2**20
@@ -143,6 +165,22 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     (totals,) = [r for r in rollout if "episodes/failed" in r]
     for reason, n in failed.items():  # evaluation episodes fail too, so the worker counts at least these
         assert totals[f"episodes/failed/{reason}"] >= n
+    assert left_behind(tmp_path, existing) == []
+
+
+def test_an_env_that_always_fails_stops_the_run_with_its_reason_instead_of_using_up_the_dataset(cache_dir, tmp_path):
+    existing = child_pids()
+    plugin = tmp_path / "faulty_plugin.py"
+    plugin.write_text(FAULTY_PLUGIN)
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "experiment=broken-experiment", f"plugins=[{plugin}]", "dataset.num_eval=8", "cluster.max_failed_in_a_row=40"])
+    start = time.monotonic()
+    with pytest.raises(RoleFailed, match=re.escape(
+            "rollout0 stopped the run: the last 40 training episodes all failed; the latest with env_error: "
+            "BrokenEnv.step raised ImportError: the reward package is not installed")) as failure:
+        launch(config)
+    assert "cluster.max_failed_in_a_row" in str(failure.value)
+    assert time.monotonic() - start < 300
     assert left_behind(tmp_path, existing) == []
 
 

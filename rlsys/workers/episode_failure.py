@@ -5,7 +5,9 @@ computed in `step`). `guard_env` binds them, on the env object itself, to a dead
 raise into `EpisodeFailed("env_error")` or, past the deadline, `EpisodeFailed("env_timeout")`: the agent's
 `await env.step(...)` raises it, and unless the agent handles it, the episode ends with that reason.
 Anything else the agent raises is an `agent_error`. The env stays the same object (its other methods and
-attributes, isinstance) so agents that use more of their env than the contract keep working.
+attributes, isinstance) so agents that use more of their env than the contract keep working. A `fork` of
+a guarded env is guarded in its own right: a copy of the instance would otherwise keep methods bound to
+the original, and every chain of a group would step one board.
 
 The deadline can only interrupt an env that awaits (I/O, `asyncio.to_thread`, a process pool): one that
 blocks the event loop with synchronous work stalls every episode of the worker, which is why CPU-heavy
@@ -25,10 +27,23 @@ class EpisodeFailed(Exception):
         self.reason, self.detail = reason, detail
 
 
+GUARDED = ("reset", "step", "close", "fork")
+
+
 def guard_env(env, timeout: float):
-    """`env`, with reset/step/close raising EpisodeFailed on an exception or after `timeout` s (0: no limit)."""
-    for name in ("reset", "step", "close"):
+    """`env`, with reset/step/close/fork raising EpisodeFailed on an exception or after `timeout` s (0: no
+    limit); what fork returns is guarded the same way."""
+    for name in GUARDED:
         setattr(env, name, _guarded(getattr(env, name), f"{type(env).__name__}.{name}", timeout))
+    fork = env.fork
+
+    async def guarded_fork():
+        copy = await fork()
+        for name in GUARDED:  # the copy's instance attributes: wrappers of the original's methods
+            vars(copy).pop(name, None)
+        return guard_env(copy, timeout)
+
+    env.fork = guarded_fork
     return env
 
 

@@ -14,6 +14,7 @@ from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, group_message
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
+from rlsys.supervisor import RunCannotGoOn
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
 from rlsys.workers.routing import EpisodeRouter
 
@@ -31,6 +32,8 @@ class RolloutWorker:
         self.metrics = MetricsLogger(Path(config.logging_dir), f"rollout{index}")
         self.running: set[asyncio.Task] = set()
         self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
+        self.failed_in_a_row = 0  # training episodes that failed since the last one that did not
+        self.cannot_go_on: RunCannotGoOn | None = None
         # Prompts a resumed run already trained (or filtered): skipped, so none is trained twice.
         self.consumed = set(read_trainer_state(Path(config.resume_from_checkpoint))["consumed_prompts"]
                             if config.resume_from_checkpoint else [])
@@ -64,6 +67,8 @@ class RolloutWorker:
         await self.take_over(rows, prompts)
         next_eval = self.config.eval_steps
         while not await self._bus_get(protocol.LEARNER_DONE) and not await self._bus_get(protocol.STOP):
+            if self.cannot_go_on:
+                raise self.cannot_go_on
             if len(self.running) < self.config.max_concurrent_rollouts and await self.admit():
                 prompt = next(prompts)
                 await asyncio.to_thread(self.bus.incr, protocol.rollout_position(self.index))
@@ -172,9 +177,21 @@ class RolloutWorker:
             message = self.trajectory_message(prompt, trajectories)
         except EpisodeFailed as failure:
             await asyncio.to_thread(accounting.settle_untrained, self.bus, prompt.qid, accounting.failed(failure.reason))
+            self.count_failure_in_a_row(failure)
         else:
             await asyncio.to_thread(self.bus.stream_add, protocol.TRAJECTORIES, message)
+            self.failed_in_a_row = 0
         await asyncio.to_thread(self.bus.set_remove, episodes, prompt.qid)
+
+    def count_failure_in_a_row(self, failure: EpisodeFailed) -> None:
+        """Episodes that all fail mean a broken env or agent, not bad luck: the run stops instead of burning
+        through the dataset."""
+        self.failed_in_a_row += 1
+        limit = self.config.cluster.max_failed_in_a_row
+        if limit and self.failed_in_a_row >= limit and not self.cannot_go_on:
+            self.cannot_go_on = RunCannotGoOn(
+                f"the last {self.failed_in_a_row} training episodes all failed; the latest with {failure}. "
+                "Fix the environment or agent (or raise cluster.max_failed_in_a_row)")
 
     def trajectory_message(self, prompt: Prompt, trajectories) -> dict:
         try:
