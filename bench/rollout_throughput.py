@@ -1,11 +1,12 @@
 """Rollout throughput: generated tokens per second through the whole rollout path vs the engine alone.
 
-    python3 bench/rollout_throughput.py [--episodes 640] [--concurrency 64] [--repeats 3]
+    python3 bench/rollout_throughput.py [--episodes 640] [--concurrency 64] [--repeats 3] [key=value ...]
 
 Same prompts (the default run's training set, in the rollout worker's order) and settings (the default
 experiment: math-single-step, 8 samples per prompt, up to 8 new tokens, temperature 1) on both sides:
 
-- engine alone: a GenerationEngine on vLLM in this process, `concurrency` requests kept in flight;
+- engine alone: a GenerationEngine on vLLM in this process, `concurrency` requests kept in flight, with the
+  inference worker's thread setting (`inference.num_threads`);
 - full path: a private Redis, inference worker process(es) and a real rollout worker process running
   `concurrency` episodes at once (agent, math env, episode router, bus); trajectories are read off the bus.
 
@@ -33,7 +34,7 @@ from rlsys.bus import EmbeddedRedis, connect  # noqa: E402
 from rlsys.cli import parse_config  # noqa: E402
 from rlsys.data.dataset import load_jsonl_dataset, write_jsonl  # noqa: E402
 from rlsys.data.prompts import prompt_stream  # noqa: E402
-from rlsys.launcher import initialize_bus_state, start_role  # noqa: E402
+from rlsys.launcher import initialize_bus_state, limit_threads, start_role  # noqa: E402
 from rlsys.metrics import read_jsonl_metrics  # noqa: E402
 from rlsys.model.tokenizer import load_tokenizer  # noqa: E402
 from rlsys.supervisor import stop_processes  # noqa: E402
@@ -50,6 +51,7 @@ class EngineAlone:
         from rlsys.engine.generation import GenerationEngine
         from rlsys.engine.vllm_engine import VLLMBackend
 
+        limit_threads(config.inference.num_threads)  # as the inference worker does: the same engine on both sides
         self.engine = GenerationEngine(VLLMBackend(config.model.path, config.inference, config.seed))
         rows = load_jsonl_dataset(config.dataset.path)
         self.prompts = prompt_stream(rows, load_tokenizer(config.model.path), "train", seed=config.seed, shuffle=True)
@@ -131,9 +133,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64, help="episodes (requests) in flight")
     parser.add_argument("--repeats", type=int, default=3, help="windows per side")
     parser.add_argument("--out", default="bench/results/rollout_throughput.json")
+    parser.add_argument("overrides", nargs="*", help="experiment settings, key=value (e.g. inference.num_threads=0)")
     args = parser.parse_args()
 
-    config = parse_config([])
+    config = parse_config(args.overrides)
     prepare_assets(config)
     results: dict[str, dict] = {}
     engine_rates: list[float] = []
@@ -160,7 +163,8 @@ def main() -> None:
     reference = results["engine alone"]["tokens_per_second"]
     ratios = {n: results[f"full path, {n} inference worker(s)"]["tokens_per_second"] / reference for n in (1, 2)}
     print(f"windows of {args.episodes} episodes, {args.concurrency} in flight, {args.repeats} per side, default tiny "
-          f"model, {config.group_size} samples x up to {config.gen.max_new_tokens} tokens each")
+          f"model, {config.group_size} samples x up to {config.gen.max_new_tokens} tokens each, "
+          f"{config.inference.num_threads or 'engine-chosen'} thread(s) per engine")
     print(f"{'path':<34} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}   windows")
     for name, row in results.items():
         p50, p99 = (f"{1000 * row[k]:8.1f}" if k in row else f"{'-':>8}" for k in ("latency_p50", "latency_p99"))

@@ -225,6 +225,9 @@ class InferenceConfig:
     """CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); ignored on GPUs."""
     gpu_memory_utilization: float = 0.5
     """Fraction of accelerator memory vLLM may take (of host memory on CPU)."""
+    num_threads: int = 1
+    """CPU threads of each inference worker (torch/OpenMP); 0: the engine's choice (vLLM-CPU: about one per core).
+    One leaves the other cores to the learner and rollout workers of a small machine."""
     max_num_seqs: int = 256
     """Most sequences the engine runs at once (one per sample: a request of n samples is n sequences)."""
     max_model_len: int = 0
@@ -239,7 +242,7 @@ class InferenceConfig:
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"inference.engine must be one of {ENGINES}, got {self.engine!r}")
-        check_at_least("inference.", self, kv_cache_gib=1, max_num_seqs=1, max_model_len=0, max_batch_requests=1)
+        check_at_least("inference.", self, kv_cache_gib=1, num_threads=0, max_num_seqs=1, max_model_len=0, max_batch_requests=1)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"inference.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -87,16 +87,24 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}{index} %(levelname)s %(message)s")
     import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
     import rlsys.impl.env  # noqa: F401
-    import torch
-
-    torch.set_num_threads(1)  # roles share the machine's cores; more threads per role only contend
+    config = config_from_dict(payload)
+    limit_threads(config.inference.num_threads if role == "inference" else 1)
     bus = connect(bus_url)
     try:
-        _run(role, index, config_from_dict(payload), bus, run_dir)
+        _run(role, index, config, bus, run_dir)
     except RunCannotGoOn as e:
         log.error("%s%d: the run cannot go on: %s", role, index, e)
         bus.set(protocol.role_stop_reason(f"{role}{index}"), str(e))
         sys.exit(CANNOT_GO_ON_EXIT)
+
+
+def limit_threads(n: int) -> None:
+    """Before any engine or model is built: roles share the machine's cores, and more threads than cores
+    only contend. 0 leaves the choice to the engine."""
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
 
 
 def _run(role: str, index: int, config, bus, run_dir: str) -> None:

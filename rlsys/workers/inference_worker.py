@@ -18,8 +18,9 @@ from rlsys.engine.generation import GenerationEngine
 log = logging.getLogger(__name__)
 
 IDLE_WAIT = 0.02  # seconds an idle worker blocks on its queue before checking for weights and stop
-CONTROL_INTERVAL = 0.02  # while busy, how often the worker checks for new weights and the stop flag
-HEARTBEAT_INTERVAL = 0.1
+CONTROL_INTERVAL = 0.1  # while busy, how often the worker checks for new weights and the stop flag (each check
+# is two round trips on the engine's own thread; a learner step takes far longer than this)
+HEARTBEAT_INTERVAL = 0.25  # well under cluster.inference_dead_after; each beat takes the GIL from the engine loop
 
 
 class InferenceWorker:

@@ -2,6 +2,7 @@
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -19,6 +20,7 @@ from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, gua
 from rlsys.workers.routing import EpisodeRouter
 
 log = logging.getLogger(__name__)
+GATE_POLL_SECONDS = 0.05  # how often a worker with free slots asks the staleness gate again
 
 
 class RolloutWorker:
@@ -31,6 +33,7 @@ class RolloutWorker:
         self.eval_agents = _build_agents(config, _greedy)
         self.metrics = MetricsLogger(Path(config.logging_dir), f"rollout{index}")
         self.running: set[asyncio.Task] = set()
+        self.episode_ended = asyncio.Event()
         self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
         self.failed_in_a_row = 0  # training episodes that failed since the last one that did not
         self.cannot_go_on: RunCannotGoOn | None = None
@@ -69,6 +72,7 @@ class RolloutWorker:
         while not await self._bus_get(protocol.LEARNER_DONE) and not await self._bus_get(protocol.STOP):
             if self.cannot_go_on:
                 raise self.cannot_go_on
+            self.episode_ended.clear()
             if len(self.running) < self.config.max_concurrent_rollouts and await self.admit():
                 prompt = next(prompts)
                 await asyncio.to_thread(self.bus.incr, protocol.rollout_position(self.index))
@@ -78,7 +82,7 @@ class RolloutWorker:
             if self.index == 0 and next_eval and version >= next_eval:
                 next_eval += self.config.eval_steps
                 self._start(self.evaluate(f"step-{version}"))
-            await asyncio.sleep(0.01)
+            await self.wait_for_an_episode_to_end(GATE_POLL_SECONDS)
         for task in list(self.running):
             task.cancel()  # the learner is done: unfinished episodes will never be trained
         await asyncio.gather(*self.running, return_exceptions=True)
@@ -102,7 +106,17 @@ class RolloutWorker:
     def _start(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
         self.running.add(task)
-        task.add_done_callback(self.running.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self.running.discard(task)
+        self.episode_ended.set()
+
+    async def wait_for_an_episode_to_end(self, timeout: float) -> None:
+        """A slot frees when an episode ends (refilled at once); the gate opens with a new version (polled)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self.episode_ended.wait()
 
     def routing_metrics(self) -> dict[str, float]:
         stats = self.router.stats
