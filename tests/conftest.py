@@ -21,3 +21,20 @@ def _one_thread():
 def cache_dir(tmp_path_factory):
     """One model cache for the session: the small test model is warm-started once, not once per module."""
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """The character tokenizer saved where agents can load it by path."""
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    build_char_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()

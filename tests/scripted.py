@@ -13,6 +13,11 @@ from rlsys.workers.routing import EpisodeRouter
 EPISODE_TIMEOUT = 60.0
 
 
+def ids(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` alone, without special tokens."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 class WorkerThread(threading.Thread):
     """The inference worker on a thread that keeps the exception it died of, so the test can raise it."""
 

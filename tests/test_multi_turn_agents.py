@@ -17,25 +17,11 @@ from rlsys.impl.agent.multi_turn import RolloutStrategy, token_key
 from rlsys.impl.env.frozen_lake import FrozenLakeEnv, generate_lake, shortest_path
 from rlsys.impl.env.sokoban import SokobanEnv, generate_room, solve
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
-from tests.scripted import run_scripted_episode
+from tests.scripted import ids, run_scripted_episode
 
 LOGPROB = -0.25
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tokenizer")
-    build_char_tokenizer().save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_char_tokenizer()
-
-
-def ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def user_turn(tokenizer, text: str) -> list[int]:

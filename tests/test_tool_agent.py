@@ -12,8 +12,8 @@ from experiments import AsyncPPOMATHToolsConfig
 from experiments.common import GenerationHyperparameters, ModelConfig
 from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, Prompt, make_agent, make_env
 from rlsys.engine.scripted import ScriptedEngine
-from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
-from tests.scripted import run_scripted_episode
+from rlsys.model.tokenizer import chat_prompt_ids
+from tests.scripted import ids, run_scripted_episode
 
 SEED = 100  # chain c of an episode samples with seed SEED + c: how the scripted model tells chains apart
 LOGPROB = -0.25
@@ -22,20 +22,6 @@ CALCULATOR = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*
 PYTHON = '<tool_call>{"name": "python", "arguments": {"code": "print(408 + 1)"}}</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tokenizer")
-    build_char_tokenizer().save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_char_tokenizer()
-
-
-def ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def scripted(tokenizer, scripts: dict[int, list[str]], eos: bool = True):
