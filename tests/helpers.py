@@ -35,6 +35,9 @@ def child_pids() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+EXIT_GRACE_SECONDS = 5
+
+
 def left_behind(tmp_path: Path, existing: set[int]) -> list[str]:
     """Live processes a run in `tmp_path` could leave: our descendants not among `existing`, and any
     process working in `tmp_path` (an embedded redis-server runs in its data directory); not the servers
@@ -46,4 +49,11 @@ def left_behind(tmp_path: Path, existing: set[int]) -> list[str]:
         with contextlib.suppress(psutil.Error):
             if p.info["status"] != psutil.STATUS_ZOMBIE and p.cwd().startswith(str(tmp_path)):
                 found.append(p)
-    return [" ".join(p.cmdline()) for p in found]
+    # A process on its way out is not left behind: a launcher's resource tracker exits a moment after it.
+    _, alive = psutil.wait_procs(found, timeout=EXIT_GRACE_SECONDS)
+    names = []
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                names.append(" ".join(p.cmdline()))
+    return names

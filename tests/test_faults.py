@@ -71,6 +71,15 @@ class FaultyExperiment(AsyncPPOMATHConfig):
 
 
 register_experiment("faulty-experiment", FaultyExperiment)
+'''
+
+# A plugin file is imported once per process: each test that loads one has its own, with its own names.
+BROKEN_ENV_PLUGIN = '''
+import dataclasses
+
+from experiments import AsyncPPOMATHConfig, register_experiment
+from rlsys.api import EnvServiceAbstraction, register_environment
+from rlsys.impl.env.math_code_single_step import MathCodeSingleStepEnv
 
 
 class BrokenEnv(MathCodeSingleStepEnv):
@@ -78,17 +87,17 @@ class BrokenEnv(MathCodeSingleStepEnv):
         raise ImportError("the reward package is not installed")
 
 
-register_environment("broken-env", BrokenEnv)
+register_environment("always-failing-env", BrokenEnv)
 
 
 @dataclasses.dataclass
-class BrokenExperiment(AsyncPPOMATHConfig):
+class AlwaysFailingExperiment(AsyncPPOMATHConfig):
     @property
     def env(self):
-        return EnvServiceAbstraction("broken-env")
+        return EnvServiceAbstraction("always-failing-env")
 
 
-register_experiment("broken-experiment", BrokenExperiment)
+register_experiment("always-failing-experiment", AlwaysFailingExperiment)
 '''
 
 MB = 2**20
@@ -170,10 +179,10 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
 
 def test_an_env_that_always_fails_stops_the_run_with_its_reason_instead_of_using_up_the_dataset(cache_dir, tmp_path):
     existing = child_pids()
-    plugin = tmp_path / "faulty_plugin.py"
-    plugin.write_text(FAULTY_PLUGIN)
+    plugin = tmp_path / "broken_env_plugin.py"
+    plugin.write_text(BROKEN_ENV_PLUGIN)
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
-        "experiment=broken-experiment", f"plugins=[{plugin}]", "dataset.num_eval=8", "cluster.max_failed_in_a_row=40"])
+        "experiment=always-failing-experiment", f"plugins=[{plugin}]", "dataset.num_eval=8", "cluster.max_failed_in_a_row=40"])
     start = time.monotonic()
     with pytest.raises(RoleFailed, match=re.escape(
             "rollout0 stopped the run: the last 40 training episodes all failed; the latest with env_error: "
