@@ -7,10 +7,9 @@ redrawn until a path from start to goal exists.
 """
 
 import random
-from collections import deque
 
 from rlsys.api import register_environment
-from rlsys.impl.env.text_game import MOVES, GridGame, TextGameEnv, step_to
+from rlsys.impl.env.text_game import MOVES, GridGame, TextGameEnv, shortest_moves, step_to
 
 START_CELL, ICE, HOLE, GOAL, PLAYER = "S", "_", "O", "G", "P"
 
@@ -31,22 +30,14 @@ def generate_lake(size: int, frozen_prob: float, seed: int) -> list[str]:
 def shortest_path(lake: list[str], start: tuple[int, int] = (0, 0)) -> str | None:
     """The moves of a shortest safe path from `start` to the goal (breadth-first), or None if there is none."""
     size = len(lake)
-    previous: dict[tuple[int, int], tuple[tuple[int, int], str] | None] = {start: None}
-    frontier = deque([start])
-    while frontier:
-        here = frontier.popleft()
-        if lake[here[0]][here[1]] == GOAL:
-            moves = []
-            while previous[here] is not None:
-                here, move = previous[here]
-                moves.append(move)
-            return "".join(reversed(moves))
+
+    def safe_steps(here: tuple[int, int]):
         for move in MOVES:
             r, c = step_to(here, move)
-            if 0 <= r < size and 0 <= c < size and lake[r][c] != HOLE and (r, c) not in previous:
-                previous[(r, c)] = (here, move)
-                frontier.append((r, c))
-    return None
+            if 0 <= r < size and 0 <= c < size and lake[r][c] != HOLE:
+                yield move, (r, c)
+
+    return shortest_moves(start, lambda here: lake[here[0]][here[1]] == GOAL, safe_steps)
 
 
 class FrozenLake(GridGame):

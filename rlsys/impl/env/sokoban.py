@@ -9,10 +9,9 @@ Rooms are generated backwards, as gym-sokoban does: boxes start on their targets
 """
 
 import random
-from collections import deque
 
 from rlsys.api import register_environment
-from rlsys.impl.env.text_game import MOVES, GridGame, TextGameEnv, step_to
+from rlsys.impl.env.text_game import MOVES, GridGame, TextGameEnv, shortest_moves, step_to
 
 WALL, FLOOR = "#", "_"
 Cell = tuple[int, int]
@@ -84,26 +83,15 @@ def _opposite(move: str) -> str:
 
 def solve(game: Sokoban, max_states: int = 200_000) -> str | None:
     """The moves of a shortest solution (breadth-first over player and box positions), or None."""
-    start = (game.player, frozenset(game.boxes))
-    previous: dict = {start: None}
-    frontier = deque([start])
-    while frontier and len(previous) < max_states:
-        state = frontier.popleft()
+    def pushes(state):
         player, boxes = state
-        if boxes == game.targets:
-            moves = []
-            while previous[state] is not None:
-                state, move = previous[state]
-                moves.append(move)
-            return "".join(reversed(moves))
         for move in MOVES:
             probe = Sokoban(game.walls, game.targets, set(boxes), player, game.size)
-            _, _, effective = probe.move(move)
-            following = (probe.player, frozenset(probe.boxes))
-            if effective and following not in previous:
-                previous[following] = (state, move)
-                frontier.append(following)
-    return None
+            if probe.move(move)[2]:  # effective
+                yield move, (probe.player, frozenset(probe.boxes))
+
+    start = (game.player, frozenset(game.boxes))
+    return shortest_moves(start, lambda state: state[1] == game.targets, pushes, max_states)
 
 
 class SokobanEnv(TextGameEnv):

@@ -11,6 +11,8 @@ A board is generated from the seed alone, so the same seed always gives the same
 """
 
 import abc
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from rlsys.api import EnvironmentService
@@ -30,6 +32,28 @@ def parse_move(text: str) -> str | None:
 def step_to(position: tuple[int, int], move: str) -> tuple[int, int]:
     dr, dc = MOVES[move]
     return position[0] + dr, position[1] + dc
+
+
+def shortest_moves(start: Hashable, is_goal: Callable[[Any], bool],
+                   successors: Callable[[Any], Iterator[tuple[str, Hashable]]],
+                   max_states: int | None = None) -> str | None:
+    """Breadth-first search: the moves of a shortest path from `start` to a state where `is_goal` holds, or
+    None if there is none (within `max_states` states). `successors(state)` yields (move, next state)."""
+    previous: dict = {start: None}
+    frontier = deque([start])
+    while frontier and (max_states is None or len(previous) < max_states):
+        state = frontier.popleft()
+        if is_goal(state):
+            moves = []
+            while previous[state] is not None:
+                state, move = previous[state]
+                moves.append(move)
+            return "".join(reversed(moves))
+        for move, following in successors(state):
+            if following not in previous:
+                previous[following] = (state, move)
+                frontier.append(following)
+    return None
 
 
 class GridGame(abc.ABC):
