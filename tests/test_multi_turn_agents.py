@@ -72,6 +72,12 @@ def math_prompt(tokenizer) -> Prompt:
     return Prompt("q7", chat_prompt_ids(tokenizer, "12+34="), {"prompt": "12+34=", "answer": "46"})
 
 
+def game_prompt(tokenizer, env, name: str, seed: int, answer: str = "") -> Prompt:
+    """The dataset row of puzzle `seed` (id name + seed), as the rollout worker hands it to the agent."""
+    text = env.first_observation(seed)
+    return Prompt(f"{name}{seed}", chat_prompt_ids(tokenizer, text), {"prompt": text, "answer": answer, "seed": seed})
+
+
 def test_math_multi_turn_chains_retry_after_wrong_answers(tokenizer, tokenizer_dir):
     scripts = [["46"], ["45", "46"], ["1", "2", "3"]]
     agent, gconfig = math_agent(tokenizer_dir, n=3, seed=5, num_turns=3, turn_discount=0.5)
@@ -219,9 +225,7 @@ def test_text_game_agent_plays_frozen_lake_turn_by_turn(tokenizer, tokenizer_dir
     seed = 3
     env = FrozenLakeEnv(max_steps=12, invalid_action_penalty=0.1)
     path = shortest_path(generate_lake(4, 0.8, seed))
-    prompt_text = env.first_observation(seed)
-    prompt = Prompt("lake3", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": path,
-                                                                        "seed": seed})
+    prompt = game_prompt(tokenizer, env, "lake", seed, answer=path)
     eos = tokenizer.eos_token_id
 
     def policy(prompt_ids, gconfig, sample):
@@ -256,7 +260,7 @@ def test_text_game_agent_plays_frozen_lake_turn_by_turn(tokenizer, tokenizer_dir
             expected += user_turn(tokenizer, board)
             mask += [0] * len(user_turn(tokenizer, board))
     assert clean.token_ids == expected and clean.loss_mask == mask
-    assert clean.turn_obs_keys == keys and keys[0] == prompt_text[len(env.instruction):]
+    assert clean.turn_obs_keys == keys and keys[0] == prompt.data["prompt"][len(env.instruction):]
     assert invalid.turn_obs_keys[:2] == [keys[0], keys[0]]  # the invalid move left the board as it was
     assert all(v == NOT_GENERATED for v, m in zip(clean.versions, clean.loss_mask) if not m)
 
@@ -265,9 +269,7 @@ def test_text_game_episode_ends_at_max_turns_or_in_a_hole(tokenizer, tokenizer_d
     seed = 15
     assert generate_lake(4, 0.8, seed)[1][0] == "O"  # moving down from the start falls through
     env = FrozenLakeEnv()
-    prompt_text = env.first_observation(seed)
-    prompt = Prompt("lake15", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": "",
-                                                                         "seed": seed})
+    prompt = game_prompt(tokenizer, env, "lake", seed)
     eos = tokenizer.eos_token_id
     agent = frozen_lake_agent(tokenizer_dir, n=2, max_turns=3)
     trajectories, _ = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "UD"[i]) + [eos])
@@ -283,9 +285,7 @@ def test_tree_rollout_forks_the_game_so_branches_play_on_their_own_boards(tokeni
     seed = 3
     env = SokobanEnv()
     assert solve(generate_room(6, 1, seed)) == "LLDR"
-    prompt_text = env.first_observation(seed)
-    prompt = Prompt("room3", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": "LLDR",
-                                                                        "seed": seed})
+    prompt = game_prompt(tokenizer, env, "room", seed, answer="LLDR")
     eos = tokenizer.eos_token_id
 
     def policy(prompt_ids, gconfig, sample):
@@ -366,9 +366,7 @@ class BrokenLake(FrozenLakeEnv):
 def test_a_crashing_env_fails_the_episode_and_cancels_its_other_chains(tokenizer, tokenizer_dir):
     seed = 3
     env = BrokenLake(max_steps=50)
-    prompt_text = env.first_observation(seed)
-    prompt = Prompt("lake3", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": "",
-                                                                        "seed": seed})
+    prompt = game_prompt(tokenizer, env, "lake", seed)
     eos = tokenizer.eos_token_id
 
     async def scenario():
@@ -383,11 +381,9 @@ def test_a_crashing_env_fails_the_episode_and_cancels_its_other_chains(tokenizer
 def test_an_episode_stops_before_its_context_outgrows_the_budget(tokenizer, tokenizer_dir):
     seed = 3
     env = FrozenLakeEnv(max_steps=20)
-    prompt_text = env.first_observation(seed)
-    prompt = Prompt("lake3", chat_prompt_ids(tokenizer, prompt_text), {"prompt": prompt_text, "answer": "",
-                                                                        "seed": seed})
+    prompt = game_prompt(tokenizer, env, "lake", seed)
     eos = tokenizer.eos_token_id
-    per_turn = 2 + len(user_turn(tokenizer, prompt_text[len(env.instruction):]))  # a move, then the board
+    per_turn = 2 + len(user_turn(tokenizer, prompt.data["prompt"][len(env.instruction):]))  # a move, then the board
     budget = len(prompt.token_ids) + 2 * per_turn + 4  # room for two turns and a third's 4 new tokens
     agent = frozen_lake_agent(tokenizer_dir, n=1, max_turns=20, max_context_tokens=budget)
     (trajectory,), _ = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "L") + [eos])
