@@ -10,7 +10,10 @@ pending, and in the stream, until the learner acknowledges it, which deletes it:
   * a group it filtered, a duplicate, or a message it set aside: as soon as it has decided.
 Nothing else ever removes an entry, so the stream is never trimmed below what is unacknowledged. A
 learner that dies leaves its entries pending; the next one claims them when it starts (a run has one
-learner, so at that moment every pending entry belongs to a dead one) and gets them again.
+learner, so at that moment every pending entry belongs to a dead one) and gets them again. An entry
+handed to the learner by a bus server that then died before its reply went out is pending but never
+arrived: after a server restart the learner claims every pending entry under a new consumer name, and
+takes again those it does not hold.
 
 Duplicates (a group delivered again, e.g. after a claim, or resent) are dropped by group id and by
 trajectory id, against a bounded window of recent ids. The window starts from the checkpoint's consumed
@@ -32,7 +35,7 @@ from collections.abc import Iterable
 
 from rlsys import accounting, protocol
 from rlsys.api import Trajectory
-from rlsys.bus import BusDecodeError, StreamEntry
+from rlsys.bus import BusDecodeError, ServerRestarts, StreamEntry
 from rlsys.bus.base import encode
 
 log = logging.getLogger(__name__)
@@ -174,23 +177,35 @@ class TrajectoryInbox:
 
     def __init__(self, bus, consumer: str, max_message_bytes: int, vocab_size: int | None = None,
                  consumed: Iterable[str] = ()):
-        self.bus, self.consumer = bus, consumer
+        self.bus, self.name, self.consumer = bus, consumer, consumer
         self.max_message_bytes, self.vocab_size = max_message_bytes, vocab_size
         self.seen = RecentIds(DEDUP_WINDOW, list(consumed)[-DEDUP_WINDOW:])
         self.duplicates = self.dead_letters = 0
-        self.orphans = self._claim_orphans()
+        self.held: set[str] = set()  # entry ids handed out and not yet acknowledged
+        self.server_restarts = ServerRestarts(bus)
+        self.orphans = self._claim_pending()
+        if self.orphans:
+            log.info("took over %d trajectory messages a previous learner left unacknowledged", len(self.orphans))
 
-    def _claim_orphans(self) -> list[StreamEntry]:
-        """Every entry a dead learner left pending; they are delivered again, first."""
-        orphans = []
+    def _claim_pending(self) -> list[StreamEntry]:
+        """Every entry pending for another consumer name, now this one's."""
+        claimed = []
         while page := self.bus.stream_claim(protocol.TRAJECTORIES, protocol.LEARNERS, self.consumer, 0, CLAIM_PAGE):
-            orphans += page
-        if orphans:
-            log.info("took over %d trajectory messages a previous learner left unacknowledged", len(orphans))
-        return orphans
+            claimed += page
+        return claimed
+
+    def _take_back_lost_entries(self) -> None:
+        self.consumer = f"{self.name}@{self.server_restarts.server}"
+        lost = [entry for entry in self._claim_pending() if entry.id not in self.held]
+        if lost:
+            log.warning("the bus server restarted; %d trajectory messages it had handed out never arrived: "
+                        "taking them again", len(lost))
+        self.orphans += lost
 
     def receive(self, max_count: int, timeout: float) -> list[Delivery]:
         """Up to `max_count` new groups (waiting up to `timeout` s for the first entry); each must be acked."""
+        if self.server_restarts.happened():
+            self._take_back_lost_entries()
         if self.orphans:
             entries, self.orphans = self.orphans[:max_count], self.orphans[max_count:]
         else:
@@ -199,6 +214,7 @@ class TrajectoryInbox:
 
     def ack(self, entry_ids: list[str]) -> None:
         self.bus.stream_ack(protocol.TRAJECTORIES, protocol.LEARNERS, entry_ids)
+        self.held.difference_update(entry_ids)
 
     def _accept(self, entry: StreamEntry) -> Delivery | None:
         try:
@@ -216,6 +232,7 @@ class TrajectoryInbox:
             return None
         for i in [group_id, *(t.traj_id for t in trajectories)]:
             self.seen.add(i)
+        self.held.add(entry.id)
         return Delivery(entry.id, group_id, trajectories)
 
     def _parse(self, entry: StreamEntry) -> tuple[str, list[Trajectory]]:

@@ -8,6 +8,7 @@ import pytest
 
 from rlsys import accounting, protocol
 from rlsys.api import Trajectory
+from rlsys.bus import EmbeddedRedis, connect
 from rlsys.delivery import MAX_DELIVERIES, InvalidMessage, TrajectoryInbox, group_message
 from tests.test_bus import bus, inject_raw_entry, no_leaked_servers, redis_url  # noqa: F401  (fixtures: both buses)
 
@@ -170,3 +171,24 @@ def test_the_rollout_side_refuses_what_the_learner_would_reject():
     with pytest.raises(InvalidMessage, match="exceeds the limit"):
         group_message("g", [trajectory("g", stop_reason="x" * 2 * MB)], max_bytes=MB)
     assert group_message("g", [trajectory("g")], max_bytes=MB)["group_id"] == "g"
+
+
+def test_after_a_bus_server_restart_the_learner_takes_again_what_never_arrived_and_only_that(tmp_path):
+    """A server that dies right after handing an entry out never sends it: the entry is pending for the
+    learner, which never saw it. The learner takes it again after the restart, not the entries it holds."""
+    with EmbeddedRedis(tmp_path) as server:
+        bus = connect(server.url)
+        for group_id in ["held", "lost", "later"]:
+            send(bus, group_id)
+        learner = inbox(bus)
+        (held,) = learner.receive(1, timeout=1)
+        bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, learner.consumer, 1, 1)  # the reply that never came
+        server.process.terminate()
+        server.process.wait(10)
+        server.restart()
+        assert [d.group_id for d in learner.receive(10, timeout=1)] == ["lost"]
+        assert [d.group_id for d in learner.receive(10, timeout=1)] == ["later"]
+        assert learner.duplicates == 0
+        learner.ack([held.entry_id])
+        assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 2  # "lost" and "later", held now
+        bus.close()

@@ -14,7 +14,7 @@ import pytest
 
 from rlsys import protocol
 from rlsys.api import GenerationConfig
-from rlsys.bus import InProcessBus
+from rlsys.bus import EmbeddedRedis, InProcessBus, connect
 from rlsys.engine.scripted import ScriptedEngine
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.routing import EpisodeRouter
@@ -46,6 +46,20 @@ class DyingWorker(InferenceWorker):
         if self.steps_left < 0:
             raise SystemExit("killed")
         super().reply(outputs)
+
+
+class LosingWorker(InferenceWorker):
+    """Loses the first request it pops, as when the bus server dies before its answer to the pop goes out."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lost_one = threading.Event()
+
+    def take_requests(self, timeout: float) -> None:
+        if self.lost_one.is_set():
+            super().take_requests(timeout)
+        elif self.bus.get_many(self.queue, 1, timeout):
+            self.lost_one.set()
 
 
 @asynccontextmanager
@@ -173,6 +187,36 @@ def test_a_dead_worker_s_requests_are_resent_and_episodes_finish():
         # Nothing lost or duplicated: the re-sent request was generated whole by the survivor.
         assert output.output_ids == [[100 + s + i for i in range(40)] for s in range(2)]
     assert len(survivor.requests) == 6
+
+
+def test_after_a_bus_server_restart_lost_requests_are_sent_again_and_copies_are_dropped(tmp_path):
+    """Across a Redis restart a popped request can vanish and a pushed one arrive twice: the router sends
+    every unanswered request again, and the worker drops the copy of the one it is running."""
+    longer = GenerationConfig(n=1, max_new_tokens=2000)
+
+    async def main():
+        with EmbeddedRedis(tmp_path) as server:
+            bus = connect(server.url)
+            engine = ScriptedEngine(counting_policy, tokens_per_step=1)
+            engine.step = one_millisecond_per_step(engine.step)
+            worker = LosingWorker(engine, bus, 0, max_batch_requests=64)
+            async with serving(bus, [worker]) as router:
+                lost = asyncio.create_task(episode(router, [("lost", [1], LONG)], sequential=True))
+                await asyncio.to_thread(worker.lost_one.wait, 10)
+                running = asyncio.create_task(episode(router, [("running", [2], longer)], sequential=True))
+                while not engine.in_flight:
+                    await asyncio.sleep(0.01)
+                server.process.terminate()
+                await asyncio.to_thread(server.process.wait, 10)
+                server.restart()
+                replies = await asyncio.gather(lost, running)
+            bus.close()
+            return replies, worker.copies_dropped, router.stats.resent
+
+    (lost, running), copies_dropped, resent = asyncio.run(main())
+    assert lost["lost"].output_ids == [[100 + s + i for i in range(40)] for s in range(2)]
+    assert running["running"].output_ids == [[100 + i for i in range(2000)]]
+    assert copies_dropped == 1 and resent == 2
 
 
 def test_weight_update_mid_generation_tags_each_token_with_its_version(tmp_path):

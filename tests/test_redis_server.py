@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect
+from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, ServerRestarts, connect
 from rlsys.bus import redis_server as redis_server_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,4 +198,17 @@ def test_clients_ride_out_a_restart_and_find_their_data(tmp_path):
         server.restart()  # from the thread that owns the server, as the launcher does
         assert waiting.result(timeout=30) == [1, 2]
         assert not server.exited() and bus.stream_length("s") == 1
+        bus.close()
+
+
+def test_a_restarted_server_shows_a_new_server_id(tmp_path):
+    with EmbeddedRedis(tmp_path) as server:
+        bus = connect(server.url)
+        restarts = ServerRestarts(bus)
+        assert not restarts.happened()
+        server.process.terminate()
+        server.process.wait(10)
+        server.restart()
+        assert restarts.happened()
+        assert not restarts.happened()  # once per restart
         bus.close()

@@ -171,6 +171,10 @@ class Bus(abc.ABC):
     def stream_range(self, stream: str, max_count: int) -> list[StreamEntry]:
         """The oldest `max_count` entries, for inspection (e.g. of a dead-letter stream); reads nothing."""
 
+    @abc.abstractmethod
+    def server_id(self) -> str:
+        """Changes whenever the server behind the bus restarts (see ServerRestarts)."""
+
     def close(self) -> None:
         """Release connections. The bus must not be used afterwards."""
 
@@ -179,6 +183,25 @@ class Bus(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ServerRestarts:
+    """Notices that the server behind a bus restarted.
+
+    A client retries a command the dying server ran but never answered: a message being pushed arrives
+    twice, and one being popped or read from a stream is gone from the server without reaching its reader.
+    So whoever waits for an answer sends again what is unanswered, and receivers drop copies.
+    """
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+        self.server = bus.server_id()
+
+    def happened(self) -> bool:
+        """True once after each restart since the last call."""
+        server = self.bus.server_id()
+        restarted, self.server = server != self.server, server
+        return restarted
 
 
 def connect(url: str) -> Bus:

@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import threading
 import time
+import uuid
 
 from rlsys.bus.base import Bus, BusError, StreamEntry, decode, decode_value, encode, encode_value
 
@@ -59,6 +60,7 @@ class InProcessBus(Bus):
         self._values: dict[str, bytes] = {}
         self._sets: dict[str, set[str]] = collections.defaultdict(set)
         self._streams: dict[str, _Stream] = collections.defaultdict(_Stream)
+        self._id = uuid.uuid4().hex
 
     @classmethod
     def named(cls, name: str) -> "InProcessBus":
@@ -224,6 +226,9 @@ class InProcessBus(Bus):
         with self._cond:
             entries = list(self._streams[stream].entries.items())[:max_count]
         return [StreamEntry(i, payload, 0) for i, payload in entries]
+
+    def server_id(self) -> str:
+        return self._id  # it lives and dies with this process: it never restarts
 
     def close(self) -> None:
         """Nothing to release: the bus is shared by everyone in the process who connected to its name."""

@@ -225,5 +225,8 @@ class RedisBus(Bus):
         return [StreamEntry(entry_id.decode(), fields[PAYLOAD], 0)
                 for entry_id, fields in self._client.xrange(self._k(stream), count=max_count)]
 
+    def server_id(self) -> str:
+        return self._client.info("server")["run_id"]  # a random id each redis-server process draws at start
+
     def close(self) -> None:
         self._client.close()

@@ -51,6 +51,9 @@ class GenerationEngine:
         """Requests added and not yet returned."""
         return len(self._requests)
 
+    def is_running(self, rid: str) -> bool:
+        return rid in self._requests
+
     def add_request(self, rid: str, prompt_ids: list[int], gconfig: GenerationConfig) -> None:
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already running")

@@ -30,6 +30,7 @@ class InferenceWorker:
         self.reply_to: dict[str, str] = {}  # request id -> the router's reply queue
         self.queue = protocol.generation_requests(index)
         self.epoch = 0
+        self.copies_dropped = 0  # requests that arrived again while running
         self._stopping = threading.Event()
         self._next_control = 0.0
 
@@ -74,6 +75,10 @@ class InferenceWorker:
 
     def take_requests(self, timeout: float) -> None:
         for request in self.bus.get_many(self.queue, self.max_batch_requests, timeout):
+            if self.engine.is_running(request["rid"]):  # a router sent it again after a bus server restart
+                self.copies_dropped += 1
+                log.info("dropped a copy of request %s, which is already running", request["rid"])
+                continue
             self.reply_to[request["rid"]] = request["reply_to"]
             self.engine.add_request(request["rid"], request["token_ids"], GenerationConfig.from_dict(request["gconfig"]))
 

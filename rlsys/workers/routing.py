@@ -6,7 +6,9 @@
   load plus what this router sent it since).
 - Nothing lost: a router remembers every request until its reply arrives. When a worker stops beating
   or restarts (a new epoch: its queue was cleared), the requests it held are re-sent to a live worker;
-  the episode just waits a little longer. A late duplicate reply is dropped.
+  the episode just waits a little longer. When the bus server restarts, a request or reply may have been
+  lost on the way, so every unanswered request is sent again (a worker drops a copy of a request it is
+  running). A late duplicate reply is dropped.
 """
 
 import asyncio
@@ -17,8 +19,10 @@ from dataclasses import dataclass, field
 
 from rlsys import protocol
 from rlsys.api import GenerationOutput
+from rlsys.bus import ServerRestarts
 
 REFRESH_INTERVAL = 0.05  # seconds between reads of the workers' status keys
+UNDELIVERED = -1  # the epoch of a request that must be sent again (no worker epoch is negative)
 LATENCY_WINDOW = 100_000  # request latencies kept for percentiles
 
 
@@ -104,6 +108,7 @@ class EpisodeRouter:
         self.workers = InferenceWorkers(bus, n_inference_workers, dead_after)
         self.waiting: dict[str, PendingRequest] = {}  # request id -> request not yet answered
         self.stats = RouterStats()
+        self.server_restarts = ServerRestarts(bus)
 
     async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> None:
         """Sends one episode's requests, all to the worker that took its first, while that worker lives."""
@@ -142,15 +147,19 @@ class EpisodeRouter:
     async def watch_workers(self) -> None:
         while True:
             await asyncio.to_thread(self.workers.refresh)
+            if await asyncio.to_thread(self.server_restarts.happened):
+                for pending in self.waiting.values():
+                    pending.epoch = UNDELIVERED
             await self.resend_orphans()
             await asyncio.sleep(REFRESH_INTERVAL)
 
     async def resend_orphans(self) -> None:
-        """Requests whose worker died or restarted go to a live worker (they wait if there is none)."""
+        """Requests whose worker died or restarted, or that a bus restart may have lost, go to their worker
+        if it lives, else to the least loaded live one (they wait if there is none)."""
         for pending in list(self.waiting.values()):
             if self.workers.serves(pending.worker, pending.epoch):
                 continue
-            worker = self.workers.least_loaded()
+            worker = pending.worker if self.workers.is_alive(pending.worker) else self.workers.least_loaded()
             if worker is None:
                 return
             self.stats.resent += 1
