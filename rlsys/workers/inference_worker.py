@@ -74,13 +74,16 @@ class InferenceWorker:
                 log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
 
     def take_requests(self, timeout: float) -> None:
+        copies = 0
         for request in self.bus.get_many(self.queue, self.max_batch_requests, timeout):
             if self.engine.is_running(request["rid"]):  # a router sent it again after a bus server restart
-                self.copies_dropped += 1
-                log.info("dropped a copy of request %s, which is already running", request["rid"])
+                copies += 1
                 continue
             self.reply_to[request["rid"]] = request["reply_to"]
             self.engine.add_request(request["rid"], request["token_ids"], GenerationConfig.from_dict(request["gconfig"]))
+        if copies:
+            self.copies_dropped += copies
+            log.info("dropped %d copies of requests already running", copies)
 
     def reply(self, outputs) -> None:
         by_queue: dict[str, list[dict]] = {}
