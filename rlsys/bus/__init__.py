@@ -5,5 +5,5 @@ from rlsys.bus.inproc import InProcessBus
 from rlsys.bus.redis_bus import RedisBus
 from rlsys.bus.redis_server import EmbeddedRedis, EmbeddedRedisError, raise_on_sigterm
 
-__all__ = ["Bus", "BusDecodeError", "BusEncodeError", "BusError", "ServerRestarts", "StreamEntry", "connect", "InProcessBus", "RedisBus",
-           "EmbeddedRedis", "EmbeddedRedisError", "raise_on_sigterm"]
+__all__ = ["Bus", "BusDecodeError", "BusEncodeError", "BusError", "ServerRestarts", "StreamEntry", "connect",
+           "InProcessBus", "RedisBus", "EmbeddedRedis", "EmbeddedRedisError", "raise_on_sigterm"]
