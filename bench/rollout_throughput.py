@@ -11,9 +11,11 @@ experiment: math-single-step, 8 samples per prompt, up to 8 new tokens, temperat
   `concurrency` episodes at once (agent, math env, episode router, bus); trajectories are read off the bus.
 
 Windows of `episodes` finished requests (engine) or episodes (full path) alternate, `repeats` times each,
-after a warm-up with the pipeline full. While the engine alone is timed, the full path is paused by
-closing its admission gate, so the two never share the machine; the ratio is of the medians. The last
-line is the headline: the full path's throughput with one inference worker over the engine's.
+after a warm-up. Both sides are timed in steady state: a window starts with `concurrency` requests or
+episodes in flight and ends with as many unfinished (the full path's pipeline is refilled, untimed, before
+each window). While the engine alone is timed, the full path is paused by closing its admission gate, so
+the two never share the machine; the ratio is of the medians. The last line is the headline: the full
+path's throughput with one inference worker over the engine's.
 """
 
 import argparse
@@ -77,7 +79,7 @@ class FullPath:
         self.config = dataclasses.replace(config, max_concurrent_rollouts=concurrency, max_head_offpolicyness=10**9,
                                           logging_dir=str(run_dir / "logs"))
         self.config.cluster = dataclasses.replace(config.cluster, n_inference_workers=n_workers)
-        self.run_dir, self.n_workers = run_dir, n_workers
+        self.run_dir, self.n_workers, self.concurrency = run_dir, n_workers, concurrency
 
     @contextlib.contextmanager
     def running(self):
@@ -93,12 +95,21 @@ class FullPath:
                 stop_processes(self.bus, processes.values())
                 self.bus.close()
 
-    def generated_tokens(self, episodes: int) -> int:
-        """Opens the gate, waits for `episodes` episodes, closes it and waits until the path is idle."""
+    def tokens_per_second(self, episodes: int) -> float:
+        """Opens the gate, times `episodes` episodes with the pipeline full, and closes the gate again.
+
+        The first `concurrency` episodes only fill the pipeline and are not timed: the engine alone is timed
+        with its requests already in flight (it is never drained), so both sides start a window full and
+        end it with work in flight. Timing the fill too charged the full path a pipeline's worth of latency.
+        """
         self.bus.set(protocol.ADMITTED, 0)
-        tokens = sum(self.take_episode() for _ in range(episodes))
+        self.generated_tokens(self.concurrency)
+        rate = tokens_per_second(self.generated_tokens, episodes)
         self.bus.set(protocol.ADMITTED, GATE_CLOSED)
-        return tokens
+        return rate
+
+    def generated_tokens(self, episodes: int) -> int:
+        return sum(self.take_episode() for _ in range(episodes))
 
     def take_episode(self) -> int:
         """Generated tokens of the next episode on the trajectory stream, read as the learner would."""
@@ -148,12 +159,12 @@ def main() -> None:
         alone.generated_tokens(WARM_UP_EPISODES)
         for n_workers in (1, 2):
             with FullPath(config, n_workers, args.concurrency, tmp / f"run{n_workers}").running() as path:
-                path.generated_tokens(WARM_UP_EPISODES)
+                path.tokens_per_second(WARM_UP_EPISODES)
                 path.drain()
                 rates = []
                 for _ in range(args.repeats):
                     engine_rates.append(tokens_per_second(alone.generated_tokens, args.episodes))
-                    rates.append(tokens_per_second(path.generated_tokens, args.episodes))
+                    rates.append(path.tokens_per_second(args.episodes))
                     path.drain()
             p50, p99 = path.latencies()
             results[f"full path, {n_workers} inference worker(s)"] = {

@@ -81,6 +81,21 @@ def test_trajectory_round_trips_through_msgpack_unchanged():
     assert back.num_generated == 2
 
 
+def test_trajectory_to_dict_has_every_field_and_shares_no_list_with_the_trajectory():
+    import dataclasses
+
+    trajectory = dataclasses.replace(make_trajectory(), turn_obs_keys=["board"])
+    data = trajectory.to_dict()
+    assert data == dataclasses.asdict(trajectory)
+    for name in ("token_ids", "loss_mask", "logprobs", "versions", "turn_ends", "turn_rewards", "turn_obs_keys",
+                 "metrics"):
+        assert data[name] is not getattr(trajectory, name), name
+    data["token_ids"].append(99)
+    data["metrics"]["extra"] = 1.0
+    assert trajectory.token_ids == [4, 7, 8, 10, 1]
+    assert "extra" not in trajectory.metrics
+
+
 def test_multi_turn_fields_round_trip_and_older_payloads_get_their_defaults():
     import dataclasses
 

@@ -132,7 +132,7 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     with EmbeddedRedis(tmp_path / "redis") as server:
         config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
             "experiment=faulty-experiment", f"plugins=[{plugin}]", "trial_name=faults", "max_steps=6",
-            "env_timeout=3", "cluster.max_message_mb=1", f"cluster.redis_url={server.url}"])
+            "env_timeout=1", "cluster.max_message_mb=1", f"cluster.redis_url={server.url}"])
         learner_log = tmp_path / "faulty-experiment" / "faults" / "logs" / "learner.jsonl"
         stop = threading.Event()
         injector = threading.Thread(target=inject_once_training_runs, args=(server.url, learner_log, stop))
@@ -167,7 +167,7 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     # one clear line per fault, with its reason
     assert "failed (env_error): FaultyEnv.reset raised KeyError: 'the env cannot start on this problem'" in output
     assert "failed (env_error): FaultyEnv.step raised ZeroDivisionError: the reward function divided by zero" in output
-    assert "failed (env_timeout): FaultyEnv.step took longer than 3s (env_timeout)" in output
+    assert "failed (env_timeout): FaultyEnv.step took longer than 1s (env_timeout)" in output
     assert "failed (agent_error): RuntimeError: the agent has a bug on this problem" in output
     assert output.count("set aside in trajectories:dead") == len(POISON)
     rollout = read_jsonl_metrics(Path(config.logging_dir) / "rollout0.jsonl")
