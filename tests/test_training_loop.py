@@ -197,13 +197,16 @@ def run_bus(run_dir: Path):
     return RedisBus.from_url(f"redis://:{json.loads(config['requirepass'])}@127.0.0.1:{config['port']}/0")
 
 
-def busy_on_a_fresh_beat(bus, index: int, min_load: int = 2) -> bool:
-    """Waits for inference worker `index`'s next heartbeat; True if it then held `min_load` requests or more.
+def busy_on_a_fresh_beat(bus, index: int, deadline: float, min_load: int = 2) -> bool:
+    """Waits (until `deadline`, monotonic) for inference worker `index`'s next heartbeat; True if it then held
+    `min_load` requests or more.
 
     A status read at any time can be a beat (0.25 s) old, and a worker killed on it may have answered
-    everything since: then nothing needs re-sending. Killed within milliseconds of a busy beat, it cannot have."""
+    everything since: then nothing needs re-sending. Killed within milliseconds of a busy beat, it has
+    almost surely not answered them all."""
     last = (bus.get(protocol.inference_status(index)) or {}).get("beat")
     while (status := bus.get(protocol.inference_status(index)) or {}).get("beat") == last:
+        assert time.monotonic() < deadline, f"inference worker {index} stopped beating"
         time.sleep(0.001)
     return status.get("load", 0) >= min_load
 
@@ -222,7 +225,7 @@ def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish
             time.sleep(0.2)
         (victim,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "inference0"]
         with run_bus(tmp_path / "async-ppo-math" / "i") as bus:
-            while not busy_on_a_fresh_beat(bus, 0):
+            while not busy_on_a_fresh_beat(bus, 0, deadline):
                 assert time.monotonic() < deadline
             victim.kill()  # what it held must be re-sent to the other worker
         assert proc.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
