@@ -12,6 +12,7 @@ from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.common import GenerationHyperparameters
 from experiments.registry import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
+from rlsys.tools.confinement import preflight
 from rlsys.tools.sandbox import SandboxLimits
 
 
@@ -27,8 +28,6 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
     """Tools offered to the model, by registered name."""
     python_persistent: bool = True
     """python tool: variables persist across the calls of an episode (earlier cells re-run silently)."""
-    python_isolate: bool = True
-    """python tool: confine the sandbox with namespaces where the machine allows; false keeps only the limits."""
     tool_output_chars: int = 1024
     """Longest tool response the model reads; the rest is cut."""
     tool_timeout: float = 30.0
@@ -37,6 +36,11 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
     """Tool calls run per turn; further calls get an error response."""
     sandbox: SandboxLimits = field(default_factory=SandboxLimits)
     gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=256))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if "python" in self.tools:  # the run stops here, saying why, if model code could not be confined
+            preflight(self.sandbox.allow_unconfined)
 
     @property
     def agent(self) -> AgentAbstraction:
@@ -48,7 +52,7 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
     @property
     def env(self) -> EnvServiceAbstraction:
         python = dict(limits=dataclasses.asdict(self.sandbox), persistent=self.python_persistent,
-                      max_output_chars=self.tool_output_chars, isolate=self.python_isolate)
+                      max_output_chars=self.tool_output_chars)
         return EnvServiceAbstraction("math-tools", args=dict(
             tools={name: python if name == "python" else {} for name in self.tools},
             tool_timeout=self.tool_timeout, max_calls_per_turn=self.max_calls_per_turn,

@@ -1,7 +1,7 @@
 """The tool contract: something the model calls by name with JSON arguments, and reads the result of."""
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlsys.api.registry import Registry
@@ -17,6 +17,7 @@ class ToolOutput:
     text: str
     status: str = "ok"  # one of TOOL_STATUSES: "error" covers a failed call, "timeout" a call that ran out of time
     reason: str = ""
+    isolation: list[str] = field(default_factory=list)  # for tools that run code: the confinement in force
 
 
 class Tool(abc.ABC):

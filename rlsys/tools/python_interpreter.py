@@ -9,6 +9,7 @@ created in `start`, dropped in `stop`.
 """
 
 from rlsys.api.tool import Tool, ToolOutput, register_tool
+from rlsys.tools.confinement import preflight
 from rlsys.tools.sandbox import SandboxLimits, SandboxResult, run_python
 
 # Runs the cells in one namespace; only the last one's output is shown. Tracebacks name the cell and
@@ -41,9 +42,10 @@ class PythonTool(Tool):
     parameters = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}
 
     def __init__(self, limits: SandboxLimits | dict | None = None, persistent: bool = True,
-                 max_output_chars: int = 1024, isolate: bool = True):
+                 max_output_chars: int = 1024):
         self.limits = SandboxLimits(**limits) if isinstance(limits, dict) else limits or SandboxLimits()
-        self.persistent, self.max_output_chars, self.isolate = persistent, max_output_chars, isolate
+        self.persistent, self.max_output_chars = persistent, max_output_chars
+        preflight(self.limits.allow_unconfined)  # no confinement and not allowed to run without: say so now
         self.cells: list[str] | None = None
         self.last_result: SandboxResult | None = None  # for logs and tests: isolation, exit code, timing
 
@@ -54,11 +56,12 @@ class PythonTool(Tool):
         if self.cells is None:
             raise RuntimeError("PythonTool.call before start()")
         cells = [*self.cells, code] if self.persistent else [code]
-        result = await run_python(SESSION_DRIVER.format(cells=cells), self.limits, self.isolate)
+        result = await run_python(SESSION_DRIVER.format(cells=cells), self.limits)
         self.last_result = result
         if self.persistent and result.status == "ok":
             self.cells.append(code)
-        return ToolOutput(self.observation(result), tool_status(result.status), result.reason)
+        return ToolOutput(self.observation(result), tool_status(result.status), result.reason,
+                          [f"mode={result.mode}", *result.isolation])
 
     async def stop(self) -> None:
         self.cells = None

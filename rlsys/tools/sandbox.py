@@ -2,16 +2,16 @@
 
 `await run_python(code, limits)` never raises for anything the code does: timeouts, crashes, memory
 errors and output floods are statuses. It never blocks the event loop: the child is an asyncio
-subprocess, and a timed-out child is SIGKILLed with its whole process group (in namespace modes the
-kernel then also kills everything left in its PID namespace). How the child confines itself, and
-what it falls back to where the machine allows less, is in `rlsys/tools/confine.py`; the result's
-`isolation` lists what was in force and `notes` why anything is missing.
+subprocess, and a timed-out child is SIGKILLed with its whole process group, its PID namespace and
+its cgroup. How the run is confined, and what this machine allows, is in `rlsys/tools/confinement.py`;
+the init that runs inside is `rlsys/tools/confine.py`. The result's `mode` and `isolation` say what
+was in force and `notes` why anything is missing; where no confinement can be had the run is refused
+unless `allow_unconfined`.
 """
 
 import asyncio
 import json
 import os
-import random
 import shutil
 import signal
 import sys
@@ -20,16 +20,22 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CONFINE = str(Path(__file__).with_name("confine.py"))
-HIDDEN_DIRS = ["/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run"]  # may hold secrets, sockets, others' files
-SANDBOX_UIDS = (1 << 30, 1 << 31)  # a fresh unprivileged uid per run, far above any real account
+from rlsys.tools.confinement import WORKDIR, Confinement, bwrap_command, machine_confinement, refusal
+from rlsys.tools.sandbox_cgroup import SandboxCgroup
+from rlsys.tools.seccomp_filter import deny_filter
+
+INIT_SOURCE = Path(__file__).with_name("confine.py").read_text(encoding="utf-8")
 MAX_CONCURRENT = max(2, os.cpu_count() or 2)  # runs at once per event loop; the rest queue (not charged wall time)
 PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # one thread each: threads count as processes
 REPORT_WAIT = 5.0  # seconds to reap a killed launcher
+CPU_POLL = 0.05  # seconds between reads of the cgroup's CPU time
+CGROUP_EXTRA_PIDS = 2  # bubblewrap's monitor and the init, besides the program's own processes
+# the launch joins the cgroup (every controller's tree) before it execs bubblewrap or the init
+JOIN_CGROUP = 'for f in $RLSYS_CGROUP_PROCS; do echo $$ > "$f" || exit 125; done; exec "$@"'
 
 STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "file_size_limit", "output_limit", "crashed",
-            "sandbox_error")
+            "sandbox_error", "refused")
 
 
 @dataclass
@@ -39,11 +45,12 @@ class SandboxLimits:
     wall_seconds: float = 5.0
     """Wall-clock limit, counted from the launch (the confinement's own setup, about 0.1 s, included)."""
     cpu_seconds: int = 5
-    """CPU-time limit (RLIMIT_CPU): SIGXCPU, then SIGKILL a second later."""
+    """CPU time of all the run's processes together (cgroup); also each process's RLIMIT_CPU (SIGXCPU)."""
     memory_mb: int = 1024
-    """Address-space limit (RLIMIT_AS); Python raises MemoryError beyond it."""
+    """Memory of all the run's processes together, shmem and tmpfs included (cgroup); also each
+    process's address space (RLIMIT_AS: Python raises MemoryError beyond it)."""
     max_processes: int = 16
-    """Processes and threads (RLIMIT_NPROC, counted for the sandbox's own uid)."""
+    """Processes and threads (pids cgroup; RLIMIT_NPROC as well)."""
     file_mb: int = 16
     """Largest file the program may write (RLIMIT_FSIZE)."""
     open_files: int = 64
@@ -51,9 +58,12 @@ class SandboxLimits:
     output_bytes: int = 16384
     """stdout + stderr kept; a program that writes more is killed (status output_limit)."""
     workdir_mb: int = 64
-    """Size of the private writable /tmp (namespace modes)."""
+    """Size of the private writable /tmp, and of the private /dev/shm (each; bubblewrap modes)."""
     nice: int = 10
     """Scheduling niceness added, so sandboxed code yields the CPU to the trainer."""
+    allow_unconfined: bool = False
+    """Run model code even where no confinement can be had (no bubblewrap or no user namespaces), with
+    per-process limits only; false refuses such runs, and the run stops at start."""
 
 
 @dataclass
@@ -69,12 +79,22 @@ class SandboxResult:
     seconds: float
     isolation: list[str] = field(default_factory=list)  # confinement that was in force
     notes: list[str] = field(default_factory=list)  # why some confinement was not available
+    mode: str = ""  # "bwrap+cgroup", "bwrap" or "unconfined" (rlsys.tools.confinement)
 
 
-async def run_python(code: str, limits: SandboxLimits | None = None, isolate: bool = True) -> SandboxResult:
-    """Runs `code` as a Python program in a fresh sandbox. `isolate=False` keeps only the limits."""
+async def run_python(code: str, limits: SandboxLimits | None = None,
+                     confinement: Confinement | None = None) -> SandboxResult:
+    """Runs `code` as a Python program in a fresh sandbox, confined as `confinement` says (default: the best
+    this machine gives, see `rlsys.tools.confinement`). Refuses (status "refused") to run it unconfined
+    unless `limits.allow_unconfined`."""
+    limits = limits or SandboxLimits()
+    if confinement is None:
+        confinement = await asyncio.to_thread(machine_confinement)
+    if confinement.mode == "unconfined" and not limits.allow_unconfined:
+        return SandboxResult("refused", None, "", "", False, refusal(confinement), 0.0, [], list(confinement.notes),
+                             confinement.mode)
     async with _slots():
-        return await _run(code, limits or SandboxLimits(), isolate)
+        return await _run(code, limits, confinement)
 
 
 _semaphores: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
@@ -87,59 +107,117 @@ def _slots() -> asyncio.Semaphore:
     return _semaphores[loop]
 
 
-async def _run(code: str, limits: SandboxLimits, isolate: bool) -> SandboxResult:
+class Run:
+    """One run's processes and what was seen of them: the command, the cgroup, the CPU watch."""
+
+    def __init__(self, limits: SandboxLimits, confinement: Confinement):
+        self.limits, self.confinement = limits, confinement
+        self.process: asyncio.subprocess.Process | None = None
+        self.cgroup: SandboxCgroup | None = None
+        self.cpu_exceeded = False
+        self.fds: list[int] = []
+        self.workdir: str | None = None
+
+    def command(self, code: str, report_write: int) -> tuple[list[str], dict, str]:
+        """argv, environment and working directory of the launch."""
+        mib, limits = 1 << 20, self.limits
+        init_limits = {"cpu_seconds": limits.cpu_seconds, "memory_bytes": limits.memory_mb * mib,
+                       "max_processes": limits.max_processes, "file_bytes": limits.file_mb * mib,
+                       "open_files": limits.open_files, "nice": limits.nice}
+        namespaces = self.confinement.namespaces
+        if namespaces:
+            code_fd, seccomp_fd = self.memfd("code", code.encode()), self.memfd(
+                "seccomp", deny_filter(deny_memfd=not self.confinement.cgroup))
+            prefix = bwrap_command({"workdir_bytes": limits.workdir_mb * mib, "shm_bytes": limits.workdir_mb * mib},
+                                   seccomp_fd, code_fd)
+            workdir, cwd = WORKDIR, "/"
+        else:
+            self.workdir = workdir = cwd = tempfile.mkdtemp(prefix="rlsys-sandbox-")
+            Path(workdir, "main.py").write_text(code, encoding="utf-8")
+            prefix = []
+        config = {"python": sys.executable, "env": PROGRAM_ENV, "limits": init_limits, "workdir": workdir,
+                  "namespaces": namespaces}
+        argv = prefix + [sys.executable, "-I", "-S", "-c", INIT_SOURCE, str(report_write), json.dumps(config)]
+        env = {"PATH": PROGRAM_ENV["PATH"]}
+        if self.cgroup is not None:  # join the cgroup first, so that everything the launch starts is in it
+            env["RLSYS_CGROUP_PROCS"] = " ".join(self.cgroup.procs_files)
+            argv = ["/bin/sh", "-c", JOIN_CGROUP, "sh", *argv]
+        return argv, env, cwd
+
+    def memfd(self, name: str, data: bytes) -> int:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.fds.append(fd)
+        os.write(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+
+    async def watch_cpu(self) -> None:
+        """Ends the run once its processes together have used `cpu_seconds` (the cgroup counts them all)."""
+        while True:
+            await asyncio.sleep(CPU_POLL)
+            if self.cgroup.cpu_seconds() > self.limits.cpu_seconds:
+                self.cpu_exceeded = True
+                self.kill()
+                return
+
+    def kill(self) -> None:
+        if self.process is not None:
+            kill_group(self.process)
+        if self.cgroup is not None:
+            self.cgroup.kill()
+
+    def cleanup(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.remove()
+        for fd in self.fds:
+            os.close(fd)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, True)
+
+
+async def _run(code: str, limits: SandboxLimits, confinement: Confinement) -> SandboxResult:
     loop = asyncio.get_running_loop()
     started = loop.time()
-    workdir = tempfile.mkdtemp(prefix="rlsys-sandbox-")
+    run = Run(limits, confinement)
     report_read, report_write = os.pipe()
-    process = None
+    watcher = None
     try:
-        Path(workdir, "main.py").write_text(code, encoding="utf-8")
-        config = launcher_config(Path(workdir, "main.py"), limits, isolate)
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", CONFINE, str(report_write), json.dumps(config),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            pass_fds=(report_write,), start_new_session=True, env={"PATH": PROGRAM_ENV["PATH"]}, cwd=workdir)
+        if confinement.cgroup:
+            run.cgroup = await asyncio.to_thread(SandboxCgroup.create, limits.memory_mb << 20,
+                                                 limits.max_processes + CGROUP_EXTRA_PIDS)
+        argv, env, cwd = run.command(code, report_write)
+        run.process = process = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            pass_fds=(report_write, *run.fds), start_new_session=True, env=env, cwd=cwd)
         os.close(report_write)
         report_write = None
-        output = CappedOutput(limits.output_bytes, on_overflow=lambda: kill_group(process))
+        if run.cgroup is not None:
+            watcher = asyncio.create_task(run.watch_cpu())
+        output = CappedOutput(limits.output_bytes, on_overflow=run.kill)
         try:
             await asyncio.wait_for(_finish(process, output), limits.wall_seconds)
             timed_out = False
         except asyncio.TimeoutError:
             timed_out = True
-        kill_group(process)  # stragglers outside a PID namespace, or the whole tree on timeout
+        run.kill()  # stragglers outside a PID namespace, or the whole tree on timeout
         await asyncio.wait_for(process.wait(), REPORT_WAIT)
         report = read_report(report_read)
-        return classify(report, output, timed_out, limits, loop.time() - started)
+        oom_kills = run.cgroup.oom_kills() if run.cgroup is not None else 0
+        return classify(report, output, Ending(timed_out, run.cpu_exceeded, oom_kills), limits, confinement,
+                        loop.time() - started)
     except Exception as e:  # noqa: BLE001 (the caller gets a result, never an exception)
         return SandboxResult("sandbox_error", None, "", "", False, f"{type(e).__name__}: {e}",
-                             loop.time() - started)
+                             loop.time() - started, list(confinement.isolation), list(confinement.notes),
+                             confinement.mode)
     finally:
-        if process is not None and process.returncode is None:  # cancelled: leave nothing running
-            kill_group(process)
+        if watcher is not None:
+            watcher.cancel()
+        if run.process is not None and run.process.returncode is None:  # cancelled: leave nothing running
+            run.kill()
         for fd in (report_read, report_write):
             if fd is not None:
                 os.close(fd)
-        await asyncio.to_thread(shutil.rmtree, workdir, True)
-
-
-def launcher_config(code_path: Path, limits: SandboxLimits, isolate: bool) -> dict:
-    mib = 1 << 20
-    return {
-        "code_path": str(code_path), "python": sys.executable, "isolate": isolate,
-        "uid": random.randrange(*SANDBOX_UIDS), "env": PROGRAM_ENV,
-        "hide": HIDDEN_DIRS, "expose": interpreter_dirs(),
-        "limits": {"cpu_seconds": limits.cpu_seconds, "memory_bytes": limits.memory_mb * mib,
-                   "max_processes": limits.max_processes, "file_bytes": limits.file_mb * mib,
-                   "open_files": limits.open_files, "workdir_bytes": limits.workdir_mb * mib, "nice": limits.nice},
-    }
-
-
-def interpreter_dirs() -> list[str]:
-    """Where this interpreter and its packages live; bound back in if a hidden directory covers them."""
-    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(sys.executable)}
-    return sorted({os.path.realpath(d) for d in dirs})
+        await asyncio.to_thread(run.cleanup)
 
 
 async def _finish(process: asyncio.subprocess.Process, output: "CappedOutput") -> None:
@@ -196,22 +274,36 @@ def read_report(fd: int) -> dict:
     return report
 
 
-def classify(report: dict, output: CappedOutput, timed_out: bool, limits: SandboxLimits,
+@dataclass
+class Ending:
+    """What the parent saw end the run, besides the report: its own kills and the cgroup's OOM kills."""
+
+    timed_out: bool
+    cpu_exceeded: bool
+    oom_kills: int
+
+
+def classify(report: dict, output: CappedOutput, ending: Ending, limits: SandboxLimits, confinement: Confinement,
              seconds: float) -> SandboxResult:
     stdout, stderr = output.text("stdout"), output.text("stderr")
     exit_code = -report["signal"] if "signal" in report else report.get("exit")
-    status, reason = outcome(report, output, timed_out, limits, stderr)
+    status, reason = outcome(report, output, ending, limits, stderr)
     return SandboxResult(status, exit_code, stdout, stderr, output.overflowed, reason, seconds,
-                         report.get("isolation", []) + ["scrubbed-environment", "process-group-kill"],
-                         report.get("notes", []))
+                         list(confinement.isolation) + ["scrubbed-environment", "process-group-kill"],
+                         list(confinement.notes), confinement.mode)
 
 
-def outcome(report: dict, output: CappedOutput, timed_out: bool, limits: SandboxLimits,
+def outcome(report: dict, output: CappedOutput, ending: Ending, limits: SandboxLimits,
             stderr: str) -> tuple[str, str]:
-    if timed_out:
+    if ending.timed_out:
         return "timeout", f"wall time limit of {limits.wall_seconds:g}s exceeded; killed"
+    if ending.cpu_exceeded:
+        return "cpu_limit", f"CPU time limit of {limits.cpu_seconds}s exceeded by the sandbox's processes together; killed"
     if output.overflowed:
         return "output_limit", f"output exceeded {limits.output_bytes} bytes; killed"
+    if ending.oom_kills:
+        return "memory_limit", (f"the sandbox's processes together exceeded {limits.memory_mb} MiB; "
+                                f"{ending.oom_kills} killed")
     if "error" in report:
         return "sandbox_error", report["error"]
     if "signal" in report:
