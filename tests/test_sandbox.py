@@ -4,12 +4,9 @@ not to contain it (and says so), the result says which mode and isolation were i
 loop keeps running, and nothing is left behind (processes, zombies, cgroups, work directories)."""
 
 import asyncio
-import json
 import os
-import pwd
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -19,25 +16,12 @@ import pytest
 from rlsys.tools.confinement import SandboxUnavailable, machine_confinement, preflight
 from rlsys.tools.python_interpreter import PythonTool
 from rlsys.tools.sandbox import SandboxLimits, run_python
-from rlsys.tools.sandbox_attacks import EXPECTED_GAPS, confinements, prepare, run_attacks
+from rlsys.tools.sandbox_attacks import EXPECTED_GAPS, confinements, prepare, run_as, run_attacks
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS = SandboxLimits(wall_seconds=5, cpu_seconds=2, memory_mb=512, max_processes=16, file_mb=4,
                        output_bytes=4096, allow_unconfined=True)
 AS_ROOT = os.geteuid() == 0
-SANDBOX_MODULES = ("confine", "confinement", "sandbox", "sandbox_cgroup", "seccomp_filter", "sandbox_attacks")
-# runs the attack suite in another process (another user), from a copy of the sandbox's modules only
-AS_USER = """
-import sys, types
-sys.path.insert(0, {directory!r})
-for name in ("rlsys", "rlsys.tools"):
-    module = types.ModuleType(name)
-    module.__path__ = [{directory!r} + "/" + name.replace(".", "/")]
-    sys.modules[name] = module
-from rlsys.tools import sandbox_attacks
-sys.argv = ["sandbox_attacks", {workspace!r}]
-sandbox_attacks.main()
-"""
 
 
 def gaps_of(report: dict, mode: str) -> set[str]:
@@ -120,24 +104,6 @@ def test_attacks_are_contained_in_each_mode_as_far_as_the_mode_claims(mode, work
     assert heartbeat.longest_gap < 1.0 and heartbeat.ticks > 50  # the loop ran throughout
     assert zombies_of(os.getpid()) == [] and sandbox_cgroups() == []
     assert list(Path("/dev/shm").glob("rlsys-attack-*")) == []
-
-
-def run_as(prefix: list[str], python: str, directory: Path, user: str = "root") -> dict:
-    """Runs the attack suite under `prefix` (setpriv ...) with `python`, from a copy of the sandbox modules;
-    its workspace belongs to `user`."""
-    package = directory / "rlsys" / "tools"
-    package.mkdir(parents=True)
-    for name in SANDBOX_MODULES:
-        shutil.copy(ROOT / "rlsys" / "tools" / f"{name}.py", package)
-    for path in [directory, *directory.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    (directory / "attack").mkdir()
-    os.chown(directory / "attack", pwd.getpwnam(user).pw_uid, pwd.getpwnam(user).pw_gid)
-    script = AS_USER.format(directory=str(directory), workspace=str(directory / "attack"))
-    done = subprocess.run([*prefix, python, "-I", "-c", script], capture_output=True, text=True, timeout=150,
-                          cwd=directory, env={"PATH": os.environ["PATH"]})
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
 
 
 @pytest.mark.skipif(not AS_ROOT or not shutil.which("setpriv"), reason="needs root to become another user")

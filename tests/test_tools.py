@@ -133,7 +133,8 @@ def test_python_session_keeps_variables_until_stopped_and_skips_failed_cells():
     assert outputs[2].status == "error" and 'File "<cell 3>", line 1' in outputs[2].text
     assert "ZeroDivisionError" in outputs[2].text and "main.py" not in outputs[2].text
     assert outputs[3].status == "error" and "NameError: name 'y' is not defined" in outputs[3].text  # failed cell dropped
-    assert outputs[4] == ToolOutput("42\n")
+    assert (outputs[4].text, outputs[4].status, outputs[4].reason) == ("42\n", "ok", "")
+    assert outputs[4].isolation[0].startswith("mode=")  # the confinement it ran under
     assert tool.cells is None  # released at stop
 
 
@@ -147,7 +148,7 @@ def test_python_tool_reports_limits_and_truncates_output():
 
     timeout, long = asyncio.run(calls())
     assert timeout.status == "timeout" and timeout.text == "[wall time limit of 1.5s exceeded; killed]"
-    assert long == ToolOutput("y" * 20 + "...(truncated)")
+    assert (long.text, long.status) == ("y" * 20 + "...(truncated)", "ok")
 
 
 # --- the environment's handling of tools ------------------------------------------------------------------

@@ -14,6 +14,9 @@ the sandbox's own report lie (a SIGINT to its init, a SIGXCPU read as a crash).
 import asyncio
 import json
 import os
+import pwd
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +27,21 @@ from rlsys.tools.sandbox import SandboxLimits, SandboxResult, run_python
 
 LIMITS = SandboxLimits(wall_seconds=10, cpu_seconds=2, memory_mb=128, max_processes=16, file_mb=16,
                        output_bytes=8192, workdir_mb=32, allow_unconfined=True)
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+SANDBOX_MODULES = ("confine", "confinement", "sandbox", "sandbox_cgroup", "seccomp_filter", "sandbox_attacks")
+# runs the attack suite in another process (another user), from a copy of the sandbox's modules only
+AS_USER = """
+import sys, types
+sys.path.insert(0, {directory!r})
+for name in ("rlsys", "rlsys.tools"):
+    module = types.ModuleType(name)
+    module.__path__ = [{directory!r} + "/" + name.replace(".", "/")]
+    sys.modules[name] = module
+from rlsys.tools import sandbox_attacks
+sys.argv = ["sandbox_attacks", {workspace!r}]
+sandbox_attacks.main()
+"""
+
 # what each mode is known not to contain (README and BENCHMARKS say so); everything else must be contained
 AGGREGATE = {"forked-memory-3x80MiB", "forked-cpu-4x1.5s"}  # limits per process only, without a cgroup
 EXPECTED_GAPS = {
@@ -299,6 +317,25 @@ def safely(check: Callable[[SandboxResult], bool], result: SandboxResult) -> boo
         return bool(check(result))
     except (ValueError, TypeError, KeyError, AttributeError):  # output not what the attack prints: not contained
         return False
+
+
+def run_as(prefix: list[str], python: str, directory: Path, user: str = "root") -> dict:
+    """Runs the attack suite under `prefix` (setpriv ...) with `python`, from a copy of the sandbox modules;
+    its workspace belongs to `user`."""
+    package = directory / "rlsys" / "tools"
+    package.mkdir(parents=True)
+    for name in SANDBOX_MODULES:
+        shutil.copy(PACKAGE_ROOT / "rlsys" / "tools" / f"{name}.py", package)
+    for path in [directory, *directory.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    (directory / "attack").mkdir()
+    os.chown(directory / "attack", pwd.getpwnam(user).pw_uid, pwd.getpwnam(user).pw_gid)
+    script = AS_USER.format(directory=str(directory), workspace=str(directory / "attack"))
+    done = subprocess.run([*prefix, python, "-I", "-c", script], capture_output=True, text=True, timeout=150,
+                          cwd=directory, env={"PATH": os.environ["PATH"]})
+    if done.returncode != 0:
+        raise RuntimeError(f"the attack suite failed under {prefix}: {done.stderr.strip()}")
+    return json.loads(done.stdout)
 
 
 def main() -> None:
