@@ -7,7 +7,7 @@ mode, bubblewrap without a cgroup, unconfined (limits only), and, when run as ro
 again as `nobody` (the system's Python; an ordinary user's path) and as root without CAP_SYS_ADMIN (a
 container's root). Prints one row per attack and one column per mode (yes: contained, NO: not,
 "-": not run in that mode because it would harm the host), writes the results as JSON, and ends with
-the headline `contained:` line, per mode.
+the headline `contained:` line, per mode. Also times a trivial run (`print(1)`) in each in-process mode.
 """
 
 import argparse
@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlsys.tools.sandbox_attacks import confinements, prepare, run_as, run_attacks  # noqa: E402
+from rlsys.tools.sandbox import run_python  # noqa: E402
+from rlsys.tools.sandbox_attacks import LIMITS, confinements, prepare, run_as, run_attacks  # noqa: E402
 
 
 def in_process(mode: str, confinement) -> dict:
@@ -31,7 +32,14 @@ def in_process(mode: str, confinement) -> dict:
         secret = secrets.token_hex(16)
         prepare(Path(directory) / "attack", secret)
         return {"mode": mode, "notes": list(confinement.notes), "uid": os.getuid(),
-                "results": asyncio.run(run_attacks(confinement, Path(directory) / "attack", secret))}
+                "results": asyncio.run(run_attacks(confinement, Path(directory) / "attack", secret)),
+                "seconds_per_run": asyncio.run(seconds_per_run(confinement))}
+
+
+async def seconds_per_run(confinement, runs: int = 7) -> float:
+    """Median wall time of `print(1)`, one run at a time: the cost of the confinement itself."""
+    times = sorted([(await run_python("print(1)", LIMITS, confinement)).seconds for _ in range(runs)])
+    return times[runs // 2]
 
 
 def other_process(prefix: list[str], python: str, user: str) -> dict:
@@ -66,7 +74,8 @@ def main() -> None:
         print(attack.ljust(width) + " | ".join(cells))
     counts = {name: sum(o["contained"] for o in column["results"].values()) for name, column in columns.items()}
     for name, column in columns.items():
-        print(f"{name}: {'; '.join(column['notes']) or 'nothing missing'}")
+        startup = f", {column['seconds_per_run']:.2f} s per print(1)" if "seconds_per_run" in column else ""
+        print(f"{name}: {'; '.join(column['notes']) or 'nothing missing'}{startup}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"columns": columns, "contained": counts, "attacks": len(attacks)}, indent=1))
     print("contained: " + ", ".join(f"{name} {count}/{len(attacks)}" for name, count in counts.items()))

@@ -4,7 +4,8 @@ limit together).
 
 Both layouts are handled: cgroup v2 (one unified tree) and v1 (a tree per controller, as on hybrid
 machines that mount v2 at /sys/fs/cgroup/unified without controllers). The run's cgroup is made
-inside the caller's own, so any limit the caller is under still applies. Memory counts swap where the
+inside the caller's own, so any limit the caller is under still applies (v2: in the root cgroup where
+the caller's own cannot have children with controllers; not tested here, our machines are v1). Memory counts swap where the
 kernel allows (memsw / swap.max) and shmem: tmpfs, /dev/shm and memfd pages are charged to it.
 CPU is not throttled but counted; the parent reads `cpu_seconds()` and ends the run past its limit.
 Where no cgroup can be made (a non-root user without delegation), `SandboxCgroup.create` raises
@@ -31,9 +32,7 @@ class SandboxCgroup:
         name = f"rlsys-sandbox-{os.getpid()}-{next(_names)}"
         own = own_cgroups()
         if os.path.exists(os.path.join(ROOT, "cgroup.controllers")):
-            parent = os.path.join(ROOT, own[""].lstrip("/"))
-            enable_controllers(parent)
-            cgroup = cls({"": make_dir(os.path.join(parent, name))}, 2)
+            cgroup = cls({"": make_dir(os.path.join(v2_parent(own[""]), name))}, 2)
         else:
             missing = [c for c in V1_CONTROLLERS if c not in own or not os.path.isdir(os.path.join(ROOT, c))]
             if missing:
@@ -81,13 +80,6 @@ class SandboxCgroup:
         name = "memory.events" if self.version == 2 else "memory.oom_control"
         return keyed(self.file("memory", name)).get("oom_kill", 0)
 
-    def peak_bytes(self) -> int | None:
-        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
-        try:
-            return int(read(self.file("memory", name)))
-        except OSError:  # memory.peak is newer than v2 itself
-            return None
-
     def pids(self) -> set[int]:
         found = set()
         for path in self.procs_files:
@@ -133,6 +125,23 @@ def own_cgroups() -> dict[str, str]:
             for controller in controllers.split(","):
                 found[controller] = path
     return found
+
+
+def v2_parent(own: str) -> str:
+    """Our own cgroup if it can hand controllers to children; else the root (a v2 cgroup that holds
+    processes cannot, and ours holds at least this one), where only root may create one."""
+    own_dir = os.path.join(ROOT, own.lstrip("/"))
+    try:
+        enable_controllers(own_dir)
+        return own_dir
+    except OSError as e:
+        if own_dir == ROOT:
+            raise
+        try:
+            enable_controllers(ROOT)
+        except OSError:
+            raise e from None
+        return ROOT
 
 
 def enable_controllers(parent: str) -> None:
