@@ -161,10 +161,11 @@ class Run:
                 return
 
     def kill(self) -> None:
+        """Without blocking the loop: the process group, and one pass over the cgroup (cleanup makes sure)."""
         if self.process is not None:
             kill_group(self.process)
         if self.cgroup is not None:
-            self.cgroup.kill()
+            self.cgroup.signal_all()
 
     def cleanup(self) -> None:
         if self.cgroup is not None:

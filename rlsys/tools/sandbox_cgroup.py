@@ -89,17 +89,21 @@ class SandboxCgroup:
                 pass
         return found
 
+    def signal_all(self) -> bool:
+        """SIGKILLs every process in the cgroup once, without waiting; False if there was none."""
+        pids = self.pids()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return bool(pids)
+
     def kill(self) -> None:
-        """SIGKILLs every process in the cgroup, until none is left (a fork may race one round)."""
+        """SIGKILLs every process in the cgroup until none is left (a fork may race one round); blocks."""
         for _ in range(100):
-            pids = self.pids()
-            if not pids:
+            if not self.signal_all():
                 return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.01)
 
     def remove(self) -> None:
