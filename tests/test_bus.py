@@ -313,7 +313,8 @@ def test_claim_takes_over_the_entries_of_a_dead_consumer(bus):
     for i in range(3):
         bus.stream_add("st", i)
     held = bus.stream_read("st", "g", "dead", 10, timeout=1)
-    assert bus.stream_claim("st", "g", "heir", min_idle=0.3, max_count=10) == []  # not idle long enough
+    # not idle long enough (an hour: however slow the machine, the entries cannot have idled that long)
+    assert bus.stream_claim("st", "g", "heir", min_idle=3600, max_count=10) == []
     time.sleep(0.35)
     assert bus.stream_claim("st", "g", "dead", min_idle=0.3, max_count=10) == []  # never its own entries
     claimed = bus.stream_claim("st", "g", "heir", min_idle=0.3, max_count=2)

@@ -156,6 +156,17 @@ def test_extreme_numbers_the_inbox_accepts_never_put_a_nan_in_the_weights(learne
     assert stats["updates/skipped_non_finite"] >= before
 
 
+def test_a_step_whose_loss_overflows_is_skipped_counted_and_changes_no_weight(learner):
+    """A behaviour logprob of -3e38 is finite in float32, but exp(logp - behaviour) overflows the PPO ratio."""
+    group = [Trajectory(**{**good_trajectory(), "logprobs": [0.0, 0.0, -3e38, -3e38], "reward": r, "turn_rewards": [r],
+                           "traj_id": uuid.uuid4().hex}) for r in (1.0, -1.0)]
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    skipped = learner.skipped_updates
+    stats = learner.train_step(group)
+    assert stats["updates/skipped_non_finite"] == learner.skipped_updates > skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+
+
 def test_a_non_finite_gradient_skips_the_step_and_leaves_the_weights_alone():
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -233,7 +233,8 @@ class Learner:
         stats["grad_norm"], stepped = clip_and_step(self.optimizer, self.model.parameters(), self.ppo.max_grad_norm,
                                                     stats.get("loss"))
         stats["lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if stepped:  # the schedule counts optimizer steps
+            self.scheduler.step()
         if self.critic is not None:
             stats["critic/grad_norm"], critic_stepped = clip_and_step(
                 self.critic_optimizer, self.critic.parameters(), self.ppo.max_grad_norm, stats.get("critic/value_loss"))
