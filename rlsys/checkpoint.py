@@ -33,6 +33,12 @@ def save_checkpoint(directory: Path, model, tokenizer, optimizer_state: dict, tr
     return directory
 
 
+def read_optimizer_state(directory: Path, device) -> dict:
+    """The optimizer, scheduler and RNG state saved beside the model. `weights_only=True`: tensors and plain
+    containers only, so a tampered checkpoint cannot run code in the learner (full unpickling could)."""
+    return torch.load(Path(directory) / OPTIMIZER_STATE, map_location=device, weights_only=True)
+
+
 def read_trainer_state(directory: Path) -> dict:
     path = Path(directory) / TRAINER_STATE
     if not path.exists():

@@ -30,6 +30,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 import experiments  # noqa: F401  (registers the built-in experiments)
 from experiments.registry import EXPERIMENTS
 from rlsys.api.registry import close_matches
+from rlsys.run_privacy import redact_url, write_private
 
 # Keys the command line reads itself; they are not fields of any experiment.
 EXPERIMENT_KEY = "experiment"
@@ -82,12 +83,15 @@ def import_plugins(entries: list[str]) -> None:
 
 
 def save_config(config, path) -> None:
-    """Writes the resolved config as YAML, with its registry name, so `--config PATH` reruns it."""
+    """Writes the resolved config as YAML, with its registry name, so `--config PATH` reruns it; owner-only,
+    and without the Redis password (rlsys.run_privacy)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = config_to_dict(config)
     document = {EXPERIMENT_KEY: payload["experiment"], **payload["config"]}
-    path.write_text(yaml.safe_dump(document, sort_keys=False, default_flow_style=False))
+    if document.get("cluster", {}).get("redis_url"):
+        document["cluster"]["redis_url"] = redact_url(document["cluster"]["redis_url"])
+    write_private(path, yaml.safe_dump(document, sort_keys=False, default_flow_style=False))
 
 
 def load_config(path, experiment: str | None = None):

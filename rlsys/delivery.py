@@ -35,6 +35,7 @@ from collections.abc import Iterable
 
 from rlsys import accounting, protocol
 from rlsys.api import Trajectory
+from rlsys.api.messages import FLOAT32_MAX, INT32_MAX, MAX_ID_CHARS, InvalidMessage
 from rlsys.bus import BusDecodeError, ServerRestarts, StreamEntry
 from rlsys.bus.base import encode
 
@@ -44,14 +45,6 @@ MAX_DELIVERIES = 3
 DEDUP_WINDOW = 100_000  # recent group and trajectory ids: thousands of steps of groups, a few MB
 DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024  # a dead letter keeps the start of the payload, for inspection
 CLAIM_PAGE = 1000
-
-
-class InvalidMessage(ValueError):
-    """A trajectory message the learner cannot use; the message says why, `group_id` whose it is if known."""
-
-    def __init__(self, reason: str, group_id: str | None = None):
-        super().__init__(reason)
-        self.group_id = group_id
 
 
 def group_message(group_id: str, trajectories: list[Trajectory], max_bytes: int) -> dict:
@@ -100,15 +93,18 @@ def _trajectory(d, group_id: str, index: int, vocab_size: int | None) -> Traject
 
 
 def _trajectory_problem(t: Trajectory, vocab_size: int | None) -> str | None:
-    """What would make the learner fail or train on garbage: wrong types, NaN, tokens outside the vocabulary."""
+    """What would make the learner fail or train on garbage: wrong types, NaN, numbers that overflow the
+    batch's int64/float32 tensors, tokens outside the vocabulary."""
+    max_token = (vocab_size or INT32_MAX + 1) - 1
     checks = [
-        ("token_ids", t.token_ids, lambda x: type(x) is int and x >= 0 and (vocab_size is None or x < vocab_size)),
+        ("token_ids", t.token_ids, lambda x: type(x) is int and 0 <= x <= max_token),
         ("loss_mask", t.loss_mask, lambda x: x in (0, 1) and type(x) is int),
         ("logprobs", t.logprobs, _finite),
-        ("versions", t.versions, lambda x: type(x) is int and x >= -1),
+        ("versions", t.versions, lambda x: type(x) is int and -1 <= x <= INT32_MAX),
         # a turn's reward sits on its last token, which is predicted from the one before: ends from 2 on
         ("turn_ends", t.turn_ends, lambda x: type(x) is int and 2 <= x <= len(t.token_ids)),
         ("turn_rewards", t.turn_rewards, _finite),
+        ("turn_obs_keys", t.turn_obs_keys, lambda x: isinstance(x, str) and len(x) <= MAX_ID_CHARS),
     ]
     for name, values, ok in checks:
         if not isinstance(values, list):
@@ -121,17 +117,20 @@ def _trajectory_problem(t: Trajectory, vocab_size: int | None) -> str | None:
         return "has no generated token after the first: nothing to train on"
     if not _finite(t.reward):
         return f"reward must be a finite number, got {t.reward!r:.40}"
+    if type(t.void) is not bool:
+        return f"void must be true or false, got {t.void!r:.40}"
     for name in ("group_id", "stop_reason", "traj_id"):
-        if not isinstance(getattr(t, name), str):
-            return f"{name} must be a string, got {type(getattr(t, name)).__name__}"
-    if not isinstance(t.metrics, dict) or not all(isinstance(k, str) and _finite(v) for k, v in t.metrics.items()):
+        if not isinstance(getattr(t, name), str) or len(getattr(t, name)) > MAX_ID_CHARS:
+            return f"{name} must be a string of at most {MAX_ID_CHARS} characters, got {type(getattr(t, name)).__name__}"
+    if not isinstance(t.metrics, dict) or not all(isinstance(k, str) and len(k) <= MAX_ID_CHARS and _finite(v)
+                                                  for k, v in t.metrics.items()):
         return "metrics must map names to finite numbers"
     return None
 
 
-
 def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+    """A number that stays finite in a float32 tensor (1e300 is a finite float but inf in float32)."""
+    return type(x) in (int, float) and math.isfinite(x) and abs(x) <= FLOAT32_MAX
 
 
 def _type_names(value) -> str:
@@ -190,7 +189,8 @@ class TrajectoryInbox:
     def _claim_pending(self) -> list[StreamEntry]:
         """Every entry pending for another consumer name, now this one's."""
         claimed = []
-        while page := self.bus.stream_claim(protocol.TRAJECTORIES, protocol.LEARNERS, self.consumer, 0, CLAIM_PAGE):
+        while page := self.bus.stream_claim(protocol.TRAJECTORIES, protocol.LEARNERS, self.consumer, 0, CLAIM_PAGE,
+                                            self.max_message_bytes):
             claimed += page
         return claimed
 
@@ -209,7 +209,8 @@ class TrajectoryInbox:
         if self.orphans:
             entries, self.orphans = self.orphans[:max_count], self.orphans[max_count:]
         else:
-            entries = self.bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, self.consumer, max_count, timeout)
+            entries = self.bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, self.consumer, max_count, timeout,
+                                           self.max_message_bytes)
         return [d for d in map(self._accept, entries) if d is not None]
 
     def ack(self, entry_ids: list[str]) -> None:
@@ -236,8 +237,8 @@ class TrajectoryInbox:
         return Delivery(entry.id, group_id, trajectories)
 
     def _parse(self, entry: StreamEntry) -> tuple[str, list[Trajectory]]:
-        if len(entry.payload) > self.max_message_bytes:
-            raise InvalidMessage(_too_large(len(entry.payload), self.max_message_bytes))
+        if entry.size > self.max_message_bytes:  # a stream over the limit was measured, not fetched
+            raise InvalidMessage(_too_large(entry.size, self.max_message_bytes))
         try:
             message = entry.decode(protocol.TRAJECTORIES)
         except BusDecodeError as e:
@@ -248,7 +249,7 @@ class TrajectoryInbox:
         """Keeps the reason and the payload's start in DEAD_LETTERS, acks the entry, settles its prompt."""
         self.bus.stream_add(protocol.DEAD_LETTERS, {
             "reason": reason, "entry_id": entry.id, "deliveries": entry.deliveries, "group_id": group_id,
-            "size": len(entry.payload), "payload": entry.payload[:DEAD_LETTER_PAYLOAD_BYTES]})
+            "size": entry.size, "payload": entry.payload[:DEAD_LETTER_PAYLOAD_BYTES]})
         self.ack([entry.id])
         self.dead_letters += 1
         if group_id is not None:

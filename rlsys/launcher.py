@@ -17,6 +17,7 @@ from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import config_from_dict, config_to_dict, registry_name_of, save_config
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.preflight import StartupError, check_message_bus
+from rlsys.run_privacy import PRIVATE_UMASK, make_private, write_private
 from rlsys.supervisor import CANNOT_GO_ON_EXIT, LearnerFailed, RoleFailed, RunCannotGoOn, Supervisor
 
 log = logging.getLogger("rlsys")
@@ -82,6 +83,7 @@ def start_role(role: str, index: int, config, bus_url: str, run_dir: Path) -> mu
 def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -> None:
     """Entry point of every role process."""
     _die_with_parent()
+    os.umask(PRIVATE_UMASK)  # what a role writes (logs, weights, checkpoints) is its user's alone
     _name_process(f"{role}{index}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}{index} %(levelname)s %(message)s")
@@ -204,7 +206,7 @@ def launch(config) -> dict:
     and where its prompts ended. StartupError, before any process starts, if it cannot run."""
     started = time.monotonic()
     run_dir = run_directory(config)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_private(run_dir)
     resolve_resume(config, run_dir)
     prepare(config)
     config.logging_dir = config.logging_dir or str(run_dir / "logs")
@@ -251,6 +253,6 @@ def launch(config) -> dict:
         bus.close()
     if not summary["prompts_accounted"]:
         log.error("the prompt accounting does not add up: %s", accounting.describe(prompts))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_private(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 

@@ -3,6 +3,8 @@
 TRAJECTORIES = "trajectories"  # stream: finished episodes, one entry per prompt's group, read by LEARNERS
 LEARNERS = "learners"  # the consumer group that reads TRAJECTORIES
 DEAD_LETTERS = "trajectories:dead"  # stream: trajectory messages the learner could not use, with the reason
+DEAD_MESSAGES = "messages:dead"  # stream: {"source", "reason", "size", "head"} of requests/replies a role refused
+MAX_QUEUE_MESSAGE_BYTES = 64 * 2**20  # a generation request or reply larger than this is refused unread
 PROMPTS_IN_FLIGHT = "prompts:in_flight"  # set: ids of admitted prompts whose outcome is not recorded yet
 WEIGHTS = "weights:latest"  # key: {"version", "path"} of the newest published policy
 ADMITTED = "rollout:admitted"  # counter: prompts admitted for training, for the staleness gate
@@ -21,11 +23,8 @@ def generation_requests(inference_worker: int) -> str:
 
 
 def inference_status(inference_worker: int) -> str:
-    """Key: {"epoch", "beat", "version", "load"} of an inference worker, refreshed while it lives.
-
-    epoch: incremented each time a process takes this index (a restart); beat: a counter that keeps
-    moving while the worker is alive; version: the weights it serves; load: requests in its engine.
-    """
+    """Key: an inference worker's status (rlsys.api.messages.WorkerStatus), refreshed while it lives and
+    marked dead by the launcher that saw its process exit (rlsys.workers.inference_status)."""
     return f"inference:{inference_worker}:status"
 
 

@@ -1,6 +1,7 @@
 """Watching a run's processes: what dies is restarted where the run can go on, or the run stops and says why.
 
-- An inference worker that dies is restarted; the routers re-send the requests it held.
+- An inference worker that dies is marked dead on the bus at once (rlsys.workers.inference_status), so the
+  routers re-send the requests it held without waiting for a missed heartbeat, and it is restarted.
 - A rollout worker that dies is restarted; the new one redoes its predecessor's unfinished episodes and
   goes on from its place in the prompt stream.
 - The private redis-server that dies is restarted on the same port, with the data its append-only file
@@ -22,6 +23,7 @@ import logging
 import time
 
 from rlsys import protocol
+from rlsys.workers.inference_status import InferenceStatus
 
 log = logging.getLogger("rlsys")
 STOP_GRACE_SECONDS = 20
@@ -81,6 +83,8 @@ class Supervisor:
             why = f"exited with code {process.exitcode}"
             if role == "learner":
                 raise LearnerFailed(f"{process.name} {why}")
+            if role == "inference":
+                InferenceStatus(bus, index).mark_dead()
             self.count_restart(process.name, why)
             self.processes[(role, index)] = self.start_role(role, index)
 

@@ -10,6 +10,7 @@ one line per fault, and leave no process behind.
 
 import os
 import re
+import stat
 import threading
 import time
 from pathlib import Path
@@ -174,6 +175,11 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     (totals,) = [r for r in rollout if "episodes/failed" in r]
     for reason, n in failed.items():  # evaluation episodes fail too, so the worker counts at least these
         assert totals[f"episodes/failed/{reason}"] >= n
+    # the run's files are owner-only, and the password in cluster.redis_url stayed out of config.yaml
+    run_dir = Path(summary["run_dir"])
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(f.stat().st_mode) for f in (run_dir / "logs").iterdir() if f.is_file()} == {0o600}
+    assert server.password not in (run_dir / "config.yaml").read_text()
     assert left_behind(tmp_path, existing) == []
 
 

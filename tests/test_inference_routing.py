@@ -17,6 +17,7 @@ from rlsys.api import GenerationConfig
 from rlsys.bus import EmbeddedRedis, InProcessBus, connect
 from rlsys.engine.scripted import ScriptedEngine
 from rlsys.workers.inference_worker import InferenceWorker
+from rlsys.workers.inference_status import InferenceStatus
 from rlsys.workers.routing import EpisodeRouter
 
 LONG = GenerationConfig(n=2, max_new_tokens=40)
@@ -46,6 +47,20 @@ class DyingWorker(InferenceWorker):
         if self.steps_left < 0:
             raise SystemExit("killed")
         super().reply(outputs)
+
+
+class ExitingWorker(DyingWorker):
+    """A DyingWorker whose end (heartbeat stopped too) is an event, as a process exit is to its launcher."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.exited = threading.Event()
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            self.exited.set()
 
 
 class LosingWorker(InferenceWorker):
@@ -187,6 +202,28 @@ def test_a_dead_worker_s_requests_are_resent_and_episodes_finish():
         # Nothing lost or duplicated: the re-sent request was generated whole by the survivor.
         assert output.output_ids == [[100 + s + i for i in range(40)] for s in range(2)]
     assert len(survivor.requests) == 6
+
+
+def test_a_worker_the_launcher_saw_die_has_its_requests_resent_at_once_without_a_missed_heartbeat():
+    """dead_after is an hour: only the launcher's mark (InferenceStatus.mark_dead) can move the requests."""
+    async def main():
+        bus = InProcessBus()
+        survivor = ScriptedEngine(counting_policy, tokens_per_step=1)
+        dying = ScriptedEngine(counting_policy, tokens_per_step=1)
+        victim = ExitingWorker(dying, bus, 0, max_batch_requests=64, steps=5)
+        workers = [victim, InferenceWorker(survivor, bus, 1, max_batch_requests=64)]
+        async with serving(bus, workers, dead_after=3600) as router:
+            while not all(router.workers.is_alive(i) for i in range(2)):
+                await asyncio.sleep(0.01)
+            replies = asyncio.gather(*(episode(router, [(f"e{e}", [e], LONG)], sequential=True) for e in range(6)))
+            await asyncio.to_thread(victim.exited.wait)  # the process exited: what a launcher sees at once
+            InferenceStatus(bus, 0).mark_dead()
+            return await replies, router.stats.resent, dying
+
+    replies, resent, dying = asyncio.run(main())
+    assert resent >= 1 and len(dying.requests) >= 1
+    for e, reply in enumerate(replies):
+        assert reply[f"e{e}"].output_ids == [[100 + s + i for i in range(40)] for s in range(2)]
 
 
 def test_after_a_bus_server_restart_lost_requests_are_sent_again_and_copies_are_dropped(tmp_path):

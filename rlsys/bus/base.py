@@ -43,6 +43,34 @@ def decode(data: bytes, where: str):
                              f"first bytes {bytes(data[:16])!r}") from e
 
 
+@dataclasses.dataclass(frozen=True)
+class Undecodable:
+    """A queue message that is not msgpack written by a Bus, or over the reader's size limit. get_many hands
+    it to the reader in its place instead of raising, so the good messages taken with it are not lost and
+    the reader can set it aside with `reason`."""
+
+    reason: str
+    head: bytes  # the first bytes, for inspection
+    size: int
+
+
+def oversize(size: int, max_bytes: int | None) -> str | None:
+    """Why a payload of `size` bytes is refused unread, or None."""
+    if max_bytes is not None and size > max_bytes:
+        return f"message of {size / 2**20:.1f} MiB exceeds the limit of {max_bytes / 2**20:.1f} MiB"
+    return None
+
+
+def decode_or_undecodable(data: bytes, where: str, max_bytes: int | None = None):
+    """The decoded message, or Undecodable (too large: not decoded at all)."""
+    if too_large := oversize(len(data), max_bytes):
+        return Undecodable(f"{too_large} on {where!r}", bytes(data[:64]), len(data))
+    try:
+        return decode(data, where)
+    except BusDecodeError as e:
+        return Undecodable(str(e), bytes(data[:64]), len(data))
+
+
 # Keys hold counters too: Redis INCR needs the value stored as decimal text, so integer values of keys are
 # stored that way and everything else as msgpack. This is unambiguous: the only msgpack encodings made of
 # ASCII digits are the single bytes b"0".."9" (ints 48..57), which `encode_value` never produces.
@@ -66,10 +94,18 @@ class StreamEntry:
     """One stream message as a consumer group delivered it: raw bytes, so a bad one can be set aside whole."""
 
     id: str  # the stream's id for it, "<ms>-<seq>", increasing
-    payload: bytes  # the msgpack bytes as stored
+    payload: bytes  # the msgpack bytes as stored (b"" where `problem` says why they were not fetched)
     deliveries: int  # times the group has handed it to a consumer, this time included (0 from stream_range)
+    problem: str | None = None  # the entry has no payload field, or it is over the reader's max_bytes
+    stored_size: int | None = None  # the size of a payload that was not fetched
+
+    @property
+    def size(self) -> int:
+        return len(self.payload) if self.stored_size is None else self.stored_size
 
     def decode(self, stream: str):
+        if self.problem:
+            raise BusDecodeError(f"stream {stream} entry {self.id}: {self.problem}")
         return decode(self.payload, f"stream {stream} entry {self.id}")
 
 
@@ -93,10 +129,11 @@ class Bus(abc.ABC):
         """Append messages, in order, to the tail of `queue` (one round trip)."""
 
     @abc.abstractmethod
-    def get_many(self, queue: str, max_count: int, timeout: float) -> list:
+    def get_many(self, queue: str, max_count: int, timeout: float, max_bytes: int | None = None) -> list:
         """Wait up to `timeout` s for one message, then also take up to `max_count` - 1 more already there.
 
-        Returns [] on timeout; never waits for a second message. `timeout` <= 0 means do not wait.
+        Returns [] on timeout; never waits for a second message. `timeout` <= 0 means do not wait. A message
+        that cannot be decoded, or is over `max_bytes`, comes back as an Undecodable in its place.
         """
 
     @abc.abstractmethod
@@ -142,18 +179,21 @@ class Bus(abc.ABC):
         """Append `message` to `stream`; returns its entry id. Nothing is ever trimmed by adding."""
 
     @abc.abstractmethod
-    def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float) -> list[StreamEntry]:
+    def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float,
+                    max_bytes: int | None = None) -> list[StreamEntry]:
         """Entries of `stream` that `group` has not handed out yet, now pending for `consumer` until acked.
 
         The group is created on first use, at the start of the stream. Waits like get_many: up to
-        `timeout` s for the first entry, then takes up to `max_count` - 1 more already there.
+        `timeout` s for the first entry, then takes up to `max_count` - 1 more already there. A payload
+        over `max_bytes` is measured where it is stored and not fetched: its entry comes with a `problem`.
         """
 
     @abc.abstractmethod
     def stream_claim(self, stream: str, group: str, consumer: str, min_idle: float,
-                     max_count: int) -> list[StreamEntry]:
+                     max_count: int, max_bytes: int | None = None) -> list[StreamEntry]:
         """Take over up to `max_count` entries pending with *other* consumers of `group` for at least
-        `min_idle` s (their consumer died or stalls); their delivery count goes up by one."""
+        `min_idle` s (their consumer died or stalls); their delivery count goes up by one. `max_bytes`
+        as in stream_read."""
 
     @abc.abstractmethod
     def stream_ack(self, stream: str, group: str, ids: list[str]) -> int:

@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 
-from rlsys.bus.base import Bus, BusError, StreamEntry, decode, decode_value, encode, encode_value
+from rlsys.bus.base import Bus, BusError, StreamEntry, decode_or_undecodable, decode_value, encode, encode_value, oversize
 
 
 @dataclasses.dataclass
@@ -48,6 +48,12 @@ def _format_id(parts: tuple[int, int]) -> str:
     return f"{parts[0]}-{parts[1]}"
 
 
+def _entry(entry_id: str, payload: bytes, deliveries: int, max_bytes: int | None) -> StreamEntry:
+    if too_large := oversize(len(payload), max_bytes):
+        return StreamEntry(entry_id, b"", deliveries, too_large, len(payload))
+    return StreamEntry(entry_id, payload, deliveries)
+
+
 class InProcessBus(Bus):
     """Queues, keys, sets and streams in memory, guarded by one lock; a Condition wakes blocked readers."""
 
@@ -81,7 +87,7 @@ class InProcessBus(Bus):
             self._queues[queue].extend(encoded)
             self._cond.notify_all()
 
-    def get_many(self, queue: str, max_count: int, timeout: float) -> list:
+    def get_many(self, queue: str, max_count: int, timeout: float, max_bytes: int | None = None) -> list:
         if max_count <= 0:
             return []
         deadline = time.monotonic() + max(timeout, 0.0)
@@ -93,7 +99,7 @@ class InProcessBus(Bus):
                     return []
                 self._cond.wait(remaining)
             taken = [items.popleft() for _ in range(min(max_count, len(items)))]
-        return [decode(m, f"queue {queue}") for m in taken]
+        return [decode_or_undecodable(m, f"queue {queue}", max_bytes) for m in taken]
 
     def qsize(self, queue: str) -> int:
         with self._cond:
@@ -163,7 +169,8 @@ class InProcessBus(Bus):
             self._cond.notify_all()
             return entry_id
 
-    def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float) -> list[StreamEntry]:
+    def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float,
+                    max_bytes: int | None = None) -> list[StreamEntry]:
         if max_count <= 0:
             return []
         deadline = time.monotonic() + max(timeout, 0.0)
@@ -182,10 +189,10 @@ class InProcessBus(Bus):
             now = time.monotonic()
             for i in fresh:
                 g.pending[i] = _Pending(consumer, now, 1)
-            return [StreamEntry(i, s.entries[i], 1) for i in fresh]
+            return [_entry(i, s.entries[i], 1, max_bytes) for i in fresh]
 
     def stream_claim(self, stream: str, group: str, consumer: str, min_idle: float,
-                     max_count: int) -> list[StreamEntry]:
+                     max_count: int, max_bytes: int | None = None) -> list[StreamEntry]:
         with self._cond:
             s = self._streams[stream]
             g = s.groups.setdefault(group, _Group())
@@ -200,7 +207,7 @@ class InProcessBus(Bus):
                     del g.pending[entry_id]
                     continue
                 p.consumer, p.delivered_at, p.deliveries = consumer, now, p.deliveries + 1
-                claimed.append(StreamEntry(entry_id, s.entries[entry_id], p.deliveries))
+                claimed.append(_entry(entry_id, s.entries[entry_id], p.deliveries, max_bytes))
             return claimed
 
     def stream_ack(self, stream: str, group: str, ids: list[str]) -> int:

@@ -5,13 +5,14 @@ sets, and streams are Redis streams with one consumer group each (XADD / XREADGR
 One redis-py client with its connection pool is thread-safe, so one RedisBus serves every thread of a role.
 """
 
+import time
 import urllib.parse
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from rlsys.bus.base import Bus, BusError, StreamEntry, decode, decode_value, encode, encode_value
+from rlsys.bus.base import Bus, BusError, StreamEntry, decode_or_undecodable, decode_value, encode, encode_value, oversize
 
 # A blocking command must return before the socket times out, or redis-py drops the connection while
 # the server may already have popped a message for it (lost). Long waits are therefore cut into slices.
@@ -33,6 +34,41 @@ return 1
 """
 
 
+# XREADGROUP (no BLOCK: not allowed in scripts) or XCLAIM, with each payload measured on the server: one over
+# the reader's limit, or missing, is not sent back, only its size. Per entry: {id, status, size, payload}.
+_FETCH_ENTRIES = """
+local entries
+if ARGV[1] == 'READ' then
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[5], 'STREAMS', KEYS[1], '>')
+  if not reply then return {} end
+  entries = reply[1][2]
+else
+  entries = redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[5], unpack(ARGV, 6))
+end
+local limit = tonumber(ARGV[4])
+local out = {}
+for _, e in ipairs(entries) do
+  local fields = e[2]
+  if fields and #fields > 0 then  -- an entry deleted meanwhile comes back from XCLAIM without fields
+    local payload = nil
+    for i = 1, #fields, 2 do
+      if fields[i] == 'm' then payload = fields[i + 1] end
+    end
+    if payload == nil then
+      table.insert(out, {e[1], 1, 0, ''})
+    elseif limit >= 0 and #payload > limit then
+      table.insert(out, {e[1], 2, #payload, ''})
+    else
+      table.insert(out, {e[1], 0, #payload, payload})
+    end
+  end
+end
+return out
+"""
+STREAM_POLL = (0.005, 0.05)  # a stream read waits by polling (scripts cannot block): first and longest pause
+_OK, _NO_PAYLOAD, _OVERSIZE = 0, 1, 2
+
+
 def _reconnect_retry() -> Retry:
     """Commands wait out a restarting server (down, then loading its append-only file) for about RECONNECT_SECONDS."""
     backoff = ExponentialBackoff(cap=RECONNECT_BACKOFF_CAP, base=0.05)
@@ -46,6 +82,7 @@ class RedisBus(Bus):
         self._client = client
         self._prefix = f"{namespace}:" if namespace else ""
         self._set_and_count = client.register_script(_SET_AND_COUNT)
+        self._fetch_entries = client.register_script(_FETCH_ENTRIES)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "") -> "RedisBus":
@@ -70,7 +107,7 @@ class RedisBus(Bus):
         if encoded:
             self._client.rpush(self._k(queue), *encoded)
 
-    def get_many(self, queue: str, max_count: int, timeout: float) -> list:
+    def get_many(self, queue: str, max_count: int, timeout: float, max_bytes: int | None = None) -> list:
         """One round trip per call: BLPOP and `LPOP key n` are pipelined (not a transaction).
 
         Redis runs a blocked client's next pipelined command right after BLPOP returns, so the
@@ -80,7 +117,7 @@ class RedisBus(Bus):
             return []
         key = self._k(queue)
         if timeout <= 0:  # BLPOP 0 would block forever; a non-blocking read is what was asked for
-            return self._decode_all(queue, self._client.lpop(key, max_count) or [])
+            return self._decode_all(queue, self._client.lpop(key, max_count) or [], max_bytes)
         remaining = timeout
         while True:
             block = min(remaining, MAX_BLOCK)
@@ -91,14 +128,14 @@ class RedisBus(Bus):
             first, *rest = pipe.execute()
             raw = ([first[1]] if first is not None else []) + ((rest[0] or []) if rest else [])
             if raw:  # the LPOP may find messages that arrived just after BLPOP timed out: keep them
-                return self._decode_all(queue, raw)
+                return self._decode_all(queue, raw, max_bytes)
             remaining -= block
             if remaining <= 0:
                 return []
 
     @staticmethod
-    def _decode_all(queue: str, raw: list) -> list:
-        return [decode(m, f"queue {queue}") for m in raw]
+    def _decode_all(queue: str, raw: list, max_bytes: int | None) -> list:
+        return [decode_or_undecodable(m, f"queue {queue}", max_bytes) for m in raw]
 
     def qsize(self, queue: str) -> int:
         return self._client.llen(self._k(queue))
@@ -142,30 +179,34 @@ class RedisBus(Bus):
     def stream_add(self, stream: str, message) -> str:
         return self._client.xadd(self._k(stream), {PAYLOAD: encode(message, f"stream {stream}")}).decode()
 
-    def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float) -> list[StreamEntry]:
-        """Long waits are cut into MAX_BLOCK slices like get_many's, for the same reason."""
+    def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float,
+                    max_bytes: int | None = None) -> list[StreamEntry]:
+        """Polls a script that reads and measures on the server (see _FETCH_ENTRIES): a blocking XREADGROUP
+        would send a payload whatever its size before the reader could refuse it."""
         if max_count <= 0:
             return []
-        remaining = timeout
+        deadline = time.monotonic() + max(timeout, 0.0)
+        pause = STREAM_POLL[0]
         while True:
-            block = min(remaining, MAX_BLOCK)
-            reply = self._read_group(stream, group, consumer, max_count, block)
-            if reply:
-                return [StreamEntry(entry_id.decode(), fields[PAYLOAD], 1) for entry_id, fields in reply[0][1]]
-            remaining -= block
-            if remaining <= 0:
-                return []
+            entries = self._fetch(stream, group, consumer, max_bytes, "READ", [max_count])
+            if entries or time.monotonic() >= deadline:
+                return entries
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 2, STREAM_POLL[1])
 
-    def _read_group(self, stream: str, group: str, consumer: str, max_count: int, block: float):
+    def _fetch(self, stream: str, group: str, consumer: str, max_bytes: int | None, command: str, args: list,
+               deliveries: dict | None = None) -> list[StreamEntry]:
         key = self._k(stream)
-        block_ms = int(block * 1000) if block > 0 else None  # BLOCK 0 would wait forever
+        argv = [command, group, consumer, -1 if max_bytes is None else max_bytes, *args]
         try:
-            return self._client.xreadgroup(group, consumer, {key: ">"}, count=max_count, block=block_ms)
+            reply = self._fetch_entries(keys=[key], args=argv)
         except redis.ResponseError as e:
-            if not str(e).startswith("NOGROUP"):
+            if "NOGROUP" not in str(e):
                 raise
-        self._create_group(key, group)
-        return self._client.xreadgroup(group, consumer, {key: ">"}, count=max_count, block=block_ms)
+            self._create_group(key, group)
+            reply = self._fetch_entries(keys=[key], args=argv)
+        return [_stream_entry(entry_id, status, size, payload, (deliveries or {}).get(entry_id, 1), max_bytes)
+                for entry_id, status, size, payload in reply]
 
     def _create_group(self, key: str, group: str) -> None:
         try:
@@ -175,7 +216,7 @@ class RedisBus(Bus):
                 raise
 
     def stream_claim(self, stream: str, group: str, consumer: str, min_idle: float,
-                     max_count: int) -> list[StreamEntry]:
+                     max_count: int, max_bytes: int | None = None) -> list[StreamEntry]:
         """XPENDING pages (with their delivery counts), then XCLAIM of those held by others. XCLAIM
         checks the idle time again, so of two consumers claiming the same entry only one gets it."""
         key, min_idle_ms = self._k(stream), int(min_idle * 1000)
@@ -196,9 +237,7 @@ class RedisBus(Bus):
             start = "(" + page[-1]["message_id"].decode()
         if not deliveries:
             return []
-        claimed = self._client.xclaim(key, group, consumer, min_idle_ms, list(deliveries))
-        return [StreamEntry(entry_id.decode(), fields[PAYLOAD], deliveries[entry_id])
-                for entry_id, fields in claimed if fields]  # entries deleted meanwhile come back empty
+        return self._fetch(stream, group, consumer, max_bytes, "CLAIM", [min_idle_ms, *deliveries], deliveries)
 
     def stream_ack(self, stream: str, group: str, ids: list[str]) -> int:
         if not ids:
@@ -222,7 +261,7 @@ class RedisBus(Bus):
         return self._client.xlen(self._k(stream))
 
     def stream_range(self, stream: str, max_count: int) -> list[StreamEntry]:
-        return [StreamEntry(entry_id.decode(), fields[PAYLOAD], 0)
+        return [_stream_entry(entry_id, _OK if PAYLOAD in fields else _NO_PAYLOAD, 0, fields.get(PAYLOAD, b""), 0, None)
                 for entry_id, fields in self._client.xrange(self._k(stream), count=max_count)]
 
     def server_id(self) -> str:
@@ -230,3 +269,12 @@ class RedisBus(Bus):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _stream_entry(entry_id: bytes, status: int, size: int, payload: bytes, deliveries: int,
+                  max_bytes: int | None) -> StreamEntry:
+    if status == _NO_PAYLOAD:
+        return StreamEntry(entry_id.decode(), b"", deliveries, f"the entry has no payload field {PAYLOAD!r}", 0)
+    if status == _OVERSIZE:
+        return StreamEntry(entry_id.decode(), b"", deliveries, oversize(size, max_bytes), size)
+    return StreamEntry(entry_id.decode(), payload, deliveries)

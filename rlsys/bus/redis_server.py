@@ -31,6 +31,8 @@ from pathlib import Path
 
 import redis
 
+from rlsys.run_privacy import PRIVATE_UMASK, make_private
+
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 10.0
 PORT_ATTEMPTS = 5
@@ -143,7 +145,7 @@ class EmbeddedRedis:
         if self.process is not None:
             return self
         binary = find_redis_server()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_private(self.run_dir)  # the AOF of an older server here may be world-readable
         self.password = secrets.token_hex(24)
         for _ in range(PORT_ATTEMPTS if not self.requested_port else 1):
             self.port = self.requested_port or _free_port()
@@ -194,10 +196,11 @@ class EmbeddedRedis:
         """True once the server answers; False if it lost the race for the port; raises otherwise."""
         config = self._write_config()
         log_start = self.log_file.stat().st_size if self.log_file.exists() else 0
-        with open(self.log_file, "ab") as log:
+        with open(self.log_file, "ab", opener=lambda path, flags: os.open(path, flags, 0o600)) as log:
             self.process = subprocess.Popen([binary, str(config)], stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True,
-                                            preexec_fn=_die_with_parent_hook(), close_fds=True)
+                                            preexec_fn=_die_with_parent_hook(), close_fds=True,
+                                            umask=PRIVATE_UMASK)  # its AOF holds every message: owner-only
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
                              socket_timeout=0.25, socket_connect_timeout=0.25, retry=None)  # re-polled
         deadline = time.monotonic() + START_TIMEOUT

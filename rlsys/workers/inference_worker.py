@@ -12,8 +12,11 @@ import threading
 import time
 
 from rlsys import protocol
-from rlsys.api import GenerationConfig
+from rlsys.api.messages import (InvalidMessage, WorkerStatus, parse_generation_request, parse_published_weights)
+from rlsys.bus import Undecodable
+from rlsys.bus.dead_letters import set_aside
 from rlsys.engine.generation import GenerationEngine
+from rlsys.workers.inference_status import InferenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,8 @@ class InferenceWorker:
         self.max_batch_requests = max_batch_requests
         self.reply_to: dict[str, str] = {}  # request id -> the router's reply queue
         self.queue = protocol.generation_requests(index)
+        self.status = InferenceStatus(bus, index)
+        self.refused = 0  # requests set aside as malformed
         self.epoch = 0
         self.copies_dropped = 0  # requests that arrived again while running
         self._stopping = threading.Event()
@@ -67,20 +72,42 @@ class InferenceWorker:
         return False
 
     def load_newest_weights(self) -> None:
-        published = self.bus.get(protocol.WEIGHTS)
-        if published and published["version"] > self.engine.version:
-            interrupted = self.engine.update_weights(published["path"], published["version"])
+        message = self.bus.get(protocol.WEIGHTS)
+        if message is None:
+            return
+        try:
+            published = parse_published_weights(message)
+        except InvalidMessage as e:
+            set_aside(self.bus, protocol.WEIGHTS, str(e), message)
+            self.bus.delete(protocol.WEIGHTS)  # the learner's next version replaces it
+            return
+        if published.version > self.engine.version:
+            interrupted = self.engine.update_weights(published.path, published.version)
             if interrupted:
                 log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
 
     def take_requests(self, timeout: float) -> None:
         copies = 0
-        for request in self.bus.get_many(self.queue, self.max_batch_requests, timeout):
-            if self.engine.is_running(request["rid"]):  # a router sent it again after a bus server restart
+        for message in self.bus.get_many(self.queue, self.max_batch_requests, timeout, protocol.MAX_QUEUE_MESSAGE_BYTES):
+            try:
+                if isinstance(message, Undecodable):
+                    raise InvalidMessage(message.reason)
+                request = parse_generation_request(message)
+            except InvalidMessage as e:
+                self.refused += 1
+                set_aside(self.bus, self.queue, str(e), message)
+                continue
+            if self.engine.is_running(request.rid):  # a router sent it again after a bus server restart
                 copies += 1
                 continue
-            self.reply_to[request["rid"]] = request["reply_to"]
-            self.engine.add_request(request["rid"], request["token_ids"], GenerationConfig.from_dict(request["gconfig"]))
+            try:
+                self.engine.add_request(request.rid, request.token_ids, request.gconfig)
+            except ValueError as e:  # what only the engine can check: the vocabulary, the model's length
+                self.engine.abort_request(request.rid)
+                self.refused += 1
+                set_aside(self.bus, self.queue, f"the engine refused request {request.rid}: {e}", message)
+                continue
+            self.reply_to[request.rid] = request.reply_to
         if copies:
             self.copies_dropped += copies
             log.info("dropped %d copies of requests already running", copies)
@@ -93,8 +120,7 @@ class InferenceWorker:
             self.bus.put_many(queue, messages)
 
     def publish_status(self, beat: int) -> None:
-        self.bus.set(protocol.inference_status(self.index), {
-            "epoch": self.epoch, "beat": beat, "version": self.engine.version, "load": self.engine.in_flight})
+        self.status.publish(WorkerStatus(self.epoch, beat, self.engine.version, self.engine.in_flight))
 
     def _heartbeat(self) -> None:
         """On its own thread, so a long engine step never makes a live worker look dead."""

@@ -13,12 +13,13 @@ from rlsys import accounting, protocol
 from rlsys.algorithms.advantages import gae_advantages, gigpo_turn_advantages, grpo_advantages, \
     reinforce_advantages, starpo_advantages, whiten
 from rlsys.algorithms.batch import SequenceBatch, per_turn_to_tokens, sequence_batch
+from rlsys.algorithms.finite import clip_and_step
 from rlsys.algorithms.packing import MicroBatch, micro_batches
 from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clipped_value_loss, gather_logprobs, kl_k3, \
     next_token_logits, ppo_clip_loss, token_entropy, token_loss_weights
 from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.api import Trajectory
-from rlsys.checkpoint import OPTIMIZER_STATE, read_trainer_state, save_checkpoint
+from rlsys.checkpoint import read_optimizer_state, read_trainer_state, save_checkpoint
 from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.engine.weights import write_weight_update
 from rlsys.metrics import MetricsLogger
@@ -55,6 +56,7 @@ class Learner:
             step, self.ppo.warmup_steps, optimizer_steps, self.ppo.lr_scheduler_type))
         self.step = self.version = 0
         self.filtered_groups = 0
+        self.skipped_updates = 0  # optimizer steps skipped: their loss or gradients were not finite
         self.consumed_prompts: list[str] = []  # group ids trained or filtered: the dataset position on resume
         if resumed:
             self._resume(Path(config.resume_from_checkpoint), resumed)
@@ -70,7 +72,7 @@ class Learner:
     def _resume(self, checkpoint: Path, trainer: dict) -> None:
         self.step, self.version = trainer["step"], trainer["version"]
         self.consumed_prompts = trainer["consumed_prompts"]
-        state = torch.load(checkpoint / OPTIMIZER_STATE, map_location=self.device, weights_only=False)
+        state = read_optimizer_state(checkpoint, self.device)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None and "critic_optimizer" in state:
@@ -227,14 +229,18 @@ class Learner:
             # Every trajectory in it is void: no loss, and a step on zero gradients would still move by Adam's momentum.
             return {"grad_norm": 0.0}
         stats = self.mini_batch_gradients(mini_batch)
-        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ppo.max_grad_norm).item()
-        self.optimizer.step()
+        # a non-finite loss or gradient skips the step (and is counted) instead of writing NaN weights
+        stats["grad_norm"], stepped = clip_and_step(self.optimizer, self.model.parameters(), self.ppo.max_grad_norm,
+                                                    stats.get("loss"))
         stats["lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if stepped:  # the schedule counts optimizer steps
+            self.scheduler.step()
         if self.critic is not None:
-            stats["critic/grad_norm"] = torch.nn.utils.clip_grad_norm_(
-                self.critic.parameters(), self.ppo.max_grad_norm).item()
-            self.critic_optimizer.step()
+            stats["critic/grad_norm"], critic_stepped = clip_and_step(
+                self.critic_optimizer, self.critic.parameters(), self.ppo.max_grad_norm, stats.get("critic/value_loss"))
+            stepped = stepped and critic_stepped
+        self.skipped_updates += not stepped
+        stats["updates/skipped_non_finite"] = self.skipped_updates
         return stats
 
     def mini_batch_gradients(self, mini_batch: SequenceBatch) -> dict[str, float]:

@@ -18,8 +18,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from rlsys import protocol
-from rlsys.api import GenerationOutput
-from rlsys.bus import ServerRestarts
+from rlsys.api.messages import GenerationRequest, InvalidMessage, parse_generation_reply
+from rlsys.bus import ServerRestarts, Undecodable
+from rlsys.bus.dead_letters import set_aside
+from rlsys.workers.inference_status import InferenceStatus
 
 REFRESH_INTERVAL = 0.05  # seconds between reads of the workers' status keys
 UNDELIVERED = -1  # the epoch of a request that must be sent again (no worker epoch is negative)
@@ -37,6 +39,7 @@ class WorkerView:
     beat_seen_at: float = 0.0  # monotonic time the beat last moved
     sent_since_refresh: int = 0
     seen: bool = False
+    dead: bool = False  # the launcher saw this epoch's process exit
 
 
 class InferenceWorkers:
@@ -45,23 +48,26 @@ class InferenceWorkers:
     def __init__(self, bus, n_workers: int, dead_after: float):
         self.bus, self.dead_after = bus, dead_after
         self.views = [WorkerView() for _ in range(n_workers)]
+        self.statuses = [InferenceStatus(bus, index) for index in range(n_workers)]
 
     def refresh(self) -> None:
         now = time.monotonic()
-        for index, view in enumerate(self.views):
-            status = self.bus.get(protocol.inference_status(index))
+        for view, status_key in zip(self.views, self.statuses):
+            status = status_key.read()
             if status is None:
                 continue
-            if not view.seen or status["beat"] != view.beat or status["epoch"] != view.epoch:
+            if not view.seen or status.beat != view.beat or status.epoch != view.epoch:
                 view.beat_seen_at = now
             view.seen = True
-            view.epoch, view.beat, view.version, view.load = (status["epoch"], status["beat"], status["version"],
-                                                              status["load"])
+            view.epoch, view.beat, view.version, view.load = status.epoch, status.beat, status.version, status.load
+            view.dead = status.dead
             view.sent_since_refresh = 0
 
     def is_alive(self, index: int) -> bool:
+        """Marked dead by the launcher that saw it exit (at once), or silent for `dead_after` seconds (a worker
+        no launcher here watches)."""
         view = self.views[index]
-        return view.seen and time.monotonic() - view.beat_seen_at < self.dead_after
+        return view.seen and not view.dead and time.monotonic() - view.beat_seen_at < self.dead_after
 
     def serves(self, index: int, epoch: int) -> bool:
         """Whether a request sent to `index` in `epoch` is still in a live worker's hands."""
@@ -91,6 +97,7 @@ class PendingRequest:
 class RouterStats:
     latencies: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LATENCY_WINDOW))
     resent: int = 0
+    refused: int = 0  # malformed replies set aside
 
     def latency_percentile(self, q: float) -> float:
         if not self.latencies:
@@ -119,8 +126,7 @@ class EpisodeRouter:
             if worker is None or not self.workers.is_alive(worker):
                 worker = await self.live_worker()
             rid = uuid.uuid4().hex  # agents may reuse a qid across turns; request ids never repeat
-            message = {"rid": rid, "token_ids": list(token_ids), "gconfig": gconfig.to_dict(),
-                       "reply_to": self.reply_queue}
+            message = GenerationRequest(rid, list(token_ids), gconfig, self.reply_queue).to_message()
             pending = self.waiting[rid] = PendingRequest(qid, act_queue, message, put_at)
             await self.send(pending, worker)
 
@@ -136,12 +142,21 @@ class EpisodeRouter:
 
     async def dispatch_replies(self) -> None:
         while True:
-            for message in await asyncio.to_thread(self.bus.get_many, self.reply_queue, 4096, 0.1):
-                pending = self.waiting.pop(message["qid"], None)
+            for message in await asyncio.to_thread(self.bus.get_many, self.reply_queue, 4096, 0.1,
+                                                   protocol.MAX_QUEUE_MESSAGE_BYTES):
+                try:
+                    if isinstance(message, Undecodable):
+                        raise InvalidMessage(message.reason)
+                    output = parse_generation_reply(message)
+                except InvalidMessage as e:  # its request, if it was one, is re-sent when its worker dies
+                    self.stats.refused += 1
+                    await asyncio.to_thread(set_aside, self.bus, self.reply_queue, str(e), message)
+                    continue
+                pending = self.waiting.pop(output.qid, None)
                 if pending is None:
                     continue  # a duplicate of a re-sent request, or the episode was cancelled
                 self.stats.latencies.append(time.monotonic() - pending.put_at)
-                output = GenerationOutput.from_dict({**message, "qid": pending.qid})
+                output.qid = pending.qid
                 pending.act_queue.put_nowait(output)
 
     async def watch_workers(self) -> None:

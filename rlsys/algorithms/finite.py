@@ -1,0 +1,28 @@
+"""An optimizer step that happens only when it cannot write non-finite weights.
+
+One bad number (a loss that overflowed, a gradient that is inf or NaN) taken into `optimizer.step()`
+makes every weight NaN, and the learner would publish them to inference and checkpoint them. So the
+gradient norm ||g||_2 (which is finite iff every gradient entry is) and the loss are checked first:
+a step with either non-finite is skipped, its gradients dropped, and the caller counts it.
+"""
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.nn.Parameter], max_grad_norm: float,
+                  loss: float | None = None) -> tuple[float, bool]:
+    """Clips gradients to `max_grad_norm` and steps the optimizer if `loss` and the gradients are finite.
+
+    Returns (gradient norm before clipping, whether the optimizer stepped). A skipped step zeroes the
+    gradients, so nothing non-finite is left to accumulate into the next one.
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm).item() if parameters else 0.0
+    if not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss)):
+        optimizer.zero_grad()
+        return grad_norm, False
+    optimizer.step()
+    return grad_norm, True

@@ -1,0 +1,192 @@
+"""What crosses the bus between roles, typed and checked: every reader validates a message before using it.
+
+A message is a msgpack value another process wrote: an older version, a buggy plugin or a hostile local
+user may have written it. `parse_*` returns a typed value or raises InvalidMessage with the field and what
+is wrong, so the reader can set the message aside (a dead letter) and go on. The same checks run on the
+writer's side where it builds a message, so a role never sends what its peer would refuse.
+
+Bounds keep the numbers usable downstream: integers fit in int32 (token ids, versions, counts: the batch
+code stores them in int64 tensors and adds them), floats are finite and within float32's range (1e300 is a
+finite Python float but inf in a float32 tensor).
+"""
+
+import dataclasses
+import math
+
+from rlsys.api.generation import GenerationConfig, GenerationOutput
+
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_ID_CHARS = 256  # request, trajectory, group ids and queue names
+MAX_PATH_CHARS = 4096
+MAX_SAMPLES = 1024  # samples per generation request
+MAX_SEQUENCE_TOKENS = 1_000_000
+
+
+class InvalidMessage(ValueError):
+    """A bus message a role cannot use; the text says why, `group_id` whose it is if known."""
+
+    def __init__(self, reason: str, group_id: str | None = None):
+        super().__init__(reason)
+        self.group_id = group_id
+
+
+def integer(value, where: str, low: int = 0, high: int = INT32_MAX) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise InvalidMessage(f"{where} must be an integer in [{low}, {high}], got {_short(value)}")
+    return value
+
+
+def number(value, where: str, low: float = -FLOAT32_MAX, high: float = FLOAT32_MAX) -> float:
+    """A finite int or float in [low, high] (within float32's range by default)."""
+    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
+        raise InvalidMessage(f"{where} must be a finite number in [{low:g}, {high:g}], got {_short(value)}")
+    return value
+
+
+def boolean(value, where: str) -> bool:
+    if type(value) is not bool:
+        raise InvalidMessage(f"{where} must be true or false, got {_short(value)}")
+    return value
+
+
+def string(value, where: str, max_chars: int = MAX_ID_CHARS, empty: bool = False) -> str:
+    if not isinstance(value, str) or len(value) > max_chars or (not empty and not value):
+        raise InvalidMessage(f"{where} must be a {'' if empty else 'non-empty '}string of at most {max_chars} "
+                             f"characters, got {_short(value)}")
+    return value
+
+
+def items(value, where: str, check, max_items: int = MAX_SEQUENCE_TOKENS) -> list:
+    """A list of at most `max_items`, each passed through `check(item, where_of_item)`."""
+    if not isinstance(value, list) or len(value) > max_items:
+        raise InvalidMessage(f"{where} must be a list of at most {max_items} items, got {_short(value)}")
+    return [check(x, f"{where}[{i}]") for i, x in enumerate(value)]
+
+
+def fields(message, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+    """`message` as a map with exactly the `required` keys and perhaps some `optional` ones."""
+    if not isinstance(message, dict):
+        raise InvalidMessage(f"{where} must be a map, got {type(message).__name__}")
+    keys = set(message)
+    if not required <= keys <= required | optional:
+        raise InvalidMessage(f"{where}: expected keys {sorted(required)} (optional {sorted(optional)}), "
+                             f"got {sorted(map(str, keys))[:20]}")
+    return message
+
+
+def _short(value) -> str:
+    return f"{value!r:.60}" if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
+
+
+def token_id(x, where: str) -> int:
+    return integer(x, where)
+
+
+def logprob(x, where: str) -> float:
+    return number(x, where)
+
+
+def version(x, where: str) -> int:
+    """A weight version; -1 tags tokens the model did not produce."""
+    return integer(x, where, low=-1)
+
+
+# ---- generation requests (router -> inference worker) and replies (inference worker -> router)
+
+def parse_generation_config(d, where: str = "gconfig") -> GenerationConfig:
+    names = {f.name for f in dataclasses.fields(GenerationConfig)}
+    d = fields(d, where, set(), names)
+    config = GenerationConfig(**d)  # only known names, so this cannot fail; the values are checked next
+    integer(config.n, f"{where}.n", 1, MAX_SAMPLES)
+    integer(config.max_new_tokens, f"{where}.max_new_tokens", 1, MAX_SEQUENCE_TOKENS)
+    number(config.temperature, f"{where}.temperature", 0.0, 1e6)
+    number(config.top_p, f"{where}.top_p", 0.0, 1.0)
+    integer(config.top_k, f"{where}.top_k", -1)
+    items(config.stop_token_ids, f"{where}.stop_token_ids", token_id, max_items=4096)
+    if config.seed is not None:
+        integer(config.seed, f"{where}.seed", 0, 2**63 - 1)
+    return config
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One request for `gconfig.n` samples continuing `token_ids`; the reply goes to queue `reply_to`."""
+
+    rid: str
+    token_ids: list[int]
+    gconfig: GenerationConfig
+    reply_to: str
+
+    def to_message(self) -> dict:
+        return {"rid": self.rid, "token_ids": self.token_ids, "gconfig": self.gconfig.to_dict(),
+                "reply_to": self.reply_to}
+
+
+def parse_generation_request(message) -> GenerationRequest:
+    d = fields(message, "generation request", {"rid", "token_ids", "gconfig", "reply_to"})
+    request = GenerationRequest(string(d["rid"], "rid"), items(d["token_ids"], "token_ids", token_id),
+                                parse_generation_config(d["gconfig"]), string(d["reply_to"], "reply_to"))
+    if not request.token_ids:
+        raise InvalidMessage(f"request {request.rid}: token_ids is empty")
+    return request
+
+
+def parse_generation_reply(message) -> GenerationOutput:
+    """A GenerationOutput whose per-sample lists agree in length; `qid` is the request id."""
+    names = {f.name for f in dataclasses.fields(GenerationOutput)}
+    d = fields(message, "generation reply", names)
+    out = GenerationOutput(**d)
+    string(out.qid, "qid")
+    items(out.prompt_ids, "prompt_ids", token_id)
+    samples = [items(getattr(out, name), name, lambda x, w: x, MAX_SAMPLES)
+               for name in ("output_ids", "logprobs", "versions", "stop_reasons")]
+    if len({len(s) for s in samples}) != 1:
+        raise InvalidMessage(f"reply {out.qid}: output_ids, logprobs, versions and stop_reasons must have one "
+                             f"entry per sample, got {[len(s) for s in samples]}")
+    for i in range(len(out.output_ids)):
+        tokens = items(out.output_ids[i], f"output_ids[{i}]", token_id)
+        for name, check in (("logprobs", logprob), ("versions", version)):
+            values = items(getattr(out, name)[i], f"{name}[{i}]", check)
+            if len(values) != len(tokens):
+                raise InvalidMessage(f"reply {out.qid}: {name}[{i}] has {len(values)} entries for {len(tokens)} tokens")
+        string(out.stop_reasons[i], f"stop_reasons[{i}]")
+    return out
+
+
+# ---- inference worker status (its heartbeat) and published weights
+
+@dataclasses.dataclass(frozen=True)
+class WorkerStatus:
+    """What an inference worker publishes while it lives. `dead`: the launcher saw this epoch's process exit."""
+
+    epoch: int  # incremented each time a process takes this index (a restart)
+    beat: int  # a counter that keeps moving while the worker is alive
+    version: int  # the weights it serves
+    load: int  # requests in its engine
+    dead: bool = False
+
+    def to_message(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_worker_status(message) -> WorkerStatus:
+    d = fields(message, "inference status", {"epoch", "beat", "version", "load"}, {"dead"})
+    return WorkerStatus(integer(d["epoch"], "epoch"), integer(d["beat"], "beat"), integer(d["version"], "version"),
+                        integer(d["load"], "load"), boolean(d.get("dead", False), "dead"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedWeights:
+    """The newest policy the learner published: its version and the directory that holds it."""
+
+    version: int
+    path: str
+
+    def to_message(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_published_weights(message) -> PublishedWeights:
+    d = fields(message, "published weights", {"version", "path"})
+    return PublishedWeights(integer(d["version"], "version"), string(d["path"], "path", MAX_PATH_CHARS))

@@ -1,0 +1,43 @@
+"""An inference worker's status key: the one owner of what routers know about a worker's life.
+
+The worker publishes its status on every heartbeat. The launcher's supervisor marks it dead the moment it
+sees the worker's process exit, so routers re-send that worker's requests at once instead of waiting
+`cluster.inference_dead_after` seconds for a missed beat. The missed beat still counts, for workers on
+other machines that no launcher watches. A restarted worker publishes a new epoch, which clears the mark.
+"""
+
+import logging
+
+from rlsys import protocol
+from rlsys.api.messages import InvalidMessage, WorkerStatus, parse_worker_status
+from rlsys.bus.dead_letters import set_aside
+
+log = logging.getLogger(__name__)
+
+
+class InferenceStatus:
+    """Reads and writes protocol.inference_status(index)."""
+
+    def __init__(self, bus, index: int):
+        self.bus, self.key = bus, protocol.inference_status(index)
+
+    def publish(self, status: WorkerStatus) -> None:
+        self.bus.set(self.key, status.to_message())
+
+    def read(self) -> WorkerStatus | None:
+        """The status, or None if there is none yet or it is malformed (set aside with its reason)."""
+        message = self.bus.get(self.key)
+        if message is None:
+            return None
+        try:
+            return parse_worker_status(message)
+        except InvalidMessage as e:
+            set_aside(self.bus, self.key, str(e), message)
+            self.bus.delete(self.key)  # the worker's next beat writes a good one
+            return None
+
+    def mark_dead(self) -> None:
+        """The process serving the epoch now published has exited (its successor has not started yet)."""
+        status = self.read()
+        if status is not None and not status.dead:
+            self.publish(WorkerStatus(status.epoch, status.beat, status.version, 0, dead=True))

@@ -1,0 +1,286 @@
+"""Every bus boundary under generated malformed messages: a dead letter or a clear error, never a crash,
+never a NaN in the weights.
+
+Hypothesis generates any msgpack value (ints beyond int64, NaN, inf, 1e300, bytes, deep structures), and
+good messages with one field replaced by such a value, and throws them at each reader: the learner's
+trajectory inbox (both buses), the inference worker's request queue and weights key, the router's reply
+queue and the workers' status keys. The learner is trained on whatever its inbox accepts.
+"""
+
+import asyncio
+import math
+import uuid
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlsys import protocol
+from rlsys.algorithms.finite import clip_and_step
+from rlsys.api import GenerationConfig, GenerationOutput, Trajectory
+from rlsys.api.messages import (InvalidMessage, WorkerStatus, parse_generation_reply, parse_generation_request,
+                                parse_published_weights, parse_worker_status)
+from rlsys.bus import EmbeddedRedis, InProcessBus, RedisBus
+from rlsys.delivery import TrajectoryInbox
+from rlsys.engine.scripted import ScriptedEngine
+from rlsys.workers.inference_worker import InferenceWorker
+from rlsys.workers.routing import EpisodeRouter
+from tests.test_learner import learner_config
+
+MB = 2**20
+FEW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                        HealthCheck.too_slow])
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
+                    st.sampled_from([1e300, -1e300, 3.5e38, math.nan, math.inf, 2**63, -1, 0]),
+                    st.text(max_size=20), st.binary(max_size=20))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 5)), inner, max_size=4),
+                      max_leaves=12)
+
+
+def good_trajectory(group_id: str = "g") -> dict:
+    return Trajectory(token_ids=[5, 6, 7, 8], loss_mask=[0, 0, 1, 1], logprobs=[0.0, 0.0, -0.5, -0.25],
+                      versions=[-1, -1, 3, 3], turn_ends=[4], turn_rewards=[1.0], reward=1.0, group_id=group_id,
+                      stop_reason="stop").to_dict()
+
+
+def with_field(message: dict, path: tuple, value) -> dict:
+    """A copy of `message` with the item at `path` (keys and list indices) replaced by `value`."""
+    copy = msgpack.unpackb(msgpack.packb(message), strict_map_key=False)
+    target = copy
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return copy
+
+
+TRAJECTORY_PATHS = [(name,) for name in good_trajectory()] + [
+    ("token_ids", 2), ("logprobs", 3), ("versions", 2), ("turn_rewards", 0), ("loss_mask", 3), ("turn_ends", 0)]
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def learner(tmp_path_factory):
+    from rlsys.workers.learner import Learner
+
+    tmp = tmp_path_factory.mktemp("learner")
+    return Learner(learner_config(tmp), InProcessBus(), tmp / "run")
+
+
+def weights_finite(model) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def inbox_outcome(bus, payload: bytes, vocab_size: int = 100):
+    """(accepted groups, dead letters) after one raw entry is put on the trajectory stream."""
+    bus.delete(protocol.TRAJECTORIES, protocol.DEAD_LETTERS)
+    if isinstance(bus, RedisBus):
+        bus._client.xadd(bus._k(protocol.TRAJECTORIES), {b"m": payload})
+    else:
+        bus._streams[protocol.TRAJECTORIES].entries[bus._streams[protocol.TRAJECTORIES].next_id()] = payload
+    inbox = TrajectoryInbox(bus, "learner", MB, vocab_size)
+    accepted = inbox.receive(10, timeout=1)
+    letters = [e.decode(protocol.DEAD_LETTERS) for e in bus.stream_range(protocol.DEAD_LETTERS, 10)]
+    assert len(accepted) + len(letters) == 1, (accepted, letters)
+    for letter in letters:
+        assert isinstance(letter["reason"], str) and letter["reason"]
+    return accepted, letters
+
+
+@FEW
+@given(value=values)
+def test_any_value_on_the_trajectory_stream_is_dead_lettered_with_a_reason(value):
+    accepted, _ = inbox_outcome(InProcessBus(), msgpack.packb(value, use_bin_type=True))
+    assert accepted == []  # no generated value is a whole valid group by chance
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(path=st.sampled_from(TRAJECTORY_PATHS), value=values)
+def test_a_trajectory_with_any_field_replaced_is_refused_or_trains_to_finite_weights(learner, path, value):
+    message = {"group_id": "g", "trajectories": [with_field(good_trajectory(), path, value)]}
+    accepted, letters = inbox_outcome(InProcessBus(), msgpack.packb(message, use_bin_type=True),
+                                      learner.model.config.vocab_size)
+    if accepted:
+        learner.train_step(accepted[0].trajectories)
+        assert weights_finite(learner.model)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=values, path=st.sampled_from(TRAJECTORY_PATHS))
+def test_the_redis_stream_reader_refuses_the_same_way(redis_server, value, path):
+    with RedisBus.from_url(redis_server.url, namespace=uuid.uuid4().hex) as bus:
+        inbox_outcome(bus, msgpack.packb(value, use_bin_type=True))
+        message = {"group_id": "g", "trajectories": [with_field(good_trajectory(), path, value)]}
+        inbox_outcome(bus, msgpack.packb(message, use_bin_type=True))
+
+
+def test_raw_bytes_deep_nesting_a_missing_payload_field_and_a_huge_entry_are_dead_lettered(redis_server):
+    deep = b"\x91" * 100_000 + b"\xc0"  # a list in a list ... 100,000 deep: msgpack's stack limit refuses it
+    with RedisBus.from_url(redis_server.url, namespace=uuid.uuid4().hex) as bus:
+        for payload, words in [(b"\xc1\xc1\xc1", "undecodable"), (deep, "undecodable")]:
+            _, (letter,) = inbox_outcome(bus, payload)
+            assert words in letter["reason"]
+        bus.delete(protocol.TRAJECTORIES, protocol.DEAD_LETTERS)
+        bus._client.xadd(bus._k(protocol.TRAJECTORIES), {b"other": b"x"})
+        bus._client.xadd(bus._k(protocol.TRAJECTORIES), {b"m": b"\xc4" + b"x" * 10})  # truncated bin header
+        bus._client.xadd(bus._k(protocol.TRAJECTORIES), {b"m": b"\xda\xff\xff" + b"s" * 65535 * 40})  # 2.5 MB
+        inbox = TrajectoryInbox(bus, "learner", MB, 100)
+        assert inbox.receive(10, timeout=1) == []
+        no_payload, truncated, huge = [e.decode(protocol.DEAD_LETTERS)
+                                       for e in bus.stream_range(protocol.DEAD_LETTERS, 10)]
+        assert "no payload field" in no_payload["reason"]
+        assert "undecodable" in truncated["reason"]
+        assert "exceeds the limit of 1.0 MiB" in huge["reason"] and huge["size"] > 2 * MB and huge["payload"] == b""
+        assert bus.stream_length(protocol.TRAJECTORIES) == 0
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(logprobs=st.lists(st.floats(-3.4e38, 3.4e38), min_size=2, max_size=2),
+       rewards=st.lists(st.floats(-3.4e38, 3.4e38), min_size=2, max_size=2))
+def test_extreme_numbers_the_inbox_accepts_never_put_a_nan_in_the_weights(learner, logprobs, rewards):
+    """Numbers finite in float32 can still overflow the loss (exp(3e38)): the step is skipped and counted."""
+    group = [Trajectory(**{**good_trajectory(), "logprobs": [0.0, 0.0, *logprobs], "reward": r,
+                           "turn_rewards": [r], "traj_id": uuid.uuid4().hex}) for r in rewards]
+    before = learner.skipped_updates
+    stats = learner.train_step(group)
+    assert weights_finite(learner.model)
+    assert stats["updates/skipped_non_finite"] >= before
+
+
+def test_a_step_whose_loss_overflows_is_skipped_counted_and_changes_no_weight(learner):
+    """A behaviour logprob of -3e38 is finite in float32, but exp(logp - behaviour) overflows the PPO ratio."""
+    group = [Trajectory(**{**good_trajectory(), "logprobs": [0.0, 0.0, -3e38, -3e38], "reward": r, "turn_rewards": [r],
+                           "traj_id": uuid.uuid4().hex}) for r in (1.0, -1.0)]
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    skipped = learner.skipped_updates
+    stats = learner.train_step(group)
+    assert stats["updates/skipped_non_finite"] == learner.skipped_updates > skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+
+
+def test_a_non_finite_gradient_skips_the_step_and_leaves_the_weights_alone():
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.tensor([[1.0, math.inf, 0.0]])).sum().backward()
+    norm, stepped = clip_and_step(optimizer, model.parameters(), 1.0)
+    assert not stepped and not math.isfinite(norm)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # nothing left to accumulate
+    model(torch.ones(1, 3)).sum().backward()
+    assert clip_and_step(optimizer, model.parameters(), 1.0, loss=math.nan)[1] is False
+    model(torch.ones(1, 3)).sum().backward()
+    assert clip_and_step(optimizer, model.parameters(), 1.0, loss=1.0)[1] is True
+
+
+# ---- generation requests, replies, statuses and weights
+
+def good_request(rid: str = "r") -> dict:
+    return {"rid": rid, "token_ids": [7, 8], "gconfig": GenerationConfig(n=2, max_new_tokens=3).to_dict(),
+            "reply_to": "replies"}
+
+
+REQUEST_PATHS = [(k,) for k in good_request()] + [("gconfig", k) for k in GenerationConfig().to_dict()] + [
+    ("token_ids", 0)]
+
+
+@FEW
+@given(bad=st.one_of(values, st.builds(with_field, st.just(good_request("bad")), st.sampled_from(REQUEST_PATHS),
+                                         values)))
+def test_an_inference_worker_sets_aside_any_bad_request_and_serves_the_good_one_beside_it(bad):
+    bus = InProcessBus()
+    engine = ScriptedEngine(lambda prompt, g, sample: [100 + i for i in range(g.max_new_tokens)], tokens_per_step=1)
+    worker = InferenceWorker(engine, bus, 0, max_batch_requests=64)
+    bus.put_many(protocol.generation_requests(0), [bad, good_request("good")])
+    worker.take_requests(timeout=1)
+    try:
+        parse_generation_request(bad)
+    except InvalidMessage:
+        assert worker.refused == 1
+        (letter,) = [e.decode(protocol.DEAD_MESSAGES) for e in bus.stream_range(protocol.DEAD_MESSAGES, 10)]
+        assert letter["source"] == protocol.generation_requests(0) and letter["reason"]
+    assert engine.is_running("good")
+
+
+def test_an_undecodable_request_is_set_aside_too():
+    bus = InProcessBus()
+    worker = InferenceWorker(ScriptedEngine(lambda *a: [1], tokens_per_step=1), bus, 0, max_batch_requests=64)
+    bus._queues[protocol.generation_requests(0)].append(b"\xc1 not msgpack")
+    worker.take_requests(timeout=1)
+    (letter,) = [e.decode(protocol.DEAD_MESSAGES) for e in bus.stream_range(protocol.DEAD_MESSAGES, 10)]
+    assert "undecodable" in letter["reason"] and letter["head"].startswith(b"\xc1")
+
+
+def good_reply(qid: str) -> dict:
+    return GenerationOutput(qid, [7, 8], [[1, 2], [3]], [[-0.5, -0.25], [-1.0]], [[0, 0], [0]],
+                            ["length", "stop"]).to_dict()
+
+
+REPLY_PATHS = [(k,) for k in good_reply("q")] + [("output_ids", 0), ("logprobs", 1), ("versions", 0),
+                                                  ("stop_reasons", 1), ("logprobs", 0, 1), ("versions", 0, 0)]
+
+
+@FEW
+@given(bad=st.one_of(values, st.builds(with_field, st.just(good_reply("bad")), st.sampled_from(REPLY_PATHS), values)))
+def test_a_router_sets_aside_any_bad_reply_and_the_episode_gets_its_good_one(bad):
+    async def main():
+        bus = InProcessBus()
+        router = EpisodeRouter(bus, "replies", n_inference_workers=1)
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+        bus.set(protocol.inference_status(0), WorkerStatus(1, 1, 0, 0).to_message())
+        router.workers.refresh()
+        forward = asyncio.create_task(router.forward(obs_queue, act_queue))
+        dispatch = asyncio.create_task(router.dispatch_replies())
+        await obs_queue.put(("my-qid", [7, 8], GenerationConfig(n=2)))
+        (request,) = await asyncio.to_thread(bus.get_many, protocol.generation_requests(0), 1, 10)
+        bus.put_many("replies", [bad, good_reply(request["rid"])])
+        output = await asyncio.wait_for(act_queue.get(), 30)
+        forward.cancel(), dispatch.cancel()
+        return output, router.stats.refused, bus
+
+    output, refused, bus = asyncio.run(main())
+    assert output.qid == "my-qid" and output.output_ids == [[1, 2], [3]]
+    try:
+        parse_generation_reply(bad)
+    except InvalidMessage:
+        assert refused == 1 and bus.stream_length(protocol.DEAD_MESSAGES) == 1
+
+
+@FEW
+@given(status=values)
+def test_a_bad_status_key_is_set_aside_and_the_worker_is_not_taken_for_alive(status):
+    bus = InProcessBus()
+    bus.set(protocol.inference_status(0), status)
+    router = EpisodeRouter(bus, "replies", n_inference_workers=1)
+    router.workers.refresh()
+    try:
+        parse_worker_status(status)
+    except InvalidMessage:
+        assert not router.workers.is_alive(0)
+        assert bus.stream_length(protocol.DEAD_MESSAGES) == (status is not None)  # a None value reads as no key
+
+
+@FEW
+@given(weights=st.one_of(values, st.builds(with_field, st.just({"version": 1, "path": "/w"}),
+                                           st.sampled_from([("version",), ("path",)]), values)))
+def test_a_bad_weights_message_is_set_aside_and_the_worker_keeps_its_weights(weights):
+    bus = InProcessBus()
+    engine = ScriptedEngine(lambda *a: [1], tokens_per_step=1)
+    worker = InferenceWorker(engine, bus, 0, max_batch_requests=64)
+    bus.set(protocol.WEIGHTS, weights)
+    worker.load_newest_weights()
+    try:
+        published = parse_published_weights(weights)
+    except InvalidMessage:
+        assert engine.version == 0 and bus.stream_length(protocol.DEAD_MESSAGES) == (weights is not None)
+    else:
+        assert engine.version == max(0, published.version)
