@@ -5,6 +5,7 @@ import random
 from pathlib import Path
 
 from rlsys.data.arithmetic import write_jsonl
+from rlsys.data.dataset import DatasetError
 from rlsys.impl.agent.multi_turn import ChatRenderer
 from rlsys.impl.env.text_game import MOVES, GridGame, TextGameEnv
 from rlsys.model.tiny import AnswerCheck, TaughtSequence, answer_ids
@@ -34,8 +35,9 @@ def generate_game_dataset(directory: Path, env: TextGameEnv, options: dict, seed
         rows.append({"prompt": env.instruction + game.render(), "answer": game.solution(), "seed": puzzle_seed,
                      **options})
     if len(rows) < num_train + num_eval:
-        raise ValueError(f"only {len(rows)} distinct puzzles with {options}; asked for {num_train} train + "
-                         f"{num_eval} eval")
+        raise DatasetError(f"only {len(rows)} distinct puzzles with {options}; asked for {num_train} train + "
+                           f"{num_eval} eval: lower dataset.num_train and dataset.num_eval to at most {len(rows)} "
+                           "together, or make the board larger (game_size)")
     write_jsonl(rows[:num_eval], held_out)
     write_jsonl(rows[num_eval:], train)
     return train, held_out
