@@ -74,8 +74,10 @@ def _supervised_batch(tokenizer, examples: list[TaughtSequence]) -> tuple[torch.
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, examples: list[AnswerCheck], max_new_tokens: int = 4) -> float:
-    """Fraction of examples whose greedy answer is one they accept, exactly."""
+def greedy_accuracy(model, tokenizer, examples: list[AnswerCheck], max_new_tokens: int | None = None) -> float:
+    """Fraction of examples whose greedy answer is one they accept, exactly (None: room for the longest one)."""
+    if max_new_tokens is None:
+        max_new_tokens = max(len(answer_ids(tokenizer, a)) for example in examples for a in example.accepted)
     model.eval()
     prompts = [example.prompt_ids for example in examples]
     correct = 0
