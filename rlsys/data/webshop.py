@@ -5,10 +5,11 @@ from pathlib import Path
 
 from rlsys.data.dataset import DatasetError, write_jsonl
 from rlsys.data.games import Walk
-from rlsys.impl.env.webshop import SEARCH, WebShopEnv
+from rlsys.impl.env.webshop import BUY, RESULTS, SEARCH, WebShopEnv
 from rlsys.model.tiny import AnswerCheck, TaughtSequence
 
 MAX_DRAWS_PER_ROW = 50
+MAX_WALK_TOKENS = 400  # a walk stops here, as an episode stops before outgrowing the tiny model's 512 positions
 
 
 def generate_webshop_dataset(directory: Path, env: WebShopEnv, seed: int, num_train: int,
@@ -39,16 +40,22 @@ def generate_webshop_dataset(directory: Path, env: WebShopEnv, seed: int, num_tr
     return train, held_out
 
 
-def random_search(rng: random.Random, env: WebShopEnv) -> str:
-    """A search for some of the instruction's words (the expert searches for all of its attributes and type)."""
-    words = [*env.goal.attributes, env.goal.type]
-    return f"search[{' '.join(rng.sample(words, rng.randint(1, len(words))))}]"
+def random_action(rng: random.Random, env: WebShopEnv) -> str:
+    """A valid action that moves on: a partial search, a listed product, an option (none chosen yet) or buy.
+    Never back to search, so walks stay short: the tiny model's context is 512 positions."""
+    state = env.state
+    if state.page == SEARCH:
+        words = [*env.goal.attributes, env.goal.type]
+        return f"search[{' '.join(rng.sample(words, rng.randint(1, len(words))))}]"
+    if state.page == RESULTS:
+        return rng.choice(env.valid_actions()[:-1])
+    return f"click[{BUY}]" if state.selected else f"click[{rng.choice(state.item.option_values)}]"
 
 
 def shop_walks(tokenizer, env: WebShopEnv, rows: list[dict], max_turns: int, seed: int,
                hint: float) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
     """A walk through the shop per row: each action is the expert's with probability `hint`, otherwise a random
-    valid one (a partial search, any click of the page). The walks teach the action format and the pages, and
+    one that moves on (`random_action`). The walks teach the action format and the pages, and
     leave buying the right thing to RL. Each state is also a check that accepts the expert's action there."""
     rng = random.Random(seed)
     walks, checks = [], []
@@ -61,10 +68,11 @@ def shop_walks(tokenizer, env: WebShopEnv, rows: list[dict], max_turns: int, see
             if rng.random() < hint:
                 action = expert
             else:
-                action = random_search(rng, env) if env.state.page == SEARCH else rng.choice(env.valid_actions())
+                action = random_action(rng, env)
             walk.respond(action)
             _, bought = env.apply(action)
-            if bought is not None or turn == min(max_turns, env.max_steps):
+            if bought is not None or turn == min(max_turns, env.max_steps) or \
+                    len(walk.sequence.token_ids) > MAX_WALK_TOKENS:
                 break  # as the agent does: no page after the last action
             walk.observe(env.render())
         walks.append(walk.sequence)

@@ -12,6 +12,9 @@ Pages and the actions valid on them, WebShop's:
 - results page: `click[<product id>]`, `click[back to search]`;
 - item page: `click[<option value>]` (selects it), `click[buy now]` (ends the episode), `click[back to search]`.
 
+`click[back to search]` is valid on every page but the search page without being printed on each (the tiny
+default model reads characters and has 512 positions); the selected option value is shown in brackets.
+
 Anything else is an invalid action: it costs `invalid_action_penalty`, the page stays, the episode goes on. The
 reward comes at `buy now`, WebShop's:
 
@@ -187,11 +190,10 @@ class WebShopEnv(EnvironmentService):
         if s.page == SEARCH:
             return f"{self.goal.instruction}\n[search]"
         if s.page == RESULTS:
-            lines = [f"[{p.id}] {p.title} ${p.price}" for p in s.results] or ["no results"]
-            return "\n".join([f"[{BACK}]", *lines])
+            return "\n".join(f"[{p.id}] {p.title} ${p.price}" for p in s.results) or "no results"
         p = s.item
         values = " ".join(f"[{v}]" if v == s.selected else v for v in p.option_values)
-        return f"[{BACK}]\n{p.id} {p.title} ${p.price}\n{p.option_name}: {values}\n[{BUY}]"
+        return f"{p.id} {p.title} ${p.price}\n{p.option_name}: {values}\n[{BUY}]"
 
     def valid_actions(self) -> list[str]:
         """The clicks of the current page (any search[query] is valid on the search page: not listed)."""
