@@ -9,7 +9,7 @@ from rlsys.impl.env.webshop import BUY, RESULTS, SEARCH, WebShopEnv
 from rlsys.model.tiny import AnswerCheck, TaughtSequence
 
 MAX_DRAWS_PER_ROW = 50
-MAX_WALK_TOKENS = 400  # a walk stops here, as an episode stops before outgrowing the tiny model's 512 positions
+MAX_WALK_TOKENS = 360  # a walk stops here, as an episode stops before outgrowing the tiny model's 512 positions
 
 
 def generate_webshop_dataset(directory: Path, env: WebShopEnv, seed: int, num_train: int,
