@@ -4,9 +4,11 @@ from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.async_ppo_math_tools import AsyncPPOMATHToolsConfig
 from experiments.async_ppo_multi_turn import AsyncPPOFrozenLakeConfig, AsyncPPOMathMultiTurnConfig, \
     AsyncPPOSokobanConfig, AsyncPPOTextGameConfig
+from experiments.async_ppo_mixed_games import AsyncPPOMixedGamesConfig
+from experiments.async_ppo_webshop import AsyncPPOWebShopConfig
 from experiments.common import AsyncRLExperimentConfig, PPOMATHConfig
 from experiments.registry import EXPERIMENTS, register_experiment
 
-__all__ = ["AsyncPPOMATHConfig", "AsyncPPOMATHToolsConfig", "AsyncPPOFrozenLakeConfig", "AsyncPPOMathMultiTurnConfig",
-           "AsyncPPOSokobanConfig", "AsyncPPOTextGameConfig", "AsyncRLExperimentConfig", "PPOMATHConfig", "EXPERIMENTS",
-           "register_experiment"]
+__all__ = ["AsyncPPOMATHConfig", "AsyncPPOMATHToolsConfig", "AsyncPPOMixedGamesConfig", "AsyncPPOFrozenLakeConfig",
+           "AsyncPPOMathMultiTurnConfig", "AsyncPPOSokobanConfig", "AsyncPPOTextGameConfig", "AsyncPPOWebShopConfig", "AsyncRLExperimentConfig",
+           "PPOMATHConfig", "EXPERIMENTS", "register_experiment"]

@@ -28,6 +28,16 @@ class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
     def env(self) -> EnvServiceAbstraction:
         return EnvServiceAbstraction("math-code-single-step")
 
+    @property
+    def envs(self) -> dict[str, EnvServiceAbstraction]:
+        """Environments a dataset row may name in its `env_name` field; rows without one use `env`."""
+        return {self.env.name: self.env}
+
+    @property
+    def eval_envs(self) -> dict[str, EnvServiceAbstraction]:
+        """The same names set up for evaluation (ROLL's val_env_manager); by default as in training."""
+        return self.envs
+
     def generate_dataset(self, data_dir: Path) -> tuple[Path, Path]:
         """(train, held-out) JSONL written under `data_dir` when dataset.path is empty: seeded two-digit sums."""
         d = self.dataset

@@ -1,8 +1,8 @@
 """Asynchronous PPO on math problems the model may solve with a calculator and a Python sandbox.
 
 Picks the `tool-calling` agent and the `math-tools` environment; the call format is documented in
-`rlsys/tools/call_format.py`. The tiny default model has 256 positions: with it, set
-`tool_instructions=false` (the tool list alone fills most of them) or point `model.path` at a real model.
+`rlsys/tools/call_format.py`. The tiny default model has 512 positions: the instructions (about 330 of them
+with its character tokenizer) leave an episode about 150 tokens; a real model (`model.path`) has room.
 """
 
 import dataclasses
@@ -21,7 +21,8 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
     max_turns: int = 4
     """Model turns per episode; each turn may call tools or answer."""
     max_total_tokens: int = 1024
-    """Token budget of an episode (prompt, turns and tool responses); capped at inference.max_model_len."""
+    """Token budget of an episode (prompt, turns and tool responses); capped at inference.max_model_len (if set) and
+    at the model's positions."""
     tool_instructions: bool = True
     """Start with a system message describing the call format and the tools."""
     tools: list[str] = field(default_factory=lambda: ["calculator", "python"])
@@ -46,7 +47,7 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
     def agent(self) -> AgentAbstraction:
         return AgentAbstraction("tool-calling", args=dict(
             gconfig=self.gen.generation_config(n=self.group_size), tokenizer_path=self.model.path,
-            max_turns=self.max_turns, max_total_tokens=min(self.max_total_tokens, self.inference.max_model_len),
+            max_turns=self.max_turns, max_total_tokens=min(self.max_total_tokens, self.inference.max_model_len or self.max_total_tokens),
             use_instructions=self.tool_instructions))
 
     @property

@@ -129,6 +129,8 @@ class AsyncPPOSokobanConfig(AsyncPPOTextGameConfig):
     num_boxes: int = 1
     """Boxes (and targets) per room."""
     inference: InferenceConfig = field(default_factory=lambda: InferenceConfig(max_model_len=512))
+    # One box in a 6x6 room: about 1,300 distinct puzzles turn up among 110,000 draws.
+    dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(num_train=1000, num_eval=100))
 
     env_name = "sokoban"
 

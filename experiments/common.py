@@ -4,7 +4,7 @@ Each field's docstring is its one-line `--help` text. Every field can be set fro
 as `key=value` (nested: `ppo.lr=1e-5`).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from rlsys.algorithms.ppo import LOSS_AGG_MODES
 from rlsys.api import GenerationConfig
@@ -177,6 +177,28 @@ class PPOHyperparameters:
         if self.behaviour_imp_weight_cap and self.behaviour_imp_weight_cap <= 1:
             raise ValueError(f"ppo.behaviour_imp_weight_cap must be 0 (off) or greater than 1, "
                              f"got {self.behaviour_imp_weight_cap}")
+        self.refuse_inactive_settings()
+
+    def refuse_inactive_settings(self) -> None:
+        """A field changed from its default where the chosen algorithm never reads it is an error, not a no-op."""
+        group = self.adv_estimator in ("grpo", "starpo", "gigpo")
+        acts_only_with = {
+            "whiten_advantages": (self.adv_estimator in ("reinforce", "gae"), "ppo.adv_estimator=reinforce or gae "
+                                  "(grpo, starpo and gigpo already normalise each group; see ppo.grpo_scale_by_std)"),
+            "grpo_scale_by_std": (group, "ppo.adv_estimator=grpo, starpo or gigpo"),
+            **{name: (self.adv_estimator == "gigpo", "ppo.adv_estimator=gigpo")
+               for name in ("gigpo_step_gamma", "gigpo_step_weight")},
+            **{name: (self.adv_estimator == "gae", "ppo.adv_estimator=gae")
+               for name in ("gamma", "lambd", "critic_lr", "value_clip", "value_loss_coef")},
+            "target_kl": (self.init_kl_coef > 0, "ppo.init_kl_coef > 0"),
+            "kl_horizon": (self.init_kl_coef > 0 and self.target_kl > 0, "ppo.init_kl_coef > 0 and ppo.target_kl > 0"),
+            "behaviour_imp_weight_cap": (self.decoupled_loss, "ppo.decoupled_loss=true"),
+        }
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, (acts, needs) in acts_only_with.items():
+            if not acts and getattr(self, name) != defaults[name]:
+                raise ValueError(f"ppo.{name}={getattr(self, name)} does nothing without {needs}; "
+                                 f"set that too, or leave ppo.{name} at its default ({defaults[name]})")
 
 
 @dataclass

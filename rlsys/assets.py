@@ -5,13 +5,14 @@ from pathlib import Path
 
 from rlsys.data.dataset import load_jsonl_dataset
 from rlsys.model.tiny import prepare_tiny_model, tiny_model_dir
+from rlsys.workers.env_per_row import check_env_names
 
 
 class AssetError(ValueError):
     """A dataset or model the run cannot use; the message says what to do."""
 
 
-def prepare_assets(config, log=print) -> None:
+def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
     """Fills in `config.dataset.path`, `config.dataset.eval_path` and `config.model.path`.
 
     The experiment says what its generated dataset and its warm-start examples are (`generate_dataset`,
@@ -26,6 +27,11 @@ def prepare_assets(config, log=print) -> None:
         raise AssetError("dataset.eval_path is required with dataset.path: the run reports held-out accuracy")
     agent_names = list(config.agents)
     train_rows, eval_rows = load_jsonl_dataset(data.path, agent_names), load_jsonl_dataset(data.eval_path, agent_names)
+    for rows, path in ((train_rows, data.path), (eval_rows, data.eval_path)):
+        try:
+            check_env_names(rows, config, path)
+        except ValueError as e:
+            raise AssetError(str(e)) from None
     if config.resume_from_checkpoint:
         config.model.path = config.resume_from_checkpoint
     elif not config.model.path:

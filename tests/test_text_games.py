@@ -148,7 +148,10 @@ def test_game_dataset_rows_rebuild_their_puzzles_and_splits_are_disjoint(tmp_pat
 def test_too_few_distinct_puzzles_is_a_clear_error(tmp_path):
     from rlsys.data.games import generate_game_dataset
 
-    with pytest.raises(ValueError, match="only 51 distinct puzzles with {'size': 3}"):
+    from rlsys.data.dataset import DatasetError
+
+    with pytest.raises(DatasetError, match=r"only 51 distinct puzzles with {'size': 3}; .* lower dataset.num_train "
+                                           r"and dataset.num_eval to at most 51 together"):
         generate_game_dataset(tmp_path, FrozenLakeEnv(), {"size": 3}, seed=0, num_train=100, num_eval=10)
 
 

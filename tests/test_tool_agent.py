@@ -81,6 +81,7 @@ def test_calculator_then_python_then_answer(tokenizer, tokenizer_dir):
     ends += [ends[1] + len(observations[1]) + len(turns[2])]
     assert right.turn_ends == ends and right.turn_rewards == [0.0, 0.0, 1.0] and right.reward == 1.0
     assert right.group_id == wrong.group_id == "q7" and right.stop_reason == wrong.stop_reason == "answer"
+    assert not right.void and not wrong.void  # undecodable calls are calls, not void turns
     assert right.metrics == {"turns": 3, "tool_calls": 2, "tool_errors": 0, "tool_timeouts": 0, "decode_errors": 0,
                              "void_turns": 0, "answered": 1, "correct": 1}
 
@@ -118,6 +119,7 @@ def test_python_timeout_and_void_turn_are_observations_and_counted(tokenizer, to
     assert trajectory.metrics == {"turns": 3, "tool_calls": 1, "tool_errors": 1, "tool_timeouts": 1,
                                   "decode_errors": 0, "void_turns": 1, "answered": 1, "correct": 1}
     assert trajectory.reward == 1.0 and trajectory.stop_reason == "answer"
+    assert trajectory.void  # a turn with neither a call nor an answer: ppo.mask_void_trajectories keeps it out
 
 
 def test_max_turns_ends_the_episode_after_the_last_turn(tokenizer, tokenizer_dir):

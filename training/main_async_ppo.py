@@ -15,6 +15,7 @@ from rlsys.accounting import describe  # noqa: E402
 from rlsys.cli import ConfigError, parse_config  # noqa: E402
 from rlsys.launcher import launch  # noqa: E402
 from rlsys.preflight import StartupError  # noqa: E402
+from rlsys.supervisor import RoleFailed  # noqa: E402
 
 
 def main(argv: list[str]) -> dict:
@@ -23,6 +24,9 @@ def main(argv: list[str]) -> dict:
     except (ConfigError, StartupError) as e:  # nothing was started: the message says what to fix
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RoleFailed as e:  # the run started and could not go on: the roles logged the details above
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     before, after = summary["initial_accuracy"], summary["final_accuracy"]
     print(f"held-out accuracy: {before:.1%} before, {after:.1%} after {summary['steps']} steps "
           f"({100 * (after - before):+.1f} points) in {summary['minutes']:.1f} min")

@@ -5,6 +5,7 @@ import random
 from pathlib import Path
 
 from rlsys.data.arithmetic import write_jsonl
+from rlsys.data.dataset import DatasetError
 from rlsys.impl.agent.multi_turn import ChatRenderer
 from rlsys.impl.env.text_game import MOVES, GridGame, TextGameEnv
 from rlsys.model.tiny import AnswerCheck, TaughtSequence, answer_ids
@@ -34,8 +35,9 @@ def generate_game_dataset(directory: Path, env: TextGameEnv, options: dict, seed
         rows.append({"prompt": env.instruction + game.render(), "answer": game.solution(), "seed": puzzle_seed,
                      **options})
     if len(rows) < num_train + num_eval:
-        raise ValueError(f"only {len(rows)} distinct puzzles with {options}; asked for {num_train} train + "
-                         f"{num_eval} eval")
+        raise DatasetError(f"only {len(rows)} distinct puzzles with {options}; asked for {num_train} train + "
+                           f"{num_eval} eval: lower dataset.num_train and dataset.num_eval to at most {len(rows)} "
+                           "together, or make the board larger (game_size)")
     write_jsonl(rows[:num_eval], held_out)
     write_jsonl(rows[num_eval:], train)
     return train, held_out
@@ -52,6 +54,30 @@ def valid_moves(game: GridGame) -> list[str]:
     return valid
 
 
+class Walk:
+    """A conversation taught to the tiny model: the prompt, then responses (taught, each ending in eos) and the
+    observations after them (not taught), tokenized as a multi-turn agent's transcript would be."""
+
+    def __init__(self, tokenizer, prompt_text: str):
+        self.tokenizer, self.chat = tokenizer, ChatRenderer(tokenizer)
+        prompt = chat_prompt_ids(tokenizer, prompt_text)
+        self.sequence, self.last = TaughtSequence(prompt, [0] * len(prompt)), []
+
+    def check(self, accepted: tuple[str, ...]) -> AnswerCheck:
+        """A held-out check of the walk as it is now: the next response should be one of `accepted`."""
+        return AnswerCheck(list(self.sequence.token_ids), accepted)
+
+    def respond(self, text: str) -> None:
+        self.last = answer_ids(self.tokenizer, text)
+        self.sequence.token_ids += self.last
+        self.sequence.taught += [1] * len(self.last)
+
+    def observe(self, text: str) -> None:
+        ids = self.chat.message_ids("user", text, self.last)
+        self.sequence.token_ids += ids
+        self.sequence.taught += [0] * len(ids)
+
+
 def random_walks(tokenizer, env: TextGameEnv, rows: list[dict], max_turns: int, seed: int,
                  hint: float) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
     """A walk of valid moves through each row's puzzle, tokenized as the text-game agent's conversation would be.
@@ -61,28 +87,23 @@ def random_walks(tokenizer, env: TextGameEnv, rows: list[dict], max_turns: int, 
     is one taught sequence (every move and its eos taught, the boards not); each state is also a check that
     accepts every valid move there.
     """
-    rng, chat = random.Random(seed), ChatRenderer(tokenizer)
+    rng = random.Random(seed)
     walks, checks = [], []
     for row in rows:
         game = env.new_game(row["seed"], row)
-        prompt = chat_prompt_ids(tokenizer, row["prompt"])
-        walk = TaughtSequence(prompt, [0] * len(prompt))
+        walk = Walk(tokenizer, row["prompt"])
         for turn in range(1, min(max_turns, env.max_steps) + 1):
             moves = valid_moves(game)
             if not moves:
                 break
-            checks.append(AnswerCheck(list(walk.token_ids), tuple(moves)))
+            checks.append(walk.check(tuple(moves)))
             solution = game.solution() if rng.random() < hint else None
             move = solution[0] if solution else rng.choice(moves)
-            response = answer_ids(tokenizer, move)
-            walk.token_ids += response
-            walk.taught += [1] * len(response)
+            walk.respond(move)
             _, terminated, _ = game.move(move)
             if terminated or turn == min(max_turns, env.max_steps):
                 break  # as the agent does: no board after the last move
-            board = chat.message_ids("user", game.render(), response)
-            walk.token_ids += board
-            walk.taught += [0] * len(board)
-        walks.append(walk)
+            walk.observe(game.render())
+        walks.append(walk.sequence)
     rng.shuffle(checks)
     return walks, checks

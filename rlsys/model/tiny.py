@@ -74,8 +74,10 @@ def _supervised_batch(tokenizer, examples: list[TaughtSequence]) -> tuple[torch.
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, examples: list[AnswerCheck], max_new_tokens: int = 4) -> float:
-    """Fraction of examples whose greedy answer is one they accept, exactly."""
+def greedy_accuracy(model, tokenizer, examples: list[AnswerCheck], max_new_tokens: int | None = None) -> float:
+    """Fraction of examples whose greedy answer is one they accept, exactly (None: room for the longest one)."""
+    if max_new_tokens is None:
+        max_new_tokens = max(len(answer_ids(tokenizer, a)) for example in examples for a in example.accepted)
     model.eval()
     prompts = [example.prompt_ids for example in examples]
     correct = 0
@@ -93,8 +95,10 @@ def greedy_accuracy(model, tokenizer, examples: list[AnswerCheck], max_new_token
 
 
 def warm_start(model, tokenizer, train_examples, eval_examples, target_accuracy: float, seed: int,
-               max_steps: int = 3000, eval_every: int = 25, lr: float = 1e-3, batch_size: int = 64) -> float:
-    """Supervised steps until greedy held-out accuracy reaches `target_accuracy`; returns the accuracy."""
+               max_steps: int = 3000, eval_every: int = 25, lr: float = 1e-3, batch_size: int = 64,
+               log=None) -> float:
+    """Supervised steps until greedy held-out accuracy reaches `target_accuracy`; returns the accuracy.
+    `log(line)`, if given, hears the accuracy at every check, so a long warm start shows it is moving."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -107,6 +111,8 @@ def warm_start(model, tokenizer, train_examples, eval_examples, target_accuracy:
         optimizer.step()
         if step % eval_every == 0:
             accuracy = greedy_accuracy(model, tokenizer, eval_examples)
+            if log:
+                log(f"warm start step {step}: held-out accuracy {accuracy:.1%} (stops at {target_accuracy:.0%})")
             if accuracy >= target_accuracy:
                 break
     return accuracy
@@ -135,7 +141,8 @@ def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, 
     n_params = sum(p.numel() for p in model.parameters())
     log(f"building the tiny default model ({n_params / 1e6:.1f}M parameters), warm start to "
         f"{cfg.warm_start_accuracy:.0%} held-out accuracy")
-    accuracy = warm_start(model, tokenizer, train_examples, eval_examples[:200], cfg.warm_start_accuracy, seed)
+    accuracy = warm_start(model, tokenizer, train_examples, eval_examples[:200], cfg.warm_start_accuracy, seed,
+                          log=log)
     log(f"warm start reached {accuracy:.1%} on {len(eval_examples[:200])} held-out examples")
     tmp = directory.with_name(directory.name + ".tmp")
     model.save_pretrained(tmp)

@@ -16,6 +16,7 @@ from rlsys.delivery import InvalidMessage, group_message
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.supervisor import RunCannotGoOn
+from rlsys.workers.env_per_row import env_for, env_type, with_env_type_metrics
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
 from rlsys.workers.routing import EpisodeRouter
 
@@ -144,14 +145,17 @@ class RolloutWorker:
         """The agent the row names (`agent_name`, checked when the run started), else the experiment's default."""
         return agents[prompt.data.get("agent_name")]
 
-    async def run_episode(self, agent, prompt: Prompt) -> list[Trajectory]:
+    async def run_episode(self, agent, prompt: Prompt, evaluation: bool = False) -> list[Trajectory]:
         """The agent's trajectories; EpisodeFailed (logged in one line and counted) if the env or agent failed."""
         obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
         forwarder = asyncio.create_task(self.router.forward(obs_queue, act_queue))
         env = None
         try:
-            env = guard_env(make_env(self.config.env), self.config.env_timeout)
-            return await agent.collect_trajectory(prompt, env, obs_queue, act_queue)
+            env = guard_env(make_env(env_for(self.config, prompt, evaluation)), self.config.env_timeout)
+            trajectories = await agent.collect_trajectory(prompt, env, obs_queue, act_queue)
+            if len(self.config.envs) > 1:  # a mixed run: metrics per environment type too
+                trajectories = with_env_type_metrics(trajectories, env_type(self.config, prompt))
+            return trajectories
         except EpisodeFailed as failure:
             raise self.failed(prompt, failure) from None
         except Exception as e:
@@ -217,14 +221,19 @@ class RolloutWorker:
         """Greedy accuracy (mean final reward) on the held-out set, logged and stored on the bus."""
         version = await self.current_version()
         prompts = list(self.prompts(load_jsonl_dataset(self.config.dataset.eval_path), "eval", shuffle=False))
-        results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p) for p in prompts),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p, evaluation=True)
+                                         for p in prompts), return_exceptions=True)
         for result in results:
             if not isinstance(result, (list, EpisodeFailed)):
                 raise result  # not an episode's failure (already counted): a bug or a cancellation
         rewards = [t.reward for trajectories in results if isinstance(trajectories, list) for t in trajectories]
         accuracy = sum(rewards) / max(len(rewards), 1)
         result = {"accuracy": accuracy, "version": version, "episodes": len(rewards)}
+        if len(self.config.envs) > 1:  # a mixed run: each environment type's accuracy too
+            for name in self.config.envs:
+                own = [t.reward for p, ts in zip(prompts, results) if isinstance(ts, list)
+                       and env_type(self.config, p) == name for t in ts]
+                result[f"{name}/accuracy"] = sum(own) / max(len(own), 1)
         self.metrics.log(version, {f"eval/{k}": v for k, v in result.items()})
         await asyncio.to_thread(self.bus.set, protocol.eval_result(tag), result)
         log.info("held-out accuracy %s (version %d): %.1f%% of %d", tag, version, 100 * accuracy, len(rewards))

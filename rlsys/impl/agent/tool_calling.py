@@ -9,7 +9,8 @@ the model ended without eos (it hit max_new_tokens) is closed with an eos that i
 
 A chain ends when the model answers (stop_reason "answer"), after `max_turns` turns ("max_turns"), or
 when the next turn would not fit in `max_total_tokens` ("token_budget"). Tokens are never
-re-tokenized: new pieces are appended as ids.
+re-tokenized: new pieces are appended as ids. A chain with a turn that neither calls a tool nor answers
+is void (`ppo.mask_void_trajectories` can keep it out of the loss).
 """
 
 import asyncio
@@ -19,6 +20,7 @@ from collections import Counter
 from rlsys.api import (NOT_GENERATED, Agent, EnvironmentService, GenerationConfig, GenerationOutput, Prompt,
                        Trajectory, register_agent)
 from rlsys.impl.agent.model_client import ModelClient
+from rlsys.impl.agent.multi_turn import context_limit
 from rlsys.model.tokenizer import continuation_ids, load_tokenizer
 
 OBSERVATION_ROLE = "user"
@@ -58,7 +60,8 @@ class ToolCallingAgent(Agent):
             raise ValueError(f"max_turns must be at least 1, got {max_turns}")
         self.gconfig = gconfig
         self.tokenizer = load_tokenizer(tokenizer_path)
-        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        # An episode never outgrows the model: a budget past its positions would fail at the engine instead.
+        self.max_turns, self.max_total_tokens = max_turns, min(max_total_tokens, context_limit(tokenizer_path))
         self.use_instructions = use_instructions
 
     async def collect_trajectory(self, prompt: Prompt, env: EnvironmentService, obs_queue: asyncio.Queue,
@@ -67,7 +70,9 @@ class ToolCallingAgent(Agent):
         prompt_ids = self.prompt_ids(prompt, instructions)
         if len(prompt_ids) >= self.max_total_tokens:
             raise ValueError(f"prompt {prompt.qid} is {len(prompt_ids)} tokens, leaving nothing of the "
-                             f"{self.max_total_tokens}-token budget (raise max_total_tokens or drop the instructions)")
+                             f"{self.max_total_tokens}-token budget (the smallest of max_total_tokens, "
+                             "inference.max_model_len and the model's positions): use a model with a longer context "
+                             "or set tool_instructions=false")
         async with ModelClient(obs_queue, act_queue) as model:
             chains = [self.run_chain(chain, prompt, prompt_ids, env, model) for chain in range(self.gconfig.n)]
             return list(await asyncio.gather(*chains))
@@ -109,7 +114,7 @@ class ToolCallingAgent(Agent):
         return Trajectory(token_ids=transcript.token_ids, loss_mask=transcript.loss_mask,
                           logprobs=transcript.logprobs, versions=transcript.versions, turn_ends=turn_ends,
                           turn_rewards=turn_rewards, reward=sum(turn_rewards), group_id=prompt.qid,
-                          stop_reason=stop_reason, metrics=metrics)
+                          stop_reason=stop_reason, metrics=metrics, void=counts["void_turns"] > 0)
 
     def turn_config(self, chain: int, used_tokens: int) -> GenerationConfig:
         """One sample; no longer than the budget allows; a seed of its own per chain (if seeded at all)."""

@@ -1,0 +1,28 @@
+"""Every registered experiment runs with its defaults, as a new user would start it: from an empty cache
+(dataset generated, tiny model built and warm-started), two steps, trained prompts, no error."""
+
+import pytest
+
+import experiments
+from experiments import EXPERIMENTS
+from rlsys.cli import parse_config
+from rlsys.launcher import launch
+
+BUILT_IN = [name for name in EXPERIMENTS.names() if EXPERIMENTS.lookup(name).__module__.startswith("experiments.")]
+
+
+def test_every_built_in_experiment_is_covered():
+    assert set(BUILT_IN) >= {"async-ppo-math", "async-ppo-math-tools", "async-ppo-math-multi-turn",
+                             "async-ppo-frozen-lake", "async-ppo-sokoban", "async-ppo-webshop", "async-ppo-mixed-games"}
+    assert experiments.__all__  # the package registers them on import
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_each_experiment_trains_two_steps_with_its_defaults(tmp_path, name):
+    config = parse_config([f"experiment={name}", f"model.cache_dir={tmp_path / 'cache'}",
+                           f"output_dir={tmp_path / 'runs'}", "max_steps=2"])
+    summary = launch(config)
+    prompts = summary["prompts"]
+    assert summary["prompts_accounted"], prompts
+    assert prompts["trained"] >= 2 * config.ppo.batch_size, prompts
+    assert summary["initial_accuracy"] is not None and summary["final_accuracy"] is not None
