@@ -2,11 +2,12 @@
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.async_ppo_math_tools import AsyncPPOMATHToolsConfig
+from experiments.async_ppo_openai_agent import AsyncPPOOpenAIAgentConfig
 from experiments.async_ppo_multi_turn import AsyncPPOFrozenLakeConfig, AsyncPPOMathMultiTurnConfig, \
     AsyncPPOSokobanConfig, AsyncPPOTextGameConfig
 from experiments.common import AsyncRLExperimentConfig, PPOMATHConfig
 from experiments.registry import EXPERIMENTS, register_experiment
 
 __all__ = ["AsyncPPOMATHConfig", "AsyncPPOMATHToolsConfig", "AsyncPPOFrozenLakeConfig", "AsyncPPOMathMultiTurnConfig",
-           "AsyncPPOSokobanConfig", "AsyncPPOTextGameConfig", "AsyncRLExperimentConfig", "PPOMATHConfig", "EXPERIMENTS",
+           "AsyncPPOOpenAIAgentConfig", "AsyncPPOSokobanConfig", "AsyncPPOTextGameConfig", "AsyncRLExperimentConfig", "PPOMATHConfig", "EXPERIMENTS",
            "register_experiment"]
