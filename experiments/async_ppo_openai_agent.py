@@ -19,7 +19,8 @@ class AsyncPPOOpenAIAgentConfig(AsyncPPOMATHConfig):
     agent_timeout: float = 300.0
     """Seconds one run of agent_function may take; past it the episode fails with agent_timeout."""
     max_total_tokens: int = 256
-    """Token budget of one sample (prompt, turns, tool results); capped at inference.max_model_len."""
+    """Token budget of one sample (prompt, turns, tool results); capped at inference.max_model_len when that is set
+    (the tiny default model has 256 positions)."""
     endpoint_host: str = "127.0.0.1"
     """Where the rollout worker's endpoint listens (each episode's API key is a random secret)."""
 
@@ -27,7 +28,8 @@ class AsyncPPOOpenAIAgentConfig(AsyncPPOMATHConfig):
     def agent(self) -> AgentAbstraction:
         return AgentAbstraction("openai-agent", args=dict(
             gconfig=self.gen.generation_config(n=self.group_size), tokenizer_path=self.model.path,
-            run=self.agent_function, max_total_tokens=min(self.max_total_tokens, self.inference.max_model_len),
+            run=self.agent_function,
+            max_total_tokens=min(self.max_total_tokens, self.inference.max_model_len or self.max_total_tokens),
             timeout=self.agent_timeout, host=self.endpoint_host))
 
 

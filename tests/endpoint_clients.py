@@ -71,3 +71,4 @@ async def hanging_run(base_url, api_key, prompt):
     await asyncio.sleep(3600)
 
 
+

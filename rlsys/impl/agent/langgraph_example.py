@@ -12,20 +12,17 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.prebuilt import create_react_agent
 
-from rlsys.tools.calculator import CalculatorError, evaluate, format_number
+from rlsys.tools.calculator import evaluate, format_number
 
 
 @tool
 def calculator(expression: str) -> str:
     """Evaluates an arithmetic expression, such as 12*34+1."""
-    try:
-        return format_number(evaluate(expression))
-    except CalculatorError as e:
-        return f"error: {e}"
+    return format_number(evaluate(expression))  # LangGraph's tool node tells the model what it raised
 
 
 async def run(base_url: str, api_key: str, prompt: str) -> float | None:
-    model = ChatOpenAI(base_url=base_url, api_key=api_key, model="rlsys", max_retries=0, timeout=120)
+    model = ChatOpenAI(base_url=base_url, api_key=api_key, model="rlsys", max_retries=0)
     agent = create_react_agent(model, [calculator])
     await agent.ainvoke({"messages": [("user", prompt)]}, {"recursion_limit": 8})
-    return None  # the environment scores the last answer
+    return None  # None: the environment scores the last answer

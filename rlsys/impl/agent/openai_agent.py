@@ -15,14 +15,15 @@ import sys
 from pathlib import Path
 
 from rlsys.api import Agent, EnvironmentService, GenerationConfig, Model, Prompt, Trajectory, register_agent
-from rlsys.cli import ConfigError, import_plugin_file, import_plugin_module, is_plugin_file, plugin_module_name
-from rlsys.endpoint.session import EpisodeSession
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.workers.episode_failure import EpisodeFailed
 
 
 def load_run_function(entry: str):
-    """`package.module:function` or `path/to/file.py:function`."""
+    """`package.module:function` or `path/to/file.py:function`, imported the way `plugins=[...]` entries are."""
+    # rlsys.cli imports the experiments, which import the built-in agents: imported here, not at the top.
+    from rlsys.cli import ConfigError, import_plugin_file, import_plugin_module, is_plugin_file, plugin_module_name
+
     where, _, name = entry.rpartition(":")
     if not where or not name:
         raise ConfigError(f"agent function {entry!r}: expected module:function or path/to/file.py:function")
@@ -52,7 +53,10 @@ class OpenAIAgent(Agent):
 
     async def collect_trajectory(self, prompt: Prompt, env: EnvironmentService, obs_queue: asyncio.Queue,
                                  act_queue: asyncio.Queue) -> list[Trajectory]:
-        from rlsys.endpoint.server import shared_endpoint  # FastAPI and uvicorn load only where an agent serves
+        # Here, not at the top: FastAPI and uvicorn load only where an agent serves, and rlsys.endpoint builds on
+        # the built-in agents' token record (rlsys/impl/agent/tool_calling.py).
+        from rlsys.endpoint.server import shared_endpoint
+        from rlsys.endpoint.session import EpisodeSession
 
         await env.reset(options=prompt.data)
         endpoint = await shared_endpoint(self.host)
@@ -69,6 +73,11 @@ class OpenAIAgent(Agent):
                     run.cancel()
                 for key in keys:
                     endpoint.close(key)
+        return await self.trajectories(prompt, env, sessions, rewards)
+
+    async def trajectories(self, prompt: Prompt, env: EnvironmentService, sessions: list,
+                           rewards: list[float | None]) -> list[Trajectory]:
+        """Each run's samples, with its reward: the function's, or the env's verdict on its last answer."""
         trajectories = []
         for session, reward in zip(sessions, rewards):
             if reward is None:
