@@ -17,7 +17,6 @@ its pipeline full; the ratios are of the medians. The last line is the headline:
 engine alone.
 """
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_throughput import EVAL_ROWS, WARM_UP_EPISODES, EngineAlone, FullPath, tokens_per_second  # noqa: E402
+from rollout_throughput import (EVAL_ROWS, WARM_UP_EPISODES, EngineAlone, FullPath,  # noqa: E402
+                                alternate_windows, parse_arguments, print_table)
 
 from rlsys.assets import prepare_assets  # noqa: E402
 from rlsys.cli import parse_config  # noqa: E402
@@ -37,13 +37,7 @@ ENDPOINT = ["experiment=async-ppo-openai-agent", "agent_function=rlsys.impl.agen
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=256, help="timed episodes (requests) per window")
-    parser.add_argument("--concurrency", type=int, default=64, help="episodes (requests) in flight")
-    parser.add_argument("--repeats", type=int, default=3, help="windows per path")
-    parser.add_argument("--out", default="bench/results/endpoint_throughput.json")
-    parser.add_argument("overrides", nargs="*", help="experiment settings, key=value (e.g. inference.num_threads=0)")
-    args = parser.parse_args()
+    args = parse_arguments(__doc__, episodes=256, out="bench/results/endpoint_throughput.json")
 
     configs = {"queue path": parse_config(args.overrides), "endpoint path": parse_config(args.overrides + ENDPOINT)}
     for config in configs.values():
@@ -59,13 +53,7 @@ def main() -> None:
         for name, config in configs.items():
             config.dataset.eval_path = eval_path
             with FullPath(config, 1, args.concurrency, tmp / name.replace(" ", "-")).running() as path:
-                path.tokens_per_second(WARM_UP_EPISODES)
-                path.drain()
-                rates = []
-                for _ in range(args.repeats):
-                    engine_rates.append(tokens_per_second(alone.generated_tokens, args.episodes))
-                    rates.append(path.tokens_per_second(args.episodes))
-                    path.drain()
+                rates = alternate_windows(path, alone, args, engine_rates)
             p50, p99 = path.latencies()
             results[name] = {"tokens_per_second": statistics.median(rates), "windows": rates, "latency_p50": p50,
                              "latency_p99": p99}
@@ -73,15 +61,7 @@ def main() -> None:
 
     reference = results["engine alone"]["tokens_per_second"]
     ratios = {name: results[name]["tokens_per_second"] / reference for name in configs}
-    config = configs["queue path"]
-    print(f"windows of {args.episodes} episodes, {args.concurrency} in flight, {args.repeats} per path, default tiny "
-          f"model, {config.group_size} samples x up to {config.gen.max_new_tokens} tokens each, "
-          f"{config.inference.num_threads or 'engine-chosen'} thread(s) per engine")
-    print(f"{'path':<16} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}   windows")
-    for name, row in results.items():
-        p50, p99 = (f"{1000 * row[k]:8.1f}" if k in row else f"{'-':>8}" for k in ("latency_p50", "latency_p99"))
-        windows = " ".join(f"{rate:.0f}" for rate in row["windows"])
-        print(f"{name:<16} {row['tokens_per_second']:>9.0f} {p50} {p99}   {windows}")
+    print_table(args, configs["queue path"], results)
     print(f"queue path / engine alone: {ratios['queue path']:.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "ratios": ratios}, indent=2))
