@@ -22,7 +22,7 @@ from rlsys.endpoint.session import EpisodeSession, RequestError
 
 log = logging.getLogger(__name__)
 # The clients' HTTP libraries log every request at INFO: thousands of lines a minute in the rollout worker's log.
-for _chatty in ("httpx", "httpcore", "openai"):
+for _chatty in ("httpx", "httpx2", "httpcore", "httpcore2", "openai"):
     logging.getLogger(_chatty).setLevel(logging.WARNING)
 FINISHED_KEYS_KEPT = 100_000  # keys of ended episodes remembered, to answer 410 rather than 401
 
