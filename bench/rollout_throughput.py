@@ -132,20 +132,50 @@ class FullPath:
         return routing["requests/latency_p50"], routing["requests/latency_p99"]
 
 
+def alternate_windows(path: FullPath, alone: EngineAlone, args, engine_rates: list[float]) -> list[float]:
+    """After a warm-up, `repeats` windows of the engine alone (appended to `engine_rates`) and of the path, in
+    turn; the path's rates."""
+    path.tokens_per_second(WARM_UP_EPISODES)
+    path.drain()
+    rates = []
+    for _ in range(args.repeats):
+        engine_rates.append(tokens_per_second(alone.generated_tokens, args.episodes))
+        rates.append(path.tokens_per_second(args.episodes))
+        path.drain()
+    return rates
+
+
+def print_table(args, config, results: dict[str, dict]) -> None:
+    """The settings, then per path its median tokens/s, request latencies (where measured) and every window."""
+    print(f"windows of {args.episodes} episodes, {args.concurrency} in flight, {args.repeats} per side, default tiny "
+          f"model, {config.group_size} samples x up to {config.gen.max_new_tokens} tokens each, "
+          f"{config.inference.num_threads or 'engine-chosen'} thread(s) per engine")
+    width = max(len(name) for name in results) + 2
+    print(f"{'path':<{width}} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}   windows")
+    for name, row in results.items():
+        p50, p99 = (f"{1000 * row[k]:8.1f}" if k in row else f"{'-':>8}" for k in ("latency_p50", "latency_p99"))
+        windows = " ".join(f"{rate:.0f}" for rate in row["windows"])
+        print(f"{name:<{width}} {row['tokens_per_second']:>9.0f} {p50} {p99}   {windows}")
+
+
 def tokens_per_second(measure, units: int) -> float:
     started = time.perf_counter()
     tokens = measure(units)
     return tokens / (time.perf_counter() - started)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=640, help="timed episodes (requests) per window")
+def parse_arguments(doc: str, episodes: int, out: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--episodes", type=int, default=episodes, help="timed episodes (requests) per window")
     parser.add_argument("--concurrency", type=int, default=64, help="episodes (requests) in flight")
     parser.add_argument("--repeats", type=int, default=3, help="windows per side")
-    parser.add_argument("--out", default="bench/results/rollout_throughput.json")
+    parser.add_argument("--out", default=out)
     parser.add_argument("overrides", nargs="*", help="experiment settings, key=value (e.g. inference.num_threads=0)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_arguments(__doc__, episodes=640, out="bench/results/rollout_throughput.json")
 
     config = parse_config(args.overrides)
     prepare_assets(config)
@@ -159,13 +189,7 @@ def main() -> None:
         alone.generated_tokens(WARM_UP_EPISODES)
         for n_workers in (1, 2):
             with FullPath(config, n_workers, args.concurrency, tmp / f"run{n_workers}").running() as path:
-                path.tokens_per_second(WARM_UP_EPISODES)
-                path.drain()
-                rates = []
-                for _ in range(args.repeats):
-                    engine_rates.append(tokens_per_second(alone.generated_tokens, args.episodes))
-                    rates.append(path.tokens_per_second(args.episodes))
-                    path.drain()
+                rates = alternate_windows(path, alone, args, engine_rates)
             p50, p99 = path.latencies()
             results[f"full path, {n_workers} inference worker(s)"] = {
                 "tokens_per_second": statistics.median(rates), "windows": rates, "latency_p50": p50, "latency_p99": p99}
@@ -173,14 +197,7 @@ def main() -> None:
 
     reference = results["engine alone"]["tokens_per_second"]
     ratios = {n: results[f"full path, {n} inference worker(s)"]["tokens_per_second"] / reference for n in (1, 2)}
-    print(f"windows of {args.episodes} episodes, {args.concurrency} in flight, {args.repeats} per side, default tiny "
-          f"model, {config.group_size} samples x up to {config.gen.max_new_tokens} tokens each, "
-          f"{config.inference.num_threads or 'engine-chosen'} thread(s) per engine")
-    print(f"{'path':<34} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}   windows")
-    for name, row in results.items():
-        p50, p99 = (f"{1000 * row[k]:8.1f}" if k in row else f"{'-':>8}" for k in ("latency_p50", "latency_p99"))
-        windows = " ".join(f"{rate:.0f}" for rate in row["windows"])
-        print(f"{name:<34} {row['tokens_per_second']:>9.0f} {p50} {p99}   {windows}")
+    print_table(args, config, results)
     print(f"ratio with 2 inference workers: {ratios[2]:.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "ratio_1_worker": ratios[1],

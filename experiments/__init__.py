@@ -2,6 +2,7 @@
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.async_ppo_math_tools import AsyncPPOMATHToolsConfig
+from experiments.async_ppo_openai_agent import AsyncPPOOpenAIAgentConfig
 from experiments.async_ppo_multi_turn import AsyncPPOFrozenLakeConfig, AsyncPPOMathMultiTurnConfig, \
     AsyncPPOSokobanConfig, AsyncPPOTextGameConfig
 from experiments.async_ppo_mixed_games import AsyncPPOMixedGamesConfig
@@ -10,5 +11,5 @@ from experiments.common import AsyncRLExperimentConfig, PPOMATHConfig
 from experiments.registry import EXPERIMENTS, register_experiment
 
 __all__ = ["AsyncPPOMATHConfig", "AsyncPPOMATHToolsConfig", "AsyncPPOMixedGamesConfig", "AsyncPPOFrozenLakeConfig",
-           "AsyncPPOMathMultiTurnConfig", "AsyncPPOSokobanConfig", "AsyncPPOTextGameConfig", "AsyncPPOWebShopConfig", "AsyncRLExperimentConfig",
-           "PPOMATHConfig", "EXPERIMENTS", "register_experiment"]
+           "AsyncPPOMathMultiTurnConfig", "AsyncPPOOpenAIAgentConfig", "AsyncPPOSokobanConfig", "AsyncPPOTextGameConfig",
+           "AsyncPPOWebShopConfig", "AsyncRLExperimentConfig", "PPOMATHConfig", "EXPERIMENTS", "register_experiment"]

@@ -23,6 +23,7 @@ FAILURE_REASONS = {
     "env_error": "the environment (or its reward) raised",
     "env_timeout": "an environment call took longer than env_timeout seconds",
     "agent_error": "the agent raised",
+    "agent_timeout": "the agent's function took longer than its timeout",
     "invalid_output": "the agent returned no trajectories, or ones the learner could not take",
     "rejected": "the learner set the group's message aside in the dead-letter stream",
 }

@@ -37,7 +37,12 @@ def chat_prompt_ids(tokenizer, user_text: str) -> list[int]:
 
 
 def continuation_ids(tokenizer, role: str, content: str) -> list[int]:
-    """Token ids that follow an assistant turn ending in eos: one more message, then the assistant's prompt.
+    """Token ids that follow an assistant turn ending in eos: one more message, then the assistant's prompt."""
+    return messages_continuation_ids(tokenizer, [{"role": role, "content": content}])
+
+
+def messages_continuation_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids that follow an assistant turn ending in eos: `messages`, then the assistant's prompt.
 
     Rendered by the chat template after a stand-in exchange and cut right after that exchange's eos, so
     whatever a template puts between an assistant's eos and the next message (Qwen's newline) is kept
@@ -45,8 +50,7 @@ def continuation_ids(tokenizer, role: str, content: str) -> list[int]:
     """
     exchange = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
     before = tokenizer.apply_chat_template(exchange, tokenize=False)
-    after = tokenizer.apply_chat_template(exchange + [{"role": role, "content": content}], add_generation_prompt=True,
-                                          tokenize=False)
+    after = tokenizer.apply_chat_template(exchange + list(messages), add_generation_prompt=True, tokenize=False)
     if not after.startswith(before):
         raise ValueError("this chat template renders earlier messages differently once a message follows them")
     eos = tokenizer.eos_token

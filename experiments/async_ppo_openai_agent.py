@@ -1,0 +1,36 @@
+"""Asynchronous PPO on any agent written against an OpenAI-compatible API (the `openai` client, LangGraph ...).
+
+Picks the `openai-agent` agent (rlsys/impl/agent/openai_agent.py): each episode's runs of `agent_function`
+call the rollout worker's endpoint with keys of their own, and train on exactly the tokens the model produced.
+"""
+
+from dataclasses import dataclass
+
+from experiments.async_ppo_math import AsyncPPOMATHConfig
+from experiments.registry import register_experiment
+from rlsys.api import AgentAbstraction
+
+
+@dataclass
+class AsyncPPOOpenAIAgentConfig(AsyncPPOMATHConfig):
+    agent_function: str = "rlsys.impl.agent.langgraph_example:run"
+    """The agent: `module:function` or `file.py:function`, an `async def run(base_url, api_key, prompt)` that
+    returns the reward, or None to have the environment score its last answer."""
+    agent_timeout: float = 300.0
+    """Seconds one run of agent_function may take; past it the episode fails with agent_timeout."""
+    max_total_tokens: int = 256
+    """Token budget of one sample (prompt, turns, tool results); capped at inference.max_model_len when that is set
+    (the tiny default model has 256 positions)."""
+    endpoint_host: str = "127.0.0.1"
+    """Where the rollout worker's endpoint listens (each episode's API key is a random secret)."""
+
+    @property
+    def agent(self) -> AgentAbstraction:
+        return AgentAbstraction("openai-agent", args=dict(
+            gconfig=self.gen.generation_config(n=self.group_size), tokenizer_path=self.model.path,
+            run=self.agent_function,
+            max_total_tokens=min(self.max_total_tokens, self.inference.max_model_len or self.max_total_tokens),
+            timeout=self.agent_timeout, host=self.endpoint_host))
+
+
+register_experiment("async-ppo-openai-agent", AsyncPPOOpenAIAgentConfig)

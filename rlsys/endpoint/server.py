@@ -1,0 +1,140 @@
+"""The run's OpenAI-compatible HTTP endpoint, served by the rollout worker in its own event loop.
+
+One server per rollout worker process (FastAPI on uvicorn), started by the first endpoint episode. Each
+episode opens a session under an API key of its own (a random secret, so the key both authenticates and
+attributes every call): `/v1/chat/completions`, `/v1/completions` and `/v1/models` answer for that
+episode only. A call with a key nobody opened is refused with 401, one with the key of an episode that
+ended with 410, a malformed request with 400; OpenAI's error body says why.
+"""
+
+import asyncio
+import collections
+import contextlib
+import logging
+import secrets
+import socket
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rlsys.endpoint.session import EpisodeSession, RequestError
+
+log = logging.getLogger(__name__)
+# The clients' HTTP libraries log every request at INFO: thousands of lines a minute in the rollout worker's log.
+for _chatty in ("httpx", "httpx2", "httpcore", "httpcore2", "openai"):
+    logging.getLogger(_chatty).setLevel(logging.WARNING)
+FINISHED_KEYS_KEPT = 100_000  # keys of ended episodes remembered, to answer 410 rather than 401
+
+
+class _Server(uvicorn.Server):
+    """uvicorn inside a process that owns its signals: the rollout worker stops on SIGTERM, not the server."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class Endpoint:
+    """Sessions by API key, and the HTTP server that serves them."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host = host
+        self.sessions: dict[str, EpisodeSession] = {}
+        self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.app = self.build_app()
+        self.port: int | None = None
+        self.task: asyncio.Task | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def start(self) -> None:
+        """Listens on `host`, on a port the system picks (so runs and tests never collide)."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        self.port = sock.getsockname()[1]
+        server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False))
+        self.task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if self.task.done():
+                self.task.result()  # raises why it could not start
+            await asyncio.sleep(0.01)
+        log.info("OpenAI-compatible endpoint at %s", self.base_url)
+
+    def open(self, session: EpisodeSession) -> str:
+        key = "rlsys-" + secrets.token_urlsafe(24)
+        self.sessions[key] = session
+        return key
+
+    def close(self, key: str) -> None:
+        self.sessions.pop(key, None)
+        self.finished[key] = None
+        while len(self.finished) > FINISHED_KEYS_KEPT:
+            self.finished.popitem(last=False)
+
+    def session(self, request: Request) -> EpisodeSession:
+        header = request.headers.get("authorization", "")
+        key = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+        if key in self.sessions:
+            return self.sessions[key]
+        if key in self.finished:
+            raise RequestError(410, "this API key's episode has ended; its calls are no longer served",
+                               "episode_ended")
+        raise RequestError(401, "unknown API key: each episode calls with the key it was given",
+                           "invalid_api_key")
+
+    def build_app(self) -> FastAPI:
+        app = FastAPI(title="rlsys episode endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(RequestError)
+        async def refused(_request: Request, error: RequestError) -> JSONResponse:
+            return JSONResponse({"error": {"message": error.message, "type": "invalid_request_error",
+                                           "code": error.code}}, status_code=error.status)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            session = self.session(request)
+            return await session.chat(await _json_body(request))
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            session = self.session(request)
+            return await session.complete(await _json_body(request))
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            session = self.session(request)
+            return {"object": "list", "data": [{"id": session.model_name, "object": "model", "created": 0,
+                                                "owned_by": "rlsys"}]}
+
+        return app
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise RequestError(400, f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    return body
+
+
+_ENDPOINTS: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Task] = {}
+
+
+async def shared_endpoint(host: str = "127.0.0.1") -> Endpoint:
+    """This event loop's endpoint on `host` (one per rollout worker), started by the first episode that asks;
+    the episodes that ask while it starts wait for it."""
+    key = (asyncio.get_running_loop(), host)
+    if key not in _ENDPOINTS:
+        _ENDPOINTS[key] = asyncio.create_task(_started(Endpoint(host)))
+    return await asyncio.shield(_ENDPOINTS[key])
+
+
+async def _started(endpoint: Endpoint) -> Endpoint:
+    await endpoint.start()
+    return endpoint

@@ -1,0 +1,182 @@
+"""What one episode's calls do: OpenAI chat and completion requests in, the episode's model out.
+
+Each request becomes one request on the episode's queues (`rlsys.api.Model`): batched with everything
+else by the inference worker, routed to the worker holding the episode's prefix, versioned, and resumed
+after a weight update like any agent's. The prompt ids come from the episode's `Conversation` (its own
+earlier ids plus the template's rendering of only the new messages); the reply's text is decoded from the
+generated ids, which are kept as they are. Tool calls are parsed from that text in the call format of
+rlsys/tools/call_format.py and returned as OpenAI `tool_calls`.
+
+Extension (as vLLM names it): `"return_token_ids": true` adds `prompt_token_ids` to the response and
+`token_ids` to each choice.
+"""
+
+import dataclasses
+import json
+import time
+import uuid
+
+from rlsys.api import GenerationConfig, GenerationOutput, Model
+from rlsys.endpoint.conversation import Conversation
+from rlsys.tools.call_format import CALL, parse_turn
+
+class RequestError(Exception):
+    """A request the endpoint refuses: an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+class EpisodeSession:
+    """One episode's endpoint side: its model over the episode's queues and its token-exact record."""
+
+    def __init__(self, model: Model, tokenizer, defaults: GenerationConfig, max_total_tokens: int, model_name: str):
+        self.model, self.tokenizer, self.defaults = model, tokenizer, defaults
+        self.max_total_tokens, self.model_name = max_total_tokens, model_name
+        self.conversation = Conversation(tokenizer)
+        self.outputs: list[GenerationOutput] = []  # every reply the engine sent, in call order
+
+    async def chat(self, body: dict) -> dict:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise RequestError(400, "'messages' must be a non-empty list of message objects")
+        if body.get("stream"):
+            raise RequestError(400, "streaming is not supported; call without stream=true")
+        tools = body.get("tools") or []
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools if "function" in t}
+        sample, prompt_ids = self.conversation.prompt_for(messages, tools)
+        output = await self.generate(prompt_ids, body)
+        choices, replies, reasons = [], [], []
+        for i, ids in enumerate(output.output_ids):
+            text = self.text(ids, body)
+            reply, finish, recorded = self.reply_message(text, schemas, output.stop_reasons[i])
+            replies.append(reply)
+            reasons.append(recorded)
+            choices.append({"index": i, "message": reply, "finish_reason": finish,
+                            "logprobs": {"content": self.token_logprobs(output, i)} if body.get("logprobs") else None,
+                            **self.token_ids(body, ids)})
+        self.conversation.record(messages, sample, prompt_ids, output, replies, reasons)
+        return self.response("chat.completion", output, choices, body)
+
+    async def complete(self, body: dict) -> dict:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+            raise RequestError(400, "'prompt' must be a string or a list of token ids (one prompt per call)")
+        if body.get("stream"):
+            raise RequestError(400, "streaming is not supported; call without stream=true")
+        sample, prompt_ids = self.conversation.prompt_for_text(prompt)
+        output = await self.generate(prompt_ids, body)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        choices, replies = [], []
+        for i, ids in enumerate(output.output_ids):
+            completion = self.text(ids, body)
+            replies.append({"role": "assistant", "content": completion})
+            logprobs = None
+            if body.get("logprobs") is not None:
+                content = self.token_logprobs(output, i)
+                logprobs = {"tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content],
+                            "top_logprobs": None, "text_offset": []}
+            choices.append({"index": i, "text": completion, "finish_reason": _finish(output.stop_reasons[i]),
+                            "logprobs": logprobs, **self.token_ids(body, ids)})
+        self.conversation.record(text, sample, prompt_ids, output, replies, list(output.stop_reasons))
+        return self.response("text_completion", output, choices, body)
+
+    async def generate(self, prompt_ids: list[int], body: dict) -> GenerationOutput:
+        gconfig = self.generation_config(body, len(prompt_ids))
+        output = await self.model.generate(prompt_ids, gconfig)
+        output = _cut_at_stop_strings(output, self.stop_strings(body), self.tokenizer)
+        self.outputs.append(output)
+        return output
+
+    def generation_config(self, body: dict, prompt_length: int) -> GenerationConfig:
+        """The agent's settings, with what the request sets; no more new tokens than the episode's budget leaves."""
+        room = self.max_total_tokens - prompt_length
+        if room <= 0:
+            raise RequestError(400, f"the prompt is {prompt_length} tokens; this endpoint's context is "
+                                    f"{self.max_total_tokens} tokens", "context_length_exceeded")
+        n = body.get("n") or 1
+        if not isinstance(n, int) or n < 1:
+            raise RequestError(400, f"'n' must be a positive integer, got {n!r}")
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.defaults.max_new_tokens
+        single = [ids[0] for ids in (self.tokenizer.encode(s, add_special_tokens=False) for s in self.stop_strings(body))
+                  if len(ids) == 1]
+        changes = {"n": n, "max_new_tokens": min(int(asked), room),
+                   "stop_token_ids": list(self.defaults.stop_token_ids) + single}
+        for key, field in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed")):
+            if body.get(key) is not None:
+                changes[field] = body[key]
+        return dataclasses.replace(self.defaults, **changes)
+
+    def text(self, ids: list[int], body: dict) -> str:
+        """What the client reads: the generated text up to the first stop string."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for stop in self.stop_strings(body):
+            if stop and stop in text:
+                text = text[:text.index(stop)]
+        return text
+
+    @staticmethod
+    def stop_strings(body: dict) -> list[str]:
+        stop = body.get("stop") or []
+        return [stop] if isinstance(stop, str) else list(stop)
+
+    def reply_message(self, text: str, schemas: dict, stop_reason: str) -> tuple[dict, str, str]:
+        """The assistant message, OpenAI's finish reason, and the sample's recorded stop reason. A turn whose
+        calls cannot all be decoded (bad JSON, an unknown tool, wrong arguments) is returned as plain text,
+        recorded as `decode_error` and counted: the client sees an answer and the episode ends there."""
+        if not schemas:
+            return {"role": "assistant", "content": text}, _finish(stop_reason), stop_reason
+        parsed = parse_turn(text, schemas)
+        if parsed.errors:
+            self.conversation.decode_errors += len(parsed.errors)
+            return {"role": "assistant", "content": text}, _finish(stop_reason), "decode_error"
+        if not parsed.calls:
+            return {"role": "assistant", "content": text}, _finish(stop_reason), stop_reason
+        calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                  "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
+        content = CALL.sub("", text).strip() or None
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls", "tool_calls"
+
+    def token_logprobs(self, output: GenerationOutput, i: int) -> list[dict]:
+        tokens = self.tokenizer.convert_ids_to_tokens(output.output_ids[i])
+        return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(tokens, output.logprobs[i])]
+
+    @staticmethod
+    def token_ids(body: dict, ids: list[int]) -> dict:
+        return {"token_ids": list(ids)} if body.get("return_token_ids") else {}
+
+    def response(self, kind: str, output: GenerationOutput, choices: list[dict], body: dict) -> dict:
+        response = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+                    "created": int(time.time()), "model": self.model_name, "choices": choices,
+                    "usage": {"prompt_tokens": len(output.prompt_ids),
+                              "completion_tokens": sum(len(ids) for ids in output.output_ids),
+                              "total_tokens": len(output.prompt_ids) + sum(len(ids) for ids in output.output_ids)}}
+        if body.get("return_token_ids"):
+            response["prompt_token_ids"] = list(output.prompt_ids)
+        return response
+
+
+def _finish(stop_reason: str) -> str:
+    return "length" if stop_reason == "length" else "stop"
+
+
+def _cut_at_stop_strings(output: GenerationOutput, stops: list[str], tokenizer) -> GenerationOutput:
+    """Each sample cut right after the first token that completes a stop string (the engine stops on single
+    stop tokens itself). The cut ids are the ones kept and trained on; the reply's text leaves the stop out."""
+    stops = [s for s in stops if s]
+    if not stops:
+        return output
+    cut = dataclasses.replace(output, output_ids=list(output.output_ids), logprobs=list(output.logprobs),
+                              versions=list(output.versions), stop_reasons=list(output.stop_reasons))
+    for i, ids in enumerate(output.output_ids):
+        for k in range(1, len(ids) + 1):
+            text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+            if any(s in text for s in stops):
+                cut.output_ids[i], cut.logprobs[i], cut.versions[i] = ids[:k], output.logprobs[i][:k], output.versions[i][:k]
+                cut.stop_reasons[i] = "stop"
+                break
+    return cut

@@ -1,0 +1,97 @@
+"""`openai-agent`: trains any agent written against an OpenAI-compatible API, token-exact.
+
+The user writes `async def run(base_url, api_key, prompt) -> reward or None` with whatever client they like
+(the `openai` client, LangGraph through langchain-openai, ...). Per prompt the agent runs it `gconfig.n`
+times at once (the group), each run with an API key of its own on the rollout worker's endpoint
+(rlsys/endpoint), and turns what each run's calls recorded into trajectories: the model's ids with loss mask
+1 and their versions and logprobs, everything else loss mask 0. The reward is what `run` returns, or, when it
+returns None, the environment's verdict on the run's last answer (`env.step((qid, [answer]))`, the math
+environments' contract). A run that raises fails the episode (`agent_error`), one that takes longer than
+`timeout` seconds fails it with `agent_timeout`; its calls are refused from then on (410) and the run goes on.
+"""
+
+import asyncio
+import sys
+from pathlib import Path
+
+from rlsys.api import Agent, EnvironmentService, GenerationConfig, Model, Prompt, Trajectory, register_agent
+from rlsys.model.tokenizer import load_tokenizer
+from rlsys.workers.episode_failure import EpisodeFailed
+
+
+def load_run_function(entry: str):
+    """`package.module:function` or `path/to/file.py:function`, imported the way `plugins=[...]` entries are."""
+    # rlsys.cli imports the experiments, which import the built-in agents: imported here, not at the top.
+    from rlsys.cli import ConfigError, import_plugin_file, import_plugin_module, is_plugin_file, plugin_module_name
+
+    where, _, name = entry.rpartition(":")
+    if not where or not name:
+        raise ConfigError(f"agent function {entry!r}: expected module:function or path/to/file.py:function")
+    if is_plugin_file(where):
+        import_plugin_file(Path(where))
+        module = sys.modules[plugin_module_name(Path(where))]
+    else:
+        import_plugin_module(where)
+        module = sys.modules[where]
+    function = getattr(module, name, None)
+    if not asyncio.iscoroutinefunction(function):
+        found = sorted(n for n, v in vars(module).items() if asyncio.iscoroutinefunction(v) and not n.startswith("_"))
+        raise ConfigError(f"agent function {entry!r}: {where} has no async function {name!r}; async functions "
+                          f"there: {', '.join(found) or 'none'}")
+    return function
+
+
+class OpenAIAgent(Agent):
+    def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, run: str, max_total_tokens: int = 256,
+                 timeout: float = 300.0, host: str = "127.0.0.1", model_name: str = "rlsys"):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.gconfig, self.run_entry = gconfig, run
+        self.run = load_run_function(run)
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.max_total_tokens, self.timeout, self.host, self.model_name = max_total_tokens, timeout, host, model_name
+
+    async def collect_trajectory(self, prompt: Prompt, env: EnvironmentService, obs_queue: asyncio.Queue,
+                                 act_queue: asyncio.Queue) -> list[Trajectory]:
+        # Here, not at the top: FastAPI and uvicorn load only where an agent serves, and rlsys.endpoint builds on
+        # the built-in agents' token record (rlsys/impl/agent/tool_calling.py).
+        from rlsys.endpoint.server import shared_endpoint
+        from rlsys.endpoint.session import EpisodeSession
+
+        await env.reset(options=prompt.data)
+        endpoint = await shared_endpoint(self.host)
+        defaults = GenerationConfig(**{**self.gconfig.to_dict(), "n": 1})  # a request's own n, 1 unless it asks
+        async with Model(obs_queue, act_queue) as model:
+            sessions = [EpisodeSession(model, self.tokenizer, defaults, self.max_total_tokens, self.model_name)
+                        for _ in range(self.gconfig.n)]
+            keys = [endpoint.open(session) for session in sessions]
+            runs = [asyncio.create_task(self.run_once(endpoint.base_url, key, prompt)) for key in keys]
+            try:
+                rewards = await asyncio.gather(*runs)
+            finally:  # one run failed (the episode fails): the others stop, and no key is served any more
+                for run in runs:
+                    run.cancel()
+                for key in keys:
+                    endpoint.close(key)
+        return await self.trajectories(prompt, env, sessions, rewards)
+
+    async def trajectories(self, prompt: Prompt, env: EnvironmentService, sessions: list,
+                           rewards: list[float | None]) -> list[Trajectory]:
+        """Each run's samples, with its reward: the function's, or the env's verdict on its last answer."""
+        trajectories = []
+        for session, reward in zip(sessions, rewards):
+            if reward is None:
+                _, verdict, *_ = await env.step((prompt.qid, [session.conversation.final_text]))
+                reward = verdict[0] if isinstance(verdict, (list, tuple)) else verdict
+            trajectories += session.conversation.trajectories(float(reward), prompt.qid)
+        return trajectories
+
+    async def run_once(self, base_url: str, api_key: str, prompt: Prompt) -> float | None:
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await self.run(base_url, api_key, prompt.data["prompt"])
+        except TimeoutError:
+            raise EpisodeFailed("agent_timeout", f"{self.run_entry} took longer than {self.timeout:g}s") from None
+
+
+register_agent("openai-agent", OpenAIAgent)

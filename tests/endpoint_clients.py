@@ -1,0 +1,74 @@
+"""Agents written against an OpenAI-compatible API, as users write them, for the endpoint's tests. The
+`openai-agent` plugin imports them by name (`tests.endpoint_clients:openai_tools_run`); what they got back is
+kept here for the tests to check."""
+
+import asyncio
+import json
+
+import httpx
+import openai
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "arithmetic",
+                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                                          "required": ["expression"]}}}]
+RESPONSES: list = []  # what the functions got back, per call
+SEEN: dict = {}  # what probing_run observed
+
+
+async def openai_tools_run(base_url, api_key, prompt):
+    """A hand-written tool loop on the real `openai` client."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(3):
+        response = await client.chat.completions.create(model="rlsys", messages=messages, tools=TOOLS, logprobs=True,
+                                                        extra_body={"return_token_ids": True})
+        RESPONSES.append(response)
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return float(message.content == "409")
+        for call in message.tool_calls:
+            result = str(eval(json.loads(call.function.arguments)["expression"]))  # the test's own calculator
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return 0.0
+
+
+async def editing_run(base_url, api_key, prompt):
+    """A client that rewrites the model's first answer, then goes on from the rewritten history."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": prompt}]
+    for follow_up in ("again", "more", None):
+        response = await client.chat.completions.create(model="rlsys", messages=messages,
+                                                        extra_body={"return_token_ids": True})
+        RESPONSES.append(response)
+        if follow_up is None:
+            return 0.5
+        reply = response.choices[0].message.model_dump(exclude_none=True)
+        if follow_up == "again":
+            reply["content"] = "edited"  # what the model said is not what the client sends back
+        messages += [reply, {"role": "user", "content": follow_up}]
+
+
+async def probing_run(base_url, api_key, prompt):
+    """Refusals: a wrong key, a bad request, and what models lists."""
+    async with httpx.AsyncClient(base_url=base_url) as http:
+        SEEN["wrong_key"] = (await http.get("/models", headers={"Authorization": "Bearer nope"})).status_code
+        SEEN["models"] = (await http.get("/models", headers={"Authorization": f"Bearer {api_key}"})).json()
+        SEEN["bad"] = (await http.post("/chat/completions", json={"messages": []},
+                                       headers={"Authorization": f"Bearer {api_key}"})).status_code
+    SEEN["key"], SEEN["base_url"] = api_key, base_url
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    completion = await client.completions.create(model="rlsys", prompt="12+34=", max_tokens=4)
+    SEEN["completion"] = completion.choices[0].text
+    return 1.0
+
+
+async def failing_run(base_url, api_key, prompt):
+    raise RuntimeError("the user's agent broke")
+
+
+async def hanging_run(base_url, api_key, prompt):
+    await asyncio.sleep(3600)
+
+
+
