@@ -100,6 +100,12 @@ def test_unknown_suffix_and_bad_config_are_refused(tmp_path):
         DatasetConfig(answer_key="reward_model.")
 
 
+def test_a_template_with_braces_is_set_from_the_command_line():
+    from rlsys.cli import parse_config
+
+    assert parse_config(['dataset.prompt_template="Q: {prompt} A:"']).dataset.prompt_template == "Q: {prompt} A:"
+
+
 def test_gsm8k_preprocessing_writes_rows_that_load(tmp_path):
     train, _ = generate(tmp_path / "gsm", num_train=20, num_test=5, seed=3)
     out = tmp_path / "train.parquet"
