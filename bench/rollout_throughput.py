@@ -34,7 +34,7 @@ from rlsys import protocol  # noqa: E402
 from rlsys.assets import prepare_assets  # noqa: E402
 from rlsys.bus import EmbeddedRedis, connect  # noqa: E402
 from rlsys.cli import parse_config  # noqa: E402
-from rlsys.data.dataset import load_jsonl_dataset, write_jsonl  # noqa: E402
+from rlsys.data.dataset import load_rows, write_jsonl  # noqa: E402
 from rlsys.data.prompts import prompt_stream  # noqa: E402
 from rlsys.launcher import initialize_bus_state, limit_threads, start_role  # noqa: E402
 from rlsys.metrics import read_jsonl_metrics  # noqa: E402
@@ -55,7 +55,7 @@ class EngineAlone:
 
         limit_threads(config.inference.num_threads)  # as the inference worker does: the same engine on both sides
         self.engine = GenerationEngine(VLLMBackend(config.model.path, config.inference, config.seed))
-        rows = load_jsonl_dataset(config.dataset.path)
+        rows = load_rows(config.dataset.path)
         self.prompts = prompt_stream(rows, load_tokenizer(config.model.path), "train", seed=config.seed, shuffle=True)
         self.gconfig, self.concurrency = config.agent.args["gconfig"], concurrency
 
@@ -183,7 +183,7 @@ def main() -> None:
     engine_rates: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        config.dataset.eval_path = str(write_jsonl(load_jsonl_dataset(config.dataset.eval_path)[:EVAL_ROWS],
+        config.dataset.eval_path = str(write_jsonl(load_rows(config.dataset.eval_path)[:EVAL_ROWS],
                                                    tmp / "eval.jsonl"))
         alone = EngineAlone(config, args.concurrency)
         alone.generated_tokens(WARM_UP_EPISODES)

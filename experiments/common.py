@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from rlsys.algorithms.ppo import LOSS_AGG_MODES
 from rlsys.api import GenerationConfig
+from rlsys.data.dataset import RowFormat
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ADV_ESTIMATORS = ("grpo", "reinforce", "gae", "starpo", "gigpo")
@@ -52,16 +53,33 @@ class ModelConfig:
 @dataclass
 class DatasetConfig:
     path: str = ""
-    """JSONL training prompts ({"prompt", "answer"} per line); empty generates the experiment's set (arithmetic)."""
+    """Training prompts: JSONL, JSON, Parquet or a save_to_disk directory; empty generates the experiment's set."""
     eval_path: str = ""
-    """JSONL held-out prompts; empty uses the generated held-out split."""
+    """Held-out prompts, in any format `path` takes; empty uses the generated held-out split."""
     num_train: int = 7600
     """Generated set: training rows, disjoint from the held-out ones (arithmetic: of the 8,100 two-digit sums)."""
     num_eval: int = 500
     """Generated set: held-out rows (500+ keeps the accuracy's standard error near 2 points)."""
+    prompt_key: str = "prompt"
+    """Field of a row holding the prompt (a string or a list of chat messages); dots reach into nested fields."""
+    answer_key: str = "answer"
+    """Field of a row holding the reference answer; dots reach into nested fields (reward_model.ground_truth)."""
+    system_prompt: str = ""
+    """System message put first in every prompt that has none; empty adds nothing."""
+    prompt_template: str = ""
+    """Text every prompt's (last) user message is put into, where {prompt} stands; empty: the message as it is."""
 
     def __post_init__(self):
         check_at_least("dataset.", self, num_train=1, num_eval=1)
+        for name in ("prompt_key", "answer_key"):
+            if not getattr(self, name) or "" in getattr(self, name).split("."):
+                raise ValueError(f"dataset.{name} must name a field (dots between nested names), got {getattr(self, name)!r}")
+        if self.prompt_template and "{prompt}" not in self.prompt_template:
+            raise ValueError(f"dataset.prompt_template must contain {{prompt}} (where the prompt goes), "
+                             f"got {self.prompt_template!r}")
+
+    def row_format(self) -> RowFormat:
+        return RowFormat(self.prompt_key, self.answer_key, self.system_prompt, self.prompt_template)
 
 
 @dataclass

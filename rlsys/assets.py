@@ -3,7 +3,7 @@
 import functools
 from pathlib import Path
 
-from rlsys.data.dataset import load_jsonl_dataset
+from rlsys.data.dataset import load_rows
 from rlsys.model.tiny import prepare_tiny_model, tiny_model_dir
 from rlsys.workers.env_per_row import check_env_names
 
@@ -26,7 +26,8 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
     elif not data.eval_path:
         raise AssetError("dataset.eval_path is required with dataset.path: the run reports held-out accuracy")
     agent_names = list(config.agents)
-    train_rows, eval_rows = load_jsonl_dataset(data.path, agent_names), load_jsonl_dataset(data.eval_path, agent_names)
+    train_rows = load_rows(data.path, data.row_format(), agent_names)
+    eval_rows = load_rows(data.eval_path, data.row_format(), agent_names)
     for rows, path in ((train_rows, data.path), (eval_rows, data.eval_path)):
         try:
             check_env_names(rows, config, path)

@@ -11,7 +11,7 @@ from experiments import AsyncPPOMATHConfig, register_experiment
 from rlsys.api import Agent, AgentAbstraction, Trajectory, register_agent
 from rlsys.assets import prepare_assets
 from rlsys.bus import InProcessBus
-from rlsys.data.dataset import DatasetError, load_jsonl_dataset
+from rlsys.data.dataset import DatasetError, load_rows
 from rlsys.workers.rollout_worker import RolloutWorker
 from tests.helpers import save_random_tiny_model
 
@@ -54,7 +54,7 @@ def test_rows_choose_their_agent_and_the_rest_use_the_default(tmp_path):
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2+2=", "answer": "4", "agent_name": "echo"}]
     config.dataset.path = config.dataset.eval_path = write_rows(tmp_path / "rows.jsonl", rows)
     worker = RolloutWorker(config, InProcessBus(), 0)
-    prompts = list(worker.prompts(load_jsonl_dataset(config.dataset.path), "eval", shuffle=False))
+    prompts = list(worker.prompts(load_rows(config.dataset.path), "eval", shuffle=False))
     assert type(worker.agent_for(prompts[0], worker.agents)).__name__ == "MathSingleStepAgent"
     assert worker.agent_for(prompts[1], worker.agents).tag == 7.0
     assert worker.agent_for(prompts[1], worker.eval_agents).tag == 7.0  # evaluation plays rows the same way
@@ -66,7 +66,7 @@ def test_a_row_naming_an_unknown_agent_stops_the_run_at_start_with_its_line(tmp_
     path = write_rows(tmp_path / "rows.jsonl", rows)
     with pytest.raises(DatasetError, match=r"rows.jsonl:2: agent_name 'ehco' is not an agent of this experiment; "
                                            r"it has \['echo', 'math-single-step'\]"):
-        load_jsonl_dataset(path, agent_names=["math-single-step", "echo"])
+        load_rows(path, agent_names=["math-single-step", "echo"])
     config = TwoAgentExperiment()
     config.dataset.path = config.dataset.eval_path = path
     config.model.cache_dir = str(tmp_path / "cache")

@@ -18,7 +18,7 @@ import rlsys.impl.env  # noqa: F401  (registers the environments)
 from rlsys.api import EnvServiceAbstraction, make_env
 from rlsys.bus import EmbeddedRedis
 from rlsys.cli import ConfigError, parse_config
-from rlsys.data.dataset import DatasetError, load_jsonl_dataset
+from rlsys.data.dataset import DatasetError, load_rows
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.launcher import launch
 from rlsys.preflight import StartupError
@@ -86,7 +86,7 @@ GOOD_ROW = json.dumps({"prompt": "1+1=", "answer": "2"})
 @pytest.mark.parametrize("content, message", [
     (f"{GOOD_ROW}\n{{\"prompt\": \"2+2=\", \"answer\": \n", r":2: not valid JSON"),
     (f"{GOOD_ROW}\n{GOOD_ROW}\n{json.dumps({'prompt': '3+3='})}\n", r":3: field 'answer' missing"),
-    (f"{json.dumps({'prompt': 7, 'answer': '7'})}\n", r":1: field 'prompt' must be a string, got int"),
+    (f"{json.dumps({'prompt': 7, 'answer': '7'})}\n", r":1: field 'prompt' must be a string or a non-empty list of chat messages, got int"),
     (f"{GOOD_ROW}\n[1, 2]\n", r":2: expected a JSON object, got list"),
     ("", r"has no rows"),
     ("\n   \n\n", r"has no rows"),
@@ -97,15 +97,15 @@ def test_a_malformed_dataset_names_its_line_and_field(tmp_path, content, message
     path = tmp_path / "data.jsonl"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(DatasetError, match=message) as error:
-        load_jsonl_dataset(path)
+        load_rows(path)
     assert str(path) in str(error.value)
 
 
 def test_an_unreadable_dataset_says_why(tmp_path):
-    with pytest.raises(DatasetError, match="No such file or directory"):
-        load_jsonl_dataset(tmp_path / "missing.jsonl")
-    with pytest.raises(DatasetError, match="Is a directory"):
-        load_jsonl_dataset(tmp_path)
+    with pytest.raises(DatasetError, match="missing.jsonl: no such file"):
+        load_rows(tmp_path / "missing.jsonl")
+    with pytest.raises(DatasetError, match="cannot read dataset .*; give a JSONL, JSON or Parquet file, or a directory"):
+        load_rows(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -131,9 +131,9 @@ def test_a_missing_model_path_stops_the_run(tmp_path):
 def test_a_malformed_dataset_stops_the_run_naming_line_and_field(tmp_path):
     existing = child_pids()
     train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
-    train.write_text(f"{GOOD_ROW}\n{json.dumps({'prompt': '2+2=', 'answer': 4})}\n")
+    train.write_text(f"{GOOD_ROW}\n{json.dumps({'prompt': '2+2=', 'answer': [4]})}\n")
     held_out.write_text(f"{GOOD_ROW}\n")
-    with pytest.raises(StartupError, match=r"train.jsonl:2: field 'answer' must be a string, got int"):
+    with pytest.raises(StartupError, match=r"train.jsonl:2: field 'answer' must be a string or a number, got list"):
         launch(run_config(tmp_path, f"dataset.path={train}", f"dataset.eval_path={held_out}"))
     assert left_behind(tmp_path, existing) == []
 

@@ -126,14 +126,14 @@ def test_sokoban_cannot_push_a_box_into_a_wall_or_another_box():
 
 
 def test_game_dataset_rows_rebuild_their_puzzles_and_splits_are_disjoint(tmp_path):
-    from rlsys.data.dataset import load_jsonl_dataset
+    from rlsys.data.dataset import load_rows
     from rlsys.data.games import generate_game_dataset
 
     env, options = FrozenLakeEnv(), {"size": 4, "frozen_prob": 0.8}
     train, held_out = generate_game_dataset(tmp_path / "a", env, options, seed=5, num_train=60, num_eval=20)
     again = generate_game_dataset(tmp_path / "b", env, options, seed=5, num_train=60, num_eval=20)
     assert [p.read_text() for p in (train, held_out)] == [p.read_text() for p in again]
-    train_rows, eval_rows = load_jsonl_dataset(train), load_jsonl_dataset(held_out)
+    train_rows, eval_rows = load_rows(train), load_rows(held_out)
     assert len(train_rows) == 60 and len(eval_rows) == 20
     boards = [row["prompt"] for row in train_rows + eval_rows]
     assert len(set(boards)) == 80  # distinct puzzles, none in both splits

@@ -1,56 +1,212 @@
-"""Prompt datasets in JSONL: one object per line with at least "prompt" and "answer".
+"""Prompt datasets as users have them, read with Hugging Face `datasets`, checked row by row.
 
-A row may also name the agent that plays it (`agent_name`, as in verl); rows without one use the
-experiment's default agent.
+A dataset is a JSONL, JSON or Parquet file, or a directory written by `Dataset.save_to_disk`. Each row
+gives a prompt and a reference answer under the keys `RowFormat` names; a dotted key reaches into nested
+fields (`reward_model.ground_truth`, as verl writes it). A prompt is a string or a list of chat messages
+(`{"role", "content"}`); an answer is a string or a number. Every row comes out in one shape:
+
+    {"prompt": <the user's text, templated>, "answer": <str>, "messages": <chat, when not just the prompt>,
+     ...the row's other top-level fields (e.g. `agent_name`, as in verl)}
+
+so agents and environments read `prompt`/`answer` whatever the file called them, and the prompt stream
+renders `messages` (system prompt included) with the tokenizer's chat template.
 """
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-REQUIRED_FIELDS = ("prompt", "answer")
+PROMPT_PLACEHOLDER = "{prompt}"
 
 
 class DatasetError(ValueError):
-    """A dataset that cannot be used; the message names the file, line and field."""
+    """A dataset that cannot be used; the message names the file, row and field."""
 
 
-FORMAT = 'one JSON object per line, with string fields "prompt" and "answer"'
+@dataclass(frozen=True)
+class RowFormat:
+    """Where a row keeps its prompt and answer, and what is added to the prompt."""
+
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    system_prompt: str = ""  # added as the first message of rows that have no system message
+    prompt_template: str = ""  # the user's text is put where "{prompt}" is; empty: the text as it is
 
 
-def load_jsonl_dataset(path: str | Path, agent_names: list[str] | None = None) -> list[dict]:
-    """The rows of `path`, each checked; with `agent_names`, a row's `agent_name` must be one of them."""
+SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+FORMATS = "a JSONL, JSON or Parquet file, or a directory written by Dataset.save_to_disk"
+
+
+def load_rows(path: str | Path, row_format: RowFormat = RowFormat(), agent_names: list[str] | None = None) -> list[dict]:
+    """The rows of the dataset at `path`, each checked and in the one shape above; with `agent_names`, a
+    row's `agent_name` must be one of them."""
     path = Path(path)
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError as e:
-        raise DatasetError(f"cannot read dataset {path}: {e.strerror}; give a JSONL file ({FORMAT})") from None
-    rows = [_parse_row(line, path, number, agent_names) for number, line in enumerate(lines, start=1) if line.strip()]
-    if not rows:
-        raise DatasetError(f"dataset {path} has no rows; it needs {FORMAT}")
-    return rows
+    records = _read(path)
+    if not records:
+        raise DatasetError(f"dataset {path} has no rows")
+    where = _locator(path)
+    return [_row(record, where(number), row_format, agent_names) for number, record in enumerate(records, start=1)]
 
 
-def _parse_row(line: bytes, path: Path, number: int, agent_names: list[str] | None) -> dict:
+def _locator(path: Path):
+    """Names row `number` (from 1) in errors: `file.jsonl:LINE` for JSONL (blank lines hold no row), else
+    `file: row N`."""
+    if path.suffix != ".jsonl":
+        return lambda number: f"{path}: row {number}"
+    lines = [i for i, line in enumerate(path.read_bytes().splitlines(), start=1) if line.strip()]
+    return lambda number: f"{path}:{lines[number - 1]}" if number <= len(lines) else f"{path}: row {number}"
+
+
+def _read(path: Path) -> list:
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise DatasetError(f"cannot read dataset {path}: {e}; give {FORMATS}") from None
+        if isinstance(loaded, datasets.DatasetDict):
+            raise DatasetError(f"dataset {path} holds the splits {sorted(loaded)}; give one of them, "
+                               f"e.g. {path / sorted(loaded)[0]}")
+        return loaded.to_list()
+    if not path.exists():
+        raise DatasetError(f"cannot read dataset {path}: no such file; give {FORMATS}")
+    if path.suffix in (".jsonl", ".json") and not path.read_bytes().strip():
+        return []  # datasets reads an empty file as an error about its schema
+    builder = SUFFIXES.get(path.suffix)
+    if builder is None:
+        raise DatasetError(f"dataset {path}: unknown suffix {path.suffix!r}; give {FORMATS} "
+                           f"(suffixes {sorted(SUFFIXES)})")
+    if builder == "json":
+        _check_depth(path)
     try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{path}:{number}: not UTF-8 text (byte {e.start} is {line[e.start:e.start + 1]!r}); "
-                           f"a dataset is {FORMAT}") from None
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); "
-                           f"a dataset is {FORMAT}") from None
-    if not isinstance(row, dict):
-        raise DatasetError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-    for name in REQUIRED_FIELDS:
-        if not isinstance(row.get(name), str):
-            problem = "missing" if name not in row else f"must be a string, got {type(row[name]).__name__}"
-            raise DatasetError(f"{path}:{number}: field {name!r} {problem}")
+        return datasets.load_dataset(builder, data_files=str(path), split="train").to_list()
+    except Exception as e:  # datasets wraps what pyarrow says: find the line at fault ourselves
+        if builder == "json":
+            _diagnose_json(path)
+        cause = e.__cause__ or e
+        raise DatasetError(f"cannot read dataset {path}: {type(cause).__name__}: {str(cause)[:300]}") from None
+
+
+MAX_DEPTH = 64  # pyarrow's JSON reader crashes the process (stack overflow) on rows nested ~100,000 deep
+
+
+def _check_depth(path: Path) -> None:
+    """Refuses JSON nested deeper than MAX_DEPTH before pyarrow reads it. Only lines (or a .json file) with
+    that many brackets are parsed here, so an ordinary file costs two byte counts per line."""
+    data = path.read_bytes()
+    lines = [data] if path.suffix == ".json" else data.splitlines()
+    for number, line in enumerate(lines, start=1):
+        if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+            continue
+        where = f"{path}:{number}" if path.suffix == ".jsonl" else str(path)
+        try:
+            value = json.loads(line)
+        except RecursionError:
+            raise DatasetError(f"{where}: JSON nested too deeply to read (more than {MAX_DEPTH} levels)") from None
+        except ValueError:
+            continue  # not JSON at all: _diagnose_json names it
+        depth = _depth(value)
+        if depth > MAX_DEPTH:
+            raise DatasetError(f"{where}: JSON nested too deeply to read ({depth} levels, at most {MAX_DEPTH})")
+
+
+def _depth(value) -> int:
+    """Nesting depth of a parsed JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+def _diagnose_json(path: Path) -> None:
+    """Raises a DatasetError naming the first line of a JSONL file that is not a JSON object (or the JSON
+    file's own fault); returns if it finds none."""
+    data = path.read_bytes()
+    lines = [data] if path.suffix == ".json" else data.splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}" if path.suffix == ".jsonl" else str(path)
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{where}: not UTF-8 text (byte {e.start} is {line[e.start:e.start + 1]!r})") from None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise DatasetError(f"{where}: JSON nested too deeply to read") from None
+        expected = list if path.suffix == ".json" else dict
+        if not isinstance(value, expected) or (expected is list and not all(isinstance(v, dict) for v in value)):
+            shape = "a list of JSON objects (or one object per line, .jsonl)" if expected is list else "a JSON object"
+            raise DatasetError(f"{where}: expected {shape}, got {type(value).__name__}")
+
+
+def _field(record: dict, key: str, where: str):
+    """`record[key]`, where a dotted key reaches into nested objects."""
+    value = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value or value[part] is None:
+            present = sorted(k for k, v in record.items() if v is not None)
+            raise DatasetError(f"{where}: field {key!r} missing (the row has {present})")
+        value = value[part]
+    return value
+
+
+def _row(record, where: str, row_format: RowFormat, agent_names: list[str] | None) -> dict:
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where}: expected an object, got {type(record).__name__}")
+    prompt = _field(record, row_format.prompt_key, where)
+    answer = _field(record, row_format.answer_key, where)
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str):
+        raise DatasetError(f"{where}: field {row_format.answer_key!r} must be a string or a number, "
+                           f"got {type(answer).__name__}")
+    messages = _messages(prompt, row_format, f"{where}: field {row_format.prompt_key!r}")
+    row = {key: value for key, value in record.items() if value is not None}
+    user = [m for m in messages if m["role"] == "user"]
+    row.update(prompt=user[-1]["content"] if user else messages[-1]["content"], answer=answer)
+    if len(messages) > 1 or messages[0]["role"] != "user":
+        row["messages"] = messages
+    else:
+        row.pop("messages", None)
     if agent_names is not None and "agent_name" in row and row["agent_name"] not in agent_names:
-        raise DatasetError(f"{path}:{number}: agent_name {row['agent_name']!r} is not an agent of this experiment; "
-                           f"it has {sorted(agent_names)} (override the experiment's `agents` to add one)")
+        raise DatasetError(f"{where}: agent_name {row['agent_name']!r} is not an agent of this "
+                           f"experiment; it has {sorted(agent_names)} (override the experiment's `agents` to add one)")
     return row
+
+
+def _messages(prompt, row_format: RowFormat, where: str) -> list[dict]:
+    """The chat the prompt stands for: system prompt first, the template applied to the last user message."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt:
+        messages = []
+        for i, message in enumerate(prompt):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise DatasetError(f"{where}: message {i} must be an object with string 'role' and 'content', "
+                                   f"got {str(message)[:80]}")
+            # a column of messages gets every key any message has, None where a message lacks it
+            messages.append({k: v for k, v in message.items() if v is not None})
+    else:
+        raise DatasetError(f"{where} must be a string or a non-empty list of chat messages, got {type(prompt).__name__}")
+    if row_format.prompt_template:
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last_user is not None:
+            content = row_format.prompt_template.replace(PROMPT_PLACEHOLDER, messages[last_user]["content"])
+            messages[last_user] = {**messages[last_user], "content": content}
+    if row_format.system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": row_format.system_prompt})
+    return messages
 
 
 def write_jsonl(rows: list[dict], path: Path) -> Path:

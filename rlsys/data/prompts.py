@@ -11,7 +11,7 @@ from rlsys.model.tokenizer import chat_prompt_ids
 def prompt_by_id(rows: list[dict], tokenizer, qid: str) -> Prompt:
     """The prompt `prompt_stream` gave the id `{tag}-{epoch}-{row}`."""
     row = rows[int(qid.rsplit("-", 1)[1])]
-    return Prompt(qid=qid, token_ids=chat_prompt_ids(tokenizer, row["prompt"]), data=row)
+    return Prompt(qid=qid, token_ids=row_prompt_ids(tokenizer, row), data=row)
 
 
 def prompt_stream(rows: list[dict], tokenizer, tag: str, *, seed: int, shuffle: bool, shard: int = 0,
@@ -28,4 +28,10 @@ def prompt_stream(rows: list[dict], tokenizer, tag: str, *, seed: int, shuffle: 
         for i in order[shard::num_shards]:
             qid = f"{tag}-{epoch}-{i}"
             if qid not in skip:
-                yield Prompt(qid=qid, token_ids=chat_prompt_ids(tokenizer, rows[i]["prompt"]), data=rows[i])
+                yield Prompt(qid=qid, token_ids=row_prompt_ids(tokenizer, rows[i]), data=rows[i])
+
+
+def row_prompt_ids(tokenizer, row: dict) -> list[int]:
+    """A dataset row's prompt through the chat template: its `messages` (system prompt included) when it
+    has them, else its `prompt` as the one user message."""
+    return chat_prompt_ids(tokenizer, row.get("messages") or row["prompt"])

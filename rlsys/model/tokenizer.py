@@ -29,10 +29,10 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def chat_prompt_ids(tokenizer, user_text: str) -> list[int]:
-    """Token ids of a one-message chat, ending where the assistant's answer begins."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], add_generation_prompt=True,
-                                         tokenize=False)
+def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """Token ids of a chat (a user's text, or a list of messages), ending where the assistant's answer begins."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

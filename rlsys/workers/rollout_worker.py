@@ -10,7 +10,7 @@ from pathlib import Path
 from rlsys import accounting, protocol
 from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent, make_env
 from rlsys.checkpoint import read_trainer_state
-from rlsys.data.dataset import load_jsonl_dataset
+from rlsys.data.dataset import load_rows
 from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, group_message
 from rlsys.metrics import MetricsLogger
@@ -66,7 +66,7 @@ class RolloutWorker:
         self.bus.set(protocol.rollout_done(self.index), 1)
 
     async def train(self) -> None:
-        rows = load_jsonl_dataset(self.config.dataset.path)
+        rows = load_rows(self.config.dataset.path, self.config.dataset.row_format())
         prompts = self.prompts(rows, "train", shuffle=True)
         await self.take_over(rows, prompts)
         next_eval = self.config.eval_steps
@@ -220,7 +220,7 @@ class RolloutWorker:
     async def evaluate(self, tag: str) -> float:
         """Greedy accuracy (mean final reward) on the held-out set, logged and stored on the bus."""
         version = await self.current_version()
-        prompts = list(self.prompts(load_jsonl_dataset(self.config.dataset.eval_path), "eval", shuffle=False))
+        prompts = list(self.prompts(load_rows(self.config.dataset.eval_path, self.config.dataset.row_format()), "eval", shuffle=False))
         results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p, evaluation=True)
                                          for p in prompts), return_exceptions=True)
         for result in results:

