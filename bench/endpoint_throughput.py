@@ -31,7 +31,7 @@ from rollout_throughput import (EVAL_ROWS, WARM_UP_EPISODES, EngineAlone, FullPa
 
 from rlsys.assets import prepare_assets  # noqa: E402
 from rlsys.cli import parse_config  # noqa: E402
-from rlsys.data.dataset import load_jsonl_dataset, write_jsonl  # noqa: E402
+from rlsys.data.dataset import load_rows, write_jsonl  # noqa: E402
 
 ENDPOINT = ["experiment=async-ppo-openai-agent", "agent_function=rlsys.impl.agent.openai_example:run"]
 
@@ -46,7 +46,7 @@ def main() -> None:
     engine_rates: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        eval_path = str(write_jsonl(load_jsonl_dataset(configs["queue path"].dataset.eval_path)[:EVAL_ROWS],
+        eval_path = str(write_jsonl(load_rows(configs["queue path"].dataset.eval_path)[:EVAL_ROWS],
                                     tmp / "eval.jsonl"))
         alone = EngineAlone(configs["queue path"], args.concurrency)
         alone.generated_tokens(WARM_UP_EPISODES)

@@ -16,7 +16,7 @@ from experiments.async_ppo_multi_turn import AsyncPPOFrozenLakeConfig, AsyncPPOS
 from experiments.common import DatasetConfig, GenerationHyperparameters, ModelConfig
 from experiments.registry import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
-from rlsys.data.dataset import load_jsonl_dataset, write_jsonl
+from rlsys.data.dataset import load_rows, write_jsonl
 from rlsys.impl.agent.multi_turn import RolloutStrategy
 from rlsys.model.tiny import AnswerCheck, TaughtSequence
 from rlsys.workers.env_per_row import ENV_NAME
@@ -82,7 +82,7 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
             return train, held_out
         parts = {name: game.generate_dataset(data_dir) for name, game in self.games().items()}
         for index, path in ((0, train), (1, held_out)):
-            rows = [{**row, ENV_NAME: name} for name, paths in parts.items() for row in load_jsonl_dataset(paths[index])]
+            rows = [{**row, ENV_NAME: name} for name, paths in parts.items() for row in load_rows(paths[index])]
             write_jsonl(rows, path)
         return train, held_out
 

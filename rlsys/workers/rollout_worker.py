@@ -220,7 +220,8 @@ class RolloutWorker:
     async def evaluate(self, tag: str) -> float:
         """Greedy accuracy (mean final reward) on the held-out set, logged and stored on the bus."""
         version = await self.current_version()
-        prompts = list(self.prompts(load_rows(self.config.dataset.eval_path, self.config.dataset.row_format()), "eval", shuffle=False))
+        rows = load_rows(self.config.dataset.eval_path, self.config.dataset.row_format())
+        prompts = list(self.prompts(rows, "eval", shuffle=False))
         results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p, evaluation=True)
                                          for p in prompts), return_exceptions=True)
         for result in results:
