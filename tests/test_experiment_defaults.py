@@ -32,3 +32,24 @@ def test_each_experiment_trains_two_steps_with_its_defaults(tmp_path, name):
     assert summary["prompts_accounted"], prompts
     assert prompts["trained"] >= 2 * config.ppo.batch_size, prompts
     assert summary["initial_accuracy"] is not None and summary["final_accuracy"] is not None
+
+
+def test_a_run_that_cannot_go_on_ends_with_one_error_line(monkeypatch, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from rlsys.supervisor import RoleFailed
+
+    entry = Path(__file__).resolve().parents[1] / "training" / "main_async_ppo.py"
+    spec = importlib.util.spec_from_file_location("main_async_ppo_entry", entry)
+    main = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(main)
+
+    def stops(config):
+        raise RoleFailed("rollout0 stopped the run: the last 200 training episodes all failed; ...")
+
+    monkeypatch.setattr(main, "launch", stops)
+    with pytest.raises(SystemExit) as exit_:
+        main.main(["max_steps=1"])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == "error: rollout0 stopped the run: the last 200 training episodes all failed; ...\n"
