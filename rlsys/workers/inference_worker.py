@@ -14,6 +14,7 @@ import time
 from rlsys import protocol
 from rlsys.api import GenerationConfig
 from rlsys.engine.generation import GenerationEngine
+from rlsys.weight_transport import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,10 @@ HEARTBEAT_INTERVAL = 0.25  # well under cluster.inference_dead_after; each beat 
 
 
 class InferenceWorker:
-    def __init__(self, engine: GenerationEngine, bus, index: int, max_batch_requests: int):
+    def __init__(self, engine: GenerationEngine, bus, index: int, max_batch_requests: int,
+                 weights: WeightReceiver | None = None):
         self.engine, self.bus, self.index = engine, bus, index
+        self.weights = weights or WeightReceiver(bus)
         self.max_batch_requests = max_batch_requests
         self.reply_to: dict[str, str] = {}  # request id -> the router's reply queue
         self.queue = protocol.generation_requests(index)
@@ -47,6 +50,7 @@ class InferenceWorker:
         finally:
             self._stopping.set()
             heartbeat.join()
+            self.weights.close()
 
     def start_epoch(self) -> None:
         """A new process on this index: whatever a dead predecessor left queued is re-sent by the routers."""
@@ -69,7 +73,10 @@ class InferenceWorker:
     def load_newest_weights(self) -> None:
         published = self.bus.get(protocol.WEIGHTS)
         if published and published["version"] > self.engine.version:
-            interrupted = self.engine.update_weights(published["path"], published["version"])
+            directory = self.weights.directory(published)
+            if directory is None:
+                return
+            interrupted = self.engine.update_weights(directory, published["version"])
             if interrupted:
                 log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
 
