@@ -30,5 +30,6 @@ setup(
                    "fastapi==0.136.3", "starlette==1.10.0", "uvicorn==0.54.0", "httpx==0.28.1", "httpx2==2.16.2",
                    "tiktoken==0.14.0"],
         "gguf": ["gguf==0.19.0", "accelerate==1.15.0"],  # python3 -m rlsys.model.convert FILE.gguf
+        "ray": ["ray[default]==2.60.0"],  # cluster.backend=ray
     },
 )

@@ -33,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlsys import protocol  # noqa: E402
 from rlsys.assets import prepare_assets  # noqa: E402
 from rlsys.bus import EmbeddedRedis, connect  # noqa: E402
-from rlsys.cli import parse_config  # noqa: E402
+from rlsys.cli import config_to_dict, parse_config  # noqa: E402
 from rlsys.data.dataset import load_rows, write_jsonl  # noqa: E402
 from rlsys.data.prompts import prompt_stream  # noqa: E402
-from rlsys.launcher import initialize_bus_state, limit_threads, start_role  # noqa: E402
+from rlsys.launcher import initialize_bus_state, limit_threads, run_role  # noqa: E402
+from rlsys.placement.local import LocalPlacement  # noqa: E402
 from rlsys.metrics import read_jsonl_metrics  # noqa: E402
 from rlsys.model.tokenizer import load_tokenizer  # noqa: E402
 from rlsys.supervisor import stop_processes  # noqa: E402
@@ -88,7 +89,9 @@ class FullPath:
             initialize_bus_state(self.bus, self.config, trainer_state={})
             self.bus.set(protocol.ADMITTED, GATE_CLOSED)
             roles = [("inference", i) for i in range(self.n_workers)] + [("rollout", 0)]
-            processes = {(role, i): start_role(role, i, self.config, server.url, self.run_dir) for role, i in roles}
+            placement = LocalPlacement(self.config, run_role)
+            args = (config_to_dict(self.config), server.url, str(self.run_dir))
+            processes = {(role, i): placement.start(role, i, args) for role, i in roles}
             try:
                 yield self
             finally:

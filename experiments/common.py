@@ -237,6 +237,27 @@ class ClusterConfig:
     """Largest message of one prompt's trajectories; a larger one fails its episode (invalid_output)."""
     max_failed_in_a_row: int = 200
     """Training episodes of a rollout worker that may fail one after another before the run stops (0: never)."""
+    n_learner_ranks: int = 1
+    """Learner processes (torch.distributed ranks, FSDP2); rank 0 alone talks to the bus."""
+    backend: str = "local"
+    """Where the roles run: local (processes on this machine) or ray (Ray actors on a Ray cluster)."""
+    ray_address: str = ""
+    """backend=ray: the cluster to join (auto, ray://HOST:10001, HOST:6379); empty starts a Ray for this run only."""
+    learner_gpus: int = 0
+    """GPUs of the learner, split evenly over its ranks; 0: local roles share every GPU (as before), Ray gives none."""
+    gpus_per_inference_worker: int = 0
+    """GPUs of each inference worker (at least inference.tensor_parallel_size); 0: as learner_gpus=0."""
+    learner_resources: str = ""
+    """backend=ray: custom resources each learner rank needs, NAME:AMOUNT[,NAME:AMOUNT]; pins it to nodes that have them."""
+    inference_resources: str = ""
+    """backend=ray: custom resources each inference worker needs, NAME:AMOUNT[,NAME:AMOUNT]."""
+    rollout_resources: str = ""
+    """backend=ray: custom resources each rollout worker needs, NAME:AMOUNT[,NAME:AMOUNT]."""
+    ray_placement_strategy: str = "PACK"
+    """backend=ray: placement group strategy of the run's roles: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."""
+    weights_transport: str = "auto"
+    """How new weights reach inference: disk (a file in the run directory: one machine or a shared filesystem),
+    bus (checksummed chunks over Redis: no shared path needed); auto: disk on local, bus on ray."""
 
     def __post_init__(self):
         check_at_least("cluster.", self, n_inference_workers=1, n_rollout_workers=1, redis_port=0, max_role_restarts=0,
@@ -250,6 +271,46 @@ class ClusterConfig:
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("cluster.redis_url must look like redis://[:PASSWORD@]HOST:PORT/DB, "
                              f"got {self.redis_url.split('@')[-1]!r}")
+        check_at_least("cluster.", self, n_learner_ranks=1, learner_gpus=0, gpus_per_inference_worker=0)
+        check_choice("cluster.", self, backend=BACKENDS, ray_placement_strategy=PLACEMENT_STRATEGIES,
+                     weights_transport=WEIGHTS_TRANSPORTS)
+        if self.n_learner_ranks > 1:  # placement starts and places the ranks; the learner does not shard yet
+            raise ValueError("cluster.n_learner_ranks > 1 needs the sharded learner, which this build does not have")
+        if self.learner_gpus % self.n_learner_ranks:
+            raise ValueError(f"cluster.learner_gpus ({self.learner_gpus}) must split evenly over "
+                             f"cluster.n_learner_ranks ({self.n_learner_ranks})")
+        for name in ("learner_resources", "inference_resources", "rollout_resources"):
+            parse_resources(f"cluster.{name}", getattr(self, name))
+
+    def resources(self, role: str) -> dict[str, float]:
+        """The custom Ray resources each process of `role` (learner, inference, rollout) needs."""
+        return parse_resources(f"cluster.{role}_resources", getattr(self, f"{role}_resources"))
+
+
+BACKENDS = ("local", "ray")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+WEIGHTS_TRANSPORTS = ("auto", "disk", "bus")
+
+
+def check_choice(group: str, config, **choices) -> None:
+    """ValueError naming the key of the first field whose value is not among its choices."""
+    for name, allowed in choices.items():
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"{group}{name} must be one of {allowed}, got {getattr(config, name)!r}")
+
+
+def parse_resources(key: str, text: str) -> dict[str, float]:
+    """`trainer:1,big_mem:0.5` -> {"trainer": 1.0, "big_mem": 0.5}; ValueError naming `key` otherwise."""
+    resources = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, amount = item.partition(":")
+        try:
+            resources[name.strip()] = float(amount)
+        except ValueError:
+            raise ValueError(f"{key} must look like NAME:AMOUNT[,NAME:AMOUNT], got {text!r}") from None
+        if not name.strip() or resources[name.strip()] <= 0:
+            raise ValueError(f"{key} must look like NAME:AMOUNT[,NAME:AMOUNT] with positive amounts, got {text!r}")
+    return resources
 
 
 ENGINES = ("vllm", "transformers")
@@ -278,11 +339,17 @@ class InferenceConfig:
     """vLLM: no CUDA graphs or compilation; faster start-up, slower decoding on GPUs."""
     max_batch_requests: int = 256
     """Most observations taken from the bus between two engine steps."""
+    tensor_parallel_size: int = 1
+    """vLLM: GPUs each inference worker splits the model over (beside cluster.n_inference_workers data-parallel ones)."""
 
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"inference.engine must be one of {ENGINES}, got {self.engine!r}")
         check_at_least("inference.", self, kv_cache_gib=1, num_threads=0, max_num_seqs=1, max_model_len=0, max_batch_requests=1)
+        check_at_least("inference.", self, tensor_parallel_size=1)
+        if self.tensor_parallel_size > 1 and self.engine != "vllm":
+            raise ValueError(f"inference.tensor_parallel_size={self.tensor_parallel_size} needs inference.engine=vllm; "
+                             f"the {self.engine} engine runs on one device")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"inference.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

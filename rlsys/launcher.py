@@ -4,10 +4,7 @@ import contextlib
 import ctypes
 import json
 import logging
-import multiprocessing
 import os
-import signal
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +13,8 @@ from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigte
 from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import config_from_dict, config_to_dict, registry_name_of, save_config
 from rlsys.metrics import read_jsonl_metrics
+from rlsys.placement import PlacementError, open_placement
+from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_message_bus
 from rlsys.run_privacy import PRIVATE_UMASK, make_private, write_private
 from rlsys.supervisor import CANNOT_GO_ON_EXIT, LearnerFailed, RoleFailed, RunCannotGoOn, Supervisor
@@ -38,13 +37,13 @@ def resolve_resume(config, run_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def message_bus(config, run_dir: Path):
-    """(url, embedded server or None): the configured Redis, or a private server in the run directory,
-    stopped on every way out."""
+def message_bus(config, run_dir: Path, host: str = "127.0.0.1"):
+    """(url, embedded server or None): the configured Redis, or a private server in the run directory
+    listening on `host`, stopped on every way out."""
     if config.cluster.redis_url:
         yield config.cluster.redis_url, None
         return
-    server = EmbeddedRedis(run_dir / "redis", config.cluster.redis_port)
+    server = EmbeddedRedis(run_dir / "redis", config.cluster.redis_port, host)
     try:
         server.start()
     except EmbeddedRedisError as e:
@@ -72,20 +71,11 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
     accounting.restore(bus, trainer_state.get("accounting"))
 
 
-def start_role(role: str, index: int, config, bus_url: str, run_dir: Path) -> multiprocessing.Process:
-    ctx = multiprocessing.get_context("spawn")  # vLLM and torch do not survive fork
-    process = ctx.Process(target=run_role, name=f"{role}{index}",
-                          args=(role, index, config_to_dict(config), bus_url, str(run_dir)))
-    process.start()
-    return process
-
-
-def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -> None:
-    """Entry point of every role process."""
-    _die_with_parent()
+def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, env: dict) -> int:
+    """What every role runs, in a process of its own or a Ray actor (rlsys.placement); returns its exit code."""
+    os.environ.update(env)  # its GPUs and, for learner ranks, the rendezvous
     os.umask(PRIVATE_UMASK)  # what a role writes (logs, weights, checkpoints) is its user's alone
     _name_process(f"{role}{index}")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}{index} %(levelname)s %(message)s")
     import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
     import rlsys.impl.env  # noqa: F401
@@ -97,7 +87,10 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -
     except RunCannotGoOn as e:
         log.error("%s%d: the run cannot go on: %s", role, index, e)
         bus.set(protocol.role_stop_reason(f"{role}{index}"), str(e))
-        sys.exit(CANNOT_GO_ON_EXIT)
+        return CANNOT_GO_ON_EXIT
+    finally:
+        bus.close()
+    return 0
 
 
 def limit_threads(n: int) -> None:
@@ -140,12 +133,6 @@ def make_backend(model_path: str, inference_cfg, seed: int):
     return VLLMBackend(model_path, inference_cfg, seed)
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel sends SIGTERM to this process if the launcher dies, even by SIGKILL."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
 def _name_process(name: str) -> None:
     """Linux: `ps`, `top` and psutil show the role (e.g. inference0) instead of `python`."""
     with contextlib.suppress(OSError, AttributeError):
@@ -177,6 +164,11 @@ def prepare(config) -> None:
     from rlsys.data.dataset import DatasetError
 
     check_message_bus(config.cluster)  # first: it takes a second, preparing the assets may take minutes
+    if config.cluster.backend == "local":
+        try:
+            gpu_layout(config.cluster, config.inference, visible_devices())
+        except PlacementError as e:
+            raise StartupError(str(e)) from None
     try:
         prepare_assets(config)
     except (AssetError, DatasetError) as e:
@@ -201,6 +193,16 @@ def last_checkpoint_note(run_dir: Path) -> str:
             "continue with resume_from_checkpoint=auto")
 
 
+@contextlib.contextmanager
+def placed_roles(config):
+    """The placement `cluster.backend` names; StartupError if the layout cannot be placed."""
+    try:
+        with open_placement(config, run_role) as placement:
+            yield placement
+    except PlacementError as e:
+        raise StartupError(str(e)) from None
+
+
 def launch(config) -> dict:
     """Runs a whole experiment; returns (and writes to <run dir>/summary.json) its before/after accuracy
     and where its prompts ended. StartupError, before any process starts, if it cannot run."""
@@ -216,9 +218,11 @@ def launch(config) -> dict:
     if config.resume_from_checkpoint:
         trainer_state = read_trainer_state(Path(config.resume_from_checkpoint))
         print(f"resuming from {config.resume_from_checkpoint} (version {trainer_state['version']})", flush=True)
-    with raise_on_sigterm(), message_bus(config, run_dir) as (bus_url, server):
+    with raise_on_sigterm(), placed_roles(config) as placement, \
+            message_bus(config, run_dir, placement.bus_host) as (bus_url, server):
         bus = connect(bus_url)
-        supervisor = Supervisor(config, lambda role, index: start_role(role, index, config, bus_url, run_dir), server)
+        supervisor = Supervisor(
+            config, lambda role, index: placement.start(role, index, (config_to_dict(config), bus_url, str(run_dir))), server)
         report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps, config.max_steps)
         restarted = False
         try:

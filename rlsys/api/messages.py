@@ -165,26 +165,50 @@ class WorkerStatus:
     version: int  # the weights it serves
     load: int  # requests in its engine
     dead: bool = False
+    weights_over_bus: int = 0  # versions this process received as chunks over the bus (weights_transport=bus)
 
     def to_message(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def parse_worker_status(message) -> WorkerStatus:
-    d = fields(message, "inference status", {"epoch", "beat", "version", "load"}, {"dead"})
+    d = fields(message, "inference status", {"epoch", "beat", "version", "load"}, {"dead", "weights_over_bus"})
     return WorkerStatus(integer(d["epoch"], "epoch"), integer(d["beat"], "beat"), integer(d["version"], "version"),
-                        integer(d["load"], "load"), boolean(d.get("dead", False), "dead"))
+                        integer(d["load"], "load"), boolean(d.get("dead", False), "dead"),
+                        integer(d.get("weights_over_bus", 0), "weights_over_bus"))
 
 
 @dataclasses.dataclass(frozen=True)
 class PublishedWeights:
-    """The newest policy the learner published: its version and the directory that holds it."""
+    """The newest policy the learner published: its version and either the directory that holds it
+    (weights_transport=disk) or the count, size and SHA-256 of the chunks it was cut into on the bus (bus)."""
 
     version: int
-    path: str
+    path: str = ""
+    chunks: int = 0
+    bytes: int = 0
+    sha256: str = ""
 
     def to_message(self) -> dict:
-        return dataclasses.asdict(self)
+        if self.path:
+            return {"version": self.version, "path": self.path}
+        return {"version": self.version, "chunks": self.chunks, "bytes": self.bytes, "sha256": self.sha256}
+
+
+def parse_published_weights(message) -> PublishedWeights:
+    d = fields(message, "published weights", {"version"}, {"path", "chunks", "bytes", "sha256"})
+    version = integer(d["version"], "version")
+    if "path" in d:
+        if d.keys() != {"version", "path"}:
+            raise InvalidMessage("published weights name a path or chunks, not both")
+        return PublishedWeights(version, path=string(d["path"], "path", MAX_PATH_CHARS))
+    if d.keys() != {"version", "chunks", "bytes", "sha256"}:
+        raise InvalidMessage("published weights need a path, or chunks, bytes and sha256")
+    sha = string(d["sha256"], "sha256", 64)
+    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise InvalidMessage(f"sha256 must be 64 hex digits, got {sha!r}")
+    return PublishedWeights(version, chunks=integer(d["chunks"], "chunks", 1), bytes=integer(d["bytes"], "bytes", 1),
+                            sha256=sha)
 
 
 def parse_published_weights(message) -> PublishedWeights:

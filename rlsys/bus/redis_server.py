@@ -1,6 +1,6 @@
 """EmbeddedRedis: a private redis-server for a single-machine run, that never outlives its owner.
 
-Security: binds 127.0.0.1 only, protected mode on, a random password that is written to a 0600
+Security: binds 127.0.0.1 only (or the one address given, for other nodes), protected mode on, a random password that is written to a 0600
 config file (never on the command line, where `ps` would show it).
 Durability: append-only file in the run directory, so restarting on the same run_dir keeps the data.
 Cleanup on every way the owning process can end:
@@ -73,10 +73,10 @@ def _port_in_use(port: int) -> EmbeddedRedisError:
                               "or set cluster.redis_port=0 to pick a free one")
 
 
-def _free_port() -> int:
-    """A port free right now; another process may take it before redis binds, so start() retries."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` right now; another process may take it before it is bound (callers retry)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -118,8 +118,9 @@ class EmbeddedRedis:
     Usage: `with EmbeddedRedis(run_dir) as server: bus = connect(server.url)`. `port` 0 picks a free one.
     """
 
-    def __init__(self, run_dir, port: int = 0):
+    def __init__(self, run_dir, port: int = 0, host: str = "127.0.0.1"):
         self.run_dir = Path(run_dir).resolve()
+        self.host = host  # where it listens: loopback, or the head node's address when other nodes need it
         self.password = ""
         self.requested_port = port
         self.port = 0
@@ -130,7 +131,7 @@ class EmbeddedRedis:
     def url(self) -> str:
         if self.process is None:
             raise EmbeddedRedisError("EmbeddedRedis is not started")
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -148,7 +149,7 @@ class EmbeddedRedis:
         make_private(self.run_dir)  # the AOF of an older server here may be world-readable
         self.password = secrets.token_hex(24)
         for _ in range(PORT_ATTEMPTS if not self.requested_port else 1):
-            self.port = self.requested_port or _free_port()
+            self.port = self.requested_port or free_port(self.host)
             if self._launch(binary):
                 self._owner = os.getpid()
                 atexit.register(self.stop)
@@ -174,7 +175,7 @@ class EmbeddedRedis:
             return json.dumps(text, ensure_ascii=False)
 
         lines = [
-            "bind 127.0.0.1",
+            f"bind {self.host}",
             f"port {self.port}",
             "protected-mode yes",
             f"requirepass {quote(self.password)}",
@@ -201,7 +202,7 @@ class EmbeddedRedis:
                                             stderr=subprocess.STDOUT, start_new_session=True,
                                             preexec_fn=_die_with_parent_hook(), close_fds=True,
                                             umask=PRIVATE_UMASK)  # its AOF holds every message: owner-only
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+        client = redis.Redis(host=self.host, port=self.port, password=self.password,
                              socket_timeout=0.25, socket_connect_timeout=0.25, retry=None)  # re-polled
         deadline = time.monotonic() + START_TIMEOUT
         try:

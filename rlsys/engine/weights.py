@@ -9,19 +9,28 @@ from safetensors.torch import save_file
 WEIGHTS_FILE = "model.safetensors"
 
 
-def write_weight_update(model: torch.nn.Module, directory: Path) -> Path:
-    """Writes every tensor of `model`'s state dict, tied ones included, into `directory`.
+def weight_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of `model`'s state dict on the CPU, each tied one under every name it has.
 
     `save_pretrained` drops `lm_head.weight` when it is tied to the input embedding. vLLM's in-place
     reload then finds no weight for its output head and keeps the old one (measured: logprob gap of
-    about 2 after one update). Writing each tied tensor under every name it has avoids that.
+    about 2 after one update). Copying each tied tensor under every name avoids that.
     """
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
+
+
+def write_weight_update(model: torch.nn.Module, directory: Path) -> Path:
+    """Writes `weight_tensors(model)` into `directory`, which a reader sees whole or not at all."""
+    return write_weight_file(directory, lambda path: save_file(weight_tensors(model), str(path)))
+
+
+def write_weight_file(directory: Path, write) -> Path:
+    """`directory`/WEIGHTS_FILE written by `write(path)` into a temporary directory, then renamed into place."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
     tmp.mkdir(parents=True)
-    tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
-    save_file(tensors, str(tmp / WEIGHTS_FILE))
+    write(tmp / WEIGHTS_FILE)
     # A resumed run publishes again versions a killed run had written, with different weights.
     shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)  # a reader sees the whole file or nothing

@@ -40,4 +40,5 @@ class InferenceStatus:
         """The process serving the epoch now published has exited (its successor has not started yet)."""
         status = self.read()
         if status is not None and not status.dead:
-            self.publish(WorkerStatus(status.epoch, status.beat, status.version, 0, dead=True))
+            self.publish(WorkerStatus(status.epoch, status.beat, status.version, 0, dead=True,
+                                     weights_over_bus=status.weights_over_bus))

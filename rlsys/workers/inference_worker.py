@@ -16,6 +16,7 @@ from rlsys.api.messages import (InvalidMessage, WorkerStatus, parse_generation_r
 from rlsys.bus import Undecodable
 from rlsys.bus.dead_letters import set_aside
 from rlsys.engine.generation import GenerationEngine
+from rlsys.weight_transport import WeightReceiver
 from rlsys.workers.inference_status import InferenceStatus
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,10 @@ HEARTBEAT_INTERVAL = 0.25  # well under cluster.inference_dead_after; each beat 
 
 
 class InferenceWorker:
-    def __init__(self, engine: GenerationEngine, bus, index: int, max_batch_requests: int):
+    def __init__(self, engine: GenerationEngine, bus, index: int, max_batch_requests: int,
+                 weights: WeightReceiver | None = None):
         self.engine, self.bus, self.index = engine, bus, index
+        self.weights = weights or WeightReceiver(bus)
         self.max_batch_requests = max_batch_requests
         self.reply_to: dict[str, str] = {}  # request id -> the router's reply queue
         self.queue = protocol.generation_requests(index)
@@ -52,6 +55,7 @@ class InferenceWorker:
         finally:
             self._stopping.set()
             heartbeat.join()
+            self.weights.close()
 
     def start_epoch(self) -> None:
         """A new process on this index: whatever a dead predecessor left queued is re-sent by the routers."""
@@ -82,7 +86,10 @@ class InferenceWorker:
             self.bus.delete(protocol.WEIGHTS)  # the learner's next version replaces it
             return
         if published.version > self.engine.version:
-            interrupted = self.engine.update_weights(published.path, published.version)
+            directory = self.weights.directory(published.to_message())
+            if directory is None:
+                return
+            interrupted = self.engine.update_weights(directory, published.version)
             if interrupted:
                 log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
 
@@ -120,7 +127,8 @@ class InferenceWorker:
             self.bus.put_many(queue, messages)
 
     def publish_status(self, beat: int) -> None:
-        self.status.publish(WorkerStatus(self.epoch, beat, self.engine.version, self.engine.in_flight))
+        self.status.publish(WorkerStatus(self.epoch, beat, self.engine.version, self.engine.in_flight,
+                                         weights_over_bus=self.weights.received_over_bus))
 
     def _heartbeat(self) -> None:
         """On its own thread, so a long engine step never makes a live worker look dead."""

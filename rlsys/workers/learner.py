@@ -1,6 +1,5 @@
 """The learner: turns batches of trajectories into PPO updates and publishes each new policy version."""
 
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -9,7 +8,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoTokenizer
 
-from rlsys import accounting, protocol
+from rlsys import accounting, protocol, weight_transport
 from rlsys.algorithms.advantages import gae_advantages, gigpo_turn_advantages, grpo_advantages, \
     reinforce_advantages, starpo_advantages, whiten
 from rlsys.algorithms.batch import SequenceBatch, per_turn_to_tokens, sequence_batch
@@ -21,11 +20,8 @@ from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.api import Trajectory
 from rlsys.checkpoint import read_optimizer_state, read_trainer_state, save_checkpoint
 from rlsys.delivery import Delivery, TrajectoryInbox
-from rlsys.engine.weights import write_weight_update
 from rlsys.metrics import MetricsLogger
 from rlsys.model.loading import CRITIC_DIR, load_critic, load_policy
-
-KEEP_WEIGHT_VERSIONS = 3  # an inference worker may still be reading a slightly older version
 
 
 class Learner:
@@ -289,10 +285,8 @@ class Learner:
         return stats
 
     def publish_weights(self) -> None:
-        weights_dir = self.run_dir / "weights"
-        path = write_weight_update(self.model, weights_dir / f"v{self.version}")
-        self.bus.set(protocol.WEIGHTS, {"version": self.version, "path": str(path)})
-        shutil.rmtree(weights_dir / f"v{self.version - KEEP_WEIGHT_VERSIONS}", ignore_errors=True)
+        weight_transport.publish(self.bus, self.model, self.version, weight_transport.resolve(self.config.cluster),
+                                 self.run_dir / "weights")
 
     def save(self) -> Path:
         optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

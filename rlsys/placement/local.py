@@ -1,0 +1,66 @@
+"""Roles as processes on this machine (`cluster.backend=local`), each with the GPUs gpu_layout gives it."""
+
+import contextlib
+import ctypes
+import multiprocessing
+import signal
+import sys
+
+from rlsys.bus.redis_server import free_port
+from rlsys.placement.base import Placement, RoleHandle, learner_rendezvous
+from rlsys.placement.gpus import gpu_layout, visible_devices
+
+
+class LocalRole(RoleHandle):
+    def __init__(self, process: multiprocessing.Process):
+        self.process, self.name = process, process.name
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+
+
+class LocalPlacement(Placement):
+    bus_host = "127.0.0.1"  # nothing outside this machine needs the bus
+
+    def __init__(self, config, entry):
+        self.config, self.entry = config, entry
+        self.gpus = gpu_layout(config.cluster, config.inference, visible_devices())
+        self.master_port = 0
+
+    def start(self, role: str, index: int, args: tuple) -> RoleHandle:
+        env = {"CUDA_VISIBLE_DEVICES": self.gpus[(role, index)]} if (role, index) in self.gpus else {}
+        if role == "learner":
+            if index == 0:  # a new group of ranks: a new rendezvous port
+                self.master_port = free_port()
+            env.update(learner_rendezvous(index, self.config.cluster.n_learner_ranks, "127.0.0.1", self.master_port))
+        ctx = multiprocessing.get_context("spawn")  # vLLM and torch do not survive fork
+        process = ctx.Process(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env))
+        process.start()
+        return LocalRole(process)
+
+    def close(self) -> None:
+        """The supervisor stops the processes it watches; nothing else was taken."""
+
+
+def run_in_process(entry, role: str, index: int, *args) -> None:
+    """A role process: dies with the launcher, leaves Ctrl-C to it, exits with the role's code."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
+    code = entry(role, index, *args)
+    if code:
+        sys.exit(code)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGTERM to this process if the launcher dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG

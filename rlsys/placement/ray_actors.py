@@ -1,0 +1,151 @@
+"""Roles as Ray actors (`cluster.backend=ray`), placed by one placement group on a Ray cluster.
+
+Ray is the engine: one placement group reserves a bundle per role process (CPU, the role's GPUs, its
+custom resources) with `cluster.ray_placement_strategy`, all or nothing, so a layout the cluster cannot
+hold is refused before anything runs. Each role is an actor pinned to its bundle. When a node dies, Ray
+moves its bundles to nodes that can hold them; the supervisor sees the actor's death and starts a new
+actor in the same bundle, which Ray schedules once the bundle is placed again. Actors are never
+restarted by Ray itself (max_restarts=0): the supervisor counts restarts the same way on both backends.
+"""
+
+import os
+
+from rlsys.bus.redis_server import free_port
+from rlsys.placement.base import Placement, PlacementError, RoleHandle, learner_rendezvous
+
+PLACEMENT_TIMEOUT = 120.0  # seconds to wait for the cluster to reserve every bundle
+CPUS_PER_ROLE = 1
+
+
+class RoleActor:
+    """A Ray actor that runs one role until it ends; `run` returns the role's exit code."""
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a port free on it (for learner rank 0's rendezvous)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def ping(self) -> bool:
+        return True
+
+    def run(self, entry, role: str, index: int, *args) -> int:
+        return entry(role, index, *args)
+
+
+class RayRole(RoleHandle):
+    def __init__(self, name: str, actor, done):
+        self.name, self.actor, self.done = name, actor, done
+        self._code: int | None = None
+        self._reason = ""
+        self._probe = None  # a ping sent after the actor was out of reach
+
+    @property
+    def exitcode(self) -> int | None:
+        import ray
+
+        waiting_on = self._probe or self.done
+        if self._code is None and ray.wait([waiting_on], timeout=0)[0]:
+            try:
+                code = ray.get(waiting_on)
+                if waiting_on is self.done:
+                    self._code = code
+                else:  # alive, but its run was lost while it was out of reach: it cannot go on
+                    ray.kill(self.actor, no_restart=True)
+                    self._code, self._reason = -1, "lost its run while it was out of reach"
+            except ray.exceptions.ActorUnavailableError:
+                # Its node may be dying: ask again until Ray says dead, so that a new actor is not sent to
+                # a bundle still placed on the dead node (and the one death counted as two restarts).
+                self._probe = self.actor.ping.remote()
+            except ray.exceptions.RayError as e:  # the actor died: killed, its node lost, out of memory
+                self._code = -1
+                self._reason = "died: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        return self._code
+
+    @property
+    def exit_reason(self) -> str:
+        return self._reason if self.exitcode == -1 and self._reason else super().exit_reason
+
+    def join(self, timeout: float) -> None:
+        import ray
+
+        ray.wait([self.done], timeout=timeout)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+        ray.wait([self.done], timeout=30)
+
+
+class RayPlacement(Placement):
+    def __init__(self, config, entry):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        cluster = config.cluster
+        self.config, self.entry = config, entry
+        self.bundles = {}  # (role, index) -> (bundle index, actor options)
+        bundles = []
+        for role, count, gpus in (("learner", cluster.n_learner_ranks, cluster.learner_gpus // cluster.n_learner_ranks),
+                                  ("inference", cluster.n_inference_workers, cluster.gpus_per_inference_worker),
+                                  ("rollout", cluster.n_rollout_workers, 0)):
+            custom = cluster.resources(role)
+            for index in range(count):
+                self.bundles[(role, index)] = (len(bundles), dict(num_cpus=CPUS_PER_ROLE, num_gpus=gpus, resources=custom))
+                bundles.append({"CPU": CPUS_PER_ROLE, **({"GPU": gpus} if gpus else {}), **custom})
+        tp = config.inference.tensor_parallel_size
+        if tp > max(cluster.gpus_per_inference_worker, 1):
+            raise PlacementError(f"inference.tensor_parallel_size={tp} on Ray needs cluster.gpus_per_inference_worker >= {tp} "
+                                 f"(it is {cluster.gpus_per_inference_worker}): an actor sees only the GPUs it asked for")
+        if cluster.ray_address.startswith("ray://") and not cluster.redis_url:
+            raise PlacementError("cluster.ray_address=ray://... runs this launcher off the cluster, where a private Redis "
+                                 "is out of the nodes' reach: set cluster.redis_url to a Redis every node reaches, or run "
+                                 "the command on a node of the cluster with cluster.ray_address=auto")
+        if cluster.ray_address:
+            ray.init(address=cluster.ray_address, log_to_driver=True)
+        else:  # a Ray for this run only, with a logical CPU per role even on a small machine
+            ray.init(num_cpus=max(os.cpu_count() or 1, CPUS_PER_ROLE * len(bundles)), include_dashboard=False)
+        self.bus_host = ray.util.get_node_ip_address()
+        self.group = placement_group(bundles, strategy=cluster.ray_placement_strategy, name="")
+        if not self.group.wait(PLACEMENT_TIMEOUT):
+            available = ray.available_resources()
+            self.close()
+            raise PlacementError(f"the Ray cluster could not hold the run's roles within {PLACEMENT_TIMEOUT:.0f}s "
+                                 f"(strategy {cluster.ray_placement_strategy}); they need, one bundle each: {bundles}; "
+                                 f"the cluster has free: {available}. Fewer workers, fewer GPUs or resources per role, "
+                                 "or another cluster.ray_placement_strategy would fit")
+        self.actor_class = ray.remote(max_restarts=0)(RoleActor)
+        self.roles: list[RayRole] = []
+        self.master = ("", 0)
+
+    def start(self, role: str, index: int, args: tuple) -> RoleHandle:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle, options = self.bundles[(role, index)]
+        actor = self.actor_class.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.group,
+                                                                 placement_group_bundle_index=bundle),
+            **options).remote()
+        env = {}
+        if role == "learner":
+            import ray
+
+            if index == 0:  # rank 0's node hosts the rendezvous of a new group of ranks
+                self.master = ray.get(actor.address.remote())
+            env = learner_rendezvous(index, self.config.cluster.n_learner_ranks, *self.master)
+        handle = RayRole(f"{role}{index}", actor, actor.run.remote(self.entry, role, index, *args, env))
+        self.roles.append(handle)
+        return handle
+
+    def close(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for handle in getattr(self, "roles", []):
+            ray.kill(handle.actor, no_restart=True)
+        if getattr(self, "group", None) is not None:
+            remove_placement_group(self.group)
+            self.group = None
+        ray.shutdown()  # disconnects; a Ray started for this run stops with it

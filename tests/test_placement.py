@@ -1,0 +1,53 @@
+"""Placement: which GPUs each role of a single-machine run sees, and layouts refused with what fits."""
+
+import pytest
+
+from experiments.common import ClusterConfig, InferenceConfig
+from rlsys.placement import PlacementError
+from rlsys.placement.gpus import gpu_layout
+
+
+def layout(devices, inference=None, **cluster):
+    return gpu_layout(ClusterConfig(**cluster), inference or InferenceConfig(), devices)
+
+
+def test_on_cpu_nothing_is_assigned_and_gpu_settings_are_refused():
+    assert layout([]) == {}
+    assert layout([], n_inference_workers=3) == {}
+    with pytest.raises(PlacementError, match="no GPU.*cluster.learner_gpus=1"):
+        layout([], learner_gpus=1)
+    with pytest.raises(PlacementError, match="no GPU.*tensor_parallel_size=2"):
+        layout([], InferenceConfig(tensor_parallel_size=2))
+
+
+def test_default_layout_shares_every_gpu_as_before():
+    assert layout(["0", "1"]) == {}
+
+
+def test_learner_and_workers_get_disjoint_gpus_in_order():
+    got = layout([str(i) for i in range(8)], learner_gpus=2, gpus_per_inference_worker=2, n_inference_workers=3)
+    assert got == {("learner", 0): "0,1", ("inference", 0): "2,3", ("inference", 1): "4,5", ("inference", 2): "6,7"}
+
+
+def test_gpu_names_follow_the_launcher_s_own_cuda_visible_devices():
+    got = layout(["3", "5", "7"], learner_gpus=1, gpus_per_inference_worker=1, n_inference_workers=2)
+    assert got == {("learner", 0): "3", ("inference", 0): "5", ("inference", 1): "7"}
+
+
+def test_a_layout_that_does_not_fit_says_what_fits():
+    with pytest.raises(PlacementError, match=r"needs 8 GPUs .* has 4: the learner's 2 leave 2: at most 1 inference workers of 2"):
+        layout(["0", "1", "2", "3"], learner_gpus=2, gpus_per_inference_worker=2, n_inference_workers=3)
+    with pytest.raises(PlacementError, match="tensor_parallel_size=4 needs at least that many GPUs per inference worker"):
+        layout(["0", "1", "2", "3"], InferenceConfig(tensor_parallel_size=4), gpus_per_inference_worker=2)
+
+
+def test_cluster_settings_are_checked_by_name():
+    with pytest.raises(ValueError, match="cluster.backend must be one of"):
+        ClusterConfig(backend="slurm")
+    with pytest.raises(ValueError, match="cluster.inference_resources must look like NAME:AMOUNT"):
+        ClusterConfig(inference_resources="gpu_node")
+    with pytest.raises(ValueError, match="cluster.weights_transport must be one of"):
+        ClusterConfig(weights_transport="nfs")
+    assert ClusterConfig(learner_resources="trainer:1, big:0.5").resources("learner") == {"trainer": 1.0, "big": 0.5}
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs inference.engine=vllm"):
+        InferenceConfig(engine="transformers", tensor_parallel_size=2)

@@ -1,0 +1,114 @@
+"""cluster.backend=ray on a three-node Ray cluster started on this machine (ray.cluster_utils.Cluster).
+
+The learner is pinned to the head node and the inference worker to one of two other nodes by custom
+resources; weights travel over the bus only (the run directory never holds a weight file). One node is
+removed mid-run, with the inference worker on it: Ray moves its bundle to the other node, the supervisor
+starts a new actor there, the run finishes its steps with every prompt accounted, and every Ray process
+is gone at the end.
+"""
+
+import contextlib
+import json
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rlsys import protocol
+from rlsys.bus import RedisBus
+from rlsys.cli import parse_config
+from rlsys.launcher import launch
+from rlsys.metrics import read_jsonl_metrics
+from tests.helpers import child_pids, left_behind, small_run_overrides
+
+pytestmark = pytest.mark.distributed
+
+
+def learner_ranks() -> int:
+    """2 once the learner shards (cluster.n_learner_ranks=2 is accepted), else 1."""
+    from experiments.common import ClusterConfig
+
+    try:
+        ClusterConfig(n_learner_ranks=2)
+    except ValueError:
+        return 1
+    return 2
+
+
+def run_bus(run_dir: Path) -> RedisBus:
+    """A client of the run's private Redis, which listens on the head node's address, not loopback."""
+    config = dict(line.split(" ", 1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines())
+    return RedisBus.from_url(f"redis://:{json.loads(config['requirepass'])}@{config['bind']}:{config['port']}/0")
+
+
+def role_process(name: str) -> psutil.Process | None:
+    found = [p for p in psutil.Process().children(recursive=True) if p.name() == name]
+    return found[0] if found else None
+
+
+def node_of(process: psutil.Process, nodes: list):
+    """The Ray node whose raylet started `process`."""
+    from ray._private import ray_constants
+
+    raylets = {node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid: node for node in nodes}
+    (node,) = [raylets[p.pid] for p in process.parents() if p.pid in raylets]
+    return node
+
+
+def test_a_run_on_three_ray_nodes_survives_losing_the_inference_node(cache_dir, tmp_path):
+    from ray.cluster_utils import Cluster
+
+    ranks = learner_ranks()
+    existing = child_pids()
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=ranks + 1, resources={"trainer": ranks}, include_dashboard=False))
+    head = cluster.head_node
+    generators = [cluster.add_node(num_cpus=2, resources={"generator": 1}) for _ in range(2)]
+    cluster.wait_for_nodes()
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "trial_name=ray", "max_steps=6", "inference.engine=transformers", "cluster.inference_dead_after=2",
+        "cluster.backend=ray", f"cluster.ray_address={cluster.address}", f"cluster.n_learner_ranks={ranks}",
+        "cluster.learner_resources=trainer:1", "cluster.inference_resources=generator:1"])
+    run_dir = tmp_path / "async-ppo-math" / "ray"
+    seen: dict = {}
+
+    def remove_the_inference_node() -> None:
+        """Once the worker served a version it got over the bus, the node it runs on goes away."""
+        deadline = time.monotonic() + 600
+        while not (run_dir / "redis" / "redis.conf").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        with contextlib.closing(run_bus(run_dir)) as bus:
+            while (status := bus.get(protocol.inference_status(0)) or {}).get("weights_over_bus", 0) < 2:
+                assert time.monotonic() < deadline, "the inference worker never received a version over the bus"
+                time.sleep(0.2)
+            seen["before"] = status
+            inference, learner = role_process("inference0"), role_process("learner0")
+            seen["nodes"] = node_of(inference, [head, *generators]), node_of(learner, [head])
+            cluster.remove_node(seen["nodes"][0], allow_graceful=False)
+            while (status := bus.get(protocol.inference_status(0)) or {}).get("epoch", 1) < 2 or \
+                    status.get("weights_over_bus", 0) < 1:
+                assert time.monotonic() < deadline, "no new inference worker received weights after the node was lost"
+                time.sleep(0.2)
+            seen["after"] = status
+
+    killer = threading.Thread(target=remove_the_inference_node, daemon=True)
+    killer.start()
+    try:
+        summary = launch(config)
+        killer.join(timeout=60)
+    finally:
+        cluster.shutdown()
+    assert "after" in seen, "the node was never removed"
+    assert seen["nodes"][0] in generators and seen["nodes"][1] is head  # different nodes
+    assert seen["before"]["version"] >= 1 and seen["after"]["version"] >= seen["before"]["version"]
+    assert not (run_dir / "weights").exists(), "a weight file was written: workers could have read it from disk"
+    steps = read_jsonl_metrics(run_dir / "logs" / "learner.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 7))
+    assert all(s["staleness_max"] <= config.max_head_offpolicyness + 1 for s in steps)
+    assert summary["restarts"].get("inference0") == 1, summary["restarts"]
+    assert summary["prompts_accounted"], summary["prompts"]
+    assert summary["final_accuracy"] is not None
+    assert left_behind(tmp_path, existing) == []
