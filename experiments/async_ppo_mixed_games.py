@@ -7,7 +7,6 @@ game's metrics on its own (`agent/frozen-lake/reward`, `agent/sokoban/success`, 
 accuracy (`eval/frozen-lake/accuracy`).
 """
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""`text-game`: plays a text game env (frozen-lake, sokoban) over many turns.
+"""`text-game`: plays a text env (frozen-lake, sokoban, webshop) over many turns.
 
 The prompt is the game's first observation. Each turn the model answers with a move, the env applies it,
 and the new board comes back as the next user message (loss mask 0), until the game ends or `max_turns`.
