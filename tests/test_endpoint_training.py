@@ -1,5 +1,5 @@
 """Training through the OpenAI-compatible endpoint in the full loop (Redis, vLLM inference worker, rollout worker,
-learner) on the tiny model: with the real `openai` client, and with the LangGraph ReAct example. Every
+learner) on the tiny model, with the real `openai` client. Every
 trajectory is checked against what the engine sent back, call by call."""
 
 import json
@@ -44,7 +44,7 @@ def check_episode(record: dict) -> int:
     return checked
 
 
-@pytest.mark.parametrize("function", ["rlsys.impl.agent.openai_example:run", "rlsys.impl.agent.langgraph_example:run"])
+@pytest.mark.parametrize("function", ["rlsys.impl.agent.openai_example:run"])
 def test_trains_through_the_endpoint(cache_dir, tmp_path, function):
     record = tmp_path / "episodes.jsonl"
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
