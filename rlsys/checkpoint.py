@@ -1,36 +1,54 @@
-"""HF-format checkpoints with the trainer state needed to continue from them."""
+"""Checkpoints: the learner's state sharded (torch.distributed.checkpoint), an HF-format export beside it,
+and the trainer state needed to continue.
+
+The sharded state (model, optimizer, critic, ...) loads onto any number of ranks, also one with no process
+group, and holds only tensors and plain values, so loading it unpickles nothing.
+"""
 
 import json
 import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 TRAINER_STATE = "trainer_state.json"
-OPTIMIZER_STATE = "optimizer.pt"
+SHARDED_STATE = "sharded"  # the DCP directory
+RNG_STATE = "rng.pt"  # rank 0's torch RNG: it draws the mini-batch order
 
 
-def save_checkpoint(directory: Path, model, tokenizer, optimizer_state: dict, trainer_state: dict,
-                    extra_models: dict | None = None) -> Path:
+def save_checkpoint(directory: Path, ranks, sharded_state: dict, export, trainer_state: dict) -> Path:
     """Writes to a temporary directory first, so a crash never leaves a half checkpoint under `directory`.
 
+    Every rank calls it. `sharded_state` is each rank's part (torch.distributed.checkpoint.state_dict);
+    `export(tmp)` writes the HF-format export on rank 0 (it may be collective: every rank calls it).
     `trainer_state` ({"step", "version", "consumed_prompts", ...}) is JSON; it is written last, and a
-    directory without it is never taken as a checkpoint. `extra_models` (name -> model or None, e.g. the
-    critic) are saved in HF format in subdirectories.
+    directory without it is never taken as a checkpoint.
     """
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for name, extra in (extra_models or {}).items():
-        if extra is not None:
-            extra.save_pretrained(tmp / name)
-    torch.save(optimizer_state, tmp / OPTIMIZER_STATE)
-    (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
-    shutil.rmtree(directory, ignore_errors=True)
-    tmp.rename(directory)
+    if ranks.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    ranks.barrier()  # nobody writes into the old temporary directory
+    dcp.save(sharded_state, checkpoint_id=tmp / SHARDED_STATE)
+    export(tmp)
+    if ranks.main:
+        torch.save(torch.get_rng_state(), tmp / RNG_STATE)
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)
+    ranks.barrier()  # the checkpoint is there for every rank once save returns
     return directory
+
+
+def load_sharded_state(directory: Path, state: dict) -> None:
+    """Fills `state` (this rank's state dict, of the shapes to load into) from the checkpoint, resharded."""
+    dcp.load(state, checkpoint_id=Path(directory) / SHARDED_STATE)
+
+
+def load_rng_state(directory: Path) -> torch.Tensor:
+    return torch.load(Path(directory) / RNG_STATE, weights_only=True)
 
 
 def read_trainer_state(directory: Path) -> dict:

@@ -9,8 +9,9 @@ from safetensors.torch import save_file
 WEIGHTS_FILE = "model.safetensors"
 
 
-def write_weight_update(model: torch.nn.Module, directory: Path) -> Path:
-    """Writes every tensor of `model`'s state dict, tied ones included, into `directory`.
+def write_weight_update(model: torch.nn.Module, directory: Path, state_dict: dict | None = None) -> Path:
+    """Writes every tensor of `model`'s state dict (or of `state_dict`, e.g. one gathered from the learner's
+    shards), tied ones included, into `directory`.
 
     `save_pretrained` drops `lm_head.weight` when it is tied to the input embedding. vLLM's in-place
     reload then finds no weight for its output head and keeps the old one (measured: logprob gap of
@@ -20,7 +21,8 @@ def write_weight_update(model: torch.nn.Module, directory: Path) -> Path:
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
     tmp.mkdir(parents=True)
-    tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state_dict.items()}
     save_file(tensors, str(tmp / WEIGHTS_FILE))
     # A resumed run publishes again versions a killed run had written, with different weights.
     shutil.rmtree(directory, ignore_errors=True)
