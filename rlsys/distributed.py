@@ -134,6 +134,7 @@ def shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
     return model
 
 
