@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -71,16 +72,35 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
     accounting.restore(bus, trainer_state.get("accounting"))
 
 
-def start_role(role: str, index: int, config, bus_url: str, run_dir: Path) -> multiprocessing.Process:
+def start_role(role: str, index: int, config, bus_url: str, run_dir: Path,
+               environment: dict | None = None) -> multiprocessing.Process:
     ctx = multiprocessing.get_context("spawn")  # vLLM and torch do not survive fork
     process = ctx.Process(target=run_role, name=f"{role}{index}",
-                          args=(role, index, config_to_dict(config), bus_url, str(run_dir)))
+                          args=(role, index, config_to_dict(config), bus_url, str(run_dir), environment or {}))
     process.start()
     return process
 
 
-def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -> None:
+class LearnerRendezvous:
+    """MASTER_ADDR/MASTER_PORT for the learner's ranks on this machine: a free port, a new one each time rank 0
+    starts (a restarted learner must not meet the old one's store)."""
+
+    def __init__(self, n_ranks: int):
+        self.n_ranks, self.port = n_ranks, 0
+
+    def environment(self, role: str, index: int) -> dict:
+        if role != "learner" or self.n_ranks == 1:
+            return {}
+        if index == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
+        return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port)}
+
+
+def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, environment: dict | None = None) -> None:
     """Entry point of every role process."""
+    os.environ.update(environment or {})
     _die_with_parent()
     _name_process(f"{role}{index}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
@@ -109,9 +129,14 @@ def limit_threads(n: int) -> None:
 
 def _run(role: str, index: int, config, bus, run_dir: str) -> None:
     if role == "learner":
+        from rlsys.distributed import join_ranks, leave_ranks
         from rlsys.workers.learner import Learner
 
-        Learner(config, bus, Path(run_dir)).run()
+        ranks = join_ranks(index, config.cluster.n_learner_ranks)
+        try:
+            Learner(config, bus, Path(run_dir), ranks).run()
+        finally:
+            leave_ranks(ranks)
     elif role == "inference":
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console for the run's own progress
         from rlsys.engine.generation import GenerationEngine
@@ -216,7 +241,9 @@ def launch(config) -> dict:
         print(f"resuming from {config.resume_from_checkpoint} (version {trainer_state['version']})", flush=True)
     with raise_on_sigterm(), message_bus(config, run_dir) as (bus_url, server):
         bus = connect(bus_url)
-        supervisor = Supervisor(config, lambda role, index: start_role(role, index, config, bus_url, run_dir), server)
+        rendezvous = LearnerRendezvous(config.cluster.n_learner_ranks)
+        supervisor = Supervisor(config, lambda role, index: start_role(
+            role, index, config, bus_url, run_dir, rendezvous.environment(role, index)), server)
         report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps, config.max_steps)
         restarted = False
         try:

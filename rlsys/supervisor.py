@@ -53,7 +53,7 @@ class Supervisor:
         cluster = self.config.cluster
         roles = [("inference", i) for i in range(cluster.n_inference_workers)]
         roles += [("rollout", i) for i in range(cluster.n_rollout_workers)]
-        roles += [("learner", 0)]
+        roles += [("learner", i) for i in range(cluster.n_learner_ranks)]
         self.processes = {(role, index): self.start_role(role, index) for role, index in roles}
 
     def watch(self, bus, report) -> None:

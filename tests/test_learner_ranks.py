@@ -3,6 +3,7 @@
 import os
 import random
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +11,12 @@ import torch.multiprocessing as mp
 
 from rlsys.api import Trajectory
 from rlsys.bus import InProcessBus
-from rlsys.checkpoint import read_trainer_state
-from rlsys.cli import config_from_dict, config_to_dict
+from rlsys.checkpoint import SHARDED_STATE, read_trainer_state
+from rlsys.cli import config_from_dict, config_to_dict, parse_config
+from rlsys.launcher import launch
+from rlsys.metrics import read_jsonl_metrics
 from rlsys.workers.learner import Learner
+from tests.helpers import child_pids, left_behind, small_run_overrides
 from tests.test_learner import learner_config, mixed_length_batch
 
 pytestmark = pytest.mark.distributed
@@ -91,3 +95,18 @@ def test_two_ranks_take_the_single_rank_step_and_their_checkpoint_resumes_on_one
             assert torch.allclose(got[i]["exp_avg"], expected[i]["exp_avg"], atol=1e-7, rtol=1e-4)
             assert torch.allclose(got[i]["exp_avg_sq"], expected[i]["exp_avg_sq"], atol=1e-10, rtol=1e-3)
     assert resumed.scheduler.state_dict()["last_epoch"] == single.scheduler.state_dict()["last_epoch"]
+
+
+def test_the_run_trains_with_two_learner_ranks(cache_dir, tmp_path):
+    existing = child_pids()
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "cluster.n_learner_ranks=2", "max_steps=6", "save_steps=3", "eval_steps=0"])
+    summary = launch(config)
+    steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")  # rank 0 alone logs
+    assert [s["step"] for s in steps] == [s["version"] for s in steps] == list(range(1, 7))
+    assert all(s["grad_norm"] > 0 for s in steps)
+    for step in (3, 6):
+        checkpoint = Path(summary["run_dir"]) / "checkpoints" / f"step_{step}"
+        assert (checkpoint / SHARDED_STATE / ".metadata").exists() and (checkpoint / "config.json").exists()
+    assert summary["prompts_accounted"] and summary["restarts"] == {}
+    assert left_behind(tmp_path, existing) == []
