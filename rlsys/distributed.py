@@ -138,6 +138,15 @@ def shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Module:
     return model
 
 
+def sync_gradients(models, enabled: bool) -> None:
+    """Whether the next backward pass reduce-scatters the sharded models' gradients (a no-op for unsharded ones)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in models:
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(enabled)
+
+
 def full_state_dict(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Tensor]:
     """The whole model's tensors on rank 0 (on CPU), {} on the others; every rank must call it."""
     if ranks.world == 1:

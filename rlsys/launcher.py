@@ -200,6 +200,14 @@ def prepare(config) -> None:
     from rlsys.data.dataset import DatasetError
 
     check_message_bus(config.cluster)  # first: it takes a second, preparing the assets may take minutes
+    if hasattr(config, "learner"):  # refused here rather than by a learner that would die and be restarted
+        import torch
+
+        from rlsys.training_step import check_learner_settings
+        try:
+            check_learner_settings(config.learner, "cuda" if torch.cuda.is_available() else "cpu")
+        except ValueError as e:
+            raise StartupError(str(e)) from None
     try:
         prepare_assets(config)
     except (AssetError, DatasetError) as e:

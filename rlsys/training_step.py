@@ -28,7 +28,7 @@ from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clippe
     kl_k3, next_token_logits, ppo_clip_loss, token_entropy, token_loss_weights
 from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.api import Trajectory
-from rlsys.distributed import Ranks, full_norm, shard
+from rlsys.distributed import Ranks, full_norm, shard, sync_gradients
 from rlsys.model.loading import load_critic, load_policy
 
 
@@ -134,7 +134,10 @@ class PolicyTrainer:
         if self.critic is not None:
             self.critic_optimizer.zero_grad()
         totals = StatsAccumulator()
-        for mb in self.micro_batches(mini_batch):
+        passes = self.micro_batches(mini_batch)
+        for n, mb in enumerate(passes):
+            # Ranks exchange gradients once, after the last pass, not after each.
+            sync_gradients((self.model, self.critic), n == len(passes) - 1)
             stats = self.accumulate_gradients(mb)
             if mb.indices:  # an empty pass (see micro_batches) has nothing to report
                 totals.add(stats, share=mb.fields["token_share"].sum().item())
