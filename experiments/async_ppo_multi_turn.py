@@ -4,7 +4,6 @@ Each picks its rollout strategy with `rollout.mode=chain|tree`, `rollout.tree_br
 and `rollout.single_turn_samples`, and its advantage estimator with `ppo.adv_estimator=` (starpo, gigpo, ...).
 """
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 

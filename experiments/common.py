@@ -6,12 +6,13 @@ as `key=value` (nested: `ppo.lr=1e-5`).
 
 from dataclasses import dataclass, field, fields
 
+from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from rlsys.algorithms.ppo import LOSS_AGG_MODES
 from rlsys.api import GenerationConfig
 from rlsys.data.dataset import RowFormat
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
-ADV_ESTIMATORS = ("grpo", "reinforce", "gae", "starpo", "gigpo")
+ADV_ESTIMATORS = tuple(ADVANTAGE_ESTIMATORS)
 
 
 def check_at_least(group: str, config, **minimums) -> None:
@@ -238,7 +239,8 @@ class ClusterConfig:
     max_failed_in_a_row: int = 200
     """Training episodes of a rollout worker that may fail one after another before the run stops (0: never)."""
     n_learner_ranks: int = 1
-    """Learner processes (torch.distributed ranks, FSDP2); rank 0 alone talks to the bus."""
+    """Learner processes training one model sharded with FSDP2 (NCCL on GPUs, gloo on CPU); rank 0 alone talks to
+    the bus; 1 uses no torch.distributed."""
     backend: str = "local"
     """Where the roles run: local (processes on this machine) or ray (Ray actors on a Ray cluster)."""
     ray_address: str = ""
@@ -261,7 +263,7 @@ class ClusterConfig:
 
     def __post_init__(self):
         check_at_least("cluster.", self, n_inference_workers=1, n_rollout_workers=1, redis_port=0, max_role_restarts=0,
-                           max_failed_in_a_row=0)
+                           max_failed_in_a_row=0, n_learner_ranks=1)
         if self.inference_dead_after <= 0:
             raise ValueError(f"cluster.inference_dead_after must be positive, got {self.inference_dead_after}")
         if self.redis_port > 65535:
@@ -383,12 +385,33 @@ class BaseExperimentConfig:
         check_at_least("", self, max_steps=1, save_steps=0, logging_steps=1, eval_steps=0)
 
 
+LEARNER_DTYPES = ("float32", "bfloat16")
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")
+
+
+@dataclass
+class LearnerConfig:
+    dtype: str = "float32"
+    """float32, or bfloat16: mixed precision on GPUs (bf16 compute, float32 weights, Adam state and gradient reduction)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass: less memory, about a third more compute."""
+    attn_implementation: str = "auto"
+    """Learner attention: auto (rlsys_varlen for packed rows, sdpa for padded), sdpa, eager or flash_attention_2."""
+
+    def __post_init__(self):
+        if self.dtype not in LEARNER_DTYPES:
+            raise ValueError(f"learner.dtype must be one of {LEARNER_DTYPES}, got {self.dtype!r}")
+        if self.attn_implementation not in ATTENTION:
+            raise ValueError(f"learner.attn_implementation must be one of {ATTENTION}, got {self.attn_implementation!r}")
+
+
 @dataclass
 class PPOMATHConfig(BaseExperimentConfig):
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     gen: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
     ppo: PPOHyperparameters = field(default_factory=PPOHyperparameters)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
     group_size: int = 8
     """Samples per prompt; advantages are normalised within each group."""
 
@@ -398,6 +421,9 @@ class PPOMATHConfig(BaseExperimentConfig):
         if self.group_size < 2 and (self.ppo.adv_estimator == "grpo" or self.ppo.filter_uniform_groups):
             raise ValueError(f"group_size must be at least 2 with ppo.adv_estimator=grpo or "
                              f"ppo.filter_uniform_groups=true (both compare a prompt's samples), got {self.group_size}")
+        if self.ppo.sequence_packing and self.learner.attn_implementation in ("sdpa", "eager"):
+            raise ValueError(f"learner.attn_implementation={self.learner.attn_implementation} would attend across the "
+                             "sequences of a packed row; use auto or flash_attention_2, or ppo.sequence_packing=false")
         if self.ppo.num_mini_batches > self.ppo.batch_size * self.group_size:
             raise ValueError(f"ppo.num_mini_batches ({self.ppo.num_mini_batches}) is more than the sequences of a step "
                              f"(ppo.batch_size x group_size = {self.ppo.batch_size * self.group_size})")

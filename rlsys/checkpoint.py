@@ -1,42 +1,83 @@
-"""HF-format checkpoints with the trainer state needed to continue from them."""
+"""Checkpoints: the learner's state sharded (torch.distributed.checkpoint), an HF-format export beside it,
+and the trainer state needed to continue.
+
+The sharded state (model, optimizer, critic, ...) loads onto any number of ranks, also one with no process
+group. Its tensors load with `weights_only=True`, but torch.distributed.checkpoint reads its index (.metadata)
+with plain `pickle.load`, which runs whatever a tampered file names; so the index is read first by an
+unpickler that resolves only the classes such an index is made of, and a checkpoint naming anything else is
+refused before DCP touches it.
+"""
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 TRAINER_STATE = "trainer_state.json"
-OPTIMIZER_STATE = "optimizer.pt"
+SHARDED_STATE = "sharded"  # the DCP directory
+RNG_STATE = "rng.pt"  # rank 0's torch RNG: it draws the mini-batch order
 
 
-def save_checkpoint(directory: Path, model, tokenizer, optimizer_state: dict, trainer_state: dict,
-                    extra_models: dict | None = None) -> Path:
+def save_checkpoint(directory: Path, ranks, sharded_state: dict, export, trainer_state: dict) -> Path:
     """Writes to a temporary directory first, so a crash never leaves a half checkpoint under `directory`.
 
+    Every rank calls it. `sharded_state` is each rank's part (torch.distributed.checkpoint.state_dict);
+    `export(tmp)` writes the HF-format export on rank 0 (it may be collective: every rank calls it).
     `trainer_state` ({"step", "version", "consumed_prompts", ...}) is JSON; it is written last, and a
-    directory without it is never taken as a checkpoint. `extra_models` (name -> model or None, e.g. the
-    critic) are saved in HF format in subdirectories.
+    directory without it is never taken as a checkpoint.
     """
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for name, extra in (extra_models or {}).items():
-        if extra is not None:
-            extra.save_pretrained(tmp / name)
-    torch.save(optimizer_state, tmp / OPTIMIZER_STATE)
-    (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
-    shutil.rmtree(directory, ignore_errors=True)
-    tmp.rename(directory)
+    if ranks.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    ranks.barrier()  # nobody writes into the old temporary directory
+    dcp.save(sharded_state, checkpoint_id=tmp / SHARDED_STATE)
+    export(tmp)
+    if ranks.main:
+        torch.save(torch.get_rng_state(), tmp / RNG_STATE)
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)
+    ranks.barrier()  # the checkpoint is there for every rank once save returns
     return directory
 
 
-def read_optimizer_state(directory: Path, device) -> dict:
-    """The optimizer, scheduler and RNG state saved beside the model. `weights_only=True`: tensors and plain
-    containers only, so a tampered checkpoint cannot run code in the learner (full unpickling could)."""
-    return torch.load(Path(directory) / OPTIMIZER_STATE, map_location=device, weights_only=True)
+def load_sharded_state(directory: Path, state: dict) -> None:
+    """Fills `state` (this rank's state dict, of the shapes to load into) from the checkpoint, resharded."""
+    check_sharded_index(Path(directory) / SHARDED_STATE / ".metadata")
+    dcp.load(state, checkpoint_id=Path(directory) / SHARDED_STATE)
+
+
+_INDEX_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+    "TensorProperties", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _INDEX_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def check_sharded_index(path: Path) -> None:
+    """ValueError if the DCP index at `path` names anything but DCP's own metadata classes, torch dtypes and sizes."""
+    try:
+        with open(path, "rb") as f:
+            _IndexUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        raise ValueError(f"{path} is not a checkpoint index rlsys will load (it names or holds {e}); "
+                         "a checkpoint written by rlsys holds only metadata classes, dtypes and sizes") from None
+
+
+def load_rng_state(directory: Path) -> torch.Tensor:
+    return torch.load(Path(directory) / RNG_STATE, weights_only=True)
 
 
 def read_trainer_state(directory: Path) -> dict:

@@ -104,9 +104,14 @@ def limit_threads(n: int) -> None:
 
 def _run(role: str, index: int, config, bus, run_dir: str) -> None:
     if role == "learner":
+        from rlsys.distributed import join_ranks, leave_ranks
         from rlsys.workers.learner import Learner
 
-        Learner(config, bus, Path(run_dir)).run()
+        ranks = join_ranks(index, config.cluster.n_learner_ranks)
+        try:
+            Learner(config, bus, Path(run_dir), ranks).run()
+        finally:
+            leave_ranks(ranks)
     elif role == "inference":
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console for the run's own progress
         from rlsys.engine.generation import GenerationEngine
@@ -168,6 +173,14 @@ def prepare(config) -> None:
         try:
             gpu_layout(config.cluster, config.inference, visible_devices())
         except PlacementError as e:
+            raise StartupError(str(e)) from None
+    if hasattr(config, "learner"):  # refused here rather than by a learner that would die and be restarted
+        import torch
+
+        from rlsys.training_step import check_learner_settings
+        try:
+            check_learner_settings(config.learner, "cuda" if torch.cuda.is_available() else "cpu")
+        except ValueError as e:
             raise StartupError(str(e)) from None
     try:
         prepare_assets(config)

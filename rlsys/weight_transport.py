@@ -43,14 +43,16 @@ def resolve(cluster) -> str:
     return "bus" if cluster.backend == "ray" else "disk"
 
 
-def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_dir: Path) -> None:
-    """Version `version` of `model` made available to every inference worker, then announced on the bus."""
+def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_dir: Path,
+            state_dict: dict | None = None) -> None:
+    """Version `version` of `model` (its `state_dict` if given: one gathered from the learner's shards) made
+    available to every inference worker, then announced on the bus."""
     if transport == "disk":
-        path = write_weight_update(model, Path(weights_dir) / f"v{version}")
+        path = write_weight_update(model, Path(weights_dir) / f"v{version}", state_dict)
         bus.set(protocol.WEIGHTS, {"version": version, "path": str(path)})
         shutil.rmtree(Path(weights_dir) / f"v{version - KEEP_VERSIONS}", ignore_errors=True)
         return
-    data = save(weight_tensors(model))
+    data = save(weight_tensors(model, state_dict))
     chunks = range(0, len(data), CHUNK_BYTES)
     for i, start in enumerate(chunks):
         bus.set(protocol.weight_chunk(version, i), data[start:start + CHUNK_BYTES])

@@ -214,6 +214,28 @@ def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
     assert resumed.critic_optimizer.state_dict()["state"]  # Adam moments came back too
 
 
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("a tampered checkpoint ran code",))
+
+
+def test_a_checkpoint_whose_index_names_other_code_is_refused_before_loading(tmp_path, capsys):
+    import pickle
+
+    from rlsys.checkpoint import SHARDED_STATE
+
+    config = learner_config(tmp_path)
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    learner.step = 1
+    checkpoint = learner.save()
+    config.resume_from_checkpoint = str(checkpoint)
+    Learner(config, InProcessBus(), tmp_path / "run")  # the index rlsys wrote passes the check
+    (checkpoint / SHARDED_STATE / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(ValueError, match="builtins.print"):
+        Learner(config, InProcessBus(), tmp_path / "run")
+    assert "ran code" not in capsys.readouterr().out
+
+
 def test_gigpo_puts_each_turns_advantage_on_that_turns_tokens(tmp_path):
     import dataclasses
     import random
@@ -259,3 +281,29 @@ def test_void_trajectories_count_in_the_baseline_but_not_in_the_loss(tmp_path):
     stats = learner.train_step(all_void)  # nothing left to learn from: no change, but the step goes on
     assert stats["void_fraction"] == 1.0 and stats["grad_norm"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+
+
+def test_learner_settings_act_or_are_refused(tmp_path):
+    import random
+
+    from rlsys.cli import parse_config
+
+    results = []
+    for checkpointing in (False, True):  # recomputed activations: the same loss and gradients
+        config = learner_config(tmp_path)
+        config.learner.gradient_checkpointing = checkpointing
+        learner = Learner(config, InProcessBus(), tmp_path / "run")
+        assert learner.model.is_gradient_checkpointing == checkpointing
+        results.append(accumulated_gradients(learner, mixed_length_batch(learner.model, random.Random(0))))
+    (loss, grads), (loss_checkpointed, grads_checkpointed) = results
+    assert loss == pytest.approx(loss_checkpointed, abs=1e-6)
+    assert all(torch.allclose(grads[name], grads_checkpointed[name], atol=1e-6) for name in grads)
+
+    config = learner_config(tmp_path)
+    config.ppo.sequence_packing, config.learner.attn_implementation = False, "eager"
+    assert Learner(config, InProcessBus(), tmp_path / "run").model.config._attn_implementation == "eager"
+    config.learner.dtype = "bfloat16"
+    with pytest.raises(ValueError, match="bfloat16 is mixed precision for GPUs; on CPU the learner trains in float32"):
+        Learner(config, InProcessBus(), tmp_path / "run")
+    with pytest.raises(ValueError, match="would attend across the sequences of a packed row"):
+        parse_config(["learner.attn_implementation=sdpa"])

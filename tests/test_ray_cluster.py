@@ -26,17 +26,6 @@ from tests.helpers import child_pids, left_behind, small_run_overrides
 pytestmark = pytest.mark.distributed
 
 
-def learner_ranks() -> int:
-    """2 once the learner shards (cluster.n_learner_ranks=2 is accepted), else 1."""
-    from experiments.common import ClusterConfig
-
-    try:
-        ClusterConfig(n_learner_ranks=2)
-    except ValueError:
-        return 1
-    return 2
-
-
 def run_bus(run_dir: Path) -> RedisBus:
     """A client of the run's private Redis, which listens on the head node's address, not loopback."""
     config = dict(line.split(" ", 1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines())
@@ -60,7 +49,7 @@ def node_of(process: psutil.Process, nodes: list):
 def test_a_run_on_three_ray_nodes_survives_losing_the_inference_node(cache_dir, tmp_path):
     from ray.cluster_utils import Cluster
 
-    ranks = learner_ranks()
+    ranks = 2  # the learner's ranks on the trainer node, joined over gloo
     existing = child_pids()
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=ranks + 1, resources={"trainer": ranks}, include_dashboard=False))

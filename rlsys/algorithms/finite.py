@@ -20,7 +20,9 @@ def clip_and_step(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.n
     gradients, so nothing non-finite is left to accumulate into the next one.
     """
     parameters = [p for p in parameters if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm).item() if parameters else 0.0
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm) if parameters else torch.zeros(())
+    # FSDP's sharded gradients give a DTensor: its full value is the norm over every rank's shards.
+    grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
     if not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss)):
         optimizer.zero_grad()
         return grad_norm, False

@@ -107,3 +107,25 @@ def micro_batches(token_ids: list[torch.Tensor], fields: dict[str, list[torch.Te
     if packed:
         return [collate_packed(token_ids, fields, b) for b in pack_by_token_budget(lengths, budget)]
     return [collate_padded(token_ids, fields, b, pad_id) for b in pad_by_token_budget(lengths, budget)]
+
+
+def balance_by_tokens(lengths: list[int], n_parts: int) -> list[list[int]]:
+    """Greedy, longest first: each sequence to the part with the fewest tokens so far; each part in input order.
+
+    The learner's ranks split a mini-batch this way, so that each rank computes about the same number of tokens.
+    """
+    parts: list[list[int]] = [[] for _ in range(n_parts)]
+    tokens = [0] * n_parts
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        target = min(range(n_parts), key=lambda p: (tokens[p], p))
+        parts[target].append(i)
+        tokens[target] += lengths[i]
+    return [sorted(part) for part in parts]
+
+
+def empty_micro_batch(field_names, packed: bool, pad_id: int = 0) -> MicroBatch:
+    """Two padding tokens whose per-token fields (loss mask, loss weights) are all 0: a pass that adds nothing
+    to any loss or gradient, for a rank with fewer micro-batches than the others (FSDP's passes are collective)."""
+    return MicroBatch(input_ids=torch.full((1, 2), pad_id), position_ids=torch.arange(2)[None],
+                      attention_mask=None if packed else torch.ones(1, 2, dtype=torch.long),
+                      fields={name: torch.zeros(1, 1) for name in field_names}, indices=[], spans=[])

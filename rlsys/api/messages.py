@@ -209,8 +209,3 @@ def parse_published_weights(message) -> PublishedWeights:
         raise InvalidMessage(f"sha256 must be 64 hex digits, got {sha!r}")
     return PublishedWeights(version, chunks=integer(d["chunks"], "chunks", 1), bytes=integer(d["bytes"], "bytes", 1),
                             sha256=sha)
-
-
-def parse_published_weights(message) -> PublishedWeights:
-    d = fields(message, "published weights", {"version", "path"})
-    return PublishedWeights(integer(d["version"], "version"), string(d["path"], "path", MAX_PATH_CHARS))

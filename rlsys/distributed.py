@@ -1,0 +1,156 @@
+"""The learner's ranks: one process each, joined by torch.distributed, the model sharded with FSDP2.
+
+Whoever starts the learner processes sets MASTER_ADDR and MASTER_PORT (the rendezvous); the learner role
+with index i is rank i of `cluster.n_learner_ranks`. NCCL joins GPUs, gloo CPUs. Rank 0 alone talks to the
+bus and hands every other rank the step's trajectories as msgpack bytes (never pickle). One rank, the
+default, initialises nothing and shards nothing.
+"""
+
+import os
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+
+class Ranks:
+    """This process's place among the learner's ranks, and the few collectives the learner needs."""
+
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.rank, self.world = rank, world
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: reads batches, acknowledges, publishes weights, logs, writes what is not sharded."""
+        return self.rank == 0
+
+    @property
+    def device(self) -> str:
+        """cuda:(rank modulo the GPUs this process sees), so one GPU per process or all of them both work."""
+        if not torch.cuda.is_available():
+            return "cpu"
+        return f"cuda:{self.rank % torch.cuda.device_count()}"
+
+    @property
+    def _comm_device(self) -> str:
+        return self.device if dist.get_backend() == "nccl" else "cpu"
+
+    def broadcast(self, obj=None):
+        """Rank 0's `obj` (anything msgpack packs) on every rank."""
+        if self.world == 1:
+            return obj
+        data = msgpack.packb(obj) if self.main else b""
+        size = torch.tensor([len(data)], device=self._comm_device)
+        dist.broadcast(size, 0)
+        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._comm_device) if self.main
+                  else torch.empty(int(size.item()), dtype=torch.uint8, device=self._comm_device))
+        dist.broadcast(buffer, 0)
+        return msgpack.unpackb(buffer.cpu().numpy().tobytes(), strict_map_key=False)
+
+    def all_gather(self, obj) -> list:
+        """Every rank's `obj` (msgpack), in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        data = msgpack.packb(obj)
+        sizes = self._gather_tensor(torch.tensor([len(data)], device=self._comm_device))
+        width = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(width, dtype=torch.uint8, device=self._comm_device)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return [msgpack.unpackb(part[:int(n.item())].cpu().numpy().tobytes(), strict_map_key=False)
+                for part, n in zip(self._gather_tensor(mine), sizes)]
+
+    def max(self, n: int) -> int:
+        if self.world == 1:
+            return n
+        value = torch.tensor([n], device=self._comm_device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
+    def gather_sequences(self, values: list, shares: list[list[int]]) -> list[torch.Tensor]:
+        """`values[i]` is a 1-d float tensor for the sequences i of this rank's share; returns every rank's."""
+        if self.world == 1:
+            return values
+        lengths = {i: len(values[i]) for i in shares[self.rank]}
+        lengths = {int(i): n for part in self.all_gather(lengths) for i, n in part.items()}
+        sizes = [sum(lengths[i] for i in share) for share in shares]
+        mine = torch.zeros(max(max(sizes), 1), device=self._comm_device)
+        if sizes[self.rank]:
+            mine[:sizes[self.rank]] = torch.cat([values[i].float() for i in shares[self.rank]])
+        out = list(values)
+        for share, part in zip(shares, self._gather_tensor(mine)):
+            offset = 0
+            for i in share:
+                out[i] = part[offset:offset + lengths[i]].cpu()
+                offset += lengths[i]
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def _gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(tensor) for _ in range(self.world)]
+        dist.all_gather(parts, tensor)
+        return parts
+
+
+def join_ranks(rank: int, world: int) -> Ranks:
+    """Joins the process group of `world` learner ranks (MASTER_ADDR/MASTER_PORT rendezvous); one rank joins none."""
+    if world == 1:
+        return Ranks()
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise RuntimeError(f"learner rank {rank} of {world}: {name} is not set; whoever starts the learner's "
+                               "ranks sets MASTER_ADDR and MASTER_PORT so that they can find each other")
+    ranks = Ranks(rank, world)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(ranks.device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    return ranks
+
+
+def leave_ranks(ranks: Ranks) -> None:
+    if ranks.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Module:
+    """FSDP2: each decoder layer (the model's `_no_split_modules`) and then the rest, sharded over the ranks.
+
+    Gradients are summed over the ranks, not averaged: each rank's loss is already its part of the
+    mini-batch's loss (token weights normalised over the whole mini-batch), so the sum is the single-rank
+    gradient. mixed_precision: forward and backward in bf16, gradients reduced and weights kept in float32.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
+              else MixedPrecisionPolicy())
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+    return model
+
+
+def sync_gradients(models, enabled: bool) -> None:
+    """Whether the next backward pass reduce-scatters the sharded models' gradients (a no-op for unsharded ones)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in models:
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(enabled)
+
+
+def full_state_dict(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Tensor]:
+    """The whole model's tensors on rank 0 (on CPU), {} on the others; every rank must call it."""
+    if ranks.world == 1:
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,316 @@
+"""The learner's training step on one page: trajectories in, one PPO-family update of the policy out.
+
+    train_step(trajectories):
+        batch = prepare_batch(...)             # per-token tensors; reference, proximal and critic passes; advantages
+        for each of ppo_epochs:
+            for mini_batch in shuffled split:  # one optimizer step each
+                weights = token_loss_weights(mini_batch)          # fixed over the whole mini-batch
+                for micro_batch in this rank's share, packed:     # gradients accumulate
+                    loss = ppo_clip_loss - entropy_coef * entropy + kl_coef * kl  (+ value loss)
+                    loss.backward()
+                clip gradients; optimizer and scheduler step unless loss or gradients are not finite
+
+Nothing here touches the bus: the role loop (rlsys/workers/learner.py) hands it trajectories. With several
+ranks (rlsys/distributed.py) every rank holds the whole batch and computes the same advantages and loss
+weights, and runs forward and backward passes only on its token-balanced share of each mini-batch; FSDP sums
+the gradients, so one step at N ranks is the single-rank step.
+"""
+
+import contextlib
+
+import torch
+from transformers import AutoTokenizer
+
+from rlsys.algorithms.batch import SequenceBatch, sequence_batch
+from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
+from rlsys.algorithms.finite import clip_and_step
+from rlsys.algorithms.packing import MicroBatch, balance_by_tokens, empty_micro_batch, micro_batches
+from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clipped_value_loss, gather_logprobs, \
+    kl_k3, next_token_logits, ppo_clip_loss, token_entropy, token_loss_weights
+from rlsys.algorithms.schedule import lr_multiplier
+from rlsys.api import Trajectory
+from rlsys.distributed import Ranks, shard, sync_gradients
+from rlsys.model.loading import load_critic, load_policy
+
+
+class PolicyTrainer:
+    """The policy (and for gae the critic), their optimizers, and the step that updates them."""
+
+    def __init__(self, config, ranks: Ranks, initial_model_path: str, critic_path: str = ""):
+        self.config, self.ranks, self.ppo, self.settings = config, ranks, config.ppo, config.learner
+        self.device = ranks.device
+        check_learner_settings(self.settings, self.device)
+        torch.manual_seed(config.seed)
+        packing, attention = self.ppo.sequence_packing, self.settings.attn_implementation
+        self.model = self._placed(load_policy(config.model.path, packing, attention)).train()
+        # The KL reference is the policy the run started from, also after a resume from a later checkpoint.
+        self.initial_model_path = initial_model_path
+        self.reference = None
+        if self.ppo.init_kl_coef > 0:
+            self.reference = self._placed(load_policy(initial_model_path, packing, attention).requires_grad_(False))
+            self.reference.eval()
+        self.critic = self.critic_optimizer = None
+        if self.ppo.adv_estimator in NEEDS_CRITIC:
+            self.critic = self._placed(load_critic(critic_path or config.model.path, packing, attention)).train()
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.ppo.critic_lr)
+        self.kl_controller = (AdaptiveKLController(self.ppo.init_kl_coef, self.ppo.target_kl, self.ppo.kl_horizon)
+                              if self.ppo.target_kl else FixedKLController(self.ppo.init_kl_coef))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.ppo.lr, weight_decay=self.ppo.weight_decay)
+        optimizer_steps = config.max_steps * self.ppo.ppo_epochs * self.ppo.num_mini_batches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_multiplier(
+            step, self.ppo.warmup_steps, optimizer_steps, self.ppo.lr_scheduler_type))
+        self.version = 0  # of the policy being trained: staleness is measured against it
+        self.skipped_updates = 0  # optimizer steps skipped: their loss or gradients were not finite
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.pad_id = self.tokenizer.pad_token_id
+
+    def _placed(self, model):
+        """On this rank's device, sharded over the ranks if there are several, memory settings applied."""
+        if self.settings.gradient_checkpointing and any(p.requires_grad for p in model.parameters()):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = model.to(self.device)
+        if self.ranks.world > 1:
+            model = shard(model, mixed_precision=self.settings.dtype == "bfloat16")
+        return model
+
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        batch = self.prepare_batch(trajectories)
+        stats: dict[str, float] = {}
+        for _ in range(self.ppo.ppo_epochs):
+            # Rank 0 draws the order, so every rank takes the same mini-batches.
+            order = self.ranks.broadcast(torch.randperm(len(batch)).tolist() if self.ranks.main else None)
+            for rows in torch.tensor(order).chunk(self.ppo.num_mini_batches):
+                stats = self.optimizer_step(batch.select(rows.tolist()))
+        if self.reference is not None and "kl" in stats:
+            stats["kl_coef"] = self.kl_controller.value
+            self.kl_controller.update(stats["kl"], n_steps=len(trajectories))
+        stats.update(batch_stats(trajectories, batch, self.version))
+        stats.update(mean_agent_metrics(trajectories))
+        return stats
+
+    def prepare_batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
+        """Per-sequence tensors plus what stays fixed during the step: reference, proximal, values, advantages."""
+        batch = sequence_batch(trajectories)
+        if self.reference is not None:
+            batch.fields["ref_logprobs"] = self.per_token(self._policy_logprobs(self.reference), batch)
+        if self.ppo.decoupled_loss:
+            # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
+            # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
+            batch.fields["proximal_logprobs"] = self.per_token(self._policy_logprobs(self.model), batch)
+        if self.critic is not None:
+            batch.fields["old_values"] = self.per_token(self._values, batch)
+        batch.fields.update(ADVANTAGE_ESTIMATORS[self.ppo.adv_estimator](trajectories, batch, self.ppo))
+        if self.ppo.mask_void_trajectories:
+            # SimpleTIR: out of the loss (and KL, entropy), after their rewards served in their groups' baselines.
+            for i, t in enumerate(trajectories):
+                if t.void:
+                    batch.fields["loss_mask"][i] = torch.zeros_like(batch.fields["loss_mask"][i])
+        return batch
+
+    def optimizer_step(self, mini_batch: SequenceBatch) -> dict[str, float]:
+        """One optimizer step on a mini-batch (and one critic step, for gae)."""
+        if not any(m.any() for m in mini_batch.fields["loss_mask"]):
+            # Every trajectory in it is void: no loss, and a step on zero gradients would still move by Adam's momentum.
+            return {"grad_norm": 0.0}
+        stats = self.mini_batch_gradients(mini_batch)
+        # A non-finite loss or gradient skips the step (and is counted) instead of writing NaN weights. The loss
+        # is the whole mini-batch's (merged over ranks) and the norm a global one, so every rank decides alike.
+        stats["grad_norm"], stepped = clip_and_step(self.optimizer, self.model.parameters(), self.ppo.max_grad_norm,
+                                                    stats.get("loss"))
+        stats["lr"] = self.scheduler.get_last_lr()[0]
+        if stepped:  # the schedule counts optimizer steps
+            self.scheduler.step()
+        if self.critic is not None:
+            stats["critic/grad_norm"], critic_stepped = clip_and_step(
+                self.critic_optimizer, self.critic.parameters(), self.ppo.max_grad_norm, stats.get("critic/value_loss"))
+            stepped = stepped and critic_stepped
+        self.skipped_updates += not stepped
+        stats["updates/skipped_non_finite"] = self.skipped_updates
+        return stats
+
+    def mini_batch_gradients(self, mini_batch: SequenceBatch) -> dict[str, float]:
+        """Gradients of a mini-batch's loss, accumulated over its micro-batches (on every rank, over its share).
+
+        Each token's loss weight is fixed over the whole mini-batch first (token_loss_weights), so the
+        accumulated gradient equals the mini-batch's, however it is split over ranks or packed.
+        """
+        masks = mini_batch.fields["loss_mask"]
+        mini_batch.fields["weights"] = token_loss_weights(masks, self.ppo.loss_agg_mode)
+        mini_batch.fields["token_share"] = token_loss_weights(masks, "token-mean")  # for KL, entropy, value loss
+        self.optimizer.zero_grad()
+        if self.critic is not None:
+            self.critic_optimizer.zero_grad()
+        totals = StatsAccumulator()
+        passes = self.micro_batches(mini_batch)
+        for n, mb in enumerate(passes):
+            # Ranks exchange gradients once, after the last pass, not after each.
+            sync_gradients((self.model, self.critic), n == len(passes) - 1)
+            stats = self.accumulate_gradients(mb)
+            if mb.indices:  # an empty pass (see micro_batches) has nothing to report
+                totals.add(stats, share=mb.fields["token_share"].sum().item())
+        return StatsAccumulator.merge(self.ranks.all_gather(totals.result()))
+
+    def accumulate_gradients(self, mb: MicroBatch) -> dict[str, float]:
+        """The micro-batch's part of the mini-batch loss, backpropagated."""
+        f = mb.fields
+        logits = self._logits(self.model, mb)
+        logp = gather_logprobs(logits, mb.input_ids)
+        decoupled = dict(behaviour_logprobs=f["behaviour_logprobs"],
+                         imp_weight_cap=self.ppo.behaviour_imp_weight_cap or None) if self.ppo.decoupled_loss else {}
+        old_logp = f["proximal_logprobs"] if self.ppo.decoupled_loss else f["behaviour_logprobs"]
+        loss, stats = ppo_clip_loss(logp, old_logp, f["advantages"], f["loss_mask"], self.ppo.pg_clip,
+                                    dual_clip=self.ppo.dual_clip or None, weights=f["weights"], **decoupled)
+        stats["policy_loss"] = loss.item()
+        entropy = (token_entropy(logits) * f["token_share"]).sum()
+        stats["entropy"] = entropy.item()
+        if self.ppo.entropy_loss_coef:
+            loss = loss - self.ppo.entropy_loss_coef * entropy
+        if self.reference is not None:
+            kl = (kl_k3(logp, f["ref_logprobs"]) * f["token_share"]).sum()
+            loss = loss + self.kl_controller.value * kl
+            stats["kl"] = kl.item()
+        stats["loss"] = loss.item()
+        loss.backward()
+        if self.critic is not None:
+            values = self._values(mb)
+            value_loss = (clipped_value_loss(values, f["old_values"], f["returns"], self.ppo.value_clip)
+                          * f["token_share"]).sum()
+            (self.ppo.value_loss_coef * value_loss).backward()
+            stats["critic/value_loss"] = value_loss.item()
+        return stats
+
+    def shares(self, batch: SequenceBatch) -> list[list[int]]:
+        """Which sequences of `batch` each rank computes: balanced by tokens."""
+        return balance_by_tokens([len(ids) for ids in batch.token_ids], self.ranks.world)
+
+    def micro_batches(self, batch: SequenceBatch) -> list[MicroBatch]:
+        """This rank's share of `batch` in micro-batches, as many on every rank (FSDP's passes are collective:
+        a rank with fewer runs empty ones); `indices` are positions in `batch`."""
+        share = self.shares(batch)[self.ranks.rank]
+        mine = batch.select(share)
+        out = micro_batches(mine.token_ids, mine.fields, self.ppo.max_tokens_per_micro_batch,
+                            self.ppo.sequence_packing, self.pad_id)
+        for mb in out:
+            mb.indices = [share[i] for i in mb.indices]
+        out += [empty_micro_batch(batch.fields, self.ppo.sequence_packing, self.pad_id)] * (
+            self.ranks.max(len(out)) - len(out))
+        return [mb.to(self.device) for mb in out]
+
+    def per_token(self, forward, batch: SequenceBatch) -> list[torch.Tensor]:
+        """forward(micro-batch) -> [R, L-1] values, without gradients, back as one [n-1] tensor per sequence."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(batch)
+        with torch.no_grad():
+            for mb in self.micro_batches(batch):
+                for i, values in zip(mb.indices, mb.split(forward(mb))):
+                    out[i] = values.float().cpu()
+        return self.ranks.gather_sequences(out, self.shares(batch))
+
+    def _policy_logprobs(self, model):
+        return lambda mb: gather_logprobs(self._logits(model, mb), mb.input_ids)
+
+    def _logits(self, model, mb: MicroBatch) -> torch.Tensor:
+        with self._autocast():
+            return next_token_logits(model, mb.input_ids, mb.attention_mask, self.temperature, mb.position_ids)
+
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
+        """V of the state before each predicted token: the value head's output at the position predicting it."""
+        with self._autocast():
+            out = self.critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                              use_cache=False)
+        return out.logits[:, :-1, 0].float()
+
+    def _autocast(self):
+        """bf16 on one GPU; several ranks get it from FSDP's MixedPrecisionPolicy instead."""
+        if self.settings.dtype == "bfloat16" and self.ranks.world == 1:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def temperature(self) -> float:
+        return self.config.gen.temperature or 1.0  # greedy (0) rollouts are scored at temperature 1
+
+
+def check_learner_settings(settings, device: str) -> None:
+    """A learner setting this device cannot honour is refused, with the reason."""
+    if settings.dtype == "bfloat16" and device == "cpu":
+        raise ValueError("learner.dtype=bfloat16 is mixed precision for GPUs; on CPU the learner trains in float32 "
+                         "(bf16 there is emulated: slower, and it loses precision): use learner.dtype=float32")
+    if settings.attn_implementation == "flash_attention_2" and device == "cpu":
+        raise ValueError("learner.attn_implementation=flash_attention_2 needs a GPU (and the flash-attn package)")
+
+
+def mean_agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Averages of the agents' own per-trajectory metrics, prefixed so they never shadow learner stats."""
+    sums: dict[str, float] = {}
+    for t in trajectories:
+        for key, value in t.metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    return {f"agent/{key}": total / len(trajectories) for key, total in sums.items()}
+
+
+def batch_stats(trajectories: list[Trajectory], batch: SequenceBatch, version: int) -> dict[str, float]:
+    """Reward, advantage, value and staleness statistics of the batch as consumed."""
+    masks = torch.cat(batch.fields["loss_mask"]) > 0
+    advantages = torch.cat(batch.fields["advantages"])[masks]
+    if advantages.numel() == 0:  # every trajectory kept out of the loss (void)
+        advantages = torch.zeros(1)
+    versions = torch.cat(batch.fields["versions"])
+    generated = versions >= 0  # every token the model produced, trained on or not
+    versions = versions[generated].float()
+    rewards = torch.tensor([t.reward for t in trajectories])
+    stats = {
+        "reward": rewards.mean().item(),
+        "reward_std": rewards.std(unbiased=False).item(),
+        "advantage_mean": advantages.mean().item(),
+        "advantage_std": advantages.std(unbiased=False).item(),
+        "advantage_abs_mean": advantages.abs().mean().item(),
+        "advantage_max": advantages.max().item(),
+        "advantage_min": advantages.min().item(),
+        "response_length": generated.sum().item() / len(trajectories),
+        "void_fraction": sum(t.void for t in trajectories) / len(trajectories),
+        "tokens": batch.num_tokens,
+        # Versions behind the learner when consumed; AReaL's eta bounds the max.
+        "staleness_max": float(version - versions.min().item()),
+        "staleness_mean": float(version - versions.mean().item()),
+        "newest_version": versions.max().item(),
+    }
+    if "returns" in batch.fields:
+        values, returns = torch.cat(batch.fields["old_values"])[masks], torch.cat(batch.fields["returns"])[masks]
+        stats["critic/values_mean"] = values.mean().item()
+        # 1 - Var(R - V) / Var(R): 1 is a perfect critic, 0 one no better than a constant.
+        stats["critic/explained_variance"] = (1 - (returns - values).var() / returns.var().clamp(min=1e-8)).item()
+    return stats
+
+
+class StatsAccumulator:
+    """Combines micro-batch statistics into the mini-batch's.
+
+    Losses, entropy and KL are already weighted sums over the whole mini-batch's tokens, so they add up;
+    per-micro-batch means (clip fraction, ratios) are weighted by the micro-batch's share of the tokens;
+    maxima stay maxima. The ranks' totals combine the same way (merge).
+    """
+
+    SUMMED = {"loss", "policy_loss", "entropy", "kl", "critic/value_loss"}
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def add(self, stats: dict[str, float], share: float) -> None:
+        for key, value in stats.items():
+            if key.endswith("_max"):
+                self.totals[key] = max(self.totals.get(key, value), value)
+            else:
+                self.totals[key] = self.totals.get(key, 0.0) + (value if key in self.SUMMED else value * share)
+
+    def result(self) -> dict[str, float]:
+        return dict(self.totals)
+
+    @staticmethod
+    def merge(per_rank: list[dict[str, float]]) -> dict[str, float]:
+        merged = StatsAccumulator()
+        for totals in per_rank:
+            merged.add({k: v for k, v in totals.items() if k.endswith("_max")}, share=1.0)
+            for key, value in totals.items():
+                if not key.endswith("_max"):
+                    merged.totals[key] = merged.totals.get(key, 0.0) + value
+        return merged.result()

@@ -1,0 +1,112 @@
+"""The sharded learner: N ranks (gloo on CPU, FSDP2) take the same step as one, and checkpoints reshard."""
+
+import os
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rlsys.api import Trajectory
+from rlsys.bus import InProcessBus
+from rlsys.checkpoint import SHARDED_STATE, read_trainer_state
+from rlsys.cli import config_from_dict, config_to_dict, parse_config
+from rlsys.launcher import launch
+from rlsys.metrics import read_jsonl_metrics
+from rlsys.workers.learner import Learner
+from tests.helpers import child_pids, left_behind, small_run_overrides
+from tests.test_learner import learner_config, mixed_length_batch
+
+pytestmark = pytest.mark.distributed
+
+SETTINGS = {
+    # Packed rows, a token budget that gives the ranks unequal numbers of micro-batches (empty passes),
+    # the reference and proximal passes gathered from both ranks.
+    "grpo+kl+decoupled+packed": {"init_kl_coef": 0.1, "decoupled_loss": True, "max_tokens_per_micro_batch": 48},
+    # A sharded critic, padded rows, per-sequence aggregation (weights normalised over the whole mini-batch).
+    "gae+padded+seq-mean": {"adv_estimator": "gae", "sequence_packing": False, "loss_agg_mode": "seq-mean-token-mean",
+                            "entropy_loss_coef": 0.01, "max_tokens_per_micro_batch": 200},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: list[dict], run_dir: str) -> None:
+    """A learner rank: one train step on `batch`, then a checkpoint; rank 0 writes the gathered weights."""
+    from rlsys.distributed import full_state_dict, join_ranks, leave_ranks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    ranks = join_ranks(rank, world)
+    config = config_from_dict(payload)
+    learner = Learner(config, InProcessBus(), run_dir, ranks)
+    learner.train_step([Trajectory.from_dict(t) for t in batch])
+    learner.step = 1
+    learner.save()
+    state = full_state_dict(learner.model, ranks)
+    if ranks.main:
+        torch.save(state, os.path.join(run_dir, "params.pt"))
+    leave_ranks(ranks)
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_two_ranks_take_the_single_rank_step_and_their_checkpoint_resumes_on_one(tmp_path, name):
+    config = learner_config(tmp_path)
+    config.ppo.lr, config.ppo.ppo_epochs, config.ppo.num_mini_batches = 1e-3, 1, 1  # one optimizer step
+    for key, value in SETTINGS[name].items():
+        setattr(config.ppo, key, value)
+    single = Learner(config, InProcessBus(), tmp_path / "single")
+    before = {k: v.clone() for k, v in single.model.state_dict().items()}
+    batch = mixed_length_batch(single.model, random.Random(0))[:7]  # odd: the ranks get different shares
+    assert len(single.micro_batches(single.prepare_batch(batch))) > 1
+    single.train_step(batch)
+
+    run_dir = tmp_path / "two"
+    run_dir.mkdir()
+    mp.start_processes(one_step_at_rank, args=(2, free_port(), config_to_dict(config), [t.to_dict() for t in batch],
+                                               str(run_dir)), nprocs=2, start_method="spawn")
+
+    sharded = torch.load(run_dir / "params.pt", weights_only=True)
+    assert set(sharded) == set(single.model.state_dict())  # tied weights under both names, as inference loads them
+    for key, value in single.model.state_dict().items():
+        assert torch.allclose(sharded[key], value, atol=1e-5, rtol=0), key
+    assert max((single.model.state_dict()[k] - before[k]).abs().max() for k in before) > 1e-4  # the step moved them
+
+    checkpoint = run_dir / "checkpoints" / "step_1"
+    assert read_trainer_state(checkpoint)["step"] == 1
+    config.resume_from_checkpoint = str(checkpoint)
+    resumed = Learner(config, InProcessBus(), tmp_path / "resumed")  # 2 ranks -> 1
+    for key, value in resumed.model.state_dict().items():
+        assert torch.equal(value, sharded[key]), key
+    for model, optimizer, reference in ((resumed.model, resumed.optimizer, single.optimizer),
+                                        (resumed.critic, resumed.critic_optimizer, single.critic_optimizer)):
+        if model is None:
+            continue
+        got, expected = optimizer.state_dict()["state"], reference.state_dict()["state"]
+        assert len(got) == len(expected) == len(list(model.parameters()))
+        for i in expected:
+            assert got[i]["step"].item() == expected[i]["step"].item() == 1
+            assert torch.allclose(got[i]["exp_avg"], expected[i]["exp_avg"], atol=1e-7, rtol=1e-4)
+            assert torch.allclose(got[i]["exp_avg_sq"], expected[i]["exp_avg_sq"], atol=1e-10, rtol=1e-3)
+    assert resumed.scheduler.state_dict()["last_epoch"] == single.scheduler.state_dict()["last_epoch"]
+
+
+def test_the_run_trains_with_two_learner_ranks(cache_dir, tmp_path):
+    existing = child_pids()
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "cluster.n_learner_ranks=2", "max_steps=6", "save_steps=3", "eval_steps=0"])
+    summary = launch(config)
+    steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")  # rank 0 alone logs
+    assert [s["step"] for s in steps] == [s["version"] for s in steps] == list(range(1, 7))
+    assert all(s["grad_norm"] > 0 for s in steps)
+    for step in (3, 6):
+        checkpoint = Path(summary["run_dir"]) / "checkpoints" / f"step_{step}"
+        assert (checkpoint / SHARDED_STATE / ".metadata").exists() and (checkpoint / "config.json").exists()
+    assert summary["prompts_accounted"] and summary["restarts"] == {}
+    assert left_behind(tmp_path, existing) == []
