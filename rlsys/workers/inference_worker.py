@@ -14,6 +14,7 @@ import time
 from rlsys import protocol
 from rlsys.api import GenerationConfig
 from rlsys.engine.generation import GenerationEngine
+from rlsys.weight_checksum import WeightChecksumMismatch, weights_checksum
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,19 @@ class InferenceWorker:
         published = self.bus.get(protocol.WEIGHTS)
         if published and published["version"] > self.engine.version:
             interrupted = self.engine.update_weights(published["path"], published["version"])
+            self.verify_weights(published)
             if interrupted:
                 log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
+
+    def verify_weights(self, published: dict) -> None:
+        """After every update: the checksum of what the engine holds equals the learner's, or the run stops."""
+        if "checksum" not in published:  # a publisher that sends none (tests of other parts)
+            return
+        loaded = weights_checksum(self.engine.backend.loaded_weights(published["path"]), published.get("dtype"))
+        if loaded != published["checksum"]:
+            raise WeightChecksumMismatch(f"inference worker {self.index}", published["version"],
+                                         published["checksum"], loaded)
+        self.bus.incr(protocol.WEIGHT_CHECKS)
 
     def take_requests(self, timeout: float) -> None:
         copies = 0

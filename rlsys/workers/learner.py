@@ -10,8 +10,10 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoTokenizer
 
 from rlsys import accounting, protocol
+from rlsys.alarms import LogprobCheck, check_logprob_mismatch
 from rlsys.algorithms.advantages import gae_advantages, gigpo_turn_advantages, grpo_advantages, \
     reinforce_advantages, starpo_advantages, whiten
+from rlsys.algorithms.importance import truncated_importance_weights
 from rlsys.algorithms.batch import SequenceBatch, per_turn_to_tokens, sequence_batch
 from rlsys.algorithms.packing import MicroBatch, micro_batches
 from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clipped_value_loss, gather_logprobs, kl_k3, \
@@ -22,6 +24,8 @@ from rlsys.checkpoint import OPTIMIZER_STATE, read_trainer_state, save_checkpoin
 from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.engine.weights import write_weight_update
 from rlsys.metrics import MetricsLogger
+from rlsys.tracing import write_trained
+from rlsys.weight_checksum import weights_checksum
 from rlsys.model.loading import CRITIC_DIR, load_critic, load_policy
 
 KEEP_WEIGHT_VERSIONS = 3  # an inference worker may still be reading a slightly older version
@@ -55,6 +59,7 @@ class Learner:
             step, self.ppo.warmup_steps, optimizer_steps, self.ppo.lr_scheduler_type))
         self.step = self.version = 0
         self.filtered_groups = 0
+        self.logprob_check = LogprobCheck(version=-1)  # replaced by each train_step
         self.consumed_prompts: list[str] = []  # group ids trained or filtered: the dataset position on resume
         if resumed:
             self._resume(Path(config.resume_from_checkpoint), resumed)
@@ -86,7 +91,11 @@ class Learner:
             if groups is None:
                 break
             waited = time.monotonic() - started
-            stats = self.train_step([t for group in groups for t in group.trajectories])
+            trajectories = [t for group in groups for t in group.trajectories]
+            stats = self.train_step(trajectories)
+            write_trained(self.run_dir, self.step + 1, trajectories, self.last_advantages, self.config.trace.sample_rate)
+            check_logprob_mismatch(stats, self.step + 1, self.config.alarms.logprob_diff_warn,
+                                   self.config.alarms.stop_on_logprob_diff)
             self.consumed_prompts += [group.group_id for group in groups]
             computed = time.monotonic() - started - waited
             self.step += 1
@@ -136,10 +145,16 @@ class Learner:
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         batch = self.prepare_batch(trajectories)
         stats: dict[str, float] = {}
+        # Inference's logprobs against ours on the same tokens, from the first mini-batch's forward passes
+        # (before any update): no extra forward pass.
+        self.logprob_check = LogprobCheck(self.version)
         for _ in range(self.ppo.ppo_epochs):
             order = torch.randperm(len(batch))
             for rows in order.chunk(self.ppo.num_mini_batches):
                 stats = self._update(batch.select(rows.tolist()))
+                self.logprob_check.seal()
+        stats.update(self.logprob_check.stats())
+        self.last_advantages = batch.fields["advantages"]  # for the traces of what this step trained
         if self.reference is not None and "kl" in stats:
             stats["kl_coef"] = self.kl_controller.value
             self.kl_controller.update(stats["kl"], n_steps=len(trajectories))
@@ -152,10 +167,14 @@ class Learner:
         batch = sequence_batch(trajectories)
         if self.reference is not None:
             batch.fields["ref_logprobs"] = self.per_token(self._policy_logprobs(self.reference), batch)
-        if self.ppo.decoupled_loss:
+        if self.ppo.decoupled_loss or self.ppo.tis_cap:
             # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
             # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
+            # Truncated IS (tis_cap) also takes the ratio against the learner's own logprobs, as verl does.
             batch.fields["proximal_logprobs"] = self.per_token(self._policy_logprobs(self.model), batch)
+        if self.ppo.tis_cap:
+            batch.fields["tis_weights"] = [truncated_importance_weights(p, b, m, self.ppo.tis_cap) for p, b, m in zip(
+                batch.fields["proximal_logprobs"], batch.fields["behaviour_logprobs"], batch.fields["loss_mask"])]
         if self.critic is not None:
             batch.fields["old_values"] = self.per_token(self._values, batch)
         batch.fields.update(self.advantages(trajectories, batch))
@@ -258,11 +277,13 @@ class Learner:
         f = mb.fields
         logits = self._logits(self.model, mb)
         logp = gather_logprobs(logits, mb.input_ids)
+        self.logprob_check.observe(logp, f)
         decoupled = dict(behaviour_logprobs=f["behaviour_logprobs"],
                          imp_weight_cap=self.ppo.behaviour_imp_weight_cap or None) if self.ppo.decoupled_loss else {}
-        old_logp = f["proximal_logprobs"] if self.ppo.decoupled_loss else f["behaviour_logprobs"]
+        old_logp = f["proximal_logprobs"] if "proximal_logprobs" in f else f["behaviour_logprobs"]
+        weights = f["weights"] * f["tis_weights"] if "tis_weights" in f else f["weights"]
         loss, stats = ppo_clip_loss(logp, old_logp, f["advantages"], f["loss_mask"], self.ppo.pg_clip,
-                                    dual_clip=self.ppo.dual_clip or None, weights=f["weights"], **decoupled)
+                                    dual_clip=self.ppo.dual_clip or None, weights=weights, **decoupled)
         stats["policy_loss"] = loss.item()
         entropy = (token_entropy(logits) * f["token_share"]).sum()
         stats["entropy"] = entropy.item()
@@ -285,7 +306,10 @@ class Learner:
     def publish_weights(self) -> None:
         weights_dir = self.run_dir / "weights"
         path = write_weight_update(self.model, weights_dir / f"v{self.version}")
-        self.bus.set(protocol.WEIGHTS, {"version": self.version, "path": str(path)})
+        # The checksum of the copy inference holds, in its dtype: each worker compares it with what it loaded.
+        dtype = self.config.inference.dtype
+        self.bus.set(protocol.WEIGHTS, {"version": self.version, "path": str(path), "dtype": dtype,
+                                        "checksum": weights_checksum(self.model.state_dict(), dtype)})
         shutil.rmtree(weights_dir / f"v{self.version - KEEP_WEIGHT_VERSIONS}", ignore_errors=True)
 
     def save(self) -> Path:

@@ -2,6 +2,7 @@
 
 import asyncio
 
+from rlsys.alarms import PrefixCheck
 from rlsys.api import GenerationConfig, GenerationOutput
 
 
@@ -16,6 +17,7 @@ class ModelClient:
         self.obs_queue, self.act_queue = obs_queue, act_queue
         self.pending: dict[str, asyncio.Future] = {}
         self.router: asyncio.Task | None = None
+        self.prefix = PrefixCheck()  # `prefix.breaks`: requests that did not extend an earlier turn
 
     async def __aenter__(self) -> "ModelClient":
         self.router = asyncio.create_task(self._route())
@@ -31,8 +33,11 @@ class ModelClient:
             raise ValueError(f"request {qid!r} is already in flight; qids of concurrent requests must differ")
         future = asyncio.get_running_loop().create_future()
         self.pending[qid] = future
+        self.prefix.request(qid, token_ids)
         await self.obs_queue.put((qid, list(token_ids), gconfig))
-        return await future
+        output = await future
+        self.prefix.reply(token_ids, output.output_ids)
+        return output
 
     async def _route(self) -> None:
         while True:
