@@ -85,10 +85,10 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str) -
     _die_with_parent()
     _name_process(f"{role}{index}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
-    role_output_to_file(Path(payload["logging_dir"]) / f"{role}{index}.log", f"{role}{index}")
     import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
     import rlsys.impl.env  # noqa: F401
     config = config_from_dict(payload)
+    role_output_to_file(Path(config.logging_dir) / f"{role}{index}.log", f"{role}{index}")
     limit_threads(config.inference.num_threads if role == "inference" else 1)
     bus = connect(bus_url)
     try:

@@ -28,7 +28,7 @@ def tiny_run(cache_dir, tmp_path_factory):
     """A finished 4-step run with every episode traced and the traces exported to MLflow: (run dir, console)."""
     out = tmp_path_factory.mktemp("observed")
     args = small_run_overrides(cache_dir, out) + ["trial_name=t", "max_steps=4", "logging_steps=2",
-                                                   "dataset.num_eval=40", "trace.sample_rate=1.0", "trace.mlflow=true"]
+                                                   "trace.sample_rate=1.0", "trace.mlflow=true"]
     proc = subprocess.run([sys.executable, str(ROOT / "training" / "main_async_ppo.py"), *args], cwd=out,
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
     console = proc.stdout + proc.stderr
@@ -67,7 +67,7 @@ def test_traces_follow_each_episode_from_the_model_calls_to_the_gradient(tiny_ru
     episodes = read_traces(run_dir)
     train = [e for e in episodes if e["tag"] == "train" and e["trajectories"]]
     evals = [e for e in episodes if e["tag"] in ("initial", "final")]
-    assert len(evals) == 2 * 40  # every evaluation episode, before and after
+    assert len(evals) == 2 * 200  # every evaluation episode, before and after
     trained = [t for e in train for t in e["trajectories"] if "trained" in t]
     assert len(trained) == 4 * 16 * 8  # every trajectory of every step (sample rate 1), with its step
     assert {t["trained"]["step"] for t in trained} == {1, 2, 3, 4}
