@@ -173,3 +173,19 @@ def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_di
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_frames_show_each_board_with_its_move_and_reward(tmp_path):
+    from PIL import Image
+
+    from rlsys.frames import render_episode
+
+    boards = ["S.\n.G", ".S\n.G", "..\n.S"]
+    messages = [{"role": "prompt", "text": boards[0]}, {"role": "assistant", "text": "R", "reward": 0.0},
+                {"role": "user", "text": boards[1]}, {"role": "assistant", "text": "D", "reward": 1.0},
+                {"role": "user", "text": boards[2]}]
+    record = {"tag": "train", "episode_id": "train-0-3", "trajectories": [{"messages": messages, "reward": 1.0}]}
+    png, gif = render_episode(record, tmp_path / "frames")
+    strip, animation = Image.open(png), Image.open(gif)
+    assert animation.n_frames == 3  # two moves and the board after the last
+    assert strip.width > 2.5 * animation.width / 1.5 and strip.height == animation.height
