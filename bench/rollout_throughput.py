@@ -1,6 +1,7 @@
 """Rollout throughput: generated tokens per second through the whole rollout path vs the engine alone.
 
     python3 bench/rollout_throughput.py [--episodes 640] [--concurrency 64] [--repeats 3] [key=value ...]
+    python3 bench/rollout_throughput.py --tracing [...]   # the full path with every episode traced vs none
 
 Same prompts (the default run's training set, in the rollout worker's order) and settings (the default
 experiment: math-single-step, 8 samples per prompt, up to 8 new tokens, temperature 1) on both sides:
@@ -16,6 +17,10 @@ episodes in flight and ends with as many unfinished (the full path's pipeline is
 each window). While the engine alone is timed, the full path is paused by closing its admission gate, so
 the two never share the machine; the ratio is of the medians. The last line is the headline: the full
 path's throughput with one inference worker over the engine's.
+
+`--tracing`: two full paths side by side instead (one inference worker each), one recording every episode
+as a trace (`trace.sample_rate=1.0`) and one recording none (0), their windows alternating while the other
+is paused; the headline is traced over untraced.
 """
 
 import argparse
@@ -167,8 +172,39 @@ def tokens_per_second(measure, units: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
-def parse_arguments(doc: str, episodes: int, out: str) -> argparse.Namespace:
+def tracing_cost(config, args, tmp: Path) -> None:
+    """Throughput of the full path with every training episode traced against none, windows alternating."""
+    paths = {name: FullPath(dataclasses.replace(config, trace=dataclasses.replace(config.trace, sample_rate=rate)),
+                            1, args.concurrency, tmp / name) for name, rate in (("untraced", 0.0), ("traced", 1.0))}
+    rates: dict[str, list[float]] = {name: [] for name in paths}
+    with paths["untraced"].running(), paths["traced"].running():
+        for path in paths.values():
+            path.tokens_per_second(WARM_UP_EPISODES)
+            path.drain()
+        for _ in range(args.repeats):
+            for name, path in paths.items():
+                rates[name].append(path.tokens_per_second(args.episodes))
+                path.drain()
+    traces = sum(1 for _ in open(tmp / "traced" / "traces" / "rollout0.jsonl"))
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    ratio = medians["traced"] / medians["untraced"]
+    print(f"windows of {args.episodes} episodes, {args.concurrency} in flight, {args.repeats} per side; "
+          f"{traces} episodes traced on the traced path")
+    print(f"{'path':<34} {'tokens/s':>9}   windows")
+    for name, r in rates.items():
+        label = f"full path, trace.sample_rate={1.0 if name == 'traced' else 0.0}"
+        print(f"{label:<34} {medians[name]:>9.0f}   " + " ".join(f"{rate:.0f}" for rate in r))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "windows": rates, "medians": medians,
+                                          "traces": traces, "ratio": ratio}, indent=2))
+    print(f"ratio: {ratio:.3f} (traced / untraced tokens per second)")
+
+
+def parse_arguments(doc: str, episodes: int, out: str, *extra: tuple[str, dict]) -> argparse.Namespace:
+    """The benches' common arguments, and `extra` ones given as (flag, argparse keywords)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for flag, options in extra:
+        parser.add_argument(flag, **options)
     parser.add_argument("--episodes", type=int, default=episodes, help="timed episodes (requests) per window")
     parser.add_argument("--concurrency", type=int, default=64, help="episodes (requests) in flight")
     parser.add_argument("--repeats", type=int, default=3, help="windows per side")
@@ -178,7 +214,8 @@ def parse_arguments(doc: str, episodes: int, out: str) -> argparse.Namespace:
 
 
 def main() -> None:
-    args = parse_arguments(__doc__, episodes=640, out="bench/results/rollout_throughput.json")
+    args = parse_arguments(__doc__, 640, "", ("--tracing", dict(
+        action="store_true", help="traced (sample rate 1.0) vs untraced full path")))
 
     config = parse_config(args.overrides)
     prepare_assets(config)
@@ -188,6 +225,10 @@ def main() -> None:
         tmp = Path(tmp)
         config.dataset.eval_path = str(write_jsonl(load_rows(config.dataset.eval_path)[:EVAL_ROWS],
                                                    tmp / "eval.jsonl"))
+        if args.tracing:
+            args.out = args.out or "bench/results/rollout_tracing.json"
+            return tracing_cost(config, args, tmp)
+        args.out = args.out or "bench/results/rollout_throughput.json"
         alone = EngineAlone(config, args.concurrency)
         alone.generated_tokens(WARM_UP_EPISODES)
         for n_workers in (1, 2):

@@ -170,6 +170,8 @@ class PPOHyperparameters:
     """Token budget of one forward/backward pass; micro-batches accumulate into one optimizer step per mini-batch."""
     filter_uniform_groups: bool = False
     """Drop groups whose rewards are all equal (no signal for group baselines); counted as groups/filtered."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: each token's loss times min(p_learner/p_inference, tis_cap); 0 is off."""
 
     def __post_init__(self):
         check_at_least("ppo.", self, batch_size=1, ppo_epochs=1, warmup_steps=0, weight_decay=0, init_kl_coef=0,
@@ -193,6 +195,8 @@ class PPOHyperparameters:
             raise ValueError(f"ppo.gigpo_step_gamma must be in [0, 1], got {self.gigpo_step_gamma}")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lambd <= 1:
             raise ValueError(f"ppo.gamma and ppo.lambd must be in [0, 1], got {self.gamma} and {self.lambd}")
+        if self.tis_cap and self.tis_cap <= 1:
+            raise ValueError(f"ppo.tis_cap must be 0 (off) or greater than 1, got {self.tis_cap}")
         if self.behaviour_imp_weight_cap and self.behaviour_imp_weight_cap <= 1:
             raise ValueError(f"ppo.behaviour_imp_weight_cap must be 0 (off) or greater than 1, "
                              f"got {self.behaviour_imp_weight_cap}")
@@ -357,6 +361,30 @@ class InferenceConfig:
 
 
 @dataclass
+class TraceConfig:
+    sample_rate: float = 0.1
+    """Share of training episodes recorded as traces in <run dir>/traces (every evaluation episode is); 0: none."""
+    mlflow: bool = False
+    """At the end of the run, export the traces (and the learner's metrics) to MLflow Tracing."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking store for trace.mlflow; empty: sqlite:///<run dir>/mlflow.db."""
+    render_save_dir: str = ""
+    """Text games: save each traced episode as a PNG strip and a GIF of its boards here (relative: in the run dir)."""
+
+    def __post_init__(self):
+        if not 0 <= self.sample_rate <= 1:
+            raise ValueError(f"trace.sample_rate must be in [0, 1], got {self.sample_rate}")
+
+
+@dataclass
+class AlarmConfig:
+    logprob_diff_warn: float = 0.5
+    """Warn when inference's and the learner's logprobs of the same tokens differ by more than this on average; 0: never."""
+    stop_on_logprob_diff: bool = False
+    """Stop the run (instead of warning) when alarms.logprob_diff_warn is exceeded."""
+
+
+@dataclass
 class BaseExperimentConfig:
     experiment_name: str = ""
     """Experiment name, the directory under output_dir; empty means the registered name (experiment=NAME)."""
@@ -437,6 +465,8 @@ class AsyncRLExperimentConfig(BaseExperimentConfig):
     """A rollout is admitted only while it cannot be more than this many versions stale when trained."""
     max_concurrent_rollouts: int = 64
     """Most episodes in flight per rollout worker."""
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    alarms: AlarmConfig = field(default_factory=AlarmConfig)
     env_timeout: float = 120.0
     """Seconds an environment's reset, step or close may take; a longer call fails its episode (env_timeout). 0: no limit."""
 

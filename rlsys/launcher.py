@@ -11,6 +11,7 @@ from pathlib import Path
 from rlsys import accounting, protocol
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.checkpoint import latest_checkpoint, read_trainer_state
+from rlsys.console import role_output_to_file
 from rlsys.cli import config_from_dict, config_to_dict, registry_name_of, save_config
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.placement import PlacementError, open_placement
@@ -66,7 +67,7 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
                  for key in (protocol.replies(i), protocol.rollout_done(i), protocol.rollout_episodes(i),
                              protocol.rollout_position(i), protocol.role_stop_reason(f"rollout{i}"))))
     if not trainer_state:
-        bus.delete(protocol.DEAD_LETTERS)
+        bus.delete(protocol.DEAD_LETTERS, protocol.WEIGHT_CHECKS)
     bus.set(protocol.ADMITTED, trainer_state.get("version", 0) * config.ppo.batch_size)
     accounting.restore(bus, trainer_state.get("accounting"))
 
@@ -76,10 +77,10 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, e
     os.environ.update(env)  # its GPUs and, for learner ranks, the rendezvous
     os.umask(PRIVATE_UMASK)  # what a role writes (logs, weights, checkpoints) is its user's alone
     _name_process(f"{role}{index}")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}{index} %(levelname)s %(message)s")
     import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
     import rlsys.impl.env  # noqa: F401
     config = config_from_dict(payload)
+    role_output_to_file(Path(config.logging_dir) / f"{role}{index}.log", f"{role}{index}")
     limit_threads(config.inference.num_threads if role == "inference" else 1)
     bus = connect(bus_url)
     try:
@@ -124,7 +125,7 @@ def _run(role: str, index: int, config, bus, run_dir: str) -> None:
 
         from rlsys.workers.rollout_worker import RolloutWorker
 
-        asyncio.run(RolloutWorker(config, bus, index).run())
+        asyncio.run(RolloutWorker(config, bus, index, Path(run_dir)).run())
 
 
 def make_backend(model_path: str, inference_cfg, seed: int):
@@ -216,6 +217,22 @@ def placed_roles(config):
         raise StartupError(str(e)) from None
 
 
+def finish_observability(config, run_dir: Path) -> None:
+    """The run report, and the MLflow export if asked for; neither failing loses the run's result."""
+    from rlsys.report import build_report
+
+    try:
+        frames = run_dir / config.trace.render_save_dir if config.trace.render_save_dir else None
+        print(f"report: {build_report(run_dir, frames)}", flush=True)
+        if config.trace.mlflow:
+            from rlsys.mlflow_export import export_run
+
+            uri = export_run(run_dir, config.trace.mlflow_tracking_uri)
+            print(f"traces in MLflow: mlflow ui --backend-store-uri {uri}", flush=True)
+    except Exception:
+        log.warning("could not write the run report or export the traces", exc_info=True)
+
+
 def launch(config) -> dict:
     """Runs a whole experiment; returns (and writes to <run dir>/summary.json) its before/after accuracy
     and where its prompts ended. StartupError, before any process starts, if it cannot run."""
@@ -226,7 +243,7 @@ def launch(config) -> dict:
     prepare(config)
     config.logging_dir = config.logging_dir or str(run_dir / "logs")
     save_config(config, run_dir / "config.yaml")
-    print(f"run directory: {run_dir}", flush=True)
+    print(f"run directory: {run_dir} (each role's full output: {config.logging_dir}/<role>.log)", flush=True)
     trainer_state = {}
     if config.resume_from_checkpoint:
         trainer_state = read_trainer_state(Path(config.resume_from_checkpoint))
@@ -266,10 +283,12 @@ def launch(config) -> dict:
             "prompts_accounted": accounting.accounted(prompts) == prompts[accounting.ADMITTED],
             "dead_letters": bus.stream_length(protocol.DEAD_LETTERS),
             "restarts": dict(supervisor.restarts),
+            "weight_checks": bus.get(protocol.WEIGHT_CHECKS) or 0,
         }
         bus.close()
     if not summary["prompts_accounted"]:
         log.error("the prompt accounting does not add up: %s", accounting.describe(prompts))
     write_private(run_dir / "summary.json", json.dumps(summary, indent=2))
+    finish_observability(config, run_dir)
     return summary
 

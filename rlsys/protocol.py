@@ -7,6 +7,7 @@ DEAD_MESSAGES = "messages:dead"  # stream: {"source", "reason", "size", "head"} 
 MAX_QUEUE_MESSAGE_BYTES = 64 * 2**20  # a generation request or reply larger than this is refused unread
 PROMPTS_IN_FLIGHT = "prompts:in_flight"  # set: ids of admitted prompts whose outcome is not recorded yet
 WEIGHTS = "weights:latest"  # key: the newest published policy: {"version", "path"} or {"version", "chunks", "bytes", "sha256"}
+WEIGHT_CHECKS = "weights:checks"  # counter: weight updates whose checksum an inference worker verified
 ADMITTED = "rollout:admitted"  # counter: prompts admitted for training, for the staleness gate
 LEARNER_DONE = "learner:final_version"  # key: set once the learner published its last version
 STOP = "run:stop"  # key: set by the launcher to end every role

@@ -21,9 +21,11 @@ import contextlib
 import torch
 from transformers import AutoTokenizer
 
+from rlsys.alarms import LogprobCheck
 from rlsys.algorithms.batch import SequenceBatch, sequence_batch
 from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
 from rlsys.algorithms.finite import clip_and_step
+from rlsys.algorithms.importance import truncated_importance_weights
 from rlsys.algorithms.packing import MicroBatch, balance_by_tokens, empty_micro_batch, micro_batches
 from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clipped_value_loss, gather_logprobs, \
     kl_k3, next_token_logits, ppo_clip_loss, token_entropy, token_loss_weights
@@ -61,6 +63,8 @@ class PolicyTrainer:
             step, self.ppo.warmup_steps, optimizer_steps, self.ppo.lr_scheduler_type))
         self.version = 0  # of the policy being trained: staleness is measured against it
         self.skipped_updates = 0  # optimizer steps skipped: their loss or gradients were not finite
+        self.logprob_check = LogprobCheck(version=-1)  # replaced by each train_step
+        self.last_advantages: list[torch.Tensor] = []  # of the last step's sequences (traces)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.pad_id = self.tokenizer.pad_token_id
 
@@ -76,11 +80,17 @@ class PolicyTrainer:
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         batch = self.prepare_batch(trajectories)
         stats: dict[str, float] = {}
+        # Inference's logprobs against ours on the same tokens, from the first mini-batch's forward passes
+        # (before any update): no extra forward pass.
+        self.logprob_check = LogprobCheck(self.version)
         for _ in range(self.ppo.ppo_epochs):
             # Rank 0 draws the order, so every rank takes the same mini-batches.
             order = self.ranks.broadcast(torch.randperm(len(batch)).tolist() if self.ranks.main else None)
             for rows in torch.tensor(order).chunk(self.ppo.num_mini_batches):
                 stats = self.optimizer_step(batch.select(rows.tolist()))
+                self.logprob_check.seal()
+        stats.update(LogprobCheck.merged(self.ranks.all_gather(self.logprob_check.totals())))
+        self.last_advantages = batch.fields["advantages"]  # for the traces of what this step trained
         if self.reference is not None and "kl" in stats:
             stats["kl_coef"] = self.kl_controller.value
             self.kl_controller.update(stats["kl"], n_steps=len(trajectories))
@@ -93,10 +103,14 @@ class PolicyTrainer:
         batch = sequence_batch(trajectories)
         if self.reference is not None:
             batch.fields["ref_logprobs"] = self.per_token(self._policy_logprobs(self.reference), batch)
-        if self.ppo.decoupled_loss:
+        if self.ppo.decoupled_loss or self.ppo.tis_cap:
             # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
             # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
+            # Truncated IS (tis_cap) also takes the ratio against the learner's own logprobs, as verl does.
             batch.fields["proximal_logprobs"] = self.per_token(self._policy_logprobs(self.model), batch)
+        if self.ppo.tis_cap:
+            batch.fields["tis_weights"] = [truncated_importance_weights(p, b, m, self.ppo.tis_cap) for p, b, m in zip(
+                batch.fields["proximal_logprobs"], batch.fields["behaviour_logprobs"], batch.fields["loss_mask"])]
         if self.critic is not None:
             batch.fields["old_values"] = self.per_token(self._values, batch)
         batch.fields.update(ADVANTAGE_ESTIMATORS[self.ppo.adv_estimator](trajectories, batch, self.ppo))
@@ -155,11 +169,13 @@ class PolicyTrainer:
         f = mb.fields
         logits = self._logits(self.model, mb)
         logp = gather_logprobs(logits, mb.input_ids)
+        self.logprob_check.observe(logp, f)
         decoupled = dict(behaviour_logprobs=f["behaviour_logprobs"],
                          imp_weight_cap=self.ppo.behaviour_imp_weight_cap or None) if self.ppo.decoupled_loss else {}
-        old_logp = f["proximal_logprobs"] if self.ppo.decoupled_loss else f["behaviour_logprobs"]
+        old_logp = f["proximal_logprobs"] if "proximal_logprobs" in f else f["behaviour_logprobs"]
+        weights = f["weights"] * f["tis_weights"] if "tis_weights" in f else f["weights"]
         loss, stats = ppo_clip_loss(logp, old_logp, f["advantages"], f["loss_mask"], self.ppo.pg_clip,
-                                    dual_clip=self.ppo.dual_clip or None, weights=f["weights"], **decoupled)
+                                    dual_clip=self.ppo.dual_clip or None, weights=weights, **decoupled)
         stats["policy_loss"] = loss.item()
         entropy = (token_entropy(logits) * f["token_share"]).sum()
         stats["entropy"] = entropy.item()

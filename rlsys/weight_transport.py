@@ -44,12 +44,14 @@ def resolve(cluster) -> str:
 
 
 def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_dir: Path,
-            state_dict: dict | None = None) -> None:
+            state_dict: dict | None = None, check: dict | None = None) -> None:
     """Version `version` of `model` (its `state_dict` if given: one gathered from the learner's shards) made
-    available to every inference worker, then announced on the bus."""
+    available to every inference worker, then announced on the bus with `check` ({"checksum", "dtype"}: what
+    the engine must hold once loaded, rlsys/weight_checksum.py) if given."""
+    check = check or {}
     if transport == "disk":
         path = write_weight_update(model, Path(weights_dir) / f"v{version}", state_dict)
-        bus.set(protocol.WEIGHTS, {"version": version, "path": str(path)})
+        bus.set(protocol.WEIGHTS, {"version": version, "path": str(path), **check})
         shutil.rmtree(Path(weights_dir) / f"v{version - KEEP_VERSIONS}", ignore_errors=True)
         return
     data = save(weight_tensors(model, state_dict))
@@ -57,7 +59,7 @@ def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_d
     for i, start in enumerate(chunks):
         bus.set(protocol.weight_chunk(version, i), data[start:start + CHUNK_BYTES])
     bus.set(protocol.WEIGHTS, {"version": version, "chunks": len(chunks), "bytes": len(data),
-                               "sha256": hashlib.sha256(data).hexdigest()})
+                               "sha256": hashlib.sha256(data).hexdigest(), **check})
     old = bus.get(protocol.weight_chunk_count(version - KEEP_VERSIONS)) or 0
     bus.delete(*(protocol.weight_chunk(version - KEEP_VERSIONS, i) for i in range(old)),
                protocol.weight_chunk_count(version - KEEP_VERSIONS))

@@ -9,6 +9,7 @@ from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import Trajectory
 from rlsys.bus import InProcessBus
 from rlsys.engine.weights import WEIGHTS_FILE
+from rlsys.weight_checksum import weights_checksum
 from rlsys.workers.learner import Learner
 from tests.helpers import save_random_tiny_model
 
@@ -87,7 +88,10 @@ def test_learner_publishes_weights_for_inference(tmp_path):
     learner = Learner(config, bus, tmp_path / "run")
     learner.version = 7
     learner.publish_weights()
-    assert bus.get(protocol.WEIGHTS) == {"version": 7, "path": str(tmp_path / "run" / "weights" / "v7")}
+    published = bus.get(protocol.WEIGHTS)
+    assert {k: published[k] for k in ("version", "path", "dtype")} == {
+        "version": 7, "path": str(tmp_path / "run" / "weights" / "v7"), "dtype": config.inference.dtype}
+    assert published["checksum"] == weights_checksum(learner.model.state_dict(), config.inference.dtype)
     assert (tmp_path / "run" / "weights" / "v7" / WEIGHTS_FILE).exists()
 
 

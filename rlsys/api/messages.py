@@ -171,6 +171,9 @@ class WorkerStatus:
         return dataclasses.asdict(self)
 
 
+WEIGHT_DTYPES = {"float32", "bfloat16", "float16"}  # what an engine may hold the weights in
+
+
 def parse_worker_status(message) -> WorkerStatus:
     d = fields(message, "inference status", {"epoch", "beat", "version", "load"}, {"dead", "weights_over_bus"})
     return WorkerStatus(integer(d["epoch"], "epoch"), integer(d["beat"], "beat"), integer(d["version"], "version"),
@@ -181,31 +184,48 @@ def parse_worker_status(message) -> WorkerStatus:
 @dataclasses.dataclass(frozen=True)
 class PublishedWeights:
     """The newest policy the learner published: its version and either the directory that holds it
-    (weights_transport=disk) or the count, size and SHA-256 of the chunks it was cut into on the bus (bus)."""
+    (weights_transport=disk) or the count, size and SHA-256 of the chunks it was cut into on the bus (bus);
+    and the checksum of the weights an engine holding them in `dtype` must have (rlsys/weight_checksum.py)."""
 
     version: int
     path: str = ""
     chunks: int = 0
     bytes: int = 0
     sha256: str = ""
+    checksum: str = ""
+    dtype: str = ""
 
     def to_message(self) -> dict:
-        if self.path:
-            return {"version": self.version, "path": self.path}
-        return {"version": self.version, "chunks": self.chunks, "bytes": self.bytes, "sha256": self.sha256}
+        where = ({"path": self.path} if self.path else
+                 {"chunks": self.chunks, "bytes": self.bytes, "sha256": self.sha256})
+        check = {"checksum": self.checksum, "dtype": self.dtype} if self.checksum else {}
+        return {"version": self.version, **where, **check}
+
+
+def _hex(x, where: str, digits: int) -> str:
+    value = string(x, where, digits)
+    if len(value) != digits or any(c not in "0123456789abcdef" for c in value):
+        raise InvalidMessage(f"{where} must be {digits} hex digits, got {value!r}")
+    return value
 
 
 def parse_published_weights(message) -> PublishedWeights:
-    d = fields(message, "published weights", {"version"}, {"path", "chunks", "bytes", "sha256"})
+    d = fields(message, "published weights", {"version"}, {"path", "chunks", "bytes", "sha256", "checksum", "dtype"})
     version = integer(d["version"], "version")
+    check = {}
+    if "checksum" in d or "dtype" in d:
+        if not {"checksum", "dtype"} <= d.keys():
+            raise InvalidMessage("published weights carry a checksum and its dtype together")
+        dtype = string(d["dtype"], "dtype", 16)
+        if dtype not in WEIGHT_DTYPES:
+            raise InvalidMessage(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype!r}")
+        check = {"checksum": _hex(d["checksum"], "checksum", 32), "dtype": dtype}
+    where = d.keys() - {"version", "checksum", "dtype"}
     if "path" in d:
-        if d.keys() != {"version", "path"}:
+        if where != {"path"}:
             raise InvalidMessage("published weights name a path or chunks, not both")
-        return PublishedWeights(version, path=string(d["path"], "path", MAX_PATH_CHARS))
-    if d.keys() != {"version", "chunks", "bytes", "sha256"}:
+        return PublishedWeights(version, path=string(d["path"], "path", MAX_PATH_CHARS), **check)
+    if where != {"chunks", "bytes", "sha256"}:
         raise InvalidMessage("published weights need a path, or chunks, bytes and sha256")
-    sha = string(d["sha256"], "sha256", 64)
-    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
-        raise InvalidMessage(f"sha256 must be 64 hex digits, got {sha!r}")
     return PublishedWeights(version, chunks=integer(d["chunks"], "chunks", 1), bytes=integer(d["bytes"], "bytes", 1),
-                            sha256=sha)
+                            sha256=_hex(d["sha256"], "sha256", 64), **check)

@@ -65,6 +65,17 @@ class GenerationBackend(abc.ABC):
         Called with no sequence running; any cached prefix computed with the old weights is dropped.
         """
 
+    def loaded_weights(self, directory: str) -> dict:
+        """The tensors this engine holds after `load_weights(directory)`, under the file's names, for the weight
+        checksum (rlsys/weight_checksum.py). By default the file's own tensors: an engine that fuses or renames
+        weights (vLLM: qkv_proj, gate_up_proj) cannot list its own under the learner's names, so what is checked
+        is the file it was pointed to and read."""
+        from safetensors.torch import load_file
+
+        from rlsys.engine.weights import WEIGHTS_FILE
+
+        return load_file(f"{directory}/{WEIGHTS_FILE}")
+
     def score(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token after the first given its prefix, at temperature 1 (the weight-sync check)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score sequences")

@@ -103,6 +103,9 @@ class TransformersBackend(GenerationBackend):
         state = load_file(str(Path(directory) / WEIGHTS_FILE), device=str(self.device))
         self.model.load_state_dict(state, strict=True)
 
+    def loaded_weights(self, directory: str) -> dict:
+        return self.model.state_dict()  # what it holds, not the file: a failed or partial load shows
+
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> list[float]:
         ids = torch.tensor([token_ids], device=self.device)

@@ -12,10 +12,12 @@ import threading
 import time
 
 from rlsys import protocol
-from rlsys.api.messages import (InvalidMessage, WorkerStatus, parse_generation_request, parse_published_weights)
+from rlsys.api.messages import InvalidMessage, PublishedWeights, WorkerStatus, parse_generation_request, \
+    parse_published_weights
 from rlsys.bus import Undecodable
 from rlsys.bus.dead_letters import set_aside
 from rlsys.engine.generation import GenerationEngine
+from rlsys.weight_checksum import WeightChecksumMismatch, weights_checksum
 from rlsys.weight_transport import WeightReceiver
 from rlsys.workers.inference_status import InferenceStatus
 
@@ -90,8 +92,19 @@ class InferenceWorker:
             if directory is None:
                 return
             interrupted = self.engine.update_weights(directory, published.version)
+            self.verify_weights(published, directory)
             if interrupted:
                 log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
+
+    def verify_weights(self, published: PublishedWeights, directory: str) -> None:
+        """After every update: the checksum of what the engine holds equals the learner's, or the run stops."""
+        if not published.checksum:  # a publisher that sends none (tests of other parts)
+            return
+        loaded = weights_checksum(self.engine.backend.loaded_weights(directory), published.dtype)
+        if loaded != published.checksum:
+            raise WeightChecksumMismatch(f"inference worker {self.index}", published.version, published.checksum,
+                                         loaded)
+        self.bus.incr(protocol.WEIGHT_CHECKS)
 
     def take_requests(self, timeout: float) -> None:
         copies = 0

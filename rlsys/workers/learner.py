@@ -12,13 +12,16 @@ from pathlib import Path
 import torch
 
 from rlsys import accounting, protocol, weight_transport
+from rlsys.alarms import check_logprob_mismatch
 from rlsys.api import Trajectory
 from rlsys.checkpoint import SHARDED_STATE, load_rng_state, load_sharded_state, read_trainer_state, save_checkpoint
 from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.distributed import Ranks, full_state_dict
 from rlsys.metrics import MetricsLogger
 from rlsys.model.loading import CRITIC_DIR
+from rlsys.tracing import write_trained
 from rlsys.training_step import PolicyTrainer
+from rlsys.weight_checksum import weights_checksum
 
 
 class Learner(PolicyTrainer):
@@ -73,6 +76,10 @@ class Learner(PolicyTrainer):
             self.publish_weights()
             published = time.monotonic() - started - waited - computed
             if self.ranks.main:
+                write_trained(self.run_dir, self.step, trajectories, self.last_advantages,
+                              self.config.trace.sample_rate)
+                check_logprob_mismatch(stats, self.step, self.config.alarms.logprob_diff_warn,
+                                       self.config.alarms.stop_on_logprob_diff)
                 self.consumed_prompts += [group.group_id for group in groups]
                 for group in groups:
                     accounting.settle(self.bus, group.group_id, accounting.TRAINED)
@@ -127,8 +134,11 @@ class Learner(PolicyTrainer):
     def publish_weights(self) -> None:
         state = full_state_dict(self.model, self.ranks)  # every rank takes part in gathering the shards
         if self.ranks.main:
+            # The checksum of the copy inference holds, in its dtype: each worker compares it with what it loaded.
+            dtype = self.config.inference.dtype
             weight_transport.publish(self.bus, self.model, self.version, weight_transport.resolve(self.config.cluster),
-                                     self.run_dir / "weights", state)
+                                     self.run_dir / "weights", state,
+                                     check={"dtype": dtype, "checksum": weights_checksum(state, dtype)})
 
     def sharded_state(self) -> dict:
         """This rank's part of the model and optimizer state (and the critic's), keyed by parameter name."""

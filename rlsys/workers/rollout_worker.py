@@ -5,6 +5,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 from rlsys import accounting, protocol
@@ -16,6 +17,7 @@ from rlsys.delivery import InvalidMessage, group_message
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.supervisor import RunCannotGoOn
+from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, with_env_type_metrics
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
 from rlsys.workers.routing import EpisodeRouter
@@ -25,7 +27,8 @@ GATE_POLL_SECONDS = 0.05  # how often a worker with free slots asks the stalenes
 
 
 class RolloutWorker:
-    def __init__(self, config, bus, index: int):
+    def __init__(self, config, bus, index: int, run_dir: Path | None = None):
+        """`run_dir`: where traces (and frames) go; None records none."""
         self.config, self.bus, self.index = config, bus, index
         cluster = config.cluster
         self.router = EpisodeRouter(bus, protocol.replies(index), cluster.n_inference_workers, cluster.inference_dead_after)
@@ -33,6 +36,9 @@ class RolloutWorker:
         self.agents = _build_agents(config, lambda agent: agent)
         self.eval_agents = _build_agents(config, _greedy)
         self.metrics = MetricsLogger(Path(config.logging_dir), f"rollout{index}")
+        self.traces = None if run_dir is None else TraceWriter(
+            run_dir, f"rollout{index}", self.tokenizer, config.trace.sample_rate,
+            Path(run_dir) / config.trace.render_save_dir if config.trace.render_save_dir else None)
         self.running: set[asyncio.Task] = set()
         self.episode_ended = asyncio.Event()
         self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
@@ -63,6 +69,8 @@ class RolloutWorker:
             for task in routing:
                 task.cancel()
             self.metrics.close()
+            if self.traces is not None:
+                self.traces.close()
         self.bus.set(protocol.rollout_done(self.index), 1)
 
     async def train(self) -> None:
@@ -145,10 +153,23 @@ class RolloutWorker:
         """The agent the row names (`agent_name`, checked when the run started), else the experiment's default."""
         return agents[prompt.data.get("agent_name")]
 
-    async def run_episode(self, agent, prompt: Prompt, evaluation: bool = False) -> list[Trajectory]:
-        """The agent's trajectories; EpisodeFailed (logged in one line and counted) if the env or agent failed."""
+    async def run_episode(self, agent, prompt: Prompt, tag: str = "train") -> list[Trajectory]:
+        """The agent's trajectories; EpisodeFailed (logged in one line and counted) if the env or agent failed.
+        Recorded as a trace if sampled (rlsys/tracing.py)."""
+        if self.traces is None or not self.traces.wants(prompt.qid, tag):
+            return await self.play_episode(agent, prompt, tag != "train")
+        started, calls = time.time(), []
+        try:
+            trajectories = await self.play_episode(agent, prompt, tag != "train", calls)
+        except EpisodeFailed as failure:
+            self.traces.record(prompt.qid, tag, started, None, (failure.reason, failure.detail), calls)
+            raise
+        self.traces.record(prompt.qid, tag, started, trajectories, None, calls)
+        return trajectories
+
+    async def play_episode(self, agent, prompt: Prompt, evaluation: bool, calls: list | None = None) -> list[Trajectory]:
         obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
-        forwarder = asyncio.create_task(self.router.forward(obs_queue, act_queue))
+        forwarder = asyncio.create_task(self.router.forward(obs_queue, act_queue, calls))
         env = None
         try:
             env = guard_env(make_env(env_for(self.config, prompt, evaluation)), self.config.env_timeout)
@@ -222,7 +243,7 @@ class RolloutWorker:
         version = await self.current_version()
         rows = load_rows(self.config.dataset.eval_path, self.config.dataset.row_format())
         prompts = list(self.prompts(rows, "eval", shuffle=False))
-        results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p, evaluation=True)
+        results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p, tag)
                                          for p in prompts), return_exceptions=True)
         for result in results:
             if not isinstance(result, (list, EpisodeFailed)):

@@ -91,6 +91,7 @@ class PendingRequest:
     put_at: float  # when the agent asked (monotonic), for latency
     worker: int = -1
     epoch: int = 0
+    calls: list | None = None  # the episode's call log, when it is traced (rlsys/tracing.py)
 
 
 @dataclass
@@ -117,8 +118,9 @@ class EpisodeRouter:
         self.stats = RouterStats()
         self.server_restarts = ServerRestarts(bus)
 
-    async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> None:
-        """Sends one episode's requests, all to the worker that took its first, while that worker lives."""
+    async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue, calls: list | None = None) -> None:
+        """Sends one episode's requests, all to the worker that took its first, while that worker lives.
+        `calls`: if given, each answered request appends when it was sent, how long it took and its sizes."""
         worker = None
         while True:
             qid, token_ids, gconfig = await obs_queue.get()
@@ -127,7 +129,7 @@ class EpisodeRouter:
                 worker = await self.live_worker()
             rid = uuid.uuid4().hex  # agents may reuse a qid across turns; request ids never repeat
             message = GenerationRequest(rid, list(token_ids), gconfig, self.reply_queue).to_message()
-            pending = self.waiting[rid] = PendingRequest(qid, act_queue, message, put_at)
+            pending = self.waiting[rid] = PendingRequest(qid, act_queue, message, put_at, calls=calls)
             await self.send(pending, worker)
 
     async def live_worker(self) -> int:
@@ -155,8 +157,13 @@ class EpisodeRouter:
                 pending = self.waiting.pop(output.qid, None)
                 if pending is None:
                     continue  # a duplicate of a re-sent request, or the episode was cancelled
-                self.stats.latencies.append(time.monotonic() - pending.put_at)
+                latency = time.monotonic() - pending.put_at
+                self.stats.latencies.append(latency)
                 output.qid = pending.qid
+                if pending.calls is not None:
+                    pending.calls.append({"qid": pending.qid, "sent": time.time() - latency, "seconds": latency,
+                                          "worker": pending.worker, "prompt_tokens": len(output.prompt_ids),
+                                          "output_tokens": [len(ids) for ids in output.output_ids]})
                 pending.act_queue.put_nowait(output)
 
     async def watch_workers(self) -> None:

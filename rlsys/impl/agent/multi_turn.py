@@ -257,8 +257,12 @@ class MultiTurnAgent(Agent):
         finally:
             await asyncio.gather(*(f.close() for f in forks), return_exceptions=True)
         if self.strategy.single_turn_samples and self.gconfig.temperature > 0:
-            return [s for t in transcripts for s in t.single_turn_samples(prompt.qid, self.turn_discount)]
-        return [t.trajectory(prompt.qid, self.turn_discount) for t in transcripts]
+            trajectories = [s for t in transcripts for s in t.single_turn_samples(prompt.qid, self.turn_discount)]
+        else:
+            trajectories = [t.trajectory(prompt.qid, self.turn_discount) for t in transcripts]
+        for t in trajectories:  # the episode's count, on each of its trajectories (the learner logs the mean)
+            t.metrics["prefix_breaks"] = float(model.prefix.breaks)
+        return trajectories
 
     async def _play(self, ask, prompt: Prompt, transcript: Transcript, env: EnvironmentService,
                     out: GenerationOutput, sample: int, turn: int, fork) -> list[Transcript]:

@@ -75,7 +75,10 @@ class ToolCallingAgent(Agent):
                              "or set tool_instructions=false")
         async with ModelClient(obs_queue, act_queue) as model:
             chains = [self.run_chain(chain, prompt, prompt_ids, env, model) for chain in range(self.gconfig.n)]
-            return list(await asyncio.gather(*chains))
+            trajectories = list(await asyncio.gather(*chains))
+        for t in trajectories:  # the episode's count, on each of its trajectories (the learner logs the mean)
+            t.metrics["prefix_breaks"] = float(model.prefix.breaks)
+        return trajectories
 
     def prompt_ids(self, prompt: Prompt, instructions: str | None) -> list[int]:
         """The row's prompt, after a system message with the environment's instructions if there are any."""

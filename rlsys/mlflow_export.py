@@ -1,0 +1,90 @@
+"""Exports a run's traces to MLflow Tracing (and its learner metrics to an MLflow run), so that
+`mlflow ui --backend-store-uri <uri>` shows each episode as a trace: the episode, its trajectories, each
+model call (LLM span, with the context it saw and what it answered) and each tool call (TOOL span).
+
+It runs once, at the end of the run, from the files in `<run dir>/traces`: nothing of MLflow is on the
+rollout path.
+"""
+
+import logging
+from pathlib import Path
+
+from rlsys.metrics import read_jsonl_metrics
+from rlsys.tracing import read_traces
+
+log = logging.getLogger(__name__)
+NS = 1_000_000_000
+
+
+def default_tracking_uri(run_dir: Path) -> str:
+    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+
+
+def _turn_times(episode: dict, n_turns: int) -> list[tuple[float, float]]:
+    """(start, end) of each model turn: the recorded calls when there is one per turn, else equal slices."""
+    calls = sorted(episode["calls"], key=lambda c: c["sent"])
+    if len(calls) == n_turns:
+        return [(c["sent"], c["sent"] + c["seconds"]) for c in calls]
+    width = episode["seconds"] / max(n_turns, 1)
+    return [(episode["started"] + k * width, episode["started"] + (k + 1) * width) for k in range(n_turns)]
+
+
+def _export_episode(mlflow, episode: dict, experiment_id: str) -> None:
+    from mlflow.entities import SpanType
+
+    prompt = next((m["text"] for t in episode["trajectories"] for m in t["messages"] if m["role"] == "prompt"), "")
+    root = mlflow.start_span_no_context(
+        f"episode {episode['episode_id']}", span_type=SpanType.AGENT, inputs={"prompt": prompt},
+        attributes={"tag": episode["tag"], "model_calls": len(episode["calls"])},
+        experiment_id=experiment_id, start_time_ns=int(episode["started"] * NS))
+    for t in episode["trajectories"]:
+        chain = mlflow.start_span_no_context(
+            f"trajectory {t['traj_id'][:8]}", span_type=SpanType.CHAIN, parent_span=root,
+            attributes={k: v for k, v in (("stop_reason", t["stop_reason"]), ("void", t["void"]),
+                                          ("versions", str(t["versions"])), ("tokens", t["tokens"]),
+                                          ("trained_step", t.get("trained", {}).get("step")),
+                                          ("advantage", t.get("trained", {}).get("advantage"))) if v is not None},
+            start_time_ns=int(episode["started"] * NS))
+        turns = [m for m in t["messages"] if m["role"] == "assistant"]
+        times = iter(_turn_times(episode, len(turns)))
+        context: list[dict] = []
+        for i, message in enumerate(t["messages"]):
+            if message["role"] != "assistant":
+                context.append({"role": message["role"], "content": message["text"]})
+                continue
+            start, end = next(times)
+            llm = mlflow.start_span_no_context(
+                f"model turn {message['turn'] + 1}", span_type=SpanType.LLM, parent_span=chain,
+                inputs={"messages": list(context)},
+                attributes={"tokens": message["tokens"], "versions": str(message["versions"]),
+                            "reward": message["reward"], "logprob_mean": message["logprob_mean"]},
+                start_time_ns=int(start * NS))
+            llm.end(outputs={"content": message["text"], "reward": message["reward"]}, end_time_ns=int(end * NS))
+            results = [m["text"] for m in t["messages"][i + 1:i + 2] if m["role"] == "tool"]
+            for call in message["tool_calls"]:
+                tool = mlflow.start_span_no_context(call.get("name", "undecodable call"), span_type=SpanType.TOOL,
+                                                    parent_span=chain, inputs=call, start_time_ns=int(end * NS))
+                tool.end(outputs={"response": results[0] if results else None}, end_time_ns=int(end * NS) + 1)
+            context.append({"role": "assistant", "content": message["text"]})
+        chain.end(outputs={"reward": t["reward"], "turn_rewards": t["turn_rewards"]},
+                  end_time_ns=int(episode["ended"] * NS))
+    root.end(outputs={"rewards": [t["reward"] for t in episode["trajectories"]], "failure": episode["failure"]},
+             end_time_ns=int(episode["ended"] * NS))
+
+
+def export_run(run_dir: Path, tracking_uri: str = "", logging_dir: Path | None = None) -> str:
+    """Learner metrics into an MLflow run and every trace into its experiment; returns the tracking URI."""
+    import mlflow
+
+    run_dir = Path(run_dir)
+    uri = tracking_uri or default_tracking_uri(run_dir)
+    mlflow.set_tracking_uri(uri)
+    experiment = mlflow.set_experiment(f"{run_dir.parent.name}/{run_dir.name}")
+    metrics_file = Path(logging_dir or run_dir / "logs") / "learner.jsonl"
+    with mlflow.start_run(run_name=run_dir.name):
+        for row in read_jsonl_metrics(metrics_file) if metrics_file.exists() else []:
+            mlflow.log_metrics({k.replace("/", "."): float(v) for k, v in row.items()
+                                if k not in ("step", "time") and isinstance(v, (int, float))}, step=row["step"])
+        for episode in read_traces(run_dir):
+            _export_episode(mlflow, episode, experiment.experiment_id)
+    return uri

@@ -1,0 +1,231 @@
+"""The run report: `<run dir>/summary.html`, one self-contained file (figures inline as SVG, frames as data
+URIs) with the reward and held-out accuracy curves, where the time went, the prompt accounting, the
+correctness alarms, and a few traces and frames. Written at the end of every run; for any run directory:
+
+    python3 -m rlsys.report runs/<experiment>/<trial>
+"""
+
+import base64
+import html
+import io
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from rlsys import accounting
+from rlsys.metrics import read_jsonl_metrics
+from rlsys.tracing import TRACES_DIR, read_traces
+
+REPORT_FILE = "summary.html"
+TRACES_SHOWN = 4
+FRAMES_SHOWN = 4
+TIME_KEYS = ("time/wait_data", "time/compute", "time/publish")
+
+STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px;color:#222}
+h1{font-size:1.5em} h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em}
+table{border-collapse:collapse} td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left}
+.msg{border-left:4px solid #aaa;margin:.4em 0;padding:.2em .6em;white-space:pre-wrap;font-family:monospace}
+.assistant{border-color:#3366cc}.tool{border-color:#2a9d4b}.user,.prompt{border-color:#999}
+.call{background:#eef7ee;padding:.1em .4em} .meta{color:#666;font-size:.9em} .warn{color:#b00}
+figure{display:inline-block;margin:.5em} img{border:1px solid #ccc;max-width:100%}"""
+
+
+def _run_paths(run_dir: Path) -> Path:
+    """The run's metrics directory (config.yaml's logging_dir, else <run dir>/logs)."""
+    config_file = run_dir / "config.yaml"
+    if config_file.exists():
+        logging_dir = (yaml.safe_load(config_file.read_text()) or {}).get("logging_dir")
+        if logging_dir:
+            return Path(logging_dir)
+    return run_dir / "logs"
+
+
+def _rows(path: Path) -> list[dict]:
+    return read_jsonl_metrics(path) if path.exists() else []
+
+
+def _svg(fig) -> str:
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg", bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    svg = buffer.getvalue()
+    return svg[svg.index("<svg"):]
+
+
+def _curve(series: dict[str, tuple[list, list]], title: str, ylabel: str, xlabel: str = "step") -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.2))
+    for label, (x, y) in series.items():
+        ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3, label=label)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    return _svg(fig)
+
+
+def _series(rows: list[dict], key: str) -> tuple[list, list]:
+    points = [(r["step"], r[key]) for r in rows if key in r]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _figures(learner: list[dict], rollout: list[dict]) -> list[tuple[str, str]]:
+    """(id, svg) of every curve the run has data for."""
+    figures = []
+    if learner:
+        reward = {"reward (train, mean)": _series(learner, "reward")}
+        figures.append(("reward-curve", _curve(reward, "Training reward", "reward")))
+    evals = _series(rollout, "eval/accuracy")
+    if evals[0]:
+        figures.append(("accuracy-curve", _curve({"held-out accuracy": evals}, "Held-out accuracy (greedy)",
+                                                 "accuracy", "version")))
+    times = {key.removeprefix("time/"): _series(learner, key) for key in TIME_KEYS if any(key in r for r in learner)}
+    if times:
+        figures.append(("time-curve", _curve(times, "Time per step", "seconds")))
+    alarms = {key.removeprefix("alarms/"): _series(learner, key)
+              for key in ("alarms/logprob_abs_diff_mean", "alarms/logprob_abs_diff_max", "alarms/logprob_kl")
+              if any(key in r for r in learner)}
+    if alarms:
+        figures.append(("logprob-curve", _curve(alarms, "Inference vs learner logprobs", "nats")))
+    return figures
+
+
+def _table(rows: list[tuple[str, object]]) -> str:
+    return "<table>" + "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+                               for k, v in rows) + "</table>"
+
+
+def _time_split(learner: list[dict]) -> list[tuple[str, str]]:
+    totals = {key: sum(r.get(key, 0.0) for r in learner) for key in TIME_KEYS}
+    whole = sum(totals.values()) or 1.0
+    return [(key.removeprefix("time/"), f"{seconds:.1f} s ({100 * seconds / whole:.0f}%)") for key, seconds in totals.items()]
+
+
+def _alarm_rows(learner: list[dict], summary: dict) -> list[tuple[str, str]]:
+    def worst(key):
+        values = [r[key] for r in learner if key in r]
+        return f"{max(values):.4g}" if values else "n/a"
+
+    breaks = [r["agent/prefix_breaks"] for r in learner if "agent/prefix_breaks" in r]
+    return [("logprob |diff| mean (worst step)", worst("alarms/logprob_abs_diff_mean")),
+            ("logprob |diff| max (worst step)", worst("alarms/logprob_abs_diff_max")),
+            ("logprob KL (worst step)", worst("alarms/logprob_kl")),
+            ("weight updates verified by checksum", summary.get("weight_checks", "n/a")),
+            ("token-prefix breaks per trajectory (worst step)", f"{max(breaks):g}" if breaks else "n/a (single-turn)")]
+
+
+def _message_html(message: dict) -> str:
+    meta = f"{message['role']} · {message['tokens']} tokens"
+    if message["role"] == "assistant":
+        meta += f" · versions {message['versions']} · reward {message['reward']} · mean logprob {message['logprob_mean']:.3f}"
+    calls = "".join(f"<div class='call'>tool call: {html.escape(json.dumps(call))}</div>"
+                    for call in message.get("tool_calls", []))
+    return (f"<div class='msg {message['role']}'><div class='meta'>{html.escape(meta)}</div>"
+            f"{html.escape(message['text'])}{calls}</div>")
+
+
+def _trace_html(episode: dict) -> str:
+    parts = [f"<details class='trace' open><summary>{html.escape(episode['tag'])} episode "
+             f"<b>{html.escape(episode['episode_id'])}</b> · {episode['seconds']:.2f} s · "
+             f"{len(episode['calls'])} model calls</summary>"]
+    if episode["failure"]:
+        parts.append(f"<p class='warn'>failed ({html.escape(episode['failure']['reason'])}): "
+                     f"{html.escape(episode['failure']['detail'])}</p>")
+    for t in episode["trajectories"][:2]:
+        trained = t.get("trained")
+        parts.append(f"<p class='meta'>trajectory {t['traj_id'][:8]} · reward {t['reward']:g} · stop {t['stop_reason']}"
+                     f" · {t['generated_tokens']} generated tokens · versions {t['versions']}"
+                     + (f" · trained at step {trained['step']}, advantage {trained['advantage']:.3f}" if trained else "")
+                     + "</p>")
+        parts += [_message_html(m) for m in t["messages"]]
+    if len(episode["trajectories"]) > 2:
+        parts.append(f"<p class='meta'>and {len(episode['trajectories']) - 2} more trajectories in the trace file</p>")
+    return "".join(parts) + "</details>"
+
+
+def _chosen_traces(episodes: list[dict]) -> list[dict]:
+    """A few to look at: traced training episodes that were trained (the best and worst), any with tool
+    calls, a failed one, and an evaluation episode."""
+    train = [e for e in episodes if e["tag"] == "train" and e["trajectories"]]
+    trained = [e for e in train if any("trained" in t for t in e["trajectories"])] or train
+    by_reward = sorted(trained, key=lambda e: max(t["reward"] for t in e["trajectories"]))
+    with_tools = [e for e in episodes if any(m.get("tool_calls") for t in e["trajectories"] for m in t["messages"])]
+    failed = [e for e in episodes if e["failure"]]
+    evals = [e for e in episodes if e["tag"] != "train"]
+    chosen = []
+    for e in with_tools[:1] + by_reward[-1:] + by_reward[:1] + failed[:1] + evals[-1:]:
+        if all(e is not c for c in chosen):
+            chosen.append(e)
+    return chosen[:TRACES_SHOWN]
+
+
+def _frames_html(run_dir: Path, frame_files: list[Path]) -> str:
+    parts = []
+    for path in frame_files[:FRAMES_SHOWN]:
+        data = base64.b64encode(path.read_bytes()).decode()
+        rel = path.relative_to(run_dir) if path.is_relative_to(run_dir) else path
+        parts.append(f"<figure><a href='{html.escape(str(rel))}'><img alt='{html.escape(path.name)}' "
+                     f"src='data:image/png;base64,{data}'></a><figcaption>{html.escape(path.name)}</figcaption></figure>")
+    return "".join(parts)
+
+
+def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
+    """Writes `<run dir>/summary.html` from what the run left in its directory; returns its path."""
+    run_dir = Path(run_dir)
+    logs = _run_paths(run_dir)
+    learner = _rows(logs / "learner.jsonl")
+    rollout = [r for path in sorted(logs.glob("rollout*.jsonl")) for r in _rows(path)]
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    episodes = read_traces(run_dir)
+    frames_dir = frames_dir or run_dir / "frames"
+    frame_files = sorted(frames_dir.glob("*.png")) if frames_dir.exists() else []
+
+    title = f"rlsys run {run_dir.parent.name}/{run_dir.name}"
+    before, after = summary.get("initial_accuracy"), summary.get("final_accuracy")
+    headline = [("steps", len(learner)), ("minutes", f"{summary['minutes']:.1f}" if "minutes" in summary else "n/a"),
+                ("held-out accuracy before", f"{100 * before:.1f}%" if before is not None else "n/a"),
+                ("held-out accuracy after", f"{100 * after:.1f}%" if after is not None else "n/a"),
+                ("restarts", summary.get("restarts", {}) or "none"), ("dead letters", summary.get("dead_letters", 0))]
+    prompts = summary.get("prompts")
+    body = [f"<h1>{html.escape(title)}</h1>", _table(headline),
+            "<h2>Curves</h2><section id='curves'>"]
+    body += [f"<figure id='{fid}'>{svg}</figure>" for fid, svg in _figures(learner, rollout)]
+    body.append("</section><h2>Where the time went (learner)</h2>" + _table(_time_split(learner)))
+    body.append("<h2>Prompt accounting</h2>")
+    body.append(f"<p id='accounting'>{html.escape(accounting.describe(prompts))}</p>" if prompts
+                else "<p>no summary.json: the run did not finish</p>")
+    body.append("<h2>Correctness alarms</h2>" + _table(_alarm_rows(learner, summary)))
+    trace_files = sorted((run_dir / TRACES_DIR).glob("*.jsonl")) if (run_dir / TRACES_DIR).exists() else []
+    body.append(f"<h2>Traces</h2><p>{len(episodes)} episodes recorded: "
+                + ", ".join(f"<a href='{TRACES_DIR}/{p.name}'>{p.name}</a>" for p in trace_files) + "</p>")
+    body += [_trace_html(e) for e in _chosen_traces(episodes)]
+    if frame_files:
+        body.append(f"<h2>Frames</h2><p>{len(frame_files)} episodes in <a href='{html.escape(str(frames_dir))}'>"
+                    f"{html.escape(str(frames_dir))}</a></p>" + _frames_html(run_dir, frame_files))
+    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body>{''.join(body)}</body></html>")
+    path = run_dir / REPORT_FILE
+    path.write_text(page)
+    return path
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not Path(argv[0]).is_dir():
+        print("usage: python3 -m rlsys.report RUN_DIR", file=sys.stderr)
+        return 2
+    print(build_report(Path(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

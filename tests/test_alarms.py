@@ -1,0 +1,187 @@
+"""Correctness alarms: the weight checksum after a sync, logprob agreement between inference and learner,
+token-prefix continuity of multi-turn episodes, and truncated importance sampling."""
+
+import asyncio
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from experiments.common import InferenceConfig
+from rlsys import protocol
+from rlsys.alarms import LogprobCheck, PrefixCheck, check_logprob_mismatch
+from rlsys.algorithms.importance import truncated_importance_weights
+from rlsys.api import GenerationConfig, GenerationOutput
+from rlsys.bus import InProcessBus
+from rlsys.engine.generation import GenerationEngine
+from rlsys.engine.transformers_engine import TransformersBackend
+from rlsys.engine.weights import WEIGHTS_FILE, write_weight_update
+from rlsys.impl.agent.model_client import ModelClient
+from rlsys.supervisor import RunCannotGoOn
+from rlsys.weight_checksum import WeightChecksumMismatch, weights_checksum
+from rlsys.workers.inference_worker import InferenceWorker
+from rlsys.workers.learner import Learner
+from tests.helpers import save_random_tiny_model
+from tests.test_learner import BAD, GOOD, learner_config, trajectory
+
+
+def publish(bus, model, directory, version, dtype="float32") -> None:
+    """What the learner publishes: the file, and the checksum of the weights it trained."""
+    write_weight_update(model, directory)
+    bus.set(protocol.WEIGHTS, {"version": version, "path": str(directory), "dtype": dtype,
+                               "checksum": weights_checksum(model.state_dict(), dtype)})
+
+
+def test_inference_worker_that_loads_other_weights_than_published_stops_the_run(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = save_random_tiny_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    bus = InProcessBus()
+    worker = InferenceWorker(GenerationEngine(TransformersBackend(str(path), InferenceConfig(engine="transformers"), 0)),
+                             bus, 3, max_batch_requests=8)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    publish(bus, model, tmp_path / "weights" / "v1", 1)
+    worker.load_newest_weights()  # the same weights: verified and counted
+    assert worker.engine.version == 1 and bus.get(protocol.WEIGHT_CHECKS) == 1
+
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    publish(bus, model, tmp_path / "weights" / "v2", 2)
+    file = tmp_path / "weights" / "v2" / WEIGHTS_FILE
+    tensors = load_file(file)
+    name = sorted(tensors)[-1]
+    tensors[name][0] += 1e-3  # one tensor changed on its way to the engine
+    save_file(tensors, file)
+    with pytest.raises(WeightChecksumMismatch, match="inference worker 3 loaded version 2") as raised:
+        worker.load_newest_weights()
+    assert isinstance(raised.value, RunCannotGoOn) and raised.value.version == 2
+    assert bus.get(protocol.WEIGHT_CHECKS) == 1
+
+
+def test_checksum_sees_names_shapes_dtypes_and_single_bits():
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4)}
+    reference = weights_checksum(tensors)
+    assert weights_checksum(dict(reversed(tensors.items()))) == reference  # order of the dict does not matter
+    changed = {**tensors, "b": tensors["b"].clone()}
+    changed["b"].view(torch.int32)[2] ^= 1  # one bit of one value
+    assert weights_checksum(changed) != reference
+    assert weights_checksum({**tensors, "a": tensors["a"].reshape(3, 2)}) != reference
+    assert weights_checksum({"c": tensors["a"], "b": tensors["b"]}) != reference
+    assert weights_checksum(tensors, "bfloat16") == weights_checksum({k: v.bfloat16() for k, v in tensors.items()})
+    assert weights_checksum(tensors, "bfloat16") != reference
+
+
+class EchoModel:
+    """Answers every request of an episode with two fixed tokens; a test double for the inference side."""
+
+    def __init__(self, obs_queue, act_queue):
+        self.obs_queue, self.act_queue = obs_queue, act_queue
+
+    async def serve(self):
+        while True:
+            qid, token_ids, gconfig = await self.obs_queue.get()
+            await self.act_queue.put(GenerationOutput(qid=qid, prompt_ids=token_ids, output_ids=[[7, 8]], logprobs=[[-1.0, -1.0]],
+                                                      versions=[[0, 0]], stop_reasons=["stop"]))
+
+
+def test_a_turn_that_breaks_the_token_prefix_is_counted_and_warned(caplog):
+    async def episode() -> int:
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+        server = asyncio.create_task(EchoModel(obs_queue, act_queue).serve())
+        g = GenerationConfig(n=1)
+        async with asyncio.timeout(60), ModelClient(obs_queue, act_queue) as model:
+            await model.generate("ep-17/1", [1, 2, 3], g)
+            await model.generate("ep-17/2", [1, 2, 3, 7, 8, 4, 5], g)  # history kept, feedback appended: fine
+            await model.generate("ep-17/3", [1, 2, 3], g)  # another chain from the start: fine
+            await model.generate("ep-17/4", [1, 2, 3, 7, 9, 4, 5], g)  # the response re-tokenized: a break
+        server.cancel()
+        return model.prefix.breaks, model.prefix.requests
+
+    with caplog.at_level(logging.WARNING):
+        assert asyncio.run(episode()) == (1, 4)
+    (warning,) = [r for r in caplog.records if "prefix break" in r.getMessage()]
+    assert "episode ep-17" in warning.getMessage() and "ep-17/4" in warning.getMessage()
+
+
+def test_prefix_check_counts_every_break_of_a_longer_episode():
+    check = PrefixCheck()
+    check.request("e/1", [1, 2])
+    check.reply([1, 2], [[3], [4]])  # two samples: either may be continued
+    for qid, ids in [("e/2", [1, 2, 4, 9]), ("e/3", [1, 2, 5]), ("e/4", [2, 1, 3])]:
+        check.request(qid, ids)
+    assert (check.requests, check.breaks) == (4, 2)
+
+
+def test_logprob_check_compares_only_tokens_of_the_learner_s_version():
+    learner = torch.tensor([[-1.0, -2.0, -0.5, -3.0, 0.0]])
+    fields = {"behaviour_logprobs": torch.tensor([[-1.1, -1.7, -0.5, -9.0, 0.0]]),
+              "loss_mask": torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]]), "versions": torch.tensor([[4, 4, 4, 3, -1]])}
+    check = LogprobCheck(version=4)
+    check.observe(learner, fields)
+    check.seal()
+    check.observe(learner + 5, fields)  # after an update: ignored
+    stats = check.stats()
+    diffs = [0.1, 0.3, 0.0]  # the version-3 token is staleness, not a mismatch
+    log_r = torch.tensor([0.1, -0.3, 0.0])  # log pi_learner - log pi_inference
+    assert stats["alarms/logprob_tokens"] == 3
+    assert stats["alarms/logprob_abs_diff_mean"] == pytest.approx(sum(diffs) / 3, abs=1e-6)
+    assert stats["alarms/logprob_abs_diff_max"] == pytest.approx(0.3, abs=1e-6)
+    assert stats["alarms/logprob_kl"] == pytest.approx((log_r.exp() - 1 - log_r).mean().item(), abs=1e-6)
+
+
+def test_logprob_mismatch_warns_or_stops_above_the_threshold(caplog):
+    stats = {"alarms/logprob_abs_diff_mean": 0.6, "alarms/logprob_abs_diff_max": 2.0, "alarms/logprob_kl": 0.3}
+    with caplog.at_level(logging.WARNING):
+        check_logprob_mismatch(stats, 7, warn_at=1.0, stop=True)  # under the threshold: quiet
+        check_logprob_mismatch(stats, 7, warn_at=0.5, stop=False)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["step 7"]
+    with pytest.raises(RunCannotGoOn, match="stop_on_logprob_diff"):
+        check_logprob_mismatch(stats, 7, warn_at=0.5, stop=True)
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.4])
+def test_learner_reports_the_mismatch_of_what_inference_sampled(tmp_path, shift):
+    config = learner_config(tmp_path)
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    # Behaviour logprobs as the learner computes them, shifted: an engine that scores every token 0.4 lower.
+    stats = learner.train_step([trajectory(learner.model, GOOD, 1.0, shift), trajectory(learner.model, BAD, 0.0, shift)])
+    assert stats["alarms/logprob_tokens"] == len(GOOD) + len(BAD)
+    assert stats["alarms/logprob_abs_diff_mean"] == pytest.approx(shift, abs=1e-4)
+    assert stats["alarms/logprob_abs_diff_max"] == pytest.approx(shift, abs=1e-4)
+
+
+def test_truncated_importance_weights_match_a_plain_loop():
+    torch.manual_seed(0)
+    learner, inference = torch.randn(3, 7), torch.randn(3, 7)
+    mask = (torch.rand(3, 7) > 0.3).float()
+    weights = truncated_importance_weights(learner, inference, mask, cap=2.0)
+    import math
+    for i in range(3):
+        for j in range(7):
+            expected = min(math.exp(learner[i, j] - inference[i, j]), 2.0) if mask[i, j] else 0.0
+            assert weights[i, j].item() == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError):
+        truncated_importance_weights(learner, inference, mask, cap=1.0)
+
+
+def test_tis_cap_weights_the_learner_s_loss(tmp_path):
+    config = learner_config(tmp_path)
+    config.ppo.tis_cap = 1.2
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    batch = learner.prepare_batch([trajectory(learner.model, GOOD, 1.0, 0.5), trajectory(learner.model, BAD, 0.0, 0.5)])
+    masks = batch.fields["loss_mask"]
+    for weights, mask in zip(batch.fields["tis_weights"], masks):
+        # learner/inference = exp(0.5) = 1.65 on every generated token: truncated to the cap
+        assert torch.allclose(weights[mask > 0], torch.full_like(weights[mask > 0], 1.2))
+    plain = learner_config(tmp_path / "plain")
+    reference = Learner(plain, InProcessBus(), tmp_path / "run2")
+    reference.model.load_state_dict(learner.model.state_dict())
+    learner.mini_batch_gradients(batch)
+    reference.mini_batch_gradients(reference.prepare_batch(
+        [trajectory(learner.model, GOOD, 1.0, 0.0), trajectory(learner.model, BAD, 0.0, 0.0)]))
+    # At the recomputed logprobs the PPO ratio is 1 in both; every token's gradient is then times the cap.
+    for (name, p), q in zip(learner.model.named_parameters(), reference.model.parameters()):
+        assert torch.allclose(p.grad, 1.2 * q.grad, rtol=1e-4, atol=1e-7), name

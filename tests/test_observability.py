@@ -1,0 +1,191 @@
+"""What a person sees of a run: a short console, TensorBoard scalars, traces, the HTML report, and the
+traces in MLflow's UI, the last two opened in a real headless browser (Debian's chromium)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rlsys.api import Trajectory
+from rlsys.model.tokenizer import build_char_tokenizer
+from rlsys.tracing import TraceWriter, read_traces
+from tests.helpers import small_run_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+MAX_CONSOLE_LINES = 60
+
+
+@pytest.fixture(scope="module")
+def tiny_run(cache_dir, tmp_path_factory):
+    """A finished 4-step run with every episode traced and the traces exported to MLflow: (run dir, console)."""
+    out = tmp_path_factory.mktemp("observed")
+    args = small_run_overrides(cache_dir, out) + ["trial_name=t", "max_steps=4", "logging_steps=2",
+                                                   "trace.sample_rate=1.0", "trace.mlflow=true"]
+    proc = subprocess.run([sys.executable, str(ROOT / "training" / "main_async_ppo.py"), *args], cwd=out,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-3000:]
+    return out / "async-ppo-math" / "t", console
+
+
+def test_console_shows_progress_and_result_and_sends_library_output_to_role_logs(tiny_run):
+    run_dir, console = tiny_run
+    lines = console.splitlines()
+    assert len(lines) < MAX_CONSOLE_LINES, console
+    assert any(line.startswith("step     4/4") for line in lines), console
+    assert any(line.startswith("held-out accuracy:") for line in lines) and any("report:" in line for line in lines)
+    assert "<role>.log" in console and "Loading" not in console  # vLLM's and transformers' bars are in the logs
+    inference_log = (run_dir / "logs" / "inference0.log").read_text()
+    assert "version 1" in inference_log or "vllm" in inference_log.lower()
+
+
+def test_tensorboard_files_hold_reward_and_accounting_scalars(tiny_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _ = tiny_run
+    learner = EventAccumulator(str(run_dir / "logs" / "tensorboard" / "learner"))
+    learner.Reload()
+    tags = set(learner.Tags()["scalars"])
+    assert {"reward", "prompts/admitted", "prompts/trained", "alarms/logprob_abs_diff_mean"} <= tags, tags
+    assert [e.step for e in learner.Scalars("reward")] == [1, 2, 3, 4]
+    assert learner.Scalars("prompts/trained")[-1].value == 4 * 16  # ppo.batch_size prompts per step
+    rollout = EventAccumulator(str(run_dir / "logs" / "tensorboard" / "rollout0"))
+    rollout.Reload()
+    assert "eval/accuracy" in rollout.Tags()["scalars"]
+
+
+def test_traces_follow_each_episode_from_the_model_calls_to_the_gradient(tiny_run):
+    run_dir, _ = tiny_run
+    episodes = read_traces(run_dir)
+    train = [e for e in episodes if e["tag"] == "train" and e["trajectories"]]
+    evals = [e for e in episodes if e["tag"] in ("initial", "final")]
+    assert len(evals) == 2 * 200  # every evaluation episode, before and after
+    trained = [t for e in train for t in e["trajectories"] if "trained" in t]
+    assert len(trained) == 4 * 16 * 8  # every trajectory of every step (sample rate 1), with its step
+    assert {t["trained"]["step"] for t in trained} == {1, 2, 3, 4}
+    episode = train[0]
+    assert episode["calls"] and episode["calls"][0]["seconds"] > 0 and episode["calls"][0]["output_tokens"]
+    t = episode["trajectories"][0]
+    assert [m["role"] for m in t["messages"]] == ["prompt", "assistant"] and t["messages"][0]["text"].endswith("=")
+    assert t["messages"][1]["tokens"] == t["generated_tokens"] and t["messages"][1]["reward"] == t["reward"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["weight_checks"] >= 4  # every update verified by checksum
+
+
+def chromium(*args: str, timeout: float = 120) -> str:
+    proc = subprocess.run([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                           "--hide-scrollbars", *args], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is installed by scripts/install.sh")
+
+
+@needs_chromium
+def test_report_opens_in_a_browser_with_curves_accounting_and_traces(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    url = (run_dir / "summary.html").as_uri()
+    dom = chromium("--dump-dom", url)
+    for figure in ("reward-curve", "accuracy-curve", "time-curve", "logprob-curve"):
+        assert f'id="{figure}"><svg' in dom, figure
+    assert "prompts: " in dom and " trained + " in dom and "weight updates verified by checksum" in dom
+    assert dom.count('class="trace"') >= 2
+    screenshot = run_dir / "summary.png"  # kept with the run, under pytest's tmp dir
+    chromium(f"--screenshot={screenshot}", "--window-size=1200,2400", url)
+    assert screenshot.stat().st_size > 20_000
+
+
+def tool_episode(run_dir: Path, tokenizer_dir: Path) -> None:
+    """One traced episode of a tool-using agent: a calculator call, its result, then the answer."""
+    tokenizer = build_char_tokenizer()
+    parts = [("What is 12*34?\n", 0),
+             ('<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>', 1),
+             ("<tool_response>408</tool_response>\n", 0), ("<answer>408</answer>", 1)]
+    ids, mask, ends = [], [], []
+    for text, generated in parts:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+        mask += [generated] * (len(ids) - len(mask))
+        if generated:
+            ends.append(len(ids))
+    t = Trajectory(token_ids=ids, loss_mask=mask, logprobs=[-0.5 * m for m in mask], versions=[m - 1 for m in mask],
+                   turn_ends=ends, turn_rewards=[0.0, 1.0], reward=1.0, group_id="train-0-7", stop_reason="stop")
+    writer = TraceWriter(run_dir, "rollout0", tokenizer, sample_rate=1.0)
+    started = time.time() - 2
+    writer.record("train-0-7", "train", started, [t], None,
+                  [{"qid": "train-0-7/1", "sent": started, "seconds": 0.5, "worker": 0, "prompt_tokens": 15,
+                    "output_tokens": [70]}, {"qid": "train-0-7/2", "sent": started + 1, "seconds": 0.4, "worker": 0,
+                                             "prompt_tokens": 120, "output_tokens": [20]}])
+    writer.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_chromium
+def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_dir):
+    import mlflow
+
+    from rlsys.mlflow_export import export_run
+
+    run_dir = tmp_path / "tools-experiment" / "t"
+    tool_episode(run_dir, tokenizer_dir)
+    assert read_traces(run_dir)[0]["trajectories"][0]["messages"][1]["tool_calls"] == [
+        {"name": "calculator", "arguments": {"expression": "12*34"}}]
+    uri = export_run(run_dir)
+    mlflow.set_tracking_uri(uri)
+    (trace,) = mlflow.search_traces(locations=[mlflow.get_experiment_by_name("tools-experiment/t").experiment_id],
+                                    return_type="list")
+    assert [s.name for s in trace.data.spans if s.span_type == "TOOL"] == ["calculator"]
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+                time.sleep(0.5)
+        experiment_id = mlflow.get_experiment_by_name("tools-experiment/t").experiment_id
+        url = (f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/traces"
+               f"?selectedEvaluationId={trace.info.trace_id}")
+        dom = chromium("--dump-dom", "--virtual-time-budget=30000", url, timeout=180)
+        assert "episode train-0-7" in dom and "calculator" in dom, dom[-3000:]
+        screenshot = tmp_path / "mlflow-trace.png"
+        chromium(f"--screenshot={screenshot}", "--window-size=1400,900", "--virtual-time-budget=30000", url,
+                 timeout=180)
+        assert screenshot.stat().st_size > 10_000
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def test_frames_show_each_board_with_its_move_and_reward(tmp_path):
+    from PIL import Image
+
+    from rlsys.frames import render_episode
+
+    boards = ["S.\n.G", ".S\n.G", "..\n.S"]
+    messages = [{"role": "prompt", "text": boards[0]}, {"role": "assistant", "text": "R", "reward": 0.0},
+                {"role": "user", "text": boards[1]}, {"role": "assistant", "text": "D", "reward": 1.0},
+                {"role": "user", "text": boards[2]}]
+    record = {"tag": "train", "episode_id": "train-0-3", "trajectories": [{"messages": messages, "reward": 1.0}]}
+    png, gif = render_episode(record, tmp_path / "frames")
+    strip, animation = Image.open(png), Image.open(gif)
+    assert animation.n_frames == 3  # two moves and the board after the last
+    assert strip.width > 2.5 * animation.width / 1.5 and strip.height == animation.height
