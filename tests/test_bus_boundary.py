@@ -284,3 +284,15 @@ def test_a_bad_weights_message_is_set_aside_and_the_worker_keeps_its_weights(wei
         assert engine.version == 0 and bus.stream_length(protocol.DEAD_MESSAGES) == (weights is not None)
     else:
         assert engine.version == max(0, published.version)
+
+
+def test_published_weights_carry_their_checksum_and_dtype_together_or_not_at_all():
+    check = {"checksum": "0123456789abcdef" * 2, "dtype": "bfloat16"}
+    for where in ({"path": "/w/v3"}, {"chunks": 2, "bytes": 10, "sha256": "ab" * 32}):
+        message = {"version": 3, **where, **check}
+        assert parse_published_weights(message).to_message() == message
+        assert parse_published_weights({"version": 3, **where}).checksum == ""
+    for bad in ({"checksum": check["checksum"]}, {"dtype": "float32"}, {**check, "dtype": "int8"},
+                {**check, "checksum": "xyz"}, {**check, "checksum": check["checksum"] + "00"}):
+        with pytest.raises(InvalidMessage):
+            parse_published_weights({"version": 3, "path": "/w/v3", **bad})
