@@ -7,8 +7,8 @@ publishes a version (`weight_transport.publish`: serialise, write the file or th
 Redis, announce it) and a vLLM engine takes it (`WeightReceiver.directory`, then the engine's in-place
 reload). The time measured is from the start of publish to the moment the engine serves the new version,
 both sides in this one process, so the inference worker's polling interval (0.1 s) is not in it. Disk and bus
-runs alternate so that machine noise hits both alike. Learner tokens/s at 1 and 2 ranks: bench/learner_ranks.py.
-The last line is the headline.
+runs alternate so that machine noise hits both alike. Learner trained tokens/s at 1 and 2 ranks come from
+bench/learner_ranks.py (the tiny model's shape, 32 sequences of 10..500 tokens). The last line is the headline.
 """
 
 import argparse
@@ -23,7 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 from experiments.common import InferenceConfig  # noqa: E402
+from learner_ranks import learner_tokens_per_second  # noqa: E402
+from learner_throughput import save_model  # noqa: E402
 from rlsys import protocol  # noqa: E402
 from rlsys.bus import EmbeddedRedis, connect  # noqa: E402
 from rlsys.engine.generation import GenerationEngine  # noqa: E402
@@ -84,12 +88,16 @@ def main() -> None:
             del engine
             size_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
             rows.append({"model": name, "mb": size_mb, **{f"{t}_s": statistics.median(v) for t, v in times.items()}})
+        learner_model = save_model(Path(tmp) / "learner", hidden=256, layers=4)
+        ranks = {n: learner_tokens_per_second(n, learner_model, repeats=args.repeats) for n in (1, 2)}
     print(f"{'model':<22} {'MB':>7} {'disk s':>8} {'bus s':>8} {'bus/disk':>9}")
     for row in rows:
         print(f"{row['model']:<22} {row['mb']:>7.1f} {row['disk_s']:>8.3f} {row['bus_s']:>8.3f} "
               f"{row['bus_s'] / row['disk_s']:>9.2f}")
+    for n, rate in ranks.items():
+        print(f"learner trained tokens/s at {n} rank(s): {rate:.0f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows, "learner_tokens_per_second": ranks}, indent=2))
     big = rows[-1]
     print(f"ratio: publish-to-serving over the bus / over disk for {big['model']}: {big['bus_s'] / big['disk_s']:.2f} "
           f"({big['bus_s']:.2f} s vs {big['disk_s']:.2f} s, median of {args.repeats})")
