@@ -15,7 +15,7 @@ from rlsys.cli import ConfigError, parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.workers.env_per_row import env_for, with_env_type_metrics
-from rlsys.workers.learner import _mean_metrics
+from rlsys.training_step import mean_agent_metrics
 from tests.helpers import small_run_overrides
 
 
@@ -37,7 +37,7 @@ def test_metrics_per_environment_type_average_over_that_types_trajectories():
                           metrics={"success": float(reward == 1.0)})
     batch = with_env_type_metrics([trajectory(1.0), trajectory(0.0)], "frozen-lake") + \
         with_env_type_metrics([trajectory(0.5)] * 2, "sokoban")
-    metrics = _mean_metrics(batch)
+    metrics = mean_agent_metrics(batch)
     assert metrics["agent/frozen-lake/reward"] == 0.5 and metrics["agent/sokoban/reward"] == 0.5
     assert metrics["agent/frozen-lake/success"] == 0.5 and metrics["agent/sokoban/success"] == 0.0
     assert metrics["agent/success"] == 0.25  # over the whole batch, as before
