@@ -280,8 +280,6 @@ class ClusterConfig:
         check_at_least("cluster.", self, n_learner_ranks=1, learner_gpus=0, gpus_per_inference_worker=0)
         check_choice("cluster.", self, backend=BACKENDS, ray_placement_strategy=PLACEMENT_STRATEGIES,
                      weights_transport=WEIGHTS_TRANSPORTS)
-        if self.n_learner_ranks > 1:  # placement starts and places the ranks; the learner does not shard yet
-            raise ValueError("cluster.n_learner_ranks > 1 needs the sharded learner, which this build does not have")
         if self.learner_gpus % self.n_learner_ranks:
             raise ValueError(f"cluster.learner_gpus ({self.learner_gpus}) must split evenly over "
                              f"cluster.n_learner_ranks ({self.n_learner_ranks})")

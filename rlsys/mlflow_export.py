@@ -87,4 +87,5 @@ def export_run(run_dir: Path, tracking_uri: str = "", logging_dir: Path | None =
                                 if k not in ("step", "time") and isinstance(v, (int, float))}, step=row["step"])
         for episode in read_traces(run_dir):
             _export_episode(mlflow, episode, experiment.experiment_id)
+    mlflow.flush_trace_async_logging()  # MLflow writes traces on a background queue; they are all in once we return
     return uri

@@ -256,12 +256,15 @@ def check_learner_settings(settings, device: str) -> None:
 
 
 def mean_agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Averages of the agents' own per-trajectory metrics, prefixed so they never shadow learner stats."""
+    """Averages of the agents' own per-trajectory metrics, each over the trajectories that carry it (in a mixed
+    run, `<env>/...` keys over that environment's), prefixed so they never shadow learner stats."""
     sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for t in trajectories:
         for key, value in t.metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value)
-    return {f"agent/{key}": total / len(trajectories) for key, total in sums.items()}
+            counts[key] = counts.get(key, 0) + 1
+    return {f"agent/{key}": total / counts[key] for key, total in sums.items()}
 
 
 def batch_stats(trajectories: list[Trajectory], batch: SequenceBatch, version: int) -> dict[str, float]:

@@ -150,8 +150,8 @@ def test_retries_when_the_chosen_port_is_taken(tmp_path, monkeypatch):
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()
     taken = squatter.getsockname()[1]
-    ports = iter([taken, redis_server_module._free_port()])
-    monkeypatch.setattr(redis_server_module, "_free_port", lambda: next(ports))
+    ports = iter([taken, redis_server_module.free_port()])
+    monkeypatch.setattr(redis_server_module, "free_port", lambda host="127.0.0.1": next(ports))
     try:
         with EmbeddedRedis(tmp_path) as server:
             assert server.port != taken
