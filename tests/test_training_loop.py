@@ -45,15 +45,17 @@ def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
     assert left_behind(tmp_path, existing) == []
 
 
-@pytest.mark.parametrize("estimator", ["reinforce", "gae"])
-def test_other_estimators_train_in_the_full_loop(cache_dir, tmp_path, estimator):
+# REINFORCE's one baseline for the whole batch learns more slowly than a critic or a group baseline: in 24
+# steps its gain was at times no larger than the noise of 8 steps' sampled rewards (measured: -0.02 to +0.3).
+@pytest.mark.parametrize("estimator,n_steps", [("reinforce", 48), ("gae", 24)])
+def test_other_estimators_train_in_the_full_loop(cache_dir, tmp_path, estimator, n_steps):
     existing = child_pids()
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
-        "max_steps=24", f"ppo.adv_estimator={estimator}", "ppo.whiten_advantages=true", "eval_steps=0"])
+        f"max_steps={n_steps}", f"ppo.adv_estimator={estimator}", "ppo.whiten_advantages=true", "eval_steps=0"])
     launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
-    assert [s["step"] for s in steps] == list(range(1, 25))
-    first, last = steps[:8], steps[-8:]
+    assert [s["step"] for s in steps] == list(range(1, n_steps + 1))
+    first, last = steps[:n_steps // 3], steps[-(n_steps // 3):]
     assert sum(s["reward"] for s in last) > sum(s["reward"] for s in first), [round(s["reward"], 3) for s in steps]
     if estimator == "gae":
         # The critic learns: its estimates explain more of the returns at the end than at the start.
