@@ -14,6 +14,7 @@ from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import config_from_dict, config_to_dict, registry_name_of, save_config
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.placement import PlacementError, open_placement
+from rlsys.placement.cpu_threads import role_threads
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_message_bus
 from rlsys.run_privacy import PRIVATE_UMASK, make_private, write_private
@@ -80,7 +81,7 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, e
     import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
     import rlsys.impl.env  # noqa: F401
     config = config_from_dict(payload)
-    limit_threads(config.inference.num_threads if role == "inference" else 1)
+    limit_threads(role_threads(role, config))
     bus = connect(bus_url)
     try:
         _run(role, index, config, bus, run_dir)
