@@ -39,8 +39,8 @@ def varlen_causal_attention(module, query, key, value, attention_mask, scaling=N
     # a row of many short sequences (a group's samples) costs a few calls, not one per sequence.
     parts = [t.split(lengths, dim=2) for t in (query, key, value)]
     outputs: list[torch.Tensor | None] = [None] * len(lengths)
-    for n, members in same_length_groups(lengths).items():
-        q, k, v = (torch.cat([p[i] for i in members]) for p in parts)  # [len(members) * B, H, n, D]
+    for members in same_length_groups(lengths).values():
+        q, k, v = (torch.cat([p[i] for i in members]) for p in parts)  # [len(members) * B, H, length, D]
         for i, out in zip(members, attend(q, k, v).split(query.shape[0])):
             outputs[i] = out
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
