@@ -40,7 +40,8 @@ def varlen_causal_attention(module, query, key, value, attention_mask, scaling=N
     parts = [t.split(lengths, dim=2) for t in (query, key, value)]
     outputs: list[torch.Tensor | None] = [None] * len(lengths)
     for members in same_length_groups(lengths).values():
-        q, k, v = (torch.cat([p[i] for i in members]) for p in parts)  # [len(members) * B, H, length, D]
+        # [len(members) * B, H, length, D]; a length of its own needs no copy
+        q, k, v = (p[members[0]] if len(members) == 1 else torch.cat([p[i] for i in members]) for p in parts)
         for i, out in zip(members, attend(q, k, v).split(query.shape[0])):
             outputs[i] = out
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
