@@ -14,12 +14,11 @@ over the synchronous setting (0).
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.launched_runs import launch, learner_rows, training_speed  # noqa: E402
+from bench.launched_runs import launch, learner_rows, parse_run_arguments, training_speed  # noqa: E402
 
 
 def accuracy_over_time(run_dir: Path) -> list[tuple[int, float, float]]:
@@ -32,16 +31,9 @@ def accuracy_over_time(run_dir: Path) -> list[tuple[int, float, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="learner steps per run")
     parser.add_argument("--eval-steps", type=int, default=10, help="held-out evaluation every this many steps")
-    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the throughput")
     parser.add_argument("--offpolicyness", default="0,1,2,4", help="max_head_offpolicyness values, comma-separated")
-    parser.add_argument("--out", default="bench/results/async_vs_sync.json")
-    parser.add_argument("--runs-dir", default="", help="where the runs are written (default: a temporary one)")
-    parser.add_argument("overrides", nargs="*", help="settings for every run, key=value")
-    args = parser.parse_args()
-    out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="async-vs-sync-")).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    args, out_dir = parse_run_arguments(parser, steps=40, out="bench/results/async_vs_sync.json")
     results = []
     for eta in [int(x) for x in args.offpolicyness.split(",")]:
         settings = [f"max_head_offpolicyness={eta}", f"max_steps={args.steps}", f"eval_steps={args.eval_steps}",

@@ -14,13 +14,12 @@ use 64 problems, so they take seconds. The last line is the headline ratios.
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from statistics import mean
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.launched_runs import ROOT, launch, learner_rows, training_speed  # noqa: E402
+from bench.launched_runs import ROOT, launch, learner_rows, parse_run_arguments, training_speed  # noqa: E402
 
 SETTINGS = {"async": 2, "sync": 0}  # name -> max_head_offpolicyness
 EVAL_PROBLEMS = 64
@@ -50,16 +49,9 @@ def run(name: str, offpolicyness: int, latency: float, args, out_dir: Path, eval
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=14, help="learner steps per run")
-    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the throughput")
     parser.add_argument("--latencies", default="0,0.5", help="env latencies (s), comma-separated; 0 first")
-    parser.add_argument("--out", default="bench/results/env_latency.json")
-    parser.add_argument("--runs-dir", default="", help="where the runs are written (default: a temporary one)")
-    parser.add_argument("overrides", nargs="*", help="settings for every run, key=value")
-    args = parser.parse_args()
+    args, out_dir = parse_run_arguments(parser, steps=14, out="bench/results/env_latency.json")
     latencies = [float(x) for x in args.latencies.split(",")]
-    out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="env-latency-")).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
     eval_path = held_out_subset(out_dir)
     results = []
     for i, latency in enumerate(latencies):

@@ -1,8 +1,10 @@
 """What the whole-run benchmarks share: start a real run (training/main_async_ppo.py) and read its speed back."""
 
+import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from statistics import mean
@@ -41,3 +43,16 @@ def training_speed(run_dir: Path, warmup: int) -> dict[str, float]:
             "learner_compute_s": mean(r["time/compute"] for r in window),
             "learner_wait_s": mean(r["time/wait_data"] for r in window),
             "staleness_mean": mean(r["staleness_mean"] for r in window)}
+
+
+def parse_run_arguments(parser: argparse.ArgumentParser, steps: int, out: str) -> tuple[argparse.Namespace, Path]:
+    """The arguments every whole-run benchmark takes, parsed; and the directory its runs are written to."""
+    parser.add_argument("--steps", type=int, default=steps, help="learner steps per run")
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the throughput")
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--runs-dir", default="", help="where the runs are written (default: a temporary one)")
+    parser.add_argument("overrides", nargs="*", help="settings for every run, key=value")
+    args = parser.parse_args()
+    out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix=Path(out).stem + "-")).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return args, out_dir
