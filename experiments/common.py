@@ -423,12 +423,15 @@ class LearnerConfig:
     """Recompute each decoder layer's activations in the backward pass: less memory, about a third more compute."""
     attn_implementation: str = "auto"
     """Learner attention: auto (rlsys_varlen for packed rows, sdpa for padded), sdpa, eager or flash_attention_2."""
+    num_threads: int = 0
+    """CPU threads of each learner rank (torch); 0: the cores the run's other roles leave (1 on 2 cores; see BENCHMARKS.md)."""
 
     def __post_init__(self):
         if self.dtype not in LEARNER_DTYPES:
             raise ValueError(f"learner.dtype must be one of {LEARNER_DTYPES}, got {self.dtype!r}")
         if self.attn_implementation not in ATTENTION:
             raise ValueError(f"learner.attn_implementation must be one of {ATTENTION}, got {self.attn_implementation!r}")
+        check_at_least("learner.", self, num_threads=0)
 
 
 @dataclass

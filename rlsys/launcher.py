@@ -15,6 +15,7 @@ from rlsys.console import role_output_to_file
 from rlsys.cli import config_from_dict, config_to_dict, registry_name_of, save_config
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.placement import PlacementError, open_placement
+from rlsys.placement.cpu_threads import role_threads
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_message_bus
 from rlsys.run_privacy import PRIVATE_UMASK, make_private, write_private
@@ -81,7 +82,7 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, e
     import rlsys.impl.env  # noqa: F401
     config = config_from_dict(payload)
     role_output_to_file(Path(config.logging_dir) / f"{role}{index}.log", f"{role}{index}")
-    limit_threads(config.inference.num_threads if role == "inference" else 1)
+    limit_threads(role_threads(role, config))
     bus = connect(bus_url)
     try:
         _run(role, index, config, bus, run_dir)

@@ -177,7 +177,8 @@ class PolicyTrainer:
         loss, stats = ppo_clip_loss(logp, old_logp, f["advantages"], f["loss_mask"], self.ppo.pg_clip,
                                     dual_clip=self.ppo.dual_clip or None, weights=weights, **decoupled)
         stats["policy_loss"] = loss.item()
-        entropy = (token_entropy(logits) * f["token_share"]).sum()
+        with torch.set_grad_enabled(bool(self.ppo.entropy_loss_coef)):  # a statistic only, unless it is in the loss
+            entropy = (token_entropy(logits) * f["token_share"]).sum()
         stats["entropy"] = entropy.item()
         if self.ppo.entropy_loss_coef:
             loss = loss - self.ppo.entropy_loss_coef * entropy

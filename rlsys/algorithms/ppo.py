@@ -12,7 +12,7 @@ def next_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits[:, :-1].float()
-    return logits / temperature
+    return logits if temperature == 1.0 else logits / temperature  # no [B, T, V] copy at the usual temperature
 
 
 def gather_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

