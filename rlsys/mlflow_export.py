@@ -79,7 +79,11 @@ def export_run(run_dir: Path, tracking_uri: str = "", logging_dir: Path | None =
     run_dir = Path(run_dir)
     uri = tracking_uri or default_tracking_uri(run_dir)
     mlflow.set_tracking_uri(uri)
-    experiment = mlflow.set_experiment(f"{run_dir.parent.name}/{run_dir.name}")
+    name = f"{run_dir.parent.name}/{run_dir.name}"
+    if mlflow.get_experiment_by_name(name) is None:  # its artifacts (the traces' spans) in the run directory too,
+        # not in ./mlruns of whatever directory the command ran in (MLflow's default beside a database store)
+        mlflow.create_experiment(name, artifact_location=(run_dir / "mlflow-artifacts").resolve().as_uri())
+    experiment = mlflow.set_experiment(name)
     metrics_file = Path(logging_dir or run_dir / "logs") / "learner.jsonl"
     with mlflow.start_run(run_name=run_dir.name):
         for row in read_jsonl_metrics(metrics_file) if metrics_file.exists() else []:

@@ -134,7 +134,7 @@ def free_port() -> int:
 
 
 @needs_chromium
-def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_dir):
+def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_dir, monkeypatch):
     import mlflow
 
     from rlsys.mlflow_export import export_run
@@ -143,7 +143,9 @@ def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_di
     tool_episode(run_dir, tokenizer_dir)
     assert read_traces(run_dir)[0]["trajectories"][0]["messages"][1]["tool_calls"] == [
         {"name": "calculator", "arguments": {"expression": "12*34"}}]
+    monkeypatch.chdir(tmp_path / "tools-experiment")
     uri = export_run(run_dir)
+    assert not Path("mlruns").exists() and (run_dir / "mlflow-artifacts").is_dir()  # the export stays in the run
     mlflow.set_tracking_uri(uri)
     (trace,) = mlflow.search_traces(locations=[mlflow.get_experiment_by_name("tools-experiment/t").experiment_id],
                                     return_type="list")
