@@ -1,5 +1,5 @@
 """Training through the OpenAI-compatible endpoint in the full loop (Redis, vLLM inference worker, rollout worker,
-learner) on the tiny model, with the real `openai` client. Every
+learner) on the tiny model: with the real `openai` client, and with the LangGraph ReAct example. Every
 trajectory is checked against what the engine sent back, call by call."""
 
 import json
@@ -44,13 +44,16 @@ def check_episode(record: dict) -> int:
     return checked
 
 
-@pytest.mark.parametrize("function", ["rlsys.impl.agent.openai_example:run"])
+@pytest.mark.parametrize("function", ["rlsys.impl.agent.openai_example:run", "rlsys.impl.agent.langgraph_example:run"])
 def test_trains_through_the_endpoint(cache_dir, tmp_path, function):
     record = tmp_path / "episodes.jsonl"
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         f"plugins=[{ROOT / 'tests' / 'endpoint_recording.py'}]", "experiment=recording-openai-agent",
         f"agent_function={function}", f"record_path={record}", f"max_steps={STEPS}", "eval_steps=0",
-        "ppo.batch_size=4", "group_size=4"])
+        "ppo.batch_size=4", "group_size=4",
+        # on-policy: each step's prompts wait for the version before, so later steps are sampled by updated
+        # weights (with 2 versions of slack, every prompt of 3 steps could be admitted, and sampled, at version 0)
+        "max_head_offpolicyness=0"])
     summary = launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
