@@ -145,8 +145,13 @@ def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_di
         {"name": "calculator", "arguments": {"expression": "12*34"}}]
     monkeypatch.chdir(tmp_path / "tools-experiment")
     uri = export_run(run_dir)
-    assert not Path("mlruns").exists() and (run_dir / "mlflow-artifacts").is_dir()  # the export stays in the run
+    # The export stays in the run directory: nothing lands in the working directory, and the experiment keeps
+    # its artifacts under the run. (Whether MLflow writes any artifact at all is its own race: its background
+    # queue stores the spans in the database when they arrive before the trace, else as an artifact.)
+    assert sorted(p.name for p in Path(".").iterdir()) == ["t"]
     mlflow.set_tracking_uri(uri)
+    assert mlflow.get_experiment_by_name("tools-experiment/t").artifact_location == \
+        (run_dir / "mlflow-artifacts").resolve().as_uri()
     (trace,) = mlflow.search_traces(locations=[mlflow.get_experiment_by_name("tools-experiment/t").experiment_id],
                                     return_type="list")
     assert [s.name for s in trace.data.spans if s.span_type == "TOOL"] == ["calculator"]
