@@ -4,7 +4,7 @@ from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.async_ppo_math_tools import AsyncPPOMATHToolsConfig
 from experiments.async_ppo_openai_agent import AsyncPPOOpenAIAgentConfig
 from experiments.async_ppo_multi_turn import AsyncPPOFrozenLakeConfig, AsyncPPOMathMultiTurnConfig, \
-    AsyncPPOSokobanConfig, AsyncPPOTextGameConfig
+    AsyncPPOSokobanConfig, AsyncPPOTextGameConfig, AsyncPPOTurnBasedConfig
 from experiments.async_ppo_mixed_games import AsyncPPOMixedGamesConfig
 from experiments.async_ppo_webshop import AsyncPPOWebShopConfig
 from experiments.common import AsyncRLExperimentConfig, PPOMATHConfig
@@ -12,4 +12,4 @@ from experiments.registry import EXPERIMENTS, register_experiment
 
 __all__ = ["AsyncPPOMATHConfig", "AsyncPPOMATHToolsConfig", "AsyncPPOMixedGamesConfig", "AsyncPPOFrozenLakeConfig",
            "AsyncPPOMathMultiTurnConfig", "AsyncPPOOpenAIAgentConfig", "AsyncPPOSokobanConfig", "AsyncPPOTextGameConfig",
-           "AsyncPPOWebShopConfig", "AsyncRLExperimentConfig", "PPOMATHConfig", "EXPERIMENTS", "register_experiment"]
+           "AsyncPPOTurnBasedConfig", "AsyncPPOWebShopConfig", "AsyncRLExperimentConfig", "PPOMATHConfig", "EXPERIMENTS", "register_experiment"]

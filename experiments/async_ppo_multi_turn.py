@@ -51,22 +51,47 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
 
 
 @dataclass
-class AsyncPPOTextGameConfig(AsyncPPOMATHConfig):
-    """A text game played by the `text-game` agent; subclasses name the env and its board options."""
+class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
+    """An environment played turn by turn by the `text-game` agent; subclasses name the env and how to walk it."""
+
+    max_turns: int = 8
+    """Actions per episode; the env truncates the episode after this many."""
+    invalid_action_penalty: float = 0.1
+    """Reward added (negated) for a response that is not a valid action; the state stays as it was."""
+    turn_discount: float = 1.0
+    """The episode reward is sum_k turn_discount**(k-1) * (reward of action k)."""
+    warm_start_hint: float = 0.25
+    """Tiny model: share of warm-start actions that are the expert's (the rest are random valid actions)."""
+    rollout: RolloutStrategy = field(default_factory=RolloutStrategy)
+    dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(num_train=2000, num_eval=200))
+
+    warm_start_tasks = WARM_START_PUZZLES  # training tasks walked for the warm start (class attributes,
+    walks = staticmethod(random_walks)     # not settings): walks(tokenizer, env, rows, turns, seed, hint)
+
+    @property
+    def agent(self) -> AgentAbstraction:
+        return multi_turn_agent(self, "text-game", max_turns=self.max_turns)
+
+    @property
+    def warm_start_settings(self) -> dict:
+        return {"hint": self.warm_start_hint, "max_turns": self.max_turns}
+
+    def warm_start_examples(self, tokenizer, train_rows: list[dict],
+                            eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
+        """Walks of valid actions, a share of them the expert's: the format and the rules; RL finds the goal."""
+        env, turns, hint, n = make_env(self.env), self.max_turns, self.warm_start_hint, self.warm_start_tasks
+        taught, _ = self.walks(tokenizer, env, train_rows[:n], turns, self.seed, hint)
+        _, checks = self.walks(tokenizer, env, eval_rows[:n // 10], turns, self.seed + 1, hint)
+        return taught, checks
+
+
+@dataclass
+class AsyncPPOTextGameConfig(AsyncPPOTurnBasedConfig):
+    """A text game (a board puzzle); subclasses name the env and its board options."""
 
     game_size: int = 4
     """Board side, in cells."""
-    max_turns: int = 8
-    """Moves per episode; the env truncates the episode after this many."""
-    invalid_action_penalty: float = 0.1
-    """Reward added (negated) for a response that is not a move; the board stays as it was."""
-    turn_discount: float = 1.0
-    """The episode reward is sum_k turn_discount**(k-1) * (reward of move k)."""
-    warm_start_hint: float = 0.25
-    """Tiny model: share of warm-start moves that follow a shortest solution (the rest are random valid moves)."""
-    rollout: RolloutStrategy = field(default_factory=RolloutStrategy)
     model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_accuracy=0.8))
-    dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(num_train=2000, num_eval=200))
     gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=4))
 
     env_name = ""  # the registered environment (a class attribute, not a setting)
@@ -85,28 +110,12 @@ class AsyncPPOTextGameConfig(AsyncPPOMATHConfig):
     def env(self) -> EnvServiceAbstraction:
         return EnvServiceAbstraction(self.env_name, args=self.env_args)
 
-    @property
-    def agent(self) -> AgentAbstraction:
-        return multi_turn_agent(self, "text-game", max_turns=self.max_turns)
-
     def generate_dataset(self, data_dir: Path) -> tuple[Path, Path]:
         """Distinct seeded puzzles, train and held-out disjoint; each row is one puzzle (its seed and options)."""
         d, options = self.dataset, self.board_options
         name = "-".join(f"{k}{v}" for k, v in options.items())
         directory = data_dir / f"{self.env_name}-{name}-seed{self.seed}-{d.num_train}-{d.num_eval}"
         return generate_game_dataset(directory, make_env(self.env), options, self.seed, d.num_train, d.num_eval)
-
-    @property
-    def warm_start_settings(self) -> dict:
-        return {"hint": self.warm_start_hint, "max_turns": self.max_turns}
-
-    def warm_start_examples(self, tokenizer, train_rows: list[dict],
-                            eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
-        """Walks of valid moves, mostly random: the tiny model learns the format and rules, RL finds the goal."""
-        env, turns, hint = make_env(self.env), self.max_turns, self.warm_start_hint
-        taught, _ = random_walks(tokenizer, env, train_rows[:WARM_START_PUZZLES], turns, self.seed, hint)
-        _, checks = random_walks(tokenizer, env, eval_rows[:WARM_START_PUZZLES // 10], turns, self.seed + 1, hint)
-        return taught, checks
 
 
 @dataclass
