@@ -30,12 +30,11 @@ staleness-gate slot back, so the run neither stalls nor loses count.
 
 import dataclasses
 import logging
-import math
 from collections.abc import Iterable
 
 from rlsys import accounting, protocol
 from rlsys.api import Trajectory
-from rlsys.api.messages import FLOAT32_MAX, INT32_MAX, MAX_ID_CHARS, InvalidMessage
+from rlsys.api.messages import INT32_MAX, InvalidMessage, boolean, integer, items, number, string, version
 from rlsys.bus import BusDecodeError, ServerRestarts, StreamEntry
 from rlsys.bus.base import encode
 
@@ -86,51 +85,36 @@ def _trajectory(d, group_id: str, index: int, vocab_size: int | None) -> Traject
         t = Trajectory.from_dict(d)
     except (TypeError, ValueError) as e:
         raise InvalidMessage(f"{where}: {e}", group_id) from None
-    problem = _trajectory_problem(t, vocab_size)
-    if problem:
-        raise InvalidMessage(f"{where}: {problem}", group_id)
+    try:
+        _check_trajectory(t, vocab_size)
+    except InvalidMessage as e:
+        raise InvalidMessage(f"{where}: {e}", group_id) from None
     return t
 
 
-def _trajectory_problem(t: Trajectory, vocab_size: int | None) -> str | None:
-    """What would make the learner fail or train on garbage: wrong types, NaN, numbers that overflow the
-    batch's int64/float32 tensors, tokens outside the vocabulary."""
+def _check_trajectory(t: Trajectory, vocab_size: int | None) -> None:
+    """Refuses what would make the learner fail or train on garbage: wrong types, NaN, numbers that overflow
+    the batch's int64/float32 tensors, tokens outside the vocabulary."""
+    vocabulary = f" (vocabulary of {vocab_size})" if vocab_size else ""
     max_token = (vocab_size or INT32_MAX + 1) - 1
-    checks = [
-        ("token_ids", t.token_ids, lambda x: type(x) is int and 0 <= x <= max_token),
-        ("loss_mask", t.loss_mask, lambda x: x in (0, 1) and type(x) is int),
-        ("logprobs", t.logprobs, _finite),
-        ("versions", t.versions, lambda x: type(x) is int and -1 <= x <= INT32_MAX),
-        # a turn's reward sits on its last token, which is predicted from the one before: ends from 2 on
-        ("turn_ends", t.turn_ends, lambda x: type(x) is int and 2 <= x <= len(t.token_ids)),
-        ("turn_rewards", t.turn_rewards, _finite),
-        ("turn_obs_keys", t.turn_obs_keys, lambda x: isinstance(x, str) and len(x) <= MAX_ID_CHARS),
-    ]
-    for name, values, ok in checks:
-        if not isinstance(values, list):
-            return f"{name} must be a list, got {type(values).__name__}"
-        bad = [x for x in values if not ok(x)]
-        if bad:
-            vocabulary = f" (vocabulary of {vocab_size})" if name == "token_ids" and vocab_size else ""
-            return f"{name} holds {bad[0]!r:.40}{vocabulary}"
+    items(t.token_ids, "token_ids", lambda x, where: integer(x, where + vocabulary, high=max_token))
+    items(t.loss_mask, "loss_mask", lambda x, where: integer(x, where, high=1))
+    items(t.logprobs, "logprobs", number)
+    items(t.versions, "versions", version)
+    # a turn's reward sits on its last token, which is predicted from the one before: ends from 2 on
+    items(t.turn_ends, "turn_ends", lambda x, where: integer(x, where, low=2, high=len(t.token_ids)))
+    items(t.turn_rewards, "turn_rewards", number)
+    items(t.turn_obs_keys, "turn_obs_keys", lambda x, where: string(x, where, empty=True))
     if not any(t.loss_mask[1:]):  # the first token is never predicted, so never trained
-        return "has no generated token after the first: nothing to train on"
-    if not _finite(t.reward):
-        return f"reward must be a finite number, got {t.reward!r:.40}"
-    if type(t.void) is not bool:
-        return f"void must be true or false, got {t.void!r:.40}"
+        raise InvalidMessage("has no generated token after the first: nothing to train on")
+    number(t.reward, "reward")
+    boolean(t.void, "void")
     for name in ("group_id", "stop_reason", "traj_id"):
-        if not isinstance(getattr(t, name), str) or len(getattr(t, name)) > MAX_ID_CHARS:
-            return f"{name} must be a string of at most {MAX_ID_CHARS} characters, got {type(getattr(t, name)).__name__}"
-    if not isinstance(t.metrics, dict) or not all(isinstance(k, str) and len(k) <= MAX_ID_CHARS and _finite(v)
-                                                  for k, v in t.metrics.items()):
-        return "metrics must map names to finite numbers"
-    return None
-
-
-def _finite(x) -> bool:
-    """A number that stays finite in a float32 tensor (1e300 is a finite float but inf in float32)."""
-    return type(x) in (int, float) and math.isfinite(x) and abs(x) <= FLOAT32_MAX
+        string(getattr(t, name), name, empty=True)
+    if not isinstance(t.metrics, dict):
+        raise InvalidMessage(f"metrics must map names to finite numbers, got {type(t.metrics).__name__}")
+    for name, value in t.metrics.items():
+        number(value, f"metrics[{string(name, 'a metric name')!r}]")
 
 
 def _type_names(value) -> str:

@@ -118,16 +118,16 @@ BAD_MESSAGES = {  # name -> (payload, words the reason must contain)
     "length mismatch": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0.0])]}), "logprobs has 1"),
     "string tokens": (raw({"group_id": "x", "trajectories": [good_dict("x", token_ids=list("abcd"))]}), "token_ids"),
     "token outside vocab": (raw({"group_id": "x", "trajectories": [good_dict("x", token_ids=[5, 6, 7, 10**6])]}),
-                            "vocabulary of 100"),
+                            "token_ids[3] (vocabulary of 100) must be an integer in [0, 99], got 1000000"),
     "repeated trajectory": (raw({"group_id": "x", "trajectories": [good_dict("x", traj_id="t")] * 2}), "appears twice"),
     "nan reward": (raw({"group_id": "x", "trajectories": [good_dict("x", reward=math.nan)]}), "reward"),
-    "turn end at 1": (raw({"group_id": "x", "trajectories": [good_dict("x", turn_ends=[1])]}), "turn_ends holds 1"),
+    "turn end at 1": (raw({"group_id": "x", "trajectories": [good_dict("x", turn_ends=[1])]}), "turn_ends[0] must be an integer in [2, 4], got 1"),
     "inf logprob": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0, 0, -math.inf, 0])]}), "logprobs"),
     "nothing generated": (raw({"group_id": "x", "trajectories": [good_dict("x", loss_mask=[1, 0, 0, 0])]}),
                           "nothing to train on"),
     "void not a bool": (raw({"group_id": "x", "trajectories": [good_dict("x", void="yes")]}), "void"),
     "version overflows int64": (raw({"group_id": "x", "trajectories": [good_dict("x", versions=[-1, -1, 2**63, 1])]}),
-                                "versions holds"),
+                                "versions[2] must be an integer in [-1, 2147483647]"),
     "reward inf in float32": (raw({"group_id": "x", "trajectories": [good_dict("x", reward=1e300)]}), "reward"),
     "logprob inf in float32": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0, 0, -1e300, 0])]}),
                                "logprobs"),
@@ -174,7 +174,7 @@ def test_the_rollout_side_refuses_what_the_learner_would_reject():
         group_message("g", [{"token_ids": [1]}], max_bytes=MB)
     with pytest.raises(InvalidMessage, match="list of Trajectory"):
         group_message("g", None, max_bytes=MB)
-    with pytest.raises(InvalidMessage, match="turn_rewards holds inf"):
+    with pytest.raises(InvalidMessage, match=r"turn_rewards\[0\] must be a finite number.*got inf"):
         group_message("g", [trajectory("g", reward=math.inf)], max_bytes=MB)
     with pytest.raises(InvalidMessage, match="exceeds the limit"):
         group_message("g", [trajectory("g", stop_reason="x" * 2 * MB)], max_bytes=MB)
