@@ -251,7 +251,7 @@ def launch(config) -> dict:
         print(f"resuming from {config.resume_from_checkpoint} (version {trainer_state['version']})", flush=True)
     with raise_on_sigterm(), placed_roles(config) as placement, \
             message_bus(config, run_dir, placement.bus_host) as (bus_url, server):
-        bus = connect(bus_url)
+        bus = connect(bus_url, wait_out_restarts=server is None)  # it restarts the server it owns: never waits for it
         supervisor = Supervisor(
             config, lambda role, index: placement.start(role, index, (config_to_dict(config), bus_url, str(run_dir))), server)
         report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps, config.max_steps)

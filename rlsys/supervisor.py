@@ -5,7 +5,7 @@
 - A rollout worker that dies is restarted; the new one redoes its predecessor's unfinished episodes and
   goes on from its place in the prompt stream.
 - The private redis-server that dies is restarted on the same port, with the data its append-only file
-  kept; every role's client waits for it (rlsys.bus.redis_bus).
+  kept; every role's client waits for it (rlsys.bus.redis_bus), but not the launcher's, which restarts it.
 - The learner that dies cannot be replaced alone: the weights in inference are newer than its last
   checkpoint. LearnerFailed tells the launcher to restart the whole run from that checkpoint.
 
@@ -21,6 +21,8 @@ import collections
 import contextlib
 import logging
 import time
+
+import redis
 
 from rlsys import protocol
 from rlsys.workers.inference_status import InferenceStatus
@@ -64,9 +66,15 @@ class Supervisor:
         done_keys = [protocol.rollout_done(i) for i in range(self.config.cluster.n_rollout_workers)]
         while True:
             self.restart_dead_server()
-            if all(bus.get(key) for key in done_keys):
-                return
-            self.restart_dead_roles(bus)
+            try:
+                if all(bus.get(key) for key in done_keys):
+                    return
+                self.restart_dead_roles(bus)
+            except redis.ConnectionError:
+                if self.server is None:
+                    raise
+                # Our server went down after the check above (SIGTERM, or shutting down): the next turn
+                # restarts it once its process has exited. `bus` must not wait out restarts, or nobody would.
             report()
             time.sleep(POLL_SECONDS)
 

@@ -17,25 +17,36 @@ from rlsys.bus import redis_server as redis_server_module
 
 ROOT = Path(__file__).resolve().parents[1]
 OWNER_SCRIPT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     from rlsys.bus.redis_server import EmbeddedRedis, raise_on_sigterm
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises, even under a shell that ignores it
     with raise_on_sigterm(), EmbeddedRedis(sys.argv[1]) as server:
         print(server.pid, server.port, flush=True)
         time.sleep(60)
 """)
 
 
-def redis_server_pids() -> set[int]:
-    """Live redis-servers. The SIGKILL test's orphan is reaped by init, maybe slowly: a zombie has exited."""
+def redis_server_pids(under: Path) -> set[int]:
+    """Live redis-servers whose data directory (redis chdirs there) is under `under`: these tests' own, not
+    those of whatever else runs on the machine. The SIGKILL test's orphan is reaped by init, maybe slowly:
+    a zombie has exited."""
     found = subprocess.run(["pgrep", "-f", "redis-server"], capture_output=True, text=True).stdout.split()
-    return {pid for pid in map(int, found) if alive(pid)}
+    return {pid for pid in map(int, found) if alive(pid) and under in working_directory(pid).parents}
+
+
+def working_directory(pid: int) -> Path:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:  # exited meanwhile
+        return Path("/")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def no_leaked_servers():
-    before = redis_server_pids()
+def no_leaked_servers(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp().resolve()
+    before = redis_server_pids(base)
     yield
-    assert redis_server_pids() <= before, "a redis-server started by these tests is still running"
+    assert redis_server_pids(base) <= before, "a redis-server started by these tests is still running"
 
 
 def alive(pid: int) -> bool:
@@ -229,4 +240,31 @@ def test_every_acknowledged_write_survives_a_sigkill(tmp_path):
         assert bus.get("count") == 500
         assert bus.stream_length("s") == 500
         assert bus.get_many("q", 1000, timeout=1) == list(range(500))
+        bus.close()
+
+
+def test_the_supervisor_restarts_its_server_when_a_command_finds_it_down(tmp_path):
+    """The server dies right after the supervisor checked that it runs: the command that finds it down fails at
+    once (the supervisor restarts it, so it must not wait for it), and the next turn restarts it."""
+    from types import SimpleNamespace
+
+    from rlsys import protocol
+    from rlsys.supervisor import Supervisor
+
+    class DiesAfterTheCheck(EmbeddedRedis):
+        checks = 0
+
+        def exited(self) -> bool:
+            self.checks += 1
+            return self.checks > 1 and super().exited()
+
+    config = SimpleNamespace(cluster=SimpleNamespace(n_rollout_workers=1, max_role_restarts=1))
+    with DiesAfterTheCheck(tmp_path) as server:
+        bus = connect(server.url, wait_out_restarts=False)
+        bus.set(protocol.rollout_done(0), 1)
+        server.process.terminate()  # SIGTERM: redis writes its append-only file and exits
+        server.process.wait()
+        supervisor = Supervisor(config, start_role=None, server=server)
+        supervisor.watch(bus, report=lambda: None)  # returns once the restarted server says the run is done
+        assert supervisor.restarts == {"redis-server": 1} and server.checks == 2
         bus.close()

@@ -9,7 +9,7 @@ import time
 import urllib.parse
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from rlsys.bus.base import Bus, BusError, StreamEntry, decode_or_undecodable, decode_value, encode, encode_value, oversize
@@ -85,14 +85,16 @@ class RedisBus(Bus):
         self._fetch_entries = client.register_script(_FETCH_ENTRIES)
 
     @classmethod
-    def from_url(cls, url: str, namespace: str = "") -> "RedisBus":
-        """`redis://[:PASSWORD@]HOST:PORT/DB[?namespace=NAME]`; an explicit `namespace` argument wins."""
+    def from_url(cls, url: str, namespace: str = "", wait_out_restarts: bool = True) -> "RedisBus":
+        """`redis://[:PASSWORD@]HOST:PORT/DB[?namespace=NAME]`; an explicit `namespace` argument wins.
+        `wait_out_restarts=False`: a command on a server that is down raises redis.ConnectionError at once."""
         parts = urllib.parse.urlsplit(url)
         query = urllib.parse.parse_qs(parts.query)
         namespace = namespace or query.pop("namespace", [""])[0]
         url = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query, doseq=True)))
+        retry = _reconnect_retry() if wait_out_restarts else Retry(NoBackoff(), 0)
         client = redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=10,
-                                      decode_responses=False, retry=_reconnect_retry(),
+                                      decode_responses=False, retry=retry,
                                       retry_on_error=[redis.ConnectionError, redis.BusyLoadingError])
         return cls(client, namespace)
 
