@@ -1,9 +1,12 @@
 """Small builders shared by tests: a tiny randomly initialised model saved in HF format."""
 
 import contextlib
+import os
+import subprocess
 from pathlib import Path
 
 import psutil
+import pytest
 
 from experiments.common import ModelConfig
 from rlsys.model.tiny import build_tiny_model
@@ -57,3 +60,35 @@ def left_behind(tmp_path: Path, existing: set[int]) -> list[str]:
             if p.status() != psutil.STATUS_ZOMBIE:
                 names.append(" ".join(p.cmdline()))
     return names
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a (possibly non-reaping) init to collect it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def redis_server_pids(under: Path) -> set[int]:
+    """Live redis-servers whose data directory (redis chdirs there) is under `under`: the tests' own, not those
+    of whatever else runs on the machine. An orphan SIGKILLed by a test is reaped by init, maybe slowly: a
+    zombie has exited."""
+    found = subprocess.run(["pgrep", "-f", "redis-server"], capture_output=True, text=True).stdout.split()
+    return {pid for pid in map(int, found) if alive(pid) and under in _working_directory(pid).parents}
+
+
+def _working_directory(pid: int) -> Path:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:  # exited meanwhile
+        return Path("/")
+
+
+@pytest.fixture(scope="module")
+def no_leaked_servers(tmp_path_factory):
+    """Fails the module if a redis-server one of its tests started is still running after it."""
+    base = tmp_path_factory.getbasetemp().resolve()
+    before = redis_server_pids(base)
+    yield
+    assert redis_server_pids(base) <= before, "a redis-server started by these tests is still running"

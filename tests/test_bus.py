@@ -1,6 +1,5 @@
 """One behavioural suite run over both buses: InProcessBus and RedisBus on a real private redis-server."""
 
-import subprocess
 import threading
 import time
 import uuid
@@ -8,17 +7,10 @@ import uuid
 import pytest
 
 from rlsys.bus import Bus, BusDecodeError, BusError, EmbeddedRedis, InProcessBus, RedisBus, Undecodable, connect
+from tests.helpers import no_leaked_servers  # noqa: F401  (a fixture)
 
 
-def redis_server_pids() -> set[str]:
-    return set(subprocess.run(["pgrep", "-f", "redis-server"], capture_output=True, text=True).stdout.split())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_leaked_servers():
-    before = redis_server_pids()
-    yield
-    assert redis_server_pids() <= before, "a redis-server started by these tests is still running"
+pytestmark = pytest.mark.usefixtures("no_leaked_servers")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,10 @@ from rlsys import accounting, protocol
 from rlsys.api import Trajectory
 from rlsys.bus import EmbeddedRedis, connect
 from rlsys.delivery import MAX_DELIVERIES, InvalidMessage, TrajectoryInbox, group_message
-from tests.test_bus import bus, inject_raw_entry, no_leaked_servers, redis_url  # noqa: F401  (fixtures: both buses)
+from tests.test_bus import bus, inject_raw_entry, redis_url  # noqa: F401  (fixtures: both buses)
+from tests.helpers import no_leaked_servers  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.usefixtures("no_leaked_servers")
 
 MB = 2**20
 

@@ -14,6 +14,7 @@ import redis
 
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, ServerRestarts, connect
 from rlsys.bus import redis_server as redis_server_module
+from tests.helpers import alive, no_leaked_servers  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 OWNER_SCRIPT = textwrap.dedent("""
@@ -26,35 +27,7 @@ OWNER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def redis_server_pids(under: Path) -> set[int]:
-    """Live redis-servers whose data directory (redis chdirs there) is under `under`: these tests' own, not
-    those of whatever else runs on the machine. The SIGKILL test's orphan is reaped by init, maybe slowly:
-    a zombie has exited."""
-    found = subprocess.run(["pgrep", "-f", "redis-server"], capture_output=True, text=True).stdout.split()
-    return {pid for pid in map(int, found) if alive(pid) and under in working_directory(pid).parents}
-
-
-def working_directory(pid: int) -> Path:
-    try:
-        return Path(os.readlink(f"/proc/{pid}/cwd"))
-    except OSError:  # exited meanwhile
-        return Path("/")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_leaked_servers(tmp_path_factory):
-    base = tmp_path_factory.getbasetemp().resolve()
-    before = redis_server_pids(base)
-    yield
-    assert redis_server_pids(base) <= before, "a redis-server started by these tests is still running"
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting for a (possibly non-reaping) init to collect it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+pytestmark = pytest.mark.usefixtures("no_leaked_servers")
 
 
 def port_open(port: int) -> bool:
