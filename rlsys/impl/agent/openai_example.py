@@ -3,7 +3,7 @@
     python3 training/main_async_ppo.py experiment=async-ppo-openai-agent \
         agent_function=rlsys.impl.agent.openai_example:run
 
-Every run shares the rollout worker's HTTP connection pool (`shared_http_client`) and sends its own key: a
+Every run shares the rollout worker's HTTP connection pools (`shared_http_client`) and sends its own key: a
 client of its own per run would build an SSL context each time, about 50 ms of CPU.
 """
 
