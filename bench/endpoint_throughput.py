@@ -1,7 +1,7 @@
 """Endpoint throughput: generated tokens per second through the OpenAI-compatible endpoint vs the queue path vs
 the engine alone, in one run.
 
-    python3 bench/endpoint_throughput.py [--episodes 256] [--concurrency 64] [--repeats 3] [key=value ...]
+    python3 bench/endpoint_throughput.py [--episodes 256] [--concurrency 64] [--repeats 3] [--only-endpoint] [key=value ...]
 
 The same prompts and settings on every side (the default experiment's: 8 samples per prompt, up to 8 new
 tokens, temperature 1), set up as bench/rollout_throughput.py does:
@@ -37,18 +37,21 @@ ENDPOINT = ["experiment=async-ppo-openai-agent", "agent_function=rlsys.impl.agen
 
 
 def main() -> None:
-    args = parse_arguments(__doc__, episodes=256, out="bench/results/endpoint_throughput.json")
+    args = parse_arguments(__doc__, 256, "bench/results/endpoint_throughput.json", ("--only-endpoint", dict(
+        action="store_true", help="the endpoint path and the engine alone only (quick iteration; no queue path)")))
 
     configs = {"queue path": parse_config(args.overrides), "endpoint path": parse_config(args.overrides + ENDPOINT)}
+    if args.only_endpoint:
+        del configs["queue path"]
     for config in configs.values():
         prepare_assets(config)
     results: dict[str, dict] = {}
     engine_rates: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        eval_path = str(write_jsonl(load_rows(configs["queue path"].dataset.eval_path)[:EVAL_ROWS],
+        eval_path = str(write_jsonl(load_rows(configs["endpoint path"].dataset.eval_path)[:EVAL_ROWS],
                                     tmp / "eval.jsonl"))
-        alone = EngineAlone(configs["queue path"], args.concurrency)
+        alone = EngineAlone(configs["endpoint path"], args.concurrency)
         alone.generated_tokens(WARM_UP_EPISODES)
         for name, config in configs.items():
             config.dataset.eval_path = eval_path
@@ -61,8 +64,9 @@ def main() -> None:
 
     reference = results["engine alone"]["tokens_per_second"]
     ratios = {name: results[name]["tokens_per_second"] / reference for name in configs}
-    print_table(args, configs["queue path"], results)
-    print(f"queue path / engine alone: {ratios['queue path']:.3f}")
+    print_table(args, configs["endpoint path"], results)
+    if "queue path" in ratios:
+        print(f"queue path / engine alone: {ratios['queue path']:.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "ratios": ratios}, indent=2))
     print(f"ratio: {ratios['endpoint path']:.3f} (endpoint path / engine alone)")

@@ -199,3 +199,38 @@ def test_model_generates_with_request_ids_of_its_own():
     outputs = asyncio.run(main())
     assert [o.output_ids[0] for o in outputs] == [[0], [1, 0], [2, 1, 0]]
     assert len({o.qid for o in outputs}) == 3
+
+
+def test_runs_share_the_workers_http_pools_and_each_call_carries_its_own_key(tokenizer, tokenizer_dir):
+    """The openai example builds no HTTP client per run (an SSL context each, ~50 ms of CPU): every call of two
+    episodes' runs goes through the loop's shared pools, each with its own run's key, and lands in that run's
+    session."""
+    from rlsys.endpoint.http_client import POOLS, shared_http_client
+    from rlsys.endpoint.server import shared_endpoint
+
+    policy = lambda prompt_ids, gconfig, sample: ids(tokenizer, "46") + [tokenizer.eos_token_id]  # noqa: E731
+
+    async def main():
+        sent = []
+
+        async def record(request):
+            sent.append(request.headers["authorization"].removeprefix("Bearer "))
+
+        pools = {id(client): client for client in (shared_http_client() for _ in range(2 * POOLS))}
+        assert len(pools) == POOLS  # handed out in turn, the same ones again
+        for client in pools.values():
+            client.event_hooks = {"request": [record], "response": []}
+        episodes = []
+        for _ in range(2):
+            prompt = Prompt("q0", chat_prompt_ids(tokenizer, ROW["prompt"]), ROW)
+            env = make_env(EnvServiceAbstraction("math-code-single-step"))
+            episodes.append(await run_scripted_episode(
+                agent(tokenizer, tokenizer_dir, "rlsys.impl.agent.openai_example:run", n=4), env, prompt, policy))
+        return sent, set((await shared_endpoint()).finished), episodes
+
+    sent, finished, episodes = asyncio.run(main())
+    assert len(sent) == 8 and set(sent) == finished  # one call per run, each with its own episode's key
+    for trajectories in episodes:
+        assert len(trajectories) == 4
+        assert all(t.metrics["calls"] == 1 and t.token_ids[-3:] == ids(tokenizer, "46") + [tokenizer.eos_token_id]
+                   for t in trajectories)

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 # The clients' HTTP libraries log every request at INFO: thousands of lines a minute in the rollout worker's log.
 for _chatty in ("httpx", "httpx2", "httpcore", "httpcore2", "openai"):
     logging.getLogger(_chatty).setLevel(logging.WARNING)
+KEEP_ALIVE_SECONDS = 30
 FINISHED_KEYS_KEPT = 100_000  # keys of ended episodes remembered, to answer 410 rather than 401
 
 
@@ -56,7 +57,10 @@ class Endpoint:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
-        server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False))
+        # Idle connections kept longer than the agents' pool keeps them (rlsys/endpoint/http_client.py), so a
+        # client never sends on a connection the server is closing.
+        server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+                                        timeout_keep_alive=KEEP_ALIVE_SECONDS))
         self.task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if self.task.done():
