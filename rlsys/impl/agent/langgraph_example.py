@@ -12,6 +12,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.prebuilt import create_react_agent
 
+from rlsys.endpoint.http_client import shared_http_client
 from rlsys.tools.calculator import evaluate, format_number
 
 
@@ -22,7 +23,8 @@ def calculator(expression: str) -> str:
 
 
 async def run(base_url: str, api_key: str, prompt: str) -> float | None:
-    model = ChatOpenAI(base_url=base_url, api_key=api_key, model="rlsys", max_retries=0)
+    model = ChatOpenAI(base_url=base_url, api_key=api_key, model="rlsys", max_retries=0,
+                       http_async_client=shared_http_client())  # the worker's pools, this run's key
     agent = create_react_agent(model, [calculator])
     await agent.ainvoke({"messages": [("user", prompt)]}, {"recursion_limit": 8})
     return None  # None: the environment scores the last answer
