@@ -83,8 +83,10 @@ def test_max_head_offpolicyness_zero_is_on_policy_even_with_filtering(cache_dir,
 
 def test_ctrl_c_stops_every_process(cache_dir, tmp_path):
     args = small_run_overrides(cache_dir, tmp_path) + ["max_steps=100000", "logging_steps=1"]
+    # SIGINT's default action restored first: a shell that starts the suite in the background (`cmd &`) ignores it,
+    # and Python then installs no Ctrl-C handler in the children.
     proc = subprocess.Popen([sys.executable, str(ENTRY), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=tmp_path)
+                            text=True, cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:  # wait until training is really under way
             if line.startswith("step"):
