@@ -1,8 +1,6 @@
 """Small builders shared by tests: a tiny randomly initialised model saved in HF format."""
 
 import contextlib
-import os
-import subprocess
 from pathlib import Path
 
 import psutil
@@ -74,15 +72,13 @@ def redis_server_pids(under: Path) -> set[int]:
     """Live redis-servers whose data directory (redis chdirs there) is under `under`: the tests' own, not those
     of whatever else runs on the machine. An orphan SIGKILLed by a test is reaped by init, maybe slowly: a
     zombie has exited."""
-    found = subprocess.run(["pgrep", "-f", "redis-server"], capture_output=True, text=True).stdout.split()
-    return {pid for pid in map(int, found) if alive(pid) and under in _working_directory(pid).parents}
-
-
-def _working_directory(pid: int) -> Path:
-    try:
-        return Path(os.readlink(f"/proc/{pid}/cwd"))
-    except OSError:  # exited meanwhile
-        return Path("/")
+    found = set()
+    for process in psutil.process_iter(["name", "cwd", "status"]):
+        info = process.info
+        if (info["name"] == "redis-server" and info["status"] != psutil.STATUS_ZOMBIE and info["cwd"]
+                and under in Path(info["cwd"]).parents):
+            found.add(process.pid)
+    return found
 
 
 @pytest.fixture(scope="module")
