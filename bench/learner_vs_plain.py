@@ -64,12 +64,12 @@ def default_step_batch(config, seed: int) -> list[Trajectory]:
 class PlainLoop:
     """model(input_ids, labels).loss.backward(); optimizer.step(), over the learner's epochs and mini-batches."""
 
-    def __init__(self, config, trajectories: list[Trajectory]):
+    def __init__(self, config, trajectories: list[Trajectory], device: str):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(config.seed)
         self.ppo = config.ppo
-        self.model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).train()
+        self.model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).to(device).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.ppo.lr, weight_decay=self.ppo.weight_decay)
         width = max(len(t.token_ids) for t in trajectories)
         pad = self.model.config.pad_token_id
@@ -77,6 +77,8 @@ class PlainLoop:
         self.attention_mask = torch.tensor([[1] * len(t.token_ids) + [0] * (width - len(t.token_ids))
                                             for t in trajectories])
         self.labels = self.input_ids.masked_fill(self.attention_mask == 0, -100)
+        self.input_ids, self.attention_mask, self.labels = (
+            t.to(device) for t in (self.input_ids, self.attention_mask, self.labels))
 
     def train_step(self) -> None:
         for _ in range(self.ppo.ppo_epochs):
@@ -105,7 +107,7 @@ def main() -> None:
         trajectories = default_step_batch(config, seed=0)
         tokens = sum(len(t.token_ids) for t in trajectories)
         learner = PolicyTrainer(config, Ranks(), config.model.path)
-        plain = PlainLoop(config, trajectories)
+        plain = PlainLoop(config, trajectories, learner.device)  # the learner's device: a GPU where there is one
         sides = {"learner": lambda: learner.train_step(trajectories), "plain": plain.train_step}
         for run in sides.values():  # warm-up: allocator, kernels
             run()
@@ -115,20 +117,23 @@ def main() -> None:
                 started = time.perf_counter()
                 for _ in range(args.steps_per_repeat):
                     run()
+                if learner.device != "cpu":
+                    torch.cuda.synchronize()  # a GPU's kernels run ahead of the clock
                 times[name].append((time.perf_counter() - started) / args.steps_per_repeat)
 
     trained = tokens * config.ppo.ppo_epochs
     rows = {name: {"seconds_per_step": statistics.median(t), "tokens_per_second": trained / statistics.median(t),
                    "seconds": t} for name, t in times.items()}
     ratio = rows["learner"]["tokens_per_second"] / rows["plain"]["tokens_per_second"]
+    device = torch.cuda.get_device_name() if learner.device != "cpu" else f"{args.threads} CPU thread(s)"
     print(f"{len(trajectories)} sequences ({config.ppo.batch_size} prompts x {config.group_size}), {tokens} tokens, "
-          f"{config.ppo.ppo_epochs} epochs x {config.ppo.num_mini_batches} mini-batches, {args.threads} thread(s), "
+          f"{config.ppo.ppo_epochs} epochs x {config.ppo.num_mini_batches} mini-batches, {device}, "
           f"median of {args.repeats} x {args.steps_per_repeat} steps")
     print(f"{'side':<8} {'s/step':>8} {'trained tok/s':>14}")
     for name, row in rows.items():
         print(f"{name:<8} {row['seconds_per_step']:>8.4f} {row['tokens_per_second']:>14.0f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "tokens": tokens, "machine": platform.node(),
+    Path(args.out).write_text(json.dumps({"args": vars(args), "tokens": tokens, "machine": platform.node(), "device": device,
                                           "results": rows, "ratio": ratio}, indent=2))
     print(f"ratio: learner / plain tokens/s = {ratio:.2f}")
 

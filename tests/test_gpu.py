@@ -1,0 +1,123 @@
+"""The learner, the transformers engine and the weight paths on a CUDA GPU, checked against the CPU.
+
+Skipped where torch sees no GPU (CI has none). On a GPU machine: `python3 -m pytest tests/test_gpu.py`.
+"""
+
+import pytest
+import torch
+
+from experiments import AsyncPPOMATHConfig
+from experiments.common import InferenceConfig
+from rlsys import protocol
+from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
+from rlsys.api import GenerationConfig, Trajectory
+from rlsys.bus import EmbeddedRedis, connect
+from rlsys.distributed import Ranks
+from rlsys.engine.generation import GenerationEngine
+from rlsys.engine.transformers_engine import TransformersBackend
+from rlsys.training_step import PolicyTrainer
+from rlsys.weight_transport import WeightReceiver, publish
+from tests.helpers import save_random_tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPT, GOOD, BAD = [4, 7, 8, 78, 9, 10, 86, 1, 5], [10, 12, 1], [11, 11, 1]
+
+
+class CpuRanks(Ranks):
+    """One rank that keeps the learner on the CPU even where a GPU is seen: the reference side."""
+    device = "cpu"
+
+
+def logprobs_of(model, ids: list[int]) -> torch.Tensor:
+    """The learner's logprob of each token after the first, on the model's device, returned on the CPU."""
+    device = next(model.parameters()).device
+    tensor = torch.tensor([ids], device=device)
+    with torch.no_grad():
+        return gather_logprobs(next_token_logits(model, tensor, torch.ones_like(tensor)), tensor)[0].float().cpu()
+
+
+def batch(model) -> list[Trajectory]:
+    """GOOD rewarded, BAD not, twice each; behaviour logprobs are the model's own."""
+    out = []
+    for answer, reward in [(GOOD, 1.0), (BAD, 0.0)] * 2:
+        behaviour = logprobs_of(model, PROMPT + answer)[-len(answer):]
+        n = len(PROMPT)
+        out.append(Trajectory(token_ids=PROMPT + answer, loss_mask=[0] * n + [1] * len(answer),
+                              logprobs=[0.0] * n + behaviour.tolist(), versions=[-1] * n + [0] * len(answer),
+                              turn_ends=[n + len(answer)], turn_rewards=[reward], reward=reward, group_id="g",
+                              stop_reason="stop"))
+    return out
+
+
+def config_for(tmp_path, **learner) -> AsyncPPOMATHConfig:
+    config = AsyncPPOMATHConfig()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.ppo.lr, config.ppo.init_kl_coef = 1e-3, 0.1
+    for key, value in learner.items():
+        setattr(config.learner, key, value)
+    return config
+
+
+def test_a_train_step_on_the_gpu_gives_the_cpus_policy(tmp_path):
+    """Compared as the policy (logprobs) and the step's statistics, not parameter by parameter: AdamW's first step
+    divides each gradient by its own size, so a parameter whose gradient is near zero moves by a rounding-sized
+    amount that differs between devices (measured on an H200: 5e-5 in one parameter, steps of 1e-3)."""
+    config = config_for(tmp_path)
+    results = {}
+    for name, ranks in (("cpu", CpuRanks()), ("gpu", Ranks())):
+        trainer = PolicyTrainer(config, ranks, config.model.path)  # seeds torch: both draw the same mini-batches
+        assert str(next(trainer.model.parameters()).device).startswith(name.replace("gpu", "cuda"))
+        before = torch.cat([logprobs_of(trainer.model, PROMPT + answer) for answer in (GOOD, BAD)])
+        stats = trainer.train_step(batch(trainer.model))
+        after = torch.cat([logprobs_of(trainer.model, PROMPT + answer) for answer in (GOOD, BAD)])
+        results[name] = (before, after, stats)
+    (cpu_before, cpu_after, cpu_stats), (gpu_before, gpu_after, gpu_stats) = results["cpu"], results["gpu"]
+    assert (cpu_after - cpu_before).abs().max() > 1e-2, "the step must move the policy, or this test proves nothing"
+    assert (cpu_before - gpu_before).abs().max() < 1e-5
+    worst = (cpu_after - gpu_after).abs().max().item()
+    assert worst < 1e-3, f"after one step the GPU's and the CPU's logprobs differ by {worst:.2e}"
+    assert abs(cpu_stats["kl"] - gpu_stats["kl"]) < 1e-5 and cpu_stats["grad_norm"] == pytest.approx(
+        gpu_stats["grad_norm"], rel=1e-4)
+
+
+def test_bfloat16_mixed_precision_trains_toward_the_rewarded_answer(tmp_path):
+    config = config_for(tmp_path, dtype="bfloat16")
+    trainer = PolicyTrainer(config, Ranks(), config.model.path)
+    good, bad = logprobs_of(trainer.model, PROMPT + GOOD)[-3:].sum(), logprobs_of(trainer.model, PROMPT + BAD)[-3:].sum()
+    for _ in range(5):
+        stats = trainer.train_step(batch(trainer.model))
+    assert next(trainer.model.parameters()).dtype == torch.float32  # master weights stay float32
+    assert logprobs_of(trainer.model, PROMPT + GOOD)[-3:].sum() > good + 0.5
+    assert logprobs_of(trainer.model, PROMPT + BAD)[-3:].sum() < bad - 0.5
+    assert stats["grad_norm"] > 0
+
+
+def test_the_gpu_engine_matches_the_gpu_learner_before_and_after_updates_over_disk_and_the_bus(tmp_path):
+    """The transformers engine on the GPU scores and generates what the learner on the GPU computes, and after
+    each update (a file on disk, then checksummed chunks over a real Redis) holds the learner's new weights."""
+    config = config_for(tmp_path)
+    trainer = PolicyTrainer(config, Ranks(), config.model.path)
+    engine = GenerationEngine(TransformersBackend(config.model.path, InferenceConfig(engine="transformers"), seed=0))
+    assert engine.backend.device.type == "cuda"
+    sequence = PROMPT + GOOD
+    with EmbeddedRedis(tmp_path / "redis") as server, connect(server.url) as bus:
+        receiver = WeightReceiver(bus)
+        for version, transport in enumerate((None, "disk", "bus")):
+            if transport is not None:
+                trainer.train_step(batch(trainer.model))
+                publish(bus, trainer.model, version, transport, tmp_path / "weights")
+                engine.update_weights(receiver.directory(bus.get(protocol.WEIGHTS)), version=version)
+            expected = logprobs_of(trainer.model, sequence)
+            scored = torch.tensor(engine.backend.score(sequence))
+            assert (scored - expected).abs().max() < 1e-4, f"version {version} ({transport})"
+            engine.add_request(f"q{version}", PROMPT, GenerationConfig(n=1, max_new_tokens=6, temperature=0.0))
+            out = []
+            while not out:
+                out = engine.step()
+            ids, logprobs, versions = out[0].output_ids[0], out[0].logprobs[0], out[0].versions[0]
+            assert versions == [version] * len(ids)
+            learner = logprobs_of(trainer.model, PROMPT + ids)[-len(ids):]
+            assert (torch.tensor(logprobs) - learner).abs().max() < 1e-4
+        assert receiver.received_over_bus == 1
+        receiver.close()
