@@ -12,7 +12,8 @@ import pytest
 
 import rlsys.impl.env  # noqa: F401  (registers the environments)
 from rlsys.api import EnvServiceAbstraction, make_env
-from rlsys.impl.env.math_verifier import Verdict, VerifierPool, check_answer, close_shared_pool, plain_number_verdict
+from rlsys.impl.env.math_verifier import (Verdict, VerifierPool, check_answer, close_shared_pool,
+                                         plain_number_verdict, shared_pool)
 
 HANG, CRASH, RAISE = "<hang>", "<crash>", "<raise>"
 
@@ -123,6 +124,19 @@ def test_env_from_registry_scores_a_group():
     assert obs is None and terminated and not truncated
     assert rewards == [1.0, 0.0, 0.0]
     assert info["statuses"] == ["ok", "ok", "unparsable"]
+
+
+def test_warm_up_starts_every_verifier_worker_before_the_first_check():
+    """Started lazily, the pool's start-up (an interpreter and sympy per worker: seconds) fell on the first
+    episode that needed a real check, which then finished versions behind the episodes admitted after it."""
+    env = make_env(EnvServiceAbstraction("math-code-single-step", {"verifier_workers": 2}))
+    try:
+        asyncio.run(env.warm_up())
+        workers = list(shared_pool(2)._workers)
+        assert len(workers) == 2 and all(w.ready and w.process.is_alive() for w in workers)
+        assert score(shared_pool(2), ["\\frac{1}{2}", "\\frac{1}{3}"], reference="0.5") == [Verdict(True, "ok"), Verdict(False, "ok")]
+    finally:
+        close_shared_pool()
 
 
 def test_env_rejects_misuse():

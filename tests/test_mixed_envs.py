@@ -14,7 +14,7 @@ from rlsys.assets import AssetError, prepare_assets
 from rlsys.cli import ConfigError, parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
-from rlsys.workers.env_per_row import env_for, with_env_type_metrics
+from rlsys.workers.env_per_row import env_for, run_environments, with_env_type_metrics
 from rlsys.training_step import mean_agent_metrics
 from tests.helpers import small_run_overrides
 
@@ -28,6 +28,15 @@ def test_rows_choose_their_environment_and_evaluation_sets_it_up_its_own_way():
     assert env_for(config, room, False).args["invalid_action_penalty"] == 0.2
     assert env_for(config, room, True).args["invalid_action_penalty"] == 0.0
     assert env_for(config, room, True).args["size"] == 6 and env_for(config, lake, True).args["size"] == 4
+
+
+def test_every_environment_set_up_a_run_uses_is_warmed_once():
+    config = AsyncPPOMixedGamesConfig(invalid_action_penalty=0.2, eval_invalid_action_penalty=0.0)
+    envs = run_environments(config)
+    # frozen-lake and sokoban, each as trained and as evaluated (another penalty): four set-ups, the default
+    # env (frozen-lake, trained) not twice
+    assert sorted((e.name, e.args["invalid_action_penalty"]) for e in envs) == [
+        ("frozen-lake", 0.0), ("frozen-lake", 0.2), ("sokoban", 0.0), ("sokoban", 0.2)]
 
 
 def test_metrics_per_environment_type_average_over_that_types_trajectories():

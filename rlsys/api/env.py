@@ -24,6 +24,12 @@ class EnvironmentService(abc.ABC):
     async def close(self) -> None:
         """Release what reset acquired. Called once at the end of every episode."""
 
+    async def warm_up(self) -> None:
+        """Start what every episode of this environment shares (a verifier pool, a reward model) and wait until
+        it is ready. Called once per rollout worker, on one instance built for the purpose, before the first
+        episode: otherwise the first episodes pay the start-up, and on a busy machine those seconds let them fall
+        versions behind the episodes admitted after them."""
+
     async def fork(self) -> "EnvironmentService":
         """An independent copy in the same state, for rollouts that branch: one per chain, one per tree branch.
 

@@ -15,6 +15,12 @@ def env_for(config, prompt: Prompt, evaluation: bool) -> EnvServiceAbstraction:
     return envs[name] if name is not None else (envs.get(config.env.name) or config.env)
 
 
+def run_environments(config) -> list[EnvServiceAbstraction]:
+    """Every distinct environment set-up a run's episodes may use, in training and in evaluation."""
+    distinct = {repr(env): env for env in [config.env, *config.envs.values(), *config.eval_envs.values()]}
+    return list(distinct.values())
+
+
 def env_type(config, prompt: Prompt) -> str:
     return prompt.data.get(ENV_NAME) or config.env.name
 

@@ -18,7 +18,7 @@ from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.supervisor import RunCannotGoOn
 from rlsys.tracing import TraceWriter
-from rlsys.workers.env_per_row import env_for, env_type, with_env_type_metrics
+from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
 from rlsys.workers.routing import EpisodeRouter
 
@@ -56,7 +56,8 @@ class RolloutWorker:
     async def run(self) -> None:
         routing = [asyncio.create_task(self.router.dispatch_replies()), asyncio.create_task(self.router.watch_workers())]
         try:
-            await self.router.live_worker()  # engines take a while to start; episodes begin once one serves
+            # Engines take a while to start, and so do what environments share: episodes begin once both are up.
+            await asyncio.gather(self.router.live_worker(), self.warm_up_environments())
             if self.index == 0 and not await self._bus_get(protocol.eval_result("initial")):  # not a restart
                 await self.evaluate("initial")
             await self.train()
@@ -72,6 +73,19 @@ class RolloutWorker:
             if self.traces is not None:
                 self.traces.close()
         self.bus.set(protocol.rollout_done(self.index), 1)
+
+    async def warm_up_environments(self) -> None:
+        """One instance of each environment the run uses starts what all its episodes share (EnvironmentService.
+        warm_up), within env_timeout. One that cannot is logged; its episodes then fail with their reasons, as they
+        would anyway."""
+        for abstraction in run_environments(self.config):
+            try:
+                async with asyncio.timeout(self.config.env_timeout or None):  # 0: no limit
+                    env = await asyncio.to_thread(make_env, abstraction)  # a constructor may load a model
+                    await env.warm_up()
+            except Exception as e:  # TimeoutError included
+                log.warning("environment %s did not warm up (%s); its episodes will start what it needs",
+                            abstraction.name, describe_exception(e))
 
     async def train(self) -> None:
         rows = load_rows(self.config.dataset.path, self.config.dataset.row_format())

@@ -4,6 +4,7 @@ Only math answers are checked here (by math-verify, in the shared worker pool wi
 pathological answer costs at most `verify_timeout` seconds and never stalls the event loop.
 """
 
+import asyncio
 from typing import Any
 
 from rlsys.api import EnvironmentService, register_environment
@@ -17,6 +18,9 @@ class MathCodeSingleStepEnv(EnvironmentService):
         self.verify_timeout = verify_timeout
         self.verifier_workers = verifier_workers  # None: the shared pool's default size
         self.reference: str | None = None
+
+    async def warm_up(self) -> None:
+        await asyncio.to_thread(shared_pool(self.verifier_workers).wait_ready)
 
     async def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
         if not options or "answer" not in options:

@@ -38,6 +38,9 @@ class MathToolsEnv(EnvironmentService):
         self.reference: str | None = None
         self.chains: dict[Hashable, dict[str, Tool]] = {}
 
+    async def warm_up(self) -> None:
+        await asyncio.to_thread(shared_pool(self.verifier_workers).wait_ready)
+
     async def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         """The observation is the instructions for the model: the call format and the tools offered."""
         if not options or "answer" not in options:

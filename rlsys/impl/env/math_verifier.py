@@ -235,6 +235,17 @@ class VerifierPool:
 
         return list(await asyncio.gather(*(verdict(a) for a in answers)))
 
+    def wait_ready(self) -> None:
+        """Blocks until every worker has started (an interpreter and sympy imported: seconds, more on a busy
+        machine), so no check waits for it. Takes each worker from the idle queue, as a check would."""
+        workers = [self._idle.get() for _ in range(self.size)]
+        for worker in workers:
+            if worker is None:  # closed: pass the pill on
+                self._idle.put(None)
+                continue
+            worker.wait_ready(self.startup_timeout)  # a worker that fails to start is dead: released, replaced
+            self._release(worker)
+
     def check_blocking(self, answer: str, reference: str, timeout: float) -> Verdict:
         worker = self._idle.get()
         if worker is None:  # close() was called: pass the pill on so no other thread waits forever
