@@ -6,7 +6,7 @@ The environment, its pages, actions and reward are described in `rlsys/impl/env/
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.async_ppo_multi_turn import AsyncPPOTurnBasedConfig
+from experiments.async_ppo_multi_turn import AsyncPPOTurnBasedConfig, walk_model
 from experiments.common import GenerationHyperparameters, ModelConfig
 from experiments.registry import register_experiment
 from rlsys.api import EnvServiceAbstraction, make_env
@@ -24,7 +24,7 @@ class AsyncPPOWebShopConfig(AsyncPPOTurnBasedConfig):
     invalid_action_penalty: float = 0.0
     """Reward added (negated) for an action the page does not offer; WebShop has none."""
     warm_start_hint: float = 0.5
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_accuracy=0.5))
+    model: ModelConfig = field(default_factory=lambda: walk_model(warm_start_accuracy=0.5))
     gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=40))
 
     warm_start_tasks = WARM_START_TASKS

@@ -53,3 +53,32 @@ def test_a_run_that_cannot_go_on_ends_with_one_error_line(monkeypatch, capsys):
         main.main(["max_steps=1"])
     assert exit_.value.code == 1
     assert capsys.readouterr().err == "error: rollout0 stopped the run: the last 200 training episodes all failed; ...\n"
+
+
+def test_a_quiet_run_says_what_it_waits_for(tmp_path, capsys):
+    """Between two step lines (vLLM starting, the first evaluation, a slow step) the console is not silent."""
+    import json
+
+    from rlsys import accounting, protocol
+    from rlsys.bus import EmbeddedRedis, connect
+    from rlsys.launcher import ProgressReporter
+
+    metrics = tmp_path / "learner.jsonl"
+    with EmbeddedRedis(tmp_path) as server:
+        bus = connect(server.url)
+        report = ProgressReporter(metrics, every=10, max_steps=3, bus=bus, quiet_seconds=0)
+        report()
+        assert "s in: starting the roles and the initial held-out evaluation" in capsys.readouterr().out
+        bus.set(protocol.eval_result("initial"), {"accuracy": 0.5})
+        accounting.admit(bus, "p1")
+        report()
+        assert "s in: step 1/3 collecting episodes: 1 prompts in flight, 0 trained so far" in capsys.readouterr().out
+        row = {"step": 3, "reward": 0.25, "staleness_mean": 1.0, "time/wait_data": 0.1, "time/compute": 2.0}
+        metrics.write_text("\n".join(json.dumps({**row, "step": step}) for step in (1, 2, 3)) + "\n")
+        report()
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].startswith("step     3/3  reward 0.250") and "training done, final held-out evaluation" in lines[1]
+        bus.close()
+        report.quiet_seconds = 3600
+        report()  # nothing new, nothing said (and no bus call: the server is still up, but the client is closed)
+        assert capsys.readouterr().out == ""
