@@ -19,12 +19,13 @@ def test_every_built_in_experiment_is_covered():
     assert experiments.__all__  # the package registers them on import
 
 
-# The math experiments warm-start the default 2.4M-parameter model until it adds two-digit numbers at 30%: about
-# 50 s on an idle 2-core machine, but 5 min at the shared machine's load average of 10 (async-ppo-math: 303 s of
-# warm start and 6.8 min in all), three times over; WebShop's warm start runs up to 200 steps of long walks
-# (about 5 min there). They run when RLSYS_TEST_EXPERIMENT_DEFAULTS is set; the games' warm starts take about a
-# minute (BENCHMARKS.md, "Cold starts"), so they always run.
-SLOW_WARM_START = {"async-ppo-math", "async-ppo-math-tools", "async-ppo-math-multi-turn", "async-ppo-webshop"}
+# The math experiments (and the OpenAI-agent one, on the same task) warm-start the default 2.4M-parameter
+# model until it adds two-digit numbers at 30%: about 50 s on an idle 2-core machine, but 5 min at the shared
+# machine's load average of 10 (async-ppo-math: 303 s of warm start, 6.8 min in all), four times over; WebShop's
+# warm start runs up to 200 steps of long walks (about 5 min there). They run when RLSYS_TEST_EXPERIMENT_DEFAULTS
+# is set; the games' warm starts take about a minute (BENCHMARKS.md, "Cold starts"), so they always run.
+SLOW_WARM_START = {"async-ppo-math", "async-ppo-math-tools", "async-ppo-math-multi-turn", "async-ppo-openai-agent",
+                   "async-ppo-webshop"}
 slow = pytest.mark.skipif(not os.environ.get("RLSYS_TEST_EXPERIMENT_DEFAULTS"),
                           reason="set RLSYS_TEST_EXPERIMENT_DEFAULTS=1: its warm start takes minutes on 2 shared cores")
 
