@@ -12,6 +12,10 @@ from rlsys.model.tiny import AnswerCheck, TaughtSequence, arithmetic_warm_start
 
 @dataclass
 class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
+    warm_start_batch_size = 64  # tiny model's warm start: sequences a step, steps between held-out checks, and
+    warm_start_eval_every = 25  # most steps before it stops short of model.warm_start_accuracy (class
+    warm_start_max_steps = 3000  # attributes, not settings; experiments of long sequences take fewer)
+
     @property
     def agent(self) -> AgentAbstraction:
         return AgentAbstraction(

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
-from experiments.async_ppo_multi_turn import AsyncPPOFrozenLakeConfig, AsyncPPOSokobanConfig, multi_turn_agent
+from experiments.async_ppo_multi_turn import (AsyncPPOFrozenLakeConfig, AsyncPPOSokobanConfig, multi_turn_agent,
+                                              walk_model)
 from experiments.common import DatasetConfig, GenerationHyperparameters, ModelConfig
 from experiments.registry import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
@@ -36,9 +37,13 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
     warm_start_hint: float = 0.25
     """Tiny model: share of warm-start moves that follow a shortest solution (the rest are random valid moves)."""
     rollout: RolloutStrategy = field(default_factory=RolloutStrategy)
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_accuracy=0.8))
+    model: ModelConfig = field(default_factory=lambda: walk_model(warm_start_accuracy=0.8))
     dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(num_train=1000, num_eval=100))
     gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=4))
+
+    warm_start_batch_size = AsyncPPOFrozenLakeConfig.warm_start_batch_size  # each game's walks, as on its own
+    warm_start_eval_every = AsyncPPOFrozenLakeConfig.warm_start_eval_every
+    warm_start_max_steps = AsyncPPOFrozenLakeConfig.warm_start_max_steps
 
     def __post_init__(self):
         super().__post_init__()
@@ -87,7 +92,8 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
 
     @property
     def warm_start_settings(self) -> dict:
-        return {"hint": self.warm_start_hint, "max_turns": self.max_turns, "share": self.frozen_lake_share}
+        return {"hint": self.warm_start_hint, "max_turns": self.max_turns, "share": self.frozen_lake_share,
+                "batch": self.warm_start_batch_size, "steps": self.warm_start_max_steps}
 
     def warm_start_examples(self, tokenizer, train_rows: list[dict],
                             eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:

@@ -19,6 +19,14 @@ from rlsys.model.tiny import AnswerCheck, TaughtSequence
 WARM_START_PUZZLES = 500  # random walks through this many training puzzles: thousands of moves, in a few seconds
 
 
+def walk_model(warm_start_accuracy: float) -> ModelConfig:
+    """The tiny model of the turn-based experiments: half as wide and half as deep as the math one (0.3M
+    parameters, the same head size), so that its warm start on walks of a few hundred tokens takes under
+    a minute on 2 cores instead of many (BENCHMARKS.md, "Cold starts")."""
+    return ModelConfig(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+                       warm_start_accuracy=warm_start_accuracy)
+
+
 def multi_turn_agent(config, name: str, **own_args) -> AgentAbstraction:
     """A MultiTurnAgent with the settings every one takes, from the experiment, plus its own."""
     return AgentAbstraction(name, args=dict(
@@ -67,6 +75,9 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
 
     warm_start_tasks = WARM_START_PUZZLES  # training tasks walked for the warm start (class attributes,
     walks = staticmethod(random_walks)     # not settings): walks(tokenizer, env, rows, turns, seed, hint)
+    warm_start_batch_size = 16  # a walk teaches every move it makes: 16 of them a step are a hundred moves
+    warm_start_eval_every = 5
+    warm_start_max_steps = 40  # about one pass over the walks: a minute or two on 2 cores, threshold reached or not
 
     @property
     def agent(self) -> AgentAbstraction:
@@ -74,7 +85,8 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
 
     @property
     def warm_start_settings(self) -> dict:
-        return {"hint": self.warm_start_hint, "max_turns": self.max_turns}
+        return {"hint": self.warm_start_hint, "max_turns": self.max_turns, "batch": self.warm_start_batch_size,
+                "steps": self.warm_start_max_steps}
 
     def warm_start_examples(self, tokenizer, train_rows: list[dict],
                             eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
@@ -91,7 +103,7 @@ class AsyncPPOTextGameConfig(AsyncPPOTurnBasedConfig):
 
     game_size: int = 4
     """Board side, in cells."""
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_accuracy=0.8))
+    model: ModelConfig = field(default_factory=lambda: walk_model(warm_start_accuracy=0.8))
     gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=4))
 
     env_name = ""  # the registered environment (a class attribute, not a setting)

@@ -6,7 +6,7 @@ The environment, its pages, actions and reward are described in `rlsys/impl/env/
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.async_ppo_multi_turn import AsyncPPOTurnBasedConfig
+from experiments.async_ppo_multi_turn import AsyncPPOTurnBasedConfig, walk_model
 from experiments.common import GenerationHyperparameters, ModelConfig
 from experiments.registry import register_experiment
 from rlsys.api import EnvServiceAbstraction, make_env
@@ -24,11 +24,16 @@ class AsyncPPOWebShopConfig(AsyncPPOTurnBasedConfig):
     invalid_action_penalty: float = 0.0
     """Reward added (negated) for an action the page does not offer; WebShop has none."""
     warm_start_hint: float = 0.5
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_accuracy=0.5))
+    # The checks accept only the expert's action, a search query among them: 0% after 40 steps of 16 walks (not
+    # one valid action in RL), 10-20% after 100-150 (BENCHMARKS.md, "Cold starts"). So its warm start runs
+    # longer than a game's, checks less often (each check generates whole actions) and stops at 20%.
+    model: ModelConfig = field(default_factory=lambda: walk_model(warm_start_accuracy=0.2))
     gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=40))
 
     warm_start_tasks = WARM_START_TASKS
     walks = staticmethod(shop_walks)
+    warm_start_eval_every = 25
+    warm_start_max_steps = 200
 
     def __post_init__(self):
         super().__post_init__()

@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+import redis
+
 from rlsys import accounting, protocol
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.checkpoint import latest_checkpoint, read_trainer_state
@@ -147,22 +149,41 @@ def _name_process(name: str) -> None:
 
 
 class ProgressReporter:
-    """Prints a line every `logging_steps` learner steps, read from the learner's metrics file."""
+    """Prints a line every `logging_steps` learner steps, read from the learner's metrics file; and, while no
+    line comes for `quiet_seconds` (vLLM starting, the first evaluation, a slow step), one that says what the
+    run is waiting for, so that a long step does not look hung."""
 
-    def __init__(self, metrics_file: Path, every: int, max_steps: int):
+    def __init__(self, metrics_file: Path, every: int, max_steps: int, bus=None, quiet_seconds: float = 20.0):
         self.metrics_file, self.every, self.max_steps = metrics_file, max(every, 1), max_steps
-        self.seen = 0
+        self.bus, self.quiet_seconds = bus, quiet_seconds
+        self.seen, self.started = 0, time.monotonic()
+        self.last_line = self.started
 
     def __call__(self) -> None:
-        if not self.metrics_file.exists():
-            return
-        rows = read_jsonl_metrics(self.metrics_file)
+        rows = read_jsonl_metrics(self.metrics_file) if self.metrics_file.exists() else []
         for row in rows[self.seen:]:
             if row["step"] % self.every == 0 or row["step"] == self.max_steps:
-                print(f"step {row['step']:>5}/{self.max_steps}  reward {row['reward']:.3f}  "
-                      f"staleness {row['staleness_mean']:.2f}  wait {row['time/wait_data']:.2f}s  "
-                      f"update {row['time/compute']:.2f}s", flush=True)
+                self.print(f"step {row['step']:>5}/{self.max_steps}  reward {row['reward']:.3f}  "
+                           f"staleness {row['staleness_mean']:.2f}  wait {row['time/wait_data']:.2f}s  "
+                           f"update {row['time/compute']:.2f}s")
         self.seen = len(rows)
+        if self.bus is not None and time.monotonic() - self.last_line >= self.quiet_seconds:
+            with contextlib.suppress(redis.ConnectionError):  # our server restarting: the supervisor sees to it
+                self.print(self.waiting_line())
+
+    def waiting_line(self) -> str:
+        elapsed = f"{time.monotonic() - self.started:.0f}s in"
+        if self.seen >= self.max_steps:
+            return f"{elapsed}: training done, final held-out evaluation"
+        if not self.bus.get(protocol.eval_result("initial")):
+            return f"{elapsed}: starting the roles and the initial held-out evaluation"
+        c = accounting.counts(self.bus)
+        return (f"{elapsed}: step {self.seen + 1}/{self.max_steps} collecting episodes: {c['in_flight']} prompts "
+                f"in flight, {c[accounting.TRAINED]} trained so far")
+
+    def print(self, line: str) -> None:
+        print(line, flush=True)
+        self.last_line = time.monotonic()
 
 
 def prepare(config) -> None:
@@ -254,7 +275,8 @@ def launch(config) -> dict:
         bus = connect(bus_url, wait_out_restarts=server is None)  # it restarts the server it owns: never waits for it
         supervisor = Supervisor(
             config, lambda role, index: placement.start(role, index, (config_to_dict(config), bus_url, str(run_dir))), server)
-        report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps, config.max_steps)
+        report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps,
+                                  config.max_steps, bus)
         restarted = False
         try:
             while True:

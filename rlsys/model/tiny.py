@@ -8,6 +8,7 @@ so that reinforcement learning has something left to do.
 import hashlib
 import json
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,22 +129,34 @@ def tiny_model_dir(cfg, seed: int, dataset_dir: Path, warm_start: dict | None = 
 
 
 def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, list]], directory: Path,
-                       log=print) -> Path:
+                       log=print, batch_size: int = 64, eval_every: int = 25, max_steps: int = 3000,
+                       threads: int = 0) -> Path:
     """Builds, warm-starts and saves the tiny model (HF format) unless `directory` already holds one.
 
     `examples(tokenizer)` gives the TaughtSequences and the held-out AnswerChecks; it runs only when a model is built.
+    `batch_size` sequences a step, a held-out check every `eval_every` steps, at most `max_steps` steps,
+    `threads` torch threads (0: as they are).
     """
     if (directory / "config.json").exists():
         return directory
+    started = time.monotonic()
     tokenizer = build_char_tokenizer()
     train_examples, eval_examples = examples(tokenizer)
     model = build_tiny_model(cfg, tokenizer, seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"building the tiny default model ({n_params / 1e6:.1f}M parameters), warm start to "
         f"{cfg.warm_start_accuracy:.0%} held-out accuracy")
-    accuracy = warm_start(model, tokenizer, train_examples, eval_examples[:200], cfg.warm_start_accuracy, seed,
-                          log=log)
-    log(f"warm start reached {accuracy:.1%} on {len(eval_examples[:200])} held-out examples")
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        accuracy = warm_start(model, tokenizer, train_examples, eval_examples[:200], cfg.warm_start_accuracy, seed,
+                              max_steps=max_steps, eval_every=eval_every, batch_size=batch_size, log=log)
+    finally:
+        torch.set_num_threads(previous_threads)
+    stopped = "" if accuracy >= cfg.warm_start_accuracy else f", at its limit of {max_steps} steps,"
+    log(f"warm start reached {accuracy:.1%} on {len(eval_examples[:200])} held-out examples{stopped} "
+        f"in {time.monotonic() - started:.0f}s")
     tmp = directory.with_name(directory.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
