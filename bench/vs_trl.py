@@ -1,7 +1,7 @@
 """rlsys against TRL's GRPOTrainer on the default task: trained samples/s, held-out accuracy over time, time to +20.
 
     pip install -e .[dev]      # TRL is a dev extra, never part of the default install
-    python3 bench/vs_trl.py [--steps 120] [--snapshot-steps 5] [--out bench/results/vs_trl.json] [key=value ...]
+    python3 bench/vs_trl.py [--steps 100] [--snapshot-steps 5] [--out bench/results/vs_trl.json] [key=value ...]
 
 One command, one run after the other on the same machine: TRL 1.16's `GRPOTrainer` (one process, HF `generate`,
 on CPU with all cores) and then rlsys's default run (`training/main_async_ppo.py`). Both start from the default
@@ -19,7 +19,8 @@ learner publishes for inference, which costs the run nothing), and after both ru
 checked by the same math check. A side's clock starts when its training starts (TRL: `on_train_begin`; rlsys:
 when its rollout worker finished the initial evaluation and admits the first prompt), so neither side's start-up
 (loading, vLLM, processes) is in it; the whole command's time is reported beside it. Trained samples/s counts the
-batches between the end of batch `--warmup` and the last one. The last line is
+batches between the end of batch `--warmup` and the last one. The table gives the time to +10 points too (what a
+short run shows when one side does not reach +20). The last line is
 `ratio: <TRL time-to-target / rlsys time-to-target>` for +20 held-out points over the shared starting accuracy.
 """
 
@@ -66,6 +67,11 @@ def held_out_accuracy(model, tokenizer, prompt_ids: list[list[int]], answers: li
     return right / len(prompt_ids)
 
 
+def first_reaching(curve: list[tuple], accuracy: float) -> tuple[int, float] | None:
+    """(batch, seconds) of the first point of `curve` at or above `accuracy`; None if none is."""
+    return next(((b, t) for b, _, t, a in curve if a >= accuracy - 1e-9), None)  # 0.568 is 0.368 + 0.2
+
+
 def prepared_config(overrides: list[str]):
     """The default run's config with its dataset and warm-started model ready (built into the cache if absent)."""
     from rlsys.assets import prepare_assets
@@ -76,7 +82,7 @@ def prepared_config(overrides: list[str]):
     return config
 
 
-def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out_dir: Path) -> dict:
+def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out_dir: Path, threads: int) -> dict:
     """TRL's GRPOTrainer for `steps` batches; (clock at each batch's end, weight snapshots, whole seconds)."""
     import torch
     from datasets import Dataset
@@ -86,7 +92,7 @@ def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out
     from rlsys.data.prompts import prompt_stream
 
     started = time.monotonic()
-    torch.set_num_threads(os.cpu_count())  # one process: each phase gets every core
+    torch.set_num_threads(threads or os.cpu_count())  # one process: by default each phase gets every core
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
     ppo, group = config.ppo, config.group_size
@@ -197,10 +203,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--snapshot-steps", type=int, default=5, help="evaluate both sides every this many batches")
     parser.add_argument("--skip-trl", action="store_true", help="run rlsys only (no ratio)")
+    parser.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0: every core")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:SETTINGS",
                         help="one more rlsys run after the default one, e.g. 'colocated:cluster.colocate=true "
                              "max_head_offpolicyness=0' (repeatable); reported beside it, not in the ratio")
-    args, out_dir = parse_run_arguments(parser, steps=120, out="bench/results/vs_trl.json")
+    args, out_dir = parse_run_arguments(parser, steps=100, out="bench/results/vs_trl.json")
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -219,7 +226,7 @@ def main() -> None:
     sides = {}
     if not args.skip_trl:
         load = os.getloadavg()[0]
-        sides["trl"] = run_trl(config, train_rows, args.steps, args.snapshot_steps, out_dir)
+        sides["trl"] = run_trl(config, train_rows, args.steps, args.snapshot_steps, out_dir, args.trl_threads)
         sides["trl"]["load_average"] = (load, os.getloadavg()[0])  # this machine is shared: say how busy it was
         print(f"  TRL: {args.steps} batches in {sides['trl']['wall_s']:.0f} s", flush=True)
     runs = [("rlsys", [])] + [(name, settings.split()) for name, _, settings in (v.partition(":") for v in args.variant)]
@@ -244,22 +251,25 @@ def main() -> None:
             curve.append((batch, batch * per_batch, side["times"][batch - 1], evaluate()))
         times = side["times"]
         w = min(args.warmup, len(times) - 1)
-        reached = next(((b, t) for b, _, t, a in curve if a >= target - 1e-9), None)  # 0.568 is 0.368 + 0.2
+        reached = first_reaching(curve, target)
+        halfway = first_reaching(curve, initial + TARGET_POINTS / 200)
         results[name] = {
             "samples_per_second": (len(times) - w) * per_batch / (times[-1] - times[w - 1] if w else times[-1]),
             "curve": [{"batch": b, "samples": n, "seconds": t, "accuracy": a} for b, n, t, a in curve],
             "time_to_target_s": reached[1] if reached else None, "batches_to_target": reached[0] if reached else None,
+            "time_to_half_target_s": halfway[1] if halfway else None,
             "train_s": times[-1], **{k: v for k, v in side.items() if k not in ("times", "snapshots")}}
 
     print(f"default task, {args.steps} batches of {config.ppo.batch_size} prompts x {config.group_size} samples, "
           f"{config.ppo.ppo_epochs} optimizer steps each; held-out greedy accuracy on {len(eval_rows)} problems, "
           f"start {100 * initial:.1f}%, target {100 * target:.1f}% (+{TARGET_POINTS:.0f} points)")
-    print(f"{'side':<10} {'samples/s':>9} {'train s':>8} {'whole s':>8} {'to target':>10} {'load':>9}  "
+    print(f"{'side':<10} {'samples/s':>9} {'train s':>8} {'whole s':>8} {'to +10':>8} {'to +20':>8} {'load':>9}  "
           "held-out accuracy (batch: accuracy @ seconds of training)")
     for name, r in results.items():
-        to_target = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else "not reached"
+        to_half, to_target = (f"{r[k]:.1f} s" if r[k] is not None else "-"
+                              for k in ("time_to_half_target_s", "time_to_target_s"))
         curve = "  ".join(f"{p['batch']}:{100 * p['accuracy']:.1f}%@{p['seconds']:.0f}s" for p in r["curve"])
-        print(f"{name:<10} {r['samples_per_second']:>9.1f} {r['train_s']:>8.1f} {r['wall_s']:>8.1f} {to_target:>10} "
+        print(f"{name:<10} {r['samples_per_second']:>9.1f} {r['train_s']:>8.1f} {r['wall_s']:>8.1f} {to_half:>8} {to_target:>8} "
               f"{r['load_average'][0]:>4.1f}-{r['load_average'][1]:<4.1f}  {curve}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "initial_accuracy": initial, "target_accuracy": target,
