@@ -3,25 +3,26 @@
     pip install -e .[dev]      # TRL is a dev extra, never part of the default install
     python3 bench/vs_trl.py [--steps 100] [--snapshot-steps 5] [--out bench/results/vs_trl.json] [key=value ...]
 
-One command, one run after the other on the same machine: TRL 1.16's `GRPOTrainer` (one process, HF `generate`,
-on CPU with all cores) and then rlsys's default run (`training/main_async_ppo.py`). Both start from the default
-run's warm-started tiny model (from the cache, `model.cache_dir`) and train on the default addition dataset in
-the same prompt order with the same hyper-parameters: 16 prompts x 8 samples per batch, 2 optimizer steps over
-each batch (rlsys `ppo.ppo_epochs=2`, TRL `num_iterations=2`), AdamW lr 3e-5 constant, clip 0.2, gradient norm
-clip 1, no KL (beta 0), token-mean loss (TRL `loss_type="dapo"`, normalised by the batch's tokens), group
-advantages scaled by the group's std, temperature 1, the same max new tokens. TRL's reward is rlsys's math check
-(the plain-number comparison, else math-verify), its prompts are rendered by the same tokenizer and chat template
-to the same token ids (checked).
+One command, one run after the other on the same machine: TRL 1.16's `GRPOTrainer` (one process, HF `generate`, on
+CPU with `--trl-threads` torch threads, by default every core) and then rlsys's default run
+(`training/main_async_ppo.py`). Both start from the default run's warm-started tiny model (from the cache,
+`model.cache_dir`) and train on the default addition dataset in the same prompt order with the same
+hyper-parameters: 16 prompts x 8 samples per batch, 2 optimizer steps over each batch (rlsys `ppo.ppo_epochs=2`, TRL
+`num_iterations=2`), AdamW lr 3e-5 constant, clip 0.2, gradient norm clip 1, no KL (beta 0), token-mean loss (TRL
+`loss_type="dapo"`, normalised by the batch's tokens), group advantages scaled by the group's std, temperature 1,
+the same max new tokens. TRL's reward is rlsys's math check (the plain-number comparison, else math-verify), its
+prompts are rendered by the same tokenizer and chat template to the same token ids (checked).
 
 Evaluation is the same for both and outside both clocks: every `--snapshot-steps` batches each side keeps its
-weights (TRL: a copy in memory, its time taken out of TRL's clock; rlsys: a hard link to the weight file its
-learner publishes for inference, which costs the run nothing), and after both runs every snapshot is scored by one function: greedy HF `generate` on the 500 held-out prompts,
-checked by the same math check. A side's clock starts when its training starts (TRL: `on_train_begin`; rlsys:
-when its rollout worker finished the initial evaluation and admits the first prompt), so neither side's start-up
-(loading, vLLM, processes) is in it; the whole command's time is reported beside it. Trained samples/s counts the
-batches between the end of batch `--warmup` and the last one. The table gives the time to +10 points too (what a
-short run shows when one side does not reach +20). The last line is
+weights (TRL: a copy in memory, its time taken out of TRL's clock; rlsys: a hard link to the weight file its learner
+publishes for inference, which costs the run nothing), and after both runs every snapshot is scored by one function:
+greedy HF `generate` on the 500 held-out prompts, checked by the same math check. A side's clock starts when its
+training starts (TRL: `on_train_begin`; rlsys: when its rollout worker finished the initial evaluation and admits
+the first prompt), so neither side's start-up (loading, vLLM, processes) is in it; the whole command's time is
+reported beside it. Trained samples/s counts the batches between the end of batch `--warmup` and the last one. The
+table gives the time to +10 points too (what a short run shows when one side does not reach +20). The last line is
 `ratio: <TRL time-to-target / rlsys time-to-target>` for +20 held-out points over the shared starting accuracy.
+`--variant NAME:SETTINGS` adds rlsys runs with other settings (e.g. the colocated placement) beside the default.
 """
 
 import argparse
@@ -229,7 +230,8 @@ def main() -> None:
         sides["trl"] = run_trl(config, train_rows, args.steps, args.snapshot_steps, out_dir, args.trl_threads)
         sides["trl"]["load_average"] = (load, os.getloadavg()[0])  # this machine is shared: say how busy it was
         print(f"  TRL: {args.steps} batches in {sides['trl']['wall_s']:.0f} s", flush=True)
-    runs = [("rlsys", [])] + [(name, settings.split()) for name, _, settings in (v.partition(":") for v in args.variant)]
+    variants = (v.partition(":") for v in args.variant)
+    runs = [("rlsys", [])] + [(name, settings.split()) for name, _, settings in variants]
     for name, settings in runs:
         load = os.getloadavg()[0]
         sides[name] = run_rlsys(args.steps, args.snapshot_steps, [*args.overrides, *settings], out_dir, name)
@@ -269,7 +271,8 @@ def main() -> None:
         to_half, to_target = (f"{r[k]:.1f} s" if r[k] is not None else "-"
                               for k in ("time_to_half_target_s", "time_to_target_s"))
         curve = "  ".join(f"{p['batch']}:{100 * p['accuracy']:.1f}%@{p['seconds']:.0f}s" for p in r["curve"])
-        print(f"{name:<10} {r['samples_per_second']:>9.1f} {r['train_s']:>8.1f} {r['wall_s']:>8.1f} {to_half:>8} {to_target:>8} "
+        print(f"{name:<10} {r['samples_per_second']:>9.1f} {r['train_s']:>8.1f} {r['wall_s']:>8.1f} {to_half:>8} "
+              f"{to_target:>8} "
               f"{r['load_average'][0]:>4.1f}-{r['load_average'][1]:<4.1f}  {curve}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "initial_accuracy": initial, "target_accuracy": target,
