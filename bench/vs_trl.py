@@ -1,7 +1,7 @@
 """rlsys against TRL's GRPOTrainer on the default task: trained samples/s, held-out accuracy over time, time to +20.
 
     pip install -e .[dev]      # TRL is a dev extra, never part of the default install
-    python3 bench/vs_trl.py [--steps 100] [--snapshot-steps 5] [--out bench/results/vs_trl.json] [key=value ...]
+    python3 bench/vs_trl.py [--steps 180] [--snapshot-steps 10] [--out bench/results/vs_trl.json] [key=value ...]
 
 One command, one run after the other on the same machine: TRL 1.16's `GRPOTrainer` (one process, HF `generate`, on
 CPU with `--trl-threads` torch threads, by default every core) and then rlsys's default run
@@ -202,13 +202,13 @@ def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Pa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--snapshot-steps", type=int, default=5, help="evaluate both sides every this many batches")
+    parser.add_argument("--snapshot-steps", type=int, default=10, help="evaluate both sides every this many batches")
     parser.add_argument("--skip-trl", action="store_true", help="run rlsys only (no ratio)")
     parser.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0: every core")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:SETTINGS",
                         help="one more rlsys run after the default one, e.g. 'colocated:cluster.colocate=true "
                              "max_head_offpolicyness=0' (repeatable); reported beside it, not in the ratio")
-    args, out_dir = parse_run_arguments(parser, steps=100, out="bench/results/vs_trl.json")
+    args, out_dir = parse_run_arguments(parser, steps=180, out="bench/results/vs_trl.json")
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
