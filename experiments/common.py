@@ -264,6 +264,10 @@ class ClusterConfig:
     weights_transport: str = "auto"
     """How new weights reach inference: disk (a file in the run directory: one machine or a shared filesystem),
     bus (checksummed chunks over Redis: no shared path needed); auto: disk on local, bus on ray."""
+    colocate: bool = False
+    """Generation and training take turns on the same cores, each phase with all of them, instead of running side
+    by side on shares of them; needs max_head_offpolicyness=0 (the synchronous gate is what makes them take turns).
+    CPU only, with one inference worker, one learner rank and backend=local."""
 
     def __post_init__(self):
         check_at_least("cluster.", self, n_inference_workers=1, n_rollout_workers=1, redis_port=0, max_role_restarts=0,
@@ -285,6 +289,11 @@ class ClusterConfig:
                              f"cluster.n_learner_ranks ({self.n_learner_ranks})")
         for name in ("learner_resources", "inference_resources", "rollout_resources"):
             parse_resources(f"cluster.{name}", getattr(self, name))
+        if self.colocate and (self.n_inference_workers > 1 or self.n_learner_ranks > 1 or self.backend != "local"):
+            raise ValueError("cluster.colocate=true gives one inference worker and one learner rank every core of "
+                             "this machine in turn: it needs cluster.n_inference_workers=1, cluster.n_learner_ranks=1 "
+                             f"and cluster.backend=local (got {self.n_inference_workers}, {self.n_learner_ranks}, "
+                             f"{self.backend})")
 
     def resources(self, role: str) -> dict[str, float]:
         """The custom Ray resources each process of `role` (learner, inference, rollout) needs."""
@@ -332,7 +341,8 @@ class InferenceConfig:
     """Fraction of accelerator memory vLLM may take (of host memory on CPU)."""
     num_threads: int = 1
     """CPU threads of each inference worker (torch/OpenMP); 0: the engine's choice (vLLM-CPU: about one per core).
-    One leaves the other cores to the learner and rollout workers of a small machine."""
+    One leaves the other cores to the learner and rollout workers of a small machine; with cluster.colocate=true
+    the worker gets every core while the learner waits, and another value than 1 is refused."""
     max_num_seqs: int = 256
     """Most sequences the engine runs at once (one per sample: a request of n samples is n sequences)."""
     max_model_len: int = 0
@@ -424,7 +434,8 @@ class LearnerConfig:
     attn_implementation: str = "auto"
     """Learner attention: auto (rlsys_varlen for packed rows, sdpa for padded), sdpa, eager or flash_attention_2."""
     num_threads: int = 0
-    """CPU threads of each learner rank (torch); 0: the cores the run's other roles leave (1 on 2 cores; see BENCHMARKS.md)."""
+    """CPU threads of each learner rank (torch); 0: the cores the run's other roles leave (1 on 2 cores; see BENCHMARKS.md),
+    every core with cluster.colocate=true."""
 
     def __post_init__(self):
         if self.dtype not in LEARNER_DTYPES:
@@ -474,3 +485,10 @@ class AsyncRLExperimentConfig(BaseExperimentConfig):
     def __post_init__(self):
         super().__post_init__()
         check_at_least("", self, max_head_offpolicyness=0, max_concurrent_rollouts=1, env_timeout=0)
+        if self.cluster.colocate and self.inference.num_threads != 1:
+            raise ValueError("cluster.colocate=true gives the inference worker every core while the learner waits; "
+                             f"leave inference.num_threads at 1 (got {self.inference.num_threads})")
+        if self.cluster.colocate and self.max_head_offpolicyness:
+            raise ValueError("cluster.colocate=true needs max_head_offpolicyness=0: generation and training take turns "
+                             "only when no batch is generated while the learner trains; got max_head_offpolicyness="
+                             f"{self.max_head_offpolicyness}")

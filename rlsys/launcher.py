@@ -197,6 +197,9 @@ def prepare(config) -> None:
             gpu_layout(config.cluster, config.inference, visible_devices())
         except PlacementError as e:
             raise StartupError(str(e)) from None
+        if config.cluster.colocate and visible_devices():
+            raise StartupError("cluster.colocate=true takes turns on CPU cores; on GPUs it would need vLLM's sleep "
+                               "mode and in-memory weight hand-over, which rlsys does not have yet: leave it false")
     if hasattr(config, "learner"):  # refused here rather than by a learner that would die and be restarted
         import torch
 

@@ -23,3 +23,25 @@ def test_learner_threads_are_the_cores_left_by_the_other_roles(overrides, cores,
 def test_a_negative_thread_count_is_refused():
     with pytest.raises(ConfigError, match="learner.num_threads must be at least 0"):
         parse_config(["learner.num_threads=-1"])
+
+
+@pytest.mark.parametrize("overrides,cores,learner", [
+    (["cluster.colocate=true", "max_head_offpolicyness=0"], 2, 2),  # the phases take turns: each gets every core
+    (["cluster.colocate=true", "max_head_offpolicyness=0", "learner.num_threads=1"], 16, 1),
+])
+def test_colocated_roles_each_get_every_core(overrides, cores, learner):
+    config = parse_config(overrides)
+    assert role_threads("learner", config, cores) == learner
+    assert role_threads("inference", config, cores) == cores
+    assert role_threads("rollout", config, cores) == 1
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    (["cluster.colocate=true"], "needs max_head_offpolicyness=0"),  # the default gate (2) would overlap the phases
+    (["cluster.colocate=true", "max_head_offpolicyness=0", "inference.num_threads=0"], "leave inference.num_threads"),
+    (["cluster.colocate=true", "max_head_offpolicyness=0", "cluster.n_inference_workers=2"], "n_inference_workers=1"),
+    (["cluster.colocate=true", "max_head_offpolicyness=0", "cluster.n_learner_ranks=2"], "n_learner_ranks=1"),
+])
+def test_colocation_that_could_not_take_turns_is_refused(overrides, reason):
+    with pytest.raises(ConfigError, match=reason):
+        parse_config(overrides)

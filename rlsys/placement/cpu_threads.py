@@ -12,6 +12,10 @@ where each inference worker claims its `inference.num_threads` (0, the engine's 
 and each rollout worker one core (its agents, environments and reward checks run on it). Under
 `cluster.backend=ray` the roles may be on other nodes; the rule still counts them all on the learner's node,
 which errs on the side of too few threads: set `learner.num_threads` there.
+
+Colocated (`cluster.colocate=true`) the roles take turns instead: the synchronous gate keeps inference idle
+while the learner trains and the learner idle while inference generates, so each gets every core (unless its
+own `num_threads` says otherwise).
 """
 
 import os
@@ -29,10 +33,13 @@ def available_cores() -> int:
 
 def role_threads(role: str, config, cores: int | None = None) -> int:
     """torch threads for a process of `role`; 0 leaves the choice to the engine (inference.num_threads=0)."""
+    colocated = config.cluster.colocate
     if role == INFERENCE:
-        return config.inference.num_threads
+        return cores or available_cores() if colocated else config.inference.num_threads
     if role == LEARNER and hasattr(config, "learner"):
-        return config.learner.num_threads or auto_learner_threads(config, cores or available_cores())
+        if config.learner.num_threads:
+            return config.learner.num_threads
+        return cores or available_cores() if colocated else auto_learner_threads(config, cores or available_cores())
     return 1  # rollout workers (asyncio: agents wait on queues) and anything else
 
 

@@ -1,0 +1,294 @@
+"""rlsys against TRL's GRPOTrainer on the default task: trained samples/s, held-out accuracy over time, time to +20.
+
+    pip install -e .[dev]      # TRL is a dev extra, never part of the default install
+    python3 bench/vs_trl.py [--steps 180] [--snapshot-steps 10] [--out bench/results/vs_trl.json] [key=value ...]
+
+One command, one run after the other on the same machine: TRL 1.16's `GRPOTrainer` (one process, HF `generate`, on
+CPU with `--trl-threads` torch threads, by default every core) and then rlsys's default run
+(`training/main_async_ppo.py`). Both start from the default run's warm-started tiny model (from the cache,
+`model.cache_dir`) and train on the default addition dataset in the same prompt order with the same
+hyper-parameters: 16 prompts x 8 samples per batch, 2 optimizer steps over each batch (rlsys `ppo.ppo_epochs=2`, TRL
+`num_iterations=2`), AdamW lr 3e-5 constant, clip 0.2, gradient norm clip 1, no KL (beta 0), token-mean loss (TRL
+`loss_type="dapo"`, normalised by the batch's tokens), group advantages scaled by the group's std, temperature 1,
+the same max new tokens. TRL's reward is rlsys's math check (the plain-number comparison, else math-verify), its
+prompts are rendered by the same tokenizer and chat template to the same token ids (checked).
+
+Evaluation is the same for both and outside both clocks: every `--snapshot-steps` batches each side keeps its
+weights (TRL: a copy in memory, its time taken out of TRL's clock; rlsys: a hard link to the weight file its learner
+publishes for inference, which costs the run nothing), and after both runs every snapshot is scored by one function:
+greedy HF `generate` on the 500 held-out prompts, checked by the same math check. A side's clock starts when its
+training starts (TRL: `on_train_begin`; rlsys: when its rollout worker finished the initial evaluation and admits
+the first prompt), so neither side's start-up (loading, vLLM, processes) is in it; the whole command's time is
+reported beside it. Trained samples/s counts the batches between the end of batch `--warmup` and the last one. The
+table gives the time to +10 points too (what a short run shows when one side does not reach +20). The last line is
+`ratio: <TRL time-to-target / rlsys time-to-target>` for +20 held-out points over the shared starting accuracy.
+`--variant NAME:SETTINGS` adds rlsys runs with other settings (e.g. the colocated placement) beside the default.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.launched_runs import launch, learner_rows, parse_run_arguments  # noqa: E402
+
+TARGET_POINTS = 20.0
+
+
+def correct(answer: str, reference: str) -> bool:
+    """rlsys's math check, as its math-code-single-step environment applies it (without the worker pool)."""
+    from rlsys.impl.env.math_verifier import check_answer, plain_number_verdict
+
+    return (plain_number_verdict(answer, reference) or check_answer(answer, reference)).correct
+
+
+def held_out_accuracy(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], max_new_tokens: int) -> float:
+    """Greedy accuracy of `model` on the held-out prompts; prompts of one length are generated together, so no
+    padding can change an answer."""
+    import torch
+
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompt_ids):
+        by_length.setdefault(len(ids), []).append(i)
+    right = 0
+    with torch.no_grad():
+        for indices in by_length.values():
+            inputs = torch.tensor([prompt_ids[i] for i in indices])
+            out = model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+            texts = tokenizer.batch_decode(out[:, inputs.shape[1]:], skip_special_tokens=True)
+            right += sum(correct(text, answers[i]) for text, i in zip(texts, indices))
+    return right / len(prompt_ids)
+
+
+def first_reaching(curve: list[tuple], accuracy: float) -> tuple[int, float] | None:
+    """(batch, seconds) of the first point of `curve` at or above `accuracy`; None if none is."""
+    return next(((b, t) for b, _, t, a in curve if a >= accuracy - 1e-9), None)  # 0.568 is 0.368 + 0.2
+
+
+def prepared_config(overrides: list[str]):
+    """The default run's config with its dataset and warm-started model ready (built into the cache if absent)."""
+    from rlsys.assets import prepare_assets
+    from rlsys.cli import parse_config
+
+    config = parse_config(overrides)
+    prepare_assets(config)
+    return config
+
+
+def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out_dir: Path, threads: int) -> dict:
+    """TRL's GRPOTrainer for `steps` batches; (clock at each batch's end, weight snapshots, whole seconds)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlsys.data.prompts import prompt_stream
+
+    started = time.monotonic()
+    torch.set_num_threads(threads or os.cpu_count())  # one process: by default each phase gets every core
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+    ppo, group = config.ppo, config.group_size
+    # rlsys's training order (its rollout worker's stream), which TRL then takes unshuffled.
+    stream = prompt_stream(train_rows, tokenizer, "train", seed=config.seed, shuffle=True)
+    ordered = [next(stream) for _ in range(steps * ppo.batch_size)]
+    messages = [p.data.get("messages") or [{"role": "user", "content": p.data["prompt"]}] for p in ordered]
+    rendered = tokenizer.apply_chat_template(messages[0], add_generation_prompt=True, tokenize=False)
+    if tokenizer(rendered, add_special_tokens=False)["input_ids"] != ordered[0].token_ids:
+        raise RuntimeError("TRL would see other prompt tokens than rlsys's")
+    dataset = Dataset.from_dict({"prompt": messages, "answer": [str(p.data["answer"]) for p in ordered]})
+
+    def math_reward(completions, answer, **_):
+        return [float(correct(c[-1]["content"], a)) for c, a in zip(completions, answer)]
+
+    args = GRPOConfig(
+        output_dir=str(out_dir / "trl"), use_cpu=True, report_to="none", save_strategy="no", logging_steps=10,
+        seed=config.seed, data_seed=config.seed, shuffle_dataset=False, max_steps=steps * ppo.ppo_epochs,
+        per_device_train_batch_size=ppo.batch_size * group, gradient_accumulation_steps=1, num_generations=group,
+        num_iterations=ppo.ppo_epochs, learning_rate=ppo.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=ppo.weight_decay, max_grad_norm=ppo.max_grad_norm, beta=0.0, epsilon=ppo.pg_clip,
+        loss_type="dapo", scale_rewards="group", temperature=config.gen.temperature, top_p=config.gen.top_p,
+        top_k=max(config.gen.top_k, 0), max_completion_length=config.gen.max_new_tokens, bf16=False)
+
+    class Clock(TrainerCallback):
+        """The time at each batch's last optimizer step, less the time spent taking snapshots."""
+
+        def __init__(self):
+            self.start, self.excluded, self.times, self.snapshots = 0.0, 0.0, [], {}
+
+        def on_train_begin(self, *_, **__):
+            self.start = time.monotonic()
+
+        def on_step_end(self, _args, state, _control, model=None, **__):
+            if state.global_step % ppo.ppo_epochs:
+                return
+            now = time.monotonic()
+            self.times.append(now - self.start - self.excluded)
+            batch = state.global_step // ppo.ppo_epochs
+            if batch % snapshot_steps == 0 or batch == steps:
+                self.snapshots[batch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            self.excluded += time.monotonic() - now
+
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=[math_reward], args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    return {"times": clock.times, "snapshots": clock.snapshots, "wall_s": time.monotonic() - started}
+
+
+class WeightLinker(threading.Thread):
+    """Keeps the weights rlsys's learner publishes for inference (<run dir>/weights/v<N>/, each written whole and
+    removed a few versions later) at every `every`-th version and `last`, by hard links: nothing is added to the
+    run's own work, so its clock needs no correction."""
+
+    def __init__(self, out_dir: Path, trial: str, every: int, last: int):
+        super().__init__(daemon=True)
+        self.root, self.pattern, self.every, self.last = out_dir, f"*/{trial}/weights/v*", every, last
+        self.kept_dir = out_dir / f"{trial}-snapshots"
+        self.kept_dir.mkdir(parents=True, exist_ok=True)
+        self.kept: dict[int, Path] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.link_new(self.root.glob(self.pattern))
+            time.sleep(0.02)
+
+    def link_new(self, directories) -> None:
+        from rlsys.engine.weights import WEIGHTS_FILE
+
+        for directory in directories:
+            name = directory.name
+            if not name[1:].isdigit():  # v<N>.tmp: still being written
+                continue
+            version = int(name[1:])
+            if version in self.kept or (version % self.every and version != self.last):
+                continue
+            target = self.kept_dir / f"v{version}.safetensors"
+            with contextlib.suppress(FileNotFoundError):  # removed between the glob and the link: too late
+                os.link(directory / WEIGHTS_FILE, target)
+                self.kept[version] = target
+
+
+def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Path, trial: str) -> dict:
+    """rlsys's default run for `steps` batches; (clock at each batch's end, weight files, whole seconds, command)."""
+    settings = [f"max_steps={steps}", "eval_steps=0", f"logging_steps={steps}", *overrides]
+    linker = WeightLinker(out_dir, trial, snapshot_steps, steps)
+    linker.start()
+    try:
+        run_dir, command, wall = launch(settings, out_dir, trial)
+    finally:
+        linker.done.set()
+        linker.join()
+    missed = [v for v in range(snapshot_steps, steps + 1, snapshot_steps) if v not in linker.kept]
+    if missed:
+        raise RuntimeError(f"the weights of versions {missed} were removed before they could be kept")
+    rows = learner_rows(run_dir)
+    initial = [json.loads(line) for line in (run_dir / "logs" / "rollout0.jsonl").open()]
+    start = next(r["time"] for r in initial if "eval/accuracy" in r)  # training prompts are admitted from here
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"times": [r["time"] - start for r in rows], "snapshots": linker.kept, "wall_s": wall,
+            "command": " ".join(command), "own_initial_accuracy": summary["initial_accuracy"],
+            "own_final_accuracy": summary["final_accuracy"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--snapshot-steps", type=int, default=10, help="evaluate both sides every this many batches")
+    parser.add_argument("--skip-trl", action="store_true", help="run rlsys only (no ratio)")
+    parser.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0: every core")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:SETTINGS",
+                        help="one more rlsys run after the default one, e.g. 'colocated:cluster.colocate=true "
+                             "max_head_offpolicyness=0' (repeatable); reported beside it, not in the ratio")
+    args, out_dir = parse_run_arguments(parser, steps=180, out="bench/results/vs_trl.json")
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlsys.data.dataset import load_rows
+    from rlsys.data.prompts import row_prompt_ids
+
+    config = prepared_config(args.overrides)
+    fmt = config.dataset.row_format()
+    train_rows, eval_rows = load_rows(config.dataset.path, fmt), load_rows(config.dataset.eval_path, fmt)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    eval_ids = [row_prompt_ids(tokenizer, row) for row in eval_rows]
+    answers = [str(row["answer"]) for row in eval_rows]
+    per_batch = config.ppo.batch_size * config.group_size
+
+    sides = {}
+    if not args.skip_trl:
+        load = os.getloadavg()[0]
+        sides["trl"] = run_trl(config, train_rows, args.steps, args.snapshot_steps, out_dir, args.trl_threads)
+        sides["trl"]["load_average"] = (load, os.getloadavg()[0])  # this machine is shared: say how busy it was
+        print(f"  TRL: {args.steps} batches in {sides['trl']['wall_s']:.0f} s", flush=True)
+    variants = (v.partition(":") for v in args.variant)
+    runs = [("rlsys", [])] + [(name, settings.split()) for name, _, settings in variants]
+    for name, settings in runs:
+        load = os.getloadavg()[0]
+        sides[name] = run_rlsys(args.steps, args.snapshot_steps, [*args.overrides, *settings], out_dir, name)
+        sides[name]["load_average"] = (load, os.getloadavg()[0])
+        print(f"  {name}: {args.steps} batches in {sides[name]['wall_s']:.0f} s", flush=True)
+
+    torch.set_num_threads(os.cpu_count())
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).eval()
+    evaluate = lambda: held_out_accuracy(model, tokenizer, eval_ids, answers, config.gen.max_new_tokens)  # noqa: E731
+    initial = evaluate()
+    target = initial + TARGET_POINTS / 100
+    results = {}
+    for name, side in sides.items():
+        curve = [(0, 0, 0.0, initial)]
+        for batch, snapshot in sorted(side["snapshots"].items()):
+            if name != "trl":
+                snapshot = load_file(str(snapshot))
+            model.load_state_dict(snapshot)
+            curve.append((batch, batch * per_batch, side["times"][batch - 1], evaluate()))
+        times = side["times"]
+        w = min(args.warmup, len(times) - 1)
+        reached = first_reaching(curve, target)
+        halfway = first_reaching(curve, initial + TARGET_POINTS / 200)
+        results[name] = {
+            "samples_per_second": (len(times) - w) * per_batch / (times[-1] - times[w - 1] if w else times[-1]),
+            "curve": [{"batch": b, "samples": n, "seconds": t, "accuracy": a} for b, n, t, a in curve],
+            "time_to_target_s": reached[1] if reached else None, "batches_to_target": reached[0] if reached else None,
+            "time_to_half_target_s": halfway[1] if halfway else None,
+            "train_s": times[-1], **{k: v for k, v in side.items() if k not in ("times", "snapshots")}}
+
+    print(f"default task, {args.steps} batches of {config.ppo.batch_size} prompts x {config.group_size} samples, "
+          f"{config.ppo.ppo_epochs} optimizer steps each; held-out greedy accuracy on {len(eval_rows)} problems, "
+          f"start {100 * initial:.1f}%, target {100 * target:.1f}% (+{TARGET_POINTS:.0f} points)")
+    print(f"{'side':<10} {'samples/s':>9} {'train s':>8} {'whole s':>8} {'to +10':>8} {'to +20':>8} {'load':>9}  "
+          "held-out accuracy (batch: accuracy @ seconds of training)")
+    for name, r in results.items():
+        to_half, to_target = (f"{r[k]:.1f} s" if r[k] is not None else "-"
+                              for k in ("time_to_half_target_s", "time_to_target_s"))
+        curve = "  ".join(f"{p['batch']}:{100 * p['accuracy']:.1f}%@{p['seconds']:.0f}s" for p in r["curve"])
+        print(f"{name:<10} {r['samples_per_second']:>9.1f} {r['train_s']:>8.1f} {r['wall_s']:>8.1f} {to_half:>8} "
+              f"{to_target:>8} "
+              f"{r['load_average'][0]:>4.1f}-{r['load_average'][1]:<4.1f}  {curve}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "initial_accuracy": initial, "target_accuracy": target,
+                                          "results": results}, indent=2, default=str))
+    trl_t, rlsys_t = (results.get(k, {}).get("time_to_target_s") for k in ("trl", "rlsys"))
+    for name, _ in runs[1:]:
+        variant_t = results[name]["time_to_target_s"]
+        if trl_t is not None and variant_t is not None:
+            print(f"{name}: TRL time-to-target / {name} time-to-target = {trl_t / variant_t:.2f}")
+    if trl_t is not None and rlsys_t is not None:
+        print(f"ratio: {trl_t / rlsys_t:.2f} (TRL time-to-target / rlsys time-to-target, +{TARGET_POINTS:.0f} "
+              "held-out points)")
+    else:
+        print(f"ratio: n/a (a side did not reach +{TARGET_POINTS:.0f} points in {args.steps} batches: "
+              f"TRL {trl_t}, rlsys {rlsys_t})")
+
+
+if __name__ == "__main__":
+    main()
