@@ -128,11 +128,12 @@ class Learner(PolicyTrainer):
         trained. The staleness gate (RolloutWorker.admit) bounds how many prompts are in flight, not how old
         each is: groups arrive in the order their episodes end, so a slow one can outlive the newer prompts
         admitted as versions rose. This check is the bound; the gate keeps it to the odd slow group."""
-        head = min((v for t in group.trajectories for v in t.versions if v != NOT_GENERATED), default=self.version)
-        if head >= self.version - self.config.max_head_offpolicyness:
+        versions = [v for t in group.trajectories for v in t.versions if v != NOT_GENERATED]
+        if min(versions, default=self.version) >= self.version - self.config.max_head_offpolicyness:
             return False
-        log.warning("group %s refused as too stale: its oldest token is of version %d, the learner trains version %d "
-                    "(max_head_offpolicyness=%d)", group.group_id, head, self.version,
+        # the newest token tells a generation that spanned weight updates from a group that waited once generated
+        log.warning("group %s refused as too stale: its tokens are of versions %d to %d, the learner trains version %d "
+                    "(max_head_offpolicyness=%d)", group.group_id, min(versions), max(versions), self.version,
                     self.config.max_head_offpolicyness)
         return True
 
