@@ -29,7 +29,8 @@ def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
     summary = launch(config)
 
     before, after = summary["initial_accuracy"], summary["final_accuracy"]
-    assert after >= before + 0.08, f"held-out accuracy {before:.1%} -> {after:.1%}: RL did not help"
+    # rounded: 0.28 + 0.08 is 0.36000000000000004 in floats, and a gain of exactly 16 of 200 problems failed
+    assert round(after - before, 9) >= 0.08, f"held-out accuracy {before:.1%} -> {after:.1%}: RL did not help"
     run_dir = Path(summary["run_dir"])
     steps = read_jsonl_metrics(run_dir / "logs" / "learner.jsonl")
     assert [s["step"] for s in steps] == list(range(1, 41))
