@@ -186,4 +186,3 @@ class Learner(PolicyTrainer):
                          "accounting": accounting.settled_snapshot(self.bus) if self.ranks.main else None}
         return save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.ranks, self.sharded_state(),
                                self.export, trainer_state)
-

@@ -141,7 +141,7 @@ class RolloutWorker:
     async def current_version(self) -> int:
         return self.router.workers.served_version()
 
-    async def admit(self, wanted: int = 1) -> int:
+    async def admit(self, wanted: int) -> int:
         """Staleness gate: admits up to `wanted` prompts while admitted prompts <= (version +
         max_head_offpolicyness + 1) * batch_size; returns how many it admitted. It bounds how many prompts are
         in flight, not how old each is (see Learner.too_stale).
