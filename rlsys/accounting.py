@@ -18,6 +18,8 @@ ADMITTED, TRAINED = "admitted", "trained"
 FILTER_REASONS = {
     "uniform_reward": "every sample of the group got the same reward (ppo.filter_uniform_groups)",
     "run_ended": "still in flight, or delivered but not yet trained, when the run ended",
+    "too_stale": "its oldest generated token was more than max_head_offpolicyness versions behind the policy "
+                 "the learner was training",
 }
 FAILURE_REASONS = {
     "env_error": "the environment (or its reward) raised",

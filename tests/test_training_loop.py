@@ -29,12 +29,13 @@ def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
     summary = launch(config)
 
     before, after = summary["initial_accuracy"], summary["final_accuracy"]
-    assert after >= before + 0.08, f"held-out accuracy {before:.1%} -> {after:.1%}: RL did not help"
+    # rounded: 0.28 + 0.08 is 0.36000000000000004 in floats, and a gain of exactly 16 of 200 problems failed
+    assert round(after - before, 9) >= 0.08, f"held-out accuracy {before:.1%} -> {after:.1%}: RL did not help"
     run_dir = Path(summary["run_dir"])
     steps = read_jsonl_metrics(run_dir / "logs" / "learner.jsonl")
     assert [s["step"] for s in steps] == list(range(1, 41))
     assert [s["version"] for s in steps] == list(range(1, 41))
-    assert all(s["staleness_max"] <= config.max_head_offpolicyness + 1 for s in steps)
+    assert all(s["staleness_max"] <= config.max_head_offpolicyness for s in steps)
     assert all(s["agent/verify_failed"] == 0 for s in steps)
     first, last = steps[:10], steps[-10:]
     assert sum(s["reward"] for s in last) > sum(s["reward"] for s in first), "training reward did not rise"
@@ -251,6 +252,6 @@ def test_the_transformers_engine_serves_the_whole_loop(cache_dir, tmp_path):
     summary = launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
     assert [(s["step"], s["version"]) for s in steps] == [(1, 1), (2, 2), (3, 3), (4, 4)]
-    assert all(s["staleness_max"] <= config.max_head_offpolicyness + 1 for s in steps)
+    assert all(s["staleness_max"] <= config.max_head_offpolicyness for s in steps)
     assert summary["final_accuracy"] is not None and summary["initial_accuracy"] is not None
     assert left_behind(tmp_path, existing) == []

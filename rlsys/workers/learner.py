@@ -5,6 +5,7 @@ With `cluster.n_learner_ranks` > 1 every rank runs this loop; rank 0 alone talks
 others each batch, and every rank joins the collective parts (train step, weight gathering, checkpoints).
 """
 
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from rlsys import accounting, protocol, weight_transport
 from rlsys.alarms import check_logprob_mismatch
-from rlsys.api import Trajectory
+from rlsys.api import NOT_GENERATED, Trajectory
 from rlsys.checkpoint import SHARDED_STATE, load_rng_state, load_sharded_state, read_trainer_state, save_checkpoint
 from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.distributed import Ranks, full_state_dict
@@ -22,6 +23,8 @@ from rlsys.model.loading import CRITIC_DIR
 from rlsys.tracing import write_trained
 from rlsys.training_step import PolicyTrainer
 from rlsys.weight_checksum import weights_checksum
+
+log = logging.getLogger(__name__)
 
 
 class Learner(PolicyTrainer):
@@ -112,18 +115,34 @@ class Learner(PolicyTrainer):
             if self.bus.get(protocol.STOP):
                 return None
             for group in self.inbox.receive(self.ppo.batch_size - len(groups), timeout=0.5):
-                if self.ppo.filter_uniform_groups and len({t.reward for t in group.trajectories}) == 1:
-                    self.filter_group(group)
+                if self.too_stale(group):
+                    self.filter_group(group, "too_stale")
+                elif self.ppo.filter_uniform_groups and len({t.reward for t in group.trajectories}) == 1:
+                    self.filter_group(group, "uniform_reward")
                 else:
                     groups.append(group)
         return groups
 
-    def filter_group(self, group: Delivery) -> None:
+    def too_stale(self, group: Delivery) -> bool:
+        """Whether the group's oldest token is more than max_head_offpolicyness versions behind the policy being
+        trained. The staleness gate (RolloutWorker.admit) bounds how many prompts are in flight, not how old
+        each is: groups arrive in the order their episodes end, so a slow one can outlive the newer prompts
+        admitted as versions rose. This check is the bound; the gate keeps it to the odd slow group."""
+        versions = [v for t in group.trajectories for v in t.versions if v != NOT_GENERATED]
+        if min(versions, default=self.version) >= self.version - self.config.max_head_offpolicyness:
+            return False
+        # the newest token tells a generation that spanned weight updates from a group that waited once generated
+        log.warning("group %s refused as too stale: its tokens are of versions %d to %d, the learner trains version %d "
+                    "(max_head_offpolicyness=%d)", group.group_id, min(versions), max(versions), self.version,
+                    self.config.max_head_offpolicyness)
+        return True
+
+    def filter_group(self, group: Delivery, reason: str) -> None:
         """A dropped group will never be trained, so its prompt gives its staleness-gate slot back;
         otherwise the gate, which expects `batch_size` admitted prompts per step, would stall."""
         self.filtered_groups += 1
         self.consumed_prompts.append(group.group_id)
-        accounting.settle_untrained(self.bus, group.group_id, accounting.filtered("uniform_reward"))
+        accounting.settle_untrained(self.bus, group.group_id, accounting.filtered(reason))
         self.inbox.ack([group.entry_id])
 
     def delivery_metrics(self) -> dict[str, int]:
