@@ -1,6 +1,7 @@
 """The learner's train_step against a plain training loop on the same tokens, side by side in one run.
 
     python3 bench/learner_vs_plain.py [--threads 1] [--repeats 5] [--out bench/results/learner_vs_plain.json]
+                                      [--random-model 576,1536,30,9,3,49152] [key=value ...]
 
 Both sides train the default task's model (the tiny warm-started one the default run builds, from its cache)
 on one batch the size of a default step: 16 prompts x 8 samples, each a real held-out prompt rendered with the
@@ -15,9 +16,18 @@ on the same sequences right-padded into one batch (transformers' sdpa, the defau
 AdamW. Both make the same number of optimizer steps over the same tokens; trained tokens/s counts real tokens
 x epochs. Repeats alternate the two so machine noise hits both alike; the median is reported. The last line is
 the headline: learner / plain.
+
+`--random-model` times a randomly initialised model of another shape on the same token ids instead (e.g.
+SmolLM2-135M's: hidden 576, MLP 1536, 30 layers, 9 heads, 3 key/value heads, 49,152-token vocabulary), and
+`gen.max_new_tokens=N` makes the answers up to N-1 tokens long: launch overheads that dominate a 2.4M-parameter
+model on a GPU may not matter at a real size. With `learner.dtype=bfloat16` the plain loop runs under the same
+autocast.
 """
 
+import contextlib
+
 import argparse
+import functools
 import json
 import platform
 import random
@@ -61,6 +71,22 @@ def default_step_batch(config, seed: int) -> list[Trajectory]:
     return batch
 
 
+def save_random_model(shape: str, tokenizer_from: str, directory: Path) -> str:
+    """A Qwen2 model of `shape` with random weights, saved with the default model's tokenizer."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    hidden, mlp, layers, heads, kv_heads, vocab = (int(x) for x in shape.split(","))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
 class PlainLoop:
     """model(input_ids, labels).loss.backward(); optimizer.step(), over the learner's epochs and mini-batches."""
 
@@ -80,11 +106,15 @@ class PlainLoop:
         self.input_ids, self.attention_mask, self.labels = (
             t.to(device) for t in (self.input_ids, self.attention_mask, self.labels))
 
+        self.autocast = (functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+                         if config.learner.dtype == "bfloat16" else contextlib.nullcontext)
+
     def train_step(self) -> None:
         for _ in range(self.ppo.ppo_epochs):
             for rows in torch.randperm(len(self.input_ids)).chunk(self.ppo.num_mini_batches):
-                loss = self.model(input_ids=self.input_ids[rows], attention_mask=self.attention_mask[rows],
-                                  labels=self.labels[rows], use_cache=False).loss
+                with self.autocast():
+                    loss = self.model(input_ids=self.input_ids[rows], attention_mask=self.attention_mask[rows],
+                                      labels=self.labels[rows], use_cache=False).loss
                 loss.backward()
                 self.optimizer.step()
                 self.optimizer.zero_grad()
@@ -96,6 +126,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps-per-repeat", type=int, default=3, help="train steps timed together per repeat")
     parser.add_argument("--out", default="bench/results/learner_vs_plain.json")
+    parser.add_argument("--random-model", metavar="HIDDEN,MLP,LAYERS,HEADS,KV_HEADS,VOCAB",
+                        help="time a randomly initialised Qwen2 model of this shape instead of the default task's")
     parser.add_argument("overrides", nargs="*", help="experiment settings, key=value (e.g. ppo.ppo_epochs=1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -104,6 +136,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config.logging_dir = str(Path(tmp) / "logs")
         prepare_assets(config, log=lambda *a, **k: None)
+        if args.random_model:
+            config.model.path = save_random_model(args.random_model, config.model.path, Path(tmp) / "model")
         trajectories = default_step_batch(config, seed=0)
         tokens = sum(len(t.token_ids) for t in trajectories)
         learner = PolicyTrainer(config, Ranks(), config.model.path)
@@ -126,7 +160,7 @@ def main() -> None:
                    "seconds": t} for name, t in times.items()}
     ratio = rows["learner"]["tokens_per_second"] / rows["plain"]["tokens_per_second"]
     device = torch.cuda.get_device_name() if learner.device != "cpu" else f"{args.threads} CPU thread(s)"
-    print(f"{len(trajectories)} sequences ({config.ppo.batch_size} prompts x {config.group_size}), {tokens} tokens, "
+    print(f"model {args.random_model or 'default task'}, learner.dtype={config.learner.dtype}, {len(trajectories)} sequences ({config.ppo.batch_size} prompts x {config.group_size}), {tokens} tokens, "
           f"{config.ppo.ppo_epochs} epochs x {config.ppo.num_mini_batches} mini-batches, {device}, "
           f"median of {args.repeats} x {args.steps_per_repeat} steps")
     print(f"{'side':<8} {'s/step':>8} {'trained tok/s':>14}")

@@ -42,6 +42,7 @@ class PolicyTrainer:
         self.config, self.ranks, self.ppo, self.settings = config, ranks, config.ppo, config.learner
         self.device = ranks.device
         check_learner_settings(self.settings, self.device)
+        self.micro_batch_tokens = self.ppo.max_tokens_per_micro_batch or (2048 if self.device == "cpu" else 16384)
         torch.manual_seed(config.seed)
         packing, attention = self.ppo.sequence_packing, self.settings.attn_implementation
         self.model = self._placed(load_policy(config.model.path, packing, attention)).train()
@@ -205,7 +206,7 @@ class PolicyTrainer:
         a rank with fewer runs empty ones); `indices` are positions in `batch`."""
         share = self.shares(batch)[self.ranks.rank]
         mine = batch.select(share)
-        out = micro_batches(mine.token_ids, mine.fields, self.ppo.max_tokens_per_micro_batch,
+        out = micro_batches(mine.token_ids, mine.fields, self.micro_batch_tokens,
                             self.ppo.sequence_packing, self.pad_id)
         for mb in out:
             mb.indices = [share[i] for i in mb.indices]

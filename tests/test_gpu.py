@@ -68,6 +68,7 @@ def test_a_train_step_on_the_gpu_gives_the_cpus_policy(tmp_path):
     for name, ranks in (("cpu", CpuRanks()), ("gpu", Ranks())):
         trainer = PolicyTrainer(config, ranks, config.model.path)  # seeds torch: both draw the same mini-batches
         assert str(next(trainer.model.parameters()).device).startswith(name.replace("gpu", "cuda"))
+        assert trainer.micro_batch_tokens == {"cpu": 2048, "gpu": 16384}[name]  # ppo.max_tokens_per_micro_batch=0
         before = torch.cat([logprobs_of(trainer.model, PROMPT + answer) for answer in (GOOD, BAD)])
         stats = trainer.train_step(batch(trainer.model))
         after = torch.cat([logprobs_of(trainer.model, PROMPT + answer) for answer in (GOOD, BAD)])
@@ -121,3 +122,33 @@ def test_the_gpu_engine_matches_the_gpu_learner_before_and_after_updates_over_di
             assert (torch.tensor(logprobs) - learner).abs().max() < 1e-4
         assert receiver.received_over_bus == 1
         receiver.close()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bfloat16", "float32-under-autocast"])
+def test_a_packed_row_in_bfloat16_takes_the_flash_varlen_kernel_and_equals_each_sequence_alone(autocast):
+    from rlsys.model.varlen_attention import flash_varlen_applies, varlen_causal_attention
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [5, 3, 5, 7, 3, 40, 1]
+    heads, kv_heads, size = 4, 2, 16
+    shape = lambda h: (1, h, sum(lengths), size)  # noqa: E731
+    dtype = torch.float32 if autocast else torch.bfloat16  # under autocast, rotary embeddings hand over float32
+    q, k, v = (torch.randn(shape(h), generator=generator, device="cuda", dtype=dtype, requires_grad=True)
+               for h in (heads, kv_heads, kv_heads))
+    positions = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
+    module = torch.nn.Module().eval()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        assert flash_varlen_applies(q, 0.0)
+        out, _ = varlen_causal_attention(module, q, k, v, None, scaling=size ** -0.5, position_ids=positions)
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+
+    # Reference: each sequence alone through float32 sdpa.
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    expected = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(t[:, :, s:s + n] for t in (q32, k32, v32)), is_causal=True, enable_gqa=True)
+        for s, n in zip(torch.tensor([0] + lengths).cumsum(0).tolist(), lengths)], dim=2).transpose(1, 2)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    for got, want in ((q, q32), (k, k32), (v, v32)):
+        torch.testing.assert_close(got.grad.float(), want.grad, atol=5e-2, rtol=5e-2)

@@ -372,3 +372,22 @@ def test_learner_settings_act_or_are_refused(tmp_path):
         Learner(config, InProcessBus(), tmp_path / "run")
     with pytest.raises(ValueError, match="would attend across the sequences of a packed row"):
         parse_config(["learner.attn_implementation=sdpa"])
+
+
+def test_the_micro_batch_budget_is_the_devices_unless_set(tmp_path):
+    import random
+
+    from rlsys.algorithms.batch import sequence_batch
+    from rlsys.cli import parse_config
+
+    config = learner_config(tmp_path)
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    assert learner.micro_batch_tokens == 2048  # on a CPU; tests/test_gpu.py checks a GPU's 16384
+    mb = learner.micro_batches(sequence_batch(mixed_length_batch(learner.model, random.Random(0))))
+    assert all(len(m.indices) for m in mb) and max(m.input_ids.numel() for m in mb) <= 2048
+    config.ppo.max_tokens_per_micro_batch = 40
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    mb = learner.micro_batches(sequence_batch(mixed_length_batch(learner.model, random.Random(0))))
+    assert len(mb) > 1 and max(m.input_ids.numel() for m in mb) <= 40
+    with pytest.raises(ValueError, match="must be 0 \\(by device\\) or a number of tokens"):
+        parse_config(["ppo.max_tokens_per_micro_batch=-1"])

@@ -5,9 +5,13 @@ sdpa path masks such a row with a dense [L, L] block-diagonal mask and still com
 which on CPU costs more than the padding packing saves. Here each sequence is attended to on its
 own (sum of n^2), with plain causal sdpa and no mask at all. Rows without restarts (a right-padded
 batch) are one causal segment: right padding never precedes a real token, so real tokens are exact.
+
+On a CUDA GPU in half precision (`learner.dtype=bfloat16`) one packed row is one call of torch's
+flash-attention varlen kernel instead: on a GPU the per-length sdpa calls are launch-bound.
 """
 
 import functools
+import inspect
 
 import torch
 from transformers import AttentionInterface
@@ -16,11 +20,22 @@ ATTN_IMPLEMENTATION = "rlsys_varlen"
 
 
 def segment_starts(position_ids: torch.Tensor) -> list[int]:
-    """Start index of every sequence in the row, from where the position ids restart at 0."""
+    """Start index of every sequence in the row, from where the position ids restart at 0.
+
+    Every layer of one forward pass gets the same position_ids tensor: it is read once (on a GPU each read
+    is a synchronisation) and kept, with the tensor, until another one comes.
+    """
+    if _last_read[0] is position_ids:
+        return _last_read[1]
     row = position_ids[0]
     if position_ids.shape[0] > 1 and not torch.equal(position_ids, row.expand_as(position_ids)):
         raise ValueError("varlen attention needs one packed row, or rows that share their positions")
-    return (row == 0).nonzero().flatten().tolist() or [0]
+    starts = (row == 0).nonzero().flatten().tolist() or [0]
+    _last_read[:] = [position_ids, starts]
+    return starts
+
+
+_last_read: list = [None, None]  # [position_ids, their segment starts]: held, so the identity check is sound
 
 
 def varlen_causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -30,6 +45,8 @@ def varlen_causal_attention(module, query, key, value, attention_mask, scaling=N
         raise ValueError("varlen attention is for training forward passes: no mask, no KV cache")
     starts = segment_starts(position_ids) if position_ids is not None else [0]
     lengths = [end - start for start, end in zip(starts, starts[1:] + [query.shape[2]])]
+    if len(lengths) > 1 and flash_varlen_applies(query, dropout if module.training else 0.0):
+        return flash_varlen_attention(query, key, value, starts, max(lengths), scaling), None
     attend = functools.partial(causal_attention, scaling=scaling, dropout=dropout if module.training else 0.0,
                                gqa=query.shape[1] != key.shape[1])
     if len(lengths) == 1:
@@ -50,6 +67,50 @@ def varlen_causal_attention(module, query, key, value, attention_mask, scaling=N
 def causal_attention(query, key, value, scaling, dropout: float, gqa: bool) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                                             dropout_p=dropout, enable_gqa=gqa)
+
+
+def flash_varlen_applies(query: torch.Tensor, dropout: float) -> bool:
+    """torch's flash varlen kernel: CUDA, half precision (or autocast to it), one row, head size a multiple of 8,
+    no dropout."""
+    return (query.is_cuda and half_precision(query) is not None and query.shape[0] == 1
+            and query.shape[-1] % 8 == 0 and not dropout and _varlen_attn() is not None)
+
+
+def half_precision(query: torch.Tensor) -> torch.dtype | None:
+    """The half dtype the kernel runs in: the query's own, or autocast's (rotary embeddings hand over float32
+    queries under autocast, as the residual stream stays float32)."""
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return query.dtype
+    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in (torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype("cuda")
+    return None
+
+
+@functools.cache
+def _varlen_attn():
+    """torch's varlen_attn with causal masking bound (its argument changed name in torch 2.11), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    if "scale" not in parameters:
+        return None
+    causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    return functools.partial(varlen_attn, **causal), "enable_gqa" in parameters
+
+
+def flash_varlen_attention(query, key, value, starts: list[int], longest: int, scaling) -> torch.Tensor:
+    """[1, H, L, D] q/k/v of one packed row -> [1, L, H, D]: one kernel call for all its sequences."""
+    attend, has_gqa = _varlen_attn()
+    dtype = half_precision(query)
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [L, H, D]
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and not has_gqa:  # torch 2.10's kernel wants as many key/value heads as query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    bounds = torch.tensor(starts + [q.shape[0]], dtype=torch.int32, device=q.device)
+    extra = {"enable_gqa": True} if gqa and has_gqa else {}
+    return attend(q, k, v, bounds, bounds, longest, longest, scale=scaling, **extra)[None]
 
 
 def same_length_groups(lengths: list[int]) -> dict[int, list[int]]:
