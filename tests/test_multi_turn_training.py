@@ -20,6 +20,10 @@ def mean(values) -> float:
 # main this session started from) and +5.6, +10.5, +6.25, +7.6 at 24 steps, +7.6 and +7.0 at 48, +5.0 and -0.6 at
 # lr 3e-4 with the changes since (one fresh-clone CI failure among them); its comment below records 17-24 in earlier
 # runs. The cause (model, environment, packages) is not found; the assertion stays as it was, run on demand.
+# Later the same day, one after the other on one machine (load average 5-8): eaa56bf, the commit whose five runs gave
+# 17-24, gained +10.0 (22.8% -> 32.8%), and main +8.5 (22.8% -> 31.2%); both passed. The same code no longer gives
+# 17-24 here, so what moved the gain is not a change to rlsys since (packages or machine); at +5..+10 the asserted
+# +8 is a coin toss, and it stays on demand rather than loosened.
 @pytest.mark.skipif(not os.environ.get("RLSYS_TEST_MULTI_TURN_LEARNING"),
                     reason="known defect: the math-multi-turn held-out gain fell below the asserted 8 points on main; "
                            "set RLSYS_TEST_MULTI_TURN_LEARNING=1")
