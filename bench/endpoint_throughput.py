@@ -8,8 +8,8 @@ tokens, temperature 1, the default tiny model), set up as bench/rollout_throughp
 workload is closer with a real chat model and longer answers, given as overrides that every side takes:
 
     python3 -m rlsys.model.convert smollm2 /tmp/smollm2     # SmolLM2-135M-Instruct, about a minute
-    python3 bench/endpoint_throughput.py --episodes 64 --repeats 2 model.path=/tmp/smollm2 \
-        gen.max_new_tokens=64 inference.max_model_len=512
+    python3 bench/endpoint_throughput.py --episodes 32 --repeats 1 --warm-up 1 model.path=/tmp/smollm2 \
+        gen.max_new_tokens=64 inference.max_model_len=512 group_size=4
 
 - engine alone: a GenerationEngine on vLLM in this process, `concurrency` requests (8 samples each) in flight;
 - queue path: Redis, one inference worker, a rollout worker running `concurrency` math-single-step episodes;

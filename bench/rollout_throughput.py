@@ -148,6 +148,8 @@ def alternate_windows(path: FullPath, alone: EngineAlone, args, engine_rates: li
     for _ in range(args.repeats):
         engine_rates.append(tokens_per_second(alone.generated_tokens, args.episodes))
         rates.append(path.tokens_per_second(args.episodes))
+        # As they come: a long run cut short (a timeout) still shows the windows it measured.
+        print(f"window: engine alone {engine_rates[-1]:.0f}, path {rates[-1]:.0f} tokens/s", flush=True)
         path.drain()
     return rates
 
@@ -159,11 +161,11 @@ def model_label(config) -> str:
 
 
 def warm_up(path: FullPath, episodes: int) -> None:
-    """`episodes` untimed episodes after a pipeline fill, then a drain; none at 0, where the fill before each
-    window is the only warm-up (with long episodes the fill and drain are most of a window's time)."""
-    if episodes:
-        path.tokens_per_second(episodes)
-        path.drain()
+    """`episodes` untimed episodes after a pipeline fill, then a drain. It also waits out the path's start
+    (vLLM's, the rollout worker's evaluation), which must not overlap the engine alone's first window: in a run
+    without it (2026-11-26, SmolLM2, other load beside it) that window measured a third of the queue path's."""
+    path.tokens_per_second(episodes)
+    path.drain()
 
 
 def print_table(args, config, results: dict[str, dict], model: str) -> None:
@@ -223,10 +225,13 @@ def parse_arguments(doc: str, episodes: int, out: str, *extra: tuple[str, dict])
     parser.add_argument("--repeats", type=int, default=3, help="windows per side")
     parser.add_argument("--warm-up", type=int, default=WARM_UP_EPISODES,
                         help="untimed episodes each path runs before its first window, beside each window's "
-                             "pipeline fill; 0: the fill alone")
+                             "pipeline fill (at least 1: the warm-up also waits out the path's start)")
     parser.add_argument("--out", default=out)
     parser.add_argument("overrides", nargs="*", help="experiment settings, key=value (e.g. inference.num_threads=0)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.warm_up < 1:
+        parser.error(f"--warm-up must be at least 1, got {args.warm_up}")
+    return args
 
 
 def main() -> None:
