@@ -4,7 +4,12 @@ the engine alone, in one run.
     python3 bench/endpoint_throughput.py [--episodes 256] [--concurrency 64] [--repeats 3] [--only-endpoint] [key=value ...]
 
 The same prompts and settings on every side (the default experiment's: 8 samples per prompt, up to 8 new
-tokens, temperature 1), set up as bench/rollout_throughput.py does:
+tokens, temperature 1, the default tiny model), set up as bench/rollout_throughput.py does. An agent's
+workload is closer with a real chat model and longer answers, given as overrides that every side takes:
+
+    python3 -m rlsys.model.convert smollm2 /tmp/smollm2     # SmolLM2-135M-Instruct, about a minute
+    python3 bench/endpoint_throughput.py --episodes 32 --repeats 1 --warm-up 1 model.path=/tmp/smollm2 \
+        gen.max_new_tokens=64 inference.max_model_len=512 group_size=4
 
 - engine alone: a GenerationEngine on vLLM in this process, `concurrency` requests (8 samples each) in flight;
 - queue path: Redis, one inference worker, a rollout worker running `concurrency` math-single-step episodes;
@@ -27,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout_throughput import (EVAL_ROWS, WARM_UP_EPISODES, EngineAlone, FullPath,  # noqa: E402
-                                alternate_windows, parse_arguments, print_table)
+                                alternate_windows, model_label, parse_arguments, print_table)
 
 from rlsys.assets import prepare_assets  # noqa: E402
 from rlsys.cli import parse_config  # noqa: E402
@@ -43,6 +48,7 @@ def main() -> None:
     configs = {"queue path": parse_config(args.overrides), "endpoint path": parse_config(args.overrides + ENDPOINT)}
     if args.only_endpoint:
         del configs["queue path"]
+    model = model_label(configs["endpoint path"])
     for config in configs.values():
         prepare_assets(config)
     results: dict[str, dict] = {}
@@ -64,11 +70,12 @@ def main() -> None:
 
     reference = results["engine alone"]["tokens_per_second"]
     ratios = {name: results[name]["tokens_per_second"] / reference for name in configs}
-    print_table(args, configs["endpoint path"], results)
+    print_table(args, configs["endpoint path"], results, model)
     if "queue path" in ratios:
         print(f"queue path / engine alone: {ratios['queue path']:.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "ratios": ratios}, indent=2))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "model": model, "results": results, "ratios": ratios},
+                                         indent=2))
     print(f"ratio: {ratios['endpoint path']:.3f} (endpoint path / engine alone)")
 
 

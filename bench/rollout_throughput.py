@@ -141,22 +141,38 @@ class FullPath:
 
 
 def alternate_windows(path: FullPath, alone: EngineAlone, args, engine_rates: list[float]) -> list[float]:
-    """After a warm-up, `repeats` windows of the engine alone (appended to `engine_rates`) and of the path, in
-    turn; the path's rates."""
-    path.tokens_per_second(WARM_UP_EPISODES)
-    path.drain()
+    """After a warm-up (`args.warm_up` episodes), `repeats` windows of the engine alone (appended to
+    `engine_rates`) and of the path, in turn; the path's rates."""
+    warm_up(path, args.warm_up)
     rates = []
     for _ in range(args.repeats):
         engine_rates.append(tokens_per_second(alone.generated_tokens, args.episodes))
         rates.append(path.tokens_per_second(args.episodes))
+        # As they come: a long run cut short (a timeout) still shows the windows it measured.
+        print(f"window: engine alone {engine_rates[-1]:.0f}, path {rates[-1]:.0f} tokens/s", flush=True)
         path.drain()
     return rates
 
 
-def print_table(args, config, results: dict[str, dict]) -> None:
+def model_label(config) -> str:
+    """What the table names as the model: the `model.path` given, or the default tiny model (before
+    prepare_assets fills the path in)."""
+    return f"model {config.model.path}" if config.model.path else "default tiny model"
+
+
+def warm_up(path: FullPath, episodes: int) -> None:
+    """`episodes` untimed episodes after a pipeline fill, then a drain. It also waits out the path's start
+    (vLLM's, the rollout worker's evaluation), which must not overlap the engine alone's first window: in a run
+    without it (2026-11-26, SmolLM2, other load beside it) that window measured a third of the queue path's."""
+    path.tokens_per_second(episodes)
+    path.drain()
+
+
+def print_table(args, config, results: dict[str, dict], model: str) -> None:
     """The settings, then per path its median tokens/s, request latencies (where measured) and every window."""
-    print(f"windows of {args.episodes} episodes, {args.concurrency} in flight, {args.repeats} per side, default tiny "
-          f"model, {config.group_size} samples x up to {config.gen.max_new_tokens} tokens each, "
+    print(f"windows of {args.episodes} episodes, {args.concurrency} in flight, {args.repeats} per side, "
+          f"{args.warm_up} warm-up episodes per path, {model}, "
+          f"{config.group_size} samples x up to {config.gen.max_new_tokens} tokens each, "
           f"{config.inference.num_threads or 'engine-chosen'} thread(s) per engine")
     width = max(len(name) for name in results) + 2
     print(f"{'path':<{width}} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}   windows")
@@ -179,8 +195,7 @@ def tracing_cost(config, args, tmp: Path) -> None:
     rates: dict[str, list[float]] = {name: [] for name in paths}
     with paths["untraced"].running(), paths["traced"].running():
         for path in paths.values():
-            path.tokens_per_second(WARM_UP_EPISODES)
-            path.drain()
+            warm_up(path, args.warm_up)
         for _ in range(args.repeats):
             for name, path in paths.items():
                 rates[name].append(path.tokens_per_second(args.episodes))
@@ -208,9 +223,15 @@ def parse_arguments(doc: str, episodes: int, out: str, *extra: tuple[str, dict])
     parser.add_argument("--episodes", type=int, default=episodes, help="timed episodes (requests) per window")
     parser.add_argument("--concurrency", type=int, default=64, help="episodes (requests) in flight")
     parser.add_argument("--repeats", type=int, default=3, help="windows per side")
+    parser.add_argument("--warm-up", type=int, default=WARM_UP_EPISODES,
+                        help="untimed episodes each path runs before its first window, beside each window's "
+                             "pipeline fill (at least 1: the warm-up also waits out the path's start)")
     parser.add_argument("--out", default=out)
     parser.add_argument("overrides", nargs="*", help="experiment settings, key=value (e.g. inference.num_threads=0)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.warm_up < 1:
+        parser.error(f"--warm-up must be at least 1, got {args.warm_up}")
+    return args
 
 
 def main() -> None:
@@ -218,6 +239,7 @@ def main() -> None:
         action="store_true", help="traced (sample rate 1.0) vs untraced full path")))
 
     config = parse_config(args.overrides)
+    model = model_label(config)
     prepare_assets(config)
     results: dict[str, dict] = {}
     engine_rates: list[float] = []
@@ -241,7 +263,7 @@ def main() -> None:
 
     reference = results["engine alone"]["tokens_per_second"]
     ratios = {n: results[f"full path, {n} inference worker(s)"]["tokens_per_second"] / reference for n in (1, 2)}
-    print_table(args, config, results)
+    print_table(args, config, results, model)
     print(f"ratio with 2 inference workers: {ratios[2]:.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "ratio_1_worker": ratios[1],
