@@ -24,9 +24,8 @@ model on a GPU may not matter at a real size. With `learner.dtype=bfloat16` the 
 autocast.
 """
 
-import contextlib
-
 import argparse
+import contextlib
 import functools
 import json
 import platform
@@ -160,7 +159,8 @@ def main() -> None:
                    "seconds": t} for name, t in times.items()}
     ratio = rows["learner"]["tokens_per_second"] / rows["plain"]["tokens_per_second"]
     device = torch.cuda.get_device_name() if learner.device != "cpu" else f"{args.threads} CPU thread(s)"
-    print(f"model {args.random_model or 'default task'}, learner.dtype={config.learner.dtype}, {len(trajectories)} sequences ({config.ppo.batch_size} prompts x {config.group_size}), {tokens} tokens, "
+    print(f"model {args.random_model or 'default task'}, learner.dtype={config.learner.dtype}, "
+          f"{len(trajectories)} sequences ({config.ppo.batch_size} prompts x {config.group_size}), {tokens} tokens, "
           f"{config.ppo.ppo_epochs} epochs x {config.ppo.num_mini_batches} mini-batches, {device}, "
           f"median of {args.repeats} x {args.steps_per_repeat} steps")
     print(f"{'side':<8} {'s/step':>8} {'trained tok/s':>14}")

@@ -45,10 +45,10 @@ def varlen_causal_attention(module, query, key, value, attention_mask, scaling=N
         raise ValueError("varlen attention is for training forward passes: no mask, no KV cache")
     starts = segment_starts(position_ids) if position_ids is not None else [0]
     lengths = [end - start for start, end in zip(starts, starts[1:] + [query.shape[2]])]
-    if len(lengths) > 1 and flash_varlen_applies(query, dropout if module.training else 0.0):
+    dropout = dropout if module.training else 0.0
+    if len(lengths) > 1 and flash_varlen_applies(query, dropout):
         return flash_varlen_attention(query, key, value, starts, max(lengths), scaling), None
-    attend = functools.partial(causal_attention, scaling=scaling, dropout=dropout if module.training else 0.0,
-                               gqa=query.shape[1] != key.shape[1])
+    attend = functools.partial(causal_attention, scaling=scaling, dropout=dropout, gqa=query.shape[1] != key.shape[1])
     if len(lengths) == 1:
         return attend(query, key, value).transpose(1, 2).contiguous(), None
     # split, not slicing: a slice's backward writes a zero tensor of the whole row per sequence (quadratic in
