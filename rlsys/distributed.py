@@ -110,8 +110,14 @@ def join_ranks(rank: int, world: int) -> Ranks:
     return ranks
 
 
-def leave_ranks(ranks: Ranks) -> None:
+def leave_ranks(ranks: Ranks, finished: bool = True) -> None:
+    """Leaves the process group. finished: every rank got here without an error, so they first meet at a barrier:
+    no rank tears down its connections while a peer still has a collective in flight with it (gloo aborts
+    the process then, "terminate called without an active exception"). After an error no barrier: the
+    peers may never come, and the group is torn down as it is."""
     if ranks.world > 1 and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 
