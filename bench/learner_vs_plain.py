@@ -72,10 +72,12 @@ def default_step_batch(config, seed: int) -> list[Trajectory]:
 
 def save_random_model(shape: str, tokenizer_from: str, directory: Path) -> str:
     """A Qwen2 model of `shape` with random weights, saved with the default model's tokenizer."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlsys.model.tokenizer import load_tokenizer
 
     hidden, mlp, layers, heads, kv_heads, vocab = (int(x) for x in shape.split(","))
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    tokenizer = load_tokenizer(tokenizer_from)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,

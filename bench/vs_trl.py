@@ -87,14 +87,15 @@ def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out
     """TRL's GRPOTrainer for `steps` batches; (clock at each batch's end, weight snapshots, whole seconds)."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from rlsys.data.prompts import prompt_stream
+    from rlsys.model.tokenizer import load_tokenizer
 
     started = time.monotonic()
     torch.set_num_threads(threads or os.cpu_count())  # one process: by default each phase gets every core
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    tokenizer = load_tokenizer(config.model.path)
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
     ppo, group = config.ppo, config.group_size
     # rlsys's training order (its rollout worker's stream), which TRL then takes unshuffled.
@@ -211,15 +212,16 @@ def main() -> None:
     args, out_dir = parse_run_arguments(parser, steps=180, out="bench/results/vs_trl.json")
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from rlsys.data.dataset import load_rows
     from rlsys.data.prompts import row_prompt_ids
+    from rlsys.model.tokenizer import load_tokenizer
 
     config = prepared_config(args.overrides)
     fmt = config.dataset.row_format()
     train_rows, eval_rows = load_rows(config.dataset.path, fmt), load_rows(config.dataset.eval_path, fmt)
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    tokenizer = load_tokenizer(config.model.path)
     eval_ids = [row_prompt_ids(tokenizer, row) for row in eval_rows]
     answers = [str(row["answer"]) for row in eval_rows]
     per_batch = config.ppo.batch_size * config.group_size

@@ -19,7 +19,6 @@ the gradients, so one step at N ranks is the single-rank step.
 import contextlib
 
 import torch
-from transformers import AutoTokenizer
 
 from rlsys.alarms import LogprobCheck
 from rlsys.algorithms.batch import SequenceBatch, sequence_batch
@@ -33,6 +32,7 @@ from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.api import Trajectory
 from rlsys.distributed import Ranks, shard, sync_gradients
 from rlsys.model.loading import load_critic, load_policy
+from rlsys.model.tokenizer import load_tokenizer
 
 
 class PolicyTrainer:
@@ -66,7 +66,7 @@ class PolicyTrainer:
         self.skipped_updates = 0  # optimizer steps skipped: their loss or gradients were not finite
         self.logprob_check = LogprobCheck(version=-1)  # replaced by each train_step
         self.last_advantages: list[torch.Tensor] = []  # of the last step's sequences (traces)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.tokenizer = load_tokenizer(config.model.path)
         self.pad_id = self.tokenizer.pad_token_id
 
     def _placed(self, model):

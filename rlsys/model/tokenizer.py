@@ -1,7 +1,9 @@
 """A character-level tokenizer with a chat template, built locally (no model hub here)."""
 
+import json
 import string
 from functools import lru_cache
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -58,7 +60,20 @@ def messages_continuation_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
 
 
+GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
 @lru_cache(maxsize=8)
 def load_tokenizer(path: str):
-    """One tokenizer per path and process: every episode of a worker shares it."""
+    """One tokenizer per path and process: every episode of a worker shares it.
+
+    A checkpoint whose tokenizer_config.json names the generic class (its tokenizer.json says everything) is
+    loaded as exactly that. AutoTokenizer does not: transformers 5 loads any checkpoint whose config.json says
+    `qwen2` with Qwen2Tokenizer, whatever tokenizer_config.json names, and that rebuilds the tiny model's
+    character tokenizer without its spaces and newlines ("click[buy now]" becomes "click[buynow]").
+    """
+    config = Path(path) / "tokenizer_config.json"
+    saved_class = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if saved_class in GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path)

@@ -42,10 +42,12 @@ class Score:
 class RewardModelScorer:
     def __init__(self, path: str, batch_size: int = 16, max_length: int = 1024, num_threads: int = 1):
         import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
+
+        from rlsys.model.tokenizer import load_tokenizer
 
         self.path, self.batch_size, self.max_length = path, batch_size, max_length
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = load_tokenizer(path)
         self.model = AutoModelForSequenceClassification.from_pretrained(path).eval()
         labels = self.model.config.num_labels
         if labels not in (1, 2):
