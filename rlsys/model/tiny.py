@@ -74,6 +74,27 @@ def _supervised_batch(tokenizer, examples: list[TaughtSequence]) -> tuple[torch.
     return ids, lab
 
 
+def _length_groups(examples: list[TaughtSequence], ratio: float = 1.5) -> list[list[TaughtSequence]]:
+    """The batch in groups of similar length, each at most `ratio` times its shortest. Padded to its longest
+    sequence, a batch of arithmetic with a few long retries in it cost as much as a batch of long ones."""
+    ordered = sorted(examples, key=lambda example: len(example.token_ids))
+    groups = [[ordered[0]]]
+    for example in ordered[1:]:
+        if len(example.token_ids) > ratio * len(groups[-1][0].token_ids):
+            groups.append([])
+        groups[-1].append(example)
+    return groups
+
+
+def supervised_backward(model, tokenizer, examples: list[TaughtSequence]) -> None:
+    """Gradients of the mean loss over the taught tokens of `examples`, a group of similar lengths at a time."""
+    groups = [_supervised_batch(tokenizer, group) for group in _length_groups(examples)]
+    counts = [int((labels[:, 1:] != -100).sum()) for _, labels in groups]  # the taught tokens scored
+    for (ids, labels), count in zip(groups, counts):
+        if count:  # each group's mean weighted by its share of the taught tokens: the whole batch's mean
+            (model(input_ids=ids, labels=labels).loss * (count / sum(counts))).backward()
+
+
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, examples: list[AnswerCheck], max_new_tokens: int | None = None) -> float:
     """Fraction of examples whose greedy answer is one they accept, exactly (None: room for the longest one)."""
@@ -105,10 +126,8 @@ def warm_start(model, tokenizer, train_examples, eval_examples, target_accuracy:
     model.train()
     accuracy = 0.0
     for step in range(1, max_steps + 1):
-        ids, labels = _supervised_batch(tokenizer, rng.sample(train_examples, batch_size))
-        loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()
-        loss.backward()
+        supervised_backward(model, tokenizer, rng.sample(train_examples, batch_size))
         optimizer.step()
         if step % eval_every == 0:
             accuracy = greedy_accuracy(model, tokenizer, eval_examples)
