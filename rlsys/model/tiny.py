@@ -90,9 +90,10 @@ def supervised_backward(model, tokenizer, examples: list[TaughtSequence]) -> Non
     """Gradients of the mean loss over the taught tokens of `examples`, a group of similar lengths at a time."""
     groups = [_supervised_batch(tokenizer, group) for group in _length_groups(examples)]
     counts = [int((labels[:, 1:] != -100).sum()) for _, labels in groups]  # the taught tokens scored
+    total = sum(counts)
     for (ids, labels), count in zip(groups, counts):
         if count:  # each group's mean weighted by its share of the taught tokens: the whole batch's mean
-            (model(input_ids=ids, labels=labels).loss * (count / sum(counts))).backward()
+            (model(input_ids=ids, labels=labels).loss * (count / total)).backward()
 
 
 @torch.no_grad()
