@@ -1,6 +1,6 @@
 """Async must pay where agents wait: a 3-turn task whose environment replies after 0.5 s, through the real launcher.
 
-    python3 bench/env_latency.py [--steps 14] [--latencies 0,0.5] [--out bench/results/env_latency.json]
+    python3 bench/env_latency.py [--steps 14] [--latencies 0,0.5] [--trl] [--out bench/results/env_latency.json]
 
 The task is bench/env_latency_task.py (three sums per conversation, each answer checked after `env_latency`
 seconds) on the default run's model and data, 16 prompts x 8 samples a step. Each setting is one real run
@@ -9,6 +9,11 @@ rlsys's default (`max_head_offpolicyness=2`) and its synchronous setting (`max_h
 the other in an order that alternates the two. Trained samples/s is measured from the learner's step times,
 after `--warmup` steps (start-up and the first batch are left out). The held-out evaluations before and after
 use 64 problems, so they take seconds. The last line is the headline ratios.
+
+`--trl` (TRL in the dev extra) adds TRL's GRPOTrainer on the same task at each latency, in this process after the
+rlsys runs of that latency (bench/trl_multi_turn.py: a `rollout_func` that plays the batch's conversations in
+lockstep with HF `generate`), with the same model, prompts, order and hyper-parameters, and its throughput over the
+same window; the last line then adds rlsys over TRL at the highest latency.
 """
 
 import argparse
@@ -47,9 +52,26 @@ def run(name: str, offpolicyness: int, latency: float, args, out_dir: Path, eval
             "command": " ".join(command), "wall_s": wall}
 
 
+def run_trl(latency: float, args, out_dir: Path) -> dict:
+    from bench.trl_multi_turn import run_trl_multi_turn  # imports the task's module, which registers the experiment
+    from bench.vs_trl import prepared_config
+    from rlsys.data.dataset import load_rows
+
+    config = prepared_config(["experiment=env-latency-sums", f"env_latency={latency}", *args.overrides])
+    rows = load_rows(config.dataset.path, config.dataset.row_format())
+    side = run_trl_multi_turn(config, rows, args.steps, out_dir, args.trl_threads)
+    times, w = side["times"], args.warmup
+    per_step = config.ppo.batch_size * config.group_size
+    return {"setting": "trl", "env_latency": latency, "wall_s": side["wall_s"],
+            "samples_per_second": (len(times) - w) * per_step / (times[-1] - times[w - 1]),
+            "seconds_per_step": (times[-1] - times[w - 1]) / (len(times) - w), "trl_threads": args.trl_threads}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--latencies", default="0,0.5", help="env latencies (s), comma-separated; 0 first")
+    parser.add_argument("--trl", action="store_true", help="TRL's GRPOTrainer on the same task too (dev extra)")
+    parser.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0: every core")
     args, out_dir = parse_run_arguments(parser, steps=14, out="bench/results/env_latency.json")
     latencies = [float(x) for x in args.latencies.split(",")]
     eval_path = held_out_subset(out_dir)
@@ -61,6 +83,10 @@ def main() -> None:
             r = results[-1]
             print(f"  {name} latency {latency:g}s: {r['samples_per_second']:.1f} samples/s ({r['wall_s']:.0f} s)",
                   flush=True)
+        if args.trl:
+            results.append(run_trl(latency, args, out_dir))
+            print(f"  TRL latency {latency:g}s: {results[-1]['samples_per_second']:.1f} samples/s "
+                  f"({results[-1]['wall_s']:.0f} s)", flush=True)
 
     def throughput(name: str, latency: float) -> float:
         return next(r["samples_per_second"] for r in results if r["setting"] == name and r["env_latency"] == latency)
@@ -69,16 +95,22 @@ def main() -> None:
     print(f"{'setting':<7} {'latency':>7} {'samples/s':>10} {'s/step':>7} {'learner s':>10} {'wait s':>7} "
           f"{'turns':>6} {'staleness':>9}")
     for r in results:
+        learner = (f"{r['learner_compute_s']:>10.2f} {r['learner_wait_s']:>7.2f} {r['turns_per_episode']:>6.2f} "
+                   f"{r['staleness_mean']:>9.2f}" if r["setting"] != "trl" else f"{'-':>10} {'-':>7} {'-':>6} {'-':>9}")
         print(f"{r['setting']:<7} {r['env_latency']:>7g} {r['samples_per_second']:>10.1f} {r['seconds_per_step']:>7.2f} "
-              f"{r['learner_compute_s']:>10.2f} {r['learner_wait_s']:>7.2f} {r['turns_per_episode']:>6.2f} "
-              f"{r['staleness_mean']:>9.2f}")
+              f"{learner}")
     low, high = latencies[0], latencies[-1]
     ratios = {f"{name}_latency_ratio": throughput(name, high) / throughput(name, low) for name in SETTINGS}
     ratios["async_over_sync"] = throughput("async", high) / throughput("sync", high)
+    if args.trl:
+        ratios["trl_latency_ratio"] = throughput("trl", high) / throughput("trl", low)
+        ratios["async_over_trl"] = throughput("async", high) / throughput("trl", high)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "ratios": ratios}, indent=2))
     print(f"ratio: throughput({high:g} s)/throughput({low:g} s) async {ratios['async_latency_ratio']:.2f}, "
-          f"sync {ratios['sync_latency_ratio']:.2f}; async/sync at {high:g} s = {ratios['async_over_sync']:.2f}")
+          f"sync {ratios['sync_latency_ratio']:.2f}; async/sync at {high:g} s = {ratios['async_over_sync']:.2f}"
+          + (f"; TRL {ratios['trl_latency_ratio']:.2f}, async/TRL at {high:g} s = {ratios['async_over_trl']:.2f}"
+             if args.trl else ""))
 
 
 if __name__ == "__main__":

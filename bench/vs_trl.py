@@ -10,8 +10,9 @@ CPU with `--trl-threads` torch threads, by default every core) and then rlsys's 
 hyper-parameters: 16 prompts x 8 samples per batch, 2 optimizer steps over each batch (rlsys `ppo.ppo_epochs=2`, TRL
 `num_iterations=2`), AdamW lr 3e-5 constant, clip 0.2, gradient norm clip 1, no KL (beta 0), token-mean loss (TRL
 `loss_type="dapo"`, normalised by the batch's tokens), group advantages scaled by the group's std, temperature 1,
-the same max new tokens. TRL's reward is rlsys's math check (the plain-number comparison, else math-verify), its
-prompts are rendered by the same tokenizer and chat template to the same token ids (checked).
+the same max new tokens, gradient checkpointing as rlsys's learner has it (off; TRL's own default is on). TRL's
+reward is rlsys's math check (the plain-number comparison, else math-verify), its prompts are rendered by the same
+tokenizer and chat template to the same token ids (checked).
 
 Evaluation is the same for both and outside both clocks: every `--snapshot-steps` batches each side keeps its
 weights (TRL: a copy in memory, its time taken out of TRL's clock; rlsys: a hard link to the weight file its learner
@@ -83,45 +84,46 @@ def prepared_config(overrides: list[str]):
     return config
 
 
-def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out_dir: Path, threads: int) -> dict:
-    """TRL's GRPOTrainer for `steps` batches; (clock at each batch's end, weight snapshots, whole seconds)."""
-    import torch
+def trl_dataset(config, tokenizer, train_rows: list[dict], count: int):
+    """rlsys's first `count` training prompts in its rollout worker's order, as TRL's dataset (prompt messages and
+    answers), checked to render to the same token ids; and the prompts themselves."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from rlsys.data.prompts import prompt_stream
-    from rlsys.model.tokenizer import load_tokenizer
 
-    started = time.monotonic()
-    torch.set_num_threads(threads or os.cpu_count())  # one process: by default each phase gets every core
-    tokenizer = load_tokenizer(config.model.path)
-    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
-    ppo, group = config.ppo, config.group_size
-    # rlsys's training order (its rollout worker's stream), which TRL then takes unshuffled.
     stream = prompt_stream(train_rows, tokenizer, "train", seed=config.seed, shuffle=True)
-    ordered = [next(stream) for _ in range(steps * ppo.batch_size)]
+    ordered = [next(stream) for _ in range(count)]
     messages = [p.data.get("messages") or [{"role": "user", "content": p.data["prompt"]}] for p in ordered]
     rendered = tokenizer.apply_chat_template(messages[0], add_generation_prompt=True, tokenize=False)
     if tokenizer(rendered, add_special_tokens=False)["input_ids"] != ordered[0].token_ids:
         raise RuntimeError("TRL would see other prompt tokens than rlsys's")
-    dataset = Dataset.from_dict({"prompt": messages, "answer": [str(p.data["answer"]) for p in ordered]})
+    return Dataset.from_dict({"prompt": messages, "answer": [str(p.data["answer"]) for p in ordered]}), ordered
 
-    def math_reward(completions, answer, **_):
-        return [float(correct(c[-1]["content"], a)) for c, a in zip(completions, answer)]
 
-    args = GRPOConfig(
+def trl_arguments(config, steps: int, out_dir: Path, **changes):
+    """GRPOConfig with rlsys's hyper-parameters for `steps` batches (the module docstring lists them)."""
+    from trl import GRPOConfig
+
+    ppo, group = config.ppo, config.group_size
+    settings = dict(
         output_dir=str(out_dir / "trl"), use_cpu=True, report_to="none", save_strategy="no", logging_steps=10,
         seed=config.seed, data_seed=config.seed, shuffle_dataset=False, max_steps=steps * ppo.ppo_epochs,
         per_device_train_batch_size=ppo.batch_size * group, gradient_accumulation_steps=1, num_generations=group,
         num_iterations=ppo.ppo_epochs, learning_rate=ppo.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=ppo.weight_decay, max_grad_norm=ppo.max_grad_norm, beta=0.0, epsilon=ppo.pg_clip,
         loss_type="dapo", scale_rewards="group", temperature=config.gen.temperature, top_p=config.gen.top_p,
-        top_k=max(config.gen.top_k, 0), max_completion_length=config.gen.max_new_tokens, bf16=False)
+        top_k=max(config.gen.top_k, 0), max_completion_length=config.gen.max_new_tokens, bf16=False,
+        # TRL's default is on (recomputing activations, about a third more compute per update); rlsys's is off.
+        gradient_checkpointing=config.learner.gradient_checkpointing)
+    return GRPOConfig(**{**settings, **changes})
+
+
+def trl_clock(epochs: int, steps: int, snapshot_steps: int = 0):
+    """A TrainerCallback: the time at each batch's last optimizer step, less the time spent taking weight
+    snapshots (every `snapshot_steps` batches and the last; none if 0)."""
+    from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
-        """The time at each batch's last optimizer step, less the time spent taking snapshots."""
-
         def __init__(self):
             self.start, self.excluded, self.times, self.snapshots = 0.0, 0.0, [], {}
 
@@ -129,18 +131,38 @@ def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out
             self.start = time.monotonic()
 
         def on_step_end(self, _args, state, _control, model=None, **__):
-            if state.global_step % ppo.ppo_epochs:
+            if state.global_step % epochs:
                 return
             now = time.monotonic()
             self.times.append(now - self.start - self.excluded)
-            batch = state.global_step // ppo.ppo_epochs
-            if batch % snapshot_steps == 0 or batch == steps:
+            batch = state.global_step // epochs
+            if snapshot_steps and (batch % snapshot_steps == 0 or batch == steps):
                 self.snapshots[batch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             self.excluded += time.monotonic() - now
 
-    clock = Clock()
-    trainer = GRPOTrainer(model=model, reward_funcs=[math_reward], args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[clock])
+    return Clock()
+
+
+def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out_dir: Path, threads: int) -> dict:
+    """TRL's GRPOTrainer for `steps` batches; (clock at each batch's end, weight snapshots, whole seconds)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
+
+    from rlsys.model.tokenizer import load_tokenizer
+
+    started = time.monotonic()
+    torch.set_num_threads(threads or os.cpu_count())  # one process: by default each phase gets every core
+    tokenizer = load_tokenizer(config.model.path)
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+    dataset, _ = trl_dataset(config, tokenizer, train_rows, steps * config.ppo.batch_size)
+
+    def math_reward(completions, answer, **_):
+        return [float(correct(c[-1]["content"], a)) for c, a in zip(completions, answer)]
+
+    clock = trl_clock(config.ppo.ppo_epochs, steps, snapshot_steps)
+    trainer = GRPOTrainer(model=model, reward_funcs=[math_reward], args=trl_arguments(config, steps, out_dir),
+                          train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
     trainer.train()
     return {"times": clock.times, "snapshots": clock.snapshots, "wall_s": time.monotonic() - started}
 
