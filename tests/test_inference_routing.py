@@ -282,6 +282,36 @@ def test_weight_update_mid_generation_tags_each_token_with_its_version(tmp_path)
     assert output["stop_reasons"] == ["length", "length"]
 
 
+def test_new_weights_are_served_and_announced_without_waiting_for_a_beat(tmp_path, monkeypatch):
+    """The synchronous setting's next batch waits on this: an idle worker loads a published version at its
+    next idle wait, not the next control interval, and announces it in its status at once, not at the next
+    heartbeat. Both intervals are made a minute long, so only those two paths can pass the test."""
+    from rlsys.workers import inference_worker
+
+    monkeypatch.setattr(inference_worker, "CONTROL_INTERVAL", 60.0)
+    monkeypatch.setattr(inference_worker, "HEARTBEAT_INTERVAL", 60.0)
+    bus = InProcessBus()
+    engine = ScriptedEngine(counting_policy, tokens_per_step=1)
+    worker = InferenceWorker(engine, bus, 0, max_batch_requests=64)
+    thread = threading.Thread(target=_run_quietly, args=(worker,), daemon=True)
+    thread.start()
+    try:
+        status = InferenceStatus(bus, 0)
+        deadline = time.monotonic() + 30
+        while status.read() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        bus.set(protocol.WEIGHTS, {"version": 1, "path": str(tmp_path / "v1")})
+        while status.read().version != 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert status.read().version == 1, "the new version was not announced"
+        assert status.read().beat == 0  # announced by the update, not by a heartbeat
+        assert engine.backend.loaded == [str(tmp_path / "v1")]
+    finally:
+        bus.set(protocol.STOP, 1)
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
 @pytest.mark.parametrize("n_workers", [1, 2])
 def test_served_version_is_the_oldest_live_worker_s(n_workers):
     bus = InProcessBus()

@@ -23,9 +23,10 @@ from rlsys.workers.inference_status import InferenceStatus
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT = 0.02  # seconds an idle worker blocks on its queue before checking for weights and stop
+IDLE_WAIT = 0.02  # seconds an idle worker blocks on its queue before checking for weights and stop again
 CONTROL_INTERVAL = 0.1  # while busy, how often the worker checks for new weights and the stop flag (each check
-# is two round trips on the engine's own thread; a learner step takes far longer than this)
+# is two round trips on the engine's own thread; a learner step takes far longer than this). An idle worker
+# checks after every IDLE_WAIT: in the synchronous setting the next batch waits on it.
 HEARTBEAT_INTERVAL = 0.25  # well under cluster.inference_dead_after; each beat takes the GIL from the engine loop
 
 
@@ -43,6 +44,8 @@ class InferenceWorker:
         self.copies_dropped = 0  # requests that arrived again while running
         self._stopping = threading.Event()
         self._next_control = 0.0
+        self.beat = 0  # the heartbeat's counter
+        self._status_lock = threading.Lock()
 
     def run(self) -> None:
         self.load_newest_weights()
@@ -50,7 +53,7 @@ class InferenceWorker:
         heartbeat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
         heartbeat.start()
         try:
-            while not self._control():
+            while not self._control(idle=not self.engine.in_flight):
                 self.take_requests(timeout=0.0 if self.engine.in_flight else IDLE_WAIT)
                 if self.engine.in_flight:
                     self.reply(self.engine.step())
@@ -63,13 +66,13 @@ class InferenceWorker:
         """A new process on this index: whatever a dead predecessor left queued is re-sent by the routers."""
         self.bus.delete(self.queue)
         self.epoch = self.bus.incr(protocol.inference_epoch(self.index))
-        self.publish_status(beat=0)
+        self.publish_status()
         log.info("inference worker %d ready (epoch %d, version %d)", self.index, self.epoch, self.engine.version)
 
-    def _control(self) -> bool:
-        """Every CONTROL_INTERVAL: load new weights; True once the run is stopping."""
+    def _control(self, idle: bool) -> bool:
+        """Every CONTROL_INTERVAL, or whenever idle: load new weights; True once the run is stopping."""
         now = time.monotonic()
-        if now < self._next_control:
+        if now < self._next_control and not idle:
             return False
         self._next_control = now + CONTROL_INTERVAL
         if self.bus.get(protocol.STOP):
@@ -93,6 +96,8 @@ class InferenceWorker:
                 return
             interrupted = self.engine.update_weights(directory, published.version)
             self.verify_weights(published, directory)
+            # Now, not at the next beat: the staleness gate admits the next prompts on the version served.
+            self.publish_status()
             if interrupted:
                 log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
 
@@ -139,16 +144,18 @@ class InferenceWorker:
         for queue, messages in by_queue.items():
             self.bus.put_many(queue, messages)
 
-    def publish_status(self, beat: int) -> None:
-        self.status.publish(WorkerStatus(self.epoch, beat, self.engine.version, self.engine.in_flight,
-                                         weights_over_bus=self.weights.received_over_bus))
+    def publish_status(self) -> None:
+        # The heartbeat thread and a weight update both publish; the version is read under the lock, so the
+        # last write holds the newest version.
+        with self._status_lock:
+            self.status.publish(WorkerStatus(self.epoch, self.beat, self.engine.version, self.engine.in_flight,
+                                             weights_over_bus=self.weights.received_over_bus))
 
     def _heartbeat(self) -> None:
         """On its own thread, so a long engine step never makes a live worker look dead."""
-        beat = 0
         while not self._stopping.wait(HEARTBEAT_INTERVAL):
-            beat += 1
+            self.beat += 1
             try:
-                self.publish_status(beat)
+                self.publish_status()
             except Exception:  # the bus may be briefly unreachable; the next beat tries again
                 log.warning("heartbeat failed", exc_info=True)
