@@ -45,7 +45,7 @@ class SumsRollout:
                                      add_special_tokens=False)["input_ids"] for m in prompts]
         completion, mask, logprobs = ([[] for _ in prompts] for _ in range(3))
         rewards = [0.0] * len(prompts)
-        for turn in range(turns):
+        for _ in range(turns):
             responses, response_logprobs = self.generate(model, [p + c for p, c in zip(prompt_ids, completion)])
             texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
             steps = asyncio.run(_all(env.step(text) for env, text in zip(envs, texts)))
