@@ -312,6 +312,19 @@ def test_new_weights_are_served_and_announced_without_waiting_for_a_beat(tmp_pat
     assert not thread.is_alive()
 
 
+def test_a_restarted_worker_announces_nothing_before_its_epoch(tmp_path):
+    """A restarted worker loads the newest weights before it starts its epoch; a status written then would carry
+    no epoch, and routers would take it for a new worker and send it requests that start_epoch then deletes."""
+    bus = InProcessBus()
+    bus.set(protocol.WEIGHTS, {"version": 3, "path": str(tmp_path / "v3")})
+    engine = ScriptedEngine(counting_policy, tokens_per_step=1)
+    worker = InferenceWorker(engine, bus, 0, max_batch_requests=64)
+    worker.load_newest_weights()
+    assert engine.version == 3 and InferenceStatus(bus, 0).read() is None
+    worker.start_epoch()
+    assert InferenceStatus(bus, 0).read().version == 3
+
+
 @pytest.mark.parametrize("n_workers", [1, 2])
 def test_served_version_is_the_oldest_live_worker_s(n_workers):
     bus = InProcessBus()

@@ -96,8 +96,10 @@ class InferenceWorker:
                 return
             interrupted = self.engine.update_weights(directory, published.version)
             self.verify_weights(published, directory)
-            # Now, not at the next beat: the staleness gate admits the next prompts on the version served.
-            self.publish_status()
+            # Now, not at the next beat: the staleness gate admits the next prompts on the version served. Not
+            # before start_epoch (the first load of a restarted worker): its status would carry no epoch.
+            if self.epoch:
+                self.publish_status()
             if interrupted:
                 log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
 
