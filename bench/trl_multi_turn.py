@@ -22,10 +22,10 @@ from bench.vs_trl import trl_arguments, trl_clock, trl_dataset
 class SumsRollout:
     """TRL's `rollout_func(prompts, trainer)`: plays each prompt's conversation and returns its token record."""
 
-    def __init__(self, config, tokenizer, rows_by_content: dict[str, dict]):
+    def __init__(self, config, tokenizer, prompts_by_content: dict):
         from rlsys.impl.agent.multi_turn import ChatRenderer
 
-        self.config, self.tokenizer, self.rows = config, tokenizer, rows_by_content
+        self.config, self.tokenizer, self.prompts = config, tokenizer, prompts_by_content
         self.chat = ChatRenderer(tokenizer)
 
     def __call__(self, prompts: list[list[dict]], trainer) -> dict:
@@ -37,18 +37,19 @@ class SumsRollout:
             return self.play(model, prompts)
 
     def play(self, model, prompts: list[list[dict]]) -> dict:
+        from rlsys.impl.agent.multi_turn import gather_or_cancel
+
         turns = self.config.num_turns
         envs = [SlowSumsEnv(turns, self.config.env_latency) for _ in prompts]
-        rows = [self.rows[messages[-1]["content"]] for messages in prompts]
-        asyncio.run(_all(env.reset(options=row) for env, row in zip(envs, rows)))
-        prompt_ids = [self.tokenizer(self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
-                                     add_special_tokens=False)["input_ids"] for m in prompts]
+        ours = [self.prompts[messages[-1]["content"]] for messages in prompts]  # rlsys's Prompt: ids already checked
+        asyncio.run(gather_or_cancel(env.reset(options=p.data) for env, p in zip(envs, ours)))
+        prompt_ids = [list(p.token_ids) for p in ours]
         completion, mask, logprobs = ([[] for _ in prompts] for _ in range(3))
         rewards = [0.0] * len(prompts)
         for _ in range(turns):
             responses, response_logprobs = self.generate(model, [p + c for p, c in zip(prompt_ids, completion)])
             texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-            steps = asyncio.run(_all(env.step(text) for env, text in zip(envs, texts)))
+            steps = asyncio.run(gather_or_cancel(env.step(text) for env, text in zip(envs, texts)))
             for i, (board, reward, done, _, _) in enumerate(steps):
                 rewards[i] += reward
                 completion[i] += responses[i]
@@ -88,10 +89,6 @@ class SumsRollout:
         return responses, response_logprobs
 
 
-async def _all(coroutines) -> list:
-    return await asyncio.gather(*coroutines)
-
-
 def run_trl_multi_turn(config, train_rows: list[dict], steps: int, out_dir: Path, threads: int) -> dict:
     """TRL on the 3-turn task for `steps` batches; (clock at each batch's end, whole seconds)."""
     import torch
@@ -106,7 +103,7 @@ def run_trl_multi_turn(config, train_rows: list[dict], steps: int, out_dir: Path
     tokenizer = load_tokenizer(config.model.path)
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
     dataset, ordered = trl_dataset(config, tokenizer, train_rows, steps * config.ppo.batch_size)
-    rows = {m[-1]["content"]: p.data for m, p in zip(dataset["prompt"], ordered)}
+    by_content = {m[-1]["content"]: p for m, p in zip(dataset["prompt"], ordered)}
 
     def env_reward(completions, env_reward, **_):
         return env_reward
@@ -116,6 +113,6 @@ def run_trl_multi_turn(config, train_rows: list[dict], steps: int, out_dir: Path
     clock = trl_clock(config.ppo.ppo_epochs, steps)
     trainer = GRPOTrainer(model=model, reward_funcs=[env_reward], train_dataset=dataset, processing_class=tokenizer,
                           args=trl_arguments(config, steps, out_dir, max_completion_length=longest),
-                          rollout_func=SumsRollout(config, tokenizer, rows), callbacks=[clock])
+                          rollout_func=SumsRollout(config, tokenizer, by_content), callbacks=[clock])
     trainer.train()
     return {"times": clock.times, "wall_s": time.monotonic() - started}
