@@ -6,7 +6,7 @@ import threading
 from rlsys import protocol
 from rlsys.api import Agent, EnvironmentService, Prompt, Trajectory
 from rlsys.bus import InProcessBus
-from rlsys.engine.scripted import Policy, ScriptedEngine
+from tests.scripted_engine import Policy, ScriptedEngine
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.routing import EpisodeRouter
 

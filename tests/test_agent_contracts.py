@@ -5,7 +5,7 @@ import asyncio
 import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
 import rlsys.impl.env  # noqa: F401
 from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, Prompt, make_agent, make_env
-from rlsys.engine.scripted import ScriptedEngine
+from tests.scripted_engine import ScriptedEngine
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
 from tests.scripted import run_scripted_episode
 

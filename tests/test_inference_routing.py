@@ -15,7 +15,7 @@ import pytest
 from rlsys import protocol
 from rlsys.api import GenerationConfig
 from rlsys.bus import EmbeddedRedis, InProcessBus, connect
-from rlsys.engine.scripted import ScriptedEngine
+from tests.scripted_engine import ScriptedEngine
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.inference_status import InferenceStatus
 from rlsys.workers.routing import EpisodeRouter

@@ -10,7 +10,7 @@ import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and enviro
 import rlsys.impl.env  # noqa: F401
 from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, GenerationOutput, \
     Prompt, make_agent, make_env
-from rlsys.engine.scripted import ScriptedEngine
+from tests.scripted_engine import ScriptedEngine
 from rlsys.impl.agent.math_multi_turn import CORRECT_FEEDBACK, WRONG_FEEDBACK
 from rlsys.impl.agent.model_client import ModelClient
 from rlsys.impl.agent.multi_turn import RolloutStrategy, token_key

@@ -12,7 +12,7 @@ import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and enviro
 import rlsys.impl.env  # noqa: F401
 from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, Model, Prompt, \
     make_agent, make_env
-from rlsys.engine.scripted import ScriptedEngine
+from tests.scripted_engine import ScriptedEngine
 from rlsys.model.tokenizer import chat_prompt_ids
 from rlsys.workers.episode_failure import EpisodeFailed
 from tests.endpoint_clients import RESPONSES, SEEN

@@ -11,7 +11,7 @@ import rlsys.impl.env  # noqa: F401
 from experiments import AsyncPPOMATHToolsConfig
 from experiments.common import GenerationHyperparameters, ModelConfig
 from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, Prompt, make_agent, make_env
-from rlsys.engine.scripted import ScriptedEngine
+from tests.scripted_engine import ScriptedEngine
 from rlsys.model.tokenizer import chat_prompt_ids
 from tests.scripted import ids, run_scripted_episode
 

@@ -2,7 +2,7 @@
 
 A backend runs many sequences at once and lets new ones join between steps (continuous batching). It
 knows nothing of requests, groups or weight versions: `GenerationEngine` builds those on top, so every
-backend (vLLM, transformers, the scripted stand-in) gets interruptible weight updates for free.
+backend (vLLM, transformers, the tests' scripted stand-in) gets interruptible weight updates for free.
 """
 
 import abc
