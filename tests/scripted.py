@@ -6,9 +6,9 @@ import threading
 from rlsys import protocol
 from rlsys.api import Agent, EnvironmentService, Prompt, Trajectory
 from rlsys.bus import InProcessBus
-from tests.scripted_engine import Policy, ScriptedEngine
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.routing import EpisodeRouter
+from tests.scripted_engine import Policy, ScriptedEngine
 
 EPISODE_TIMEOUT = 60.0
 

@@ -5,9 +5,9 @@ import asyncio
 import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
 import rlsys.impl.env  # noqa: F401
 from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, Prompt, make_agent, make_env
-from tests.scripted_engine import ScriptedEngine
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
 from tests.scripted import run_scripted_episode
+from tests.scripted_engine import ScriptedEngine
 
 
 def test_math_single_step_scores_each_sample_and_masks_the_prompt(tmp_path):

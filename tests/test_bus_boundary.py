@@ -24,9 +24,9 @@ from rlsys.api.messages import (InvalidMessage, WorkerStatus, parse_generation_r
                                 parse_published_weights, parse_worker_status)
 from rlsys.bus import EmbeddedRedis, InProcessBus, RedisBus
 from rlsys.delivery import TrajectoryInbox
-from tests.scripted_engine import ScriptedEngine
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.routing import EpisodeRouter
+from tests.scripted_engine import ScriptedEngine
 from tests.test_learner import learner_config
 
 MB = 2**20

@@ -15,10 +15,10 @@ import pytest
 from rlsys import protocol
 from rlsys.api import GenerationConfig
 from rlsys.bus import EmbeddedRedis, InProcessBus, connect
-from tests.scripted_engine import ScriptedEngine
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.inference_status import InferenceStatus
 from rlsys.workers.routing import EpisodeRouter
+from tests.scripted_engine import ScriptedEngine
 
 LONG = GenerationConfig(n=2, max_new_tokens=40)
 

@@ -10,7 +10,6 @@ import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and enviro
 import rlsys.impl.env  # noqa: F401
 from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, GenerationOutput, \
     Prompt, make_agent, make_env
-from tests.scripted_engine import ScriptedEngine
 from rlsys.impl.agent.math_multi_turn import CORRECT_FEEDBACK, WRONG_FEEDBACK
 from rlsys.impl.agent.model_client import ModelClient
 from rlsys.impl.agent.multi_turn import RolloutStrategy, token_key
@@ -18,6 +17,7 @@ from rlsys.impl.env.frozen_lake import FrozenLakeEnv, generate_lake, shortest_pa
 from rlsys.impl.env.sokoban import SokobanEnv, generate_room, solve
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
 from tests.scripted import ids, run_scripted_episode
+from tests.scripted_engine import ScriptedEngine
 
 LOGPROB = -0.25
 

@@ -12,11 +12,11 @@ import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and enviro
 import rlsys.impl.env  # noqa: F401
 from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, Model, Prompt, \
     make_agent, make_env
-from tests.scripted_engine import ScriptedEngine
 from rlsys.model.tokenizer import chat_prompt_ids
 from rlsys.workers.episode_failure import EpisodeFailed
 from tests.endpoint_clients import RESPONSES, SEEN
 from tests.scripted import ids, run_scripted_episode
+from tests.scripted_engine import ScriptedEngine
 
 LOGPROB = -0.25
 ROW = {"prompt": "What is 12*34+1?", "answer": "409"}

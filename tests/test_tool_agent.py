@@ -11,9 +11,9 @@ import rlsys.impl.env  # noqa: F401
 from experiments import AsyncPPOMATHToolsConfig
 from experiments.common import GenerationHyperparameters, ModelConfig
 from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, Prompt, make_agent, make_env
-from tests.scripted_engine import ScriptedEngine
 from rlsys.model.tokenizer import chat_prompt_ids
 from tests.scripted import ids, run_scripted_episode
+from tests.scripted_engine import ScriptedEngine
 
 SEED = 100  # chain c of an episode samples with seed SEED + c: how the scripted model tells chains apart
 LOGPROB = -0.25

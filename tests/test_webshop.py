@@ -9,10 +9,10 @@ import pytest
 import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
 import rlsys.impl.env  # noqa: F401
 from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, make_agent
-from tests.scripted_engine import ScriptedEngine
 from rlsys.impl.env.webshop import Goal, Product, WebShopEnv, build_catalog, reward, search
 from rlsys.model.tokenizer import chat_prompt_ids
 from tests.scripted import ids, run_scripted_episode
+from tests.scripted_engine import ScriptedEngine
 
 
 def play_env(env, actions):
