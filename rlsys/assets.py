@@ -5,7 +5,7 @@ from pathlib import Path
 
 from rlsys.data.dataset import load_rows
 from rlsys.model.tiny import prepare_tiny_model, tiny_model_dir
-from rlsys.placement.cpu_threads import LEARNER, role_threads
+from rlsys.placement.cpu_threads import warm_start_threads
 from rlsys.workers.env_per_row import check_env_names
 
 
@@ -39,12 +39,10 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
     elif not config.model.path:
         directory = tiny_model_dir(config.model, config.seed, Path(data.path).parent, config.warm_start_settings)
         examples = functools.partial(config.warm_start_examples, train_rows=train_rows, eval_rows=eval_rows)
-        # The warm start trains as the learner would, with the learner's threads (one on a 2-core machine: more
-        # threads than free cores stall torch; see rlsys/placement/cpu_threads.py).
         config.model.path = str(prepare_tiny_model(
             config.model, config.seed, examples, directory, log, batch_size=config.warm_start_batch_size,
             eval_every=config.warm_start_eval_every, max_steps=config.warm_start_max_steps,
-            threads=role_threads(LEARNER, config)))
+            threads=warm_start_threads(config)))
     if not Path(config.model.path).exists():
         raise AssetError(f"model.path {config.model.path!r} does not exist; give an HF checkpoint directory "
                          "(written by save_pretrained), or leave model.path empty for the tiny model")

@@ -1,17 +1,29 @@
-"""How many CPU threads each role's torch gets, so the roles on one machine share its cores without contending.
+"""How many CPU threads each role's torch gets, and how its OpenMP threads wait, so roles on one machine share it.
 
-torch computes with OpenMP, whose threads spin while they wait for each other: a role with more threads than
-the cores left to it does not slow down gracefully, it stalls whenever one of its threads is descheduled. On
-the 2-core machine the benchmarks run on, the learner's step took 0.86-1.19 s with 1 thread and 1.0-3.2 s with
-2 beside other work (BENCHMARKS.md, "Learner threads"). So the learner gets by default the cores the other
-roles of a local run do not claim, and never fewer than one:
+torch computes with OpenMP (libgomp), whose threads spin while they wait for each other, by default for about
+300,000 turns of a loop before they sleep. Roles that spin steal cores from each other: on the 2-core machine the
+benchmarks run on, 2 learner threads beside the inference worker made a run 0.39x as fast as 1 thread under load,
+and no faster when quiet (BENCHMARKS.md, "Learner threads"), because a thread that waits spins on the core the
+thread it waits for needs. So every role starts with `GOMP_SPINCOUNT=1000` (libgomp reads it once, when torch
+loads, so the launcher puts it in each role's environment before the process starts): a waiting thread spins a
+thousand turns, then sleeps. Unless the user set `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` for the run: theirs win.
+
+With threads that sleep soon, a role's idle moments are cores others can use, and the learner takes every core:
+
+    learner threads per rank = max(1, cores // learner ranks)
+
+beside the inference worker's `inference.num_threads` and the rollout workers (asyncio, one thread of work each).
+On 2 cores that trained a median 1.06x the samples/s of 1 learner thread with the long spin (five pairs of runs,
+0.95-1.14x), and under load it does not stall (BENCHMARKS.md).
+Where threads spin long (the user's `OMP_WAIT_POLICY=ACTIVE`, or a `GOMP_SPINCOUNT` above 1000), the learner gets
+only the cores the other roles do not claim, and never fewer than one:
 
     learner threads per rank = max(1, (cores - inference threads - rollout workers) // learner ranks)
 
-where each inference worker claims its `inference.num_threads` (0, the engine's choice, claims every core),
-and each rollout worker one core (its agents, environments and reward checks run on it). Under
-`cluster.backend=ray` the roles may be on other nodes; the rule still counts them all on the learner's node,
-which errs on the side of too few threads: set `learner.num_threads` there.
+where each inference worker claims its `inference.num_threads` (0, the engine's choice, claims every core), and each
+rollout worker one core. Under `cluster.backend=ray` the roles may be on other nodes and `cores` is the learner's
+node's; the long-spin rule still counts the other roles there, which errs on the side of too few threads: set
+`learner.num_threads` there.
 
 Colocated (`cluster.colocate=true`) the roles take turns instead: the synchronous gate keeps inference idle
 while the learner trains and the learner idle while inference generates, so each gets every core (unless its
@@ -31,21 +43,55 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def role_threads(role: str, config, cores: int | None = None) -> int:
-    """torch threads for a process of `role`; 0 leaves the choice to the engine (inference.num_threads=0)."""
+SHORT_SPIN = 1000  # turns of libgomp's wait loop before a thread sleeps (its default is 300,000)
+ROLE_ENVIRONMENT = {"GOMP_SPINCOUNT": str(SHORT_SPIN)}
+OPENMP_WAIT_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+
+def role_environment(environ=os.environ) -> dict[str, str]:
+    """What the launcher adds to each role's environment: the short spin, unless the user chose how threads wait."""
+    return {} if any(name in environ for name in OPENMP_WAIT_SETTINGS) else dict(ROLE_ENVIRONMENT)
+
+
+def threads_sleep_soon(environ) -> bool:
+    """Whether OpenMP threads in `environ` spin at most SHORT_SPIN turns before they sleep (libgomp: GOMP_SPINCOUNT,
+    when set, overrides OMP_WAIT_POLICY)."""
+    spin = environ.get("GOMP_SPINCOUNT", "").strip()
+    if spin:
+        return spin.isdigit() and int(spin) <= SHORT_SPIN
+    return environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+
+
+def role_threads(role: str, config, cores: int | None = None, environ=None) -> int:
+    """torch threads for a process of `role` whose environment is `environ` (by default: what a role of this run
+    starts with); 0 leaves the choice to the engine (inference.num_threads=0)."""
     colocated = config.cluster.colocate
     if role == INFERENCE:
         return cores or available_cores() if colocated else config.inference.num_threads
     if role == LEARNER and hasattr(config, "learner"):
         if config.learner.num_threads:
             return config.learner.num_threads
-        return cores or available_cores() if colocated else auto_learner_threads(config, cores or available_cores())
+        if colocated:
+            return cores or available_cores()
+        if environ is None:
+            environ = {**os.environ, **role_environment()}
+        return auto_learner_threads(config, cores or available_cores(), threads_sleep_soon(environ))
     return 1  # rollout workers (asyncio: agents wait on queues) and anything else
 
 
-def auto_learner_threads(config, cores: int) -> int:
-    """The cores the other roles of the run do not claim, split over the learner's ranks; at least 1."""
+def auto_learner_threads(config, cores: int, sleep_soon: bool) -> int:
+    """Every core if waiting threads sleep soon, else the cores the other roles of the run do not claim; split over
+    the learner's ranks; at least 1."""
     cluster = config.cluster
+    if sleep_soon:
+        return max(1, cores // cluster.n_learner_ranks)
     per_inference_worker = config.inference.num_threads or cores
     claimed = cluster.n_inference_workers * per_inference_worker + cluster.n_rollout_workers
     return max(1, (cores - claimed) // cluster.n_learner_ranks)
+
+
+def warm_start_threads(config) -> int:
+    """The tiny model's warm start's threads: the learner's by the rule for long spins (1 on 2 cores), as before
+    threads slept soon. A thread count changes the order of float sums, so the model's bits: this keeps the tiny
+    models the tests and benchmarks were measured with (the warm start runs alone, before any role starts)."""
+    return role_threads(LEARNER, config, environ={})

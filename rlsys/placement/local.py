@@ -3,11 +3,13 @@
 import contextlib
 import ctypes
 import multiprocessing
+import os
 import signal
 import sys
 
 from rlsys.bus.redis_server import free_port
 from rlsys.placement.base import Placement, RoleHandle, learner_rendezvous
+from rlsys.placement.cpu_threads import role_environment
 from rlsys.placement.gpus import gpu_layout, visible_devices
 
 
@@ -44,11 +46,27 @@ class LocalPlacement(Placement):
             env.update(learner_rendezvous(index, self.config.cluster.n_learner_ranks, "127.0.0.1", self.master_port))
         ctx = multiprocessing.get_context("spawn")  # vLLM and torch do not survive fork
         process = ctx.Process(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env))
-        process.start()
+        with environment(role_environment()):  # read by libgomp as torch loads, before the role's own code runs
+            process.start()
         return LocalRole(process)
 
     def close(self) -> None:
         """The supervisor stops the processes it watches; nothing else was taken."""
+
+
+@contextlib.contextmanager
+def environment(added: dict[str, str]):
+    """os.environ with `added` for the moment a process is spawned (it starts with a copy of the environment)."""
+    saved = {name: os.environ.get(name) for name in added}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_in_process(entry, role: str, index: int, *args) -> None:

@@ -12,6 +12,7 @@ import os
 
 from rlsys.bus.redis_server import free_port
 from rlsys.placement.base import Placement, PlacementError, RoleHandle, learner_rendezvous
+from rlsys.placement.cpu_threads import role_environment
 
 PLACEMENT_TIMEOUT = 120.0  # seconds to wait for the cluster to reserve every bundle
 CPUS_PER_ROLE = 1
@@ -124,10 +125,11 @@ class RayPlacement(Placement):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle, options = self.bundles[(role, index)]
+        added = role_environment()  # read by libgomp as torch loads: set before the actor's process starts
         actor = self.actor_class.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.group,
                                                                  placement_group_bundle_index=bundle),
-            **options).remote()
+            **({"runtime_env": {"env_vars": added}} if added else {}), **options).remote()
         env = {}
         if role == "learner":
             import ray
