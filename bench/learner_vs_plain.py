@@ -62,12 +62,18 @@ def default_step_batch(config, seed: int) -> list[Trajectory]:
             answer = [rng.choice(digits) for _ in range(rng.randint(1, config.gen.max_new_tokens - 1))]
             answer.append(tokenizer.eos_token_id)
             reward = float(rng.random() < 0.4)
-            n, m = len(prompt), len(answer)
-            batch.append(Trajectory(
-                token_ids=prompt + answer, loss_mask=[0] * n + [1] * m,
-                logprobs=[0.0] * n + [rng.uniform(-3.0, -0.1) for _ in range(m)], versions=[-1] * n + [0] * m,
-                turn_ends=[n + m], turn_rewards=[reward], reward=reward, group_id=f"g{g}", stop_reason="stop"))
+            logprobs = [rng.uniform(-3.0, -0.1) for _ in answer]
+            batch.append(one_turn_trajectory(prompt, answer, logprobs, reward, f"g{g}"))
     return batch
+
+
+def one_turn_trajectory(prompt: list[int], answer: list[int], logprobs: list[float], reward: float,
+                        group_id: str) -> Trajectory:
+    """A scored one-turn sample: the prompt (not trained on), then the answer with its behaviour logprobs."""
+    n, m = len(prompt), len(answer)
+    return Trajectory(token_ids=prompt + answer, loss_mask=[0] * n + [1] * m, logprobs=[0.0] * n + logprobs,
+                      versions=[-1] * n + [0] * m, turn_ends=[n + m], turn_rewards=[reward], reward=reward,
+                      group_id=group_id, stop_reason="stop")
 
 
 def save_random_model(shape: str, tokenizer_from: str, directory: Path) -> str:

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.learner_vs_plain import one_turn_trajectory  # noqa: E402
 from bench.vs_trl import prepared_config, run_trl  # noqa: E402
 from rlsys.api import Trajectory  # noqa: E402
 from rlsys.data.dataset import load_rows  # noqa: E402
@@ -68,11 +69,7 @@ def same_sequences(inputs: dict, group_size: int, seed: int) -> list[Trajectory]
         keep = inputs["completion_mask"][i] == 1
         answer = inputs["completion_ids"][i][keep].tolist()
         logprobs = old[i][keep].tolist() if old is not None else [-0.5] * len(answer)
-        reward = float(rng.random() < 0.4)
-        n, m = len(prompt), len(answer)
-        out.append(Trajectory(token_ids=prompt + answer, loss_mask=[0] * n + [1] * m, logprobs=[0.0] * n + logprobs,
-                              versions=[-1] * n + [0] * m, turn_ends=[n + m], turn_rewards=[reward], reward=reward,
-                              group_id=f"g{i // group_size}", stop_reason="stop"))
+        out.append(one_turn_trajectory(prompt, answer, logprobs, float(rng.random() < 0.4), f"g{i // group_size}"))
     return out
 
 
