@@ -119,26 +119,29 @@ def trl_arguments(config, steps: int, out_dir: Path, **changes):
 
 
 def trl_clock(epochs: int, steps: int, snapshot_steps: int = 0):
-    """A TrainerCallback: the time at each batch's last optimizer step, less the time spent taking weight
-    snapshots (every `snapshot_steps` batches and the last; none if 0)."""
+    """A TrainerCallback: the time and the process's CPU seconds (every thread's) at each batch's last optimizer
+    step, less what taking weight snapshots cost (every `snapshot_steps` batches and the last; none if 0)."""
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def __init__(self):
             self.start, self.excluded, self.times, self.snapshots = 0.0, 0.0, [], {}
+            self.cpu_start, self.cpu_excluded, self.cpu = 0.0, 0.0, []
 
         def on_train_begin(self, *_, **__):
-            self.start = time.monotonic()
+            self.start, self.cpu_start = time.monotonic(), time.process_time()
 
         def on_step_end(self, _args, state, _control, model=None, **__):
             if state.global_step % epochs:
                 return
-            now = time.monotonic()
+            now, cpu = time.monotonic(), time.process_time()
             self.times.append(now - self.start - self.excluded)
+            self.cpu.append(cpu - self.cpu_start - self.cpu_excluded)
             batch = state.global_step // epochs
             if snapshot_steps and (batch % snapshot_steps == 0 or batch == steps):
                 self.snapshots[batch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             self.excluded += time.monotonic() - now
+            self.cpu_excluded += time.process_time() - cpu
 
     return Clock()
 
@@ -164,7 +167,36 @@ def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out
     trainer = GRPOTrainer(model=model, reward_funcs=[math_reward], args=trl_arguments(config, steps, out_dir),
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
     trainer.train()
-    return {"times": clock.times, "snapshots": clock.snapshots, "wall_s": time.monotonic() - started}
+    return {"times": clock.times, "cpu": clock.cpu, "snapshots": clock.snapshots, "wall_s": time.monotonic() - started}
+
+
+class CpuSampler(threading.Thread):
+    """The CPU seconds of every process this one started (the run's roles, its Redis server, vLLM's), sampled every
+    `period` seconds against the wall clock, so a window of the run can be charged its CPU. Only the whole run's
+    processes count, not this one's (the weight linker)."""
+
+    def __init__(self, period: float = 1.0):
+        super().__init__(daemon=True)
+        self.period, self.samples, self.done = period, [], threading.Event()  # samples: (time.time(), CPU seconds)
+
+    def run(self) -> None:
+        import psutil
+
+        me, seen = psutil.Process(), {}
+        while not self.done.wait(self.period):
+            for child in me.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    times = child.cpu_times()
+                    seen[child.pid] = times.user + times.system  # a process that ended keeps its last sample
+            self.samples.append((time.time(), sum(seen.values())))
+
+    def at(self, when: float) -> float:
+        """CPU seconds used by `when`, interpolated between the two samples around it."""
+        before = max((s for s in self.samples if s[0] <= when), default=self.samples[0])
+        after = min((s for s in self.samples if s[0] >= when), default=self.samples[-1])
+        if after[0] == before[0]:
+            return before[1]
+        return before[1] + (after[1] - before[1]) * (when - before[0]) / (after[0] - before[0])
 
 
 class WeightLinker(threading.Thread):
@@ -204,13 +236,16 @@ class WeightLinker(threading.Thread):
 def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Path, trial: str) -> dict:
     """rlsys's default run for `steps` batches; (clock at each batch's end, weight files, whole seconds, command)."""
     settings = [f"max_steps={steps}", "eval_steps=0", f"logging_steps={steps}", *overrides]
-    linker = WeightLinker(out_dir, trial, snapshot_steps, steps)
+    linker, cpu = WeightLinker(out_dir, trial, snapshot_steps, steps), CpuSampler()
     linker.start()
+    cpu.start()
     try:
         run_dir, command, wall = launch(settings, out_dir, trial)
     finally:
         linker.done.set()
+        cpu.done.set()
         linker.join()
+        cpu.join()
     missed = [v for v in range(snapshot_steps, steps + 1, snapshot_steps) if v not in linker.kept]
     if missed:
         raise RuntimeError(f"the weights of versions {missed} were removed before they could be kept")
@@ -218,7 +253,8 @@ def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Pa
     initial = [json.loads(line) for line in (run_dir / "logs" / "rollout0.jsonl").open()]
     start = next(r["time"] for r in initial if "eval/accuracy" in r)  # training prompts are admitted from here
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"times": [r["time"] - start for r in rows], "snapshots": linker.kept, "wall_s": wall,
+    return {"times": [r["time"] - start for r in rows], "cpu": [cpu.at(r["time"]) - cpu.at(start) for r in rows],
+            "snapshots": linker.kept, "wall_s": wall,
             "command": " ".join(command), "own_initial_accuracy": summary["initial_accuracy"],
             "own_final_accuracy": summary["final_accuracy"]}
 
@@ -279,8 +315,11 @@ def main() -> None:
         w = min(args.warmup, len(times) - 1)
         reached = first_reaching(curve, target)
         halfway = first_reaching(curve, initial + TARGET_POINTS / 200)
+        cpu = side["cpu"]  # CPU seconds since the side's clock started, at each batch's end
+        window_s, window_cpu = times[-1] - (times[w - 1] if w else 0.0), cpu[-1] - (cpu[w - 1] if w else 0.0)
         results[name] = {
-            "samples_per_second": (len(times) - w) * per_batch / (times[-1] - times[w - 1] if w else times[-1]),
+            "samples_per_second": (len(times) - w) * per_batch / window_s,
+            "cpu_s_per_sample": window_cpu / ((len(times) - w) * per_batch), "cores_busy": window_cpu / window_s,
             "curve": [{"batch": b, "samples": n, "seconds": t, "accuracy": a} for b, n, t, a in curve],
             "time_to_target_s": reached[1] if reached else None, "batches_to_target": reached[0] if reached else None,
             "time_to_half_target_s": halfway[1] if halfway else None,
@@ -289,13 +328,14 @@ def main() -> None:
     print(f"default task, {args.steps} batches of {config.ppo.batch_size} prompts x {config.group_size} samples, "
           f"{config.ppo.ppo_epochs} optimizer steps each; held-out greedy accuracy on {len(eval_rows)} problems, "
           f"start {100 * initial:.1f}%, target {100 * target:.1f}% (+{TARGET_POINTS:.0f} points)")
-    print(f"{'side':<10} {'samples/s':>9} {'train s':>8} {'whole s':>8} {'to +10':>8} {'to +20':>8} {'load':>9}  "
-          "held-out accuracy (batch: accuracy @ seconds of training)")
+    print(f"{'side':<10} {'samples/s':>9} {'CPU ms/sample':>13} {'cores busy':>10} {'train s':>8} {'whole s':>8} "
+          f"{'to +10':>8} {'to +20':>8} {'load':>9}  held-out accuracy (batch: accuracy @ seconds of training)")
     for name, r in results.items():
         to_half, to_target = (f"{r[k]:.1f} s" if r[k] is not None else "-"
                               for k in ("time_to_half_target_s", "time_to_target_s"))
         curve = "  ".join(f"{p['batch']}:{100 * p['accuracy']:.1f}%@{p['seconds']:.0f}s" for p in r["curve"])
-        print(f"{name:<10} {r['samples_per_second']:>9.1f} {r['train_s']:>8.1f} {r['wall_s']:>8.1f} {to_half:>8} "
+        print(f"{name:<10} {r['samples_per_second']:>9.1f} {1000 * r['cpu_s_per_sample']:>13.2f} "
+              f"{r['cores_busy']:>10.2f} {r['train_s']:>8.1f} {r['wall_s']:>8.1f} {to_half:>8} "
               f"{to_target:>8} "
               f"{r['load_average'][0]:>4.1f}-{r['load_average'][1]:<4.1f}  {curve}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -306,6 +346,15 @@ def main() -> None:
         variant_t = results[name]["time_to_target_s"]
         if trl_t is not None and variant_t is not None:
             print(f"{name}: TRL time-to-target / {name} time-to-target = {trl_t / variant_t:.2f}")
+    if "trl" in results:
+        # With every core busy a side trains (cores / CPU seconds per sample) samples a second, whatever it overlaps:
+        # the most a side could reach on this machine, against TRL's measured samples/s.
+        trl, cores = results["trl"], os.cpu_count()
+        for name, _ in runs:
+            ceiling = cores / results[name]["cpu_s_per_sample"]
+            print(f"{name}: CPU per sample {results[name]['cpu_s_per_sample'] / trl['cpu_s_per_sample']:.2f}x TRL's; "
+                  f"with all {cores} cores busy at most {ceiling:.0f} samples/s, "
+                  f"{ceiling / trl['samples_per_second']:.2f}x TRL's measured {trl['samples_per_second']:.0f}")
     if trl_t is not None and rlsys_t is not None:
         print(f"ratio: {trl_t / rlsys_t:.2f} (TRL time-to-target / rlsys time-to-target, +{TARGET_POINTS:.0f} "
               "held-out points)")
