@@ -84,8 +84,8 @@ def main() -> None:
     latencies = [float(x) for x in args.latencies.split(",")]
     eval_path = held_out_subset(out_dir)
     results = []
+    settings = {"async": args.async_offpolicyness, "sync": SYNC}
     for i, latency in enumerate(latencies):
-        settings = {"async": args.async_offpolicyness, "sync": SYNC}
         order = list(settings.items()) if i % 2 == 0 else list(settings.items())[::-1]  # alternate who goes first
         for name, offpolicyness in order:
             results.append(run(name, offpolicyness, latency, args, out_dir, eval_path))

@@ -256,7 +256,8 @@ def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Pa
     initial = [json.loads(line) for line in (run_dir / "logs" / "rollout0.jsonl").open()]
     start = next(r["time"] for r in initial if "eval/accuracy" in r)  # training prompts are admitted from here
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"times": [r["time"] - start for r in rows], "cpu": [cpu.at(r["time"]) - cpu.at(start) for r in rows],
+    cpu_at_start = cpu.at(start)
+    return {"times": [r["time"] - start for r in rows], "cpu": [cpu.at(r["time"]) - cpu_at_start for r in rows],
             "snapshots": linker.kept, "wall_s": wall,
             "command": " ".join(command), "own_initial_accuracy": summary["initial_accuracy"],
             "own_final_accuracy": summary["final_accuracy"]}

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from rlsys.cli import ConfigError, parse_config
-from rlsys.placement.cpu_threads import role_environment, role_threads, threads_sleep_soon, warm_start_threads
+from rlsys.placement.cpu_threads import OPENMP_WAIT_SETTINGS, role_environment, role_threads, threads_sleep_soon, \
+    warm_start_threads
 from rlsys.placement.local import LocalPlacement
 
 LONG_SPIN = {}  # libgomp's default: 300,000 turns
@@ -20,7 +21,7 @@ LONG_SPIN = {}  # libgomp's default: 300,000 turns
     (["learner.num_threads=1"], 2, 1),  # set by hand: taken as it is
 ])
 def test_with_threads_that_sleep_soon_the_learner_takes_every_core(overrides, cores, learner, monkeypatch):
-    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+    for name in OPENMP_WAIT_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     config = parse_config(overrides)
     assert role_threads("learner", config, cores) == learner  # the environment a role of this run starts with
@@ -108,7 +109,7 @@ def report_environment(role, index, path, env):
 ])
 def test_a_local_role_starts_with_the_wait_setting_and_the_launcher_keeps_its_own(users, started_with, tmp_path,
                                                                                     monkeypatch):
-    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+    for name in OPENMP_WAIT_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     for name, value in users.items():
         monkeypatch.setenv(name, value)
