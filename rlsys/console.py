@@ -7,13 +7,15 @@ import os
 import sys
 from pathlib import Path
 
+from rlsys.run_privacy import append_private
+
 
 def role_output_to_file(log_file: Path, role: str) -> None:
     """File descriptors 1 and 2 point at `log_file` from now on, so the process's children inherit it too;
     rlsys' loggers still write WARNING and above to the console the process was started with."""
     console = os.fdopen(os.dup(2), "w", buffering=1)
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = append_private(log_file)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)

@@ -1,8 +1,11 @@
 """Per-step metrics to TensorBoard and a JSONL file (one object per line, easy to test and plot)."""
 
 import json
+import os
 import time
 from pathlib import Path
+
+from rlsys.run_privacy import append_private
 
 
 class MetricsLogger:
@@ -11,7 +14,7 @@ class MetricsLogger:
 
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.log_dir / f"{name}.jsonl", "a", buffering=1)
+        self.jsonl = os.fdopen(append_private(self.log_dir / f"{name}.jsonl"), "a", buffering=1)
         self.writer = SummaryWriter(str(self.log_dir / "tensorboard" / name))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -16,6 +16,7 @@ import yaml
 
 from rlsys import accounting
 from rlsys.metrics import read_jsonl_metrics
+from rlsys.run_privacy import write_private
 from rlsys.tracing import TRACES_DIR, read_traces
 
 REPORT_FILE = "summary.html"
@@ -215,7 +216,7 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(body)}</body></html>")
     path = run_dir / REPORT_FILE
-    path.write_text(page)
+    write_private(path, page)
     return path
 
 

@@ -5,9 +5,17 @@ reference answers and everything the model said: the run directory is 0700, file
 processes and redis-server run under umask 077; what was made before, by an older run, is tightened when
 the run starts again). The Redis password in `cluster.redis_url` is replaced by REDACTED in the saved
 config.yaml; a rerun from that file passes the URL again (`cluster.redis_url=...`).
+
+What rlsys writes by name in a run directory (config.yaml, summary.json, logs, traces, the report, the
+private Redis's config and log) is never written through a symbolic link: someone may have planted one
+while the directory was open, at config.yaml say, pointing at a file of the user's, which a write would
+overwrite and a chmod would make 0600. A whole file is written beside its path and moved over it (`write_private`), an
+appended log is opened only if it is no link (`append_private`), and `make_private` leaves links alone.
 """
 
+import errno
 import os
+import secrets
 import urllib.parse
 from pathlib import Path
 
@@ -16,25 +24,56 @@ REDACTED = "REDACTED"
 
 
 def make_private(directory: Path) -> None:
-    """Creates `directory` (and parents) if needed; it and everything in it become owner-only."""
+    """Creates `directory` (and parents) if needed; it and everything in it become owner-only.
+
+    `directory` itself may be a link (a run directory on scratch space is the user's choice). Links inside it
+    are skipped, never followed: chmod changes a link's target (and os.chmod's follow_symlinks=False is not
+    implemented on Linux). The directory is tightened first, so no one else reaches in while the rest is
+    walked.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     directory.chmod(0o700)
-    for root, dirs, files in os.walk(directory):
-        for name in dirs:
-            os.chmod(os.path.join(root, name), 0o700, follow_symlinks=False)
-        for name in files:
-            path = os.path.join(root, name)
-            if not os.path.islink(path):
-                os.chmod(path, 0o600)
+    for root, dirs, files in os.walk(directory):  # lists links to directories in dirs, but never enters them
+        for names, mode in ((dirs, 0o700), (files, 0o600)):
+            for name in names:
+                path = os.path.join(root, name)
+                if not os.path.islink(path):
+                    os.chmod(path, mode)
 
 
 def write_private(path: Path, text: str) -> None:
-    """Writes `text` to a file only its owner can read, even if it existed before with wider permissions."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(fd, 0o600)
-        f.write(text)
+    """Writes `text` to `path` as a file only its owner can read, never through a link at `path`.
+
+    The text goes to a new file beside `path`, created with O_EXCL | O_NOFOLLOW (so it is no link and no one
+    else's file), which os.replace then moves onto `path`. A link planted there is replaced itself, its target
+    untouched; a file left with wider permissions is replaced by a 0600 one; and a reader sees the old file or
+    the new one, never half of one. Replacing rather than refusing: the link is debris in the user's own run
+    directory, and a run that refused would not start until someone removed it by hand.
+    """
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            f.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def append_private(path: Path) -> int:
+    """A file descriptor appending to `path`, created owner-only if new. A link at `path` is refused: a log
+    keeps what earlier processes wrote, so it cannot be swapped for a new file as `write_private` does."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path} is a symbolic link; rlsys appends only to a file of its own "
+                                       f"there (remove the link)") from None
+        raise
 
 
 def redact_url(url: str) -> str:

@@ -12,6 +12,7 @@ episode's path; `bench/rollout_throughput.py` measures what is left of the cost.
 import hashlib
 import json
 import logging
+import os
 import queue
 import re
 import threading
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 from rlsys.api import Trajectory
+from rlsys.run_privacy import append_private
 from rlsys.tools.call_format import CALL, RESPONSE_OPEN
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ class TraceWriter:
         self.thread.join()
 
     def _write(self) -> None:
-        with open(self.path, "a", buffering=1 << 16) as file:
+        with os.fdopen(append_private(self.path), "a", buffering=1 << 16) as file:
             while (item := self.queue.get()) is not None:
                 try:
                     record = self._episode(*item)
@@ -126,7 +128,7 @@ def write_trained(run_dir: Path, step: int, trajectories: list[Trajectory], adva
     if lines:
         directory = Path(run_dir) / TRACES_DIR
         directory.mkdir(parents=True, exist_ok=True)
-        with open(directory / TRAINED_FILE, "a") as file:
+        with os.fdopen(append_private(directory / TRAINED_FILE), "a") as file:
             file.write("\n".join(lines) + "\n")
 
 

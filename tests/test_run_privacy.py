@@ -1,11 +1,15 @@
-"""A run's files are its user's alone (0700 directories, 0600 files), and config.yaml holds no password."""
+"""A run's files are its user's alone (0700 directories, 0600 files), never written through a link planted in
+the run directory, and config.yaml holds no password."""
 
 import os
 import stat
 
+import pytest
+
 from rlsys.bus import EmbeddedRedis, connect
 from rlsys.cli import load_config, parse_config, save_config
-from rlsys.run_privacy import REDACTED, make_private, redact_url
+from rlsys.metrics import MetricsLogger
+from rlsys.run_privacy import REDACTED, append_private, make_private, redact_url, write_private
 
 
 def mode(path) -> int:
@@ -58,3 +62,61 @@ def test_redact_url_replaces_only_the_password():
     assert redact_url("rediss://:p%40ss@h:1") == f"rediss://:{REDACTED}@h:1"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
     assert redact_url("") == ""
+
+
+def plant_links(tmp_path):
+    """A file and a directory outside the run, each with open permissions, and the run directory."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's own file")
+    outside.chmod(0o644)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o755)
+    (elsewhere / "notes.txt").write_text("notes")
+    (elsewhere / "notes.txt").chmod(0o644)
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    return run, outside, elsewhere
+
+
+def test_a_link_planted_at_config_yaml_or_summary_json_is_replaced_never_written_through(tmp_path):
+    run, outside, _ = plant_links(tmp_path)
+    (run / "config.yaml").symlink_to(outside)
+    (run / "summary.json").symlink_to(outside)
+    save_config(parse_config([]), run / "config.yaml")
+    write_private(run / "summary.json", "{}")
+    assert outside.read_text() == "the user's own file" and mode(outside) == 0o644
+    for name in ("config.yaml", "summary.json"):
+        assert not (run / name).is_symlink() and mode(run / name) == 0o600
+    assert (run / "summary.json").read_text() == "{}" and "experiment" in (run / "config.yaml").read_text()
+    assert sorted(os.listdir(run)) == ["config.yaml", "logs", "summary.json"]  # no temporary file left
+
+
+def test_a_failed_private_write_leaves_no_temporary_file(tmp_path):
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(OSError):
+        write_private(tmp_path / "taken", "text")  # a directory cannot be replaced by a file
+    assert os.listdir(tmp_path) == ["taken"]
+
+
+def test_make_private_skips_links_to_a_file_and_to_a_directory_and_changes_neither_target(tmp_path):
+    run, outside, elsewhere = plant_links(tmp_path)
+    (run / "logs" / "learner.log").write_text("x")
+    (run / "logs" / "learner.log").chmod(0o644)
+    (run / "logs" / "link-to-file").symlink_to(outside)
+    (run / "link-to-directory").symlink_to(elsewhere, target_is_directory=True)
+    make_private(run)
+    assert mode(outside) == 0o644 and mode(elsewhere) == 0o755 and mode(elsewhere / "notes.txt") == 0o644
+    assert mode(run / "logs") == 0o700 and mode(run / "logs" / "learner.log") == 0o600
+    assert (run / "link-to-directory").is_symlink() and (run / "logs" / "link-to-file").is_symlink()
+
+
+def test_a_log_is_never_appended_through_a_link(tmp_path):
+    run, outside, _ = plant_links(tmp_path)
+    (run / "logs" / "learner.jsonl").symlink_to(outside)
+    with pytest.raises(OSError, match="is a symbolic link"):
+        MetricsLogger(run / "logs", "learner")
+    assert outside.read_text() == "the user's own file" and mode(outside) == 0o644
+    fd = append_private(run / "logs" / "rollout.log")
+    os.write(fd, b"line\n")
+    os.close(fd)
+    assert mode(run / "logs" / "rollout.log") == 0o600

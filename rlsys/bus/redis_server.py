@@ -31,7 +31,7 @@ from pathlib import Path
 
 import redis
 
-from rlsys.run_privacy import PRIVATE_UMASK, make_private
+from rlsys.run_privacy import PRIVATE_UMASK, append_private, make_private, write_private
 
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 10.0
@@ -187,17 +187,14 @@ class EmbeddedRedis:
             'logfile ""',  # stdout, which goes to redis.log
         ]
         path = self.run_dir / "redis.conf"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(fd, 0o600)  # the file may predate us with wider permissions
-            f.write("\n".join(lines) + "\n")
+        write_private(path, "\n".join(lines) + "\n")
         return path
 
     def _launch(self, binary: str) -> bool:
         """True once the server answers; False if it lost the race for the port; raises otherwise."""
         config = self._write_config()
         log_start = self.log_file.stat().st_size if self.log_file.exists() else 0
-        with open(self.log_file, "ab", opener=lambda path, flags: os.open(path, flags, 0o600)) as log:
+        with os.fdopen(append_private(self.log_file), "ab") as log:
             self.process = subprocess.Popen([binary, str(config)], stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True,
                                             preexec_fn=_die_with_parent_hook(), close_fds=True,
