@@ -7,7 +7,10 @@ writer's side where it builds a message, so a role never sends what its peer wou
 
 Bounds keep the numbers usable downstream: integers fit in int32 (token ids, versions, counts: the batch
 code stores them in int64 tensors and adds them), floats are finite and within float32's range (1e300 is a
-finite Python float but inf in a float32 tensor).
+finite Python float but inf in a float32 tensor). Some numbers have a range of their own: a log-probability
+is never above 0, and a reward is bounded, since one impossible value in a group turns the step's loss NaN.
+The sampling settings' bounds (`generation_setting`) are the one definition every path to the model uses:
+the endpoint's requests, `Model`, the router and the inference worker.
 """
 
 import dataclasses
@@ -21,6 +24,11 @@ MAX_ID_CHARS = 256  # request, trajectory, group ids and queue names
 MAX_PATH_CHARS = 4096
 MAX_SAMPLES = 1024  # samples per generation request
 MAX_SEQUENCE_TOKENS = 1_000_000
+MAX_STOP_TOKEN_IDS = 4096  # extra stop tokens per request
+MAX_TEMPERATURE = 1e6
+MAX_SEED = 2**63 - 1  # seeds go to the engines' int64 generators; msgpack carries no integer of 2**64 or more
+LOGPROB_TOLERANCE = 1e-3  # a log-probability is at most 0; an engine's float rounding may put it a hair above
+MAX_REWARD = 1e6  # |reward|: far past any sensible scale, and a batch's sum of squares stays finite in float32
 
 
 class InvalidMessage(ValueError):
@@ -83,8 +91,24 @@ def token_id(x, where: str) -> int:
     return integer(x, where)
 
 
+def token_ids(value, where: str, max_items: int = MAX_SEQUENCE_TOKENS) -> list[int]:
+    """A list of token ids, checked in one pass over the list (a prompt of thousands of tokens is checked on
+    every request); `items` finds the first bad one to say which."""
+    if (isinstance(value, list) and len(value) <= max_items and all(type(x) is int for x in value)
+            and (not value or (min(value) >= 0 and max(value) <= INT32_MAX))):
+        return value
+    return items(value, where, token_id, max_items)
+
+
 def logprob(x, where: str) -> float:
-    return number(x, where)
+    """A log-probability: finite and at most 0 (LOGPROB_TOLERANCE above 0 for rounding)."""
+    return number(x, where, high=LOGPROB_TOLERANCE)
+
+
+def reward(x, where: str) -> float:
+    """A reward: finite and at most MAX_REWARD either side of 0, as a float (a group whose rewards are all ints
+    would otherwise make an integer tensor of them)."""
+    return float(number(x, where, -MAX_REWARD, MAX_REWARD))
 
 
 def version(x, where: str) -> int:
@@ -94,19 +118,35 @@ def version(x, where: str) -> int:
 
 # ---- generation requests (router -> inference worker) and replies (inference worker -> router)
 
+def _top_p(x, where: str) -> float:
+    if type(x) not in (int, float) or not 0 < x <= 1:  # NaN fails the comparison too
+        raise InvalidMessage(f"{where} must be a number in (0, 1], got {_short(x)}")
+    return x
+
+
+def _seed(x, where: str) -> int | None:
+    return None if x is None else integer(x, where, 0, MAX_SEED)
+
+
+_GENERATION_SETTINGS = {  # GenerationConfig field -> check(value, where)
+    "n": lambda x, where: integer(x, where, 1, MAX_SAMPLES),
+    "max_new_tokens": lambda x, where: integer(x, where, 1, MAX_SEQUENCE_TOKENS),
+    "temperature": lambda x, where: number(x, where, 0.0, MAX_TEMPERATURE),
+    "top_p": _top_p,
+    "top_k": lambda x, where: integer(x, where, -1),
+    "stop_token_ids": lambda x, where: token_ids(x, where, MAX_STOP_TOKEN_IDS),
+    "seed": _seed,
+}
+
+
+def generation_setting(name: str, value, where: str):
+    """`value` for GenerationConfig's field `name`, within the bounds every request to the model is held to."""
+    return _GENERATION_SETTINGS[name](value, where)
+
+
 def parse_generation_config(d, where: str = "gconfig") -> GenerationConfig:
-    names = {f.name for f in dataclasses.fields(GenerationConfig)}
-    d = fields(d, where, set(), names)
-    config = GenerationConfig(**d)  # only known names, so this cannot fail; the values are checked next
-    integer(config.n, f"{where}.n", 1, MAX_SAMPLES)
-    integer(config.max_new_tokens, f"{where}.max_new_tokens", 1, MAX_SEQUENCE_TOKENS)
-    number(config.temperature, f"{where}.temperature", 0.0, 1e6)
-    number(config.top_p, f"{where}.top_p", 0.0, 1.0)
-    integer(config.top_k, f"{where}.top_k", -1)
-    items(config.stop_token_ids, f"{where}.stop_token_ids", token_id, max_items=4096)
-    if config.seed is not None:
-        integer(config.seed, f"{where}.seed", 0, 2**63 - 1)
-    return config
+    d = fields(d, where, set(), set(_GENERATION_SETTINGS))
+    return GenerationConfig(**{name: generation_setting(name, value, f"{where}.{name}") for name, value in d.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +165,7 @@ class GenerationRequest:
 
 def parse_generation_request(message) -> GenerationRequest:
     d = fields(message, "generation request", {"rid", "token_ids", "gconfig", "reply_to"})
-    request = GenerationRequest(string(d["rid"], "rid"), items(d["token_ids"], "token_ids", token_id),
+    request = GenerationRequest(string(d["rid"], "rid"), token_ids(d["token_ids"], "token_ids"),
                                 parse_generation_config(d["gconfig"]), string(d["reply_to"], "reply_to"))
     if not request.token_ids:
         raise InvalidMessage(f"request {request.rid}: token_ids is empty")
@@ -138,14 +178,14 @@ def parse_generation_reply(message) -> GenerationOutput:
     d = fields(message, "generation reply", names)
     out = GenerationOutput(**d)
     string(out.qid, "qid")
-    items(out.prompt_ids, "prompt_ids", token_id)
+    token_ids(out.prompt_ids, "prompt_ids")
     samples = [items(getattr(out, name), name, lambda x, w: x, MAX_SAMPLES)
                for name in ("output_ids", "logprobs", "versions", "stop_reasons")]
     if len({len(s) for s in samples}) != 1:
         raise InvalidMessage(f"reply {out.qid}: output_ids, logprobs, versions and stop_reasons must have one "
                              f"entry per sample, got {[len(s) for s in samples]}")
     for i in range(len(out.output_ids)):
-        tokens = items(out.output_ids[i], f"output_ids[{i}]", token_id)
+        tokens = token_ids(out.output_ids[i], f"output_ids[{i}]")
         for name, check in (("logprobs", logprob), ("versions", version)):
             values = items(getattr(out, name)[i], f"{name}[{i}]", check)
             if len(values) != len(tokens):
