@@ -34,7 +34,8 @@ from collections.abc import Iterable
 
 from rlsys import accounting, protocol
 from rlsys.api import Trajectory
-from rlsys.api.messages import INT32_MAX, InvalidMessage, boolean, integer, items, number, string, version
+from rlsys.api.messages import INT32_MAX, InvalidMessage, boolean, integer, items, logprob, number, reward, string, \
+    version
 from rlsys.bus import BusDecodeError, ServerRestarts, StreamEntry
 from rlsys.bus.base import encode
 
@@ -94,20 +95,20 @@ def _trajectory(d, group_id: str, index: int, vocab_size: int | None) -> Traject
 
 def _check_trajectory(t: Trajectory, vocab_size: int | None) -> None:
     """Refuses what would make the learner fail or train on garbage: wrong types, NaN, numbers that overflow
-    the batch's int64/float32 tensors, tokens outside the vocabulary."""
+    the batch's int64/float32 tensors, impossible log-probabilities and rewards, tokens outside the vocabulary."""
     vocabulary = f" (vocabulary of {vocab_size})" if vocab_size else ""
     max_token = (vocab_size or INT32_MAX + 1) - 1
     items(t.token_ids, "token_ids", lambda x, where: integer(x, where + vocabulary, high=max_token))
     items(t.loss_mask, "loss_mask", lambda x, where: integer(x, where, high=1))
-    items(t.logprobs, "logprobs", number)
+    items(t.logprobs, "logprobs", logprob)
     items(t.versions, "versions", version)
     # a turn's reward sits on its last token, which is predicted from the one before: ends from 2 on
     items(t.turn_ends, "turn_ends", lambda x, where: integer(x, where, low=2, high=len(t.token_ids)))
-    items(t.turn_rewards, "turn_rewards", number)
+    items(t.turn_rewards, "turn_rewards", reward)
     items(t.turn_obs_keys, "turn_obs_keys", lambda x, where: string(x, where, empty=True))
     if not any(t.loss_mask[1:]):  # the first token is never predicted, so never trained
         raise InvalidMessage("has no generated token after the first: nothing to train on")
-    number(t.reward, "reward")
+    t.reward = reward(t.reward, "reward")
     boolean(t.void, "void")
     for name in ("group_id", "stop_reason", "traj_id"):
         string(getattr(t, name), name, empty=True)

@@ -134,6 +134,13 @@ BAD_MESSAGES = {  # name -> (payload, words the reason must contain)
     "reward inf in float32": (raw({"group_id": "x", "trajectories": [good_dict("x", reward=1e300)]}), "reward"),
     "logprob inf in float32": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0, 0, -1e300, 0])]}),
                                "logprobs"),
+    "positive logprob": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0, 0, 0.5, 0])]}),
+                         "logprobs[2] must be a finite number in [-3.40282e+38, 0.001], got 0.5"),
+    "logprob 3e38": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0, 0, 3e38, 0])]}), "logprobs[2]"),
+    "reward beyond its range": (raw({"group_id": "x", "trajectories": [good_dict("x", reward=1e7)]}),
+                                "reward must be a finite number in [-1e+06, 1e+06], got 10000000.0"),
+    "turn reward beyond its range": (raw({"group_id": "x", "trajectories": [good_dict("x", turn_rewards=[-1e7])]}),
+                                     "turn_rewards[0] must be a finite number in [-1e+06, 1e+06]"),
     "huge": (raw({"group_id": "x", "trajectories": [good_dict("x", metrics={"blob": 1.0}, stop_reason="s" * 3 * MB)]}),
              "exceeds the limit of 1.0 MiB"),
 }
