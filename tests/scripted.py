@@ -42,8 +42,8 @@ async def run_scripted_episode(agent: Agent, env: EnvironmentService, prompt: Pr
     router = EpisodeRouter(bus, protocol.replies(0), n_inference_workers=1)
     routing = [asyncio.create_task(router.dispatch_replies()), asyncio.create_task(router.watch_workers())]
     obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
-    forwarder = asyncio.create_task(router.forward(obs_queue, act_queue))
-    episode = asyncio.create_task(agent.collect_trajectory(prompt, env, obs_queue, act_queue))
+    episode = asyncio.create_task(router.serve(agent.collect_trajectory(prompt, env, obs_queue, act_queue), obs_queue,
+                                               act_queue))
     started = asyncio.get_running_loop().time()
     try:
         while not episode.done():
@@ -55,7 +55,6 @@ async def run_scripted_episode(agent: Agent, env: EnvironmentService, prompt: Pr
         return episode.result()
     finally:
         episode.cancel()
-        forwarder.cancel()
         for task in routing:
             task.cancel()
         await env.close()

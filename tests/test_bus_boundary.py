@@ -20,10 +20,12 @@ from hypothesis import strategies as st
 from rlsys import protocol
 from rlsys.algorithms.finite import clip_and_step
 from rlsys.api import GenerationConfig, GenerationOutput, Trajectory
-from rlsys.api.messages import (InvalidMessage, WorkerStatus, parse_generation_reply, parse_generation_request,
-                                parse_published_weights, parse_worker_status)
+from rlsys.api import Model
+from rlsys.api.messages import (INT32_MAX, LOGPROB_TOLERANCE, MAX_REWARD, InvalidMessage, WorkerStatus,
+                                generation_setting, parse_generation_config, parse_generation_reply,
+                                parse_generation_request, parse_published_weights, parse_worker_status)
 from rlsys.bus import EmbeddedRedis, InProcessBus, RedisBus
-from rlsys.delivery import TrajectoryInbox
+from rlsys.delivery import TrajectoryInbox, group_message, read_group_message
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.routing import EpisodeRouter
 from tests.scripted_engine import ScriptedEngine
@@ -144,8 +146,8 @@ def test_raw_bytes_deep_nesting_a_missing_payload_field_and_a_huge_entry_are_dea
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(logprobs=st.lists(st.floats(-3.4e38, 3.4e38), min_size=2, max_size=2),
-       rewards=st.lists(st.floats(-3.4e38, 3.4e38), min_size=2, max_size=2))
+@given(logprobs=st.lists(st.floats(-3.4e38, LOGPROB_TOLERANCE), min_size=2, max_size=2),
+       rewards=st.lists(st.floats(-MAX_REWARD, MAX_REWARD), min_size=2, max_size=2))
 def test_extreme_numbers_the_inbox_accepts_never_put_a_nan_in_the_weights(learner, logprobs, rewards):
     """Numbers finite in float32 can still overflow the loss (exp(3e38)): the step is skipped and counted."""
     group = [Trajectory(**{**good_trajectory(), "logprobs": [0.0, 0.0, *logprobs], "reward": r,
@@ -165,6 +167,54 @@ def test_a_step_whose_loss_overflows_is_skipped_counted_and_changes_no_weight(le
     stats = learner.train_step(group)
     assert stats["updates/skipped_non_finite"] == learner.skipped_updates > skipped
     assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+
+
+@FEW
+@given(message=st.one_of(values, st.builds(lambda t: {"group_id": "g", "trajectories": [t]}, st.one_of(
+    values, st.builds(with_field, st.just(good_trajectory()), st.sampled_from(TRAJECTORY_PATHS), values)))))
+def test_the_trajectory_parser_raises_nothing_but_invalid_message_with_a_reason(message):
+    try:
+        read_group_message(message, vocab_size=100)
+    except InvalidMessage as e:
+        assert str(e)
+
+
+@st.composite
+def valid_trajectories(draw) -> Trajectory:
+    """Any trajectory the learner can train on, its numbers up to the bounds (logprob 1e-3, reward 1e6)."""
+    n = draw(st.integers(2, 12))
+    mask = [0] + draw(st.lists(st.integers(0, 1), min_size=n - 1, max_size=n - 1).filter(any))
+    turn_ends = sorted(draw(st.lists(st.integers(2, n), min_size=1, max_size=3)))
+    rewards = st.floats(-MAX_REWARD, MAX_REWARD)
+    return Trajectory(token_ids=draw(st.lists(st.integers(0, 99), min_size=n, max_size=n)), loss_mask=mask,
+                      logprobs=[draw(st.floats(-3.4e38, LOGPROB_TOLERANCE)) if m else 0.0 for m in mask],
+                      versions=[draw(st.integers(0, INT32_MAX)) if m else -1 for m in mask], turn_ends=turn_ends,
+                      turn_rewards=[draw(rewards) for _ in turn_ends], reward=draw(rewards), group_id="g",
+                      stop_reason=draw(st.sampled_from(["stop", "length", ""])),
+                      metrics={"turns": float(len(turn_ends))})
+
+
+@FEW
+@given(trajectories=st.lists(valid_trajectories(), min_size=1, max_size=3))
+def test_a_valid_group_round_trips_through_the_trajectory_parser(trajectories):
+    message = msgpack.unpackb(msgpack.packb(group_message("g", trajectories, MB), use_bin_type=True), raw=False)
+    group_id, parsed = read_group_message(message, vocab_size=100)
+    assert group_id == "g" and [t.to_dict() for t in parsed] == [t.to_dict() for t in trajectories]
+
+
+NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
+
+
+@FEW
+@given(bad=st.one_of(
+    st.tuples(st.just(("logprobs", 2)), st.one_of(st.floats(min_value=LOGPROB_TOLERANCE, exclude_min=True), NON_FINITE)),
+    st.tuples(st.sampled_from([("reward",), ("turn_rewards", 0)]),
+              st.one_of(st.floats(min_value=MAX_REWARD, exclude_min=True).flatmap(lambda x: st.sampled_from([x, -x])),
+                        NON_FINITE))))
+def test_an_impossible_logprob_or_reward_is_refused_naming_it(bad):
+    path, value = bad
+    with pytest.raises(InvalidMessage, match=path[0]):
+        read_group_message({"group_id": "g", "trajectories": [with_field(good_trajectory(), path, value)]}, 100)
 
 
 def test_a_non_finite_gradient_skips_the_step_and_leaves_the_weights_alone():
@@ -218,6 +268,44 @@ def test_an_undecodable_request_is_set_aside_too():
     worker.take_requests(timeout=1)
     (letter,) = [e.decode(protocol.DEAD_MESSAGES) for e in bus.stream_range(protocol.DEAD_MESSAGES, 10)]
     assert "undecodable" in letter["reason"] and letter["head"].startswith(b"\xc1")
+
+
+def test_every_generation_setting_has_its_bounds_and_a_default_config_is_within_them():
+    fields = GenerationConfig().to_dict()
+    assert parse_generation_config(fields) == GenerationConfig()
+    for name, value in fields.items():
+        assert generation_setting(name, value, name) == value  # a field without a check raises KeyError
+    for name, bad in [("n", 0), ("n", True), ("max_new_tokens", -5), ("temperature", math.nan), ("temperature", -1),
+                      ("top_p", 0), ("top_p", 7), ("seed", 2**70), ("stop_token_ids", [-1])]:
+        with pytest.raises(InvalidMessage, match=name):
+            generation_setting(name, bad, name)
+
+
+@pytest.mark.parametrize("gconfig", [GenerationConfig(seed=2**70), GenerationConfig(top_p=0.0),
+                                     GenerationConfig(n=10**6), GenerationConfig(temperature=math.nan)])
+def test_a_request_a_worker_would_refuse_fails_its_episode_at_once_and_is_never_sent(gconfig):
+    """Put on the queue by an agent of its own, or through Model: the router checks it with the worker's parser
+    (a seed of 2**70 would make msgpack raise in the router, the others would be set aside unanswered)."""
+    async def raw_queue_agent(obs_queue, act_queue):
+        await obs_queue.put(("q", [7, 8], gconfig))
+        return await act_queue.get()
+
+    async def model_agent(obs_queue, act_queue):
+        async with Model(obs_queue, act_queue) as model:
+            return await model.generate([7, 8], gconfig)
+
+    async def main(agent):
+        bus = InProcessBus()
+        router = EpisodeRouter(bus, "replies", n_inference_workers=1)
+        bus.set(protocol.inference_status(0), WorkerStatus(1, 1, 0, 0).to_message())
+        router.workers.refresh()
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+        with pytest.raises(InvalidMessage, match=r"gconfig\.(seed|top_p|n|temperature) must be"):
+            await asyncio.wait_for(router.serve(agent(obs_queue, act_queue), obs_queue, act_queue), 10)
+        return bus.qsize(protocol.generation_requests(0)), router.waiting
+
+    for agent in (raw_queue_agent, model_agent):
+        assert asyncio.run(main(agent)) == (0, {})
 
 
 def good_reply(qid: str) -> dict:

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 
 from rlsys.api.generation import GenerationConfig, GenerationOutput
+from rlsys.api.messages import parse_generation_config
 
 
 class Model:
@@ -36,11 +37,13 @@ class Model:
         return await self.request(next(self.request_ids), token_ids, gconfig)
 
     async def request(self, qid: str, token_ids: list[int], gconfig: GenerationConfig) -> GenerationOutput:
-        """`generate` under an id the caller chose (it comes back as the output's qid)."""
+        """`generate` under an id the caller chose (it comes back as the output's qid). Settings outside the
+        bounds every request is held to raise InvalidMessage here, in the caller, naming the field."""
         if self.router is None:
             raise RuntimeError("use the model as `async with Model(obs_queue, act_queue) as model:`")
         if qid in self.pending:
             raise ValueError(f"request {qid!r} is already in flight; qids of concurrent requests must differ")
+        parse_generation_config(gconfig.to_dict())
         future = asyncio.get_running_loop().create_future()
         self.pending[qid] = future
         await self.obs_queue.put((qid, list(token_ids), gconfig))

@@ -184,11 +184,11 @@ class RolloutWorker:
 
     async def play_episode(self, agent, prompt: Prompt, evaluation: bool, calls: list | None = None) -> list[Trajectory]:
         obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
-        forwarder = asyncio.create_task(self.router.forward(obs_queue, act_queue, calls))
         env = None
         try:
             env = guard_env(make_env(env_for(self.config, prompt, evaluation)), self.config.env_timeout)
-            trajectories = await agent.collect_trajectory(prompt, env, obs_queue, act_queue)
+            trajectories = await self.router.serve(agent.collect_trajectory(prompt, env, obs_queue, act_queue),
+                                                   obs_queue, act_queue, calls)
             if len(self.config.envs) > 1:  # a mixed run: metrics per environment type too
                 trajectories = with_env_type_metrics(trajectories, env_type(self.config, prompt))
             return trajectories
@@ -198,8 +198,6 @@ class RolloutWorker:
             log.debug("episode %s: the agent's traceback", prompt.qid, exc_info=True)
             raise self.failed(prompt, EpisodeFailed("agent_error", describe_exception(e))) from None
         finally:
-            forwarder.cancel()
-            self.router.forget(act_queue)
             if env is not None:
                 await self.close_env(env, prompt)
 

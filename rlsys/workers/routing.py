@@ -9,16 +9,21 @@
   the episode just waits a little longer. When the bus server restarts, a request or reply may have been
   lost on the way, so every unanswered request is sent again (a worker drops a copy of a request it is
   running). A late duplicate reply is dropped.
+- Nothing sent that a worker's parser would refuse: each request is checked by the parser the inference
+  worker runs. A worker sets a bad request aside and never answers it, so the router refuses it instead, and
+  the episode fails at once with the reason rather than waiting for a reply that never comes.
 """
 
 import asyncio
 import collections
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from rlsys import protocol
-from rlsys.api.messages import GenerationRequest, InvalidMessage, parse_generation_reply
+from rlsys.api import GenerationConfig
+from rlsys.api.messages import GenerationRequest, InvalidMessage, parse_generation_reply, parse_generation_request
 from rlsys.bus import ServerRestarts, Undecodable
 from rlsys.bus.dead_letters import set_aside
 from rlsys.workers.inference_status import InferenceStatus
@@ -118,19 +123,51 @@ class EpisodeRouter:
         self.stats = RouterStats()
         self.server_restarts = ServerRestarts(bus)
 
+    async def serve(self, episode: Awaitable, obs_queue: asyncio.Queue, act_queue: asyncio.Queue,
+                    calls: list | None = None):
+        """Runs `episode` (an agent's `collect_trajectory` over these queues) with its requests forwarded, and
+        returns what it returns. A request the router refuses cancels it and raises InvalidMessage."""
+        forwarder = asyncio.create_task(self.forward(obs_queue, act_queue, calls))
+        playing = asyncio.ensure_future(episode)
+        try:
+            await asyncio.wait([playing, forwarder], return_when=asyncio.FIRST_COMPLETED)
+            if not playing.done():
+                forwarder.result()  # forward ends only by raising
+            return playing.result()
+        finally:
+            forwarder.cancel()
+            if not playing.done():
+                playing.cancel()
+                await asyncio.wait([playing])  # the agent's own cleanup runs before its environment closes
+            self.forget(act_queue)
+
     async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue, calls: list | None = None) -> None:
         """Sends one episode's requests, all to the worker that took its first, while that worker lives.
-        `calls`: if given, each answered request appends when it was sent, how long it took and its sizes."""
+        `calls`: if given, each answered request appends when it was sent, how long it took and its sizes.
+        Raises InvalidMessage on a request an inference worker would refuse."""
         worker = None
         while True:
-            qid, token_ids, gconfig = await obs_queue.get()
+            qid, message = self.checked_request(await obs_queue.get())
             put_at = time.monotonic()
             if worker is None or not self.workers.is_alive(worker):
                 worker = await self.live_worker()
-            rid = uuid.uuid4().hex  # agents may reuse a qid across turns; request ids never repeat
-            message = GenerationRequest(rid, list(token_ids), gconfig, self.reply_queue).to_message()
-            pending = self.waiting[rid] = PendingRequest(qid, act_queue, message, put_at, calls=calls)
+            pending = self.waiting[message["rid"]] = PendingRequest(qid, act_queue, message, put_at, calls=calls)
             await self.send(pending, worker)
+
+    def checked_request(self, request) -> tuple[str, dict]:
+        """The agent's `(qid, token_ids, gconfig)` and the message an inference worker takes for it, checked as
+        the worker checks it."""
+        if not (isinstance(request, tuple) and len(request) == 3 and isinstance(request[2], GenerationConfig)):
+            raise InvalidMessage(f"an episode's request must be (qid, token_ids, GenerationConfig), got {request!r:.80}")
+        qid, token_ids, gconfig = request
+        rid = uuid.uuid4().hex  # agents may reuse a qid across turns; request ids never repeat
+        token_ids = list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids
+        message = GenerationRequest(rid, token_ids, gconfig, self.reply_queue).to_message()
+        try:
+            parse_generation_request(message)
+        except InvalidMessage as e:
+            raise InvalidMessage(f"request {qid!r:.80}: {e}") from None
+        return qid, message
 
     async def live_worker(self) -> int:
         while (worker := self.workers.least_loaded()) is None:
