@@ -265,8 +265,9 @@ class ClusterConfig:
     ray_placement_strategy: str = "PACK"
     """backend=ray: placement group strategy of the run's roles: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."""
     weights_transport: str = "auto"
-    """How new weights reach inference: disk (a file in the run directory: one machine or a shared filesystem),
-    bus (checksummed chunks over Redis: no shared path needed); auto: disk on local, bus on ray."""
+    """How new weights reach inference: stream (the learner serves each version from memory over TCP, Redis carries
+    the announcement: no shared path needed), disk (a file in the run directory: one machine or a shared
+    filesystem); auto: stream."""
     colocate: bool = False
     """Generation and training take turns on the same cores, each phase with all of them, instead of running side
     by side on shares of them; needs max_head_offpolicyness=0 (the synchronous gate is what makes them take turns).
@@ -305,7 +306,7 @@ class ClusterConfig:
 
 BACKENDS = ("local", "ray")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-WEIGHTS_TRANSPORTS = ("auto", "disk", "bus")
+WEIGHTS_TRANSPORTS = ("auto", "stream", "disk")
 
 
 def check_choice(group: str, config, **choices) -> None:

@@ -1,6 +1,11 @@
 """Checks that training is sound, computed as it runs: does the learner score the sampled tokens as the
 inference engine did, and does each turn of a multi-turn episode extend the tokens of the turn before?
 
+The logprob comparison has two sources. In the batch (LogprobCheck): tokens sampled by the very version the
+learner holds, which in an asynchronous run are few or none (they are one or two versions old). And the probe,
+every step: the learner sends a few sequences with its logprobs under each new version, and every inference
+worker scores them right after loading that version (`probe_totals`); the learner logs what came back.
+
 (The third check, that inference serves the weights the learner published, is rlsys/weight_checksum.py.)
 """
 
@@ -36,13 +41,12 @@ class LogprobCheck:
             same = (fields["loss_mask"] > 0) & (fields["versions"] == self.version)
             if not same.any():
                 return
-            learner, inference = learner_logprobs.detach()[same].float(), fields["behaviour_logprobs"][same].float()
-            diff = inference - learner
-            self.tokens += diff.numel()
-            self.abs_sum += diff.abs().sum().item()
-            self.abs_max = max(self.abs_max, diff.abs().max().item())
-            log_r = -diff
-            self.kl_sum += (torch.exp(log_r) - 1 - log_r).sum().item()
+            tokens, abs_sum, abs_max, kl_sum = difference_totals(fields["behaviour_logprobs"][same],
+                                                                 learner_logprobs.detach()[same])
+            self.tokens += tokens
+            self.abs_sum += abs_sum
+            self.abs_max = max(self.abs_max, abs_max)
+            self.kl_sum += kl_sum
 
     def seal(self) -> None:
         """The weights are about to change: later logprobs are no longer those of `version`."""
@@ -56,26 +60,49 @@ class LogprobCheck:
         return LogprobCheck.merged([self.totals()])
 
     @staticmethod
-    def merged(parts: list[list[float]]) -> dict[str, float]:
+    def merged(parts: list[list[float]], prefix: str = "alarms/logprob") -> dict[str, float]:
+        """`parts` (totals of ranks, or of workers' probes) as the logged figures, under `prefix`."""
         tokens = sum(p[0] for p in parts)
         if not tokens:
-            return {"alarms/logprob_tokens": 0.0}
-        return {"alarms/logprob_abs_diff_mean": sum(p[1] for p in parts) / tokens,
-                "alarms/logprob_abs_diff_max": max(p[2] for p in parts),
-                "alarms/logprob_kl": sum(p[3] for p in parts) / tokens, "alarms/logprob_tokens": float(tokens)}
+            return {f"{prefix}_tokens": 0.0}
+        return {f"{prefix}_abs_diff_mean": sum(p[1] for p in parts) / tokens,
+                f"{prefix}_abs_diff_max": max(p[2] for p in parts),
+                f"{prefix}_kl": sum(p[3] for p in parts) / tokens, f"{prefix}_tokens": float(tokens)}
+
+
+PROBE = "alarms/probe"  # the prefix of the probe's figures
+
+
+def difference_totals(inference: torch.Tensor, learner: torch.Tensor) -> list[float]:
+    """[tokens, sum |diff|, max |diff|, sum of KL terms] of two aligned logprob tensors: mean and max
+    |logp_inf - logp_learner|, and KL(pi_inf || pi_learner) by the k3 estimator E[r - 1 - log r],
+    r = pi_learner / pi_inf, which is unbiased and never negative."""
+    log_r = learner.float() - inference.float()
+    if not log_r.numel():
+        return [0, 0.0, 0.0, 0.0]
+    return [log_r.numel(), log_r.abs().sum().item(), log_r.abs().max().item(),
+            (torch.exp(log_r) - 1 - log_r).clamp(min=0).sum().item()]  # >= 0 in exact arithmetic; rounding
+
+
+def probe_totals(learner: list[list[float]], scored: list[list[float]]) -> list[float]:
+    """An inference worker's side of the probe: its logprobs of the probe sequences against the learner's."""
+    flat = [(i, l) for inf, lrn in zip(scored, learner) for i, l in zip(inf, lrn)]
+    return difference_totals(torch.tensor([i for i, _ in flat]), torch.tensor([l for _, l in flat]))
 
 
 def check_logprob_mismatch(stats: dict[str, float], step: int, warn_at: float, stop: bool) -> None:
-    """Warns when the mean absolute logprob difference exceeds `warn_at` (0: never); raises if `stop`."""
-    mean = stats.get("alarms/logprob_abs_diff_mean")
-    if not warn_at or mean is None or mean <= warn_at:
-        return
-    message = (f"step {step}: inference and learner disagree on the sampled tokens' logprobs (mean |diff| "
-               f"{mean:.4f}, max {stats['alarms/logprob_abs_diff_max']:.4f}, KL {stats['alarms/logprob_kl']:.5f}; "
-               f"alarms.logprob_diff_warn={warn_at}): check the engine's dtype and the weight sync")
-    if stop:
-        raise RunCannotGoOn(message + " (alarms.stop_on_logprob_diff=true)")
-    log.warning(message)
+    """Warns when the mean absolute logprob difference, in the batch or in the probe, exceeds `warn_at` (0: never);
+    raises if `stop`."""
+    for prefix, what in (("alarms/logprob", "the sampled tokens"), (PROBE, "the probe sequences")):
+        mean = stats.get(f"{prefix}_abs_diff_mean")
+        if not warn_at or mean is None or mean <= warn_at:
+            continue
+        message = (f"step {step}: inference and learner disagree on {what}' logprobs (mean |diff| {mean:.4f}, "
+                   f"max {stats[f'{prefix}_abs_diff_max']:.4f}, KL {stats[f'{prefix}_kl']:.5f}; "
+                   f"alarms.logprob_diff_warn={warn_at}): check the engine's dtype and the weight sync")
+        if stop:
+            raise RunCannotGoOn(message + " (alarms.stop_on_logprob_diff=true)")
+        log.warning(message)
 
 
 class PrefixCheck:

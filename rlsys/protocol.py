@@ -6,8 +6,9 @@ DEAD_LETTERS = "trajectories:dead"  # stream: trajectory messages the learner co
 DEAD_MESSAGES = "messages:dead"  # stream: {"source", "reason", "size", "head"} of requests/replies a role refused
 MAX_QUEUE_MESSAGE_BYTES = 64 * 2**20  # a generation request or reply larger than this is refused unread
 PROMPTS_IN_FLIGHT = "prompts:in_flight"  # set: ids of admitted prompts whose outcome is not recorded yet
-WEIGHTS = "weights:latest"  # key: the newest published policy: {"version", "path"} or {"version", "chunks", "bytes", "sha256"}
+WEIGHTS = "weights:latest"  # key: the newest published policy (rlsys.api.messages.PublishedWeights)
 WEIGHT_CHECKS = "weights:checks"  # counter: weight updates whose checksum an inference worker verified
+LOGPROB_PROBES = "weights:probes"  # queue: each worker's logprobs of the learner's probe sequences, scored at load
 ADMITTED = "rollout:admitted"  # counter: prompts admitted for training, for the staleness gate
 LEARNER_DONE = "learner:final_version"  # key: set once the learner published its last version
 STOP = "run:stop"  # key: set by the launcher to end every role
@@ -61,13 +62,3 @@ def role_stop_reason(role: str) -> str:
 def prompt_outcome(outcome: str) -> str:
     """Counter of admitted prompts that ended in `outcome` ("admitted", "trained", "failed:env_error", ...)."""
     return f"prompts:{outcome}"
-
-
-def weight_chunk(version: int, index: int) -> str:
-    """Key: bytes `index` of the safetensors file of weight version `version` (weights_transport=bus)."""
-    return f"weights:v{version}:{index}"
-
-
-def weight_chunk_count(version: int) -> str:
-    """Key: how many chunks version `version` has, so that the learner can drop them later."""
-    return f"weights:v{version}:chunks"

@@ -223,6 +223,17 @@ class PolicyTrainer:
                     out[i] = values.float().cpu()
         return self.ranks.gather_sequences(out, self.shares(batch))
 
+    def probe_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """The policy's logprob of each token after the first, at temperature 1 (the engines score at 1): the
+        weight-sync probe (rlsys/alarms.py). Every rank calls it (the forward passes are collective)."""
+        def forward(mb: MicroBatch) -> torch.Tensor:
+            with self._autocast():
+                logits = next_token_logits(self.model, mb.input_ids, mb.attention_mask, 1.0, mb.position_ids)
+            return gather_logprobs(logits, mb.input_ids)
+
+        batch = SequenceBatch([torch.tensor(ids) for ids in token_ids], {})
+        return [values.tolist() for values in self.per_token(forward, batch)]
+
     def _policy_logprobs(self, model):
         return lambda mb: gather_logprobs(self._logits(model, mb), mb.input_ids)
 

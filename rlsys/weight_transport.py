@@ -1,96 +1,227 @@
 """How a new policy version travels from the learner to the inference workers.
 
+- `stream` (what auto picks): the learner keeps its newest version in memory, as one buffer in the engines'
+  dtype, and a `WeightServer` thread of its own sends that buffer to any inference worker that connects; Redis
+  carries only the announcement (version, address, a random token). A worker reads the bytes straight into
+  memory and hands the tensors to its engine: no file, no copy in Redis, one pass over the bytes on each side.
 - `disk`: the learner writes a safetensors file under the run directory and publishes its path. Every
   inference worker must see that path: one machine, or a filesystem the nodes share.
-- `bus`: the learner puts the same safetensors bytes on the bus, in chunks, with their SHA-256, and then
-  the pointer to them; a worker reads the chunks, checks the digest and writes the file into a directory
-  of its own node. No path is shared; the nodes only need the Redis they already reach.
 
-Why the bus on CPU clusters, rather than Ray's object store or a gloo broadcast: it works the same under
-both backends (local and Ray) and needs no peer to be alive at the moment of reading. A worker restarted
-on another node, or one that joins late, takes the newest version whenever it comes up, while a
-broadcast needs every member of a fixed group at once (one dead worker stalls the learner), and an
-object in Ray's store dies with its owner (the learner) and exists only under Ray. The cost: one copy of
-the newest versions in Redis memory (KEEP_VERSIONS of them) and Redis's single-threaded bandwidth, which
-is fine for the small models trained on CPU; on GPUs the peers' NCCL broadcast is the path to take.
-A digest that does not match (a resumed run republishing a version while a worker reads it) or a chunk
-already dropped (the worker fell more than KEEP_VERSIONS behind) makes the worker skip this pointer and
-try the newest one at its next check.
+Why a server the workers pull from, rather than a `torch.distributed` broadcast: it needs no peer to be alive at
+the moment of publishing. A worker restarted on another node, or one that joins late, connects whenever it comes
+up and gets the newest version, while a broadcast needs every member of a fixed group at once (one dead worker
+stalls the learner) and a new group formed on every restart. The learner never waits on a worker: publishing
+only swaps the buffer the server thread sends, so it costs one cast-and-copy of the weights and their checksum.
+A worker that cannot reach the learner (it is restarting from a checkpoint), or whose transfer breaks off, keeps
+serving the version it has, says so in its log, and tries the newest announcement at its next check.
+
+Atomic for generation: a connection sends the one buffer it took when it was accepted, whole, with that buffer's
+version and checksum in its header; a newer version only replaces the server's reference. The worker loads
+what the header names, so it never holds half of one version and half of another.
 """
 
-import hashlib
+import contextlib
+import hmac
 import logging
+import secrets
 import shutil
-import tempfile
+import socket
+import struct
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import torch
-from safetensors.torch import save
 
 from rlsys import protocol
-from rlsys.engine.weights import weight_tensors, write_weight_file, write_weight_update
+from rlsys.engine.weights import write_weight_update
+from rlsys.weight_checksum import weights_checksum
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 8 << 20  # well under Redis's 512 MB value limit, small enough not to stall other clients
-KEEP_VERSIONS = 3  # an inference worker may still be reading a slightly older version
+KEEP_VERSIONS = 3  # disk: an inference worker may still be reading a slightly older version
+ALIGN = 64  # bytes: every tensor in the buffer starts aligned, so it can be viewed in place as its dtype
+IO_TIMEOUT = 30.0  # seconds without progress after which a transfer counts as broken off
+_LENGTH = struct.Struct(">I")  # the length of each msgpack frame (request, header)
+MAX_FRAME_BYTES = 64 << 20  # a request or header longer than this is not one of ours
 
 
 def resolve(cluster) -> str:
-    """The transport `cluster.weights_transport` names; auto is disk on one machine, bus on Ray."""
-    if cluster.weights_transport != "auto":
-        return cluster.weights_transport
-    return "bus" if cluster.backend == "ray" else "disk"
+    """The transport `cluster.weights_transport` names; auto is the stream."""
+    return "stream" if cluster.weights_transport == "auto" else cluster.weights_transport
+
+
+def serving_host(backend: str) -> str:
+    """Where the learner's weight server listens: loopback on one machine, this node's address under Ray (the
+    workers may be on other nodes)."""
+    if backend == "ray":
+        import ray
+
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
+
+
+@dataclass
+class Received:
+    """One version as a worker got it: tensors in memory (stream) or the directory of its file (disk), with the
+    checksum the learner computed over them in `dtype` (empty when the publisher sent none)."""
+
+    version: int
+    weights: dict[str, torch.Tensor] | str
+    checksum: str = ""
+    dtype: str = ""
+
+
+class WeightServer:
+    """The learner's side of `stream`: serves its newest version to every inference worker that asks."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.token = secrets.token_hex(16)  # announced over the password-protected bus only
+        self._listener = socket.create_server((host, 0))
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._offer: tuple[bytes, torch.Tensor] | None = None  # (header frame, buffer)
+        self._closed = False
+        threading.Thread(target=self._accept, name="weight-server", daemon=True).start()
+
+    def offer(self, version: int, state_dict: dict[str, torch.Tensor], dtype: str) -> str:
+        """From now on serve `state_dict` cast to `dtype` as `version`; returns its checksum."""
+        cast = getattr(torch, dtype)
+        entries, offset = [], 0
+        for name, t in state_dict.items():
+            t_dtype = cast if t.is_floating_point() else t.dtype
+            nbytes = t.numel() * t_dtype.itemsize
+            entries.append((name, t, t_dtype, offset, nbytes))
+            offset += -(-nbytes // ALIGN) * ALIGN
+        buffer = torch.empty(offset, dtype=torch.uint8)
+        tensors = {name: _view(buffer, t_dtype, t.shape, start, nbytes) for name, t, t_dtype, start, nbytes in entries}
+        for name, t, *_ in entries:
+            tensors[name].copy_(t.detach())  # the cast, and the host copy of a GPU tensor, in one pass
+        checksum = weights_checksum(tensors)
+        header = {"version": version, "checksum": checksum, "dtype": dtype, "bytes": offset,
+                  "tensors": [[name, str(t_dtype).removeprefix("torch."), list(t.shape), start, nbytes]
+                              for name, t, t_dtype, start, nbytes in entries]}
+        with self._lock:
+            self._offer = (_frame(header), buffer)
+        return checksum
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone leaves it listening)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(connection,), name="weight-send", daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with connection:
+            connection.settimeout(IO_TIMEOUT)
+            try:
+                request = _read_frame(connection)
+                if not (isinstance(request, dict) and isinstance(request.get("token"), str)
+                        and hmac.compare_digest(request["token"], self.token)):
+                    connection.sendall(_frame({"error": "wrong token"}))
+                    return
+                with self._lock:
+                    offer = self._offer
+                if offer is None:
+                    connection.sendall(_frame({"error": "no version published yet"}))
+                    return
+                header, buffer = offer
+                connection.sendall(header)
+                connection.sendall(memoryview(buffer.numpy()))  # the GIL is released while the bytes go out
+            except (OSError, ValueError, msgpack.UnpackException) as e:
+                log.info("a weight transfer to a worker broke off: %s", e)
+
+
+def fetch(address: str, token: str) -> Received:
+    """The newest version `address` serves, read into memory; raises OSError if it cannot be had whole now."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=IO_TIMEOUT) as connection:
+        connection.sendall(_frame({"token": token}))
+        header = _read_frame(connection)
+        if not isinstance(header, dict) or "error" in header:
+            raise ConnectionError(f"the weight server at {address} refused: {header}")
+        buffer = torch.empty(header["bytes"], dtype=torch.uint8)
+        _read_into(connection, memoryview(buffer.numpy()))
+    tensors = {name: _view(buffer, getattr(torch, dtype), shape, start, nbytes)
+               for name, dtype, shape, start, nbytes in header["tensors"]}
+    return Received(header["version"], tensors, header["checksum"], header["dtype"])
 
 
 def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_dir: Path,
-            state_dict: dict | None = None, check: dict | None = None) -> None:
+            state_dict: dict | None = None, dtype: str = "float32", server: WeightServer | None = None,
+            extra: dict | None = None) -> None:
     """Version `version` of `model` (its `state_dict` if given: one gathered from the learner's shards) made
-    available to every inference worker, then announced on the bus with `check` ({"checksum", "dtype"}: what
-    the engine must hold once loaded, rlsys/weight_checksum.py) if given."""
-    check = check or {}
-    if transport == "disk":
-        path = write_weight_update(model, Path(weights_dir) / f"v{version}", state_dict)
-        bus.set(protocol.WEIGHTS, {"version": version, "path": str(path), **check})
-        shutil.rmtree(Path(weights_dir) / f"v{version - KEEP_VERSIONS}", ignore_errors=True)
+    available to every inference worker in `dtype`, then announced on the bus with `extra` fields.
+
+    stream needs the learner's `server`; disk writes under `weights_dir` and announces the checksum with the path."""
+    state = model.state_dict() if state_dict is None else state_dict
+    if transport == "stream":
+        server.offer(version, state, dtype)
+        bus.set(protocol.WEIGHTS, {"version": version, "address": server.address, "token": server.token,
+                                   **(extra or {})})
         return
-    data = save(weight_tensors(model, state_dict))
-    chunks = range(0, len(data), CHUNK_BYTES)
-    for i, start in enumerate(chunks):
-        bus.set(protocol.weight_chunk(version, i), data[start:start + CHUNK_BYTES])
-    bus.set(protocol.WEIGHTS, {"version": version, "chunks": len(chunks), "bytes": len(data),
-                               "sha256": hashlib.sha256(data).hexdigest(), **check})
-    old = bus.get(protocol.weight_chunk_count(version - KEEP_VERSIONS)) or 0
-    bus.delete(*(protocol.weight_chunk(version - KEEP_VERSIONS, i) for i in range(old)),
-               protocol.weight_chunk_count(version - KEEP_VERSIONS))
-    bus.set(protocol.weight_chunk_count(version), len(chunks))
+    path = write_weight_update(model, Path(weights_dir) / f"v{version}", state)
+    bus.set(protocol.WEIGHTS, {"version": version, "path": str(path), "dtype": dtype,
+                               "checksum": weights_checksum(state, dtype), **(extra or {})})
+    shutil.rmtree(Path(weights_dir) / f"v{version - KEEP_VERSIONS}", ignore_errors=True)
 
 
 class WeightReceiver:
-    """The inference worker's side: the directory to load a published version from, on this node.
+    """The inference worker's side: a published version, as something its engine can load."""
 
-    Versions that come over the bus are written into a private temporary directory, removed by close()."""
+    def __init__(self):
+        self.received_streamed = 0  # versions that arrived over the stream
+        self.failed_fetches = 0  # transfers that could not be had whole (the learner restarting, a broken link)
 
-    def __init__(self, bus):
-        self.bus = bus
-        self.scratch_dir: Path | None = None
-        self.received_over_bus = 0  # versions that arrived as chunks
-
-    def close(self) -> None:
-        if self.scratch_dir is not None:
-            shutil.rmtree(self.scratch_dir, ignore_errors=True)
-            self.scratch_dir = None
-
-    def directory(self, published: dict) -> str | None:
-        """Where `published` can be loaded from; None if it cannot be had whole now (try the newest later)."""
-        if "path" in published:
-            return published["path"]
-        parts = [self.bus.get(protocol.weight_chunk(published["version"], i)) for i in range(published["chunks"])]
-        data = b"".join(part for part in parts if isinstance(part, bytes))
-        if len(data) != published["bytes"] or hashlib.sha256(data).hexdigest() != published["sha256"]:
-            log.warning("version %d changed or was dropped while it was read; waiting for the next", published["version"])
+    def receive(self, published) -> Received | None:
+        """`published` (rlsys.api.messages.PublishedWeights) as loadable weights; None if it cannot be had now."""
+        if published.path:
+            return Received(published.version, published.path, published.checksum, published.dtype)
+        try:
+            received = fetch(published.address, published.token)
+        except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            self.failed_fetches += 1
+            log.warning("could not fetch version %d from the learner at %s (%s); serving the weights held and "
+                        "trying again at the next check", published.version, published.address, e)
             return None
-        self.received_over_bus += 1
-        self.scratch_dir = self.scratch_dir or Path(tempfile.mkdtemp(prefix="rlsys-weights-"))
-        return str(write_weight_file(self.scratch_dir / "current", lambda path: path.write_bytes(data)))
+        self.received_streamed += 1
+        return received
 
+
+def _view(buffer: torch.Tensor, dtype: torch.dtype, shape, start: int, nbytes: int) -> torch.Tensor:
+    return buffer[start:start + nbytes].view(dtype).view(tuple(shape))
+
+
+def _frame(message: dict) -> bytes:
+    data = msgpack.packb(message)
+    return _LENGTH.pack(len(data)) + data
+
+
+def _read_frame(connection: socket.socket):
+    (length,) = _LENGTH.unpack(_read_exactly(connection, _LENGTH.size))
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"a frame of {length} bytes is longer than {MAX_FRAME_BYTES}")
+    return msgpack.unpackb(_read_exactly(connection, length))
+
+
+def _read_exactly(connection: socket.socket, n: int) -> bytes:
+    data = bytearray(n)
+    _read_into(connection, memoryview(data))
+    return bytes(data)
+
+
+def _read_into(connection: socket.socket, view: memoryview) -> None:
+    while view:
+        got = connection.recv_into(view)
+        if got == 0:
+            raise ConnectionError("the connection closed before the whole transfer arrived")
+        view = view[got:]

@@ -23,7 +23,7 @@ from rlsys.weight_checksum import WeightChecksumMismatch, weights_checksum
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.learner import Learner
 from tests.helpers import save_random_tiny_model
-from tests.test_learner import BAD, GOOD, learner_config, trajectory
+from tests.test_learner import BAD, GOOD, PROMPT, learner_config, trajectory
 
 
 def publish(bus, model, directory, version, dtype="float32") -> None:
@@ -72,6 +72,46 @@ def test_checksum_sees_names_shapes_dtypes_and_single_bits():
     assert weights_checksum({"c": tensors["a"], "b": tensors["b"]}) != reference
     assert weights_checksum(tensors, "bfloat16") == weights_checksum({k: v.bfloat16() for k, v in tensors.items()})
     assert weights_checksum(tensors, "bfloat16") != reference
+
+
+def test_checksum_sees_swapped_rows_and_columns_a_transpose_and_a_bit_of_an_odd_length_tensor():
+    square = torch.randn(4, 4)
+    reference = weights_checksum({"w": square})
+    for moved in (square[[1, 0, 2, 3]], square[:, [1, 0, 2, 3]], square.t()):
+        assert weights_checksum({"w": moved}) != reference
+    odd = torch.randn(7).bfloat16()  # rows of 14 bytes: read as 16-bit words
+    flipped = odd.clone()
+    flipped.view(torch.int16)[6] ^= 1
+    assert weights_checksum({"o": odd}) != weights_checksum({"o": flipped})
+    assert weights_checksum({"e": torch.zeros(0, 3)}) != weights_checksum({"e": torch.zeros(3, 0)})
+
+
+@pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
+def test_every_version_s_probe_is_scored_by_the_engine_and_reaches_the_learner(tmp_path, engine_dtype):
+    """The learner sends two of its batch's sequences with each version; the worker scores them right after
+    loading it. The same weights in float32 agree to rounding; a bfloat16 engine passes the checksum (it holds
+    exactly the bfloat16 weights published) yet its logprobs differ, and only the probe shows it."""
+    config = learner_config(tmp_path)
+    config.inference.dtype = engine_dtype
+    bus = InProcessBus()
+    learner = Learner(config, bus, tmp_path / "run")
+    worker = InferenceWorker(GenerationEngine(TransformersBackend(
+        config.model.path, InferenceConfig(engine="transformers", dtype=engine_dtype), 0)), bus, 0, 8)
+    batch = [trajectory(learner.model, answer, reward) for answer, reward in ((GOOD, 1.0), (BAD, 0.0))] * 2
+    for version in (1, 2):
+        learner.train_step(batch)
+        learner.version = version
+        learner.publish_weights(batch)
+        worker.load_newest_weights()
+        assert worker.engine.version == version and bus.get(protocol.WEIGHT_CHECKS) == version
+        stats = learner.probe_reports()
+        assert stats["alarms/probe_tokens"] == 2 * (len(PROMPT) + 2)
+        if engine_dtype == "float32":
+            assert stats["alarms/probe_abs_diff_max"] < 1e-4
+        else:
+            assert stats["alarms/probe_abs_diff_mean"] > 1e-4  # bfloat16 rounding, far above float32's
+    assert learner.probe_reports() == {}  # each report is read once
+    learner.weight_server.close()
 
 
 class EchoModel:

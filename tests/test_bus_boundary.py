@@ -376,11 +376,17 @@ def test_a_bad_weights_message_is_set_aside_and_the_worker_keeps_its_weights(wei
 
 def test_published_weights_carry_their_checksum_and_dtype_together_or_not_at_all():
     check = {"checksum": "0123456789abcdef" * 2, "dtype": "bfloat16"}
-    for where in ({"path": "/w/v3"}, {"chunks": 2, "bytes": 10, "sha256": "ab" * 32}):
-        message = {"version": 3, **where, **check}
+    probe = {"probe": {"token_ids": [[1, 2, 3]], "logprobs": [[-0.5, -1.0]]}}
+    for where in ({"path": "/w/v3"}, {"address": "127.0.0.1:5000", "token": "ab" * 16}):
+        message = {"version": 3, **where, **check, **probe}
         assert parse_published_weights(message).to_message() == message
         assert parse_published_weights({"version": 3, **where}).checksum == ""
     for bad in ({"checksum": check["checksum"]}, {"dtype": "float32"}, {**check, "dtype": "int8"},
-                {**check, "checksum": "xyz"}, {**check, "checksum": check["checksum"] + "00"}):
+                {**check, "checksum": "xyz"}, {**check, "checksum": check["checksum"] + "00"},
+                {"address": "127.0.0.1:5000", "token": "ab" * 16},  # a path and an address
+                {"probe": {"token_ids": [[1, 2, 3]], "logprobs": [[-0.5]]}},  # one logprob short
+                {"probe": {"token_ids": [[1, 2]], "logprobs": [[0.5]]}}):  # a positive logprob
         with pytest.raises(InvalidMessage):
             parse_published_weights({"version": 3, "path": "/w/v3", **bad})
+    with pytest.raises(InvalidMessage):
+        parse_published_weights({"version": 3, "address": "127.0.0.1:5000"})  # no token

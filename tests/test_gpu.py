@@ -11,12 +11,14 @@ from experiments.common import InferenceConfig
 from rlsys import protocol
 from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import GenerationConfig, Trajectory
-from rlsys.bus import EmbeddedRedis, connect
+from rlsys.api.messages import parse_published_weights
+from rlsys.bus import InProcessBus
 from rlsys.distributed import Ranks
 from rlsys.engine.generation import GenerationEngine
 from rlsys.engine.transformers_engine import TransformersBackend
 from rlsys.training_step import PolicyTrainer
-from rlsys.weight_transport import WeightReceiver, publish
+from rlsys.weight_checksum import weights_checksum
+from rlsys.weight_transport import WeightReceiver, WeightServer, publish
 from tests.helpers import save_random_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -94,34 +96,36 @@ def test_bfloat16_mixed_precision_trains_toward_the_rewarded_answer(tmp_path):
     assert stats["grad_norm"] > 0
 
 
-def test_the_gpu_engine_matches_the_gpu_learner_before_and_after_updates_over_disk_and_the_bus(tmp_path):
+def test_the_gpu_engine_matches_the_gpu_learner_before_and_after_updates_over_disk_and_the_stream(tmp_path):
     """The transformers engine on the GPU scores and generates what the learner on the GPU computes, and after
-    each update (a file on disk, then checksummed chunks over a real Redis) holds the learner's new weights."""
+    each update (a file on disk, then tensors streamed from the learner's weight server) holds the learner's new
+    weights, with the checksum computed on the GPU equal to the learner's."""
     config = config_for(tmp_path)
     trainer = PolicyTrainer(config, Ranks(), config.model.path)
     engine = GenerationEngine(TransformersBackend(config.model.path, InferenceConfig(engine="transformers"), seed=0))
     assert engine.backend.device.type == "cuda"
     sequence = PROMPT + GOOD
-    with EmbeddedRedis(tmp_path / "redis") as server, connect(server.url) as bus:
-        receiver = WeightReceiver(bus)
-        for version, transport in enumerate((None, "disk", "bus")):
-            if transport is not None:
-                trainer.train_step(batch(trainer.model))
-                publish(bus, trainer.model, version, transport, tmp_path / "weights")
-                engine.update_weights(receiver.directory(bus.get(protocol.WEIGHTS)), version=version)
-            expected = logprobs_of(trainer.model, sequence)
-            scored = torch.tensor(engine.backend.score(sequence))
-            assert (scored - expected).abs().max() < 1e-4, f"version {version} ({transport})"
-            engine.add_request(f"q{version}", PROMPT, GenerationConfig(n=1, max_new_tokens=6, temperature=0.0))
-            out = []
-            while not out:
-                out = engine.step()
-            ids, logprobs, versions = out[0].output_ids[0], out[0].logprobs[0], out[0].versions[0]
-            assert versions == [version] * len(ids)
-            learner = logprobs_of(trainer.model, PROMPT + ids)[-len(ids):]
-            assert (torch.tensor(logprobs) - learner).abs().max() < 1e-4
-        assert receiver.received_over_bus == 1
-        receiver.close()
+    server, bus, receiver = WeightServer(), InProcessBus(), WeightReceiver()
+    for version, transport in enumerate((None, "disk", "stream")):
+        if transport is not None:
+            trainer.train_step(batch(trainer.model))
+            publish(bus, trainer.model, version, transport, tmp_path / "weights", server=server)
+            received = receiver.receive(parse_published_weights(bus.get(protocol.WEIGHTS)))
+            engine.update_weights(received.weights, version=version)
+            assert weights_checksum(engine.backend.loaded_weights(received.weights)) == received.checksum
+        expected = logprobs_of(trainer.model, sequence)
+        scored = torch.tensor(engine.backend.score(sequence))
+        assert (scored - expected).abs().max() < 1e-4, f"version {version} ({transport})"
+        engine.add_request(f"q{version}", PROMPT, GenerationConfig(n=1, max_new_tokens=6, temperature=0.0))
+        out = []
+        while not out:
+            out = engine.step()
+        ids, logprobs, versions = out[0].output_ids[0], out[0].logprobs[0], out[0].versions[0]
+        assert versions == [version] * len(ids)
+        learner = logprobs_of(trainer.model, PROMPT + ids)[-len(ids):]
+        assert (torch.tensor(logprobs) - learner).abs().max() < 1e-4
+    assert receiver.received_streamed == 1
+    server.close()
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["bfloat16", "float32-under-autocast"])

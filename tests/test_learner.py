@@ -9,10 +9,11 @@ from experiments import AsyncPPOMATHConfig
 from rlsys import accounting, protocol
 from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import Trajectory
-from rlsys.api.messages import WorkerStatus
+from rlsys.api.messages import WorkerStatus, parse_published_weights
 from rlsys.bus import InProcessBus
 from rlsys.engine.weights import WEIGHTS_FILE
 from rlsys.weight_checksum import weights_checksum
+from rlsys.weight_transport import fetch
 from rlsys.workers.inference_status import InferenceStatus
 from rlsys.workers.learner import Learner
 from rlsys.workers.rollout_worker import RolloutWorker
@@ -87,17 +88,32 @@ def test_ppo_steps_prefer_the_rewarded_answer(tmp_path, name):
         assert coefs == [0.1] * 5
 
 
-def test_learner_publishes_weights_for_inference(tmp_path):
+def test_learner_publishes_weights_for_inference_from_memory_and_on_disk(tmp_path):
+    """The default stream: the announcement names the learner's weight server, which serves the version in the
+    inference dtype with its checksum; with weights_transport=disk, a file and the checksum in the announcement."""
     config = learner_config(tmp_path)
+    config.inference.dtype = "bfloat16"
     bus = InProcessBus()
     learner = Learner(config, bus, tmp_path / "run")
     learner.version = 7
     learner.publish_weights()
+    published = parse_published_weights(bus.get(protocol.WEIGHTS))
+    assert published.version == 7 and published.path == "" and published.address.startswith("127.0.0.1:")
+    received = fetch(published.address, published.token)
+    state = learner.model.state_dict()
+    assert received.version == 7 and received.checksum == weights_checksum(state, "bfloat16")
+    assert all(torch.equal(received.weights[name], state[name].bfloat16()) for name in state)
+    learner.weight_server.close()
+
+    config.cluster.weights_transport = "disk"
+    learner = Learner(config, bus, tmp_path / "run")
+    learner.version = 8
+    learner.publish_weights()
     published = bus.get(protocol.WEIGHTS)
     assert {k: published[k] for k in ("version", "path", "dtype")} == {
-        "version": 7, "path": str(tmp_path / "run" / "weights" / "v7"), "dtype": config.inference.dtype}
-    assert published["checksum"] == weights_checksum(learner.model.state_dict(), config.inference.dtype)
-    assert (tmp_path / "run" / "weights" / "v7" / WEIGHTS_FILE).exists()
+        "version": 8, "path": str(tmp_path / "run" / "weights" / "v8"), "dtype": "bfloat16"}
+    assert published["checksum"] == weights_checksum(learner.model.state_dict(), "bfloat16")
+    assert (tmp_path / "run" / "weights" / "v8" / WEIGHTS_FILE).exists() and learner.weight_server is None
 
 
 def test_mini_batches_and_warm_up_drive_the_optimizer(tmp_path):

@@ -1,8 +1,8 @@
 """cluster.backend=ray on a three-node Ray cluster started on this machine (ray.cluster_utils.Cluster).
 
 The learner is pinned to the head node and the inference worker to one of two other nodes by custom
-resources; weights travel over the bus only (the run directory never holds a weight file). One node is
-removed mid-run, with the inference worker on it: Ray moves its bundle to the other node, the supervisor
+resources; weights travel from the learner's memory over the stream only (the run directory never holds a weight
+file). One node is removed mid-run, with the inference worker on it: Ray moves its bundle to the other node, the supervisor
 starts a new actor there, the run finishes its steps with every prompt accounted, and every Ray process
 is gone at the end.
 """
@@ -64,21 +64,21 @@ def test_a_run_on_three_ray_nodes_survives_losing_the_inference_node(cache_dir, 
     seen: dict = {}
 
     def remove_the_inference_node() -> None:
-        """Once the worker served a version it got over the bus, the node it runs on goes away."""
+        """Once the worker served a version it fetched from the learner, the node it runs on goes away."""
         deadline = time.monotonic() + 600
         while not (run_dir / "redis" / "redis.conf").exists():
             assert time.monotonic() < deadline
             time.sleep(0.2)
         with contextlib.closing(run_bus(run_dir)) as bus:
-            while (status := bus.get(protocol.inference_status(0)) or {}).get("weights_over_bus", 0) < 2:
-                assert time.monotonic() < deadline, "the inference worker never received a version over the bus"
+            while (status := bus.get(protocol.inference_status(0)) or {}).get("weights_streamed", 0) < 2:
+                assert time.monotonic() < deadline, "the inference worker never received a version over the stream"
                 time.sleep(0.2)
             seen["before"] = status
             inference, learner = role_process("inference0"), role_process("learner0")
             seen["nodes"] = node_of(inference, [head, *generators]), node_of(learner, [head])
             cluster.remove_node(seen["nodes"][0], allow_graceful=False)
             while (status := bus.get(protocol.inference_status(0)) or {}).get("epoch", 1) < 2 or \
-                    status.get("weights_over_bus", 0) < 1:
+                    status.get("weights_streamed", 0) < 1:
                 assert time.monotonic() < deadline, "no new inference worker received weights after the node was lost"
                 time.sleep(0.2)
             seen["after"] = status

@@ -288,7 +288,7 @@ def test_weight_update_mid_generation_tags_each_token_with_the_weights_that_made
 
     old, new = load_model(model_path), load_model(model_path)
     train(new, lambda rng: progression(rng, 8, stride=-1) + [EOS], steps=5, lr=1e-2)  # now counts down
-    assert engine.update_weights(str(write_weight_update(new, tmp_path / "v1")), version=1) == 3
+    assert engine.update_weights(str(write_weight_update(new, tmp_path / "v1")), version=1) == (3, [])
     finished = {}
     while len(finished) < 2:
         finished.update((out.qid, out) for out in engine.step())

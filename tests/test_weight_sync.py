@@ -1,7 +1,10 @@
-"""After the learner updates, vLLM's logprobs on a fixed sequence equal the learner's own (float32)."""
+"""After the learner updates, vLLM's logprobs on a fixed sequence equal the learner's own (float32), and the
+weight stream hands over whole versions or none."""
 
-from pathlib import Path
+import logging
+import socket
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -9,11 +12,13 @@ from experiments.common import InferenceConfig
 from rlsys import protocol
 from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import GenerationConfig
-from rlsys.bus import EmbeddedRedis, InProcessBus, connect
+from rlsys.api.messages import parse_published_weights
+from rlsys.bus import InProcessBus
 from rlsys.engine.generation import GenerationEngine
 from rlsys.engine.vllm_engine import VLLMBackend
 from rlsys.engine.weights import write_weight_update
-from rlsys.weight_transport import WeightReceiver, publish
+from rlsys.weight_checksum import weights_checksum
+from rlsys.weight_transport import WeightReceiver, WeightServer, _frame, _read_exactly, _read_frame, fetch, publish
 from tests.helpers import save_random_tiny_model
 
 SEQUENCE = [4, 7, 8, 78, 9, 10, 86, 1, 5, 10, 12, 1]
@@ -37,16 +42,17 @@ def take_optimizer_steps(model, steps: int = 3) -> None:
         optimizer.step()
 
 
-def test_engine_logprobs_match_learner_after_updates_over_disk_and_over_the_bus(tmp_path):
-    """Version 1 reaches the engine as a file in a shared directory, version 2 as checksummed chunks over a
-    real Redis, written into the receiver's own directory: both give the learner's logprobs."""
-    with EmbeddedRedis(tmp_path / "redis") as server, connect(server.url) as bus:
-        for tied in (True, False):
-            check_updates(tmp_path, bus, tied)
+def test_engine_logprobs_match_learner_after_updates_over_disk_and_over_the_stream(tmp_path):
+    """Version 1 reaches the engine as a file in a shared directory, version 2 as tensors streamed from the
+    learner's weight server in memory: both give the learner's logprobs, tied output head or not."""
+    server = WeightServer()
+    for tied in (True, False):
+        check_updates(tmp_path, InProcessBus(), server, tied)
+    server.close()
 
 
-def check_updates(tmp_path, bus, tied: bool) -> None:
-    receiver = WeightReceiver(bus)
+def check_updates(tmp_path, bus, server: WeightServer, tied: bool) -> None:
+    receiver = WeightReceiver()
     path = save_random_tiny_model(tmp_path / f"model-tied{tied}", tie_word_embeddings=tied)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert model.config.tie_word_embeddings is tied
@@ -54,35 +60,63 @@ def check_updates(tmp_path, bus, tied: bool) -> None:
     fresh = torch.tensor(engine.score(SEQUENCE))
     assert (fresh - learner_logprobs(model)).abs().max() < 1e-4
 
-    for version, transport in enumerate(("disk", "bus"), start=1):
+    for version, transport in enumerate(("disk", "stream"), start=1):
         take_optimizer_steps(model)
         expected = learner_logprobs(model)
         stale_gap = (torch.tensor(engine.score(SEQUENCE)) - expected).abs().max()
         assert stale_gap > 1e-2, "the update must change the logprobs, or this test proves nothing"
-        publish(bus, model, version, transport, tmp_path / f"tied{tied}-weights")
-        directory = receiver.directory(bus.get(protocol.WEIGHTS))
-        assert (tmp_path in Path(directory).parents) == (transport == "disk")
-        engine.load_weights(directory)
+        publish(bus, model, version, transport, tmp_path / f"tied{tied}-weights", server=server)
+        received = receiver.receive(parse_published_weights(bus.get(protocol.WEIGHTS)))
+        assert isinstance(received.weights, dict) == (transport == "stream")
+        assert received.version == version
+        assert received.checksum == weights_checksum(model.state_dict(), "float32")
+        engine.load_weights(received.weights)
         gap = (torch.tensor(engine.score(SEQUENCE)) - expected).abs().max()
         assert gap < 1e-4, f"tied={tied} {transport}: engine and learner differ by {gap:.2e}"
-    assert receiver.received_over_bus == 1
-    receiver.close()
+    assert receiver.received_streamed == 1
     del engine
 
 
-def test_a_bus_version_changed_while_read_is_skipped_not_loaded(tmp_path):
-    """A resumed run republishes a version while a worker reads it: the digest no longer matches, and the
-    worker waits for the next pointer instead of loading a mix of two models."""
+def test_a_stream_transfer_sends_the_version_it_started_with_whole(tmp_path):
+    """A newer version offered while a worker reads the older one does not mix into it: the reader gets the
+    version named in its header, every byte, and the next reader gets the newer one."""
     model = AutoModelForCausalLM.from_pretrained(save_random_tiny_model(tmp_path / "model"), dtype=torch.float32)
+    server = WeightServer()
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    server.offer(1, old, "float32")
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as slow:
+        slow.sendall(_frame({"token": server.token}))
+        header = _read_frame(slow)  # the worker has started reading version 1
+        take_optimizer_steps(model, steps=1)
+        server.offer(2, model.state_dict(), "float32")
+        data = _read_exactly(slow, header["bytes"])
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    got = {name: buffer[start:start + n].view(getattr(torch, dtype)).view(shape)
+           for name, dtype, shape, start, n in header["tensors"]}
+    assert header["version"] == 1 and header["checksum"] == weights_checksum(old)
+    assert all(torch.equal(got[name], old[name]) for name in old)
+    newer = fetch(server.address, server.token)
+    assert newer.version == 2 and newer.checksum == weights_checksum(model.state_dict())
+    server.close()
+
+
+def test_a_worker_that_cannot_have_a_version_keeps_serving_and_says_so(tmp_path, caplog):
+    """A wrong token is refused; a learner that is gone (restarting) leaves the worker on the weights it holds,
+    with a warning, and the next announcement is tried at the next check."""
+    model = AutoModelForCausalLM.from_pretrained(save_random_tiny_model(tmp_path / "model"), dtype=torch.float32)
+    server = WeightServer()
     bus = InProcessBus()
-    publish(bus, model, 1, "bus", tmp_path)
-    pointer = bus.get(protocol.WEIGHTS)
-    take_optimizer_steps(model, steps=1)
-    publish(bus, model, 1, "bus", tmp_path)
-    receiver = WeightReceiver(bus)
-    assert receiver.directory(pointer) is None
-    assert receiver.directory(bus.get(protocol.WEIGHTS)) is not None
-    receiver.close()
+    publish(bus, model, 1, "stream", tmp_path, server=server)
+    published = parse_published_weights(bus.get(protocol.WEIGHTS))
+    with pytest.raises(ConnectionError, match="wrong token"):
+        fetch(server.address, "0" * 32)
+    receiver = WeightReceiver()
+    assert receiver.receive(published).version == 1
+    server.close()
+    with caplog.at_level(logging.WARNING):
+        assert receiver.receive(published) is None
+    assert receiver.failed_fetches == 1 and "serving the weights held" in caplog.text
 
 
 def test_update_mid_generation_keeps_every_token_s_version_and_logprob_true(tmp_path):
@@ -97,7 +131,7 @@ def test_update_mid_generation_keeps_every_token_s_version_and_logprob_true(tmp_
     for _ in range(8):
         assert engine.step() == []
     take_optimizer_steps(model)
-    assert engine.update_weights(str(write_weight_update(model, tmp_path / "v1")), version=1) == 2
+    assert engine.update_weights(str(write_weight_update(model, tmp_path / "v1")), version=1) == (2, [])
     outputs = []
     while not outputs:
         outputs = engine.step()

@@ -205,7 +205,7 @@ class WorkerStatus:
     version: int  # the weights it serves
     load: int  # requests in its engine
     dead: bool = False
-    weights_over_bus: int = 0  # versions this process received as chunks over the bus (weights_transport=bus)
+    weights_streamed: int = 0  # versions this process fetched from the learner's weight server
 
     def to_message(self) -> dict:
         return dataclasses.asdict(self)
@@ -215,31 +215,39 @@ WEIGHT_DTYPES = {"float32", "bfloat16", "float16"}  # what an engine may hold th
 
 
 def parse_worker_status(message) -> WorkerStatus:
-    d = fields(message, "inference status", {"epoch", "beat", "version", "load"}, {"dead", "weights_over_bus"})
+    d = fields(message, "inference status", {"epoch", "beat", "version", "load"}, {"dead", "weights_streamed"})
     return WorkerStatus(integer(d["epoch"], "epoch"), integer(d["beat"], "beat"), integer(d["version"], "version"),
                         integer(d["load"], "load"), boolean(d.get("dead", False), "dead"),
-                        integer(d.get("weights_over_bus", 0), "weights_over_bus"))
+                        integer(d.get("weights_streamed", 0), "weights_streamed"))
+
+
+MAX_PROBE_SEQUENCES = 8  # sequences the learner sends with a version for the engine to score
+MAX_PROBE_TOKENS = 4096  # tokens in each
 
 
 @dataclasses.dataclass(frozen=True)
 class PublishedWeights:
-    """The newest policy the learner published: its version and either the directory that holds it
-    (weights_transport=disk) or the count, size and SHA-256 of the chunks it was cut into on the bus (bus);
-    and the checksum of the weights an engine holding them in `dtype` must have (rlsys/weight_checksum.py)."""
+    """The newest policy the learner published: its version and where to get it, either the learner's weight
+    server and the token it wants (weights_transport=stream: the server's reply carries the checksum) or the
+    directory that holds it (disk) with the checksum of the weights an engine holding them in `dtype` must have
+    (rlsys/weight_checksum.py); and the probe: a few sequences with the learner's own logprobs of each token after
+    the first under this version, for the engine to score once it holds it (rlsys/alarms.py)."""
 
     version: int
     path: str = ""
-    chunks: int = 0
-    bytes: int = 0
-    sha256: str = ""
+    address: str = ""
+    token: str = ""
     checksum: str = ""
     dtype: str = ""
+    probe_ids: tuple[tuple[int, ...], ...] = ()
+    probe_logprobs: tuple[tuple[float, ...], ...] = ()
 
     def to_message(self) -> dict:
-        where = ({"path": self.path} if self.path else
-                 {"chunks": self.chunks, "bytes": self.bytes, "sha256": self.sha256})
+        where = {"path": self.path} if self.path else {"address": self.address, "token": self.token}
         check = {"checksum": self.checksum, "dtype": self.dtype} if self.checksum else {}
-        return {"version": self.version, **where, **check}
+        probe = ({"probe": {"token_ids": [list(ids) for ids in self.probe_ids],
+                            "logprobs": [list(lps) for lps in self.probe_logprobs]}} if self.probe_ids else {})
+        return {"version": self.version, **where, **check, **probe}
 
 
 def _hex(x, where: str, digits: int) -> str:
@@ -250,7 +258,7 @@ def _hex(x, where: str, digits: int) -> str:
 
 
 def parse_published_weights(message) -> PublishedWeights:
-    d = fields(message, "published weights", {"version"}, {"path", "chunks", "bytes", "sha256", "checksum", "dtype"})
+    d = fields(message, "published weights", {"version"}, {"path", "address", "token", "checksum", "dtype", "probe"})
     version = integer(d["version"], "version")
     check = {}
     if "checksum" in d or "dtype" in d:
@@ -260,12 +268,41 @@ def parse_published_weights(message) -> PublishedWeights:
         if dtype not in WEIGHT_DTYPES:
             raise InvalidMessage(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype!r}")
         check = {"checksum": _hex(d["checksum"], "checksum", 32), "dtype": dtype}
-    where = d.keys() - {"version", "checksum", "dtype"}
-    if "path" in d:
-        if where != {"path"}:
-            raise InvalidMessage("published weights name a path or chunks, not both")
+    if "probe" in d:
+        check["probe_ids"], check["probe_logprobs"] = _probe(d["probe"])
+    where = d.keys() - {"version", "checksum", "dtype", "probe"}
+    if where == {"path"}:
         return PublishedWeights(version, path=string(d["path"], "path", MAX_PATH_CHARS), **check)
-    if where != {"chunks", "bytes", "sha256"}:
-        raise InvalidMessage("published weights need a path, or chunks, bytes and sha256")
-    return PublishedWeights(version, chunks=integer(d["chunks"], "chunks", 1), bytes=integer(d["bytes"], "bytes", 1),
-                            sha256=_hex(d["sha256"], "sha256", 64), **check)
+    if where == {"address", "token"}:
+        return PublishedWeights(version, address=string(d["address"], "address", MAX_PATH_CHARS),
+                                token=_hex(d["token"], "token", 32), **check)
+    raise InvalidMessage("published weights need a path, or an address and a token, and not both")
+
+
+def _probe(value) -> tuple[tuple, tuple]:
+    d = fields(value, "probe", {"token_ids", "logprobs"})
+    ids = items(d["token_ids"], "probe token_ids", lambda x, where: tuple(token_ids(x, where, MAX_PROBE_TOKENS)),
+                MAX_PROBE_SEQUENCES)
+    lps = items(d["logprobs"], "probe logprobs", lambda x, where: tuple(items(x, where, logprob, MAX_PROBE_TOKENS)),
+                MAX_PROBE_SEQUENCES)
+    if [len(x) - 1 for x in ids] != [len(x) for x in lps]:
+        raise InvalidMessage("probe logprobs must have one value for each token after the first of their sequence")
+    return tuple(ids), tuple(lps)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeReport:
+    """An inference worker's logprobs of a version's probe against the learner's (rlsys/alarms.py `probe_totals`):
+    [tokens, sum |diff|, max |diff|, sum of KL terms]."""
+
+    worker: int
+    version: int
+    totals: list[float]
+
+
+def parse_probe_report(message) -> ProbeReport:
+    d = fields(message, "probe report", {"worker", "version", "totals"})
+    totals = items(d["totals"], "totals", lambda x, where: number(x, where, 0.0), 4)
+    if len(totals) != 4:
+        raise InvalidMessage(f"totals must have 4 numbers, got {len(totals)}")
+    return ProbeReport(integer(d["worker"], "worker"), integer(d["version"], "version"), totals)

@@ -59,22 +59,25 @@ class GenerationBackend(abc.ABC):
         """Whether any added sequence has not finished or been aborted."""
 
     @abc.abstractmethod
-    def load_weights(self, directory: str) -> None:
-        """Replace the weights in place from a directory written by `write_weight_update`.
+    def load_weights(self, weights: str | dict) -> None:
+        """Replace the weights in place, from tensors in memory (rlsys/weight_transport.py's stream) or from the
+        directory of a file written by `write_weight_update`.
 
         Called with no sequence running; any cached prefix computed with the old weights is dropped.
         """
 
-    def loaded_weights(self, directory: str) -> dict:
-        """The tensors this engine holds after `load_weights(directory)`, under the file's names, for the weight
-        checksum (rlsys/weight_checksum.py). By default the file's own tensors: an engine that fuses or renames
-        weights (vLLM: qkv_proj, gate_up_proj) cannot list its own under the learner's names, so what is checked
-        is the file it was pointed to and read."""
+    def loaded_weights(self, weights: str | dict) -> dict:
+        """The tensors this engine holds after `load_weights(weights)`, under the learner's names, for the weight
+        checksum (rlsys/weight_checksum.py). By default the tensors it was handed (read from the file, for a
+        directory): an engine that fuses or renames weights (vLLM: qkv_proj, gate_up_proj) cannot list its own
+        under the learner's names, so what is checked is what it was given and read."""
+        if isinstance(weights, dict):
+            return weights
         from safetensors.torch import load_file
 
         from rlsys.engine.weights import WEIGHTS_FILE
 
-        return load_file(f"{directory}/{WEIGHTS_FILE}")
+        return load_file(f"{weights}/{WEIGHTS_FILE}")
 
     def score(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token after the first given its prefix, at temperature 1 (the weight-sync check)."""

@@ -98,18 +98,21 @@ class GenerationEngine:
             finished.update((out.qid, out) for out in self.step())
         return [finished[rid] for rid, _, _ in requests]
 
-    def update_weights(self, directory: str, version: int) -> int:
-        """Interrupt, load `version` from `directory`, resume; returns how many samples were interrupted."""
+    def update_weights(self, weights, version: int, probe: list[list[int]] = ()) -> tuple[int, list[list[float]]]:
+        """Interrupt, load `version` from `weights` (tensors, or a directory: GenerationBackend.load_weights), score
+        the `probe` sequences under it while nothing runs, resume; returns how many samples were interrupted and
+        the probe's logprobs."""
         running = [(request, index) for request in self._requests.values()
                    for index, sample in enumerate(request.samples) if not sample.finished]
         self.backend.abort([_seq_id(r.rid, i, r.samples[i].segment) for r, i in running])
-        self.backend.load_weights(directory)
+        self.backend.load_weights(weights)
+        scored = [self.backend.score(list(ids)) for ids in probe]
         self.version = version
         for request, index in running:
             request.samples[index].segment += 1
             self._start(request, index)
         self.interrupted_samples += len(running)
-        return len(running)
+        return len(running), scored
 
     def _start(self, request: _Request, index: int) -> None:
         g, sample = request.gconfig, request.samples[index]

@@ -94,16 +94,17 @@ class TransformersBackend(GenerationBackend):
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running.count)
 
-    def load_weights(self, directory: str) -> None:
+    def load_weights(self, weights) -> None:
         if self.has_unfinished():
             raise RuntimeError("load_weights needs every sequence finished or aborted: their KV cache would mix "
                                "two sets of weights")
         # Strict: the file holds every name of the state dict, tied output head included, so a missing
         # or unexpected name means the file is for another model.
-        state = load_file(str(Path(directory) / WEIGHTS_FILE), device=str(self.device))
-        self.model.load_state_dict(state, strict=True)
+        if not isinstance(weights, dict):
+            weights = load_file(str(Path(weights) / WEIGHTS_FILE), device=str(self.device))
+        self.model.load_state_dict(weights, strict=True)
 
-    def loaded_weights(self, directory: str) -> dict:
+    def loaded_weights(self, weights) -> dict:
         return self.model.state_dict()  # what it holds, not the file: a failed or partial load shows
 
     @torch.inference_mode()

@@ -74,8 +74,12 @@ class VLLMBackend(GenerationBackend):
     def has_unfinished(self) -> bool:
         return bool(self._running)
 
-    def load_weights(self, directory: str) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
+    def load_weights(self, weights) -> None:
+        # vLLM's in-place reload: it maps the learner's names onto its fused layers and redoes whatever processing
+        # its kernels need after loading. Tensors pass in memory: the engine core runs in this process.
+        source = ({"weights_iterator": iter(weights.items())} if isinstance(weights, dict) else
+                  {"weights_path": str(weights)})
+        self.llm.collective_rpc("reload_weights", kwargs=source)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def score(self, token_ids: list[int]) -> list[float]:

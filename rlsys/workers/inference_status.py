@@ -41,4 +41,4 @@ class InferenceStatus:
         status = self.read()
         if status is not None and not status.dead:
             self.publish(WorkerStatus(status.epoch, status.beat, status.version, 0, dead=True,
-                                     weights_over_bus=status.weights_over_bus))
+                                     weights_streamed=status.weights_streamed))

@@ -12,13 +12,14 @@ import threading
 import time
 
 from rlsys import protocol
-from rlsys.api.messages import InvalidMessage, PublishedWeights, WorkerStatus, parse_generation_request, \
+from rlsys.alarms import probe_totals
+from rlsys.api.messages import InvalidMessage, WorkerStatus, parse_generation_request, \
     parse_published_weights
 from rlsys.bus import Undecodable
 from rlsys.bus.dead_letters import set_aside
 from rlsys.engine.generation import GenerationEngine
 from rlsys.weight_checksum import WeightChecksumMismatch, weights_checksum
-from rlsys.weight_transport import WeightReceiver
+from rlsys.weight_transport import Received, WeightReceiver
 from rlsys.workers.inference_status import InferenceStatus
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class InferenceWorker:
     def __init__(self, engine: GenerationEngine, bus, index: int, max_batch_requests: int,
                  weights: WeightReceiver | None = None):
         self.engine, self.bus, self.index = engine, bus, index
-        self.weights = weights or WeightReceiver(bus)
+        self.weights = weights or WeightReceiver()
         self.max_batch_requests = max_batch_requests
         self.reply_to: dict[str, str] = {}  # request id -> the router's reply queue
         self.queue = protocol.generation_requests(index)
@@ -60,7 +61,6 @@ class InferenceWorker:
         finally:
             self._stopping.set()
             heartbeat.join()
-            self.weights.close()
 
     def start_epoch(self) -> None:
         """A new process on this index: whatever a dead predecessor left queued is re-sent by the routers."""
@@ -91,25 +91,28 @@ class InferenceWorker:
             self.bus.delete(protocol.WEIGHTS)  # the learner's next version replaces it
             return
         if published.version > self.engine.version:
-            directory = self.weights.directory(published.to_message())
-            if directory is None:
+            received = self.weights.receive(published)
+            if received is None or received.version <= self.engine.version:
                 return
-            interrupted = self.engine.update_weights(directory, published.version)
-            self.verify_weights(published, directory)
+            interrupted, scored = self.engine.update_weights(received.weights, received.version, published.probe_ids)
+            self.verify_weights(received)
             # Now, not at the next beat: the staleness gate admits the next prompts on the version served. Not
             # before start_epoch (the first load of a restarted worker): its status would carry no epoch.
             if self.epoch:
                 self.publish_status()
+            if scored and received.version == published.version:  # the probe is the learner's under this version
+                self.bus.put(protocol.LOGPROB_PROBES, {"worker": self.index, "version": received.version,
+                                                       "totals": probe_totals(published.probe_logprobs, scored)})
             if interrupted:
                 log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
 
-    def verify_weights(self, published: PublishedWeights, directory: str) -> None:
+    def verify_weights(self, received: Received) -> None:
         """After every update: the checksum of what the engine holds equals the learner's, or the run stops."""
-        if not published.checksum:  # a publisher that sends none (tests of other parts)
+        if not received.checksum:  # a publisher that sends none (tests of other parts)
             return
-        loaded = weights_checksum(self.engine.backend.loaded_weights(directory), published.dtype)
-        if loaded != published.checksum:
-            raise WeightChecksumMismatch(f"inference worker {self.index}", published.version, published.checksum,
+        loaded = weights_checksum(self.engine.backend.loaded_weights(received.weights), received.dtype)
+        if loaded != received.checksum:
+            raise WeightChecksumMismatch(f"inference worker {self.index}", received.version, received.checksum,
                                          loaded)
         self.bus.incr(protocol.WEIGHT_CHECKS)
 
@@ -151,7 +154,7 @@ class InferenceWorker:
         # last write holds the newest version.
         with self._status_lock:
             self.status.publish(WorkerStatus(self.epoch, self.beat, self.engine.version, self.engine.in_flight,
-                                             weights_over_bus=self.weights.received_over_bus))
+                                             weights_streamed=self.weights.received_streamed))
 
     def _heartbeat(self) -> None:
         """On its own thread, so a long engine step never makes a live worker look dead."""

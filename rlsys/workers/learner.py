@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from rlsys import accounting, protocol, weight_transport
-from rlsys.alarms import check_logprob_mismatch
+from rlsys.alarms import PROBE, LogprobCheck, check_logprob_mismatch
 from rlsys.api import NOT_GENERATED, Trajectory
+from rlsys.api.messages import InvalidMessage, parse_probe_report
 from rlsys.checkpoint import SHARDED_STATE, load_rng_state, load_sharded_state, read_trainer_state, save_checkpoint
 from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.distributed import Ranks, full_state_dict
@@ -22,9 +23,11 @@ from rlsys.metrics import MetricsLogger
 from rlsys.model.loading import CRITIC_DIR
 from rlsys.tracing import write_trained
 from rlsys.training_step import PolicyTrainer
-from rlsys.weight_checksum import weights_checksum
 
 log = logging.getLogger(__name__)
+
+PROBE_SEQUENCES = 2  # of each batch, sent with the new version for the inference workers to score
+PROBE_TOKENS = 256  # the first tokens of each
 
 
 class Learner(PolicyTrainer):
@@ -38,6 +41,10 @@ class Learner(PolicyTrainer):
         self.consumed_prompts: list[str] = []  # group ids trained or filtered: the dataset position on resume
         if resumed:
             self._resume(Path(config.resume_from_checkpoint), resumed)
+        self.transport = weight_transport.resolve(config.cluster)
+        self.weight_server = None
+        if ranks.main and self.transport == "stream":
+            self.weight_server = weight_transport.WeightServer(weight_transport.serving_host(config.cluster.backend))
         if ranks.main:
             self.inbox = TrajectoryInbox(bus, f"learner-{uuid.uuid4().hex[:8]}",
                                          int(config.cluster.max_message_mb * 2**20), self.model.config.vocab_size,
@@ -76,11 +83,12 @@ class Learner(PolicyTrainer):
             computed = time.monotonic() - started - waited
             self.step += 1
             self.version += 1
-            self.publish_weights()
+            self.publish_weights(trajectories)
             published = time.monotonic() - started - waited - computed
             if self.ranks.main:
                 write_trained(self.run_dir, self.step, trajectories, self.last_advantages,
                               self.config.trace.sample_rate)
+                stats.update(self.probe_reports())
                 check_logprob_mismatch(stats, self.step, self.config.alarms.logprob_diff_warn,
                                        self.config.alarms.stop_on_logprob_diff)
                 self.consumed_prompts += [group.group_id for group in groups]
@@ -99,6 +107,8 @@ class Learner(PolicyTrainer):
         if self.ranks.main:
             self.bus.set(protocol.LEARNER_DONE, self.version)
             self.metrics.close()
+        if self.weight_server is not None:
+            self.weight_server.close()
 
     def share_batch(self, groups: list[Delivery] | None) -> list[Trajectory] | None:
         """Rank 0's batch on every rank (msgpack), None when the run is being stopped."""
@@ -150,14 +160,26 @@ class Learner(PolicyTrainer):
         return {**accounting.as_metrics(accounting.counts(self.bus)),
                 "trajectories/duplicates": self.inbox.duplicates, "trajectories/dead_letters": self.inbox.dead_letters}
 
-    def publish_weights(self) -> None:
+    def publish_weights(self, trajectories: list[Trajectory] = ()) -> None:
+        """The new version to the inference workers, in the dtype they hold, with a probe of `trajectories`."""
         state = full_state_dict(self.model, self.ranks)  # every rank takes part in gathering the shards
+        probe_ids = [t.token_ids[:PROBE_TOKENS] for t in trajectories[:PROBE_SEQUENCES]]
+        probe = {"token_ids": probe_ids, "logprobs": self.probe_logprobs(probe_ids)} if probe_ids else None
         if self.ranks.main:
-            # The checksum of the copy inference holds, in its dtype: each worker compares it with what it loaded.
-            dtype = self.config.inference.dtype
-            weight_transport.publish(self.bus, self.model, self.version, weight_transport.resolve(self.config.cluster),
-                                     self.run_dir / "weights", state,
-                                     check={"dtype": dtype, "checksum": weights_checksum(state, dtype)})
+            weight_transport.publish(self.bus, self.model, self.version, self.transport, self.run_dir / "weights",
+                                     state, self.config.inference.dtype, self.weight_server,
+                                     extra={"probe": probe} if probe else None)
+
+    def probe_reports(self) -> dict[str, float]:
+        """What the inference workers found when they scored the probes of the versions they loaded since the
+        last step (rlsys/alarms.py), as alarms/probe_* figures."""
+        totals = []
+        for message in self.bus.get_many(protocol.LOGPROB_PROBES, 1024, 0.0):
+            try:
+                totals.append(parse_probe_report(message).totals)
+            except InvalidMessage as e:
+                log.warning("a logprob probe report was set aside: %s", e)
+        return LogprobCheck.merged(totals, PROBE) if totals else {}
 
     def sharded_state(self) -> dict:
         """This rank's part of the model and optimizer state (and the critic's), keyed by parameter name."""
