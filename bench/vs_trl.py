@@ -15,9 +15,10 @@ reward is rlsys's math check (the plain-number comparison, else math-verify), it
 tokenizer and chat template to the same token ids (checked).
 
 Evaluation is the same for both and outside both clocks: every `--snapshot-steps` batches each side keeps its
-weights (TRL: a copy in memory, its time taken out of TRL's clock; rlsys: a hard link to the weight file its learner
-publishes for inference, which costs the run nothing), and after both runs every snapshot is scored by one function:
-greedy HF `generate` on the 500 held-out prompts, checked by the same math check. A side's clock starts when its
+weights (TRL: a copy in memory, its time taken out of TRL's clock; rlsys: the version its learner publishes for
+inference, fetched from the learner's weight server as an inference worker does, which costs the learner a few
+milliseconds), and after both runs every snapshot is scored by one function: greedy HF `generate` on the 500
+held-out prompts, checked by the same math check. A side's clock starts when its
 training starts (TRL: `on_train_begin`; rlsys: when its rollout worker finished the initial evaluation and admits
 the first prompt), so neither side's start-up (loading, vLLM, processes) is in it; the whole command's time is
 reported beside it. Trained samples/s counts the batches between the end of batch `--warmup` and the last one;
@@ -176,7 +177,7 @@ def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out
 class CpuSampler(threading.Thread):
     """The CPU seconds of every process this one started (the run's roles, its Redis server, vLLM's), sampled every
     `period` seconds against the wall clock, so a window of the run can be charged its CPU. Only the whole run's
-    processes count, not this one's (the weight linker)."""
+    processes count, not this one's (the weight keeper)."""
 
     def __init__(self, period: float = 1.0):
         super().__init__(daemon=True)
@@ -202,44 +203,61 @@ class CpuSampler(threading.Thread):
         return before[1] + (after[1] - before[1]) * (when - before[0]) / (after[0] - before[0])
 
 
-class WeightLinker(threading.Thread):
-    """Keeps the weights rlsys's learner publishes for inference (<run dir>/weights/v<N>/, each written whole and
-    removed a few versions later) at every `every`-th version and `last`, by hard links: nothing is added to the
-    run's own work, so its clock needs no correction."""
+class WeightKeeper(threading.Thread):
+    """Keeps the weights rlsys's learner publishes for inference at every `every`-th version and `last`: it reads the
+    run's announcements from its Redis and fetches those versions from the learner's weight server as an inference
+    worker does. The learner's work is unchanged (its server thread sends one more copy, a few milliseconds for the
+    tiny model), so its clock needs no correction."""
 
     def __init__(self, out_dir: Path, trial: str, every: int, last: int):
         super().__init__(daemon=True)
-        self.root, self.pattern, self.every, self.last = out_dir, f"*/{trial}/weights/v*", every, last
+        self.root, self.trial, self.every, self.last = out_dir, trial, every, last
         self.kept_dir = out_dir / f"{trial}-snapshots"
         self.kept_dir.mkdir(parents=True, exist_ok=True)
         self.kept: dict[int, Path] = {}
         self.done = threading.Event()
 
     def run(self) -> None:
+        bus = None
         while not self.done.is_set():
-            self.link_new(self.root.glob(self.pattern))
+            bus = bus or self.connect()
+            if bus is not None:
+                with contextlib.suppress(ConnectionError, OSError):  # the run's Redis stopped at its end
+                    self.keep_new(bus.get("weights:latest"))
             time.sleep(0.02)
 
-    def link_new(self, directories) -> None:
-        from rlsys.engine.weights import WEIGHTS_FILE
+    def connect(self):
+        """A client of the run's private Redis, once its config file exists."""
+        from rlsys.bus.redis_bus import RedisBus
 
-        for directory in directories:
-            name = directory.name
-            if not name[1:].isdigit():  # v<N>.tmp: still being written
-                continue
-            version = int(name[1:])
-            if version in self.kept or (version % self.every and version != self.last):
-                continue
-            target = self.kept_dir / f"v{version}.safetensors"
-            with contextlib.suppress(FileNotFoundError):  # removed between the glob and the link: too late
-                os.link(directory / WEIGHTS_FILE, target)
-                self.kept[version] = target
+        conf = next(self.root.glob(f"*/{self.trial}/redis/redis.conf"), None)
+        if conf is None:
+            return None
+        settings = dict(line.split(" ", 1) for line in conf.read_text().splitlines())
+        return RedisBus.from_url(f"redis://:{json.loads(settings['requirepass'])}@127.0.0.1:{settings['port']}/0")
+
+    def keep_new(self, announcement) -> None:
+        from safetensors.torch import save_file
+
+        from rlsys.api.messages import parse_published_weights
+        from rlsys.weight_transport import fetch
+
+        if not announcement:
+            return
+        published = parse_published_weights(announcement)
+        version = published.version
+        if version in self.kept or (version % self.every and version != self.last):
+            return
+        received = fetch(published.address, published.token)
+        target = self.kept_dir / f"v{received.version}.safetensors"
+        save_file(received.weights, str(target))
+        self.kept[received.version] = target
 
 
 def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Path, trial: str) -> dict:
     """rlsys's default run for `steps` batches; (clock at each batch's end, weight files, whole seconds, command)."""
     settings = [f"max_steps={steps}", "eval_steps=0", f"logging_steps={steps}", *overrides]
-    linker, cpu = WeightLinker(out_dir, trial, snapshot_steps, steps), CpuSampler()
+    linker, cpu = WeightKeeper(out_dir, trial, snapshot_steps, steps), CpuSampler()
     linker.start()
     cpu.start()
     try:
@@ -251,7 +269,7 @@ def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Pa
         cpu.join()
     missed = [v for v in range(snapshot_steps, steps + 1, snapshot_steps) if v not in linker.kept]
     if missed:
-        raise RuntimeError(f"the weights of versions {missed} were removed before they could be kept")
+        raise RuntimeError(f"the weights of versions {missed} were replaced before they could be kept")
     rows = learner_rows(run_dir)
     initial = [json.loads(line) for line in (run_dir / "logs" / "rollout0.jsonl").open()]
     start = next(r["time"] for r in initial if "eval/accuracy" in r)  # training prompts are admitted from here
