@@ -71,6 +71,7 @@ class Received:
     weights: dict[str, torch.Tensor] | str
     checksum: str = ""
     dtype: str = ""
+    buffer: torch.Tensor | None = None  # streamed: the memory the tensors are views of
 
 
 class WeightServer:
@@ -82,6 +83,10 @@ class WeightServer:
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
         self._offer: tuple[bytes, torch.Tensor] | None = None  # (header frame, buffer)
+        # A buffer no longer offered nor being sent, written again by the next offer: a fresh one of a model's size
+        # costs a page fault per 4 KiB, as much as the copy itself.
+        self._spare: torch.Tensor | None = None
+        self._sending: dict[int, int] = {}  # id(buffer) -> connections sending it
         self._closed = False
         threading.Thread(target=self._accept, name="weight-server", daemon=True).start()
 
@@ -94,7 +99,10 @@ class WeightServer:
             nbytes = t.numel() * t_dtype.itemsize
             entries.append((name, t, t_dtype, offset, nbytes))
             offset += -(-nbytes // ALIGN) * ALIGN
-        buffer = torch.empty(offset, dtype=torch.uint8)
+        with self._lock:
+            buffer, self._spare = self._spare, None
+        if buffer is None or buffer.numel() != offset:
+            buffer = torch.empty(offset, dtype=torch.uint8)
         tensors = {name: _view(buffer, t_dtype, t.shape, start, nbytes) for name, t, t_dtype, start, nbytes in entries}
         for name, t, *_ in entries:
             tensors[name].copy_(t.detach())  # the cast, and the host copy of a GPU tensor, in one pass
@@ -103,7 +111,9 @@ class WeightServer:
                   "tensors": [[name, str(t_dtype).removeprefix("torch."), list(t.shape), start, nbytes]
                               for name, t, t_dtype, start, nbytes in entries]}
         with self._lock:
-            self._offer = (_frame(header), buffer)
+            previous, self._offer = self._offer, (_frame(header), buffer)
+            if previous is not None and not self._sending.get(id(previous[1])):
+                self._spare = previous[1]
         return checksum
 
     def close(self) -> None:
@@ -131,29 +141,44 @@ class WeightServer:
                     return
                 with self._lock:
                     offer = self._offer
+                    if offer is not None:
+                        self._sending[id(offer[1])] = self._sending.get(id(offer[1]), 0) + 1
                 if offer is None:
                     connection.sendall(_frame({"error": "no version published yet"}))
                     return
-                header, buffer = offer
-                connection.sendall(header)
-                connection.sendall(memoryview(buffer.numpy()))  # the GIL is released while the bytes go out
+                try:
+                    connection.sendall(offer[0])
+                    connection.sendall(memoryview(offer[1].numpy()))  # the GIL is released while the bytes go out
+                finally:
+                    self._sent(offer[1])
             except (OSError, ValueError, msgpack.UnpackException) as e:
                 log.info("a weight transfer to a worker broke off: %s", e)
 
+    def _sent(self, buffer: torch.Tensor) -> None:
+        """A connection is done with `buffer`: the last one makes it the spare unless it is still offered."""
+        with self._lock:
+            self._sending[id(buffer)] -= 1
+            if not self._sending[id(buffer)]:
+                del self._sending[id(buffer)]
+                if self._offer is None or self._offer[1] is not buffer:
+                    self._spare = buffer
 
-def fetch(address: str, token: str) -> Received:
-    """The newest version `address` serves, read into memory; raises OSError if it cannot be had whole now."""
+
+def fetch(address: str, token: str, into: torch.Tensor | None = None) -> Received:
+    """The newest version `address` serves, read into memory (into `into` if it has the size: the tensors are then
+    views of it); raises OSError if it cannot be had whole now."""
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=IO_TIMEOUT) as connection:
         connection.sendall(_frame({"token": token}))
         header = _read_frame(connection)
         if not isinstance(header, dict) or "error" in header:
             raise ConnectionError(f"the weight server at {address} refused: {header}")
-        buffer = torch.empty(header["bytes"], dtype=torch.uint8)
+        buffer = into if into is not None and into.numel() == header["bytes"] else torch.empty(header["bytes"],
+                                                                                               dtype=torch.uint8)
         _read_into(connection, memoryview(buffer.numpy()))
     tensors = {name: _view(buffer, getattr(torch, dtype), shape, start, nbytes)
                for name, dtype, shape, start, nbytes in header["tensors"]}
-    return Received(header["version"], tensors, header["checksum"], header["dtype"])
+    return Received(header["version"], tensors, header["checksum"], header["dtype"], buffer)
 
 
 def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_dir: Path,
@@ -176,24 +201,28 @@ def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_d
 
 
 class WeightReceiver:
-    """The inference worker's side: a published version, as something its engine can load."""
+    """The inference worker's side: a published version, as something its engine can load.
+
+    Streamed tensors are views of one buffer that the next `receive` fills again (engines copy what they load)."""
 
     def __init__(self):
         self.received_streamed = 0  # versions that arrived over the stream
         self.failed_fetches = 0  # transfers that could not be had whole (the learner restarting, a broken link)
+        self._buffer: torch.Tensor | None = None
 
     def receive(self, published) -> Received | None:
         """`published` (rlsys.api.messages.PublishedWeights) as loadable weights; None if it cannot be had now."""
         if published.path:
             return Received(published.version, published.path, published.checksum, published.dtype)
         try:
-            received = fetch(published.address, published.token)
+            received = fetch(published.address, published.token, self._buffer)
         except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             self.failed_fetches += 1
             log.warning("could not fetch version %d from the learner at %s (%s); serving the weights held and "
                         "trying again at the next check", published.version, published.address, e)
             return None
         self.received_streamed += 1
+        self._buffer = received.buffer
         return received
 
 
