@@ -73,6 +73,9 @@ def check_updates(tmp_path, bus, server: WeightServer, tied: bool) -> None:
         engine.load_weights(received.weights)
         gap = (torch.tensor(engine.score(SEQUENCE)) - expected).abs().max()
         assert gap < 1e-4, f"tied={tied} {transport}: engine and learner differ by {gap:.2e}"
+    together = engine.score_all([SEQUENCE, SEQUENCE[:5]])  # the probe's one engine run
+    assert torch.allclose(torch.tensor(together[0]), expected, atol=1e-4)
+    assert torch.allclose(torch.tensor(together[1]), expected[:4], atol=1e-4)
     assert receiver.received_streamed == 1
     del engine
 

@@ -82,3 +82,7 @@ class GenerationBackend(abc.ABC):
     def score(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token after the first given its prefix, at temperature 1 (the weight-sync check)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score sequences")
+
+    def score_all(self, sequences: list[list[int]]) -> list[list[float]]:
+        """`score` of each sequence; an engine that can score them in one pass overrides it."""
+        return [self.score(ids) for ids in sequences]

@@ -106,7 +106,7 @@ class GenerationEngine:
                    for index, sample in enumerate(request.samples) if not sample.finished]
         self.backend.abort([_seq_id(r.rid, i, r.samples[i].segment) for r, i in running])
         self.backend.load_weights(weights)
-        scored = [self.backend.score(list(ids)) for ids in probe]
+        scored = self.backend.score_all([list(ids) for ids in probe]) if probe else []
         self.version = version
         for request, index in running:
             request.samples[index].segment += 1

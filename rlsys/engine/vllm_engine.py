@@ -83,9 +83,15 @@ class VLLMBackend(GenerationBackend):
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def score(self, token_ids: list[int]) -> list[float]:
+        return self.score_all([token_ids])[0]
+
+    def score_all(self, sequences: list[list[int]]) -> list[list[float]]:
+        """In one engine run: the probe of every weight update costs one prefill, not one per sequence."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        result = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
-        return [step[tok].logprob for tok, step in zip(token_ids[1:], result.prompt_logprobs[1:])]
+        results = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences], params,
+                                    use_tqdm=False)
+        return [[step[tok].logprob for tok, step in zip(ids[1:], result.prompt_logprobs[1:])]
+                for ids, result in zip(sequences, results)]
