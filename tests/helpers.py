@@ -1,8 +1,10 @@
-"""Small builders shared by tests: a tiny randomly initialised model saved in HF format."""
+"""Small builders shared by tests: a tiny randomly initialised model saved in HF format, a message with one
+field replaced."""
 
 import contextlib
 from pathlib import Path
 
+import msgpack
 import psutil
 import pytest
 
@@ -88,3 +90,13 @@ def no_leaked_servers(tmp_path_factory):
     before = redis_server_pids(base)
     yield
     assert redis_server_pids(base) <= before, "a redis-server started by these tests is still running"
+
+
+def with_field(message: dict, path: tuple, value) -> dict:
+    """A copy of `message` with the item at `path` (keys and list indices) replaced by `value`."""
+    copy = msgpack.unpackb(msgpack.packb(message), strict_map_key=False)
+    target = copy
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return copy

@@ -28,6 +28,7 @@ from rlsys.bus import EmbeddedRedis, InProcessBus, RedisBus
 from rlsys.delivery import TrajectoryInbox, group_message, read_group_message
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.routing import EpisodeRouter
+from tests.helpers import with_field
 from tests.scripted_engine import ScriptedEngine
 from tests.test_learner import learner_config
 
@@ -47,16 +48,6 @@ def good_trajectory(group_id: str = "g") -> dict:
     return Trajectory(token_ids=[5, 6, 7, 8], loss_mask=[0, 0, 1, 1], logprobs=[0.0, 0.0, -0.5, -0.25],
                       versions=[-1, -1, 3, 3], turn_ends=[4], turn_rewards=[1.0], reward=1.0, group_id=group_id,
                       stop_reason="stop").to_dict()
-
-
-def with_field(message: dict, path: tuple, value) -> dict:
-    """A copy of `message` with the item at `path` (keys and list indices) replaced by `value`."""
-    copy = msgpack.unpackb(msgpack.packb(message), strict_map_key=False)
-    target = copy
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = value
-    return copy
 
 
 TRAJECTORY_PATHS = [(name,) for name in good_trajectory()] + [
@@ -207,7 +198,8 @@ NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
 
 @FEW
 @given(bad=st.one_of(
-    st.tuples(st.just(("logprobs", 2)), st.one_of(st.floats(min_value=LOGPROB_TOLERANCE, exclude_min=True), NON_FINITE)),
+    st.tuples(st.just(("logprobs", 2)),
+              st.one_of(st.floats(min_value=LOGPROB_TOLERANCE, exclude_min=True), NON_FINITE)),
     st.tuples(st.sampled_from([("reward",), ("turn_rewards", 0)]),
               st.one_of(st.floats(min_value=MAX_REWARD, exclude_min=True).flatmap(lambda x: st.sampled_from([x, -x])),
                         NON_FINITE))))
