@@ -3,18 +3,27 @@ real LangGraph agent over HTTP, the real episode router, bus and inference worke
 are checked token by token against what the engine was asked and produced, call by call."""
 
 import asyncio
+import functools
 import json
+import math
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
 import rlsys.impl.env  # noqa: F401
-from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, Model, Prompt, \
-    make_agent, make_env
+from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, GenerationOutput, \
+    Model, Prompt, make_agent, make_env
+from rlsys.bus import InProcessBus
+from rlsys.endpoint.server import Endpoint
+from rlsys.endpoint.session import EpisodeSession
 from rlsys.model.tokenizer import chat_prompt_ids
 from rlsys.workers.episode_failure import EpisodeFailed
-from tests.endpoint_clients import RESPONSES, SEEN
+from rlsys.workers.routing import EpisodeRouter
+from tests.endpoint_clients import RESPONSES, SEEN, TOOLS
+from tests.helpers import with_field
 from tests.scripted import ids, run_scripted_episode
 from tests.scripted_engine import ScriptedEngine
 
@@ -147,7 +156,7 @@ def test_keys_requests_and_completions(tokenizer, tokenizer_dir):
 
     # The endpoint belongs to the event loop the episode ran in; a new loop's client reaches it only while that
     # loop runs, so this check runs the refusal through the endpoint object itself.
-    from rlsys.endpoint.server import Endpoint, RequestError
+    from rlsys.endpoint.server import RequestError
     endpoint = Endpoint()
     endpoint.close("k")
     with pytest.raises(RequestError) as refused:
@@ -234,3 +243,170 @@ def test_runs_share_the_workers_http_pools_and_each_call_carries_its_own_key(tok
         assert len(trajectories) == 4
         assert all(t.metrics["calls"] == 1 and t.token_ids[-3:] == ids(tokenizer, "46") + [tokenizer.eos_token_id]
                    for t in trajectories)
+
+
+# ---- what a client may send: answered, or refused with 4xx naming the field and why; never a 500
+
+ENDPOINT = Endpoint()
+CONTEXT = 512  # the sessions' max_total_tokens
+CHAT = {"model": "rlsys", "messages": [
+    {"role": "system", "content": "Use the calculator."},
+    {"role": "user", "content": [{"type": "text", "text": "12+34="}]},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12+34"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "46"}],
+    "tools": TOOLS, "n": 2, "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 3, "stop": ["\n\n"],
+    "logprobs": True, "return_token_ids": True, "user": "anyone"}
+COMPLETION = {"model": "rlsys", "prompt": ["12+34="], "max_tokens": 4, "n": 1, "logprobs": 0, "stop": "\n"}
+CHAT_PATHS = [(k,) for k in CHAT] + [
+    ("max_completion_tokens",), ("stream",), ("messages", 1), ("messages", 1, "role"), ("messages", 1, "content"),
+    ("messages", 1, "content", 0), ("messages", 2, "tool_calls"), ("messages", 2, "tool_calls", 0, "function"),
+    ("messages", 3, "tool_call_id"), ("tools", 0), ("tools", 0, "function", "parameters"),
+    ("tools", 0, "function", "parameters", "required"), ("stop", 0)]
+COMPLETION_PATHS = [(k,) for k in COMPLETION] + [("prompt", 0)]
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=12),
+                                     st.sampled_from(["\ud800", "\x00", "é", ""])),  # a lone surrogate: valid JSON
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                       max_size=4), max_leaves=12)
+PROPERTIES = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def post(tokenizer, path: str, body) -> tuple[httpx.Response, list[dict]]:
+    """`body` (bytes, or a value sent as JSON) posted with a fresh episode's key; the response, and the requests
+    that reached the model, each as the router checked it on its way to an inference worker."""
+    async def main():
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+        router, asked = EpisodeRouter(InProcessBus(), "replies", n_inference_workers=1), []
+        reply = ids(tokenizer, "46") + [tokenizer.eos_token_id]
+
+        async def engine():
+            while True:
+                qid, message = router.checked_request(await obs_queue.get())  # raises on what a worker refuses
+                asked.append(message)
+                n = message["gconfig"]["n"]
+                logprobs, versions = [[LOGPROB] * len(reply)] * n, [[0] * len(reply)] * n
+                act_queue.put_nowait(GenerationOutput(qid, message["token_ids"], [reply] * n, logprobs, versions,
+                                                      ["stop"] * n))
+
+        serving = asyncio.create_task(engine())
+        async with Model(obs_queue, act_queue) as model:
+            defaults = GenerationConfig(max_new_tokens=8, stop_token_ids=[tokenizer.eos_token_id])
+            key = ENDPOINT.open(EpisodeSession(model, tokenizer, defaults, CONTEXT, "rlsys"))
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            try:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=ENDPOINT.app),
+                                             base_url="http://endpoint/v1") as http:
+                    response = await asyncio.wait_for(http.post(path, content=content, headers={
+                        "Authorization": f"Bearer {key}", "Content-Type": "application/json"}), 30)
+            finally:
+                ENDPOINT.close(key)
+                serving.cancel()
+        return response, asked
+
+    return asyncio.run(main())
+
+
+def refusal(response: httpx.Response) -> dict:
+    """OpenAI's error body of a 4xx, checked for its shape."""
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def test_valid_chat_and_completion_bodies_are_answered_as_asked(tokenizer):
+    response, (asked,) = post(tokenizer, "/chat/completions", CHAT)
+    assert response.status_code == 200, response.text
+    assert [c["message"]["content"] for c in response.json()["choices"]] == ["46", "46"]
+    assert asked["gconfig"] == {"n": 2, "max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "seed": 3,
+                                "stop_token_ids": asked["gconfig"]["stop_token_ids"]}
+    response, _ = post(tokenizer, "/completions", COMPLETION)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "46"
+
+
+HOSTILE = {  # name -> (path, body, status, param)
+    "negative max_tokens": ("/chat/completions", {**CHAT, "max_tokens": -5}, 400, "max_tokens"),
+    "a million samples": ("/chat/completions", {**CHAT, "n": 1_000_000}, 400, "n"),
+    "n=true": ("/chat/completions", {**CHAT, "n": True}, 400, "n"),
+    "temperature hot": ("/chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature"),
+    "negative temperature": ("/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature"),
+    "NaN temperature": ("/chat/completions", {**CHAT, "temperature": math.nan}, 400, "temperature"),
+    "top_p 7": ("/chat/completions", {**CHAT, "top_p": 7}, 400, "top_p"),
+    "top_p 0": ("/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p"),
+    "seed 2**70": ("/chat/completions", {**CHAT, "seed": 2**70}, 400, "seed"),
+    "seed 2**64": ("/completions", {**COMPLETION, "seed": 2**64}, 400, "seed"),
+    "max_tokens abc": ("/chat/completions", {**CHAT, "max_tokens": "abc"}, 400, "max_tokens"),
+    "max_tokens 1e400": ("/completions", json.dumps({**COMPLETION, "max_tokens": 42}).replace("42", "1e400").encode(),
+                         400, "max_tokens"),
+    "max_tokens NaN": ("/completions", {**COMPLETION, "max_tokens": math.nan}, 400, "max_tokens"),
+    "max_tokens past the context": ("/chat/completions", {**CHAT, "max_tokens": CONTEXT + 1}, 400, "max_tokens"),
+    "stop 5": ("/chat/completions", {**CHAT, "stop": 5}, 400, "stop"),
+    "stop [1, 2]": ("/completions", {**COMPLETION, "stop": [1, 2]}, 400, "stop"),
+    "20,000 stop strings": ("/chat/completions", {**CHAT, "stop": ["x"] * 20_000}, 400, "stop"),
+    "tools [1]": ("/chat/completions", {**CHAT, "tools": [1]}, 400, "tools[0]"),
+    "a dict as content": ("/chat/completions", {**CHAT, "messages": [{"role": "user", "content": {"a": 1}}]}, 400,
+                          "messages[0].content"),
+    "an unknown role": ("/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+                        "messages[0].role"),
+    "prompt ids past the vocabulary": ("/completions", {**COMPLETION, "prompt": [5, 10**9]}, 400, "prompt"),
+    "an empty prompt": ("/completions", {**COMPLETION, "prompt": ""}, 400, "prompt"),
+    "logprobs 99": ("/completions", {**COMPLETION, "logprobs": 99}, 400, "logprobs"),
+    "JSON 100,000 deep": ("/chat/completions", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    "JSON 100 deep": ("/chat/completions", {**CHAT, "metadata": functools.reduce(lambda x, _: [x], range(100), 0)},
+                      400, None),
+    "not JSON": ("/chat/completions", b"{'messages': ", 400, None),
+    "a lone surrogate": ("/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}, 400, None),
+    "10 MB": ("/chat/completions", {**CHAT, "user": "x" * 10 * 2**20}, 413, None),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_request_is_refused_naming_its_field_and_never_reaches_the_model(tokenizer, name):
+    path, body, status, param = HOSTILE[name]
+    response, asked = post(tokenizer, path, body)
+    error = refusal(response)
+    assert response.status_code == status and error["param"] == param and asked == []
+    if param is not None:
+        assert error["message"].startswith(param)  # names the field, then says what is wrong
+
+
+@PROPERTIES
+@given(path=st.sampled_from(["/chat/completions", "/completions"]), body=json_values)
+def test_any_json_body_is_answered_or_refused_never_a_server_error(tokenizer, path, body):
+    response, _ = post(tokenizer, path, body)
+    if response.status_code != 200:
+        refusal(response)
+
+
+@PROPERTIES
+@given(endpoint=st.sampled_from([("/chat/completions", CHAT, CHAT_PATHS), ("/completions", COMPLETION,
+                                                                          COMPLETION_PATHS)])
+       .flatmap(lambda e: st.tuples(st.just(e[0]), st.just(e[1]), st.sampled_from(e[2]))), value=json_values)
+def test_a_valid_body_with_one_field_replaced_is_answered_or_refused_naming_that_field(tokenizer, endpoint, value):
+    path, body, field = endpoint
+    response, asked = post(tokenizer, path, with_field(body, field, value))
+    if response.status_code == 200:
+        assert len(asked) == 1
+        return
+    error = refusal(response)
+    assert response.status_code == 400 and asked == [], error
+    if error["param"] is None:  # refused as a whole: a string no tokenizer takes may sit in any field
+        assert "not valid Unicode" in error["message"]
+    else:
+        named = "max_" if field[0] in ("max_tokens", "max_completion_tokens") else field[0]  # either names the budget
+        assert error["param"].startswith(named), error
+
+
+@PROPERTIES
+@given(n=st.integers(1, 4), temperature=st.floats(0, 2), top_p=st.floats(0, 1, exclude_min=True),
+       seed=st.none() | st.integers(0, 2**63 - 1), max_tokens=st.integers(1, CONTEXT),
+       stop=st.lists(st.text(max_size=8), max_size=16))
+def test_any_settings_within_the_bounds_are_answered_and_reach_the_model_as_asked(tokenizer, n, temperature, top_p,
+                                                                                    seed, max_tokens, stop):
+    body = {**CHAT, "n": n, "temperature": temperature, "top_p": top_p, "seed": seed, "max_tokens": max_tokens,
+            "stop": stop}
+    response, (asked,) = post(tokenizer, "/chat/completions", body)
+    assert response.status_code == 200 and len(response.json()["choices"]) == n
+    gconfig = asked["gconfig"]
+    assert (gconfig["n"], gconfig["temperature"], gconfig["top_p"]) == (n, temperature, top_p)
+    assert gconfig["seed"] == seed and gconfig["max_new_tokens"] == min(max_tokens, CONTEXT - len(asked["token_ids"]))

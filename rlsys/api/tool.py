@@ -51,9 +51,9 @@ def argument_errors(parameters: dict, arguments: dict) -> list[str]:
         if name not in properties:
             errors.append(f"unknown argument {name!r} (takes {sorted(properties)})")
             continue
-        expected = properties[name].get("type")
-        if expected in JSON_TYPES and (not isinstance(value, JSON_TYPES[expected])
-                                       or (isinstance(value, bool) and expected != "boolean")):
+        expected = properties[name].get("type")  # a list of types, or none, is not checked
+        if isinstance(expected, str) and expected in JSON_TYPES and (
+                not isinstance(value, JSON_TYPES[expected]) or (isinstance(value, bool) and expected != "boolean")):
             errors.append(f"argument {name!r} must be a JSON {expected}, got {type(value).__name__}")
     return errors
 

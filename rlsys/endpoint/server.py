@@ -4,7 +4,8 @@ One server per rollout worker process (FastAPI on uvicorn), started by the first
 episode opens a session under an API key of its own (a random secret, so the key both authenticates and
 attributes every call): `/v1/chat/completions`, `/v1/completions` and `/v1/models` answer for that
 episode only. A call with a key nobody opened is refused with 401, one with the key of an episode that
-ended with 410, a malformed request with 400; OpenAI's error body says why.
+ended with 410, a malformed request with 400 and one over MAX_BODY_BYTES with 413; OpenAI's error body says
+why, and for 400 which field (rlsys/endpoint/request_checks.py).
 """
 
 import asyncio
@@ -18,7 +19,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from rlsys.endpoint.session import EpisodeSession, RequestError
+from rlsys.endpoint.request_checks import MAX_BODY_BYTES, RequestError, json_body, too_large
+from rlsys.endpoint.session import EpisodeSession
 
 log = logging.getLogger(__name__)
 # The clients' HTTP libraries log every request at INFO: thousands of lines a minute in the rollout worker's log.
@@ -95,8 +97,7 @@ class Endpoint:
 
         @app.exception_handler(RequestError)
         async def refused(_request: Request, error: RequestError) -> JSONResponse:
-            return JSONResponse({"error": {"message": error.message, "type": "invalid_request_error",
-                                           "code": error.code}}, status_code=error.status)
+            return JSONResponse(error.body(), status_code=error.status)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
@@ -118,13 +119,13 @@ class Endpoint:
 
 
 async def _json_body(request: Request) -> dict:
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise RequestError(400, f"the request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, "the request body must be a JSON object")
-    return body
+    """The body as a JSON object; read no further than MAX_BODY_BYTES, whatever length the client declares."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise too_large()
+    return json_body(bytes(raw))
 
 
 _ENDPOINTS: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Task] = {}

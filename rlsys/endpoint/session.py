@@ -7,6 +7,8 @@ earlier ids plus the template's rendering of only the new messages); the reply's
 generated ids, which are kept as they are. Tool calls are parsed from that text in the call format of
 rlsys/tools/call_format.py and returned as OpenAI `tool_calls`.
 
+Every field a request sets is checked before any of it is used (rlsys/endpoint/request_checks.py).
+
 Extension (as vLLM names it): `"return_token_ids": true` adds `prompt_token_ids` to the response and
 `token_ids` to each choice.
 """
@@ -16,16 +18,12 @@ import json
 import time
 import uuid
 
+import jinja2
+
 from rlsys.api import GenerationConfig, GenerationOutput, Model
 from rlsys.endpoint.conversation import Conversation
+from rlsys.endpoint.request_checks import RequestError, Sampling, chat_request, completion_request
 from rlsys.tools.call_format import CALL, parse_turn
-
-class RequestError(Exception):
-    """A request the endpoint refuses: an HTTP status and OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
 
 
 class EpisodeSession:
@@ -38,90 +36,74 @@ class EpisodeSession:
         self.outputs: list[GenerationOutput] = []  # every reply the engine sent, in call order
 
     async def chat(self, body: dict) -> dict:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise RequestError(400, "'messages' must be a non-empty list of message objects")
-        if body.get("stream"):
-            raise RequestError(400, "streaming is not supported; call without stream=true")
-        tools = body.get("tools") or []
-        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools if "function" in t}
-        sample, prompt_ids = self.conversation.prompt_for(messages, tools)
-        output = await self.generate(prompt_ids, body)
+        messages, tools, sampling = chat_request(body, self.max_total_tokens)
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+        try:
+            sample, prompt_ids = self.conversation.prompt_for(messages, tools)
+        except jinja2.TemplateError as e:  # a template may refuse an order of roles, say
+            raise RequestError(400, f"the model's chat template refused these messages: {e}", param="messages") \
+                from None
+        output = await self.generate(prompt_ids, sampling)
         choices, replies, reasons = [], [], []
         for i, ids in enumerate(output.output_ids):
-            text = self.text(ids, body)
+            text = self.text(ids, sampling)
             reply, finish, recorded = self.reply_message(text, schemas, output.stop_reasons[i])
             replies.append(reply)
             reasons.append(recorded)
             choices.append({"index": i, "message": reply, "finish_reason": finish,
-                            "logprobs": {"content": self.token_logprobs(output, i)} if body.get("logprobs") else None,
-                            **self.token_ids(body, ids)})
+                            "logprobs": {"content": self.token_logprobs(output, i)} if sampling.logprobs else None,
+                            **self.token_ids(sampling, ids)})
         self.conversation.record(messages, sample, prompt_ids, output, replies, reasons)
-        return self.response("chat.completion", output, choices, body)
+        return self.response("chat.completion", output, choices, sampling)
 
     async def complete(self, body: dict) -> dict:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
-            raise RequestError(400, "'prompt' must be a string or a list of token ids (one prompt per call)")
-        if body.get("stream"):
-            raise RequestError(400, "streaming is not supported; call without stream=true")
+        prompt, sampling = completion_request(body, self.max_total_tokens, len(self.tokenizer))
         sample, prompt_ids = self.conversation.prompt_for_text(prompt)
-        output = await self.generate(prompt_ids, body)
+        output = await self.generate(prompt_ids, sampling)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
         choices, replies = [], []
         for i, ids in enumerate(output.output_ids):
-            completion = self.text(ids, body)
+            completion = self.text(ids, sampling)
             replies.append({"role": "assistant", "content": completion})
             logprobs = None
-            if body.get("logprobs") is not None:
+            if sampling.logprobs:
                 content = self.token_logprobs(output, i)
                 logprobs = {"tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content],
                             "top_logprobs": None, "text_offset": []}
             choices.append({"index": i, "text": completion, "finish_reason": _finish(output.stop_reasons[i]),
-                            "logprobs": logprobs, **self.token_ids(body, ids)})
+                            "logprobs": logprobs, **self.token_ids(sampling, ids)})
         self.conversation.record(text, sample, prompt_ids, output, replies, list(output.stop_reasons))
-        return self.response("text_completion", output, choices, body)
+        return self.response("text_completion", output, choices, sampling)
 
-    async def generate(self, prompt_ids: list[int], body: dict) -> GenerationOutput:
-        gconfig = self.generation_config(body, len(prompt_ids))
+    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> GenerationOutput:
+        gconfig = self.generation_config(sampling, len(prompt_ids))
         output = await self.model.generate(prompt_ids, gconfig)
-        output = _cut_at_stop_strings(output, self.stop_strings(body), self.tokenizer)
+        output = _cut_at_stop_strings(output, sampling.stop, self.tokenizer)
         self.outputs.append(output)
         return output
 
-    def generation_config(self, body: dict, prompt_length: int) -> GenerationConfig:
+    def generation_config(self, sampling: Sampling, prompt_length: int) -> GenerationConfig:
         """The agent's settings, with what the request sets; no more new tokens than the episode's budget leaves."""
+        if prompt_length == 0:  # nothing to continue: the inference worker would set the request aside
+            raise RequestError(400, "the prompt is empty: it renders to no tokens", param="prompt")
         room = self.max_total_tokens - prompt_length
         if room <= 0:
             raise RequestError(400, f"the prompt is {prompt_length} tokens; this endpoint's context is "
                                     f"{self.max_total_tokens} tokens", "context_length_exceeded")
-        n = body.get("n") or 1
-        if not isinstance(n, int) or n < 1:
-            raise RequestError(400, f"'n' must be a positive integer, got {n!r}")
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.defaults.max_new_tokens
-        single = [ids[0] for ids in (self.tokenizer.encode(s, add_special_tokens=False) for s in self.stop_strings(body))
+        settings = dict(sampling.settings)
+        asked = settings.pop("max_new_tokens", self.defaults.max_new_tokens)
+        single = [ids[0] for ids in (self.tokenizer.encode(s, add_special_tokens=False) for s in sampling.stop)
                   if len(ids) == 1]
-        changes = {"n": n, "max_new_tokens": min(int(asked), room),
-                   "stop_token_ids": list(self.defaults.stop_token_ids) + single}
-        for key, field in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed")):
-            if body.get(key) is not None:
-                changes[field] = body[key]
-        return dataclasses.replace(self.defaults, **changes)
+        return dataclasses.replace(self.defaults, **settings, max_new_tokens=min(asked, room),
+                                   stop_token_ids=list(self.defaults.stop_token_ids) + single)
 
-    def text(self, ids: list[int], body: dict) -> str:
+    def text(self, ids: list[int], sampling: Sampling) -> str:
         """What the client reads: the generated text up to the first stop string."""
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        for stop in self.stop_strings(body):
+        for stop in sampling.stop:
             if stop and stop in text:
                 text = text[:text.index(stop)]
         return text
-
-    @staticmethod
-    def stop_strings(body: dict) -> list[str]:
-        stop = body.get("stop") or []
-        return [stop] if isinstance(stop, str) else list(stop)
 
     def reply_message(self, text: str, schemas: dict, stop_reason: str) -> tuple[dict, str, str]:
         """The assistant message, OpenAI's finish reason, and the sample's recorded stop reason. A turn whose
@@ -146,16 +128,16 @@ class EpisodeSession:
                 for t, lp in zip(tokens, output.logprobs[i])]
 
     @staticmethod
-    def token_ids(body: dict, ids: list[int]) -> dict:
-        return {"token_ids": list(ids)} if body.get("return_token_ids") else {}
+    def token_ids(sampling: Sampling, ids: list[int]) -> dict:
+        return {"token_ids": list(ids)} if sampling.return_token_ids else {}
 
-    def response(self, kind: str, output: GenerationOutput, choices: list[dict], body: dict) -> dict:
+    def response(self, kind: str, output: GenerationOutput, choices: list[dict], sampling: Sampling) -> dict:
         response = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
                     "created": int(time.time()), "model": self.model_name, "choices": choices,
                     "usage": {"prompt_tokens": len(output.prompt_ids),
                               "completion_tokens": sum(len(ids) for ids in output.output_ids),
                               "total_tokens": len(output.prompt_ids) + sum(len(ids) for ids in output.output_ids)}}
-        if body.get("return_token_ids"):
+        if sampling.return_token_ids:
             response["prompt_token_ids"] = list(output.prompt_ids)
         return response
 

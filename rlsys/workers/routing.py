@@ -158,7 +158,8 @@ class EpisodeRouter:
         """The agent's `(qid, token_ids, gconfig)` and the message an inference worker takes for it, checked as
         the worker checks it."""
         if not (isinstance(request, tuple) and len(request) == 3 and isinstance(request[2], GenerationConfig)):
-            raise InvalidMessage(f"an episode's request must be (qid, token_ids, GenerationConfig), got {request!r:.80}")
+            raise InvalidMessage(f"an episode's request must be (qid, token_ids, GenerationConfig), "
+                                 f"got {request!r:.80}")
         qid, token_ids, gconfig = request
         rid = uuid.uuid4().hex  # agents may reuse a qid across turns; request ids never repeat
         token_ids = list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids

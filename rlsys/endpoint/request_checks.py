@@ -1,0 +1,209 @@
+"""What a client may send the endpoint, checked before any of it is used.
+
+A request body comes from code the run does not control: a user's agent, a framework's defaults. Whatever
+it holds must end in an answer the client can act on, never a 500, a crash in the router, or an episode
+left waiting for a reply the inference worker will never send (it sets a request outside its bounds
+aside). So every field the endpoint reads is checked here, once, before the conversation or the model sees
+it. A refusal is HTTP 400 in OpenAI's error shape, naming the field (`param`) and what is wrong with it; a
+body over MAX_BODY_BYTES is 413, and one nested deeper than MAX_JSON_DEPTH is 400, so nothing further in
+recurses through it.
+
+The sampling settings are held to the bounds every request to the model is held to
+(`rlsys.api.messages.generation_setting`, the check `Model`, the router and the inference worker run), and
+`max_tokens` to the episode's context as well. Fields the endpoint does not read are left alone: OpenAI
+clients send many.
+"""
+
+import json
+from dataclasses import dataclass
+
+from rlsys.api.messages import InvalidMessage, generation_setting
+
+MAX_BODY_BYTES = 2**20
+MAX_JSON_DEPTH = 64  # deeper than any tool schema; the chat template and json.dumps recurse through what they get
+MAX_STOP_STRINGS = 16  # each is searched for after every generated token
+MAX_STOP_CHARS = 256
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` is how many alternatives to list; OpenAI allows 5
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+# Request fields that are GenerationConfig fields of the same name (max_tokens is apart: it has two names, and
+# the context bounds it too).
+SAME_NAMED_SETTINGS = ("n", "temperature", "top_p", "seed")
+
+
+class RequestError(Exception):
+    """A request the endpoint refuses: an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(param: str, reason: str) -> RequestError:
+    return RequestError(400, f"{param} {reason}", "invalid_value", param)
+
+
+def too_large() -> RequestError:
+    return RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes", "request_too_large")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What a request asks of the model and of the reply."""
+
+    settings: dict  # the GenerationConfig fields the request sets
+    stop: list[str]  # the reply ends before the first of these
+    logprobs: bool  # each choice lists its tokens' logprobs
+    return_token_ids: bool  # the extension: the prompt's and each choice's token ids
+
+
+def json_body(raw: bytes) -> dict:
+    """The body as a JSON object, or RequestError(400) saying why it is not one."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise RequestError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
+        raise RequestError(400, f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    _refuse_deep_or_unencodable(body)
+    return body
+
+
+def _refuse_deep_or_unencodable(value) -> None:
+    """Walked without recursion, so the check itself cannot overflow the stack. JSON may escape a lone UTF-16
+    surrogate ("\\ud800"): no tokenizer takes the string it makes, so it is refused here."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            stack.extend((key, depth) for key in value)
+            stack.extend((child, depth + 1) for child in value.values())
+        elif isinstance(value, list):
+            stack.extend((child, depth + 1) for child in value)
+        elif isinstance(value, str) and not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise RequestError(400, "the request body holds a string that is not valid Unicode (a lone "
+                                        "surrogate)") from None
+
+
+def chat_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[dict], Sampling]:
+    """The messages, the tools and the sampling of a /v1/chat/completions body."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty list of message objects")
+    for i, message in enumerate(messages):
+        _message(message, f"messages[{i}]")
+    return messages, _tools(body.get("tools")), sampling(body, max_total_tokens, completion=False)
+
+
+def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tuple[str | list[int], Sampling]:
+    """The prompt (text, or token ids below `vocab_size`) and the sampling of a /v1/completions body."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    ids = isinstance(prompt, list) and all(type(t) is int and 0 <= t < vocab_size for t in prompt)
+    if not (isinstance(prompt, str) or ids) or not prompt:
+        raise invalid("prompt", f"must be a non-empty string or list of token ids below {vocab_size} (one prompt "
+                                f"per call)")
+    return prompt, sampling(body, max_total_tokens, completion=True)
+
+
+def sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
+    if _flag(body, "stream"):
+        raise invalid("stream", "is not supported; call without stream=true")
+    settings = {name: _setting(name, body[name], name) for name in SAME_NAMED_SETTINGS if body.get(name) is not None}
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get(param) is not None:
+        settings["max_new_tokens"] = _setting("max_new_tokens", body[param], param)
+        if settings["max_new_tokens"] > max_total_tokens:
+            raise invalid(param, f"must be at most this endpoint's context of {max_total_tokens} tokens, "
+                                 f"got {settings['max_new_tokens']}")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
+            and all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stop)):
+        raise invalid("stop", f"must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of at most "
+                              f"{MAX_STOP_CHARS} characters")
+    return Sampling(settings, stop, _logprobs(body, completion), _flag(body, "return_token_ids"))
+
+
+def _setting(name: str, value, param: str):
+    try:
+        return generation_setting(name, value, param)
+    except InvalidMessage as e:
+        raise RequestError(400, str(e), "invalid_value", param) from None
+
+
+def _logprobs(body: dict, completion: bool) -> bool:
+    """Chat asks with true/false; completions with how many alternatives to list (0 lists none but the token)."""
+    if not completion:
+        return _flag(body, "logprobs")
+    value = body.get("logprobs")
+    if value is not None and (type(value) is not int or not 0 <= value <= MAX_COMPLETION_LOGPROBS):
+        raise invalid("logprobs", f"must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] or null")
+    return value is not None
+
+
+def _flag(body: dict, param: str) -> bool:
+    value = body.get(param)
+    if value is not None and not isinstance(value, bool):
+        raise invalid(param, "must be true, false or null")
+    return bool(value)
+
+
+def _message(message, where: str) -> None:
+    """Everything `rlsys.endpoint.conversation` reads of a message: its role, text, tool calls and call id."""
+    if not isinstance(message, dict):
+        raise invalid(where, "must be a message object")
+    if not isinstance(message.get("role"), str) or message["role"] not in ROLES:
+        raise invalid(f"{where}.role", f"must be one of {sorted(ROLES)}")
+    content = message.get("content")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
+                raise invalid(f"{where}.content[{j}]", "must be a content part object whose text is a string")
+    elif content is not None and not isinstance(content, str):
+        raise invalid(f"{where}.content", "must be a string, a list of content parts or null")
+    calls = message.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise invalid(f"{where}.tool_calls", "must be a list of tool calls or null")
+    for j, call in enumerate(calls or []):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), (str, dict, type(None)))):
+            raise invalid(f"{where}.tool_calls[{j}]", 'must be {"function": {"name": a string, "arguments": a JSON '
+                                                      'string}}')
+    if not isinstance(message.get("tool_call_id"), (str, type(None))):
+        raise invalid(f"{where}.tool_call_id", "must be a string or null")
+
+
+def _tools(tools) -> list[dict]:
+    """Function tools whose parameters schema is what tool calls are checked against (rlsys.api.tool)."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise invalid("tools", "must be a list of function tools or null")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
+            raise invalid(f"tools[{i}]", 'must be {"type": "function", "function": {"name": a non-empty string, '
+                                         '"parameters": a JSON schema}}')
+        parameters = function.get("parameters")
+        if parameters is None:
+            continue
+        properties = parameters.get("properties", {}) if isinstance(parameters, dict) else None
+        required = parameters.get("required", []) if isinstance(parameters, dict) else None
+        if not (isinstance(properties, dict) and all(isinstance(p, dict) for p in properties.values())
+                and isinstance(required, list) and all(isinstance(name, str) for name in required)):
+            raise invalid(f"tools[{i}].function.parameters", "must be a JSON schema object: properties an object of "
+                                                             "objects, required a list of names")
+    return tools
