@@ -42,7 +42,7 @@ class RequestError(Exception):
                           "code": self.code}}
 
 
-def invalid(param: str, reason: str) -> RequestError:
+def _invalid(param: str, reason: str) -> RequestError:
     return RequestError(400, f"{param} {reason}", "invalid_value", param)
 
 
@@ -99,10 +99,10 @@ def chat_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[di
     """The messages, the tools and the sampling of a /v1/chat/completions body."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "must be a non-empty list of message objects")
+        raise _invalid("messages", "must be a non-empty list of message objects")
     for i, message in enumerate(messages):
         _message(message, f"messages[{i}]")
-    return messages, _tools(body.get("tools")), sampling(body, max_total_tokens, completion=False)
+    return messages, _tools(body.get("tools")), _sampling(body, max_total_tokens, completion=False)
 
 
 def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tuple[str | list[int], Sampling]:
@@ -112,27 +112,27 @@ def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tu
         prompt = prompt[0]  # a batch of one
     ids = isinstance(prompt, list) and all(type(t) is int and 0 <= t < vocab_size for t in prompt)
     if not (isinstance(prompt, str) or ids) or not prompt:
-        raise invalid("prompt", f"must be a non-empty string or list of token ids below {vocab_size} (one prompt "
-                                f"per call)")
-    return prompt, sampling(body, max_total_tokens, completion=True)
+        raise _invalid("prompt", f"must be a non-empty string or list of token ids below {vocab_size} (one prompt "
+                                 f"per call)")
+    return prompt, _sampling(body, max_total_tokens, completion=True)
 
 
-def sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
+def _sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
     if _flag(body, "stream"):
-        raise invalid("stream", "is not supported; call without stream=true")
+        raise _invalid("stream", "is not supported; call without stream=true")
     settings = {name: _setting(name, body[name], name) for name in SAME_NAMED_SETTINGS if body.get(name) is not None}
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if body.get(param) is not None:
         settings["max_new_tokens"] = _setting("max_new_tokens", body[param], param)
         if settings["max_new_tokens"] > max_total_tokens:
-            raise invalid(param, f"must be at most this endpoint's context of {max_total_tokens} tokens, "
-                                 f"got {settings['max_new_tokens']}")
+            raise _invalid(param, f"must be at most this endpoint's context of {max_total_tokens} tokens, "
+                                  f"got {settings['max_new_tokens']}")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
             and all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stop)):
-        raise invalid("stop", f"must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of at most "
-                              f"{MAX_STOP_CHARS} characters")
+        raise _invalid("stop", f"must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of at most "
+                               f"{MAX_STOP_CHARS} characters")
     return Sampling(settings, stop, _logprobs(body, completion), _flag(body, "return_token_ids"))
 
 
@@ -149,41 +149,41 @@ def _logprobs(body: dict, completion: bool) -> bool:
         return _flag(body, "logprobs")
     value = body.get("logprobs")
     if value is not None and (type(value) is not int or not 0 <= value <= MAX_COMPLETION_LOGPROBS):
-        raise invalid("logprobs", f"must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] or null")
+        raise _invalid("logprobs", f"must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] or null")
     return value is not None
 
 
 def _flag(body: dict, param: str) -> bool:
     value = body.get(param)
     if value is not None and not isinstance(value, bool):
-        raise invalid(param, "must be true, false or null")
+        raise _invalid(param, "must be true, false or null")
     return bool(value)
 
 
 def _message(message, where: str) -> None:
     """Everything `rlsys.endpoint.conversation` reads of a message: its role, text, tool calls and call id."""
     if not isinstance(message, dict):
-        raise invalid(where, "must be a message object")
+        raise _invalid(where, "must be a message object")
     if not isinstance(message.get("role"), str) or message["role"] not in ROLES:
-        raise invalid(f"{where}.role", f"must be one of {sorted(ROLES)}")
+        raise _invalid(f"{where}.role", f"must be one of {sorted(ROLES)}")
     content = message.get("content")
     if isinstance(content, list):
         for j, part in enumerate(content):
             if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
-                raise invalid(f"{where}.content[{j}]", "must be a content part object whose text is a string")
+                raise _invalid(f"{where}.content[{j}]", "must be a content part object whose text is a string")
     elif content is not None and not isinstance(content, str):
-        raise invalid(f"{where}.content", "must be a string, a list of content parts or null")
+        raise _invalid(f"{where}.content", "must be a string, a list of content parts or null")
     calls = message.get("tool_calls")
     if calls is not None and not isinstance(calls, list):
-        raise invalid(f"{where}.tool_calls", "must be a list of tool calls or null")
+        raise _invalid(f"{where}.tool_calls", "must be a list of tool calls or null")
     for j, call in enumerate(calls or []):
         function = call.get("function") if isinstance(call, dict) else None
         if not (isinstance(function, dict) and isinstance(function.get("name"), str)
                 and isinstance(function.get("arguments"), (str, dict, type(None)))):
-            raise invalid(f"{where}.tool_calls[{j}]", 'must be {"function": {"name": a string, "arguments": a JSON '
-                                                      'string}}')
+            raise _invalid(f"{where}.tool_calls[{j}]", 'must be {"function": {"name": a string, "arguments": a JSON '
+                                                       'string}}')
     if not isinstance(message.get("tool_call_id"), (str, type(None))):
-        raise invalid(f"{where}.tool_call_id", "must be a string or null")
+        raise _invalid(f"{where}.tool_call_id", "must be a string or null")
 
 
 def _tools(tools) -> list[dict]:
@@ -191,12 +191,12 @@ def _tools(tools) -> list[dict]:
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise invalid("tools", "must be a list of function tools or null")
+        raise _invalid("tools", "must be a list of function tools or null")
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
-            raise invalid(f"tools[{i}]", 'must be {"type": "function", "function": {"name": a non-empty string, '
-                                         '"parameters": a JSON schema}}')
+            raise _invalid(f"tools[{i}]", 'must be {"type": "function", "function": {"name": a non-empty string, '
+                                          '"parameters": a JSON schema}}')
         parameters = function.get("parameters")
         if parameters is None:
             continue
@@ -204,6 +204,6 @@ def _tools(tools) -> list[dict]:
         required = parameters.get("required", []) if isinstance(parameters, dict) else None
         if not (isinstance(properties, dict) and all(isinstance(p, dict) for p in properties.values())
                 and isinstance(required, list) and all(isinstance(name, str) for name in required)):
-            raise invalid(f"tools[{i}].function.parameters", "must be a JSON schema object: properties an object of "
-                                                             "objects, required a list of names")
+            raise _invalid(f"tools[{i}].function.parameters", "must be a JSON schema object: properties an object of "
+                                                              "objects, required a list of names")
     return tools
