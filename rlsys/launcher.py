@@ -62,7 +62,7 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
     accounting continues from the checkpoint's (a fresh run's dead letters are cleared; a resumed
     one keeps those of its earlier part)."""
     cluster = config.cluster
-    bus.delete(protocol.STOP, protocol.LEARNER_DONE, protocol.WEIGHTS, protocol.TRAJECTORIES,
+    bus.delete(protocol.STOP, protocol.LEARNER_DONE, protocol.WEIGHTS, protocol.LOGPROB_PROBES, protocol.TRAJECTORIES,
                *(protocol.eval_result(tag) for tag in (("final",) if keep_initial_eval else ("initial", "final"))),
                *(key for i in range(cluster.n_inference_workers)
                  for key in (protocol.generation_requests(i), protocol.inference_status(i))),

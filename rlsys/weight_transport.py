@@ -28,6 +28,7 @@ import shutil
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 KEEP_VERSIONS = 3  # disk: an inference worker may still be reading a slightly older version
 ALIGN = 64  # bytes: every tensor in the buffer starts aligned, so it can be viewed in place as its dtype
 IO_TIMEOUT = 30.0  # seconds without progress after which a transfer counts as broken off
+RETRY_SECONDS = 1.0  # a worker tries an announcement it could not fetch again at most this often
 _LENGTH = struct.Struct(">I")  # the length of each msgpack frame (request, header)
 MAX_FRAME_BYTES = 64 << 20  # a request or header longer than this is not one of ours
 
@@ -209,18 +211,25 @@ class WeightReceiver:
         self.received_streamed = 0  # versions that arrived over the stream
         self.failed_fetches = 0  # transfers that could not be had whole (the learner restarting, a broken link)
         self._buffer: torch.Tensor | None = None
+        self._failed: tuple[str, int, float] | None = None  # (address, version, when) of the last failed fetch
 
     def receive(self, published) -> Received | None:
         """`published` (rlsys.api.messages.PublishedWeights) as loadable weights; None if it cannot be had now."""
         if published.path:
             return Received(published.version, published.path, published.checksum, published.dtype)
+        announcement = (published.address, published.version)
+        if self._failed and self._failed[:2] == announcement and time.monotonic() - self._failed[2] < RETRY_SECONDS:
+            return None
         try:
             received = fetch(published.address, published.token, self._buffer)
         except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            if not self._failed or self._failed[:2] != announcement:  # one line per announcement, not per retry
+                log.warning("could not fetch version %d from the learner at %s (%s); serving the weights held and "
+                            "trying again every %.0f s", published.version, published.address, e, RETRY_SECONDS)
+            self._failed = (*announcement, time.monotonic())
             self.failed_fetches += 1
-            log.warning("could not fetch version %d from the learner at %s (%s); serving the weights held and "
-                        "trying again at the next check", published.version, published.address, e)
             return None
+        self._failed = None
         self.received_streamed += 1
         self._buffer = received.buffer
         return received
