@@ -239,6 +239,9 @@ class ClusterConfig:
     """Seconds without a heartbeat after which an inference worker counts as dead and its requests are re-sent."""
     max_role_restarts: int = 3
     """Times each role process (and the private redis-server) is restarted after dying before the run stops."""
+    stall_timeout: float = 120.0
+    """Seconds with no prompt in flight, none admitted and no new weights (mid-training) after which the run stops
+    with an error that says what the gate and the counters hold; 0: never (rlsys/stall.py)."""
     redis_port: int = 0
     """Port of the private Redis (loopback only); 0 picks a free one. Ignored with redis_url."""
     max_message_mb: float = 64.0
@@ -276,6 +279,8 @@ class ClusterConfig:
     def __post_init__(self):
         check_at_least("cluster.", self, n_inference_workers=1, n_rollout_workers=1, redis_port=0, max_role_restarts=0,
                            max_failed_in_a_row=0, n_learner_ranks=1)
+        if self.stall_timeout < 0:
+            raise ValueError(f"cluster.stall_timeout must be 0 (never) or positive, got {self.stall_timeout}")
         if self.inference_dead_after <= 0:
             raise ValueError(f"cluster.inference_dead_after must be positive, got {self.inference_dead_after}")
         if self.redis_port > 65535:

@@ -21,6 +21,7 @@ from rlsys.placement.cpu_threads import role_threads
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_message_bus
 from rlsys.run_privacy import PRIVATE_UMASK, make_private, write_private
+from rlsys.stall import StallWatch
 from rlsys.supervisor import CANNOT_GO_ON_EXIT, LearnerFailed, RoleFailed, RunCannotGoOn, Supervisor
 
 log = logging.getLogger("rlsys")
@@ -282,13 +283,15 @@ def launch(config) -> dict:
             config, lambda role, index: placement.start(role, index, (config_to_dict(config), bus_url, str(run_dir))), server)
         report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps,
                                   config.max_steps, bus)
+        stall = StallWatch(config)
         restarted = False
         try:
             while True:
                 initialize_bus_state(bus, config, trainer_state, keep_initial_eval=restarted)
                 supervisor.start()
+                stall.state = None  # a new part of the run starts its own clock
                 try:
-                    supervisor.watch(bus, report)
+                    supervisor.watch(bus, lambda: (report(), stall.check(bus)))
                     report()
                     break
                 except LearnerFailed as e:

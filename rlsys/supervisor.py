@@ -62,7 +62,8 @@ class Supervisor:
         self.processes = {(role, index): self.start_role(role, index) for role, index in roles}
 
     def watch(self, bus, report) -> None:
-        """Returns when every rollout worker finished; restarts what died, or raises RoleFailed."""
+        """Returns when every rollout worker finished; restarts what died, or raises RoleFailed. `report()` runs
+        every poll (progress lines, the stall check), its bus reads treated as the supervisor's own."""
         done_keys = [protocol.rollout_done(i) for i in range(self.config.cluster.n_rollout_workers)]
         while True:
             self.restart_dead_server()
@@ -70,12 +71,12 @@ class Supervisor:
                 if all(bus.get(key) for key in done_keys):
                     return
                 self.restart_dead_roles(bus)
+                report()
             except redis.ConnectionError:
                 if self.server is None:
                     raise
                 # Our server went down after the check above (SIGTERM, or shutting down): the next turn
                 # restarts it once its process has exited. `bus` must not wait out restarts, or nobody would.
-            report()
             time.sleep(POLL_SECONDS)
 
     def restart_dead_server(self) -> None:

@@ -1,0 +1,52 @@
+"""A run that can no longer make progress says why and stops, instead of waiting in silence.
+
+Between the initial evaluation and the learner's last step, prompts must keep moving. With no prompt in flight,
+none admitted and no new version published, nothing in the run can change that: the learner waits for groups that
+nobody is generating, and the rollout workers wait for a gate that only a trained step opens. Held for
+`cluster.stall_timeout` seconds, that state stops the run with what the gate and the counters say. Prompts in
+flight are not a stall here: a hanging environment, agent or model call is ended by its own timeout and counted.
+"""
+
+import time
+
+from rlsys import accounting, protocol
+from rlsys.supervisor import RoleFailed
+
+
+class RunStalled(RoleFailed):
+    """Nothing in flight, nothing admitted, no new weights: the run would wait forever."""
+
+
+class StallWatch:
+    """Called every supervisor poll; raises RunStalled once the run has stood still for `timeout` seconds (0: never)."""
+
+    def __init__(self, config, clock=time.monotonic):
+        self.timeout = config.cluster.stall_timeout
+        self.batch_size, self.eta = config.ppo.batch_size, config.max_head_offpolicyness
+        self.clock = clock
+        self.state: tuple | None = None
+        self.since = 0.0
+
+    def check(self, bus) -> None:
+        if not self.timeout:
+            return
+        now = self.clock()
+        if not bus.get(protocol.eval_result("initial")) or bus.get(protocol.LEARNER_DONE) is not None:
+            self.state = None  # starting, or past the last step: the final evaluation is no stall
+            return
+        counts = accounting.counts(bus)
+        weights = bus.get(protocol.WEIGHTS)
+        version = weights.get("version") if isinstance(weights, dict) else None
+        state = (counts[accounting.ADMITTED], version)
+        if counts["in_flight"] or state != self.state:
+            self.state, self.since = (None if counts["in_flight"] else state), now
+            return
+        if now - self.since >= self.timeout:
+            raise RunStalled(self.explain(counts, version, bus.get(protocol.ADMITTED)))
+
+    def explain(self, counts: dict, version, gate) -> str:
+        return (f"the run stood still for {self.timeout:.0f} s (cluster.stall_timeout): no prompt in flight, none "
+                f"admitted, no new weights (last published version: {version if version is not None else 'none'}). "
+                f"The learner waits for {self.batch_size} groups that nobody is generating. The staleness gate holds "
+                f"{gate} prompts against a limit of (version served + {self.eta} + 1) x {self.batch_size}; "
+                f"{accounting.describe(counts)}. The rollout workers' logs say why they admit nothing")

@@ -1,0 +1,93 @@
+"""A run that can no longer make progress stops with an error that says why, instead of waiting in silence."""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments import AsyncPPOMATHConfig
+from rlsys import accounting, protocol
+from rlsys.bus import InProcessBus
+from rlsys.cli import parse_config
+from rlsys.launcher import launch
+from rlsys.stall import RunStalled, StallWatch
+from tests.helpers import child_pids, left_behind, small_run_overrides
+from tests.test_training_loop import run_bus
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
+    config = AsyncPPOMATHConfig()
+    config.cluster.stall_timeout = 60
+    bus, clock = InProcessBus(), Clock()
+    watch = StallWatch(config, clock)
+
+    def after(seconds: float) -> None:
+        clock.now += seconds
+        watch.check(bus)
+
+    after(0)
+    after(1000)  # starting: no initial evaluation yet
+    bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
+    accounting.admit(bus, "p1")
+    after(0)
+    after(1000)  # a prompt in flight: its own timeouts end it
+    accounting.settle(bus, "p1", accounting.TRAINED)
+    after(0)
+    after(59)
+    bus.set(protocol.WEIGHTS, {"version": 1, "path": "/w"})  # a new version: progress
+    after(59)
+    accounting.admit(bus, "p2")
+    accounting.settle(bus, "p2", accounting.TRAINED)  # admitted and trained between two polls: progress
+    after(59)
+    bus.set(protocol.ADMITTED, 64)
+    after(59)
+    with pytest.raises(RunStalled, match=r"stood still for 60 s \(cluster.stall_timeout\).*last published version: 1"
+                                         r".*holds 64 prompts.*2 admitted = 2 trained"):
+        after(1)
+    bus.set(protocol.LEARNER_DONE, 1)
+    after(1000)  # the final evaluation
+    config.cluster.stall_timeout = 0
+    bus.delete(protocol.LEARNER_DONE)
+    never = StallWatch(config, clock)
+    never.check(bus)
+    clock.now += 10**6
+    never.check(bus)
+
+
+def test_a_run_whose_gate_never_opens_again_stops_with_the_reason(cache_dir, tmp_path):
+    """The staleness gate's counter is pushed past any limit mid-run (as a restart that kept a stale gate would
+    leave it): once what was in flight is trained, the run stops with RunStalled instead of waiting forever."""
+    existing = child_pids()
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "trial_name=stall", "max_steps=50", "eval_steps=0", "cluster.stall_timeout=5"])
+    run_dir = Path(config.output_dir) / "async-ppo-math" / "stall"
+
+    def close_the_gate() -> None:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "redis" / "redis.conf").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        bus = run_bus(run_dir)
+        while ((bus.get(protocol.WEIGHTS) or {}).get("version") or 0) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        bus.set(protocol.ADMITTED, 10**6)
+        bus.close()
+
+    closer = threading.Thread(target=close_the_gate, daemon=True)
+    closer.start()
+    started = time.monotonic()
+    with pytest.raises(RunStalled, match="holds 10000.. prompts"):
+        launch(config)
+    closer.join(timeout=10)
+    assert time.monotonic() - started < 300
+    assert left_behind(tmp_path, existing) == []
