@@ -33,10 +33,11 @@ def weights_checksum(tensors: dict[str, torch.Tensor], dtype: str | None = None)
         if cast is not None and t.is_floating_point():
             t = t.to(cast)
         names.append(f"{name}|{t.dtype}|{tuple(t.shape)}")
-        sums.append(_integer_sums(t.contiguous()).cpu())  # three numbers: no device sync per tensor of note
+        sums.append(_integer_sums(t.contiguous()))
     digest = hashlib.blake2b("\n".join(names).encode(), digest_size=16)
-    if sums:
-        digest.update(torch.stack(sums).numpy().tobytes())
+    if sums:  # one copy to the host for the whole model, not a synchronisation per tensor
+        on_one_device = len({s.device for s in sums}) == 1
+        digest.update(torch.stack(sums if on_one_device else [s.cpu() for s in sums]).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
