@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from rlsys.supervisor import RunCannotGoOn
+from rlsys.errors import RunCannotGoOn
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_message_bus
 from rlsys.run_privacy import PRIVATE_UMASK, make_private, write_private
 from rlsys.stall import StallWatch
-from rlsys.supervisor import CANNOT_GO_ON_EXIT, LearnerFailed, RoleFailed, RunCannotGoOn, Supervisor
+from rlsys.errors import LearnerFailed, RoleFailed, RunCannotGoOn
+from rlsys.supervisor import CANNOT_GO_ON_EXIT, Supervisor
 
 log = logging.getLogger("rlsys")
 

@@ -10,7 +10,7 @@ flight are not a stall here: a hanging environment, agent or model call is ended
 import time
 
 from rlsys import accounting, protocol
-from rlsys.supervisor import RoleFailed
+from rlsys.errors import RoleFailed
 
 
 class RunStalled(RoleFailed):

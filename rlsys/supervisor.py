@@ -25,24 +25,13 @@ import time
 import redis
 
 from rlsys import protocol
+from rlsys.errors import LearnerFailed, RoleFailed
 from rlsys.workers.inference_status import InferenceStatus
 
 log = logging.getLogger("rlsys")
 STOP_GRACE_SECONDS = 20
 POLL_SECONDS = 0.5
 CANNOT_GO_ON_EXIT = 3
-
-
-class RoleFailed(RuntimeError):
-    """A role process died and could not be restarted; the run cannot go on."""
-
-
-class RunCannotGoOn(RuntimeError):
-    """Raised in a role that found the run cannot go on; the message says why and what to fix."""
-
-
-class LearnerFailed(RoleFailed):
-    """The learner died: the run can only go on from its last checkpoint."""
 
 
 class Supervisor:

@@ -16,7 +16,7 @@ import hashlib
 
 import torch
 
-from rlsys.supervisor import RunCannotGoOn
+from rlsys.errors import RunCannotGoOn
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 

@@ -18,7 +18,7 @@ from rlsys.engine.generation import GenerationEngine
 from rlsys.engine.transformers_engine import TransformersBackend
 from rlsys.engine.weights import WEIGHTS_FILE, write_weight_update
 from rlsys.impl.agent.model_client import ModelClient
-from rlsys.supervisor import RunCannotGoOn
+from rlsys.errors import RunCannotGoOn
 from rlsys.weight_checksum import WeightChecksumMismatch, weights_checksum
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.learner import Learner

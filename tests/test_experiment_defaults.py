@@ -35,7 +35,7 @@ def test_a_run_that_cannot_go_on_ends_with_one_error_line(monkeypatch, capsys):
     import importlib.util
     from pathlib import Path
 
-    from rlsys.supervisor import RoleFailed
+    from rlsys.errors import RoleFailed
 
     entry = Path(__file__).resolve().parents[1] / "training" / "main_async_ppo.py"
     spec = importlib.util.spec_from_file_location("main_async_ppo_entry", entry)

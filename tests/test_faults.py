@@ -22,7 +22,7 @@ from rlsys.bus import EmbeddedRedis, RedisBus
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
-from rlsys.supervisor import RoleFailed
+from rlsys.errors import RoleFailed
 from tests.helpers import child_pids, left_behind, small_run_overrides
 
 FAULTY_PLUGIN = '''

@@ -12,7 +12,7 @@ from rlsys.bus import InProcessBus
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
 from rlsys.stall import RunStalled, StallWatch
-from rlsys.supervisor import RoleFailed
+from rlsys.errors import RoleFailed
 from tests.helpers import child_pids, left_behind, small_run_overrides
 from tests.test_training_loop import run_bus
 

@@ -16,7 +16,7 @@ from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
-from rlsys.supervisor import RoleFailed
+from rlsys.errors import RoleFailed
 from tests.helpers import child_pids, left_behind, small_run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from rlsys.accounting import describe  # noqa: E402
 from rlsys.cli import ConfigError, parse_config  # noqa: E402
 from rlsys.launcher import launch  # noqa: E402
 from rlsys.preflight import StartupError  # noqa: E402
-from rlsys.supervisor import RoleFailed  # noqa: E402
+from rlsys.errors import RoleFailed  # noqa: E402
 
 
 def main(argv: list[str]) -> dict:

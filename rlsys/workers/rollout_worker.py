@@ -16,7 +16,7 @@ from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, group_message
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
-from rlsys.supervisor import RunCannotGoOn
+from rlsys.errors import RunCannotGoOn
 from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
