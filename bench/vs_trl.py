@@ -1,7 +1,8 @@
 """rlsys against TRL's GRPOTrainer on the default task: trained samples/s, held-out accuracy over time, time to +20.
 
     pip install -e .[dev]      # TRL is a dev extra, never part of the default install
-    python3 bench/vs_trl.py [--steps 180] [--snapshot-steps 10] [--out bench/results/vs_trl.json] [key=value ...]
+    python3 bench/vs_trl.py [--steps 180] [--snapshot-steps 10] [--task NAME] [--out bench/results/vs_trl.json] \
+        [key=value ...]
 
 One command, one run after the other on the same machine: TRL 1.16's `GRPOTrainer` (one process, HF `generate`, on
 CPU with `--trl-threads` torch threads, by default every core) and then rlsys's default run
@@ -28,6 +29,9 @@ gives the most samples/s rlsys's CPU per sample allows with every core busy, aga
 table gives the time to +10 points too (what a short run shows when one side does not reach +20). The last line is
 `ratio: <TRL time-to-target / rlsys time-to-target>` for +20 held-out points over the shared starting accuracy.
 `--variant NAME:SETTINGS` adds rlsys runs with other settings (e.g. the colocated placement) beside the default.
+`--task NAME` puts both sides on another registered one-turn math experiment instead of the default task, e.g.
+`async-ppo-math-long` (long answers, as in reasoning RL): its dataset, its warm-started model, its max new tokens
+and its math check, with its own hyper-parameters where it changes the default's.
 """
 
 import argparse
@@ -44,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.launched_runs import launch, learner_rows, parse_run_arguments  # noqa: E402
 
 TARGET_POINTS = 20.0
+DEFAULT_TASK = "async-ppo-math"
+ONE_TURN_MATH = ("math-single-step", "math-code-single-step")  # (agent, env): the episodes TRL's side plays
 
 
 def correct(answer: str, reference: str) -> bool:
@@ -78,12 +84,21 @@ def first_reaching(curve: list[tuple], accuracy: float) -> tuple[int, float] | N
     return next(((b, t) for b, _, t, a in curve if a >= accuracy - 1e-9), None)  # 0.568 is 0.368 + 0.2
 
 
+def task_settings(task: str) -> list[str]:
+    """The settings that pick `task` for both sides: none for the default task, so its commands stay as they were."""
+    return [] if task == DEFAULT_TASK else [f"experiment={task}"]
+
+
 def prepared_config(overrides: list[str]):
-    """The default run's config with its dataset and warm-started model ready (built into the cache if absent)."""
+    """The run's config with its dataset and warm-started model ready (built into the cache if absent); refused
+    unless its episodes are what TRL's side plays: one answer a prompt, scored by the math check."""
     from rlsys.assets import prepare_assets
     from rlsys.cli import parse_config
 
     config = parse_config(overrides)
+    if (config.agent.name, config.env.name) != ONE_TURN_MATH:
+        raise SystemExit(f"vs_trl compares one-turn math tasks (agent {ONE_TURN_MATH[0]}, env {ONE_TURN_MATH[1]}); "
+                         f"this one has agent {config.agent.name}, env {config.env.name}")
     prepare_assets(config)
     return config
 
@@ -218,11 +233,13 @@ class WeightKeeper(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
+        import redis
+
         bus = None
         while not self.done.is_set():
             bus = bus or self.connect()
             if bus is not None:
-                with contextlib.suppress(ConnectionError, OSError):  # the run's Redis stopped at its end
+                with contextlib.suppress(redis.ConnectionError, OSError):  # the run's Redis stopped at its end
                     self.keep_new(bus.get("weights:latest"))
             time.sleep(0.02)
 
@@ -286,6 +303,7 @@ def main() -> None:
     parser.add_argument("--snapshot-steps", type=int, default=10, help="evaluate both sides every this many batches")
     parser.add_argument("--skip-trl", action="store_true", help="run rlsys only (no ratio)")
     parser.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0: every core")
+    parser.add_argument("--task", default=DEFAULT_TASK, help="registered one-turn math experiment both sides train on")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:SETTINGS",
                         help="one more rlsys run after the default one, e.g. 'colocated:cluster.colocate=true "
                              "max_head_offpolicyness=0' (repeatable); reported beside it, not in the ratio")
@@ -298,7 +316,8 @@ def main() -> None:
     from rlsys.data.prompts import row_prompt_ids
     from rlsys.model.tokenizer import load_tokenizer
 
-    config = prepared_config(args.overrides)
+    overrides = [*task_settings(args.task), *args.overrides]
+    config = prepared_config(overrides)
     fmt = config.dataset.row_format()
     train_rows, eval_rows = load_rows(config.dataset.path, fmt), load_rows(config.dataset.eval_path, fmt)
     tokenizer = load_tokenizer(config.model.path)
@@ -316,7 +335,7 @@ def main() -> None:
     runs = [("rlsys", [])] + [(name, settings.split()) for name, _, settings in variants]
     for name, settings in runs:
         load = os.getloadavg()[0]
-        sides[name] = run_rlsys(args.steps, args.snapshot_steps, [*args.overrides, *settings], out_dir, name)
+        sides[name] = run_rlsys(args.steps, args.snapshot_steps, [*overrides, *settings], out_dir, name)
         sides[name]["load_average"] = (load, os.getloadavg()[0])
         print(f"  {name}: {args.steps} batches in {sides[name]['wall_s']:.0f} s", flush=True)
 
@@ -347,7 +366,8 @@ def main() -> None:
             "time_to_half_target_s": halfway[1] if halfway else None,
             "train_s": times[-1], **{k: v for k, v in side.items() if k not in ("times", "snapshots")}}
 
-    print(f"default task, {args.steps} batches of {config.ppo.batch_size} prompts x {config.group_size} samples, "
+    task = "default task" if args.task == DEFAULT_TASK else f"task {args.task}"
+    print(f"{task}, {args.steps} batches of {config.ppo.batch_size} prompts x {config.group_size} samples, "
           f"{config.ppo.ppo_epochs} optimizer steps each; held-out greedy accuracy on {len(eval_rows)} problems, "
           f"start {100 * initial:.1f}%, target {100 * target:.1f}% (+{TARGET_POINTS:.0f} points)")
     print(f"{'side':<10} {'samples/s':>9} {'CPU ms/sample':>13} {'cores busy':>10} {'train s':>8} {'whole s':>8} "
