@@ -69,7 +69,7 @@ def test_a_run_whose_gate_never_opens_again_stops_with_the_reason(cache_dir, tmp
     leave it): once what was in flight is trained, the run stops with RunStalled instead of waiting forever."""
     existing = child_pids()
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
-        "trial_name=stall", "max_steps=50", "eval_steps=0", "cluster.stall_timeout=5"])
+        "trial_name=stall", "max_steps=50", "eval_steps=0", "cluster.stall_timeout=20"])
     run_dir = Path(config.output_dir) / "async-ppo-math" / "stall"
 
     def close_the_gate() -> None:
@@ -86,9 +86,8 @@ def test_a_run_whose_gate_never_opens_again_stops_with_the_reason(cache_dir, tmp
 
     closer = threading.Thread(target=close_the_gate, daemon=True)
     closer.start()
-    started = time.monotonic()
-    with pytest.raises(RoleFailed, match=r"stood still for 5 s.*holds 1000000 prompts"):
-        launch(config)
+    # 20 s, not less: on a starved machine a run between two admissions can hold nothing in flight for seconds
+    with pytest.raises(RoleFailed, match=r"stood still for 20 s.*holds 1000000 prompts"):
+        launch(config)  # a run that waited forever would end at pytest's timeout instead
     closer.join(timeout=10)
-    assert time.monotonic() - started < 300
     assert left_behind(tmp_path, existing) == []
