@@ -1,0 +1,63 @@
+"""Long sums with the working written out: a task whose answers are long, as reasoning RL's are.
+
+In reasoning RL most of a synchronous step goes to generating answers of hundreds of tokens; the default
+task's answers are three characters, so its runs say little about a system that has to overlap generation
+with training. Here the prompt is a sum of several two-digit numbers and the reference completion
+works it out line by line, adding the first two numbers and copying the rest:
+
+    12+34+56+78=       (the prompt)
+       46+56+78        (the completion, one line a step)
+          102+78
+    #### 180
+
+Every line is right-aligned to the prompt's width, so each number it copies stands one line above it, at the
+same distance in every line: a tiny character-level model learns that copy quickly. Written the other way,
+running totals beside the next number (`12+34=46;46+56=102`), the model must find that next number in the
+prompt, where its warm start got the tens digit right and kept missing the units one. The reward reads only
+the final number: the math environment's check takes the last number of an answer, and a reference in GSM8K's
+`#### N` form resolves to N, so the working itself checks as right (`math_verifier.reference_answer`).
+"""
+
+import random
+from pathlib import Path
+
+from rlsys.data.dataset import write_jsonl
+
+FINAL = "#### "  # GSM8K's mark before the final answer
+
+
+def worked_sum(terms: list[int]) -> str:
+    """The working of `terms`'s sum: a line after each addition while two numbers are left, then the total."""
+    width, lines = len("+".join(map(str, terms))), []
+    while len(terms) > 2:
+        terms = [terms[0] + terms[1], *terms[2:]]
+        lines.append("+".join(map(str, terms)).rjust(width))
+    return "\n".join([*lines, f"{FINAL}{sum(terms)}"])
+
+
+def sum_problem(rng: random.Random, min_terms: int, max_terms: int) -> dict:
+    """A row: the prompt, the final answer the reward checks, and the working the warm start teaches."""
+    terms = rng.choices(range(10, 100), k=rng.randint(min_terms, max_terms))
+    return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms)), "solution": worked_sum(terms)}
+
+
+def generate_worked_sums_dataset(directory: Path, seed: int, num_train: int, num_eval: int, min_terms: int,
+                                 max_terms: int) -> tuple[Path, Path]:
+    """Writes train.jsonl and eval.jsonl (distinct prompts, disjoint) unless they already exist; returns their paths."""
+    if not 2 <= min_terms <= max_terms:
+        raise ValueError(f"a sum takes at least 2 terms, and min_terms <= max_terms; got {min_terms} to {max_terms}")
+    train, held_out = directory / "train.jsonl", directory / "eval.jsonl"
+    if not (train.exists() and held_out.exists()):
+        rng, rows, seen = random.Random(seed), [], set()
+        for _ in range(10 * (num_train + num_eval)):
+            row = sum_problem(rng, min_terms, max_terms)
+            if row["prompt"] not in seen:
+                seen.add(row["prompt"])
+                rows.append(row)
+            if len(rows) == num_train + num_eval:
+                break
+        else:
+            raise ValueError(f"only {len(rows)} distinct sums; asked for {num_train} train + {num_eval} eval")
+        write_jsonl(rows[:num_eval], held_out)
+        write_jsonl(rows[num_eval:], train)
+    return train, held_out
