@@ -18,6 +18,8 @@ import asyncio
 import functools
 import traceback
 
+from rlsys import compat
+
 
 class EpisodeFailed(Exception):
     """An episode that produced nothing trainable; `reason` is one of accounting.FAILURE_REASONS."""
@@ -51,7 +53,7 @@ def _guarded(method, label: str, timeout: float):
     @functools.wraps(method)
     async def call(*args, **kwargs):
         try:
-            async with asyncio.timeout(timeout or None) as deadline:
+            async with compat.timeout(timeout or None) as deadline:
                 return await method(*args, **kwargs)
         except EpisodeFailed:
             raise

@@ -8,7 +8,7 @@ import logging
 import time
 from pathlib import Path
 
-from rlsys import accounting, protocol
+from rlsys import accounting, compat, protocol
 from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent, make_env
 from rlsys.checkpoint import read_trainer_state
 from rlsys.data.dataset import load_rows
@@ -80,7 +80,7 @@ class RolloutWorker:
         would anyway."""
         for abstraction in run_environments(self.config):
             try:
-                async with asyncio.timeout(self.config.env_timeout or None):  # 0: no limit
+                async with compat.timeout(self.config.env_timeout or None):  # 0: no limit
                     env = await asyncio.to_thread(make_env, abstraction)  # a constructor may load a model
                     await env.warm_up()
             except Exception as e:  # TimeoutError included
@@ -138,7 +138,7 @@ class RolloutWorker:
     async def wait_for_an_episode_to_end(self, timeout: float) -> None:
         """A slot frees when an episode ends (refilled at once); the gate opens with a new version (polled)."""
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
+            async with compat.timeout(timeout):
                 await self.episode_ended.wait()
 
     def routing_metrics(self) -> dict[str, float]:

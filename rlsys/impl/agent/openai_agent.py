@@ -14,6 +14,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+from rlsys import compat
 from rlsys.api import Agent, EnvironmentService, GenerationConfig, Model, Prompt, Trajectory, register_agent
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.workers.episode_failure import EpisodeFailed
@@ -88,7 +89,7 @@ class OpenAIAgent(Agent):
 
     async def run_once(self, base_url: str, api_key: str, prompt: Prompt) -> float | None:
         try:
-            async with asyncio.timeout(self.timeout):
+            async with compat.timeout(self.timeout):
                 return await self.run(base_url, api_key, prompt.data["prompt"])
         except TimeoutError:
             raise EpisodeFailed("agent_timeout", f"{self.run_entry} took longer than {self.timeout:g}s") from None
