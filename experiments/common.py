@@ -164,8 +164,10 @@ class PPOHyperparameters:
     """Decoupled objective: tokens whose prox/behaviour weight exceeds this are left out; 0 disables the cap."""
     max_grad_norm: float = 1.0
     """Gradient norm clip."""
-    sequence_packing: bool = True
-    """Pack sequences end to end into micro-batches (no padding computed); false pads each micro-batch's rows."""
+    sequence_packing: str = "auto"
+    """true: pack sequences end to end into micro-batches (no padding computed); false: pad each micro-batch's rows;
+    auto: packed where a packed row's attention costs what its sequences cost (a CPU; a GPU in bfloat16, one
+    flash-attention varlen call), padded on a GPU in float32, where it would take one attention call per length."""
     max_tokens_per_micro_batch: int = 0
     """Token budget of one forward/backward pass; micro-batches accumulate into one optimizer step per mini-batch.
     0: by the learner's device, 2048 on a CPU, 16384 on a GPU (verl's default per GPU), where each pass costs
@@ -176,6 +178,9 @@ class PPOHyperparameters:
     """Truncated importance sampling: each token's loss times min(p_learner/p_inference, tis_cap); 0 is off."""
 
     def __post_init__(self):
+        self.sequence_packing = str(self.sequence_packing).lower()  # false from the command line arrives as "False"
+        if self.sequence_packing not in PACKING:
+            raise ValueError(f"ppo.sequence_packing must be one of {PACKING}, got {self.sequence_packing!r}")
         check_at_least("ppo.", self, batch_size=1, ppo_epochs=1, warmup_steps=0, weight_decay=0, init_kl_coef=0,
                        target_kl=0, kl_horizon=1, value_clip=0, value_loss_coef=0)
         for name in ("lr", "critic_lr", "pg_clip", "max_grad_norm"):
@@ -432,6 +437,7 @@ class BaseExperimentConfig:
 
 LEARNER_DTYPES = ("float32", "bfloat16")
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")
+PACKING = ("auto", "true", "false")
 
 
 @dataclass
@@ -471,7 +477,7 @@ class PPOMATHConfig(BaseExperimentConfig):
         if self.group_size < 2 and (self.ppo.adv_estimator == "grpo" or self.ppo.filter_uniform_groups):
             raise ValueError(f"group_size must be at least 2 with ppo.adv_estimator=grpo or "
                              f"ppo.filter_uniform_groups=true (both compare a prompt's samples), got {self.group_size}")
-        if self.ppo.sequence_packing and self.learner.attn_implementation in ("sdpa", "eager"):
+        if self.ppo.sequence_packing == "true" and self.learner.attn_implementation in ("sdpa", "eager"):
             raise ValueError(f"learner.attn_implementation={self.learner.attn_implementation} would attend across the "
                              "sequences of a packed row; use auto or flash_attention_2, or ppo.sequence_packing=false")
         if self.ppo.num_mini_batches > self.ppo.batch_size * self.group_size:

@@ -30,23 +30,23 @@ class LogprobCheck:
     def __init__(self, version: int):
         self.version = version
         self.sealed = False
-        self.tokens = 0
-        self.abs_sum = self.abs_max = self.kl_sum = 0.0
+        self.sums: torch.Tensor | None = None  # [tokens, sum |diff|, max |diff|, sum of KL terms], where they live
 
     def observe(self, learner_logprobs: torch.Tensor, fields: dict) -> None:
-        """`fields`: behaviour_logprobs, loss_mask and versions, aligned with `learner_logprobs`."""
+        """`fields`: behaviour_logprobs, loss_mask and versions, aligned with `learner_logprobs`. Nothing is read
+        back to the host here (on a GPU that would wait for the micro-batch's kernels)."""
         if self.sealed:
             return
         with torch.no_grad():
             same = (fields["loss_mask"] > 0) & (fields["versions"] == self.version)
-            if not same.any():
-                return
-            tokens, abs_sum, abs_max, kl_sum = difference_totals(fields["behaviour_logprobs"][same],
-                                                                 learner_logprobs.detach()[same])
-            self.tokens += tokens
-            self.abs_sum += abs_sum
-            self.abs_max = max(self.abs_max, abs_max)
-            self.kl_sum += kl_sum
+            log_r = torch.where(same, learner_logprobs.detach().float() - fields["behaviour_logprobs"].float(), 0.0)
+            terms = torch.stack([same.sum().float(), log_r.abs().sum(), log_r.abs().max(),
+                                 torch.where(same, torch.exp(log_r) - 1 - log_r, 0.0).clamp(min=0).sum()])
+            if self.sums is None:
+                self.sums = terms
+            else:
+                self.sums = torch.stack([self.sums[0] + terms[0], self.sums[1] + terms[1],
+                                         torch.maximum(self.sums[2], terms[2]), self.sums[3] + terms[3]])
 
     def seal(self) -> None:
         """The weights are about to change: later logprobs are no longer those of `version`."""
@@ -54,7 +54,7 @@ class LogprobCheck:
 
     def totals(self) -> list[float]:
         """What stats() is made of: several learner ranks each compare their share and add these up (merged)."""
-        return [self.tokens, self.abs_sum, self.abs_max, self.kl_sum]
+        return [0, 0.0, 0.0, 0.0] if self.sums is None else self.sums.tolist()
 
     def stats(self) -> dict[str, float]:
         return LogprobCheck.merged([self.totals()])

@@ -66,23 +66,13 @@ class Ranks:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value.item())
 
-    def gather_sequences(self, values: list, shares: list[list[int]]) -> list[torch.Tensor]:
-        """`values[i]` is a 1-d float tensor for the sequences i of this rank's share; returns every rank's."""
+    def summed(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `tensor` (same shape on every rank)."""
         if self.world == 1:
-            return values
-        lengths = {i: len(values[i]) for i in shares[self.rank]}
-        lengths = {int(i): n for part in self.all_gather(lengths) for i, n in part.items()}
-        sizes = [sum(lengths[i] for i in share) for share in shares]
-        mine = torch.zeros(max(max(sizes), 1), device=self._comm_device)
-        if sizes[self.rank]:
-            mine[:sizes[self.rank]] = torch.cat([values[i].float() for i in shares[self.rank]])
-        out = list(values)
-        for share, part in zip(shares, self._gather_tensor(mine)):
-            offset = 0
-            for i in share:
-                out[i] = part[offset:offset + lengths[i]].cpu()
-                offset += lengths[i]
-        return out
+            return tensor
+        total = tensor.to(self._comm_device)
+        dist.all_reduce(total)
+        return total.to(tensor.device)
 
     def barrier(self) -> None:
         if self.world > 1:

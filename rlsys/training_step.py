@@ -21,7 +21,7 @@ import contextlib
 import torch
 
 from rlsys.alarms import LogprobCheck
-from rlsys.algorithms.batch import SequenceBatch, sequence_batch
+from rlsys.algorithms.batch import SequenceBatch, sequence_batch, token_sequences
 from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
 from rlsys.algorithms.finite import clip_and_step
 from rlsys.algorithms.importance import truncated_importance_weights
@@ -33,6 +33,7 @@ from rlsys.api import Trajectory
 from rlsys.distributed import Ranks, shard, sync_gradients
 from rlsys.model.loading import load_critic, load_policy
 from rlsys.model.tokenizer import load_tokenizer
+from rlsys.model.varlen_attention import known_segment_starts
 
 
 class PolicyTrainer:
@@ -44,21 +45,24 @@ class PolicyTrainer:
         check_learner_settings(self.settings, self.device)
         self.micro_batch_tokens = self.ppo.max_tokens_per_micro_batch or (2048 if self.device == "cpu" else 16384)
         torch.manual_seed(config.seed)
-        packing, attention = self.ppo.sequence_packing, self.settings.attn_implementation
-        self.model = self._placed(load_policy(config.model.path, packing, attention)).train()
+        attention = self.settings.attn_implementation
+        self.packed = packs(self.ppo.sequence_packing, self.device, self.settings.dtype, attention)
+        self.model = self._placed(load_policy(config.model.path, attention)).train()
         # The KL reference is the policy the run started from, also after a resume from a later checkpoint.
         self.initial_model_path = initial_model_path
         self.reference = None
         if self.ppo.init_kl_coef > 0:
-            self.reference = self._placed(load_policy(initial_model_path, packing, attention).requires_grad_(False))
+            self.reference = self._placed(load_policy(initial_model_path, attention).requires_grad_(False))
             self.reference.eval()
         self.critic = self.critic_optimizer = None
         if self.ppo.adv_estimator in NEEDS_CRITIC:
-            self.critic = self._placed(load_critic(critic_path or config.model.path, packing, attention)).train()
+            self.critic = self._placed(load_critic(critic_path or config.model.path, attention)).train()
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.ppo.critic_lr)
         self.kl_controller = (AdaptiveKLController(self.ppo.init_kl_coef, self.ppo.target_kl, self.ppo.kl_horizon)
                               if self.ppo.target_kl else FixedKLController(self.ppo.init_kl_coef))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.ppo.lr, weight_decay=self.ppo.weight_decay)
+        # Fused on a GPU: one kernel for every parameter instead of a few per tensor.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.ppo.lr, weight_decay=self.ppo.weight_decay,
+                                           fused=self.device.startswith("cuda") and self.ranks.world == 1)
         optimizer_steps = config.max_steps * self.ppo.ppo_epochs * self.ppo.num_mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_multiplier(
             step, self.ppo.warmup_steps, optimizer_steps, self.ppo.lr_scheduler_type))
@@ -101,7 +105,7 @@ class PolicyTrainer:
 
     def prepare_batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
         """Per-sequence tensors plus what stays fixed during the step: reference, proximal, values, advantages."""
-        batch = sequence_batch(trajectories)
+        batch = sequence_batch(trajectories).to(self.device)
         if self.reference is not None:
             batch.fields["ref_logprobs"] = self.per_token(self._policy_logprobs(self.reference), batch)
         if self.ppo.decoupled_loss or self.ppo.tis_cap:
@@ -110,21 +114,21 @@ class PolicyTrainer:
             # Truncated IS (tis_cap) also takes the ratio against the learner's own logprobs, as verl does.
             batch.fields["proximal_logprobs"] = self.per_token(self._policy_logprobs(self.model), batch)
         if self.ppo.tis_cap:
-            batch.fields["tis_weights"] = [truncated_importance_weights(p, b, m, self.ppo.tis_cap) for p, b, m in zip(
-                batch.fields["proximal_logprobs"], batch.fields["behaviour_logprobs"], batch.fields["loss_mask"])]
+            batch.fields["tis_weights"] = truncated_importance_weights(
+                batch.fields["proximal_logprobs"], batch.fields["behaviour_logprobs"], batch.fields["loss_mask"],
+                self.ppo.tis_cap)
         if self.critic is not None:
             batch.fields["old_values"] = self.per_token(self._values, batch)
         batch.fields.update(ADVANTAGE_ESTIMATORS[self.ppo.adv_estimator](trajectories, batch, self.ppo))
         if self.ppo.mask_void_trajectories:
             # SimpleTIR: out of the loss (and KL, entropy), after their rewards served in their groups' baselines.
-            for i, t in enumerate(trajectories):
-                if t.void:
-                    batch.fields["loss_mask"][i] = torch.zeros_like(batch.fields["loss_mask"][i])
+            kept = torch.tensor([0.0 if t.void else 1.0 for t in trajectories])
+            batch.fields["loss_mask"] = batch.fields["loss_mask"] * batch.per_sequence(kept)
         return batch
 
     def optimizer_step(self, mini_batch: SequenceBatch) -> dict[str, float]:
         """One optimizer step on a mini-batch (and one critic step, for gae)."""
-        if not any(m.any() for m in mini_batch.fields["loss_mask"]):
+        if not mini_batch.fields["loss_mask"].any():  # one read per optimizer step
             # Every trajectory in it is void: no loss, and a step on zero gradients would still move by Adam's momentum.
             return {"grad_norm": 0.0}
         stats = self.mini_batch_gradients(mini_batch)
@@ -149,9 +153,9 @@ class PolicyTrainer:
         Each token's loss weight is fixed over the whole mini-batch first (token_loss_weights), so the
         accumulated gradient equals the mini-batch's, however it is split over ranks or packed.
         """
-        masks = mini_batch.fields["loss_mask"]
-        mini_batch.fields["weights"] = token_loss_weights(masks, self.ppo.loss_agg_mode)
-        mini_batch.fields["token_share"] = token_loss_weights(masks, "token-mean")  # for KL, entropy, value loss
+        mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
+        mini_batch.fields["weights"] = token_loss_weights(mask, sequences, self.ppo.loss_agg_mode)
+        mini_batch.fields["token_share"] = token_loss_weights(mask, sequences, "token-mean")  # KL, entropy, value loss
         self.optimizer.zero_grad()
         if self.critic is not None:
             self.critic_optimizer.zero_grad()
@@ -162,10 +166,10 @@ class PolicyTrainer:
             sync_gradients((self.model, self.critic), n == len(passes) - 1)
             stats = self.accumulate_gradients(mb)
             if mb.indices:  # an empty pass (see micro_batches) has nothing to report
-                totals.add(stats, share=mb.fields["token_share"].sum().item())
+                totals.add(stats, share=mb.fields["token_share"].sum())
         return StatsAccumulator.merge(self.ranks.all_gather(totals.result()))
 
-    def accumulate_gradients(self, mb: MicroBatch) -> dict[str, float]:
+    def accumulate_gradients(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """The micro-batch's part of the mini-batch loss, backpropagated."""
         f = mb.fields
         logits = self._logits(self.model, mb)
@@ -177,76 +181,79 @@ class PolicyTrainer:
         weights = f["weights"] * f["tis_weights"] if "tis_weights" in f else f["weights"]
         loss, stats = ppo_clip_loss(logp, old_logp, f["advantages"], f["loss_mask"], self.ppo.pg_clip,
                                     dual_clip=self.ppo.dual_clip or None, weights=weights, **decoupled)
-        stats["policy_loss"] = loss.item()
+        stats["policy_loss"] = loss.detach()
         with torch.set_grad_enabled(bool(self.ppo.entropy_loss_coef)):  # a statistic only, unless it is in the loss
             entropy = (token_entropy(logits) * f["token_share"]).sum()
-        stats["entropy"] = entropy.item()
+        stats["entropy"] = entropy.detach()
         if self.ppo.entropy_loss_coef:
             loss = loss - self.ppo.entropy_loss_coef * entropy
         if self.reference is not None:
             kl = (kl_k3(logp, f["ref_logprobs"]) * f["token_share"]).sum()
             loss = loss + self.kl_controller.value * kl
-            stats["kl"] = kl.item()
-        stats["loss"] = loss.item()
+            stats["kl"] = kl.detach()
+        stats["loss"] = loss.detach()
         loss.backward()
         if self.critic is not None:
             values = self._values(mb)
             value_loss = (clipped_value_loss(values, f["old_values"], f["returns"], self.ppo.value_clip)
                           * f["token_share"]).sum()
             (self.ppo.value_loss_coef * value_loss).backward()
-            stats["critic/value_loss"] = value_loss.item()
+            stats["critic/value_loss"] = value_loss.detach()
         return stats
 
     def shares(self, batch: SequenceBatch) -> list[list[int]]:
         """Which sequences of `batch` each rank computes: balanced by tokens."""
-        return balance_by_tokens([len(ids) for ids in batch.token_ids], self.ranks.world)
+        return balance_by_tokens(batch.lengths, self.ranks.world)
 
     def micro_batches(self, batch: SequenceBatch) -> list[MicroBatch]:
         """This rank's share of `batch` in micro-batches, as many on every rank (FSDP's passes are collective:
         a rank with fewer runs empty ones); `indices` are positions in `batch`."""
         share = self.shares(batch)[self.ranks.rank]
-        mine = batch.select(share)
-        out = micro_batches(mine.token_ids, mine.fields, self.micro_batch_tokens,
-                            self.ppo.sequence_packing, self.pad_id)
-        for mb in out:
-            mb.indices = [share[i] for i in mb.indices]
-        out += [empty_micro_batch(batch.fields, self.ppo.sequence_packing, self.pad_id)] * (
+        out = micro_batches(batch, self.micro_batch_tokens, self.packed, self.pad_id, share)
+        return out + [empty_micro_batch(batch, self.packed, self.pad_id)] * (
             self.ranks.max(len(out)) - len(out))
-        return [mb.to(self.device) for mb in out]
 
-    def per_token(self, forward, batch: SequenceBatch) -> list[torch.Tensor]:
-        """forward(micro-batch) -> [R, L-1] values, without gradients, back as one [n-1] tensor per sequence."""
-        out: list[torch.Tensor] = [torch.empty(0)] * len(batch)
+    def per_token(self, forward, batch: SequenceBatch) -> torch.Tensor:
+        """forward(micro-batch) -> [R, L-1] values, without gradients, as a field of `batch` ([N + 1])."""
+        out = torch.zeros(batch.num_tokens + 1, device=batch.device)
         with torch.no_grad():
             for mb in self.micro_batches(batch):
-                for i, values in zip(mb.indices, mb.split(forward(mb))):
-                    out[i] = values.float().cpu()
-        return self.ranks.gather_sequences(out, self.shares(batch))
+                mb.scatter(forward(mb), out)
+        # Each rank filled its share's positions and left the others 0: their sum is every rank's.
+        return self.ranks.summed(out * batch.predicts)
 
     def probe_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
         """The policy's logprob of each token after the first, at temperature 1 (the engines score at 1): the
         weight-sync probe (rlsys/alarms.py). Every rank calls it (the forward passes are collective)."""
         def forward(mb: MicroBatch) -> torch.Tensor:
             with self._autocast():
-                logits = next_token_logits(self.model, mb.input_ids, mb.attention_mask, 1.0, mb.position_ids)
+                logits = next_token_logits(self.model, mb.input_ids, self._attention_mask(mb), 1.0, mb.position_ids)
             return gather_logprobs(logits, mb.input_ids)
 
-        batch = SequenceBatch([torch.tensor(ids) for ids in token_ids], {})
-        return [values.tolist() for values in self.per_token(forward, batch)]
+        batch = token_sequences(token_ids).to(self.device)
+        return [values.tolist() for values in batch.sequences(self.per_token(forward, batch).cpu())]
 
     def _policy_logprobs(self, model):
         return lambda mb: gather_logprobs(self._logits(model, mb), mb.input_ids)
 
     def _logits(self, model, mb: MicroBatch) -> torch.Tensor:
         with self._autocast():
-            return next_token_logits(model, mb.input_ids, mb.attention_mask, self.temperature, mb.position_ids)
+            return next_token_logits(model, mb.input_ids, self._attention_mask(mb), self.temperature, mb.position_ids)
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
         """V of the state before each predicted token: the value head's output at the position predicting it."""
         with self._autocast():
-            out = self.critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                              use_cache=False)
+            out = self.critic(input_ids=mb.input_ids, attention_mask=self._attention_mask(mb),
+                              position_ids=mb.position_ids, use_cache=False)
         return out.logits[:, :-1, 0].float()
+
+    def _attention_mask(self, mb: MicroBatch) -> torch.Tensor | None:
+        """rlsys's attention (learner.attn_implementation=auto) is told where the sequences start, from the host, and
+        takes no mask: nothing is built or read back per pass. Another implementation gets the padding mask."""
+        if self.settings.attn_implementation != "auto":
+            return mb.attention_mask
+        known_segment_starts(mb.position_ids, mb.starts)
+        return None
 
     def _autocast(self):
         """bf16 on one GPU; several ranks get it from FSDP's MixedPrecisionPolicy instead."""
@@ -257,6 +264,18 @@ class PolicyTrainer:
     @property
     def temperature(self) -> float:
         return self.config.gen.temperature or 1.0  # greedy (0) rollouts are scored at temperature 1
+
+
+def packs(setting, device: str, dtype: str, attention: str) -> bool:
+    """Whether micro-batches are packed rows (ppo.sequence_packing; True/False as set in Python code)."""
+    setting = str(setting).lower()
+    if setting != "auto":
+        return setting == "true"
+    if attention in ("sdpa", "eager"):  # they would attend across a packed row's sequences
+        return False
+    # On a GPU in float32 there is no one-call kernel for a packed row: it would take an attention call per
+    # sequence length, and a GPU is launch-bound long before padding costs as much (BENCHMARKS.md).
+    return device == "cpu" or dtype == "bfloat16" or attention == "flash_attention_2"
 
 
 def check_learner_settings(settings, device: str) -> None:
@@ -282,32 +301,32 @@ def mean_agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
 
 def batch_stats(trajectories: list[Trajectory], batch: SequenceBatch, version: int) -> dict[str, float]:
     """Reward, advantage, value and staleness statistics of the batch as consumed."""
-    masks = torch.cat(batch.fields["loss_mask"]) > 0
-    advantages = torch.cat(batch.fields["advantages"])[masks]
+    masks = batch.fields["loss_mask"] > 0
+    advantages = batch.fields["advantages"][masks]
     if advantages.numel() == 0:  # every trajectory kept out of the loss (void)
-        advantages = torch.zeros(1)
-    versions = torch.cat(batch.fields["versions"])
+        advantages = advantages.new_zeros(1)
+    versions = batch.fields["versions"]
     generated = versions >= 0  # every token the model produced, trained on or not
     versions = versions[generated].float()
     rewards = torch.tensor([t.reward for t in trajectories])
+    advantage = torch.stack([advantages.mean(), advantages.std(unbiased=False), advantages.abs().mean(),
+                             advantages.max(), advantages.min(), versions.min(), versions.mean(), versions.max(),
+                             generated.sum().float()]).tolist()  # one read back
     stats = {
         "reward": rewards.mean().item(),
         "reward_std": rewards.std(unbiased=False).item(),
-        "advantage_mean": advantages.mean().item(),
-        "advantage_std": advantages.std(unbiased=False).item(),
-        "advantage_abs_mean": advantages.abs().mean().item(),
-        "advantage_max": advantages.max().item(),
-        "advantage_min": advantages.min().item(),
-        "response_length": generated.sum().item() / len(trajectories),
+        **dict(zip(("advantage_mean", "advantage_std", "advantage_abs_mean", "advantage_max", "advantage_min"),
+                   advantage[:5])),
+        "response_length": advantage[8] / len(trajectories),
         "void_fraction": sum(t.void for t in trajectories) / len(trajectories),
         "tokens": batch.num_tokens,
         # Versions behind the learner when consumed; AReaL's eta bounds the max.
-        "staleness_max": float(version - versions.min().item()),
-        "staleness_mean": float(version - versions.mean().item()),
-        "newest_version": versions.max().item(),
+        "staleness_max": float(version - advantage[5]),
+        "staleness_mean": float(version - advantage[6]),
+        "newest_version": advantage[7],
     }
     if "returns" in batch.fields:
-        values, returns = torch.cat(batch.fields["old_values"])[masks], torch.cat(batch.fields["returns"])[masks]
+        values, returns = batch.fields["old_values"][masks], batch.fields["returns"][masks]
         stats["critic/values_mean"] = values.mean().item()
         # 1 - Var(R - V) / Var(R): 1 is a perfect critic, 0 one no better than a constant.
         stats["critic/explained_variance"] = (1 - (returns - values).var() / returns.var().clamp(min=1e-8)).item()
@@ -319,23 +338,31 @@ class StatsAccumulator:
 
     Losses, entropy and KL are already weighted sums over the whole mini-batch's tokens, so they add up;
     per-micro-batch means (clip fraction, ratios) are weighted by the micro-batch's share of the tokens;
-    maxima stay maxima. The ranks' totals combine the same way (merge).
+    maxima stay maxima. Values may be 0-d tensors (on the model's device): `result` reads them back at once.
+    The ranks' totals combine the same way (merge).
     """
 
     SUMMED = {"loss", "policy_loss", "entropy", "kl", "critic/value_loss"}
 
     def __init__(self):
-        self.totals: dict[str, float] = {}
+        self.totals: dict = {}
 
-    def add(self, stats: dict[str, float], share: float) -> None:
+    def add(self, stats: dict, share) -> None:
         for key, value in stats.items():
             if key.endswith("_max"):
-                self.totals[key] = max(self.totals.get(key, value), value)
+                before = self.totals.get(key)
+                self.totals[key] = value if before is None else (
+                    torch.maximum(before, value) if isinstance(value, torch.Tensor) else max(before, value))
             else:
                 self.totals[key] = self.totals.get(key, 0.0) + (value if key in self.SUMMED else value * share)
 
     def result(self) -> dict[str, float]:
-        return dict(self.totals)
+        if not self.totals:
+            return {}
+        device = next((v.device for v in self.totals.values() if isinstance(v, torch.Tensor)), "cpu")
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
+                              for v in self.totals.values()])
+        return dict(zip(self.totals, values.tolist()))
 
     @staticmethod
     def merge(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -65,30 +65,47 @@ def two_trajectories():
 
 def test_sequence_fields_align_with_the_tokens_they_predict():
     batch = sequence_batch(two_trajectories())
-    assert [ids.tolist() for ids in batch.token_ids] == [[5, 6, 7, 8], [5, 9]]
-    assert [m.tolist() for m in batch.fields["loss_mask"]] == [[0, 1, 1], [1]]  # position t predicts token t+1
-    assert [b.tolist() for b in batch.fields["behaviour_logprobs"]] == [[0, -0.5, -0.25], [-1.0]]
-    assert [v.tolist() for v in batch.fields["versions"]] == [[-1, 3, 3], [2]]
-    assert [r.tolist() for r in batch.fields["token_rewards"]] == [[0, 0, 1.0], [0.5]]  # on each turn's last token
+    assert batch.token_ids.tolist() == [5, 6, 7, 8, 5, 9] and batch.lengths == [4, 2]
+    # Position t predicts token t+1; each sequence's last position predicts nothing (0), and slot N pads.
+    assert batch.fields["loss_mask"].tolist() == [0, 1, 1, 0, 1, 0, 0]
+    assert batch.fields["versions"].tolist() == [-1, 3, 3, -1, 2, -1, -1]
+    assert [m.tolist() for m in batch.sequences("loss_mask")] == [[0, 1, 1], [1]]
+    assert [b.tolist() for b in batch.sequences("behaviour_logprobs")] == [[0, -0.5, -0.25], [-1.0]]
+    assert [r.tolist() for r in batch.sequences("token_rewards")] == [[0, 0, 1.0], [0.5]]  # on each turn's last token
     assert batch.num_tokens == 6
+    assert batch.sequence_index.tolist() == [0, 0, 0, 0, 1, 1, 2]
+    assert batch.predicts.tolist() == [True, True, True, False, True, False, False]
+    swapped = batch.select([1, 0])
+    assert swapped.token_ids.tolist() == [5, 9, 5, 6, 7, 8] and swapped.lengths == [2, 4]
+    assert [m.tolist() for m in swapped.sequences("loss_mask")] == [[1], [0, 1, 1]]
+    assert swapped.fields["loss_mask"].tolist() == [1, 0, 0, 1, 1, 0, 0]
+    assert batch.flatten(batch.sequences("behaviour_logprobs")).tolist() == batch.fields["behaviour_logprobs"].tolist()
+    padded = batch.padded(batch.fields["loss_mask"])
+    assert padded.tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert batch.unpadded(padded).tolist() == batch.fields["loss_mask"].tolist()
 
 
 def test_padded_and_packed_micro_batches_hold_the_same_fields():
     batch = sequence_batch(two_trajectories())
-    padded = micro_batches(batch.token_ids, batch.fields, budget=100, packed=False, pad_id=0)[0]
+    padded = micro_batches(batch, budget=100, packed=False, pad_id=0)[0]
     assert padded.input_ids.tolist() == [[5, 6, 7, 8], [5, 9, 0, 0]]
     assert padded.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert padded.fields["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
-    packed = micro_batches(batch.token_ids, batch.fields, budget=100, packed=True)[0]
+    packed = micro_batches(batch, budget=100, packed=True)[0]
     assert packed.input_ids.tolist() == [[5, 6, 7, 8, 5, 9]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 0, 1]]  # restarts mark the sequences
     assert packed.attention_mask is None
     # The slot where sequence 1's last token "predicts" sequence 2's first is never trained on.
     assert packed.fields["loss_mask"].tolist() == [[0, 1, 1, 0, 1]]
     assert packed.fields["behaviour_logprobs"].tolist() == [[0, -0.5, -0.25, 0, -1.0]]
-    for mb in (padded, packed):
-        split = mb.split(mb.fields["behaviour_logprobs"])
-        assert [x.tolist() for x in split] == [[0, -0.5, -0.25], [-1.0]] and mb.indices == [0, 1]
+    for mb in (padded, packed):  # back into the batch's layout
+        out = torch.zeros(batch.num_tokens + 1)
+        mb.scatter(mb.fields["behaviour_logprobs"] + 1, out)
+        assert [x.tolist() for x in batch.sequences(out * batch.predicts)] == [[1, 0.5, 0.75], [0.0]]
+        assert mb.indices == [0, 1]
+    reordered = micro_batches(batch, budget=100, packed=False, indices=[1, 0])[0]  # padding keeps the order
+    assert reordered.input_ids.tolist() == [[5, 9, 0, 0], [5, 6, 7, 8]] and reordered.indices == [1, 0]
+    assert reordered.fields["loss_mask"].tolist() == [[1, 0, 0], [0, 1, 1]]
 
 
 def test_token_budgets_bound_the_micro_batches():
@@ -108,7 +125,8 @@ def test_token_budgets_bound_the_micro_batches():
 def test_token_loss_weights_make_micro_batch_sums_equal_the_aggregate(agg):
     _, _, _, mask = random_ppo_inputs(3)
     token_loss = torch.randn_like(mask)
-    weights = torch.stack(token_loss_weights(list(mask), agg))
+    rows = torch.arange(mask.shape[0])[:, None].expand_as(mask)
+    weights = token_loss_weights(mask.flatten(), rows.flatten(), agg).view_as(mask)
     whole = aggregate_token_loss(token_loss, mask, agg)
     split = sum((token_loss[rows] * weights[rows]).sum() for rows in ([0, 1], [2], [3, 4]))
     assert split.item() == pytest.approx(whole.item(), abs=1e-12)

@@ -12,6 +12,7 @@ from rlsys.api import Trajectory
 from rlsys.api.messages import WorkerStatus, parse_published_weights
 from rlsys.bus import InProcessBus
 from rlsys.engine.weights import WEIGHTS_FILE
+from rlsys.training_step import packs
 from rlsys.weight_checksum import weights_checksum
 from rlsys.weight_transport import fetch
 from rlsys.workers.inference_status import InferenceStatus
@@ -276,8 +277,8 @@ def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
     learner = Learner(config, InProcessBus(), tmp_path / "run")
     trajectories = mixed_length_batch(learner.model, random.Random(1))
     batch = learner.prepare_batch(trajectories)
-    for t, advantages, returns, values, mask in zip(trajectories, batch.fields["advantages"], batch.fields["returns"],
-                                                    batch.fields["old_values"], batch.fields["loss_mask"]):
+    for t, advantages, returns, values, mask in zip(trajectories, *map(batch.sequences, (
+            "advantages", "returns", "old_values", "loss_mask"))):
         generated = mask > 0
         # gamma = lambda = 1: the return of a token is every reward from its turn on; A = R - V.
         first_turn = torch.arange(len(mask)) < t.turn_ends[0] - 1
@@ -332,8 +333,8 @@ def test_gigpo_puts_each_turns_advantage_on_that_turns_tokens(tmp_path):
     batch = learner.prepare_batch(trajectories)
     expected = gigpo_turn_advantages([t.turn_rewards for t in trajectories], [t.turn_obs_keys for t in trajectories],
                                      [t.group_id for t in trajectories], 0.9)
-    for t, advantages, mask, per_turn in zip(trajectories, batch.fields["advantages"], batch.fields["loss_mask"],
-                                             expected):
+    for t, advantages, mask, per_turn in zip(trajectories, batch.sequences("advantages"),
+                                             batch.sequences("loss_mask"), expected):
         first_turn = torch.arange(len(mask)) < t.turn_ends[0] - 1
         assert torch.allclose(advantages, torch.where(first_turn, per_turn[0], per_turn[1]) * mask)
     assert len({round(a[0] - a[1], 6) for a in expected}) > 1  # the step term really differs between turns
@@ -349,11 +350,11 @@ def test_void_trajectories_count_in_the_baseline_but_not_in_the_loss(tmp_path):
     good, bad = trajectory(learner.model, GOOD, 1.0), trajectory(learner.model, BAD, 0.0)
     batch = [good, bad, dataclasses.replace(bad, void=True), dataclasses.replace(bad, void=True)]
     prepared = learner.prepare_batch(batch)
-    assert [m.sum().item() for m in prepared.fields["loss_mask"]] == [3, 3, 0, 0]
+    assert [m.sum().item() for m in prepared.sequences("loss_mask")] == [3, 3, 0, 0]
     # Rewards 1, 0, 0, 0: the void ones still pull the group mean down to 0.25.
     mean, std = 0.25, (0.25 * 0.75) ** 0.5
-    assert prepared.fields["advantages"][0].max().item() == pytest.approx((1 - mean) / std, rel=1e-4)
-    assert prepared.fields["advantages"][1].min().item() == pytest.approx(-mean / std, rel=1e-4)
+    assert prepared.sequences("advantages")[0].max().item() == pytest.approx((1 - mean) / std, rel=1e-4)
+    assert prepared.sequences("advantages")[1].min().item() == pytest.approx(-mean / std, rel=1e-4)
     stats = learner.train_step(batch)
     assert stats["void_fraction"] == 0.5 and stats["response_length"] == 3
 
@@ -387,7 +388,36 @@ def test_learner_settings_act_or_are_refused(tmp_path):
     with pytest.raises(ValueError, match="bfloat16 is mixed precision for GPUs; on CPU the learner trains in float32"):
         Learner(config, InProcessBus(), tmp_path / "run")
     with pytest.raises(ValueError, match="would attend across the sequences of a packed row"):
-        parse_config(["learner.attn_implementation=sdpa"])
+        parse_config(["learner.attn_implementation=sdpa", "ppo.sequence_packing=true"])
+    assert parse_config(["ppo.sequence_packing=false"]).ppo.sequence_packing == "false"
+    with pytest.raises(ValueError, match="ppo.sequence_packing must be one of"):
+        parse_config(["ppo.sequence_packing=maybe"])
+    # auto: packed where one attention call serves a packed row, padded where it would take one call per length
+    assert packs("auto", "cpu", "float32", "auto") and packs("auto", "cuda:0", "bfloat16", "auto")
+    assert not packs("auto", "cuda:0", "float32", "auto") and not packs("auto", "cpu", "float32", "sdpa")
+    assert packs(True, "cuda:0", "float32", "auto") and not packs("false", "cpu", "float32", "auto")
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_step_reads_back_from_its_tensors_as_often_however_many_micro_batches_it_takes(tmp_path, packing):
+    """On a GPU every read back (.item(), .tolist(), a bool of a tensor) waits for the queued kernels: the step may
+    read per optimizer step, never per micro-batch. Counted here as the reads torch records on the CPU."""
+    import random
+
+    reads = []
+    for budget in (4096, 40):
+        config = learner_config(tmp_path)
+        config.ppo.sequence_packing, config.ppo.max_tokens_per_micro_batch = packing, budget
+        learner = Learner(config, InProcessBus(), tmp_path / "run")
+        trajectories = mixed_length_batch(learner.model, random.Random(0))
+        passes = len(learner.micro_batches(learner.prepare_batch(trajectories)))
+        learner.train_step(trajectories)  # warm
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            learner.train_step(trajectories)
+        reads.append((passes, sum(e.name == "aten::_local_scalar_dense" for e in profile.events())))
+    (few, few_reads), (many, many_reads) = reads
+    assert many > few + 4, "the small budget must split the batch into more passes, or this test proves nothing"
+    assert many_reads == few_reads
 
 
 def test_the_micro_batch_budget_is_the_devices_unless_set(tmp_path):

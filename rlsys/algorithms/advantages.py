@@ -115,10 +115,10 @@ def gigpo_turn_advantages(turn_rewards: list[list[float]], turn_keys: list[list[
     return advantages
 
 
-def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
-    """(x - mean) / (std + eps) over all masked tokens of all sequences; unmasked tokens stay 0."""
-    flat = torch.cat([v[m > 0] for v, m in zip(values, masks)])
-    if flat.numel() == 0:
-        return values
-    mean, std = flat.mean(), flat.std(unbiased=False)
-    return [torch.where(m > 0, (v - mean) / (std + eps), 0.0) for v, m in zip(values, masks)]
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked tokens; unmasked tokens are 0."""
+    generated = mask > 0
+    count = generated.sum().clamp(min=1)
+    mean = torch.where(generated, values, 0.0).sum() / count
+    std = (torch.where(generated, values - mean, 0.0).square().sum() / count).sqrt()
+    return torch.where(generated, (values - mean) / (std + eps), 0.0)

@@ -1,45 +1,143 @@
-"""Turns trajectories into per-sequence tensors aligned with the tokens each position predicts."""
+"""The step's sequences end to end in flat tensors, selected, packed and padded by index.
 
-from dataclasses import dataclass
+Sequence i holds positions offsets[i] .. offsets[i] + n_i - 1 of `token_ids` [N]. A per-token field has one
+value per position, `field[p]` belonging to the token at p + 1 (the token position p predicts), so a
+sequence's last position predicts nothing and holds 0. Every field has one more slot, N, always 0: padding
+gathers from it. A mini-batch, a packed row and a padded block are then one gather per field, with the
+index computed on the host: a step costs a handful of tensor operations however many sequences it has
+(on a GPU every tensor operation is a launch, and per-sequence tensors made the learner host-bound).
+"""
 
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import chain
+
+import numpy as np
 import torch
 
 from rlsys.api import Trajectory
+from rlsys.host_copy import to_device
 
 
 @dataclass
 class SequenceBatch:
-    """One entry per trajectory: token ids [n] and per-token fields [n-1], field[t] belonging to token t+1."""
-
-    token_ids: list[torch.Tensor]
-    fields: dict[str, list[torch.Tensor]]
+    token_ids: torch.Tensor  # [N]
+    lengths: list[int]  # n_i, tokens of each sequence
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [N + 1] each, see the module docstring
 
     def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def select(self, indices: list[int]) -> "SequenceBatch":
-        return SequenceBatch([self.token_ids[i] for i in indices],
-                             {name: [values[i] for i in indices] for name, values in self.fields.items()})
+        return len(self.lengths)
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(ids) for ids in self.token_ids)
+        return int(self.token_ids.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_ids.device
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        """Where each sequence starts."""
+        return np.concatenate([[0], np.cumsum(self.lengths[:-1], dtype=np.int64)]).astype(np.int64)
+
+    def positions(self, indices) -> np.ndarray:
+        """The flat positions of sequences `indices`, end to end."""
+        lengths = np.asarray(self.lengths, dtype=np.int64)[indices]
+        if not len(lengths):
+            return np.zeros(0, dtype=np.int64)
+        starts = np.repeat(self.offsets[indices] - np.concatenate([[0], np.cumsum(lengths[:-1])]), lengths)
+        return starts + np.arange(lengths.sum())
+
+    @cached_property
+    def sequence_index(self) -> torch.Tensor:
+        """[N + 1]: which sequence each position belongs to; the padding slot belongs to none (len(self))."""
+        index = np.repeat(np.arange(len(self)), self.lengths)
+        return to_device(np.append(index, len(self)), self.device)
+
+    @cached_property
+    def predicts(self) -> torch.Tensor:
+        """[N + 1]: True where a position predicts a token of its own sequence (all but each last and padding)."""
+        mask = np.ones(self.num_tokens + 1, dtype=bool)
+        mask[self.offsets + np.asarray(self.lengths) - 1] = False
+        mask[-1] = False
+        return to_device(mask, self.device)
+
+    def select(self, indices: list[int]) -> "SequenceBatch":
+        """The sequences `indices`, in that order: one gather per tensor."""
+        positions = self.positions(indices)
+        index = to_device(np.append(positions, self.num_tokens), self.device)
+        return SequenceBatch(self.token_ids[index[:-1]], [self.lengths[i] for i in indices],
+                             {name: values[index] for name, values in self.fields.items()})
+
+    def padded_source(self, indices, width: int | None = None) -> np.ndarray:
+        """[len(indices), width] flat positions of the sequences right-padded to `width` (the longest by
+        default); padding points at slot N."""
+        lengths = np.asarray(self.lengths, dtype=np.int64)[indices]
+        width = int(lengths.max()) if width is None else width
+        columns = np.arange(width)
+        source = self.offsets[indices][:, None] + columns
+        return np.where(columns < lengths[:, None], source, self.num_tokens)
+
+    def padded(self, values: torch.Tensor) -> torch.Tensor:
+        """[B, T] per-token `values` ([N + 1]), one row per sequence, T = the longest sequence's n - 1."""
+        return values[to_device(self.padded_source(np.arange(len(self)))[:, :-1], self.device)]
+
+    def unpadded(self, rows: torch.Tensor) -> torch.Tensor:
+        """The inverse of `padded`: [B, T] -> [N + 1], positions that predict nothing 0."""
+        source = to_device(self.padded_source(np.arange(len(self)))[:, :-1], self.device)
+        out = torch.zeros(self.num_tokens + 1, dtype=rows.dtype, device=self.device)
+        out[source] = rows
+        return out * self.predicts
+
+    def per_sequence(self, scalars: torch.Tensor) -> torch.Tensor:
+        """[B] -> [N + 1]: each sequence's value on all its positions, 0 on padding."""
+        scalars = to_device(scalars, self.device)
+        return torch.cat([scalars, scalars.new_zeros(1)])[self.sequence_index]
+
+    def sequences(self, name_or_values) -> list[torch.Tensor]:
+        """A field (or [N + 1] values) as one [n - 1] tensor per sequence: views, for inspection and tests."""
+        values = self.fields[name_or_values] if isinstance(name_or_values, str) else name_or_values
+        return [values[o:o + n - 1] for o, n in zip(self.offsets.tolist(), self.lengths)]
+
+    def flatten(self, per_sequence: list[torch.Tensor]) -> torch.Tensor:
+        """One [n - 1] tensor per sequence -> [N + 1] in this batch's layout."""
+        zero = per_sequence[0].new_zeros(1) if per_sequence else torch.zeros(1)
+        return to_device(torch.cat([*chain.from_iterable((v, zero) for v in per_sequence), zero]), self.device)
+
+    def to(self, device) -> "SequenceBatch":
+        return SequenceBatch(to_device(self.token_ids, device), self.lengths,
+                             {name: to_device(values, device) for name, values in self.fields.items()})
+
+
+def token_sequences(token_ids: list[list[int]]) -> SequenceBatch:
+    """Sequences of token ids with no per-token fields (to score them)."""
+    lengths = [len(ids) for ids in token_ids]
+    return SequenceBatch(torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long), lengths)
 
 
 def sequence_batch(trajectories: list[Trajectory]) -> SequenceBatch:
-    """loss_mask, behaviour_logprobs, versions and token_rewards (each turn's reward on its last token)."""
-    fields: dict[str, list[torch.Tensor]] = {"loss_mask": [], "behaviour_logprobs": [], "versions": [],
-                                             "token_rewards": []}
-    for t in trajectories:
-        # Token t+1 is predicted at position t, so per-token targets drop the first token.
-        fields["loss_mask"].append(torch.tensor(t.loss_mask[1:], dtype=torch.float32))
-        fields["behaviour_logprobs"].append(torch.tensor(t.logprobs[1:], dtype=torch.float32))
-        fields["versions"].append(torch.tensor(t.versions[1:]))
-        rewards = torch.zeros(len(t.token_ids) - 1)
+    """loss_mask, behaviour_logprobs, versions (-1: not generated) and token_rewards (each turn's reward on its
+    last token). Built from flat Python lists: a few tensors however many trajectories."""
+    lengths = [len(t.token_ids) for t in trajectories]
+    offsets = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]).astype(np.int64)
+
+    def shifted(values_of, fill, dtype) -> torch.Tensor:
+        # Token t+1 is predicted at position t, so per-token targets drop the first token; `fill` ends each.
+        flat = chain.from_iterable(chain(values_of(t)[1:], (fill,)) for t in trajectories)
+        return torch.from_numpy(np.fromiter(chain(flat, (fill,)), dtype=dtype, count=sum(lengths) + 1))
+
+    rewards = np.zeros(sum(lengths) + 1, dtype=np.float32)
+    for offset, t in zip(offsets.tolist(), trajectories):
         for end, reward in zip(t.turn_ends, t.turn_rewards):
-            rewards[end - 2] += reward  # the turn's last token, token end-1, is predicted at position end-2
-        fields["token_rewards"].append(rewards)
-    return SequenceBatch([torch.tensor(t.token_ids) for t in trajectories], fields)
+            rewards[offset + end - 2] += reward  # the turn's last token, token end-1, is predicted at position end-2
+    fields = {"loss_mask": shifted(lambda t: t.loss_mask, 0, np.float32),
+              "behaviour_logprobs": shifted(lambda t: t.logprobs, 0, np.float32),
+              "versions": shifted(lambda t: t.versions, -1, np.int64),
+              "token_rewards": torch.from_numpy(rewards)}
+    token_ids = np.fromiter(chain.from_iterable(t.token_ids for t in trajectories), dtype=np.int64,
+                            count=sum(lengths))
+    return SequenceBatch(torch.from_numpy(token_ids), lengths, fields)
 
 
 def per_turn_to_tokens(turn_ends: list[int], turn_values: list[float], loss_mask: torch.Tensor) -> torch.Tensor:

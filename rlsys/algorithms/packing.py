@@ -7,9 +7,13 @@ between two sequences (the last token of one "predicting" the first of the next)
 which for the loss mask means it is never trained on.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from rlsys.algorithms.batch import SequenceBatch
+from rlsys.host_copy import to_device
 
 
 @dataclass
@@ -18,17 +22,14 @@ class MicroBatch:
     position_ids: torch.Tensor  # [R, L]; in a packed row they restart at 0 for every sequence
     attention_mask: torch.Tensor | None  # [R, L] for padded rows; None for a packed row (positions mark sequences)
     fields: dict[str, torch.Tensor]  # per predicted token, [R, L-1]
-    indices: list[int]  # which of the input sequences it holds
-    spans: list[tuple[int, int, int]]  # (row, start, length) of each of those sequences
+    indices: list[int]  # which sequences of the batch it holds
+    source: torch.Tensor  # [R, L]: the batch position of each slot; padding points at slot N (see batch.py)
+    starts: list[int] = field(default_factory=lambda: [0])  # where each sequence of a row starts (padded: 0)
 
-    def split(self, per_token: torch.Tensor) -> list[torch.Tensor]:
-        """[R, L-1] values in this micro-batch's layout -> one [n-1] tensor per sequence, in `indices` order."""
-        return [per_token[row, start:start + n - 1] for row, start, n in self.spans]
-
-    def to(self, device) -> "MicroBatch":
-        mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), mask,
-                          {k: v.to(device) for k, v in self.fields.items()}, self.indices, self.spans)
+    def scatter(self, per_token: torch.Tensor, out: torch.Tensor) -> None:
+        """Writes [R, L-1] values in this micro-batch's layout into `out` ([N + 1], the batch's layout). Slots that
+        predict nothing of their own sequence get values too: the caller zeroes them (SequenceBatch.predicts)."""
+        out[self.source[:, :-1]] = per_token.to(out.dtype)
 
     @property
     def num_tokens(self) -> int:
@@ -65,48 +66,40 @@ def pad_by_token_budget(lengths: list[int], budget: int) -> list[list[int]]:
     return bins
 
 
-def collate_packed(token_ids: list[torch.Tensor], fields: dict[str, list[torch.Tensor]],
-                   indices: list[int]) -> MicroBatch:
-    """One row: the chosen sequences end to end."""
-    spans, start = [], 0
-    for i in indices:
-        spans.append((0, start, len(token_ids[i])))
-        start += len(token_ids[i])
-    row_fields = {}
-    for name, values in fields.items():
-        parts = []
-        for i in indices:
-            parts += [values[i], values[i].new_zeros(1)]  # the slot between two sequences
-        row_fields[name] = torch.cat(parts[:-1])[None]
-    return MicroBatch(
-        input_ids=torch.cat([token_ids[i] for i in indices])[None],
-        position_ids=torch.cat([torch.arange(len(token_ids[i])) for i in indices])[None],
-        attention_mask=None, fields=row_fields, indices=list(indices), spans=spans)
-
-
-def collate_padded(token_ids: list[torch.Tensor], fields: dict[str, list[torch.Tensor]], indices: list[int],
-                   pad_id: int) -> MicroBatch:
-    """One right-padded row per sequence."""
-    width = max(len(token_ids[i]) for i in indices)
-
-    def pad(values: torch.Tensor, size: int, fill) -> torch.Tensor:
-        return torch.cat([values, values.new_full((size - len(values),), fill)])
-
-    lengths = [len(token_ids[i]) for i in indices]
-    return MicroBatch(
-        input_ids=torch.stack([pad(token_ids[i], width, pad_id) for i in indices]),
-        position_ids=torch.arange(width).expand(len(indices), width).clone(),
-        attention_mask=torch.stack([pad(torch.ones(n, dtype=torch.long), width, 0) for n in lengths]),
-        fields={name: torch.stack([pad(values[i], width - 1, 0) for i in indices]) for name, values in fields.items()},
-        indices=list(indices), spans=[(row, 0, n) for row, n in enumerate(lengths)])
-
-
-def micro_batches(token_ids: list[torch.Tensor], fields: dict[str, list[torch.Tensor]], budget: int, packed: bool,
-                  pad_id: int = 0) -> list[MicroBatch]:
-    lengths = [len(ids) for ids in token_ids]
+def collate(batch: SequenceBatch, indices: list[int], packed: bool, pad_id: int) -> MicroBatch:
+    """Sequences `indices` of `batch` as one packed row, or as right-padded rows: one gather per tensor."""
     if packed:
-        return [collate_packed(token_ids, fields, b) for b in pack_by_token_budget(lengths, budget)]
-    return [collate_padded(token_ids, fields, b, pad_id) for b in pad_by_token_budget(lengths, budget)]
+        source = batch.positions(indices)[None]
+        positions = source - np.repeat(batch.offsets[indices], np.asarray(batch.lengths)[indices])[None]
+    else:
+        source = batch.padded_source(indices)
+        positions = np.broadcast_to(np.arange(source.shape[1]), source.shape)
+    mb = gathered(batch, source, positions, packed, pad_id, list(indices))
+    if packed:
+        mb.starts = np.concatenate([[0], np.cumsum(np.asarray(batch.lengths)[indices])[:-1]]).tolist()
+    return mb
+
+
+def gathered(batch: SequenceBatch, source: np.ndarray, positions: np.ndarray, packed: bool, pad_id: int,
+             indices: list[int]) -> MicroBatch:
+    device = batch.device
+    source_t = to_device(source, device, np.int64)
+    real = source_t < batch.num_tokens
+    input_ids = torch.where(real, batch.token_ids[source_t.clamp(max=max(batch.num_tokens - 1, 0))], pad_id)
+    return MicroBatch(
+        input_ids=input_ids, position_ids=to_device(positions, device, np.int64),
+        attention_mask=None if packed else real.long(),
+        fields={name: values[source_t[:, :-1]] for name, values in batch.fields.items()},
+        indices=indices, source=source_t)
+
+
+def micro_batches(batch: SequenceBatch, budget: int, packed: bool, pad_id: int = 0,
+                  indices: list[int] | None = None) -> list[MicroBatch]:
+    """Sequences `indices` of `batch` (all by default) in micro-batches of at most `budget` tokens."""
+    indices = list(range(len(batch))) if indices is None else indices
+    lengths = [batch.lengths[i] for i in indices]
+    bins = pack_by_token_budget(lengths, budget) if packed else pad_by_token_budget(lengths, budget)
+    return [collate(batch, [indices[i] for i in b], packed, pad_id) for b in bins]
 
 
 def balance_by_tokens(lengths: list[int], n_parts: int) -> list[list[int]]:
@@ -123,9 +116,12 @@ def balance_by_tokens(lengths: list[int], n_parts: int) -> list[list[int]]:
     return [sorted(part) for part in parts]
 
 
-def empty_micro_batch(field_names, packed: bool, pad_id: int = 0) -> MicroBatch:
-    """Two padding tokens whose per-token fields (loss mask, loss weights) are all 0: a pass that adds nothing
-    to any loss or gradient, for a rank with fewer micro-batches than the others (FSDP's passes are collective)."""
-    return MicroBatch(input_ids=torch.full((1, 2), pad_id), position_ids=torch.arange(2)[None],
-                      attention_mask=None if packed else torch.ones(1, 2, dtype=torch.long),
-                      fields={name: torch.zeros(1, 1) for name in field_names}, indices=[], spans=[])
+def empty_micro_batch(batch: SequenceBatch, packed: bool, pad_id: int = 0) -> MicroBatch:
+    """Two padding slots whose per-token fields (loss mask, loss weights) are all 0: a pass that adds nothing
+    to any loss or gradient, for a rank with fewer micro-batches than the others (FSDP's passes are collective).
+    Padded, its attention mask is all ones: a row with nothing to attend to would be NaN."""
+    source = np.full((1, 2), batch.num_tokens)
+    mb = gathered(batch, source, np.arange(2)[None], packed, pad_id, [])
+    if not packed:
+        mb.attention_mask = torch.ones_like(mb.input_ids)
+    return mb

@@ -27,38 +27,41 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
-def token_loss_weights(masks: list[torch.Tensor], agg: str = "token-mean") -> list[torch.Tensor]:
+def token_loss_weights(mask: torch.Tensor, sequence_index: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
     """Per-token weights w with sum(w * l) = the aggregated loss of these sequences' token losses l.
 
-    Weights are fixed per mini-batch before it is split into micro-batches, so summing each micro-batch's
-    sum(w * l) (gradient accumulation) gives exactly the mini-batch's loss, whatever the split or packing.
-    token-mean: m / sum(m); seq-mean-token-mean: m / (S * sum_t m); seq-mean-token-sum: m / S, where S counts
-    the sequences that have generated tokens.
+    `mask` and `sequence_index` (which sequence each token belongs to) are flat and aligned. Weights are fixed per
+    mini-batch before it is split into micro-batches, so summing each micro-batch's sum(w * l) (gradient
+    accumulation) gives exactly the mini-batch's loss, whatever the split or packing. token-mean: m / sum(m);
+    seq-mean-token-mean: m / (S * sum_t m); seq-mean-token-sum: m / S, where S counts the sequences that have
+    generated tokens. No value is read back to the host.
     """
     if agg not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss aggregation {agg!r}; expected one of {LOSS_AGG_MODES}")
-    masks = [m if m.is_floating_point() else m.float() for m in masks]
+    mask = mask if mask.is_floating_point() else mask.float()
     if agg == "token-mean":
         # Every generated token weighs the same, so a sequence counts in proportion to its length (DAPO).
-        total = max(sum(m.sum().item() for m in masks), 1.0)
-        return [m / total for m in masks]
+        return mask / mask.sum().clamp(min=1)
+    # As many bins as tokens, at least one per sequence, with no read of the largest index back to the host.
+    per_sequence = mask.new_zeros(max(sequence_index.numel(), 1)).index_add_(0, sequence_index, mask)
     # A sequence without generated tokens has no loss to contribute; counting it would only shrink the mean.
-    sequences = max(sum(1 for m in masks if m.sum() > 0), 1)
+    sequences = (per_sequence > 0).sum().clamp(min=1)
     if agg == "seq-mean-token-mean":
-        return [m / (sequences * m.sum().clamp(min=1)) for m in masks]  # every sequence weighs the same
-    return [m / sequences for m in masks]  # Dr. GRPO up to a constant: no 1/length that lets long wrong answers off
+        return mask / (sequences * per_sequence.clamp(min=1)[sequence_index])  # every sequence weighs the same
+    return mask / sequences  # Dr. GRPO up to a constant: no 1/length that lets long wrong answers off
 
 
 def aggregate_token_loss(token_loss: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
     """token-mean sum(lm)/sum(m); seq-mean-token-mean mean_b[sum_t lm/sum_t m]; seq-mean-token-sum mean_b[sum_t lm]."""
-    return (token_loss * torch.stack(token_loss_weights(list(mask), agg))).sum()
+    rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+    return (token_loss * token_loss_weights(mask.flatten(), rows.flatten(), agg).view_as(mask)).sum()
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   clip: float, *, dual_clip: float | None = None, agg: str = "token-mean",
                   behaviour_logprobs: torch.Tensor | None = None,
                   imp_weight_cap: float | None = None,
-                  weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                  weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """l_t = w_t * max(-A r, -A clip(r, 1-clip, 1+clip)) [min -A*dual_clip if A<0], r = exp(logp-old_logp); agg(l)."""
     # dual_clip=c bounds the loss of a negative-advantage token by -A*c (Ye et al. 2020); None: no bound.
     # behaviour_logprobs switches to AReaL's decoupled objective: old_logp is then the proximal policy's logprob
@@ -97,18 +100,19 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
             weight = torch.where(kept, raw_weight, 0.0)
         token_loss = token_loss * weight
     loss = aggregate_token_loss(token_loss, mask, agg) if weights is None else (token_loss * weights).sum()
-    with torch.no_grad():
+    with torch.no_grad():  # 0-d tensors: the caller reads them back once per optimizer step, not per micro-batch
         stats = {
-            "clip_fraction": masked_mean((clipped > unclipped).float(), mask).item(),
-            "importance_ratio": masked_mean(ratio, mask).item(),
+            "clip_fraction": masked_mean((clipped > unclipped).float(), mask),
+            "importance_ratio": masked_mean(ratio, mask),
         }
         if dual_clip is not None:
-            stats["dual_clip_fraction"] = masked_mean(dual_clipped.float(), mask).item()
+            stats["dual_clip_fraction"] = masked_mean(dual_clipped.float(), mask)
         if behaviour_logprobs is not None:
-            # Over all generated tokens before the cap, so the max shows how far off-policy the batch really was.
-            stats["importance_weight_mean"] = masked_mean(raw_weight, mask).item()
-            stats["importance_weight_max"] = raw_weight.max().item() if generated.any() else 0.0
-            stats["importance_weight_capped_fraction"] = masked_mean((generated & ~kept).float(), mask).item()
+            # Over all generated tokens before the cap, so the max shows how far off-policy the batch really was
+            # (raw_weight is 0 off the generated tokens, and positive on them).
+            stats["importance_weight_mean"] = masked_mean(raw_weight, mask)
+            stats["importance_weight_max"] = raw_weight.max()
+            stats["importance_weight_capped_fraction"] = masked_mean((generated & ~kept).float(), mask)
     return loss, stats
 
 

@@ -8,19 +8,18 @@ from rlsys.model.varlen_attention import ATTN_IMPLEMENTATION
 CRITIC_DIR = "critic"  # a checkpoint's critic, saved beside the policy in HF format
 
 
-def attention_for(packing: bool, requested: str = "auto") -> str:
-    """Packed rows need attention that keeps to each sequence; padded rows use transformers' sdpa."""
-    if requested != "auto":
-        return requested
-    return ATTN_IMPLEMENTATION if packing else "sdpa"
+def attention_for(requested: str = "auto") -> str:
+    """auto: rlsys's varlen attention, which keeps each sequence of a packed row to itself and takes right-padded
+    rows with no mask (causal attention never lets a real token see the padding after it), so no padding mask
+    is built or read back per forward pass."""
+    return ATTN_IMPLEMENTATION if requested == "auto" else requested
 
 
-def load_policy(path: str, packing: bool, attention: str = "auto"):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                attn_implementation=attention_for(packing, attention))
+def load_policy(path: str, attention: str = "auto"):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention_for(attention))
 
 
-def load_critic(path: str, packing: bool, attention: str = "auto"):
+def load_critic(path: str, attention: str = "auto"):
     """The policy's backbone with a one-output linear head per token: V(prefix up to and including the token).
 
     Started from the policy's weights, as in InstructGPT's PPO, so the critic reads the prompt as the policy
@@ -29,4 +28,4 @@ def load_critic(path: str, packing: bool, attention: str = "auto"):
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0
     return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
-                                                           attn_implementation=attention_for(packing, attention))
+                                                           attn_implementation=attention_for(attention))

@@ -13,8 +13,11 @@ flash-attention varlen kernel instead: on a GPU the per-length sdpa calls are la
 import functools
 import inspect
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
+
+from rlsys.host_copy import to_device
 
 ATTN_IMPLEMENTATION = "rlsys_varlen"
 
@@ -23,7 +26,8 @@ def segment_starts(position_ids: torch.Tensor) -> list[int]:
     """Start index of every sequence in the row, from where the position ids restart at 0.
 
     Every layer of one forward pass gets the same position_ids tensor: it is read once (on a GPU each read
-    is a synchronisation) and kept, with the tensor, until another one comes.
+    is a synchronisation) and kept, with the tensor, until another one comes; or the caller, which built the
+    row on the host, says where they are first (`known_segment_starts`) and nothing is read.
     """
     if _last_read[0] is position_ids:
         return _last_read[1]
@@ -31,11 +35,17 @@ def segment_starts(position_ids: torch.Tensor) -> list[int]:
     if position_ids.shape[0] > 1 and not torch.equal(position_ids, row.expand_as(position_ids)):
         raise ValueError("varlen attention needs one packed row, or rows that share their positions")
     starts = (row == 0).nonzero().flatten().tolist() or [0]
-    _last_read[:] = [position_ids, starts]
+    known_segment_starts(position_ids, starts)
     return starts
 
 
-_last_read: list = [None, None]  # [position_ids, their segment starts]: held, so the identity check is sound
+def known_segment_starts(position_ids: torch.Tensor, starts: list[int]) -> None:
+    """Where the sequences of the packed row `position_ids` start, as the host that built it knows."""
+    _last_read[:] = [position_ids, starts, None]
+
+
+_last_read: list = [None, None, None]  # [position_ids, segment starts, their bounds on the device (flash varlen)]:
+# held, so the identity check is sound
 
 
 def varlen_causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -108,7 +118,12 @@ def flash_varlen_attention(query, key, value, starts: list[int], longest: int, s
     gqa = q.shape[1] != k.shape[1]
     if gqa and not has_gqa:  # torch 2.10's kernel wants as many key/value heads as query heads
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    bounds = torch.tensor(starts + [q.shape[0]], dtype=torch.int32, device=q.device)
+    if _last_read[1] is starts and _last_read[2] is not None:  # every layer of the forward pass: one copy
+        bounds = _last_read[2]
+    else:
+        bounds = to_device(starts + [q.shape[0]], q.device, np.int32)
+        if _last_read[1] is starts:
+            _last_read[2] = bounds
     extra = {"enable_gqa": True} if gqa and has_gqa else {}
     return attend(q, k, v, bounds, bounds, longest, longest, scale=scaling, **extra)[None]
 
