@@ -120,10 +120,11 @@ class TraceWriter:
                 "calls": calls, "trajectories": [trajectory_record(self.tokenizer, t) for t in trajectories or []]}
 
 
-def write_trained(run_dir: Path, step: int, trajectories: list[Trajectory], advantages: list, sample_rate: float) -> None:
-    """The learner's part of the traced episodes it just trained: step and mean advantage per trajectory."""
-    lines = [json.dumps({"traj_id": t.traj_id, "group_id": t.group_id, "step": step,
-                         "advantage": float(a.sum() / max(a.ne(0).sum().item(), 1))})
+def write_trained(run_dir: Path, step: int, trajectories: list[Trajectory], advantages: list[float],
+                  sample_rate: float) -> None:
+    """The learner's part of the traced episodes it just trained: step and mean advantage per trajectory (over its
+    tokens with a non-zero advantage)."""
+    lines = [json.dumps({"traj_id": t.traj_id, "group_id": t.group_id, "step": step, "advantage": a})
              for t, a in zip(trajectories, advantages) if traced(t.group_id, sample_rate)]
     if lines:
         directory = Path(run_dir) / TRACES_DIR

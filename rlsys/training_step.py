@@ -69,7 +69,7 @@ class PolicyTrainer:
         self.version = 0  # of the policy being trained: staleness is measured against it
         self.skipped_updates = 0  # optimizer steps skipped: their loss or gradients were not finite
         self.logprob_check = LogprobCheck(version=-1)  # replaced by each train_step
-        self.last_advantages: list[torch.Tensor] = []  # of the last step's sequences (traces)
+        self.last_advantages: list[float] = []  # the last step's, each sequence's mean over its trained tokens (traces)
         self.tokenizer = load_tokenizer(config.model.path)
         self.pad_id = self.tokenizer.pad_token_id
 
@@ -95,7 +95,8 @@ class PolicyTrainer:
                 stats = self.optimizer_step(batch.select(rows.tolist()))
                 self.logprob_check.seal()
         stats.update(LogprobCheck.merged(self.ranks.all_gather(self.logprob_check.totals())))
-        self.last_advantages = batch.fields["advantages"]  # for the traces of what this step trained
+        advantages = batch.fields["advantages"]
+        self.last_advantages = batch.sequence_means(advantages, advantages != 0)  # for the traces of this step
         if self.reference is not None and "kl" in stats:
             stats["kl_coef"] = self.kl_controller.value
             self.kl_controller.update(stats["kl"], n_steps=len(trajectories))

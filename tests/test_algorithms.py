@@ -83,6 +83,8 @@ def test_sequence_fields_align_with_the_tokens_they_predict():
     padded = batch.padded(batch.fields["loss_mask"])
     assert padded.tolist() == [[0, 1, 1], [1, 0, 0]]
     assert batch.unpadded(padded).tolist() == batch.fields["loss_mask"].tolist()
+    values = torch.tensor([0, 2.0, 4.0, 0, -1.0, 0, 0])
+    assert batch.sequence_means(values, values != 0) == [3.0, -1.0]
 
 
 def test_padded_and_packed_micro_batches_hold_the_same_fields():

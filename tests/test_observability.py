@@ -71,6 +71,15 @@ def test_traces_follow_each_episode_from_the_model_calls_to_the_gradient(tiny_ru
     trained = [t for e in train for t in e["trajectories"] if "trained" in t]
     assert len(trained) == 4 * 16 * 8  # every trajectory of every step (sample rate 1), with its step
     assert {t["trained"]["step"] for t in trained} == {1, 2, 3, 4}
+    groups: dict[str, list[dict]] = {}
+    for t in trained:
+        groups.setdefault(t["group_id"], []).append(t)
+    assert len(groups) == 4 * 16 and all(len(members) == 8 for members in groups.values())
+    for members in groups.values():  # GRPO: above the group's mean reward a positive advantage, below a negative one
+        mean = sum(t["reward"] for t in members) / len(members)
+        for t in members:
+            above = t["reward"] - mean
+            assert t["trained"]["advantage"] * above > 0 if abs(above) > 1e-6 else t["trained"]["advantage"] == 0
     episode = train[0]
     assert episode["calls"] and episode["calls"][0]["seconds"] > 0 and episode["calls"][0]["output_tokens"]
     t = episode["trajectories"][0]

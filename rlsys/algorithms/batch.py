@@ -95,6 +95,14 @@ class SequenceBatch:
         scalars = to_device(scalars, self.device)
         return torch.cat([scalars, scalars.new_zeros(1)])[self.sequence_index]
 
+    def sequence_means(self, values: torch.Tensor, where: torch.Tensor) -> list[float]:
+        """Each sequence's mean of [N + 1] `values` over the positions `where` is true (0 if none): one read back."""
+        bins = len(self) + 1  # the padding slot's sequence is the last bin
+        where = where.to(values.dtype)
+        sums = values.new_zeros(bins).index_add_(0, self.sequence_index, values * where)
+        counts = values.new_zeros(bins).index_add_(0, self.sequence_index, where)
+        return (sums / counts.clamp(min=1))[:-1].tolist()
+
     def sequences(self, name_or_values) -> list[torch.Tensor]:
         """A field (or [N + 1] values) as one [n - 1] tensor per sequence: views, for inspection and tests."""
         values = self.fields[name_or_values] if isinstance(name_or_values, str) else name_or_values
