@@ -156,3 +156,40 @@ def test_a_packed_row_in_bfloat16_takes_the_flash_varlen_kernel_and_equals_each_
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
     for got, want in ((q, q32), (k, k32), (v, v32)):
         torch.testing.assert_close(got.grad.float(), want.grad, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_gpu_step_synchronises_as_often_however_many_micro_batches_it_takes(tmp_path, dtype):
+    """Every wait for the GPU (a read back, a copy from pageable memory) that torch's sync debug mode reports is
+    counted over a train step: per optimizer step, never per micro-batch. float32 pads (ppo.sequence_packing=auto),
+    bfloat16 packs into flash-attention varlen calls."""
+    import random
+    import warnings
+
+    from tests.test_learner import mixed_length_batch
+
+    from transformers import AutoModelForCausalLM
+
+    counts = []
+    config = config_for(tmp_path, dtype=dtype)
+    trajectories = mixed_length_batch(AutoModelForCausalLM.from_pretrained(config.model.path), random.Random(0))
+    for budget in (16384, 40):
+        config.ppo.max_tokens_per_micro_batch = budget
+        trainer = PolicyTrainer(config, Ranks(), config.model.path)
+        assert trainer.packed == (dtype == "bfloat16")
+        passes = len(trainer.micro_batches(trainer.prepare_batch(trajectories)))
+        trainer.train_step(trajectories)  # warm: kernels, the pinned-memory cache
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.train_step(trajectories)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append((passes, sum("synchroniz" in str(w.message) for w in caught)))
+    (few, few_waits), (many, many_waits) = counts
+    assert many > few + 4, "the small budget must split the batch into more passes, or this test proves nothing"
+    # Not one more wait for eleven more passes (seen on an H200: 11 waits in one pass, 10 in twelve; the one
+    # pass's bigger pinned host buffers are new to the caching allocator, the twelve small ones fit the warm-up's).
+    assert many_waits <= few_waits, counts
