@@ -29,6 +29,8 @@ gives the most samples/s rlsys's CPU per sample allows with every core busy, aga
 table gives the time to +10 points too (what a short run shows when one side does not reach +20). The last line is
 `ratio: <TRL time-to-target / rlsys time-to-target>` for +20 held-out points over the shared starting accuracy.
 `--variant NAME:SETTINGS` adds rlsys runs with other settings (e.g. the colocated placement) beside the default.
+`--device cuda` puts both sides on one GPU (TRL `use_cpu=False`; rlsys's roles find the GPU themselves, with vLLM
+where it is installed, else `inference.engine=transformers`); `--device cpu` (the default) hides any GPU from both.
 `--task NAME` puts both sides on another registered one-turn math experiment instead of the default task, e.g.
 `async-ppo-math-long` (long answers, as in reasoning RL): its dataset, its warm-started model, its max new tokens
 and its math check, with its own hyper-parameters where it changes the default's.
@@ -70,7 +72,7 @@ def held_out_accuracy(model, tokenizer, prompt_ids: list[list[int]], answers: li
     right = 0
     with torch.no_grad():
         for indices in by_length.values():
-            inputs = torch.tensor([prompt_ids[i] for i in indices])
+            inputs = torch.tensor([prompt_ids[i] for i in indices], device=model.device)
             out = model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
                                  max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                                  pad_token_id=tokenizer.pad_token_id)
@@ -87,6 +89,13 @@ def first_reaching(curve: list[tuple], accuracy: float) -> tuple[int, float] | N
 def task_settings(task: str) -> list[str]:
     """The settings that pick `task` for both sides: none for the default task, so its commands stay as they were."""
     return [] if task == DEFAULT_TASK else [f"experiment={task}"]
+
+
+def engine_settings(device: str) -> list[str]:
+    """rlsys's engine on a GPU machine without vLLM (its wheel is not everywhere): the transformers engine."""
+    import importlib.util
+
+    return ["inference.engine=transformers"] if device == "cuda" and importlib.util.find_spec("vllm") is None else []
 
 
 def prepared_config(overrides: list[str]):
@@ -119,13 +128,13 @@ def trl_dataset(config, tokenizer, train_rows: list[dict], count: int):
     return Dataset.from_dict({"prompt": messages, "answer": [str(p.data["answer"]) for p in ordered]}), ordered
 
 
-def trl_arguments(config, steps: int, out_dir: Path, **changes):
+def trl_arguments(config, steps: int, out_dir: Path, device: str = "cpu", **changes):
     """GRPOConfig with rlsys's hyper-parameters for `steps` batches (the module docstring lists them)."""
     from trl import GRPOConfig
 
     ppo, group = config.ppo, config.group_size
     settings = dict(
-        output_dir=str(out_dir / "trl"), use_cpu=True, report_to="none", save_strategy="no", logging_steps=10,
+        output_dir=str(out_dir / "trl"), use_cpu=device == "cpu", report_to="none", save_strategy="no", logging_steps=10,
         seed=config.seed, data_seed=config.seed, shuffle_dataset=False, max_steps=steps * ppo.ppo_epochs,
         per_device_train_batch_size=ppo.batch_size * group, gradient_accumulation_steps=1, num_generations=group,
         num_iterations=ppo.ppo_epochs, learning_rate=ppo.lr, lr_scheduler_type="constant", warmup_steps=0,
@@ -165,7 +174,8 @@ def trl_clock(epochs: int, steps: int, snapshot_steps: int = 0):
     return Clock()
 
 
-def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out_dir: Path, threads: int) -> dict:
+def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out_dir: Path, threads: int,
+            device: str) -> dict:
     """TRL's GRPOTrainer for `steps` batches; (clock at each batch's end, weight snapshots, whole seconds)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -183,7 +193,7 @@ def run_trl(config, train_rows: list[dict], steps: int, snapshot_steps: int, out
         return [float(correct(c[-1]["content"], a)) for c, a in zip(completions, answer)]
 
     clock = trl_clock(config.ppo.ppo_epochs, steps, snapshot_steps)
-    trainer = GRPOTrainer(model=model, reward_funcs=[math_reward], args=trl_arguments(config, steps, out_dir),
+    trainer = GRPOTrainer(model=model, reward_funcs=[math_reward], args=trl_arguments(config, steps, out_dir, device),
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
     trainer.train()
     return {"times": clock.times, "cpu": clock.cpu, "snapshots": clock.snapshots, "wall_s": time.monotonic() - started}
@@ -292,7 +302,10 @@ def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Pa
     start = next(r["time"] for r in initial if "eval/accuracy" in r)  # training prompts are admitted from here
     summary = json.loads((run_dir / "summary.json").read_text())
     cpu_at_start = cpu.at(start)
+    timed = rows[min(2, len(rows) - 1):]  # the learner's own split of a step, its first steps left out
+    learner_s = {key: sum(r[f"time/{key}"] for r in timed) / len(timed) for key in ("compute", "publish", "wait_data")}
     return {"times": [r["time"] - start for r in rows], "cpu": [cpu.at(r["time"]) - cpu_at_start for r in rows],
+            "learner_s_per_step": learner_s,
             "snapshots": linker.kept, "wall_s": wall,
             "command": " ".join(command), "own_initial_accuracy": summary["initial_accuracy"],
             "own_final_accuracy": summary["final_accuracy"]}
@@ -303,12 +316,18 @@ def main() -> None:
     parser.add_argument("--snapshot-steps", type=int, default=10, help="evaluate both sides every this many batches")
     parser.add_argument("--skip-trl", action="store_true", help="run rlsys only (no ratio)")
     parser.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0: every core")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both sides train: the CPU (any GPU hidden) or one GPU")
     parser.add_argument("--task", default=DEFAULT_TASK, help="registered one-turn math experiment both sides train on")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:SETTINGS",
                         help="one more rlsys run after the default one, e.g. 'colocated:cluster.colocate=true "
                              "max_head_offpolicyness=0' (repeatable); reported beside it, not in the ratio")
     args, out_dir = parse_run_arguments(parser, steps=180, out="bench/results/vs_trl.json")
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported, here and in the run's roles
     import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU here")
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -316,7 +335,7 @@ def main() -> None:
     from rlsys.data.prompts import row_prompt_ids
     from rlsys.model.tokenizer import load_tokenizer
 
-    overrides = [*task_settings(args.task), *args.overrides]
+    overrides = [*task_settings(args.task), *engine_settings(args.device), *args.overrides]
     config = prepared_config(overrides)
     fmt = config.dataset.row_format()
     train_rows, eval_rows = load_rows(config.dataset.path, fmt), load_rows(config.dataset.eval_path, fmt)
@@ -328,7 +347,8 @@ def main() -> None:
     sides = {}
     if not args.skip_trl:
         load = os.getloadavg()[0]
-        sides["trl"] = run_trl(config, train_rows, args.steps, args.snapshot_steps, out_dir, args.trl_threads)
+        sides["trl"] = run_trl(config, train_rows, args.steps, args.snapshot_steps, out_dir, args.trl_threads,
+                               args.device)
         sides["trl"]["load_average"] = (load, os.getloadavg()[0])  # this machine is shared: say how busy it was
         print(f"  TRL: {args.steps} batches in {sides['trl']['wall_s']:.0f} s", flush=True)
     variants = (v.partition(":") for v in args.variant)
@@ -340,7 +360,7 @@ def main() -> None:
         print(f"  {name}: {args.steps} batches in {sides[name]['wall_s']:.0f} s", flush=True)
 
     torch.set_num_threads(os.cpu_count())
-    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).to(args.device).eval()
     evaluate = lambda: held_out_accuracy(model, tokenizer, eval_ids, answers, config.gen.max_new_tokens)  # noqa: E731
     initial = evaluate()
     target = initial + TARGET_POINTS / 100
@@ -350,7 +370,7 @@ def main() -> None:
         for batch, snapshot in sorted(side["snapshots"].items()):
             if name != "trl":
                 snapshot = load_file(str(snapshot))
-            model.load_state_dict(snapshot)
+            model.load_state_dict({k: v.to(args.device) for k, v in snapshot.items()})
             curve.append((batch, batch * per_batch, side["times"][batch - 1], evaluate()))
         times = side["times"]
         w = min(args.warmup, len(times) - 1)
@@ -367,6 +387,7 @@ def main() -> None:
             "train_s": times[-1], **{k: v for k, v in side.items() if k not in ("times", "snapshots")}}
 
     task = "default task" if args.task == DEFAULT_TASK else f"task {args.task}"
+    task += f", on {torch.cuda.get_device_name()}" if args.device == "cuda" else f", on {os.cpu_count()} CPU cores"
     print(f"{task}, {args.steps} batches of {config.ppo.batch_size} prompts x {config.group_size} samples, "
           f"{config.ppo.ppo_epochs} optimizer steps each; held-out greedy accuracy on {len(eval_rows)} problems, "
           f"start {100 * initial:.1f}%, target {100 * target:.1f}% (+{TARGET_POINTS:.0f} points)")
@@ -388,6 +409,10 @@ def main() -> None:
         variant_t = results[name]["time_to_target_s"]
         if trl_t is not None and variant_t is not None:
             print(f"{name}: TRL time-to-target / {name} time-to-target = {trl_t / variant_t:.2f}")
+    for name, _ in runs:
+        split = results[name]["learner_s_per_step"]
+        print(f"{name} learner, seconds a step: compute {split['compute']:.3f}, publish {split['publish']:.3f}, "
+              f"waiting for data {split['wait_data']:.3f}")
     if "trl" in results:
         # With every core busy a side trains (cores / CPU seconds per sample) samples a second, whatever it overlaps:
         # the most a side could reach on this machine, against TRL's measured samples/s.

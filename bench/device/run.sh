@@ -1,32 +1,49 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (device tool): the GPU tests, the learner against a plain loop, the weight path,
-# and a whole default run with a py-spy profile of each role. Never part of CI.
+# One call on a lent GPU machine (the device tool): the GPU tests, the learner against a plain loop, and rlsys against
+# TRL with both on the GPU, with a py-spy profile of each role of rlsys's run. Never part of CI.
 #
-# Prepare on the CPU machine, once a session (the GPU machine has no registry):
+# Prepare on the CPU machine, once a session (the GPU machine has no registry; the default task's dataset and
+# warm-started model travel from this machine's cache, so nothing is rebuilt there):
 #   bash ../shared/device/prepare-carry.sh .device-carry && echo /.device-carry/ >> .git/info/exclude
-# Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=540)
-# What it writes to $OUT (at most 8 files come back): tests.txt, learner_vs_plain.txt, scale.txt, run.txt and
-# profile-<role>.txt (py-spy's collapsed stacks, 12 s at 100 Hz, of learner0, inference0 and rollout0).
-# No vLLM there (its wheel is too large to carry): the transformers engine serves.
+#   mkdir -p .device-carry/cache && cp -r ~/.cache/rlsys/models ~/.cache/rlsys/data .device-carry/cache/
+# Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=560)
+# What comes back in $OUT (the tool returns at most 8 files): tests.txt, learner_vs_plain.txt, vs_trl.txt,
+# vs_trl.json, and profile-<role>.txt (py-spy's collapsed stacks, 10 s at 100 Hz, of learner0, inference0, rollout0,
+# taken during the rlsys run of vs_trl). No vLLM there (its wheel is too large to carry): the transformers engine serves.
 set -uo pipefail
 source .device-carry/env.sh
 OUT=${OUT:-/tmp/device-out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/tests.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_transformers_engine.py \
-  tests/test_weight_sync.py -k "not vllm and not VLLM" >> "$OUT/tests.txt" 2>&1
-timeout 90 python3 bench/learner_vs_plain.py --repeats 3 > "$OUT/learner_vs_plain.txt" 2>&1
-timeout 120 python3 bench/scale.py --models 1b --no-learner-ranks --repeats 3 --out "$OUT/scale.json" \
-  > "$OUT/scale.txt" 2>&1
-python3 training/main_async_ppo.py inference.engine=transformers max_steps=200 eval_steps=0 trial_name=device \
-  > "$OUT/run.txt" 2>&1 &
-run=$!
-for _ in $(seq 120); do pgrep -x learner0 >/dev/null && grep -q "step " "$OUT/run.txt" && break; sleep 1; done
-for role in learner0 inference0 rollout0; do
-  pid=$(pgrep -x "$role" | head -1)
-  [ -n "$pid" ] && py-spy record --pid "$pid" -d 12 -r 100 --format raw -o "$OUT/profile-$role.txt" --nonblocking \
-    > /dev/null 2>&1 &
+mkdir -p "$OUT" ~/.cache/rlsys
+cp -r .device-carry/cache/* ~/.cache/rlsys/
+started=$SECONDS
+stamp() { echo "== $1 at $((SECONDS - started)) s" | tee -a "$OUT/tests.txt"; }
+
+stamp "GPU tests"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/tests.txt"
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py >> "$OUT/tests.txt" 2>&1
+
+stamp "learner against a plain loop"
+for settings in "" "ppo.sequence_packing=true" "learner.dtype=bfloat16" \
+                "--random-model 576,1536,30,9,3,49152 learner.dtype=bfloat16"; do
+  echo "--- $settings" >> "$OUT/learner_vs_plain.txt"
+  # shellcheck disable=SC2086  # the settings are words
+  timeout 45 python3 bench/learner_vs_plain.py --repeats 3 --out /tmp/lvp.json $settings \
+    >> "$OUT/learner_vs_plain.txt" 2>&1
 done
-wait "$run"
+
+stamp "rlsys against TRL on the GPU"
+profile_roles() {  # once rlsys's roles run (TRL goes first) and have trained a while
+  for _ in $(seq 300); do pgrep -x learner0 > /dev/null && break; sleep 1; done
+  sleep 25
+  for role in learner0 inference0 rollout0; do
+    pid=$(pgrep -x "$role" | head -1)
+    [ -n "$pid" ] && py-spy record --pid "$pid" -d 10 -r 100 --format raw -o "$OUT/profile-$role.txt" \
+      --nonblocking > /dev/null 2>&1 &
+  done
+  wait
+}
+profile_roles &
+timeout 240 python3 bench/vs_trl.py --device cuda --out "$OUT/vs_trl.json" > "$OUT/vs_trl.txt" 2>&1
+echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl.txt"
 wait
-rm -f "$OUT/scale.json"
+stamp "done"
