@@ -242,21 +242,3 @@ class ServerRestarts:
         server = self.bus.server_id()
         restarted, self.server = server != self.server, server
         return restarted
-
-
-def connect(url: str, wait_out_restarts: bool = True) -> Bus:
-    """The bus at `url`: "inproc://NAME" (one shared object per NAME in this process) or "redis://...".
-
-    A Redis URL may carry `?namespace=NAME` to prefix every key, so several runs can share one server.
-    Commands wait out a restarting Redis unless `wait_out_restarts=False` (for the server's own keeper, who
-    restarts it and so must not wait for it).
-    """
-    if url.startswith("inproc://"):
-        from rlsys.bus.inproc import InProcessBus
-
-        return InProcessBus.named(url[len("inproc://"):])
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from rlsys.bus.redis_bus import RedisBus
-
-        return RedisBus.from_url(url, wait_out_restarts=wait_out_restarts)
-    raise ValueError(f"unsupported bus url {url!r}: expected inproc://NAME or redis://[:PASSWORD@]HOST:PORT/DB")
