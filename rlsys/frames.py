@@ -1,11 +1,10 @@
 """Pictures of a traced episode (text games): each turn's board as the model saw it, its move and reward,
 side by side in a PNG strip and one after another in a GIF, so a person can watch what the agent did."""
 
+import re
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
-
-from rlsys.tracing import slug
 
 PAD, LINE = 8, 14
 INK, PAPER, MOVE = (20, 20, 20), (250, 250, 245), (30, 90, 200)
@@ -64,3 +63,8 @@ def render_episode(record: dict, directory: Path) -> list[Path]:
         frames.append(frame)
     frames[0].save(gif, save_all=True, append_images=frames[1:], duration=800, loop=0)
     return [png, gif]
+
+
+def slug(text: str) -> str:
+    """A file name from an episode id."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)

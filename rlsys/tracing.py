@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import queue
-import re
 import threading
 import time
 from pathlib import Path
@@ -153,8 +152,3 @@ def read_traces(run_dir: Path) -> list[dict]:
                         t["trained"] = {k: trained[t["traj_id"]][k] for k in ("step", "advantage")}
                 episodes.append(episode)
     return episodes
-
-
-def slug(text: str) -> str:
-    """A file name from an episode id."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
