@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from rlsys.api.generation import GenerationOutput
+
 NOT_GENERATED = -1  # version tag of tokens the model did not produce (prompt, feedback, tool output)
 
 
@@ -73,6 +75,33 @@ class Trajectory:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Trajectory))
+
+
+@dataclass
+class Transcript:
+    """One chain's tokens so far, with the per-token lists a Trajectory needs: the prompt, then what the model
+    generated (loss mask 1) and what it was shown (loss mask 0), appended as ids, never re-tokenized."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+    @classmethod
+    def of_prompt(cls, ids: list[int]) -> "Transcript":
+        return cls(list(ids), [0] * len(ids), [0.0] * len(ids), [NOT_GENERATED] * len(ids))
+
+    def add_generated(self, output: GenerationOutput) -> None:
+        self.token_ids += output.output_ids[0]
+        self.loss_mask += [1] * len(output.output_ids[0])
+        self.logprobs += output.logprobs[0]
+        self.versions += output.versions[0]
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [NOT_GENERATED] * len(ids)
 
 
 def _copied(value):

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 
 from rlsys.api import GenerationOutput, Trajectory
-from rlsys.impl.agent.tool_calling import Transcript
+from rlsys.api.trajectory import Transcript
 from rlsys.model.tokenizer import messages_continuation_ids
 from rlsys.tools.call_format import CALL_CLOSE, CALL_OPEN, tool_response
 

@@ -17,40 +17,14 @@ import asyncio
 import dataclasses
 from collections import Counter
 
-from rlsys.api import (NOT_GENERATED, Agent, EnvironmentService, GenerationConfig, GenerationOutput, Prompt,
-                       Trajectory, register_agent)
+from rlsys.api import Agent, EnvironmentService, GenerationConfig, Prompt, Trajectory, register_agent
+from rlsys.api.trajectory import Transcript
 from rlsys.impl.agent.model_client import ModelClient
 from rlsys.impl.agent.multi_turn import context_limit
 from rlsys.model.tokenizer import continuation_ids, load_tokenizer
 
 OBSERVATION_ROLE = "user"
 COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "decode_errors", "void_turns", "answered")
-
-
-@dataclasses.dataclass
-class Transcript:
-    """One chain's tokens so far, with the per-token lists a Trajectory needs."""
-
-    token_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-    versions: list[int]
-
-    @classmethod
-    def of_prompt(cls, ids: list[int]) -> "Transcript":
-        return cls(list(ids), [0] * len(ids), [0.0] * len(ids), [NOT_GENERATED] * len(ids))
-
-    def add_generated(self, output: GenerationOutput) -> None:
-        self.token_ids += output.output_ids[0]
-        self.loss_mask += [1] * len(output.output_ids[0])
-        self.logprobs += output.logprobs[0]
-        self.versions += output.versions[0]
-
-    def add_observation(self, ids: list[int]) -> None:
-        self.token_ids += ids
-        self.loss_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [NOT_GENERATED] * len(ids)
 
 
 class ToolCallingAgent(Agent):
