@@ -8,7 +8,7 @@ from experiments.async_ppo_multi_turn import AsyncPPOFrozenLakeConfig, AsyncPPOM
 from experiments.async_ppo_mixed_games import AsyncPPOMixedGamesConfig
 from experiments.async_ppo_webshop import AsyncPPOWebShopConfig
 from experiments.common import AsyncRLExperimentConfig, PPOMATHConfig
-from experiments.registry import EXPERIMENTS, register_experiment
+from rlsys.api.experiment import EXPERIMENTS, register_experiment
 
 __all__ = ["AsyncPPOMATHConfig", "AsyncPPOMATHToolsConfig", "AsyncPPOMixedGamesConfig", "AsyncPPOFrozenLakeConfig",
            "AsyncPPOMathMultiTurnConfig", "AsyncPPOOpenAIAgentConfig", "AsyncPPOSokobanConfig", "AsyncPPOTextGameConfig",

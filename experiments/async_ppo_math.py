@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.common import AsyncRLExperimentConfig, PPOMATHConfig
-from experiments.registry import register_experiment
+from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
 from rlsys.data.arithmetic import generate_addition_dataset
 from rlsys.model.tiny import AnswerCheck, TaughtSequence, arithmetic_warm_start

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.common import GenerationHyperparameters
-from experiments.registry import register_experiment
+from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
 from rlsys.tools.confinement import preflight
 from rlsys.tools.sandbox import SandboxLimits

@@ -14,7 +14,7 @@ from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.async_ppo_multi_turn import (AsyncPPOFrozenLakeConfig, AsyncPPOSokobanConfig, multi_turn_agent,
                                               walk_model)
 from experiments.common import DatasetConfig, GenerationHyperparameters, ModelConfig
-from experiments.registry import register_experiment
+from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
 from rlsys.data.dataset import load_rows, write_jsonl
 from rlsys.impl.agent.multi_turn import RolloutStrategy

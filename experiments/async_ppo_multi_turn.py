@@ -9,7 +9,7 @@ from pathlib import Path
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.common import DatasetConfig, GenerationHyperparameters, InferenceConfig, ModelConfig
-from experiments.registry import register_experiment
+from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction, make_env
 from rlsys.data.games import generate_game_dataset, random_walks
 from rlsys.impl.agent.math_multi_turn import retry_sequences

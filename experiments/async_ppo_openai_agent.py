@@ -7,7 +7,7 @@ call the rollout worker's endpoint with keys of their own, and train on exactly 
 from dataclasses import dataclass
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
-from experiments.registry import register_experiment
+from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction
 
 

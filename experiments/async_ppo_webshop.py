@@ -8,7 +8,7 @@ from pathlib import Path
 
 from experiments.async_ppo_multi_turn import AsyncPPOTurnBasedConfig, walk_model
 from experiments.common import GenerationHyperparameters, ModelConfig
-from experiments.registry import register_experiment
+from rlsys.api.experiment import register_experiment
 from rlsys.api import EnvServiceAbstraction, make_env
 from rlsys.data.webshop import generate_webshop_dataset, shop_walks
 

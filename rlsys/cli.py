@@ -11,9 +11,6 @@ message names the key; omegaconf's own exceptions never reach the user.
 import ast
 import dataclasses
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import re
 import sys
@@ -27,9 +24,11 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
-import experiments  # noqa: F401  (registers the built-in experiments)
-from experiments.registry import EXPERIMENTS
+import experiments  # noqa: F401  (registers the built-in experiments: the command line offers them by name)
+from rlsys.api.experiment import EXPERIMENTS
 from rlsys.api.registry import close_matches
+from rlsys.errors import ConfigError
+from rlsys.plugins import import_plugins, plugin_entries
 from rlsys.run_privacy import redact_url, write_private
 
 # Keys the command line reads itself; they are not fields of any experiment.
@@ -37,10 +36,6 @@ EXPERIMENT_KEY = "experiment"
 CONFIG_FILE_KEY = "config"
 HELP_FLAGS = ("--help", "-h")
 USAGE = "[--config FILE.yaml] [experiment=NAME] [key=value ...] [--help]"
-
-
-class ConfigError(ValueError):
-    """The command line or a config file is wrong; the message says which key and why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +66,6 @@ def parse_config(argv: list[str], default_experiment: str = "async-ppo-math"):
         print(help_text(cls, experiment))
         raise SystemExit(0)
     return build_config(cls, raw)
-
-
-def import_plugins(entries: list[str]) -> None:
-    """Imports each dotted module name or `.py` file once per process, so what it registers exists."""
-    for entry in entries:
-        if is_plugin_file(entry):
-            import_plugin_file(Path(entry))
-        else:
-            import_plugin_module(entry)
 
 
 def save_config(config, path) -> None:
@@ -215,60 +201,6 @@ def lookup_experiment(name: str) -> type:
         return EXPERIMENTS.lookup(name)
     except KeyError as e:
         raise ConfigError(e.args[0]) from None  # the Registry's message lists what is registered
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Plugins
-# ---------------------------------------------------------------------------------------------------------
-
-def plugin_entries(value) -> list[str]:
-    """`plugins` as a list of strings; a single bare entry (`plugins=my_plugin`) is accepted as well."""
-    if value is None or value == "":
-        return []
-    if isinstance(value, (str, int, float)):
-        return [str(value)]
-    if isinstance(value, (list, tuple)):
-        return [str(entry) for entry in value]
-    raise ConfigError(f"plugins must be a list of modules or .py files (plugins=[a,b]), got {value!r}")
-
-
-def is_plugin_file(entry: str) -> bool:
-    return entry.endswith(".py") or "/" in entry or "\\" in entry
-
-
-def import_plugin_module(name: str) -> None:
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
-            raise  # the plugin itself imports something missing: its traceback says what
-        raise ConfigError(f"cannot import plugin {name!r}: no module named {e.name!r} "
-                          f"(is it on PYTHONPATH? a file is given by its path, ending in .py)") from None
-
-
-def plugin_module_name(path: Path) -> str:
-    """Stable across processes (workers import the same file), distinct for same-named files elsewhere."""
-    resolved = path.resolve()
-    stem = re.sub(r"\W", "_", resolved.stem)
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:8]
-    return f"rlsys_plugin_{stem}_{digest}"
-
-
-def import_plugin_file(path: Path) -> None:
-    if not path.is_file():
-        raise ConfigError(f"plugin file not found: {path}")
-    name = plugin_module_name(path)
-    if name in sys.modules:
-        return  # executing it again would register its classes twice, which the registries refuse
-    spec = importlib.util.spec_from_file_location(name, path.resolve())
-    module = importlib.util.module_from_spec(spec)
-    # Registered before it runs: dataclasses and inspect.getsource look classes' modules up by name.
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
 
 
 # ---------------------------------------------------------------------------------------------------------

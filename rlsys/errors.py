@@ -1,5 +1,10 @@
-"""The errors that end a run, raised in every layer and caught by the launcher: at the bottom, so that no module
-has to import the supervisor (or anything above itself) to raise one."""
+"""The errors raised in every layer: a wrong setting, an episode that failed, a run that cannot go on. They live at
+the bottom, so that no module has to import the command line, a worker or the supervisor (or anything above
+itself) to raise or catch one."""
+
+
+class ConfigError(ValueError):
+    """The command line or a config file is wrong; the message says which key and why."""
 
 
 class RoleFailed(RuntimeError):
@@ -12,3 +17,12 @@ class RunCannotGoOn(RuntimeError):
 
 class LearnerFailed(RoleFailed):
     """The learner died: the run can only go on from its last checkpoint."""
+
+
+class EpisodeFailed(Exception):
+    """An episode that produced nothing trainable; `reason` is one of accounting.FAILURE_REASONS. Environments'
+    calls raise it through rlsys.workers.episode_failure's guard, and agents may raise it themselves."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail

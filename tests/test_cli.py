@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from experiments import AsyncPPOMATHConfig, register_experiment
-from rlsys.cli import (ConfigError, config_from_dict, config_to_dict, import_plugins, load_config, parse_config,
-                       plugin_module_name, save_config)
+from rlsys.cli import ConfigError, config_from_dict, config_to_dict, load_config, parse_config, save_config
+from rlsys.plugins import import_plugins, plugin_module_name
 
 SUBCLASS_EXPERIMENT = "test-cli-my-param"
 

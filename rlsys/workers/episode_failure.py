@@ -19,14 +19,7 @@ import functools
 import traceback
 
 from rlsys import compat
-
-
-class EpisodeFailed(Exception):
-    """An episode that produced nothing trainable; `reason` is one of accounting.FAILURE_REASONS."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
+from rlsys.errors import EpisodeFailed
 
 
 GUARDED = ("reset", "step", "close", "fork")

@@ -11,29 +11,20 @@ environments' contract). A run that raises fails the episode (`agent_error`), on
 """
 
 import asyncio
-import sys
-from pathlib import Path
 
 from rlsys import compat
 from rlsys.api import Agent, EnvironmentService, GenerationConfig, Model, Prompt, Trajectory, register_agent
+from rlsys.errors import ConfigError, EpisodeFailed
 from rlsys.model.tokenizer import load_tokenizer
-from rlsys.workers.episode_failure import EpisodeFailed
+from rlsys.plugins import import_plugin
 
 
 def load_run_function(entry: str):
     """`package.module:function` or `path/to/file.py:function`, imported the way `plugins=[...]` entries are."""
-    # rlsys.cli imports the experiments, which import the built-in agents: imported here, not at the top.
-    from rlsys.cli import ConfigError, import_plugin_file, import_plugin_module, is_plugin_file, plugin_module_name
-
     where, _, name = entry.rpartition(":")
     if not where or not name:
         raise ConfigError(f"agent function {entry!r}: expected module:function or path/to/file.py:function")
-    if is_plugin_file(where):
-        import_plugin_file(Path(where))
-        module = sys.modules[plugin_module_name(Path(where))]
-    else:
-        import_plugin_module(where)
-        module = sys.modules[where]
+    module = import_plugin(where)
     function = getattr(module, name, None)
     if not asyncio.iscoroutinefunction(function):
         found = sorted(n for n, v in vars(module).items() if asyncio.iscoroutinefunction(v) and not n.startswith("_"))
@@ -54,8 +45,7 @@ class OpenAIAgent(Agent):
 
     async def collect_trajectory(self, prompt: Prompt, env: EnvironmentService, obs_queue: asyncio.Queue,
                                  act_queue: asyncio.Queue) -> list[Trajectory]:
-        # Here, not at the top: FastAPI and uvicorn load only where an agent serves, and rlsys.endpoint builds on
-        # the built-in agents' token record (rlsys/impl/agent/tool_calling.py).
+        # Here, not at the top: FastAPI and uvicorn load only where an agent serves.
         from rlsys.endpoint.server import shared_endpoint
         from rlsys.endpoint.session import EpisodeSession
 
