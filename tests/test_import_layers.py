@@ -1,0 +1,168 @@
+"""Imports point down: each module of rlsys/, experiments/ and training/ imports only its own layer or the
+layers below it (LAYERS, bottom first), and no modules import each other in a circle.
+
+The graph is read with `ast`, so an import inside a function counts as much as one at the top: moving an
+import into a function hides an upward dependency from Python's import order, not from a reader. Importing
+`a.b.c` also runs the `__init__` of `a.b` and `a`, so those packages count as imported too (a package's
+`__init__` may import the modules it holds; that is not an edge).
+"""
+
+import ast
+import functools
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("rlsys", "experiments", "training")
+
+# Bottom first. A module belongs to the entry with the longest prefix of its dotted name.
+LAYERS = [
+    ("foundation", ["rlsys", "rlsys.errors", "rlsys.compat", "rlsys.protocol", "rlsys.run_privacy",
+                    "rlsys.host_copy", "rlsys.plugins"],
+     "the errors every layer raises, the bus's key names, plugin importing and small helpers: they import no rlsys"),
+    ("contracts", ["rlsys.api"],
+     "what plugins are written against (agents, environments, tools, trajectories) and the registries they join"),
+    ("parts", ["rlsys.algorithms", "rlsys.model", "rlsys.bus", "rlsys.tools", "rlsys.alarms", "rlsys.weight_checksum",
+               "rlsys.checkpoint", "rlsys.distributed", "rlsys.metrics", "rlsys.accounting", "rlsys.tracing",
+               "rlsys.frames"],
+     "self-contained pieces (tensor math, the model, the bus, tools, records on disk) that know only the contracts"),
+    ("engines", ["rlsys.engine", "rlsys.weight_transport", "rlsys.training_step", "rlsys.endpoint"],
+     "generation, the OpenAI-compatible endpoint and the learning step, built from the parts"),
+    ("plugins", ["rlsys.data", "rlsys.impl"],
+     "the built-in datasets, environments and agents, written against the contracts as a user's plugin is"),
+    ("roles", ["rlsys.workers", "rlsys.delivery"],
+     "the loops of the role processes (inference, rollout, learner), which run the engines and the plugins"),
+    ("run", ["rlsys.placement", "rlsys.supervisor", "rlsys.stall", "rlsys.assets", "rlsys.preflight",
+             "rlsys.report", "rlsys.console", "rlsys.mlflow_export"],
+     "starting, watching and summarising a run's role processes"),
+    ("experiments", ["experiments"],
+     "named configurations of the library, registered into rlsys.api's experiment registry"),
+    ("entry", ["rlsys.cli", "rlsys.launcher", "training"],
+     "the command line (which offers the built-in experiments by name) and the run's plan"),
+]
+
+
+def module_files() -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is a package's __init__)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return modules
+
+
+def imported_names(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """Every dotted name an import statement anywhere in the module names (`from a import b`: both `a`
+    and `a.b`, since b may be a module)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            names.add(source)
+            names.update(f"{source}.{alias.name}" for alias in node.names)
+    return names
+
+
+def ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+@functools.lru_cache(maxsize=None)
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of PACKAGES it imports (and the packages whose __init__ that runs)."""
+    modules = module_files()
+    graph = {}
+    for module, (path, is_package) in modules.items():
+        targets = set()
+        for name in imported_names(ast.parse(path.read_text(), str(path)), module, is_package):
+            while name and name not in modules:  # `from a.b import Class`: the module a.b
+                name = name.rpartition(".")[0]
+            if name:
+                targets.update(n for n in [name, *ancestors(name)] if n in modules)
+        own = {module, *ancestors(module)}  # a module's own packages are running already when it is imported
+        graph[module] = targets - own
+    return graph
+
+
+def layer_of(module: str) -> int:
+    best, best_length = None, -1
+    for index, (_, prefixes, _) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_length:
+                best, best_length = index, len(prefix)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
+    return best
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_every_module_has_a_layer():
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_no_import_points_up():
+    upward = []
+    for module, targets in sorted(import_graph().items()):
+        above = {target for target in targets if layer_of(target) > layer_of(module)}
+        named = [t for t in sorted(above) if not any(other.startswith(t + ".") for other in above)]  # not its packages
+        upward += [f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+                   for target in named]
+    assert not upward, "imports that point up a layer:\n  " + "\n  ".join(upward)
+
+
+def test_no_import_circle():
+    graph = import_graph()
+    found = []
+    for component in circles(graph):
+        members = set(component)
+        edges = [f"{a} -> {b}" for a in component for b in sorted(graph[a] & members)]
+        found.append(", ".join(edges))
+    assert not found, "modules that import each other in a circle:\n  " + "\n  ".join(found)
+
+
+def test_the_check_sees_an_upward_import_and_a_circle():
+    graph = {"rlsys.errors": {"rlsys.launcher"}, "rlsys.launcher": {"rlsys.errors"}}
+    assert layer_of("rlsys.launcher") > layer_of("rlsys.errors")
+    assert circles(graph) == [["rlsys.errors", "rlsys.launcher"]]
+    tree = ast.parse("def f():\n    from rlsys.bus.base import connect\n")
+    assert "rlsys.bus.base" in imported_names(tree, "rlsys.x", is_package=False)
