@@ -101,14 +101,19 @@ class WeightServer:
             nbytes = t.numel() * t_dtype.itemsize
             entries.append((name, t, t_dtype, offset, nbytes))
             offset += -(-nbytes // ALIGN) * ALIGN
+        # A GPU model's tensors go to pinned memory without a wait each, and its checksum is computed on the GPU
+        # (the host has one core for it) while they travel; one wait before the buffer is offered.
+        on_gpu = any(t.is_cuda for t in state_dict.values())
         with self._lock:
             buffer, self._spare = self._spare, None
-        if buffer is None or buffer.numel() != offset:
-            buffer = torch.empty(offset, dtype=torch.uint8)
+        if buffer is None or buffer.numel() != offset or buffer.is_pinned() != on_gpu:
+            buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=on_gpu)
         tensors = {name: _view(buffer, t_dtype, t.shape, start, nbytes) for name, t, t_dtype, start, nbytes in entries}
         for name, t, *_ in entries:
-            tensors[name].copy_(t.detach())  # the cast, and the host copy of a GPU tensor, in one pass
-        checksum = weights_checksum(tensors)
+            tensors[name].copy_(t.detach(), non_blocking=on_gpu)  # the cast and the host copy in one pass
+        checksum = weights_checksum(state_dict, dtype) if on_gpu else weights_checksum(tensors)
+        if on_gpu:
+            torch.cuda.synchronize()
         header = {"version": version, "checksum": checksum, "dtype": dtype, "bytes": offset,
                   "tensors": [[name, str(t_dtype).removeprefix("torch."), list(t.shape), start, nbytes]
                               for name, t, t_dtype, start, nbytes in entries]}

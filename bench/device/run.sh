@@ -6,7 +6,8 @@
 # warm-started model travel from this machine's cache, so nothing is rebuilt there):
 #   bash ../shared/device/prepare-carry.sh .device-carry && echo /.device-carry/ >> .git/info/exclude
 #   mkdir -p .device-carry/cache && cp -r ~/.cache/rlsys/models ~/.cache/rlsys/data .device-carry/cache/
-# Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=560)
+# Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=560); PARTS="tests vs_trl" runs
+# only those parts (of: tests learner vs_trl), for a second call on what device time is left.
 # What comes back in $OUT (the tool returns at most 8 files): tests.txt, learner_vs_plain.txt, vs_trl.txt,
 # vs_trl.json, and profile-<role>.txt (py-spy's collapsed stacks, 10 s at 100 Hz, of learner0, inference0, rollout0,
 # taken during the rlsys run of vs_trl). No vLLM there (its wheel is too large to carry): the transformers engine serves.
@@ -16,22 +17,24 @@ OUT=${OUT:-/tmp/device-out}
 mkdir -p "$OUT" ~/.cache/rlsys
 cp -r .device-carry/cache/* ~/.cache/rlsys/
 started=$SECONDS
+PARTS=${PARTS:-"tests learner vs_trl"}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 stamp() { echo "== $1 at $((SECONDS - started)) s" | tee -a "$OUT/tests.txt"; }
 
-stamp "GPU tests"
+part tests && { stamp "GPU tests"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/tests.txt"
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py >> "$OUT/tests.txt" 2>&1
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py >> "$OUT/tests.txt" 2>&1; }
 
-stamp "learner against a plain loop"
+part learner && { stamp "learner against a plain loop"
 for settings in "" "ppo.sequence_packing=true" "learner.dtype=bfloat16" \
                 "--random-model 576,1536,30,9,3,49152 learner.dtype=bfloat16"; do
   echo "--- $settings" >> "$OUT/learner_vs_plain.txt"
   # shellcheck disable=SC2086  # the settings are words
   timeout 45 python3 bench/learner_vs_plain.py --repeats 3 --out /tmp/lvp.json $settings \
     >> "$OUT/learner_vs_plain.txt" 2>&1
-done
+done; }
 
-stamp "rlsys against TRL on the GPU"
+part vs_trl && { stamp "rlsys against TRL on the GPU"
 profile_roles() {  # once rlsys's roles run (TRL goes first) and have trained a while
   for _ in $(seq 300); do pgrep -x learner0 > /dev/null && break; sleep 1; done
   sleep 25
@@ -45,5 +48,5 @@ profile_roles() {  # once rlsys's roles run (TRL goes first) and have trained a 
 profile_roles &
 timeout 240 python3 bench/vs_trl.py --device cuda --out "$OUT/vs_trl.json" > "$OUT/vs_trl.txt" 2>&1
 echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl.txt"
-wait
+wait; }
 stamp "done"
