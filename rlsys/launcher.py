@@ -269,9 +269,11 @@ def launch(config) -> dict:
     run_dir = run_directory(config)
     make_private(run_dir)
     resolve_resume(config, run_dir)
-    prepare(config)
     config.logging_dir = config.logging_dir or str(run_dir / "logs")
+    # Before prepare() fills in the generated dataset's and tiny model's paths: the file is what was asked for, so
+    # `--config` reruns it (from the same caches) without settings that those paths would make do nothing.
     save_config(config, run_dir / "config.yaml")
+    prepare(config)
     print(f"run directory: {run_dir} (each role's full output: {config.logging_dir}/<role>.log)", flush=True)
     trainer_state = {}
     if config.resume_from_checkpoint:
