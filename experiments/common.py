@@ -4,7 +4,7 @@ Each field's docstring is its one-line `--help` text. Every field can be set fro
 as `key=value` (nested: `ppo.lr=1e-5`).
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from rlsys.algorithms.ppo import LOSS_AGG_MODES
@@ -21,6 +21,20 @@ def check_at_least(group: str, config, **minimums) -> None:
         value = getattr(config, name)
         if value < minimum:
             raise ValueError(f"{group}{name} must be at least {minimum}, got {value}")
+
+
+def refuse_inactive(group: str, settings, defaults, acts_only_with: dict[str, tuple[bool, str, str]]) -> None:
+    """ValueError for the first field of `settings` changed from its value in `defaults` (the experiment's own
+    default for the group) where `acts_only_with` says it does nothing: {field: (acts, why, what to do)}."""
+    for name, (acts, why, fix) in acts_only_with.items():
+        value, default = getattr(settings, name), getattr(defaults, name)
+        if not acts and value != default:
+            raise ValueError(f"{group}.{name}={value} does nothing {why}; {fix}, or leave {group}.{name} at its "
+                             f"default ({default!r})")
+
+
+TINY_MODEL_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "tie_word_embeddings",
+                     "warm_start_accuracy")
 
 
 @dataclass
@@ -50,6 +64,12 @@ class ModelConfig:
         if not 0 <= self.warm_start_accuracy <= 1:
             raise ValueError(f"model.warm_start_accuracy must be in [0, 1], got {self.warm_start_accuracy}")
 
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        """The tiny model's shape and warm start, which a checkpoint given by path replaces."""
+        tiny = (not self.path, f"with model.path set (the policy is {self.path!r}, with its own shape, not the "
+                               "tiny model)", "leave model.path empty for the tiny model")
+        return {name: tiny for name in TINY_MODEL_FIELDS}
+
 
 @dataclass
 class DatasetConfig:
@@ -78,6 +98,12 @@ class DatasetConfig:
         if self.prompt_template and "{prompt}" not in self.prompt_template:
             raise ValueError(f"dataset.prompt_template must contain {{prompt}} (where the prompt goes), "
                              f"got {self.prompt_template!r}")
+
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        """The generated set's sizes, which a dataset given by path replaces."""
+        generated = (not self.path, f"with dataset.path set (the prompts are read from {self.path!r}; only the "
+                                    "generated set has a size)", "leave dataset.path empty for the generated set")
+        return {"num_train": generated, "num_eval": generated}
 
     def row_format(self) -> RowFormat:
         return RowFormat(self.prompt_key, self.answer_key, self.system_prompt, self.prompt_template)
@@ -309,12 +335,21 @@ class ClusterConfig:
                              f"and cluster.backend=local (got {self.n_inference_workers}, {self.n_learner_ranks}, "
                              f"{self.backend})")
 
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        """Ray's settings with local roles; the private server's port when the run joins a Redis."""
+        ray = (self.backend == "ray", f"without cluster.backend=ray (cluster.backend={self.backend} runs every role "
+                                      "as a process on this machine)", "set cluster.backend=ray too")
+        private = (not self.redis_url, "with cluster.redis_url set (the run joins that Redis and starts none of its "
+                                       "own)", "drop cluster.redis_url for a private server")
+        return {**{name: ray for name in RAY_ONLY}, "redis_port": private}
+
     def resources(self, role: str) -> dict[str, float]:
         """The custom Ray resources each process of `role` (learner, inference, rollout) needs."""
         return parse_resources(f"cluster.{role}_resources", getattr(self, f"{role}_resources"))
 
 
 BACKENDS = ("local", "ray")
+RAY_ONLY = ("ray_address", "ray_placement_strategy", "learner_resources", "inference_resources", "rollout_resources")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 WEIGHTS_TRANSPORTS = ("auto", "stream", "disk")
 
@@ -341,6 +376,7 @@ def parse_resources(key: str, text: str) -> dict[str, float]:
 
 
 ENGINES = ("vllm", "transformers")
+VLLM_ONLY = ("enforce_eager", "kv_cache_gib", "gpu_memory_utilization", "enable_prefix_caching")
 
 
 @dataclass
@@ -381,6 +417,12 @@ class InferenceConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"inference.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        """vLLM's own settings, which the transformers engine has no use for."""
+        vllm = (self.engine == "vllm", f"with inference.engine={self.engine} (only vLLM reads it)",
+                "set inference.engine=vllm")
+        return {name: vllm for name in VLLM_ONLY}
+
 
 @dataclass
 class TraceConfig:
@@ -396,6 +438,10 @@ class TraceConfig:
     def __post_init__(self):
         if not 0 <= self.sample_rate <= 1:
             raise ValueError(f"trace.sample_rate must be in [0, 1], got {self.sample_rate}")
+
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        return {"mlflow_tracking_uri": (self.mlflow, "without trace.mlflow=true (nothing is exported to MLflow)",
+                                        "set trace.mlflow=true too")}
 
 
 @dataclass
@@ -433,6 +479,17 @@ class BaseExperimentConfig:
 
     def __post_init__(self):
         check_at_least("", self, max_steps=1, save_steps=0, logging_steps=1, eval_steps=0)
+
+    def refuse_inactive_settings(self) -> None:
+        """A setting the user changed from this experiment's default where the rest of its group makes it do
+        nothing is an error, not a no-op. Each group names such settings in its `inactive_settings()` table (the
+        command line calls this; a worker rebuilding the launcher's config, whose dataset and model paths the
+        launcher filled in, does not). ppo.* refuses its own in PPOHyperparameters."""
+        for f in fields(self):
+            settings = getattr(self, f.name)
+            if hasattr(settings, "inactive_settings"):
+                defaults = f.default_factory() if f.default_factory is not MISSING else f.default
+                refuse_inactive(f.name, settings, defaults, settings.inactive_settings())
 
 
 LEARNER_DTYPES = ("float32", "bfloat16")

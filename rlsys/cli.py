@@ -65,7 +65,9 @@ def parse_config(argv: list[str], default_experiment: str = "async-ppo-math"):
     if wants_help:
         print(help_text(cls, experiment))
         raise SystemExit(0)
-    return build_config(cls, raw)
+    config = build_config(cls, raw)
+    refuse_inactive_settings(config)
+    return config
 
 
 def save_config(config, path) -> None:
@@ -224,6 +226,19 @@ def build_config(cls: type, raw: dict):
         raise ConfigError(value_error_message(e, raw, fields)) from None
     except ValueError as e:  # raised by the dataclass's own __post_init__ checks
         raise ConfigError(f"{cls.__qualname__}: {e}") from None
+
+
+def refuse_inactive_settings(config) -> None:
+    """What the user asked for that the rest of the config makes do nothing (the experiment's
+    `refuse_inactive_settings`), as a ConfigError. Here and not in build_config: the launcher fills in
+    dataset.path and model.path before its workers rebuild the config, which is no request of the user's."""
+    refuse = getattr(config, "refuse_inactive_settings", None)
+    if refuse is None:
+        return
+    try:
+        refuse()
+    except ValueError as e:
+        raise ConfigError(f"{type(config).__qualname__}: {e}") from None
 
 
 def key_problems(raw: dict, fields: dict[str, FieldInfo], prefix: str) -> Iterator[str]:

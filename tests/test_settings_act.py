@@ -1,7 +1,9 @@
-"""No setting that does nothing: a value the chosen algorithm never reads is refused, and says what it needs."""
+"""No setting that does nothing: a value the chosen algorithm, or the rest of its group, never reads is refused, and
+says what it needs."""
 
 import pytest
 
+from rlsys.api import EXPERIMENTS
 from rlsys.cli import ConfigError, parse_config
 
 REFUSED = [  # (overrides, what the message must say)
@@ -32,3 +34,59 @@ def test_a_setting_the_algorithm_never_reads_is_refused(overrides, message):
 ])
 def test_the_same_settings_are_taken_where_they_act(overrides):
     parse_config(overrides)
+
+
+# Outside ppo.*: each group's table of settings that the rest of the group makes do nothing (experiments/common.py,
+# `inactive_settings`), compared with the experiment's own defaults.
+GROUP_REFUSED = [  # (overrides, what the message must say)
+    (["cluster.ray_address=auto"], "cluster.ray_address=auto does nothing without cluster.backend=ray"),
+    (["cluster.ray_placement_strategy=SPREAD"], "cluster.ray_placement_strategy=SPREAD does nothing without "
+                                                "cluster.backend=ray"),
+    (["cluster.redis_url=redis://localhost:6379/0", "cluster.redis_port=6390"],
+     "cluster.redis_port=6390 does nothing with cluster.redis_url set"),
+    (["model.path=/models/qwen", "model.hidden_size=64"], "model.hidden_size=64 does nothing with model.path set"),
+    (["model.path=/models/qwen", "model.warm_start_accuracy=0.5"], "model.warm_start_accuracy=0.5 does nothing"),
+    (["dataset.path=train.jsonl", "dataset.eval_path=test.jsonl", "dataset.num_train=100"],
+     "dataset.num_train=100 does nothing with dataset.path set"),
+    (["dataset.path=train.jsonl", "dataset.num_eval=50"], "dataset.num_eval=50 does nothing with dataset.path set"),
+    (["trace.mlflow_tracking_uri=sqlite:///m.db"], "trace.mlflow_tracking_uri=sqlite:///m.db does nothing without "
+                                                   "trace.mlflow=true"),
+    (["inference.engine=transformers", "inference.enforce_eager=false"],
+     "inference.enforce_eager=False does nothing with inference.engine=transformers"),
+    (["inference.engine=transformers", "inference.kv_cache_gib=4"], "inference.kv_cache_gib=4 does nothing"),
+    (["experiment=async-ppo-sokoban", "rollout.tree_branching=3"],
+     "rollout.tree_branching=3 does nothing with rollout.mode=chain"),
+    (["experiment=async-ppo-frozen-lake", "rollout.tree_depth=2"], "rollout.tree_depth=2 does nothing with rollout.mode=chain"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", GROUP_REFUSED)
+def test_a_setting_the_rest_of_its_group_makes_do_nothing_is_refused(overrides, message):
+    with pytest.raises(ValueError, match="leave .* at its default") as error:
+        parse_config(overrides)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["cluster.backend=ray", "cluster.ray_address=auto", "cluster.ray_placement_strategy=SPREAD"],
+    ["cluster.redis_port=6390"],
+    ["cluster.redis_url=redis://localhost:6379/0"],
+    ["model.hidden_size=64", "model.num_heads=2", "model.num_kv_heads=1", "model.warm_start_accuracy=0.5"],
+    ["dataset.num_train=100", "dataset.num_eval=50"],
+    ["trace.mlflow=true", "trace.mlflow_tracking_uri=sqlite:///m.db"],
+    ["inference.enforce_eager=false", "inference.kv_cache_gib=4"],
+    ["inference.engine=transformers"],
+    ["experiment=async-ppo-sokoban", "rollout.mode=tree", "rollout.tree_branching=3", "rollout.tree_depth=2"],
+])
+def test_those_settings_are_taken_where_they_act(overrides):
+    parse_config(overrides)
+
+
+@pytest.mark.parametrize("name", [name for name in EXPERIMENTS.names()
+                                  if EXPERIMENTS.lookup(name).__module__.startswith("experiments.")])
+def test_every_experiment_parses_with_its_defaults_and_with_a_model_and_dataset_of_the_users(name):
+    """An experiment's own group defaults (a smaller tiny model, a smaller generated set) are not the user's
+    settings: a checkpoint and a dataset given by path replace them without a refusal."""
+    parse_config([f"experiment={name}"])
+    parse_config([f"experiment={name}", "model.path=/models/qwen", "dataset.path=train.jsonl",
+                  "dataset.eval_path=test.jsonl"])

@@ -57,6 +57,12 @@ class RolloutStrategy:
             raise ValueError(f"rollout.tree_branching must be >= 1 and rollout.tree_depth >= 0, got "
                              f"{self.tree_branching} and {self.tree_depth}")
 
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        """The tree's shape, which a chain never reads: refused on the command line when changed (see
+        experiments/common.py, refuse_inactive)."""
+        tree = (self.mode == "tree", f"with rollout.mode={self.mode} (only a tree branches)", "set rollout.mode=tree")
+        return {"tree_branching": tree, "tree_depth": tree}
+
     def branching(self, turn: int, gconfig: GenerationConfig) -> int:
         """Responses to ask for at `turn` (2, 3, ...) from one node."""
         if self.mode == "tree" and 2 <= turn <= self.tree_depth + 1 and gconfig.temperature > 0:
