@@ -113,8 +113,9 @@ def test_an_unreadable_dataset_says_why(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 def run_config(tmp_path: Path, *overrides: str):
-    return parse_config([f"output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'cache'}",
-                         "dataset.num_train=50", "dataset.num_eval=10", *overrides])
+    given = any(o.startswith("dataset.path=") for o in overrides)  # then a generated set's size would be refused
+    small = [] if given else ["dataset.num_train=50", "dataset.num_eval=10"]
+    return parse_config([f"output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'cache'}", *small, *overrides])
 
 
 def test_a_missing_model_path_stops_the_run(tmp_path):
