@@ -256,3 +256,41 @@ def test_killed_workers_a_restarted_redis_and_a_killed_learner_do_not_stop_the_r
     assert summary["prompts_accounted"], summary["prompts"]
     assert summary["final_accuracy"] is not None
     assert left_behind(tmp_path, existing) == []
+
+
+def test_a_learner_killed_before_any_checkpoint_restarts_the_run_from_the_start_and_it_finishes(cache_dir, tmp_path):
+    """With no checkpoint saved, a killed learner restarts every role from the start: the run trains its steps
+    again and ends, with every prompt accounted (seen once on Ray: the restarted run waited forever)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    existing = child_pids()
+    entry = Path(__file__).resolve().parents[1] / "training" / "main_async_ppo.py"
+    args = small_run_overrides(cache_dir, tmp_path) + ["trial_name=s", "max_steps=6", "save_steps=0",
+                                                       "cluster.stall_timeout=60"]
+    run_dir = tmp_path / "async-ppo-math" / "s"
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(entry), *args], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    output = lambda: (tmp_path / "run.log").read_text()  # noqa: E731
+    try:
+        deadline = time.monotonic() + 600
+        while not ((run_dir / "logs" / "learner.jsonl").exists()
+                   and len((run_dir / "logs" / "learner.jsonl").read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, output()[-3000:]
+            time.sleep(0.2)
+        (learner,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "learner0"]
+        learner.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=900) == 0, output()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "restarting every role from the start (no checkpoint was saved yet)" in output()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"] == {"learner0": 1}
+    assert summary["prompts_accounted"], summary["prompts"]
+    assert summary["final_accuracy"] is not None
+    assert left_behind(tmp_path, existing) == []
