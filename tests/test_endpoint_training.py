@@ -44,7 +44,8 @@ def check_episode(record: dict) -> int:
     return checked
 
 
-@pytest.mark.parametrize("function", ["rlsys.impl.agent.openai_example:run", "rlsys.impl.agent.langgraph_example:run"])
+@pytest.mark.parametrize("function", ["rlsys.impl.agent.openai_example:run",  # LangGraph: the slow tier
+                                      pytest.param("rlsys.impl.agent.langgraph_example:run", marks=pytest.mark.slow)])
 def test_trains_through_the_endpoint(cache_dir, tmp_path, function):
     record = tmp_path / "episodes.jsonl"
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [

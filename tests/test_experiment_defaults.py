@@ -1,6 +1,8 @@
 """Every registered experiment runs with its defaults, as a new user would start it: from an empty cache
 (dataset generated, tiny model built and warm-started), two steps, trained prompts, no error."""
 
+import json
+
 import pytest
 
 import experiments
@@ -17,12 +19,55 @@ def test_every_built_in_experiment_is_covered():
     assert experiments.__all__  # the package registers them on import
 
 
-# Each from its own empty cache, as a new user starts it: the math experiments (and the OpenAI-agent one, on the
-# same task) warm-start the default 2.4M-parameter model until it adds two-digit numbers at 30%, WebShop its
-# walk model until it copies the expert's actions at 70% (BENCHMARKS.md, "Cold starts"): minutes each on 2 cores.
+def warm_start_identity(config) -> str:
+    """Everything that makes an experiment's dataset and tiny model what they are: two experiments with the same
+    identity generate the same files and warm-start the same model from the same examples, so a cold start of one
+    is the cold start of the other."""
+    kind = type(config)
+    fields = {"model": {k: v for k, v in vars(config.model).items() if k != "cache_dir"}, "seed": config.seed,
+              "dataset": vars(config.dataset), "warm_start": config.warm_start_settings,
+              "code": [f"{getattr(kind, m).__module__}.{getattr(kind, m).__qualname__}"
+                       for m in ("generate_dataset", "warm_start_examples")],
+              "schedule": [config.warm_start_batch_size, config.warm_start_eval_every, config.warm_start_max_steps]}
+    return json.dumps(fields, sort_keys=True, default=str)
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """One empty cache per warm-start identity: the math, math-tools and OpenAI-agent experiments teach the same
+    model the same sums, so the first of them run starts from an empty cache and the others reuse what it built, as a
+    user's second experiment would; an experiment that teaches anything else gets a cache of its own."""
+    made = {}
+
+    def cache_for(config):
+        identity = warm_start_identity(config)
+        if identity not in made:
+            made[identity] = tmp_path_factory.mktemp("cache")
+        return made[identity]
+
+    return cache_for
+
+
+def test_experiments_share_a_cache_only_when_their_warm_start_is_the_same():
+    configs = {name: parse_config([f"experiment={name}"]) for name in ("async-ppo-math", "async-ppo-math-tools",
+                                                                       "async-ppo-openai-agent",
+                                                                       "async-ppo-math-multi-turn")}
+    identities = {name: warm_start_identity(config) for name, config in configs.items()}
+    assert identities["async-ppo-math"] == identities["async-ppo-math-tools"] == identities["async-ppo-openai-agent"]
+    assert identities["async-ppo-math"] != identities["async-ppo-math-multi-turn"]
+    other = parse_config(["experiment=async-ppo-math", "model.warm_start_accuracy=0.5"])
+    assert warm_start_identity(other) != identities["async-ppo-math"]
+
+
+# Each from an empty cache, as a new user starts it (shared only where the warm start is the same, above): the math
+# experiments (and the OpenAI-agent one, on the same task) warm-start the default 2.4M-parameter model until it adds
+# two-digit numbers at 30%, WebShop its walk model until it copies the expert's actions at 70% (BENCHMARKS.md, "Cold
+# starts"): minutes each on 2 cores.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BUILT_IN)
-def test_each_experiment_trains_two_steps_with_its_defaults(tmp_path, name):
-    config = parse_config([f"experiment={name}", f"model.cache_dir={tmp_path / 'cache'}",
+def test_each_experiment_trains_two_steps_with_its_defaults(tmp_path, caches, name):
+    config = parse_config([f"experiment={name}", f"output_dir={tmp_path / 'runs'}", "max_steps=2"])
+    config = parse_config([f"experiment={name}", f"model.cache_dir={caches(config)}",
                            f"output_dir={tmp_path / 'runs'}", "max_steps=2"])
     summary = launch(config)
     prompts = summary["prompts"]

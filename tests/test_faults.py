@@ -199,6 +199,7 @@ def test_an_env_that_always_fails_stops_the_run_with_its_reason_instead_of_using
     assert left_behind(tmp_path, existing) == []
 
 
+@pytest.mark.slow
 def test_killed_workers_a_restarted_redis_and_a_killed_learner_do_not_stop_the_run(cache_dir, tmp_path):
     """A rollout worker killed with SIGKILL, the private redis-server shut down, the learner killed: each is
     restarted (the learner by restarting the run from its last checkpoint), logged, counted, and the run

@@ -97,6 +97,7 @@ def test_two_ranks_take_the_single_rank_step_and_their_checkpoint_resumes_on_one
     assert resumed.scheduler.state_dict()["last_epoch"] == single.scheduler.state_dict()["last_epoch"]
 
 
+@pytest.mark.slow
 def test_the_run_trains_with_two_learner_ranks(cache_dir, tmp_path):
     existing = child_pids()
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [

@@ -71,6 +71,7 @@ def test_mixed_games_split_settings_are_checked():
         parse_config(["experiment=async-ppo-mixed-games", "frozen_lake_share=1"])
 
 
+@pytest.mark.slow
 def test_a_run_mixing_frozen_lake_and_sokoban_reports_each(cache_dir, tmp_path):
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         "experiment=async-ppo-mixed-games", "model.warm_start_accuracy=0.05", "dataset.num_train=200",

@@ -46,6 +46,7 @@ def node_of(process: psutil.Process, nodes: list):
     return node
 
 
+@pytest.mark.slow
 def test_a_run_on_three_ray_nodes_survives_losing_the_inference_node(cache_dir, tmp_path):
     from ray.cluster_utils import Cluster
 

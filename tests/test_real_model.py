@@ -56,6 +56,7 @@ def test_the_command_line_says_what_it_cannot_convert(tmp_path):
     assert done.returncode == 2 and "error:" in done.stderr and "does not exist" in done.stderr
 
 
+@pytest.mark.slow
 def test_smollm2_trains_two_steps_on_gsm8k_format_rows(smollm2, tmp_path):
     existing = child_pids()
     train, test = generate(tmp_path / "gsm", num_train=16, num_test=4, seed=5)

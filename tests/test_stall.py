@@ -64,6 +64,7 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     never.check(bus)
 
 
+@pytest.mark.slow
 def test_a_run_whose_gate_never_opens_again_stops_with_the_reason(cache_dir, tmp_path):
     """The staleness gate's counter is pushed past any limit mid-run (as a restart that kept a stale gate would
     leave it): once what was in flight is trained, the run stops with RunStalled instead of waiting forever."""

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "training" / "main_async_ppo.py"
 
 
+@pytest.mark.slow
 def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
     existing = child_pids()
     # 80 steps, not 40: at 40 the gain was 3 to 12.5 points against the 8 asserted (noise of two evaluations on 200
@@ -50,6 +51,7 @@ def test_async_ppo_raises_held_out_accuracy(cache_dir, tmp_path):
 
 # REINFORCE's one baseline for the whole batch learns more slowly than a critic or a group baseline: in 24
 # steps its gain was at times no larger than the noise of 8 steps' sampled rewards (measured: -0.02 to +0.3).
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator,n_steps", [("reinforce", 48), ("gae", 24)])
 def test_other_estimators_train_in_the_full_loop(cache_dir, tmp_path, estimator, n_steps):
     existing = child_pids()
@@ -166,6 +168,7 @@ def test_a_role_that_dies_stops_the_run_with_its_name_and_leaves_nothing(cache_d
     assert left_behind(tmp_path, existing) == []
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache_dir, tmp_path):
     args = small_run_overrides(cache_dir, tmp_path) + ["trial_name=k", "save_steps=2"]
     checkpoints = tmp_path / "async-ppo-math" / "k" / "checkpoints"
@@ -218,6 +221,7 @@ def busy_on_a_fresh_beat(bus, index: int, deadline: float, min_load: int = 2) ->
     return status.get("load", 0) >= min_load
 
 
+@pytest.mark.slow
 def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish(cache_dir, tmp_path):
     existing = child_pids()
     args = small_run_overrides(cache_dir, tmp_path) + [
