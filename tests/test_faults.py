@@ -259,6 +259,7 @@ def test_killed_workers_a_restarted_redis_and_a_killed_learner_do_not_stop_the_r
     assert left_behind(tmp_path, existing) == []
 
 
+@pytest.mark.slow
 def test_a_learner_killed_before_any_checkpoint_restarts_the_run_from_the_start_and_it_finishes(cache_dir, tmp_path):
     """With no checkpoint saved, a killed learner restarts every role from the start: the run trains its steps
     again and ends, with every prompt accounted (seen once on Ray: the restarted run waited forever)."""
