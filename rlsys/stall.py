@@ -1,10 +1,11 @@
 """A run that can no longer make progress says why and stops, instead of waiting in silence.
 
-Between the initial evaluation and the learner's last step, prompts must keep moving. With no prompt in flight,
+Between the initial evaluation and the learner's last step, prompts must keep moving. With no prompt being
+generated (every admitted prompt not yet trained already delivered, waiting for the learner to fill a batch),
 none admitted and no new version published, nothing in the run can change that: the learner waits for groups that
 nobody is generating, and the rollout workers wait for a gate that only a trained step opens. Held for
-`cluster.stall_timeout` seconds, that state stops the run with what the gate and the counters say. Prompts in
-flight are not a stall here: a hanging environment, agent or model call is ended by its own timeout and counted.
+`cluster.stall_timeout` seconds, that state stops the run with what the gate and the counters say. Prompts being
+generated are not a stall here: a hanging environment, agent or model call is ended by its own timeout and counted.
 """
 
 import time
@@ -37,16 +38,19 @@ class StallWatch:
         counts = accounting.counts(bus)
         weights = bus.get(protocol.WEIGHTS)
         version = weights.get("version") if isinstance(weights, dict) else None
-        state = (counts[accounting.ADMITTED], version)
-        if counts["in_flight"] or state != self.state:
-            self.state, self.since = (None if counts["in_flight"] else state), now
+        delivered = bus.stream_length(protocol.TRAJECTORIES)  # one entry a prompt, until the learner trains it
+        generating = counts["in_flight"] - delivered
+        state = (counts[accounting.ADMITTED], version, delivered)
+        if generating > 0 or state != self.state:
+            self.state, self.since = (None if generating > 0 else state), now
             return
         if now - self.since >= self.timeout:
-            raise RunStalled(self.explain(counts, version, bus.get(protocol.ADMITTED)))
+            raise RunStalled(self.explain(counts, version, bus.get(protocol.ADMITTED), delivered))
 
-    def explain(self, counts: dict, version, gate) -> str:
-        return (f"the run stood still for {self.timeout:.0f} s (cluster.stall_timeout): no prompt in flight, none "
-                f"admitted, no new weights (last published version: {version if version is not None else 'none'}). "
-                f"The learner waits for {self.batch_size} groups that nobody is generating. The staleness gate holds "
+    def explain(self, counts: dict, version, gate, delivered: int) -> str:
+        return (f"the run stood still for {self.timeout:.0f} s (cluster.stall_timeout): no prompt being generated, "
+                f"none admitted, no new weights (last published version: "
+                f"{version if version is not None else 'none'}). The learner holds {delivered} groups and waits for "
+                f"{self.batch_size} that nobody is generating. The staleness gate holds "
                 f"{gate} prompts against a limit of (version served + {self.eta} + 1) x {self.batch_size}; "
                 f"{accounting.describe(counts)}. The rollout workers' logs say why they admit nothing")

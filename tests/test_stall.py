@@ -54,6 +54,17 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     with pytest.raises(RunStalled, match=r"stood still for 60 s \(cluster.stall_timeout\).*last published version: 1"
                                          r".*holds 64 prompts.*2 admitted = 2 trained"):
         after(1)
+    # Prompts in flight that were all delivered wait for a learner that needs more: nothing generates them.
+    bus.set(protocol.ADMITTED, 2)
+    accounting.admit(bus, "p3")
+    bus.stream_add(protocol.TRAJECTORIES, {"group_id": "p3", "trajectories": []})
+    after(0)
+    after(59)
+    with pytest.raises(RunStalled, match=r"holds 1 groups and waits for 16"):
+        after(1)
+    accounting.admit(bus, "p4")  # and one still being generated is no stall, however long
+    after(0)
+    after(1000)
     bus.set(protocol.LEARNER_DONE, 1)
     after(1000)  # the final evaluation
     config.cluster.stall_timeout = 0
