@@ -1,7 +1,7 @@
 """A run that can no longer make progress says why and stops, instead of waiting in silence.
 
 Between the initial evaluation and the learner's last step, prompts must keep moving. With no prompt being
-generated (every admitted prompt not yet trained already delivered, waiting for the learner to fill a batch),
+generated (every admitted prompt not yet trained already delivered, fewer than a batch, so the learner waits),
 none admitted and no new version published, nothing in the run can change that: the learner waits for groups that
 nobody is generating, and the rollout workers wait for a gate that only a trained step opens. Held for
 `cluster.stall_timeout` seconds, that state stops the run with what the gate and the counters say. Prompts being
@@ -40,9 +40,11 @@ class StallWatch:
         version = weights.get("version") if isinstance(weights, dict) else None
         delivered = bus.stream_length(protocol.TRAJECTORIES)  # one entry a prompt, until the learner trains it
         generating = counts["in_flight"] - delivered
+        # A learner that holds a batch's worth is training it (a step of a large model on a CPU takes minutes).
+        moving = generating > 0 or delivered >= self.batch_size
         state = (counts[accounting.ADMITTED], version, delivered)
-        if generating > 0 or state != self.state:
-            self.state, self.since = (None if generating > 0 else state), now
+        if moving or state != self.state:
+            self.state, self.since = (None if moving else state), now
             return
         if now - self.since >= self.timeout:
             raise RunStalled(self.explain(counts, version, bus.get(protocol.ADMITTED), delivered))

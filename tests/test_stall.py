@@ -65,6 +65,12 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     accounting.admit(bus, "p4")  # and one still being generated is no stall, however long
     after(0)
     after(1000)
+    bus.stream_add(protocol.TRAJECTORIES, {"group_id": "p4", "trajectories": []})
+    for i in range(5, 5 + 14):  # nor a learner that holds a whole batch: it is training it, however long that takes
+        accounting.admit(bus, f"p{i}")
+        bus.stream_add(protocol.TRAJECTORIES, {"group_id": f"p{i}", "trajectories": []})
+    after(0)
+    after(1000)
     bus.set(protocol.LEARNER_DONE, 1)
     after(1000)  # the final evaluation
     config.cluster.stall_timeout = 0
