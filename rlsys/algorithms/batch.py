@@ -128,7 +128,9 @@ def sequence_batch(trajectories: list[Trajectory]) -> SequenceBatch:
     """loss_mask, behaviour_logprobs, versions (-1: not generated) and token_rewards (each turn's reward on its
     last token). Built from flat Python lists: a few tensors however many trajectories."""
     lengths = [len(t.token_ids) for t in trajectories]
-    offsets = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]).astype(np.int64)
+    token_ids = np.fromiter(chain.from_iterable(t.token_ids for t in trajectories), dtype=np.int64,
+                            count=sum(lengths))
+    batch = SequenceBatch(torch.from_numpy(token_ids), lengths)
 
     def shifted(values_of, fill, dtype) -> torch.Tensor:
         # Token t+1 is predicted at position t, so per-token targets drop the first token; `fill` ends each.
@@ -136,16 +138,14 @@ def sequence_batch(trajectories: list[Trajectory]) -> SequenceBatch:
         return torch.from_numpy(np.fromiter(chain(flat, (fill,)), dtype=dtype, count=sum(lengths) + 1))
 
     rewards = np.zeros(sum(lengths) + 1, dtype=np.float32)
-    for offset, t in zip(offsets.tolist(), trajectories):
+    for offset, t in zip(batch.offsets.tolist(), trajectories):
         for end, reward in zip(t.turn_ends, t.turn_rewards):
             rewards[offset + end - 2] += reward  # the turn's last token, token end-1, is predicted at position end-2
-    fields = {"loss_mask": shifted(lambda t: t.loss_mask, 0, np.float32),
-              "behaviour_logprobs": shifted(lambda t: t.logprobs, 0, np.float32),
-              "versions": shifted(lambda t: t.versions, -1, np.int64),
-              "token_rewards": torch.from_numpy(rewards)}
-    token_ids = np.fromiter(chain.from_iterable(t.token_ids for t in trajectories), dtype=np.int64,
-                            count=sum(lengths))
-    return SequenceBatch(torch.from_numpy(token_ids), lengths, fields)
+    batch.fields = {"loss_mask": shifted(lambda t: t.loss_mask, 0, np.float32),
+                    "behaviour_logprobs": shifted(lambda t: t.logprobs, 0, np.float32),
+                    "versions": shifted(lambda t: t.versions, -1, np.int64),
+                    "token_rewards": torch.from_numpy(rewards)}
+    return batch
 
 
 def per_turn_to_tokens(turn_ends: list[int], turn_values: list[float], loss_mask: torch.Tensor) -> torch.Tensor:
