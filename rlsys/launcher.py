@@ -115,11 +115,13 @@ def _run(role: str, index: int, config, bus, run_dir: str) -> None:
 
         ranks = join_ranks(index, config.cluster.n_learner_ranks)
         try:
-            Learner(config, bus, Path(run_dir), ranks).run()
+            learner = Learner(config, bus, Path(run_dir), ranks)
+            learner.run()
         except BaseException:
             leave_ranks(ranks, finished=False)
             raise
         leave_ranks(ranks)
+        learner.serve_until_stopped()  # outside the group: the other ranks need not wait at its barrier
     elif role == "inference":
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console for the run's own progress
         from rlsys.engine.generation import GenerationEngine

@@ -1,6 +1,8 @@
 """The learner on its own: PPO steps move probability toward the rewarded answer; weights are published."""
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from rlsys.training_step import packs
 from rlsys.weight_checksum import weights_checksum
 from rlsys.weight_transport import fetch
 from rlsys.workers.inference_status import InferenceStatus
-from rlsys.workers.learner import Learner
+from rlsys.workers.learner import STOP_POLL_SECONDS, Learner
 from rlsys.workers.rollout_worker import RolloutWorker
 from tests.helpers import save_random_tiny_model
 
@@ -115,6 +117,28 @@ def test_learner_publishes_weights_for_inference_from_memory_and_on_disk(tmp_pat
         "version": 8, "path": str(tmp_path / "run" / "weights" / "v8"), "dtype": "bfloat16"}
     assert published["checksum"] == weights_checksum(learner.model.state_dict(), "bfloat16")
     assert (tmp_path / "run" / "weights" / "v8" / WEIGHTS_FILE).exists() and learner.weight_server is None
+
+
+def test_the_last_version_is_served_until_the_run_stops(tmp_path):
+    """An inference worker started after the learner's last step (a restart, a lost Ray node) fetches the final
+    version from the learner, which serves it until the run stops; the final evaluation waits for that version."""
+    config = learner_config(tmp_path)
+    config.max_steps = 0
+    bus = InProcessBus()
+    learner = Learner(config, bus, tmp_path / "run")
+    learner.version = 3
+    learner.run()  # publishes version 3 and ends: nothing left to train
+    assert bus.get(protocol.LEARNER_DONE) == 3
+    serving = threading.Thread(target=learner.serve_until_stopped)
+    serving.start()
+    published = parse_published_weights(bus.get(protocol.WEIGHTS))
+    time.sleep(2 * STOP_POLL_SECONDS)
+    assert fetch(published.address, published.token).version == 3
+    bus.set(protocol.STOP, 1)
+    serving.join(timeout=10 * STOP_POLL_SECONDS)
+    assert not serving.is_alive()
+    with pytest.raises(OSError):
+        fetch(published.address, published.token)
 
 
 def test_mini_batches_and_warm_up_drive_the_optimizer(tmp_path):

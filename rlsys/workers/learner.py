@@ -27,6 +27,7 @@ from rlsys.training_step import PolicyTrainer
 log = logging.getLogger(__name__)
 
 PROBE_SEQUENCES = 2  # of each batch, sent with the new version for the inference workers to score
+STOP_POLL_SECONDS = 0.5  # how often a learner done training asks whether the run stopped
 PROBE_TOKENS = 256  # the first tokens of each
 
 
@@ -107,7 +108,16 @@ class Learner(PolicyTrainer):
         if self.ranks.main:
             self.bus.set(protocol.LEARNER_DONE, self.version)
             self.metrics.close()
-        if self.weight_server is not None:
+
+    def serve_until_stopped(self) -> None:
+        """Keeps serving the last version until the run stops. An inference worker started after the last step (a
+        restart, a lost node) fetches it here: without it, it would serve stale weights to the final evaluation."""
+        if self.weight_server is None:
+            return
+        try:
+            while not self.bus.get(protocol.STOP):
+                time.sleep(STOP_POLL_SECONDS)
+        finally:
             self.weight_server.close()
 
     def share_batch(self, groups: list[Delivery] | None) -> list[Trajectory] | None:
