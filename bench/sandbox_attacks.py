@@ -2,7 +2,7 @@
 
     python3 bench/sandbox_attacks.py [--out bench/results/sandbox_attacks.json]
 
-Runs every attack of `rlsys/tools/sandbox_attacks.py` in each mode this machine can run: its own best
+Runs every attack of `tests/sandbox_attacks.py` in each mode this machine can run: its own best
 mode, bubblewrap without a cgroup, unconfined (limits only), and, when run as root, the whole suite
 again as `nobody` (the system's Python; an ordinary user's path) and as root without CAP_SYS_ADMIN (a
 container's root). Prints one row per attack and one column per mode (yes: contained, NO: not,
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rlsys.tools.sandbox import run_python  # noqa: E402
-from rlsys.tools.sandbox_attacks import LIMITS, confinements, prepare, run_as, run_attacks  # noqa: E402
+from tests.sandbox_attacks import LIMITS, confinements, prepare, run_as, run_attacks  # noqa: E402
 
 
 def in_process(mode: str, confinement) -> dict:

@@ -1,5 +1,5 @@
 """The code sandbox under hostile programs, in every mode the code can choose, as root and as an
-unprivileged user: each attack of `rlsys.tools.sandbox_attacks` is contained unless the mode is known
+unprivileged user: each attack of `tests/sandbox_attacks.py` is contained unless the mode is known
 not to contain it (and says so), the result says which mode and isolation were in force, the event
 loop keeps running, and nothing is left behind (processes, zombies, cgroups, work directories)."""
 
@@ -16,7 +16,7 @@ import pytest
 from rlsys.tools.confinement import SandboxUnavailable, machine_confinement, preflight
 from rlsys.tools.python_interpreter import PythonTool
 from rlsys.tools.sandbox import SandboxLimits, run_python
-from rlsys.tools.sandbox_attacks import EXPECTED_GAPS, confinements, prepare, run_as, run_attacks
+from tests.sandbox_attacks import EXPECTED_GAPS, confinements, prepare, run_as, run_attacks
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS = SandboxLimits(wall_seconds=5, cpu_seconds=2, memory_mb=512, max_processes=16, file_mb=4,

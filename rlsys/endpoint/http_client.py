@@ -1,8 +1,8 @@
 """HTTP connection pools shared by every agent run of a rollout worker, each call still sent with its own key.
 
 Agent functions get a base URL and an API key per run. Building an `openai.AsyncOpenAI` client the plain way
-makes an HTTP client (httpx2, the `openai` client's httpx), whose SSL context alone costs about 50 ms of CPU:
-one per run, that was nearly all of the rollout worker's time (BENCHMARKS.md, the endpoint section). A client
+makes an HTTP client (httpx2, the `openai` client's httpx), whose SSL context alone costs tens of milliseconds of
+CPU: one per run, that was nearly all of the rollout worker's time (BENCHMARKS.md, the endpoint section). A client
 built over `shared_http_client()` costs a fraction of a millisecond, reuses open connections, and still sends
 the key it was given, so every call stays attributed to its own episode:
 
@@ -10,8 +10,9 @@ the key it was given, so every call stays attributed to its own episode:
 
 Why several pools, not one: every run of the worker's episodes may wait on the engine at once (64 episodes x
 8 runs in the default bench, one connection each), and httpcore scans all of a pool's connections on every
-request and response, probing each idle one's socket. One pool of 512 connections cost 12.9 ms of client
-CPU per request; 32 pools of about 16 cost 2.9 ms, what a pool per request costs (the openai client itself).
+request and response, probing each idle one's socket. One pool of hundreds of connections cost several times
+the client CPU per request of 32 pools of about 16, which cost what a pool per request costs (the openai client
+itself; BENCHMARKS.md, the endpoint section).
 
 An HTTP client belongs to the event loop it first ran in, so the pools are per loop (the rollout worker has
 one; tests may run several).
@@ -50,7 +51,7 @@ _POOLS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pools]" = weakref
 
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
-    """One for the process: building it is the 50 ms (the endpoint speaks plain HTTP, but a client wants one)."""
+    """One for the process: building it is the slow part (the endpoint speaks plain HTTP, but a client wants one)."""
     return httpx2.create_ssl_context()
 
 

@@ -390,7 +390,7 @@ def _require_full_attention(config) -> None:
 def _grouped_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' sdpa attention, minus one copy: with a mask, it repeats the key/value heads of
     grouped-query attention for every layer and step (copying the whole cache), where torch's CPU kernel
-    takes the groups as they are (measured 4x faster for a 256-row decode step)."""
+    takes the groups as they are, several times faster for a wide decode step."""
     causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                            scale=scaling, is_causal=causal, enable_gqa=True)

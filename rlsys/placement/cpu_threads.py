@@ -1,10 +1,9 @@
 """How many CPU threads each role's torch gets, and how its OpenMP threads wait, so roles on one machine share it.
 
 torch computes with OpenMP (libgomp), whose threads spin while they wait for each other, by default for about
-300,000 turns of a loop before they sleep. Roles that spin steal cores from each other: on the 2-core machine the
-benchmarks run on, 2 learner threads beside the inference worker made a run 0.39x as fast as 1 thread under load,
-and no faster when quiet (BENCHMARKS.md, "Learner threads"), because a thread that waits spins on the core the
-thread it waits for needs. So every role starts with `GOMP_SPINCOUNT=1000` (libgomp reads it once, when torch
+300,000 turns of a loop before they sleep. Roles that spin steal cores from each other: on a machine with few
+cores, 2 learner threads beside the inference worker made a run slower than 1 thread, much slower under load
+(BENCHMARKS.md, "Learner threads"), because a thread that waits spins on the core the thread it waits for needs. So every role starts with `GOMP_SPINCOUNT=1000` (libgomp reads it once, when torch
 loads, so the launcher puts it in each role's environment before the process starts): a waiting thread spins a
 thousand turns, then sleeps. Unless the user set `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` for the run: theirs win.
 
@@ -13,8 +12,8 @@ With threads that sleep soon, a role's idle moments are cores others can use, an
     learner threads per rank = max(1, cores // learner ranks)
 
 beside the inference worker's `inference.num_threads` and the rollout workers (asyncio, one thread of work each).
-On 2 cores that trained a median 1.06x the samples/s of 1 learner thread with the long spin (five pairs of runs,
-0.95-1.14x), and under load it does not stall (BENCHMARKS.md).
+On 2 cores that trained at least as many samples/s as 1 learner thread with the long spin, and under load it does
+not stall (BENCHMARKS.md, "Learner threads").
 Where threads spin long (the user's `OMP_WAIT_POLICY=ACTIVE`, or a `GOMP_SPINCOUNT` above 1000), the learner gets
 only the cores the other roles do not claim, and never fewer than one:
 

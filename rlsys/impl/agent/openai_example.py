@@ -4,7 +4,7 @@
         agent_function=rlsys.impl.agent.openai_example:run
 
 Every run shares the rollout worker's HTTP connection pools (`shared_http_client`) and sends its own key: a
-client of its own per run would build an SSL context each time, about 50 ms of CPU.
+client of its own per run would build an SSL context each time, tens of milliseconds of CPU.
 """
 
 import openai

@@ -1,9 +1,10 @@
 """Hostile programs against the code sandbox, each with the test of whether it was contained.
 
 `tests/test_sandbox.py` runs them in every confinement mode and asserts what must hold in each;
-`bench/sandbox_attacks.py` prints the table of contained attacks per mode. Standard library only, so
-that it also runs under an unprivileged user with the system's Python (`python -m
-rlsys.tools.sandbox_attacks MODE` prints one mode's results as JSON).
+`bench/sandbox_attacks.py` prints the table of contained attacks per mode. They live with the tests, not in
+the library: nothing a run does calls them. Standard library only besides the sandbox's own modules, so that it
+also runs under an unprivileged user with the system's Python (`python tests/sandbox_attacks.py MODE WORKSPACE`
+prints one mode's results as JSON).
 
 An attack is contained when the program could not do what it tried: hold capabilities, change mounts,
 make namespaces, trace, write a host path its user owns, read a dataset outside, reach the network,
@@ -27,8 +28,8 @@ from rlsys.tools.sandbox import SandboxLimits, SandboxResult, run_python
 
 LIMITS = SandboxLimits(wall_seconds=10, cpu_seconds=2, memory_mb=128, max_processes=16, file_mb=16,
                        output_bytes=8192, workdir_mb=32, allow_unconfined=True)
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-SANDBOX_MODULES = ("confine", "confinement", "sandbox", "sandbox_cgroup", "seccomp_filter", "sandbox_attacks")
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+SANDBOX_MODULES = ("confine", "confinement", "sandbox", "sandbox_cgroup", "seccomp_filter")
 # runs the attack suite in another process (another user), from a copy of the sandbox's modules only
 AS_USER = """
 import sys, types
@@ -37,7 +38,7 @@ for name in ("rlsys", "rlsys.tools"):
     module = types.ModuleType(name)
     module.__path__ = [{directory!r} + "/" + name.replace(".", "/")]
     sys.modules[name] = module
-from rlsys.tools import sandbox_attacks
+import sandbox_attacks
 sys.argv = ["sandbox_attacks", {workspace!r}]
 sandbox_attacks.main()
 """
@@ -332,6 +333,7 @@ def run_as(prefix: list[str], python: str, directory: Path, user: str = "root") 
     package.mkdir(parents=True)
     for name in SANDBOX_MODULES:
         shutil.copy(PACKAGE_ROOT / "rlsys" / "tools" / f"{name}.py", package)
+    shutil.copy(__file__, directory / "sandbox_attacks.py")
     for path in [directory, *directory.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     (directory / "attack").mkdir()
@@ -345,7 +347,7 @@ def run_as(prefix: list[str], python: str, directory: Path, user: str = "root") 
 
 
 def main() -> None:
-    """`python -m rlsys.tools.sandbox_attacks [MODE] WORKSPACE`: one mode's results as JSON (default: the machine's)."""
+    """`python tests/sandbox_attacks.py [MODE] WORKSPACE`: one mode's results as JSON (default: the machine's)."""
     import secrets
     mode, workspace = (sys.argv[1], Path(sys.argv[2])) if len(sys.argv) > 2 else (None, Path(sys.argv[1]))
     confinement = confinements()[mode] if mode else machine_confinement()
