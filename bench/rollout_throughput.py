@@ -45,6 +45,7 @@ from rlsys.launcher import initialize_bus_state, limit_threads, run_role  # noqa
 from rlsys.placement.local import LocalPlacement  # noqa: E402
 from rlsys.metrics import read_jsonl_metrics  # noqa: E402
 from rlsys.model.tokenizer import load_tokenizer  # noqa: E402
+from rlsys.prompt_ledger import PromptLedger  # noqa: E402
 from rlsys.supervisor import stop_processes  # noqa: E402
 
 WARM_UP_EPISODES = 64
@@ -92,7 +93,8 @@ class FullPath:
         with EmbeddedRedis(self.run_dir / "redis") as server:
             self.bus = connect(server.url)
             initialize_bus_state(self.bus, self.config, trainer_state={})
-            self.bus.set(protocol.ADMITTED, GATE_CLOSED)
+            self.ledger = PromptLedger.of(self.bus, self.config)
+            self.ledger.hold_slots(GATE_CLOSED)
             roles = [("inference", i) for i in range(self.n_workers)] + [("rollout", 0)]
             placement = LocalPlacement(self.config, run_role)
             args = (config_to_dict(self.config), server.url, str(self.run_dir))
@@ -110,10 +112,10 @@ class FullPath:
         with its requests already in flight (it is never drained), so both sides start a window full and
         end it with work in flight. Timing the fill too charged the full path a pipeline's worth of latency.
         """
-        self.bus.set(protocol.ADMITTED, 0)
+        self.ledger.hold_slots(0)
         self.generated_tokens(self.concurrency)
         rate = tokens_per_second(self.generated_tokens, episodes)
-        self.bus.set(protocol.ADMITTED, GATE_CLOSED)
+        self.ledger.hold_slots(GATE_CLOSED)
         return rate
 
     def generated_tokens(self, episodes: int) -> int:

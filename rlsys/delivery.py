@@ -32,12 +32,13 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 
-from rlsys import accounting, protocol
+from rlsys import protocol
 from rlsys.api import Trajectory
 from rlsys.api.messages import INT32_MAX, InvalidMessage, boolean, integer, items, logprob, number, reward, string, \
     version
 from rlsys.bus import BusDecodeError, ServerRestarts, StreamEntry
 from rlsys.bus.base import encode
+from rlsys.prompt_ledger import failed
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +160,9 @@ class RecentIds:
 class TrajectoryInbox:
     """The learner's end of the trajectory stream: valid, new groups only; the rest dropped or set aside."""
 
-    def __init__(self, bus, consumer: str, max_message_bytes: int, vocab_size: int | None = None,
+    def __init__(self, bus, ledger, consumer: str, max_message_bytes: int, vocab_size: int | None = None,
                  consumed: Iterable[str] = ()):
-        self.bus, self.name, self.consumer = bus, consumer, consumer
+        self.bus, self.ledger, self.name, self.consumer = bus, ledger, consumer, consumer
         self.max_message_bytes, self.vocab_size = max_message_bytes, vocab_size
         self.seen = RecentIds(DEDUP_WINDOW, list(consumed)[-DEDUP_WINDOW:])
         self.duplicates = self.dead_letters = 0
@@ -239,6 +240,6 @@ class TrajectoryInbox:
         self.dead_letters += 1
         if group_id is not None:
             self.seen.add(group_id)  # a copy arriving later is a duplicate of a prompt that has its outcome
-            accounting.settle_untrained(self.bus, group_id, accounting.failed("rejected"))
+            self.ledger.untrained(group_id, failed("rejected"))
         log.warning("trajectory message %s%s set aside in %s: %s", entry.id,
                     f" (group {group_id})" if group_id else "", protocol.DEAD_LETTERS, reason)

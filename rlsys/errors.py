@@ -20,7 +20,7 @@ class LearnerFailed(RoleFailed):
 
 
 class EpisodeFailed(Exception):
-    """An episode that produced nothing trainable; `reason` is one of accounting.FAILURE_REASONS. Environments'
+    """An episode that produced nothing trainable; `reason` is one of rlsys.prompt_ledger.FAILURE_REASONS. Environments'
     calls raise it through rlsys.workers.episode_failure's guard, and agents may raise it themselves."""
 
     def __init__(self, reason: str, detail: str):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import redis
 
-from rlsys import accounting, protocol
+from rlsys import protocol
+from rlsys.prompt_ledger import ADMITTED, TRAINED, PromptLedger, accounted, describe
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.console import role_output_to_file
@@ -73,8 +74,7 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
                              protocol.rollout_position(i), protocol.role_stop_reason(f"rollout{i}"))))
     if not trainer_state:
         bus.delete(protocol.DEAD_LETTERS, protocol.WEIGHT_CHECKS)
-    bus.set(protocol.ADMITTED, trainer_state.get("version", 0) * config.ppo.batch_size)
-    accounting.restore(bus, trainer_state.get("accounting"))
+    PromptLedger.of(bus, config).start(trainer_state.get("version", 0), trainer_state.get("accounting"))
 
 
 def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, env: dict) -> int:
@@ -159,9 +159,10 @@ class ProgressReporter:
     line comes for `quiet_seconds` (vLLM starting, the first evaluation, a slow step), one that says what the
     run is waiting for, so that a long step does not look hung."""
 
-    def __init__(self, metrics_file: Path, every: int, max_steps: int, bus=None, quiet_seconds: float = 20.0):
+    def __init__(self, metrics_file: Path, every: int, max_steps: int, bus=None, ledger: PromptLedger | None = None,
+                 quiet_seconds: float = 20.0):
         self.metrics_file, self.every, self.max_steps = metrics_file, max(every, 1), max_steps
-        self.bus, self.quiet_seconds = bus, quiet_seconds
+        self.bus, self.ledger, self.quiet_seconds = bus, ledger, quiet_seconds
         self.seen, self.started = 0, time.monotonic()
         self.last_line = self.started
 
@@ -183,9 +184,9 @@ class ProgressReporter:
             return f"{elapsed}: training done, final held-out evaluation"
         if not self.bus.get(protocol.eval_result("initial")):
             return f"{elapsed}: starting the roles and the initial held-out evaluation"
-        c = accounting.counts(self.bus)
+        c = self.ledger.counts()
         return (f"{elapsed}: step {self.seen + 1}/{self.max_steps} collecting episodes: {c['in_flight']} prompts "
-                f"in flight, {c[accounting.TRAINED]} trained so far")
+                f"in flight, {c[TRAINED]} trained so far")
 
     def print(self, line: str) -> None:
         print(line, flush=True)
@@ -286,9 +287,10 @@ def launch(config) -> dict:
         bus = connect(bus_url, wait_out_restarts=server is None)  # it restarts the server it owns: never waits for it
         supervisor = Supervisor(
             config, lambda role, index: placement.start(role, index, (config_to_dict(config), bus_url, str(run_dir))), server)
+        ledger = PromptLedger.of(bus, config)
         report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps,
-                                  config.max_steps, bus)
-        stall = StallWatch(config)
+                                  config.max_steps, bus, ledger)
+        stall = StallWatch(config, ledger)
         restarted = False
         try:
             while True:
@@ -308,7 +310,7 @@ def launch(config) -> dict:
                     supervisor.stop(bus)  # the learner saves a checkpoint when it is told to stop
         except RoleFailed as e:
             raise RoleFailed(f"{e}; {last_checkpoint_note(run_dir)}") from None
-        prompts = accounting.end_run(bus)
+        prompts = ledger.end_run()
         summary = {
             "initial_accuracy": (bus.get(protocol.eval_result("initial")) or {}).get("accuracy"),
             "final_accuracy": (bus.get(protocol.eval_result("final")) or {}).get("accuracy"),
@@ -316,14 +318,14 @@ def launch(config) -> dict:
             "minutes": (time.monotonic() - started) / 60,
             "run_dir": str(run_dir),
             "prompts": prompts,
-            "prompts_accounted": accounting.accounted(prompts) == prompts[accounting.ADMITTED],
+            "prompts_accounted": accounted(prompts) == prompts[ADMITTED],
             "dead_letters": bus.stream_length(protocol.DEAD_LETTERS),
             "restarts": dict(supervisor.restarts),
             "weight_checks": bus.get(protocol.WEIGHT_CHECKS) or 0,
         }
         bus.close()
     if not summary["prompts_accounted"]:
-        log.error("the prompt accounting does not add up: %s", accounting.describe(prompts))
+        log.error("the prompt accounting does not add up: %s", describe(prompts))
     write_private(run_dir / "summary.json", json.dumps(summary, indent=2))
     finish_observability(config, run_dir)
     return summary

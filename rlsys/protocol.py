@@ -1,15 +1,14 @@
-"""The names the roles use on the bus: one place, so every role agrees on them."""
+"""The names the roles use on the bus: one place, so every role agrees on them. The staleness gate's and the
+prompt lifecycle's keys are rlsys.prompt_ledger's own."""
 
 TRAJECTORIES = "trajectories"  # stream: finished episodes, one entry per prompt's group, read by LEARNERS
 LEARNERS = "learners"  # the consumer group that reads TRAJECTORIES
 DEAD_LETTERS = "trajectories:dead"  # stream: trajectory messages the learner could not use, with the reason
 DEAD_MESSAGES = "messages:dead"  # stream: {"source", "reason", "size", "head"} of requests/replies a role refused
 MAX_QUEUE_MESSAGE_BYTES = 64 * 2**20  # a generation request or reply larger than this is refused unread
-PROMPTS_IN_FLIGHT = "prompts:in_flight"  # set: ids of admitted prompts whose outcome is not recorded yet
 WEIGHTS = "weights:latest"  # key: the newest published policy (rlsys.api.messages.PublishedWeights)
 WEIGHT_CHECKS = "weights:checks"  # counter: weight updates whose checksum an inference worker verified
 LOGPROB_PROBES = "weights:probes"  # queue: each worker's logprobs of the learner's probe sequences, scored at load
-ADMITTED = "rollout:admitted"  # counter: prompts admitted for training, for the staleness gate
 LEARNER_DONE = "learner:final_version"  # key: set once the learner published its last version
 STOP = "run:stop"  # key: set by the launcher to end every role
 
@@ -57,8 +56,3 @@ def rollout_done(rollout_worker: int) -> str:
 def role_stop_reason(role: str) -> str:
     """Key: why role `role` (e.g. "rollout0") found that the run cannot go on, before it exited."""
     return f"role:{role}:stop_reason"
-
-
-def prompt_outcome(outcome: str) -> str:
-    """Counter of admitted prompts that ended in `outcome` ("admitted", "trained", "failed:env_error", ...)."""
-    return f"prompts:{outcome}"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from rlsys import accounting
 from rlsys.metrics import read_jsonl_metrics
+from rlsys.prompt_ledger import describe
 from rlsys.run_privacy import write_private
 from rlsys.tracing import TRACES_DIR, read_traces
 
@@ -203,7 +203,7 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
     body += [f"<figure id='{fid}'>{svg}</figure>" for fid, svg in _figures(learner, rollout)]
     body.append("</section><h2>Where the time went (learner)</h2>" + _table(_time_split(learner)))
     body.append("<h2>Prompt accounting</h2>")
-    body.append(f"<p id='accounting'>{html.escape(accounting.describe(prompts))}</p>" if prompts
+    body.append(f"<p id='accounting'>{html.escape(describe(prompts))}</p>" if prompts
                 else "<p>no summary.json: the run did not finish</p>")
     body.append("<h2>Correctness alarms</h2>" + _table(_alarm_rows(learner, summary)))
     trace_files = sorted((run_dir / TRACES_DIR).glob("*.jsonl")) if (run_dir / TRACES_DIR).exists() else []

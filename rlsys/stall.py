@@ -10,7 +10,8 @@ generated are not a stall here: a hanging environment, agent or model call is en
 
 import time
 
-from rlsys import accounting, protocol
+from rlsys import protocol
+from rlsys.prompt_ledger import ADMITTED, PromptLedger, describe
 from rlsys.errors import RoleFailed
 
 
@@ -21,9 +22,8 @@ class RunStalled(RoleFailed):
 class StallWatch:
     """Called every supervisor poll; raises RunStalled once the run has stood still for `timeout` seconds (0: never)."""
 
-    def __init__(self, config, clock=time.monotonic):
-        self.timeout = config.cluster.stall_timeout
-        self.batch_size, self.eta = config.ppo.batch_size, config.max_head_offpolicyness
+    def __init__(self, config, ledger: PromptLedger, clock=time.monotonic):
+        self.timeout, self.ledger = config.cluster.stall_timeout, ledger
         self.clock = clock
         self.state: tuple | None = None
         self.since = 0.0
@@ -35,24 +35,25 @@ class StallWatch:
         if not bus.get(protocol.eval_result("initial")) or bus.get(protocol.LEARNER_DONE) is not None:
             self.state = None  # starting, or past the last step: the final evaluation is no stall
             return
-        counts = accounting.counts(bus)
+        counts = self.ledger.counts()
         weights = bus.get(protocol.WEIGHTS)
         version = weights.get("version") if isinstance(weights, dict) else None
         delivered = bus.stream_length(protocol.TRAJECTORIES)  # one entry a prompt, until the learner trains it
         generating = counts["in_flight"] - delivered
         # A learner that holds a batch's worth is training it (a step of a large model on a CPU takes minutes).
-        moving = generating > 0 or delivered >= self.batch_size
-        state = (counts[accounting.ADMITTED], version, delivered)
+        moving = generating > 0 or delivered >= self.ledger.batch_size
+        state = (counts[ADMITTED], version, delivered)
         if moving or state != self.state:
             self.state, self.since = (None if moving else state), now
             return
         if now - self.since >= self.timeout:
-            raise RunStalled(self.explain(counts, version, bus.get(protocol.ADMITTED), delivered))
+            raise RunStalled(self.explain(counts, version, self.ledger.slots_taken(), delivered))
 
     def explain(self, counts: dict, version, gate, delivered: int) -> str:
         return (f"the run stood still for {self.timeout:.0f} s (cluster.stall_timeout): no prompt being generated, "
                 f"none admitted, no new weights (last published version: "
                 f"{version if version is not None else 'none'}). The learner holds {delivered} groups and waits for "
-                f"{self.batch_size} that nobody is generating. The staleness gate holds "
-                f"{gate} prompts against a limit of (version served + {self.eta} + 1) x {self.batch_size}; "
-                f"{accounting.describe(counts)}. The rollout workers' logs say why they admit nothing")
+                f"{self.ledger.batch_size} that nobody is generating. The staleness gate holds "
+                f"{gate} prompts against a limit of (version served + {self.ledger.max_head_offpolicyness} + 1) x "
+                f"{self.ledger.batch_size}; "
+                f"{describe(counts)}. The rollout workers' logs say why they admit nothing")

@@ -26,6 +26,7 @@ from rlsys.api.messages import (INT32_MAX, LOGPROB_TOLERANCE, MAX_REWARD, Invali
                                 parse_generation_request, parse_published_weights, parse_worker_status)
 from rlsys.bus import EmbeddedRedis, InProcessBus, RedisBus
 from rlsys.delivery import TrajectoryInbox, group_message, read_group_message
+from rlsys.prompt_ledger import PromptLedger
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.routing import EpisodeRouter
 from tests.helpers import with_field
@@ -79,7 +80,7 @@ def inbox_outcome(bus, payload: bytes, vocab_size: int = 100):
         bus._client.xadd(bus._k(protocol.TRAJECTORIES), {b"m": payload})
     else:
         bus._streams[protocol.TRAJECTORIES].entries[bus._streams[protocol.TRAJECTORIES].next_id()] = payload
-    inbox = TrajectoryInbox(bus, "learner", MB, vocab_size)
+    inbox = TrajectoryInbox(bus, PromptLedger(bus, 1, 0), "learner", MB, vocab_size)
     accepted = inbox.receive(10, timeout=1)
     letters = [e.decode(protocol.DEAD_LETTERS) for e in bus.stream_range(protocol.DEAD_LETTERS, 10)]
     assert len(accepted) + len(letters) == 1, (accepted, letters)
@@ -126,7 +127,7 @@ def test_raw_bytes_deep_nesting_a_missing_payload_field_and_a_huge_entry_are_dea
         bus._client.xadd(bus._k(protocol.TRAJECTORIES), {b"other": b"x"})
         bus._client.xadd(bus._k(protocol.TRAJECTORIES), {b"m": b"\xc4" + b"x" * 10})  # truncated bin header
         bus._client.xadd(bus._k(protocol.TRAJECTORIES), {b"m": b"\xda\xff\xff" + b"s" * 65535 * 40})  # 2.5 MB
-        inbox = TrajectoryInbox(bus, "learner", MB, 100)
+        inbox = TrajectoryInbox(bus, PromptLedger(bus, 1, 0), "learner", MB, 100)
         assert inbox.receive(10, timeout=1) == []
         no_payload, truncated, huge = [e.decode(protocol.DEAD_LETTERS)
                                        for e in bus.stream_range(protocol.DEAD_LETTERS, 10)]

@@ -6,10 +6,11 @@ import os
 import msgpack
 import pytest
 
-from rlsys import accounting, protocol
+from rlsys import protocol
 from rlsys.api import Trajectory
 from rlsys.bus import EmbeddedRedis, connect
 from rlsys.delivery import MAX_DELIVERIES, InvalidMessage, TrajectoryInbox, group_message
+from rlsys.prompt_ledger import PromptLedger
 from tests.test_bus import bus, inject_raw_entry, redis_url  # noqa: F401  (fixtures: both buses)
 from tests.helpers import no_leaked_servers  # noqa: F401  (a fixture)
 
@@ -25,16 +26,20 @@ def trajectory(group_id: str, reward: float = 1.0, **changes) -> Trajectory:
     return Trajectory(**{**fields, **changes})
 
 
+def ledger(bus) -> PromptLedger:
+    return PromptLedger(bus, batch_size=4, max_head_offpolicyness=1)
+
+
 def send(bus, group_id: str, n: int = 2, admit: bool = True) -> dict:
     if admit:
-        accounting.admit(bus, group_id)
+        ledger(bus).admit(group_id)
     message = group_message(group_id, [trajectory(group_id) for _ in range(n)], max_bytes=MB)
     bus.stream_add(protocol.TRAJECTORIES, message)
     return message
 
 
 def inbox(bus, name: str = "learner-a", **kwargs) -> TrajectoryInbox:
-    return TrajectoryInbox(bus, name, max_message_bytes=kwargs.pop("max_message_bytes", MB), vocab_size=100, **kwargs)
+    return TrajectoryInbox(bus, ledger(bus), name, max_message_bytes=kwargs.pop("max_message_bytes", MB), vocab_size=100, **kwargs)
 
 
 def dead_letters(bus) -> list[dict]:
@@ -98,7 +103,7 @@ def test_a_group_whose_learners_keep_dying_is_set_aside_after_max_deliveries(bus
     (letter,) = dead_letters(bus)
     assert letter["group_id"] == "poison-pill" and letter["deliveries"] == MAX_DELIVERIES + 1
     assert "without an acknowledgement" in letter["reason"]
-    assert accounting.counts(bus)["failed"] == {"rejected": 1}
+    assert ledger(bus).counts()["failed"] == {"rejected": 1}
 
 
 def raw(value) -> bytes:
@@ -164,17 +169,17 @@ def test_a_bad_message_is_dead_lettered_with_its_reason_and_the_stream_goes_on(b
 
 
 def test_a_rejected_group_of_an_admitted_prompt_counts_as_failed_and_gives_its_slot_back(bus):
-    bus.set(protocol.ADMITTED, 7)
-    accounting.admit(bus, "train-0-3")
+    ledger(bus).hold_slots(7)
+    ledger(bus).admit("train-0-3")
     inject_raw_entry(bus, protocol.TRAJECTORIES, raw({"group_id": "train-0-3", "trajectories": ["junk"]}))
     inject_raw_entry(bus, protocol.TRAJECTORIES, raw({"group_id": "never-admitted", "trajectories": []}))
     send(bus, "train-0-3", admit=False)  # a later copy of the rejected prompt's group
     learner = inbox(bus)
     assert learner.receive(10, timeout=1) == []
     assert learner.dead_letters == 2 and learner.duplicates == 1
-    counts = accounting.counts(bus)
+    counts = ledger(bus).counts()
     assert counts["failed"] == {"rejected": 1} and counts["admitted"] == 1 and counts["in_flight"] == 0
-    assert bus.get(protocol.ADMITTED) == 6  # only the admitted prompt gave a slot back
+    assert ledger(bus).slots_taken() == 6  # only the admitted prompt gave a slot back
 
 
 def test_the_rollout_side_refuses_what_the_learner_would_reject():

@@ -101,18 +101,20 @@ def test_a_quiet_run_says_what_it_waits_for(tmp_path, capsys):
     """Between two step lines (vLLM starting, the first evaluation, a slow step) the console is not silent."""
     import json
 
-    from rlsys import accounting, protocol
+    from rlsys import protocol
     from rlsys.bus import EmbeddedRedis, connect
     from rlsys.launcher import ProgressReporter
+    from rlsys.prompt_ledger import PromptLedger
 
     metrics = tmp_path / "learner.jsonl"
     with EmbeddedRedis(tmp_path) as server:
         bus = connect(server.url)
-        report = ProgressReporter(metrics, every=10, max_steps=3, bus=bus, quiet_seconds=0)
+        ledger = PromptLedger(bus, batch_size=4, max_head_offpolicyness=1)
+        report = ProgressReporter(metrics, every=10, max_steps=3, bus=bus, ledger=ledger, quiet_seconds=0)
         report()
         assert "s in: starting the roles and the initial held-out evaluation" in capsys.readouterr().out
         bus.set(protocol.eval_result("initial"), {"accuracy": 0.5})
-        accounting.admit(bus, "p1")
+        ledger.admit("p1")
         report()
         assert "s in: step 1/3 collecting episodes: 1 prompts in flight, 0 trained so far" in capsys.readouterr().out
         row = {"step": 3, "reward": 0.25, "staleness_mean": 1.0, "time/wait_data": 0.1, "time/compute": 2.0}

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from rlsys import accounting, protocol
+from rlsys import protocol
 from rlsys.bus import EmbeddedRedis, RedisBus
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
+from rlsys.prompt_ledger import accounted, describe
 from rlsys.errors import RoleFailed
 from tests.helpers import child_pids, left_behind, small_run_overrides
 
@@ -156,8 +157,8 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     assert prompts["admitted"] == (prompts["trained"] + sum(prompts["filtered"].values()) + sum(failed.values()))
     assert prompts["trained"] == 6 * config.ppo.batch_size and prompts["in_flight"] == 0
     assert set(prompts["filtered"]) <= {"run_ended"}
-    assert accounting.accounted(prompts) == prompts["admitted"]
-    print(accounting.describe(prompts))  # for BENCHMARKS.md: pytest -s shows it
+    assert accounted(prompts) == prompts["admitted"]
+    print(describe(prompts))  # for BENCHMARKS.md: pytest -s shows it
 
     assert summary["dead_letters"] == len(POISON) and len(letters) == len(POISON)
     for (name, words), letter in zip(POISON.items(), letters):

@@ -22,7 +22,7 @@ LAYERS = [
     ("contracts", ["rlsys.api"],
      "what plugins are written against (agents, environments, tools, trajectories) and the registries they join"),
     ("parts", ["rlsys.algorithms", "rlsys.model", "rlsys.bus", "rlsys.tools", "rlsys.alarms", "rlsys.weight_checksum",
-               "rlsys.checkpoint", "rlsys.distributed", "rlsys.metrics", "rlsys.accounting", "rlsys.tracing",
+               "rlsys.checkpoint", "rlsys.distributed", "rlsys.metrics", "rlsys.prompt_ledger", "rlsys.tracing",
                "rlsys.frames"],
      "self-contained pieces (tensor math, the model, the bus, tools, records on disk) that know only the contracts"),
     ("engines", ["rlsys.engine", "rlsys.weight_transport", "rlsys.training_step", "rlsys.endpoint"],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from experiments import AsyncPPOMATHConfig
-from rlsys import accounting, protocol
+from rlsys import protocol
 from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import Trajectory
 from rlsys.api.messages import WorkerStatus, parse_published_weights
@@ -159,11 +159,11 @@ def test_uniform_groups_are_filtered_and_give_their_gate_slot_back(tmp_path):
     config = learner_config(tmp_path)
     config.ppo.batch_size, config.ppo.filter_uniform_groups = 2, True
     bus = InProcessBus()
-    bus.set(protocol.ADMITTED, 5)
     learner = Learner(config, bus, tmp_path / "run")
+    learner.ledger.hold_slots(5)
 
     def group(rewards):
-        accounting.admit(bus, str(rewards))
+        learner.ledger.admit(str(rewards))
         return {"group_id": str(rewards),
                 "trajectories": [trajectory(learner.model, GOOD if r else BAD, r).to_dict() for r in rewards]}
 
@@ -173,8 +173,8 @@ def test_uniform_groups_are_filtered_and_give_their_gate_slot_back(tmp_path):
     assert [[t.reward for t in g.trajectories] for g in batch] == [[1.0, 0.0], [0.0, 1.0]]
     assert learner.filtered_groups == 2
     assert learner.consumed_prompts == ["[0.0, 0.0]", "[1.0, 1.0]"]  # trained groups join after their step
-    assert bus.get(protocol.ADMITTED) == 3
-    counts = accounting.counts(bus)
+    assert learner.ledger.slots_taken() == 3
+    counts = learner.ledger.counts()
     assert counts["filtered"] == {"uniform_reward": 2} and counts["in_flight"] == 2
     # filtered groups are acknowledged (so deleted) at once; the batch's stay pending until their step
     assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 2
@@ -200,10 +200,9 @@ def test_the_gate_lets_a_slow_episode_fall_behind_and_the_learner_refuses_it_as_
         new = []
         while asyncio.run(gate.admit()):
             new.append(f"p{len(admitted_at) + len(new)}")
-        assert bus.get(protocol.ADMITTED) == (gate.router.workers.served_version() + config.max_head_offpolicyness
-                                              + 1) * 2
+        assert gate.ledger.slots_taken() == gate.ledger.capacity(gate.router.workers.served_version())
         for qid in new:
-            accounting.admit(bus, qid)
+            gate.ledger.admit(qid)
             admitted_at[qid] = gate.router.workers.served_version()
         return new
 
@@ -224,16 +223,16 @@ def test_the_gate_lets_a_slow_episode_fall_behind_and_the_learner_refuses_it_as_
         batch = learner.wait_for_batch()
         staleness += [learner.version - admitted_at[group.group_id] for group in batch]
         for group in batch:  # what Learner.run does once the step is trained
-            accounting.settle(bus, group.group_id, accounting.TRAINED)
+            learner.ledger.trained(group.group_id)
             learner.inbox.ack([group.entry_id])
         learner.version += 1
         serve(learner.version)
         running += admit_while_the_gate_opens()
     assert max(staleness) <= config.max_head_offpolicyness, staleness
-    counts = accounting.counts(bus)
+    counts = learner.ledger.counts()
     assert counts["filtered"] == {"too_stale": 1} and slow in learner.consumed_prompts
     # its slot was given back and taken by a replacement: the gate still holds (version + eta + 1) * batch_size
-    assert bus.get(protocol.ADMITTED) == (learner.version + config.max_head_offpolicyness + 1) * 2
+    assert learner.ledger.slots_taken() == (learner.version + config.max_head_offpolicyness + 1) * 2
     assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 0
 
 

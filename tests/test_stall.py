@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from experiments import AsyncPPOMATHConfig
-from rlsys import accounting, protocol
+from rlsys import protocol
 from rlsys.bus import InProcessBus
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
+from rlsys.prompt_ledger import PromptLedger
 from rlsys.stall import RunStalled, StallWatch
 from rlsys.errors import RoleFailed
 from tests.helpers import child_pids, left_behind, small_run_overrides
@@ -29,7 +30,8 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     config = AsyncPPOMATHConfig()
     config.cluster.stall_timeout = 60
     bus, clock = InProcessBus(), Clock()
-    watch = StallWatch(config, clock)
+    ledger = PromptLedger.of(bus, config)
+    watch = StallWatch(config, ledger, clock)
 
     def after(seconds: float) -> None:
         clock.now += seconds
@@ -38,36 +40,36 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     after(0)
     after(1000)  # starting: no initial evaluation yet
     bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
-    accounting.admit(bus, "p1")
+    ledger.admit("p1")
     after(0)
     after(1000)  # a prompt in flight: its own timeouts end it
-    accounting.settle(bus, "p1", accounting.TRAINED)
+    ledger.trained("p1")
     after(0)
     after(59)
     bus.set(protocol.WEIGHTS, {"version": 1, "path": "/w"})  # a new version: progress
     after(59)
-    accounting.admit(bus, "p2")
-    accounting.settle(bus, "p2", accounting.TRAINED)  # admitted and trained between two polls: progress
+    ledger.admit("p2")
+    ledger.trained("p2")  # admitted and trained between two polls: progress
     after(59)
-    bus.set(protocol.ADMITTED, 64)
+    ledger.hold_slots(64)
     after(59)
     with pytest.raises(RunStalled, match=r"stood still for 60 s \(cluster.stall_timeout\).*last published version: 1"
                                          r".*holds 64 prompts.*2 admitted = 2 trained"):
         after(1)
     # Prompts in flight that were all delivered wait for a learner that needs more: nothing generates them.
-    bus.set(protocol.ADMITTED, 2)
-    accounting.admit(bus, "p3")
+    ledger.hold_slots(2)
+    ledger.admit("p3")
     bus.stream_add(protocol.TRAJECTORIES, {"group_id": "p3", "trajectories": []})
     after(0)
     after(59)
     with pytest.raises(RunStalled, match=r"holds 1 groups and waits for 16"):
         after(1)
-    accounting.admit(bus, "p4")  # and one still being generated is no stall, however long
+    ledger.admit("p4")  # and one still being generated is no stall, however long
     after(0)
     after(1000)
     bus.stream_add(protocol.TRAJECTORIES, {"group_id": "p4", "trajectories": []})
     for i in range(5, 5 + 14):  # nor a learner that holds a whole batch: it is training it, however long that takes
-        accounting.admit(bus, f"p{i}")
+        ledger.admit(f"p{i}")
         bus.stream_add(protocol.TRAJECTORIES, {"group_id": f"p{i}", "trajectories": []})
     after(0)
     after(1000)
@@ -75,7 +77,7 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     after(1000)  # the final evaluation
     config.cluster.stall_timeout = 0
     bus.delete(protocol.LEARNER_DONE)
-    never = StallWatch(config, clock)
+    never = StallWatch(config, ledger, clock)
     never.check(bus)
     clock.now += 10**6
     never.check(bus)
@@ -99,7 +101,7 @@ def test_a_run_whose_gate_never_opens_again_stops_with_the_reason(cache_dir, tmp
         while ((bus.get(protocol.WEIGHTS) or {}).get("version") or 0) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        bus.set(protocol.ADMITTED, 10**6)
+        PromptLedger.of(bus, config).hold_slots(10**6)
         bus.close()
 
     closer = threading.Thread(target=close_the_gate, daemon=True)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from rlsys.accounting import describe  # noqa: E402
 from rlsys.cli import ConfigError, parse_config  # noqa: E402
 from rlsys.launcher import launch  # noqa: E402
 from rlsys.preflight import StartupError  # noqa: E402
+from rlsys.prompt_ledger import describe  # noqa: E402
 from rlsys.errors import RoleFailed  # noqa: E402
 
 

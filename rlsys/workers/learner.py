@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rlsys import accounting, protocol, weight_transport
+from rlsys import protocol, weight_transport
 from rlsys.alarms import PROBE, LogprobCheck, check_logprob_mismatch
 from rlsys.api import NOT_GENERATED, Trajectory
 from rlsys.api.messages import InvalidMessage, parse_probe_report
@@ -21,6 +21,7 @@ from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.distributed import Ranks, full_state_dict
 from rlsys.metrics import MetricsLogger
 from rlsys.model.loading import CRITIC_DIR
+from rlsys.prompt_ledger import PromptLedger, as_metrics, filtered
 from rlsys.tracing import write_trained
 from rlsys.training_step import PolicyTrainer
 
@@ -47,7 +48,8 @@ class Learner(PolicyTrainer):
         if ranks.main and self.transport == "stream":
             self.weight_server = weight_transport.WeightServer(weight_transport.serving_host(config.cluster.backend))
         if ranks.main:
-            self.inbox = TrajectoryInbox(bus, f"learner-{uuid.uuid4().hex[:8]}",
+            self.ledger = PromptLedger.of(bus, config)
+            self.inbox = TrajectoryInbox(bus, self.ledger, f"learner-{uuid.uuid4().hex[:8]}",
                                          int(config.cluster.max_message_mb * 2**20), self.model.config.vocab_size,
                                          consumed=self.consumed_prompts)
             self.metrics = MetricsLogger(Path(config.logging_dir), "learner")
@@ -94,7 +96,7 @@ class Learner(PolicyTrainer):
                                        self.config.alarms.stop_on_logprob_diff)
                 self.consumed_prompts += [group.group_id for group in groups]
                 for group in groups:
-                    accounting.settle(self.bus, group.group_id, accounting.TRAINED)
+                    self.ledger.trained(group.group_id)
                 self.metrics.log(self.step, {
                     **stats, "groups/filtered": self.filtered_groups, "version": self.version,
                     "time/wait_data": waited, "time/compute": computed, "time/publish": published,
@@ -144,12 +146,9 @@ class Learner(PolicyTrainer):
         return groups
 
     def too_stale(self, group: Delivery) -> bool:
-        """Whether the group's oldest token is more than max_head_offpolicyness versions behind the policy being
-        trained. The staleness gate (RolloutWorker.admit) bounds how many prompts are in flight, not how old
-        each is: groups arrive in the order their episodes end, so a slow one can outlive the newer prompts
-        admitted as versions rose. This check is the bound; the gate keeps it to the odd slow group."""
+        """The age bound (rlsys/prompt_ledger.py) on the group's generated tokens, against the version being trained."""
         versions = [v for t in group.trajectories for v in t.versions if v != NOT_GENERATED]
-        if min(versions, default=self.version) >= self.version - self.config.max_head_offpolicyness:
+        if not self.ledger.too_stale(versions, self.version):
             return False
         # the newest token tells a generation that spanned weight updates from a group that waited once generated
         log.warning("group %s refused as too stale: its tokens are of versions %d to %d, the learner trains version %d "
@@ -162,12 +161,12 @@ class Learner(PolicyTrainer):
         otherwise the gate, which expects `batch_size` admitted prompts per step, would stall."""
         self.filtered_groups += 1
         self.consumed_prompts.append(group.group_id)
-        accounting.settle_untrained(self.bus, group.group_id, accounting.filtered(reason))
+        self.ledger.untrained(group.group_id, filtered(reason))
         self.inbox.ack([group.entry_id])
 
     def delivery_metrics(self) -> dict[str, int]:
         """Where the run's prompts stand, and what the inbox dropped or set aside."""
-        return {**accounting.as_metrics(accounting.counts(self.bus)),
+        return {**as_metrics(self.ledger.counts()),
                 "trajectories/duplicates": self.inbox.duplicates, "trajectories/dead_letters": self.inbox.dead_letters}
 
     def publish_weights(self, trajectories: list[Trajectory] = ()) -> None:
@@ -215,6 +214,6 @@ class Learner(PolicyTrainer):
     def save(self) -> Path:
         trainer_state = {"step": self.step, "version": self.version, "consumed_prompts": self.consumed_prompts,
                          "initial_model_path": self.initial_model_path, "scheduler": self.scheduler.state_dict(),
-                         "accounting": accounting.settled_snapshot(self.bus) if self.ranks.main else None}
+                         "accounting": self.ledger.snapshot() if self.ranks.main else None}
         return save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.ranks, self.sharded_state(),
                                self.export, trainer_state)

@@ -1,0 +1,92 @@
+"""The prompt ledger over the in-process bus, through every path: the gate's slots, admission, each outcome, a
+crash, a resume, a too-stale group and the run's end. Every admitted prompt ends in exactly one outcome."""
+
+import pytest
+
+from rlsys.bus import InProcessBus
+from rlsys.prompt_ledger import PromptLedger, accounted, as_metrics, describe, failed, filtered
+
+BATCH, ETA = 2, 1  # capacity at served version v: (v + 1 + 1) * 2
+
+
+def ledger(bus=None) -> PromptLedger:
+    ledger = PromptLedger(bus or InProcessBus(), BATCH, ETA)
+    ledger.start()
+    return ledger
+
+
+def test_the_gate_admits_capacity_prompts_and_opens_as_versions_are_served():
+    gate = ledger()
+    assert gate.capacity(0) == 4 and gate.capacity(3) == 10
+    assert [gate.take_slot(0) for _ in range(5)] == [True] * 4 + [False]  # a refused slot is not kept
+    assert gate.slots_taken() == 4
+    assert gate.take_slot(1) and gate.take_slot(1) and not gate.take_slot(1)
+
+
+def test_each_admitted_prompt_is_counted_once_in_one_outcome():
+    book = ledger()
+    for qid in "abcde":
+        assert book.take_slot(10) and book.admit(qid)
+    assert book.take_slot(10) and not book.admit("a")  # already in flight: not admitted twice, its slot given back
+    assert book.slots_taken() == 5
+    assert book.trained("a")
+    assert not book.untrained("a", failed("agent_error"))  # a second report changes nothing
+    assert book.untrained("b", filtered("uniform_reward"))
+    assert book.untrained("c", failed("env_timeout"))
+    assert not book.trained("never-admitted")
+    counts = book.counts()
+    assert counts == {"admitted": 5, "trained": 1, "filtered": {"uniform_reward": 1}, "failed": {"env_timeout": 1},
+                      "in_flight": 2}
+    assert book.slots_taken() == 3  # b and c gave theirs back; a holds its slot: a trained version opens the gate
+    assert accounted(counts) == 5
+    final = book.end_run()  # d and e were still running
+    assert final["filtered"] == {"uniform_reward": 1, "run_ended": 2} and final["in_flight"] == 0
+    assert describe(final) == ("prompts: 5 admitted = 1 trained + 3 filtered (run_ended 2, "
+                               "uniform_reward 1) + 1 failed (env_timeout 1)")
+    assert as_metrics(final)["prompts/filtered/run_ended"] == 2
+
+
+def test_a_prompt_that_will_not_be_trained_gives_its_gate_slot_back_once():
+    book = ledger()
+    for qid in "ab":
+        book.take_slot(0), book.admit(qid)
+    assert book.untrained("a", failed("env_error"))
+    assert not book.untrained("a", failed("env_error"))
+    assert book.slots_taken() == 1
+
+
+def test_unknown_reasons_are_refused():
+    with pytest.raises(ValueError, match="known"):
+        failed("oops")
+    with pytest.raises(ValueError, match="run_ended"):
+        filtered("oops")
+
+
+def test_the_age_bound_refuses_a_group_older_than_max_head_offpolicyness():
+    book = ledger()
+    assert not book.too_stale([4, 5], training_version=5)
+    assert not book.too_stale([4], training_version=5)  # ETA behind: still allowed
+    assert book.too_stale([3, 5], training_version=5)  # its oldest token decides
+    assert not book.too_stale([], training_version=5)  # nothing generated: nothing stale
+
+
+def test_after_a_crash_a_resume_counts_what_was_settled_and_holds_the_trained_versions_slots():
+    bus = InProcessBus()
+    book = ledger(bus)
+    for qid in "abcd":
+        book.take_slot(0), book.admit(qid)
+    book.trained("a")
+    book.untrained("b", failed("agent_error"))
+    snapshot = book.snapshot()  # what a checkpoint keeps; c and d will be admitted again
+    assert snapshot == {"admitted": 2, "trained": 1, "filtered": {}, "failed": {"agent_error": 1}, "in_flight": 0}
+    # the run crashes here with c and d in flight; a resume from the checkpoint (1 version trained) on the same bus
+    resumed = PromptLedger(bus, BATCH, ETA)
+    resumed.start(version=1, snapshot=snapshot)
+    assert resumed.counts()["in_flight"] == 0  # the crashed run's in-flight prompts are not carried over
+    assert resumed.slots_taken() == BATCH  # the trained version's prompts hold their slots: no burst
+    for qid in "cd":
+        assert resumed.take_slot(1) and resumed.admit(qid) and resumed.trained(qid)
+    final = resumed.end_run()
+    assert final == {"admitted": 4, "trained": 3, "filtered": {}, "failed": {"agent_error": 1}, "in_flight": 0}
+    resumed.start()  # a fresh run starts from zero
+    assert resumed.counts()["admitted"] == 0 and resumed.slots_taken() == 0
