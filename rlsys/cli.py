@@ -1,6 +1,10 @@
 """Command-line configuration: `key=value` overrides (and YAML files) merged onto an experiment dataclass.
 
     python training/main_async_ppo.py [--config FILE.yaml] [experiment=NAME] [key=value ...] [--help]
+    python training/main_async_ppo.py --config_path examples --config_name async-ppo-frozen-lake [key=value ...]
+
+`--config_path DIR --config_name NAME` is Hydra's and ROLL's way to name a file (DIR/NAME.yaml, `.yaml` optional;
+`--config-path`/`-cp` and `--config-name`/`-cn` too): it is read first, then `--config` files, then `key=value`.
 
 The experiment's dataclass is the schema (OmegaConf.structured), so every field a subclass adds is a
 valid key as is: no Hydra-style `+key=` is needed. `plugins=[...]` is imported before the experiment
@@ -10,6 +14,7 @@ message names the key; omegaconf's own exceptions never reach the user.
 
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
 import re
@@ -35,7 +40,7 @@ from rlsys.run_privacy import redact_url, write_private
 EXPERIMENT_KEY = "experiment"
 CONFIG_FILE_KEY = "config"
 HELP_FLAGS = ("--help", "-h")
-USAGE = "[--config FILE.yaml] [experiment=NAME] [key=value ...] [--help]"
+USAGE = "[--config FILE.yaml | --config_path DIR --config_name NAME] [experiment=NAME] [key=value ...] [--help]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,20 +137,30 @@ def help_text(cls: type, experiment: str) -> str:
 # Reading the arguments
 # ---------------------------------------------------------------------------------------------------------
 
+CONFIG_OPTIONS = {"--config": "config", "--config_path": "config_path", "--config-path": "config_path",
+                  "-cp": "config_path", "--config_name": "config_name", "--config-name": "config_name",
+                  "-cn": "config_name"}
+
+
 def split_argv(argv: list[str]) -> tuple[bool, list[str], list[str]]:
     """(wants help, config files in order, `key=value` overrides in order)."""
-    wants_help, config_files, overrides = False, [], []
+    wants_help, config_files, overrides, named = False, [], [], {}
     args = iter(argv)
     for arg in args:
+        option, _, value = arg.partition("=") if arg.startswith("-") else (arg, "", "")
         if arg in HELP_FLAGS:
             wants_help = True
-        elif arg == "--config":
-            path = next(args, None)
-            if path is None:
-                raise ConfigError("--config needs a path: --config FILE.yaml")
-            config_files.append(path)
-        elif arg.startswith("--config="):
-            config_files.append(arg.split("=", 1)[1])
+        elif option in CONFIG_OPTIONS:
+            if not _:
+                value = next(args, None)
+            if not value:
+                raise ConfigError(f"{option} needs a value: --config FILE.yaml, or --config_path DIR --config_name NAME")
+            if CONFIG_OPTIONS[option] == "config":
+                config_files.append(value)
+            elif CONFIG_OPTIONS[option] in named:
+                raise ConfigError(f"{option} given twice")
+            else:
+                named[CONFIG_OPTIONS[option]] = value
         elif arg.startswith("-"):
             raise ConfigError(f"unknown option {arg!r}; arguments are key=value (e.g. ppo.lr=1e-5), "
                               f"--config FILE.yaml or --help")
@@ -155,7 +170,24 @@ def split_argv(argv: list[str]) -> tuple[bool, list[str], list[str]]:
             config_files.append(arg.split("=", 1)[1])
         else:
             overrides.append(arg)
+    if named:
+        config_files.insert(0, named_config_file(named.get("config_path"), named.get("config_name")))
     return wants_help, config_files, overrides
+
+
+def named_config_file(directory: str | None, name: str | None) -> str:
+    """DIR/NAME.yaml from Hydra's two options; a missing file names the ones that are there."""
+    if name is None:
+        raise ConfigError("--config_path needs --config_name too: the file's name in that directory")
+    folder = Path(directory or ".")
+    path = folder / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+    if not path.is_file():
+        there = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+        close = difflib.get_close_matches(Path(name).stem, there, n=3)
+        raise ConfigError(f"config file not found: {path} (--config_path {folder} --config_name {name})"
+                          + (f"; did you mean: {', '.join(close)}?" if close else "")
+                          + (f"; {folder} holds: {', '.join(there)}" if there else f"; {folder} holds no .yaml file"))
+    return str(path)
 
 
 def merge_sources(config_files: list[str], overrides: list[str]) -> dict:

@@ -1,5 +1,6 @@
 """Every registered experiment runs with its defaults, as a new user would start it: from an empty cache
-(dataset generated, tiny model built and warm-started), two steps, trained prompts, no error."""
+(dataset generated, tiny model built and warm-started), two steps, trained prompts, no error. Each starts from its
+file in examples/ (`--config_path examples --config_name NAME`), which holds the experiment's defaults."""
 
 import json
 
@@ -9,6 +10,7 @@ import experiments
 from experiments import EXPERIMENTS
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
+from tests.test_examples import EXAMPLES
 
 BUILT_IN = [name for name in EXPERIMENTS.names() if EXPERIMENTS.lookup(name).__module__.startswith("experiments.")]
 
@@ -66,9 +68,11 @@ def test_experiments_share_a_cache_only_when_their_warm_start_is_the_same():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_each_experiment_trains_two_steps_with_its_defaults(tmp_path, caches, name):
-    config = parse_config([f"experiment={name}", f"output_dir={tmp_path / 'runs'}", "max_steps=2"])
-    config = parse_config([f"experiment={name}", f"model.cache_dir={caches(config)}",
-                           f"output_dir={tmp_path / 'runs'}", "max_steps=2"])
+    example = ["--config_path", str(EXAMPLES), "--config_name", name]
+    config = parse_config([*example, f"output_dir={tmp_path / 'runs'}", "max_steps=2"])
+    config = parse_config([*example, f"model.cache_dir={caches(config)}", f"output_dir={tmp_path / 'runs'}",
+                           "max_steps=2"])
+    assert type(config) is EXPERIMENTS.lookup(name)
     summary = launch(config)
     prompts = summary["prompts"]
     assert summary["prompts_accounted"], prompts

@@ -1,0 +1,68 @@
+"""examples/: one YAML per built-in experiment, read with Hydra's (and ROLL's) `--config_path DIR --config_name NAME`.
+Each holds the experiment's defaults for the keys a user changes first; the slow tier runs each for two steps
+(tests/test_experiment_defaults.py)."""
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from experiments import EXPERIMENTS
+from rlsys.cli import ConfigError, parse_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+BUILT_IN = [name for name in EXPERIMENTS.names() if EXPERIMENTS.lookup(name).__module__.startswith("experiments.")]
+
+
+def leaves(tree: dict, prefix: str = "") -> dict:
+    """{"ppo.lr": 3e-05, ...}: a YAML mapping's keys as dotted paths."""
+    found = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            found.update(leaves(value, f"{prefix}{key}."))
+        else:
+            found[f"{prefix}{key}"] = value
+    return found
+
+
+def value_at(config, path: str):
+    for part in path.split("."):
+        config = getattr(config, part)
+    return list(config) if isinstance(config, tuple) else config
+
+
+def test_every_built_in_experiment_has_an_example_and_every_example_an_experiment():
+    assert sorted(p.stem for p in EXAMPLES.glob("*.yaml")) == sorted(BUILT_IN)
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_each_example_names_its_experiment_and_holds_its_defaults(name, tmp_path):
+    config = parse_config(["--config_path", str(EXAMPLES), "--config_name", name])
+    defaults = parse_config([f"experiment={name}"])
+    assert type(config) is type(defaults) is EXPERIMENTS.lookup(name)
+    keys = leaves(OmegaConf.to_container(OmegaConf.load(EXAMPLES / f"{name}.yaml")))
+    assert keys.pop("experiment") == name and len(keys) >= 15
+    assert {path: value_at(config, path) for path in keys} == {path: value_at(defaults, path) for path in keys} == keys
+    # the command line overrides the file's keys
+    assert parse_config(["-cp", str(EXAMPLES), "-cn", f"{name}.yaml", "max_steps=3"]).max_steps == 3
+
+
+def test_config_path_and_name_are_read_in_each_spelling_and_their_mistakes_name_the_fix(tmp_path, monkeypatch):
+    (tmp_path / "mine.yaml").write_text("experiment: async-ppo-sokoban\nmax_steps: 7\n")
+    (tmp_path / "more.yaml").write_text("max_steps: 9\n")
+    monkeypatch.chdir(tmp_path)
+    for argv in (["--config_path", ".", "--config_name", "mine"], ["--config-path=.", "--config-name=mine.yaml"],
+                 ["-cn", "mine"]):  # no path: the current directory
+        config = parse_config(argv)
+        assert type(config).__name__ == "AsyncPPOSokobanConfig" and config.max_steps == 7
+    # the named file first, then --config files, then key=value
+    assert parse_config(["-cn", "mine", "--config", "more.yaml"]).max_steps == 9
+    assert parse_config(["-cn", "mine", "--config", "more.yaml", "max_steps=11"]).max_steps == 11
+    with pytest.raises(ConfigError, match=r"not found: mien\.yaml .*did you mean: mine\?.*holds: mine, more"):
+        parse_config(["--config_path", ".", "--config_name", "mien"])
+    with pytest.raises(ConfigError, match="--config_path needs --config_name"):
+        parse_config(["--config_path", "."])
+    with pytest.raises(ConfigError, match="--config_name given twice"):
+        parse_config(["-cn", "mine", "--config_name", "more"])
+    with pytest.raises(ConfigError, match="-cn needs a value"):
+        parse_config(["-cn"])
