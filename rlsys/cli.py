@@ -288,7 +288,25 @@ def key_problems(raw: dict, fields: dict[str, FieldInfo], prefix: str) -> Iterat
                    f"set its keys instead, e.g. {example}=...")
 
 
+# ROLL's names for what rlsys names otherwise: refused with ours, not read as aliases, so that a setting has one name
+# in a config file, in --help, in config.yaml and in the logs.
+ROLL_KEYS = {
+    "exp_name": ("experiment_name", "the run's name"),
+    "pretrain": ("model.path", "the policy's HF checkpoint"),
+    "reward_pretrain": ("the reward-model environment's model_path",
+                        "an experiment whose env is reward-model: docs/data.md, 'Rewards from a model'"),
+    "max_tokens_per_step": ("gen.max_new_tokens", "the most tokens one response (one turn) takes"),
+    "rollout_batch_size": ("ppo.batch_size", "prompts (groups) per training step"),
+    "num_return_sequences_in_group": ("group_size", "samples per prompt"),
+}
+
+
 def unknown_key_messages(path: str, value, fields: dict[str, FieldInfo]) -> Iterator[str]:
+    leaf = path.rpartition(".")[2]
+    if leaf in ROLL_KEYS:
+        ours, meaning = ROLL_KEYS[leaf]
+        yield f"{path!r} is ROLL's name; rlsys's is {ours} ({meaning})"
+        return
     # An unknown group (`ppp: {lr: 1}`) is reported leaf by leaf: `ppp.lr` finds `ppo.lr`, `ppp` alone may not.
     if isinstance(value, dict) and value:
         for key, inner in value.items():

@@ -66,3 +66,12 @@ def test_config_path_and_name_are_read_in_each_spelling_and_their_mistakes_name_
         parse_config(["-cn", "mine", "--config_name", "more"])
     with pytest.raises(ConfigError, match="-cn needs a value"):
         parse_config(["-cn"])
+
+
+@pytest.mark.parametrize("key,ours", [("exp_name", "experiment_name"), ("pretrain", "model.path"),
+                                      ("max_tokens_per_step", "gen.max_new_tokens"), ("rollout_batch_size", "ppo.batch_size"),
+                                      ("reward_pretrain", "reward-model environment")])
+def test_rolls_names_are_refused_naming_ours(key, ours):
+    """A ROLL config's keys, where rlsys names the setting otherwise: one name per setting, so refused, not aliased."""
+    with pytest.raises(ConfigError, match=f"'{key}' is ROLL's name; rlsys's is .*{ours}"):
+        parse_config([f"{key}=x"])
