@@ -1,10 +1,12 @@
-"""Micro-batches by token budget: sequences packed end to end in one row, or padded rows.
+"""Micro-batches by token budget, cut from a SequenceBatch: sequences packed end to end in one row, or padded rows.
 
-A sequence is its token ids [n] plus per-token fields [n-1] aligned with the tokens it predicts
-(field[t] belongs to token t+1). A packed row puts sequences end to end and restarts the position
-ids at 0 for each, so attention stays within a sequence and no padding is computed; the slot
-between two sequences (the last token of one "predicting" the first of the next) gets field value 0,
-which for the loss mask means it is never trained on.
+The batch holds every sequence's tokens in one flat tensor and each per-token field in one [N + 1] tensor, aligned
+with the tokens they predict (a sequence's last slot, which predicts nothing, and slot N hold 0; rlsys/algorithms/
+batch.py). A micro-batch is one gather per tensor from those, by a `source` index computed on the host: a packed row
+puts sequences end to end and restarts the position ids at 0 for each, so attention stays within a sequence and no
+padding is computed; padded rows point their padding at slot N. Either way the slot between two sequences and every
+pad read field value 0, which for the loss mask means they are never trained on. `MicroBatch.scatter` writes
+per-token results (logprobs, values) back into the batch's layout.
 """
 
 from dataclasses import dataclass, field
