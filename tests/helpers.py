@@ -2,6 +2,8 @@
 field replaced."""
 
 import contextlib
+import subprocess
+import sys
 from pathlib import Path
 
 import msgpack
@@ -11,6 +13,30 @@ import pytest
 from experiments.common import ModelConfig
 from rlsys.model.tiny import build_tiny_model
 from rlsys.model.tokenizer import build_char_tokenizer
+
+
+ENTRY = Path(__file__).resolve().parents[1] / "training" / "main_async_ppo.py"
+
+
+@contextlib.contextmanager
+def command_line_run(tmp_path: Path, args: list[str]):
+    """The training command run as a user runs it, in `tmp_path`, its output in run.log (`proc.output()` reads it);
+    killed if the test ends before it does."""
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, str(ENTRY), *args], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    proc.output = log_path.read_text
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def role_process(proc: subprocess.Popen, name: str) -> psutil.Process:
+    """The one role process called `name` (inference0, learner0, redis-server ...) under the run `proc`."""
+    (found,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == name]
+    return found
 
 
 def save_random_tiny_model(directory: Path, tie_word_embeddings: bool = True, seed: int = 0) -> Path:

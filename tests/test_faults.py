@@ -24,7 +24,7 @@ from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.prompt_ledger import accounted, describe
 from rlsys.errors import RoleFailed
-from tests.helpers import child_pids, left_behind, small_run_overrides
+from tests.helpers import child_pids, command_line_run, left_behind, role_process, small_run_overrides
 
 FAULTY_PLUGIN = '''
 import asyncio
@@ -207,50 +207,32 @@ def test_killed_workers_a_restarted_redis_and_a_killed_learner_do_not_stop_the_r
     finishes its steps with every prompt accounted and nothing left running."""
     import json
     import signal
-    import subprocess
-    import sys
-
-    import psutil
 
     from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 
     existing = child_pids()
-    entry = Path(__file__).resolve().parents[1] / "training" / "main_async_ppo.py"
     args = small_run_overrides(cache_dir, tmp_path) + ["trial_name=k", "max_steps=10", "save_steps=2",
                                                        "cluster.inference_dead_after=2"]
     run_dir = tmp_path / "async-ppo-math" / "k"
-    with open(tmp_path / "run.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(entry), *args], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    with command_line_run(tmp_path, args) as proc:
+        def wait_for_step(step: int) -> None:
+            deadline = time.monotonic() + 600
+            while not (latest := latest_checkpoint(run_dir / "checkpoints")) or read_trainer_state(latest)["step"] < step:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.output()[-3000:]
+                time.sleep(0.2)
 
-    def output() -> str:
-        return (tmp_path / "run.log").read_text()
-
-    def wait_for_step(step: int) -> None:
-        deadline = time.monotonic() + 600
-        while not (latest := latest_checkpoint(run_dir / "checkpoints")) or read_trainer_state(latest)["step"] < step:
-            assert proc.poll() is None and time.monotonic() < deadline, output()[-3000:]
-            time.sleep(0.2)
-
-    def child(name: str) -> psutil.Process:
-        (found,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == name]
-        return found
-
-    try:
         wait_for_step(2)
-        child("rollout0").send_signal(signal.SIGKILL)
+        role_process(proc, "rollout0").send_signal(signal.SIGKILL)
         wait_for_step(4)
-        child("redis-server").send_signal(signal.SIGTERM)
+        role_process(proc, "redis-server").send_signal(signal.SIGTERM)
         wait_for_step(6)
-        child("learner0").send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=900) == 0, output()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        role_process(proc, "learner0").send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=900) == 0, proc.output()[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["restarts"] == {"rollout0": 1, "redis-server": 1, "learner0": 1}
     for line in ("rollout0 exited with code -9; restarting it", "redis-server exited with code 0; restarting it",
                  "learner0 exited with code -9; restarting it", "restarting every role from"):
-        assert line in output()
+        assert line in proc.output()
     final = read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))
     assert (final["step"], final["version"]) == (10, 10)
     consumed = final["consumed_prompts"]
@@ -266,32 +248,20 @@ def test_a_learner_killed_before_any_checkpoint_restarts_the_run_from_the_start_
     again and ends, with every prompt accounted (seen once on Ray: the restarted run waited forever)."""
     import json
     import signal
-    import subprocess
-    import sys
-
-    import psutil
 
     existing = child_pids()
-    entry = Path(__file__).resolve().parents[1] / "training" / "main_async_ppo.py"
     args = small_run_overrides(cache_dir, tmp_path) + ["trial_name=s", "max_steps=6", "save_steps=0",
                                                        "cluster.stall_timeout=60"]
     run_dir = tmp_path / "async-ppo-math" / "s"
-    with open(tmp_path / "run.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(entry), *args], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    output = lambda: (tmp_path / "run.log").read_text()  # noqa: E731
-    try:
+    with command_line_run(tmp_path, args) as proc:
         deadline = time.monotonic() + 600
         while not ((run_dir / "logs" / "learner.jsonl").exists()
                    and len((run_dir / "logs" / "learner.jsonl").read_text().splitlines()) >= 3):
-            assert proc.poll() is None and time.monotonic() < deadline, output()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, proc.output()[-3000:]
             time.sleep(0.2)
-        (learner,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "learner0"]
-        learner.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=900) == 0, output()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert "restarting every role from the start (no checkpoint was saved yet)" in output()
+        role_process(proc, "learner0").send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=900) == 0, proc.output()[-3000:]
+    assert "restarting every role from the start (no checkpoint was saved yet)" in proc.output()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["restarts"] == {"learner0": 1}
     assert summary["prompts_accounted"], summary["prompts"]
