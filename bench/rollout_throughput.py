@@ -41,11 +41,12 @@ from rlsys.bus import EmbeddedRedis, connect  # noqa: E402
 from rlsys.cli import config_to_dict, parse_config  # noqa: E402
 from rlsys.data.dataset import load_rows, write_jsonl  # noqa: E402
 from rlsys.data.prompts import prompt_stream  # noqa: E402
-from rlsys.launcher import initialize_bus_state, limit_threads, run_role  # noqa: E402
+from rlsys.launcher import initialize_bus_state  # noqa: E402
 from rlsys.placement.local import LocalPlacement  # noqa: E402
 from rlsys.metrics import read_jsonl_metrics  # noqa: E402
 from rlsys.model.tokenizer import load_tokenizer  # noqa: E402
 from rlsys.prompt_ledger import PromptLedger  # noqa: E402
+from rlsys.roles import limit_threads, run_role  # noqa: E402
 from rlsys.supervisor import stop_processes  # noqa: E402
 
 WARM_UP_EPISODES = 64

@@ -1,12 +1,20 @@
-"""A quiet console: a role process's own output (and its libraries': vLLM's per-reload progress bars and
-warnings, transformers' notices, anything a C extension or child process writes) goes to its log file in
-the run directory; only rlsys warnings and errors, which may need the user, still reach the console."""
+"""The console a person reads: the run's progress lines (ProgressReporter), and quiet roles. A role process's own
+output (and its libraries': vLLM's per-reload progress bars and warnings, transformers' notices, anything a C
+extension or child process writes) goes to its log file in the run directory; only rlsys warnings and errors, which
+may need the user, still reach the console."""
 
+import contextlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
+import redis
+
+from rlsys import protocol
+from rlsys.metrics import read_jsonl_metrics
+from rlsys.prompt_ledger import TRAINED, PromptLedger
 from rlsys.run_privacy import append_private
 
 
@@ -27,3 +35,42 @@ def role_output_to_file(log_file: Path, role: str) -> None:
     to_console.setLevel(logging.WARNING)
     to_console.setFormatter(logging.Formatter(f"{role} %(levelname)s %(message)s"))
     logging.getLogger("rlsys").addHandler(to_console)
+
+
+class ProgressReporter:
+    """Prints a line every `logging_steps` learner steps, read from the learner's metrics file; and, while no
+    line comes for `quiet_seconds` (vLLM starting, the first evaluation, a slow step), one that says what the
+    run is waiting for, so that a long step does not look hung."""
+
+    def __init__(self, metrics_file: Path, every: int, max_steps: int, bus=None, ledger: PromptLedger | None = None,
+                 quiet_seconds: float = 20.0):
+        self.metrics_file, self.every, self.max_steps = metrics_file, max(every, 1), max_steps
+        self.bus, self.ledger, self.quiet_seconds = bus, ledger, quiet_seconds
+        self.seen, self.started = 0, time.monotonic()
+        self.last_line = self.started
+
+    def __call__(self) -> None:
+        rows = read_jsonl_metrics(self.metrics_file) if self.metrics_file.exists() else []
+        for row in rows[self.seen:]:
+            if row["step"] % self.every == 0 or row["step"] == self.max_steps:
+                self.print(f"step {row['step']:>5}/{self.max_steps}  reward {row['reward']:.3f}  "
+                           f"staleness {row['staleness_mean']:.2f}  wait {row['time/wait_data']:.2f}s  "
+                           f"update {row['time/compute']:.2f}s")
+        self.seen = len(rows)
+        if self.bus is not None and time.monotonic() - self.last_line >= self.quiet_seconds:
+            with contextlib.suppress(redis.ConnectionError):  # our server restarting: the supervisor sees to it
+                self.print(self.waiting_line())
+
+    def waiting_line(self) -> str:
+        elapsed = f"{time.monotonic() - self.started:.0f}s in"
+        if self.seen >= self.max_steps:
+            return f"{elapsed}: training done, final held-out evaluation"
+        if not self.bus.get(protocol.eval_result("initial")):
+            return f"{elapsed}: starting the roles and the initial held-out evaluation"
+        c = self.ledger.counts()
+        return (f"{elapsed}: step {self.seen + 1}/{self.max_steps} collecting episodes: {c['in_flight']} prompts "
+                f"in flight, {c[TRAINED]} trained so far")
+
+    def print(self, line: str) -> None:
+        print(line, flush=True)
+        self.last_line = time.monotonic()

@@ -1,30 +1,26 @@
-"""Starts a run's roles as processes joined by the bus, watches them, and always cleans up."""
+"""The run's plan: build what it needs, start its roles as processes joined by the bus (each runs rlsys/roles.py),
+watch them, summarise, and always clean up."""
 
 import contextlib
-import ctypes
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
-import redis
-
 from rlsys import protocol
-from rlsys.prompt_ledger import ADMITTED, TRAINED, PromptLedger, accounted, describe
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.checkpoint import latest_checkpoint, read_trainer_state
-from rlsys.console import role_output_to_file
-from rlsys.cli import config_from_dict, config_to_dict, registry_name_of, save_config
-from rlsys.metrics import read_jsonl_metrics
+from rlsys.cli import config_to_dict, registry_name_of, save_config
+from rlsys.console import ProgressReporter
 from rlsys.placement import PlacementError, open_placement
-from rlsys.placement.cpu_threads import role_threads
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_message_bus
-from rlsys.run_privacy import PRIVATE_UMASK, make_private, write_private
+from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, describe
+from rlsys.run_privacy import make_private, write_private
+from rlsys.roles import run_role
 from rlsys.stall import StallWatch
-from rlsys.errors import LearnerFailed, RoleFailed, RunCannotGoOn
-from rlsys.supervisor import CANNOT_GO_ON_EXIT, Supervisor
+from rlsys.errors import LearnerFailed, RoleFailed
+from rlsys.supervisor import Supervisor
 
 log = logging.getLogger("rlsys")
 
@@ -75,122 +71,6 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
     if not trainer_state:
         bus.delete(protocol.DEAD_LETTERS, protocol.WEIGHT_CHECKS)
     PromptLedger.of(bus, config).start(trainer_state.get("version", 0), trainer_state.get("accounting"))
-
-
-def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, env: dict) -> int:
-    """What every role runs, in a process of its own or a Ray actor (rlsys.placement); returns its exit code."""
-    os.environ.update(env)  # its GPUs and, for learner ranks, the rendezvous
-    os.umask(PRIVATE_UMASK)  # what a role writes (logs, weights, checkpoints) is its user's alone
-    _name_process(f"{role}{index}")
-    import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
-    import rlsys.impl.env  # noqa: F401
-    config = config_from_dict(payload)
-    role_output_to_file(Path(config.logging_dir) / f"{role}{index}.log", f"{role}{index}")
-    limit_threads(role_threads(role, config))
-    bus = connect(bus_url)
-    try:
-        _run(role, index, config, bus, run_dir)
-    except RunCannotGoOn as e:
-        log.error("%s%d: the run cannot go on: %s", role, index, e)
-        bus.set(protocol.role_stop_reason(f"{role}{index}"), str(e))
-        return CANNOT_GO_ON_EXIT
-    finally:
-        bus.close()
-    return 0
-
-
-def limit_threads(n: int) -> None:
-    """Before any engine or model is built: roles share the machine's cores, and more threads than cores
-    only contend. 0 leaves the choice to the engine."""
-    import torch
-
-    if n:
-        torch.set_num_threads(n)
-
-
-def _run(role: str, index: int, config, bus, run_dir: str) -> None:
-    if role == "learner":
-        from rlsys.distributed import join_ranks, leave_ranks
-        from rlsys.workers.learner import Learner
-
-        ranks = join_ranks(index, config.cluster.n_learner_ranks)
-        try:
-            learner = Learner(config, bus, Path(run_dir), ranks)
-            learner.run()
-        except BaseException:
-            leave_ranks(ranks, finished=False)
-            raise
-        leave_ranks(ranks)
-        learner.serve_until_stopped()  # outside the group: the other ranks need not wait at its barrier
-    elif role == "inference":
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console for the run's own progress
-        from rlsys.engine.generation import GenerationEngine
-        from rlsys.workers.inference_worker import InferenceWorker
-
-        engine = GenerationEngine(make_backend(config.model.path, config.inference, config.seed + index))
-        InferenceWorker(engine, bus, index, config.inference.max_batch_requests).run()
-    elif role == "rollout":
-        import asyncio
-
-        from rlsys.workers.rollout_worker import RolloutWorker
-
-        asyncio.run(RolloutWorker(config, bus, index, Path(run_dir)).run())
-
-
-def make_backend(model_path: str, inference_cfg, seed: int):
-    """The generation backend `inference.engine` names."""
-    if inference_cfg.engine == "transformers":
-        from rlsys.engine.transformers_engine import TransformersBackend
-
-        return TransformersBackend(model_path, inference_cfg, seed)
-    from rlsys.engine.vllm_engine import VLLMBackend
-
-    return VLLMBackend(model_path, inference_cfg, seed)
-
-
-def _name_process(name: str) -> None:
-    """Linux: `ps`, `top` and psutil show the role (e.g. inference0) instead of `python`."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
-
-
-class ProgressReporter:
-    """Prints a line every `logging_steps` learner steps, read from the learner's metrics file; and, while no
-    line comes for `quiet_seconds` (vLLM starting, the first evaluation, a slow step), one that says what the
-    run is waiting for, so that a long step does not look hung."""
-
-    def __init__(self, metrics_file: Path, every: int, max_steps: int, bus=None, ledger: PromptLedger | None = None,
-                 quiet_seconds: float = 20.0):
-        self.metrics_file, self.every, self.max_steps = metrics_file, max(every, 1), max_steps
-        self.bus, self.ledger, self.quiet_seconds = bus, ledger, quiet_seconds
-        self.seen, self.started = 0, time.monotonic()
-        self.last_line = self.started
-
-    def __call__(self) -> None:
-        rows = read_jsonl_metrics(self.metrics_file) if self.metrics_file.exists() else []
-        for row in rows[self.seen:]:
-            if row["step"] % self.every == 0 or row["step"] == self.max_steps:
-                self.print(f"step {row['step']:>5}/{self.max_steps}  reward {row['reward']:.3f}  "
-                           f"staleness {row['staleness_mean']:.2f}  wait {row['time/wait_data']:.2f}s  "
-                           f"update {row['time/compute']:.2f}s")
-        self.seen = len(rows)
-        if self.bus is not None and time.monotonic() - self.last_line >= self.quiet_seconds:
-            with contextlib.suppress(redis.ConnectionError):  # our server restarting: the supervisor sees to it
-                self.print(self.waiting_line())
-
-    def waiting_line(self) -> str:
-        elapsed = f"{time.monotonic() - self.started:.0f}s in"
-        if self.seen >= self.max_steps:
-            return f"{elapsed}: training done, final held-out evaluation"
-        if not self.bus.get(protocol.eval_result("initial")):
-            return f"{elapsed}: starting the roles and the initial held-out evaluation"
-        c = self.ledger.counts()
-        return (f"{elapsed}: step {self.seen + 1}/{self.max_steps} collecting episodes: {c['in_flight']} prompts "
-                f"in flight, {c[TRAINED]} trained so far")
-
-    def print(self, line: str) -> None:
-        print(line, flush=True)
-        self.last_line = time.monotonic()
 
 
 def prepare(config) -> None:

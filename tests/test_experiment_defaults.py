@@ -107,7 +107,7 @@ def test_a_quiet_run_says_what_it_waits_for(tmp_path, capsys):
 
     from rlsys import protocol
     from rlsys.bus import EmbeddedRedis, connect
-    from rlsys.launcher import ProgressReporter
+    from rlsys.console import ProgressReporter
     from rlsys.prompt_ledger import PromptLedger
 
     metrics = tmp_path / "learner.jsonl"

@@ -36,8 +36,8 @@ LAYERS = [
      "starting, watching and summarising a run's role processes"),
     ("experiments", ["experiments"],
      "named configurations of the library, registered into rlsys.api's experiment registry"),
-    ("entry", ["rlsys.cli", "rlsys.launcher", "training"],
-     "the command line (which offers the built-in experiments by name) and the run's plan"),
+    ("entry", ["rlsys.cli", "rlsys.launcher", "rlsys.roles", "training"],
+     "the command line (which offers the built-in experiments by name), the run's plan and the roles' entry (which reads a\n     config back as the command line does)"),
 ]
 
 

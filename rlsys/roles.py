@@ -1,0 +1,100 @@
+"""What a role process runs: the entry each process (or Ray actor) of a run starts in, and the role it becomes.
+
+The launcher plans a run and places its roles (rlsys/placement); each placed process calls `run_role`, which turns
+the payload back into the config, sends the process's output to its log file, limits its threads and runs the
+learner, an inference worker or a rollout worker until it ends.
+"""
+
+import contextlib
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+from rlsys import protocol
+from rlsys.bus import connect
+from rlsys.cli import config_from_dict
+from rlsys.console import role_output_to_file
+from rlsys.errors import RunCannotGoOn
+from rlsys.placement.cpu_threads import role_threads
+from rlsys.run_privacy import PRIVATE_UMASK
+from rlsys.supervisor import CANNOT_GO_ON_EXIT
+
+log = logging.getLogger("rlsys")
+
+
+def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, env: dict) -> int:
+    """What every role runs, in a process of its own or a Ray actor (rlsys.placement); returns its exit code."""
+    os.environ.update(env)  # its GPUs and, for learner ranks, the rendezvous
+    os.umask(PRIVATE_UMASK)  # what a role writes (logs, weights, checkpoints) is its user's alone
+    _name_process(f"{role}{index}")
+    import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
+    import rlsys.impl.env  # noqa: F401
+    config = config_from_dict(payload)
+    role_output_to_file(Path(config.logging_dir) / f"{role}{index}.log", f"{role}{index}")
+    limit_threads(role_threads(role, config))
+    bus = connect(bus_url)
+    try:
+        _run(role, index, config, bus, run_dir)
+    except RunCannotGoOn as e:
+        log.error("%s%d: the run cannot go on: %s", role, index, e)
+        bus.set(protocol.role_stop_reason(f"{role}{index}"), str(e))
+        return CANNOT_GO_ON_EXIT
+    finally:
+        bus.close()
+    return 0
+
+
+def limit_threads(n: int) -> None:
+    """Before any engine or model is built: roles share the machine's cores, and more threads than cores
+    only contend. 0 leaves the choice to the engine."""
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
+
+
+def _run(role: str, index: int, config, bus, run_dir: str) -> None:
+    if role == "learner":
+        from rlsys.distributed import join_ranks, leave_ranks
+        from rlsys.workers.learner import Learner
+
+        ranks = join_ranks(index, config.cluster.n_learner_ranks)
+        try:
+            learner = Learner(config, bus, Path(run_dir), ranks)
+            learner.run()
+        except BaseException:
+            leave_ranks(ranks, finished=False)
+            raise
+        leave_ranks(ranks)
+        learner.serve_until_stopped()  # outside the group: the other ranks need not wait at its barrier
+    elif role == "inference":
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console for the run's own progress
+        from rlsys.engine.generation import GenerationEngine
+        from rlsys.workers.inference_worker import InferenceWorker
+
+        engine = GenerationEngine(make_backend(config.model.path, config.inference, config.seed + index))
+        InferenceWorker(engine, bus, index, config.inference.max_batch_requests).run()
+    elif role == "rollout":
+        import asyncio
+
+        from rlsys.workers.rollout_worker import RolloutWorker
+
+        asyncio.run(RolloutWorker(config, bus, index, Path(run_dir)).run())
+
+
+def make_backend(model_path: str, inference_cfg, seed: int):
+    """The generation backend `inference.engine` names."""
+    if inference_cfg.engine == "transformers":
+        from rlsys.engine.transformers_engine import TransformersBackend
+
+        return TransformersBackend(model_path, inference_cfg, seed)
+    from rlsys.engine.vllm_engine import VLLMBackend
+
+    return VLLMBackend(model_path, inference_cfg, seed)
+
+
+def _name_process(name: str) -> None:
+    """Linux: `ps`, `top` and psutil show the role (e.g. inference0) instead of `python`."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
