@@ -1,6 +1,6 @@
 """Asynchronous PPO on math problems: the default experiment, and the class users subclass."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.common import AsyncRLExperimentConfig, PPOMATHConfig
@@ -8,6 +8,7 @@ from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
 from rlsys.data.arithmetic import generate_addition_dataset
 from rlsys.model.tiny import AnswerCheck, TaughtSequence, arithmetic_warm_start
+from rlsys.plugins import load_function
 
 
 @dataclass
@@ -15,6 +16,24 @@ class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
     warm_start_batch_size = 64  # tiny model's warm start: sequences a step, steps between held-out checks, and
     warm_start_eval_every = 25  # most steps before it stops short of model.warm_start_accuracy (class
     warm_start_max_steps = 3000  # attributes, not settings; experiments of long sequences take fewer)
+    reward_funcs: list[str] = field(default_factory=list)
+    """TRL GRPOTrainer reward functions (module:function or file.py:function) that score answers instead of
+    math-verify, each called as TRL calls it: f(prompts, completions, **dataset columns) -> list[float | None]."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward_funcs entry (TRL's name); empty: 1 each."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"{len(self.reward_weights)} reward_weights for {len(self.reward_funcs)} reward_funcs: "
+                             "give one weight per function, or none")
+        if not self.reward_funcs:
+            return
+        if type(self).env is not AsyncPPOMATHConfig.env or type(self).agent is not AsyncPPOMATHConfig.agent:
+            raise ValueError(f"reward_funcs scores the single answer of the math-single-step agent; "
+                             f"{type(self).__name__}'s episodes are scored by its own environment")
+        for entry in self.reward_funcs:  # a missing module or function stops the run here, not episode by episode
+            load_function(entry, "reward function", coroutine=False)
 
     @property
     def agent(self) -> AgentAbstraction:
@@ -30,6 +49,9 @@ class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
 
     @property
     def env(self) -> EnvServiceAbstraction:
+        if self.reward_funcs:  # held-out accuracy is then their mean reward, as TRL's eval reward is
+            return EnvServiceAbstraction("trl-reward-funcs", args=dict(functions=list(self.reward_funcs),
+                                                                       weights=list(self.reward_weights)))
         return EnvServiceAbstraction("math-code-single-step")
 
     @property

@@ -2,6 +2,7 @@
 (experiments, agents, environments, tools) exists. `plugins=[...]` on the command line and an agent's
 `module:function` setting are both read here, so both name code the same way."""
 
+import asyncio
 import hashlib
 import importlib
 import importlib.util
@@ -76,3 +77,20 @@ def import_plugin_file(path: Path) -> None:
     except BaseException:
         del sys.modules[name]
         raise
+
+
+def load_function(entry: str, what: str, coroutine: bool):
+    """`package.module:function` or `path/to/file.py:function`, imported the way `plugins=[...]` entries are;
+    `what` names it in errors, `coroutine` says whether it must be an async function."""
+    where, _, name = entry.rpartition(":")
+    if not where or not name:
+        raise ConfigError(f"{what} {entry!r}: expected module:function or path/to/file.py:function")
+    module = import_plugin(where)
+    kind = asyncio.iscoroutinefunction if coroutine else (lambda v: callable(v) and not asyncio.iscoroutinefunction(v))
+    function = getattr(module, name, None)
+    if not kind(function):
+        found = sorted(n for n, v in vars(module).items() if kind(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        adjective = "async function" if coroutine else "(plain, not async) function"
+        raise ConfigError(f"{what} {entry!r}: {where} has no {adjective} {name!r}; there: {', '.join(found) or 'none'}")
+    return function

@@ -14,23 +14,9 @@ import asyncio
 
 from rlsys import compat
 from rlsys.api import Agent, EnvironmentService, GenerationConfig, Model, Prompt, Trajectory, register_agent
-from rlsys.errors import ConfigError, EpisodeFailed
+from rlsys.errors import EpisodeFailed
 from rlsys.model.tokenizer import load_tokenizer
-from rlsys.plugins import import_plugin
-
-
-def load_run_function(entry: str):
-    """`package.module:function` or `path/to/file.py:function`, imported the way `plugins=[...]` entries are."""
-    where, _, name = entry.rpartition(":")
-    if not where or not name:
-        raise ConfigError(f"agent function {entry!r}: expected module:function or path/to/file.py:function")
-    module = import_plugin(where)
-    function = getattr(module, name, None)
-    if not asyncio.iscoroutinefunction(function):
-        found = sorted(n for n, v in vars(module).items() if asyncio.iscoroutinefunction(v) and not n.startswith("_"))
-        raise ConfigError(f"agent function {entry!r}: {where} has no async function {name!r}; async functions "
-                          f"there: {', '.join(found) or 'none'}")
-    return function
+from rlsys.plugins import load_function
 
 
 class OpenAIAgent(Agent):
@@ -39,7 +25,7 @@ class OpenAIAgent(Agent):
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.gconfig, self.run_entry = gconfig, run
-        self.run = load_run_function(run)
+        self.run = load_function(run, "agent function", coroutine=True)
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.max_total_tokens, self.timeout, self.host, self.model_name = max_total_tokens, timeout, host, model_name
 
