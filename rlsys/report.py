@@ -80,6 +80,17 @@ def _series(rows: list[dict], key: str) -> tuple[list, list]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def time_curves(learner: list[dict]) -> tuple[dict[str, tuple[list, list]], str]:
+    """Where each step's time went, and the plot's title. The first step's wait for data is the run's start-up
+    (engines loading, the first evaluation), often longer than all the other steps together: with more steps than
+    one, the plot starts at step 2 and its title says what step 1 waited."""
+    shown = learner[1:] if len(learner) > 1 else learner
+    times = {key.removeprefix("time/"): _series(shown, key) for key in TIME_KEYS if any(key in r for r in shown)}
+    if shown is learner or "time/wait_data" not in learner[0]:
+        return times, "Time per step"
+    return times, f"Time per step (from step 2; step 1 waited {learner[0]['time/wait_data']:.0f} s for the start-up)"
+
+
 def _figures(learner: list[dict], rollout: list[dict]) -> list[tuple[str, str]]:
     """(id, svg) of every curve the run has data for."""
     figures = []
@@ -90,9 +101,9 @@ def _figures(learner: list[dict], rollout: list[dict]) -> list[tuple[str, str]]:
     if evals[0]:
         figures.append(("accuracy-curve", _curve({"held-out accuracy": evals}, "Held-out accuracy (greedy)",
                                                  "accuracy", "version")))
-    times = {key.removeprefix("time/"): _series(learner, key) for key in TIME_KEYS if any(key in r for r in learner)}
+    times, title = time_curves(learner)
     if times:
-        figures.append(("time-curve", _curve(times, "Time per step", "seconds")))
+        figures.append(("time-curve", _curve(times, title, "seconds")))
     alarms = {key.removeprefix("alarms/"): _series(learner, key)
               for key in ("alarms/logprob_abs_diff_mean", "alarms/logprob_abs_diff_max", "alarms/logprob_kl")
               if any(key in r for r in learner)}

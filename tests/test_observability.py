@@ -205,3 +205,13 @@ def test_frames_show_each_board_with_its_move_and_reward(tmp_path):
     strip, animation = Image.open(png), Image.open(gif)
     assert animation.n_frames == 3  # two moves and the board after the last
     assert strip.width > 2.5 * animation.width / 1.5 and strip.height == animation.height
+
+
+def test_the_time_plot_leaves_the_first_steps_start_up_wait_out():
+    from rlsys.report import time_curves
+
+    rows = [{"step": s, "time/wait_data": w, "time/compute": 0.5} for s, w in ((1, 95.0), (2, 0.1), (3, 0.2))]
+    times, title = time_curves(rows)
+    assert times["wait_data"] == ([2, 3], [0.1, 0.2]) and times["compute"] == ([2, 3], [0.5, 0.5])
+    assert title == "Time per step (from step 2; step 1 waited 95 s for the start-up)"
+    assert time_curves(rows[:1]) == ({"wait_data": ([1], [95.0]), "compute": ([1], [0.5])}, "Time per step")
