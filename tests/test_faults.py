@@ -235,9 +235,13 @@ def test_killed_workers_a_restarted_redis_and_a_killed_learner_do_not_stop_the_r
         assert line in proc.output()
     final = read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))
     assert (final["step"], final["version"]) == (10, 10)
-    consumed = final["consumed_prompts"]
-    assert len(consumed) == len(set(consumed)) == 10 * 16, "a prompt was trained twice or skipped"
-    assert summary["prompts_accounted"], summary["prompts"]
+    consumed, prompts = final["consumed_prompts"], summary["prompts"]
+    # The learner consumes what it trains and what it filters (too stale: after the restart a slow group of the
+    # checkpoint's version can arrive three versions late; or uniform rewards), so a resume admits neither again.
+    filtered_by_learner = sum(n for reason, n in prompts["filtered"].items() if reason != "run_ended")
+    assert prompts["trained"] == 10 * 16, prompts
+    assert len(consumed) == len(set(consumed)) == 10 * 16 + filtered_by_learner, "a prompt was trained twice or skipped"
+    assert summary["prompts_accounted"], prompts
     assert summary["final_accuracy"] is not None
     assert left_behind(tmp_path, existing) == []
 
