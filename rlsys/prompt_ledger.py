@@ -110,7 +110,7 @@ class PromptLedger:
         """A slot for one prompt, if fewer than `capacity(served_version)` are taken."""
         if self.bus.incr(_GATE_SLOTS, 1) <= self.capacity(served_version):
             return True
-        self.bus.incr(_GATE_SLOTS, -1)
+        self._give_slot_back()
         return False
 
     def slots_taken(self) -> int:
@@ -119,6 +119,9 @@ class PromptLedger:
     def hold_slots(self, n: int) -> None:
         """Sets the slots taken: `start`'s, or a benchmark's way to close and reopen the gate."""
         self.bus.set(_GATE_SLOTS, n)
+
+    def _give_slot_back(self) -> None:
+        self.bus.incr(_GATE_SLOTS, -1)
 
     def too_stale(self, generated_versions: list[int], training_version: int) -> bool:
         """Whether the oldest of a group's generated tokens (their versions) is more than max_head_offpolicyness
@@ -132,7 +135,7 @@ class PromptLedger:
         nothing counted, and its slot given back."""
         if self.bus.set_add(_IN_FLIGHT, prompt_id, counter=_outcome_key(ADMITTED)):
             return True
-        self.bus.incr(_GATE_SLOTS, -1)
+        self._give_slot_back()
         return False
 
     def trained(self, prompt_id: str) -> bool:
@@ -146,7 +149,7 @@ class PromptLedger:
         settles the prompt gives its slot back."""
         if not self.bus.set_remove(_IN_FLIGHT, prompt_id, counter=_outcome_key(outcome)):
             return False
-        self.bus.incr(_GATE_SLOTS, -1)
+        self._give_slot_back()
         return True
 
     def in_flight(self) -> list[str]:
