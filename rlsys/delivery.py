@@ -34,8 +34,8 @@ from collections.abc import Iterable
 
 from rlsys import protocol
 from rlsys.api import Trajectory
-from rlsys.api.messages import INT32_MAX, InvalidMessage, boolean, integer, items, logprob, number, reward, string, \
-    version
+from rlsys.api.messages import INT32_MAX, InvalidMessage, boolean, integer, integers, items, logprobs, number, reward, \
+    string
 from rlsys.bus import BusDecodeError, ServerRestarts, StreamEntry
 from rlsys.bus.base import encode
 from rlsys.prompt_ledger import failed
@@ -99,10 +99,10 @@ def _check_trajectory(t: Trajectory, vocab_size: int | None) -> None:
     the batch's int64/float32 tensors, impossible log-probabilities and rewards, tokens outside the vocabulary."""
     vocabulary = f" (vocabulary of {vocab_size})" if vocab_size else ""
     max_token = (vocab_size or INT32_MAX + 1) - 1
-    items(t.token_ids, "token_ids", lambda x, where: integer(x, where + vocabulary, high=max_token))
-    items(t.loss_mask, "loss_mask", lambda x, where: integer(x, where, high=1))
-    items(t.logprobs, "logprobs", logprob)
-    items(t.versions, "versions", version)
+    integers(t.token_ids, "token_ids", high=max_token, note=vocabulary)
+    integers(t.loss_mask, "loss_mask", high=1)
+    logprobs(t.logprobs, "logprobs")
+    integers(t.versions, "versions", low=-1)
     # a turn's reward sits on its last token, which is predicted from the one before: ends from 2 on
     items(t.turn_ends, "turn_ends", lambda x, where: integer(x, where, low=2, high=len(t.token_ids)))
     items(t.turn_rewards, "turn_rewards", reward)

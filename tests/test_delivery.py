@@ -8,6 +8,7 @@ import pytest
 
 from rlsys import protocol
 from rlsys.api import Trajectory
+from rlsys.api.messages import integer, integers, items, logprob, logprobs
 from rlsys.bus import EmbeddedRedis, connect
 from rlsys.delivery import MAX_DELIVERIES, InvalidMessage, TrajectoryInbox, group_message
 from rlsys.prompt_ledger import PromptLedger
@@ -215,3 +216,24 @@ def test_after_a_bus_server_restart_the_learner_takes_again_what_never_arrived_a
         learner.ack([held.entry_id])
         assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 2  # "lost" and "later", held now
         bus.close()
+
+
+def outcome(check):
+    """(what `check()` returned, None) or (None, the InvalidMessage's text)."""
+    try:
+        return check(), None
+    except InvalidMessage as e:
+        return None, str(e)
+
+
+@pytest.mark.parametrize("values", [[0, 5, 99], [], [0, 100], [-1, 3], [1, True], [1, 2.0], [1, "2"], [2**31]])
+def test_the_one_pass_integer_check_agrees_with_the_per_item_one(values):
+    assert outcome(lambda: integers(values, "ids", high=99)) == outcome(
+        lambda: items(values, "ids", lambda x, at: integer(x, at, high=99)))
+
+
+@pytest.mark.parametrize("values", [[-0.5, 0.0], [], [0.5], [-math.inf], [math.nan, -1.0], [-1, -0.5], [-3.5e38],
+                                    [-3e38, -3e38], [-1e308, -1e308], [1e-4], [-1.0, None]])
+def test_the_one_pass_logprob_check_agrees_with_the_per_item_one(values):
+    """Two -1e308s sum to -inf though each is finite: the one-pass check then asks each in turn."""
+    assert outcome(lambda: logprobs(values, "lp")) == outcome(lambda: items(values, "lp", logprob))

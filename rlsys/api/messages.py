@@ -87,17 +87,29 @@ def _short(value) -> str:
     return f"{value!r:.60}" if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
 
 
-def token_id(x, where: str) -> int:
-    return integer(x, where)
+def integers(value, where: str, low: int = 0, high: int = INT32_MAX, max_items: int = MAX_SEQUENCE_TOKENS,
+             note: str = "") -> list[int]:
+    """A list of integers in [low, high], checked in one pass over the list (every token of every sequence is
+    checked on the learner's side: per-item calls cost a quarter of its time on long answers); `items` finds the
+    first bad one to say which, `note` added to its place."""
+    if (isinstance(value, list) and len(value) <= max_items and all(type(x) is int for x in value)
+            and (not value or (min(value) >= low and max(value) <= high))):
+        return value
+    return items(value, where, lambda x, at: integer(x, at + note, low, high), max_items)
 
 
 def token_ids(value, where: str, max_items: int = MAX_SEQUENCE_TOKENS) -> list[int]:
-    """A list of token ids, checked in one pass over the list (a prompt of thousands of tokens is checked on
-    every request); `items` finds the first bad one to say which."""
-    if (isinstance(value, list) and len(value) <= max_items and all(type(x) is int for x in value)
-            and (not value or (min(value) >= 0 and max(value) <= INT32_MAX))):
+    """A list of token ids (a prompt of thousands of tokens is checked on every request)."""
+    return integers(value, where, max_items=max_items)
+
+
+def logprobs(value, where: str) -> list[float]:
+    """A list of log-probabilities, checked in one pass like `integers` (all floats, their sum finite, so each is)."""
+    if (isinstance(value, list) and len(value) <= MAX_SEQUENCE_TOKENS and all(type(x) is float for x in value)
+            and (not value or (math.isfinite(sum(value)) and max(value) <= LOGPROB_TOLERANCE
+                               and min(value) >= -FLOAT32_MAX))):
         return value
-    return items(value, where, token_id, max_items)
+    return items(value, where, logprob)
 
 
 def logprob(x, where: str) -> float:
