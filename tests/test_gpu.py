@@ -193,3 +193,28 @@ def test_a_gpu_step_synchronises_as_often_however_many_micro_batches_it_takes(tm
     # Not one more wait for eleven more passes (seen on an H200: 11 waits in one pass, 10 in twelve; the one
     # pass's bigger pinned host buffers are new to the caching allocator, the twelve small ones fit the warm-up's).
     assert many_waits <= few_waits, counts
+
+
+def test_the_warm_start_trains_on_the_gpu_and_saves_a_model_the_cpu_loads(tmp_path):
+    """Where there is a GPU the tiny model's warm start runs there (the long-answer task's takes an hour or more
+    on 2 CPU cores); the model it saves loads on the CPU and answers what it was taught."""
+    from transformers import AutoModelForCausalLM
+
+    from experiments.common import ModelConfig
+    from rlsys.data.arithmetic import generate_addition_dataset
+    from rlsys.data.dataset import load_rows
+    from rlsys.model.tiny import arithmetic_warm_start, greedy_accuracy, prepare_tiny_model
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    train, held_out = generate_addition_dataset(tmp_path / "data", 1, 200, 50)
+    rows = [{**row, "answer": "7"} for row in load_rows(train)]  # one answer for every prompt: learnt in steps
+    lines = []
+    examples = lambda tokenizer: arithmetic_warm_start(tokenizer, rows, rows[:50])  # noqa: E731
+    cfg = ModelConfig(warm_start_accuracy=0.9, cache_dir=str(tmp_path))
+    directory = prepare_tiny_model(cfg, 1, examples, tmp_path / "model", log=lines.append, eval_every=10,
+                                   max_steps=200)
+    assert "on the CUDA" in lines[0] and "reached" in lines[-1]
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    assert model.device.type == "cpu"
+    tokenizer = build_char_tokenizer()
+    assert greedy_accuracy(model, tokenizer, examples(tokenizer)[1]) >= 0.9

@@ -26,3 +26,31 @@ def test_grouping_by_length_gives_the_padded_batch_gradient():
     supervised_backward(model, tokenizer, examples)
     for p, expected in zip(model.parameters(), padded):
         assert torch.allclose(p.grad, expected, atol=1e-6, rtol=1e-4)
+
+
+class Recites:
+    """A stand-in model whose greedy answer to every prompt is `answer` (the accuracy check's only caller of it)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tokenizer, answer: str):
+        self.answer = tokenizer(answer, add_special_tokens=False)["input_ids"]
+
+    def eval(self):
+        pass
+
+    train = eval
+
+    def generate(self, ids, **_):
+        return torch.cat([ids, torch.tensor([self.answer] * len(ids))], dim=1)
+
+
+def test_a_right_aligned_working_counts_as_right_when_the_model_writes_it():
+    """The long-answer task's working starts with spaces (its first line right-aligned): the check strips both
+    sides, where it once stripped only the model's text and so counted every working wrong."""
+    from rlsys.model.tiny import AnswerCheck, greedy_accuracy
+
+    tokenizer = build_char_tokenizer()
+    working = "   46+56+78\n     102+78\n#### 180"
+    checks = [AnswerCheck([5, 6, 7], (working,)), AnswerCheck([5, 6, 8], ("#### 181",))]
+    assert greedy_accuracy(Recites(tokenizer, working), tokenizer, checks, max_new_tokens=40) == 0.5

@@ -93,7 +93,8 @@ def supervised_backward(model, tokenizer, examples: list[TaughtSequence]) -> Non
     total = sum(counts)
     for (ids, labels), count in zip(groups, counts):
         if count:  # each group's mean weighted by its share of the taught tokens: the whole batch's mean
-            (model(input_ids=ids, labels=labels).loss * (count / total)).backward()
+            loss = model(input_ids=ids.to(model.device), labels=labels.to(model.device)).loss
+            (loss * (count / total)).backward()
 
 
 @torch.no_grad()
@@ -108,11 +109,13 @@ def greedy_accuracy(model, tokenizer, examples: list[AnswerCheck], max_new_token
         chunk = prompts[start:start + 256]
         width = max(map(len, chunk))
         pad = tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
         out = model.generate(ids, attention_mask=(ids != pad).long(), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        correct += sum(text.strip() in example.accepted for text, example in zip(texts, examples[start:start + 256]))
+        # Both sides stripped: a working whose first line is right-aligned starts with spaces.
+        correct += sum(text.strip() in {a.strip() for a in example.accepted}
+                       for text, example in zip(texts, examples[start:start + 256]))
     model.train()
     return correct / len(examples)
 
@@ -162,10 +165,11 @@ def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, 
     started = time.monotonic()
     tokenizer = build_char_tokenizer()
     train_examples, eval_examples = examples(tokenizer)
-    model = build_tiny_model(cfg, tokenizer, seed)
+    # On a GPU where there is one: the long-answer task's warm start takes an hour or more on 2 CPU cores.
+    model = build_tiny_model(cfg, tokenizer, seed).to("cuda" if torch.cuda.is_available() else "cpu")
     n_params = sum(p.numel() for p in model.parameters())
     log(f"building the tiny default model ({n_params / 1e6:.1f}M parameters), warm start to "
-        f"{cfg.warm_start_accuracy:.0%} held-out accuracy")
+        f"{cfg.warm_start_accuracy:.0%} held-out accuracy on the {model.device.type.upper()}")
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -178,7 +182,7 @@ def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, 
     log(f"warm start reached {accuracy:.1%} on {len(eval_examples[:200])} held-out examples{stopped} "
         f"in {time.monotonic() - started:.0f}s")
     tmp = directory.with_name(directory.name + ".tmp")
-    model.save_pretrained(tmp)
+    model.to("cpu").save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(directory)
     return directory
