@@ -1,7 +1,7 @@
 """rlsys against TRL's GRPOTrainer on the default task: trained samples/s, held-out accuracy over time, time to +20.
 
     pip install -e .[dev]      # TRL is a dev extra, never part of the default install
-    python3 bench/vs_trl.py [--steps 180] [--snapshot-steps 10] [--task NAME] [--out bench/results/vs_trl.json] \
+    python3 bench/vs_trl.py [--steps 180] [--snapshot-steps 10] [--task NAME] [--held-out N] [--out bench/results/vs_trl.json] \
         [key=value ...]
 
 One command, one run after the other on the same machine: TRL 1.16's `GRPOTrainer` (one process, HF `generate`, on
@@ -19,8 +19,9 @@ Evaluation is the same for both and outside both clocks: every `--snapshot-steps
 weights (TRL: a copy in memory, its time taken out of TRL's clock; rlsys: the version its learner publishes for
 inference, fetched from the learner's weight server as an inference worker does, which costs the learner a few
 milliseconds), and after both runs every snapshot is scored by one function: greedy HF `generate` on the 500
-held-out prompts, checked by the same math check. A side's clock starts when its
-training starts (TRL: `on_train_begin`; rlsys: when its rollout worker finished the initial evaluation and admits
+held-out prompts (or the first `--held-out`), checked by the same math check; each side's samples/s and the learner's
+split of a step are printed as soon as it has run, so a time limit that cuts the scoring short leaves them. A side's
+clock starts when its training starts (TRL: `on_train_begin`; rlsys: when its rollout worker finished the initial evaluation and admits
 the first prompt), so neither side's start-up (loading, vLLM, processes) is in it; the whole command's time is
 reported beside it. Trained samples/s counts the batches between the end of batch `--warmup` and the last one;
 over the same window each side is charged its CPU seconds (TRL: its process's; rlsys: every process its run
@@ -84,6 +85,16 @@ def held_out_accuracy(model, tokenizer, prompt_ids: list[list[int]], answers: li
 def first_reaching(curve: list[tuple], accuracy: float) -> tuple[int, float] | None:
     """(batch, seconds) of the first point of `curve` at or above `accuracy`; None if none is."""
     return next(((b, t) for b, _, t, a in curve if a >= accuracy - 1e-9), None)  # 0.568 is 0.368 + 0.2
+
+
+def throughput(side: dict, per_batch: int, warmup: int) -> dict:
+    """Trained samples/s, CPU seconds per sample and cores kept busy over a side's batches after `warmup`."""
+    times, cpu = side["times"], side["cpu"]  # seconds and CPU seconds since the side's clock started, per batch
+    w = min(warmup, len(times) - 1)
+    window_s, window_cpu = times[-1] - (times[w - 1] if w else 0.0), cpu[-1] - (cpu[w - 1] if w else 0.0)
+    samples = (len(times) - w) * per_batch
+    return {"samples_per_second": samples / window_s, "cpu_s_per_sample": window_cpu / samples,
+            "cores_busy": window_cpu / window_s}
 
 
 def task_settings(task: str) -> list[str]:
@@ -318,6 +329,8 @@ def main() -> None:
     parser.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0: every core")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where both sides train: the CPU (any GPU hidden) or one GPU")
+    parser.add_argument("--held-out", type=int, default=0,
+                        help="score the snapshots on the first this many held-out problems; 0: all of them")
     parser.add_argument("--task", default=DEFAULT_TASK, help="registered one-turn math experiment both sides train on")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:SETTINGS",
                         help="one more rlsys run after the default one, e.g. 'colocated:cluster.colocate=true "
@@ -339,6 +352,7 @@ def main() -> None:
     config = prepared_config(overrides)
     fmt = config.dataset.row_format()
     train_rows, eval_rows = load_rows(config.dataset.path, fmt), load_rows(config.dataset.eval_path, fmt)
+    eval_rows = eval_rows[:args.held_out or None]
     tokenizer = load_tokenizer(config.model.path)
     eval_ids = [row_prompt_ids(tokenizer, row) for row in eval_rows]
     answers = [str(row["answer"]) for row in eval_rows]
@@ -350,14 +364,19 @@ def main() -> None:
         sides["trl"] = run_trl(config, train_rows, args.steps, args.snapshot_steps, out_dir, args.trl_threads,
                                args.device)
         sides["trl"]["load_average"] = (load, os.getloadavg()[0])  # this machine is shared: say how busy it was
-        print(f"  TRL: {args.steps} batches in {sides['trl']['wall_s']:.0f} s", flush=True)
+        print(f"  TRL: {args.steps} batches in {sides['trl']['wall_s']:.0f} s, "
+              f"{throughput(sides['trl'], per_batch, args.warmup)['samples_per_second']:.1f} samples/s", flush=True)
     variants = (v.partition(":") for v in args.variant)
     runs = [("rlsys", [])] + [(name, settings.split()) for name, _, settings in variants]
     for name, settings in runs:
         load = os.getloadavg()[0]
         sides[name] = run_rlsys(args.steps, args.snapshot_steps, [*overrides, *settings], out_dir, name)
         sides[name]["load_average"] = (load, os.getloadavg()[0])
-        print(f"  {name}: {args.steps} batches in {sides[name]['wall_s']:.0f} s", flush=True)
+        split = sides[name]["learner_s_per_step"]  # printed before the evaluation, which a time limit may cut short
+        print(f"  {name}: {args.steps} batches in {sides[name]['wall_s']:.0f} s, "
+              f"{throughput(sides[name], per_batch, args.warmup)['samples_per_second']:.1f} samples/s; learner "
+              f"compute {split['compute']:.3f} s, publish {split['publish']:.3f}, waiting {split['wait_data']:.3f}",
+              flush=True)
 
     torch.set_num_threads(os.cpu_count())
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).to(args.device).eval()
@@ -372,19 +391,14 @@ def main() -> None:
                 snapshot = load_file(str(snapshot))
             model.load_state_dict({k: v.to(args.device) for k, v in snapshot.items()})
             curve.append((batch, batch * per_batch, side["times"][batch - 1], evaluate()))
-        times = side["times"]
-        w = min(args.warmup, len(times) - 1)
         reached = first_reaching(curve, target)
         halfway = first_reaching(curve, initial + TARGET_POINTS / 200)
-        cpu = side["cpu"]  # CPU seconds since the side's clock started, at each batch's end
-        window_s, window_cpu = times[-1] - (times[w - 1] if w else 0.0), cpu[-1] - (cpu[w - 1] if w else 0.0)
         results[name] = {
-            "samples_per_second": (len(times) - w) * per_batch / window_s,
-            "cpu_s_per_sample": window_cpu / ((len(times) - w) * per_batch), "cores_busy": window_cpu / window_s,
+            **throughput(side, per_batch, args.warmup),
             "curve": [{"batch": b, "samples": n, "seconds": t, "accuracy": a} for b, n, t, a in curve],
             "time_to_target_s": reached[1] if reached else None, "batches_to_target": reached[0] if reached else None,
             "time_to_half_target_s": halfway[1] if halfway else None,
-            "train_s": times[-1], **{k: v for k, v in side.items() if k not in ("times", "snapshots")}}
+            "train_s": side["times"][-1], **{k: v for k, v in side.items() if k not in ("times", "snapshots")}}
 
     task = "default task" if args.task == DEFAULT_TASK else f"task {args.task}"
     task += f", on {torch.cuda.get_device_name()}" if args.device == "cuda" else f", on {os.cpu_count()} CPU cores"

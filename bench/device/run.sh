@@ -1,25 +1,39 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the device tool): the GPU tests, the learner against a plain loop, and rlsys against
-# TRL with both on the GPU, with a py-spy profile of each role of rlsys's run. Never part of CI.
+# TRL with both on the GPU, on the default task and on the long-answer one, with a py-spy profile of each of rlsys's
+# roles. Never part of CI.
 #
 # Prepare on the CPU machine, once a session (the GPU machine has no registry; the default task's dataset and
-# warm-started model travel from this machine's cache, so nothing is rebuilt there):
+# warm-started model travel from this machine's cache, so nothing is rebuilt there; the long-answer task's model is
+# warm-started there, on the GPU):
 #   bash ../shared/device/prepare-carry.sh .device-carry && echo /.device-carry/ >> .git/info/exclude
 #   mkdir -p .device-carry/cache && cp -r ~/.cache/rlsys/models ~/.cache/rlsys/data .device-carry/cache/
-# Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=560); PARTS="tests vs_trl" runs
-# only those parts (of: tests learner vs_trl), for a second call on what device time is left.
+# Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=570). PARTS names the parts to run
+# (of: tests learner vs_trl long; by default "tests long vs_trl"), for a second call on what device time is left.
 # What comes back in $OUT (the tool returns at most 8 files): tests.txt, learner_vs_plain.txt, vs_trl.txt,
-# vs_trl.json, and profile-<role>.txt (py-spy's collapsed stacks, 10 s at 100 Hz, of learner0, inference0, rollout0,
-# taken during the rlsys run of vs_trl). No vLLM there (its wheel is too large to carry): the transformers engine serves.
+# vs_trl.json, vs_trl_long.txt, vs_trl_long.json, and profile-<role>.txt (py-spy's collapsed stacks, 10 s at 100 Hz,
+# of learner0, inference0, rollout0, taken during rlsys's run on the long-answer task). No vLLM there (its wheel is
+# too large to carry): the transformers engine serves.
 set -uo pipefail
 source .device-carry/env.sh
 OUT=${OUT:-/tmp/device-out}
 mkdir -p "$OUT" ~/.cache/rlsys
 cp -r .device-carry/cache/* ~/.cache/rlsys/
 started=$SECONDS
-PARTS=${PARTS:-"tests learner vs_trl"}
+PARTS=${PARTS:-"tests long vs_trl"}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 stamp() { echo "== $1 at $((SECONDS - started)) s" | tee -a "$OUT/tests.txt"; }
+
+profile_roles() {  # once rlsys's roles run (TRL goes first) and have trained a while
+  for _ in $(seq 300); do pgrep -x learner0 > /dev/null && break; sleep 1; done
+  sleep 25
+  for role in learner0 inference0 rollout0; do
+    pid=$(pgrep -x "$role" | head -1)
+    [ -n "$pid" ] && py-spy record --pid "$pid" -d 10 -r 100 --format raw -o "$OUT/profile-$role.txt" \
+      --nonblocking > /dev/null 2>&1 &
+  done
+  wait
+}
 
 part tests && { stamp "GPU tests"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/tests.txt"
@@ -34,19 +48,14 @@ for settings in "" "ppo.sequence_packing=true" "learner.dtype=bfloat16" \
     >> "$OUT/learner_vs_plain.txt" 2>&1
 done; }
 
-part vs_trl && { stamp "rlsys against TRL on the GPU"
-profile_roles() {  # once rlsys's roles run (TRL goes first) and have trained a while
-  for _ in $(seq 300); do pgrep -x learner0 > /dev/null && break; sleep 1; done
-  sleep 25
-  for role in learner0 inference0 rollout0; do
-    pid=$(pgrep -x "$role" | head -1)
-    [ -n "$pid" ] && py-spy record --pid "$pid" -d 10 -r 100 --format raw -o "$OUT/profile-$role.txt" \
-      --nonblocking > /dev/null 2>&1 &
-  done
-  wait
-}
+part long && { stamp "rlsys against TRL on the long-answer task, the GPU"
 profile_roles &
-timeout 240 python3 bench/vs_trl.py --device cuda --out "$OUT/vs_trl.json" > "$OUT/vs_trl.txt" 2>&1
-echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl.txt"
+timeout 330 python3 bench/vs_trl.py --device cuda --task async-ppo-math-long --steps 60 --snapshot-steps 10 \
+  --held-out 200 --out "$OUT/vs_trl_long.json" > "$OUT/vs_trl_long.txt" 2>&1
+echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl_long.txt"
 wait; }
+
+part vs_trl && { stamp "rlsys against TRL on the GPU"
+timeout 200 python3 bench/vs_trl.py --device cuda --out "$OUT/vs_trl.json" > "$OUT/vs_trl.txt" 2>&1
+echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl.txt"; }
 stamp "done"
