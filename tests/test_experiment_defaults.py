@@ -1,6 +1,6 @@
 """Every registered experiment runs with its defaults, as a new user would start it: from an empty cache
-(dataset generated, tiny model built and warm-started), two steps, trained prompts, no error. Each starts from its
-file in examples/ (`--config_path examples --config_name NAME`), which holds the experiment's defaults."""
+(dataset generated, tiny model built and warm-started), two steps, trained prompts, no error; but those
+GPU_COLD_START names, whose cold start needs a GPU to be short. Each starts from its file in examples/ (`--config_path examples --config_name NAME`), which holds the experiment's defaults."""
 
 import json
 
@@ -13,11 +13,17 @@ from rlsys.launcher import launch
 from tests.test_examples import EXAMPLES
 
 BUILT_IN = [name for name in EXPERIMENTS.names() if EXPERIMENTS.lookup(name).__module__.startswith("experiments.")]
+# Whose cold start is too long for CI's 2 cores, and where it runs instead.
+GPU_COLD_START = {"async-ppo-math-long": "its warm start teaches a hundred-character working a problem: an hour or more "
+                                         "on 2 cores, about a minute on a GPU, where bench/device/run.sh starts it "
+                                         "(vs_trl.py --task async-ppo-math-long); tests/test_worked_sums.py covers "
+                                         "its data, settings and warm-start examples here"}
 
 
 def test_every_built_in_experiment_is_covered():
     assert set(BUILT_IN) >= {"async-ppo-math", "async-ppo-math-tools", "async-ppo-math-multi-turn",
                              "async-ppo-frozen-lake", "async-ppo-sokoban", "async-ppo-webshop", "async-ppo-mixed-games"}
+    assert set(GPU_COLD_START) <= set(BUILT_IN)  # an experiment set aside here is still registered
     assert experiments.__all__  # the package registers them on import
 
 
@@ -66,7 +72,7 @@ def test_experiments_share_a_cache_only_when_their_warm_start_is_the_same():
 # two-digit numbers at 30%, WebShop its walk model until it copies the expert's actions at 70% (BENCHMARKS.md, "Cold
 # starts"): minutes each on 2 cores.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", BUILT_IN)
+@pytest.mark.parametrize("name", [name for name in BUILT_IN if name not in GPU_COLD_START])
 def test_each_experiment_trains_two_steps_with_its_defaults(tmp_path, caches, name):
     example = ["--config_path", str(EXAMPLES), "--config_name", name]
     config = parse_config([*example, f"output_dir={tmp_path / 'runs'}", "max_steps=2"])

@@ -10,10 +10,12 @@ works it out line by line, adding the first two numbers and copying the rest:
           102+78
     #### 180
 
-Every line is right-aligned to the prompt's width, so each number it copies stands one line above it, at the
-same distance in every line: a tiny character-level model learns that copy quickly. Written the other way,
-running totals beside the next number (`12+34=46;46+56=102`), the model must find that next number in the
-prompt, where its warm start got the tens digit right and kept missing the units one. The reward reads only
+Every line is right-aligned to one width, that of the longest prompt the set has, so each number a line
+copies stands one line above it (the first line's, in the prompt), at the same distance in every line of every
+problem: a tiny character-level model learns that copy quickly. Written the other way, running totals beside
+the next number (`12+34=46;46+56=102`), the model must find that next number in the prompt, where its warm
+start got the tens digit right and kept missing the units one; with lines aligned to their own prompt's width,
+the distance changed with the number of terms and it learned the copy far more slowly. The reward reads only
 the final number: the math environment's check takes the last number of an answer, and a reference in GSM8K's
 `#### N` form resolves to N, so the working itself checks as right (`math_verifier.reference_answer`).
 """
@@ -26,9 +28,15 @@ from rlsys.data.dataset import write_jsonl
 FINAL = "#### "  # GSM8K's mark before the final answer
 
 
-def worked_sum(terms: list[int]) -> str:
-    """The working of `terms`'s sum: a line after each addition while two numbers are left, then the total."""
-    width, lines = len("+".join(map(str, terms))), []
+def prompt_width(count: int) -> int:
+    """Characters of a sum of `count` two-digit numbers, `12+34+...`: the width every line is aligned to."""
+    return 3 * count - 1
+
+
+def worked_sum(terms: list[int], width: int) -> str:
+    """The working of `terms`'s sum: a line after each addition while two numbers are left, right-aligned to
+    `width` characters, then the total."""
+    lines = []
     while len(terms) > 2:
         terms = [terms[0] + terms[1], *terms[2:]]
         lines.append("+".join(map(str, terms)).rjust(width))
@@ -38,7 +46,8 @@ def worked_sum(terms: list[int]) -> str:
 def sum_problem(rng: random.Random, min_terms: int, max_terms: int) -> dict:
     """A row: the prompt, the final answer the reward checks, and the working the warm start teaches."""
     terms = rng.choices(range(10, 100), k=rng.randint(min_terms, max_terms))
-    return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms)), "solution": worked_sum(terms)}
+    return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms)),
+            "solution": worked_sum(terms, prompt_width(max_terms))}
 
 
 def generate_worked_sums_dataset(directory: Path, seed: int, num_train: int, num_eval: int, min_terms: int,

@@ -1,0 +1,67 @@
+"""Asynchronous PPO on long sums with the working written out: a task where generating dominates a step.
+
+The default task's answers are a few tokens, so its steps are mostly training; in reasoning RL they are
+mostly generating. Here every answer works a sum of several numbers out line by line before its total
+(`rlsys/data/worked_sums.py`): about a hundred tokens from the same tiny model, scored by the same math check.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments.async_ppo_math import AsyncPPOMATHConfig
+from experiments.common import DatasetConfig, GenerationHyperparameters, ModelConfig
+from rlsys.api.experiment import register_experiment
+from rlsys.data.worked_sums import generate_worked_sums_dataset, prompt_width, worked_sum
+from rlsys.model.tiny import AnswerCheck, TaughtSequence, arithmetic_warm_start
+
+
+@dataclass
+class AsyncPPOMathLongConfig(AsyncPPOMATHConfig):
+    min_terms: int = 6
+    """Generated set: fewest two-digit numbers in a sum (6 or more keeps every working 64 characters or longer)."""
+    max_terms: int = 8
+    """Generated set: most two-digit numbers in a sum (its working must fit in gen.max_new_tokens)."""
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_accuracy=0.15))
+    gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=160))
+    dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(num_train=20000, num_eval=500))
+
+    # Each working teaches several additions and a hundred copied characters where a default answer teaches one
+    # addition, so fewer sequences a step.
+    warm_start_batch_size = 32
+    warm_start_eval_every = 100
+    warm_start_max_steps = 3000
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 2 <= self.min_terms <= self.max_terms:
+            raise ValueError(f"min_terms must be at least 2 and at most max_terms, got {self.min_terms} and "
+                             f"{self.max_terms}")
+        longest = len(worked_sum([99] * self.max_terms, prompt_width(self.max_terms))) + 1  # and the end of sequence
+        if longest > self.gen.max_new_tokens:
+            raise ValueError(f"a working of max_terms={self.max_terms} numbers takes up to {longest} tokens; "
+                             f"gen.max_new_tokens={self.gen.max_new_tokens} would cut it short")
+
+    def generate_dataset(self, data_dir: Path) -> tuple[Path, Path]:
+        """Seeded sums of min_terms to max_terms two-digit numbers, each row with its working."""
+        d = self.dataset
+        name = f"worked-sums-{self.min_terms}to{self.max_terms}-seed{self.seed}-{d.num_train}-{d.num_eval}"
+        return generate_worked_sums_dataset(data_dir / name, self.seed, d.num_train, d.num_eval, self.min_terms,
+                                            self.max_terms)
+
+    @property
+    def warm_start_settings(self) -> dict:
+        return {"batch": self.warm_start_batch_size, "eval_every": self.warm_start_eval_every,
+                "steps": self.warm_start_max_steps}
+
+    def warm_start_examples(self, tokenizer, train_rows: list[dict],
+                            eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
+        """The working is taught, and a held-out answer counts only if its working is the reference's to the letter."""
+        if any("solution" not in rows[0] for rows in (train_rows, eval_rows)):
+            raise ValueError("the warm start teaches each row's working, its `solution` field, which this dataset's "
+                             "rows lack; give model.path, or leave dataset.path empty for the generated sums")
+        worked = [[{"prompt": row["prompt"], "answer": row["solution"]} for row in rows]
+                  for rows in (train_rows, eval_rows)]
+        return arithmetic_warm_start(tokenizer, *worked)
+
+
+register_experiment("async-ppo-math-long", AsyncPPOMathLongConfig)
