@@ -198,8 +198,8 @@ def parse_generation_reply(message) -> GenerationOutput:
                              f"entry per sample, got {[len(s) for s in samples]}")
     for i in range(len(out.output_ids)):
         tokens = token_ids(out.output_ids[i], f"output_ids[{i}]")
-        for name, check in (("logprobs", logprob), ("versions", version)):
-            values = items(getattr(out, name)[i], f"{name}[{i}]", check)
+        for name, values in (("logprobs", logprobs(out.logprobs[i], f"logprobs[{i}]")),
+                             ("versions", integers(out.versions[i], f"versions[{i}]", low=-1))):
             if len(values) != len(tokens):
                 raise InvalidMessage(f"reply {out.qid}: {name}[{i}] has {len(values)} entries for {len(tokens)} tokens")
         string(out.stop_reasons[i], f"stop_reasons[{i}]")
