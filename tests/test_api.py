@@ -124,3 +124,12 @@ def test_generation_messages_round_trip():
     output = GenerationOutput(qid="q", prompt_ids=[1, 2], output_ids=[[3]], logprobs=[[-0.5]], versions=[[2]],
                               stop_reasons=["stop"])
     assert GenerationOutput.from_dict(msgpack.unpackb(msgpack.packb(output.to_dict()))) == output
+
+
+def test_a_model_request_is_the_seeds_plain_tuple():
+    from rlsys.api import ModelRequest
+
+    request = ModelRequest("q", [1, 2], GenerationConfig(n=2))
+    assert request == ("q", [1, 2], GenerationConfig(n=2)) and isinstance(request, tuple)
+    qid, token_ids, gconfig = request
+    assert (qid, token_ids, gconfig.n) == (request.qid, request.token_ids, 2)

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from rlsys import protocol
 from rlsys.algorithms.finite import clip_and_step
-from rlsys.api import GenerationConfig, GenerationOutput, Trajectory
+from rlsys.api import GenerationConfig, Trajectory
 from rlsys.api import Model
-from rlsys.api.messages import (INT32_MAX, LOGPROB_TOLERANCE, MAX_REWARD, InvalidMessage, WorkerStatus,
+from rlsys.api.messages import (INT32_MAX, LOGPROB_TOLERANCE, MAX_REWARD, GenerationReply, InvalidMessage, WorkerStatus,
                                 generation_setting, parse_generation_config, parse_generation_reply,
                                 parse_generation_request, parse_published_weights, parse_worker_status)
 from rlsys.bus import EmbeddedRedis, InProcessBus, RedisBus
@@ -301,9 +301,18 @@ def test_a_request_a_worker_would_refuse_fails_its_episode_at_once_and_is_never_
         assert asyncio.run(main(agent)) == (0, {})
 
 
-def good_reply(qid: str) -> dict:
-    return GenerationOutput(qid, [7, 8], [[1, 2], [3]], [[-0.5, -0.25], [-1.0]], [[0, 0], [0]],
-                            ["length", "stop"]).to_dict()
+def good_reply(rid: str) -> dict:
+    return GenerationReply(rid, [7, 8], [[1, 2], [3]], [[-0.5, -0.25], [-1.0]], [[0, 0], [0]],
+                           ["length", "stop"]).to_message()
+
+
+def test_a_reply_names_its_request_by_rid_only():
+    """The bus carries request ids; an agent's qid never crosses it (the router maps one to the other)."""
+    assert parse_generation_reply(good_reply("r")).rid == "r"
+    message = good_reply("r")
+    message["qid"] = message.pop("rid")
+    with pytest.raises(InvalidMessage, match="expected keys"):
+        parse_generation_reply(message)
 
 
 REPLY_PATHS = [(k,) for k in good_reply("q")] + [("output_ids", 0), ("logprobs", 1), ("versions", 0),

@@ -77,9 +77,9 @@ def learner_logprobs(model, prompt: list[int], output: list[int], temperature: f
 
 def assert_same_outputs(got, expected) -> None:
     for a, b in zip(got, expected, strict=True):
-        assert (a.qid, a.output_ids, a.stop_reasons) == (b.qid, b.output_ids, b.stop_reasons)
+        assert (a.rid, a.output_ids, a.stop_reasons) == (b.rid, b.output_ids, b.stop_reasons)
         for lp_a, lp_b in zip(a.logprobs, b.logprobs, strict=True):
-            assert torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b), atol=TOLERANCE, rtol=0), a.qid
+            assert torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b), atol=TOLERANCE, rtol=0), a.rid
 
 
 def greedy_requests() -> list[tuple[str, list[int], GenerationConfig]]:
@@ -123,7 +123,7 @@ def test_request_added_mid_generation_gives_what_it_gives_alone(model_path):
     engine.add_request(*late)
     finished = {}
     while len(finished) < 2:
-        finished.update((out.qid, out) for out in engine.step())
+        finished.update((out.rid, out) for out in engine.step())
     assert_same_outputs([finished["early"], finished["late"]], alone)
 
 
@@ -139,7 +139,7 @@ def test_aborting_a_request_mid_generation_leaves_the_others_exact(model_path):
     engine.abort_request("q0")  # a third of the batch: its places are filled by moving the others
     finished = {}
     while engine.in_flight:
-        finished.update((out.qid, out) for out in engine.step())
+        finished.update((out.rid, out) for out in engine.step())
     assert finished.keys() == {"q1", "q2"}
     assert_same_outputs([finished["q1"], finished["q2"]], alone[1:])
 
@@ -200,7 +200,7 @@ def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypa
             requests[rid] = (progression(rng, length), GenerationConfig(
                 n=2, max_new_tokens=rng.choice([4, 30, 90]), temperature=1.0, seed=len(requests)))
             engine.add_request(rid, *requests[rid])
-        finished.update((out.qid, out) for out in engine.step())
+        finished.update((out.rid, out) for out in engine.step())
         step += 1
     assert calls["_relayout"] >= 2 and calls["_fill_holes"] >= 1, f"the schedule must exercise the batch: {calls}"
     assert all(count * longest <= budget or count == 1 for count, longest in prefilled)
@@ -291,7 +291,7 @@ def test_weight_update_mid_generation_tags_each_token_with_the_weights_that_made
     assert engine.update_weights(str(write_weight_update(new, tmp_path / "v1")), version=1) == (3, [])
     finished = {}
     while len(finished) < 2:
-        finished.update((out.qid, out) for out in engine.step())
+        finished.update((out.rid, out) for out in engine.step())
 
     changed = 0.0
     for rid, prompt, gconfig in requests:
@@ -320,7 +320,7 @@ def test_interrupted_samples_keep_their_place_ahead_of_newer_requests(model_path
     engine.update_weights(str(write_weight_update(load_model(model_path), tmp_path / "v1")), version=1)
     order = []
     while len(order) < 2:
-        order += [out.qid for out in engine.step()]
+        order += [out.rid for out in engine.step()]
     assert order == ["old", "new"]
 
 

@@ -1,7 +1,9 @@
-"""What an agent asks the model for (GenerationConfig) and what it gets back (GenerationOutput)."""
+"""What an agent asks the model for (ModelRequest, with its GenerationConfig) and what it gets back
+(GenerationOutput)."""
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -22,6 +24,15 @@ class GenerationConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "GenerationConfig":
         return cls(**d)
+
+
+class ModelRequest(NamedTuple):
+    """What an agent puts on `obs_queue`. A tuple, so the seed's plain `(qid, token_ids, gconfig)` is the same
+    request; the reply, a GenerationOutput on `act_queue`, comes back under the same `qid`."""
+
+    qid: str  # the agent's id for this request, unique among its requests in flight (it may reuse one later)
+    token_ids: list[int]  # the whole context: prompt and every turn so far
+    gconfig: GenerationConfig
 
 
 @dataclass

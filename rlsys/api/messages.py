@@ -184,26 +184,47 @@ def parse_generation_request(message) -> GenerationRequest:
     return request
 
 
-def parse_generation_reply(message) -> GenerationOutput:
-    """A GenerationOutput whose per-sample lists agree in length; `qid` is the request id."""
-    names = {f.name for f in dataclasses.fields(GenerationOutput)}
-    d = fields(message, "generation reply", names)
-    out = GenerationOutput(**d)
-    string(out.qid, "qid")
-    token_ids(out.prompt_ids, "prompt_ids")
-    samples = [items(getattr(out, name), name, lambda x, w: x, MAX_SAMPLES)
+@dataclasses.dataclass
+class GenerationReply:
+    """An inference worker's answer to one GenerationRequest, under that request's id. The router hands it to the
+    episode that asked as a GenerationOutput under the episode's own id (`output`): a request id (`rid`, unique
+    across the run) never reaches an agent, an agent's id (`qid`, which agents may reuse) never crosses the bus."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[list[int]]  # [sample][token], exactly the tokens the engine produced
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+    stop_reasons: list[str]
+
+    def to_message(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def output(self, qid: str) -> GenerationOutput:
+        return GenerationOutput(qid, self.prompt_ids, self.output_ids, self.logprobs, self.versions,
+                                self.stop_reasons)
+
+
+def parse_generation_reply(message) -> GenerationReply:
+    """A GenerationReply whose per-sample lists agree in length."""
+    names = {f.name for f in dataclasses.fields(GenerationReply)}
+    reply = GenerationReply(**fields(message, "generation reply", names))
+    string(reply.rid, "rid")
+    token_ids(reply.prompt_ids, "prompt_ids")
+    samples = [items(getattr(reply, name), name, lambda x, w: x, MAX_SAMPLES)
                for name in ("output_ids", "logprobs", "versions", "stop_reasons")]
     if len({len(s) for s in samples}) != 1:
-        raise InvalidMessage(f"reply {out.qid}: output_ids, logprobs, versions and stop_reasons must have one "
+        raise InvalidMessage(f"reply {reply.rid}: output_ids, logprobs, versions and stop_reasons must have one "
                              f"entry per sample, got {[len(s) for s in samples]}")
-    for i in range(len(out.output_ids)):
-        tokens = token_ids(out.output_ids[i], f"output_ids[{i}]")
-        for name, values in (("logprobs", logprobs(out.logprobs[i], f"logprobs[{i}]")),
-                             ("versions", integers(out.versions[i], f"versions[{i}]", low=-1))):
+    for i in range(len(reply.output_ids)):
+        tokens = token_ids(reply.output_ids[i], f"output_ids[{i}]")
+        for name, values in (("logprobs", logprobs(reply.logprobs[i], f"logprobs[{i}]")),
+                             ("versions", integers(reply.versions[i], f"versions[{i}]", low=-1))):
             if len(values) != len(tokens):
-                raise InvalidMessage(f"reply {out.qid}: {name}[{i}] has {len(values)} entries for {len(tokens)} tokens")
-        string(out.stop_reasons[i], f"stop_reasons[{i}]")
-    return out
+                raise InvalidMessage(f"reply {reply.rid}: {name}[{i}] has {len(values)} entries for "
+                                     f"{len(tokens)} tokens")
+        string(reply.stop_reasons[i], f"stop_reasons[{i}]")
+    return reply
 
 
 # ---- inference worker status (its heartbeat) and published weights

@@ -9,7 +9,7 @@ versions and interruption on weight updates are the same as for any request on t
 import asyncio
 import itertools
 
-from rlsys.api.generation import GenerationConfig, GenerationOutput
+from rlsys.api.generation import GenerationConfig, GenerationOutput, ModelRequest
 from rlsys.api.messages import parse_generation_config
 
 
@@ -46,7 +46,7 @@ class Model:
         parse_generation_config(gconfig.to_dict())
         future = asyncio.get_running_loop().create_future()
         self.pending[qid] = future
-        await self.obs_queue.put((qid, list(token_ids), gconfig))
+        await self.obs_queue.put(ModelRequest(qid, list(token_ids), gconfig))
         return await future
 
     async def _route(self) -> None:

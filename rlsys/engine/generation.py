@@ -10,7 +10,8 @@ twice and nothing is dropped; the cost is one prefill of prompt + partial output
 import time
 from dataclasses import dataclass, field
 
-from rlsys.api import GenerationConfig, GenerationOutput
+from rlsys.api import GenerationConfig
+from rlsys.api.messages import GenerationReply
 from rlsys.engine.backend import GenerationBackend, SamplingSettings
 
 SEGMENT_SEED_STRIDE = 1_000_003  # a resumed sample draws from a fresh, still reproducible, random stream
@@ -70,7 +71,7 @@ class GenerationEngine:
         if request is not None:
             self.backend.abort([_seq_id(rid, i, s.segment) for i, s in enumerate(request.samples) if not s.finished])
 
-    def step(self) -> list[GenerationOutput]:
+    def step(self) -> list[GenerationReply]:
         """One backend step; returns the requests whose every sample has finished."""
         done = []
         for delta in self.backend.step():
@@ -86,16 +87,16 @@ class GenerationEngine:
             sample.versions += [self.version] * len(delta.token_ids)
             sample.stop_reason = delta.finish_reason
             if all(s.finished for s in request.samples):
-                done.append(_output(self._requests.pop(rid)))
+                done.append(_reply(self._requests.pop(rid)))
         return done
 
-    def generate(self, requests: list[tuple[str, list[int], GenerationConfig]]) -> list[GenerationOutput]:
-        """Blocking: every request to completion, outputs in the order given."""
+    def generate(self, requests: list[tuple[str, list[int], GenerationConfig]]) -> list[GenerationReply]:
+        """Blocking: every request to completion, replies in the order given."""
         for rid, prompt_ids, gconfig in requests:
             self.add_request(rid, prompt_ids, gconfig)
-        finished: dict[str, GenerationOutput] = {}
+        finished: dict[str, GenerationReply] = {}
         while len(finished) < len(requests):
-            finished.update((out.qid, out) for out in self.step())
+            finished.update((reply.rid, reply) for reply in self.step())
         return [finished[rid] for rid, _, _ in requests]
 
     def update_weights(self, weights, version: int, probe: list[list[int]] = ()) -> tuple[int, list[list[float]]]:
@@ -132,8 +133,8 @@ def _parse_seq_id(seq_id: str) -> tuple[str, int, int]:
     return rid, int(index), int(segment)
 
 
-def _output(request: _Request) -> GenerationOutput:
+def _reply(request: _Request) -> GenerationReply:
     samples = request.samples
-    return GenerationOutput(qid=request.rid, prompt_ids=request.prompt_ids,
-                            output_ids=[s.token_ids for s in samples], logprobs=[s.logprobs for s in samples],
-                            versions=[s.versions for s in samples], stop_reasons=[s.stop_reason for s in samples])
+    return GenerationReply(rid=request.rid, prompt_ids=request.prompt_ids,
+                           output_ids=[s.token_ids for s in samples], logprobs=[s.logprobs for s in samples],
+                           versions=[s.versions for s in samples], stop_reasons=[s.stop_reason for s in samples])

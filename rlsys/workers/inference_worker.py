@@ -142,10 +142,10 @@ class InferenceWorker:
             self.copies_dropped += copies
             log.info("dropped %d copies of requests already running", copies)
 
-    def reply(self, outputs) -> None:
+    def reply(self, replies) -> None:
         by_queue: dict[str, list[dict]] = {}
-        for output in outputs:
-            by_queue.setdefault(self.reply_to.pop(output.qid), []).append(output.to_dict())
+        for reply in replies:
+            by_queue.setdefault(self.reply_to.pop(reply.rid), []).append(reply.to_message())
         for queue, messages in by_queue.items():
             self.bus.put_many(queue, messages)
 

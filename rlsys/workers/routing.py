@@ -155,10 +155,10 @@ class EpisodeRouter:
             await self.send(pending, worker)
 
     def checked_request(self, request) -> tuple[str, dict]:
-        """The agent's `(qid, token_ids, gconfig)` and the message an inference worker takes for it, checked as
-        the worker checks it."""
+        """The agent's ModelRequest (or the seed's plain `(qid, token_ids, gconfig)`, the same tuple) and the
+        message an inference worker takes for it, checked as the worker checks it."""
         if not (isinstance(request, tuple) and len(request) == 3 and isinstance(request[2], GenerationConfig)):
-            raise InvalidMessage(f"an episode's request must be (qid, token_ids, GenerationConfig), "
+            raise InvalidMessage(f"an episode's request must be a ModelRequest(qid, token_ids, GenerationConfig), "
                                  f"got {request!r:.80}")
         qid, token_ids, gconfig = request
         rid = uuid.uuid4().hex  # agents may reuse a qid across turns; request ids never repeat
@@ -187,17 +187,17 @@ class EpisodeRouter:
                 try:
                     if isinstance(message, Undecodable):
                         raise InvalidMessage(message.reason)
-                    output = parse_generation_reply(message)
+                    reply = parse_generation_reply(message)
                 except InvalidMessage as e:  # its request, if it was one, is re-sent when its worker dies
                     self.stats.refused += 1
                     await asyncio.to_thread(set_aside, self.bus, self.reply_queue, str(e), message)
                     continue
-                pending = self.waiting.pop(output.qid, None)
+                pending = self.waiting.pop(reply.rid, None)
                 if pending is None:
                     continue  # a duplicate of a re-sent request, or the episode was cancelled
                 latency = time.monotonic() - pending.put_at
                 self.stats.latencies.append(latency)
-                output.qid = pending.qid
+                output = reply.output(pending.qid)
                 if pending.calls is not None:
                     pending.calls.append({"qid": pending.qid, "sent": time.time() - latency, "seconds": latency,
                                           "worker": pending.worker, "prompt_tokens": len(output.prompt_ids),

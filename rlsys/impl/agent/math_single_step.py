@@ -2,8 +2,8 @@
 
 import asyncio
 
-from rlsys.api import (NOT_GENERATED, Agent, EnvironmentService, GenerationConfig, GenerationOutput, Prompt,
-                       Trajectory, register_agent)
+from rlsys.api import (NOT_GENERATED, Agent, EnvironmentService, GenerationConfig, GenerationOutput, ModelRequest,
+                       Prompt, Trajectory, register_agent)
 from rlsys.model.tokenizer import load_tokenizer
 
 
@@ -33,7 +33,7 @@ class MathSingleStepAgent(Agent):
     async def collect_trajectory(self, prompt: Prompt, env: EnvironmentService, obs_queue: asyncio.Queue,
                                  act_queue: asyncio.Queue) -> list[Trajectory]:
         await env.reset(options=prompt.data)
-        await obs_queue.put((prompt.qid, prompt.token_ids, self.gconfig))
+        await obs_queue.put(ModelRequest(prompt.qid, prompt.token_ids, self.gconfig))
         act: GenerationOutput = await act_queue.get()
         answers = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in act.output_ids]
         _, rewards, _, _, info = await env.step((prompt.qid, answers))
