@@ -14,8 +14,8 @@ from tests.test_examples import EXAMPLES
 
 BUILT_IN = [name for name in EXPERIMENTS.names() if EXPERIMENTS.lookup(name).__module__.startswith("experiments.")]
 # Whose cold start is too long for CI's 2 cores, and where it runs instead.
-GPU_COLD_START = {"async-ppo-math-long": "its warm start teaches a hundred-character working a problem: an hour or more "
-                                         "on 2 cores, about a minute on a GPU, where bench/device/run.sh starts it "
+GPU_COLD_START = {"async-ppo-math-long": "its warm start teaches a hundred-character working a problem: about 2 hours "
+                                         "on 2 cores, minutes on a GPU, where bench/device/run.sh starts it "
                                          "(vs_trl.py --task async-ppo-math-long); tests/test_worked_sums.py covers "
                                          "its data, settings and warm-start examples here"}
 
