@@ -19,10 +19,10 @@ Evaluation is the same for both and outside both clocks: every `--snapshot-steps
 weights (TRL: a copy in memory, its time taken out of TRL's clock; rlsys: the version its learner publishes for
 inference, fetched from the learner's weight server as an inference worker does, which costs the learner a few
 milliseconds), and after both runs every snapshot is scored by one function: greedy HF `generate` on the 500
-held-out prompts (or the first `--held-out`), checked by the same math check; each side's samples/s and the learner's
-split of a step are printed as soon as it has run, so a time limit that cuts the scoring short leaves them. A side's
-clock starts when its training starts (TRL: `on_train_begin`; rlsys: when its rollout worker finished the initial evaluation and admits
-the first prompt), so neither side's start-up (loading, vLLM, processes) is in it; the whole command's time is
+held-out prompts (or the first `--held-out`), checked by the same math check; each side's samples/s and the
+learner's split of a step are printed as soon as it has run, so a time limit that cuts the scoring short leaves
+them. A side's clock starts when its training starts (TRL: `on_train_begin`; rlsys: when its rollout worker
+finished the initial evaluation and admits the first prompt), so neither side's start-up (loading, vLLM, processes) is in it; the whole command's time is
 reported beside it. Trained samples/s counts the batches between the end of batch `--warmup` and the last one;
 over the same window each side is charged its CPU seconds (TRL: its process's; rlsys: every process its run
 started, sampled each second), printed per trained sample with the cores it kept busy, and the line above the ratio

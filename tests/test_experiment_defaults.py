@@ -1,6 +1,7 @@
 """Every registered experiment runs with its defaults, as a new user would start it: from an empty cache
 (dataset generated, tiny model built and warm-started), two steps, trained prompts, no error; but those
-GPU_COLD_START names, whose cold start needs a GPU to be short. Each starts from its file in examples/ (`--config_path examples --config_name NAME`), which holds the experiment's defaults."""
+GPU_COLD_START names, whose cold start needs a GPU to be short. Each starts from its file in examples/
+(`--config_path examples --config_name NAME`), which holds the experiment's defaults."""
 
 import json
 
@@ -14,8 +15,8 @@ from tests.test_examples import EXAMPLES
 
 BUILT_IN = [name for name in EXPERIMENTS.names() if EXPERIMENTS.lookup(name).__module__.startswith("experiments.")]
 # Whose cold start is too long for CI's 2 cores, and where it runs instead.
-GPU_COLD_START = {"async-ppo-math-long": "its warm start teaches a hundred-character working a problem: about 2 hours "
-                                         "on 2 cores, minutes on a GPU, where bench/device/run.sh starts it "
+GPU_COLD_START = {"async-ppo-math-long": "its warm start teaches a hundred-character working a problem: about 2 "
+                                         "hours on 2 cores, minutes on a GPU, where bench/device/run.sh starts it "
                                          "(vs_trl.py --task async-ppo-math-long); tests/test_worked_sums.py covers "
                                          "its data, settings and warm-start examples here"}
 
