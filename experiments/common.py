@@ -470,8 +470,8 @@ class BaseExperimentConfig:
     """Save an HF checkpoint every this many steps; 0 saves only at the end."""
     logging_steps: int = 10
     """Print a progress line every this many steps."""
-    eval_steps: int = 0
-    """Evaluate on the held-out set every this many steps; 0 evaluates only before and after."""
+    eval_steps: int = 50
+    """Evaluate on the held-out set every this many steps (and before and after); 0: only before and after."""
     resume_from_checkpoint: str = ""
     """Checkpoint to continue from (weights, optimizer, step, dataset position); auto: this trial's newest."""
     plugins: list[str] = field(default_factory=list)

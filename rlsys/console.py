@@ -38,14 +38,16 @@ def role_output_to_file(log_file: Path, role: str) -> None:
 
 
 class ProgressReporter:
-    """Prints a line every `logging_steps` learner steps, read from the learner's metrics file; and, while no
-    line comes for `quiet_seconds` (vLLM starting, the first evaluation, a slow step), one that says what the
-    run is waiting for, so that a long step does not look hung."""
+    """Prints a line every `logging_steps` learner steps, read from the learner's metrics file, and one for each
+    held-out evaluation between the first and the last, read from `evaluations_file` (rollout worker 0's metrics,
+    where its evaluations are written); and, while no line comes for `quiet_seconds` (vLLM starting, the first
+    evaluation, a slow step), one that says what the run is waiting for, so that a long step does not look hung."""
 
     def __init__(self, metrics_file: Path, every: int, max_steps: int, bus=None, ledger: PromptLedger | None = None,
-                 quiet_seconds: float = 20.0):
+                 quiet_seconds: float = 20.0, evaluations_file: Path | None = None):
         self.metrics_file, self.every, self.max_steps = metrics_file, max(every, 1), max_steps
         self.bus, self.ledger, self.quiet_seconds = bus, ledger, quiet_seconds
+        self.evaluations_file, self.evaluations_seen = evaluations_file, 0
         self.seen, self.started = 0, time.monotonic()
         self.last_line = self.started
 
@@ -57,9 +59,21 @@ class ProgressReporter:
                            f"staleness {row['staleness_mean']:.2f}  wait {row['time/wait_data']:.2f}s  "
                            f"update {row['time/compute']:.2f}s")
         self.seen = len(rows)
+        for row in self.new_evaluations():
+            self.print(f"step {row['eval/version']:>5}/{self.max_steps}  held-out accuracy "
+                       f"{100 * row['eval/accuracy']:.1f}% (greedy, {row['eval/episodes']} problems)")
         if self.bus is not None and time.monotonic() - self.last_line >= self.quiet_seconds:
             with contextlib.suppress(redis.ConnectionError):  # our server restarting: the supervisor sees to it
                 self.print(self.waiting_line())
+
+    def new_evaluations(self) -> list[dict]:
+        """Evaluations after the first and before the last (the run's summary gives those two) not printed yet."""
+        if self.evaluations_file is None or not self.evaluations_file.exists():
+            return []
+        rows = [row for row in read_jsonl_metrics(self.evaluations_file)
+                if "eval/accuracy" in row and 0 < row["eval/version"] < self.max_steps]
+        new, self.evaluations_seen = rows[self.evaluations_seen:], len(rows)
+        return new
 
     def waiting_line(self) -> str:
         elapsed = f"{time.monotonic() - self.started:.0f}s in"

@@ -169,7 +169,8 @@ def launch(config) -> dict:
             config, lambda role, index: placement.start(role, index, (config_to_dict(config), bus_url, str(run_dir))), server)
         ledger = PromptLedger.of(bus, config)
         report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps,
-                                  config.max_steps, bus, ledger)
+                                  config.max_steps, bus, ledger,
+                                  evaluations_file=Path(config.logging_dir) / "rollout0.jsonl")
         stall = StallWatch(config, ledger)
         restarted = False
         try:

@@ -137,3 +137,22 @@ def test_a_quiet_run_says_what_it_waits_for(tmp_path, capsys):
         report.quiet_seconds = 3600
         report()  # nothing new, nothing said (and no bus call: the server is still up, but the client is closed)
         assert capsys.readouterr().out == ""
+
+
+def test_evaluations_between_the_first_and_the_last_get_a_console_line_each(tmp_path, capsys):
+    from rlsys.console import ProgressReporter
+
+    evaluations = tmp_path / "rollout0.jsonl"
+    report = ProgressReporter(tmp_path / "learner.jsonl", every=10, max_steps=200, quiet_seconds=3600,
+                              evaluations_file=evaluations)
+    report()  # no file yet
+    rows = [{"step": v, "eval/accuracy": a, "eval/version": v, "eval/episodes": 500}
+            for v, a in ((0, 0.428), (50, 0.572))]
+    evaluations.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report()
+    assert capsys.readouterr().out == "step    50/200  held-out accuracy 57.2% (greedy, 500 problems)\n"
+    rows += [{"step": 100, "episodes/failed": 0}, {"step": 200, "eval/accuracy": 0.75, "eval/version": 200,
+                                                  "eval/episodes": 500}]
+    evaluations.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report()  # the first and the last are the summary's; 50 was said already
+    assert capsys.readouterr().out == ""
