@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlsys.api import Trajectory  # noqa: E402
-from rlsys.api.messages import integer, integers, items, logprob, logprobs, version  # noqa: E402
+from rlsys.api.messages import integer, integers, items, logprob, logprobs, versions  # noqa: E402
 
 VOCAB = 100
 
@@ -40,7 +40,7 @@ def per_item(trajectories: list[Trajectory]) -> None:
         items(t.token_ids, "token_ids", lambda x, at: integer(x, at, high=VOCAB - 1))
         items(t.loss_mask, "loss_mask", lambda x, at: integer(x, at, high=1))
         items(t.logprobs, "logprobs", logprob)
-        items(t.versions, "versions", version)
+        items(t.versions, "versions", lambda x, at: integer(x, at, low=-1))
 
 
 def one_pass(trajectories: list[Trajectory]) -> None:
@@ -48,7 +48,7 @@ def one_pass(trajectories: list[Trajectory]) -> None:
         integers(t.token_ids, "token_ids", high=VOCAB - 1)
         integers(t.loss_mask, "loss_mask", high=1)
         logprobs(t.logprobs, "logprobs")
-        integers(t.versions, "versions", low=-1)
+        versions(t.versions, "versions")
 
 
 def seconds(check, trajectories: list[Trajectory], repeats: int) -> float:

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from rlsys import protocol
 from rlsys.api import Trajectory
 from rlsys.api.messages import INT32_MAX, InvalidMessage, boolean, integer, integers, items, logprobs, number, reward, \
-    string
+    string, versions
 from rlsys.bus import BusDecodeError, ServerRestarts, StreamEntry
 from rlsys.bus.base import encode
 from rlsys.prompt_ledger import failed
@@ -102,7 +102,7 @@ def _check_trajectory(t: Trajectory, vocab_size: int | None) -> None:
     integers(t.token_ids, "token_ids", high=max_token, note=vocabulary)
     integers(t.loss_mask, "loss_mask", high=1)
     logprobs(t.logprobs, "logprobs")
-    integers(t.versions, "versions", low=-1)
+    versions(t.versions, "versions")
     # a turn's reward sits on its last token, which is predicted from the one before: ends from 2 on
     items(t.turn_ends, "turn_ends", lambda x, where: integer(x, where, low=2, high=len(t.token_ids)))
     items(t.turn_rewards, "turn_rewards", reward)

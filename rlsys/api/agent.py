@@ -14,7 +14,8 @@ class Agent(abc.ABC):
     """Implement `collect_trajectory`; register the class with `register_agent`.
 
     The agent puts a `ModelRequest(qid, token_ids, GenerationConfig)` (or that plain tuple) on `obs_queue` and
-    gets the matching `GenerationOutput`, under the same qid, from `act_queue`. It must keep exactly the tokens the model produced.
+    gets the matching `GenerationOutput`, under the same qid, from `act_queue`. It must keep exactly the tokens the
+    model produced.
     """
 
     @abc.abstractmethod

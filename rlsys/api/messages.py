@@ -123,9 +123,9 @@ def reward(x, where: str) -> float:
     return float(number(x, where, -MAX_REWARD, MAX_REWARD))
 
 
-def version(x, where: str) -> int:
-    """A weight version; -1 tags tokens the model did not produce."""
-    return integer(x, where, low=-1)
+def versions(value, where: str) -> list[int]:
+    """A list of weight versions, one a token; -1 tags tokens the model did not produce."""
+    return integers(value, where, low=-1)
 
 
 # ---- generation requests (router -> inference worker) and replies (inference worker -> router)
@@ -219,7 +219,7 @@ def parse_generation_reply(message) -> GenerationReply:
     for i in range(len(reply.output_ids)):
         tokens = token_ids(reply.output_ids[i], f"output_ids[{i}]")
         for name, values in (("logprobs", logprobs(reply.logprobs[i], f"logprobs[{i}]")),
-                             ("versions", integers(reply.versions[i], f"versions[{i}]", low=-1))):
+                             ("versions", versions(reply.versions[i], f"versions[{i}]"))):
             if len(values) != len(tokens):
                 raise InvalidMessage(f"reply {reply.rid}: {name}[{i}] has {len(values)} entries for "
                                      f"{len(tokens)} tokens")

@@ -165,7 +165,7 @@ def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, 
     started = time.monotonic()
     tokenizer = build_char_tokenizer()
     train_examples, eval_examples = examples(tokenizer)
-    # On a GPU where there is one: the long-answer task's warm start takes an hour or more on 2 CPU cores.
+    # On a GPU where there is one: the long-answer task's warm start takes about 2 hours on 2 CPU cores.
     model = build_tiny_model(cfg, tokenizer, seed).to("cuda" if torch.cuda.is_available() else "cpu")
     n_params = sum(p.numel() for p in model.parameters())
     log(f"building the tiny default model ({n_params / 1e6:.1f}M parameters), warm start to "
