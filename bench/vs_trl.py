@@ -1,8 +1,8 @@
 """rlsys against TRL's GRPOTrainer on the default task: trained samples/s, held-out accuracy over time, time to +20.
 
     pip install -e .[dev]      # TRL is a dev extra, never part of the default install
-    python3 bench/vs_trl.py [--steps 180] [--snapshot-steps 10] [--task NAME] [--held-out N] [--out bench/results/vs_trl.json] \
-        [key=value ...]
+    python3 bench/vs_trl.py [--steps 180] [--snapshot-steps 10] [--task NAME] [--held-out N] \
+        [--out bench/results/vs_trl.json] [key=value ...]
 
 One command, one run after the other on the same machine: TRL 1.16's `GRPOTrainer` (one process, HF `generate`, on
 CPU with `--trl-threads` torch threads, by default every core) and then rlsys's default run
@@ -22,8 +22,8 @@ milliseconds), and after both runs every snapshot is scored by one function: gre
 held-out prompts (or the first `--held-out`), checked by the same math check; each side's samples/s and the
 learner's split of a step are printed as soon as it has run, so a time limit that cuts the scoring short leaves
 them. A side's clock starts when its training starts (TRL: `on_train_begin`; rlsys: when its rollout worker
-finished the initial evaluation and admits the first prompt), so neither side's start-up (loading, vLLM, processes) is in it; the whole command's time is
-reported beside it. Trained samples/s counts the batches between the end of batch `--warmup` and the last one;
+finished the initial evaluation and admits the first prompt), so neither side's start-up (loading, vLLM,
+processes) is in it; the whole command's time is reported beside it. Trained samples/s counts the batches between the end of batch `--warmup` and the last one;
 over the same window each side is charged its CPU seconds (TRL: its process's; rlsys: every process its run
 started, sampled each second), printed per trained sample with the cores it kept busy, and the line above the ratio
 gives the most samples/s rlsys's CPU per sample allows with every core busy, against TRL's measured. The

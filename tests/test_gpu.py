@@ -196,8 +196,8 @@ def test_a_gpu_step_synchronises_as_often_however_many_micro_batches_it_takes(tm
 
 
 def test_the_warm_start_trains_on_the_gpu_and_saves_a_model_the_cpu_loads(tmp_path):
-    """Where there is a GPU the tiny model's warm start runs there (the long-answer task's takes an hour or more
-    on 2 CPU cores); the model it saves loads on the CPU and answers what it was taught."""
+    """Where there is a GPU the tiny model's warm start runs there (the long-answer task's takes about 2 hours on
+    2 CPU cores); the model it saves loads on the CPU and answers what it was taught."""
     from transformers import AutoModelForCausalLM
 
     from experiments.common import ModelConfig
@@ -206,7 +206,7 @@ def test_the_warm_start_trains_on_the_gpu_and_saves_a_model_the_cpu_loads(tmp_pa
     from rlsys.model.tiny import arithmetic_warm_start, greedy_accuracy, prepare_tiny_model
     from rlsys.model.tokenizer import build_char_tokenizer
 
-    train, held_out = generate_addition_dataset(tmp_path / "data", 1, 200, 50)
+    train, _ = generate_addition_dataset(tmp_path / "data", 1, 200, 50)
     rows = [{**row, "answer": "7"} for row in load_rows(train)]  # one answer for every prompt: learnt in steps
     lines = []
     examples = lambda tokenizer: arithmetic_warm_start(tokenizer, rows, rows[:50])  # noqa: E731
