@@ -21,14 +21,15 @@ inference, fetched from the learner's weight server as an inference worker does,
 milliseconds), and after both runs every snapshot is scored by one function: greedy HF `generate` on the 500
 held-out prompts (or the first `--held-out`), checked by the same math check; each side's samples/s and the
 learner's split of a step are printed as soon as it has run, so a time limit that cuts the scoring short leaves
-them. A side's clock starts when its training starts (TRL: `on_train_begin`; rlsys: when its rollout worker
-finished the initial evaluation and admits the first prompt), so neither side's start-up (loading, vLLM,
-processes) is in it; the whole command's time is reported beside it. Trained samples/s counts the batches between
-the end of batch `--warmup` and the last one; over the same window each side is charged its CPU seconds (TRL: its
-process's; rlsys: every process its run started, sampled each second), printed per trained sample with the cores it kept busy, and the line above the ratio
-gives the most samples/s rlsys's CPU per sample allows with every core busy, against TRL's measured. The
-table gives the time to +10 points too (what a short run shows when one side does not reach +20). The last line is
-`ratio: <TRL time-to-target / rlsys time-to-target>` for +20 held-out points over the shared starting accuracy.
+them. A side's clock starts when its training starts (TRL: `on_train_begin`; rlsys: when its rollout worker finished
+the initial evaluation and admits the first prompt), so neither side's start-up (loading, vLLM, processes) is in it;
+the whole command's time is reported beside it. Trained samples/s counts the batches between the end of batch
+`--warmup` and the last one; over the same window each side is charged its CPU seconds (TRL: its process's; rlsys:
+every process its run started, sampled each second), printed per trained sample with the cores it kept busy, and the
+line above the ratio gives the most samples/s rlsys's CPU per sample allows with every core busy, against TRL's
+measured. The table gives the time to +10 points too (what a short run shows when one side does not reach +20). The
+last line is `ratio: <TRL time-to-target / rlsys time-to-target>` for +20 held-out points over the shared starting
+accuracy.
 `--variant NAME:SETTINGS` adds rlsys runs with other settings (e.g. the colocated placement) beside the default.
 `--device cuda` puts both sides on one GPU (TRL `use_cpu=False`; rlsys's roles find the GPU themselves, with vLLM
 where it is installed, else `inference.engine=transformers`); `--device cpu` (the default) hides any GPU from both.
