@@ -14,7 +14,7 @@ from rlsys.cli import config_to_dict, registry_name_of, save_config
 from rlsys.console import ProgressReporter
 from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout, visible_devices
-from rlsys.preflight import StartupError, check_message_bus
+from rlsys.preflight import StartupError, check_extras, check_message_bus
 from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, describe
 from rlsys.run_privacy import make_private, write_private
 from rlsys.roles import run_role
@@ -79,6 +79,7 @@ def prepare(config) -> None:
     from rlsys.data.dataset import DatasetError
 
     check_message_bus(config.cluster)  # first: it takes a second, preparing the assets may take minutes
+    check_extras(config)
     if config.cluster.backend == "local":
         try:
             gpu_layout(config.cluster, config.inference, visible_devices())

