@@ -57,12 +57,14 @@ class PolicyTrainer:
         self.critic = self.critic_optimizer = None
         if self.ppo.adv_estimator in NEEDS_CRITIC:
             self.critic = self._placed(load_critic(critic_path or config.model.path, attention)).train()
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.ppo.critic_lr)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.ppo.critic_lr,
+                                                      fused=self.ranks.world == 1)
         self.kl_controller = (AdaptiveKLController(self.ppo.init_kl_coef, self.ppo.target_kl, self.ppo.kl_horizon)
                               if self.ppo.target_kl else FixedKLController(self.ppo.init_kl_coef))
-        # Fused on a GPU: one kernel for every parameter instead of a few per tensor.
+        # Fused: one kernel for every parameter instead of a few per tensor, on GPUs and CPUs alike (BENCHMARKS.md,
+        # "Learner against a plain training loop"). Not over sharded ranks, whose parameters are DTensors.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.ppo.lr, weight_decay=self.ppo.weight_decay,
-                                           fused=self.device.startswith("cuda") and self.ranks.world == 1)
+                                           fused=self.ranks.world == 1)
         optimizer_steps = config.max_steps * self.ppo.ppo_epochs * self.ppo.num_mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_multiplier(
             step, self.ppo.warmup_steps, optimizer_steps, self.ppo.lr_scheduler_type))
