@@ -49,7 +49,8 @@ class VLLMBackend(GenerationBackend):
         params = SamplingParams(
             n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
-            output_kind=RequestOutputKind.DELTA)
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False)  # the worker sends token ids; text is the agents' business (their tokenizer)
         self.engine.add_request(seq_id, TokensPrompt(prompt_token_ids=list(token_ids)), params, arrival_time=arrival)
         self._running.add(seq_id)
 
