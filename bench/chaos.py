@@ -155,7 +155,7 @@ def report(result: dict, out: Path) -> None:
     chaos = result["chaos"]
     prompts = chaos["summary"]["prompts"]
     print(f"chaos run: {result['steps']} steps, {chaos['seconds']:.0f} s, seed {result['seed']}")
-    print(f"{'fault':<34} {'at step':>7} {'answered':>9}  how")
+    print(f"{'fault':<34} {'at step':>7} {'next step':>9}  how the run answered")
     restarts = chaos["summary"]["restarts"]
     for fault in result["faults"]:
         how = ("the run restarted from its last checkpoint" if fault["role"] == "learner0" else

