@@ -53,7 +53,7 @@ def captured_trl_batch(config, threads: int, out_dir: Path):
 
     GRPOTrainer.compute_loss = keep_inputs
     try:
-        run_trl(config, load_rows(config.dataset.path, config.dataset.row_format()), 2, 0, out_dir, threads)
+        run_trl(config, load_rows(config.dataset.path, config.dataset.row_format()), 2, 0, out_dir, threads, "cpu")
     finally:
         GRPOTrainer.compute_loss = compute_loss
     return kept["trainer"], kept["inputs"]
