@@ -7,7 +7,7 @@ Runs `training/main_async_ppo.py` with the given settings `--times` times, one a
 output directory, and reads how each ended: its exit code, its minutes, the restarts it logged, and any crash a
 role's log or the console shows (a fatal signal such as SIGSEGV or SIGABRT, a Python "Fatal Python error"). A
 crash a restart hid still counts. Prints a row per run and writes them as JSON; the last line is the headline,
-`finished cleanly: <runs with exit code 0 and no crash>/<runs>`.
+`finished cleanly: <runs with exit code 0 and no crash>/<runs>`. Every run's directory is kept (`--runs-dir`).
 """
 
 import argparse
@@ -47,13 +47,15 @@ def main() -> None:
     parser.add_argument("--times", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "repeat_runs.json"))
+    parser.add_argument("--runs-dir", default="", help="where each run's directory is kept (default: a temporary one)")
     parser.add_argument("settings", nargs="*", help="the run's settings, key=value")
     args = parser.parse_args()
     rows = []
     print(f"{'run':>4} {'exit':>7} {'minutes':>8} {'steps':>6}  restarts / crashes", flush=True)
+    runs_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="repeat-runs-")).resolve()
     for i in range(1, args.times + 1):
-        with tempfile.TemporaryDirectory(prefix="repeat-") as tmp:
-            row = one_run(args.settings, Path(tmp), args.timeout)
+        (runs_dir / str(i)).mkdir(parents=True, exist_ok=True)
+        row = one_run(args.settings, runs_dir / str(i), args.timeout)  # kept: a crash's logs are read afterwards
         rows.append(row)
         print(f"{i:>4} {row['exit']!s:>7} {row['minutes']:>8.1f} {row['steps']!s:>6}  {row['restarts'] or '-'} / "
               f"{', '.join(row['crashes']) or '-'}", flush=True)
