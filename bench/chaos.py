@@ -103,15 +103,15 @@ def launch(settings: list[str], out_dir: Path, trial: str, faults: list[Fault], 
     with open(out_dir / f"{trial}.log", "w") as log:
         run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir, env=env)
     experiment = next(s.split("=", 1)[1] for s in settings + ["experiment=async-ppo-math"] if s.startswith("experiment="))
+    run_dir = out_dir / experiment / trial
     try:
-        inject(run, out_dir / experiment / trial, faults)
+        inject(run, run_dir, faults)
     finally:
         if run.poll() is None:
             run.kill()
     console = (out_dir / f"{trial}.log").read_text()
     if run.wait() != 0:
         raise RuntimeError(f"{' '.join(command)} failed (exit code {run.returncode}):\n{console[-3000:]}")
-    run_dir = out_dir / experiment / trial
     consumed = read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))["consumed_prompts"]
     return {"command": command, "seconds": time.monotonic() - started,
             "summary": json.loads((run_dir / "summary.json").read_text()),
@@ -121,15 +121,16 @@ def launch(settings: list[str], out_dir: Path, trial: str, faults: list[Fault], 
 def hostile_answers(log: Path) -> dict:
     """Per request kind: how often it was sent, and how often answered as a sound endpoint answers it."""
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    sent, sound = Counter(), Counter()
-    for row in rows:
-        sent[row["request"]] += 1
-        sound[row["request"]] += row["status"] == row["expected"] and (
-            row["expected_param"] is None or row["param"] == row["expected_param"])
-    unsound = [row for row in rows if not (row["status"] == row["expected"])]
-    return {"sent": sum(sent.values()), "sound": sum(sound.values()), "by_request": {k: [sent[k], sound[k]] for k in sent},
+
+    def sound(row: dict) -> bool:
+        return row["status"] == row["expected"] and row["expected_param"] in (None, row["param"])
+
+    sent = Counter(row["request"] for row in rows)
+    answered = Counter(row["request"] for row in rows if sound(row))
+    return {"sent": len(rows), "sound": sum(answered.values()),
+            "by_request": {k: [sent[k], answered[k]] for k in sent},
             "server_errors": sum(1 for row in rows if row["status"] >= 500 or row["status"] == 0),
-            "unsound": unsound[:10]}
+            "unsound": [row for row in rows if not sound(row)][:10]}
 
 
 def measure(steps: int, each: int, seed: int, overrides: list[str], out_dir: Path, clean: bool = True) -> dict:

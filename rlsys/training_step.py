@@ -62,7 +62,7 @@ class PolicyTrainer:
         self.kl_controller = (AdaptiveKLController(self.ppo.init_kl_coef, self.ppo.target_kl, self.ppo.kl_horizon)
                               if self.ppo.target_kl else FixedKLController(self.ppo.init_kl_coef))
         # Fused: one kernel for every parameter instead of a few per tensor, on GPUs and CPUs alike (BENCHMARKS.md,
-        # "Learner against a plain training loop"). Not over sharded ranks, whose parameters are DTensors.
+        # "The update itself", bench/update_vs_trl.py). Not over sharded ranks, whose parameters are DTensors.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.ppo.lr, weight_decay=self.ppo.weight_decay,
                                            fused=self.ranks.world == 1)
         optimizer_steps = config.max_steps * self.ppo.ppo_epochs * self.ppo.num_mini_batches
