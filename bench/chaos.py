@@ -102,7 +102,8 @@ def launch(settings: list[str], out_dir: Path, trial: str, faults: list[Fault], 
     started = time.monotonic()
     with open(out_dir / f"{trial}.log", "w") as log:
         run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir, env=env)
-    experiment = next(s.split("=", 1)[1] for s in settings + ["experiment=async-ppo-math"] if s.startswith("experiment="))
+    experiment = next(s.split("=", 1)[1] for s in settings + ["experiment=async-ppo-math"]
+                      if s.startswith("experiment="))
     run_dir = out_dir / experiment / trial
     try:
         inject(run, run_dir, faults)

@@ -32,7 +32,8 @@ def one_run(settings: list[str], out_dir: Path, timeout: float) -> dict:
         done = subprocess.run(command, cwd=out_dir, capture_output=True, text=True, timeout=timeout)
         code, console = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
-        code, console = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        code = "timeout"
+        console = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
     logs = "".join(p.read_text(errors="replace") for p in out_dir.glob("*/repeat/logs/*.log"))
     crashes = sorted(set(CRASH.findall(console + logs)))
     summaries = list(out_dir.glob("*/repeat/summary.json"))

@@ -95,7 +95,8 @@ def test_a_feature_whose_extra_is_missing_stops_the_run_naming_the_extra(core_ti
 @pytest.mark.parametrize("settings, missing, named", [
     (["trace.mlflow=true"], "mlflow", "pip install -e '.[mlflow]'"),
     (["experiment=async-ppo-openai-agent"], "langgraph", "the LangGraph example agent needs langgraph"),
-    (["experiment=async-ppo-openai-agent"], "fastapi", "the openai-agent agent (its endpoint and clients) needs fastapi"),
+    (["experiment=async-ppo-openai-agent"], "fastapi",
+     "the openai-agent agent (its endpoint and clients) needs fastapi"),
     (["inference.engine=vllm"], "vllm", "'.[cpu]' on a CPU machine, '.[gpu]' on a GPU one"),
 ])
 def test_each_optional_feature_names_its_extra(monkeypatch, settings, missing, named):
