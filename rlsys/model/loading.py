@@ -24,8 +24,18 @@ def load_critic(path: str, attention: str = "auto"):
 
     Started from the policy's weights, as in InstructGPT's PPO, so the critic reads the prompt as the policy
     does; dropout is off, since it would add noise to the regression targets the critic is trained on.
+    A head the checkpoint lacks (a policy's) starts at zero: a critic that knows nothing predicts one value for
+    every prefix, so the first advantages are the returns against the batch's baseline, not the noise of a random
+    head, which explained less of the returns than a constant for the first 8-10 steps and stopped a 24-step run
+    learning (BENCHMARKS.md, "GAE's first steps").
     """
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0
-    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
-                                                           attn_implementation=attention_for(attention))
+    critic, loading = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation=attention_for(attention),
+        output_loading_info=True)
+    if any(key.startswith("score.") for key in loading["missing_keys"]):
+        torch.nn.init.zeros_(critic.score.weight)
+        if critic.score.bias is not None:
+            torch.nn.init.zeros_(critic.score.bias)
+    return critic
