@@ -89,10 +89,10 @@ def test_the_users_own_wait_setting_wins():
     assert role_environment({"GOMP_SPINCOUNT": "50000"}) == {}
 
 
-def test_the_warm_start_keeps_the_long_spin_rule_whatever_the_environment(monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    config = parse_config([])
-    assert warm_start_threads(config) == role_threads("learner", config, environ=LONG_SPIN)
+def test_the_warm_start_takes_every_core_unless_the_learner_has_a_setting(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert warm_start_threads(parse_config([])) == 3  # it runs before any role: nothing else wants the cores
+    assert warm_start_threads(parse_config(["learner.num_threads=1"])) == 1
 
 
 def report_environment(role, index, path, env):

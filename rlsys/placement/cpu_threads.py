@@ -90,7 +90,9 @@ def auto_learner_threads(config, cores: int, sleep_soon: bool) -> int:
 
 
 def warm_start_threads(config) -> int:
-    """The tiny model's warm start's threads: the learner's by the rule for long spins (1 on 2 cores), as before
-    threads slept soon. A thread count changes the order of float sums, so the model's bits: this keeps the tiny
-    models the tests and benchmarks were measured with (the warm start runs alone, before any role starts)."""
-    return role_threads(LEARNER, config, environ={})
+    """The tiny model's warm start's threads: `learner.num_threads` if set, else every core, since it runs alone,
+    before any role starts (on 2 cores 1.4-1.8x faster a step than 1 thread; BENCHMARKS.md, "Cold starts"). A thread
+    count changes the order of float sums, so the model's bits: a cached model is kept whatever built it."""
+    if hasattr(config, "learner") and config.learner.num_threads:
+        return config.learner.num_threads
+    return available_cores()
