@@ -54,3 +54,26 @@ def test_a_right_aligned_working_counts_as_right_when_the_model_writes_it():
     working = "   46+56+78\n     102+78\n#### 180"
     checks = [AnswerCheck([5, 6, 7], (working,)), AnswerCheck([5, 6, 8], ("#### 181",))]
     assert greedy_accuracy(Recites(tokenizer, working), tokenizer, checks, max_new_tokens=40) == 0.5
+
+
+def test_a_warm_start_prints_a_line_at_most_every_few_seconds_and_no_bars(tmp_path, monkeypatch, capfd):
+    """The console of a first run: one line per LOG_EVERY_SECONDS of a warm start, not one per check (a 3-minute
+    warm start printed 30), and no third-party progress bar when the model is saved."""
+    from rlsys.model import tiny
+    from rlsys.model.tiny import AnswerCheck, prepare_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    taught = [TaughtSequence([5, 6, 7, 8], [0, 0, 1, 1])] * 4
+    checks = [AnswerCheck([5, 6], ("#### 1",))]
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, warm_start_accuracy=1.0,
+                      cache_dir=str(tmp_path))
+    for seconds, per_check in ((3600, 0), (0, 1)):
+        monkeypatch.setattr(tiny, "LOG_EVERY_SECONDS", seconds)
+        lines = []
+        prepare_tiny_model(cfg, 0, lambda tok: (taught, checks), tmp_path / str(seconds), lines.append,
+                           batch_size=2, eval_every=1, max_steps=4)
+        # "building ...", the checks' lines, "warm start reached ..."
+        assert len(lines) == 2 + 4 * per_check, lines
+        assert "at its limit of 4 steps" in lines[-1]
+    out, err = capfd.readouterr()
+    assert "Writing model shards" not in out + err

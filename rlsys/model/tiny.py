@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
 
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
 
+LOG_EVERY_SECONDS = 10  # a warm start's progress line at most this often: alive, without a line per check
 MAX_POSITIONS = 512  # multi-turn games run to a few hundred tokens; RoPE adds no parameters for it
 
 
@@ -124,21 +126,23 @@ def warm_start(model, tokenizer, train_examples, eval_examples, target_accuracy:
                max_steps: int = 3000, eval_every: int = 25, lr: float = 1e-3, batch_size: int = 64,
                log=None) -> float:
     """Supervised steps until greedy held-out accuracy reaches `target_accuracy`; returns the accuracy.
-    `log(line)`, if given, hears the accuracy at every check, so a long warm start shows it is moving."""
+    `log(line)`, if given, hears the accuracy of a check at most every LOG_EVERY_SECONDS, so a long warm start shows
+    it is moving in a few lines."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # one kernel, not a loop over tensors
     model.train()
-    accuracy = 0.0
+    accuracy, logged = 0.0, time.monotonic()
     for step in range(1, max_steps + 1):
         optimizer.zero_grad()
         supervised_backward(model, tokenizer, rng.sample(train_examples, batch_size))
         optimizer.step()
         if step % eval_every == 0:
             accuracy = greedy_accuracy(model, tokenizer, eval_examples)
-            if log:
-                log(f"warm start step {step}: held-out accuracy {accuracy:.1%} (stops at {target_accuracy:.0%})")
             if accuracy >= target_accuracy:
                 break
+            if log and time.monotonic() - logged >= LOG_EVERY_SECONDS:
+                log(f"warm start step {step}: held-out accuracy {accuracy:.1%} (stops at {target_accuracy:.0%})")
+                logged = time.monotonic()
     return accuracy
 
 
@@ -182,7 +186,13 @@ def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, 
     log(f"warm start reached {accuracy:.1%} on {len(eval_examples[:200])} held-out examples{stopped} "
         f"in {time.monotonic() - started:.0f}s")
     tmp = directory.with_name(directory.name + ".tmp")
-    model.to("cpu").save_pretrained(tmp)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-file "Writing model shards" bar says nothing on the console
+    try:
+        model.to("cpu").save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
     tmp.rename(directory)
     return directory
