@@ -52,6 +52,9 @@ class RayRole(RoleHandle):
                 code = ray.get(waiting_on)
                 if waiting_on is self.done:
                     self._code = code
+                    # An actor outlives its run and holds its bundle's CPU: free the bundle for the role's next
+                    # actor (a restart, or every role after the learner died), which Ray would never schedule.
+                    ray.kill(self.actor, no_restart=True)
                 else:  # alive, but its run was lost while it was out of reach: it cannot go on
                     ray.kill(self.actor, no_restart=True)
                     self._code, self._reason = -1, "lost its run while it was out of reach"

@@ -1,0 +1,31 @@
+"""cluster.backend=ray's placement alone (no run): a role's actor gives its bundle back when its run ends."""
+
+import time
+
+import pytest
+
+from rlsys.cli import parse_config
+
+pytestmark = pytest.mark.distributed
+
+
+def exit_code_within(handle, seconds: float):
+    deadline = time.monotonic() + seconds
+    while handle.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return handle.exitcode
+
+
+def test_a_role_started_again_in_its_bundle_runs_once_the_last_one_returned():
+    """A role whose run returned (an error exit code, or every role when the learner died and the run restarts)
+    is started again in the same one-CPU bundle. Its old actor used to live on, holding the CPU, and Ray never
+    scheduled the new one: a restart from the start waited until the stall check stopped the run."""
+    from rlsys.placement.ray_actors import RayPlacement
+
+    placement = RayPlacement(parse_config(["cluster.backend=ray"]), lambda role, index, *args: 1)
+    try:
+        assert exit_code_within(placement.start("rollout", 0, ()), 60) == 1
+        placement.entry = lambda role, index, *args: 0
+        assert exit_code_within(placement.start("rollout", 0, ()), 60) == 0
+    finally:
+        placement.close()
