@@ -22,9 +22,14 @@ def test_a_role_started_again_in_its_bundle_runs_once_the_last_one_returned():
     scheduled the new one: a restart from the start waited until the stall check stopped the run."""
     from rlsys.placement.ray_actors import RayPlacement
 
+    def raises(role, index, *args):
+        raise RuntimeError("a learner rank whose peer died: its collective raised")
+
     placement = RayPlacement(parse_config(["cluster.backend=ray"]), lambda role, index, *args: 1)
     try:
         assert exit_code_within(placement.start("rollout", 0, ()), 60) == 1
+        placement.entry = raises
+        assert exit_code_within(placement.start("rollout", 0, ()), 60) == -1
         placement.entry = lambda role, index, *args: 0
         assert exit_code_within(placement.start("rollout", 0, ()), 60) == 0
     finally:

@@ -52,19 +52,20 @@ class RayRole(RoleHandle):
                 code = ray.get(waiting_on)
                 if waiting_on is self.done:
                     self._code = code
-                    # An actor outlives its run and holds its bundle's CPU: free the bundle for the role's next
-                    # actor (a restart, or every role after the learner died), which Ray would never schedule.
-                    ray.kill(self.actor, no_restart=True)
                 else:  # alive, but its run was lost while it was out of reach: it cannot go on
-                    ray.kill(self.actor, no_restart=True)
                     self._code, self._reason = -1, "lost its run while it was out of reach"
             except ray.exceptions.ActorUnavailableError:
                 # Its node may be dying: ask again until Ray says dead, so that a new actor is not sent to
                 # a bundle still placed on the dead node (and the one death counted as two restarts).
                 self._probe = self.actor.ping.remote()
-            except ray.exceptions.RayError as e:  # the actor died: killed, its node lost, out of memory
+            except ray.exceptions.RayError as e:  # its run raised, or the actor died: killed, node lost, memory
                 self._code = -1
                 self._reason = "died: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            if self._code is not None:
+                # An actor outlives its run (returned or raised) and holds its bundle's CPU: free the bundle for
+                # the role's next actor (a restart, or every role after the learner died), which Ray would
+                # otherwise never schedule.
+                ray.kill(self.actor, no_restart=True)
         return self._code
 
     @property
