@@ -79,14 +79,15 @@ def role_process(run: subprocess.Popen, role: str) -> psutil.Process | None:
     return None
 
 
-def inject(run: subprocess.Popen, run_dir: Path, faults: list[Fault]) -> None:
-    """Sends the faults in order, each once the learner has logged its step (a role being restarted is waited
-    for), and times how long the learner then takes to log another step, until the run ends."""
+def inject(run: subprocess.Popen, run_dir: Path, faults: list[Fault], signals: dict = KILLS) -> None:
+    """Sends the faults in order (each role its signal in `signals`), each once the learner has logged its step (a
+    role being restarted is waited for), and times how long the learner then takes to log another step, until the
+    run ends."""
     while run.poll() is None:
         rows = learner_rows(run_dir)
         pending = next((f for f in faults if f.sent_at is None), None)
         if pending and rows and rows[-1]["step"] >= pending.step and (process := role_process(run, pending.role)):
-            process.send_signal(KILLS[pending.role])
+            process.send_signal(signals[pending.role])
             pending.sent_at = time.time()
         for fault in faults:
             after = [row["time"] for row in rows if fault.sent_at is not None and row["time"] > fault.sent_at]
