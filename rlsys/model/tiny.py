@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
 
-LOG_EVERY_SECONDS = 10  # a warm start's progress line at most this often: alive, without a line per check
+LOG_EVERY_SECONDS = 15  # a warm start's progress line at most this often: alive, without a line per check
 MAX_POSITIONS = 512  # multi-turn games run to a few hundred tokens; RoPE adds no parameters for it
 
 
