@@ -79,6 +79,12 @@ def role_process(run: subprocess.Popen, role: str) -> psutil.Process | None:
     return None
 
 
+def run_directory(settings: list[str], out_dir: Path, trial: str) -> Path:
+    """Where the training command writes a run of these settings (its first `experiment=`, or the default's)."""
+    experiment = next((s.split("=", 1)[1] for s in settings if s.startswith("experiment=")), "async-ppo-math")
+    return out_dir / experiment / trial
+
+
 def inject(run: subprocess.Popen, run_dir: Path, faults: list[Fault], signals: dict = KILLS) -> None:
     """Sends the faults in order (each role its signal in `signals`), each once the learner has logged its step (a
     role being restarted is waited for), and times how long the learner then takes to log another step, until the
@@ -103,9 +109,7 @@ def launch(settings: list[str], out_dir: Path, trial: str, faults: list[Fault], 
     started = time.monotonic()
     with open(out_dir / f"{trial}.log", "w") as log:
         run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir, env=env)
-    experiment = next(s.split("=", 1)[1] for s in settings + ["experiment=async-ppo-math"]
-                      if s.startswith("experiment="))
-    run_dir = out_dir / experiment / trial
+    run_dir = run_directory(settings, out_dir, trial)
     try:
         inject(run, run_dir, faults)
     finally:

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.chaos import Fault, inject  # noqa: E402
+from bench.chaos import Fault, inject, run_directory  # noqa: E402
 RAY_WORKER_DIED = "A worker died or was killed while executing a task"
 ANSWER_WITHIN_S = 60  # a run whose role was killed finishes, or stops with an error this soon after the kill
 CRASH = re.compile(r"(SIGSEGV|SIGABRT|SIGBUS|SIGILL|SIGFPE|Fatal Python error|Segmentation fault|core dumped"
@@ -44,9 +44,8 @@ def one_run(settings: list[str], out_dir: Path, timeout: float, kill: Fault | No
                "trial_name=repeat"]
     with open(out_dir / "console.log", "w") as console_file:
         run = subprocess.Popen(command, cwd=out_dir, stdout=console_file, stderr=subprocess.STDOUT)
+    run_dir = run_directory(settings, out_dir, "repeat")
     if kill is not None:
-        experiment = next((s.split("=", 1)[1] for s in settings if s.startswith("experiment=")), "async-ppo-math")
-        run_dir = out_dir / experiment / "repeat"
         threading.Thread(target=inject, args=(run, run_dir, [kill], {kill.role: signal.SIGKILL}), daemon=True).start()
     try:
         code = run.wait(timeout=timeout)
@@ -56,12 +55,12 @@ def one_run(settings: list[str], out_dir: Path, timeout: float, kill: Fault | No
         code = "timeout"
     ended = time.time()
     console = (out_dir / "console.log").read_text(errors="replace")
-    logs = "".join(p.read_text(errors="replace") for p in out_dir.glob("*/repeat/logs/*.log"))
+    logs = "".join(p.read_text(errors="replace") for p in run_dir.glob("logs/*.log"))
     if kill:  # the reports of the one killed role are the fault, not a crash (Ray's lists SIGSEGV among causes)
         console = without_reports_of(kill.role, console)
     crashes = sorted(set(CRASH.findall(console + logs)))
-    summaries = list(out_dir.glob("*/repeat/summary.json"))
-    summary = json.loads(summaries[0].read_text()) if summaries else {}
+    summary_file = run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     row = {"exit": code, "minutes": (time.monotonic() - started) / 60, "crashes": crashes,
            "restarts": summary.get("restarts", {}), "steps": summary.get("steps"),
            "console_tail": console[-1500:] if code != 0 or crashes else ""}

@@ -20,6 +20,4 @@ def test_the_kill_is_drawn_from_the_seed_among_every_role_and_step():
     kills = [planned_kill(seed, run, settings) for seed in range(20) for run in range(1, 6)]
     assert {k.role for k in kills} == {"inference0", "rollout0", "learner0", "learner1"}
     assert all(2 <= k.step <= 18 for k in kills)
-    assert [(k.role, k.step) for k in kills] == [(k.role, k.step) for k in
-                                                 (planned_kill(seed, run, settings) for seed in range(20)
-                                                  for run in range(1, 6))]
+    assert kills == [planned_kill(seed, run, settings) for seed in range(20) for run in range(1, 6)]  # the same again
