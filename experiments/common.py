@@ -197,7 +197,7 @@ class PPOHyperparameters:
     max_tokens_per_micro_batch: int = 0
     """Token budget of one forward/backward pass; micro-batches accumulate into one optimizer step per mini-batch.
     0: by the learner's device, 2048 on a CPU, 16384 on a GPU (verl's default per GPU), where each pass costs
-    launches whatever its size (BENCHMARKS: on an H200, 2048 made the learner 0.16x a plain loop, 16384 0.81x)."""
+    launches whatever its size (BENCHMARKS.md, "Learner against a plain training loop on the same batch")."""
     filter_uniform_groups: bool = False
     """Drop groups whose rewards are all equal (no signal for group baselines); counted as groups/filtered."""
     tis_cap: float = 0.0
@@ -565,3 +565,8 @@ class AsyncRLExperimentConfig(BaseExperimentConfig):
             raise ValueError("cluster.colocate=true needs max_head_offpolicyness=0: generation and training take turns "
                              "only when no batch is generated while the learner trains; got max_head_offpolicyness="
                              f"{self.max_head_offpolicyness}")
+
+    def held_out_score(self, trajectory) -> float:
+        """What one greedy held-out episode counts towards the held-out accuracy: its reward (1 or 0 for a
+        verified answer). An experiment whose reward also pays for something else says what counts instead."""
+        return trajectory.reward

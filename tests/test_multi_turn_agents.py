@@ -113,6 +113,7 @@ def test_math_multi_turn_chains_retry_after_wrong_answers(tokenizer, tokenizer_d
     assert third.token_ids[-2:] == [ids(tokenizer, "3")[0], eos]  # no feedback after the last allowed turn
     assert [t.metrics["num_turns"] for t in (first, second, third)] == [1, 2, 3]
     assert [t.metrics["success"] for t in (first, second, third)] == [1, 1, 0]
+    assert [t.metrics["first_turn_success"] for t in (first, second, third)] == [1, 0, 0]
     assert [t.metrics["truncated"] for t in (first, second, third)] == [0, 0, 1]
     assert not any(t.void for t in trajectories)
     # Every chain's first turn saw the same context: one anchor state; later contexts differ by the answers.

@@ -243,7 +243,8 @@ class RolloutWorker:
             raise self.failed(prompt, EpisodeFailed("invalid_output", str(e))) from None
 
     async def evaluate(self, tag: str) -> float:
-        """Greedy accuracy (mean final reward) on the held-out set, logged and stored on the bus."""
+        """Greedy accuracy on the held-out set (the experiment's `held_out_score` per episode; for most, the
+        episode's reward), and the mean reward, logged and stored on the bus."""
         version = await self.current_version()
         rows = load_rows(self.config.dataset.eval_path, self.config.dataset.row_format())
         prompts = list(self.prompts(rows, "eval", shuffle=False))
@@ -252,17 +253,19 @@ class RolloutWorker:
         for result in results:
             if not isinstance(result, (list, EpisodeFailed)):
                 raise result  # not an episode's failure (already counted): a bug or a cancellation
-        rewards = [t.reward for trajectories in results if isinstance(trajectories, list) for t in trajectories]
-        accuracy = sum(rewards) / max(len(rewards), 1)
-        result = {"accuracy": accuracy, "version": version, "episodes": len(rewards)}
+        episodes = [t for trajectories in results if isinstance(trajectories, list) for t in trajectories]
+        score = self.config.held_out_score
+        accuracy = sum(map(score, episodes)) / max(len(episodes), 1)
+        result = {"accuracy": accuracy, "reward": sum(t.reward for t in episodes) / max(len(episodes), 1),
+                  "version": version, "episodes": len(episodes)}
         if len(self.config.envs) > 1:  # a mixed run: each environment type's accuracy too
             for name in self.config.envs:
-                own = [t.reward for p, ts in zip(prompts, results) if isinstance(ts, list)
+                own = [score(t) for p, ts in zip(prompts, results) if isinstance(ts, list)
                        and env_type(self.config, p) == name for t in ts]
                 result[f"{name}/accuracy"] = sum(own) / max(len(own), 1)
         self.metrics.log(version, {f"eval/{k}": v for k, v in result.items()})
         await asyncio.to_thread(self.bus.set, protocol.eval_result(tag), result)
-        log.info("held-out accuracy %s (version %d): %.1f%% of %d", tag, version, 100 * accuracy, len(rewards))
+        log.info("held-out accuracy %s (version %d): %.1f%% of %d", tag, version, 100 * accuracy, len(episodes))
         return accuracy
 
     async def wait_for_final_weights(self) -> bool:

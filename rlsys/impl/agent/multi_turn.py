@@ -185,7 +185,8 @@ class Transcript:
                 per_step.setdefault(key, []).append(float(value))
         return {**{key: sum(v) / len(v) for key, v in per_step.items()},
                 "num_turns": float(len(self.reactions)), "void_turns": float(sum(r.void for r in self.reactions)),
-                "success": float(self.reactions[-1].success), "truncated": float(self.truncated)}
+                "success": float(self.reactions[-1].success), "first_turn_success": float(self.reactions[0].success),
+                "truncated": float(self.truncated)}
 
     def trajectory(self, group_id: str, turn_discount: float) -> Trajectory:
         """The whole episode; its reward is the discounted sum of turn rewards, sum_k discount**(k-1) r_k."""
