@@ -87,6 +87,23 @@ def test_sequence_fields_align_with_the_tokens_they_predict():
     assert batch.sequence_means(values, values != 0) == [3.0, -1.0]
 
 
+def test_feedback_after_the_last_turn_is_not_computed():
+    """Tokens after the last trained one (the feedback to a final answer) are context of nothing trained: the
+    batch is the one of the trajectory without them, so the learner neither computes nor changes for them."""
+    t, short = two_trajectories()
+    told = Trajectory(token_ids=t.token_ids + [11, 12, 13], loss_mask=t.loss_mask + [0, 0, 0],
+                      logprobs=t.logprobs + [0, 0, 0], versions=t.versions + [-1, -1, -1], turn_ends=t.turn_ends,
+                      turn_rewards=t.turn_rewards, reward=t.reward, group_id="g", stop_reason="stop")
+    cut, whole = sequence_batch([told, short]), sequence_batch([t, short])
+    assert cut.lengths == whole.lengths == [4, 2]
+    assert cut.token_ids.tolist() == whole.token_ids.tolist()
+    assert {k: v.tolist() for k, v in cut.fields.items()} == {k: v.tolist() for k, v in whole.fields.items()}
+    # A prompt with nothing generated (no turn, nothing trained) stays whole.
+    empty = Trajectory(token_ids=[5, 6], loss_mask=[0, 0], logprobs=[0, 0], versions=[-1, -1], turn_ends=[],
+                       turn_rewards=[], reward=0.0, group_id="g", stop_reason="stop")
+    assert sequence_batch([empty]).lengths == [2]
+
+
 def test_padded_and_packed_micro_batches_hold_the_same_fields():
     batch = sequence_batch(two_trajectories())
     padded = micro_batches(batch, budget=100, packed=False, pad_id=0)[0]

@@ -10,7 +10,7 @@ index computed on the host: a step costs a handful of tensor operations however 
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import chain
+from itertools import chain, islice
 
 import numpy as np
 import torch
@@ -124,17 +124,26 @@ def token_sequences(token_ids: list[list[int]]) -> SequenceBatch:
     return SequenceBatch(torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long), lengths)
 
 
+def trained_length(trajectory: Trajectory) -> int:
+    """Tokens up to the last one trained on or rewarded. What follows (the feedback after a final answer) is
+    context of no trained token, so a causal model's loss, logprobs and values are the same without it."""
+    mask, ends = trajectory.loss_mask, trajectory.turn_ends
+    last_trained = len(mask) - mask[::-1].index(1) if 1 in mask else len(mask)
+    return max(last_trained, max(ends, default=0))
+
+
 def sequence_batch(trajectories: list[Trajectory]) -> SequenceBatch:
     """loss_mask, behaviour_logprobs, versions (-1: not generated) and token_rewards (each turn's reward on its
-    last token). Built from flat Python lists: a few tensors however many trajectories."""
-    lengths = [len(t.token_ids) for t in trajectories]
-    token_ids = np.fromiter(chain.from_iterable(t.token_ids for t in trajectories), dtype=np.int64,
-                            count=sum(lengths))
+    last token), each trajectory cut to its `trained_length`. Built from flat Python lists: a few tensors however
+    many trajectories."""
+    lengths = [trained_length(t) for t in trajectories]
+    token_ids = np.fromiter(chain.from_iterable(islice(t.token_ids, n) for t, n in zip(trajectories, lengths)),
+                            dtype=np.int64, count=sum(lengths))
     batch = SequenceBatch(torch.from_numpy(token_ids), lengths)
 
     def shifted(values_of, fill, dtype) -> torch.Tensor:
         # Token t+1 is predicted at position t, so per-token targets drop the first token; `fill` ends each.
-        flat = chain.from_iterable(chain(values_of(t)[1:], (fill,)) for t in trajectories)
+        flat = chain.from_iterable(chain(islice(values_of(t), 1, n), (fill,)) for t, n in zip(trajectories, lengths))
         return torch.from_numpy(np.fromiter(chain(flat, (fill,)), dtype=dtype, count=sum(lengths) + 1))
 
     rewards = np.zeros(sum(lengths) + 1, dtype=np.float32)
