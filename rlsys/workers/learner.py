@@ -150,8 +150,10 @@ class Learner(PolicyTrainer):
         versions = [v for t in group.trajectories for v in t.versions if v != NOT_GENERATED]
         if not self.ledger.too_stale(versions, self.version):
             return False
-        # the newest token tells a generation that spanned weight updates from a group that waited once generated
-        log.warning("group %s refused as too stale: its tokens are of versions %d to %d, the learner trains version %d "
+        # the newest token tells a generation that spanned weight updates from a group that waited once generated;
+        # an info line, not a warning: a few such groups are a normal part of an asynchronous run, and the run's
+        # summary counts them (filtered: too_stale)
+        log.info("group %s refused as too stale: its tokens are of versions %d to %d, the learner trains version %d "
                     "(max_head_offpolicyness=%d)", group.group_id, min(versions), max(versions), self.version,
                     self.config.max_head_offpolicyness)
         return True
