@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
-from experiments.common import DatasetConfig, GenerationHyperparameters, InferenceConfig, ModelConfig
+from experiments.common import DatasetConfig, GenerationHyperparameters, InferenceConfig, ModelConfig, \
+    PPOHyperparameters
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction, make_env
 from rlsys.data.games import generate_game_dataset, random_walks
@@ -37,6 +38,13 @@ def multi_turn_agent(config, name: str, **own_args) -> AgentAbstraction:
 
 @dataclass
 class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
+    # A step trains about 12k tokens where the math experiment's trains 1.6k (each retry's prompt carries the
+    # feedback turn), so fewer steps at a higher rate; and a warm start to a lower first-attempt accuracy, which
+    # leaves RL room to move within them (BENCHMARKS.md, "Multi-turn math with its defaults").
+    max_steps: int = 60
+    eval_steps: int = 30
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_accuracy=0.25))
+    ppo: PPOHyperparameters = field(default_factory=lambda: PPOHyperparameters(lr=1e-4))
     num_turns: int = 3
     """Attempts per problem: after a wrong answer the model is told so and tries again."""
     turn_discount: float = 0.5
@@ -46,6 +54,11 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
     @property
     def agent(self) -> AgentAbstraction:
         return multi_turn_agent(self, "math-multi-turn", num_turns=self.num_turns)
+
+    def held_out_score(self, trajectory) -> float:
+        """First-attempt accuracy, as the single-turn experiment counts it; what retries add shows in the
+        held-out reward (`eval/reward`), a success at attempt k worth turn_discount**(k-1)."""
+        return trajectory.metrics["first_turn_success"]
 
     # One problem in this many is also taught as a retry after a wrong answer. Every other one (a third of the
     # warm start's sequences, each three times as long) held back the first answers the warm start is checked
@@ -67,6 +80,7 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
 class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
     """An environment played turn by turn by the `text-game` agent; subclasses name the env and how to walk it."""
 
+    max_steps: int = 200
     max_turns: int = 8
     """Actions per episode; the env truncates the episode after this many."""
     invalid_action_penalty: float = 0.1
