@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.chaos import Fault, inject, run_directory  # noqa: E402
+from rlsys.cli import parse_config  # noqa: E402
+
 RAY_WORKER_DIED = "A worker died or was killed while executing a task"
 ANSWER_WITHIN_S = 60  # a run whose role was killed finishes, or stops with an error this soon after the kill
 CRASH = re.compile(r"(SIGSEGV|SIGABRT|SIGBUS|SIGILL|SIGFPE|Fatal Python error|Segmentation fault|core dumped"
@@ -86,8 +88,8 @@ def without_reports_of(role: str, console: str) -> str:
 
 def planned_kill(seed: int, run: int, settings: list[str]) -> Fault:
     """One role and one step for this run, drawn from the seed: any role, any step but the first and the last two."""
-    value = {k: v for k, v in (s.split("=", 1) for s in settings)}
-    steps, ranks = int(value.get("max_steps", 200)), int(value.get("cluster.n_learner_ranks", 1))
+    config = parse_config(settings)
+    steps, ranks = config.max_steps, config.cluster.n_learner_ranks
     rng = random.Random(f"{seed}-{run}")
     roles = ["inference0", "rollout0"] + [f"learner{rank}" for rank in range(ranks)]
     return Fault(rng.choice(roles), rng.randint(2, max(2, steps - 2)))

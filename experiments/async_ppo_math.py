@@ -16,6 +16,9 @@ class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
     warm_start_batch_size = 64  # tiny model's warm start: sequences a step, steps between held-out checks, and
     warm_start_eval_every = 25  # most steps before it stops short of model.warm_start_accuracy (class
     warm_start_max_steps = 3000  # attributes, not settings; experiments of long sequences take fewer)
+    # 100 steps: most of the gain (a first result in minutes, install included); the held-out curve flattens after
+    # (BENCHMARKS.md, "A first result in minutes"). The games keep 200: they learn less per step.
+    max_steps: int = 100
     reward_funcs: list[str] = field(default_factory=list)
     """TRL GRPOTrainer reward functions (module:function or file.py:function) that score answers instead of
     math-verify, each called as TRL calls it: f(prompts, completions, **dataset columns) -> list[float | None]."""

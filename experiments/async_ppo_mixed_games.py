@@ -24,6 +24,7 @@ from rlsys.workers.env_per_row import ENV_NAME
 
 @dataclass
 class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
+    max_steps: int = 200
     frozen_lake_share: float = 0.5
     """Share of the rows (so of a batch's groups, on average) that are FrozenLake; the rest are Sokoban."""
     max_turns: int = 8
