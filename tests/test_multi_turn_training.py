@@ -60,3 +60,16 @@ def test_multi_turn_experiments_check_their_settings():
         parse_config(["experiment=async-ppo-frozen-lake", "rollout.mode=forest"])
     with pytest.raises(ConfigError, match="ppo.gigpo_step_gamma must be in"):
         parse_config(["experiment=async-ppo-math-multi-turn", "ppo.gigpo_step_gamma=2"])
+
+
+def test_math_multi_turn_scores_held_out_episodes_by_first_attempts():
+    from rlsys.api import Trajectory
+    config = parse_config(["experiment=async-ppo-math-multi-turn"])
+    retried = Trajectory(token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0, -1, -1], versions=[-1, 0, 0],
+                         turn_ends=[2, 3], turn_rewards=[0.0, 1.0], reward=0.5, group_id="g", stop_reason="stop",
+                         metrics={"first_turn_success": 0.0, "success": 1.0})
+    assert config.held_out_score(retried) == 0.0  # right on the second attempt: not a first-attempt success
+    assert parse_config(["experiment=async-ppo-math"]).held_out_score(retried) == 0.5  # elsewhere: the reward
+    retried.metrics = {}
+    with pytest.raises(ValueError, match="first_turn_success"):
+        config.held_out_score(retried)
