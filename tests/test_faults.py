@@ -156,7 +156,14 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     assert summary["prompts_accounted"], prompts
     assert prompts["admitted"] == (prompts["trained"] + sum(prompts["filtered"].values()) + sum(failed.values()))
     assert prompts["trained"] == 6 * config.ppo.batch_size and prompts["in_flight"] == 0
-    assert set(prompts["filtered"]) <= {"run_ended"}
+    # Besides the run's end, only the age bound filters here, and only groups past it: a group whose generation
+    # was resumed under new weights, then overtaken by later groups, can reach the learner older than
+    # max_head_offpolicyness allows (the gate bounds admissions, not the order episodes end in), and is refused.
+    assert set(prompts["filtered"]) <= {"run_ended", "too_stale"}
+    refused = re.findall(r"refused as too stale: its tokens are of versions (\d+) to \d+, the learner trains "
+                         r"version (\d+)", (learner_log.parent / "learner0.log").read_text())
+    assert len(refused) == prompts["filtered"].get("too_stale", 0)
+    assert all(int(trained) - int(oldest) > config.max_head_offpolicyness for oldest, trained in refused), refused
     assert accounted(prompts) == prompts["admitted"]
     print(describe(prompts))  # for BENCHMARKS.md: pytest -s shows it
 
