@@ -154,8 +154,8 @@ class Learner(PolicyTrainer):
         # an info line, not a warning: a few such groups are a normal part of an asynchronous run, and the run's
         # summary counts them (filtered: too_stale)
         log.info("group %s refused as too stale: its tokens are of versions %d to %d, the learner trains version %d "
-                    "(max_head_offpolicyness=%d)", group.group_id, min(versions), max(versions), self.version,
-                    self.config.max_head_offpolicyness)
+                 "(max_head_offpolicyness=%d)", group.group_id, min(versions), max(versions), self.version,
+                 self.config.max_head_offpolicyness)
         return True
 
     def filter_group(self, group: Delivery, reason: str) -> None:
