@@ -194,6 +194,11 @@ class PPOHyperparameters:
     """true: pack sequences end to end into micro-batches (no padding computed); false: pad each micro-batch's rows;
     auto: packed where a packed row's attention costs what its sequences cost (a CPU; a GPU in bfloat16, one
     flash-attention varlen call), padded on a GPU in float32, where it would take one attention call per length."""
+    share_prefixes: str = "auto"
+    """true: a packed row holds once the tokens its sequences share before their first trained one (a group's
+    prompt), each sequence attending to them (exact: the same logprobs and gradients, fewer tokens computed);
+    false: every sequence computes its own; auto: true where rows are packed on a CPU (BENCHMARKS.md, "Shared
+    prompts")."""
     max_tokens_per_micro_batch: int = 0
     """Token budget of one forward/backward pass; micro-batches accumulate into one optimizer step per mini-batch.
     0: by the learner's device, 2048 on a CPU, 16384 on a GPU (verl's default per GPU), where each pass costs
@@ -205,8 +210,13 @@ class PPOHyperparameters:
 
     def __post_init__(self):
         self.sequence_packing = str(self.sequence_packing).lower()  # false from the command line arrives as "False"
-        if self.sequence_packing not in PACKING:
-            raise ValueError(f"ppo.sequence_packing must be one of {PACKING}, got {self.sequence_packing!r}")
+        self.share_prefixes = str(self.share_prefixes).lower()
+        for name in ("sequence_packing", "share_prefixes"):
+            if getattr(self, name) not in PACKING:
+                raise ValueError(f"ppo.{name} must be one of {PACKING}, got {getattr(self, name)!r}")
+        if self.share_prefixes == "true" and self.sequence_packing == "false":
+            raise ValueError("ppo.share_prefixes=true shares prefixes within packed rows: it needs "
+                             "ppo.sequence_packing=auto or true")
         check_at_least("ppo.", self, batch_size=1, ppo_epochs=1, warmup_steps=0, weight_decay=0, init_kl_coef=0,
                        target_kl=0, kl_horizon=1, value_clip=0, value_loss_coef=0)
         for name in ("lr", "critic_lr", "pg_clip", "max_grad_norm"):

@@ -47,6 +47,7 @@ class PolicyTrainer:
         torch.manual_seed(config.seed)
         attention = self.settings.attn_implementation
         self.packed = packs(self.ppo.sequence_packing, self.device, self.settings.dtype, attention)
+        self.share_prefixes = shares_prefixes(self.ppo.share_prefixes, self.packed, self.device, attention)
         self.model = self._placed(load_policy(config.model.path, attention)).train()
         # The KL reference is the policy the run started from, also after a resume from a later checkpoint.
         self.initial_model_path = initial_model_path
@@ -205,14 +206,24 @@ class PolicyTrainer:
         return stats
 
     def shares(self, batch: SequenceBatch) -> list[list[int]]:
-        """Which sequences of `batch` each rank computes: balanced by tokens."""
-        return balance_by_tokens(batch.lengths, self.ranks.world)
+        """Which sequences of `batch` each rank computes: balanced by tokens computed. Sequences that share a prefix
+        stay on one rank, so that it is computed once."""
+        if not (self.share_prefixes and batch.prefix_ids is not None and self.ranks.world > 1):
+            return balance_by_tokens(batch.lengths, self.ranks.world)
+        groups: dict[int, list[int]] = {}
+        for i, prefix in enumerate(batch.prefix_ids):
+            groups.setdefault(prefix, []).append(i)
+        members = list(groups.values())
+        tokens = [batch.prefix_lengths[g[0]] + sum(batch.lengths[i] - batch.prefix_lengths[i] for i in g)
+                  for g in members]
+        return [sorted(i for part in parts for i in members[part])
+                for parts in balance_by_tokens(tokens, self.ranks.world)]
 
     def micro_batches(self, batch: SequenceBatch) -> list[MicroBatch]:
         """This rank's share of `batch` in micro-batches, as many on every rank (FSDP's passes are collective:
         a rank with fewer runs empty ones); `indices` are positions in `batch`."""
         share = self.shares(batch)[self.ranks.rank]
-        out = micro_batches(batch, self.micro_batch_tokens, self.packed, self.pad_id, share)
+        out = micro_batches(batch, self.micro_batch_tokens, self.packed, self.pad_id, share, self.share_prefixes)
         return out + [empty_micro_batch(batch, self.packed, self.pad_id)] * (
             self.ranks.max(len(out)) - len(out))
 
@@ -255,7 +266,7 @@ class PolicyTrainer:
         takes no mask: nothing is built or read back per pass. Another implementation gets the padding mask."""
         if self.settings.attn_implementation != "auto":
             return mb.attention_mask
-        known_segment_starts(mb.position_ids, mb.starts)
+        known_segment_starts(mb.position_ids, mb.starts, mb.contexts)
         return None
 
     def _autocast(self):
@@ -279,6 +290,17 @@ def packs(setting, device: str, dtype: str, attention: str) -> bool:
     # On a GPU in float32 there is no one-call kernel for a packed row: it would take an attention call per
     # sequence length, and a GPU is launch-bound long before padding costs as much (BENCHMARKS.md).
     return device == "cpu" or dtype == "bfloat16" or attention == "flash_attention_2"
+
+
+def shares_prefixes(setting: str, packed: bool, device: str, attention: str) -> bool:
+    """Whether packed rows compute each shared prefix once (ppo.share_prefixes)."""
+    if setting == "true" and not (packed and attention == "auto"):
+        raise ValueError("ppo.share_prefixes=true needs packed rows under rlsys's attention (learner."
+                         "attn_implementation=auto): this learner's micro-batches are "
+                         + ("padded" if not packed else f"packed for {attention}"))
+    # auto: on a CPU only. On a GPU a packed row is one flash-attention varlen call, which has no form for
+    # a prefix attended to by several sequences; the masked sdpa calls that do it are unmeasured there.
+    return packed and attention == "auto" and (setting == "true" or (setting == "auto" and device == "cpu"))
 
 
 def check_learner_settings(settings, device: str) -> None:

@@ -236,11 +236,13 @@ def test_the_gate_lets_a_slow_episode_fall_behind_and_the_learner_refuses_it_as_
     assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 0
 
 
-def mixed_length_batch(model, rng) -> list[Trajectory]:
-    """Trajectories of 3 to 40 tokens, two turns each, with random rewards and stale behaviour logprobs."""
+def mixed_length_batch(model, rng, groups: int = 0) -> list[Trajectory]:
+    """Trajectories of 3 to 40 tokens, two turns each, with random rewards and stale behaviour logprobs; with
+    `groups`, the trajectories of a group share its prompt, as a GRPO group's samples do."""
     batch = []
+    prompts = [[rng.randint(4, 90) for _ in range(rng.randint(1, 10))] for _ in range(groups)]
     for i in range(12):
-        prompt = [rng.randint(4, 90) for _ in range(rng.randint(2, 10))]
+        prompt = prompts[i % groups] if groups else [rng.randint(4, 90) for _ in range(rng.randint(2, 10))]
         answers = [[rng.randint(4, 90) for _ in range(rng.randint(1, 15))] for _ in range(2)]
         feedback = [rng.randint(4, 90) for _ in range(3)]
         ids = prompt + answers[0] + feedback + answers[1]
@@ -284,6 +286,36 @@ def test_packed_and_padded_micro_batches_give_the_same_loss_and_gradients(tmp_pa
         results[(packing, budget)] = accumulated_gradients(learner, batch)
     reference_loss, reference_grads = results[(False, 10_000)]  # one padded micro-batch: no accumulation
     for loss, grads in (results[(True, 64)], results[(False, 64)]):
+        assert loss == pytest.approx(reference_loss, abs=1e-5)
+        for name, grad in grads.items():
+            assert torch.allclose(grad, reference_grads[name], atol=1e-5), name
+    assert any(g.abs().max() > 1e-3 for g in reference_grads.values())
+
+
+@pytest.mark.parametrize("ppo", [
+    {"loss_agg_mode": "token-mean", "init_kl_coef": 0.1, "entropy_loss_coef": 0.01},
+    {"loss_agg_mode": "seq-mean-token-mean", "decoupled_loss": True, "adv_estimator": "gae"},
+])
+def test_shared_prefixes_give_the_loss_and_gradients_of_unshared_rows(tmp_path, ppo):
+    """A group's prompt computed once, its samples attending to it, against every sample computing its own."""
+    import random
+
+    results, passes = {}, {}
+    for share, budget in (("true", 64), ("true", 10_000), ("false", 10_000)):
+        config = learner_config(tmp_path)
+        for key, value in {**ppo, "share_prefixes": share, "max_tokens_per_micro_batch": budget}.items():
+            setattr(config.ppo, key, value)
+        learner = Learner(config, InProcessBus(), tmp_path / "run")
+        assert learner.share_prefixes == (share == "true")
+        batch = mixed_length_batch(learner.model, random.Random(0), groups=3)
+        passes[(share, budget)] = learner.micro_batches(learner.prepare_batch(batch))
+        results[(share, budget)] = accumulated_gradients(learner, batch)
+    shared, small = passes[("true", 10_000)], passes[("true", 64)]
+    assert len(small) > 1 and len(shared) == 1 and shared[0].contexts is not None
+    computed, unshared = shared[0].num_tokens, sum(mb.num_tokens for mb in passes[("false", 10_000)])
+    assert computed < 0.8 * unshared, (computed, unshared)  # each group's prompt once, not four times
+    reference_loss, reference_grads = results[("false", 10_000)]
+    for loss, grads in (results[("true", 64)], results[("true", 10_000)]):
         assert loss == pytest.approx(reference_loss, abs=1e-5)
         for name, grad in grads.items():
             assert torch.allclose(grad, reference_grads[name], atol=1e-5), name

@@ -22,8 +22,8 @@ from tests.test_learner import learner_config, mixed_length_batch
 pytestmark = pytest.mark.distributed
 
 SETTINGS = {
-    # Packed rows, a token budget that gives the ranks unequal numbers of micro-batches (empty passes),
-    # the reference and proximal passes gathered from both ranks.
+    # Packed rows sharing the groups' prompts, a token budget that gives the ranks unequal numbers of micro-batches
+    # (empty passes), the reference and proximal passes gathered from both ranks.
     "grpo+kl+decoupled+packed": {"init_kl_coef": 0.1, "decoupled_loss": True, "max_tokens_per_micro_batch": 48},
     # A sharded critic, padded rows, per-sequence aggregation (weights normalised over the whole mini-batch).
     "gae+padded+seq-mean": {"adv_estimator": "gae", "sequence_packing": False, "loss_agg_mode": "seq-mean-token-mean",
@@ -63,7 +63,7 @@ def test_two_ranks_take_the_single_rank_step_and_their_checkpoint_resumes_on_one
         setattr(config.ppo, key, value)
     single = Learner(config, InProcessBus(), tmp_path / "single")
     before = {k: v.clone() for k, v in single.model.state_dict().items()}
-    batch = mixed_length_batch(single.model, random.Random(0))[:7]  # odd: the ranks get different shares
+    batch = mixed_length_batch(single.model, random.Random(0), groups=3)[:7]  # odd: the ranks get different shares
     assert len(single.micro_batches(single.prepare_batch(batch))) > 1
     single.train_step(batch)
 

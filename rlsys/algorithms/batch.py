@@ -24,6 +24,10 @@ class SequenceBatch:
     token_ids: torch.Tensor  # [N]
     lengths: list[int]  # n_i, tokens of each sequence
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [N + 1] each, see the module docstring
+    # Host-side, per sequence: which shared prefix it has (sequences with equal ids begin with the same
+    # `prefix_lengths` tokens, none of whose predictions is trained: the prompt), or None if not known.
+    prefix_ids: list[int] | None = None
+    prefix_lengths: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -68,7 +72,9 @@ class SequenceBatch:
         positions = self.positions(indices)
         index = to_device(np.append(positions, self.num_tokens), self.device)
         return SequenceBatch(self.token_ids[index[:-1]], [self.lengths[i] for i in indices],
-                             {name: values[index] for name, values in self.fields.items()})
+                             {name: values[index] for name, values in self.fields.items()},
+                             *(None if ids is None else [ids[i] for i in indices]
+                               for ids in (self.prefix_ids, self.prefix_lengths)))
 
     def padded_source(self, indices, width: int | None = None) -> np.ndarray:
         """[len(indices), width] flat positions of the sequences right-padded to `width` (the longest by
@@ -115,7 +121,8 @@ class SequenceBatch:
 
     def to(self, device) -> "SequenceBatch":
         return SequenceBatch(to_device(self.token_ids, device), self.lengths,
-                             {name: to_device(values, device) for name, values in self.fields.items()})
+                             {name: to_device(values, device) for name, values in self.fields.items()},
+                             self.prefix_ids, self.prefix_lengths)
 
 
 def token_sequences(token_ids: list[list[int]]) -> SequenceBatch:
@@ -132,14 +139,26 @@ def trained_length(trajectory: Trajectory) -> int:
     return max(last_trained, max(ends, default=0))
 
 
+def untrained_prefix(trajectory: Trajectory) -> int:
+    """How many leading tokens no trained prediction depends on as a target: all before the token that predicts
+    the first trained one. Two trajectories that begin with the same such tokens (a group's prompt) have the same
+    keys and values there in a causal model, so a packed row may compute them once for both (packing.py)."""
+    mask = trajectory.loss_mask
+    return max(mask.index(1) - 1, 0) if 1 in mask else 0
+
+
 def sequence_batch(trajectories: list[Trajectory]) -> SequenceBatch:
     """loss_mask, behaviour_logprobs, versions (-1: not generated) and token_rewards (each turn's reward on its
-    last token), each trajectory cut to its `trained_length`. Built from flat Python lists: a few tensors however
-    many trajectories."""
+    last token), each trajectory cut to its `trained_length`, and each one's untrained prefix. Built from flat
+    Python lists: a few tensors however many trajectories."""
     lengths = [trained_length(t) for t in trajectories]
     token_ids = np.fromiter(chain.from_iterable(islice(t.token_ids, n) for t, n in zip(trajectories, lengths)),
                             dtype=np.int64, count=sum(lengths))
-    batch = SequenceBatch(torch.from_numpy(token_ids), lengths)
+    prefix_lengths = [max(min(untrained_prefix(t), n - 1), 0) for t, n in zip(trajectories, lengths)]
+    prefixes: dict[tuple[int, ...], int] = {}
+    prefix_ids = [prefixes.setdefault(tuple(islice(t.token_ids, k)), len(prefixes))
+                  for t, k in zip(trajectories, prefix_lengths)]
+    batch = SequenceBatch(torch.from_numpy(token_ids), lengths, prefix_ids=prefix_ids, prefix_lengths=prefix_lengths)
 
     def shifted(values_of, fill, dtype) -> torch.Tensor:
         # Token t+1 is predicted at position t, so per-token targets drop the first token; `fill` ends each.

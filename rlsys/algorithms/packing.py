@@ -26,7 +26,9 @@ class MicroBatch:
     fields: dict[str, torch.Tensor]  # per predicted token, [R, L-1]
     indices: list[int]  # which sequences of the batch it holds
     source: torch.Tensor  # [R, L]: the batch position of each slot; padding points at slot N (see batch.py)
-    starts: list[int] = field(default_factory=lambda: [0])  # where each sequence of a row starts (padded: 0)
+    starts: list[int] = field(default_factory=lambda: [0])  # where each segment of a row starts (padded: 0)
+    # Per segment, the (start, length) of the shared prefix it continues (length 0: none); None when nothing is shared
+    contexts: list[tuple[int, int]] | None = None
 
     def scatter(self, per_token: torch.Tensor, out: torch.Tensor) -> None:
         """Writes [R, L-1] values in this micro-batch's layout into `out` ([N + 1], the batch's layout). Slots that
@@ -68,6 +70,51 @@ def pad_by_token_budget(lengths: list[int], budget: int) -> list[list[int]]:
     return bins
 
 
+def prefix_units(batch: SequenceBatch, indices: list[int], budget: int) -> list[tuple[int, list[int]]]:
+    """`indices` as units of (shared prefix length, sequences): sequences with the same prefix together, at most
+    `budget` tokens a unit once the prefix is counted once (a unit of one sequence may be longer)."""
+    members: dict[int, list[int]] = {}
+    for i in indices:
+        members.setdefault(batch.prefix_ids[i], []).append(i)
+    units = []
+    for group in members.values():
+        k = batch.prefix_lengths[group[0]]
+        unit, tokens = [], k
+        for i in group:
+            own = batch.lengths[i] - k
+            if unit and tokens + own > budget:
+                units.append((k, unit))
+                unit, tokens = [], k
+            unit.append(i)
+            tokens += own
+        units.append((k, unit))
+    return units
+
+
+def collate_shared(batch: SequenceBatch, units: list[tuple[int, list[int]]], pad_id: int) -> MicroBatch:
+    """Units of sequences as one packed row: each unit's shared prefix once (from its first sequence), then each
+    sequence's tokens after it, position ids going on from the prefix's."""
+    sources, positions, starts, contexts = [], [], [], []
+    cursor = 0
+    for k, members in units:
+        prefix = (cursor, k)
+        if k:
+            sources.append(batch.offsets[members[0]] + np.arange(k))
+            starts.append(cursor)
+            contexts.append((cursor, 0))
+            cursor += k
+        for i in members:
+            sources.append(batch.offsets[i] + np.arange(k, batch.lengths[i]))
+            starts.append(cursor)
+            contexts.append(prefix)
+            cursor += batch.lengths[i] - k
+        positions.extend([np.arange(k)] + [np.arange(k, batch.lengths[i]) for i in members])
+    mb = gathered(batch, np.concatenate(sources)[None], np.concatenate(positions)[None], True, pad_id,
+                  [i for _, members in units for i in members])
+    mb.starts, mb.contexts = starts, contexts
+    return mb
+
+
 def collate(batch: SequenceBatch, indices: list[int], packed: bool, pad_id: int) -> MicroBatch:
     """Sequences `indices` of `batch` as one packed row, or as right-padded rows: one gather per tensor."""
     if packed:
@@ -96,9 +143,14 @@ def gathered(batch: SequenceBatch, source: np.ndarray, positions: np.ndarray, pa
 
 
 def micro_batches(batch: SequenceBatch, budget: int, packed: bool, pad_id: int = 0,
-                  indices: list[int] | None = None) -> list[MicroBatch]:
-    """Sequences `indices` of `batch` (all by default) in micro-batches of at most `budget` tokens."""
+                  indices: list[int] | None = None, share_prefixes: bool = False) -> list[MicroBatch]:
+    """Sequences `indices` of `batch` (all by default) in micro-batches of at most `budget` tokens; packed rows
+    compute each shared prefix once if `share_prefixes` (and the batch knows its sequences' prefixes)."""
     indices = list(range(len(batch))) if indices is None else indices
+    if packed and share_prefixes and batch.prefix_ids is not None:
+        units = prefix_units(batch, indices, budget)
+        bins = pack_by_token_budget([k + sum(batch.lengths[i] - k for i in members) for k, members in units], budget)
+        return [collate_shared(batch, [units[u] for u in b], pad_id) for b in bins]
     lengths = [batch.lengths[i] for i in indices]
     bins = pack_by_token_budget(lengths, budget) if packed else pad_by_token_budget(lengths, budget)
     return [collate(batch, [indices[i] for i in b], packed, pad_id) for b in bins]

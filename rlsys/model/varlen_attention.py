@@ -8,6 +8,10 @@ batch) are one causal segment: right padding never precedes a real token, so rea
 
 On a CUDA GPU in half precision (`learner.dtype=bfloat16`) one packed row is one call of torch's
 flash-attention varlen kernel instead: on a GPU the per-length sdpa calls are launch-bound.
+
+A row whose segments continue shared prefixes (rlsys/algorithms/packing.py) is attended to segment by segment
+too: a continuation's queries see its prefix's keys and its own, causally; segments of similar size are padded
+into one masked sdpa call.
 """
 
 import functools
@@ -39,13 +43,17 @@ def segment_starts(position_ids: torch.Tensor) -> list[int]:
     return starts
 
 
-def known_segment_starts(position_ids: torch.Tensor, starts: list[int]) -> None:
-    """Where the sequences of the packed row `position_ids` start, as the host that built it knows."""
+def known_segment_starts(position_ids: torch.Tensor, starts: list[int],
+                         contexts: list[tuple[int, int]] | None = None) -> None:
+    """Where the segments of the packed row `position_ids` start, as the host that built it knows, and the
+    (start, length) of the shared prefix each continues (packing.py's MicroBatch.contexts), if any."""
     _last_read[:] = [position_ids, starts, None]
+    _shared[:] = [position_ids, contexts if contexts and any(n for _, n in contexts) else None, None]
 
 
 _last_read: list = [None, None, None]  # [position_ids, segment starts, their bounds on the device (flash varlen)]:
 # held, so the identity check is sound
+_shared: list = [None, None, None]  # [position_ids, segment contexts, their gather plan on the device]
 
 
 def varlen_causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -56,6 +64,10 @@ def varlen_causal_attention(module, query, key, value, attention_mask, scaling=N
     starts = segment_starts(position_ids) if position_ids is not None else [0]
     lengths = [end - start for start, end in zip(starts, starts[1:] + [query.shape[2]])]
     dropout = dropout if module.training else 0.0
+    if _shared[0] is position_ids and _shared[1] is not None:
+        if _shared[2] is None:
+            _shared[2] = shared_prefix_plan(starts, lengths, _shared[1], query.device)
+        return shared_prefix_attention(query, key, value, _shared[2], scaling, dropout), None
     if len(lengths) > 1 and flash_varlen_applies(query, dropout):
         return flash_varlen_attention(query, key, value, starts, max(lengths), scaling), None
     attend = functools.partial(causal_attention, scaling=scaling, dropout=dropout, gqa=query.shape[1] != key.shape[1])
@@ -72,6 +84,61 @@ def varlen_causal_attention(module, query, key, value, attention_mask, scaling=N
         for i, out in zip(members, attend(q, k, v).split(query.shape[0])):
             outputs[i] = out
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def shared_prefix_plan(starts: list[int], lengths: list[int], contexts: list[tuple[int, int]], device,
+                       waste: float = 2.0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each sdpa call: which row slots are its queries [S, Q] and keys [S, K], and its mask [S, 1, Q, K]
+    (True: attend), for S segments padded to the longest; then the slot order of all calls' outputs.
+
+    Segment s's keys are its prefix's slots then its own; query a sees every prefix key and its own keys up to
+    itself. Segments are sorted by key count and cut into calls whose padded scores stay within `waste` times
+    their own (plus a small floor): one call for a step of short sequences, none quadratic in a long one."""
+    segments = sorted(range(len(starts)), key=lambda s: contexts[s][1] + lengths[s])
+    calls, current = [], []
+    for s in segments:
+        trial = current + [s]
+        q = max(lengths[t] for t in trial)
+        k = max(contexts[t][1] + lengths[t] for t in trial)
+        own = sum(lengths[t] * (contexts[t][1] + lengths[t]) for t in trial)
+        if current and len(trial) * q * k > waste * own + 4096:
+            calls.append(current)
+            trial = [s]
+        current = trial
+    calls.append(current)
+    plan, slots = [], np.empty(sum(lengths), dtype=np.int64)  # slots: each row slot's place among the outputs
+    base = 0
+    for call in calls:
+        q_len = max(lengths[s] for s in call)
+        k_len = max(contexts[s][1] + lengths[s] for s in call)
+        queries = np.zeros((len(call), q_len), dtype=np.int64)
+        keys = np.zeros((len(call), k_len), dtype=np.int64)
+        mask = np.zeros((len(call), 1, q_len, k_len), dtype=bool)
+        for row, s in enumerate(call):
+            (c_start, c_len), n = contexts[s], lengths[s]
+            own = np.arange(starts[s], starts[s] + n)
+            queries[row, :n] = own
+            keys[row, :c_len + n] = np.concatenate([np.arange(c_start, c_start + c_len), own])
+            mask[row, 0, :n, :c_len + n] = np.arange(c_len + n)[None, :] <= c_len + np.arange(n)[:, None]
+            mask[row, 0, n:, 0] = True  # padding queries see one key: no empty softmax (NaN); their outputs unused
+            slots[own] = base + row * q_len + np.arange(n)
+        base += len(call) * q_len
+        plan.append(tuple(to_device(a, device) for a in (queries, keys, mask)))
+    return plan + [to_device(slots, device)]
+
+
+def shared_prefix_attention(query, key, value, plan, scaling, dropout: float) -> torch.Tensor:
+    """query [1, H, L, D], key/value [1, H_kv, L, D] of a row with shared prefixes -> [1, L, H, D]."""
+    *calls, slots = plan
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H, D]
+    gqa = q.shape[1] != k.shape[1]
+    outputs = []
+    for queries, keys, mask in calls:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[queries].transpose(1, 2), k[keys].transpose(1, 2), v[keys].transpose(1, 2), attn_mask=mask,
+            scale=scaling, dropout_p=dropout, enable_gqa=gqa)  # [S, H, Q, D]
+        outputs.append(out.transpose(1, 2).flatten(0, 1))  # [S * Q, H, D]
+    return torch.cat(outputs)[slots][None]
 
 
 def causal_attention(query, key, value, scaling, dropout: float, gqa: bool) -> torch.Tensor:
