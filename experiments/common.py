@@ -516,9 +516,8 @@ class LearnerConfig:
     attn_implementation: str = "auto"
     """Learner attention: auto (rlsys_varlen for packed rows, sdpa for padded), sdpa, eager or flash_attention_2."""
     num_threads: int = 0
-    """CPU threads of each learner rank (torch); 0: every core, split over the ranks (roles' OpenMP threads sleep soon
-    when they wait; where the user's OMP_WAIT_POLICY/GOMP_SPINCOUNT make them spin long: the cores the run's other
-    roles leave, 1 on 2 cores). See rlsys/placement/cpu_threads.py and BENCHMARKS.md, "Learner threads"."""
+    """CPU threads of each learner rank (torch); 0: the cores the run's other roles leave, split over the ranks (1 on
+    2 cores). See rlsys/placement/cpu_threads.py and BENCHMARKS.md, "Learner threads"."""
 
     def __post_init__(self):
         if self.dtype not in LEARNER_DTYPES:

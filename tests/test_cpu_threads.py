@@ -1,5 +1,5 @@
-"""Each role's torch threads and how its OpenMP threads wait: roles start with threads that sleep soon, and then
-the learner takes every core; where threads spin long, it gets the cores the run's other roles leave."""
+"""Each role's torch threads and how its OpenMP threads wait: roles start with threads that sleep soon, and the
+learner gets the cores the run's other roles leave."""
 
 import json
 import os
@@ -7,38 +7,22 @@ import os
 import pytest
 
 from rlsys.cli import ConfigError, parse_config
-from rlsys.placement.cpu_threads import OPENMP_WAIT_SETTINGS, role_environment, role_threads, threads_sleep_soon, \
-    warm_start_threads
+from rlsys.placement.cpu_threads import OPENMP_WAIT_SETTINGS, role_environment, role_threads, warm_start_threads
 from rlsys.placement.local import LocalPlacement
 
-LONG_SPIN = {}  # libgomp's default: 300,000 turns
-
-
-@pytest.mark.parametrize("overrides,cores,learner", [
-    ([], 2, 2),  # the default run on a 2-core machine: the learner's second thread uses the others' idle moments
-    ([], 16, 16),
-    (["cluster.n_learner_ranks=2"], 16, 8),
-    (["learner.num_threads=1"], 2, 1),  # set by hand: taken as it is
-])
-def test_with_threads_that_sleep_soon_the_learner_takes_every_core(overrides, cores, learner, monkeypatch):
-    for name in OPENMP_WAIT_SETTINGS:
-        monkeypatch.delenv(name, raising=False)
-    config = parse_config(overrides)
-    assert role_threads("learner", config, cores) == learner  # the environment a role of this run starts with
 
 
 @pytest.mark.parametrize("overrides,cores,learner", [
     ([], 2, 1),  # the default run on a 2-core machine: inference and rollout take one core each
     ([], 16, 14),
+    (["cluster.n_learner_ranks=2"], 16, 7),
     (["cluster.n_inference_workers=2", "inference.num_threads=3"], 16, 9),
     (["inference.num_threads=0"], 16, 1),  # the engine's choice: about one thread per core, none left
     (["learner.num_threads=2"], 2, 2),  # set by hand: taken as it is
 ])
-def test_with_threads_that_spin_long_the_learner_gets_the_cores_left_by_the_other_roles(overrides, cores, learner):
+def test_the_learner_gets_the_cores_left_by_the_other_roles(overrides, cores, learner):
     config = parse_config(overrides)
-    assert role_threads("learner", config, cores, environ=LONG_SPIN) == learner
-    assert role_threads("learner", config, cores, environ={"OMP_WAIT_POLICY": "active"}) == learner
-    assert role_threads("learner", config, cores, environ={"GOMP_SPINCOUNT": "300000"}) == learner
+    assert role_threads("learner", config, cores) == learner
     assert role_threads("inference", config, cores) == config.inference.num_threads
     assert role_threads("rollout", config, cores) == 1
 
@@ -68,19 +52,6 @@ def test_colocated_roles_each_get_every_core(overrides, cores, learner):
 def test_colocation_that_could_not_take_turns_is_refused(overrides, reason):
     with pytest.raises(ConfigError, match=reason):
         parse_config(overrides)
-
-
-@pytest.mark.parametrize("environ,soon", [
-    ({}, False),  # libgomp's default spin
-    ({"OMP_WAIT_POLICY": "passive"}, True),
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, False),
-    ({"GOMP_SPINCOUNT": "1000"}, True),
-    ({"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "ACTIVE"}, True),  # libgomp: the spin count, when set, decides
-    ({"GOMP_SPINCOUNT": "20000", "OMP_WAIT_POLICY": "PASSIVE"}, False),
-    ({"GOMP_SPINCOUNT": "infinity"}, False),
-])
-def test_which_environments_make_threads_sleep_soon(environ, soon):
-    assert threads_sleep_soon(environ) is soon
 
 
 def test_the_users_own_wait_setting_wins():

@@ -3,25 +3,20 @@
 torch computes with OpenMP (libgomp), whose threads spin while they wait for each other, by default for about
 300,000 turns of a loop before they sleep. Roles that spin steal cores from each other: on a machine with few
 cores, 2 learner threads beside the inference worker made a run slower than 1 thread, much slower under load
-(BENCHMARKS.md, "Learner threads"), because a thread that waits spins on the core the thread it waits for needs. So every role starts with `GOMP_SPINCOUNT=1000` (libgomp reads it once, when torch
-loads, so the launcher puts it in each role's environment before the process starts): a waiting thread spins a
-thousand turns, then sleeps. Unless the user set `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` for the run: theirs win.
+(BENCHMARKS.md, "Learner threads"), because a thread that waits spins on the core the thread it waits for needs.
+So every role starts with `GOMP_SPINCOUNT=1000` (libgomp reads it once, when torch loads, so the launcher puts it in
+each role's environment before the process starts): a waiting thread spins a thousand turns, then sleeps. Unless the user set `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` for the run: theirs win.
 
-With threads that sleep soon, a role's idle moments are cores others can use, and the learner takes every core:
-
-    learner threads per rank = max(1, cores // learner ranks)
-
-beside the inference worker's `inference.num_threads` and the rollout workers (asyncio, one thread of work each).
-On 2 cores that trained at least as many samples/s as 1 learner thread with the long spin, and under load it does
-not stall (BENCHMARKS.md, "Learner threads").
-Where threads spin long (the user's `OMP_WAIT_POLICY=ACTIVE`, or a `GOMP_SPINCOUNT` above 1000), the learner gets
-only the cores the other roles do not claim, and never fewer than one:
+The learner gets the cores the run's other roles do not claim, and never fewer than one:
 
     learner threads per rank = max(1, (cores - inference threads - rollout workers) // learner ranks)
 
 where each inference worker claims its `inference.num_threads` (0, the engine's choice, claims every core), and each
-rollout worker one core. Under `cluster.backend=ray` the roles may be on other nodes and `cores` is the learner's
-node's; the long-spin rule still counts the other roles there, which errs on the side of too few threads: set
+rollout worker one core: on 2 cores, 1. Until the learner computed each group's prompt once it took every core when
+threads slept soon, since its second thread found the others' idle moments; with that step about halved, the
+inference and rollout workers need their core, and 1 learner thread trained 1.14-1.19x the samples/s of 2
+(BENCHMARKS.md, "Learner threads"). Under `cluster.backend=ray` the roles may be on other nodes and `cores` is the
+learner's node's; the rule still counts the other roles there, which errs on the side of too few threads: set
 `learner.num_threads` there.
 
 Colocated (`cluster.colocate=true`) the roles take turns instead: the synchronous gate keeps inference idle
@@ -52,18 +47,8 @@ def role_environment(environ=os.environ) -> dict[str, str]:
     return {} if any(name in environ for name in OPENMP_WAIT_SETTINGS) else dict(ROLE_ENVIRONMENT)
 
 
-def threads_sleep_soon(environ) -> bool:
-    """Whether OpenMP threads in `environ` spin at most SHORT_SPIN turns before they sleep (libgomp: GOMP_SPINCOUNT,
-    when set, overrides OMP_WAIT_POLICY)."""
-    spin = environ.get("GOMP_SPINCOUNT", "").strip()
-    if spin:
-        return spin.isdigit() and int(spin) <= SHORT_SPIN
-    return environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
-
-
-def role_threads(role: str, config, cores: int | None = None, environ=None) -> int:
-    """torch threads for a process of `role` whose environment is `environ` (by default: what a role of this run
-    starts with); 0 leaves the choice to the engine (inference.num_threads=0)."""
+def role_threads(role: str, config, cores: int | None = None) -> int:
+    """torch threads for a process of `role`; 0 leaves the choice to the engine (inference.num_threads=0)."""
     colocated = config.cluster.colocate
     if role == INFERENCE:
         return cores or available_cores() if colocated else config.inference.num_threads
@@ -72,18 +57,13 @@ def role_threads(role: str, config, cores: int | None = None, environ=None) -> i
             return config.learner.num_threads
         if colocated:
             return cores or available_cores()
-        if environ is None:
-            environ = {**os.environ, **role_environment()}
-        return auto_learner_threads(config, cores or available_cores(), threads_sleep_soon(environ))
+        return auto_learner_threads(config, cores or available_cores())
     return 1  # rollout workers (asyncio: agents wait on queues) and anything else
 
 
-def auto_learner_threads(config, cores: int, sleep_soon: bool) -> int:
-    """Every core if waiting threads sleep soon, else the cores the other roles of the run do not claim; split over
-    the learner's ranks; at least 1."""
+def auto_learner_threads(config, cores: int) -> int:
+    """The cores the other roles of the run do not claim, split over the learner's ranks; at least 1."""
     cluster = config.cluster
-    if sleep_soon:
-        return max(1, cores // cluster.n_learner_ranks)
     per_inference_worker = config.inference.num_threads or cores
     claimed = cluster.n_inference_workers * per_inference_worker + cluster.n_rollout_workers
     return max(1, (cores - claimed) // cluster.n_learner_ranks)
