@@ -14,7 +14,7 @@ from rlsys.api import Trajectory
 from rlsys.api.messages import WorkerStatus, parse_published_weights
 from rlsys.bus import InProcessBus
 from rlsys.engine.weights import WEIGHTS_FILE
-from rlsys.training_step import packs
+from rlsys.training_step import packs, shares_prefixes
 from rlsys.weight_checksum import weights_checksum
 from rlsys.weight_transport import fetch
 from rlsys.workers.inference_status import InferenceStatus
@@ -451,6 +451,15 @@ def test_learner_settings_act_or_are_refused(tmp_path):
     assert packs("auto", "cpu", "float32", "auto") and packs("auto", "cuda:0", "bfloat16", "auto")
     assert not packs("auto", "cuda:0", "float32", "auto") and not packs("auto", "cpu", "float32", "sdpa")
     assert packs(True, "cuda:0", "float32", "auto") and not packs("false", "cpu", "float32", "auto")
+    # shared prompts: auto on packed CPU rows; true wherever rows are packed under rlsys's attention, else refused
+    assert shares_prefixes("auto", True, "cpu", "auto") and not shares_prefixes("auto", True, "cuda:0", "auto")
+    assert shares_prefixes("true", True, "cuda:0", "auto") and not shares_prefixes("false", True, "cpu", "auto")
+    with pytest.raises(ValueError, match="share_prefixes=true needs packed rows.*padded"):
+        shares_prefixes("true", False, "cuda:0", "auto")
+    with pytest.raises(ValueError, match="share_prefixes=true shares prefixes within packed rows"):
+        parse_config(["ppo.share_prefixes=true", "ppo.sequence_packing=false"])
+    with pytest.raises(ValueError, match="ppo.share_prefixes must be one of"):
+        parse_config(["ppo.share_prefixes=sometimes"])
 
 
 @pytest.mark.parametrize("packing", [True, False])

@@ -26,3 +26,44 @@ def test_a_packed_row_equals_each_sequence_alone(tmp_path):
     (torch.cat(expected).square().mean()).backward()
     for (name, p), q in zip(packed.named_parameters(), alone.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_sequences_continuing_a_shared_prefix_equal_each_sequence_alone(tmp_path):
+    """A row of prefixes, each once, followed by the sequences' own tokens: each token's logits are those of its
+    sequence alone, over calls of several sizes (one long group gets an sdpa call of its own)."""
+    from rlsys.model.varlen_attention import known_segment_starts, shared_prefix_plan
+
+    path = save_random_tiny_model(tmp_path / "model")
+    packed = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTN_IMPLEMENTATION)
+    alone = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    generator = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(4, 100, (n,), generator=generator)  # noqa: E731
+    groups = [(tokens(6), [tokens(n) for n in (3, 1, 4)]), (tokens(2), [tokens(5)]), (tokens(90), [tokens(40), tokens(2)]),
+              (tokens(0), [tokens(7)])]  # the last one shares nothing
+    ids, positions, starts, contexts, expected_rows = [], [], [], [], []
+    cursor = 0
+    for prefix, continuations in groups:
+        k = len(prefix)
+        if k:
+            ids.append(prefix), positions.append(torch.arange(k)), starts.append(cursor), contexts.append((cursor, 0))
+        shared = (cursor, k)
+        cursor += k
+        for own in continuations:
+            ids.append(own), positions.append(torch.arange(k, k + len(own))), starts.append(cursor)
+            contexts.append(shared)
+            cursor += len(own)
+    row, position_ids = torch.cat(ids)[None], torch.cat(positions)[None]
+    lengths = [end - start for start, end in zip(starts, starts[1:] + [cursor])]
+    assert len(shared_prefix_plan(starts, lengths, contexts, "cpu")) - 1 > 1  # several sdpa calls
+    known_segment_starts(position_ids, starts, contexts)
+    logits = packed(input_ids=row, position_ids=position_ids, use_cache=False).logits[0]
+    at = 0
+    for prefix, continuations in groups:
+        for i, own in enumerate(continuations):
+            whole = alone(input_ids=torch.cat([prefix, own])[None], use_cache=False).logits[0]
+            if i == 0 and len(prefix):
+                torch.testing.assert_close(logits[at:at + len(prefix)], whole[:len(prefix)], atol=1e-5, rtol=1e-4)
+                at += len(prefix)
+            torch.testing.assert_close(logits[at:at + len(own)], whole[len(prefix):], atol=1e-5, rtol=1e-4)
+            at += len(own)
+    assert at == row.shape[1]
