@@ -95,16 +95,14 @@ def shared_prefix_plan(starts: list[int], lengths: list[int], contexts: list[tup
     itself. Segments are sorted by key count and cut into calls whose padded scores stay within `waste` times
     their own (plus a small floor): one call for a step of short sequences, none quadratic in a long one."""
     segments = sorted(range(len(starts)), key=lambda s: contexts[s][1] + lengths[s])
-    calls, current = [], []
+    calls, current, q, k, own = [], [], 0, 0, 0  # the current call's segments, longest query and key, real scores
     for s in segments:
-        trial = current + [s]
-        q = max(lengths[t] for t in trial)
-        k = max(contexts[t][1] + lengths[t] for t in trial)
-        own = sum(lengths[t] * (contexts[t][1] + lengths[t]) for t in trial)
-        if current and len(trial) * q * k > waste * own + 4096:
+        n, keys = lengths[s], contexts[s][1] + lengths[s]
+        if current and (len(current) + 1) * max(q, n) * max(k, keys) > waste * (own + n * keys) + 4096:
             calls.append(current)
-            trial = [s]
-        current = trial
+            current, q, k, own = [], 0, 0, 0
+        current.append(s)
+        q, k, own = max(q, n), max(k, keys), own + n * keys
     calls.append(current)
     plan, slots = [], np.empty(sum(lengths), dtype=np.int64)  # slots: each row slot's place among the outputs
     base = 0
