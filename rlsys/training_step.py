@@ -25,7 +25,8 @@ from rlsys.algorithms.batch import SequenceBatch, sequence_batch, token_sequence
 from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
 from rlsys.algorithms.finite import clip_and_step
 from rlsys.algorithms.importance import truncated_importance_weights
-from rlsys.algorithms.packing import MicroBatch, balance_by_tokens, empty_micro_batch, micro_batches
+from rlsys.algorithms.packing import MicroBatch, balance_by_tokens, empty_micro_batch, micro_batches, \
+    prefix_groups, shared_tokens
 from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clipped_value_loss, gather_logprobs, \
     kl_k3, next_token_logits, ppo_clip_loss, token_entropy, token_loss_weights
 from rlsys.algorithms.schedule import lr_multiplier
@@ -210,12 +211,8 @@ class PolicyTrainer:
         stay on one rank, so that it is computed once."""
         if not (self.share_prefixes and batch.prefix_ids is not None and self.ranks.world > 1):
             return balance_by_tokens(batch.lengths, self.ranks.world)
-        groups: dict[int, list[int]] = {}
-        for i, prefix in enumerate(batch.prefix_ids):
-            groups.setdefault(prefix, []).append(i)
-        members = list(groups.values())
-        tokens = [batch.prefix_lengths[g[0]] + sum(batch.lengths[i] - batch.prefix_lengths[i] for i in g)
-                  for g in members]
+        members = prefix_groups(batch, list(range(len(batch))))
+        tokens = [shared_tokens(batch, group) for group in members]
         return [sorted(i for part in parts for i in members[part])
                 for parts in balance_by_tokens(tokens, self.ranks.world)]
 

@@ -70,14 +70,25 @@ def pad_by_token_budget(lengths: list[int], budget: int) -> list[list[int]]:
     return bins
 
 
-def prefix_units(batch: SequenceBatch, indices: list[int], budget: int) -> list[tuple[int, list[int]]]:
-    """`indices` as units of (shared prefix length, sequences): sequences with the same prefix together, at most
-    `budget` tokens a unit once the prefix is counted once (a unit of one sequence may be longer)."""
+def prefix_groups(batch: SequenceBatch, indices: list[int]) -> list[list[int]]:
+    """`indices` grouped by shared prefix, in order of first appearance."""
     members: dict[int, list[int]] = {}
     for i in indices:
         members.setdefault(batch.prefix_ids[i], []).append(i)
+    return list(members.values())
+
+
+def shared_tokens(batch: SequenceBatch, members: list[int]) -> int:
+    """Tokens a row computes for `members`, sequences of one shared prefix: the prefix once, then each one's own."""
+    k = batch.prefix_lengths[members[0]]
+    return k + sum(batch.lengths[i] - k for i in members)
+
+
+def prefix_units(batch: SequenceBatch, indices: list[int], budget: int) -> list[tuple[int, list[int]]]:
+    """`indices` as units of (shared prefix length, sequences): sequences with the same prefix together, at most
+    `budget` tokens a unit once the prefix is counted once (a unit of one sequence may be longer)."""
     units = []
-    for group in members.values():
+    for group in prefix_groups(batch, indices):
         k = batch.prefix_lengths[group[0]]
         unit, tokens = [], k
         for i in group:
@@ -149,7 +160,7 @@ def micro_batches(batch: SequenceBatch, budget: int, packed: bool, pad_id: int =
     indices = list(range(len(batch))) if indices is None else indices
     if packed and share_prefixes and batch.prefix_ids is not None:
         units = prefix_units(batch, indices, budget)
-        bins = pack_by_token_budget([k + sum(batch.lengths[i] - k for i in members) for k, members in units], budget)
+        bins = pack_by_token_budget([shared_tokens(batch, members) for _, members in units], budget)
         return [collate_shared(batch, [units[u] for u in b], pad_id) for b in bins]
     lengths = [batch.lengths[i] for i in indices]
     bins = pack_by_token_budget(lengths, budget) if packed else pad_by_token_budget(lengths, budget)
