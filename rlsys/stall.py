@@ -6,6 +6,8 @@ none admitted and no new version published, nothing in the run can change that: 
 nobody is generating, and the rollout workers wait for a gate that only a trained step opens. Held for
 `cluster.stall_timeout` seconds, that state stops the run with what the gate and the counters say. Prompts being
 generated are not a stall here: a hanging environment, agent or model call is ended by its own timeout and counted.
+Nor is a run whose inference workers are still starting (after a restart, vLLM's start takes about a minute on a
+CPU): the clock runs only while every one of them serves.
 """
 
 import time
@@ -13,6 +15,7 @@ import time
 from rlsys import protocol
 from rlsys.prompt_ledger import ADMITTED, PromptLedger, describe
 from rlsys.errors import RoleFailed
+from rlsys.workers.inference_status import InferenceStatus
 
 
 class RunStalled(RoleFailed):
@@ -24,6 +27,7 @@ class StallWatch:
 
     def __init__(self, config, ledger: PromptLedger, clock=time.monotonic):
         self.timeout, self.ledger = config.cluster.stall_timeout, ledger
+        self.n_inference_workers = config.cluster.n_inference_workers
         self.clock = clock
         self.state: tuple | None = None
         self.since = 0.0
@@ -32,8 +36,9 @@ class StallWatch:
         if not self.timeout:
             return
         now = self.clock()
-        if not bus.get(protocol.eval_result("initial")) or bus.get(protocol.LEARNER_DONE) is not None:
-            self.state = None  # starting, or past the last step: the final evaluation is no stall
+        if (not bus.get(protocol.eval_result("initial")) or bus.get(protocol.LEARNER_DONE) is not None
+                or not self.inference_serves(bus)):
+            self.state = None  # starting, (re)starting a role, or past the last step: the final evaluation is no stall
             return
         counts = self.ledger.counts()
         weights = bus.get(protocol.WEIGHTS)
@@ -48,6 +53,11 @@ class StallWatch:
             return
         if now - self.since >= self.timeout:
             raise RunStalled(self.explain(counts, version, self.ledger.slots_taken(), delivered))
+
+    def inference_serves(self, bus) -> bool:
+        """Every inference worker has published a status and the launcher has not seen its process exit."""
+        statuses = (InferenceStatus(bus, index).read() for index in range(self.n_inference_workers))
+        return all(status is not None and not status.dead for status in statuses)
 
     def explain(self, counts: dict, version, gate, delivered: int) -> str:
         return (f"the run stood still for {self.timeout:.0f} s (cluster.stall_timeout): no prompt being generated, "

@@ -12,8 +12,10 @@ from rlsys.bus import InProcessBus
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
 from rlsys.prompt_ledger import PromptLedger
+from rlsys.api.messages import WorkerStatus
 from rlsys.stall import RunStalled, StallWatch
 from rlsys.errors import RoleFailed
+from rlsys.workers.inference_status import InferenceStatus
 from tests.helpers import child_pids, left_behind, small_run_overrides
 from tests.test_training_loop import run_bus
 
@@ -40,6 +42,18 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     after(0)
     after(1000)  # starting: no initial evaluation yet
     bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
+    after(0)
+    after(1000)  # nor any inference worker serving (after a restart, the initial evaluation is kept)
+    status = InferenceStatus(bus, 0)
+    status.publish(WorkerStatus(epoch=1, beat=1, version=0, load=0))
+    after(0)
+    status.mark_dead()
+    after(1000)  # an inference worker being restarted
+    status.publish(WorkerStatus(epoch=2, beat=1, version=0, load=0))
+    after(0)
+    after(59)
+    with pytest.raises(RunStalled, match="none admitted"):
+        after(1)
     ledger.admit("p1")
     after(0)
     after(1000)  # a prompt in flight: its own timeouts end it
