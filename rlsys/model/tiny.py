@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
-from transformers.utils import logging as hf_logging
 
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
 
@@ -53,7 +51,11 @@ def arithmetic_warm_start(tokenizer, train_rows: list[dict],
     return taught, [AnswerCheck(chat_prompt_ids(tokenizer, row["prompt"]), (row["answer"],)) for row in eval_rows]
 
 
-def build_tiny_model(cfg, tokenizer, seed: int) -> Qwen2ForCausalLM:
+def build_tiny_model(cfg, tokenizer, seed: int):
+    """A Qwen2ForCausalLM. transformers' model classes are imported here, not with the module: the launcher and
+    the rollout workers import this module for its examples, and the model classes take seconds to import."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=2 * cfg.hidden_size,
@@ -185,6 +187,8 @@ def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, 
     stopped = "" if accuracy >= cfg.warm_start_accuracy else f", at its limit of {max_steps} steps,"
     log(f"warm start reached {accuracy:.1%} on {len(eval_examples[:200])} held-out examples{stopped} "
         f"in {time.monotonic() - started:.0f}s")
+    from transformers.utils import logging as hf_logging
+
     tmp = directory.with_name(directory.name + ".tmp")
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a one-file "Writing model shards" bar says nothing on the console

@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 PAD, EOS, UNK = "<|pad|>", "<|end|>", "<|unk|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
@@ -76,4 +76,8 @@ def load_tokenizer(path: str):
     saved_class = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
     if saved_class in GENERIC_TOKENIZER_CLASSES:
         return PreTrainedTokenizerFast.from_pretrained(path)
+    # Imported here: AutoTokenizer brings transformers' model and generation code (about 20 s on a 2-core CPU),
+    # which a role that only tokenizes for the tiny model never needs.
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
