@@ -526,6 +526,14 @@ class LearnerConfig:
             raise ValueError(f"learner.attn_implementation must be one of {ATTENTION}, got {self.attn_implementation!r}")
         check_at_least("learner.", self, num_threads=0)
 
+    def check_device(self, device: str) -> None:
+        """A setting this device ("cpu" or "cuda") cannot honour is refused, with the reason."""
+        if self.dtype == "bfloat16" and device == "cpu":
+            raise ValueError("learner.dtype=bfloat16 is mixed precision for GPUs; on CPU the learner trains in float32 "
+                             "(bf16 there is emulated: slower, and it loses precision): use learner.dtype=float32")
+        if self.attn_implementation == "flash_attention_2" and device == "cpu":
+            raise ValueError("learner.attn_implementation=flash_attention_2 needs a GPU (and the flash-attn package)")
+
 
 @dataclass
 class PPOMATHConfig(BaseExperimentConfig):

@@ -91,9 +91,8 @@ def prepare(config) -> None:
     if hasattr(config, "learner"):  # refused here rather than by a learner that would die and be restarted
         import torch
 
-        from rlsys.training_step import check_learner_settings
         try:
-            check_learner_settings(config.learner, "cuda" if torch.cuda.is_available() else "cpu")
+            config.learner.check_device("cuda" if torch.cuda.is_available() else "cpu")
         except ValueError as e:
             raise StartupError(str(e)) from None
     try:

@@ -43,7 +43,7 @@ class PolicyTrainer:
     def __init__(self, config, ranks: Ranks, initial_model_path: str, critic_path: str = ""):
         self.config, self.ranks, self.ppo, self.settings = config, ranks, config.ppo, config.learner
         self.device = ranks.device
-        check_learner_settings(self.settings, self.device)
+        self.settings.check_device(self.device)
         self.micro_batch_tokens = self.ppo.max_tokens_per_micro_batch or (2048 if self.device == "cpu" else 16384)
         torch.manual_seed(config.seed)
         attention = self.settings.attn_implementation
@@ -298,15 +298,6 @@ def shares_prefixes(setting: str, packed: bool, device: str, attention: str) -> 
     # auto: on a CPU only. On a GPU a packed row is one flash-attention varlen call, which has no form for
     # a prefix attended to by several sequences; the masked sdpa calls that do it are unmeasured there.
     return packed and attention == "auto" and (setting == "true" or (setting == "auto" and device == "cpu"))
-
-
-def check_learner_settings(settings, device: str) -> None:
-    """A learner setting this device cannot honour is refused, with the reason."""
-    if settings.dtype == "bfloat16" and device == "cpu":
-        raise ValueError("learner.dtype=bfloat16 is mixed precision for GPUs; on CPU the learner trains in float32 "
-                         "(bf16 there is emulated: slower, and it loses precision): use learner.dtype=float32")
-    if settings.attn_implementation == "flash_attention_2" and device == "cpu":
-        raise ValueError("learner.attn_implementation=flash_attention_2 needs a GPU (and the flash-attn package)")
 
 
 def mean_agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:

