@@ -4,6 +4,7 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -77,7 +78,9 @@ def run_in_process(entry, role: str, index: int, *args) -> None:
     code = entry(role, index, *args)
     if role == "inference":
         # vLLM's exit-time shutdown garbage-collects the engine's whole heap twice (8 s of a CPU run's end); the
-        # worker has finished its part, and nothing of the engine outlives the process.
+        # worker has finished its part, and nothing of the engine outlives the process. multiprocessing's own
+        # finalizers still run: they unlink the semaphores the engine made, which the launcher would report leaked.
+        multiprocessing.util._run_finalizers()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
