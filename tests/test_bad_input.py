@@ -118,6 +118,16 @@ def run_config(tmp_path: Path, *overrides: str):
     return parse_config([f"output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'cache'}", *small, *overrides])
 
 
+def test_a_learner_setting_this_device_cannot_honour_stops_the_run(tmp_path):
+    existing = child_pids()
+    with pytest.raises(StartupError, match="learner.dtype=bfloat16 is mixed precision for GPUs.*learner.dtype=float32"):
+        launch(run_config(tmp_path, "learner.dtype=bfloat16"))
+    with pytest.raises(StartupError, match="flash_attention_2 needs a GPU"):
+        launch(run_config(tmp_path, "learner.attn_implementation=flash_attention_2", "ppo.sequence_packing=false"))
+    assert left_behind(tmp_path, existing) == []
+    assert not (tmp_path / "cache").exists()  # refused before the dataset and the warm start
+
+
 def test_a_missing_model_path_stops_the_run(tmp_path):
     existing = child_pids()
     with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist; give an HF checkpoint"):

@@ -43,6 +43,7 @@ def test_console_shows_progress_and_result_and_sends_library_output_to_role_logs
     assert any(line.startswith("step     4/4") for line in lines), console
     assert any(line.startswith("held-out accuracy:") for line in lines) and any("report:" in line for line in lines)
     assert "<role>.log" in console and "Loading" not in console  # vLLM's and transformers' bars are in the logs
+    assert "resource_tracker" not in console  # the inference process's quick exit leaves no semaphore to report
     inference_log = (run_dir / "logs" / "inference0.log").read_text()
     assert "version 1" in inference_log or "vllm" in inference_log.lower()
 
