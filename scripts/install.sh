@@ -39,7 +39,8 @@ python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || 
 # Where PYTHONDONTWRITEBYTECODE is set, Python never caches what it compiles: every process of every run would
 # compile torch, transformers and vLLM from source again (twice the import time of each role). Compile them once here.
 if python3 -c 'import sys; sys.exit(not sys.flags.dont_write_bytecode)'; then
-  python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+  # Not the packages' own test suites (a ninth of the files): nothing imports them.
+  python3 -m compileall -q -j 0 -x '/tests/' "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
     rlsys experiments training >/dev/null || true  # a few packages ship files for other Python versions
 fi
 if [ -n "$apt" ]; then
