@@ -123,7 +123,7 @@ def test_a_learner_setting_this_device_cannot_honour_stops_the_run(tmp_path):
     with pytest.raises(StartupError, match="learner.dtype=bfloat16 is mixed precision for GPUs.*learner.dtype=float32"):
         launch(run_config(tmp_path, "learner.dtype=bfloat16"))
     with pytest.raises(StartupError, match="flash_attention_2 needs a GPU"):
-        launch(run_config(tmp_path, "learner.attn_implementation=flash_attention_2", "ppo.sequence_packing=false"))
+        launch(run_config(tmp_path, "learner.attn_implementation=flash_attention_2"))
     assert left_behind(tmp_path, existing) == []
     assert not (tmp_path / "cache").exists()  # refused before the dataset and the warm start
 
