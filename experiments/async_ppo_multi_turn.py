@@ -40,11 +40,14 @@ def multi_turn_agent(config, name: str, **own_args) -> AgentAbstraction:
 class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
     # A step trains about 12k tokens where the math experiment's trains 1.6k (each retry's prompt carries the
     # feedback turn), so fewer steps at a higher rate; and a warm start to a lower first-attempt accuracy, which
-    # leaves RL room to move within them (BENCHMARKS.md, "Multi-turn math with its defaults").
+    # leaves RL room to move within them. Each chain weighs the same in the loss: weighed per token, a chain that
+    # failed three attempts counts three times one right at once, and the update pushed sampled answers down more
+    # than up (BENCHMARKS.md, "Multi-turn math with its defaults").
     max_steps: int = 60
     eval_steps: int = 30
     model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_accuracy=0.25))
-    ppo: PPOHyperparameters = field(default_factory=lambda: PPOHyperparameters(lr=1e-4))
+    ppo: PPOHyperparameters = field(
+        default_factory=lambda: PPOHyperparameters(lr=1e-4, loss_agg_mode="seq-mean-token-mean"))
     num_turns: int = 3
     """Attempts per problem: after a wrong answer the model is told so and tries again."""
     turn_discount: float = 0.5

@@ -75,3 +75,27 @@ def test_math_multi_turn_scores_held_out_episodes_by_first_attempts():
     retried.metrics = {}
     with pytest.raises(ValueError, match="first_turn_success"):
         config.held_out_score(retried)
+
+
+def test_math_multi_turn_weighs_each_chain_once_so_failed_retries_do_not_outweigh_successes():
+    """A chain that fails all its attempts holds three answers, one right at once holds one. With group-normalised
+    rewards every group's advantages sum to zero per chain, but weighed per token (token-mean) the failed chains'
+    extra answers made the update push most sampled tokens down: in a default run's trained groups, -44% of the
+    advantage mass net (BENCHMARKS.md, "Multi-turn math with its defaults"). The experiment weighs each chain once."""
+    import torch
+
+    from rlsys.algorithms.advantages import grpo_advantages
+    from rlsys.algorithms.ppo import token_loss_weights
+
+    config = parse_config(["experiment=async-ppo-math-multi-turn"])
+    # A group of four chains: right at once (4 answer tokens), right at the second attempt, failed three times.
+    rewards, answer_tokens = [1.0, 0.5, 0.0, 0.0], [4, 8, 12, 12]
+    advantages = grpo_advantages(rewards, ["g"] * 4)
+    index = torch.repeat_interleave(torch.arange(4), torch.tensor(answer_tokens))
+    mask, per_token = torch.ones(len(index)), advantages[index]
+
+    def net(agg: str) -> float:
+        return float((token_loss_weights(mask, index, agg) * per_token).sum())
+
+    assert net(config.ppo.loss_agg_mode) == pytest.approx(0.0, abs=1e-6)
+    assert net("token-mean") < -0.3  # what it was
