@@ -118,7 +118,7 @@ def test_the_default_experiment_on_the_transformers_engine_needs_no_extra(monkey
 def test_the_install_script_has_two_tiers_and_ci_installs_the_test_tier():
     root = Path(__file__).resolve().parents[1]
     script = (root / "scripts" / "install.sh").read_text()
-    assert 'pip_install -e ".[cpu]"' in script and f'pip_install -e ".[cpu,{",".join(EXTRAS)}]"' in script
+    assert 'install_packages -e ".[cpu]"' in script and f'install_packages -e ".[cpu,{",".join(EXTRAS)}]"' in script
     assert "bash scripts/install.sh --tests" in (root / ".ci" / "run").read_text()
     readme = (root / "README.md").read_text()
     assert "bash scripts/install.sh && python3 training/main_async_ppo.py" in readme
@@ -128,3 +128,28 @@ def test_the_install_script_has_two_tiers_and_ci_installs_the_test_tier():
              if line.startswith("python3 -m pytest")]
     assert tiers == ['python3 -m pytest tests -q -m "not slow and not long"',
                      'python3 -m pytest tests -q -m "slow and not long"'] and all(t in readme for t in tiers)
+
+
+def test_uv_is_told_where_pip_would_install_from(tmp_path):
+    """uv reads no pip configuration: the install hands it pip's sources, skipping a local index that does not
+    exist (pip skips it, uv would stop), each once however many places set it, and pip's cross-index rule."""
+    spec = importlib.util.spec_from_file_location("uv_install", Path(__file__).resolve().parents[1] / "scripts"
+                                                  / "uv_install.py")
+    uv_install = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(uv_install)
+    (tmp_path / "simple").mkdir()
+    pip_config = "\n".join([
+        ":env:.cert='/etc/ssl/certs/ca.crt'",
+        ":env:.default-timeout='180'",
+        ":env:.find-links='/opt/wheels'",
+        "global.constraint='/etc/xdg/pip/constraints.txt'",
+        f"global.extra-index-url='file://{tmp_path}/simple file://{tmp_path}/missing'",
+        "global.find-links='/opt/wheels'",
+        "user.index-url='https://mirror.example/simple'",
+    ])
+    args, env = uv_install.uv_arguments(pip_config)
+    assert args == ["--index-strategy", "unsafe-best-match", "--find-links", "/opt/wheels",
+                    "--constraint", "/etc/xdg/pip/constraints.txt", "--extra-index-url", f"file://{tmp_path}/simple",
+                    "--index-url", "https://mirror.example/simple"]
+    assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca.crt"}
+    assert uv_install.uv_arguments("") == (["--index-strategy", "unsafe-best-match"], {})
