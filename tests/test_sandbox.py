@@ -7,6 +7,7 @@ import asyncio
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -226,3 +227,21 @@ def test_the_seccomp_filter_is_refused_where_it_has_no_table(monkeypatch):
     monkeypatch.setattr(seccomp_filter.os, "uname", lambda: os.uname_result(("Linux", "h", "r", "v", "riscv64")))
     with pytest.raises(OSError, match="no system-call table for riscv64"):
         seccomp_filter.deny_filter(True)
+
+
+@pytest.mark.skipif(machine_confinement().mode == "none", reason="no sandbox on this machine")
+def test_an_interpreter_in_a_venv_under_tmp_runs_confined(tmp_path):
+    """The sandbox mounts a private /tmp; an interpreter that lives under /tmp (a venv there) must still be
+    visible inside it, bound read-only over the private one."""
+    venv = Path(tempfile.mkdtemp(prefix="rlsys-venv-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                       check=True)
+        code = ("import asyncio, sys\nfrom rlsys.tools.sandbox import run_python\n"
+                "r = asyncio.run(run_python('import sys; print(sys.prefix)'))\n"
+                "print(r.status, r.stdout.strip(), r.isolation, r.stderr)\n")
+        out = subprocess.run([str(venv / "bin" / "python3"), "-c", code], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+        assert out.stdout.split()[:2] == ["ok", str(venv)], out.stdout + out.stderr
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)

@@ -149,12 +149,13 @@ def interpreter_dirs() -> list[str]:
 
 def bwrap_command(limits: dict, seccomp_fd: int, code_fd: int) -> list[str]:
     """The bubblewrap part of a run's command line; the init's own command follows it."""
-    args = [shutil.which("bwrap") or "bwrap", *namespace_options(), "--as-pid-1", *system_binds()]
+    args = [shutil.which("bwrap") or "bwrap", *namespace_options(), "--as-pid-1", *system_binds(),
+            "--proc", "/proc", "--dev", "/dev",
+            "--size", str(limits["workdir_bytes"]), "--tmpfs", WORKDIR,
+            "--size", str(limits["shm_bytes"]), "--tmpfs", "/dev/shm"]
+    # After the tmpfs mounts, which would hide an interpreter that lives under them (a venv in /tmp)
     for path in interpreter_dirs():
         args += ["--ro-bind", path, path]
-    args += ["--proc", "/proc", "--dev", "/dev",
-             "--size", str(limits["workdir_bytes"]), "--tmpfs", WORKDIR,
-             "--size", str(limits["shm_bytes"]), "--tmpfs", "/dev/shm",
-             "--perms", "0644", "--file", str(code_fd), f"{WORKDIR}/main.py",
+    args += ["--perms", "0644", "--file", str(code_fd), f"{WORKDIR}/main.py",
              "--chdir", WORKDIR, "--clearenv", "--seccomp", str(seccomp_fd), "--"]
     return args
