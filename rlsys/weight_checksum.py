@@ -27,14 +27,22 @@ def weights_checksum(tensors: dict[str, torch.Tensor], dtype: str | None = None)
     `dtype` (a torch dtype name): cast each floating tensor to it first, so a learner training in float32 can compute the
     checksum of the bfloat16 copy an engine holds."""
     cast = getattr(torch, dtype) if dtype else None
-    names, sums = [], []
-    for name in sorted(tensors):
-        t = tensors[name].detach()
-        if cast is not None and t.is_floating_point():
-            t = t.to(cast)
-        names.append(f"{name}|{t.dtype}|{tuple(t.shape)}")
-        sums.append(_integer_sums(t.contiguous()))
-    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=16)
+    return digest({name: tensor_sums(t.detach().to(cast) if cast is not None and t.is_floating_point() else t)
+                   for name, t in tensors.items()})
+
+
+def tensor_sums(t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """One tensor's part of the checksum, computed where it lives: its dtype and shape, and its integer sums. A
+    transfer computes each as its tensor is copied or arrives, then `digest`s them all."""
+    t = t.detach()
+    return f"{t.dtype}|{tuple(t.shape)}", _integer_sums(t.contiguous())
+
+
+def digest(parts: dict[str, tuple[str, torch.Tensor]]) -> str:
+    """The checksum of the tensors whose `tensor_sums` `parts` holds by name: `weights_checksum` of them."""
+    names = sorted(parts)
+    digest = hashlib.blake2b("\n".join(f"{name}|{parts[name][0]}" for name in names).encode(), digest_size=16)
+    sums = [parts[name][1] for name in names]
     if sums:  # one copy to the host for the whole model, not a synchronisation per tensor
         on_one_device = len({s.device for s in sums}) == 1
         digest.update(torch.stack(sums if on_one_device else [s.cpu() for s in sums]).cpu().numpy().tobytes())

@@ -11,13 +11,21 @@ Why a server the workers pull from, rather than a `torch.distributed` broadcast:
 the moment of publishing. A worker restarted on another node, or one that joins late, connects whenever it comes
 up and gets the newest version, while a broadcast needs every member of a fixed group at once (one dead worker
 stalls the learner) and a new group formed on every restart. The learner never waits on a worker: publishing
-only swaps the buffer the server thread sends, so it costs one cast-and-copy of the weights and their checksum.
-A worker that cannot reach the learner (it is restarting from a checkpoint), or whose transfer breaks off, keeps
-serving the version it has, says so in its log, and tries the newest announcement at its next check.
+costs it one cast-and-copy of the weights and their checksum.
+
+The stream is a pipeline: the learner announces a version before copying it, a connection sends each tensor as
+soon as it is copied (the checksum follows the bytes), the worker's receiving thread computes each tensor's part of
+the checksum as it lands, and an engine that loads tensor by tensor (`GenerationBackend.loads_as_they_arrive`)
+takes each one as it arrives. A tied tensor (an output head that is the embedding) is sent once.
 
 Atomic for generation: a connection sends the one buffer it took when it was accepted, whole, with that buffer's
-version and checksum in its header; a newer version only replaces the server's reference. The worker loads
-what the header names, so it never holds half of one version and half of another.
+version in its header; a newer version only replaces the server's reference. The worker loads what the header
+names, with no sequence running. It keeps the newest whole version it received in one buffer while the next
+arrives in another, so if a transfer breaks off mid-load (the learner died), the engine's load completes from the
+held version and the worker loads the held version whole again before it generates: it never serves half of one
+version and half of another. A worker that cannot reach the learner (it is restarting from a checkpoint), or whose
+transfer breaks off, keeps serving the version it has, says so in its log, and tries the newest announcement at its
+next check.
 """
 
 import contextlib
@@ -29,15 +37,17 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
 import torch
+from safetensors.torch import load_file
 
 from rlsys import protocol
-from rlsys.engine.weights import write_weight_update
-from rlsys.weight_checksum import weights_checksum
+from rlsys.engine.weights import WEIGHTS_FILE, write_weight_update
+from rlsys.weight_checksum import digest, tensor_sums, weights_checksum
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +76,44 @@ def serving_host(backend: str) -> str:
 
 @dataclass
 class Received:
-    """One version as a worker got it: tensors in memory (stream) or the directory of its file (disk), with the
-    checksum the learner computed over them in `dtype` (empty when the publisher sent none)."""
+    """One version as a worker got it: tensors in memory (stream; an `Incoming` while they still arrive) or the
+    directory of its file (disk), with the checksum the learner computed over them in `dtype` (empty when the
+    publisher sent none) and, streamed, the checksum of the bytes that arrived."""
 
     version: int
-    weights: dict[str, torch.Tensor] | str
+    weights: "dict[str, torch.Tensor] | str | Incoming"
     checksum: str = ""
     dtype: str = ""
     buffer: torch.Tensor | None = None  # streamed: the memory the tensors are views of
+    layout: list | None = None  # streamed: [name, dtype, shape, start, bytes] of each tensor in the buffer
+    arrived_checksum: str = ""
+
+
+class _Offer:
+    """One version as the server offers it: a buffer the learner fills tensor by tensor, announced before it is
+    full, so a connection sends each tensor as soon as it is copied; the checksum follows the bytes."""
+
+    def __init__(self, header: dict, buffer: torch.Tensor):
+        self.header, self.buffer = _frame(header), buffer
+        self.size = header["bytes"]
+        self.filled = 0  # bytes of the buffer written
+        self.checksum: str | None = None  # once every tensor is written
+        self.failed = False  # the learner's copy raised: connections break off, workers keep what they hold
+        self.changed = threading.Condition()
+
+    def mark(self, filled: int, checksum: str | None = None, failed: bool = False) -> None:
+        with self.changed:
+            self.filled, self.checksum, self.failed = filled, checksum, failed
+            self.changed.notify_all()
+
+    def wait_beyond(self, sent: int) -> int:
+        """Bytes written once more than `sent` are (or the checksum is, when all are); raises if the copy failed."""
+        with self.changed:
+            while not self.failed and self.filled <= sent and (self.checksum is None or sent < self.size):
+                self.changed.wait(IO_TIMEOUT)
+            if self.failed:
+                raise OSError("the learner could not copy this version")
+            return self.filled
 
 
 class WeightServer:
@@ -84,7 +124,7 @@ class WeightServer:
         self._listener = socket.create_server((host, 0))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
-        self._offer: tuple[bytes, torch.Tensor] | None = None  # (header frame, buffer)
+        self._offer: _Offer | None = None
         # A buffer no longer offered nor being sent, written again by the next offer: a fresh one of a model's size
         # costs a page fault per 4 KiB, as much as the copy itself.
         self._spare: torch.Tensor | None = None
@@ -92,35 +132,65 @@ class WeightServer:
         self._closed = False
         threading.Thread(target=self._accept, name="weight-server", daemon=True).start()
 
-    def offer(self, version: int, state_dict: dict[str, torch.Tensor], dtype: str) -> str:
-        """From now on serve `state_dict` cast to `dtype` as `version`; returns its checksum."""
+    def offer(self, version: int, state_dict: dict[str, torch.Tensor], dtype: str,
+              announce: Callable[[], None] = lambda: None) -> str:
+        """From now on serve `state_dict` cast to `dtype` as `version`; returns its checksum.
+
+        `announce` is called once the version is offered and before it is copied: workers that connect then receive
+        each tensor as soon as it is copied, and the learner's copy overlaps their transfer. It returns once every
+        tensor is copied, so the learner may change its weights after."""
         cast = getattr(torch, dtype)
-        entries, offset = [], 0
+        entries, offset, placed = [], 0, {}
         for name, t in state_dict.items():
             t_dtype = cast if t.is_floating_point() else t.dtype
             nbytes = t.numel() * t_dtype.itemsize
-            entries.append((name, t, t_dtype, offset, nbytes))
-            offset += -(-nbytes // ALIGN) * ALIGN
-        # A GPU model's tensors go to pinned memory without a wait each, and its checksum is computed on the GPU
-        # (the host has one core for it) while they travel; one wait before the buffer is offered.
+            # A tied tensor (the output head that is the embedding) is one memory under two names: sent once.
+            alias = placed.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), (name, offset))
+            entries.append((name, t, t_dtype, alias[1], nbytes, alias[0]))
+            if alias[0] == name:
+                offset += -(-nbytes // ALIGN) * ALIGN
         on_gpu = any(t.is_cuda for t in state_dict.values())
         with self._lock:
             buffer, self._spare = self._spare, None
         if buffer is None or buffer.numel() != offset or buffer.is_pinned() != on_gpu:
             buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=on_gpu)
-        tensors = {name: _view(buffer, t_dtype, t.shape, start, nbytes) for name, t, t_dtype, start, nbytes in entries}
-        for name, t, *_ in entries:
-            tensors[name].copy_(t.detach(), non_blocking=on_gpu)  # the cast and the host copy in one pass
-        checksum = weights_checksum(state_dict, dtype) if on_gpu else weights_checksum(tensors)
-        if on_gpu:
-            torch.cuda.synchronize()
-        header = {"version": version, "checksum": checksum, "dtype": dtype, "bytes": offset,
+        header = {"version": version, "dtype": dtype, "bytes": offset,
                   "tensors": [[name, str(t_dtype).removeprefix("torch."), list(t.shape), start, nbytes]
-                              for name, t, t_dtype, start, nbytes in entries]}
+                              for name, t, t_dtype, start, nbytes, _ in entries]}
+        offer = _Offer(header, buffer)
         with self._lock:
-            previous, self._offer = self._offer, (_frame(header), buffer)
-            if previous is not None and not self._sending.get(id(previous[1])):
-                self._spare = previous[1]
+            previous, self._offer = self._offer, offer
+            if previous is not None and not self._sending.get(id(previous.buffer)):
+                self._spare = previous.buffer
+        announce()
+        try:
+            checksum = self._fill(offer, entries, state_dict, dtype, on_gpu)
+        except BaseException:
+            offer.mark(offer.filled, failed=True)
+            raise
+        return checksum
+
+    @staticmethod
+    def _fill(offer: _Offer, entries: list, state_dict: dict, dtype: str, on_gpu: bool) -> str:
+        """The cast and the host copy in one pass per tensor, each tensor offered as soon as it is copied."""
+        tensors = {name: _view(offer.buffer, t_dtype, t.shape, start, nbytes)
+                   for name, t, t_dtype, start, nbytes, _ in entries}
+        if on_gpu:  # to pinned memory without a wait each, the checksum computed on the GPU meanwhile; one wait
+            for name, t, *_, first in entries:
+                if first == name:
+                    tensors[name].copy_(t.detach(), non_blocking=True)
+            checksum = weights_checksum(state_dict, dtype)
+            torch.cuda.synchronize()
+            offer.mark(offer.size, checksum)
+            return checksum
+        parts = {}
+        for name, t, t_dtype, start, nbytes, first in entries:
+            if first == name:
+                tensors[name].copy_(t.detach())
+                offer.mark(min(start + -(-nbytes // ALIGN) * ALIGN, offer.size))
+            parts[name] = parts[first] if first != name else tensor_sums(tensors[name])  # while the bytes go out
+        checksum = digest(parts)
+        offer.mark(offer.size, checksum)
         return checksum
 
     def close(self) -> None:
@@ -149,15 +219,21 @@ class WeightServer:
                 with self._lock:
                     offer = self._offer
                     if offer is not None:
-                        self._sending[id(offer[1])] = self._sending.get(id(offer[1]), 0) + 1
+                        self._sending[id(offer.buffer)] = self._sending.get(id(offer.buffer), 0) + 1
                 if offer is None:
                     connection.sendall(_frame({"error": "no version published yet"}))
                     return
                 try:
-                    connection.sendall(offer[0])
-                    connection.sendall(memoryview(offer[1].numpy()))  # the GIL is released while the bytes go out
+                    connection.sendall(offer.header)
+                    data, sent = memoryview(offer.buffer.numpy()), 0
+                    while sent < offer.size:
+                        filled = offer.wait_beyond(sent)
+                        connection.sendall(data[sent:filled])  # the GIL is released while the bytes go out
+                        sent = filled
+                    offer.wait_beyond(sent)
+                    connection.sendall(_frame({"checksum": offer.checksum}))
                 finally:
-                    self._sent(offer[1])
+                    self._sent(offer.buffer)
             except (OSError, ValueError, msgpack.UnpackException) as e:
                 log.info("a weight transfer to a worker broke off: %s", e)
 
@@ -167,25 +243,104 @@ class WeightServer:
             self._sending[id(buffer)] -= 1
             if not self._sending[id(buffer)]:
                 del self._sending[id(buffer)]
-                if self._offer is None or self._offer[1] is not buffer:
+                if self._offer is None or self._offer.buffer is not buffer:
                     self._spare = buffer
 
 
-def fetch(address: str, token: str, into: torch.Tensor | None = None) -> Received:
-    """The newest version `address` serves, read into memory (into `into` if it has the size: the tensors are then
-    views of it); raises OSError if it cannot be had whole now."""
+class Incoming:
+    """A version arriving over the stream: a thread reads its tensors in buffer order and computes each one's part
+    of the checksum as it lands, while an engine that loads tensor by tensor takes them from `items`."""
+
+    def __init__(self, connection: socket.socket, header: dict, buffer: torch.Tensor, held: "Received | None",
+                 source: str):
+        self.version, self.dtype, self.buffer, self.source = header["version"], header["dtype"], buffer, source
+        self.layout = header["tensors"]
+        self.tensors = {name: _view(buffer, getattr(torch, dtype), shape, start, nbytes)
+                        for name, dtype, shape, start, nbytes in self.layout}
+        self.held = held  # a whole earlier version of this layout: what `items` gives if this one breaks off
+        self.checksum = ""  # the learner's, from the trailer
+        self.arrived_checksum = ""  # of the bytes that arrived
+        self.error: Exception | None = None
+        self._arrived = 0  # tensors whose bytes are all here
+        self._done = threading.Event()
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._receive, args=(connection,), name="weight-receive", daemon=True)
+        self._thread.start()
+
+    def items(self):
+        """(name, tensor) in buffer order, each once its bytes are here. If the transfer breaks off, the rest come
+        from the held version, so the engine's load always completes; `wait` then raises, and the worker loads the
+        held version whole again (the engine holds a mix of two versions until then, with nothing generating)."""
+        for i, (name, tensor) in enumerate(self.tensors.items()):
+            with self._changed:
+                while self._arrived <= i and self.error is None:
+                    self._changed.wait()
+            yield (name, tensor) if self.error is None else (name, self.held.weights[name])
+
+    def wait(self) -> None:
+        """Returns once every byte and the checksum arrived; raises OSError if the transfer broke off."""
+        self._done.wait()
+        self._thread.join()
+        if self.error is not None:
+            raise OSError(f"the transfer of version {self.version} broke off: {self.error}") from self.error
+
+    def _receive(self, connection: socket.socket) -> None:
+        parts = {}
+        try:
+            with connection:
+                view, received, first_at = memoryview(self.buffer.numpy()), 0, {}
+                for name, _, _, start, nbytes in self.layout:  # in buffer order; a tied tensor's second name at
+                    end = min(start + -(-nbytes // ALIGN) * ALIGN, len(view))  # the first one's place
+                    if end > received:
+                        _read_into(connection, view[received:end])  # the tensor and the alignment after it
+                        received = end
+                    with self._changed:
+                        self._arrived += 1
+                        self._changed.notify_all()
+                    first = first_at.setdefault(start, name)
+                    parts[name] = parts[first] if first != name else tensor_sums(self.tensors[name])
+                if received != len(view):
+                    raise ValueError(f"the header's tensors end at byte {received} of {len(view)}")
+                trailer = _read_frame(connection)
+                if not isinstance(trailer, dict) or not isinstance(trailer.get("checksum"), str):
+                    raise ValueError(f"the transfer ended with {trailer!r} where the checksum belongs")
+                self.checksum, self.arrived_checksum = trailer["checksum"], digest(parts)
+        except (OSError, ValueError, msgpack.UnpackException) as e:
+            with self._changed:
+                self.error = e
+                self._changed.notify_all()
+        finally:
+            self._done.set()
+
+
+def _connect(address: str, token: str) -> tuple[socket.socket, dict]:
     host, port = address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=IO_TIMEOUT) as connection:
+    connection = socket.create_connection((host, int(port)), timeout=IO_TIMEOUT)
+    try:
         connection.sendall(_frame({"token": token}))
         header = _read_frame(connection)
         if not isinstance(header, dict) or "error" in header:
             raise ConnectionError(f"the weight server at {address} refused: {header}")
-        buffer = into if into is not None and into.numel() == header["bytes"] else torch.empty(header["bytes"],
-                                                                                               dtype=torch.uint8)
-        _read_into(connection, memoryview(buffer.numpy()))
-    tensors = {name: _view(buffer, getattr(torch, dtype), shape, start, nbytes)
-               for name, dtype, shape, start, nbytes in header["tensors"]}
-    return Received(header["version"], tensors, header["checksum"], header["dtype"], buffer)
+    except BaseException:
+        connection.close()
+        raise
+    return connection, header
+
+
+def fetch(address: str, token: str, into: torch.Tensor | None = None) -> Received:
+    """The newest version `address` serves, read whole into memory (into `into` if it has the size: the tensors are
+    then views of it); raises OSError if it cannot be had whole now."""
+    incoming = _open(address, token, into, held=None)
+    incoming.wait()
+    return Received(incoming.version, incoming.tensors, incoming.checksum, incoming.dtype, incoming.buffer,
+                    incoming.layout, incoming.arrived_checksum)
+
+
+def _open(address: str, token: str, into: torch.Tensor | None, held: "Received | None") -> Incoming:
+    connection, header = _connect(address, token)
+    size = header["bytes"]
+    buffer = into if into is not None and into.numel() == size else torch.empty(size, dtype=torch.uint8)
+    return Incoming(connection, header, buffer, held, address)
 
 
 def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_dir: Path,
@@ -194,12 +349,12 @@ def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_d
     """Version `version` of `model` (its `state_dict` if given: one gathered from the learner's shards) made
     available to every inference worker in `dtype`, then announced on the bus with `extra` fields.
 
-    stream needs the learner's `server`; disk writes under `weights_dir` and announces the checksum with the path."""
+    stream needs the learner's `server` and announces before copying (the copy overlaps the transfers); disk writes
+    under `weights_dir` and announces the checksum with the path."""
     state = model.state_dict() if state_dict is None else state_dict
     if transport == "stream":
-        server.offer(version, state, dtype)
-        bus.set(protocol.WEIGHTS, {"version": version, "address": server.address, "token": server.token,
-                                   **(extra or {})})
+        server.offer(version, state, dtype, announce=lambda: bus.set(protocol.WEIGHTS, {
+            "version": version, "address": server.address, "token": server.token, **(extra or {})}))
         return
     path = write_weight_update(model, Path(weights_dir) / f"v{version}", state)
     bus.set(protocol.WEIGHTS, {"version": version, "path": str(path), "dtype": dtype,
@@ -210,34 +365,87 @@ def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_d
 class WeightReceiver:
     """The inference worker's side: a published version, as something its engine can load.
 
-    Streamed tensors are views of one buffer that the next `receive` fills again (engines copy what they load)."""
+    Two buffers take turns: the newest whole version stays in one (`held`) while the next arrives in the other, so
+    an engine may load the next tensor by tensor as it arrives and still go back if the transfer breaks off."""
 
     def __init__(self):
         self.received_streamed = 0  # versions that arrived over the stream
         self.failed_fetches = 0  # transfers that could not be had whole (the learner restarting, a broken link)
-        self._buffer: torch.Tensor | None = None
+        self.held: Received | None = None  # the newest version streamed whole
+        self._spare: torch.Tensor | None = None  # the other buffer
         self._failed: tuple[str, int, float] | None = None  # (address, version, when) of the last failed fetch
 
-    def receive(self, published) -> Received | None:
-        """`published` (rlsys.api.messages.PublishedWeights) as loadable weights; None if it cannot be had now."""
+    def receive(self, published, as_they_arrive: bool = False) -> Received | None:
+        """`published` (rlsys.api.messages.PublishedWeights) as loadable weights; None if it cannot be had now.
+
+        `as_they_arrive`: when a whole version of the same layout is held, return as soon as the transfer starts,
+        with `weights` the `Incoming` tensors; `settle` it once they are loaded."""
         if published.path:
             return Received(published.version, published.path, published.checksum, published.dtype)
         announcement = (published.address, published.version)
         if self._failed and self._failed[:2] == announcement and time.monotonic() - self._failed[2] < RETRY_SECONDS:
             return None
         try:
-            received = fetch(published.address, published.token, self._buffer)
+            incoming = _open(published.address, published.token, self._spare, self.held)
         except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
-            if not self._failed or self._failed[:2] != announcement:  # one line per announcement, not per retry
-                log.warning("could not fetch version %d from the learner at %s (%s); serving the weights held and "
-                            "trying again every %.0f s", published.version, published.address, e, RETRY_SECONDS)
-            self._failed = (*announcement, time.monotonic())
-            self.failed_fetches += 1
+            self._fetch_failed(announcement, e)
             return None
+        self._spare = None  # the incoming version's buffer now
+        if as_they_arrive and self.held is not None and self.held.layout == incoming.layout:
+            return Received(incoming.version, incoming, "", incoming.dtype, incoming.buffer, incoming.layout)
+        try:
+            incoming.wait()
+        except OSError as e:
+            self._spare = incoming.buffer
+            self._fetch_failed(announcement, e)
+            return None
+        return self._whole(Received(incoming.version, incoming))
+
+    def settle(self, received: Received) -> bool:
+        """After an engine loaded `received`: True if every byte arrived (its checksums are then filled in); False if
+        the transfer broke off, the engine then holding part of it and part of `held`: load `held` again."""
+        if not isinstance(received.weights, Incoming):
+            return True
+        try:
+            received.weights.wait()
+        except OSError as e:
+            self._spare = received.buffer
+            self._fetch_failed((received.weights.source, received.version), e)
+            return False
+        self._whole(received)
+        return True
+
+    def _whole(self, received: Received) -> Received:
+        """`received` arrived whole: its tensors and checksums filled in, and it becomes the held version."""
+        incoming = received.weights
+        received.weights, received.checksum, received.arrived_checksum = (incoming.tensors, incoming.checksum,
+                                                                          incoming.arrived_checksum)
+        received.dtype, received.buffer, received.layout = incoming.dtype, incoming.buffer, incoming.layout
         self._failed = None
         self.received_streamed += 1
-        self._buffer = received.buffer
+        if self.held is not None:
+            self._spare = self.held.buffer
+        self.held = received
         return received
+
+    def _fetch_failed(self, announcement: tuple[str, int], error: Exception) -> None:
+        if not self._failed or self._failed[:2] != announcement:  # one line per announcement, not per retry
+            log.warning("could not fetch version %d from the learner at %s (%s); serving the weights held and trying "
+                        "again every %.0f s", announcement[1], announcement[0], error, RETRY_SECONDS)
+        self._failed = (*announcement, time.monotonic())
+        self.failed_fetches += 1
+
+
+def given_checksum(received: Received, held: dict | None = None) -> str:
+    """The checksum to compare with the learner's: of `held`, the tensors an engine holds after loading `received`,
+    or where it cannot list them (None), of what it was given: the bytes that arrived, or the file."""
+    if held is not None:
+        return weights_checksum(held, received.dtype)
+    if received.arrived_checksum:
+        return received.arrived_checksum
+    if isinstance(received.weights, dict):
+        return weights_checksum(received.weights, received.dtype)
+    return weights_checksum(load_file(f"{received.weights}/{WEIGHTS_FILE}"), received.dtype)
 
 
 def _view(buffer: torch.Tensor, dtype: torch.dtype, shape, start: int, nbytes: int) -> torch.Tensor:

@@ -338,6 +338,20 @@ def test_load_weights_replaces_every_weight_tied_output_head_included(tmp_path, 
     assert (torch.tensor(backend.score(sequence)) - expected).abs().max() < TOLERANCE
 
 
+def test_weights_for_another_model_are_refused_by_name(model_path):
+    """Tensors arrive one by one and each is copied as it comes; a name the model lacks, a shape it has otherwise or
+    a name left out is refused, as load_state_dict's strict mode would."""
+    backend = TransformersBackend(model_path, InferenceConfig(), seed=0)
+    state = {name: t.clone() for name, t in backend.model.state_dict().items()}
+    name = next(name for name, t in state.items() if t.dim() == 2)
+    with pytest.raises(RuntimeError, match="lack .* another model"):
+        backend.load_weights({k: t for k, t in state.items() if k != name})
+    with pytest.raises(RuntimeError, match="'extra.weight' .* does not have"):
+        backend.load_weights({**state, "extra.weight": torch.ones(2)})
+    with pytest.raises(RuntimeError, match=f"{name!r} of shape \\({state[name].shape[1]},\\), which this model has as"):
+        backend.load_weights({**state, name: torch.ones(state[name].shape[1])})  # copy_ alone would broadcast it
+
+
 def test_bad_input_and_the_context_limit(model_path, tmp_path):
     positions = load_model(model_path).config.max_position_embeddings
     with pytest.raises(ValueError, match=f"max_position_embeddings={positions}"):

@@ -3,6 +3,7 @@ weight stream hands over whole versions or none."""
 
 import logging
 import socket
+import threading
 import time
 
 import pytest
@@ -16,11 +17,13 @@ from rlsys.api import GenerationConfig
 from rlsys.api.messages import parse_published_weights
 from rlsys.bus import InProcessBus
 from rlsys.engine.generation import GenerationEngine
+from rlsys.engine.transformers_engine import TransformersBackend
 from rlsys.engine.vllm_engine import VLLMBackend
 from rlsys.engine.weights import write_weight_update
 from rlsys.weight_checksum import weights_checksum
-from rlsys.weight_transport import RETRY_SECONDS, WeightReceiver, WeightServer, _frame, _read_exactly, _read_frame, \
-    fetch, publish
+from rlsys.weight_transport import RETRY_SECONDS, Incoming, WeightReceiver, WeightServer, _frame, _read_exactly, \
+    _read_frame, _view, fetch, given_checksum, publish
+from rlsys.workers.inference_worker import InferenceWorker
 from tests.helpers import save_random_tiny_model
 
 SEQUENCE = [4, 7, 8, 78, 9, 10, 86, 1, 5, 10, 12, 1]
@@ -62,23 +65,30 @@ def check_updates(tmp_path, bus, server: WeightServer, tied: bool) -> None:
     fresh = torch.tensor(engine.score(SEQUENCE))
     assert (fresh - learner_logprobs(model)).abs().max() < 1e-4
 
-    for version, transport in enumerate(("disk", "stream"), start=1):
+    # Version 3 is loaded tensor by tensor as it arrives: a whole version of its layout (2) is held to go back to.
+    for version, transport in enumerate(("disk", "stream", "stream"), start=1):
         take_optimizer_steps(model)
         expected = learner_logprobs(model)
         stale_gap = (torch.tensor(engine.score(SEQUENCE)) - expected).abs().max()
         assert stale_gap > 1e-2, "the update must change the logprobs, or this test proves nothing"
         publish(bus, model, version, transport, tmp_path / f"tied{tied}-weights", server=server)
-        received = receiver.receive(parse_published_weights(bus.get(protocol.WEIGHTS)))
-        assert isinstance(received.weights, dict) == (transport == "stream")
+        received = receiver.receive(parse_published_weights(bus.get(protocol.WEIGHTS)), as_they_arrive=True)
+        assert isinstance(received.weights, str) == (transport == "disk")
+        assert isinstance(received.weights, Incoming) == (version == 3)
         assert received.version == version
-        assert received.checksum == weights_checksum(model.state_dict(), "float32")
+        if transport == "stream":  # a tied output head is the embedding's memory, sent once
+            sizes = {name: t.numel() * 4 for name, t in model.state_dict().items()}
+            assert 0 <= received.buffer.numel() - (sum(sizes.values()) - tied * sizes["lm_head.weight"]) < 64 * len(sizes)
         engine.load_weights(received.weights)
+        assert receiver.settle(received)
+        assert received.checksum == weights_checksum(model.state_dict(), "float32")
+        assert given_checksum(received) == received.checksum
         gap = (torch.tensor(engine.score(SEQUENCE)) - expected).abs().max()
         assert gap < 1e-4, f"tied={tied} {transport}: engine and learner differ by {gap:.2e}"
     together = engine.score_all([SEQUENCE, SEQUENCE[:5]])  # the probe's one engine run
     assert torch.allclose(torch.tensor(together[0]), expected, atol=1e-4)
     assert torch.allclose(torch.tensor(together[1]), expected[:4], atol=1e-4)
-    assert receiver.received_streamed == 1
+    assert receiver.received_streamed == 2
     del engine
 
 
@@ -99,10 +109,11 @@ def test_a_stream_transfer_sends_the_version_it_started_with_whole():
         for version in (2, 3):
             server.offer(version, state(version), "float32")
         data = _read_exactly(slow, header["bytes"])
+        trailer = _read_frame(slow)
     buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     got = {name: buffer[start:start + n].view(getattr(torch, dtype)).view(shape)
            for name, dtype, shape, start, n in header["tensors"]}
-    assert header["version"] == 1 and header["checksum"] == weights_checksum(state(1))
+    assert header["version"] == 1 and trailer["checksum"] == weights_checksum(state(1))
     assert all(torch.equal(got[name], tensor) for name, tensor in state(1).items())
     for version in (3, 4):  # the newest, then one written into a buffer a finished connection gave back
         if version == 4:
@@ -110,6 +121,95 @@ def test_a_stream_transfer_sends_the_version_it_started_with_whole():
         newest = fetch(server.address, server.token)
         assert newest.version == version and newest.checksum == weights_checksum(state(version))
     server.close()
+
+
+def test_the_announcement_goes_out_before_the_copy_and_a_worker_reading_meanwhile_gets_the_version_whole():
+    """The learner announces a version, then copies it tensor by tensor while workers already read it: a worker
+    that connects at the announcement gets every byte of that version and the checksum of all of it."""
+    state = {f"w{i}": torch.full((4, 1 << 20), float(i)) for i in range(8)}  # 128 MB, more than sockets buffer
+    server, fetched = WeightServer(), {}
+
+    def announce():  # the worker connects before a single tensor is copied
+        def read():
+            fetched["received"] = fetch(server.address, server.token)
+        fetched["thread"] = threading.Thread(target=read)
+        fetched["thread"].start()
+        time.sleep(0.2)  # it is connected and waiting for the first tensor
+
+    checksum = server.offer(1, state, "float32", announce=announce)
+    fetched["thread"].join()
+    received = fetched["received"]
+    assert received.version == 1 and received.checksum == checksum == weights_checksum(state)
+    assert received.arrived_checksum == checksum
+    assert all(torch.equal(received.weights[name], tensor) for name, tensor in state.items())
+    server.close()
+
+
+@pytest.mark.parametrize("backend", [VLLMBackend, TransformersBackend])
+def test_a_version_that_breaks_off_while_it_loads_leaves_the_worker_on_the_version_it_held(tmp_path, caplog,
+                                                                                           monkeypatch, backend):
+    """The learner dies while copying version 2, after half its tensors went out, as the worker's engine loads them
+    one by one: the worker completes the load from the version it held, loads that one whole again, and serves it,
+    with the learner's logprobs of version 1; it says so, and takes version 3 when it comes."""
+    path = save_random_tiny_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    bus, server = InProcessBus(), WeightServer()
+    worker = InferenceWorker(GenerationEngine(backend(str(path), InferenceConfig(), seed=0)), bus, 0, 8)
+    take_optimizer_steps(model)
+    publish(bus, model, 1, "stream", tmp_path, server=server)
+    worker.load_newest_weights()
+    version_1 = learner_logprobs(model)
+    assert worker.engine.version == 1 and worker.weights.held.version == 1
+
+    halfway = threading.Event()
+
+    def dies_halfway(offer, entries, state_dict, dtype, on_gpu):
+        half = len(entries) // 2
+        for name, t, t_dtype, start, nbytes, _ in entries[:half]:
+            _view(offer.buffer, t_dtype, t.shape, start, nbytes).copy_(t.detach())
+        offer.mark(entries[half][3])
+        halfway.wait(10)  # the worker has them (or gave up waiting)
+        time.sleep(0.3)
+        raise RuntimeError("the learner died")
+
+    monkeypatch.setattr(WeightServer, "_fill", staticmethod(dies_halfway))
+    take_optimizer_steps(model)
+    announced = threading.Event()
+    died = []
+
+    def learner_publishes():
+        try:
+            publish(bus, model, 2, "stream", tmp_path, server=server)
+        except RuntimeError as e:
+            died.append(str(e))
+
+    learner = threading.Thread(target=learner_publishes)
+    monkeypatch.setattr(bus, "set", lambda key, value, set_=bus.set: (set_(key, value), announced.set()))
+    learner.start()
+    announced.wait(10)
+    loaded = []
+    original_load = worker.engine.backend.load_weights
+    monkeypatch.setattr(worker.engine.backend, "load_weights",
+                        lambda weights: (loaded.append(type(weights).__name__), halfway.set(), original_load(weights)))
+    with caplog.at_level(logging.WARNING):
+        worker.load_newest_weights()
+    learner.join()
+    assert died == ["the learner died"]
+    assert loaded == ["Incoming", "dict"], "version 2 loaded as it arrived, then version 1 whole"
+    assert worker.engine.version == 1 and worker.weights.failed_fetches == 1
+    assert "version 2 broke off while loading; version 1 loaded again" in caplog.text
+    gap = (torch.tensor(worker.engine.backend.score(SEQUENCE)) - version_1).abs().max()
+    assert gap < 1e-4, f"the worker serves a mix of versions: {gap:.2e} from version 1"
+
+    monkeypatch.undo()  # a learner that copies whole versions again
+    take_optimizer_steps(model)
+    publish(bus, model, 3, "stream", tmp_path, server=server)
+    worker.load_newest_weights()
+    assert worker.engine.version == 3 and worker.weights.held.version == 3
+    gap = (torch.tensor(worker.engine.backend.score(SEQUENCE)) - learner_logprobs(model)).abs().max()
+    assert gap < 1e-4
+    server.close()
+    del worker
 
 
 def test_a_worker_that_cannot_have_a_version_keeps_serving_and_says_so(tmp_path, caplog):

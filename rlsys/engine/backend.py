@@ -58,26 +58,24 @@ class GenerationBackend(abc.ABC):
     def has_unfinished(self) -> bool:
         """Whether any added sequence has not finished or been aborted."""
 
+    loads_as_they_arrive = False
+    """Whether `load_weights` takes tensors one by one from their `items()` as they arrive (vLLM's layerwise
+    reload), so that loading overlaps the transfer; otherwise it is handed a whole dict."""
+
     @abc.abstractmethod
-    def load_weights(self, weights: str | dict) -> None:
-        """Replace the weights in place, from tensors in memory (rlsys/weight_transport.py's stream) or from the
-        directory of a file written by `write_weight_update`.
+    def load_weights(self, weights) -> None:
+        """Replace the weights in place, from tensors in memory (rlsys/weight_transport.py's stream: a dict, or an
+        object whose `items()` yields them as they arrive, for a backend that `loads_as_they_arrive`) or from the
+        directory (a str) of a file written by `write_weight_update`.
 
         Called with no sequence running; any cached prefix computed with the old weights is dropped.
         """
 
-    def loaded_weights(self, weights: str | dict) -> dict:
-        """The tensors this engine holds after `load_weights(weights)`, under the learner's names, for the weight
-        checksum (rlsys/weight_checksum.py). By default the tensors it was handed (read from the file, for a
-        directory): an engine that fuses or renames weights (vLLM: qkv_proj, gate_up_proj) cannot list its own
-        under the learner's names, so what is checked is what it was given and read."""
-        if isinstance(weights, dict):
-            return weights
-        from safetensors.torch import load_file
-
-        from rlsys.engine.weights import WEIGHTS_FILE
-
-        return load_file(f"{weights}/{WEIGHTS_FILE}")
+    def loaded_weights(self) -> dict | None:
+        """The tensors this engine holds, under the learner's names, for the weight checksum
+        (rlsys/weight_checksum.py); None for an engine that fuses or renames weights (vLLM: qkv_proj, gate_up_proj)
+        and so cannot list its own under the learner's names: what is checked then is what it was given."""
+        return None
 
     def score(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token after the first given its prefix, at temperature 1 (the weight-sync check)."""

@@ -94,17 +94,30 @@ class TransformersBackend(GenerationBackend):
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running.count)
 
+    loads_as_they_arrive = True  # each tensor is copied into its parameter as it arrives
+
+    @torch.no_grad()
     def load_weights(self, weights) -> None:
         if self.has_unfinished():
             raise RuntimeError("load_weights needs every sequence finished or aborted: their KV cache would mix "
                                "two sets of weights")
-        # Strict: the file holds every name of the state dict, tied output head included, so a missing
-        # or unexpected name means the file is for another model.
-        if not isinstance(weights, dict):
+        if isinstance(weights, (str, Path)):
             weights = load_file(str(Path(weights) / WEIGHTS_FILE), device=str(self.device))
-        self.model.load_state_dict(weights, strict=True)
+        # Strict: a version holds every name of the state dict, tied output head included, so a missing or
+        # unexpected name means it is for another model.
+        own, loaded = self.model.state_dict(), set()
+        for name, tensor in weights.items():
+            if name not in own or own[name].shape != tensor.shape:
+                raise RuntimeError(f"the weights hold {name!r} of shape {tuple(tensor.shape)}, which this model "
+                                   f"{'does not have' if name not in own else 'has as ' + str(tuple(own[name].shape))}"
+                                   ": they are for another model")
+            own[name].copy_(tensor)
+            loaded.add(name)
+        if missing := sorted(set(own) - loaded):
+            raise RuntimeError(f"the weights lack {missing[:5]}{' ...' if len(missing) > 5 else ''}: they are for "
+                               "another model")
 
-    def loaded_weights(self, weights) -> dict:
+    def loaded_weights(self) -> dict:
         return self.model.state_dict()  # what it holds, not the file: a failed or partial load shows
 
     @torch.inference_mode()

@@ -75,11 +75,13 @@ class VLLMBackend(GenerationBackend):
     def has_unfinished(self) -> bool:
         return bool(self._running)
 
+    loads_as_they_arrive = True  # its reload processes each layer once its last weight is in
+
     def load_weights(self, weights) -> None:
         # vLLM's in-place reload: it maps the learner's names onto its fused layers and redoes whatever processing
         # its kernels need after loading. Tensors pass in memory: the engine core runs in this process.
-        source = ({"weights_iterator": iter(weights.items())} if isinstance(weights, dict) else
-                  {"weights_path": str(weights)})
+        source = ({"weights_path": str(weights)} if isinstance(weights, (str, os.PathLike)) else
+                  {"weights_iterator": iter(weights.items())})
         self.llm.collective_rpc("reload_weights", kwargs=source)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 

@@ -18,8 +18,8 @@ from rlsys.api.messages import InvalidMessage, WorkerStatus, parse_generation_re
 from rlsys.bus import Undecodable
 from rlsys.bus.dead_letters import set_aside
 from rlsys.engine.generation import GenerationEngine
-from rlsys.weight_checksum import WeightChecksumMismatch, weights_checksum
-from rlsys.weight_transport import Received, WeightReceiver
+from rlsys.weight_checksum import WeightChecksumMismatch
+from rlsys.weight_transport import Received, WeightReceiver, given_checksum
 from rlsys.workers.inference_status import InferenceStatus
 
 log = logging.getLogger(__name__)
@@ -91,10 +91,18 @@ class InferenceWorker:
             self.bus.delete(protocol.WEIGHTS)  # the learner's next version replaces it
             return
         if published.version > self.engine.version:
-            received = self.weights.receive(published)
+            backend = self.engine.backend
+            received = self.weights.receive(published, as_they_arrive=backend.loads_as_they_arrive)
             if received is None or received.version <= self.engine.version:
                 return
             interrupted, scored = self.engine.update_weights(received.weights, received.version, published.probe_ids)
+            if not self.weights.settle(received):  # it broke off mid-load: the engine holds a mix of two versions
+                held = self.weights.held
+                self.engine.update_weights(held.weights, held.version)
+                self.verify_weights(held)
+                log.warning("version %d broke off while loading; version %d loaded again", received.version,
+                            held.version)
+                return
             self.verify_weights(received)
             # Now, not at the next beat: the staleness gate admits the next prompts on the version served. Not
             # before start_epoch (the first load of a restarted worker): its status would carry no epoch.
@@ -107,10 +115,11 @@ class InferenceWorker:
                 log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
 
     def verify_weights(self, received: Received) -> None:
-        """After every update: the checksum of what the engine holds equals the learner's, or the run stops."""
+        """After every update: the checksum of what the engine holds (or, for an engine that cannot list its own,
+        of what it was given) equals the learner's, or the run stops."""
         if not received.checksum:  # a publisher that sends none (tests of other parts)
             return
-        loaded = weights_checksum(self.engine.backend.loaded_weights(received.weights), received.dtype)
+        loaded = given_checksum(received, self.engine.backend.loaded_weights())
         if loaded != received.checksum:
             raise WeightChecksumMismatch(f"inference worker {self.index}", received.version, received.checksum,
                                          loaded)
