@@ -48,11 +48,6 @@ class AsyncPPOMathLongConfig(AsyncPPOMATHConfig):
         return generate_worked_sums_dataset(data_dir / name, self.seed, d.num_train, d.num_eval, self.min_terms,
                                             self.max_terms)
 
-    @property
-    def warm_start_settings(self) -> dict:
-        return {"batch": self.warm_start_batch_size, "eval_every": self.warm_start_eval_every,
-                "steps": self.warm_start_max_steps}
-
     def warm_start_examples(self, tokenizer, train_rows: list[dict],
                             eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
         """The working is taught, and a held-out answer counts only if its working is the reference's to the letter."""

@@ -93,8 +93,8 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
 
     @property
     def warm_start_settings(self) -> dict:
-        return {"hint": self.warm_start_hint, "max_turns": self.max_turns, "share": self.frozen_lake_share,
-                "batch": self.warm_start_batch_size, "steps": self.warm_start_max_steps}
+        return {**super().warm_start_settings, "hint": self.warm_start_hint, "max_turns": self.max_turns,
+                "share": self.frozen_lake_share}
 
     def warm_start_examples(self, tokenizer, train_rows: list[dict],
                             eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:

@@ -74,7 +74,7 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
 
     @property
     def warm_start_settings(self) -> dict:
-        return {"retry_every": self.warm_start_retry_every}
+        return {**super().warm_start_settings, "retry_every": self.warm_start_retry_every}
 
     def warm_start_examples(self, tokenizer, train_rows: list[dict],
                             eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
@@ -111,8 +111,7 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
 
     @property
     def warm_start_settings(self) -> dict:
-        return {"hint": self.warm_start_hint, "max_turns": self.max_turns, "batch": self.warm_start_batch_size,
-                "steps": self.warm_start_max_steps}
+        return {**super().warm_start_settings, "hint": self.warm_start_hint, "max_turns": self.max_turns}
 
     def warm_start_examples(self, tokenizer, train_rows: list[dict],
                             eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:

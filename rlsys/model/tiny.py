@@ -148,11 +148,9 @@ def warm_start(model, tokenizer, train_examples, eval_examples, target_accuracy:
     return accuracy
 
 
-def tiny_model_dir(cfg, seed: int, dataset_dir: Path, warm_start: dict | None = None) -> Path:
+def tiny_model_dir(cfg, seed: int, dataset_dir: Path, warm_start: dict) -> Path:
     """Cache directory keyed by everything that changes the model (`warm_start`: the experiment's own settings)."""
-    fields = {"model": vars(cfg), "seed": seed, "data": str(dataset_dir)}
-    if warm_start:  # absent for the default task, so its cached models stay valid
-        fields["warm_start"] = warm_start
+    fields = {"model": vars(cfg), "seed": seed, "data": str(dataset_dir), "warm_start": warm_start}
     key = json.dumps(fields, sort_keys=True, default=str)
     return Path(cfg.cache_dir).expanduser() / "models" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
