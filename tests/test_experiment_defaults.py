@@ -19,8 +19,8 @@ GPU_COLD_START = {"async-ppo-math-long": "its warm start teaches a hundred-chara
                                          "hours on 2 cores, minutes on a GPU, where bench/device/run.sh starts it "
                                          "(vs_trl.py --task async-ppo-math-long); tests/test_worked_sums.py covers "
                                          "its data, settings and warm-start examples here"}
-# Whose cold start is too long for CI's slow tier: run by hand (-m long). The multi-turn math experiment's warm start
-# (first attempts to 25%) took 7 of its two-step run's 9 minutes on a 2-core machine like CI's.
+# Whose two-step cold start the slow tier runs elsewhere, so it is here only by hand (-m long): the multi-turn math
+# experiment's learning test (tests/test_multi_turn_training.py) starts from an empty cache.
 LONG_COLD_START = {"async-ppo-math-multi-turn"}
 
 

@@ -16,22 +16,23 @@ def mean(values) -> float:
     return sum(values) / len(values)
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_math_multi_turn_learns_with_its_defaults(tmp_path):
     """The seed's multi-turn math agent as its user runs it: the example's defaults, from an empty cache (dataset
-    generated, model warm-started), 60 steps. Not in CI: on a 2-core machine like CI's it ran past pytest's 15-minute
-    limit (a 7-minute warm start; its learner computes about 12k tokens a step). CI checks the experiment's settings
-    (test_multi_turn_experiments_check_their_settings) and its agent (tests/test_multi_turn_agents.py)."""
+    generated, model warm-started), but 30 steps of its 60 and no evaluation between: the default run gained +25.0
+    points by step 30 and +29.6 by step 60 (BENCHMARKS.md, "The warm start at 128 sequences a step"), and a learner
+    step computes about 12k tokens (7-10 s on CI's 2 cores)."""
     config = parse_config(["--config_path", str(EXAMPLES), "--config_name", "async-ppo-math-multi-turn",
-                           f"model.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'runs'}"])
+                           f"model.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'runs'}",
+                           "max_steps=30", "eval_steps=0"])
     summary = launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
     assert [s["step"] for s in steps] == list(range(1, config.max_steps + 1))
-    # Held-out accuracy is first-attempt accuracy (greedy, 500 problems). Three runs on this machine gained +9.0,
-    # +13.6 and +10.8 points (BENCHMARKS.md, "Multi-turn math with its defaults"); the bound sits below their
-    # spread, where a run that does not learn (within the 2-3 points of the two evaluations' noise) cannot reach.
+    # Held-out accuracy is first-attempt accuracy (greedy, 500 problems). By step 30 the runs gained +25.0 and +23.6
+    # points on a 2-core machine like CI's (BENCHMARKS.md, "The warm start at 128 sequences a step"); the bound is
+    # what the experiment promises, +10, far above the 2-3 points of the two evaluations' noise.
     before, after = summary["initial_accuracy"], summary["final_accuracy"]
-    assert after >= before + 0.06, f"first-attempt accuracy {before:.3f} -> {after:.3f}: RL did not help"
+    assert after >= before + 0.10, f"first-attempt accuracy {before:.3f} -> {after:.3f}: RL did not help"
     # Retries happen and some succeed: the (discounted) reward is below the success rate.
     assert all(1 < s["agent/num_turns"] <= 3 for s in steps)
     assert sum(s["agent/success"] - s["reward"] for s in steps) > 0
