@@ -77,3 +77,25 @@ def test_a_warm_start_prints_a_line_at_most_every_few_seconds_and_no_bars(tmp_pa
         assert "at its limit of 4 steps" in lines[-1]
     out, err = capfd.readouterr()
     assert "Writing model shards" not in out + err
+
+
+def test_a_model_warm_started_on_another_schedule_is_not_reused(tmp_path):
+    """The warm start's batch decides how much RL gains from the model (BENCHMARKS.md, "The warm start's batch"), so
+    it is part of the cache key: a model cached at another batch, check interval or step limit is built anew."""
+    from dataclasses import dataclass
+
+    from experiments.async_ppo_math import AsyncPPOMATHConfig
+    from experiments.async_ppo_multi_turn import AsyncPPOMathMultiTurnConfig
+    from rlsys.model.tiny import tiny_model_dir
+
+    @dataclass
+    class Halved(AsyncPPOMATHConfig):
+        warm_start_batch_size = AsyncPPOMATHConfig.warm_start_batch_size // 2
+
+    def key(config):
+        return tiny_model_dir(config.model, config.seed, tmp_path, config.warm_start_settings)
+
+    assert key(AsyncPPOMATHConfig()) == key(AsyncPPOMATHConfig())
+    assert key(Halved()) != key(AsyncPPOMATHConfig())
+    multi_turn = AsyncPPOMathMultiTurnConfig().warm_start_settings  # a subclass adds to the schedule, keeps it
+    assert multi_turn["batch"] == AsyncPPOMATHConfig.warm_start_batch_size and "retry_every" in multi_turn
