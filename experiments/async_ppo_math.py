@@ -15,8 +15,7 @@ from rlsys.plugins import load_function
 class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
     # The tiny model's warm start: sequences a step, steps between held-out checks, and most steps before it stops
     # short of model.warm_start_accuracy (class attributes, not settings; experiments of long sequences take fewer).
-    # 128 a step, not 64: every model warm-started at 64 on the CPUs we run gained 5-23 points in the first 100 RL
-    # steps, every one at 128 gained 26-37 (BENCHMARKS.md, "The warm start's batch").
+    # 128 a step, not 64: the models it makes gain far more from RL (BENCHMARKS.md, "The warm start's batch").
     warm_start_batch_size = 128
     warm_start_eval_every = 25
     warm_start_max_steps = 3000

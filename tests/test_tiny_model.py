@@ -1,11 +1,16 @@
-"""The tiny model's warm start: its batches in groups of similar length take the whole batch's gradient."""
+"""The tiny model's warm start: its batches in groups of similar length take the whole batch's gradient, and its
+schedule is part of the cached model's key."""
 
 import random
+from dataclasses import dataclass
 
 import torch
 
+from experiments.async_ppo_math import AsyncPPOMATHConfig
+from experiments.async_ppo_multi_turn import AsyncPPOMathMultiTurnConfig
 from experiments.common import ModelConfig
-from rlsys.model.tiny import TaughtSequence, _length_groups, _supervised_batch, build_tiny_model, supervised_backward
+from rlsys.model.tiny import (TaughtSequence, _length_groups, _supervised_batch, build_tiny_model, supervised_backward,
+                              tiny_model_dir)
 from rlsys.model.tokenizer import build_char_tokenizer
 
 
@@ -82,12 +87,6 @@ def test_a_warm_start_prints_a_line_at_most_every_few_seconds_and_no_bars(tmp_pa
 def test_a_model_warm_started_on_another_schedule_is_not_reused(tmp_path):
     """The warm start's batch decides how much RL gains from the model (BENCHMARKS.md, "The warm start's batch"), so
     it is part of the cache key: a model cached at another batch, check interval or step limit is built anew."""
-    from dataclasses import dataclass
-
-    from experiments.async_ppo_math import AsyncPPOMATHConfig
-    from experiments.async_ppo_multi_turn import AsyncPPOMathMultiTurnConfig
-    from rlsys.model.tiny import tiny_model_dir
-
     @dataclass
     class Halved(AsyncPPOMATHConfig):
         warm_start_batch_size = AsyncPPOMATHConfig.warm_start_batch_size // 2

@@ -81,6 +81,7 @@ def check_updates(tmp_path, bus, server: WeightServer, tied: bool) -> None:
             assert 0 <= received.buffer.numel() - (sum(sizes.values()) - tied * sizes["lm_head.weight"]) < 64 * len(sizes)
         engine.load_weights(received.weights)
         received = receiver.settle(received)
+        assert received is not None  # arrived whole
         assert received.checksum == weights_checksum(model.state_dict(), "float32")
         assert given_checksum(received) == received.checksum
         gap = (torch.tensor(engine.score(SEQUENCE)) - expected).abs().max()
