@@ -18,32 +18,32 @@ def configure_cpu_backend(kv_cache_gib: int) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def stop_packing_input_embeddings(worker) -> int:
-    """On vLLM-CPU, keeps an input embedding's matrix out of oneDNN's packing; returns how many it changed.
+def stop_packing_input_embeddings(worker) -> None:
+    """On vLLM-CPU, keeps each input embedding's matrix out of oneDNN's packing.
 
     After every load vLLM-CPU packs each vocabulary-sized matrix for oneDNN, the input embedding's too, though only
-    the output head multiplies by its matrix: for a tied 135M-shaped model that is a second 113 MB pack on every
-    weight update, and the memory to hold it. Where the model has an output head of its own, the embeddings' packs
-    are dropped and not redone; where the embedding is the head (Gemma's way), nothing changes."""
-    import torch.nn.functional as F
+    the output head multiplies by its matrix: for a tied model, a second pack of its largest matrix on every weight
+    update, and the memory to hold it (BENCHMARKS.md, "Weights streamed from the learner's memory"). Where the model
+    has an output head of its own, the embeddings' packs are dropped and not redone; where the embedding is the head
+    (Gemma's way), nothing changes."""
     from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead, UnquantizedEmbeddingMethod,
                                                                      VocabParallelEmbedding)
     from vllm.platforms import current_platform
 
+    if not current_platform.is_cpu():
+        return
     layers = list(worker.model_runner.get_model().modules())
-    if not current_platform.is_cpu() or not any(isinstance(layer, ParallelLMHead) for layer in layers):
-        return 0
-    changed = 0
+    if not any(isinstance(layer, ParallelLMHead) for layer in layers):
+        return
     for layer in layers:
         if (isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
                 and isinstance(layer.quant_method, UnquantizedEmbeddingMethod)):
-            layer.cpu_linear = F.linear  # frees the pack; nothing calls it on an input embedding
+            _unpacked(layer)  # frees the pack: nothing multiplies by an input embedding's
             layer.quant_method.process_weights_after_loading = _unpacked
-            changed += 1
-    return changed
 
 
 def _unpacked(layer) -> None:
+    """An input embedding's processing after a load: torch's own linear, no pack, should anything multiply by it."""
     import torch.nn.functional as F
 
     layer.cpu_linear = F.linear
