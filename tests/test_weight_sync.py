@@ -106,7 +106,12 @@ def test_a_weight_update_on_vllm_cpu_packs_the_vocabulary_matrix_once(tmp_path, 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     engine = VLLMBackend(str(path), InferenceConfig(), seed=0)
     packed, pack = [], ops.create_onednn_mm
-    monkeypatch.setattr(ops, "create_onednn_mm", lambda weight, cache: packed.append(weight.t().shape) or pack(weight, cache))
+
+    def counted(weight, primitive_cache_size):
+        packed.append(weight.shape)
+        return pack(weight, primitive_cache_size)
+
+    monkeypatch.setattr(ops, "create_onednn_mm", counted)
     take_optimizer_steps(model)
     engine.load_weights(model.state_dict())
     layers = list(engine.llm.collective_rpc(lambda worker: worker.model_runner.get_model())[0].modules())

@@ -57,7 +57,8 @@ class VLLMBackend(GenerationBackend):
         self.llm = LLM(
             model=model_path, dtype=inference_cfg.dtype, seed=seed, max_model_len=inference_cfg.max_model_len or None,
             gpu_memory_utilization=inference_cfg.gpu_memory_utilization, max_num_seqs=inference_cfg.max_num_seqs,
-            enforce_eager=inference_cfg.enforce_eager, tensor_parallel_size=inference_cfg.tensor_parallel_size, enable_prefix_caching=inference_cfg.enable_prefix_caching,
+            enforce_eager=inference_cfg.enforce_eager, tensor_parallel_size=inference_cfg.tensor_parallel_size,
+            enable_prefix_caching=inference_cfg.enable_prefix_caching,
             scheduling_policy="priority",  # all priorities equal: waiting sequences go in order of arrival time
             # Logprobs after temperature, as the learner recomputes them, so the PPO ratio starts at 1.
             logprobs_mode="processed_logprobs",
