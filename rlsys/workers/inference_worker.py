@@ -111,8 +111,8 @@ class InferenceWorker:
             if scored and received.version == published.version:  # the probe is the learner's under this version
                 self.bus.put(protocol.LOGPROB_PROBES, {"worker": self.index, "version": received.version,
                                                        "totals": probe_totals(published.probe_logprobs, scored)})
-            if interrupted:
-                log.info("version %d loaded; %d samples resumed under it", self.engine.version, interrupted)
+            log.info("version %d loaded and verified%s", self.engine.version,
+                     f"; {interrupted} samples resumed under it" if interrupted else "")
 
     def verify_weights(self, received: Received) -> None:
         """After every update: the checksum of what the engine holds (or, for an engine that cannot list its own,
