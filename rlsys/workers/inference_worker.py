@@ -111,7 +111,7 @@ class InferenceWorker:
             if scored and received.version == published.version:  # the probe is the learner's under this version
                 self.bus.put(protocol.LOGPROB_PROBES, {"worker": self.index, "version": received.version,
                                                        "totals": probe_totals(published.probe_logprobs, scored)})
-            log.info("version %d loaded and verified%s", self.engine.version,
+            log.info("version %d loaded%s", self.engine.version,
                      f"; {interrupted} samples resumed under it" if interrupted else "")
 
     def verify_weights(self, received: Received) -> None:
