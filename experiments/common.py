@@ -34,7 +34,7 @@ def refuse_inactive(group: str, settings, defaults, acts_only_with: dict[str, tu
 
 
 TINY_MODEL_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "tie_word_embeddings",
-                     "warm_start_accuracy")
+                     "warm_start_accuracy", "warm_start_reach")
 
 
 @dataclass
@@ -53,6 +53,9 @@ class ModelConfig:
     """Tiny default model: share input embedding and output head, as Qwen2 and SmolLM2 do."""
     warm_start_accuracy: float = 0.3
     """Tiny default model: supervised warm start stops at this held-out greedy accuracy."""
+    warm_start_reach: float = 0.0
+    """Tiny default model: and once there, only when this share of held-out problems gets a right answer among
+    group_size answers sampled at gen.temperature (groups RL can learn from); 0: greedy accuracy alone."""
     cache_dir: str = "~/.cache/rlsys"
     """Where the generated tiny model and dataset are cached between runs."""
 
@@ -61,8 +64,9 @@ class ModelConfig:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.hidden_size ({self.hidden_size}) must be a multiple of model.num_heads "
                              f"({self.num_heads}), and that of model.num_kv_heads ({self.num_kv_heads})")
-        if not 0 <= self.warm_start_accuracy <= 1:
-            raise ValueError(f"model.warm_start_accuracy must be in [0, 1], got {self.warm_start_accuracy}")
+        for name in ("warm_start_accuracy", "warm_start_reach"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"model.{name} must be in [0, 1], got {getattr(self, name)}")
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
         """The tiny model's shape and warm start, which a checkpoint given by path replaces."""

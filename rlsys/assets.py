@@ -37,15 +37,23 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
     if config.resume_from_checkpoint:
         config.model.path = config.resume_from_checkpoint
     elif not config.model.path:
-        directory = tiny_model_dir(config.model, config.seed, Path(data.path).parent, config.warm_start_settings)
+        directory = tiny_model_dir(config.model, config.seed, Path(data.path).parent, warm_start_key(config))
         examples = functools.partial(config.warm_start_examples, train_rows=train_rows, eval_rows=eval_rows)
         config.model.path = str(prepare_tiny_model(
             config.model, config.seed, examples, directory, log, batch_size=config.warm_start_batch_size,
             eval_every=config.warm_start_eval_every, max_steps=config.warm_start_max_steps,
-            threads=warm_start_threads(config)))
+            threads=warm_start_threads(config), samples=config.group_size, temperature=config.gen.temperature))
     if not Path(config.model.path).exists():
         raise AssetError(f"model.path {config.model.path!r} does not exist; give an HF checkpoint directory "
                          "(written by save_pretrained), or leave model.path empty for the tiny model")
     if not (Path(config.model.path) / "config.json").exists():
         raise AssetError(f"model.path {config.model.path!r} is not an HF checkpoint directory (no config.json); "
                          "give a directory written by save_pretrained, or leave model.path empty for the tiny model")
+
+
+def warm_start_key(config) -> dict:
+    """What besides model.*, the seed and the dataset changes the tiny model: the experiment's warm-start schedule,
+    and with model.warm_start_reach the group and temperature its reach is sampled at."""
+    if not config.model.warm_start_reach:
+        return config.warm_start_settings
+    return {**config.warm_start_settings, "samples": config.group_size, "temperature": config.gen.temperature}

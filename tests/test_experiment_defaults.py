@@ -9,6 +9,7 @@ import pytest
 
 import experiments
 from experiments import EXPERIMENTS
+from rlsys.assets import warm_start_key
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
 from tests.test_examples import EXAMPLES
@@ -37,7 +38,7 @@ def warm_start_identity(config) -> str:
     is the cold start of the other."""
     kind = type(config)
     fields = {"model": {k: v for k, v in vars(config.model).items() if k != "cache_dir"}, "seed": config.seed,
-              "dataset": vars(config.dataset), "warm_start": config.warm_start_settings,
+              "dataset": vars(config.dataset), "warm_start": warm_start_key(config),
               "code": [f"{getattr(kind, m).__module__}.{getattr(kind, m).__qualname__}"
                        for m in ("generate_dataset", "warm_start_examples")],
               "schedule": [config.warm_start_batch_size, config.warm_start_eval_every, config.warm_start_max_steps]}

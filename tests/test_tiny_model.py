@@ -11,6 +11,7 @@ from experiments.async_ppo_multi_turn import AsyncPPOMathMultiTurnConfig
 from experiments.common import ModelConfig
 from rlsys.model.tiny import (TaughtSequence, _length_groups, _supervised_batch, build_tiny_model, supervised_backward,
                               tiny_model_dir)
+from rlsys.cli import parse_config
 from rlsys.model.tokenizer import build_char_tokenizer
 
 
@@ -46,8 +47,8 @@ class Recites:
 
     train = eval
 
-    def generate(self, ids, **_):
-        return torch.cat([ids, torch.tensor([self.answer] * len(ids))], dim=1)
+    def generate(self, ids, max_new_tokens, **_):
+        return torch.cat([ids, torch.tensor([self.answer[:max_new_tokens]] * len(ids))], dim=1)
 
 
 def test_a_right_aligned_working_counts_as_right_when_the_model_writes_it():
@@ -59,6 +60,20 @@ def test_a_right_aligned_working_counts_as_right_when_the_model_writes_it():
     working = "   46+56+78\n     102+78\n#### 180"
     checks = [AnswerCheck([5, 6, 7], (working,)), AnswerCheck([5, 6, 8], ("#### 181",))]
     assert greedy_accuracy(Recites(tokenizer, working), tokenizer, checks, max_new_tokens=40) == 0.5
+
+
+def test_a_check_with_a_final_mark_reads_only_the_final_number_and_leaves_room_for_the_working():
+    """The long-answer task's warm start is checked as its reward reads an answer: the number after the last
+    `#### `, whatever the working before it; the model may still write as many tokens as the reference working."""
+    from rlsys.model.tiny import AnswerCheck, greedy_accuracy
+
+    tokenizer = build_char_tokenizer()
+    reference = "   46+56+78\n     102+78\n#### 180"
+    slip = "   46+56+78\n     103+77\n#### 180"  # a wrong line, the right total
+    for written, right in ((slip, 1.0), (reference.replace("180", "181"), 0.0), ("180", 1.0)):
+        check = AnswerCheck([5, 6, 7], (reference,), final_mark="#### ")
+        assert greedy_accuracy(Recites(tokenizer, written), tokenizer, [check]) == right, written
+    assert greedy_accuracy(Recites(tokenizer, slip), tokenizer, [AnswerCheck([5, 6, 7], (reference,))]) == 0.0
 
 
 def test_a_warm_start_prints_a_line_at_most_every_few_seconds_and_no_bars(tmp_path, monkeypatch, capfd):
@@ -82,6 +97,82 @@ def test_a_warm_start_prints_a_line_at_most_every_few_seconds_and_no_bars(tmp_pa
         assert "at its limit of 4 steps" in lines[-1]
     out, err = capfd.readouterr()
     assert "Writing model shards" not in out + err
+
+
+class Samples:
+    """A stand-in model that answers each row of a batch with the next of `answers`, round and round, and keeps the
+    sampling arguments it was called with."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tokenizer, answers: list[str]):
+        self.answers = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in answers]
+        self.calls = []
+
+    def eval(self):
+        pass
+
+    train = eval
+
+    def generate(self, ids, max_new_tokens, attention_mask, pad_token_id, eos_token_id, **sampling):
+        self.calls.append(sampling)
+        width = max(map(len, self.answers))
+        rows = [(self.answers[i % len(self.answers)] + [0] * width)[:width] for i in range(len(ids))]
+        return torch.cat([ids, torch.tensor(rows)], dim=1)
+
+
+def test_reach_is_the_share_of_problems_with_a_right_answer_in_their_group_of_samples():
+    """What a group of rollouts can teach: a problem counts if any of its samples is right; sampled at the run's
+    temperature, seeded, and the caller's random generator left where it was."""
+    from rlsys.model.tiny import AnswerCheck, sampled_reach
+
+    tokenizer = build_char_tokenizer()
+    checks = [AnswerCheck([5, 6], ("#### 1",)), AnswerCheck([5, 7], ("#### 2",))]
+    model = Samples(tokenizer, ["#### 1", "#### 3", "#### 3", "#### 3"])  # problem 1: its first sample right
+    torch.manual_seed(7)
+    expected_draw = torch.rand(1)
+    torch.manual_seed(7)
+    assert sampled_reach(model, tokenizer, checks, samples=2, temperature=0.7, seed=0) == 0.5
+    assert torch.rand(1) == expected_draw
+    assert model.calls == [{"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}]
+    assert sampled_reach(Samples(tokenizer, ["#### 1", "#### 1", "#### 3", "#### 2"]), tokenizer, checks,
+                         samples=2, temperature=1.0, seed=0) == 1.0
+    assert sampled_reach(model, tokenizer, checks, samples=1, temperature=1.0, seed=0) == 0.5
+
+
+def test_a_warm_start_with_a_reach_goes_on_until_both_are_met(monkeypatch):
+    """Greedy accuracy first (the reach is sampled only once it is met), then the reach: a check with enough greedy
+    answers but too few groups holding a right one does not stop the warm start."""
+    from rlsys.model import tiny
+    from rlsys.model.tiny import WarmStartStop, warm_start
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1), tokenizer, 0)
+    greedy, reach = iter([0.1, 0.35, 0.4, 0.5, 0.6]), iter([0.6, 0.7, 0.8, 0.9])
+    sampled = []
+    monkeypatch.setattr(tiny, "greedy_accuracy", lambda *a, **k: next(greedy))
+    monkeypatch.setattr(tiny, "sampled_reach", lambda m, t, e, samples, temperature, seed: sampled.append(
+        (samples, temperature)) or next(reach))
+    taught = [TaughtSequence([5, 6, 7, 8], [0, 0, 1, 1])] * 4
+    stop = WarmStartStop(accuracy=0.3, reach=0.75, samples=8, temperature=0.9)
+    assert warm_start(model, tokenizer, taught, [], stop, seed=0, eval_every=1, batch_size=2) == (0.5, 0.8)
+    assert sampled == [(8, 0.9)] * 3  # not at the first check, below 30% greedy
+    greedy = iter([0.1, 0.35])
+    assert warm_start(model, tokenizer, taught, [], WarmStartStop(0.3), seed=0, eval_every=1,
+                      batch_size=2) == (0.35, None)
+
+
+def test_the_reach_and_what_it_is_sampled_with_are_part_of_the_cached_model_key(tmp_path):
+    from rlsys.assets import warm_start_key
+
+    def key(*overrides):
+        config = parse_config(list(overrides))
+        return tiny_model_dir(config.model, config.seed, tmp_path, warm_start_key(config))
+
+    assert parse_config([]).model.warm_start_reach == 0.75  # the default experiment's
+    assert len({key(), key("model.warm_start_reach=0.5"), key("group_size=4"), key("gen.temperature=0.8")}) == 4
+    # Without a reach, neither the group nor the temperature changes the warm start, nor the key.
+    assert key("model.warm_start_reach=0", "group_size=4") == key("model.warm_start_reach=0")
 
 
 def test_a_model_warm_started_on_another_schedule_is_not_reused(tmp_path):

@@ -35,6 +35,16 @@ class AnswerCheck:
 
     prompt_ids: list[int]
     accepted: tuple[str, ...]
+    final_mark: str = ""
+    """Non-empty: only what follows the last such mark counts, in the model's answer and in the accepted ones (the
+    final number of a worked answer, all its reward reads); the model still has room for the longest accepted one."""
+
+    def right(self, text: str) -> bool:
+        return self.final(text) in {self.final(answer) for answer in self.accepted}
+
+    def final(self, text: str) -> str:
+        # Both sides stripped: a working whose first line is right-aligned starts with spaces.
+        return (text.rsplit(self.final_mark, 1)[-1] if self.final_mark else text).strip()
 
 
 def answer_ids(tokenizer, answer: str) -> list[int]:
@@ -102,50 +112,89 @@ def supervised_backward(model, tokenizer, examples: list[TaughtSequence]) -> Non
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, examples: list[AnswerCheck], max_new_tokens: int | None = None) -> float:
-    """Fraction of examples whose greedy answer is one they accept, exactly (None: room for the longest one)."""
-    if max_new_tokens is None:
-        max_new_tokens = max(len(answer_ids(tokenizer, a)) for example in examples for a in example.accepted)
+def _answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, **sampling) -> list[str]:
+    """The model's answer to each prompt, left-padded in chunks of 256 (greedy unless `sampling` says otherwise)."""
     model.eval()
-    prompts = [example.prompt_ids for example in examples]
-    correct = 0
+    pad, texts = tokenizer.pad_token_id, []
     for start in range(0, len(prompts), 256):
         chunk = prompts[start:start + 256]
         width = max(map(len, chunk))
-        pad = tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
         out = model.generate(ids, attention_mask=(ids != pad).long(), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
-        texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        # Both sides stripped: a working whose first line is right-aligned starts with spaces.
-        correct += sum(text.strip() in {a.strip() for a in example.accepted}
-                       for text, example in zip(texts, examples[start:start + 256]))
+                             pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, **sampling)
+        texts += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     model.train()
-    return correct / len(examples)
+    return texts
 
 
-def warm_start(model, tokenizer, train_examples, eval_examples, target_accuracy: float, seed: int,
+def _room(tokenizer, examples: list[AnswerCheck]) -> int:
+    """New tokens enough for the longest accepted answer."""
+    return max(len(answer_ids(tokenizer, a)) for example in examples for a in example.accepted)
+
+
+def greedy_accuracy(model, tokenizer, examples: list[AnswerCheck], max_new_tokens: int | None = None) -> float:
+    """Fraction of examples whose greedy answer is one they accept, exactly (None: room for the longest one)."""
+    texts = _answers(model, tokenizer, [example.prompt_ids for example in examples],
+                     max_new_tokens or _room(tokenizer, examples), do_sample=False)
+    return sum(example.right(text) for text, example in zip(texts, examples)) / len(examples)
+
+
+def sampled_reach(model, tokenizer, examples: list[AnswerCheck], samples: int, temperature: float,
+                  seed: int) -> float:
+    """Fraction of examples with an accepted answer among `samples` answers sampled at `temperature`: the share of
+    prompts whose group of that many rollouts holds a right one, the groups GRPO learns from."""
+    if temperature == 0:  # every sample is the greedy answer
+        return greedy_accuracy(model, tokenizer, examples)
+    prompts = [example.prompt_ids for example in examples for _ in range(samples)]
+    # Seeded, and the caller's generator left as it was: the same draws at every check of every run.
+    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        texts = _answers(model, tokenizer, prompts, _room(tokenizer, examples), do_sample=True,
+                         temperature=temperature, top_k=0, top_p=1.0)
+    return sum(any(example.right(text) for text in texts[i * samples:(i + 1) * samples])
+               for i, example in enumerate(examples)) / len(examples)
+
+
+@dataclass
+class WarmStartStop:
+    """When a warm start may stop: greedy accuracy at least `accuracy`, and, when `reach` is set, at least that share
+    of problems with a right answer among `samples` sampled at `temperature` (so RL has groups to learn from)."""
+
+    accuracy: float
+    reach: float = 0.0
+    samples: int = 8
+    temperature: float = 1.0
+
+
+def warm_start(model, tokenizer, train_examples, eval_examples, stop: WarmStartStop, seed: int,
                max_steps: int = 3000, eval_every: int = 25, lr: float = 1e-3, batch_size: int = 64,
-               log=None) -> float:
-    """Supervised steps until greedy held-out accuracy reaches `target_accuracy`; returns the accuracy.
-    `log(line)`, if given, hears the accuracy of a check at most every LOG_EVERY_SECONDS, so a long warm start shows
-    it is moving in a few lines."""
+               log=None) -> tuple[float, float | None]:
+    """Supervised steps until `stop` is met on the held-out examples; returns the last check's greedy accuracy and
+    reach (None where reach was not measured). `log(line)`, if given, hears a check's figures at most every
+    LOG_EVERY_SECONDS, so a long warm start shows it is moving in a few lines."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # one kernel, not a loop over tensors
     model.train()
-    accuracy, logged = 0.0, time.monotonic()
+    accuracy, reach, logged = 0.0, None, time.monotonic()
     for step in range(1, max_steps + 1):
         optimizer.zero_grad()
         supervised_backward(model, tokenizer, rng.sample(train_examples, batch_size))
         optimizer.step()
         if step % eval_every == 0:
             accuracy = greedy_accuracy(model, tokenizer, eval_examples)
-            if accuracy >= target_accuracy:
+            if accuracy >= stop.accuracy and stop.reach:  # sampled only once greedy answers are enough
+                reach = sampled_reach(model, tokenizer, eval_examples, stop.samples, stop.temperature, seed)
+            if accuracy >= stop.accuracy and (not stop.reach or reach >= stop.reach):
                 break
             if log and time.monotonic() - logged >= LOG_EVERY_SECONDS:
-                log(f"warm start step {step}: held-out accuracy {accuracy:.1%} (stops at {target_accuracy:.0%})")
+                log(f"warm start step {step}: held-out accuracy {accuracy:.1%}{_reach_text(reach, stop)} "
+                    f"(stops at {stop.accuracy:.0%}{f', reach {stop.reach:.0%}' if stop.reach else ''})")
                 logged = time.monotonic()
-    return accuracy
+    return accuracy, reach
+
+
+def _reach_text(reach: float | None, stop: WarmStartStop) -> str:
+    return "" if reach is None else f", a right answer among {stop.samples} samples for {reach:.1%}"
 
 
 def tiny_model_dir(cfg, seed: int, dataset_dir: Path, warm_start: dict) -> Path:
@@ -157,12 +206,13 @@ def tiny_model_dir(cfg, seed: int, dataset_dir: Path, warm_start: dict) -> Path:
 
 def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, list]], directory: Path,
                        log=print, batch_size: int = 64, eval_every: int = 25, max_steps: int = 3000,
-                       threads: int = 0) -> Path:
+                       threads: int = 0, samples: int = 8, temperature: float = 1.0) -> Path:
     """Builds, warm-starts and saves the tiny model (HF format) unless `directory` already holds one.
 
     `examples(tokenizer)` gives the TaughtSequences and the held-out AnswerChecks; it runs only when a model is built.
     `batch_size` sequences a step, a held-out check every `eval_every` steps, at most `max_steps` steps,
-    `threads` torch threads (0: as they are).
+    `threads` torch threads (0: as they are); with `cfg.warm_start_reach`, `samples` answers a problem sampled at
+    `temperature` (the run's group and temperature) measure it.
     """
     if (directory / "config.json").exists():
         return directory
@@ -172,19 +222,22 @@ def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, 
     # On a GPU where there is one: the long-answer task's warm start takes about 2 hours on 2 CPU cores.
     model = build_tiny_model(cfg, tokenizer, seed).to("cuda" if torch.cuda.is_available() else "cpu")
     n_params = sum(p.numel() for p in model.parameters())
+    stop = WarmStartStop(cfg.warm_start_accuracy, cfg.warm_start_reach, samples, temperature)
+    reach_goal = f" and a right answer among {samples} samples for {stop.reach:.0%}" if stop.reach else ""
     log(f"building the tiny default model ({n_params / 1e6:.1f}M parameters), warm start to "
-        f"{cfg.warm_start_accuracy:.0%} held-out accuracy on the {model.device.type.upper()}")
+        f"{stop.accuracy:.0%} held-out accuracy{reach_goal} on the {model.device.type.upper()}")
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        accuracy = warm_start(model, tokenizer, train_examples, eval_examples[:200], cfg.warm_start_accuracy, seed,
-                              max_steps=max_steps, eval_every=eval_every, batch_size=batch_size, log=log)
+        accuracy, reach = warm_start(model, tokenizer, train_examples, eval_examples[:200], stop, seed,
+                                     max_steps=max_steps, eval_every=eval_every, batch_size=batch_size, log=log)
     finally:
         torch.set_num_threads(previous_threads)
-    stopped = "" if accuracy >= cfg.warm_start_accuracy else f", at its limit of {max_steps} steps,"
-    log(f"warm start reached {accuracy:.1%} on {len(eval_examples[:200])} held-out examples{stopped} "
-        f"in {time.monotonic() - started:.0f}s")
+    met = accuracy >= stop.accuracy and (not stop.reach or reach >= stop.reach)
+    stopped = "" if met else f", at its limit of {max_steps} steps,"
+    log(f"warm start reached {accuracy:.1%}{_reach_text(reach, stop)} on {len(eval_examples[:200])} held-out "
+        f"examples{stopped} in {time.monotonic() - started:.0f}s")
     from transformers.utils import logging as hf_logging
 
     tmp = directory.with_name(directory.name + ".tmp")
