@@ -289,7 +289,8 @@ class WeightKeeper(threading.Thread):
             return
         received = fetch(published.address, published.token)
         target = self.kept_dir / f"v{received.version}.safetensors"
-        save_file(received.weights, str(target))
+        # Tied tensors arrive as one buffer under both names, which safetensors refuses to write: a copy of each.
+        save_file({name: tensor.clone() for name, tensor in received.weights.items()}, str(target))
         self.kept[received.version] = target
 
 

@@ -1,0 +1,31 @@
+"""bench/vs_trl.py keeps the versions rlsys's learner streams, to score them after the run."""
+
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rlsys import protocol
+from rlsys.bus import InProcessBus
+from rlsys.weight_transport import WeightServer, publish
+from tests.helpers import save_random_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.vs_trl import WeightKeeper  # noqa: E402
+
+
+def test_a_streamed_version_of_a_tied_model_is_kept_under_both_names(tmp_path):
+    """The stream sends a tied matrix once, under both names in one buffer; the keeper wrote it with safetensors,
+    which refuses shared tensors, so every rlsys snapshot of the default (tied) model was lost and the bench scored
+    none of them."""
+    model = AutoModelForCausalLM.from_pretrained(save_random_tiny_model(tmp_path / "model"))
+    bus, server = InProcessBus(), WeightServer()
+    publish(bus, model, 10, "stream", tmp_path / "weights", server=server)
+    keeper = WeightKeeper(tmp_path, "rlsys", every=10, last=30)
+    keeper.keep_new(bus.get(protocol.WEIGHTS))
+    kept = load_file(str(keeper.kept[10]))
+    state = model.state_dict()
+    assert set(kept) == set(state) and "lm_head.weight" in kept
+    for name, tensor in state.items():
+        assert kept[name].equal(tensor), name
