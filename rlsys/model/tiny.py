@@ -165,6 +165,10 @@ class WarmStartStop:
     samples: int = 8
     temperature: float = 1.0
 
+    def met(self, accuracy: float, reach: float | None) -> bool:
+        """Whether a check's greedy accuracy and reach (None: not sampled) are enough to stop."""
+        return accuracy >= self.accuracy and (not self.reach or (reach is not None and reach >= self.reach))
+
 
 def warm_start(model, tokenizer, train_examples, eval_examples, stop: WarmStartStop, seed: int,
                max_steps: int = 3000, eval_every: int = 25, lr: float = 1e-3, batch_size: int = 64,
@@ -182,9 +186,10 @@ def warm_start(model, tokenizer, train_examples, eval_examples, stop: WarmStartS
         optimizer.step()
         if step % eval_every == 0:
             accuracy = greedy_accuracy(model, tokenizer, eval_examples)
-            if accuracy >= stop.accuracy and stop.reach:  # sampled only once greedy answers are enough
-                reach = sampled_reach(model, tokenizer, eval_examples, stop.samples, stop.temperature, seed)
-            if accuracy >= stop.accuracy and (not stop.reach or reach >= stop.reach):
+            # Sampled only once greedy answers are enough; None otherwise, not an earlier check's figure.
+            reach = (sampled_reach(model, tokenizer, eval_examples, stop.samples, stop.temperature, seed)
+                     if stop.reach and accuracy >= stop.accuracy else None)
+            if stop.met(accuracy, reach):
                 break
             if log and time.monotonic() - logged >= LOG_EVERY_SECONDS:
                 log(f"warm start step {step}: held-out accuracy {accuracy:.1%}{_reach_text(reach, stop)} "
@@ -234,8 +239,7 @@ def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, 
                                      max_steps=max_steps, eval_every=eval_every, batch_size=batch_size, log=log)
     finally:
         torch.set_num_threads(previous_threads)
-    met = accuracy >= stop.accuracy and (not stop.reach or reach >= stop.reach)
-    stopped = "" if met else f", at its limit of {max_steps} steps,"
+    stopped = "" if stop.met(accuracy, reach) else f", at its limit of {max_steps} steps,"
     log(f"warm start reached {accuracy:.1%}{_reach_text(reach, stop)} on {len(eval_examples[:200])} held-out "
         f"examples{stopped} in {time.monotonic() - started:.0f}s")
     from transformers.utils import logging as hf_logging
