@@ -1,7 +1,6 @@
 """Every registered experiment runs with its defaults, as a new user would start it: from an empty cache
-(dataset generated, tiny model built and warm-started), two steps, trained prompts, no error; but those
-GPU_COLD_START names, whose cold start needs a GPU to be short. Each starts from its file in examples/
-(`--config_path examples --config_name NAME`), which holds the experiment's defaults."""
+(dataset generated, tiny model built and warm-started), two steps, trained prompts, no error. Each starts from its
+file in examples/ (`--config_path examples --config_name NAME`), which holds the experiment's defaults."""
 
 import json
 
@@ -15,20 +14,17 @@ from rlsys.launcher import launch
 from tests.test_examples import EXAMPLES
 
 BUILT_IN = [name for name in EXPERIMENTS.names() if EXPERIMENTS.lookup(name).__module__.startswith("experiments.")]
-# Whose cold start is too long for CI's 2 cores, and where it runs instead.
-GPU_COLD_START = {"async-ppo-math-long": "its warm start teaches a hundred-character working a problem: about 2 "
-                                         "hours on 2 cores, minutes on a GPU, where bench/device/run.sh starts it "
-                                         "(vs_trl.py --task async-ppo-math-long); tests/test_worked_sums.py covers "
-                                         "its data, settings and warm-start examples here"}
-# Whose two-step cold start the slow tier runs elsewhere, so it is here only by hand (-m long): the multi-turn math
-# experiment's learning test (tests/test_multi_turn_training.py) starts from an empty cache.
-LONG_COLD_START = {"async-ppo-math-multi-turn"}
+# Whose two-step cold start is here only by hand (-m long). The multi-turn math experiment's: its learning test
+# (tests/test_multi_turn_training.py) starts from an empty cache in the slow tier. The long-answer task's: its warm
+# start teaches a hundred-character working a problem for about 1,200 steps, 10 minutes on 2 cores, which would take
+# CI past its hour; tests/test_worked_sums.py covers its data, settings and warm-start examples in the fast tier.
+LONG_COLD_START = {"async-ppo-math-multi-turn", "async-ppo-math-long"}
 
 
 def test_every_built_in_experiment_is_covered():
     assert set(BUILT_IN) >= {"async-ppo-math", "async-ppo-math-tools", "async-ppo-math-multi-turn",
                              "async-ppo-frozen-lake", "async-ppo-sokoban", "async-ppo-webshop", "async-ppo-mixed-games"}
-    assert set(GPU_COLD_START) | LONG_COLD_START <= set(BUILT_IN)  # an experiment set aside here is still registered
+    assert LONG_COLD_START <= set(BUILT_IN)  # an experiment set aside here is still registered
     assert experiments.__all__  # the package registers them on import
 
 
@@ -78,7 +74,7 @@ def test_experiments_share_a_cache_only_when_their_warm_start_is_the_same():
 # starts"): minutes each on 2 cores.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.long] if name in LONG_COLD_START else [])
-                                  for name in BUILT_IN if name not in GPU_COLD_START])
+                                  for name in BUILT_IN])
 def test_each_experiment_trains_two_steps_with_its_defaults(tmp_path, caches, name):
     # 100 held-out problems, not up to 500: the two evaluations are not what is tested here, and with tool calls
     # 500 took two of the math-tools run's four minutes on CI's 2 cores.

@@ -12,10 +12,11 @@ from rlsys.impl.env.math_verifier import check_answer, reference_answer
 from rlsys.model.tiny import tiny_model_dir
 
 TERMS = (AsyncPPOMathLongConfig.min_terms, AsyncPPOMathLongConfig.max_terms)  # the experiment's
+DIGITS = AsyncPPOMathLongConfig.term_digits
 
 
 def generated(directory: Path, seed: int = 1) -> tuple[list[dict], list[dict]]:
-    train, held_out = generate_worked_sums_dataset(directory, seed, 300, 100, *TERMS)
+    train, held_out = generate_worked_sums_dataset(directory, seed, 300, 100, *TERMS, DIGITS)
     return load_rows(train), load_rows(held_out)
 
 
@@ -32,29 +33,48 @@ def test_every_working_adds_up_and_its_final_answer_passes_the_reward_check(tmp_
     for row in train + held_out:
         expression = row["prompt"].removesuffix("=")
         terms = [int(t) for t in expression.split("+")]
-        assert TERMS[0] <= len(terms) <= TERMS[1] and all(10 <= t <= 99 for t in terms)
+        assert TERMS[0] <= len(terms) <= TERMS[1] and all(1 <= t <= 9 for t in terms)
         *lines, final = row["solution"].split("\n")
         for line in lines:  # the first two numbers added, the rest copied, right-aligned as the longest prompt
             terms = [terms[0] + terms[1], *terms[2:]]
-            assert line == "+".join(map(str, terms)).rjust(prompt_width(TERMS[1]))
+            assert line == "+".join(map(str, terms)).rjust(prompt_width(TERMS[1], DIGITS))
         assert len(terms) == 2 and final == f"#### {sum(terms)}"
         assert row["answer"] == str(sum(terms)) == reference_answer(row["solution"])
         ids = tokenizer(row["solution"], add_special_tokens=False)["input_ids"]
         assert 64 <= len(ids) == len(row["solution"]) <= 256  # one token a character
-    width = prompt_width(TERMS[1])
+    width = prompt_width(TERMS[1], DIGITS)
     for count in TERMS:  # the shortest and the longest working the experiment can ask for
-        assert 64 <= len(worked_sum([10] * count, width)) and len(worked_sum([99] * count, width)) <= 256
+        assert 64 <= len(worked_sum([1] * count, width)) and len(worked_sum([9] * count, width)) <= 256
     for row in held_out:  # the reward's own check (math-verify: milliseconds each)
         assert check_answer(row["solution"], row["answer"]).correct
         assert not check_answer(row["solution"], str(int(row["answer"]) + 1)).correct
 
 
 def test_a_sum_needs_at_least_two_terms(tmp_path):
-    assert worked_sum([12, 34, 56, 78], prompt_width(4)) == "   46+56+78\n     102+78\n#### 180"
-    assert worked_sum([12, 34, 56], prompt_width(4)) == "      46+56\n#### 102"
-    assert worked_sum([12, 34], prompt_width(4)) == "#### 46"
+    assert worked_sum([12, 34, 56, 78], prompt_width(4, 2)) == "   46+56+78\n     102+78\n#### 180"
+    assert worked_sum([12, 34, 56], prompt_width(4, 2)) == "      46+56\n#### 102"
+    assert worked_sum([12, 34], prompt_width(4, 2)) == "#### 46"
+    assert worked_sum([6, 8, 1, 2], prompt_width(4, 1)) == " 14+1+2\n   15+2\n#### 17"
     with pytest.raises(ValueError, match="at least 2 terms"):
-        generate_worked_sums_dataset(tmp_path, 1, 10, 10, 1, 3)
+        generate_worked_sums_dataset(tmp_path, 1, 10, 10, 1, 3, 1)
+    with pytest.raises(ValueError, match="at least 1 digit"):
+        generate_worked_sums_dataset(tmp_path, 1, 10, 10, 2, 3, 0)
+
+
+def test_two_digit_sums_are_drawn_from_two_digit_numbers(tmp_path):
+    config = parse_config(["experiment=async-ppo-math-long", f"model.cache_dir={tmp_path}", "term_digits=2",
+                           "gen.max_new_tokens=160"])
+    train, _ = config.generate_dataset(tmp_path / "data")
+    assert "x2-" in train.parent.name
+    rows = load_rows(train)
+    terms = [int(t) for row in rows for t in row["prompt"].removesuffix("=").split("+")]
+    assert min(terms) >= 10 and max(terms) <= 99 and {10, 99} <= set(terms)
+    assert all(len(row["solution"].split("\n")[0]) == prompt_width(config.max_terms, 2) for row in rows
+               if row["prompt"].count("+") >= 2)
+    with pytest.raises(ConfigError, match="term_digits=2 takes up to 153 tokens"):
+        parse_config(["experiment=async-ppo-math-long", "term_digits=2"])
+    with pytest.raises(ConfigError, match="term_digits must be at least 1"):
+        parse_config(["experiment=async-ppo-math-long", "term_digits=0"])
 
 
 def test_the_long_experiment_is_registered_and_resolves(tmp_path, tokenizer):
@@ -62,9 +82,9 @@ def test_the_long_experiment_is_registered_and_resolves(tmp_path, tokenizer):
     config = parse_config(["experiment=async-ppo-math-long", f"model.cache_dir={tmp_path}", "max_terms=7"])
     default = parse_config([f"model.cache_dir={tmp_path}"])
     assert (config.agent.name, config.env.name) == (default.agent.name, default.env.name)
-    assert config.model.warm_start_accuracy < default.model.warm_start_accuracy
+    assert (config.model.warm_start_accuracy, default.model.warm_start_accuracy) == (0.35, 0.3)  # each its own stop
     train, held_out = config.generate_dataset(tmp_path / "data")
-    assert "worked-sums-6to7" in str(train.parent)
+    assert "worked-sums-6to7x1" in str(train.parent)
     longest = max(len(row["solution"]) for row in load_rows(train))
     assert longest < config.gen.max_new_tokens  # room for the working and the end of sequence
     own = tiny_model_dir(config.model, config.seed, train.parent, config.warm_start_settings)
@@ -77,5 +97,5 @@ def test_the_long_experiment_is_registered_and_resolves(tmp_path, tokenizer):
     assert checks[0].accepted == (load_rows(held_out)[0]["solution"],)
     with pytest.raises(ConfigError, match="min_terms must be at least 2 and at most max_terms"):
         parse_config(["experiment=async-ppo-math-long", "min_terms=9"])
-    with pytest.raises(ConfigError, match="gen.max_new_tokens=160 would cut it short"):
+    with pytest.raises(ConfigError, match="gen.max_new_tokens=128 would cut it short"):
         parse_config(["experiment=async-ppo-math-long", "max_terms=12"])

@@ -4,13 +4,14 @@
 # roles. Never part of CI.
 #
 # Prepare on the CPU machine, once a session (the GPU machine has no registry; the default task's dataset and
-# warm-started model travel from this machine's cache, so nothing is rebuilt there; the long-answer task's model is
-# warm-started there, on the GPU):
+# warm-started model travel from this machine's cache, so nothing is rebuilt there; so does the long-answer task's
+# where this machine has built it (`python3 training/main_async_ppo.py experiment=async-ppo-math-long max_steps=1`,
+# about 12 minutes here), else it is warm-started there, on the GPU):
 #   bash ../shared/device/prepare-carry.sh .device-carry && echo /.device-carry/ >> .git/info/exclude
 #   mkdir -p .device-carry/cache && cp -r ~/.cache/rlsys/models ~/.cache/rlsys/data .device-carry/cache/
 # Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=560): the GPU tests (40 s) and the
-# long-answer task (up to 8 min: its model's warm start up to 4 of them, seen at 94-225 s for 3000 steps on an H200;
-# TRL about 85 s, rlsys about 130 s, then the scoring). PARTS names the parts to run (of: tests learner vs_trl long;
+# long-answer task (up to 8 min: its model's warm start, when it did not travel, up to 4 of them; TRL about 85 s,
+# rlsys about 130 s, then the scoring). PARTS names the parts to run (of: tests learner vs_trl long;
 # by default "tests long"); a second call with PARTS=vs_trl (about 3 min) runs the default task on what time is left.
 # What comes back in $OUT (the tool returns at most 8 files): tests.txt, learner_vs_plain.txt, vs_trl.txt,
 # vs_trl.json, vs_trl_long.txt, vs_trl_long.json, and profile-<role>.txt (py-spy's collapsed stacks, 10 s at 100 Hz,
