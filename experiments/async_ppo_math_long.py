@@ -1,8 +1,10 @@
-"""Asynchronous PPO on long sums with the working written out: a task where generating dominates a step.
+"""Asynchronous PPO on long sums with the working written out: answers of about ninety tokens, as in reasoning RL.
 
 The default task's answers are a few tokens, so its steps are mostly training; in reasoning RL they are
 mostly generating. Here every answer works a sum of several numbers out line by line before its total
-(`rlsys/data/worked_sums.py`): about a hundred tokens from the same tiny model, scored by the same math check.
+(`rlsys/data/worked_sums.py`): about ninety tokens from the same tiny model, scored by the same math check. On a GPU
+generating bounds rlsys's step of this task; on 2 CPU cores training does, and generating is about 40% of a
+synchronous step (BENCHMARKS.md, "The long task on a CPU").
 """
 
 from dataclasses import dataclass, field, replace
