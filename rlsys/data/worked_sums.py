@@ -21,8 +21,8 @@ the final number: the math environment's check takes the last number of an answe
 
 The experiment's sums are of one-digit numbers: with two-digit ones each line adds a two-digit number to a
 three-digit total, and on 2 CPU cores the tiny model's warm start got 1.5% of final numbers right after 700 steps
-(about 30 minutes), where with one-digit ones it gets 46% after 1,200 (10 minutes; BENCHMARKS.md, "The long task's
-warm start").
+(about 30 minutes), where with one-digit ones it gets 46% after 1,200 (10 minutes; BENCHMARKS.md, "The long task on
+a CPU").
 """
 
 import random
