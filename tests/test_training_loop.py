@@ -216,15 +216,17 @@ def run_bus(run_dir: Path):
     return RedisBus.from_url(f"redis://:{json.loads(config['requirepass'])}@127.0.0.1:{config['port']}/0")
 
 
-def busy_on_a_fresh_beat(bus, index: int, deadline: float, min_load: int = 2) -> bool:
-    """Waits (until `deadline`, monotonic) for inference worker `index`'s next heartbeat; True if it then held
-    `min_load` requests or more.
+def busy_on_a_fresh_beat(bus, index: int, proc, deadline: float, min_load: int = 2) -> bool:
+    """Waits (until `deadline`, monotonic, while the run `proc` lives) for inference worker `index`'s next
+    heartbeat; True if it then held `min_load` requests or more.
 
     A status read at any time can be a beat (0.25 s) old, and a worker killed on it may have answered
     everything since: then nothing needs re-sending. Killed within milliseconds of a busy beat, it has
     almost surely not answered them all."""
     last = (bus.get(protocol.inference_status(index)) or {}).get("beat")
     while (status := bus.get(protocol.inference_status(index)) or {}).get("beat") == last:
+        assert proc.poll() is None, f"the run ended before inference worker {index} was seen busy:\n" + \
+            proc.output()[-3000:]
         assert time.monotonic() < deadline, f"inference worker {index} stopped beating"
         time.sleep(0.001)
     return status.get("load", 0) >= min_load
@@ -233,8 +235,12 @@ def busy_on_a_fresh_beat(bus, index: int, deadline: float, min_load: int = 2) ->
 @pytest.mark.slow
 def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish(cache_dir, tmp_path):
     existing = child_pids()
+    # The tiny model's learner step takes a fraction of a second, and a worker is busy on about half of its beats
+    # (4 a second): 8 steps left a 2-second window, which CI's run once passed without a busy beat. 40 steps leave
+    # about ten seconds.
+    max_steps = 40
     args = small_run_overrides(cache_dir, tmp_path) + [
-        "trial_name=i", "max_steps=8", "cluster.n_inference_workers=2", "cluster.inference_dead_after=2"]
+        "trial_name=i", f"max_steps={max_steps}", "cluster.n_inference_workers=2", "cluster.inference_dead_after=2"]
     logs = tmp_path / "async-ppo-math" / "i" / "logs"
     with command_line_run(tmp_path, args) as proc:
         deadline = time.monotonic() + 600
@@ -243,13 +249,13 @@ def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish
             time.sleep(0.2)
         victim = role_process(proc, "inference0")
         with run_bus(tmp_path / "async-ppo-math" / "i") as bus:
-            while not busy_on_a_fresh_beat(bus, 0, deadline):
+            while not busy_on_a_fresh_beat(bus, 0, proc, deadline):
                 assert time.monotonic() < deadline
             victim.kill()  # what it held must be re-sent to the other worker
         assert proc.wait(timeout=600) == 0, proc.output()[-3000:]
     assert "inference0 exited with code -9; restarting it" in proc.output()
     steps = read_jsonl_metrics(logs / "learner.jsonl")
-    assert [s["step"] for s in steps] == list(range(1, 9))
+    assert [s["step"] for s in steps] == list(range(1, max_steps + 1))
     (routing,) = [r for r in read_jsonl_metrics(logs / "rollout0.jsonl") if "requests/resent" in r]
     assert routing["requests/resent"] > 0  # the dead worker's requests went to the other worker
     assert left_behind(tmp_path, existing) == []
