@@ -11,6 +11,11 @@ from rlsys.model.tiny import AnswerCheck, TaughtSequence, arithmetic_warm_start
 from rlsys.plugins import load_function
 
 
+# The math tasks' warm start goes on past its greedy accuracy until 3 problems in 4 get a right answer in their group
+# of samples: how much RL gains follows that share (BENCHMARKS.md, "What a warm start leaves RL").
+WARM_START_REACH = 0.75
+
+
 @dataclass
 class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
     # The tiny model's warm start: sequences a step, steps between held-out checks, and most steps before it stops
@@ -19,9 +24,7 @@ class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
     warm_start_batch_size = 128
     warm_start_eval_every = 25
     warm_start_max_steps = 3000
-    # The warm start goes on past its greedy accuracy until 3 problems in 4 get a right answer in their group of
-    # samples: how much 100 RL steps gain follows that share (BENCHMARKS.md, "What a warm start leaves RL").
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_reach=0.75))
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_reach=WARM_START_REACH))
     # 100 steps: most of the gain (a first result in minutes, install included); the held-out curve flattens after
     # (BENCHMARKS.md, "A first result in minutes"). The games keep 200: they learn less per step.
     max_steps: int = 100

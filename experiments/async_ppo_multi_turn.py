@@ -7,7 +7,7 @@ and `rollout.single_turn_samples`, and its advantage estimator with `ppo.adv_est
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.async_ppo_math import AsyncPPOMATHConfig
+from experiments.async_ppo_math import WARM_START_REACH, AsyncPPOMATHConfig
 from experiments.common import DatasetConfig, GenerationHyperparameters, InferenceConfig, ModelConfig, \
     PPOHyperparameters
 from rlsys.api.experiment import register_experiment
@@ -47,7 +47,8 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
     # its defaults").
     max_steps: int = 60
     eval_steps: int = 30
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(warm_start_accuracy=0.25, warm_start_reach=0.75))
+    model: ModelConfig = field(
+        default_factory=lambda: ModelConfig(warm_start_accuracy=0.25, warm_start_reach=WARM_START_REACH))
     ppo: PPOHyperparameters = field(
         default_factory=lambda: PPOHyperparameters(lr=1e-4, loss_agg_mode="seq-mean-token-mean"))
     num_turns: int = 3
