@@ -207,7 +207,12 @@ def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache
     consumed = after["consumed_prompts"]
     assert consumed[:len(before["consumed_prompts"])] == before["consumed_prompts"]
     assert len(consumed) == len(set(consumed)), "a prompt was trained twice"
-    assert len(consumed) == after["step"] * config.ppo.batch_size
+    # The list is the dataset's position: every prompt trained, and every one the learner filtered (too stale, as a
+    # killed run's leftovers can be on resume, or uniform), so a resumed run never admits it again.
+    accounting = after["accounting"]
+    learner_filtered = sum(n for reason, n in accounting["filtered"].items() if reason != "run_ended")
+    assert accounting["trained"] == after["step"] * config.ppo.batch_size
+    assert len(consumed) == accounting["trained"] + learner_filtered, accounting
 
 
 def run_bus(run_dir: Path):
