@@ -160,7 +160,13 @@ class PolicyTrainer:
         """
         mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
         mini_batch.fields["weights"] = token_loss_weights(mask, sequences, self.ppo.loss_agg_mode)
-        mini_batch.fields["token_share"] = token_loss_weights(mask, sequences, "token-mean")  # KL, entropy, value loss
+        moving = self.moving_sequences(mini_batch)
+        skipped = len(mini_batch) - len(moving)
+        if skipped and moving:
+            mini_batch = mini_batch.select(moving)  # the weights stay the whole mini-batch's
+        mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
+        # KL, entropy, value loss; the statistics' weights: over the sequences computed
+        mini_batch.fields["token_share"] = token_loss_weights(mask, sequences, "token-mean")
         self.optimizer.zero_grad()
         if self.critic is not None:
             self.critic_optimizer.zero_grad()
@@ -172,7 +178,22 @@ class PolicyTrainer:
             stats = self.accumulate_gradients(mb)
             if mb.indices:  # an empty pass (see micro_batches) has nothing to report
                 totals.add(stats, share=mb.fields["token_share"].sum())
-        return StatsAccumulator.merge(self.ranks.all_gather(totals.result()))
+        stats = StatsAccumulator.merge(self.ranks.all_gather(totals.result()))
+        stats["sequences/skipped_zero_advantage"] = float(skipped if moving else 0)
+        return stats
+
+    def moving_sequences(self, mini_batch: SequenceBatch) -> list[int]:
+        """The sequences of `mini_batch` that can move the policy: all of them, unless the loss is the policy
+        term alone (no KL, entropy or value term). Then a sequence whose every trained token has advantage 0 adds
+        0 to the loss and to every gradient, whatever its ratios: it keeps its share of the loss weights (fixed
+        before), and no pass computes it. In a GRPO step that is each group whose samples all got one reward.
+        One read back per optimizer step."""
+        if self.reference is not None or self.ppo.entropy_loss_coef or self.critic is not None:
+            return list(range(len(mini_batch)))
+        f = mini_batch.fields
+        live = ((f["advantages"] != 0) & (f["loss_mask"] > 0)).float()
+        counts = live.new_zeros(len(mini_batch) + 1).index_add_(0, mini_batch.sequence_index, live)
+        return (counts[:-1] > 0).nonzero().flatten().tolist()
 
     def accumulate_gradients(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """The micro-batch's part of the mini-batch loss, backpropagated."""

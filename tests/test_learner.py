@@ -322,6 +322,55 @@ def test_shared_prefixes_give_the_loss_and_gradients_of_unshared_rows(tmp_path, 
     assert any(g.abs().max() > 1e-3 for g in reference_grads.values())
 
 
+@pytest.mark.parametrize("ppo", [
+    {"loss_agg_mode": "token-mean"},
+    {"loss_agg_mode": "seq-mean-token-mean", "decoupled_loss": True, "dual_clip": 3.0, "max_tokens_per_micro_batch": 64},
+])
+def test_a_group_whose_samples_got_one_reward_is_not_computed_and_the_gradients_are_the_same(tmp_path, ppo):
+    """Zero-advantage sequences add nothing to a loss that is the policy term alone: left out of the passes, the
+    mini-batch's loss and gradients are those of computing them."""
+    import dataclasses
+    import random
+
+    results, computed = {}, {}
+    for skip in (True, False):
+        config = learner_config(tmp_path)
+        for key, value in {**ppo, "init_kl_coef": 0.0}.items():
+            setattr(config.ppo, key, value)
+        learner = Learner(config, InProcessBus(), tmp_path / "run")
+        batch = [dataclasses.replace(t, reward=1.0) if t.group_id == "g0" else t
+                 for t in mixed_length_batch(learner.model, random.Random(0), groups=3)]
+        if not skip:
+            learner.moving_sequences = lambda mini_batch: list(range(len(mini_batch)))
+        prepared = learner.prepare_batch(batch)  # its proximal pass, if any, computes every sequence
+        passes = learner.micro_batches
+        learner.micro_batches = lambda mini_batch: computed.setdefault(skip, passes(mini_batch))
+        loss = learner.mini_batch_gradients(prepared)["loss"]
+        results[skip] = loss, {n: p.grad.clone() for n, p in learner.model.named_parameters()}
+    assert sum(len(mb.indices) for mb in computed[True]) == 8  # g0's 4 of 12 left out
+    assert sum(len(mb.indices) for mb in computed[False]) == 12
+    (loss, grads), (reference_loss, reference_grads) = results[True], results[False]
+    assert loss == pytest.approx(reference_loss, abs=1e-6)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, reference_grads[name], atol=1e-6), name
+    assert any(g.abs().max() > 1e-3 for g in reference_grads.values())
+
+
+@pytest.mark.parametrize("ppo", [{"init_kl_coef": 0.1}, {"init_kl_coef": 0.0, "entropy_loss_coef": 0.01},
+                                 {"init_kl_coef": 0.0, "adv_estimator": "gae"}])
+def test_every_sequence_is_computed_when_the_loss_has_a_term_besides_the_policy(tmp_path, ppo):
+    """A KL, entropy or value term has gradients where the advantage is 0."""
+    import dataclasses
+    import random
+
+    config = learner_config(tmp_path)
+    for key, value in ppo.items():
+        setattr(config.ppo, key, value)
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    batch = [dataclasses.replace(t, reward=1.0) for t in mixed_length_batch(learner.model, random.Random(0), groups=3)]
+    assert learner.moving_sequences(learner.prepare_batch(batch)) == list(range(12))
+
+
 def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
     import random
 
