@@ -133,10 +133,11 @@ class PolicyTrainer:
 
     def optimizer_step(self, mini_batch: SequenceBatch) -> dict[str, float]:
         """One optimizer step on a mini-batch (and one critic step, for gae)."""
-        if not mini_batch.fields["loss_mask"].any():  # one read per optimizer step
+        trains, moving = self.sequences_to_compute(mini_batch)  # one read per optimizer step
+        if not trains:
             # Every trajectory in it is void: no loss, and a step on zero gradients would still move by Adam's momentum.
             return {"grad_norm": 0.0}
-        stats = self.mini_batch_gradients(mini_batch)
+        stats = self.mini_batch_gradients(mini_batch, moving)
         # A non-finite loss or gradient skips the step (and is counted) instead of writing NaN weights. The loss
         # is the whole mini-batch's (merged over ranks) and the norm a global one, so every rank decides alike.
         stats["grad_norm"], stepped = clip_and_step(self.optimizer, self.model.parameters(), self.ppo.max_grad_norm,
@@ -152,21 +153,38 @@ class PolicyTrainer:
         stats["updates/skipped_non_finite"] = self.skipped_updates
         return stats
 
-    def mini_batch_gradients(self, mini_batch: SequenceBatch) -> dict[str, float]:
+    def sequences_to_compute(self, mini_batch: SequenceBatch) -> tuple[bool, list[int]]:
+        """Whether any token of `mini_batch` is trained, and which of its sequences can move the policy.
+
+        If the loss is the policy term alone (no KL, entropy or value term), a sequence whose every trained token
+        has advantage 0 adds 0 to the loss and to every gradient, whatever its ratios, as each sample of a GRPO
+        group that got one reward does: it need not be computed. Otherwise every sequence can."""
+        f = mini_batch.fields
+        trained = f["loss_mask"] > 0
+        policy_term_alone = self.reference is None and not self.ppo.entropy_loss_coef and self.critic is None
+        live = trained & (f["advantages"] != 0) if policy_term_alone else trained
+        counts = torch.zeros(2, len(mini_batch) + 1, device=trained.device).index_add_(
+            1, mini_batch.sequence_index, torch.stack([trained, live]).float())
+        per_sequence_trained, per_sequence_live = counts[:, :-1].tolist()
+        if not policy_term_alone:
+            return any(per_sequence_trained), list(range(len(mini_batch)))
+        return any(per_sequence_trained), [i for i, n in enumerate(per_sequence_live) if n]
+
+    def mini_batch_gradients(self, mini_batch: SequenceBatch, moving: list[int] | None = None) -> dict[str, float]:
         """Gradients of a mini-batch's loss, accumulated over its micro-batches (on every rank, over its share).
 
         Each token's loss weight is fixed over the whole mini-batch first (token_loss_weights), so the
-        accumulated gradient equals the mini-batch's, however it is split over ranks or packed.
+        accumulated gradient equals the mini-batch's, however it is split over ranks or packed, and when only the
+        sequences `moving` (sequences_to_compute; None: all) are computed. The statistics are over those computed.
         """
         mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
         mini_batch.fields["weights"] = token_loss_weights(mask, sequences, self.ppo.loss_agg_mode)
-        moving = self.moving_sequences(mini_batch)
-        skipped = len(mini_batch) - len(moving)
-        if skipped and moving:
-            mini_batch = mini_batch.select(moving)  # the weights stay the whole mini-batch's
-        mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
-        # KL, entropy, value loss; the statistics' weights: over the sequences computed
-        mini_batch.fields["token_share"] = token_loss_weights(mask, sequences, "token-mean")
+        skipped = 0
+        if moving is not None and 0 < len(moving) < len(mini_batch):  # none moving: a step as on any other batch
+            skipped = len(mini_batch) - len(moving)
+            mini_batch = mini_batch.select(moving)
+            mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
+        mini_batch.fields["token_share"] = token_loss_weights(mask, sequences, "token-mean")  # KL, entropy, value loss
         self.optimizer.zero_grad()
         if self.critic is not None:
             self.critic_optimizer.zero_grad()
@@ -179,21 +197,8 @@ class PolicyTrainer:
             if mb.indices:  # an empty pass (see micro_batches) has nothing to report
                 totals.add(stats, share=mb.fields["token_share"].sum())
         stats = StatsAccumulator.merge(self.ranks.all_gather(totals.result()))
-        stats["sequences/skipped_zero_advantage"] = float(skipped if moving else 0)
+        stats["sequences/skipped_zero_advantage"] = float(skipped)
         return stats
-
-    def moving_sequences(self, mini_batch: SequenceBatch) -> list[int]:
-        """The sequences of `mini_batch` that can move the policy: all of them, unless the loss is the policy
-        term alone (no KL, entropy or value term). Then a sequence whose every trained token has advantage 0 adds
-        0 to the loss and to every gradient, whatever its ratios: it keeps its share of the loss weights (fixed
-        before), and no pass computes it. In a GRPO step that is each group whose samples all got one reward.
-        One read back per optimizer step."""
-        if self.reference is not None or self.ppo.entropy_loss_coef or self.critic is not None:
-            return list(range(len(mini_batch)))
-        f = mini_batch.fields
-        live = ((f["advantages"] != 0) & (f["loss_mask"] > 0)).float()
-        counts = live.new_zeros(len(mini_batch) + 1).index_add_(0, mini_batch.sequence_index, live)
-        return (counts[:-1] > 0).nonzero().flatten().tolist()
 
     def accumulate_gradients(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """The micro-batch's part of the mini-batch loss, backpropagated."""

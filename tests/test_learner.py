@@ -340,12 +340,12 @@ def test_a_group_whose_samples_got_one_reward_is_not_computed_and_the_gradients_
         learner = Learner(config, InProcessBus(), tmp_path / "run")
         batch = [dataclasses.replace(t, reward=1.0) if t.group_id == "g0" else t
                  for t in mixed_length_batch(learner.model, random.Random(0), groups=3)]
-        if not skip:
-            learner.moving_sequences = lambda mini_batch: list(range(len(mini_batch)))
         prepared = learner.prepare_batch(batch)  # its proximal pass, if any, computes every sequence
+        trains, moving = learner.sequences_to_compute(prepared)
+        assert trains and moving == [i for i, t in enumerate(batch) if t.group_id != "g0"]
         passes = learner.micro_batches
         learner.micro_batches = lambda mini_batch: computed.setdefault(skip, passes(mini_batch))
-        loss = learner.mini_batch_gradients(prepared)["loss"]
+        loss = learner.mini_batch_gradients(prepared, moving if skip else None)["loss"]
         results[skip] = loss, {n: p.grad.clone() for n, p in learner.model.named_parameters()}
     assert sum(len(mb.indices) for mb in computed[True]) == 8  # g0's 4 of 12 left out
     assert sum(len(mb.indices) for mb in computed[False]) == 12
@@ -368,7 +368,7 @@ def test_every_sequence_is_computed_when_the_loss_has_a_term_besides_the_policy(
         setattr(config.ppo, key, value)
     learner = Learner(config, InProcessBus(), tmp_path / "run")
     batch = [dataclasses.replace(t, reward=1.0) for t in mixed_length_batch(learner.model, random.Random(0), groups=3)]
-    assert learner.moving_sequences(learner.prepare_batch(batch)) == list(range(12))
+    assert learner.sequences_to_compute(learner.prepare_batch(batch)) == (True, list(range(12)))
 
 
 def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
