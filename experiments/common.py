@@ -6,7 +6,7 @@ as `key=value` (nested: `ppo.lr=1e-5`).
 
 from dataclasses import MISSING, dataclass, field, fields
 
-from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS
+from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
 from rlsys.algorithms.ppo import LOSS_AGG_MODES
 from rlsys.api import GenerationConfig
 from rlsys.data.dataset import RowFormat
@@ -207,6 +207,11 @@ class PPOHyperparameters:
     """Token budget of one forward/backward pass; micro-batches accumulate into one optimizer step per mini-batch.
     0: by the learner's device, 2048 on a CPU, 16384 on a GPU (verl's default per GPU), where each pass costs
     launches whatever its size (BENCHMARKS.md, "Learner against a plain training loop on the same batch")."""
+    skip_zero_advantage: str = "auto"
+    """auto: where the loss is the policy term alone (no KL, entropy or value term), a sequence whose trained tokens
+    all have advantage 0 (a GRPO group whose samples got one reward) is not computed: it adds 0 to the loss and to
+    every gradient, so the update is the same with fewer tokens, and the step's statistics cover the sequences
+    computed; true: the same, refused where the loss has another term; false: every sequence is computed."""
     filter_uniform_groups: bool = False
     """Drop groups whose rewards are all equal (no signal for group baselines); counted as groups/filtered."""
     tis_cap: float = 0.0
@@ -215,12 +220,17 @@ class PPOHyperparameters:
     def __post_init__(self):
         self.sequence_packing = str(self.sequence_packing).lower()  # false from the command line arrives as "False"
         self.share_prefixes = str(self.share_prefixes).lower()
-        for name in ("sequence_packing", "share_prefixes"):
+        self.skip_zero_advantage = str(self.skip_zero_advantage).lower()
+        for name in ("sequence_packing", "share_prefixes", "skip_zero_advantage"):
             if getattr(self, name) not in PACKING:
                 raise ValueError(f"ppo.{name} must be one of {PACKING}, got {getattr(self, name)!r}")
         if self.share_prefixes == "true" and self.sequence_packing == "false":
             raise ValueError("ppo.share_prefixes=true shares prefixes within packed rows: it needs "
                              "ppo.sequence_packing=auto or true")
+        if self.skip_zero_advantage == "true" and not self.loss_is_the_policy_term_alone:
+            raise ValueError("ppo.skip_zero_advantage=true needs a loss that is the policy term alone: a KL "
+                             "(ppo.init_kl_coef), entropy (ppo.entropy_loss_coef) or value (ppo.adv_estimator=gae) "
+                             "term has gradients where the advantage is 0")
         check_at_least("ppo.", self, batch_size=1, ppo_epochs=1, warmup_steps=0, weight_decay=0, init_kl_coef=0,
                        target_kl=0, kl_horizon=1, value_clip=0, value_loss_coef=0)
         for name in ("lr", "critic_lr", "pg_clip", "max_grad_norm"):
@@ -249,6 +259,10 @@ class PPOHyperparameters:
             raise ValueError(f"ppo.behaviour_imp_weight_cap must be 0 (off) or greater than 1, "
                              f"got {self.behaviour_imp_weight_cap}")
         self.refuse_inactive_settings()
+
+    @property
+    def loss_is_the_policy_term_alone(self) -> bool:
+        return not self.init_kl_coef and not self.entropy_loss_coef and self.adv_estimator not in NEEDS_CRITIC
 
     def refuse_inactive_settings(self) -> None:
         """A field changed from its default where the chosen algorithm never reads it is an error, not a no-op."""

@@ -158,10 +158,11 @@ class PolicyTrainer:
 
         If the loss is the policy term alone (no KL, entropy or value term), a sequence whose every trained token
         has advantage 0 adds 0 to the loss and to every gradient, whatever its ratios, as each sample of a GRPO
-        group that got one reward does: it need not be computed. Otherwise every sequence can."""
+        group that got one reward does: it need not be computed (ppo.skip_zero_advantage). Otherwise every
+        sequence can."""
         f = mini_batch.fields
         trained = f["loss_mask"] > 0
-        policy_term_alone = self.reference is None and not self.ppo.entropy_loss_coef and self.critic is None
+        policy_term_alone = self.ppo.loss_is_the_policy_term_alone and self.ppo.skip_zero_advantage != "false"
         live = trained & (f["advantages"] != 0) if policy_term_alone else trained
         counts = torch.zeros(2, len(mini_batch) + 1, device=trained.device).index_add_(
             1, mini_batch.sequence_index, torch.stack([trained, live]).float())

@@ -357,9 +357,11 @@ def test_a_group_whose_samples_got_one_reward_is_not_computed_and_the_gradients_
 
 
 @pytest.mark.parametrize("ppo", [{"init_kl_coef": 0.1}, {"init_kl_coef": 0.0, "entropy_loss_coef": 0.01},
-                                 {"init_kl_coef": 0.0, "adv_estimator": "gae"}])
-def test_every_sequence_is_computed_when_the_loss_has_a_term_besides_the_policy(tmp_path, ppo):
-    """A KL, entropy or value term has gradients where the advantage is 0."""
+                                 {"init_kl_coef": 0.0, "adv_estimator": "gae"},
+                                 {"init_kl_coef": 0.0, "skip_zero_advantage": "false"}])
+def test_every_sequence_is_computed_when_the_loss_has_a_term_besides_the_policy_or_when_told(tmp_path, ppo):
+    """A KL, entropy or value term has gradients where the advantage is 0; ppo.skip_zero_advantage=true is refused
+    with one."""
     import dataclasses
     import random
 
@@ -369,6 +371,9 @@ def test_every_sequence_is_computed_when_the_loss_has_a_term_besides_the_policy(
     learner = Learner(config, InProcessBus(), tmp_path / "run")
     batch = [dataclasses.replace(t, reward=1.0) for t in mixed_length_batch(learner.model, random.Random(0), groups=3)]
     assert learner.sequences_to_compute(learner.prepare_batch(batch)) == (True, list(range(12)))
+    if "skip_zero_advantage" not in ppo:
+        with pytest.raises(ValueError, match="skip_zero_advantage=true needs a loss that is the policy term alone"):
+            dataclasses.replace(config.ppo, skip_zero_advantage="true")
 
 
 def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
