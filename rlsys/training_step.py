@@ -167,9 +167,7 @@ class PolicyTrainer:
         counts = torch.zeros(2, len(mini_batch) + 1, device=trained.device).index_add_(
             1, mini_batch.sequence_index, torch.stack([trained, live]).float())
         per_sequence_trained, per_sequence_live = counts[:, :-1].tolist()
-        if not policy_term_alone:
-            return any(per_sequence_trained), list(range(len(mini_batch)))
-        return any(per_sequence_trained), [i for i, n in enumerate(per_sequence_live) if n]
+        return any(per_sequence_trained), [i for i, n in enumerate(per_sequence_live) if n or not policy_term_alone]
 
     def mini_batch_gradients(self, mini_batch: SequenceBatch, moving: list[int] | None = None) -> dict[str, float]:
         """Gradients of a mini-batch's loss, accumulated over its micro-batches (on every rank, over its share).
