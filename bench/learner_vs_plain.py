@@ -113,7 +113,7 @@ class PlainLoop:
         self.input_ids, self.attention_mask, self.labels = (
             t.to(device) for t in (self.input_ids, self.attention_mask, self.labels))
 
-        self.autocast = (functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+        self.autocast = (functools.partial(torch.autocast, torch.device(device).type, dtype=torch.bfloat16)
                          if config.learner.dtype == "bfloat16" else contextlib.nullcontext)
 
     def train_step(self) -> None:

@@ -11,9 +11,10 @@ CPU with `--trl-threads` torch threads, by default every core) and then rlsys's 
 hyper-parameters: 16 prompts x 8 samples per batch, 2 optimizer steps over each batch (rlsys `ppo.ppo_epochs=2`, TRL
 `num_iterations=2`), AdamW lr 3e-5 constant, clip 0.2, gradient norm clip 1, no KL (beta 0), token-mean loss (TRL
 `loss_type="dapo"`, normalised by the batch's tokens), group advantages scaled by the group's std, temperature 1,
-the same max new tokens, gradient checkpointing as rlsys's learner has it (off; TRL's own default is on). TRL's
-reward is rlsys's math check (the plain-number comparison, else math-verify), its prompts are rendered by the same
-tokenizer and chat template to the same token ids (checked).
+the same max new tokens, gradient checkpointing as rlsys's learner has it (off; TRL's own default is on), and its
+precision (`learner.dtype=bfloat16`: TRL `bf16=True`). TRL's reward is rlsys's math check (the plain-number
+comparison, else math-verify), its prompts are rendered by the same tokenizer and chat template to the same token ids
+(checked).
 
 Evaluation is the same for both and outside both clocks: every `--snapshot-steps` batches each side keeps its
 weights (TRL: a copy in memory, its time taken out of TRL's clock; rlsys: the version its learner publishes for
@@ -152,7 +153,8 @@ def trl_arguments(config, steps: int, out_dir: Path, device: str = "cpu", **chan
         num_iterations=ppo.ppo_epochs, learning_rate=ppo.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=ppo.weight_decay, max_grad_norm=ppo.max_grad_norm, beta=0.0, epsilon=ppo.pg_clip,
         loss_type="dapo", scale_rewards="group", temperature=config.gen.temperature, top_p=config.gen.top_p,
-        top_k=max(config.gen.top_k, 0), max_completion_length=config.gen.max_new_tokens, bf16=False,
+        top_k=max(config.gen.top_k, 0), max_completion_length=config.gen.max_new_tokens,
+        bf16=config.learner.dtype == "bfloat16",  # rlsys's mixed precision, as HF's Trainer has it (autocast)
         # TRL's default is on (recomputing activations, about a third more compute per update); rlsys's is off.
         gradient_checkpointing=config.learner.gradient_checkpointing)
     return GRPOConfig(**{**settings, **changes})

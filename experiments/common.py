@@ -9,6 +9,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
 from rlsys.algorithms.ppo import LOSS_AGG_MODES
 from rlsys.api import GenerationConfig
+from rlsys.cpu_features import native_bf16
 from rlsys.data.dataset import RowFormat
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -528,7 +529,8 @@ PACKING = ("auto", "true", "false")
 @dataclass
 class LearnerConfig:
     dtype: str = "float32"
-    """float32, or bfloat16: mixed precision on GPUs (bf16 compute, float32 weights, Adam state and gradient reduction)."""
+    """float32, or bfloat16: mixed precision (bf16 matmuls; float32 weights, Adam state, attention on CPUs, and
+    gradient reduction), on GPUs and on CPUs that compute bf16 in hardware (rlsys/cpu_features.py)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass: less memory, about a third more compute."""
     attn_implementation: str = "auto"
@@ -544,11 +546,17 @@ class LearnerConfig:
             raise ValueError(f"learner.attn_implementation must be one of {ATTENTION}, got {self.attn_implementation!r}")
         check_at_least("learner.", self, num_threads=0)
 
-    def check_device(self, device: str) -> None:
-        """A setting this device ("cpu" or "cuda") cannot honour is refused, with the reason."""
-        if self.dtype == "bfloat16" and device == "cpu":
-            raise ValueError("learner.dtype=bfloat16 is mixed precision for GPUs; on CPU the learner trains in float32 "
-                             "(bf16 there is emulated: slower, and it loses precision): use learner.dtype=float32")
+    def check_device(self, device: str, ranks: int = 1) -> None:
+        """A setting this device ("cpu" or "cuda") with this many learner ranks cannot honour is refused, with the
+        reason."""
+        if self.dtype == "bfloat16" and device == "cpu" and not native_bf16():
+            raise ValueError("learner.dtype=bfloat16 on a CPU needs bf16 arithmetic in its hardware (AVX512-BF16, AMX "
+                             "or Arm's BF16), which this CPU lacks: emulated, bf16 is slower than float32 and loses "
+                             "precision. Use learner.dtype=float32")
+        if self.dtype == "bfloat16" and device == "cpu" and ranks > 1:
+            raise ValueError("learner.dtype=bfloat16 on CPUs is for one learner rank (several would cast each shard "
+                             "with FSDP's policy, which no test checks against one rank there): use "
+                             "cluster.n_learner_ranks=1 or learner.dtype=float32")
         if self.attn_implementation == "flash_attention_2" and device == "cpu":
             raise ValueError("learner.attn_implementation=flash_attention_2 needs a GPU (and the flash-attn package)")
 

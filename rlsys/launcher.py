@@ -92,7 +92,7 @@ def prepare(config) -> None:
         import torch
 
         try:
-            config.learner.check_device("cuda" if torch.cuda.is_available() else "cpu")
+            config.learner.check_device("cuda" if torch.cuda.is_available() else "cpu", config.cluster.n_learner_ranks)
         except ValueError as e:
             raise StartupError(str(e)) from None
     try:

@@ -43,7 +43,7 @@ class PolicyTrainer:
     def __init__(self, config, ranks: Ranks, initial_model_path: str, critic_path: str = ""):
         self.config, self.ranks, self.ppo, self.settings = config, ranks, config.ppo, config.learner
         self.device = ranks.device
-        self.settings.check_device(self.device)
+        self.settings.check_device(self.device, ranks.world)
         self.micro_batch_tokens = self.ppo.max_tokens_per_micro_batch or (2048 if self.device == "cpu" else 16384)
         torch.manual_seed(config.seed)
         attention = self.settings.attn_implementation
@@ -292,9 +292,9 @@ class PolicyTrainer:
         return None
 
     def _autocast(self):
-        """bf16 on one GPU; several ranks get it from FSDP's MixedPrecisionPolicy instead."""
+        """bf16 on one rank; several ranks get it from FSDP's MixedPrecisionPolicy instead."""
         if self.settings.dtype == "bfloat16" and self.ranks.world == 1:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+            return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     @property

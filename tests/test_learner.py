@@ -13,6 +13,7 @@ from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import Trajectory
 from rlsys.api.messages import WorkerStatus, parse_published_weights
 from rlsys.bus import InProcessBus
+from rlsys.cpu_features import has_bf16_flag, native_bf16
 from rlsys.engine.weights import WEIGHTS_FILE
 from rlsys.training_step import packs, shares_prefixes
 from rlsys.weight_checksum import weights_checksum
@@ -478,7 +479,7 @@ def test_void_trajectories_count_in_the_baseline_but_not_in_the_loss(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
 
 
-def test_learner_settings_act_or_are_refused(tmp_path):
+def test_learner_settings_act_or_are_refused(tmp_path, monkeypatch):
     import random
 
     from rlsys.cli import parse_config
@@ -498,7 +499,13 @@ def test_learner_settings_act_or_are_refused(tmp_path):
     config.ppo.sequence_packing, config.learner.attn_implementation = False, "eager"
     assert Learner(config, InProcessBus(), tmp_path / "run").model.config._attn_implementation == "eager"
     config.learner.dtype = "bfloat16"
-    with pytest.raises(ValueError, match="bfloat16 is mixed precision for GPUs; on CPU the learner trains in float32"):
+    monkeypatch.setattr("experiments.common.native_bf16", lambda: True)  # a CPU with bf16 arithmetic
+    config.learner.check_device("cpu")
+    config.learner.check_device("cuda:0", ranks=2)
+    with pytest.raises(ValueError, match="bfloat16 on CPUs is for one learner rank.*cluster.n_learner_ranks=1"):
+        config.learner.check_device("cpu", ranks=2)
+    monkeypatch.setattr("experiments.common.native_bf16", lambda: False)
+    with pytest.raises(ValueError, match="bfloat16 on a CPU needs bf16 arithmetic in its hardware.*learner.dtype=float32"):
         Learner(config, InProcessBus(), tmp_path / "run")
     with pytest.raises(ValueError, match="would attend across the sequences of a packed row"):
         parse_config(["learner.attn_implementation=sdpa", "ppo.sequence_packing=true"])
@@ -518,6 +525,57 @@ def test_learner_settings_act_or_are_refused(tmp_path):
         parse_config(["ppo.share_prefixes=true", "ppo.sequence_packing=false"])
     with pytest.raises(ValueError, match="ppo.share_prefixes must be one of"):
         parse_config(["ppo.share_prefixes=sometimes"])
+
+
+def test_bf16_arithmetic_is_read_from_the_cpus_flags():
+    assert has_bf16_flag("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n", "x86_64")
+    assert has_bf16_flag("flags\t\t: fpu avx512f amx_bf16 amx_tile\n", "x86_64")
+    assert not has_bf16_flag("flags\t\t: fpu avx2 avx512f avx512bw\n", "x86_64")  # emulated there
+    assert has_bf16_flag("Features\t: fp asimd bf16 i8mm\n", "aarch64")
+    assert not has_bf16_flag("Features\t: fp asimd\n", "aarch64") and not has_bf16_flag("", "x86_64")
+
+
+@pytest.mark.skipif(not native_bf16(), reason="this CPU has no bf16 arithmetic: learner.dtype=bfloat16 is refused")
+def test_bf16_on_a_cpu_computes_the_matmuls_in_bf16_and_attention_in_float32_and_learns(tmp_path, monkeypatch):
+    import random
+
+    from rlsys.model import varlen_attention
+
+    attention_dtypes = set()  # what sdpa computed in: its output's dtype (autocast casts float32 inputs inside)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded_sdpa(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        attention_dtypes.add(out.dtype)
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded_sdpa)
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        config = learner_config(tmp_path)
+        config.learner.dtype = dtype
+        learner = Learner(config, InProcessBus(), tmp_path / "run")
+        batch = mixed_length_batch(learner.model, random.Random(0), groups=3)
+        logprobs = learner.probe_logprobs([t.token_ids for t in batch])
+        results[dtype] = (logprobs, *accumulated_gradients(learner, batch))
+    assert attention_dtypes == {torch.float32}  # varlen_attention's float32 under bf16's autocast too
+    assert varlen_attention.ATTN_IMPLEMENTATION == learner.model.config._attn_implementation
+    (lp32, loss32, grads32), (lp16, loss16, grads16) = results["float32"], results["bfloat16"]
+    diffs = [abs(a - b) for x, y in zip(lp32, lp16) for a, b in zip(x, y)]
+    assert 1e-4 < sum(diffs) / len(diffs) < 0.02  # bf16 matmuls: close, not equal
+    assert loss16 == pytest.approx(loss32, abs=0.02)
+    flat32, flat16 = (torch.cat([g.flatten() for g in grads.values()]) for grads in (grads32, grads16))
+    assert torch.nn.functional.cosine_similarity(flat32, flat16, dim=0) > 0.99
+    assert all(p.dtype == torch.float32 for p in learner.model.parameters())  # weights and Adam stay float32
+
+    config = learner_config(tmp_path)
+    config.learner.dtype, config.ppo.lr = "bfloat16", 1e-3
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    good_before, bad_before = answer_logprob(learner.model, GOOD), answer_logprob(learner.model, BAD)
+    for _ in range(5):
+        learner.train_step([trajectory(learner.model, GOOD, 1.0), trajectory(learner.model, BAD, 0.0)] * 2)
+    assert answer_logprob(learner.model, GOOD) > good_before + 0.5
+    assert answer_logprob(learner.model, BAD) < bad_before - 0.5
 
 
 @pytest.mark.parametrize("packing", [True, False])
