@@ -2,7 +2,7 @@
 
 torch reports its kernels' instruction set (`torch.backends.cpu.get_cpu_capability()`: "AVX512"), not whether the
 CPU multiplies bfloat16 itself. Without that (an AVX2 or a plain AVX-512 CPU) oneDNN emulates bf16 matmuls, slower
-than float32; with it they ran 2.3-3.2x float32's speed on a Zen 4 (BENCHMARKS.md, "A bfloat16 learner on a CPU").
+than float32; with it they beat float32's (BENCHMARKS.md, "A bfloat16 learner on a CPU").
 """
 
 import functools
