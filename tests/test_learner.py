@@ -563,10 +563,10 @@ def test_bf16_on_a_cpu_computes_the_matmuls_in_bf16_and_attention_in_float32_and
     (lp32, loss32, grads32), (lp16, loss16, grads16) = results["float32"], results["bfloat16"]
     diffs = [abs(a - b) for x, y in zip(lp32, lp16) for a, b in zip(x, y)]
     assert 1e-4 < sum(diffs) / len(diffs) < 0.02  # bf16 matmuls: close, not equal
-    assert loss16 == pytest.approx(loss32, abs=0.02)
+    assert loss16 == pytest.approx(loss32, abs=1e-3)
     flat32, flat16 = (torch.cat([g.flatten() for g in grads.values()]) for grads in (grads32, grads16))
-    assert torch.nn.functional.cosine_similarity(flat32, flat16, dim=0) > 0.99
-    assert all(p.dtype == torch.float32 for p in learner.model.parameters())  # weights and Adam stay float32
+    assert torch.nn.functional.cosine_similarity(flat32, flat16, dim=0) > 0.999
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in learner.model.parameters())
 
     config = learner_config(tmp_path)
     config.learner.dtype, config.ppo.lr = "bfloat16", 1e-3
