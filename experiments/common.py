@@ -549,14 +549,15 @@ class LearnerConfig:
     def check_device(self, device: str, ranks: int = 1) -> None:
         """A setting this device ("cpu" or "cuda") with this many learner ranks cannot honour is refused, with the
         reason."""
-        if self.dtype == "bfloat16" and device == "cpu" and not native_bf16():
-            raise ValueError("learner.dtype=bfloat16 on a CPU needs bf16 arithmetic in its hardware (AVX512-BF16, AMX "
-                             "or Arm's BF16), which this CPU lacks: emulated, bf16 is slower than float32 and loses "
-                             "precision. Use learner.dtype=float32")
-        if self.dtype == "bfloat16" and device == "cpu" and ranks > 1:
-            raise ValueError("learner.dtype=bfloat16 on CPUs is for one learner rank (several would cast each shard "
-                             "with FSDP's policy, which no test checks against one rank there): use "
-                             "cluster.n_learner_ranks=1 or learner.dtype=float32")
+        if self.dtype == "bfloat16" and device == "cpu":
+            if not native_bf16():
+                raise ValueError("learner.dtype=bfloat16 on a CPU needs bf16 arithmetic in its hardware (AVX512-BF16, "
+                                 "AMX or Arm's BF16), which this CPU lacks: emulated, bf16 is slower than float32 and "
+                                 "loses precision. Use learner.dtype=float32")
+            if ranks > 1:
+                raise ValueError("learner.dtype=bfloat16 on CPUs is for one learner rank (several would cast each "
+                                 "shard with FSDP's policy, which no test checks against one rank there): use "
+                                 "cluster.n_learner_ranks=1 or learner.dtype=float32")
         if self.attn_implementation == "flash_attention_2" and device == "cpu":
             raise ValueError("learner.attn_implementation=flash_attention_2 needs a GPU (and the flash-attn package)")
 

@@ -62,8 +62,8 @@ def varlen_causal_attention(module, query, key, value, attention_mask, scaling=N
     if attention_mask is not None or key.shape[2] != query.shape[2]:
         raise ValueError("varlen attention is for training forward passes: no mask, no KV cache")
     if not query.is_cuda and (query.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
-        # torch's CPU attention kernels take longer in bfloat16 than in float32, its backward twice as long
-        # (BENCHMARKS.md, "A bfloat16 learner on a CPU"): the matmuls around it keep the half precision.
+        # torch's CPU attention kernels take longer in bfloat16 than in float32, the backward most of all
+        # (BENCHMARKS.md, "A bfloat16 learner on a CPU"): the matmuls around them keep the half precision.
         with torch.autocast("cpu", enabled=False):
             out, _ = varlen_causal_attention(module, query.float(), key.float(), value.float(), None, scaling,
                                              dropout, position_ids, **kwargs)
