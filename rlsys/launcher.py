@@ -2,6 +2,7 @@
 watch them, summarise, and always clean up."""
 
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -26,9 +27,31 @@ log = logging.getLogger("rlsys")
 
 
 def run_directory(config) -> Path:
+    """output_dir/experiment_name/trial_name. A run without a trial_name is named by the second it starts, with a
+    suffix where another run took that name first (several started at once): each gets a directory of its own."""
     config.experiment_name = config.experiment_name or registry_name_of(config)
-    config.trial_name = config.trial_name or time.strftime("run-%Y%m%d-%H%M%S")
-    return Path(config.output_dir) / config.experiment_name / config.trial_name
+    experiment_dir = Path(config.output_dir) / config.experiment_name
+    if not config.trial_name:
+        experiment_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("run-%Y%m%d-%H%M%S")
+        for name in (stamp if n == 1 else f"{stamp}-{n}" for n in itertools.count(1)):
+            with contextlib.suppress(FileExistsError):
+                (experiment_dir / name).mkdir(mode=0o700)  # claims the name: mkdir fails if another run made it
+                config.trial_name = name
+                break
+    return experiment_dir / config.trial_name
+
+
+def refuse_a_second_start(run_dir: Path, logging_dir: Path) -> None:
+    """A fresh start (no resume_from_checkpoint) in a run directory an earlier run wrote to would append to its logs
+    and leave both runs' checkpoints side by side: refused, naming the two ways on."""
+    earlier = [path for path in (logging_dir / "learner.jsonl", run_dir / "summary.json") if path.exists()]
+    earlier += [path for path in (run_dir / "checkpoints",) if path.is_dir() and any(path.iterdir())]
+    if earlier:
+        raise StartupError(
+            f"{run_dir} holds an earlier run ({', '.join(str(p) for p in earlier)}): a fresh start there would mix "
+            f"its logs and checkpoints with that run's. Continue that run with resume_from_checkpoint=auto, or start "
+            f"another with trial_name=NEW (or trial_name= : named by the time it starts)")
 
 
 def resolve_resume(config, run_dir: Path) -> None:
@@ -37,6 +60,9 @@ def resolve_resume(config, run_dir: Path) -> None:
         return
     latest = latest_checkpoint(run_dir / "checkpoints")
     config.resume_from_checkpoint = str(latest) if latest else ""
+    if not latest:
+        print(f"resume_from_checkpoint=auto: no complete checkpoint in {run_dir / 'checkpoints'}, so the run starts "
+              "from the beginning", flush=True)
 
 
 @contextlib.contextmanager
@@ -115,8 +141,8 @@ def last_checkpoint_note(run_dir: Path) -> str:
     latest = latest_checkpoint(run_dir / "checkpoints")
     if latest is None:
         return "no checkpoint was saved"
-    return (f"the newest checkpoint is {latest} (step {read_trainer_state(latest)['step']}); "
-            "continue with resume_from_checkpoint=auto")
+    return (f"the newest checkpoint is {latest} (step {read_trainer_state(latest)['step']}); continue with "
+            f"--config {run_dir / 'config.yaml'} resume_from_checkpoint=auto")
 
 
 @contextlib.contextmanager
@@ -151,8 +177,10 @@ def launch(config) -> dict:
     started = time.monotonic()
     run_dir = run_directory(config)
     make_private(run_dir)
-    resolve_resume(config, run_dir)
     config.logging_dir = config.logging_dir or str(run_dir / "logs")
+    if not config.resume_from_checkpoint:
+        refuse_a_second_start(run_dir, Path(config.logging_dir))
+    resolve_resume(config, run_dir)
     # Before prepare() fills in the generated dataset's and tiny model's paths: the file is what was asked for, so
     # `--config` reruns it (from the same caches) without settings that those paths would make do nothing.
     save_config(config, run_dir / "config.yaml")

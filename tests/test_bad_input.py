@@ -17,10 +17,11 @@ import pytest
 import rlsys.impl.env  # noqa: F401  (registers the environments)
 from rlsys.api import EnvServiceAbstraction, make_env
 from rlsys.bus import EmbeddedRedis
-from rlsys.cli import ConfigError, parse_config
+from rlsys.checkpoint import TRAINER_STATE
+from rlsys.cli import ConfigError, parse_config, save_config
 from rlsys.data.dataset import DatasetError, load_rows
 from rlsys.impl.env.math_verifier import close_shared_pool
-from rlsys.launcher import launch
+from rlsys.launcher import last_checkpoint_note, launch, resolve_resume, run_directory
 from rlsys.preflight import StartupError
 from tests.helpers import child_pids, left_behind
 
@@ -148,6 +149,51 @@ def test_a_malformed_dataset_stops_the_run_naming_line_and_field(tmp_path):
     with pytest.raises(StartupError, match=r"train.jsonl:2: field 'answer' must be a string or a number, got list"):
         launch(run_config(tmp_path, f"dataset.path={train}", f"dataset.eval_path={held_out}"))
     assert left_behind(tmp_path, existing) == []
+
+
+def test_a_fresh_start_where_an_earlier_run_wrote_stops_and_changes_nothing(tmp_path, capsys):
+    """A trial_name used twice, or `--config runs/<experiment>/<trial>/config.yaml` again, without resume: it would
+    append to that run's logs and leave two runs' checkpoints side by side."""
+    existing = child_pids()
+    run_dir = tmp_path / "runs" / "async-ppo-math" / "t"
+    (run_dir / "logs").mkdir(parents=True)
+    earlier = {run_dir / "config.yaml": "trial_name: t\n", run_dir / "logs" / "learner.jsonl": '{"step": 1}\n'}
+    for path, text in earlier.items():
+        path.write_text(text)
+    with pytest.raises(StartupError, match=r"runs/async-ppo-math/t holds an earlier run \(.*learner.jsonl\).*"
+                                           r"resume_from_checkpoint=auto.*trial_name=NEW"):
+        launch(run_config(tmp_path, "trial_name=t"))
+    assert {path: path.read_text() for path in earlier} == earlier
+    (run_dir / "logs" / "learner.jsonl").unlink()
+    (run_dir / "checkpoints" / "step_2.tmp").mkdir(parents=True)  # a half-written checkpoint: an earlier run too
+    with pytest.raises(StartupError, match=r"holds an earlier run \(.*checkpoints\)"):
+        launch(run_config(tmp_path, "trial_name=t"))
+    assert not (tmp_path / "cache").exists()  # refused before the dataset and the warm start
+    # Asked to continue it, the run is not refused (it stops later here, on the model path, before anything starts).
+    with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist"):
+        launch(run_config(tmp_path, "trial_name=t", "resume_from_checkpoint=auto", "model.path=/nonexistent/model"))
+    assert "no complete checkpoint in" in capsys.readouterr().out  # a .tmp one never counts
+    assert left_behind(tmp_path, existing) == []
+
+
+def test_runs_started_in_one_second_without_a_trial_name_get_a_directory_each(tmp_path, monkeypatch):
+    monkeypatch.setattr("rlsys.launcher.time.strftime", lambda _: "run-20261202-000000")
+    names = [run_directory(run_config(tmp_path)).name for _ in range(3)]
+    assert names == ["run-20261202-000000", "run-20261202-000000-2", "run-20261202-000000-3"]
+    assert all((tmp_path / "runs" / "async-ppo-math" / name).is_dir() for name in names)
+
+
+def test_a_failed_runs_note_names_the_command_that_continues_it(tmp_path):
+    config = run_config(tmp_path)  # no trial_name: named by the time it started, which a relaunch would not be
+    run_dir = run_directory(config)
+    save_config(config, run_dir / "config.yaml")
+    checkpoint = run_dir / "checkpoints" / "step_4"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / TRAINER_STATE).write_text('{"step": 4}')
+    again = parse_config(last_checkpoint_note(run_dir).split("continue with ")[1].split())
+    assert run_directory(again) == run_dir
+    resolve_resume(again, run_dir)
+    assert again.resume_from_checkpoint == str(checkpoint)
 
 
 def test_a_taken_redis_port_stops_the_run(tmp_path):
