@@ -45,13 +45,15 @@ def run_directory(config) -> Path:
 def refuse_a_second_start(run_dir: Path, logging_dir: Path) -> None:
     """A fresh start (no resume_from_checkpoint) in a run directory an earlier run wrote to would append to its logs
     and leave both runs' checkpoints side by side: refused, naming the two ways on."""
+    checkpoints = run_dir / "checkpoints"
     earlier = [path for path in (logging_dir / "learner.jsonl", run_dir / "summary.json") if path.exists()]
-    earlier += [path for path in (run_dir / "checkpoints",) if path.is_dir() and any(path.iterdir())]
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        earlier.append(checkpoints)
     if earlier:
         raise StartupError(
             f"{run_dir} holds an earlier run ({', '.join(str(p) for p in earlier)}): a fresh start there would mix "
             f"its logs and checkpoints with that run's. Continue that run with resume_from_checkpoint=auto, or start "
-            f"another with trial_name=NEW (or trial_name= : named by the time it starts)")
+            f"another with trial_name=NEW (an empty trial_name= names it by the time it starts)")
 
 
 def resolve_resume(config, run_dir: Path) -> None:
@@ -182,7 +184,8 @@ def launch(config) -> dict:
         refuse_a_second_start(run_dir, Path(config.logging_dir))
     resolve_resume(config, run_dir)
     # Before prepare() fills in the generated dataset's and tiny model's paths: the file is what was asked for, so
-    # `--config` reruns it (from the same caches) without settings that those paths would make do nothing.
+    # `--config` continues it (resume_from_checkpoint=auto) or reruns it (trial_name=) from the same caches,
+    # without settings that those paths would make do nothing.
     save_config(config, run_dir / "config.yaml")
     prepare(config)
     print(f"run directory: {run_dir} (each role's full output: {config.logging_dir}/<role>.log)", flush=True)
