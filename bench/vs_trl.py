@@ -1,8 +1,9 @@
 """rlsys against TRL's GRPOTrainer on the default task: trained samples/s, held-out accuracy over time, time to +20.
 
     pip install -e .[dev]      # TRL is a dev extra, never part of the default install
-    python3 bench/vs_trl.py [--steps 180] [--snapshot-steps 10] [--task NAME] [--held-out N] \
+    python3 bench/vs_trl.py [--steps 180] [--snapshot-steps 10] [--task NAME] [--held-out N] [--target-points 20] \
         [--out bench/results/vs_trl.json] [key=value ...]
+    python3 bench/vs_trl.py --report bench/results/vs_trl.json --target-points 15
 
 One command, one run after the other on the same machine: TRL 1.16's `GRPOTrainer` (one process, HF `generate`, on
 CPU with `--trl-threads` torch threads, by default every core) and then rlsys's default run
@@ -28,9 +29,10 @@ the whole command's time is reported beside it. Trained samples/s counts the bat
 `--warmup` and the last one; over the same window each side is charged its CPU seconds (TRL: its process's; rlsys:
 every process its run started, sampled each second), printed per trained sample with the cores it kept busy, and the
 line above the ratio gives the most samples/s rlsys's CPU per sample allows with every core busy, against TRL's
-measured. The table gives the time to +10 points too (what a short run shows when one side does not reach +20). The
-last line is `ratio: <TRL time-to-target / rlsys time-to-target>` for +20 held-out points over the shared starting
-accuracy.
+measured. The last line is `ratio: <TRL time-to-target / rlsys time-to-target>` for `--target-points` (20 unless
+told) held-out points over the shared starting accuracy; where only one side got there, the bound its whole run sets.
+The table gives the time to half the target too (what a short run shows when a side does not reach it).
+`--report FILE` runs nothing: it prints the table and ratio of a run `--out` saved, at `--target-points`.
 `--variant NAME:SETTINGS` adds rlsys runs with other settings (e.g. the colocated placement) beside the default.
 `--device cuda` puts both sides on one GPU (TRL `use_cpu=False`; rlsys's roles find the GPU themselves, with vLLM
 where it is installed, else `inference.engine=transformers`); `--device cpu` (the default) hides any GPU from both.
@@ -52,7 +54,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.launched_runs import launch, learner_rows, parse_run_arguments  # noqa: E402
 
-TARGET_POINTS = 20.0
 DEFAULT_TASK = "async-ppo-math"
 ONE_TURN_MATH = ("math-single-step", "math-code-single-step")  # (agent, env): the episodes TRL's side plays
 
@@ -82,11 +83,6 @@ def held_out_accuracy(model, tokenizer, prompt_ids: list[list[int]], answers: li
             texts = tokenizer.batch_decode(out[:, inputs.shape[1]:], skip_special_tokens=True)
             right += sum(correct(text, answers[i]) for text, i in zip(texts, indices))
     return right / len(prompt_ids)
-
-
-def first_reaching(curve: list[tuple], accuracy: float) -> tuple[int, float] | None:
-    """(batch, seconds) of the first point of `curve` at or above `accuracy`; None if none is."""
-    return next(((b, t) for b, _, t, a in curve if a >= accuracy - 1e-9), None)  # 0.568 is 0.368 + 0.2
 
 
 def throughput(side: dict, per_batch: int, warmup: int) -> dict:
@@ -339,7 +335,16 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:SETTINGS",
                         help="one more rlsys run after the default one, e.g. 'colocated:cluster.colocate=true "
                              "max_head_offpolicyness=0' (repeatable); reported beside it, not in the ratio")
+    parser.add_argument("--target-points", type=float, default=20.0,
+                        help="the ratio's target: this many held-out points over the shared start")
+    parser.add_argument("--report", metavar="FILE", default="",
+                        help="run nothing: print the table and ratio of a run --out saved, at --target-points")
     args, out_dir = parse_run_arguments(parser, steps=180, out="bench/results/vs_trl.json")
+    if args.report:
+        if not args.runs_dir:
+            out_dir.rmdir()  # the temporary one, unused
+        compare(json.loads(Path(args.report).read_text()), args.target_points)
+        return
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported, here and in the run's roles
     import torch
@@ -386,7 +391,6 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).to(args.device).eval()
     evaluate = lambda: held_out_accuracy(model, tokenizer, eval_ids, answers, config.gen.max_new_tokens)  # noqa: E731
     initial = evaluate()
-    target = initial + TARGET_POINTS / 100
     results = {}
     for name, side in sides.items():
         curve = [(0, 0, 0.0, initial)]
@@ -395,57 +399,77 @@ def main() -> None:
                 snapshot = load_file(str(snapshot))
             model.load_state_dict({k: v.to(args.device) for k, v in snapshot.items()})
             curve.append((batch, batch * per_batch, side["times"][batch - 1], evaluate()))
-        reached = first_reaching(curve, target)
-        halfway = first_reaching(curve, initial + TARGET_POINTS / 200)
         results[name] = {
             **throughput(side, per_batch, args.warmup),
             "curve": [{"batch": b, "samples": n, "seconds": t, "accuracy": a} for b, n, t, a in curve],
-            "time_to_target_s": reached[1] if reached else None, "batches_to_target": reached[0] if reached else None,
-            "time_to_half_target_s": halfway[1] if halfway else None,
             "train_s": side["times"][-1], **{k: v for k, v in side.items() if k not in ("times", "snapshots")}}
 
     task = "default task" if args.task == DEFAULT_TASK else f"task {args.task}"
     task += f", on {torch.cuda.get_device_name()}" if args.device == "cuda" else f", on {os.cpu_count()} CPU cores"
     print(f"{task}, {args.steps} batches of {config.ppo.batch_size} prompts x {config.group_size} samples, "
-          f"{config.ppo.ppo_epochs} optimizer steps each; held-out greedy accuracy on {len(eval_rows)} problems, "
-          f"start {100 * initial:.1f}%, target {100 * target:.1f}% (+{TARGET_POINTS:.0f} points)")
+          f"{config.ppo.ppo_epochs} optimizer steps each; held-out greedy accuracy on {len(eval_rows)} problems")
+    saved = {"args": vars(args), "cores": os.cpu_count(), "initial_accuracy": initial, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(saved, indent=2, default=str))
+    compare(saved, args.target_points)
+
+
+def reaching(curve: list[dict], accuracy: float) -> tuple[int, float] | None:
+    """(batch, seconds of training) of the first snapshot of `curve` at or above `accuracy`; None if none is."""
+    # 0.568 is 0.368 + 0.2 give or take a rounding
+    return next(((p["batch"], p["seconds"]) for p in curve if p["accuracy"] >= accuracy - 1e-9), None)
+
+
+def compare(saved: dict, points: float) -> None:
+    """The table of a run (as `--out` saved it), each learner's split of a step, the CPU ceilings and the `ratio:`
+    line, with the time to `points` held-out points (and to half of them) over the shared starting accuracy."""
+    initial, results, steps = saved["initial_accuracy"], saved["results"], saved["args"]["steps"]
+    times = {name: [reaching(r["curve"], initial + share * points / 100) for share in (0.5, 1.0)]
+             for name, r in results.items()}
+    print(f"start {100 * initial:.1f}%, target {100 * initial + points:.1f}% (+{points:g} points)")
     print(f"{'side':<10} {'samples/s':>9} {'CPU ms/sample':>13} {'cores busy':>10} {'train s':>8} {'whole s':>8} "
-          f"{'to +10':>8} {'to +20':>8} {'load':>9}  held-out accuracy (batch: accuracy @ seconds of training)")
+          f"{f'to +{points / 2:g}':>8} {f'to +{points:g}':>8} {'load':>9}  "
+          "held-out accuracy (batch: accuracy @ seconds of training)")
     for name, r in results.items():
-        to_half, to_target = (f"{r[k]:.1f} s" if r[k] is not None else "-"
-                              for k in ("time_to_half_target_s", "time_to_target_s"))
+        to_half, to_target = (f"{t[1]:.1f} s" if t else "-" for t in times[name])
         curve = "  ".join(f"{p['batch']}:{100 * p['accuracy']:.1f}%@{p['seconds']:.0f}s" for p in r["curve"])
         print(f"{name:<10} {r['samples_per_second']:>9.1f} {1000 * r['cpu_s_per_sample']:>13.2f} "
-              f"{r['cores_busy']:>10.2f} {r['train_s']:>8.1f} {r['wall_s']:>8.1f} {to_half:>8} "
-              f"{to_target:>8} "
+              f"{r['cores_busy']:>10.2f} {r['train_s']:>8.1f} {r['wall_s']:>8.1f} {to_half:>8} {to_target:>8} "
               f"{r['load_average'][0]:>4.1f}-{r['load_average'][1]:<4.1f}  {curve}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "initial_accuracy": initial, "target_accuracy": target,
-                                          "results": results}, indent=2, default=str))
-    trl_t, rlsys_t = (results.get(k, {}).get("time_to_target_s") for k in ("trl", "rlsys"))
-    for name, _ in runs[1:]:
-        variant_t = results[name]["time_to_target_s"]
-        if trl_t is not None and variant_t is not None:
-            print(f"{name}: TRL time-to-target / {name} time-to-target = {trl_t / variant_t:.2f}")
-    for name, _ in runs:
+    to_target = {name: t[1][1] if t[1] else None for name, t in times.items()}
+    trl_t, rlsys_t = to_target.get("trl"), to_target["rlsys"]
+    rlsys_sides = [name for name in results if name != "trl"]
+    for name in rlsys_sides[1:]:
+        if trl_t is not None and to_target[name] is not None:
+            print(f"{name}: TRL time-to-target / {name} time-to-target = {trl_t / to_target[name]:.2f}")
+    for name in rlsys_sides:
         split = results[name]["learner_s_per_step"]
         print(f"{name} learner, seconds a step: compute {split['compute']:.3f}, publish {split['publish']:.3f}, "
               f"waiting for data {split['wait_data']:.3f}")
     if "trl" in results:
         # With every core busy a side trains (cores / CPU seconds per sample) samples a second, whatever it overlaps:
-        # the most a side could reach on this machine, against TRL's measured samples/s.
-        trl, cores = results["trl"], os.cpu_count()
-        for name, _ in runs:
+        # the most a side could reach on the machine it ran on, against TRL's measured samples/s.
+        trl, cores = results["trl"], saved.get("cores")  # not in files saved before 2026-12-02
+        for name in rlsys_sides if cores else ():
             ceiling = cores / results[name]["cpu_s_per_sample"]
             print(f"{name}: CPU per sample {results[name]['cpu_s_per_sample'] / trl['cpu_s_per_sample']:.2f}x TRL's; "
                   f"with all {cores} cores busy at most {ceiling:.0f} samples/s, "
                   f"{ceiling / trl['samples_per_second']:.2f}x TRL's measured {trl['samples_per_second']:.0f}")
     if trl_t is not None and rlsys_t is not None:
-        print(f"ratio: {trl_t / rlsys_t:.2f} (TRL time-to-target / rlsys time-to-target, +{TARGET_POINTS:.0f} "
-              "held-out points)")
+        print(f"ratio: {trl_t / rlsys_t:.2f} (TRL time-to-target / rlsys time-to-target, +{points:g} held-out points)")
+    elif "trl" in results and trl_t is None and rlsys_t is not None:  # TRL would take longer than its whole run
+        trl_s = results["trl"]["train_s"]
+        print(f"ratio: n/a (TRL did not reach +{points:g} points in {steps} batches, {trl_s:.1f} s of training: more "
+              f"than {trl_s / rlsys_t:.2f} times rlsys's {rlsys_t:.1f} s)")
+    elif "trl" in results and trl_t is not None:  # rlsys would take longer than its whole run
+        rlsys_s = results["rlsys"]["train_s"]
+        print(f"ratio: n/a (rlsys did not reach +{points:g} points in {steps} batches, {rlsys_s:.1f} s of training: "
+              f"less than {trl_t / rlsys_s:.2f}, TRL took {trl_t:.1f} s)")
+    elif "trl" in results:
+        print(f"ratio: n/a (neither side reached +{points:g} points in {steps} batches)")
     else:
-        print(f"ratio: n/a (a side did not reach +{TARGET_POINTS:.0f} points in {args.steps} batches: "
-              f"TRL {trl_t}, rlsys {rlsys_t})")
+        reached = f"reached +{points:g} at {rlsys_t:.1f} s" if rlsys_t is not None else f"did not reach +{points:g}"
+        print(f"ratio: n/a (no TRL side; in {steps} batches rlsys {reached})")
 
 
 if __name__ == "__main__":
