@@ -74,7 +74,10 @@ def _run(role: str, index: int, config, bus, run_dir: str) -> None:
         from rlsys.workers.inference_worker import InferenceWorker
 
         engine = GenerationEngine(make_backend(config.model.path, config.inference, config.seed + index))
-        InferenceWorker(engine, bus, index, config.inference.max_batch_requests).run()
+        try:
+            InferenceWorker(engine, bus, index, config.inference.max_batch_requests).run()
+        finally:
+            engine.backend.close()
     elif role == "rollout":
         import asyncio
 

@@ -28,10 +28,12 @@ MAX_CONSOLE_LINES = 60
 def tiny_run(cache_dir, tmp_path_factory):
     """A finished 4-step run with every episode traced and the traces exported to MLflow: (run dir, console)."""
     out = tmp_path_factory.mktemp("observed")
+    (out / "tmp").mkdir()  # the run's temp directory, to see what it leaves there
     args = small_run_overrides(cache_dir, out) + ["trial_name=t", "max_steps=4", "logging_steps=2",
                                                    "trace.sample_rate=1.0", "trace.mlflow=true"]
     proc = subprocess.run([sys.executable, str(ROOT / "training" / "main_async_ppo.py"), *args], cwd=out,
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(out / "tmp")})
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-3000:]
     return out / "async-ppo-math" / "t", console
@@ -47,6 +49,13 @@ def test_console_shows_progress_and_result_and_sends_library_output_to_role_logs
     assert "resource_tracker" not in console  # the inference process's quick exit leaves no semaphore to report
     inference_log = (run_dir / "logs" / "inference0.log").read_text()
     assert "version 1" in inference_log or "vllm" in inference_log.lower()
+
+
+def test_a_finished_run_leaves_nothing_in_the_temp_directory(tiny_run):
+    run_dir, _ = tiny_run
+    left = [p.name for p in (run_dir.parents[1] / "tmp").iterdir()
+            if not p.name.startswith("torchinductor_")]  # torch's compile cache, kept across runs on purpose
+    assert left == []  # vLLM's rendezvous file (vllm_dist_*) was left by every run
 
 
 def test_tensorboard_files_hold_reward_and_accounting_scalars(tiny_run):

@@ -77,6 +77,9 @@ class GenerationBackend(abc.ABC):
         and so cannot list its own under the learner's names: what is checked then is what it was given."""
         return None
 
+    def close(self) -> None:
+        """Let go of what would outlive the process: the inference role calls it last, before its quick exit."""
+
     def score(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token after the first given its prefix, at temperature 1 (the weight-sync check)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score sequences")

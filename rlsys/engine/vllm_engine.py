@@ -118,6 +118,14 @@ class VLLMBackend(GenerationBackend):
         self.llm.collective_rpc("reload_weights", kwargs=source)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
+    def close(self) -> None:
+        # vLLM's one-process group meets through a file in the temp directory that only the group's destruction
+        # removes; the role's quick exit skips it, so each engine start left a file there (hundreds on a test machine).
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
     def score(self, token_ids: list[int]) -> list[float]:
         return self.score_all([token_ids])[0]
 
