@@ -179,14 +179,15 @@ def launch(config) -> dict:
     started = time.monotonic()
     run_dir = run_directory(config)
     make_private(run_dir)
-    config.logging_dir = config.logging_dir or str(run_dir / "logs")
+    logging_dir = Path(config.logging_dir) if config.logging_dir else run_dir / "logs"
     if not config.resume_from_checkpoint:
-        refuse_a_second_start(run_dir, Path(config.logging_dir))
-    resolve_resume(config, run_dir)
-    # Before prepare() fills in the generated dataset's and tiny model's paths: the file is what was asked for, so
-    # `--config` continues it (resume_from_checkpoint=auto) or reruns it (trial_name=) from the same caches,
-    # without settings that those paths would make do nothing.
+        refuse_a_second_start(run_dir, logging_dir)
+    # Before the logs' directory, the checkpoint `auto` names, and the generated dataset's and tiny model's paths are
+    # filled in: the file is what was asked for, so `--config` continues it (resume_from_checkpoint=auto) or reruns it
+    # (trial_name=) from the same caches, without paths of this trial that would send a rerun's logs into it.
     save_config(config, run_dir / "config.yaml")
+    config.logging_dir = str(logging_dir)
+    resolve_resume(config, run_dir)
     prepare(config)
     print(f"run directory: {run_dir} (each role's full output: {config.logging_dir}/<role>.log)", flush=True)
     trainer_state = {}

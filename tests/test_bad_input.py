@@ -176,6 +176,20 @@ def test_a_fresh_start_where_an_earlier_run_wrote_stops_and_changes_nothing(tmp_
     assert left_behind(tmp_path, existing) == []
 
 
+def test_a_runs_saved_config_reruns_as_a_new_run_in_a_directory_of_its_own(tmp_path):
+    """`--config runs/<experiment>/<trial>/config.yaml trial_name=`, as the refusal above advises: the file held the
+    trial's logs directory, so the new run was refused for the old run's logs, or would have written into them."""
+    with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist"):
+        launch(run_config(tmp_path, "trial_name=t", "model.path=/nonexistent/model"))  # saves config.yaml, then stops
+    saved = tmp_path / "runs" / "async-ppo-math" / "t" / "config.yaml"
+    (saved.parent / "logs").mkdir()
+    (saved.parent / "logs" / "learner.jsonl").write_text('{"step": 1}\n')  # as if that run had trained
+    rerun = parse_config(["--config", str(saved), "trial_name="])
+    with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist"):  # not the refusal
+        launch(rerun)
+    assert rerun.trial_name != "t" and Path(rerun.logging_dir) == saved.parents[1] / rerun.trial_name / "logs"
+
+
 def test_runs_started_in_one_second_without_a_trial_name_get_a_directory_each(tmp_path, monkeypatch):
     monkeypatch.setattr("rlsys.launcher.time.strftime", lambda _: "run-20261202-000000")
     names = [run_directory(run_config(tmp_path)).name for _ in range(3)]
