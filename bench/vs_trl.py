@@ -414,10 +414,10 @@ def main() -> None:
     compare(saved, args.target_points)
 
 
-def reaching(curve: list[dict], accuracy: float) -> tuple[int, float] | None:
-    """(batch, seconds of training) of the first snapshot of `curve` at or above `accuracy`; None if none is."""
+def reaching(curve: list[dict], accuracy: float) -> float | None:
+    """Seconds of training to the first snapshot of `curve` at or above `accuracy`; None if none is."""
     # 0.568 is 0.368 + 0.2 give or take a rounding
-    return next(((p["batch"], p["seconds"]) for p in curve if p["accuracy"] >= accuracy - 1e-9), None)
+    return next((p["seconds"] for p in curve if p["accuracy"] >= accuracy - 1e-9), None)
 
 
 def compare(saved: dict, points: float) -> None:
@@ -431,12 +431,12 @@ def compare(saved: dict, points: float) -> None:
           f"{f'to +{points / 2:g}':>8} {f'to +{points:g}':>8} {'load':>9}  "
           "held-out accuracy (batch: accuracy @ seconds of training)")
     for name, r in results.items():
-        to_half, to_target = (f"{t[1]:.1f} s" if t else "-" for t in times[name])
+        to_half, to_target = (f"{t:.1f} s" if t is not None else "-" for t in times[name])
         curve = "  ".join(f"{p['batch']}:{100 * p['accuracy']:.1f}%@{p['seconds']:.0f}s" for p in r["curve"])
         print(f"{name:<10} {r['samples_per_second']:>9.1f} {1000 * r['cpu_s_per_sample']:>13.2f} "
               f"{r['cores_busy']:>10.2f} {r['train_s']:>8.1f} {r['wall_s']:>8.1f} {to_half:>8} {to_target:>8} "
               f"{r['load_average'][0]:>4.1f}-{r['load_average'][1]:<4.1f}  {curve}")
-    to_target = {name: t[1][1] if t[1] else None for name, t in times.items()}
+    to_target = {name: target for name, (_, target) in times.items()}
     trl_t, rlsys_t = to_target.get("trl"), to_target["rlsys"]
     rlsys_sides = [name for name in results if name != "trl"]
     for name in rlsys_sides[1:]:
