@@ -1,7 +1,12 @@
 """Generation throughput: the transformers backend vs the vLLM backend, side by side in one run.
 
     python3 bench/generation_throughput.py [--requests 64] [--n 8] [--new-tokens 8] [--repeats 3]
+                                           [--engines vllm,transformers]
                                            [--out bench/results/generation_throughput.json]
+
+`--engines` names the engines compared, of: vllm, transformers, transformers-graphs (the transformers engine with
+`inference.enforce_eager=false`: its decode steps as CUDA graphs, GPU only); the ratio is the last one's over the
+first one's. On a GPU machine without vLLM: `--engines transformers,transformers-graphs`.
 
 Both run behind the same `GenerationEngine` on the tiny default model's shape (random weights, float32):
 `--requests` fresh prompts of 16-48 tokens per run, n samples each at temperature 1, all added at once.
@@ -45,15 +50,24 @@ def make_requests(count: int, n: int, new_tokens: int, seed: int) -> list[tuple[
              GenerationConfig(n=n, max_new_tokens=new_tokens, temperature=1.0)) for i in range(count)]
 
 
-def make_engines(model_path: str, threads: int) -> dict[str, GenerationEngine]:
-    from rlsys.engine.transformers_engine import TransformersBackend
-    from rlsys.engine.vllm_engine import VLLMBackend
+ENGINES = ("vllm", "transformers", "transformers-graphs")
 
-    engines = {"vllm": GenerationEngine(VLLMBackend(model_path, InferenceConfig(), seed=0))}
+
+def make_engines(model_path: str, threads: int, names: list[str]) -> dict[str, GenerationEngine]:
+    from rlsys.engine.transformers_engine import TransformersBackend
+
+    engines = {}
+    if "vllm" in names:
+        from rlsys.engine.vllm_engine import VLLMBackend
+
+        engines["vllm"] = GenerationEngine(VLLMBackend(model_path, InferenceConfig(), seed=0))
     torch.set_num_threads(threads)  # after vLLM, which sets the process's threads when it binds them
-    engines["transformers"] = GenerationEngine(
-        TransformersBackend(model_path, InferenceConfig(engine="transformers"), seed=0))
-    return engines
+    for name in names:
+        if name != "vllm":
+            eager = name == "transformers"
+            engines[name] = GenerationEngine(TransformersBackend(
+                model_path, InferenceConfig(engine="transformers", enforce_eager=eager), seed=0))
+    return {name: engines[name] for name in names}
 
 
 def timed_generate(engine: GenerationEngine, requests) -> dict:
@@ -70,15 +84,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of both backends")
+    parser.add_argument("--engines", default="vllm,transformers", help=f"comma-separated, of {', '.join(ENGINES)}")
     parser.add_argument("--out", default="bench/results/generation_throughput.json")
     args = parser.parse_args()
+    args.engines = args.engines.split(",")
+    if set(args.engines) - set(ENGINES) or len(args.engines) < 2:
+        parser.error(f"--engines takes two or more of {', '.join(ENGINES)}; got {args.engines}")
     report(args, measure(args))
 
 
 def measure(args) -> dict[str, list[dict]]:
     """Timed runs per backend, alternating between them."""
     with tempfile.TemporaryDirectory() as tmp:
-        engines = make_engines(save_model(Path(tmp) / "model"), args.threads)
+        engines = make_engines(save_model(Path(tmp) / "model"), args.threads, args.engines)
         warm_up = make_requests(args.requests, args.n, args.new_tokens, seed=0)
         for engine in engines.values():
             timed_generate(engine, warm_up)  # allocator, kernels
@@ -96,16 +114,18 @@ def report(args, runs: dict[str, list[dict]]) -> None:
                    "best_tokens_per_second": max(r["tokens"] / r["seconds"] for r in measured),
                    "runs": measured}
             for name, measured in runs.items()}
-    ratio = rows["transformers"]["tokens_per_second"] / rows["vllm"]["tokens_per_second"]
+    first, last = args.engines[0], args.engines[-1]
+    ratio = rows[last]["tokens_per_second"] / rows[first]["tokens_per_second"]
     print(f"{args.requests} requests x n={args.n} x {args.new_tokens} new tokens, tiny default model "
-          f"(hidden 256 x 4 layers, float32), {args.threads} thread(s), {args.repeats} runs each")
-    print(f"{'backend':<13} {'generated tok/s':>16} {'best run':>9}  seconds per run")
+          f"(hidden 256 x 4 layers, float32), {args.threads} thread(s), {args.repeats} runs each, "
+          f"{'cuda' if torch.cuda.is_available() else 'cpu'}")
+    print(f"{'backend':<20} {'generated tok/s':>16} {'best run':>9}  seconds per run")
     for name, row in rows.items():
         walls = " ".join(f"{r['seconds']:.2f}" for r in row["runs"])
-        print(f"{name:<13} {row['tokens_per_second']:>16.0f} {row['best_tokens_per_second']:>9.0f}  {walls}")
+        print(f"{name:<20} {row['tokens_per_second']:>16.0f} {row['best_tokens_per_second']:>9.0f}  {walls}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows, "ratio": ratio}, indent=2))
-    print(f"transformers / vllm (generated tok/s): {ratio:.2f}")
+    print(f"ratio: {ratio:.2f} ({last} / {first}, generated tok/s)")
 
 
 if __name__ == "__main__":

@@ -405,7 +405,7 @@ def parse_resources(key: str, text: str) -> dict[str, float]:
 
 
 ENGINES = ("vllm", "transformers")
-VLLM_ONLY = ("enforce_eager", "kv_cache_gib", "gpu_memory_utilization", "enable_prefix_caching")
+VLLM_ONLY = ("kv_cache_gib", "gpu_memory_utilization", "enable_prefix_caching")
 
 
 @dataclass
@@ -429,7 +429,9 @@ class InferenceConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes: a group's samples and an episode's earlier turns."""
     enforce_eager: bool = True
-    """vLLM: no CUDA graphs or compilation; faster start-up, slower decoding on GPUs."""
+    """No CUDA graphs: faster start-up, slower decoding on GPUs. false: vLLM compiles the model and captures its graphs
+    at start-up; the transformers engine captures its decode step per batch size and cache width as they first come,
+    and needs a GPU for it."""
     max_batch_requests: int = 256
     """Most observations taken from the bus between two engine steps."""
     tensor_parallel_size: int = 1
@@ -451,6 +453,12 @@ class InferenceConfig:
         vllm = (self.engine == "vllm", f"with inference.engine={self.engine} (only vLLM reads it)",
                 "set inference.engine=vllm")
         return {name: vllm for name in VLLM_ONLY}
+
+    def check_device(self, device: str) -> None:
+        """A setting an engine on this device ("cpu" or "cuda") cannot honour is refused, with the reason."""
+        if self.engine == "transformers" and not self.enforce_eager and device == "cpu":
+            raise ValueError("inference.enforce_eager=false asks the transformers engine for CUDA graphs, which need "
+                             "a GPU, and this machine has none: leave inference.enforce_eager=true")
 
 
 @dataclass

@@ -116,13 +116,17 @@ def prepare(config) -> None:
         if config.cluster.colocate and visible_devices():
             raise StartupError("cluster.colocate=true takes turns on CPU cores; on GPUs it would need vLLM's sleep "
                                "mode and in-memory weight hand-over, which rlsys does not have yet: leave it false")
-    if hasattr(config, "learner"):  # refused here rather than by a learner that would die and be restarted
-        import torch
+    # Refused here rather than by a role that would die and be restarted.
+    import torch
 
-        try:
-            config.learner.check_device("cuda" if torch.cuda.is_available() else "cpu", config.cluster.n_learner_ranks)
-        except ValueError as e:
-            raise StartupError(str(e)) from None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        if hasattr(config, "learner"):
+            config.learner.check_device(device, config.cluster.n_learner_ranks)
+        if config.cluster.backend == "local":  # under Ray, inference runs on another node's devices
+            config.inference.check_device(device)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
     try:
         prepare_assets(config)
     except (AssetError, DatasetError) as e:

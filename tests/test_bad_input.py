@@ -119,13 +119,15 @@ def run_config(tmp_path: Path, *overrides: str):
     return parse_config([f"output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'cache'}", *small, *overrides])
 
 
-def test_a_learner_setting_this_device_cannot_honour_stops_the_run(tmp_path, monkeypatch):
+def test_a_learner_or_engine_setting_this_device_cannot_honour_stops_the_run(tmp_path, monkeypatch):
     existing = child_pids()
     monkeypatch.setattr("experiments.common.native_bf16", lambda: False)  # a CPU without bf16 arithmetic
     with pytest.raises(StartupError, match="bfloat16 on a CPU needs bf16 arithmetic in its hardware.*learner.dtype=float32"):
         launch(run_config(tmp_path, "learner.dtype=bfloat16"))
     with pytest.raises(StartupError, match="flash_attention_2 needs a GPU"):
         launch(run_config(tmp_path, "learner.attn_implementation=flash_attention_2"))
+    with pytest.raises(StartupError, match="CUDA graphs, which need a GPU.*leave inference.enforce_eager=true"):
+        launch(run_config(tmp_path, "inference.engine=transformers", "inference.enforce_eager=false"))
     assert left_behind(tmp_path, existing) == []
     assert not (tmp_path / "cache").exists()  # refused before the dataset and the warm start
 

@@ -96,13 +96,16 @@ def test_bfloat16_mixed_precision_trains_toward_the_rewarded_answer(tmp_path):
     assert stats["grad_norm"] > 0
 
 
-def test_the_gpu_engine_matches_the_gpu_learner_before_and_after_updates_over_disk_and_the_stream(tmp_path):
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_the_gpu_engine_matches_the_gpu_learner_before_and_after_updates_over_disk_and_the_stream(tmp_path,
+                                                                                                 enforce_eager):
     """The transformers engine on the GPU scores and generates what the learner on the GPU computes, and after
     each update (a file on disk, then tensors streamed from the learner's weight server) holds the learner's new
-    weights, with the checksum computed on the GPU equal to the learner's."""
+    weights, with the checksum computed on the GPU equal to the learner's; its decode graphs replay the new weights."""
     config = config_for(tmp_path)
     trainer = PolicyTrainer(config, Ranks(), config.model.path)
-    engine = GenerationEngine(TransformersBackend(config.model.path, InferenceConfig(engine="transformers"), seed=0))
+    engine = GenerationEngine(TransformersBackend(
+        config.model.path, InferenceConfig(engine="transformers", enforce_eager=enforce_eager), seed=0))
     assert engine.backend.device.type == "cuda"
     sequence = PROMPT + GOOD
     server, bus, receiver = WeightServer(), InProcessBus(), WeightReceiver()
@@ -126,6 +129,28 @@ def test_the_gpu_engine_matches_the_gpu_learner_before_and_after_updates_over_di
         assert (torch.tensor(logprobs) - learner).abs().max() < 1e-4
     assert receiver.received_streamed == 1
     server.close()
+
+
+def test_cuda_graphs_generate_what_the_eager_engine_does_with_sequences_joining_and_leaving(tmp_path):
+    """96 seeded samples of mixed lengths through 32 places, both ways: the same tokens, the same logprobs, and a
+    graph captured once per batch and width bucket, not per step."""
+    path = str(save_random_tiny_model(tmp_path / "model"))
+    requests = [(f"q{i}", list(range(10 + i, 20 + 2 * i)), GenerationConfig(
+        n=4, max_new_tokens=10 + 5 * (i % 7), temperature=1.0, seed=i)) for i in range(24)]
+
+    def generate(enforce_eager: bool):
+        backend = TransformersBackend(path, InferenceConfig(engine="transformers", max_num_seqs=32,
+                                                            enforce_eager=enforce_eager), seed=0)
+        return backend, GenerationEngine(backend).generate(requests)
+
+    _, eager = generate(True)
+    backend, graphs = generate(False)
+    for a, b in zip(graphs, eager, strict=True):
+        assert a.output_ids == b.output_ids, a.rid
+        for lp_a, lp_b in zip(a.logprobs, b.logprobs, strict=True):
+            assert (torch.tensor(lp_a) - torch.tensor(lp_b)).abs().max() < 1e-4, a.rid
+    graphs = backend.decode_graphs
+    assert 1 < graphs.captured <= len(graphs.batch_sizes) * len(graphs.widths)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["bfloat16", "float32-under-autocast"])

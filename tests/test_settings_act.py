@@ -51,8 +51,6 @@ GROUP_REFUSED = [  # (overrides, what the message must say)
     (["dataset.path=train.jsonl", "dataset.num_eval=50"], "dataset.num_eval=50 does nothing with dataset.path set"),
     (["trace.mlflow_tracking_uri=sqlite:///m.db"], "trace.mlflow_tracking_uri=sqlite:///m.db does nothing without "
                                                    "trace.mlflow=true"),
-    (["inference.engine=transformers", "inference.enforce_eager=false"],
-     "inference.enforce_eager=False does nothing with inference.engine=transformers"),
     (["inference.engine=transformers", "inference.kv_cache_gib=4"], "inference.kv_cache_gib=4 does nothing"),
     (["experiment=async-ppo-sokoban", "rollout.tree_branching=3"],
      "rollout.tree_branching=3 does nothing with rollout.mode=chain"),
@@ -76,6 +74,7 @@ def test_a_setting_the_rest_of_its_group_makes_do_nothing_is_refused(overrides, 
     ["trace.mlflow=true", "trace.mlflow_tracking_uri=sqlite:///m.db"],
     ["inference.enforce_eager=false", "inference.kv_cache_gib=4"],
     ["inference.engine=transformers"],
+    ["inference.engine=transformers", "inference.enforce_eager=false"],  # its decode step as CUDA graphs
     ["experiment=async-ppo-sokoban", "rollout.mode=tree", "rollout.tree_branching=3", "rollout.tree_depth=2"],
 ])
 def test_those_settings_are_taken_where_they_act(overrides):

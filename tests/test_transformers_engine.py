@@ -1,20 +1,24 @@
 """The transformers backend behind GenerationEngine (float32, CPU): vLLM's greedy tokens and logprobs,
-continuous batching, sampling distributions and seeds, and weight updates in the middle of generation."""
+continuous batching, sampling distributions and seeds, and weight updates in the middle of generation; with
+`enforce_eager=false`, its decode steps as graphs (replayed eagerly here: the CPU has no CUDA graphs, and
+tests/test_gpu.py captures real ones)."""
 
 import random
 from collections import Counter, defaultdict
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from experiments.common import InferenceConfig
 from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import GenerationConfig
+from rlsys.engine import decode_graphs
 from rlsys.engine.backend import SamplingSettings
 from rlsys.engine.generation import GenerationEngine
 from rlsys.engine.transformers_engine import TransformersBackend
 from rlsys.engine.weights import write_weight_update
+from rlsys.model.tokenizer import build_char_tokenizer
 from tests.helpers import save_random_tiny_model
 
 EOS = 1  # the character tokenizer's <|end|>
@@ -52,6 +56,22 @@ def model_path(tmp_path_factory):
     train(model, lambda rng: progression(rng, rng.randint(3, 14)) + [EOS], steps=150, lr=3e-3)
     model.save_pretrained(directory)
     return str(directory)
+
+
+class ReplayEagerly:
+    """A CPU stand-in for CudaGraphCapture: replaying runs the captured function again, with the host values it was
+    captured with (a graph replays those too)."""
+
+    def __call__(self, fn):
+        return fn
+
+
+@pytest.fixture(params=["eager", "graphs"])
+def decode(request, monkeypatch) -> dict:
+    """Both decode paths, as inference settings: HF's forward pass, and the graph path's."""
+    if request.param == "graphs":
+        monkeypatch.setitem(decode_graphs.GRAPH_CAPTURE, "cpu", ReplayEagerly)
+    return {"enforce_eager": request.param == "eager"}
 
 
 def load_model(path):
@@ -95,14 +115,18 @@ def greedy_requests() -> list[tuple[str, list[int], GenerationConfig]]:
     return requests
 
 
-def test_greedy_tokens_and_logprobs_equal_vllm(model_path):
+@pytest.fixture(scope="module")
+def vllm_greedy(model_path) -> list:
     from rlsys.engine.vllm_engine import VLLMBackend
 
+    return GenerationEngine(VLLMBackend(model_path, InferenceConfig(), seed=0)).generate(greedy_requests())
+
+
+def test_greedy_tokens_and_logprobs_equal_vllm(model_path, vllm_greedy, decode):
     requests = greedy_requests()
     # Fewer places than sequences, so most sequences wait, then join a running batch.
-    ours = transformers_engine(model_path, max_num_seqs=4).generate(requests)
-    theirs = GenerationEngine(VLLMBackend(model_path, InferenceConfig(), seed=0)).generate(requests)
-    assert_same_outputs(ours, theirs)
+    ours = transformers_engine(model_path, max_num_seqs=4, **decode).generate(requests)
+    assert_same_outputs(ours, vllm_greedy)
 
     endings = Counter()
     for (_, _, gconfig), out in zip(requests, ours):
@@ -111,12 +135,12 @@ def test_greedy_tokens_and_logprobs_equal_vllm(model_path):
     assert endings.keys() == {"eos", "stop token", "length"}, f"the requests must cover every ending: {endings}"
 
 
-def test_request_added_mid_generation_gives_what_it_gives_alone(model_path):
+def test_request_added_mid_generation_gives_what_it_gives_alone(model_path, decode):
     early = ("early", [20, 22, 24], GenerationConfig(n=2, max_new_tokens=20, temperature=0.0))
     late = ("late", [50, 51], GenerationConfig(n=3, max_new_tokens=20, temperature=0.0))
-    alone = [transformers_engine(model_path).generate([request])[0] for request in (early, late)]
+    alone = [transformers_engine(model_path, **decode).generate([request])[0] for request in (early, late)]
 
-    engine = transformers_engine(model_path)
+    engine = transformers_engine(model_path, **decode)
     engine.add_request(*early)
     for _ in range(3):
         assert engine.step() == [], "the early request must still be generating when the late one arrives"
@@ -127,11 +151,11 @@ def test_request_added_mid_generation_gives_what_it_gives_alone(model_path):
     assert_same_outputs([finished["early"], finished["late"]], alone)
 
 
-def test_aborting_a_request_mid_generation_leaves_the_others_exact(model_path):
+def test_aborting_a_request_mid_generation_leaves_the_others_exact(model_path, decode):
     requests = [(f"q{i}", prompt, GenerationConfig(n=2, max_new_tokens=20, temperature=0.0))
                 for i, prompt in enumerate([[10, 12], [46, 48], [55, 56]])]  # 13 to 18 greedy tokens
-    alone = [transformers_engine(model_path).generate([request])[0] for request in requests]
-    engine = transformers_engine(model_path)
+    alone = [transformers_engine(model_path, **decode).generate([request])[0] for request in requests]
+    engine = transformers_engine(model_path, **decode)
     for request in requests:
         engine.add_request(*request)
     for _ in range(3):
@@ -167,17 +191,18 @@ def test_at_most_max_num_seqs_run_at_once_and_waiting_ones_lose_nothing(model_pa
     assert queued == together
 
 
-def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypatch):
+def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypatch, decode):
     """Requests of mixed lengths arrive over 100 steps into 6 places: the running batch refills freed places,
-    moves sequences into holes, makes room for a prompt longer than the batch, and runs out of columns, and
-    prompts are prefilled a few at a time; every sampled token's logprob must still be the learner's."""
+    moves sequences into holes, makes room for a prompt longer than the batch, and runs out of columns (with graphs:
+    drops the columns no sequence uses, in place), and prompts are prefilled a few at a time; every sampled token's
+    logprob must still be the learner's."""
     import rlsys.engine.transformers_engine as engine_module
 
     calls = Counter()
-    for method in ("_relayout", "_fill_holes"):
+    for method in ("_relayout", "_fill_holes", "_mostly_unused"):
         original = getattr(engine_module._RunningBatch, method)
-        monkeypatch.setattr(engine_module._RunningBatch, method,
-                            lambda self, *a, _f=original, _m=method, **k: calls.update([_m]) or _f(self, *a, **k))
+        monkeypatch.setattr(engine_module._RunningBatch, method, lambda self, *a, _f=original, _m=method, **k:
+                            (result := _f(self, *a, **k)) is not False and calls.update([_m]) or result)
     budget = 30
     monkeypatch.setattr(engine_module, "PREFILL_TOKENS", budget)
     prefilled = []  # (distinct prompts, longest) of each prefill forward pass
@@ -189,7 +214,7 @@ def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypa
 
     monkeypatch.setattr(engine_module, "_prefill_groups", spied_groups)
     path = str(save_random_tiny_model(tmp_path / "model"))  # untrained: rarely ends, so sequences run long
-    engine = transformers_engine(path, max_num_seqs=6)
+    engine = transformers_engine(path, max_num_seqs=6, **decode)
     rng = random.Random(3)
     arrivals = {0: 3, 1: 1, 5: 1, 30: 2, 70: 1}  # step -> requests of n=2
     requests, finished, step = {}, {}, 0
@@ -203,6 +228,9 @@ def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypa
         finished.update((out.rid, out) for out in engine.step())
         step += 1
     assert calls["_relayout"] >= 2 and calls["_fill_holes"] >= 1, f"the schedule must exercise the batch: {calls}"
+    if not decode["enforce_eager"]:
+        assert calls["_mostly_unused"] >= 1, f"the schedule must drop unused columns in place: {calls}"
+        assert engine.backend.decode_graphs.captured <= 12 < step / 4, "a graph per batch and width bucket, reused"
     assert all(count * longest <= budget or count == 1 for count, longest in prefilled)
     assert max(count for count, _ in prefilled) > 1 and len(prefilled) > len(arrivals), prefilled
 
@@ -213,15 +241,15 @@ def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypa
             assert (torch.tensor(logprobs) - learner_logprobs(model, prompt, ids)).abs().max() < TOLERANCE, rid
 
 
-def test_seeded_sampling_is_reproducible_and_its_logprobs_are_the_learners(model_path):
+def test_seeded_sampling_is_reproducible_and_its_logprobs_are_the_learners(model_path, decode):
     temperature = 0.8
     requests = [(f"q{i}", [20 + 3 * i], GenerationConfig(n=4, max_new_tokens=12, temperature=temperature, seed=7))
                 for i in range(3)]
-    first = transformers_engine(model_path).generate(requests)
-    assert_same_outputs(transformers_engine(model_path).generate(requests), first)
+    first = transformers_engine(model_path, **decode).generate(requests)
+    assert_same_outputs(transformers_engine(model_path, **decode).generate(requests), first)
     reseeded = [(rid, prompt, GenerationConfig(n=4, max_new_tokens=12, temperature=temperature, seed=8))
                 for rid, prompt, _ in requests]
-    other = transformers_engine(model_path).generate(reseeded)
+    other = transformers_engine(model_path, **decode).generate(reseeded)
     assert [o.output_ids for o in other] != [o.output_ids for o in first], "the seed must matter"
 
     model = load_model(model_path)
@@ -276,8 +304,8 @@ def test_sampled_first_tokens_follow_the_distribution(model_path, temperature, t
     assert tv < 0.03, f"sampled frequencies are {tv:.3f} (total variation) from the model's distribution"
 
 
-def test_weight_update_mid_generation_tags_each_token_with_the_weights_that_made_it(model_path, tmp_path):
-    engine = transformers_engine(model_path)
+def test_weight_update_mid_generation_tags_each_token_with_the_weights_that_made_it(model_path, decode, tmp_path):
+    engine = transformers_engine(model_path, **decode)
     requests = [("greedy", [20, 22, 24], GenerationConfig(n=2, max_new_tokens=10, temperature=0.0)),
                 ("sampled", [60, 61], GenerationConfig(n=1, max_new_tokens=10, temperature=1.0, seed=5))]
     for request in requests:
@@ -322,6 +350,38 @@ def test_interrupted_samples_keep_their_place_ahead_of_newer_requests(model_path
     while len(order) < 2:
         order += [out.rid for out in engine.step()]
     assert order == ["old", "new"]
+
+
+def save_random_model(directory, model_type: str) -> str:
+    """A random two-layer model of another architecture the graph path takes, on the character tokenizer."""
+    tokenizer = build_char_tokenizer()
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_the_graph_path_generates_what_hfs_forward_does_for_llama_and_qwen3(tmp_path, monkeypatch, model_type):
+    """The default model is a Qwen2; the graph path's forward also runs Llama's layout and Qwen3's per-head norms."""
+    path = save_random_model(tmp_path / model_type, model_type)
+    requests = [(f"q{i}", progression(random.Random(i), 3 + 4 * i), GenerationConfig(
+        n=3, max_new_tokens=12, temperature=1.0 if i % 2 else 0.0, seed=i)) for i in range(4)]
+    eager = transformers_engine(path).generate(requests)
+    monkeypatch.setitem(decode_graphs.GRAPH_CAPTURE, "cpu", ReplayEagerly)
+    assert_same_outputs(transformers_engine(path, enforce_eager=False).generate(requests), eager)
+
+
+def test_graphs_are_refused_without_a_gpu_and_for_other_architectures(model_path):
+    with pytest.raises(ValueError, match="need a GPU; this worker runs on the cpu: leave inference.enforce_eager=true"):
+        transformers_engine(model_path, enforce_eager=False)
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    with pytest.raises(ValueError, match="this one is 'gpt2': set inference.enforce_eager=true"):
+        decode_graphs.DecodeGraphs(gpt2, torch.device("cuda"), slots=4, columns=64)
 
 
 @pytest.mark.parametrize("tied", [True, False])

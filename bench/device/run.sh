@@ -9,21 +9,24 @@
 # about 12 minutes here), else it is warm-started there, on the GPU):
 #   bash ../shared/device/prepare-carry.sh .device-carry && echo /.device-carry/ >> .git/info/exclude
 #   mkdir -p .device-carry/cache && cp -r ~/.cache/rlsys/models ~/.cache/rlsys/data .device-carry/cache/
-# Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=560): the GPU tests (40 s) and the
-# long-answer task (up to 8 min: its model's warm start, when it did not travel, up to 4 of them; TRL about 85 s,
-# rlsys about 130 s, then the scoring). PARTS names the parts to run (of: tests learner vs_trl long;
-# by default "tests long"); a second call with PARTS=vs_trl (about 3 min) runs the default task on what time is left.
-# What comes back in $OUT (the tool returns at most 8 files): tests.txt, learner_vs_plain.txt, vs_trl.txt,
-# vs_trl.json, vs_trl_long.txt, vs_trl_long.json, and profile-<role>.txt (py-spy's collapsed stacks, 10 s at 100 Hz,
-# of learner0, inference0, rollout0, taken during rlsys's run on the long-answer task). No vLLM there (its wheel is
-# too large to carry): the transformers engine serves.
+# Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=560): the GPU tests (about 60 s),
+# the transformers engine eager against its CUDA graphs (`inference.enforce_eager=false`, about 60 s), and rlsys
+# against TRL on the default task, rlsys both ways (about 5 min). PARTS names the parts to run (of: tests engine
+# learner vs_trl long; by default "tests engine vs_trl"); a second call with PARTS=long (up to 8 min: the long-answer
+# task's model's warm start, when it did not travel, up to 4 of them; TRL about 85 s, rlsys about 130 s twice, then
+# the scoring) runs the long-answer task on what time is left.
+# What comes back in $OUT (the tool returns at most 8 files): tests.txt, engine.txt, learner_vs_plain.txt,
+# vs_trl.txt, vs_trl.json, vs_trl_long.txt, vs_trl_long.json, and profile-<role>.txt (py-spy's collapsed stacks,
+# 10 s at 100 Hz, of learner0, inference0, rollout0, taken during rlsys's first run on the long-answer task). No vLLM
+# there (its wheel is too large to carry): the transformers engine serves.
 set -uo pipefail
 source .device-carry/env.sh
 OUT=${OUT:-/tmp/device-out}
 mkdir -p "$OUT" ~/.cache/rlsys
 cp -r .device-carry/cache/* ~/.cache/rlsys/
 started=$SECONDS
-PARTS=${PARTS:-"tests long"}
+PARTS=${PARTS:-"tests engine vs_trl"}
+GRAPHS="graphs:inference.enforce_eager=false"  # rlsys again, its engine's decode steps as CUDA graphs
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 stamp() { echo "== $1 at $((SECONDS - started)) s" | tee -a "$OUT/tests.txt"; }
 
@@ -42,6 +45,12 @@ part tests && { stamp "GPU tests"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/tests.txt"
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py >> "$OUT/tests.txt" 2>&1; }
 
+part engine && { stamp "the transformers engine, eager and with CUDA graphs"
+for tokens in 8 128; do
+  timeout 60 python3 bench/generation_throughput.py --engines transformers,transformers-graphs --new-tokens "$tokens" \
+    --out /tmp/engine.json >> "$OUT/engine.txt" 2>&1
+done; }
+
 part learner && { stamp "learner against a plain loop"
 for settings in "" "ppo.sequence_packing=true" "learner.dtype=bfloat16" \
                 "--random-model 576,1536,30,9,3,49152 learner.dtype=bfloat16"; do
@@ -54,11 +63,11 @@ done; }
 part long && { stamp "rlsys against TRL on the long-answer task, the GPU"
 profile_roles &
 timeout 480 python3 bench/vs_trl.py --device cuda --task async-ppo-math-long --steps 60 --snapshot-steps 10 \
-  --held-out 200 --out "$OUT/vs_trl_long.json" > "$OUT/vs_trl_long.txt" 2>&1
+  --held-out 200 --variant "$GRAPHS" --out "$OUT/vs_trl_long.json" > "$OUT/vs_trl_long.txt" 2>&1
 echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl_long.txt"
 wait; }
 
 part vs_trl && { stamp "rlsys against TRL on the GPU"
-timeout 200 python3 bench/vs_trl.py --device cuda --out "$OUT/vs_trl.json" > "$OUT/vs_trl.txt" 2>&1
+timeout 330 python3 bench/vs_trl.py --device cuda --variant "$GRAPHS" --out "$OUT/vs_trl.json" > "$OUT/vs_trl.txt" 2>&1
 echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl.txt"; }
 stamp "done"

@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
+from rlsys.engine.decode_graphs import DecodeGraphs
 from rlsys.engine.weights import WEIGHTS_FILE
 from rlsys.model.tokenizer import load_tokenizer
 
@@ -54,7 +55,11 @@ class TransformersBackend(GenerationBackend):
         self.eos_token_ids = _eos_token_ids(self.model, load_tokenizer(model_path))
         self.generator = torch.Generator(self.device).manual_seed(seed)  # for sequences without a seed
         self._waiting: dict[str, _Sequence] = {}
-        self._running = _RunningBatch(self.max_num_seqs)
+        # Graphs hold the cache's addresses, so their buffers are allocated once, for the longest sequences.
+        columns = self.max_model_len + SPARE_COLUMNS
+        self.decode_graphs = None if inference_cfg.enforce_eager else DecodeGraphs(
+            self.model, self.device, self.max_num_seqs, columns)
+        self._running = _RunningBatch(self.max_num_seqs, fixed_columns=0 if self.decode_graphs is None else columns)
 
     def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings, arrival: float = 0.0) -> None:
         if seq_id in self._waiting or any(row.seq_id == seq_id for row in self._running.sequences()):
@@ -135,14 +140,21 @@ class TransformersBackend(GenerationBackend):
 
     def _decode(self) -> tuple[list[_Sequence], torch.Tensor]:
         """Feeds every running sequence its last token; returns them and their next-token logits."""
-        cache, mask = self._running.next_column()  # may move sequences to other slots
-        slots = self._running.slots
-        last = torch.tensor([[row.token_ids[-1] if row else 0] for row in slots], device=self.device)
-        positions = torch.tensor([[len(row.token_ids) - 1 if row else 0] for row in slots], device=self.device)
-        out = self.model(input_ids=last, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True)
+        running = self._running
+        column = running.next_column()  # may move sequences to other slots
+        slots = running.slots
+        last = [row.token_ids[-1] if row else 0 for row in slots]
+        positions = [len(row.token_ids) - 1 if row else 0 for row in slots]
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.decode(running.keys, running.values, running.mask, last, positions, column)
+        else:
+            cache = Cache(layers=[_ColumnLayer(k, v, len(slots), column) for k, v in zip(running.keys, running.values)])
+            logits = self.model(input_ids=torch.tensor(last, device=self.device)[:, None],
+                                attention_mask=running.mask[:len(slots), :column + 1],
+                                position_ids=torch.tensor(positions, device=self.device)[:, None],
+                                past_key_values=cache, use_cache=True).logits[:, -1].float()
         occupied = [i for i, row in enumerate(slots) if row]
-        return [slots[i] for i in occupied], out.logits[_index(occupied, self.device), -1].float()
+        return [slots[i] for i in occupied], logits[_index(occupied, self.device)]
 
     def _prefill(self, rows: list[_Sequence]) -> tuple[Cache, torch.Tensor, list[int], torch.Tensor]:
         """The KV cache of `rows`' prompts, each distinct prompt computed once and left-padded: the cache, its
@@ -246,10 +258,15 @@ class _RunningBatch:
     sequences move into the holes first.
     The buffers are copied whole only when they run out of columns (dropping the leading columns no
     sequence uses any more) or slots, or when a joining prompt is longer than `end`.
+
+    With `fixed_columns` (for CUDA graphs, which hold the buffers' addresses) the buffers have every slot and that
+    many columns from the start, and those copies happen in place; the leading columns no sequence uses are also
+    dropped once they are half of `end`, so that decode steps attend over no more than twice the columns in use.
     """
 
-    def __init__(self, max_slots: int):
+    def __init__(self, max_slots: int, fixed_columns: int = 0):
         self.max_slots = max_slots
+        self.fixed_columns = fixed_columns
         self.slots: list[_Sequence | None] = []  # up to the last occupied slot
         self.keys: list[torch.Tensor] = []  # per layer: [slot capacity, kv heads, column capacity, head dim]
         self.values: list[torch.Tensor] = []
@@ -263,18 +280,16 @@ class _RunningBatch:
     def sequences(self) -> list[_Sequence]:
         return [row for row in self.slots if row is not None]
 
-    def next_column(self) -> tuple[Cache, torch.Tensor]:
-        """A cache and attention mask over the slots in use, for a decode step that fills column `end`."""
+    def next_column(self) -> int:
+        """Makes room for a decode step over the slots in use and returns the column it fills; the mask has it."""
         if 4 * (len(self.slots) - self.count) > len(self.slots):
             self._fill_holes()
-        if self.end == self.mask.shape[1]:
+        if self.end == self.mask.shape[1] or self.fixed_columns and self._mostly_unused():
             self._relayout(len(self.mask))
-        rows = len(self.slots)
         # Free slots attend to their own column too: a row that attends to nothing could turn into NaNs.
-        self.mask[:rows, self.end] = 1
-        cache = Cache(layers=[_ColumnLayer(k, v, rows, self.end) for k, v in zip(self.keys, self.values)])
+        self.mask[:len(self.slots), self.end] = 1
         self.end += 1
-        return cache, self.mask[:rows, :self.end]
+        return self.end - 1
 
     def join(self, rows: list[tuple[_Sequence, int]], prefill: Cache, prefill_mask: torch.Tensor) -> None:
         """Adds sequences whose prompts are in rows `cache_row` of a prefill cache, into free slots."""
@@ -284,7 +299,8 @@ class _RunningBatch:
         free = [i for i, row in enumerate(self.slots) if row is None]
         free += range(len(self.slots), len(self.slots) + len(rows) - len(free))
         if not self.keys:
-            self._allocate(prefill, slots=min(max(len(rows), 8), self.max_slots), columns=width + SPARE_COLUMNS)
+            capacity = self.max_slots if self.fixed_columns else min(max(len(rows), 8), self.max_slots)
+            self._allocate(prefill, slots=capacity, columns=self.fixed_columns or width + SPARE_COLUMNS)
             self.end = width
         elif free[-1] >= len(self.mask) or width > self.end:
             self._relayout(max(free[-1] + 1, min(2 * len(self.mask), self.max_slots)), min_end=width)
@@ -326,15 +342,31 @@ class _RunningBatch:
                        for layer in like.layers]
         self.mask = like.layers[0].keys.new_zeros(slots, columns, dtype=torch.long)
 
+    def _mostly_unused(self) -> bool:
+        """Whether the columns before every running sequence are half of those before `end`, SPARE_COLUMNS or more."""
+        start = self._start()
+        return start >= SPARE_COLUMNS and 2 * start >= self.end
+
+    def _start(self) -> int:
+        """The first column a running sequence uses (`end` when none runs): all but its last token are cached."""
+        return self.end - max((len(row.token_ids) - 1 for row in self.slots if row is not None), default=0)
+
     def _relayout(self, slots: int, min_end: int = 0) -> None:
-        """Copies the columns in use into new buffers of `slots` slots, ending at column `min_end` or later
-        (room on the left for a longer prompt), followed by SPARE_COLUMNS free columns."""
+        """Copies the columns in use into new buffers of `slots` slots (fixed columns: to the left of the same
+        buffers), ending at column `min_end` or later (room on the left for a longer prompt), followed by
+        SPARE_COLUMNS free columns (fixed columns: by the rest)."""
         rows = len(self.slots)
-        occupied = _index([i for i, row in enumerate(self.slots) if row], self.mask.device)
-        used = self.mask[occupied, :self.end].any(dim=0).nonzero()
-        start = int(used[0]) if len(used) else self.end  # free slots lose their columns before it
+        start = self._start()  # free slots lose their columns before it
         width = self.end - start
         shift = max(min_end - width, 0)
+        if self.fixed_columns:
+            for buffer in self.keys + self.values:
+                buffer[:rows, :, shift:shift + width] = buffer[:rows, :, start:self.end].clone()
+            used = self.mask[:rows, start:self.end].clone()
+            self.mask.zero_()
+            self.mask[:rows, shift:shift + width] = used
+            self.end = shift + width
+            return
         old_keys, old_values, old_mask = self.keys, self.values, self.mask
         columns = shift + width + SPARE_COLUMNS
         self.keys = [k.new_zeros(slots, k.shape[1], columns, k.shape[3]) for k in old_keys]

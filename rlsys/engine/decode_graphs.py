@@ -1,0 +1,147 @@
+"""The transformers engine's decode step replayed as CUDA graphs (`inference.enforce_eager=false`).
+
+A small model's decode step on a GPU is a few hundred kernels of microseconds each, and Python issuing them (HF's
+model forward with its mask and cache objects) takes longer than they run: the engine's step is launch-bound, as
+vLLM's is without graphs. A graph captured once per (batch size, cache width) issues the whole step as one launch.
+
+A graph replays exactly the kernels it recorded, on the addresses it recorded, so everything a step varies lives in
+device buffers filled before each replay: the token ids, their positions and the cache column they write, here; the
+KV cache and its mask, in the running batch's buffers, which it allocates once at their largest
+(`_RunningBatch(fixed_columns=...)`) and rearranges in place. Batch sizes and widths are rounded up to a few
+buckets: padding rows attend to their own column only and their logits are dropped, and columns past the width
+hold no running sequence's tokens.
+
+The forward pass calls the decoder's own modules in order, without HF's model forward (its masks and cache objects
+are host work on every step): the Llama layout, which Qwen2, Qwen3 and Mistral share; other architectures are
+refused by name. Its logits are HF's to float rounding (tests/test_transformers_engine.py).
+"""
+
+from collections.abc import Callable
+
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the Llama layout, with Qwen3's per-head norms
+MIN_WIDTH = 64  # the narrowest cache width a graph attends over; wider ones double up to the buffers' columns
+
+
+class CudaGraphCapture:
+    """Captures a function as a CUDA graph; replaying it returns the function's output tensor, rewritten in place.
+    Every graph shares one memory pool: they replay one at a time and their outputs are read before the next."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        # One eager run on a side stream first, as torch asks: cuBLAS creates its handles and workspaces there,
+        # outside the capture.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the weight receiver's thread may touch the GPU while this thread captures.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = fn()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+
+GRAPH_CAPTURE: dict[str, Callable[[], Callable]] = {"cuda": CudaGraphCapture}  # by device type
+
+
+class DecodeGraphs:
+    """Decode steps of one model over one running batch's buffers, a graph per (batch bucket, width bucket),
+    captured the first time a step needs it."""
+
+    def __init__(self, model, device: torch.device, slots: int, columns: int):
+        if device.type not in GRAPH_CAPTURE:
+            raise ValueError(f"inference.enforce_eager=false asks the transformers engine for CUDA graphs, which need "
+                             f"a GPU; this worker runs on the {device.type}: leave inference.enforce_eager=true")
+        model_type = model.config.model_type
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"the transformers engine replays decode steps as CUDA graphs for models of types "
+                             f"{list(MODEL_TYPES)}; this one is {model_type!r}: set inference.enforce_eager=true")
+        rope = str(getattr(model.model.rotary_emb, "rope_type", "default"))
+        if "dynamic" in rope or "longrope" in rope:  # they choose their frequencies on the host, from the positions
+            raise ValueError(f"the transformers engine's CUDA graphs cannot hold {rope!r} rotary embeddings, which "
+                             "change with the sequence length: set inference.enforce_eager=true")
+        self.model = model
+        self.capture = GRAPH_CAPTURE[device.type]()
+        self.batch_sizes = _buckets(1, slots)
+        self.widths = _buckets(min(MIN_WIDTH, columns), columns)
+        self.ids = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self._graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self._buffers: int | None = None  # the address of the buffers the graphs were captured on
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def decode(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, ids: list[int],
+               positions: list[int], column: int) -> torch.Tensor:
+        """The next-token logits (float32) of rows 0..len(ids)-1, each fed ids[i] at positions[i], whose keys and
+        values go into cache column `column`; `mask` already has that column set for them."""
+        if self._buffers != keys[0].data_ptr():  # the running batch allocates once; never replay on freed memory
+            self._graphs.clear()
+            self._buffers = keys[0].data_ptr()
+        rows = len(ids)
+        batch, width = _bucket(rows, self.batch_sizes), _bucket(column + 1, self.widths)
+        mask[rows:batch, column] = 1  # padding rows attend to their own column: none turns into NaNs
+        self.ids[:rows, 0] = torch.tensor(ids)
+        self.positions[:rows, 0] = torch.tensor(positions)
+        self.column.fill_(column)
+        graph = self._graphs.get((batch, width))
+        if graph is None:
+            graph = self._graphs[batch, width] = self.capture(lambda: decode_forward(
+                self.model, self.ids[:batch], self.positions[:batch], self.column,
+                [k[:batch] for k in keys], [v[:batch] for v in values], mask[:batch], width))
+        return graph()[:rows]
+
+
+def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor, column: torch.Tensor,
+                   keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor,
+                   width: int) -> torch.Tensor:
+    """One decode step of a Llama-layout model: writes each layer's new key and value into `column` of its
+    buffers ([rows, kv heads, columns, head dim]) and attends over their first `width` columns where `mask`
+    ([rows, columns]) is 1. Only `width` is a host value: a graph captured with it stays right for any contents."""
+    inner = model.model
+    rows = ids.shape[0]
+    hidden = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(hidden, positions)
+    attend = mask[:, None, None, :width].bool()
+    for layer, key_buffer, value_buffer in zip(inner.layers, keys, values):
+        attention = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        shape = (rows, 1, -1, attention.head_dim)
+        query, key = attention.q_proj(x).view(shape), attention.k_proj(x).view(shape)
+        if hasattr(attention, "q_norm"):  # Qwen3 normalises each head before the rotation
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        key_buffer.index_copy_(2, column, key)
+        value_buffer.index_copy_(2, column, attention.v_proj(x).view(shape).transpose(1, 2))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key_buffer[:, :, :width], value_buffer[:, :, :width], attn_mask=attend, scale=attention.scaling,
+            enable_gqa=True)
+        hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(rows, 1, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.lm_head(inner.norm(hidden))[:, -1].float()
+
+
+def _buckets(smallest: int, largest: int) -> list[int]:
+    """Powers of two from `smallest` below `largest`, then `largest`."""
+    sizes = [smallest]
+    while sizes[-1] * 2 < largest:
+        sizes.append(sizes[-1] * 2)
+    return sorted(set(sizes + [largest]))
+
+
+def _bucket(needed: int, sizes: list[int]) -> int:
+    return next(size for size in sizes if size >= needed)
