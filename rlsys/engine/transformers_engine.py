@@ -184,14 +184,15 @@ class TransformersBackend(GenerationBackend):
         return deltas
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        temperature = torch.tensor([row.sampling.temperature for row in rows], device=self.device)
-        greedy = temperature < GREEDY_BELOW
-        temperature = torch.where(greedy, 1.0, temperature)
-        logprobs = torch.log_softmax(logits / temperature[:, None], dim=-1)
+        # Which rows are greedy is decided on the host, from their settings: reading it back from the device would
+        # wait for the decode step on a GPU.
+        greedy = [row.sampling.temperature < GREEDY_BELOW for row in rows]
+        temperature = [1.0 if g else row.sampling.temperature for g, row in zip(greedy, rows)]
+        logprobs = torch.log_softmax(logits / torch.tensor(temperature, device=self.device)[:, None], dim=-1)
         tokens = logits.argmax(dim=-1)
-        if not greedy.all():
+        if not all(greedy):
             drawn = self._draw(rows, _top_k_top_p(rows, logprobs))
-            tokens = torch.where(greedy, tokens, drawn)
+            tokens = torch.where(torch.tensor(greedy, device=self.device), tokens, drawn)
         return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
     def _draw(self, rows: list[_Sequence], logprobs: torch.Tensor) -> torch.Tensor:
@@ -233,11 +234,12 @@ def _finish_reason(row: _Sequence, max_model_len: int) -> str | None:
 def _top_k_top_p(rows: list[_Sequence], logprobs: torch.Tensor) -> torch.Tensor:
     """logprobs with -inf outside each row's top-k and top-p sets (ties with the k-th token stay in)."""
     vocab = logprobs.shape[-1]
-    top_k = torch.tensor([row.sampling.top_k if 0 < row.sampling.top_k < vocab else vocab for row in rows],
-                         device=logprobs.device)
-    top_p = torch.tensor([row.sampling.top_p for row in rows], device=logprobs.device, dtype=logprobs.dtype)
-    if bool((top_k == vocab).all()) and bool((top_p >= 1).all()):
+    top_k = [row.sampling.top_k if 0 < row.sampling.top_k < vocab else vocab for row in rows]
+    top_p = [row.sampling.top_p for row in rows]
+    if all(k == vocab for k in top_k) and all(p >= 1 for p in top_p):
         return logprobs
+    top_k = torch.tensor(top_k, device=logprobs.device)
+    top_p = torch.tensor(top_p, device=logprobs.device, dtype=logprobs.dtype)
     ascending, order = logprobs.sort(dim=-1)
     kth = ascending.gather(-1, (vocab - top_k)[:, None])
     drop = ascending < kth
