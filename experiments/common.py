@@ -210,9 +210,10 @@ class PPOHyperparameters:
     launches whatever its size (BENCHMARKS.md, "Learner against a plain training loop on the same batch")."""
     skip_zero_advantage: str = "auto"
     """auto: where the loss is the policy term alone (no KL, entropy or value term), a sequence whose trained tokens
-    all have advantage 0 (a GRPO group whose samples got one reward) is not computed: it adds 0 to the loss and to
-    every gradient, so the update is the same with fewer tokens, and the step's statistics cover the sequences
-    computed; true: the same, refused where the loss has another term; false: every sequence is computed."""
+    all have advantage 0 (a GRPO group whose samples got one reward) is not computed, in the update's passes or in
+    the proximal pass (ppo.decoupled_loss, ppo.tis_cap): it adds 0 to the loss and to every gradient, so the update
+    is the same with fewer tokens, and the step's statistics cover the sequences computed; true: the same, refused
+    where the loss has another term; false: every sequence is computed."""
     filter_uniform_groups: bool = False
     """Drop groups whose rewards are all equal (no signal for group baselines); counted as groups/filtered."""
     tis_cap: float = 0.0

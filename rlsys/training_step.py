@@ -1,9 +1,9 @@
 """The learner's training step on one page: trajectories in, one PPO-family update of the policy out.
 
     train_step(trajectories):
-        batch = prepare_batch(...)             # per-token tensors; reference, proximal and critic passes; advantages
-        for each of ppo_epochs:
-            for mini_batch in shuffled split:  # one optimizer step each
+        mini_batches = shuffled split, for each of ppo_epochs
+        batch = prepare_batch(...)             # per-token tensors; reference and critic passes; advantages; proximal
+        for mini_batch in mini_batches:        # one optimizer step each
                 weights = token_loss_weights(mini_batch)          # fixed over the whole mini-batch
                 for micro_batch in this rank's share, packed:     # gradients accumulate
                     loss = ppo_clip_loss - entropy_coef * entropy + kl_coef * kl  (+ value loss)
@@ -87,17 +87,19 @@ class PolicyTrainer:
         return model
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        batch = self.prepare_batch(trajectories)
+        # Rank 0 draws each epoch's order, so every rank takes the same mini-batches.
+        orders = [self.ranks.broadcast(torch.randperm(len(trajectories)).tolist() if self.ranks.main else None)
+                  for _ in range(self.ppo.ppo_epochs)]
+        mini_batches = [rows.tolist() for order in orders
+                        for rows in torch.tensor(order).chunk(self.ppo.num_mini_batches)]
+        batch = self.prepare_batch(trajectories, mini_batches)
         stats: dict[str, float] = {}
         # Inference's logprobs against ours on the same tokens, from the first mini-batch's forward passes
         # (before any update): no extra forward pass.
         self.logprob_check = LogprobCheck(self.version)
-        for _ in range(self.ppo.ppo_epochs):
-            # Rank 0 draws the order, so every rank takes the same mini-batches.
-            order = self.ranks.broadcast(torch.randperm(len(batch)).tolist() if self.ranks.main else None)
-            for rows in torch.tensor(order).chunk(self.ppo.num_mini_batches):
-                stats = self.optimizer_step(batch.select(rows.tolist()))
-                self.logprob_check.seal()
+        for rows in mini_batches:
+            stats = self.optimizer_step(batch.select(rows))
+            self.logprob_check.seal()
         stats.update(LogprobCheck.merged(self.ranks.all_gather(self.logprob_check.totals())))
         advantages = batch.fields["advantages"]
         self.last_advantages = batch.sequence_means(advantages, advantages != 0)  # for the traces of this step
@@ -108,20 +110,14 @@ class PolicyTrainer:
         stats.update(mean_agent_metrics(trajectories))
         return stats
 
-    def prepare_batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
-        """Per-sequence tensors plus what stays fixed during the step: reference, proximal, values, advantages."""
+    def prepare_batch(self, trajectories: list[Trajectory],
+                      mini_batches: list[list[int]] | None = None) -> SequenceBatch:
+        """Per-sequence tensors plus what stays fixed during the step: reference, values, advantages, proximal.
+        The proximal pass computes only the sequences that an optimizer step on one of `mini_batches` (the whole
+        batch by default) will (sequences_to_compute)."""
         batch = sequence_batch(trajectories).to(self.device)
         if self.reference is not None:
             batch.fields["ref_logprobs"] = self.per_token(self._policy_logprobs(self.reference), batch)
-        if self.ppo.decoupled_loss or self.ppo.tis_cap:
-            # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
-            # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
-            # Truncated IS (tis_cap) also takes the ratio against the learner's own logprobs, as verl does.
-            batch.fields["proximal_logprobs"] = self.per_token(self._policy_logprobs(self.model), batch)
-        if self.ppo.tis_cap:
-            batch.fields["tis_weights"] = truncated_importance_weights(
-                batch.fields["proximal_logprobs"], batch.fields["behaviour_logprobs"], batch.fields["loss_mask"],
-                self.ppo.tis_cap)
         if self.critic is not None:
             batch.fields["old_values"] = self.per_token(self._values, batch)
         batch.fields.update(ADVANTAGE_ESTIMATORS[self.ppo.adv_estimator](trajectories, batch, self.ppo))
@@ -129,7 +125,31 @@ class PolicyTrainer:
             # SimpleTIR: out of the loss (and KL, entropy), after their rewards served in their groups' baselines.
             kept = torch.tensor([0.0 if t.void else 1.0 for t in trajectories])
             batch.fields["loss_mask"] = batch.fields["loss_mask"] * batch.per_sequence(kept)
+        if self.ppo.decoupled_loss or self.ppo.tis_cap:
+            # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
+            # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
+            # Truncated IS (tis_cap) also takes the ratio against the learner's own logprobs, as verl does.
+            batch.fields["proximal_logprobs"] = self.proximal_logprobs(batch, mini_batches or [list(range(len(batch)))])
+        if self.ppo.tis_cap:
+            batch.fields["tis_weights"] = truncated_importance_weights(
+                batch.fields["proximal_logprobs"], batch.fields["behaviour_logprobs"], batch.fields["loss_mask"],
+                self.ppo.tis_cap)
         return batch
+
+    def proximal_logprobs(self, batch: SequenceBatch, mini_batches: list[list[int]]) -> torch.Tensor:
+        """The policy's logprobs now, of the sequences an optimizer step on one of `mini_batches` computes; a
+        sequence none computes (a GRPO group that got one reward, for one) keeps its behaviour logprobs, never read."""
+        computed = set()
+        for rows in mini_batches:
+            trains, moving = self.sequences_to_compute(batch.select(rows))
+            if trains:  # none moving: a step computes every sequence (mini_batch_gradients)
+                computed.update(rows[i] for i in (moving or range(len(rows))))
+        proximal = self.per_token(self._policy_logprobs(self.model), batch, sorted(computed))
+        if len(computed) == len(batch):
+            return proximal
+        is_computed = torch.zeros(len(batch))
+        is_computed[sorted(computed)] = 1.0
+        return torch.where(batch.per_sequence(is_computed) > 0, proximal, batch.fields["behaviour_logprobs"])
 
     def optimizer_step(self, mini_batch: SequenceBatch) -> dict[str, float]:
         """One optimizer step on a mini-batch (and one critic step, for gae)."""
@@ -231,29 +251,32 @@ class PolicyTrainer:
             stats["critic/value_loss"] = value_loss.detach()
         return stats
 
-    def shares(self, batch: SequenceBatch) -> list[list[int]]:
-        """Which sequences of `batch` each rank computes: balanced by tokens computed. Sequences that share a prefix
-        stay on one rank, so that it is computed once."""
+    def shares(self, batch: SequenceBatch, sequences: list[int] | None = None) -> list[list[int]]:
+        """Which of `sequences` of `batch` (all by default) each rank computes: balanced by tokens computed.
+        Sequences that share a prefix stay on one rank, so that it is computed once."""
+        sequences = list(range(len(batch))) if sequences is None else sequences
         if not (self.share_prefixes and batch.prefix_ids is not None and self.ranks.world > 1):
-            return balance_by_tokens(batch.lengths, self.ranks.world)
-        members = prefix_groups(batch, list(range(len(batch))))
+            parts = balance_by_tokens([batch.lengths[i] for i in sequences], self.ranks.world)
+            return [[sequences[i] for i in part] for part in parts]
+        members = prefix_groups(batch, sequences)
         tokens = [shared_tokens(batch, group) for group in members]
         return [sorted(i for part in parts for i in members[part])
                 for parts in balance_by_tokens(tokens, self.ranks.world)]
 
-    def micro_batches(self, batch: SequenceBatch) -> list[MicroBatch]:
-        """This rank's share of `batch` in micro-batches, as many on every rank (FSDP's passes are collective:
-        a rank with fewer runs empty ones); `indices` are positions in `batch`."""
-        share = self.shares(batch)[self.ranks.rank]
+    def micro_batches(self, batch: SequenceBatch, sequences: list[int] | None = None) -> list[MicroBatch]:
+        """This rank's share of `batch` (of its `sequences`, all by default) in micro-batches, as many on every rank
+        (FSDP's passes are collective: a rank with fewer runs empty ones); `indices` are positions in `batch`."""
+        share = self.shares(batch, sequences)[self.ranks.rank]
         out = micro_batches(batch, self.micro_batch_tokens, self.packed, self.pad_id, share, self.share_prefixes)
         return out + [empty_micro_batch(batch, self.packed, self.pad_id)] * (
             self.ranks.max(len(out)) - len(out))
 
-    def per_token(self, forward, batch: SequenceBatch) -> torch.Tensor:
-        """forward(micro-batch) -> [R, L-1] values, without gradients, as a field of `batch` ([N + 1])."""
+    def per_token(self, forward, batch: SequenceBatch, sequences: list[int] | None = None) -> torch.Tensor:
+        """forward(micro-batch) -> [R, L-1] values, without gradients, as a field of `batch` ([N + 1]); of
+        `sequences` only (all by default), 0 elsewhere."""
         out = torch.zeros(batch.num_tokens + 1, device=batch.device)
         with torch.no_grad():
-            for mb in self.micro_batches(batch):
+            for mb in self.micro_batches(batch, sequences):
                 mb.scatter(forward(mb), out)
         # Each rank filled its share's positions and left the others 0: their sum is every rank's.
         return self.ranks.summed(out * batch.predicts)

@@ -361,6 +361,35 @@ def test_a_group_whose_samples_got_one_reward_is_not_computed_and_the_gradients_
     assert learner.mini_batch_gradients(uniform, [])["sequences/skipped_zero_advantage"] == 0
 
 
+@pytest.mark.parametrize("ppo", [{"decoupled_loss": True}, {"tis_cap": 2.0}])
+def test_the_proximal_pass_leaves_out_what_no_optimizer_step_computes_and_the_update_is_the_same(tmp_path, ppo):
+    """A zero-advantage sequence's proximal logprobs are never read when no step computes it: left out of the
+    proximal pass, the policy after a whole train step (2 epochs of 2 mini-batches) is the one computing them gives."""
+    import dataclasses
+    import random
+
+    policies, proximal_passes = {}, {}
+    for skip in ("auto", "false"):
+        config = learner_config(tmp_path)
+        for key, value in {**ppo, "init_kl_coef": 0.0, "skip_zero_advantage": skip, "num_mini_batches": 2}.items():
+            setattr(config.ppo, key, value)
+        learner = Learner(config, InProcessBus(), tmp_path / "run")
+        batch = [dataclasses.replace(t, reward=1.0) if t.group_id == "g0" else t
+                 for t in mixed_length_batch(learner.model, random.Random(0), groups=3)]
+        per_token = learner.per_token  # the proximal pass is the step's only one without gradients here
+        learner.per_token = lambda forward, b, sequences=None, _f=per_token: (
+            proximal_passes.setdefault(skip, sequences), _f(forward, b, sequences))[1]
+        torch.manual_seed(0)  # the same mini-batches
+        learner.train_step(batch)
+        policies[skip] = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+    assert proximal_passes["auto"] == [i for i, t in enumerate(batch) if t.group_id != "g0"]
+    assert proximal_passes["false"] == list(range(12))
+    for name, weights in policies["auto"].items():
+        assert torch.allclose(weights, policies["false"][name], atol=1e-6), name
+    assert any((w - Learner(config, InProcessBus(), tmp_path / "run2").model.state_dict()[n]).abs().max() > 1e-4
+               for n, w in policies["auto"].items()), "the step must move the policy, or this test proves nothing"
+
+
 @pytest.mark.parametrize("ppo", [{"init_kl_coef": 0.1}, {"init_kl_coef": 0.0, "entropy_loss_coef": 0.01},
                                  {"init_kl_coef": 0.0, "adv_estimator": "gae"},
                                  {"init_kl_coef": 0.0, "skip_zero_advantage": "false"}])
