@@ -43,7 +43,7 @@ profile_roles() {  # once rlsys's roles run (TRL goes first) and have trained a 
 
 part tests && { stamp "GPU tests"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/tests.txt"
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py >> "$OUT/tests.txt" 2>&1; }
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py >> "$OUT/tests.txt" 2>&1; }
 
 part engine && { stamp "the transformers engine, eager and with CUDA graphs"
 for tokens in 8 128; do
