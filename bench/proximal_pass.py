@@ -1,0 +1,80 @@
+"""The decoupled objective's proximal pass: only the sequences an optimizer step computes, or every one, side by side.
+
+    python3 bench/proximal_pass.py [--uniform 0.5] [--threads 1] [--repeats 6] [--out bench/results/proximal_pass.json]
+                                   [key=value ...]
+
+The learner's `train_step` with `ppo.decoupled_loss=true` on a default step's batch (`bench/learner_vs_plain.py`'s:
+16 prompts x 8 samples of the default task), in which a `--uniform` share of the groups got one reward (advantage 0
+on every token: GRPO groups all right or all wrong). "restricted" is the learner as it is: its proximal pass leaves
+out the sequences no optimizer step computes (`PolicyTrainer.proximal_logprobs`); "every sequence" computes the
+proximal logprobs of every sequence, as the learner did before 2026-12-02. Both update the same way
+(`tests/test_learner.py`). Repeats alternate the two after one warm-up each; medians are reported. The last line is
+the headline: every sequence's step time / restricted's.
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.learner_vs_plain import default_step_batch  # noqa: E402
+from rlsys.assets import prepare_assets  # noqa: E402
+from rlsys.cli import parse_config  # noqa: E402
+from rlsys.distributed import Ranks  # noqa: E402
+from rlsys.training_step import PolicyTrainer  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--uniform", type=float, default=0.5, help="share of the groups that got one reward")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the learner role's)")
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--out", default="bench/results/proximal_pass.json")
+    parser.add_argument("overrides", nargs="*", help="experiment settings, key=value")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    config = parse_config(["ppo.decoupled_loss=true", *args.overrides])
+    with tempfile.TemporaryDirectory() as tmp:
+        config.logging_dir = str(Path(tmp) / "logs")
+        prepare_assets(config, log=lambda *a, **k: None)
+        trajectories = default_step_batch(config, seed=0)
+        groups = sorted({t.group_id for t in trajectories})
+        uniform = set(groups[:round(args.uniform * len(groups))])
+        trajectories = [dataclasses.replace(t, reward=1.0) if t.group_id in uniform else t for t in trajectories]
+        learner = PolicyTrainer(config, Ranks(), config.model.path)
+        sides = {"restricted": learner.proximal_logprobs,
+                 "every sequence": lambda batch, _: learner.per_token(learner._policy_logprobs(learner.model), batch)}
+        times = {name: [] for name in sides}
+        for repeat in range(args.repeats + 1):  # the first of each side warms up
+            for name, proximal in sides.items():
+                learner.proximal_logprobs = proximal
+                started = time.perf_counter()
+                learner.train_step(trajectories)
+                if learner.device != "cpu":
+                    torch.cuda.synchronize()
+                if repeat:
+                    times[name].append(time.perf_counter() - started)
+
+    rows = {name: {"seconds_per_step": statistics.median(t), "seconds": t} for name, t in times.items()}
+    ratio = rows["every sequence"]["seconds_per_step"] / rows["restricted"]["seconds_per_step"]
+    print(f"default step batch, {len(trajectories)} sequences, {len(uniform)} of {len(groups)} groups with one "
+          f"reward, ppo.decoupled_loss=true, {args.threads} thread(s), {learner.device}")
+    print(f"{'proximal pass':<16} {'s/step':>7}  runs")
+    for name, row in rows.items():
+        print(f"{name:<16} {row['seconds_per_step']:>7.3f}  {' '.join(f'{t:.3f}' for t in row['seconds'])}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows, "ratio": ratio}, indent=2))
+    print(f"ratio: {ratio:.2f} (every sequence's step time / restricted's)")
+
+
+if __name__ == "__main__":
+    main()
