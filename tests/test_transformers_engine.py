@@ -200,9 +200,13 @@ def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypa
 
     calls = Counter()
     for method in ("_relayout", "_fill_holes", "_mostly_unused"):
-        original = getattr(engine_module._RunningBatch, method)
-        monkeypatch.setattr(engine_module._RunningBatch, method, lambda self, *a, _f=original, _m=method, **k:
-                            (result := _f(self, *a, **k)) is not False and calls.update([_m]) or result)
+        def spied(self, *args, _original=getattr(engine_module._RunningBatch, method), _method=method, **kwargs):
+            result = _original(self, *args, **kwargs)
+            if result is not False:  # _mostly_unused counts only the times it holds
+                calls.update([_method])
+            return result
+
+        monkeypatch.setattr(engine_module._RunningBatch, method, spied)
     budget = 30
     monkeypatch.setattr(engine_module, "PREFILL_TOKENS", budget)
     prefilled = []  # (distinct prompts, longest) of each prefill forward pass
