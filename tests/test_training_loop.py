@@ -79,8 +79,12 @@ def test_other_estimators_train_in_the_full_loop(cache_dir, tmp_path, estimator)
 
 
 def test_max_head_offpolicyness_zero_is_on_policy_even_with_filtering(cache_dir, tmp_path):
+    # Groups of 2 so that filtering is certain whatever the warm start gave on this CPU: with 0/1 rewards a pair is
+    # uniform with probability p^2 + (1-p)^2 >= 1/2, so no filtered group among the run's 64 or more has odds under
+    # 2^-64. With groups of 8, a CI run on another CPU (whose warm start gave a model at 61% greedy, not 32%) filtered
+    # none in 4 steps.
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
-        "max_steps=4", "max_head_offpolicyness=0", "eval_steps=2", "ppo.filter_uniform_groups=true"])
+        "max_steps=4", "max_head_offpolicyness=0", "eval_steps=2", "ppo.filter_uniform_groups=true", "group_size=2"])
     launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
     assert len(steps) == 4
