@@ -28,7 +28,7 @@ from rlsys.algorithms.importance import truncated_importance_weights
 from rlsys.algorithms.packing import MicroBatch, balance_by_tokens, empty_micro_batch, micro_batches, \
     prefix_groups, shared_tokens
 from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clipped_value_loss, gather_logprobs, \
-    kl_k3, next_token_logits, ppo_clip_loss, token_entropy, token_loss_weights
+    kl_k3, next_token_logits, ppo_clip_loss, taken_logprobs, token_entropy, token_loss_weights
 from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.api import Trajectory
 from rlsys.distributed import Ranks, shard, sync_gradients
@@ -222,8 +222,9 @@ class PolicyTrainer:
     def accumulate_gradients(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """The micro-batch's part of the mini-batch loss, backpropagated."""
         f = mb.fields
-        logits = self._logits(self.model, mb)
-        logp = gather_logprobs(logits, mb.input_ids)
+        # One log-softmax for the logprobs and the entropy: with a real vocabulary it is a pass over [T, V] floats.
+        distributions = torch.log_softmax(self._logits(self.model, mb), dim=-1)
+        logp = taken_logprobs(distributions, mb.input_ids)
         self.logprob_check.observe(logp, f)
         decoupled = dict(behaviour_logprobs=f["behaviour_logprobs"],
                          imp_weight_cap=self.ppo.behaviour_imp_weight_cap or None) if self.ppo.decoupled_loss else {}
@@ -233,7 +234,7 @@ class PolicyTrainer:
                                     dual_clip=self.ppo.dual_clip or None, weights=weights, **decoupled)
         stats["policy_loss"] = loss.detach()
         with torch.set_grad_enabled(bool(self.ppo.entropy_loss_coef)):  # a statistic only, unless it is in the loss
-            entropy = (token_entropy(logits) * f["token_share"]).sum()
+            entropy = (token_entropy(distributions) * f["token_share"]).sum()
         stats["entropy"] = entropy.detach()
         if self.ppo.entropy_loss_coef:
             loss = loss - self.ppo.entropy_loss_coef * entropy
@@ -268,8 +269,8 @@ class PolicyTrainer:
         (FSDP's passes are collective: a rank with fewer runs empty ones); `indices` are positions in `batch`."""
         share = self.shares(batch, sequences)[self.ranks.rank]
         out = micro_batches(batch, self.micro_batch_tokens, self.packed, self.pad_id, share, self.share_prefixes)
-        return out + [empty_micro_batch(batch, self.packed, self.pad_id)] * (
-            self.ranks.max(len(out)) - len(out))
+        missing = self.ranks.max(len(out)) - len(out)
+        return out + [empty_micro_batch(batch, self.packed, self.pad_id)] * missing if missing else out
 
     def per_token(self, forward, batch: SequenceBatch, sequences: list[int] | None = None) -> torch.Tensor:
         """forward(micro-batch) -> [R, L-1] values, without gradients, as a field of `batch` ([N + 1]); of

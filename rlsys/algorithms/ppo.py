@@ -17,7 +17,12 @@ def next_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 def gather_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """logp[b, t] = log pi(input_ids[b, t+1] | input_ids[b, :t+1])."""
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return taken_logprobs(torch.log_softmax(logits, dim=-1), input_ids)
+
+
+def taken_logprobs(distributions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """gather_logprobs from the log-softmax of the logits, [B, T-1, V], when the caller needs it for more."""
+    return distributions.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -127,9 +132,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -
     return masked_mean(kl_k3(logp, ref_logp), mask)
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def token_entropy(distributions: torch.Tensor) -> torch.Tensor:
+    """The entropy of each position's next-token distribution, given as its log-softmax [B, T-1, V]."""
+    return -(distributions.exp() * distributions).sum(-1)
 
 
 class FixedKLController:
