@@ -17,6 +17,11 @@ AdamW. Both make the same number of optimizer steps over the same tokens; traine
 x epochs. Repeats alternate the two so machine noise hits both alike; the median is reported. The last line is
 the headline: learner / plain.
 
+Each side's tensor operations in one more step are counted too (views, which compute nothing, left out), and
+how many of them its optimizer ran: on a GPU each is a kernel launch and its Python, and a small model's step
+is bound by them (BENCHMARKS.md), so the count is the CPU's view of what a GPU step will cost. On a CPU the
+plain loop's AdamW runs per tensor (several operations each); CUDA's default (foreach) runs a few in all.
+
 `--random-model` times a randomly initialised model of another shape on the same token ids instead (e.g.
 SmolLM2-135M's: hidden 576, MLP 1536, 30 layers, 9 heads, 3 key/value heads, 49,152-token vocabulary), and
 `gen.max_new_tokens=N` makes the answers up to N-1 tokens long: launch overheads that dominate a 2.4M-parameter
@@ -37,6 +42,8 @@ import time
 from pathlib import Path
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -127,6 +134,43 @@ class PlainLoop:
                 self.optimizer.zero_grad()
 
 
+class OperationCount(TorchDispatchMode):
+    """Tensor operations dispatched while it is active (not views or detach), and how many an optimizer's step ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = self.optimizer = 0
+        self.in_optimizer = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func is not torch.ops.aten.detach.default:
+            self.total += 1
+            self.optimizer += self.in_optimizer
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        def entered(*_):
+            self.in_optimizer = True
+
+        def left(*_):
+            self.in_optimizer = False
+
+        self.hooks = [register_optimizer_step_pre_hook(entered),
+                      register_optimizer_step_post_hook(left)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
+
+def count_operations(step) -> dict[str, int]:
+    with OperationCount() as count:
+        step()
+    return {"operations": count.total, "optimizer_operations": count.optimizer}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads of both sides (the learner role's)")
@@ -161,19 +205,21 @@ def main() -> None:
                 if learner.device != "cpu":
                     torch.cuda.synchronize()  # a GPU's kernels run ahead of the clock
                 times[name].append((time.perf_counter() - started) / args.steps_per_repeat)
+        operations = {name: count_operations(run) for name, run in sides.items()}
 
     trained = tokens * config.ppo.ppo_epochs
     rows = {name: {"seconds_per_step": statistics.median(t), "tokens_per_second": trained / statistics.median(t),
-                   "seconds": t} for name, t in times.items()}
+                   "seconds": t, **operations[name]} for name, t in times.items()}
     ratio = rows["learner"]["tokens_per_second"] / rows["plain"]["tokens_per_second"]
     device = torch.cuda.get_device_name() if learner.device != "cpu" else f"{args.threads} CPU thread(s)"
     print(f"model {args.random_model or 'default task'}, learner.dtype={config.learner.dtype}, "
           f"{len(trajectories)} sequences ({config.ppo.batch_size} prompts x {config.group_size}), {tokens} tokens, "
           f"{config.ppo.ppo_epochs} epochs x {config.ppo.num_mini_batches} mini-batches, {device}, "
           f"median of {args.repeats} x {args.steps_per_repeat} steps")
-    print(f"{'side':<8} {'s/step':>8} {'trained tok/s':>14}")
+    print(f"{'side':<8} {'s/step':>8} {'trained tok/s':>14} {'tensor ops/step':>16} {'of them optimizer':>18}")
     for name, row in rows.items():
-        print(f"{name:<8} {row['seconds_per_step']:>8.4f} {row['tokens_per_second']:>14.0f}")
+        print(f"{name:<8} {row['seconds_per_step']:>8.4f} {row['tokens_per_second']:>14.0f} "
+              f"{row['operations']:>16} {row['optimizer_operations']:>18}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "tokens": tokens, "machine": platform.node(), "device": device,
                                           "results": rows, "ratio": ratio}, indent=2))

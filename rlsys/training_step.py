@@ -18,6 +18,7 @@ the gradients, so one step at N ranks is the single-rank step.
 
 import contextlib
 
+import numpy as np
 import torch
 
 from rlsys.alarms import LogprobCheck
@@ -125,6 +126,7 @@ class PolicyTrainer:
             # SimpleTIR: out of the loss (and KL, entropy), after their rewards served in their groups' baselines.
             kept = torch.tensor([0.0 if t.void else 1.0 for t in trajectories])
             batch.fields["loss_mask"] = batch.fields["loss_mask"] * batch.per_sequence(kept)
+        batch.token_counts = self.count_tokens(batch)
         if self.ppo.decoupled_loss or self.ppo.tis_cap:
             # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
             # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
@@ -141,7 +143,7 @@ class PolicyTrainer:
         sequence none computes (a GRPO group that got one reward, for one) keeps its behaviour logprobs, never read."""
         computed = set()
         for rows in mini_batches:
-            trains, moving = self.sequences_to_compute(batch.select(rows))
+            trains, moving = to_compute(batch.token_counts[rows])
             if trains:  # none moving: a step computes every sequence (mini_batch_gradients)
                 computed.update(rows[i] for i in (moving or range(len(rows))))
         proximal = self.per_token(self._policy_logprobs(self.model), batch, sorted(computed))
@@ -153,7 +155,7 @@ class PolicyTrainer:
 
     def optimizer_step(self, mini_batch: SequenceBatch) -> dict[str, float]:
         """One optimizer step on a mini-batch (and one critic step, for gae)."""
-        trains, moving = self.sequences_to_compute(mini_batch)  # one read per optimizer step
+        trains, moving = self.sequences_to_compute(mini_batch)
         if not trains:
             # Every trajectory in it is void: no loss, and a step on zero gradients would still move by Adam's momentum.
             return {"grad_norm": 0.0}
@@ -174,20 +176,24 @@ class PolicyTrainer:
         return stats
 
     def sequences_to_compute(self, mini_batch: SequenceBatch) -> tuple[bool, list[int]]:
-        """Whether any token of `mini_batch` is trained, and which of its sequences can move the policy.
+        """Whether any token of `mini_batch` is trained, and which of its sequences can move the policy: on the host,
+        from the counts prepare_batch read back once for the whole batch (count_tokens)."""
+        return to_compute(mini_batch.token_counts)
+
+    def count_tokens(self, batch: SequenceBatch) -> np.ndarray:
+        """[sequences, 2]: each sequence's tokens trained on, and of them those that can move the policy; one read.
 
         If the loss is the policy term alone (no KL, entropy or value term), a sequence whose every trained token
         has advantage 0 adds 0 to the loss and to every gradient, whatever its ratios, as each sample of a GRPO
         group that got one reward does: it need not be computed (ppo.skip_zero_advantage). Otherwise every
         sequence can."""
-        f = mini_batch.fields
+        f = batch.fields
         trained = f["loss_mask"] > 0
         policy_term_alone = self.ppo.loss_is_the_policy_term_alone and self.ppo.skip_zero_advantage != "false"
-        live = trained & (f["advantages"] != 0) if policy_term_alone else trained
-        counts = torch.zeros(2, len(mini_batch) + 1, device=trained.device).index_add_(
-            1, mini_batch.sequence_index, torch.stack([trained, live]).float())
-        per_sequence_trained, per_sequence_live = counts[:, :-1].tolist()
-        return any(per_sequence_trained), [i for i, n in enumerate(per_sequence_live) if n or not policy_term_alone]
+        live = trained & (f["advantages"] != 0) if policy_term_alone else torch.ones_like(trained)
+        counts = torch.zeros(2, len(batch) + 1, device=trained.device).index_add_(
+            1, batch.sequence_index, torch.stack([trained, live]).float())
+        return counts[:, :-1].T.cpu().numpy()
 
     def mini_batch_gradients(self, mini_batch: SequenceBatch, moving: list[int] | None = None) -> dict[str, float]:
         """Gradients of a mini-batch's loss, accumulated over its micro-batches (on every rank, over its share).
@@ -347,6 +353,12 @@ def shares_prefixes(setting: str, packed: bool, device: str, attention: str) -> 
     # auto: on a CPU only. On a GPU a packed row is one flash-attention varlen call, which has no form for
     # a prefix attended to by several sequences; the masked sdpa calls that do it are unmeasured there.
     return packed and attention == "auto" and (setting == "true" or (setting == "auto" and device == "cpu"))
+
+
+def to_compute(token_counts: np.ndarray) -> tuple[bool, list[int]]:
+    """From SequenceBatch.token_counts: whether any token is trained, and which sequences can move the policy."""
+    trained, live = token_counts.T
+    return bool(trained.any()), [i for i, n in enumerate(live.tolist()) if n]
 
 
 def mean_agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:

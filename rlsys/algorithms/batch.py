@@ -28,6 +28,9 @@ class SequenceBatch:
     # `prefix_lengths` tokens, none of whose predictions is trained: the prompt), or None if not known.
     prefix_ids: list[int] | None = None
     prefix_lengths: list[int] | None = None
+    # Host-side, [sequences, 2]: each sequence's tokens trained on, and of them those that can move the policy, once
+    # the learner knows its advantages (PolicyTrainer.count_tokens); None before.
+    token_counts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -74,7 +77,8 @@ class SequenceBatch:
         return SequenceBatch(self.token_ids[index[:-1]], [self.lengths[i] for i in indices],
                              {name: values[index] for name, values in self.fields.items()},
                              *(None if ids is None else [ids[i] for i in indices]
-                               for ids in (self.prefix_ids, self.prefix_lengths)))
+                               for ids in (self.prefix_ids, self.prefix_lengths)),
+                             None if self.token_counts is None else self.token_counts[indices])
 
     def padded_source(self, indices, width: int | None = None) -> np.ndarray:
         """[len(indices), width] flat positions of the sequences right-padded to `width` (the longest by
@@ -122,7 +126,7 @@ class SequenceBatch:
     def to(self, device) -> "SequenceBatch":
         return SequenceBatch(to_device(self.token_ids, device), self.lengths,
                              {name: to_device(values, device) for name, values in self.fields.items()},
-                             self.prefix_ids, self.prefix_lengths)
+                             self.prefix_ids, self.prefix_lengths, self.token_counts)
 
 
 def token_sequences(token_ids: list[list[int]]) -> SequenceBatch:
