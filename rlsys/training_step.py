@@ -220,7 +220,7 @@ class PolicyTrainer:
             sync_gradients((self.model, self.critic), n == len(passes) - 1)
             stats = self.accumulate_gradients(mb)
             if mb.indices:  # an empty pass (see micro_batches) has nothing to report
-                totals.add(stats, share=mb.fields["token_share"].sum())
+                totals.add(stats)
         stats = StatsAccumulator.merge(self.ranks.all_gather(totals.result()))
         stats["sequences/skipped_zero_advantage"] = float(skipped)
         return stats
@@ -237,7 +237,8 @@ class PolicyTrainer:
         old_logp = f["proximal_logprobs"] if "proximal_logprobs" in f else f["behaviour_logprobs"]
         weights = f["weights"] * f["tis_weights"] if "tis_weights" in f else f["weights"]
         loss, stats = ppo_clip_loss(logp, old_logp, f["advantages"], f["loss_mask"], self.ppo.pg_clip,
-                                    dual_clip=self.ppo.dual_clip or None, weights=weights, **decoupled)
+                                    dual_clip=self.ppo.dual_clip or None, weights=weights,
+                                    token_share=f["token_share"], **decoupled)
         stats["policy_loss"] = loss.detach()
         with torch.set_grad_enabled(bool(self.ppo.entropy_loss_coef)):  # a statistic only, unless it is in the loss
             entropy = (token_entropy(distributions) * f["token_share"]).sum()
@@ -410,25 +411,25 @@ def batch_stats(trajectories: list[Trajectory], batch: SequenceBatch, version: i
 class StatsAccumulator:
     """Combines micro-batch statistics into the mini-batch's.
 
-    Losses, entropy and KL are already weighted sums over the whole mini-batch's tokens, so they add up;
-    per-micro-batch means (clip fraction, ratios) are weighted by the micro-batch's share of the tokens;
-    maxima stay maxima. Values may be 0-d tensors (on the model's device): `result` reads them back at once.
-    The ranks' totals combine the same way (merge).
+    Each micro-batch's statistic is already its part of the mini-batch's: losses, entropy and KL are sums weighted
+    over the whole mini-batch's tokens, means (clip fraction, ratios) are weighted by each token's share of them
+    (token_share), so they add up; maxima stay maxima. Values may be 0-d tensors (on the model's device):
+    `result` reads them back at once. The ranks' totals combine the same way (merge).
     """
-
-    SUMMED = {"loss", "policy_loss", "entropy", "kl", "critic/value_loss"}
 
     def __init__(self):
         self.totals: dict = {}
 
-    def add(self, stats: dict, share) -> None:
+    def add(self, stats: dict) -> None:
         for key, value in stats.items():
-            if key.endswith("_max"):
-                before = self.totals.get(key)
-                self.totals[key] = value if before is None else (
-                    torch.maximum(before, value) if isinstance(value, torch.Tensor) else max(before, value))
+            before = self.totals.get(key)
+            if before is None:
+                self.totals[key] = value
+            elif key.endswith("_max"):
+                self.totals[key] = (torch.maximum(before, value) if isinstance(value, torch.Tensor)
+                                    else max(before, value))
             else:
-                self.totals[key] = self.totals.get(key, 0.0) + (value if key in self.SUMMED else value * share)
+                self.totals[key] = before + value
 
     def result(self) -> dict[str, float]:
         if not self.totals:
@@ -442,8 +443,5 @@ class StatsAccumulator:
     def merge(per_rank: list[dict[str, float]]) -> dict[str, float]:
         merged = StatsAccumulator()
         for totals in per_rank:
-            merged.add({k: v for k, v in totals.items() if k.endswith("_max")}, share=1.0)
-            for key, value in totals.items():
-                if not key.endswith("_max"):
-                    merged.totals[key] = merged.totals.get(key, 0.0) + value
-        return merged.result()
+            merged.add(totals)
+        return dict(merged.totals)

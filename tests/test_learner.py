@@ -293,6 +293,36 @@ def test_packed_and_padded_micro_batches_give_the_same_loss_and_gradients(tmp_pa
     assert any(g.abs().max() > 1e-3 for g in reference_grads.values())
 
 
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_a_mini_batchs_statistics_are_those_of_one_pass_however_it_is_split(tmp_path, decoupled):
+    """Each micro-batch's statistics are its part of the mini-batch's (means weighted by its tokens' share): added up,
+    they are one unsplit pass's, maxima included."""
+    import random
+
+    stats = {}
+    for packing, budget in ((True, 64), (False, 64), (False, 10_000)):
+        config = learner_config(tmp_path)
+        for key, value in {"init_kl_coef": 0.1, "decoupled_loss": decoupled, "dual_clip": 3.0,
+                           "sequence_packing": packing, "max_tokens_per_micro_batch": budget}.items():
+            setattr(config.ppo, key, value)
+        learner = Learner(config, InProcessBus(), tmp_path / "run")
+        batch = learner.prepare_batch(mixed_length_batch(learner.model, random.Random(0)))
+        # behaviour logprobs 0 to 1.5 below the policy's: ratios of 1 to 4.5, clipped and dual-clipped
+        lower = torch.rand(batch.num_tokens + 1, generator=torch.Generator().manual_seed(0)) * 1.5
+        batch.fields["behaviour_logprobs"] = batch.fields["behaviour_logprobs"] - lower * batch.fields["loss_mask"]
+        assert len(learner.micro_batches(batch)) > (1 if budget == 64 else 0)
+        stats[(packing, budget)] = learner.mini_batch_gradients(batch)
+    reference = stats[(False, 10_000)]
+    shown = ("importance_weight_mean", "importance_weight_max", "importance_weight_capped_fraction") if decoupled \
+        else ("clip_fraction", "dual_clip_fraction")
+    assert {"importance_ratio", "entropy", "kl", "policy_loss", "loss", *shown} <= set(reference)
+    assert all(reference[key] > 0.01 for key in shown if key != "importance_weight_capped_fraction"), reference
+    for split in (stats[(True, 64)], stats[(False, 64)]):
+        assert split.keys() == reference.keys()
+        for key, value in reference.items():
+            assert split[key] == pytest.approx(value, abs=1e-5), key
+
+
 @pytest.mark.parametrize("ppo", [
     {"loss_agg_mode": "token-mean", "init_kl_coef": 0.1, "entropy_loss_coef": 0.01},
     {"loss_agg_mode": "seq-mean-token-mean", "decoupled_loss": True, "adv_estimator": "gae"},

@@ -66,14 +66,17 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
                   clip: float, *, dual_clip: float | None = None, agg: str = "token-mean",
                   behaviour_logprobs: torch.Tensor | None = None,
                   imp_weight_cap: float | None = None,
-                  weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  weights: torch.Tensor | None = None,
+                  token_share: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """l_t = w_t * max(-A r, -A clip(r, 1-clip, 1+clip)) [min -A*dual_clip if A<0], r = exp(logp-old_logp); agg(l)."""
     # dual_clip=c bounds the loss of a negative-advantage token by -A*c (Ye et al. 2020); None: no bound.
     # behaviour_logprobs switches to AReaL's decoupled objective: old_logp is then the proximal policy's logprob
     # (recomputed by the learner) and w_t = exp(old_logp - behaviour_logprobs), detached; otherwise w_t = 1.
     # imp_weight_cap: tokens with w_t above it contribute 0 but still count in the normaliser, as in AReaL.
     # agg: see aggregate_token_loss; weights (from token_loss_weights over a whole mini-batch) replace it when the
-    # tokens are one micro-batch of a larger mini-batch.
+    # tokens are one micro-batch of a larger mini-batch. The statistics are means over the generated tokens, or with
+    # `token_share` (token_loss_weights' token-mean over the whole mini-batch) this micro-batch's part of the
+    # mini-batch's means, which the micro-batches' add up to.
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if imp_weight_cap is not None and behaviour_logprobs is None:
@@ -106,18 +109,16 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         token_loss = token_loss * weight
     loss = aggregate_token_loss(token_loss, mask, agg) if weights is None else (token_loss * weights).sum()
     with torch.no_grad():  # 0-d tensors: the caller reads them back once per optimizer step, not per micro-batch
-        stats = {
-            "clip_fraction": masked_mean((clipped > unclipped).float(), mask),
-            "importance_ratio": masked_mean(ratio, mask),
-        }
+        share = mask / mask.sum().clamp(min=1) if token_share is None else token_share
+        stats = {"clip_fraction": ((clipped > unclipped) * share).sum(), "importance_ratio": (ratio * share).sum()}
         if dual_clip is not None:
-            stats["dual_clip_fraction"] = masked_mean(dual_clipped.float(), mask)
+            stats["dual_clip_fraction"] = (dual_clipped * share).sum()
         if behaviour_logprobs is not None:
             # Over all generated tokens before the cap, so the max shows how far off-policy the batch really was
             # (raw_weight is 0 off the generated tokens, and positive on them).
-            stats["importance_weight_mean"] = masked_mean(raw_weight, mask)
+            stats["importance_weight_mean"] = (raw_weight * share).sum()
             stats["importance_weight_max"] = raw_weight.max()
-            stats["importance_weight_capped_fraction"] = masked_mean((generated & ~kept).float(), mask)
+            stats["importance_weight_capped_fraction"] = ((generated & ~kept) * share).sum()
     return loss, stats
 
 
