@@ -38,6 +38,12 @@ from rlsys.model.tokenizer import load_tokenizer
 from rlsys.model.varlen_attention import known_segment_starts
 
 
+# What a training pass reads of the batch's fields (besides the loss weights each mini-batch gets, and `versions`
+# for the logprob check): a micro-batch gathers these and no others.
+PASS_FIELDS = ("loss_mask", "behaviour_logprobs", "advantages", "proximal_logprobs", "tis_weights", "ref_logprobs",
+               "old_values", "returns")
+
+
 class PolicyTrainer:
     """The policy (and for gae the critic), their optimizers, and the step that updates them."""
 
@@ -99,7 +105,9 @@ class PolicyTrainer:
         # (before any update): no extra forward pass.
         self.logprob_check = LogprobCheck(self.version)
         for rows in mini_batches:
-            stats = self.optimizer_step(batch.select(rows))
+            # In the batch's order, which changes nothing but how the mini-batch's passes are cut: one that holds
+            # every sequence is then the batch itself, not a gather of it.
+            stats = self.optimizer_step(batch.select(sorted(rows), self.pass_fields()))
             self.logprob_check.seal()
         stats.update(LogprobCheck.merged(self.ranks.all_gather(self.logprob_check.totals())))
         advantages = batch.fields["advantages"]
@@ -152,6 +160,10 @@ class PolicyTrainer:
         is_computed = torch.zeros(len(batch))
         is_computed[sorted(computed)] = 1.0
         return torch.where(batch.per_sequence(is_computed) > 0, proximal, batch.fields["behaviour_logprobs"])
+
+    def pass_fields(self) -> list[str]:
+        """The fields a training pass reads (accumulate_gradients): `versions` only while the logprob check is open."""
+        return [*PASS_FIELDS, *(() if self.logprob_check.sealed else ("versions",))]
 
     def optimizer_step(self, mini_batch: SequenceBatch) -> dict[str, float]:
         """One optimizer step on a mini-batch (and one critic step, for gae)."""
@@ -284,7 +296,7 @@ class PolicyTrainer:
         `sequences` only (all by default), 0 elsewhere."""
         out = torch.zeros(batch.num_tokens + 1, device=batch.device)
         with torch.no_grad():
-            for mb in self.micro_batches(batch, sequences):
+            for mb in self.micro_batches(batch.select(range(len(batch)), fields=()), sequences):  # reads no field
                 mb.scatter(forward(mb), out)
         # Each rank filled its share's positions and left the others 0: their sum is every rank's.
         return self.ranks.summed(out * batch.predicts)

@@ -70,12 +70,21 @@ class SequenceBatch:
         mask[-1] = False
         return to_device(mask, self.device)
 
-    def select(self, indices: list[int]) -> "SequenceBatch":
-        """The sequences `indices`, in that order: one gather per tensor."""
+    def select(self, indices: list[int], fields=None) -> "SequenceBatch":
+        """The sequences `indices`, in that order, with the fields named in `fields` (all by default): one gather per
+        tensor, none when `indices` are every sequence in order (the same tensors then)."""
+        names = self.fields if fields is None else [name for name in fields if name in self.fields]
+        if list(indices) == list(range(len(self))):
+            whole = SequenceBatch(self.token_ids, self.lengths, {name: self.fields[name] for name in names},
+                                  self.prefix_ids, self.prefix_lengths, self.token_counts)
+            for cached in ("offsets", "sequence_index", "predicts"):  # computed once, shared
+                if cached in self.__dict__:
+                    whole.__dict__[cached] = self.__dict__[cached]
+            return whole
         positions = self.positions(indices)
         index = to_device(np.append(positions, self.num_tokens), self.device)
         return SequenceBatch(self.token_ids[index[:-1]], [self.lengths[i] for i in indices],
-                             {name: values[index] for name, values in self.fields.items()},
+                             {name: self.fields[name][index] for name in names},
                              *(None if ids is None else [ids[i] for i in indices]
                                for ids in (self.prefix_ids, self.prefix_lengths)),
                              None if self.token_counts is None else self.token_counts[indices])
