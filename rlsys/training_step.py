@@ -221,7 +221,10 @@ class PolicyTrainer:
             skipped = len(mini_batch) - len(moving)
             mini_batch = mini_batch.select(moving)
             mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
-        mini_batch.fields["token_share"] = token_loss_weights(mask, sequences, "token-mean")  # KL, entropy, value loss
+        # Each token's share of the computed tokens: the weight of the KL, entropy and value terms and the statistics
+        mini_batch.fields["token_share"] = (
+            mini_batch.fields["weights"] if not skipped and self.ppo.loss_agg_mode == "token-mean"
+            else token_loss_weights(mask, sequences, "token-mean"))
         self.optimizer.zero_grad()
         if self.critic is not None:
             self.critic_optimizer.zero_grad()
