@@ -104,10 +104,11 @@ class PolicyTrainer:
         # Inference's logprobs against ours on the same tokens, from the first mini-batch's forward passes
         # (before any update): no extra forward pass.
         self.logprob_check = LogprobCheck(self.version)
-        for rows in mini_batches:
+        for n, rows in enumerate(mini_batches):
             # In the batch's order, which changes nothing but how the mini-batch's passes are cut: one that holds
-            # every sequence is then the batch itself, not a gather of it.
-            stats = self.optimizer_step(batch.select(sorted(rows), self.pass_fields()))
+            # every sequence is then the batch itself, not a gather of it. The step reports the last update's
+            # statistics, so only its passes compute them.
+            stats = self.optimizer_step(batch.select(sorted(rows), self.pass_fields()), n == len(mini_batches) - 1)
             self.logprob_check.seal()
         stats.update(LogprobCheck.merged(self.ranks.all_gather(self.logprob_check.totals())))
         advantages = batch.fields["advantages"]
@@ -165,13 +166,14 @@ class PolicyTrainer:
         """The fields a training pass reads (accumulate_gradients): `versions` only while the logprob check is open."""
         return [*PASS_FIELDS, *(() if self.logprob_check.sealed else ("versions",))]
 
-    def optimizer_step(self, mini_batch: SequenceBatch) -> dict[str, float]:
-        """One optimizer step on a mini-batch (and one critic step, for gae)."""
+    def optimizer_step(self, mini_batch: SequenceBatch, statistics: bool = True) -> dict[str, float]:
+        """One optimizer step on a mini-batch (and one critic step, for gae); without `statistics`, of the loss
+        terms' figures only the loss, which decides whether the step is taken."""
         trains, moving = self.sequences_to_compute(mini_batch)
         if not trains:
             # Every trajectory in it is void: no loss, and a step on zero gradients would still move by Adam's momentum.
             return {"grad_norm": 0.0}
-        stats = self.mini_batch_gradients(mini_batch, moving)
+        stats = self.mini_batch_gradients(mini_batch, moving, statistics)
         # A non-finite loss or gradient skips the step (and is counted) instead of writing NaN weights. The loss
         # is the whole mini-batch's (merged over ranks) and the norm a global one, so every rank decides alike.
         stats["grad_norm"], stepped = clip_and_step(self.optimizer, self.model.parameters(), self.ppo.max_grad_norm,
@@ -207,7 +209,8 @@ class PolicyTrainer:
             1, batch.sequence_index, torch.stack([trained, live]).float())
         return counts[:, :-1].T.cpu().numpy()
 
-    def mini_batch_gradients(self, mini_batch: SequenceBatch, moving: list[int] | None = None) -> dict[str, float]:
+    def mini_batch_gradients(self, mini_batch: SequenceBatch, moving: list[int] | None = None,
+                             statistics: bool = True) -> dict[str, float]:
         """Gradients of a mini-batch's loss, accumulated over its micro-batches (on every rank, over its share).
 
         Each token's loss weight is fixed over the whole mini-batch first (token_loss_weights), so the
@@ -233,15 +236,15 @@ class PolicyTrainer:
         for n, mb in enumerate(passes):
             # Ranks exchange gradients once, after the last pass, not after each.
             sync_gradients((self.model, self.critic), n == len(passes) - 1)
-            stats = self.accumulate_gradients(mb)
+            stats = self.accumulate_gradients(mb, statistics)
             if mb.indices:  # an empty pass (see micro_batches) has nothing to report
                 totals.add(stats)
         stats = StatsAccumulator.merge(self.ranks.all_gather(totals.result()))
         stats["sequences/skipped_zero_advantage"] = float(skipped)
         return stats
 
-    def accumulate_gradients(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        """The micro-batch's part of the mini-batch loss, backpropagated."""
+    def accumulate_gradients(self, mb: MicroBatch, statistics: bool = True) -> dict[str, torch.Tensor]:
+        """The micro-batch's part of the mini-batch loss, backpropagated; its statistics if asked, else the loss."""
         f = mb.fields
         # One log-softmax for the logprobs and the entropy: with a real vocabulary it is a pass over [T, V] floats.
         distributions = torch.log_softmax(self._logits(self.model, mb), dim=-1)
@@ -253,13 +256,14 @@ class PolicyTrainer:
         weights = f["weights"] * f["tis_weights"] if "tis_weights" in f else f["weights"]
         loss, stats = ppo_clip_loss(logp, old_logp, f["advantages"], f["loss_mask"], self.ppo.pg_clip,
                                     dual_clip=self.ppo.dual_clip or None, weights=weights,
-                                    token_share=f["token_share"], **decoupled)
+                                    token_share=f["token_share"], statistics=statistics, **decoupled)
         stats["policy_loss"] = loss.detach()
-        with torch.set_grad_enabled(bool(self.ppo.entropy_loss_coef)):  # a statistic only, unless it is in the loss
-            entropy = (token_entropy(distributions) * f["token_share"]).sum()
-        stats["entropy"] = entropy.detach()
-        if self.ppo.entropy_loss_coef:
-            loss = loss - self.ppo.entropy_loss_coef * entropy
+        if statistics or self.ppo.entropy_loss_coef:
+            with torch.set_grad_enabled(bool(self.ppo.entropy_loss_coef)):  # a statistic only, unless in the loss
+                entropy = (token_entropy(distributions) * f["token_share"]).sum()
+            stats["entropy"] = entropy.detach()
+            if self.ppo.entropy_loss_coef:
+                loss = loss - self.ppo.entropy_loss_coef * entropy
         if self.reference is not None:
             kl = (kl_k3(logp, f["ref_logprobs"]) * f["token_share"]).sum()
             loss = loss + self.kl_controller.value * kl

@@ -67,7 +67,8 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
                   behaviour_logprobs: torch.Tensor | None = None,
                   imp_weight_cap: float | None = None,
                   weights: torch.Tensor | None = None,
-                  token_share: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  token_share: torch.Tensor | None = None,
+                  statistics: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """l_t = w_t * max(-A r, -A clip(r, 1-clip, 1+clip)) [min -A*dual_clip if A<0], r = exp(logp-old_logp); agg(l)."""
     # dual_clip=c bounds the loss of a negative-advantage token by -A*c (Ye et al. 2020); None: no bound.
     # behaviour_logprobs switches to AReaL's decoupled objective: old_logp is then the proximal policy's logprob
@@ -76,7 +77,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     # agg: see aggregate_token_loss; weights (from token_loss_weights over a whole mini-batch) replace it when the
     # tokens are one micro-batch of a larger mini-batch. The statistics are means over the generated tokens, or with
     # `token_share` (token_loss_weights' token-mean over the whole mini-batch) this micro-batch's part of the
-    # mini-batch's means, which the micro-batches' add up to.
+    # mini-batch's means, which the micro-batches' add up to; with statistics=False there are none (an empty dict).
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if imp_weight_cap is not None and behaviour_logprobs is None:
@@ -108,6 +109,8 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
             weight = torch.where(kept, raw_weight, 0.0)
         token_loss = token_loss * weight
     loss = aggregate_token_loss(token_loss, mask, agg) if weights is None else (token_loss * weights).sum()
+    if not statistics:
+        return loss, {}
     with torch.no_grad():  # 0-d tensors: the caller reads them back once per optimizer step, not per micro-batch
         share = mask / mask.sum().clamp(min=1) if token_share is None else token_share
         stats = {"clip_fraction": ((clipped > unclipped) * share).sum(), "importance_ratio": (ratio * share).sum()}
