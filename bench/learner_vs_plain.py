@@ -22,6 +22,11 @@ how many of them its optimizer ran: on a GPU each is a kernel launch and its Pyt
 is bound by them (BENCHMARKS.md), so the count is the CPU's view of what a GPU step will cost. On a CPU the
 plain loop's AdamW runs per tensor (several operations each); CUDA's default (foreach) runs a few in all.
 
+`--random-model 16,32,2,2,1,102 --plain-foreach ppo.sequence_packing=false ppo.max_tokens_per_micro_batch=16384`
+is the CPU's stand-in for the tiny model's step on a GPU: a model so small that both sides are bound by the
+host's cost per tensor operation, as a GPU step of the tiny model is bound by its launches, with the GPU's
+defaults (padded rows in float32, 16,384 tokens a micro-batch, foreach AdamW in the plain loop).
+
 `--random-model` times a randomly initialised model of another shape on the same token ids instead (e.g.
 SmolLM2-135M's: hidden 576, MLP 1536, 30 layers, 9 heads, 3 key/value heads, 49,152-token vocabulary), and
 `gen.max_new_tokens=N` makes the answers up to N-1 tokens long: launch overheads that dominate a 2.4M-parameter
@@ -104,13 +109,14 @@ def save_random_model(shape: str, tokenizer_from: str, directory: Path) -> str:
 class PlainLoop:
     """model(input_ids, labels).loss.backward(); optimizer.step(), over the learner's epochs and mini-batches."""
 
-    def __init__(self, config, trajectories: list[Trajectory], device: str):
+    def __init__(self, config, trajectories: list[Trajectory], device: str, foreach: bool | None = None):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(config.seed)
         self.ppo = config.ppo
         self.model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).to(device).train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.ppo.lr, weight_decay=self.ppo.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.ppo.lr, weight_decay=self.ppo.weight_decay,
+                                           foreach=foreach)
         width = max(len(t.token_ids) for t in trajectories)
         pad = self.model.config.pad_token_id
         self.input_ids = torch.tensor([t.token_ids + [pad] * (width - len(t.token_ids)) for t in trajectories])
@@ -179,6 +185,9 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/learner_vs_plain.json")
     parser.add_argument("--random-model", metavar="HIDDEN,MLP,LAYERS,HEADS,KV_HEADS,VOCAB",
                         help="time a randomly initialised Qwen2 model of this shape instead of the default task's")
+    parser.add_argument("--plain-foreach", action="store_true",
+                        help="the plain loop's AdamW as CUDA runs it by default (foreach: a few operations a step, "
+                             "not several per tensor), for a CPU stand-in of a launch-bound GPU step")
     parser.add_argument("overrides", nargs="*", help="experiment settings, key=value (e.g. ppo.ppo_epochs=1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -192,7 +201,8 @@ def main() -> None:
         trajectories = default_step_batch(config, seed=0)
         tokens = sum(len(t.token_ids) for t in trajectories)
         learner = PolicyTrainer(config, Ranks(), config.model.path)
-        plain = PlainLoop(config, trajectories, learner.device)  # the learner's device: a GPU where there is one
+        # the learner's device: a GPU where there is one
+        plain = PlainLoop(config, trajectories, learner.device, foreach=True if args.plain_foreach else None)
         sides = {"learner": lambda: learner.train_step(trajectories), "plain": plain.train_step}
         for run in sides.values():  # warm-up: allocator, kernels
             run()

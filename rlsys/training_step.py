@@ -176,14 +176,13 @@ class PolicyTrainer:
         stats = self.mini_batch_gradients(mini_batch, moving, statistics)
         # A non-finite loss or gradient skips the step (and is counted) instead of writing NaN weights. The loss
         # is the whole mini-batch's (merged over ranks) and the norm a global one, so every rank decides alike.
-        stats["grad_norm"], stepped = clip_and_step(self.optimizer, self.model.parameters(), self.ppo.max_grad_norm,
-                                                    stats.get("loss"))
+        stats["grad_norm"], stepped = clip_and_step(self.optimizer, self.ppo.max_grad_norm, stats.get("loss"))
         stats["lr"] = self.scheduler.get_last_lr()[0]
         if stepped:  # the schedule counts optimizer steps
             self.scheduler.step()
         if self.critic is not None:
             stats["critic/grad_norm"], critic_stepped = clip_and_step(
-                self.critic_optimizer, self.critic.parameters(), self.ppo.max_grad_norm, stats.get("critic/value_loss"))
+                self.critic_optimizer, self.ppo.max_grad_norm, stats.get("critic/value_loss"))
             stepped = stepped and critic_stepped
         self.skipped_updates += not stepped
         stats["updates/skipped_non_finite"] = self.skipped_updates

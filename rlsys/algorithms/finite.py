@@ -7,19 +7,20 @@ a step with either non-finite is skipped, its gradients dropped, and the caller 
 """
 
 import math
-from collections.abc import Iterable
 
 import torch
 
 
-def clip_and_step(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.nn.Parameter], max_grad_norm: float,
+def clip_and_step(optimizer: torch.optim.Optimizer, max_grad_norm: float,
                   loss: float | None = None) -> tuple[float, bool]:
-    """Clips gradients to `max_grad_norm` and steps the optimizer if `loss` and the gradients are finite.
+    """Clips the gradients of the optimizer's parameters to `max_grad_norm` and steps it if `loss` and the gradients
+    are finite.
 
     Returns (gradient norm before clipping, whether the optimizer stepped). A skipped step zeroes the
     gradients, so nothing non-finite is left to accumulate into the next one.
     """
-    parameters = [p for p in parameters if p.grad is not None]
+    # The optimizer's own lists: a model's parameters() walks every module, a cost per step as large as the clipping.
+    parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm) if parameters else torch.zeros(())
     # FSDP's sharded gradients give a DTensor: its full value is the norm over every rank's shards.
     grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
