@@ -10,9 +10,10 @@
 #   bash ../shared/device/prepare-carry.sh .device-carry && echo /.device-carry/ >> .git/info/exclude
 #   mkdir -p .device-carry/cache && cp -r ~/.cache/rlsys/models ~/.cache/rlsys/data .device-carry/cache/
 # Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=560): the GPU tests (about 60 s),
-# the transformers engine eager against its CUDA graphs (`inference.enforce_eager=false`, about 60 s), and rlsys
-# against TRL on the default task, rlsys both ways (about 5 min). PARTS names the parts to run (of: tests engine
-# learner vs_trl long; by default "tests engine vs_trl"); a second call with PARTS=long (up to 8 min: the long-answer
+# the learner against a plain loop on the two batches (the default step's and the 135M-shaped one, about
+# 60 s), the transformers engine eager against its CUDA graphs (`inference.enforce_eager=false`, about 60 s), and
+# rlsys against TRL on the default task, rlsys both ways (about 4 min). PARTS names the parts to run (of: tests
+# learner engine vs_trl long; by default "tests learner engine vs_trl"); a second call with PARTS=long (up to 8 min: the long-answer
 # task's model's warm start, when it did not travel, up to 4 of them; TRL about 85 s, rlsys about 130 s twice, then
 # the scoring) runs the long-answer task on what time is left.
 # What comes back in $OUT (the tool returns at most 8 files): tests.txt, engine.txt, learner_vs_plain.txt,
@@ -25,7 +26,7 @@ OUT=${OUT:-/tmp/device-out}
 mkdir -p "$OUT" ~/.cache/rlsys
 cp -r .device-carry/cache/* ~/.cache/rlsys/
 started=$SECONDS
-PARTS=${PARTS:-"tests engine vs_trl"}
+PARTS=${PARTS:-"tests learner engine vs_trl"}
 GRAPHS="graphs:inference.enforce_eager=false"  # rlsys again, its engine's decode steps as CUDA graphs
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 stamp() { echo "== $1 at $((SECONDS - started)) s" | tee -a "$OUT/tests.txt"; }
@@ -52,8 +53,7 @@ for tokens in 8 128; do
 done; }
 
 part learner && { stamp "learner against a plain loop"
-for settings in "" "ppo.sequence_packing=true" "learner.dtype=bfloat16" \
-                "--random-model 576,1536,30,9,3,49152 learner.dtype=bfloat16"; do
+for settings in "" "--random-model 576,1536,30,9,3,49152 learner.dtype=bfloat16"; do
   echo "--- $settings" >> "$OUT/learner_vs_plain.txt"
   # shellcheck disable=SC2086  # the settings are words
   timeout 45 python3 bench/learner_vs_plain.py --repeats 3 --out /tmp/lvp.json $settings \
