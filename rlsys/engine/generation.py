@@ -86,7 +86,7 @@ class GenerationEngine:
             sample.logprobs += delta.logprobs
             sample.versions += [self.version] * len(delta.token_ids)
             sample.stop_reason = delta.finish_reason
-            if all(s.finished for s in request.samples):
+            if delta.finish_reason is not None and all(s.finished for s in request.samples):
                 done.append(_reply(self._requests.pop(rid)))
         return done
 
