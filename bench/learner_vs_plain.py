@@ -22,10 +22,13 @@ how many of them its optimizer ran: on a GPU each is a kernel launch and its Pyt
 is bound by them (BENCHMARKS.md), so the count is the CPU's view of what a GPU step will cost. On a CPU the
 plain loop's AdamW runs per tensor (several operations each); CUDA's default (foreach) runs a few in all.
 
-`--random-model 16,32,2,2,1,102 --plain-foreach ppo.sequence_packing=false ppo.max_tokens_per_micro_batch=16384`
-is the CPU's stand-in for the tiny model's step on a GPU: a model so small that both sides are bound by the
-host's cost per tensor operation, as a GPU step of the tiny model is bound by its launches, with the GPU's
-defaults (padded rows in float32, 16,384 tokens a micro-batch, foreach AdamW in the plain loop).
+    --random-model 32,64,4,4,2,102 --plain-foreach ppo.sequence_packing=false \
+        ppo.max_tokens_per_micro_batch=16384 ppo.batch_size=2 group_size=4
+
+is the CPU's stand-in for the tiny model's step on a GPU: the default model's layers and heads, so narrow and on
+so few sequences that both sides are bound by the host's cost per tensor operation, as a GPU step of the tiny model
+is bound by its launches, with the GPU's defaults (padded rows in float32, 16,384 tokens a micro-batch, foreach
+AdamW in the plain loop).
 
 `--random-model` times a randomly initialised model of another shape on the same token ids instead (e.g.
 SmolLM2-135M's: hidden 576, MLP 1536, 30 layers, 9 heads, 3 key/value heads, 49,152-token vocabulary), and

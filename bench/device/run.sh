@@ -13,9 +13,9 @@
 # the learner against a plain loop on the two batches (the default step's and the 135M-shaped one, about
 # 60 s), the transformers engine eager against its CUDA graphs (`inference.enforce_eager=false`, about 60 s), and
 # rlsys against TRL on the default task, rlsys both ways (about 4 min). PARTS names the parts to run (of: tests
-# learner engine vs_trl long; by default "tests learner engine vs_trl"); a second call with PARTS=long (up to 8 min: the long-answer
-# task's model's warm start, when it did not travel, up to 4 of them; TRL about 85 s, rlsys about 130 s twice, then
-# the scoring) runs the long-answer task on what time is left.
+# learner engine vs_trl long; by default "tests learner engine vs_trl"); a second call with PARTS=long (up to 8 min:
+# the long-answer task's model's warm start, when it did not travel, up to 4 of them; TRL about 85 s, rlsys about
+# 130 s twice, then the scoring) runs the long-answer task on what time is left.
 # What comes back in $OUT (the tool returns at most 8 files): tests.txt, engine.txt, learner_vs_plain.txt,
 # vs_trl.txt, vs_trl.json, vs_trl_long.txt, vs_trl_long.json, and profile-<role>.txt (py-spy's collapsed stacks,
 # 10 s at 100 Hz, of learner0, inference0, rollout0, taken during rlsys's first run on the long-answer task). No vLLM
