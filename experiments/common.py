@@ -406,7 +406,7 @@ def parse_resources(key: str, text: str) -> dict[str, float]:
 
 
 ENGINES = ("vllm", "transformers")
-VLLM_ONLY = ("kv_cache_gib", "gpu_memory_utilization", "enable_prefix_caching")
+VLLM_ONLY = ("kv_cache_gib", "enable_prefix_caching")
 
 
 @dataclass
@@ -418,7 +418,8 @@ class InferenceConfig:
     kv_cache_gib: int = 1
     """CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); ignored on GPUs."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of accelerator memory vLLM may take (of host memory on CPU)."""
+    """Fraction of accelerator memory vLLM may take (of host memory on CPU); with inference.engine=transformers and
+    enforce_eager=false, the share its model and its graphs' KV cache may take (that cache is allocated whole)."""
     num_threads: int = 1
     """CPU threads of each inference worker (torch/OpenMP); 0: the engine's choice (vLLM-CPU: about one per core).
     One leaves the other cores to the learner and rollout workers of a small machine; with cluster.colocate=true
@@ -450,10 +451,14 @@ class InferenceConfig:
             raise ValueError(f"inference.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
-        """vLLM's own settings, which the transformers engine has no use for."""
+        """vLLM's own settings, which the transformers engine has no use for, and the memory share, which it reads
+        only for its CUDA graphs."""
         vllm = (self.engine == "vllm", f"with inference.engine={self.engine} (only vLLM reads it)",
                 "set inference.engine=vllm")
-        return {name: vllm for name in VLLM_ONLY}
+        memory = (self.engine == "vllm" or not self.enforce_eager,
+                  "with inference.engine=transformers and enforce_eager=true (its eager cache grows as needed)",
+                  "set inference.enforce_eager=false for its CUDA graphs, or inference.engine=vllm")
+        return {**{name: vllm for name in VLLM_ONLY}, "gpu_memory_utilization": memory}
 
     def check_device(self, device: str) -> None:
         """A setting an engine on this device ("cpu" or "cuda") cannot honour is refused, with the reason."""

@@ -52,6 +52,8 @@ GROUP_REFUSED = [  # (overrides, what the message must say)
     (["trace.mlflow_tracking_uri=sqlite:///m.db"], "trace.mlflow_tracking_uri=sqlite:///m.db does nothing without "
                                                    "trace.mlflow=true"),
     (["inference.engine=transformers", "inference.kv_cache_gib=4"], "inference.kv_cache_gib=4 does nothing"),
+    (["inference.engine=transformers", "inference.gpu_memory_utilization=0.9"],
+     "inference.gpu_memory_utilization=0.9 does nothing with inference.engine=transformers and enforce_eager=true"),
     (["experiment=async-ppo-sokoban", "rollout.tree_branching=3"],
      "rollout.tree_branching=3 does nothing with rollout.mode=chain"),
     (["experiment=async-ppo-frozen-lake", "rollout.tree_depth=2"], "rollout.tree_depth=2 does nothing with rollout.mode=chain"),
@@ -75,6 +77,7 @@ def test_a_setting_the_rest_of_its_group_makes_do_nothing_is_refused(overrides, 
     ["inference.enforce_eager=false", "inference.kv_cache_gib=4"],
     ["inference.engine=transformers"],
     ["inference.engine=transformers", "inference.enforce_eager=false"],  # its decode step as CUDA graphs
+    ["inference.engine=transformers", "inference.enforce_eager=false", "inference.gpu_memory_utilization=0.9"],
     ["experiment=async-ppo-sokoban", "rollout.mode=tree", "rollout.tree_branching=3", "rollout.tree_depth=2"],
 ])
 def test_those_settings_are_taken_where_they_act(overrides):

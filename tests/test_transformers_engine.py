@@ -16,7 +16,7 @@ from rlsys.api import GenerationConfig
 from rlsys.engine import decode_graphs
 from rlsys.engine.backend import SamplingSettings
 from rlsys.engine.generation import GenerationEngine
-from rlsys.engine.transformers_engine import TransformersBackend
+from rlsys.engine.transformers_engine import SPARE_COLUMNS, TransformersBackend
 from rlsys.engine.weights import write_weight_update
 from rlsys.model.tokenizer import build_char_tokenizer
 from tests.helpers import save_random_tiny_model
@@ -66,11 +66,18 @@ class ReplayEagerly:
         return fn
 
 
+def graphs_on_the_cpu(monkeypatch, held: int = 0, total: int = 2**40) -> None:
+    """The graph path on the CPU: each graph replayed eagerly, in a device memory of `total` bytes of which this
+    process holds `held`."""
+    monkeypatch.setitem(decode_graphs.GRAPH_CAPTURE, "cpu", ReplayEagerly)
+    monkeypatch.setitem(decode_graphs.DEVICE_MEMORY, "cpu", lambda device: (held, total))
+
+
 @pytest.fixture(params=["eager", "graphs"])
 def decode(request, monkeypatch) -> dict:
     """Both decode paths, as inference settings: HF's forward pass, and the graph path's."""
     if request.param == "graphs":
-        monkeypatch.setitem(decode_graphs.GRAPH_CAPTURE, "cpu", ReplayEagerly)
+        graphs_on_the_cpu(monkeypatch)
     return {"enforce_eager": request.param == "eager"}
 
 
@@ -376,8 +383,33 @@ def test_the_graph_path_generates_what_hfs_forward_does_for_llama_and_qwen3(tmp_
     requests = [(f"q{i}", progression(random.Random(i), 3 + 4 * i), GenerationConfig(
         n=3, max_new_tokens=12, temperature=1.0 if i % 2 else 0.0, seed=i)) for i in range(4)]
     eager = transformers_engine(path).generate(requests)
-    monkeypatch.setitem(decode_graphs.GRAPH_CAPTURE, "cpu", ReplayEagerly)
+    graphs_on_the_cpu(monkeypatch)
     assert_same_outputs(transformers_engine(path, enforce_eager=False).generate(requests), eager)
+
+
+def test_the_graphs_run_as_many_sequences_as_their_cache_fits_in_the_memory_given(model_path, monkeypatch, caplog):
+    """The graphs' KV cache is allocated whole, for every sequence's longest, so it is sized to
+    inference.gpu_memory_utilization: where half the device less what the process holds fits 3.5 sequences' cache,
+    the engine keeps 3 (the same outputs as eager), says so, and where not one fits it refuses to start."""
+    config = AutoConfig.from_pretrained(model_path)
+    head_dim = config.hidden_size // config.num_attention_heads
+    columns = transformers_engine(model_path).backend.max_model_len + SPARE_COLUMNS
+    per_sequence = columns * (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4 + 8)
+    held = 10 * 2**20
+    requests = [(f"q{i}", progression(random.Random(i), 3 + i), GenerationConfig(
+        n=2, max_new_tokens=10, temperature=1.0 if i % 2 else 0.0, seed=i)) for i in range(4)]
+    eager = transformers_engine(model_path, max_num_seqs=8).generate(requests)
+
+    graphs_on_the_cpu(monkeypatch, held=held, total=int(2 * (held + 3.5 * per_sequence)))
+    engine = transformers_engine(model_path, enforce_eager=False, max_num_seqs=8, gpu_memory_utilization=0.5)
+    assert engine.backend.max_num_seqs == 3
+    assert "running at most 3 at once, not inference.max_num_seqs=8" in caplog.text
+    assert_same_outputs(engine.generate(requests), eager)
+    assert engine.backend._running.keys[0].shape[0] == 3, "the cache holds the sequences that fit, no more"
+
+    graphs_on_the_cpu(monkeypatch, held=held, total=int(2 * (held + 0.9 * per_sequence)))
+    with pytest.raises(ValueError, match="raise it, lower inference.max_model_len, or set inference.enforce_eager"):
+        transformers_engine(model_path, enforce_eager=False, gpu_memory_utilization=0.5)
 
 
 def test_graphs_are_refused_without_a_gpu_and_for_other_architectures(model_path):
@@ -385,7 +417,7 @@ def test_graphs_are_refused_without_a_gpu_and_for_other_architectures(model_path
         transformers_engine(model_path, enforce_eager=False)
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=8, n_head=2, vocab_size=16))
     with pytest.raises(ValueError, match="this one is 'gpt2': set inference.enforce_eager=true"):
-        decode_graphs.DecodeGraphs(gpt2, torch.device("cuda"), slots=4, columns=64)
+        decode_graphs.DecodeGraphs(gpt2, torch.device("cuda"), slots=4, columns=64, memory_share=0.5)
 
 
 @pytest.mark.parametrize("tied", [True, False])

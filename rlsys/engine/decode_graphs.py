@@ -11,6 +11,10 @@ KV cache and its mask, in the running batch's buffers, which it allocates once a
 buckets: padding rows attend to their own column only and their logits are dropped, and columns past the width
 hold no running sequence's tokens.
 
+Those buffers hold every slot's longest sequence from the start (a 135M-shaped model's 256 sequences of 8,192 tokens
+would be 97 GB in float32), so the slots are as many as fit in `inference.gpu_memory_utilization` of the GPU
+besides the model, up to `inference.max_num_seqs`, and fewer than one is refused at start-up.
+
 The forward pass calls the decoder's own modules in order, without HF's model forward (its masks and cache objects
 are host work on every step): the Llama layout, which Qwen2, Qwen3 and Mistral share; other architectures are
 refused by name. Its logits are HF's to float rounding (tests/test_transformers_engine.py).
@@ -55,11 +59,39 @@ class CudaGraphCapture:
 GRAPH_CAPTURE: dict[str, Callable[[], Callable]] = {"cuda": CudaGraphCapture}  # by device type
 
 
+def cuda_memory(device: torch.device) -> tuple[int, int]:
+    """Bytes this process holds on the GPU (the model, so far) and the GPU's total."""
+    return torch.cuda.memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
+
+
+DEVICE_MEMORY: dict[str, Callable[[torch.device], tuple[int, int]]] = {"cuda": cuda_memory}  # by device type
+
+
+def slots_that_fit(config, dtype: torch.dtype, device: torch.device, slots: int, columns: int,
+                   memory_share: float) -> int:
+    """The most slots, up to `slots`, whose keys, values and mask of `columns` columns fit in `memory_share` of
+    the device's memory less what this process holds already; a ValueError if not even one does."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_slot = columns * (2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+                          + torch.empty((), dtype=torch.long).element_size())
+    held, total = DEVICE_MEMORY[device.type](device)
+    fit = int((memory_share * total - held) // per_slot)
+    if fit < 1:
+        raise ValueError(
+            f"the transformers engine's CUDA graphs keep a KV cache of {columns} columns for each sequence, "
+            f"{per_slot / 2**20:.1f} MiB, and inference.gpu_memory_utilization={memory_share} of the GPU's "
+            f"{total / 2**30:.1f} GiB leaves {max(memory_share * total - held, 0) / 2**20:.1f} MiB besides the "
+            f"model: raise it, lower inference.max_model_len, or set inference.enforce_eager=true")
+    return min(slots, fit)
+
+
 class DecodeGraphs:
     """Decode steps of one model over one running batch's buffers, a graph per (batch bucket, width bucket),
     captured the first time a step needs it."""
 
-    def __init__(self, model, device: torch.device, slots: int, columns: int):
+    def __init__(self, model, device: torch.device, slots: int, columns: int, memory_share: float):
         if device.type not in GRAPH_CAPTURE:
             raise ValueError(f"inference.enforce_eager=false asks the transformers engine for CUDA graphs, which need "
                              f"a GPU; this worker runs on the {device.type}: leave inference.enforce_eager=true")
@@ -73,6 +105,7 @@ class DecodeGraphs:
                              "change with the sequence length: set inference.enforce_eager=true")
         self.model = model
         self.capture = GRAPH_CAPTURE[device.type]()
+        self.slots = slots = slots_that_fit(model.config, model.dtype, device, slots, columns, memory_share)
         self.batch_sizes = _buckets(1, slots)
         self.widths = _buckets(min(MIN_WIDTH, columns), columns)
         self.ids = torch.zeros(slots, 1, dtype=torch.long, device=device)

@@ -12,6 +12,7 @@ and top-p only restricting which token is drawn; a stop or end-of-sequence token
 part of its output.
 """
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from rlsys.model.tokenizer import load_tokenizer
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy, as in vLLM (dividing by them overflows)
 PREFILL_TOKENS = 8192  # padded prompt tokens per prefill forward pass: bounds its activations and mask
 SPARE_COLUMNS = 64  # free cache columns kept ahead: decode steps write into them instead of reallocating
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,10 +58,19 @@ class TransformersBackend(GenerationBackend):
         self.eos_token_ids = _eos_token_ids(self.model, load_tokenizer(model_path))
         self.generator = torch.Generator(self.device).manual_seed(seed)  # for sequences without a seed
         self._waiting: dict[str, _Sequence] = {}
-        # Graphs hold the cache's addresses, so their buffers are allocated once, for the longest sequences.
+        # Graphs hold the cache's addresses, so their buffers are allocated once, for the longest sequences: as many
+        # as fit in the memory given.
         columns = self.max_model_len + SPARE_COLUMNS
-        self.decode_graphs = None if inference_cfg.enforce_eager else DecodeGraphs(
-            self.model, self.device, self.max_num_seqs, columns)
+        self.decode_graphs = None
+        if not inference_cfg.enforce_eager:
+            self.decode_graphs = DecodeGraphs(self.model, self.device, self.max_num_seqs, columns,
+                                              inference_cfg.gpu_memory_utilization)
+            if self.decode_graphs.slots < self.max_num_seqs:
+                log.warning("the KV cache of %d sequences of %d tokens fits in inference.gpu_memory_utilization=%s: "
+                            "running at most %d at once, not inference.max_num_seqs=%d", self.decode_graphs.slots,
+                            columns, inference_cfg.gpu_memory_utilization, self.decode_graphs.slots,
+                            self.max_num_seqs)
+                self.max_num_seqs = self.decode_graphs.slots
         self._running = _RunningBatch(self.max_num_seqs, fixed_columns=0 if self.decode_graphs is None else columns)
 
     def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings, arrival: float = 0.0) -> None:
