@@ -1,15 +1,23 @@
-"""The decoupled objective's proximal pass: only the sequences an optimizer step computes, or every one, side by side.
+"""The decoupled objective's proximal logprobs: from the first step's own passes, or a pass of their own, side by side.
 
     python3 bench/proximal_pass.py [--uniform 0.5] [--threads 1] [--repeats 6] [--out bench/results/proximal_pass.json]
                                    [key=value ...]
 
 The learner's `train_step` with `ppo.decoupled_loss=true` on a default step's batch (`bench/learner_vs_plain.py`'s:
 16 prompts x 8 samples of the default task), in which a `--uniform` share of the groups got one reward (advantage 0
-on every token: GRPO groups all right or all wrong). "restricted" is the learner as it is: its proximal pass leaves
-out the sequences no optimizer step computes (`PolicyTrainer.proximal_logprobs`); "every sequence" computes the
-proximal logprobs of every sequence, as the learner did before 2026-12-02. Both update the same way
-(`tests/test_learner.py`). Repeats alternate the two after one warm-up each; medians are reported. The last line is
-the headline: every sequence's step time / restricted's.
+on every token: GRPO groups all right or all wrong). Three sides, which update alike (`tests/test_learner.py`):
+
+- "first step's passes": the learner as it is. Before the step's first update the policy is the proximal one, so the
+  first optimizer step's forward passes give the proximal logprobs of its sequences; a pass without gradients
+  computes only those a later mini-batch computes and the first does not (none with one mini-batch, the default);
+- "restricted pass": a pass of their own before the step, over the sequences an optimizer step computes (the
+  learner from 2026-12-02 until this bench's second version);
+- "every sequence": a pass of their own over every sequence (the learner before 2026-12-02);
+
+and for reference "plain PPO", the same learner with `ppo.decoupled_loss=false` (no proximal logprobs at all).
+
+Repeats alternate the sides after one warm-up each; medians are reported. The last line is the headline: every
+sequence's step time / the first step's passes'.
 """
 
 import argparse
@@ -51,12 +59,20 @@ def main() -> None:
         uniform = set(groups[:round(args.uniform * len(groups))])
         trajectories = [dataclasses.replace(t, reward=1.0) if t.group_id in uniform else t for t in trajectories]
         learner = PolicyTrainer(config, Ranks(), config.model.path)
-        sides = {"restricted": learner.proximal_logprobs,
-                 "every sequence": lambda batch, _: learner.per_token(learner._policy_logprobs(learner.model), batch)}
+        prepare, restricted = learner.prepare_batch, learner.proximal_logprobs
+
+        def every_sequence(batch, mini_batches, first_fills):
+            return learner.per_token(learner._policy_logprobs(learner.model), batch)
+
+        sides = {  # name: (prepare_batch, proximal_logprobs, ppo.decoupled_loss)
+            "first step's passes": (prepare, restricted, True),
+            # without the mini-batches, prepare_batch's pass computes what any step computes, and the first fills none
+            "restricted pass": (lambda trajectories, mini_batches: prepare(trajectories), restricted, True),
+            "every sequence": (lambda trajectories, mini_batches: prepare(trajectories), every_sequence, True),
+            "plain PPO": (prepare, restricted, False)}
         times = {name: [] for name in sides}
         for repeat in range(args.repeats + 1):  # the first of each side warms up
-            for name, proximal in sides.items():
-                learner.proximal_logprobs = proximal
+            for name, (learner.prepare_batch, learner.proximal_logprobs, learner.ppo.decoupled_loss) in sides.items():
                 started = time.perf_counter()
                 learner.train_step(trajectories)
                 if learner.device != "cpu":
@@ -65,15 +81,15 @@ def main() -> None:
                     times[name].append(time.perf_counter() - started)
 
     rows = {name: {"seconds_per_step": statistics.median(t), "seconds": t} for name, t in times.items()}
-    ratio = rows["every sequence"]["seconds_per_step"] / rows["restricted"]["seconds_per_step"]
+    ratio = rows["every sequence"]["seconds_per_step"] / rows["first step's passes"]["seconds_per_step"]
     print(f"default step batch, {len(trajectories)} sequences, {len(uniform)} of {len(groups)} groups with one "
           f"reward, ppo.decoupled_loss=true, {args.threads} thread(s), {learner.device}")
-    print(f"{'proximal pass':<16} {'s/step':>7}  runs")
+    print(f"{'proximal logprobs':<20} {'s/step':>7}  runs")
     for name, row in rows.items():
-        print(f"{name:<16} {row['seconds_per_step']:>7.3f}  {' '.join(f'{t:.3f}' for t in row['seconds'])}")
+        print(f"{name:<20} {row['seconds_per_step']:>7.3f}  {' '.join(f'{t:.3f}' for t in row['seconds'])}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows, "ratio": ratio}, indent=2))
-    print(f"ratio: {ratio:.2f} (every sequence's step time / restricted's)")
+    print(f"ratio: {ratio:.2f} (every sequence's step time / the first step's passes')")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ from rlsys.model.varlen_attention import known_segment_starts
 
 # What a training pass reads of the batch's fields (besides the loss weights each mini-batch gets, and `versions`
 # for the logprob check): a micro-batch gathers these and no others.
-PASS_FIELDS = ("loss_mask", "behaviour_logprobs", "advantages", "proximal_logprobs", "tis_weights", "ref_logprobs",
-               "old_values", "returns")
+PASS_FIELDS = ("loss_mask", "behaviour_logprobs", "advantages", "proximal_logprobs", "ref_logprobs", "old_values",
+               "returns")
 
 
 class PolicyTrainer:
@@ -80,6 +80,7 @@ class PolicyTrainer:
         self.version = 0  # of the policy being trained: staleness is measured against it
         self.skipped_updates = 0  # optimizer steps skipped: their loss or gradients were not finite
         self.logprob_check = LogprobCheck(version=-1)  # replaced by each train_step
+        self.first_step_fills_proximal = False  # set by prepare_batch: see proximal_logprobs
         self.last_advantages: list[float] = []  # the last step's, each sequence's mean over its trained tokens (traces)
         self.tokenizer = load_tokenizer(config.model.path)
         self.pad_id = self.tokenizer.pad_token_id
@@ -108,7 +109,9 @@ class PolicyTrainer:
             # In the batch's order, which changes nothing but how the mini-batch's passes are cut: one that holds
             # every sequence is then the batch itself, not a gather of it. The step reports the last update's
             # statistics, so only its passes compute them.
-            stats = self.optimizer_step(batch.select(sorted(rows), self.pass_fields()), n == len(mini_batches) - 1)
+            fills = batch.fields["proximal_logprobs"] if n == 0 and self.first_step_fills_proximal else None
+            stats = self.optimizer_step(batch.select(sorted(rows), self.pass_fields()), n == len(mini_batches) - 1,
+                                        fills)
             self.logprob_check.seal()
         stats.update(LogprobCheck.merged(self.ranks.all_gather(self.logprob_check.totals())))
         advantages = batch.fields["advantages"]
@@ -123,8 +126,9 @@ class PolicyTrainer:
     def prepare_batch(self, trajectories: list[Trajectory],
                       mini_batches: list[list[int]] | None = None) -> SequenceBatch:
         """Per-sequence tensors plus what stays fixed during the step: reference, values, advantages, proximal.
-        The proximal pass computes only the sequences that an optimizer step on one of `mini_batches` (the whole
-        batch by default) will (sequences_to_compute)."""
+        The proximal pass computes only the sequences that an optimizer step on one of `mini_batches` will
+        (sequences_to_compute); given `mini_batches` (train_step's), it leaves out those the first one computes,
+        whose own passes fill them in (proximal_logprobs). By default, the whole batch, every one by the pass."""
         batch = sequence_batch(trajectories).to(self.device)
         if self.reference is not None:
             batch.fields["ref_logprobs"] = self.per_token(self._policy_logprobs(self.reference), batch)
@@ -140,40 +144,47 @@ class PolicyTrainer:
             # Decoupled objective: PPO's trust region is around the policy as it is now (proximal), and the
             # behaviour policy that sampled the tokens, possibly versions older, enters as an importance weight.
             # Truncated IS (tis_cap) also takes the ratio against the learner's own logprobs, as verl does.
-            batch.fields["proximal_logprobs"] = self.proximal_logprobs(batch, mini_batches or [list(range(len(batch)))])
-        if self.ppo.tis_cap:
-            batch.fields["tis_weights"] = truncated_importance_weights(
-                batch.fields["proximal_logprobs"], batch.fields["behaviour_logprobs"], batch.fields["loss_mask"],
-                self.ppo.tis_cap)
+            self.first_step_fills_proximal = mini_batches is not None
+            batch.fields["proximal_logprobs"] = self.proximal_logprobs(
+                batch, mini_batches or [list(range(len(batch)))], self.first_step_fills_proximal)
         return batch
 
-    def proximal_logprobs(self, batch: SequenceBatch, mini_batches: list[list[int]]) -> torch.Tensor:
+    def proximal_logprobs(self, batch: SequenceBatch, mini_batches: list[list[int]], first_fills: bool) -> torch.Tensor:
         """The policy's logprobs now, of the sequences an optimizer step on one of `mini_batches` computes; a
-        sequence none computes (a GRPO group that got one reward, for one) keeps its behaviour logprobs, never read."""
-        computed = set()
+        sequence none computes (a GRPO group that got one reward, for one) keeps its behaviour logprobs, never read.
+
+        With `first_fills`, those the first step computes are left 0: before the step's first update the policy is
+        the proximal one, so that step's own forward passes are their proximal logprobs (its PPO ratio is exactly 1)
+        and fill them in (mini_batch_gradients). With one mini-batch, the default, that is every sequence: the
+        decoupled objective then costs no forward pass more than plain PPO."""
+        computed = []
         for rows in mini_batches:
             trains, moving = to_compute(batch.token_counts[rows])
-            if trains:  # none moving: a step computes every sequence (mini_batch_gradients)
-                computed.update(rows[i] for i in (moving or range(len(rows))))
-        proximal = self.per_token(self._policy_logprobs(self.model), batch, sorted(computed))
-        if len(computed) == len(batch):
+            # none moving: a step computes every sequence (mini_batch_gradients)
+            computed.append({rows[i] for i in (moving or range(len(rows)))} if trains else set())
+        everything = set().union(*computed)
+        by_pass = sorted(everything - computed[0] if first_fills else everything)
+        proximal = (self.per_token(self._policy_logprobs(self.model), batch, by_pass) if by_pass
+                    else torch.zeros(batch.num_tokens + 1, device=batch.device))
+        if len(everything) == len(batch):
             return proximal
         is_computed = torch.zeros(len(batch))
-        is_computed[sorted(computed)] = 1.0
+        is_computed[sorted(everything)] = 1.0
         return torch.where(batch.per_sequence(is_computed) > 0, proximal, batch.fields["behaviour_logprobs"])
 
     def pass_fields(self) -> list[str]:
         """The fields a training pass reads (accumulate_gradients): `versions` only while the logprob check is open."""
         return [*PASS_FIELDS, *(() if self.logprob_check.sealed else ("versions",))]
 
-    def optimizer_step(self, mini_batch: SequenceBatch, statistics: bool = True) -> dict[str, float]:
+    def optimizer_step(self, mini_batch: SequenceBatch, statistics: bool = True,
+                       fills: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step on a mini-batch (and one critic step, for gae); without `statistics`, of the loss
-        terms' figures only the loss, which decides whether the step is taken."""
+        terms' figures only the loss, which decides whether the step is taken. `fills`: see mini_batch_gradients."""
         trains, moving = self.sequences_to_compute(mini_batch)
         if not trains:
             # Every trajectory in it is void: no loss, and a step on zero gradients would still move by Adam's momentum.
             return {"grad_norm": 0.0}
-        stats = self.mini_batch_gradients(mini_batch, moving, statistics)
+        stats = self.mini_batch_gradients(mini_batch, moving, statistics, fills)
         # A non-finite loss or gradient skips the step (and is counted) instead of writing NaN weights. The loss
         # is the whole mini-batch's (merged over ranks) and the norm a global one, so every rank decides alike.
         stats["grad_norm"], stepped = clip_and_step(self.optimizer, self.ppo.max_grad_norm, stats.get("loss"))
@@ -209,12 +220,14 @@ class PolicyTrainer:
         return counts[:, :-1].T.cpu().numpy()
 
     def mini_batch_gradients(self, mini_batch: SequenceBatch, moving: list[int] | None = None,
-                             statistics: bool = True) -> dict[str, float]:
+                             statistics: bool = True, fills: torch.Tensor | None = None) -> dict[str, float]:
         """Gradients of a mini-batch's loss, accumulated over its micro-batches (on every rank, over its share).
 
         Each token's loss weight is fixed over the whole mini-batch first (token_loss_weights), so the
         accumulated gradient equals the mini-batch's, however it is split over ranks or packed, and when only the
         sequences `moving` (sequences_to_compute; None: all) are computed. The statistics are over those computed.
+        `fills`: the step's first, before any update: its passes' logprobs are the proximal ones, and are added into
+        `fills` (the proximal logprobs in the layout of the batch `mini_batch` was selected from, 0 there).
         """
         mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
         mini_batch.fields["weights"] = token_loss_weights(mask, sequences, self.ppo.loss_agg_mode)
@@ -232,18 +245,24 @@ class PolicyTrainer:
             self.critic_optimizer.zero_grad()
         totals = StatsAccumulator()
         passes = self.micro_batches(mini_batch)
+        filled = None if fills is None else torch.zeros(mini_batch.num_tokens + 1, device=mini_batch.device)
         for n, mb in enumerate(passes):
             # Ranks exchange gradients once, after the last pass, not after each.
             sync_gradients((self.model, self.critic), n == len(passes) - 1)
-            stats = self.accumulate_gradients(mb, statistics)
+            stats = self.accumulate_gradients(mb, statistics, filled)
             if mb.indices:  # an empty pass (see micro_batches) has nothing to report
                 totals.add(stats)
+        if fills is not None:
+            # Each rank filled its share's positions: their sum is every rank's.
+            mini_batch.write_into(self.ranks.summed(filled * mini_batch.predicts), fills)
         stats = StatsAccumulator.merge(self.ranks.all_gather(totals.result()))
         stats["sequences/skipped_zero_advantage"] = float(skipped)
         return stats
 
-    def accumulate_gradients(self, mb: MicroBatch, statistics: bool = True) -> dict[str, torch.Tensor]:
-        """The micro-batch's part of the mini-batch loss, backpropagated; its statistics if asked, else the loss."""
+    def accumulate_gradients(self, mb: MicroBatch, statistics: bool = True,
+                             filled: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The micro-batch's part of the mini-batch loss, backpropagated; its statistics if asked, else the loss.
+        `filled`: no update has been made yet, so this pass's logprobs are the proximal ones; they go into it."""
         f = mb.fields
         # One log-softmax for the logprobs and the entropy: with a real vocabulary it is a pass over [T, V] floats.
         distributions = torch.log_softmax(self._logits(self.model, mb), dim=-1)
@@ -251,8 +270,15 @@ class PolicyTrainer:
         self.logprob_check.observe(logp, f)
         decoupled = dict(behaviour_logprobs=f["behaviour_logprobs"],
                          imp_weight_cap=self.ppo.behaviour_imp_weight_cap or None) if self.ppo.decoupled_loss else {}
-        old_logp = f["proximal_logprobs"] if "proximal_logprobs" in f else f["behaviour_logprobs"]
-        weights = f["weights"] * f["tis_weights"] if "tis_weights" in f else f["weights"]
+        if filled is not None:
+            old_logp = logp.detach()
+            mb.scatter(old_logp, filled)
+        else:
+            old_logp = f["proximal_logprobs"] if "proximal_logprobs" in f else f["behaviour_logprobs"]
+        weights = f["weights"]
+        if self.ppo.tis_cap:  # against the learner's own logprobs, as verl does
+            weights = weights * truncated_importance_weights(old_logp, f["behaviour_logprobs"], f["loss_mask"],
+                                                             self.ppo.tis_cap)
         loss, stats = ppo_clip_loss(logp, old_logp, f["advantages"], f["loss_mask"], self.ppo.pg_clip,
                                     dual_clip=self.ppo.dual_clip or None, weights=weights,
                                     token_share=f["token_share"], statistics=statistics, **decoupled)

@@ -394,7 +394,8 @@ def test_a_group_whose_samples_got_one_reward_is_not_computed_and_the_gradients_
 @pytest.mark.parametrize("ppo", [{"decoupled_loss": True}, {"tis_cap": 2.0}])
 def test_the_proximal_pass_leaves_out_what_no_optimizer_step_computes_and_the_update_is_the_same(tmp_path, ppo):
     """A zero-advantage sequence's proximal logprobs are never read when no step computes it: left out of the
-    proximal pass, the policy after a whole train step (2 epochs of 2 mini-batches) is the one computing them gives."""
+    proximal pass, the policy after a whole train step (2 epochs of 2 mini-batches) is the one computing them gives.
+    Nor does the pass compute the first mini-batch's sequences, whose own forward passes fill them in."""
     import dataclasses
     import random
 
@@ -410,14 +411,46 @@ def test_the_proximal_pass_leaves_out_what_no_optimizer_step_computes_and_the_up
         learner.per_token = lambda forward, b, sequences=None, _f=per_token: (
             proximal_passes.setdefault(skip, sequences), _f(forward, b, sequences))[1]
         torch.manual_seed(0)  # the same mini-batches
+        first = set(torch.randperm(len(batch)).tolist()[:len(batch) // 2])  # train_step's first draw, the same
+        torch.manual_seed(0)
         learner.train_step(batch)
         policies[skip] = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
-    assert proximal_passes["auto"] == [i for i, t in enumerate(batch) if t.group_id != "g0"]
-    assert proximal_passes["false"] == list(range(12))
+    assert proximal_passes["auto"] == [i for i, t in enumerate(batch) if t.group_id != "g0" and i not in first]
+    assert proximal_passes["false"] == sorted(set(range(12)) - first)
     for name, weights in policies["auto"].items():
         assert torch.allclose(weights, policies["false"][name], atol=1e-6), name
     assert any((w - Learner(config, InProcessBus(), tmp_path / "run2").model.state_dict()[n]).abs().max() > 1e-4
                for n, w in policies["auto"].items()), "the step must move the policy, or this test proves nothing"
+
+
+@pytest.mark.parametrize("ppo", [{"decoupled_loss": True}, {"tis_cap": 2.0}])
+def test_with_one_mini_batch_the_first_steps_passes_are_the_proximal_ones_and_the_update_is_a_separate_passs(
+        tmp_path, ppo):
+    """Before a step's first update the policy is the proximal one: with one mini-batch (the default) no pass without
+    gradients runs, and the policy after the step (2 epochs) is the one a separate proximal pass gives."""
+    import random
+
+    policies, passes = {}, {}
+    for separate in (False, True):
+        config = learner_config(tmp_path)
+        for key, value in {**ppo, "init_kl_coef": 0.0, "lr": 1e-3}.items():  # the second epoch's ratios move
+            setattr(config.ppo, key, value)
+        learner = Learner(config, InProcessBus(), tmp_path / "run")
+        batch = mixed_length_batch(learner.model, random.Random(0), groups=3)
+        per_token = learner.per_token
+        learner.per_token = lambda forward, b, sequences=None, _f=per_token: (
+            passes.setdefault(separate, []).append(sequences), _f(forward, b, sequences))[1]
+        if separate:  # the proximal pass over every sequence, before the step, as without mini-batches given
+            prepare = learner.prepare_batch
+            learner.prepare_batch = lambda trajectories, mini_batches=None: prepare(trajectories)
+        torch.manual_seed(0)
+        learner.train_step(batch)
+        policies[separate] = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+    assert False not in passes and passes[True] == [list(range(12))]
+    for name, weights in policies[False].items():
+        assert torch.allclose(weights, policies[True][name], atol=1e-6), name
+    assert any((w - Learner(config, InProcessBus(), tmp_path / "run2").model.state_dict()[n]).abs().max() > 1e-3
+               for n, w in policies[False].items()), "the step must move the policy, or this test proves nothing"
 
 
 @pytest.mark.parametrize("ppo", [{"init_kl_coef": 0.1}, {"init_kl_coef": 0.0, "entropy_loss_coef": 0.01},

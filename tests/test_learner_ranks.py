@@ -25,6 +25,11 @@ SETTINGS = {
     # Packed rows sharing the groups' prompts, a token budget that gives the ranks unequal numbers of micro-batches
     # (empty passes), the reference and proximal passes gathered from both ranks.
     "grpo+kl+decoupled+packed": {"init_kl_coef": 0.1, "decoupled_loss": True, "max_tokens_per_micro_batch": 48},
+    # The proximal logprobs the first mini-batch's passes fill in on each rank, gathered for the later mini-batches,
+    # whose sequences the ranks split otherwise (padded rows: balanced by sequence, not by group; the third epoch
+    # mixes the first's mini-batches).
+    "decoupled+padded+6-steps": {"decoupled_loss": True, "sequence_packing": False, "max_tokens_per_micro_batch": 64,
+                                 "ppo_epochs": 3, "num_mini_batches": 2},
     # A sharded critic, padded rows, per-sequence aggregation (weights normalised over the whole mini-batch).
     "gae+padded+seq-mean": {"adv_estimator": "gae", "sequence_packing": False, "loss_agg_mode": "seq-mean-token-mean",
                             "entropy_loss_coef": 0.01, "max_tokens_per_micro_batch": 200},
@@ -58,7 +63,7 @@ def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: lis
 @pytest.mark.parametrize("name", SETTINGS)
 def test_two_ranks_take_the_single_rank_step_and_their_checkpoint_resumes_on_one(tmp_path, name):
     config = learner_config(tmp_path)
-    config.ppo.lr, config.ppo.ppo_epochs, config.ppo.num_mini_batches = 1e-3, 1, 1  # one optimizer step
+    config.ppo.lr, config.ppo.ppo_epochs, config.ppo.num_mini_batches = 1e-3, 1, 1  # one optimizer step, unless set
     for key, value in SETTINGS[name].items():
         setattr(config.ppo, key, value)
     single = Learner(config, InProcessBus(), tmp_path / "single")
@@ -91,7 +96,7 @@ def test_two_ranks_take_the_single_rank_step_and_their_checkpoint_resumes_on_one
         got, expected = optimizer.state_dict()["state"], reference.state_dict()["state"]
         assert len(got) == len(expected) == len(list(model.parameters()))
         for i in expected:
-            assert got[i]["step"].item() == expected[i]["step"].item() == 1
+            assert got[i]["step"].item() == expected[i]["step"].item() == config.ppo.ppo_epochs * config.ppo.num_mini_batches
             assert torch.allclose(got[i]["exp_avg"], expected[i]["exp_avg"], atol=1e-7, rtol=1e-4)
             assert torch.allclose(got[i]["exp_avg_sq"], expected[i]["exp_avg_sq"], atol=1e-10, rtol=1e-3)
     assert resumed.scheduler.state_dict()["last_epoch"] == single.scheduler.state_dict()["last_epoch"]

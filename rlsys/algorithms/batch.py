@@ -31,6 +31,9 @@ class SequenceBatch:
     # Host-side, [sequences, 2]: each sequence's tokens trained on, and of them those that can move the policy, once
     # the learner knows its advantages (PolicyTrainer.count_tokens); None before.
     token_counts: np.ndarray | None = None
+    # Host-side, [N]: where each position was in the batch this one was selected from, through every selection;
+    # None: this is that batch, or has its layout (a selection of every sequence in order).
+    origin: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -76,7 +79,7 @@ class SequenceBatch:
         names = self.fields if fields is None else [name for name in fields if name in self.fields]
         if list(indices) == list(range(len(self))):
             whole = SequenceBatch(self.token_ids, self.lengths, {name: self.fields[name] for name in names},
-                                  self.prefix_ids, self.prefix_lengths, self.token_counts)
+                                  self.prefix_ids, self.prefix_lengths, self.token_counts, self.origin)
             for cached in ("offsets", "sequence_index", "predicts"):  # computed once, shared
                 if cached in self.__dict__:
                     whole.__dict__[cached] = self.__dict__[cached]
@@ -87,7 +90,16 @@ class SequenceBatch:
                              {name: self.fields[name][index] for name in names},
                              *(None if ids is None else [ids[i] for i in indices]
                                for ids in (self.prefix_ids, self.prefix_lengths)),
-                             None if self.token_counts is None else self.token_counts[indices])
+                             None if self.token_counts is None else self.token_counts[indices],
+                             positions if self.origin is None else self.origin[positions])
+
+    def write_into(self, values: torch.Tensor, field: torch.Tensor) -> None:
+        """Adds [N + 1] `values` into `field`, a field of the batch this one was selected from, at the positions they
+        were selected from (where `field` holds 0 for them)."""
+        if self.origin is None:
+            field += values
+        else:
+            field.index_add_(0, to_device(self.origin, self.device), values[:-1])
 
     def padded_source(self, indices, width: int | None = None) -> np.ndarray:
         """[len(indices), width] flat positions of the sequences right-padded to `width` (the longest by
@@ -135,7 +147,7 @@ class SequenceBatch:
     def to(self, device) -> "SequenceBatch":
         return SequenceBatch(to_device(self.token_ids, device), self.lengths,
                              {name: to_device(values, device) for name, values in self.fields.items()},
-                             self.prefix_ids, self.prefix_lengths, self.token_counts)
+                             self.prefix_ids, self.prefix_lengths, self.token_counts, self.origin)
 
 
 def token_sequences(token_ids: list[list[int]]) -> SequenceBatch:
