@@ -21,7 +21,7 @@ from rlsys.impl.agent.model_client import ModelClient
 from rlsys.errors import RunCannotGoOn
 from rlsys.weight_checksum import WeightChecksumMismatch, weights_checksum
 from rlsys.workers.inference_worker import InferenceWorker
-from rlsys.workers.learner import Learner
+from rlsys.workers.learner import PROBE_SEQUENCES, Learner
 from tests.helpers import save_random_tiny_model
 from tests.test_learner import BAD, GOOD, PROMPT, learner_config, trajectory
 
@@ -88,7 +88,7 @@ def test_checksum_sees_swapped_rows_and_columns_a_transpose_and_a_bit_of_an_odd_
 
 @pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
 def test_every_version_s_probe_is_scored_by_the_engine_and_reaches_the_learner(tmp_path, engine_dtype):
-    """The learner sends two of its batch's sequences with each version; the worker scores them right after
+    """The learner sends PROBE_SEQUENCES of its batch's sequences with each version; the worker scores them right after
     loading it. The same weights in float32 agree to rounding; a bfloat16 engine passes the checksum (it holds
     exactly the bfloat16 weights published) yet its logprobs differ, and only the probe shows it."""
     config = learner_config(tmp_path)
@@ -105,7 +105,7 @@ def test_every_version_s_probe_is_scored_by_the_engine_and_reaches_the_learner(t
         worker.load_newest_weights()
         assert worker.engine.version == version and bus.get(protocol.WEIGHT_CHECKS) == version
         stats = learner.probe_reports()
-        assert stats["alarms/probe_tokens"] == 2 * (len(PROMPT) + 2)
+        assert stats["alarms/probe_tokens"] == PROBE_SEQUENCES * (len(PROMPT) + 2)
         if engine_dtype == "float32":
             assert stats["alarms/probe_abs_diff_max"] < 1e-4
         else:

@@ -27,7 +27,9 @@ from rlsys.training_step import PolicyTrainer
 
 log = logging.getLogger(__name__)
 
-PROBE_SEQUENCES = 2  # of each batch, sent with the new version for the inference workers to score
+# Of each batch, sent with the new version for the inference workers to score. One: a weight or numerics mismatch
+# shows in every position's logprob, and its forward pass is a share of a small model's publish (BENCHMARKS.md).
+PROBE_SEQUENCES = 1
 STOP_POLL_SECONDS = 0.5  # how often a learner done training asks whether the run stopped
 PROBE_TOKENS = 256  # the first tokens of each
 
