@@ -66,11 +66,12 @@ class ReplayEagerly:
         return fn
 
 
-def graphs_on_the_cpu(monkeypatch, held: int = 0, total: int = 2**40) -> None:
+def graphs_on_the_cpu(monkeypatch, held: int = 0, total: int = 2**40, free: int | None = None) -> None:
     """The graph path on the CPU: each graph replayed eagerly, in a device memory of `total` bytes of which this
-    process holds `held`."""
+    process holds `held` and `free` are free (all the rest by default)."""
     monkeypatch.setitem(decode_graphs.GRAPH_CAPTURE, "cpu", ReplayEagerly)
-    monkeypatch.setitem(decode_graphs.DEVICE_MEMORY, "cpu", lambda device: (held, total))
+    monkeypatch.setitem(decode_graphs.DEVICE_MEMORY, "cpu",
+                        lambda device: (held, total - held if free is None else free, total))
 
 
 @pytest.fixture(params=["eager", "graphs"])
@@ -390,7 +391,8 @@ def test_the_graph_path_generates_what_hfs_forward_does_for_llama_and_qwen3(tmp_
 def test_the_graphs_run_as_many_sequences_as_their_cache_fits_in_the_memory_given(model_path, monkeypatch, caplog):
     """The graphs' KV cache is allocated whole, for every sequence's longest, so it is sized to
     inference.gpu_memory_utilization: where half the device less what the process holds fits 3.5 sequences' cache,
-    the engine keeps 3 (the same outputs as eager), says so, and where not one fits it refuses to start."""
+    the engine keeps 3 (the same outputs as eager), says so; where what is free fits 2.5, 2; where not one fits it
+    refuses to start."""
     config = AutoConfig.from_pretrained(model_path)
     head_dim = config.hidden_size // config.num_attention_heads
     columns = transformers_engine(model_path).backend.max_model_len + SPARE_COLUMNS
@@ -406,6 +408,9 @@ def test_the_graphs_run_as_many_sequences_as_their_cache_fits_in_the_memory_give
     assert "running at most 3 at once, not inference.max_num_seqs=8" in caplog.text
     assert_same_outputs(engine.generate(requests), eager)
     assert engine.backend._running.keys[0].shape[0] == 3, "the cache holds the sequences that fit, no more"
+
+    graphs_on_the_cpu(monkeypatch, held=held, total=2**40, free=int(2.5 * per_sequence))  # a learner holds the rest
+    assert transformers_engine(model_path, enforce_eager=False, gpu_memory_utilization=0.5).backend.max_num_seqs == 2
 
     graphs_on_the_cpu(monkeypatch, held=held, total=int(2 * (held + 0.9 * per_sequence)))
     with pytest.raises(ValueError, match="raise it, lower inference.max_model_len, or set inference.enforce_eager"):

@@ -59,31 +59,34 @@ class CudaGraphCapture:
 GRAPH_CAPTURE: dict[str, Callable[[], Callable]] = {"cuda": CudaGraphCapture}  # by device type
 
 
-def cuda_memory(device: torch.device) -> tuple[int, int]:
-    """Bytes this process holds on the GPU (the model, so far) and the GPU's total."""
-    return torch.cuda.memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
+def cuda_memory(device: torch.device) -> tuple[int, int, int]:
+    """Bytes this process holds on the GPU (the model, so far), bytes free (other processes, a learner sharing the
+    GPU, hold the rest) and the GPU's total."""
+    free, total = torch.cuda.mem_get_info(device)
+    return torch.cuda.memory_reserved(device), free, total
 
 
-DEVICE_MEMORY: dict[str, Callable[[torch.device], tuple[int, int]]] = {"cuda": cuda_memory}  # by device type
+DEVICE_MEMORY: dict[str, Callable[[torch.device], tuple[int, int, int]]] = {"cuda": cuda_memory}  # by device type
 
 
 def slots_that_fit(config, dtype: torch.dtype, device: torch.device, slots: int, columns: int,
                    memory_share: float) -> int:
     """The most slots, up to `slots`, whose keys, values and mask of `columns` columns fit in `memory_share` of
-    the device's memory less what this process holds already; a ValueError if not even one does."""
+    the device's memory less what this process holds already, and in what is free; a ValueError if not one does."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     per_slot = columns * (2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
                           + torch.empty((), dtype=torch.long).element_size())
-    held, total = DEVICE_MEMORY[device.type](device)
-    fit = int((memory_share * total - held) // per_slot)
+    held, free, total = DEVICE_MEMORY[device.type](device)
+    room = min(memory_share * total - held, free)
+    fit = int(room // per_slot)
     if fit < 1:
         raise ValueError(
             f"the transformers engine's CUDA graphs keep a KV cache of {columns} columns for each sequence, "
             f"{per_slot / 2**20:.1f} MiB, and inference.gpu_memory_utilization={memory_share} of the GPU's "
-            f"{total / 2**30:.1f} GiB leaves {max(memory_share * total - held, 0) / 2**20:.1f} MiB besides the "
-            f"model: raise it, lower inference.max_model_len, or set inference.enforce_eager=true")
+            f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free) leaves {max(room, 0) / 2**20:.1f} MiB besides "
+            f"the model: raise it, lower inference.max_model_len, or set inference.enforce_eager=true")
     return min(slots, fit)
 
 
