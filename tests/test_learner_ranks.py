@@ -25,11 +25,6 @@ SETTINGS = {
     # Packed rows sharing the groups' prompts, a token budget that gives the ranks unequal numbers of micro-batches
     # (empty passes), the reference and proximal passes gathered from both ranks.
     "grpo+kl+decoupled+packed": {"init_kl_coef": 0.1, "decoupled_loss": True, "max_tokens_per_micro_batch": 48},
-    # The proximal logprobs the first mini-batch's passes fill in on each rank, gathered for the later mini-batches,
-    # whose sequences the ranks split otherwise (padded rows: balanced by sequence, not by group; the third epoch
-    # mixes the first's mini-batches).
-    "decoupled+padded+6-steps": {"decoupled_loss": True, "sequence_packing": False, "max_tokens_per_micro_batch": 64,
-                                 "ppo_epochs": 3, "num_mini_batches": 2},
     # A sharded critic, padded rows, per-sequence aggregation (weights normalised over the whole mini-batch).
     "gae+padded+seq-mean": {"adv_estimator": "gae", "sequence_packing": False, "loss_agg_mode": "seq-mean-token-mean",
                             "entropy_loss_coef": 0.01, "max_tokens_per_micro_batch": 200},
