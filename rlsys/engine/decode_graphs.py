@@ -77,7 +77,7 @@ def slots_that_fit(config, dtype: torch.dtype, device: torch.device, slots: int,
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     per_slot = columns * (2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-                          + torch.empty((), dtype=torch.long).element_size())
+                          + torch.long.itemsize)  # the mask
     held, free, total = DEVICE_MEMORY[device.type](device)
     room = min(memory_share * total - held, free)
     fit = int(room // per_slot)
