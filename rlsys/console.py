@@ -4,6 +4,7 @@ extension or child process writes) goes to its log file in the run directory; on
 may need the user, still reach the console."""
 
 import contextlib
+import faulthandler
 import logging
 import os
 import sys
@@ -20,7 +21,8 @@ from rlsys.run_privacy import append_private
 
 def role_output_to_file(log_file: Path, role: str) -> None:
     """File descriptors 1 and 2 point at `log_file` from now on, so the process's children inherit it too;
-    rlsys' loggers still write WARNING and above to the console the process was started with."""
+    rlsys' loggers still write WARNING and above to the console the process was started with. A process killed by a
+    fatal signal (a native abort or segfault) leaves every thread's Python stack there, so the log says where."""
     console = os.fdopen(os.dup(2), "w", buffering=1)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     fd = append_private(log_file)
@@ -29,6 +31,7 @@ def role_output_to_file(log_file: Path, role: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    faulthandler.enable(all_threads=True)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr, force=True)
     to_console = logging.StreamHandler(console)

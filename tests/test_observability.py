@@ -51,6 +51,20 @@ def test_console_shows_progress_and_result_and_sends_library_output_to_role_logs
     assert "version 1" in inference_log or "vllm" in inference_log.lower()
 
 
+def test_a_role_killed_by_a_native_abort_leaves_its_python_stack_in_its_log(tmp_path):
+    """A native library's abort ("terminate called ...") or segfault kills the process without a Python traceback:
+    its log still says which Python code it was in."""
+    log_file = tmp_path / "learner0.log"
+    program = ("import os\nfrom pathlib import Path\nfrom rlsys.console import role_output_to_file\n"
+               f"role_output_to_file(Path({str(log_file)!r}), 'learner0')\n"
+               "def tearing_down_the_ranks():\n    os.abort()\ntearing_down_the_ranks()\n")
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == -6
+    log = log_file.read_text()
+    assert "Fatal Python error: Aborted" in log and "in tearing_down_the_ranks" in log, log
+
+
 def test_a_finished_run_leaves_nothing_in_the_temp_directory(tiny_run):
     run_dir, _ = tiny_run
     left = [p.name for p in (run_dir.parents[1] / "tmp").iterdir()
