@@ -2,8 +2,9 @@
 learner published (stale weights after a sync, a truncated or corrupted transfer, a tensor left out or
 transposed).
 
-Every weight path calls `weights_checksum` on both ends: the publisher on the tensors it hands over, the
-receiver on the tensors it holds after loading. It runs where the tensors live (a GPU model's on the GPU) and
+Every weight path computes it on both ends (`weights_checksum`, or `ChecksumParts` tensor by tensor as a transfer
+copies or receives them): the publisher on the tensors it hands over, the receiver on the tensors it holds after
+loading, or on the bytes that arrived. It runs where the tensors live (a GPU model's on the GPU) and
 costs one read of the weights at memory speed, with no host copy of the weights: each tensor's bytes are read
 as 64-bit integers (or narrower, where a row's size needs it) and summed with wrap-around, which is exact and
 so the same on every device, thread count and summation order. Per tensor three sums go into the digest: all
@@ -27,43 +28,68 @@ def weights_checksum(tensors: dict[str, torch.Tensor], dtype: str | None = None)
     `dtype` (a torch dtype name): cast each floating tensor to it first, so a learner training in float32 can compute the
     checksum of the bfloat16 copy an engine holds."""
     cast = getattr(torch, dtype) if dtype else None
-    return digest({name: tensor_sums(t.detach().to(cast) if cast is not None and t.is_floating_point() else t)
-                   for name, t in tensors.items()})
+    parts = ChecksumParts()
+    for name, t in tensors.items():
+        parts.add(name, t.detach().to(cast) if cast is not None and t.is_floating_point() else t)
+    return parts.digest()
 
 
-def tensor_sums(t: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """One tensor's part of the checksum, computed where it lives: its dtype and shape, and its integer sums. A
-    transfer computes each as its tensor is copied or arrives, then `digest`s them all."""
-    t = t.detach()
-    return f"{t.dtype}|{tuple(t.shape)}", _integer_sums(t.contiguous())
+class ChecksumParts:
+    """The checksum of tensors added one by one, as a transfer copies or receives them. Adding a tensor reads it
+    (its row and column sums, while the next bytes move); `digest` weighs and totals those of every tensor of one
+    shape together: two operations per tensor and a dozen per shape, not a dozen per tensor, whose fixed costs
+    exceeded their work on a small model."""
+
+    def __init__(self):
+        self._labels: dict[str, str] = {}
+        self._by_shape: dict[tuple, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        self._aliases: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach()
+        self._labels[name] = f"{t.dtype}|{tuple(t.shape)}"
+        words = _words(t.contiguous())
+        row_sums, column_sums = words.sum(1, dtype=words.dtype), words.sum(0, dtype=words.dtype)
+        self._by_shape.setdefault((tuple(words.shape), words.dtype, words.device), []).append(
+            (name, row_sums, column_sums))
+
+    def alias(self, name: str, first: str) -> None:
+        """`name` is the tensor added as `first` (a tied output head): read once."""
+        self._aliases[name] = first
+
+    def digest(self) -> str:
+        """The checksum of every tensor added: `weights_checksum` of them."""
+        sums = {}
+        for (rows, columns), dtype, device in self._by_shape:
+            group = self._by_shape[((rows, columns), dtype, device)]
+            row_sums = torch.stack([r for _, r, _ in group]).to(torch.int64)
+            column_sums = torch.stack([c for _, _, c in group]).to(torch.int64)
+            position = torch.arange(1, max(rows, columns) + 1, dtype=torch.int64, device=device)
+            totals = torch.stack([row_sums.sum(1), (row_sums * position[:rows]).sum(1),
+                                  (column_sums * position[:columns]).sum(1)], dim=1)
+            sums.update((name, row) for (name, _, _), row in zip(group, totals))
+        for name, first in self._aliases.items():
+            sums[name], self._labels[name] = sums[first], self._labels[first]
+        names = sorted(sums)
+        digest = hashlib.blake2b("\n".join(f"{name}|{self._labels[name]}" for name in names).encode(), digest_size=16)
+        if names:  # one copy to the host for the whole model, not a synchronisation per tensor
+            parts = [sums[name] for name in names]
+            on_one_device = len({p.device for p in parts}) == 1
+            digest.update(torch.stack(parts if on_one_device else [p.cpu() for p in parts]).cpu().numpy().tobytes())
+        return digest.hexdigest()
 
 
-def digest(parts: dict[str, tuple[str, torch.Tensor]]) -> str:
-    """The checksum of the tensors whose `tensor_sums` `parts` holds by name: `weights_checksum` of them."""
-    names = sorted(parts)
-    digest = hashlib.blake2b("\n".join(f"{name}|{parts[name][0]}" for name in names).encode(), digest_size=16)
-    sums = [parts[name][1] for name in names]
-    if sums:  # one copy to the host for the whole model, not a synchronisation per tensor
-        on_one_device = len({s.device for s in sums}) == 1
-        digest.update(torch.stack(sums if on_one_device else [s.cpu() for s in sums]).cpu().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _integer_sums(t: torch.Tensor) -> torch.Tensor:
-    """[sum of all words, sum of row sums x (row + 1), sum of column sums x (column + 1)], int64 with wrap-around."""
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as [rows, words] integers: rows the first dimension's (one for fewer than two
+    dimensions), words of 64 bits or narrower where a row's size needs it. Narrow ones as int64: they would wrap
+    within a row (rare and small: odd-length 1-D tensors)."""
     rows = t.shape[0] if t.dim() >= 2 else 1
     if t.numel() == 0:
-        return torch.zeros(3, dtype=torch.int64, device=t.device)
+        return torch.zeros(rows, 0, dtype=torch.int64, device=t.device)
     row_bytes = t.numel() * t.element_size() // rows
     width = next(w for w in _WORDS if row_bytes % w == 0)
     words = t.reshape(-1).view(torch.uint8).view(_WORDS[width]).view(rows, row_bytes // width)
-    if width < 4:  # narrow words would wrap within a row; rare and small (odd-length 1-D tensors)
-        words = words.to(torch.int64)
-    row_sums = words.sum(1, dtype=words.dtype).to(torch.int64)
-    column_sums = words.sum(0, dtype=words.dtype).to(torch.int64)
-    position = torch.arange(1, max(rows, words.shape[1]) + 1, dtype=torch.int64, device=t.device)
-    return torch.stack([row_sums.sum(), (row_sums * position[:rows]).sum(),
-                        (column_sums * position[:words.shape[1]]).sum()])
+    return words.to(torch.int64) if width < 4 else words
 
 
 class WeightChecksumMismatch(RunCannotGoOn):

@@ -47,7 +47,7 @@ from safetensors.torch import load_file
 
 from rlsys import protocol
 from rlsys.engine.weights import WEIGHTS_FILE, write_weight_update
-from rlsys.weight_checksum import digest, tensor_sums, weights_checksum
+from rlsys.weight_checksum import ChecksumParts, weights_checksum
 
 log = logging.getLogger(__name__)
 
@@ -183,13 +183,15 @@ class WeightServer:
             torch.cuda.synchronize()
             offer.mark(offer.size, checksum)
             return checksum
-        parts = {}
+        parts = ChecksumParts()
         for name, t, t_dtype, start, nbytes, first in entries:
             if first == name:
                 tensors[name].copy_(t.detach())
                 offer.mark(min(start + -(-nbytes // ALIGN) * ALIGN, offer.size))
-            parts[name] = parts[first] if first != name else tensor_sums(tensors[name])  # while the bytes go out
-        checksum = digest(parts)
+                parts.add(name, tensors[name])  # while the bytes go out
+            else:
+                parts.alias(name, first)
+        checksum = parts.digest()
         offer.mark(offer.size, checksum)
         return checksum
 
@@ -285,7 +287,7 @@ class Incoming:
                         self.arrived_checksum)
 
     def _receive(self, connection: socket.socket) -> None:
-        parts = {}
+        parts = ChecksumParts()
         try:
             with connection:
                 view, received, first_at = memoryview(self.buffer.numpy()), 0, {}
@@ -298,13 +300,16 @@ class Incoming:
                         self._arrived += 1
                         self._changed.notify_all()
                     first = first_at.setdefault(start, name)
-                    parts[name] = parts[first] if first != name else tensor_sums(self.tensors[name])
+                    if first == name:
+                        parts.add(name, self.tensors[name])
+                    else:
+                        parts.alias(name, first)
                 if received != len(view):
                     raise ValueError(f"the header's tensors end at byte {received} of {len(view)}")
                 trailer = _read_frame(connection)
                 if not isinstance(trailer, dict) or not isinstance(trailer.get("checksum"), str):
                     raise ValueError(f"the transfer ended with {trailer!r} where the checksum belongs")
-                self.checksum, self.arrived_checksum = trailer["checksum"], digest(parts)
+                self.checksum, self.arrived_checksum = trailer["checksum"], parts.digest()
         except (OSError, ValueError, msgpack.UnpackException) as e:
             with self._changed:
                 self.error = e

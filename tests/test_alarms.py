@@ -2,14 +2,16 @@
 token-prefix continuity of multi-turn episodes, and truncated importance sampling."""
 
 import asyncio
+import hashlib
 import logging
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from experiments.common import InferenceConfig
-from rlsys import protocol
+from rlsys import protocol, weight_checksum
 from rlsys.alarms import LogprobCheck, PrefixCheck, check_logprob_mismatch
 from rlsys.algorithms.importance import truncated_importance_weights
 from rlsys.api import GenerationConfig, GenerationOutput
@@ -84,6 +86,52 @@ def test_checksum_sees_swapped_rows_and_columns_a_transpose_and_a_bit_of_an_odd_
     flipped.view(torch.int16)[6] ^= 1
     assert weights_checksum({"o": odd}) != weights_checksum({"o": flipped})
     assert weights_checksum({"e": torch.zeros(0, 3)}) != weights_checksum({"e": torch.zeros(3, 0)})
+
+
+def wrapped(value: int, bits: int) -> int:
+    """`value` as a signed `bits`-bit integer, wrapped around."""
+    return (value + (1 << bits - 1)) % (1 << bits) - (1 << bits - 1)
+
+
+def checksum_of_each_alone(tensors: dict[str, torch.Tensor]) -> str:
+    """rlsys/weight_checksum.py's definition, one tensor at a time in plain Python integers."""
+    parts = []
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        rows = t.shape[0] if t.dim() >= 2 else 1
+        row_bytes = t.numel() * t.element_size() // rows if t.numel() else 0
+        width = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)
+        raw = t.reshape(-1).view(torch.uint8).tolist() if t.numel() else []
+        words = [int.from_bytes(bytes(raw[i:i + width]), "little", signed=width > 1) for i in range(0, len(raw), width)]
+        per_row = len(words) // rows if rows else 0
+        bits = 32 if width == 4 else 64  # 32-bit words are summed in 32 bits within a row or column
+        row_sums = [wrapped(sum(words[r * per_row:(r + 1) * per_row]), bits) for r in range(rows)]
+        column_sums = [wrapped(sum(words[c::per_row]), bits) for c in range(per_row)] if per_row else []
+        sums = [sum(row_sums), sum((r + 1) * v for r, v in enumerate(row_sums)),
+                sum((c + 1) * v for c, v in enumerate(column_sums))]
+        parts.append((name, f"{t.dtype}|{tuple(t.shape)}", [wrapped(v, 64) for v in sums]))
+    digest = hashlib.blake2b("\n".join(f"{name}|{label}" for name, label, _ in parts).encode(), digest_size=16)
+    if parts:
+        digest.update(np.array([sums for _, _, sums in parts], dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
+def test_tensors_read_together_by_shape_give_each_ones_sums_under_its_own_name():
+    generator = torch.Generator().manual_seed(0)
+    kinds = (("q", (8, 8), torch.bfloat16), ("k", (4, 8), torch.float32), ("norm", (7,), torch.bfloat16),
+             ("bias", (), torch.float32))
+    tensors = {f"layer{i}.{kind}": torch.randn(shape, generator=generator).to(dtype)
+               for i in range(3) for kind, shape, dtype in kinds}
+    tensors.update(empty=torch.zeros(0, 3), steps=torch.arange(5), mask=torch.tensor([True, False, True]))
+    reference = weights_checksum(tensors)
+    assert reference == checksum_of_each_alone(tensors)
+    swapped = {**tensors, "layer0.q": tensors["layer2.q"], "layer2.q": tensors["layer0.q"]}  # one shape, two names
+    assert weights_checksum(swapped) == checksum_of_each_alone(swapped) != reference
+    parts = weight_checksum.ChecksumParts()  # as a transfer adds them: a tied second name read once
+    for name, t in tensors.items():
+        parts.add(name, t)
+    parts.alias("head", "layer1.k")
+    assert parts.digest() == weights_checksum({**tensors, "head": tensors["layer1.k"]})
 
 
 @pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
