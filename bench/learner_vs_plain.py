@@ -64,6 +64,14 @@ from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids  # noqa:
 from rlsys.training_step import PolicyTrainer  # noqa: E402
 
 
+def prepared_config(overrides: list[str], tmp: str):
+    """The experiment's config with its model and data in place (the cache), logging under `tmp`."""
+    config = parse_config(overrides)
+    config.logging_dir = str(Path(tmp) / "logs")
+    prepare_assets(config, log=lambda *a, **k: None)
+    return config
+
+
 def default_step_batch(config, seed: int) -> list[Trajectory]:
     """batch_size prompts x group_size samples shaped like the default task's: real prompts, seeded answers."""
     rng = random.Random(seed)
@@ -205,10 +213,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    config = parse_config(args.overrides)
     with tempfile.TemporaryDirectory() as tmp:
-        config.logging_dir = str(Path(tmp) / "logs")
-        prepare_assets(config, log=lambda *a, **k: None)
+        config = prepared_config(args.overrides, tmp)
         if args.random_model:
             config.model.path = save_random_model(args.random_model, config.model.path, Path(tmp) / "model")
         trajectories = default_step_batch(config, seed=0)

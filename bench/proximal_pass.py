@@ -33,9 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.learner_vs_plain import default_step_batch  # noqa: E402
-from rlsys.assets import prepare_assets  # noqa: E402
-from rlsys.cli import parse_config  # noqa: E402
+from bench.learner_vs_plain import default_step_batch, prepared_config  # noqa: E402
 from rlsys.distributed import Ranks  # noqa: E402
 from rlsys.training_step import PolicyTrainer  # noqa: E402
 
@@ -50,10 +48,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    config = parse_config(["ppo.decoupled_loss=true", *args.overrides])
     with tempfile.TemporaryDirectory() as tmp:
-        config.logging_dir = str(Path(tmp) / "logs")
-        prepare_assets(config, log=lambda *a, **k: None)
+        config = prepared_config(["ppo.decoupled_loss=true", *args.overrides], tmp)
         trajectories = default_step_batch(config, seed=0)
         groups = sorted({t.group_id for t in trajectories})
         uniform = set(groups[:round(args.uniform * len(groups))])

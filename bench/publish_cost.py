@@ -1,0 +1,87 @@
+"""What the learner's publish costs on the default model, part by part: the checks' share of a step.
+
+    python3 bench/publish_cost.py [--threads 1] [--repeats 25] [--out bench/results/publish_cost.json] [key=value ...]
+
+The learner of the default experiment (its model, `inference.dtype`, the stream transport), one process, no
+inference worker connected: what `Learner.publish_weights` spends on the learner's side of every step.
+
+- "train step": `train_step` on a default step's batch (`bench/learner_vs_plain.py`'s), the denominator;
+- "publish": `publish_weights` whole (gather, the probe, the cast-and-copy into the served buffer, the checksum);
+- "probe": the weight-sync probe's forward pass alone (one sequence, rlsys/alarms.py);
+- "checksum": the weight checksum of the served tensors, as the transfer computes it (rlsys/weight_checksum.py).
+
+Repeats alternate the sides after one warm-up each; medians are reported. The last line is the headline: the checks'
+share, (probe + checksum) / train step. That is of the learner's compute alone, so above their share of a run's step,
+which also waits for data.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.learner_vs_plain import default_step_batch, prepared_config  # noqa: E402
+from rlsys import weight_checksum  # noqa: E402
+from rlsys.bus import InProcessBus  # noqa: E402
+from rlsys.workers.learner import PROBE_SEQUENCES, PROBE_TOKENS, Learner  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the learner role's)")
+    parser.add_argument("--repeats", type=int, default=25)
+    parser.add_argument("--out", default="bench/results/publish_cost.json")
+    parser.add_argument("overrides", nargs="*", help="experiment settings, key=value")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = prepared_config(args.overrides, tmp)
+        trajectories = default_step_batch(config, seed=0)
+        learner = Learner(config, InProcessBus(), Path(tmp) / "run")
+        cast = getattr(torch, config.inference.dtype)
+        served = {name: t.detach().to(cast) for name, t in learner.model.state_dict().items()}
+        probe_ids = [t.token_ids[:PROBE_TOKENS] for t in trajectories[:PROBE_SEQUENCES]]
+
+        def checksum():
+            parts = weight_checksum.ChecksumParts()
+            for name, t in served.items():
+                parts.add(name, t)
+            parts.digest()
+
+        sides = {"train step": lambda: learner.train_step(trajectories),
+                 "publish": lambda: learner.publish_weights(trajectories),
+                 "probe": lambda: learner.probe_logprobs(probe_ids),
+                 "checksum": checksum}
+        times = {name: [] for name in sides}
+        for repeat in range(args.repeats + 1):  # the first of each side warms up
+            for name, side in sides.items():
+                started = time.perf_counter()
+                side()
+                if repeat:
+                    times[name].append(time.perf_counter() - started)
+        if learner.weight_server is not None:
+            learner.weight_server.close()
+
+    ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    share = (ms["probe"] + ms["checksum"]) / ms["train step"]
+    print(f"default model, {len(served)} tensors in {config.inference.dtype}, {args.threads} thread(s), "
+          f"median of {args.repeats}")
+    print(f"{'part':<12} {'ms':>8}  {'of the train step':>17}")
+    for name, value in ms.items():
+        print(f"{name:<12} {value:>8.2f}  {value / ms['train step']:>17.1%}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "milliseconds": ms, "seconds": times,
+                                          "checks_share": share}, indent=2))
+    print(f"checks (probe + checksum): {share:.1%} of the learner's train step")
+
+
+if __name__ == "__main__":
+    main()
