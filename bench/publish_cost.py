@@ -8,7 +8,8 @@ inference worker connected: what `Learner.publish_weights` spends on the learner
 - "train step": `train_step` on a default step's batch (`bench/learner_vs_plain.py`'s), the denominator;
 - "publish": `publish_weights` whole (gather, the probe, the cast-and-copy into the served buffer, the checksum);
 - "probe": the weight-sync probe's forward pass alone (one sequence, rlsys/alarms.py);
-- "checksum": the weight checksum of the served tensors, as the transfer computes it (rlsys/weight_checksum.py).
+- "checksum": the weight checksum of the served tensors (rlsys/weight_checksum.py), which the transfer computes as
+  it copies them and the inference worker of what it then holds.
 
 Repeats alternate the sides after one warm-up each; medians are reported. The last line is the headline: the checks'
 share, (probe + checksum) / train step. That is of the learner's compute alone, so above their share of a run's step,
@@ -28,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.learner_vs_plain import default_step_batch, prepared_config  # noqa: E402
-from rlsys import weight_checksum  # noqa: E402
 from rlsys.bus import InProcessBus  # noqa: E402
+from rlsys.weight_checksum import weights_checksum  # noqa: E402
 from rlsys.workers.learner import PROBE_SEQUENCES, PROBE_TOKENS, Learner  # noqa: E402
 
 
@@ -50,16 +51,10 @@ def main() -> None:
         served = {name: t.detach().to(cast) for name, t in learner.model.state_dict().items()}
         probe_ids = [t.token_ids[:PROBE_TOKENS] for t in trajectories[:PROBE_SEQUENCES]]
 
-        def checksum():
-            parts = weight_checksum.ChecksumParts()
-            for name, t in served.items():
-                parts.add(name, t)
-            parts.digest()
-
         sides = {"train step": lambda: learner.train_step(trajectories),
                  "publish": lambda: learner.publish_weights(trajectories),
                  "probe": lambda: learner.probe_logprobs(probe_ids),
-                 "checksum": checksum}
+                 "checksum": lambda: weights_checksum(served)}
         times = {name: [] for name in sides}
         for repeat in range(args.repeats + 1):  # the first of each side warms up
             for name, side in sides.items():
