@@ -6,6 +6,7 @@ bus and hands every other rank the step's trajectories as msgpack bytes (never p
 default, initialises nothing and shards nothing.
 """
 
+import gc
 import os
 
 import msgpack
@@ -92,6 +93,13 @@ def join_ranks(rank: int, world: int) -> Ranks:
         if name not in os.environ:
             raise RuntimeError(f"learner rank {rank} of {world}: {name} is not set; whoever starts the learner's "
                                "ranks sets MASTER_ADDR and MASTER_PORT so that they can find each other")
+    # Imported before the group forms: FSDP and distributed checkpointing import modules that default arguments
+    # to `dist.group.WORLD` (torch.distributed.nn.functional, fsdp.sharded_grad_scaler). Imported after, those
+    # defaults hold the group, and it outlives destroy_process_group (leave_ranks): its threads and connections are
+    # then torn down at interpreter exit, in whatever state the peers are.
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
     ranks = Ranks(rank, world)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -104,11 +112,27 @@ def leave_ranks(ranks: Ranks, finished: bool = True) -> None:
     """Leaves the process group. finished: every rank got here without an error, so they first meet at a barrier:
     no rank tears down its connections while a peer still has a collective in flight with it (gloo aborts
     the process then, "terminate called without an active exception"). After an error no barrier: the
-    peers may never come, and the group is torn down as it is."""
+    peers may never come, and the group is torn down as it is. The group ends here, with its threads, only if
+    nothing holds it: the caller drops its sharded tensors (the learner) first."""
     if ranks.world > 1 and dist.is_initialized():
         if finished:
             dist.barrier()
+        _forget_meshes()
         dist.destroy_process_group()
+
+
+def _forget_meshes() -> None:
+    """Empties DTensor's caches, which hold the device meshes of the tensors they saw and so the process group:
+    otherwise it outlives destroy_process_group (see join_ranks). torch 2.13's caches."""
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+    gc.collect()  # a planner's closure refers back to it
 
 
 def shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Module:

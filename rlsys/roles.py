@@ -57,7 +57,7 @@ def limit_threads(n: int) -> None:
 def _run(role: str, index: int, config, bus, run_dir: str) -> None:
     if role == "learner":
         from rlsys.distributed import join_ranks, leave_ranks
-        from rlsys.workers.learner import Learner
+        from rlsys.workers.learner import Learner, serve_until_stopped
 
         ranks = join_ranks(index, config.cluster.n_learner_ranks)
         try:
@@ -66,8 +66,10 @@ def _run(role: str, index: int, config, bus, run_dir: str) -> None:
         except BaseException:
             leave_ranks(ranks, finished=False)
             raise
+        server = learner.weight_server
+        del learner  # its sharded tensors hold the group, which leave_ranks can end only once they are gone
         leave_ranks(ranks)
-        learner.serve_until_stopped()  # outside the group: the other ranks need not wait at its barrier
+        serve_until_stopped(bus, server)  # outside the group: the other ranks need not wait at its barrier
     elif role == "inference":
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console for the run's own progress
         from rlsys.engine.generation import GenerationEngine

@@ -19,7 +19,7 @@ from rlsys.training_step import packs, shares_prefixes
 from rlsys.weight_checksum import weights_checksum
 from rlsys.weight_transport import fetch
 from rlsys.workers.inference_status import InferenceStatus
-from rlsys.workers.learner import STOP_POLL_SECONDS, Learner
+from rlsys.workers.learner import STOP_POLL_SECONDS, Learner, serve_until_stopped
 from rlsys.workers.rollout_worker import RolloutWorker
 from tests.helpers import save_random_tiny_model
 
@@ -130,7 +130,7 @@ def test_the_last_version_is_served_until_the_run_stops(tmp_path):
     learner.version = 3
     learner.run()  # publishes version 3 and ends: nothing left to train
     assert bus.get(protocol.LEARNER_DONE) == 3
-    serving = threading.Thread(target=learner.serve_until_stopped)
+    serving = threading.Thread(target=serve_until_stopped, args=(bus, learner.weight_server))
     serving.start()
     published = parse_published_weights(bus.get(protocol.WEIGHTS))
     time.sleep(2 * STOP_POLL_SECONDS)

@@ -1,5 +1,7 @@
 """The sharded learner: N ranks (gloo on CPU, FSDP2) take the same step as one, and checkpoints reshard."""
 
+import contextlib
+import faulthandler
 import os
 import random
 import socket
@@ -25,6 +27,11 @@ SETTINGS = {
     # Packed rows sharing the groups' prompts, a token budget that gives the ranks unequal numbers of micro-batches
     # (empty passes), the reference and proximal passes gathered from both ranks.
     "grpo+kl+decoupled+packed": {"init_kl_coef": 0.1, "decoupled_loss": True, "max_tokens_per_micro_batch": 48},
+    # The proximal logprobs the first mini-batch's passes fill in on each rank, gathered for the later mini-batches,
+    # whose sequences the ranks split otherwise (padded rows: balanced by sequence, not by group; the third epoch
+    # mixes the first's mini-batches).
+    "decoupled+padded+6-steps": {"decoupled_loss": True, "sequence_packing": False, "max_tokens_per_micro_batch": 64,
+                                 "ppo_epochs": 3, "num_mini_batches": 2},
     # A sharded critic, padded rows, per-sequence aggregation (weights normalised over the whole mini-batch).
     "gae+padded+seq-mean": {"adv_estimator": "gae", "sequence_packing": False, "loss_agg_mode": "seq-mean-token-mean",
                             "entropy_loss_coef": 0.01, "max_tokens_per_micro_batch": 200},
@@ -41,6 +48,7 @@ def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: lis
     """A learner rank: one train step on `batch`, then a checkpoint; rank 0 writes the gathered weights."""
     from rlsys.distributed import full_state_dict, join_ranks, leave_ranks
 
+    faulthandler.enable(all_threads=True)  # a native abort (at teardown, say) shows where each thread was
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     ranks = join_ranks(rank, world)
@@ -52,7 +60,19 @@ def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: lis
     state = full_state_dict(learner.model, ranks)
     if ranks.main:
         torch.save(state, os.path.join(run_dir, "params.pt"))
+    del learner, state
     leave_ranks(ranks)
+    # The group is gone with its threads: none left to be torn down at interpreter exit, with the peers gone.
+    assert not [name for name in native_threads() if "gloo" in name], native_threads()
+
+
+def native_threads() -> list[str]:
+    """The names of this process's threads, native ones included."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            names.append((task / "comm").read_text().strip())
+    return names
 
 
 @pytest.mark.parametrize("name", SETTINGS)

@@ -34,6 +34,19 @@ STOP_POLL_SECONDS = 0.5  # how often a learner done training asks whether the ru
 PROBE_TOKENS = 256  # the first tokens of each
 
 
+def serve_until_stopped(bus, server: weight_transport.WeightServer | None) -> None:
+    """Keeps serving the learner's last version until the run stops. An inference worker started after the last step
+    (a restart, a lost node) fetches it here: without it, it would serve stale weights to the final evaluation. The
+    learner itself need not live on: `server` holds the version."""
+    if server is None:
+        return
+    try:
+        while not bus.get(protocol.STOP):
+            time.sleep(STOP_POLL_SECONDS)
+    finally:
+        server.close()
+
+
 class Learner(PolicyTrainer):
     def __init__(self, config, bus, run_dir: Path, ranks: Ranks | None = None):
         ranks = ranks or Ranks()
@@ -112,17 +125,6 @@ class Learner(PolicyTrainer):
         if self.ranks.main:
             self.bus.set(protocol.LEARNER_DONE, self.version)
             self.metrics.close()
-
-    def serve_until_stopped(self) -> None:
-        """Keeps serving the last version until the run stops. An inference worker started after the last step (a
-        restart, a lost node) fetches it here: without it, it would serve stale weights to the final evaluation."""
-        if self.weight_server is None:
-            return
-        try:
-            while not self.bus.get(protocol.STOP):
-                time.sleep(STOP_POLL_SECONDS)
-        finally:
-            self.weight_server.close()
 
     def share_batch(self, groups: list[Delivery] | None) -> list[Trajectory] | None:
         """Rank 0's batch on every rank (msgpack), None when the run is being stopped."""
