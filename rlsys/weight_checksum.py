@@ -60,8 +60,7 @@ class ChecksumParts:
     def digest(self) -> str:
         """The checksum of every tensor added: `weights_checksum` of them."""
         sums = {}
-        for (rows, columns), dtype, device in self._by_shape:
-            group = self._by_shape[((rows, columns), dtype, device)]
+        for ((rows, columns), _, device), group in self._by_shape.items():
             row_sums = torch.stack([r for _, r, _ in group]).to(torch.int64)
             column_sums = torch.stack([c for _, _, c in group]).to(torch.int64)
             position = torch.arange(1, max(rows, columns) + 1, dtype=torch.int64, device=device)
