@@ -60,6 +60,8 @@ def main() -> None:
             for name, side in sides.items():
                 started = time.perf_counter()
                 side()
+                if torch.cuda.is_available():  # the learner's device, as Learner places it
+                    torch.cuda.synchronize()
                 if repeat:
                     times[name].append(time.perf_counter() - started)
         if learner.weight_server is not None:
@@ -68,7 +70,7 @@ def main() -> None:
     ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
     share = (ms["probe"] + ms["checksum"]) / ms["train step"]
     print(f"default model, {len(served)} tensors in {config.inference.dtype}, {args.threads} thread(s), "
-          f"median of {args.repeats}")
+          f"{learner.device}, median of {args.repeats}")
     print(f"{'part':<12} {'ms':>8}  {'of the train step':>17}")
     for name, value in ms.items():
         print(f"{name:<12} {value:>8.2f}  {value / ms['train step']:>17.1%}")

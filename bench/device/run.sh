@@ -11,8 +11,9 @@
 #   mkdir -p .device-carry/cache && cp -r ~/.cache/rlsys/models ~/.cache/rlsys/data .device-carry/cache/
 # Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=560): the GPU tests (about 60 s),
 # the learner against a plain loop on the issue's two batches (the default step's and the 135M-shaped one, about
-# 60 s), the transformers engine eager against its CUDA graphs (`inference.enforce_eager=false`, about 60 s), and
-# rlsys against TRL on the default task, rlsys both ways (about 4 min). PARTS names the parts to run (of: tests
+# 60 s) and the learner's publish with its checks' share (bench/publish_cost.py, about 20 s), the transformers
+# engine eager against its CUDA graphs (`inference.enforce_eager=false`, about 60 s), and rlsys against TRL on the
+# default task, rlsys both ways (about 4 min). PARTS names the parts to run (of: tests
 # learner engine vs_trl long; by default "tests learner engine vs_trl"); a second call with PARTS=long (up to 8 min:
 # the long-answer task's model's warm start, when it did not travel, up to 4 of them; TRL about 85 s, rlsys about
 # 130 s twice, then the scoring) runs the long-answer task on what time is left.
@@ -58,7 +59,9 @@ for settings in "" "--random-model 576,1536,30,9,3,49152 learner.dtype=bfloat16"
   # shellcheck disable=SC2086  # the settings are words
   timeout 45 python3 bench/learner_vs_plain.py --repeats 3 --out /tmp/lvp.json $settings \
     >> "$OUT/learner_vs_plain.txt" 2>&1
-done; }
+done
+echo "--- the learner's publish and its checks" >> "$OUT/learner_vs_plain.txt"
+timeout 60 python3 bench/publish_cost.py --out /tmp/publish_cost.json >> "$OUT/learner_vs_plain.txt" 2>&1; }
 
 part long && { stamp "rlsys against TRL on the long-answer task, the GPU"
 profile_roles &
