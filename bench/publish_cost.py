@@ -9,11 +9,15 @@ inference worker connected: what `Learner.publish_weights` spends on the learner
 - "publish": `publish_weights` whole (gather, the probe, the cast-and-copy into the served buffer, the checksum);
 - "probe": the weight-sync probe's forward pass alone (one sequence, rlsys/alarms.py);
 - "checksum": the weight checksum of the served tensors (rlsys/weight_checksum.py), which the transfer computes as
-  it copies them and the inference worker of what it then holds.
+  it copies them and the inference worker of what it then holds;
+- "logprob check": the time inside the train step's `LogprobCheck.observe` calls (inference's logprobs against the
+  learner's on the tokens its version sampled; here every token, the batch's version being the learner's). On a
+  GPU that is the time to launch its operations.
 
-Repeats alternate the sides after one warm-up each; medians are reported. The last line is the headline: the checks'
-share, (probe + checksum) / train step. That is of the learner's compute alone, so above their share of a run's step,
-which also waits for data.
+The last alarm, token continuity (`PrefixCheck`), runs in the rollout workers, not on the learner's step. Repeats
+alternate the sides after one warm-up each; medians are reported. The last line is the headline: the checks'
+share, (probe + checksum + logprob check) / train step. That is of the learner's compute alone, so above their
+share of a run's step, which also waits for data.
 """
 
 import argparse
@@ -29,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.learner_vs_plain import default_step_batch, prepared_config  # noqa: E402
+from rlsys.alarms import LogprobCheck  # noqa: E402
 from rlsys.bus import InProcessBus  # noqa: E402
 from rlsys.weight_checksum import weights_checksum  # noqa: E402
 from rlsys.workers.learner import PROBE_SEQUENCES, PROBE_TOKENS, Learner  # noqa: E402
@@ -51,7 +56,20 @@ def main() -> None:
         served = {name: t.detach().to(cast) for name, t in learner.model.state_dict().items()}
         probe_ids = [t.token_ids[:PROBE_TOKENS] for t in trajectories[:PROBE_SEQUENCES]]
 
-        sides = {"train step": lambda: learner.train_step(trajectories),
+        in_step = []  # seconds in LogprobCheck.observe, each train step
+        observe = LogprobCheck.observe
+
+        def timed_observe(check, *args, **kwargs):
+            started = time.perf_counter()
+            observe(check, *args, **kwargs)
+            in_step[-1] += time.perf_counter() - started
+
+        def train_step():
+            in_step.append(0.0)
+            learner.train_step(trajectories)
+
+        LogprobCheck.observe = timed_observe
+        sides = {"train step": train_step,
                  "publish": lambda: learner.publish_weights(trajectories),
                  "probe": lambda: learner.probe_logprobs(probe_ids),
                  "checksum": lambda: weights_checksum(served)}
@@ -64,20 +82,21 @@ def main() -> None:
                     torch.cuda.synchronize()
                 if repeat:
                     times[name].append(time.perf_counter() - started)
+        times["logprob check"] = in_step[1:]
         if learner.weight_server is not None:
             learner.weight_server.close()
 
     ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
-    share = (ms["probe"] + ms["checksum"]) / ms["train step"]
+    share = (ms["probe"] + ms["checksum"] + ms["logprob check"]) / ms["train step"]
     print(f"default model, {len(served)} tensors in {config.inference.dtype}, {args.threads} thread(s), "
           f"{learner.device}, median of {args.repeats}")
-    print(f"{'part':<12} {'ms':>8}  {'of the train step':>17}")
+    print(f"{'part':<14} {'ms':>8}  {'of the train step':>17}")
     for name, value in ms.items():
-        print(f"{name:<12} {value:>8.2f}  {value / ms['train step']:>17.1%}")
+        print(f"{name:<14} {value:>8.2f}  {value / ms['train step']:>17.1%}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "milliseconds": ms, "seconds": times,
                                           "checks_share": share}, indent=2))
-    print(f"checks (probe + checksum): {share:.1%} of the learner's train step")
+    print(f"checks (probe + checksum + logprob check): {share:.1%} of the learner's train step")
 
 
 if __name__ == "__main__":
