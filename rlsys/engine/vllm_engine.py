@@ -5,6 +5,7 @@ arrive while others generate join the running batch at the next step, and a weig
 every sequence between two steps, which vLLM's own async front end offers no way to do in place.
 """
 
+import logging
 import os
 
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
@@ -49,6 +50,32 @@ def _unpacked(layer) -> None:
     layer.cpu_linear = F.linear
 
 
+def computed_layers(worker) -> set[str]:
+    """The classes of the model's layers that hold buffers and no parameter: what they hold is computed at start (the
+    rotary embedding's cos/sin table), so no checkpoint or learner has it to send."""
+    return {type(layer).__name__ for layer in worker.model_runner.get_model().modules()
+            if next(layer.parameters(recurse=False), None) is None
+            and next(layer.buffers(recurse=False), None) is not None}
+
+
+class NothingToLoad(logging.Filter):
+    """vLLM 0.32's in-place reload warns "<layer>: Failed to load weights" for a layer whose only tensors are such
+    buffers, and puts them back as they were: on every weight update, a warning about nothing (one line per version in
+    the inference log). Only those layers' warnings are dropped: for a layer with parameters it means a weight did
+    not arrive."""
+
+    def __init__(self):
+        super().__init__()
+        self.classes: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.classes)
+
+
+NOTHING_TO_LOAD = NothingToLoad()
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(NOTHING_TO_LOAD)
+
+
 class VLLMBackend(GenerationBackend):
     def __init__(self, model_path: str, inference_cfg, seed: int):
         configure_cpu_backend(inference_cfg.kv_cache_gib)
@@ -65,6 +92,7 @@ class VLLMBackend(GenerationBackend):
         )
         self.engine = self.llm.llm_engine
         self.llm.collective_rpc(stop_packing_input_embeddings)
+        NOTHING_TO_LOAD.classes.update(*self.llm.collective_rpc(computed_layers))
         self._running: set[str] = set()
         self._warm_up()
 
