@@ -18,7 +18,7 @@ from rlsys.api.messages import parse_published_weights
 from rlsys.bus import InProcessBus
 from rlsys.engine.generation import GenerationEngine
 from rlsys.engine.transformers_engine import TransformersBackend
-from rlsys.engine.vllm_engine import VLLMBackend
+from rlsys.engine.vllm_engine import RELOAD_LOGGER, VLLMBackend
 from rlsys.engine.weights import write_weight_update
 from rlsys.weight_checksum import weights_checksum
 from rlsys.weight_transport import RETRY_SECONDS, Incoming, WeightReceiver, WeightServer, _frame, _read_exactly, \
@@ -47,16 +47,16 @@ def take_optimizer_steps(model, steps: int = 3) -> None:
         optimizer.step()
 
 
-def test_engine_logprobs_match_learner_after_updates_over_disk_and_over_the_stream(tmp_path):
+def test_engine_logprobs_match_learner_after_updates_over_disk_and_over_the_stream(tmp_path, caplog):
     """Version 1 reaches the engine as a file in a shared directory, version 2 as tensors streamed from the
     learner's weight server in memory: both give the learner's logprobs, tied output head or not."""
     server = WeightServer()
     for tied in (True, False):
-        check_updates(tmp_path, InProcessBus(), server, tied)
+        check_updates(tmp_path, InProcessBus(), server, tied, caplog)
     server.close()
 
 
-def check_updates(tmp_path, bus, server: WeightServer, tied: bool) -> None:
+def check_updates(tmp_path, bus, server: WeightServer, tied: bool, caplog) -> None:
     receiver = WeightReceiver()
     path = save_random_tiny_model(tmp_path / f"model-tied{tied}", tie_word_embeddings=tied)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -64,8 +64,8 @@ def check_updates(tmp_path, bus, server: WeightServer, tied: bool) -> None:
     engine = VLLMBackend(str(path), InferenceConfig(), seed=0)
     fresh = torch.tensor(engine.score(SEQUENCE))
     assert (fresh - learner_logprobs(model)).abs().max() < 1e-4
-    reload_log = Recorded()
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addHandler(reload_log)
+    caplog.clear()
+    logging.getLogger(RELOAD_LOGGER).addHandler(caplog.handler)  # vLLM's loggers do not pass records up to caplog's
 
     # Version 3 is loaded tensor by tensor as it arrives: a whole version of its layout (2) is held to go back to.
     for version, transport in enumerate(("disk", "stream", "stream"), start=1):
@@ -94,21 +94,14 @@ def check_updates(tmp_path, bus, server: WeightServer, tied: bool) -> None:
     assert receiver.received_streamed == 2
     # The rotary embedding's computed table is in no update: vLLM's warning that it "failed to load" is dropped. A
     # layer with parameters that got none still warns.
-    assert not reload_log.failed, reload_log.failed
+    def failed() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "Failed to load" in r.getMessage()]
+
+    assert not failed(), failed()
     engine.load_weights({k: t for k, t in model.state_dict().items() if k != "model.norm.weight"})
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").removeHandler(reload_log)
-    assert reload_log.failed == ["RMSNorm: Failed to load weights"]
+    logging.getLogger(RELOAD_LOGGER).removeHandler(caplog.handler)
+    assert failed() == ["RMSNorm: Failed to load weights"]
     del engine
-
-
-class Recorded(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.failed: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "Failed to load" in record.getMessage():
-            self.failed.append(record.getMessage())
 
 
 def test_a_weight_update_on_vllm_cpu_packs_the_vocabulary_matrix_once(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import os
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
 
 WARM_UP_TOKENS = 4
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # where vLLM's in-place reload logs
 
 
 def configure_cpu_backend(kv_cache_gib: int) -> None:
@@ -73,7 +74,7 @@ class NothingToLoad(logging.Filter):
 
 
 NOTHING_TO_LOAD = NothingToLoad()
-logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(NOTHING_TO_LOAD)
+logging.getLogger(RELOAD_LOGGER).addFilter(NOTHING_TO_LOAD)
 
 
 class VLLMBackend(GenerationBackend):
