@@ -1,11 +1,13 @@
 """The math verifier pool and the `math-code-single-step` environment, through the real math-verify.
 
-Worker processes are spawned, so the scripted check below is found by import path inside the worker:
+Workers are separate interpreters, so the scripted check below is found by import path inside the worker:
 its magic answers hang or crash the worker for real, which is what the hard deadline must handle.
 """
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -105,9 +107,31 @@ def test_close_kills_workers():
     assert score(pool, ["\\frac{1}{2}"], reference="0.5") == [Verdict(True, "ok")]
     processes = [w.process for w in pool._workers]
     pool.close()
-    assert processes and not any(p.is_alive() for p in processes)
+    assert processes and not any(p.poll() is None for p in processes)
     with pytest.raises(RuntimeError):
         score(pool, ["1"])
+
+
+def test_a_worker_does_not_run_the_programs_entry_script(tmp_path):
+    """A multiprocessing child imports the program's entry script again before it runs: the training script's
+    torch, transformers and experiments, seconds of CPU at every worker start while the run's roles start on the
+    same cores; and a script without the `__main__` guard could not start a worker at all. The script below has no
+    guard and counts its own runs."""
+    runs = tmp_path / "runs.txt"
+    script = tmp_path / "entry.py"
+    script.write_text(
+        "import asyncio, os\n"
+        "from rlsys.impl.env.math_verifier import VerifierPool\n"
+        f"with open({str(runs)!r}, 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+        "pool = VerifierPool(size=1)\n"
+        "print(asyncio.run(pool.check('\\\\frac{1}{2}', '0.5', 30.0)))\n"
+        "pool.close()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "Verdict(correct=True, status='ok', reason='')"
+    assert len(runs.read_text().split()) == 1
 
 
 def test_env_from_registry_scores_a_group():
@@ -133,7 +157,7 @@ def test_warm_up_starts_every_verifier_worker_before_the_first_check():
     try:
         asyncio.run(env.warm_up())
         workers = list(shared_pool(2)._workers)
-        assert len(workers) == 2 and all(w.ready and w.process.is_alive() for w in workers)
+        assert len(workers) == 2 and all(w.ready and w.process.poll() is None for w in workers)
         assert score(shared_pool(2), ["\\frac{1}{2}", "\\frac{1}{3}"], reference="0.5") == [Verdict(True, "ok"), Verdict(False, "ok")]
     finally:
         close_shared_pool()

@@ -3,22 +3,31 @@
 math-verify runs sympy, which can take unbounded time (or crash) on adversarial model output, and its own
 signal-based timeout only works on a main thread and cannot interrupt every C-level loop. So each check runs
 in a child process; a check that overruns its deadline gets its worker SIGKILLed and replaced, and the caller
-gets a "timeout" verdict instead of an exception. Workers are started with "spawn" because the parent (an
-asyncio rollout worker) holds threads, and forking a threaded process can deadlock the child. As with any
-spawned process, the program's entry script needs the `if __name__ == "__main__":` guard.
+gets a "timeout" verdict instead of an exception. Each worker is a fresh interpreter that imports this module and
+the check, nothing else: not a fork (the parent, an asyncio rollout worker, holds threads, and forking a threaded
+process can deadlock the child), and not a multiprocessing child either, which first imports the program's entry
+script again (the training script: torch, transformers, every experiment; seconds of CPU at each start, on the
+cores the run's roles are starting on). So the entry script needs no `if __name__ == "__main__":` guard for it.
+Jobs and verdicts cross the worker's socket as JSON.
 """
 
 import asyncio
 import atexit
+import contextlib
+import dataclasses
 import importlib
-import multiprocessing as mp
+import json
 import os
 import queue
 import re
+import socket
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
+from multiprocessing.connection import Connection
 from typing import Callable
 
 from math_verify import StringExtractionConfig, parse, verify
@@ -133,31 +142,39 @@ def resolve(path: str) -> Callable[[str, str], Verdict]:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def serve(conn, check_path: str) -> None:
+def serve(conn: Connection, check_path: str) -> None:
     """Worker main loop: import the check once, announce readiness, then answer (answer, reference) jobs."""
     check = resolve(check_path)
-    conn.send(READY)
+    conn.send_bytes(json.dumps(READY).encode())
     while True:
         try:
-            answer, reference = conn.recv()
+            answer, reference = json.loads(conn.recv_bytes())
         except EOFError:  # the parent went away
             return
         try:
             verdict = check(answer, reference)
+            if not isinstance(verdict, Verdict):
+                raise TypeError(f"{check_path} returned {verdict!r}, not a Verdict")
         except Exception as e:  # a bad answer must never take the worker down
             verdict = Verdict(False, "error", f"{type(e).__name__}: {e}")
-        conn.send(verdict)
+        conn.send_bytes(json.dumps(dataclasses.asdict(verdict)).encode())
+
+
+# The worker's program: the parent's import path (as a multiprocessing child gets it), then serve on the socket.
+WORKER_PROGRAM = ("import sys; sys.path[:] = sys.argv[3:]; from multiprocessing.connection import Connection; "
+                  "from rlsys.impl.env.math_verifier import serve; serve(Connection(int(sys.argv[1])), sys.argv[2])")
 
 
 class Worker:
-    """One child process and the parent's end of its pipe; used by one thread at a time."""
+    """One child process and the parent's end of its socket; used by one thread at a time."""
 
-    def __init__(self, ctx, check_path: str):
-        self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child_conn, check_path), daemon=True,
-                                   name="math-verifier")
-        self.process.start()
-        child_conn.close()  # so the parent sees EOF when the child dies
+    def __init__(self, check_path: str):
+        ours, theirs = socket.socketpair()
+        with theirs:  # closed here once the child has it, so the parent sees EOF when the child dies
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", WORKER_PROGRAM, str(theirs.fileno()), check_path, *sys.path],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        self.conn = Connection(ours.detach())
         self.ready = False
         self.dead = False
 
@@ -171,8 +188,9 @@ class Worker:
         return None
 
     def run(self, answer: str, reference: str, timeout: float) -> Verdict:
-        self.conn.send((answer, reference))
-        return self.receive(timeout, "check")
+        self.conn.send_bytes(json.dumps([answer, reference]).encode())
+        message = self.receive(timeout, "check")
+        return message if isinstance(message, Verdict) else Verdict(**message)
 
     def receive(self, timeout: float, what: str):
         """The worker's next message; if it overran or died, it is killed and a Verdict says so instead."""
@@ -180,16 +198,19 @@ class Worker:
             if not self.conn.poll(timeout):
                 self.kill()
                 return Verdict(False, "timeout", f"{what} exceeded {timeout:g}s; worker killed")
-            return self.conn.recv()
+            return json.loads(self.conn.recv_bytes())
         except (EOFError, OSError):
-            self.process.join(timeout=1)  # let it finish exiting, so the exit code is its own, not our SIGKILL
+            # let it finish exiting, so the exit code is its own, not our SIGKILL
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=1)
             self.kill()
-            return Verdict(False, "error", f"worker died during {what} (exit code {self.process.exitcode})")
+            return Verdict(False, "error", f"worker died during {what} (exit code {self.process.returncode})")
 
     def kill(self) -> None:
         self.dead = True
         self.process.kill()
-        self.process.join(timeout=5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
         self.conn.close()
 
 
@@ -206,7 +227,6 @@ class VerifierPool:
         self.check_path = check
         self.startup_timeout = startup_timeout
         self.closed = False
-        self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
         self._workers: set[Worker] = set()
         self._idle: queue.SimpleQueue[Worker | None] = queue.SimpleQueue()  # None: closed
@@ -275,7 +295,7 @@ class VerifierPool:
         with self._lock:  # close() must see every worker it has to kill
             if self.closed:
                 return None
-            worker = Worker(self._ctx, self.check_path)
+            worker = Worker(self.check_path)
             self._workers.add(worker)
             return worker
 
