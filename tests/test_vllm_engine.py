@@ -32,7 +32,8 @@ print([[len(ids) for ids in reply.output_ids] for reply in replies])
 def test_the_engine_on_a_cpu_compiles_nothing_to_start_and_generate(tmp_path):
     """Eager (the default), vLLM compiles nothing of the model, but its sampler's torch.compile'd functions were built
     by inductor, C++ compiled on the CPU, at the first step: most of the inference worker's start on a fresh machine
-    (BENCHMARKS.md, "Start-up"). With a fresh inductor cache, a greedy and a sampled generation leave it empty."""
+    (BENCHMARKS.md, "Start-up (2026-12-03)"). With a fresh inductor cache, a greedy and a sampled generation leave it
+    empty."""
     model_path = save_random_tiny_model(tmp_path / "model")
     cache = tmp_path / "inductor"
     done = subprocess.run([sys.executable, "-c", GENERATE, str(model_path)], capture_output=True, text=True,

@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from rlsys.engine.kv_cache import kv_bytes_per_token
+
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the Llama layout, with Qwen3's per-head norms
 MIN_WIDTH = 64  # the narrowest cache width a graph attends over; wider ones double up to the buffers' columns
 
@@ -73,11 +75,7 @@ def slots_that_fit(config, dtype: torch.dtype, device: torch.device, slots: int,
                    memory_share: float) -> int:
     """The most slots, up to `slots`, whose keys, values and mask of `columns` columns fit in `memory_share` of
     the device's memory less what this process holds already, and in what is free; a ValueError if not one does."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    per_slot = columns * (2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-                          + torch.long.itemsize)  # the mask
+    per_slot = columns * (kv_bytes_per_token(config, dtype.itemsize) + torch.long.itemsize)  # and the mask
     held, free, total = DEVICE_MEMORY[device.type](device)
     room = min(memory_share * total - held, free)
     fit = int(room // per_slot)

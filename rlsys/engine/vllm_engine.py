@@ -11,6 +11,7 @@ import os
 import torch
 
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
+from rlsys.engine.kv_cache import kv_bytes_per_token
 
 WARM_UP_TOKENS = 4
 DEFAULT_CPU_KV_CACHE_GIB = 1.0  # the most a CPU's KV cache takes by default (kv_cache_bytes)
@@ -37,10 +38,8 @@ def kv_cache_bytes(model_path: str, inference_cfg) -> int | None:
     layers, positions = getattr(config, "num_hidden_layers", None), getattr(config, "max_position_embeddings", None)
     if not (heads and layers and (positions or inference_cfg.max_model_len)):
         return cap  # a layout this estimate does not know
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     dtype = getattr(torch, inference_cfg.dtype, None)
-    per_token = 2 * layers * kv_heads * head_dim * (dtype.itemsize if isinstance(dtype, torch.dtype) else 4)
+    per_token = kv_bytes_per_token(config, dtype.itemsize if isinstance(dtype, torch.dtype) else 4)
     sequence = -(-(inference_cfg.max_model_len or positions) // BLOCK_ROUNDING) * BLOCK_ROUNDING
     return min(cap, (inference_cfg.max_num_seqs + 1) * sequence * per_token)
 
