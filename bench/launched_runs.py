@@ -14,14 +14,16 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch(settings: list[str], out_dir: Path, trial: str) -> tuple[Path, list[str], float]:
-    """Runs `training/main_async_ppo.py` with `settings` to the end; (its run directory, the command, seconds).
-    The console goes to <out_dir>/<trial>.log; a failed run raises, naming that log."""
+def launch(settings: list[str], out_dir: Path, trial: str, tree: Path = ROOT,
+           env: dict[str, str] | None = None) -> tuple[Path, list[str], float]:
+    """Runs `training/main_async_ppo.py` of `tree` (this checkout by default) with `settings` to the end; (its run
+    directory, the command, seconds). The console goes to <out_dir>/<trial>.log; a failed run raises, naming that
+    log."""
     command = [sys.executable, "training/main_async_ppo.py", *settings, f"output_dir={out_dir}", f"trial_name={trial}"]
     started = time.monotonic()
     log = out_dir / f"{trial}.log"
     with open(log, "w") as f:
-        if subprocess.run(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
+        if subprocess.run(command, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT).returncode:
             raise RuntimeError(f"{' '.join(command)} failed; see {log}")
     run_dir = next(out_dir.glob(f"*/{trial}"))
     return run_dir, command, time.monotonic() - started

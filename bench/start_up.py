@@ -15,14 +15,16 @@ seconds to the first step over this tree's, warm cache.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from statistics import median
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.launched_runs import ROOT, launch, learner_rows  # noqa: E402
+
 STEPS = 10
 
 
@@ -31,16 +33,9 @@ def start_once(tree: Path, out_dir: Path, trial: str, cold: bool) -> dict[str, f
     env = dict(os.environ)
     if cold:
         env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-", dir=out_dir)
-    command = [sys.executable, "training/main_async_ppo.py", f"max_steps={STEPS}", "eval_steps=0",
-               f"output_dir={out_dir}", f"trial_name={trial}"]
-    started = time.time()
-    with open(out_dir / f"{trial}.log", "w") as log:
-        if subprocess.run(command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT).returncode:
-            raise RuntimeError(f"{' '.join(command)} in {tree} failed; see {out_dir / trial}.log")
-    ended = time.time()
-    run_dir = next(out_dir.glob(f"*/{trial}"))
-    first = json.loads((run_dir / "logs" / "learner.jsonl").open().readline())
-    return {"first_step_s": first["time"] - started, "total_s": ended - started}
+    started = time.time()  # the learner's metrics are stamped with time.time()
+    run_dir, _, seconds = launch([f"max_steps={STEPS}", "eval_steps=0"], out_dir, trial, tree, env)
+    return {"first_step_s": learner_rows(run_dir)[0]["time"] - started, "total_s": seconds}
 
 
 def main() -> None:
