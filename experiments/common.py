@@ -6,14 +6,12 @@ as `key=value` (nested: `ppo.lr=1e-5`).
 
 from dataclasses import MISSING, dataclass, field, fields
 
-from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
-from rlsys.algorithms.ppo import LOSS_AGG_MODES
+from rlsys.algorithms.choices import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, NEEDS_CRITIC
 from rlsys.api import GenerationConfig
 from rlsys.cpu_features import native_bf16
 from rlsys.data.dataset import RowFormat
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
-ADV_ESTIMATORS = tuple(ADVANTAGE_ESTIMATORS)
 
 
 def check_at_least(group: str, config, **minimums) -> None:
@@ -238,8 +236,8 @@ class PPOHyperparameters:
         for name in ("lr", "critic_lr", "pg_clip", "max_grad_norm"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ppo.{name} must be positive, got {getattr(self, name)}")
-        if self.adv_estimator not in ADV_ESTIMATORS:
-            raise ValueError(f"ppo.adv_estimator must be one of {ADV_ESTIMATORS}, got {self.adv_estimator!r}")
+        if self.adv_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"ppo.adv_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.adv_estimator!r}")
         if self.lr_scheduler_type not in LR_SCHEDULES:
             raise ValueError(f"ppo.lr_scheduler_type must be one of {LR_SCHEDULES}, got {self.lr_scheduler_type!r}")
         if self.num_mini_batches < 1:

@@ -23,7 +23,8 @@ import torch
 
 from rlsys.alarms import LogprobCheck
 from rlsys.algorithms.batch import SequenceBatch, sequence_batch, token_sequences
-from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
+from rlsys.algorithms.choices import NEEDS_CRITIC
+from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from rlsys.algorithms.finite import clip_and_step
 from rlsys.algorithms.importance import truncated_importance_weights
 from rlsys.algorithms.packing import MicroBatch, balance_by_tokens, empty_micro_batch, micro_batches, \

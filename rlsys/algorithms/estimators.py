@@ -53,5 +53,4 @@ def gae(trajectories: list[Trajectory], batch: SequenceBatch, ppo) -> PerToken:
         advantages = whiten(advantages, mask)
     return {"advantages": advantages, "returns": returns}
 
-ADVANTAGE_ESTIMATORS = {"grpo": grpo, "reinforce": reinforce, "gae": gae, "starpo": starpo, "gigpo": gigpo}
-NEEDS_CRITIC = {"gae"}
+ADVANTAGE_ESTIMATORS = {"grpo": grpo, "reinforce": reinforce, "gae": gae, "starpo": starpo, "gigpo": gigpo}  # choices.py

@@ -2,6 +2,8 @@
 
 import torch
 
+from rlsys.algorithms.choices import LOSS_AGG_MODES
+
 
 def next_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                       temperature: float = 1.0, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -28,8 +30,6 @@ def taken_logprobs(distributions: torch.Tensor, input_ids: torch.Tensor) -> torc
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 def token_loss_weights(mask: torch.Tensor, sequence_index: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
