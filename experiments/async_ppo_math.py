@@ -7,7 +7,7 @@ from experiments.common import AsyncRLExperimentConfig, ModelConfig, PPOMATHConf
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
 from rlsys.data.arithmetic import generate_addition_dataset
-from rlsys.model.tiny import AnswerCheck, TaughtSequence, arithmetic_warm_start
+from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence, arithmetic_warm_start
 from rlsys.plugins import load_function
 
 

@@ -14,7 +14,7 @@ from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.common import DatasetConfig, GenerationHyperparameters, ModelConfig
 from rlsys.api.experiment import register_experiment
 from rlsys.data.worked_sums import FINAL, generate_worked_sums_dataset, prompt_width, term_range, worked_sum
-from rlsys.model.tiny import AnswerCheck, TaughtSequence, arithmetic_warm_start
+from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence, arithmetic_warm_start
 
 
 @dataclass

@@ -18,7 +18,7 @@ from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
 from rlsys.data.dataset import load_rows, write_jsonl
 from rlsys.impl.agent.multi_turn import RolloutStrategy
-from rlsys.model.tiny import AnswerCheck, TaughtSequence
+from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence
 from rlsys.workers.env_per_row import ENV_NAME
 
 

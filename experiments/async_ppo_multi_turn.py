@@ -15,7 +15,7 @@ from rlsys.api import AgentAbstraction, EnvServiceAbstraction, make_env
 from rlsys.data.games import generate_game_dataset, random_walks
 from rlsys.impl.agent.math_multi_turn import retry_sequences
 from rlsys.impl.agent.multi_turn import RolloutStrategy
-from rlsys.model.tiny import AnswerCheck, TaughtSequence
+from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence
 
 WARM_START_PUZZLES = 500  # random walks through this many training puzzles: thousands of moves, in a few seconds
 

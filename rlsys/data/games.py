@@ -8,7 +8,7 @@ from rlsys.data.arithmetic import write_jsonl
 from rlsys.data.dataset import DatasetError
 from rlsys.impl.agent.multi_turn import ChatRenderer
 from rlsys.impl.env.text_game import MOVES, GridGame, TextGameEnv
-from rlsys.model.tiny import AnswerCheck, TaughtSequence, answer_ids
+from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence, answer_ids
 from rlsys.model.tokenizer import chat_prompt_ids
 
 MAX_DRAWS_PER_ROW = 50  # small boards repeat; give up rather than loop if the options allow too few

@@ -6,7 +6,7 @@ from pathlib import Path
 from rlsys.data.dataset import DatasetError, write_jsonl
 from rlsys.data.games import Walk
 from rlsys.impl.env.webshop import BUY, RESULTS, SEARCH, WebShopEnv
-from rlsys.model.tiny import AnswerCheck, TaughtSequence
+from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence
 
 MAX_DRAWS_PER_ROW = 50
 MAX_WALK_TOKENS = 360  # a walk stops here, as an episode stops before outgrowing the tiny model's 512 positions

@@ -15,50 +15,11 @@ from pathlib import Path
 
 import torch
 
-from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
+from rlsys.model.tokenizer import build_char_tokenizer
+from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence, answer_ids
 
 LOG_EVERY_SECONDS = 15  # a warm start's progress line at most this often: alive, without a line per check
 MAX_POSITIONS = 512  # multi-turn games run to a few hundred tokens; RoPE adds no parameters for it
-
-
-@dataclass
-class TaughtSequence:
-    """A supervised sequence: its token ids, and 1 for each token the model is taught to produce (0: context)."""
-
-    token_ids: list[int]
-    taught: list[int]
-
-
-@dataclass
-class AnswerCheck:
-    """A held-out check: a context, and every answer counted right for it (greedy, exact after stripping)."""
-
-    prompt_ids: list[int]
-    accepted: tuple[str, ...]
-    final_mark: str = ""
-    """Non-empty: only what follows the last such mark counts, in the model's answer and in the accepted ones (the
-    final number of a worked answer, all its reward reads); the model still has room for the longest accepted one."""
-
-    def right(self, text: str) -> bool:
-        return self.final(text) in {self.final(answer) for answer in self.accepted}
-
-    def final(self, text: str) -> str:
-        # Both sides stripped: a working whose first line is right-aligned starts with spaces.
-        return (text.rsplit(self.final_mark, 1)[-1] if self.final_mark else text).strip()
-
-
-def answer_ids(tokenizer, answer: str) -> list[int]:
-    return tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-
-
-def arithmetic_warm_start(tokenizer, train_rows: list[dict],
-                          eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
-    """Each training prompt, as the rollout worker renders it, followed by its answer; held-out prompts to check."""
-    taught = []
-    for row in train_rows:
-        prompt, answer = chat_prompt_ids(tokenizer, row["prompt"]), answer_ids(tokenizer, row["answer"])
-        taught.append(TaughtSequence(prompt + answer, [0] * len(prompt) + [1] * len(answer)))
-    return taught, [AnswerCheck(chat_prompt_ids(tokenizer, row["prompt"]), (row["answer"],)) for row in eval_rows]
 
 
 def build_tiny_model(cfg, tokenizer, seed: int):

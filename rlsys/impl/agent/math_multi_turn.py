@@ -15,7 +15,7 @@ import random
 
 from rlsys.api import EnvironmentService, GenerationConfig, Prompt, register_agent
 from rlsys.impl.agent.multi_turn import ChatRenderer, MultiTurnAgent, Reaction, RolloutStrategy
-from rlsys.model.tiny import TaughtSequence, answer_ids
+from rlsys.model.warm_start_examples import TaughtSequence, answer_ids
 from rlsys.model.tokenizer import chat_prompt_ids
 
 CORRECT_FEEDBACK = "Congratulations! You are correct!"
