@@ -3,6 +3,8 @@
 import numpy as np
 import torch
 
+from rlsys.algorithms.returns import discounted_turn_returns
+
 
 def grpo_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-6,
                     scale_by_std: bool = True) -> torch.Tensor:
@@ -75,15 +77,6 @@ def gae_advantages(rewards_per_token: torch.Tensor, values: torch.Tensor, mask: 
             next_advantage = torch.where(here, advantage, next_advantage)
         returns = torch.where(generated, advantages + values, 0.0)
     return advantages, returns
-
-
-def discounted_turn_returns(turn_rewards: list[float], gamma: float) -> list[float]:
-    """G_k = r_k + gamma * G_{k+1} over the turns of one trajectory, G after the last turn = 0."""
-    returns, running = [0.0] * len(turn_rewards), 0.0
-    for k in reversed(range(len(turn_rewards))):
-        running = turn_rewards[k] + gamma * running
-        returns[k] = running
-    return returns
 
 
 def starpo_advantages(turn_rewards: list[list[float]], group_ids: list[str], scale_by_std: bool = True,

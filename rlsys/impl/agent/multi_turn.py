@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlsys.algorithms.advantages import discounted_turn_returns
+from rlsys.algorithms.returns import discounted_turn_returns
 from rlsys.api import NOT_GENERATED, Agent, EnvironmentService, GenerationConfig, GenerationOutput, Prompt, Trajectory
 from rlsys.impl.agent.model_client import ModelClient
 from rlsys.model.tokenizer import load_tokenizer
