@@ -1,12 +1,13 @@
 """Checks that training is sound, computed as it runs: does the learner score the sampled tokens as the
-inference engine did, and does each turn of a multi-turn episode extend the tokens of the turn before?
+inference engine did?
 
 The logprob comparison has two sources. In the batch (LogprobCheck): tokens sampled by the very version the
 learner holds, which in an asynchronous run are few or none (they are one or two versions old). And the probe,
 every step: the learner sends a few sequences with its logprobs under each new version, and every inference
 worker scores them right after loading that version (`probe_totals`); the learner logs what came back.
 
-(The third check, that inference serves the weights the learner published, is rlsys/weight_checksum.py.)
+(The other checks: that inference serves the weights the learner published is rlsys/weight_checksum.py; that each
+turn of a multi-turn episode extends the tokens of the turn before is rlsys/token_continuity.py.)
 """
 
 import logging
@@ -103,28 +104,3 @@ def check_logprob_mismatch(stats: dict[str, float], step: int, warn_at: float, s
         if stop:
             raise RunCannotGoOn(message + " (alarms.stop_on_logprob_diff=true)")
         log.warning(message)
-
-
-class PrefixCheck:
-    """Multi-turn episodes: each request must begin with exactly the tokens of an earlier turn (its prompt and
-    the response sampled for it), or repeat an earlier request's prompt (a new chain from the same start).
-    A re-tokenized or re-rendered history breaks that: the model is then trained on tokens other than those
-    it was conditioned on. Breaks are counted and warned with the episode id."""
-
-    def __init__(self):
-        self.turns: list[list[int]] = []  # prompt + response of each answered request
-        self.prompts: set[tuple[int, ...]] = set()
-        self.requests = self.breaks = 0
-
-    def request(self, qid: str, token_ids: list[int]) -> None:
-        self.requests += 1
-        first = not self.prompts
-        known = tuple(token_ids) in self.prompts
-        self.prompts.add(tuple(token_ids))
-        if not first and not known and not any(token_ids[:len(t)] == t for t in self.turns):
-            self.breaks += 1
-            log.warning("episode %s: request %s does not begin with the tokens of any earlier turn (a prefix break: "
-                        "the history was re-tokenized or edited)", qid.split("/")[0], qid)
-
-    def reply(self, token_ids: list[int], outputs: list[list[int]]) -> None:
-        self.turns += [list(token_ids) + list(out) for out in outputs]

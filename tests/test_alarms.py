@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from experiments.common import InferenceConfig
 from rlsys import protocol, weight_checksum
-from rlsys.alarms import LogprobCheck, PrefixCheck, check_logprob_mismatch
+from rlsys.alarms import LogprobCheck, check_logprob_mismatch
+from rlsys.token_continuity import PrefixCheck
 from rlsys.algorithms.importance import truncated_importance_weights
 from rlsys.api import GenerationConfig, GenerationOutput
 from rlsys.bus import InProcessBus

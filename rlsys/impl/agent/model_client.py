@@ -1,6 +1,6 @@
 """An episode's side of its two queues when several requests are in flight: replies matched by qid."""
 
-from rlsys.alarms import PrefixCheck
+from rlsys.token_continuity import PrefixCheck
 from rlsys.api import GenerationConfig, GenerationOutput
 from rlsys.api.model import Model
 
