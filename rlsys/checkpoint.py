@@ -6,15 +6,15 @@ group. Its tensors load with `weights_only=True`, but torch.distributed.checkpoi
 with plain `pickle.load`, which runs whatever a tampered file names; so the index is read first by an
 unpickler that resolves only the classes such an index is made of, and a checkpoint naming anything else is
 refused before DCP touches it.
+
+torch is imported by the functions that write or read tensors: the launcher and the rollout workers read only
+trainer states, and importing torch.distributed.checkpoint would cost them a second of CPU at every start.
 """
 
 import json
 import pickle
 import shutil
 from pathlib import Path
-
-import torch
-import torch.distributed.checkpoint as dcp
 
 TRAINER_STATE = "trainer_state.json"
 SHARDED_STATE = "sharded"  # the DCP directory
@@ -29,6 +29,9 @@ def save_checkpoint(directory: Path, ranks, sharded_state: dict, export, trainer
     `trainer_state` ({"step", "version", "consumed_prompts", ...}) is JSON; it is written last, and a
     directory without it is never taken as a checkpoint.
     """
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     if ranks.main:
@@ -48,6 +51,8 @@ def save_checkpoint(directory: Path, ranks, sharded_state: dict, export, trainer
 
 def load_sharded_state(directory: Path, state: dict) -> None:
     """Fills `state` (this rank's state dict, of the shapes to load into) from the checkpoint, resharded."""
+    import torch.distributed.checkpoint as dcp
+
     check_sharded_index(Path(directory) / SHARDED_STATE / ".metadata")
     dcp.load(state, checkpoint_id=Path(directory) / SHARDED_STATE)
 
@@ -61,6 +66,8 @@ _INDEX_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
 
 class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        import torch
+
         if (module, name) in _INDEX_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name}")
@@ -76,7 +83,10 @@ def check_sharded_index(path: Path) -> None:
                          "a checkpoint written by rlsys holds only metadata classes, dtypes and sizes") from None
 
 
-def load_rng_state(directory: Path) -> torch.Tensor:
+def load_rng_state(directory: Path):
+    """Rank 0's torch RNG state, a tensor."""
+    import torch
+
     return torch.load(Path(directory) / RNG_STATE, weights_only=True)
 
 

@@ -1,12 +1,14 @@
-"""A character-level tokenizer with a chat template, built locally (no model hub here)."""
+"""A character-level tokenizer with a chat template, built locally (no model hub here), and tokenizers loaded by path.
+
+transformers is imported where a tokenizer is made: the experiments name this module's functions, and the launcher,
+which imports every experiment to read a run's settings, makes no tokenizer unless it builds the tiny model.
+"""
 
 import json
 import string
 from functools import lru_cache
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 PAD, EOS, UNK = "<|pad|>", "<|end|>", "<|unk|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
@@ -19,7 +21,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
+def build_char_tokenizer():
+    """A transformers PreTrainedTokenizerFast of one token per printable character, with CHAT_TEMPLATE."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     specials = [PAD, EOS, UNK, *ROLE_TOKENS]
     vocab = {tok: i for i, tok in enumerate(specials + list(CHARS) + ["\n"])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
@@ -72,6 +78,8 @@ def load_tokenizer(path: str):
     `qwen2` with Qwen2Tokenizer, whatever tokenizer_config.json names, and that rebuilds the tiny model's
     character tokenizer without its spaces and newlines ("click[buy now]" becomes "click[buynow]").
     """
+    from transformers import PreTrainedTokenizerFast
+
     config = Path(path) / "tokenizer_config.json"
     saved_class = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
     if saved_class in GENERIC_TOKENIZER_CLASSES:
