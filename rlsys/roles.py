@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import sys
 from pathlib import Path
 
 from rlsys import protocol
@@ -32,7 +33,7 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, e
     import rlsys.impl.env  # noqa: F401
     config = config_from_dict(payload)
     role_output_to_file(Path(config.logging_dir) / f"{role}{index}.log", f"{role}{index}")
-    limit_threads(role_threads(role, config))
+    limit_threads(role_threads(role, config), role)
     bus = connect(bus_url)
     try:
         _run(role, index, config, bus, run_dir)
@@ -45,13 +46,19 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, e
     return 0
 
 
-def limit_threads(n: int) -> None:
-    """Before any engine or model is built: roles share the machine's cores, and more threads than cores
-    only contend. 0 leaves the choice to the engine."""
+def limit_threads(n: int, role: str = "") -> None:
+    """Before any engine or model is built: roles share the machine's cores, and more threads than cores only
+    contend. 0 leaves the choice to the engine. A rollout worker runs no torch of its own and does not import it (a
+    second of CPU while the other roles start): a plugin of its that does (a reward model) starts with the limit,
+    since torch reads OMP_NUM_THREADS when it loads."""
+    if not n:
+        return
+    if role == "rollout" and "torch" not in sys.modules:
+        os.environ["OMP_NUM_THREADS"] = str(n)
+        return
     import torch
 
-    if n:
-        torch.set_num_threads(n)
+    torch.set_num_threads(n)
 
 
 def _run(role: str, index: int, config, bus, run_dir: str) -> None:

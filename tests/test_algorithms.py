@@ -6,10 +6,11 @@ import random
 import pytest
 import torch
 
-from rlsys.algorithms.advantages import discounted_turn_returns, gae_advantages, gigpo_turn_advantages, \
-    grpo_advantages, reinforce_advantages, starpo_advantages
+from rlsys.algorithms.advantages import gae_advantages, gigpo_turn_advantages, grpo_advantages, reinforce_advantages, \
+    starpo_advantages
 from rlsys.algorithms.batch import per_turn_to_tokens, sequence_batch
 from rlsys.algorithms.packing import micro_batches, pack_by_token_budget, pad_by_token_budget
+from rlsys.algorithms.returns import discounted_turn_returns
 from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, aggregate_token_loss, clipped_value_loss, \
     kl_penalty, ppo_clip_loss, token_loss_weights
 from rlsys.api import Trajectory
@@ -531,3 +532,16 @@ def test_lr_schedules_warm_up_then_decay_to_zero():
     assert [lr_multiplier(s, 4, 12, "constant") for s in (0, 2, 4, 12)] == [0.0, 0.5, 1.0, 1.0]
     assert [lr_multiplier(s, 4, 12, "linear") for s in (4, 8, 12)] == [1.0, 0.5, 0.0]
     assert [round(lr_multiplier(s, 0, 10, "cosine"), 6) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
+
+
+def test_every_choice_the_config_accepts_has_an_implementation():
+    """The config checks ppo.adv_estimator and ppo.loss_agg_mode against rlsys/algorithms/choices.py (no torch);
+    the learner looks them up in the tables that implement them."""
+    from rlsys.algorithms import choices
+    from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS
+
+    assert tuple(ADVANTAGE_ESTIMATORS) == choices.ADVANTAGE_ESTIMATORS
+    assert choices.NEEDS_CRITIC <= set(choices.ADVANTAGE_ESTIMATORS)
+    mask, index = torch.ones(3), torch.zeros(3, dtype=torch.long)  # one sequence of 3 generated tokens
+    sums = [token_loss_weights(mask, index, mode).sum().item() for mode in choices.LOSS_AGG_MODES]
+    assert sums == pytest.approx([1.0, 1.0, 3.0])  # token-mean, seq-mean-token-mean, seq-mean-token-sum

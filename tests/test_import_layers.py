@@ -9,6 +9,8 @@ import into a function hides an upward dependency from Python's import order, no
 
 import ast
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,9 +23,9 @@ LAYERS = [
      "the errors every layer raises, the bus's key names, plugin importing and small helpers: they import no rlsys"),
     ("contracts", ["rlsys.api"],
      "what plugins are written against (agents, environments, tools, trajectories) and the registries they join"),
-    ("parts", ["rlsys.algorithms", "rlsys.model", "rlsys.bus", "rlsys.tools", "rlsys.alarms", "rlsys.weight_checksum",
-               "rlsys.checkpoint", "rlsys.distributed", "rlsys.metrics", "rlsys.prompt_ledger", "rlsys.tracing",
-               "rlsys.frames"],
+    ("parts", ["rlsys.algorithms", "rlsys.model", "rlsys.bus", "rlsys.tools", "rlsys.alarms", "rlsys.token_continuity",
+               "rlsys.weight_checksum", "rlsys.checkpoint", "rlsys.distributed", "rlsys.metrics", "rlsys.prompt_ledger",
+               "rlsys.tracing", "rlsys.frames"],
      "self-contained pieces (tensor math, the model, the bus, tools, records on disk) that know only the contracts"),
     ("engines", ["rlsys.engine", "rlsys.weight_transport", "rlsys.training_step", "rlsys.endpoint"],
      "generation, the OpenAI-compatible endpoint and the learning step, built from the parts"),
@@ -166,3 +168,28 @@ def test_the_check_sees_an_upward_import_and_a_circle():
     assert circles(graph) == [["rlsys.errors", "rlsys.launcher"]]
     tree = ast.parse("def f():\n    from rlsys.bus.base import connect\n")
     assert "rlsys.bus.base" in imported_names(tree, "rlsys.x", is_package=False)
+
+
+def test_the_launcher_and_a_rollout_worker_import_no_torch(tmp_path):
+    """The launcher and the rollout workers run no torch, and the launcher no transformers: importing them (and
+    torch.distributed.checkpoint, and torch's TensorBoard writer) cost each process a second or more of CPU at every
+    start, on the two cores where the learner and vLLM start too (BENCHMARKS.md, "Start-up")."""
+    program = f"""
+import sys
+from pathlib import Path
+from rlsys.cli import parse_config
+import rlsys.launcher, rlsys.roles, rlsys.workers.rollout_worker, rlsys.impl.agent, rlsys.impl.env
+config = parse_config(["ppo.adv_estimator=gae"])
+print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
+from rlsys.metrics import MetricsLogger
+from rlsys.model.tokenizer import build_char_tokenizer
+logger = MetricsLogger(Path({str(tmp_path)!r}), "rollout0")
+logger.log(1, {{"reward": 0.5}})
+logger.close()
+build_char_tokenizer()
+print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "['transformers']"]
+    assert list((tmp_path / "tensorboard" / "rollout0").glob("events.out.tfevents.*"))
