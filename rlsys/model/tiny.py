@@ -23,8 +23,8 @@ MAX_POSITIONS = 512  # multi-turn games run to a few hundred tokens; RoPE adds n
 
 
 def build_tiny_model(cfg, tokenizer, seed: int):
-    """A Qwen2ForCausalLM. transformers' model classes are imported here, not with the module: the launcher and
-    the rollout workers import this module for its examples, and the model classes take seconds to import."""
+    """A Qwen2ForCausalLM. transformers' model classes are imported here, not with the module: the launcher
+    imports this module to find a cached model, and the model classes take seconds to import."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
