@@ -117,9 +117,7 @@ def prepare(config) -> None:
             raise StartupError("cluster.colocate=true takes turns on CPU cores; on GPUs it would need vLLM's sleep "
                                "mode and in-memory weight hand-over, which rlsys does not have yet: leave it false")
     # Refused here rather than by a role that would die and be restarted.
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if visible_devices() else "cpu"
     try:
         if hasattr(config, "learner"):
             config.learner.check_device(device, config.cluster.n_learner_ranks)

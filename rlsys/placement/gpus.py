@@ -7,8 +7,13 @@ the machine has is refused, with what would fit.
 """
 
 import os
+from pathlib import Path
 
 from rlsys.placement.base import PlacementError
+
+# A GPU driver's control files (NVIDIA's, and ROCm's, whose GPUs torch.cuda counts too); a container is given them
+# with its GPUs. Without any there is no GPU to count.
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/kfd")
 
 
 def gpu_layout(cluster, inference, devices: list[str]) -> dict[tuple[str, int], str]:
@@ -51,7 +56,10 @@ def gpu_layout(cluster, inference, devices: list[str]) -> dict[tuple[str, int], 
 
 
 def visible_devices() -> list[str]:
-    """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them for child processes."""
+    """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them for child processes. On a machine
+    without a GPU driver the launcher does not import torch to count none (a second before any role starts)."""
+    if not any(Path(name).exists() for name in GPU_DRIVER_FILES):
+        return []
     import torch
 
     count = torch.cuda.device_count()
