@@ -1,10 +1,11 @@
 """What a run needs before its roles start: a dataset and a policy checkpoint, generated when not given."""
 
 import functools
+import hashlib
+import json
 from pathlib import Path
 
 from rlsys.data.dataset import load_rows
-from rlsys.model.tiny import prepare_tiny_model, tiny_model_dir
 from rlsys.placement.cpu_threads import warm_start_threads
 from rlsys.workers.env_per_row import check_env_names
 
@@ -38,17 +39,29 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
         config.model.path = config.resume_from_checkpoint
     elif not config.model.path:
         directory = tiny_model_dir(config.model, config.seed, Path(data.path).parent, warm_start_key(config))
-        examples = functools.partial(config.warm_start_examples, train_rows=train_rows, eval_rows=eval_rows)
-        config.model.path = str(prepare_tiny_model(
-            config.model, config.seed, examples, directory, log, batch_size=config.warm_start_batch_size,
-            eval_every=config.warm_start_eval_every, max_steps=config.warm_start_max_steps,
-            threads=warm_start_threads(config), samples=config.group_size, temperature=config.gen.temperature))
+        if not (directory / "config.json").exists():
+            from rlsys.model.tiny import prepare_tiny_model  # torch and transformers' models: only to build one
+
+            examples = functools.partial(config.warm_start_examples, train_rows=train_rows, eval_rows=eval_rows)
+            prepare_tiny_model(
+                config.model, config.seed, examples, directory, log, batch_size=config.warm_start_batch_size,
+                eval_every=config.warm_start_eval_every, max_steps=config.warm_start_max_steps,
+                threads=warm_start_threads(config), samples=config.group_size, temperature=config.gen.temperature)
+        config.model.path = str(directory)
     if not Path(config.model.path).exists():
         raise AssetError(f"model.path {config.model.path!r} does not exist; give an HF checkpoint directory "
                          "(written by save_pretrained), or leave model.path empty for the tiny model")
     if not (Path(config.model.path) / "config.json").exists():
         raise AssetError(f"model.path {config.model.path!r} is not an HF checkpoint directory (no config.json); "
                          "give a directory written by save_pretrained, or leave model.path empty for the tiny model")
+
+
+def tiny_model_dir(cfg, seed: int, dataset_dir: Path, warm_start: dict) -> Path:
+    """The tiny model's cache directory, keyed by everything that changes the model (`warm_start`: the experiment's
+    own settings)."""
+    fields = {"model": vars(cfg), "seed": seed, "data": str(dataset_dir), "warm_start": warm_start}
+    key = json.dumps(fields, sort_keys=True, default=str)
+    return Path(cfg.cache_dir).expanduser() / "models" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def warm_start_key(config) -> dict:

@@ -228,7 +228,8 @@ def test_the_warm_start_trains_on_the_gpu_and_saves_a_model_the_cpu_loads(tmp_pa
     from experiments.common import ModelConfig
     from rlsys.data.arithmetic import generate_addition_dataset
     from rlsys.data.dataset import load_rows
-    from rlsys.model.tiny import arithmetic_warm_start, greedy_accuracy, prepare_tiny_model
+    from rlsys.model.tiny import greedy_accuracy, prepare_tiny_model
+    from rlsys.model.warm_start_examples import arithmetic_warm_start
     from rlsys.model.tokenizer import build_char_tokenizer
 
     train, _ = generate_addition_dataset(tmp_path / "data", 1, 200, 50)

@@ -9,6 +9,7 @@ import into a function hides an upward dependency from Python's import order, no
 
 import ast
 import functools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -173,23 +174,29 @@ def test_the_check_sees_an_upward_import_and_a_circle():
 def test_the_launcher_and_a_rollout_worker_import_no_torch(tmp_path):
     """The launcher and the rollout workers run no torch, and the launcher no transformers: importing them (and
     torch.distributed.checkpoint, and torch's TensorBoard writer) cost each process a second or more of CPU at every
-    start, on the two cores where the learner and vLLM start too (BENCHMARKS.md, "Start-up")."""
+    start, on the two cores where the learner and vLLM start too (BENCHMARKS.md, "Start-up"). On a machine without
+    a GPU driver the launcher's device check imports none either."""
     program = f"""
-import sys
+import json, sys
 from pathlib import Path
 from rlsys.cli import parse_config
 import rlsys.launcher, rlsys.roles, rlsys.workers.rollout_worker, rlsys.impl.agent, rlsys.impl.env
+from rlsys.placement.gpus import GPU_DRIVER_FILES, visible_devices
 config = parse_config(["ppo.adv_estimator=gae"])
-print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
+driver = any(Path(name).exists() for name in GPU_DRIVER_FILES)
+devices = [] if driver else visible_devices()
+launcher = sorted(name for name in ("torch", "transformers") if name in sys.modules)
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import build_char_tokenizer
 logger = MetricsLogger(Path({str(tmp_path)!r}), "rollout0")
 logger.log(1, {{"reward": 0.5}})
 logger.close()
 build_char_tokenizer()
-print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
+rollout = sorted(name for name in ("torch", "transformers") if name in sys.modules)
+print(json.dumps({{"driver": driver, "devices": devices, "launcher": launcher, "rollout": rollout}}))
 """
     done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[:2] == ["[]", "['transformers']"]
+    imported = json.loads(done.stdout.splitlines()[-1])
+    assert (imported["launcher"], imported["rollout"], imported["devices"]) == ([], ["transformers"], [])
     assert list((tmp_path / "tensorboard" / "rollout0").glob("events.out.tfevents.*"))

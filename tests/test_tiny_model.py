@@ -9,8 +9,9 @@ import torch
 from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.async_ppo_multi_turn import AsyncPPOMathMultiTurnConfig
 from experiments.common import ModelConfig
-from rlsys.model.tiny import (TaughtSequence, _length_groups, _supervised_batch, build_tiny_model, supervised_backward,
-                              tiny_model_dir)
+from rlsys.assets import tiny_model_dir
+from rlsys.model.tiny import _length_groups, _supervised_batch, build_tiny_model, supervised_backward
+from rlsys.model.warm_start_examples import TaughtSequence
 from rlsys.cli import parse_config
 from rlsys.model.tokenizer import build_char_tokenizer
 
@@ -54,7 +55,8 @@ class Recites:
 def test_a_right_aligned_working_counts_as_right_when_the_model_writes_it():
     """The long-answer task's working starts with spaces (its first line right-aligned): the check strips both
     sides, where it once stripped only the model's text and so counted every working wrong."""
-    from rlsys.model.tiny import AnswerCheck, greedy_accuracy
+    from rlsys.model.tiny import greedy_accuracy
+    from rlsys.model.warm_start_examples import AnswerCheck
 
     tokenizer = build_char_tokenizer()
     working = "   46+56+78\n     102+78\n#### 180"
@@ -65,7 +67,8 @@ def test_a_right_aligned_working_counts_as_right_when_the_model_writes_it():
 def test_a_check_with_a_final_mark_reads_only_the_final_number_and_leaves_room_for_the_working():
     """The long-answer task's warm start is checked as its reward reads an answer: the number after the last
     `#### `, whatever the working before it; the model may still write as many tokens as the reference working."""
-    from rlsys.model.tiny import AnswerCheck, greedy_accuracy
+    from rlsys.model.tiny import greedy_accuracy
+    from rlsys.model.warm_start_examples import AnswerCheck
 
     tokenizer = build_char_tokenizer()
     reference = "   46+56+78\n     102+78\n#### 180"
@@ -80,7 +83,8 @@ def test_a_warm_start_prints_a_line_at_most_every_few_seconds_and_no_bars(tmp_pa
     """The console of a first run: one line per LOG_EVERY_SECONDS of a warm start, not one per check (a 3-minute
     warm start printed 30), and no third-party progress bar when the model is saved."""
     from rlsys.model import tiny
-    from rlsys.model.tiny import AnswerCheck, prepare_tiny_model
+    from rlsys.model.tiny import prepare_tiny_model
+    from rlsys.model.warm_start_examples import AnswerCheck
 
     tokenizer = build_char_tokenizer()
     taught = [TaughtSequence([5, 6, 7, 8], [0, 0, 1, 1])] * 4
@@ -124,7 +128,8 @@ class Samples:
 def test_reach_is_the_share_of_problems_with_a_right_answer_in_their_group_of_samples():
     """What a group of rollouts can teach: a problem counts if any of its samples is right; sampled at the run's
     temperature, seeded, and the caller's random generator left where it was."""
-    from rlsys.model.tiny import AnswerCheck, sampled_reach
+    from rlsys.model.tiny import sampled_reach
+    from rlsys.model.warm_start_examples import AnswerCheck
 
     tokenizer = build_char_tokenizer()
     checks = [AnswerCheck([5, 6], ("#### 1",)), AnswerCheck([5, 7], ("#### 2",))]

@@ -5,8 +5,6 @@ the answer format with a short supervised pass, and stops that pass at a held-ou
 so that reinforcement learning has something left to do.
 """
 
-import hashlib
-import json
 import random
 import time
 from collections.abc import Callable
@@ -161,13 +159,6 @@ def warm_start(model, tokenizer, train_examples, eval_examples, stop: WarmStartS
 
 def _reach_text(reach: float | None, stop: WarmStartStop) -> str:
     return "" if reach is None else f", a right answer among {stop.samples} samples for {reach:.1%}"
-
-
-def tiny_model_dir(cfg, seed: int, dataset_dir: Path, warm_start: dict) -> Path:
-    """Cache directory keyed by everything that changes the model (`warm_start`: the experiment's own settings)."""
-    fields = {"model": vars(cfg), "seed": seed, "data": str(dataset_dir), "warm_start": warm_start}
-    key = json.dumps(fields, sort_keys=True, default=str)
-    return Path(cfg.cache_dir).expanduser() / "models" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, list]], directory: Path,
