@@ -60,7 +60,7 @@ ONE_TURN_MATH = ("math-single-step", "math-code-single-step")  # (agent, env): t
 
 def correct(answer: str, reference: str) -> bool:
     """rlsys's math check, as its math-code-single-step environment applies it (without the worker pool)."""
-    from rlsys.impl.env.math_verifier import check_answer, plain_number_verdict
+    from rlsys.impl.env.math_answers import check_answer, plain_number_verdict
 
     return (plain_number_verdict(answer, reference) or check_answer(answer, reference)).correct
 

@@ -11,7 +11,8 @@ import pytest
 
 import rlsys.impl.env  # noqa: F401  (registers the environments)
 from rlsys.api import EnvServiceAbstraction, make_env
-from rlsys.impl.env.math_verifier import check_answer, close_shared_pool, plain_number_verdict, reference_answer
+from rlsys.impl.env.math_answers import check_answer, plain_number_verdict, reference_answer
+from rlsys.impl.env.math_verifier import close_shared_pool
 
 GSM8K = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
          "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")

@@ -172,10 +172,10 @@ def test_the_check_sees_an_upward_import_and_a_circle():
 
 
 def test_the_launcher_and_a_rollout_worker_import_no_torch(tmp_path):
-    """The launcher and the rollout workers run no torch, and the launcher no transformers: importing them (and
-    torch.distributed.checkpoint, and torch's TensorBoard writer) cost each process a second or more of CPU at every
-    start, on the two cores where the learner and vLLM start too (BENCHMARKS.md, "Start-up"). On a machine without
-    a GPU driver the launcher's device check imports none either."""
+    """The launcher and the rollout workers run no torch, and the launcher no transformers or math-verify (the
+    verifier's workers import it): importing them (and torch.distributed.checkpoint, and torch's TensorBoard writer)
+    cost each process a second or more of CPU at every start, on the two cores where the learner and vLLM start too
+    (BENCHMARKS.md, "Start-up"). On a machine without a GPU driver the launcher's device check imports none either."""
     program = f"""
 import json, sys
 from pathlib import Path
@@ -185,7 +185,7 @@ from rlsys.placement.gpus import GPU_DRIVER_FILES, visible_devices
 config = parse_config(["ppo.adv_estimator=gae"])
 driver = any(Path(name).exists() for name in GPU_DRIVER_FILES)
 devices = [] if driver else visible_devices()
-launcher = sorted(name for name in ("torch", "transformers") if name in sys.modules)
+launcher = sorted(name for name in ("torch", "transformers", "math_verify") if name in sys.modules)
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import build_char_tokenizer
 logger = MetricsLogger(Path({str(tmp_path)!r}), "rollout0")

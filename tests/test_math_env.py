@@ -14,8 +14,8 @@ import pytest
 
 import rlsys.impl.env  # noqa: F401  (registers the environments)
 from rlsys.api import EnvServiceAbstraction, make_env
-from rlsys.impl.env.math_verifier import (Verdict, VerifierPool, check_answer, close_shared_pool,
-                                         plain_number_verdict, shared_pool)
+from rlsys.impl.env.math_answers import check_answer, plain_number_verdict
+from rlsys.impl.env.math_verifier import Verdict, VerifierPool, close_shared_pool, shared_pool
 
 HANG, CRASH, RAISE = "<hang>", "<crash>", "<raise>"
 

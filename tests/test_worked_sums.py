@@ -8,7 +8,7 @@ from experiments import EXPERIMENTS, AsyncPPOMathLongConfig
 from rlsys.cli import ConfigError, parse_config
 from rlsys.data.dataset import load_rows
 from rlsys.data.worked_sums import generate_worked_sums_dataset, prompt_width, worked_sum
-from rlsys.impl.env.math_verifier import check_answer, reference_answer
+from rlsys.impl.env.math_answers import check_answer, reference_answer
 from rlsys.assets import tiny_model_dir
 
 TERMS = (AsyncPPOMathLongConfig.min_terms, AsyncPPOMathLongConfig.max_terms)  # the experiment's

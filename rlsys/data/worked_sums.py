@@ -17,7 +17,7 @@ the next number (`12+34=46;46+56=102`), the model must find that next number in 
 start got the tens digit right and kept missing the units one; with lines aligned to their own prompt's width,
 the distance changed with the number of terms and it learned the copy far more slowly. The reward reads only
 the final number: the math environment's check takes the last number of an answer, and a reference in GSM8K's
-`#### N` form resolves to N, so the working itself checks as right (`math_verifier.reference_answer`).
+`#### N` form resolves to N, so the working itself checks as right (`math_answers.reference_answer`).
 
 The experiment's sums are of one-digit numbers: with two-digit ones each line adds a two-digit number to a
 three-digit total, and on 2 CPU cores the tiny model's warm start got 1.5% of final numbers right after 700 steps

@@ -19,20 +19,19 @@ import importlib
 import json
 import os
 import queue
-import re
 import socket
 import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from decimal import Decimal
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from math_verify import StringExtractionConfig, parse, verify
-
-DEFAULT_CHECK = "rlsys.impl.env.math_verifier:check_answer"
+# The default check, and its verdict on plain numbers, which the pool gives in-process: both named by path, so that
+# importing this module (every role does, with the built-in environments) does not import math-verify and sympy.
+DEFAULT_CHECK = "rlsys.impl.env.math_answers:check_answer"
+PLAIN_NUMBERS = "rlsys.impl.env.math_answers:plain_number_verdict"
 READY = "ready"
 
 
@@ -43,97 +42,6 @@ class Verdict:
     correct: bool
     status: str  # "ok" | "timeout" | "error" | "unparsable"
     reason: str = ""
-
-
-def check_answer(answer: str, reference: str) -> Verdict:
-    """The default check: does `answer` contain a math expression equal to `reference`?
-
-    The reference may be written as datasets write it (see `reference_answer`); a multiple-choice letter is
-    compared as a letter, anything else by math-verify.
-    """
-    reference = reference_answer(reference)
-    if choice := choice_letter(reference):
-        picked = answer_choice(answer)
-        if picked is None:
-            return Verdict(False, "unparsable", "answer names no choice letter")
-        return Verdict(picked == choice, "ok")
-    gold = parse_reference(reference)
-    if not gold:
-        return Verdict(False, "unparsable", f"reference {reference[:80]!r} has no math expression")
-    predicted = parse(answer)
-    if not predicted:
-        return Verdict(False, "unparsable", "answer has no math expression")
-    return Verdict(bool(verify(gold, predicted)), "ok")
-
-
-GSM8K_FINAL = re.compile(r"####\s*(.*?)\s*$", re.DOTALL)
-NUMBER_WITH_UNIT = re.compile(  # "1,000 dollars", "5 cm", "3.5\\mbox{ inches}": the unit is dropped ("2x" is kept)
-    r"(-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+))(?:\s*\\(?:text|mbox|mathrm)\{[^{}]*\}|\s+[A-Za-z]{2,}[A-Za-z .]*)")
-THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-
-
-def reference_answer(reference: str) -> str:
-    """The final answer in a reference as datasets write it.
-
-    A GSM8K solution ends in `#### 42`: the answer is what follows the last `####`. A plain number keeps
-    no thousands separators ("1,000" is 1000, not the tuple (1, 0)) and no trailing unit ("5 cm").
-    """
-    if match := GSM8K_FINAL.search(reference):
-        reference = match.group(1)
-    reference = reference.strip()
-    if match := NUMBER_WITH_UNIT.fullmatch(reference):
-        reference = match.group(1)
-    if THOUSANDS.fullmatch(reference):
-        reference = reference.replace(",", "")
-    return reference
-
-
-def parse_reference(reference: str) -> list:
-    """math-verify's reading of a reference. MATH stores bare LaTeX (`\\frac{1}{2}`, `(3, -1)`, `[2, 5)`), which
-    math-verify only reads as a whole inside `$...$`: bare, it finds no expression or only the last number."""
-    if "$" in reference or "\\boxed" in reference:
-        return parse(reference)
-    return parse(f"${reference}$") or parse(reference)
-
-
-CHOICE = re.compile(r"\(?([A-J])\)?\.?")
-CHOICE_IN_LATEX = re.compile(r"\\(?:text|textbf|mathrm)\{\s*\(?([A-J])\)?\s*\}")
-ANSWER_CHOICE = (re.compile(r"\\boxed\{\s*(?:\\(?:text|textbf|mathrm)\{)?\s*\(?([A-J])\)?\s*\}?\s*\}"),
-                 re.compile(r"\(([A-J])\)"))
-
-
-def choice_letter(reference: str) -> str | None:
-    """The letter of a multiple-choice reference: `C`, `(C)`, `C.` or MATH's `\\text{(C)}`; else None."""
-    match = CHOICE.fullmatch(reference) or CHOICE_IN_LATEX.fullmatch(reference)
-    return match.group(1) if match else None
-
-
-def answer_choice(answer: str) -> str | None:
-    """The choice an answer makes: math-verify's letter extraction ("the answer is C", "Answer: D"), else the
-    last `\\boxed{C}` or `(C)`."""
-    found = parse(answer, extraction_config=[StringExtractionConfig(lowercase=False)])
-    if found:
-        return str(found[0])
-    for pattern in ANSWER_CHOICE:
-        if letters := pattern.findall(answer):
-            return letters[-1]
-    return None
-
-
-PLAIN_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?")  # math-verify reads "+46" as no number; so do we
-
-
-def plain_number_verdict(answer: str, reference: str) -> Verdict | None:
-    """The verdict for two plain decimal numbers (what math-verify would say, without sympy); else None.
-
-    Most answers to arithmetic and word problems are plain numbers: deciding those in-process keeps the
-    worker pool, and the core it costs, for the answers that need a real check. `reference` may be written
-    as datasets write it (a GSM8K solution, "1,000").
-    """
-    answer, reference = answer.strip(), reference_answer(reference)
-    if PLAIN_NUMBER.fullmatch(answer) and PLAIN_NUMBER.fullmatch(reference):
-        return Verdict(Decimal(answer) == Decimal(reference), "ok")
-    return None
 
 
 def resolve(path: str) -> Callable[[str, str], Verdict]:
@@ -223,6 +131,7 @@ class VerifierPool:
 
     def __init__(self, size: int | None = None, check: str = DEFAULT_CHECK, startup_timeout: float = 60.0):
         resolve(check)  # a typo in the path fails here, not as a dead worker per check
+        self._plain_numbers = resolve(PLAIN_NUMBERS) if check == DEFAULT_CHECK else None
         self.size = size or default_size()
         self.check_path = check
         self.startup_timeout = startup_timeout
@@ -250,7 +159,7 @@ class VerifierPool:
             raise RuntimeError("VerifierPool is closed")
 
         async def verdict(answer: str) -> Verdict:
-            fast = plain_number_verdict(answer, reference) if self.check_path == DEFAULT_CHECK else None
+            fast = self._plain_numbers(answer, reference) if self._plain_numbers else None
             return fast or await self.check(answer, reference, timeout)
 
         return list(await asyncio.gather(*(verdict(a) for a in answers)))
