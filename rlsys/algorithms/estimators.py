@@ -53,4 +53,5 @@ def gae(trajectories: list[Trajectory], batch: SequenceBatch, ppo) -> PerToken:
         advantages = whiten(advantages, mask)
     return {"advantages": advantages, "returns": returns}
 
-ADVANTAGE_ESTIMATORS = {"grpo": grpo, "reinforce": reinforce, "gae": gae, "starpo": starpo, "gigpo": gigpo}  # choices.py
+# Keyed on the names rlsys/algorithms/choices.py lists for the config.
+ADVANTAGE_ESTIMATORS = {"grpo": grpo, "reinforce": reinforce, "gae": gae, "starpo": starpo, "gigpo": gigpo}
