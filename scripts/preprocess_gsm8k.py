@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from rlsys.data.dataset import DatasetError, RowFormat, load_rows  # noqa: E402
-from rlsys.impl.env.math_verifier import GSM8K_FINAL, reference_answer  # noqa: E402
+from rlsys.impl.env.math_answers import GSM8K_FINAL, reference_answer  # noqa: E402
 
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 
