@@ -41,6 +41,8 @@ class RolloutWorker:
         self.traces = None if run_dir is None else TraceWriter(
             run_dir, f"rollout{index}", self.tokenizer, config.trace.sample_rate,
             Path(run_dir) / config.trace.render_save_dir if config.trace.render_save_dir else None)
+        self.train_rows: list[dict] = []  # read_datasets
+        self.eval_rows: list[dict] = []
         self.running: set[asyncio.Task] = set()
         self.episode_ended = asyncio.Event()
         self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
@@ -58,8 +60,9 @@ class RolloutWorker:
     async def run(self) -> None:
         routing = [asyncio.create_task(self.router.dispatch_replies()), asyncio.create_task(self.router.watch_workers())]
         try:
-            # Engines take a while to start, and so do what environments share: episodes begin once both are up.
-            await asyncio.gather(self.router.live_worker(), self.warm_up_environments())
+            # Engines take a while to start, and so do what environments share: episodes begin once both are up, and
+            # the datasets are read meanwhile.
+            await asyncio.gather(self.router.live_worker(), self.warm_up_environments(), self.read_datasets())
             if self.index == 0 and not await self._bus_get(protocol.eval_result("initial")):  # not a restart
                 await self.evaluate("initial")
             await self.train()
@@ -76,6 +79,15 @@ class RolloutWorker:
                 self.traces.close()
         self.bus.set(protocol.rollout_done(self.index), 1)
 
+    async def read_datasets(self) -> None:
+        """The training rows, and for worker 0, which evaluates, the held-out rows: read once, in a thread, while the
+        engines start. Reading takes about a second (Hugging Face datasets' import and load), and each evaluation
+        read the held-out file again on the event loop."""
+        data = self.config.dataset
+        self.train_rows = await asyncio.to_thread(load_rows, data.path, data.row_format())
+        if self.index == 0:
+            self.eval_rows = await asyncio.to_thread(load_rows, data.eval_path, data.row_format())
+
     async def warm_up_environments(self) -> None:
         """One instance of each environment the run uses starts what all its episodes share (EnvironmentService.
         warm_up), within env_timeout. One that cannot is logged; its episodes then fail with their reasons, as they
@@ -90,9 +102,8 @@ class RolloutWorker:
                             abstraction.name, describe_exception(e))
 
     async def train(self) -> None:
-        rows = load_rows(self.config.dataset.path, self.config.dataset.row_format())
-        prompts = self.prompts(rows, "train", shuffle=True)
-        await self.take_over(rows, prompts)
+        prompts = self.prompts(self.train_rows, "train", shuffle=True)
+        await self.take_over(self.train_rows, prompts)
         next_eval = self.config.eval_steps
         while not await self._bus_get(protocol.LEARNER_DONE) and not await self._bus_get(protocol.STOP):
             if self.cannot_go_on:
@@ -246,8 +257,7 @@ class RolloutWorker:
         """Greedy accuracy on the held-out set (the experiment's `held_out_score` per episode; for most, the
         episode's reward), and the mean reward, logged and stored on the bus."""
         version = await self.current_version()
-        rows = load_rows(self.config.dataset.eval_path, self.config.dataset.row_format())
-        prompts = list(self.prompts(rows, "eval", shuffle=False))
+        prompts = list(self.prompts(self.eval_rows, "eval", shuffle=False))
         results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p, tag)
                                          for p in prompts), return_exceptions=True)
         for result in results:
