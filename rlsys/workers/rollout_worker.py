@@ -81,8 +81,8 @@ class RolloutWorker:
 
     async def read_datasets(self) -> None:
         """The training rows, and for worker 0, which evaluates, the held-out rows: read once, in a thread, while the
-        engines start. Reading takes about a second (Hugging Face datasets' import and load), and each evaluation
-        read the held-out file again on the event loop."""
+        engines start. Reading takes about a second (Hugging Face datasets' import and load): neither the first
+        episodes nor later evaluations wait for it, and the event loop never does."""
         data = self.config.dataset
         self.train_rows = await asyncio.to_thread(load_rows, data.path, data.row_format())
         if self.index == 0:
