@@ -108,16 +108,17 @@ def prepare(config) -> None:
 
     check_message_bus(config.cluster)  # first: it takes a second, preparing the assets may take minutes
     check_extras(config)
+    devices = visible_devices()
     if config.cluster.backend == "local":
         try:
-            gpu_layout(config.cluster, config.inference, visible_devices())
+            gpu_layout(config.cluster, config.inference, devices)
         except PlacementError as e:
             raise StartupError(str(e)) from None
-        if config.cluster.colocate and visible_devices():
+        if config.cluster.colocate and devices:
             raise StartupError("cluster.colocate=true takes turns on CPU cores; on GPUs it would need vLLM's sleep "
                                "mode and in-memory weight hand-over, which rlsys does not have yet: leave it false")
     # Refused here rather than by a role that would die and be restarted.
-    device = "cuda" if visible_devices() else "cpu"
+    device = "cuda" if devices else "cpu"
     try:
         if hasattr(config, "learner"):
             config.learner.check_device(device, config.cluster.n_learner_ranks)

@@ -164,15 +164,14 @@ def _reach_text(reach: float | None, stop: WarmStartStop) -> str:
 def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, list]], directory: Path,
                        log=print, batch_size: int = 64, eval_every: int = 25, max_steps: int = 3000,
                        threads: int = 0, samples: int = 8, temperature: float = 1.0) -> Path:
-    """Builds, warm-starts and saves the tiny model (HF format) unless `directory` already holds one.
+    """Builds, warm-starts and saves the tiny model (HF format) in `directory` (rlsys/assets.py looks for a cached
+    one there first, without importing this module).
 
-    `examples(tokenizer)` gives the TaughtSequences and the held-out AnswerChecks; it runs only when a model is built.
+    `examples(tokenizer)` gives the TaughtSequences and the held-out AnswerChecks.
     `batch_size` sequences a step, a held-out check every `eval_every` steps, at most `max_steps` steps,
     `threads` torch threads (0: as they are); with `cfg.warm_start_reach`, `samples` answers a problem sampled at
     `temperature` (the run's group and temperature) measure it.
     """
-    if (directory / "config.json").exists():
-        return directory
     started = time.monotonic()
     tokenizer = build_char_tokenizer()
     train_examples, eval_examples = examples(tokenizer)
