@@ -7,6 +7,7 @@ learner, an inference worker or a rollout worker until it ends.
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import sys
@@ -26,6 +27,7 @@ log = logging.getLogger("rlsys")
 
 def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, env: dict) -> int:
     """What every role runs, in a process of its own or a Ray actor (rlsys.placement); returns its exit code."""
+    gc.disable()  # until the role is built: freeze_start_up_heap
     os.environ.update(env)  # its GPUs and, for learner ranks, the rendezvous
     os.umask(PRIVATE_UMASK)  # what a role writes (logs, weights, checkpoints) is its user's alone
     _name_process(f"{role}{index}")
@@ -69,6 +71,7 @@ def _run(role: str, index: int, config, bus, run_dir: str) -> None:
         ranks = join_ranks(index, config.cluster.n_learner_ranks)
         try:
             learner = Learner(config, bus, Path(run_dir), ranks)
+            freeze_start_up_heap()
             learner.run()
         except BaseException:
             leave_ranks(ranks, finished=False)
@@ -83,6 +86,7 @@ def _run(role: str, index: int, config, bus, run_dir: str) -> None:
         from rlsys.workers.inference_worker import InferenceWorker
 
         engine = GenerationEngine(make_backend(config.model.path, config.inference, config.seed + index))
+        freeze_start_up_heap()
         try:
             InferenceWorker(engine, bus, index, config.inference.max_batch_requests).run()
         finally:
@@ -92,7 +96,22 @@ def _run(role: str, index: int, config, bus, run_dir: str) -> None:
 
         from rlsys.workers.rollout_worker import RolloutWorker
 
-        asyncio.run(RolloutWorker(config, bus, index, Path(run_dir)).run())
+        worker = RolloutWorker(config, bus, index, Path(run_dir))
+        freeze_start_up_heap()
+        asyncio.run(worker.run())
+
+
+def freeze_start_up_heap() -> None:
+    """Once a role is built, with Python's collector paused since the role began: what it built, frozen out of every
+    later collection, and the collector back on.
+
+    A role's imports, model and engine are hundreds of thousands of objects that live as long as the process, and
+    nearly no garbage. Python runs a full collection each time its heap has grown by a quarter, each a walk over all
+    of it: ten or more in each role's start-up, seconds of CPU on the cores the roles share (BENCHMARKS.md, "Start-up:
+    the collector"). Frozen, that heap is skipped by the collections that come later."""
+    gc.collect()  # the build's garbage goes now, so the freeze keeps none of it
+    gc.freeze()
+    gc.enable()
 
 
 def make_backend(model_path: str, inference_cfg, seed: int):
