@@ -80,4 +80,4 @@ def test_each_role_runs_its_loop_with_its_build_frozen_and_the_collector_on(role
         rlsys.roles.run_role({role!r}, 0, {config_to_dict(config)!r}, "inproc://heap", {str(tmp_path)!r}, {{}})
     """, tmp_path)
     assert seen["collector_on"]
-    assert seen["frozen"] > 100_000  # torch's and the role's own modules at least
+    assert seen["frozen"] > 10_000  # the role's modules at least (none are frozen unless the role froze them)
