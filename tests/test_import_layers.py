@@ -19,7 +19,7 @@ PACKAGES = ("rlsys", "experiments", "training")
 
 # Bottom first. A module belongs to the entry with the longest prefix of its dotted name.
 LAYERS = [
-    ("foundation", ["rlsys", "rlsys.errors", "rlsys.compat", "rlsys.protocol", "rlsys.run_privacy",
+    ("foundation", ["rlsys", "rlsys.errors", "rlsys.protocol", "rlsys.run_privacy",
                     "rlsys.host_copy", "rlsys.plugins"],
      "the errors every layer raises, the bus's key names, plugin importing and small helpers: they import no rlsys"),
     ("contracts", ["rlsys.api"],

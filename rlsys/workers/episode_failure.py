@@ -18,7 +18,6 @@ import asyncio
 import functools
 import traceback
 
-from rlsys import compat
 from rlsys.errors import EpisodeFailed
 
 
@@ -46,7 +45,7 @@ def _guarded(method, label: str, timeout: float):
     @functools.wraps(method)
     async def call(*args, **kwargs):
         try:
-            async with compat.timeout(timeout or None) as deadline:
+            async with asyncio.timeout(timeout or None) as deadline:
                 return await method(*args, **kwargs)
         except EpisodeFailed:
             raise

@@ -8,7 +8,7 @@ import logging
 import time
 from pathlib import Path
 
-from rlsys import compat, protocol
+from rlsys import protocol
 from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent, make_env
 from rlsys.checkpoint import read_trainer_state
 from rlsys.data.dataset import load_rows
@@ -94,7 +94,7 @@ class RolloutWorker:
         would anyway."""
         for abstraction in run_environments(self.config):
             try:
-                async with compat.timeout(self.config.env_timeout or None):  # 0: no limit
+                async with asyncio.timeout(self.config.env_timeout or None):  # 0: no limit
                     env = await asyncio.to_thread(make_env, abstraction)  # a constructor may load a model
                     await env.warm_up()
             except Exception as e:  # TimeoutError included
@@ -151,7 +151,7 @@ class RolloutWorker:
     async def wait_for_an_episode_to_end(self, timeout: float) -> None:
         """A slot frees when an episode ends (refilled at once); the gate opens with a new version (polled)."""
         with contextlib.suppress(TimeoutError):
-            async with compat.timeout(timeout):
+            async with asyncio.timeout(timeout):
                 await self.episode_ended.wait()
 
     def routing_metrics(self) -> dict[str, float]:

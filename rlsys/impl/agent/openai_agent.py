@@ -12,7 +12,6 @@ environments' contract). A run that raises fails the episode (`agent_error`), on
 
 import asyncio
 
-from rlsys import compat
 from rlsys.api import Agent, EnvironmentService, GenerationConfig, Model, Prompt, Trajectory, register_agent
 from rlsys.errors import EpisodeFailed
 from rlsys.model.tokenizer import load_tokenizer
@@ -65,7 +64,7 @@ class OpenAIAgent(Agent):
 
     async def run_once(self, base_url: str, api_key: str, prompt: Prompt) -> float | None:
         try:
-            async with compat.timeout(self.timeout):
+            async with asyncio.timeout(self.timeout):
                 return await self.run(base_url, api_key, prompt.data["prompt"])
         except TimeoutError:
             raise EpisodeFailed("agent_timeout", f"{self.run_entry} took longer than {self.timeout:g}s") from None
