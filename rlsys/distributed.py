@@ -19,6 +19,7 @@ class Ranks:
 
     def __init__(self, rank: int = 0, world: int = 1):
         self.rank, self.world = rank, world
+        self.mesh = None  # the ranks' device mesh, which the model is sharded over (join_ranks; one rank has none)
 
     @property
     def main(self) -> bool:
@@ -105,6 +106,9 @@ def join_ranks(rank: int, world: int) -> Ranks:
     if backend == "nccl":
         torch.cuda.set_device(ranks.device)
     dist.init_process_group(backend, rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ranks.mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (world,))
     return ranks
 
 
@@ -117,26 +121,18 @@ def leave_ranks(ranks: Ranks, finished: bool = True) -> None:
     if ranks.world > 1 and dist.is_initialized():
         if finished:
             dist.barrier()
-        _forget_meshes()
         dist.destroy_process_group()
+        # The mesh holds the group (its `_pg_registry`), and DTensor's caches hold the mesh past the model: torch
+        # 2.13's in Python, where they could be emptied, torch 2.11's also where Python cannot reach them. So the
+        # mesh lets go of the group, and the collection frees the learner's FSDP states, which hold it too and
+        # sit in reference cycles: the group ends with its threads now rather than at interpreter exit.
+        ranks.mesh._pg_registry.clear()
+        ranks.mesh = None
+        gc.collect()
 
 
-def _forget_meshes() -> None:
-    """Empties DTensor's caches, which hold the device meshes of the tensors they saw and so the process group:
-    otherwise it outlives destroy_process_group (see join_ranks). torch 2.13's caches."""
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    clear_redistribute_planner_cache()
-    _gen_transform_infos.cache_clear()
-    MeshTopoInfo.build_from_mesh.cache_clear()
-    gc.collect()  # a planner's closure refers back to it
-
-
-def shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Module:
-    """FSDP2: each decoder layer (the model's `_no_split_modules`) and then the rest, sharded over the ranks.
+def shard(model: torch.nn.Module, ranks: Ranks, mixed_precision: bool) -> torch.nn.Module:
+    """FSDP2: each decoder layer (the model's `_no_split_modules`) and then the rest, sharded over the ranks' mesh.
 
     Gradients are summed over the ranks, not averaged: each rank's loss is already its part of the
     mini-batch's loss (token weights normalised over the whole mini-batch), so the sum is the single-rank
@@ -149,8 +145,8 @@ def shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Module:
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+            fully_shard(module, mesh=ranks.mesh, mp_policy=policy)
+    fully_shard(model, mesh=ranks.mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

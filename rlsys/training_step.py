@@ -92,7 +92,7 @@ class PolicyTrainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = model.to(self.device)
         if self.ranks.world > 1:
-            model = shard(model, mixed_precision=self.settings.dtype == "bfloat16")
+            model = shard(model, self.ranks, mixed_precision=self.settings.dtype == "bfloat16")
         return model
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:

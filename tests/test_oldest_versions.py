@@ -1,5 +1,5 @@
 """The oldest Python, torch and transformers setup.py admits: every requirement installs on that Python, and with
-those torch and transformers the learner, the transformers engine and a whole run work, so the floors there are
+those torch and transformers the learner (one rank and two), the transformers engine and a whole run work, so the floors there are
 tested, not guesses.
 
 They are also what the lent GPU machines have (torch 2.11, transformers 5.17: bench/device/run.sh), so this is the
@@ -25,7 +25,9 @@ from tests.test_install_tiers import EXTRAS, installed_with
 
 ROOT = Path(__file__).resolve().parents[1]
 # What runs in the old versions' venv besides a whole run: the learner's step, the engine, attention over packed rows.
-TESTS = ["tests/test_learner.py", "tests/test_transformers_engine.py", "tests/test_varlen_attention.py"]
+# The learner at one rank and at two (FSDP2 over gloo, and its group's teardown), the transformers engine, attention.
+TESTS = ["tests/test_learner.py", "tests/test_learner_ranks.py", "tests/test_transformers_engine.py",
+         "tests/test_varlen_attention.py"]
 
 
 def floor(package: str) -> str:
