@@ -124,10 +124,13 @@ def leave_ranks(ranks: Ranks, finished: bool = True) -> None:
         dist.destroy_process_group()
         # The mesh holds the group (its `_pg_registry`), and DTensor's caches hold the mesh past the model: torch
         # 2.13's in Python, where they could be emptied, torch 2.11's also where Python cannot reach them. So the
-        # mesh lets go of the group, and the collection frees the learner's FSDP states, which hold it too and
-        # sit in reference cycles: the group ends with its threads now rather than at interpreter exit.
+        # mesh lets go of the group, and a collection frees the learner's FSDP states, which hold it too and sit in
+        # reference cycles: the group ends with its threads now rather than at interpreter exit. The learner role
+        # froze its start-up heap, those states included (roles.freeze_start_up_heap), out of every collection:
+        # unfrozen first, or they would stay.
         ranks.mesh._pg_registry.clear()
         ranks.mesh = None
+        gc.unfreeze()
         gc.collect()
 
 

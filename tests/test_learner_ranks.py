@@ -2,6 +2,7 @@
 
 import contextlib
 import faulthandler
+import gc
 import os
 import random
 import socket
@@ -45,15 +46,19 @@ def free_port() -> int:
 
 
 def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: list[dict], run_dir: str) -> None:
-    """A learner rank: one train step on `batch`, then a checkpoint; rank 0 writes the gathered weights."""
+    """A learner rank, built as the learner role builds it: one train step on `batch`, then a checkpoint; rank 0
+    writes the gathered weights."""
     from rlsys.distributed import full_state_dict, join_ranks, leave_ranks
+    from rlsys.roles import freeze_start_up_heap
 
     faulthandler.enable(all_threads=True)  # a native abort (at teardown, say) shows where each thread was
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    gc.disable()  # as the learner role does until it is built: the heap it built is then frozen
     ranks = join_ranks(rank, world)
     config = config_from_dict(payload)
     learner = Learner(config, InProcessBus(), run_dir, ranks)
+    freeze_start_up_heap()
     learner.train_step([Trajectory.from_dict(t) for t in batch])
     learner.step = 1
     learner.save()
