@@ -1,6 +1,6 @@
 """The oldest Python, torch and transformers setup.py admits: every requirement installs on that Python, and with
-those torch and transformers the learner (one rank and two), the transformers engine and a whole run work, so the floors there are
-tested, not guesses.
+those torch and transformers the learner (one rank and two), the transformers engine and a whole run work, so the
+floors there are tested, not guesses.
 
 They are also what the lent GPU machines have (torch 2.11, transformers 5.17: bench/device/run.sh), so this is the
 CPU half of a device session's first check. A venv over this machine's packages takes those two releases from the
