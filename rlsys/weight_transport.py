@@ -130,7 +130,9 @@ class WeightServer:
         self._spare: torch.Tensor | None = None
         self._sending: dict[int, int] = {}  # id(buffer) -> connections sending it
         self._closed = False
-        threading.Thread(target=self._accept, name="weight-server", daemon=True).start()
+        self._senders: dict[threading.Thread, socket.socket] = {}  # each connection's thread (under _lock)
+        self._accepting = threading.Thread(target=self._accept, name="weight-server", daemon=True)
+        self._accepting.start()
 
     def offer(self, version: int, state_dict: dict[str, torch.Tensor], dtype: str,
               announce: Callable[[], None] = lambda: None) -> str:
@@ -196,10 +198,24 @@ class WeightServer:
         return checksum
 
     def close(self) -> None:
+        """Stops serving, and returns once the server's threads have ended and its buffers are freed. A thread of
+        ours left to end while the interpreter exits would free them then: freeing a tensor there retakes the GIL
+        inside torch's C++, where CPython ends the thread, and that aborts the process ("terminate called without
+        an active exception", seen at the learner role's exit)."""
         self._closed = True
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone leaves it listening)
         self._listener.close()
+        self._accepting.join(IO_TIMEOUT)
+        with self._lock:
+            senders = dict(self._senders)
+        for connection in senders.values():
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)  # a transfer in flight breaks off now, not at its timeout
+        for thread in senders:
+            thread.join(IO_TIMEOUT)
+        with self._lock:
+            self._offer = self._spare = None
 
     def _accept(self) -> None:
         while not self._closed:
@@ -207,7 +223,11 @@ class WeightServer:
                 connection, _ = self._listener.accept()
             except OSError:  # closed
                 return
-            threading.Thread(target=self._serve, args=(connection,), name="weight-send", daemon=True).start()
+            sender = threading.Thread(target=self._serve, args=(connection,), name="weight-send", daemon=True)
+            with self._lock:  # the ended ones go: a thread is joined by close even once it left _serve
+                self._senders = {t: c for t, c in self._senders.items() if t.is_alive()}
+                self._senders[sender] = connection
+            sender.start()
 
     def _serve(self, connection: socket.socket) -> None:
         with connection:

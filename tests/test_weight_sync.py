@@ -5,6 +5,7 @@ import logging
 import socket
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from rlsys.engine.transformers_engine import TransformersBackend
 from rlsys.engine.vllm_engine import RELOAD_LOGGER, VLLMBackend
 from rlsys.engine.weights import write_weight_update
 from rlsys.weight_checksum import weights_checksum
-from rlsys.weight_transport import RETRY_SECONDS, Incoming, WeightReceiver, WeightServer, _frame, _read_exactly, \
+from rlsys.weight_transport import IO_TIMEOUT, RETRY_SECONDS, Incoming, WeightReceiver, WeightServer, _frame, _read_exactly, \
     _read_frame, _view, fetch, given_checksum, publish
 from rlsys.workers.inference_worker import InferenceWorker
 from tests.helpers import save_random_tiny_model
@@ -160,6 +161,26 @@ def test_a_stream_transfer_sends_the_version_it_started_with_whole():
         newest = fetch(server.address, server.token)
         assert newest.version == version and newest.checksum == weights_checksum(state(version))
     server.close()
+
+
+def test_closing_the_server_ends_its_threads_and_frees_its_buffers_with_a_transfer_in_flight():
+    """The learner role's last act. What the server runs and holds ends in close(), on the closing thread: a thread
+    of its left to end while the interpreter exits frees the buffers then, and that aborted the learner role
+    ("terminate called without an active exception"; WeightServer.close)."""
+    before = set(threading.enumerate())
+    server = WeightServer()
+    server.offer(1, {"w": torch.ones(16, 1 << 20)}, "float32")  # 64 MB, more than the sockets' buffers hold
+    buffer = weakref.ref(server._offer.buffer)
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as stalled:
+        stalled.sendall(_frame({"token": server.token}))
+        assert _read_frame(stalled)["version"] == 1  # a worker that reads no further: the send is in flight
+        started = time.monotonic()
+        server.close()
+        took = time.monotonic() - started
+    assert [t.name for t in set(threading.enumerate()) - before if t.name.startswith("weight-")] == []
+    assert buffer() is None
+    assert took < IO_TIMEOUT / 3  # the transfer broke off at close, not at its timeout
 
 
 def test_the_announcement_goes_out_before_the_copy_and_a_worker_reading_meanwhile_gets_the_version_whole():
