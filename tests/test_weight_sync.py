@@ -22,8 +22,8 @@ from rlsys.engine.transformers_engine import TransformersBackend
 from rlsys.engine.vllm_engine import RELOAD_LOGGER, VLLMBackend
 from rlsys.engine.weights import write_weight_update
 from rlsys.weight_checksum import weights_checksum
-from rlsys.weight_transport import IO_TIMEOUT, RETRY_SECONDS, Incoming, WeightReceiver, WeightServer, _frame, _read_exactly, \
-    _read_frame, _view, fetch, given_checksum, publish
+from rlsys.weight_transport import IO_TIMEOUT, RETRY_SECONDS, Incoming, WeightReceiver, WeightServer, _frame, \
+    _read_exactly, _read_frame, _view, fetch, given_checksum, publish
 from rlsys.workers.inference_worker import InferenceWorker
 from tests.helpers import save_random_tiny_model
 
