@@ -24,8 +24,8 @@ from tests.helpers import ENTRY, small_run_overrides
 from tests.test_install_tiers import EXTRAS, installed_with
 
 ROOT = Path(__file__).resolve().parents[1]
-# What runs in the old versions' venv besides a whole run: the learner's step, the engine, attention over packed rows.
-# The learner at one rank and at two (FSDP2 over gloo, and its group's teardown), the transformers engine, attention.
+# What runs in the old versions' venv besides a whole run: the learner's step at one rank and at two (FSDP2 over gloo,
+# and its group's teardown), the transformers engine, attention over packed rows.
 TESTS = ["tests/test_learner.py", "tests/test_learner_ranks.py", "tests/test_transformers_engine.py",
          "tests/test_varlen_attention.py"]
 
