@@ -6,6 +6,9 @@ score +1 per unit of the head, any other last character -1. Padding in a batch m
 """
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -101,6 +104,52 @@ def test_a_hung_or_failing_model_scores_zero_with_its_reason(reward_model_path):
     failing.forward = lambda pairs: 1 / 0
     scores = asyncio.run(failing.score(["p"], ["a!"], timeout=10))
     assert scores == [Score(0.0, "error", "ZeroDivisionError: division by zero")]
+
+
+def test_closing_fails_the_queued_pairs_and_ends_the_thread(reward_model_path):
+    scorer = RewardModelScorer(reward_model_path, batch_size=1)
+    started, release = threading.Event(), threading.Event()
+    forward = scorer.forward
+    scorer.forward = lambda pairs: started.set() or release.wait() and forward(pairs)
+
+    async def close_while_scoring():
+        scoring = asyncio.create_task(scorer.score(["p", "p", "p"], ["a!", "b", "c!"], timeout=30))
+        await asyncio.to_thread(started.wait, 10)
+        threading.Timer(0.2, release.set).start()  # close() waits for the batch in progress
+        await asyncio.to_thread(scorer.close)
+        return await scoring
+
+    scores = asyncio.run(close_while_scoring())
+    assert scores[0].status == "ok" and round(scores[0].reward, 3) == 1.0  # the batch in progress was scored
+    assert scores[1:] == [Score(0.0, "error", "the reward model's scorer was closed")] * 2
+    assert not scorer._thread.is_alive()
+    with pytest.raises(RuntimeError, match="is closed"):
+        asyncio.run(scorer.score(["p"], ["a!"], timeout=1))
+
+
+EXIT_WHILE_SCORING = textwrap.dedent("""
+    import asyncio, sys, time, torch
+    from rlsys.impl.env.reward_model import RewardModelScorer
+
+    def busy_forward(pairs):  # torch ops that let go of the GIL, as a real model's forward pass does, for 2 s
+        a, end = torch.ones(256, 256), time.monotonic() + 2
+        while time.monotonic() < end:
+            a = torch.mm(a, a).clamp(-1, 1)
+        return [0.0] * len(pairs)
+
+    scorer = RewardModelScorer(sys.argv[1])
+    scorer.forward = busy_forward
+    print(asyncio.run(scorer.score(["p"], ["a!"], timeout=0.3))[0].status)  # the process exits mid-pass
+""")
+
+
+def test_a_process_that_exits_while_the_model_scores_exits_cleanly(reward_model_path):
+    # Without close() at exit the scoring thread is ended inside torch's C++ as the interpreter finalizes:
+    # "terminate called without an active exception", SIGABRT (6 of 6 runs before the fix).
+    done = subprocess.run([sys.executable, "-c", EXIT_WHILE_SCORING, reward_model_path], capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "timeout"), done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
 
 
 def test_a_classifier_with_many_labels_is_refused(tmp_path, reward_model_path):

@@ -8,7 +8,9 @@ padded forward pass, so the model is loaded once, batches fill across episodes, 
 waits on torch. A pair that is not scored within `timeout` seconds of being asked gets status "timeout",
 one whose batch raised gets "error", both reward 0, as the math check's verdicts do; the episode goes on.
 (A thread cannot be killed as the math check's processes are: a forward pass that hangs keeps the
-thread, and later pairs time out too, each counted.)
+thread, and later pairs time out too, each counted.) `close`, also run at exit, ends the thread once its batch
+in progress is scored: a thread still in a forward pass as the interpreter exits aborts the whole process (CPython
+ends such a thread inside torch's C++, which calls std::terminate), and with it the rollout role's clean exit.
 
 The score is the model's one logit (`num_labels=1`, as reward models are trained), or with two labels
 the probability of label 1. The pair is rendered by the reward model's chat template as a user and an
@@ -18,6 +20,8 @@ assistant message when its tokenizer has one, else as a text pair.
 """
 
 import asyncio
+import atexit
+import contextlib
 import logging
 import queue
 import threading
@@ -28,6 +32,7 @@ from typing import Any
 from rlsys.api import EnvironmentService, register_environment
 
 log = logging.getLogger(__name__)
+CLOSE_WAIT_SECONDS = 15.0  # for the batch in progress; within the grace the launcher gives a stopping role
 
 
 @dataclass(frozen=True)
@@ -57,15 +62,22 @@ class RewardModelScorer:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self._torch, self._num_threads = torch, num_threads
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, daemon=True, name="reward-model").start()
+        self.closed = False
+        self._lock = threading.Lock()  # no request is queued behind close()'s None
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()  # (prompt, response, future, loop); None: closed
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="reward-model")
+        self._thread.start()
+        atexit.register(self.close)
 
     async def score(self, prompts: list[str], responses: list[str], timeout: float) -> list[Score]:
         """One score per (prompt, response), in order; `timeout` (seconds, 0: none) counts from this call."""
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in responses]
-        for prompt, response, future in zip(prompts, responses, futures, strict=True):
-            self._requests.put((prompt, response, future, loop))
+        with self._lock:
+            if self.closed:
+                raise RuntimeError(f"the scorer of reward model {self.path} is closed")
+            for prompt, response, future in zip(prompts, responses, futures, strict=True):
+                self._requests.put((prompt, response, future, loop))
         done, _ = await asyncio.wait(futures, timeout=timeout or None)
         return [f.result() if f in done else Score(0.0, "timeout", f"not scored within {timeout:g}s")
                 for f in futures]
@@ -86,17 +98,39 @@ class RewardModelScorer:
         scores = logits[:, 0] if logits.shape[1] == 1 else logits.softmax(-1)[:, 1]
         return scores.tolist()
 
+    def close(self, wait: float = CLOSE_WAIT_SECONDS) -> None:
+        """Pairs still queued get "error" at once; the thread ends once it has scored its batch in progress (waited
+        for up to `wait` seconds). Idempotent, and also run at exit."""
+        queued = []
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    queued.append(self._requests.get_nowait())
+            self._requests.put(None)
+        for item in queued:
+            _answer(item, Score(0.0, "error", "the reward model's scorer was closed"))
+        atexit.unregister(self.close)
+        self._thread.join(wait)
+        if self._thread.is_alive():  # a hung forward pass
+            log.warning("reward model %s still scoring %gs after close; the process may abort at exit", self.path,
+                        wait)
+
     def _serve(self) -> None:
         if self._num_threads:
             self._torch.set_num_threads(self._num_threads)
-        while True:
+        closing = False
+        while not closing:
             batch = [self._requests.get()]
-            while len(batch) < self.batch_size:
+            while batch[-1] is not None and len(batch) < self.batch_size:
                 try:
                     batch.append(self._requests.get_nowait())
                 except queue.Empty:
                     break
-            batch = [item for item in batch if not item[2].done()]  # timed out while queued
+            closing = batch[-1] is None
+            batch = [item for item in batch if item is not None and not item[2].done()]  # done: timed out queued
             if not batch:
                 continue
             try:
@@ -104,11 +138,17 @@ class RewardModelScorer:
             except Exception as e:  # a bad batch fails its pairs, not the thread
                 log.warning("reward model %s failed on a batch of %d: %s", self.path, len(batch), e)
                 scores = [Score(0.0, "error", f"{type(e).__name__}: {e}")] * len(batch)
-            for (_, _, future, loop), score in zip(batch, scores):
-                try:
-                    loop.call_soon_threadsafe(_resolve, future, score)
-                except RuntimeError:  # the asking loop has closed: nobody waits for this score
-                    pass
+            for item, score in zip(batch, scores):
+                _answer(item, score)
+
+
+def _answer(item: tuple, score: Score) -> None:
+    """Resolves a request's future on the loop that asked."""
+    _, _, future, loop = item
+    try:
+        loop.call_soon_threadsafe(_resolve, future, score)
+    except RuntimeError:  # the asking loop has closed: nobody waits for this score
+        pass
 
 
 def _resolve(future: asyncio.Future, score: Score) -> None:
