@@ -86,8 +86,8 @@ class RewardModelScorer:
         """Scores of a batch of (prompt, response) pairs: one padded forward pass."""
         torch = self._torch
         if self.tokenizer.chat_template:
-            texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": r}],
-                                                        tokenize=False) for p, r in pairs]
+            chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}] for p, r in pairs]
+            texts = [self.tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats]
             batch = self.tokenizer(texts, add_special_tokens=False, padding=True, truncation=True,
                                    max_length=self.max_length, return_tensors="pt")
         else:
