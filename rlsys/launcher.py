@@ -223,9 +223,11 @@ def launch(config) -> dict:
                     trainer_state = resume_from_latest(config, run_dir)
                     restarted = True
                 finally:
-                    supervisor.stop(bus)  # the learner saves a checkpoint when it is told to stop
+                    unclean = supervisor.stop(bus)  # the learner saves a checkpoint when it is told to stop
         except RoleFailed as e:
             raise RoleFailed(f"{e}; {last_checkpoint_note(run_dir)}") from None
+        for name, why in unclean.items():
+            log.warning("%s %s as the run stopped; its output: %s", name, why, Path(config.logging_dir) / f"{name}.log")
         prompts = ledger.end_run()
         summary = {
             "initial_accuracy": (bus.get(protocol.eval_result("initial")) or {}).get("accuracy"),
@@ -237,6 +239,7 @@ def launch(config) -> dict:
             "prompts_accounted": accounted(prompts) == prompts[ADMITTED],
             "dead_letters": bus.stream_length(protocol.DEAD_LETTERS),
             "restarts": dict(supervisor.restarts),
+            "unclean_exits": unclean,  # role name -> how it ended, for each that did not end cleanly at the stop
             "weight_checks": bus.get(protocol.WEIGHT_CHECKS) or 0,
         }
         bus.close()

@@ -95,17 +95,24 @@ class Supervisor:
         self.restarts[name] += 1
         log.warning("%s %s; restarting it (restart %d of %d)", name, why, self.restarts[name], limit)
 
-    def stop(self, bus) -> None:
-        stop_processes(bus, self.processes.values())
+    def stop(self, bus) -> dict[str, str]:
+        return stop_processes(bus, self.processes.values())
 
 
-def stop_processes(bus, processes) -> None:
-    """Tells every role to stop (the learner saves a checkpoint), then kills what outlives the grace period."""
+def stop_processes(bus, processes) -> dict[str, str]:
+    """Tells every role to stop (the learner saves a checkpoint), then kills what outlives the grace period.
+    Returns how each role that did not end cleanly ended, by its name: a role that crashes on its way out has
+    finished its part, but what it left (its log's end, a checkpoint) deserves a look."""
     with contextlib.suppress(Exception):
         bus.set(protocol.STOP, 1)
     deadline = time.monotonic() + STOP_GRACE_SECONDS
     for p in processes:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
+    unclean = {}
     for p in processes:
         if p.is_alive():
             p.kill()
+            unclean[p.name] = f"was still running {STOP_GRACE_SECONDS} s after the stop, and was killed"
+        elif p.exitcode != 0:
+            unclean[p.name] = p.exit_reason
+    return unclean

@@ -28,7 +28,10 @@ from tests.helpers import child_pids, command_line_run, left_behind, role_proces
 
 FAULTY_PLUGIN = '''
 import asyncio
+import atexit
 import dataclasses
+import multiprocessing
+import os
 
 from experiments import AsyncPPOMATHConfig, register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction, register_agent, register_environment
@@ -59,6 +62,8 @@ class FaultyAgent(MathSingleStepAgent):
 
 register_environment("faulty-env", FaultyEnv)
 register_agent("faulty-agent", FaultyAgent)
+if multiprocessing.current_process().name == "rollout0":  # the plugin crashes its process on the way out
+    atexit.register(os._exit, 7)
 
 
 @dataclasses.dataclass
@@ -127,7 +132,7 @@ def inject_once_training_runs(redis_url: str, learner_log: Path, stop: threading
         time.sleep(0.2)
 
 
-def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cache_dir, tmp_path, capfd):
+def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cache_dir, tmp_path, capfd, caplog):
     existing = child_pids()
     plugin = tmp_path / "faulty_plugin.py"
     plugin.write_text(FAULTY_PLUGIN)
@@ -165,6 +170,7 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     assert len(refused) == prompts["filtered"].get("too_stale", 0)
     assert all(int(trained) - int(oldest) > config.max_head_offpolicyness for oldest, trained in refused), refused
     assert accounted(prompts) == prompts["admitted"]
+    assert summary["unclean_exits"] == {"rollout0": "exited with code 7"}  # once it had finished its part
     print(describe(prompts))  # for BENCHMARKS.md: pytest -s shows it
 
     assert summary["dead_letters"] == len(POISON) and len(letters) == len(POISON)
@@ -179,6 +185,8 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     assert "failed (env_timeout): FaultyEnv.step took longer than 1s (env_timeout)" in output
     assert "failed (agent_error): RuntimeError: the agent has a bug on this problem" in output
     assert output.count("set aside in trajectories:dead") == len(POISON)
+    crash = f"rollout0 exited with code 7 as the run stopped; its output: {config.logging_dir}/rollout0.log"
+    assert crash in caplog.text
     rollout = read_jsonl_metrics(Path(config.logging_dir) / "rollout0.jsonl")
     (totals,) = [r for r in rollout if "episodes/failed" in r]
     for reason, n in failed.items():  # evaluation episodes fail too, so the worker counts at least these

@@ -278,4 +278,5 @@ def test_the_transformers_engine_serves_the_whole_loop(cache_dir, tmp_path):
     assert [(s["step"], s["version"]) for s in steps] == [(1, 1), (2, 2), (3, 3), (4, 4)]
     assert all(s["staleness_max"] <= config.max_head_offpolicyness for s in steps)
     assert summary["final_accuracy"] is not None and summary["initial_accuracy"] is not None
+    assert summary["unclean_exits"] == {}
     assert left_behind(tmp_path, existing) == []
