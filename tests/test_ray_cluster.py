@@ -99,6 +99,7 @@ def test_a_run_on_three_ray_nodes_survives_losing_the_inference_node(cache_dir, 
     assert [s["step"] for s in steps] == list(range(1, 7))
     assert all(s["staleness_max"] <= config.max_head_offpolicyness for s in steps)
     assert summary["restarts"].get("inference0") == 1, summary["restarts"]
+    assert summary["unclean_exits"] == {}, summary["unclean_exits"]  # the roles ended cleanly on their nodes
     assert summary["prompts_accounted"], summary["prompts"]
     assert summary["final_accuracy"] is not None
     assert left_behind(tmp_path, existing) == []
