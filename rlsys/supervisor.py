@@ -26,6 +26,7 @@ import redis
 
 from rlsys import protocol
 from rlsys.errors import LearnerFailed, RoleFailed
+from rlsys.placement.base import process_exit
 from rlsys.workers.inference_status import InferenceStatus
 
 log = logging.getLogger("rlsys")
@@ -70,7 +71,7 @@ class Supervisor:
 
     def restart_dead_server(self) -> None:
         if self.server is not None and self.server.exited():
-            self.count_restart("redis-server", f"exited with code {self.server.process.returncode}")
+            self.count_restart("redis-server", process_exit(self.server.process.returncode))
             self.server.restart()
 
     def restart_dead_roles(self, bus) -> None:

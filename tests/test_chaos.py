@@ -23,9 +23,10 @@ def test_a_short_chaos_run_answers_every_fault_and_accounts_every_prompt(cache_d
     assert [f["role"] for f in result["faults"]] and all(f["recovered_s"] is not None for f in result["faults"]), \
         result["faults"]  # every fault sent, and the learner logged a step after each
     assert summary["restarts"] == {role: 1 for role in chaos.KILLS}, summary["restarts"]
-    for line in ("inference0 exited with code -9; restarting it", "rollout0 exited with code -9; restarting it",
-                 "redis-server exited with code 0; restarting it", "learner0 exited with code -9; restarting it",
-                 "restarting every role from"):
+    for line in ("inference0 exited with code -9 (SIGKILL); restarting it",
+                 "rollout0 exited with code -9 (SIGKILL); restarting it",
+                 "redis-server exited with code 0; restarting it",
+                 "learner0 exited with code -9 (SIGKILL); restarting it", "restarting every role from"):
         assert line in run["console"], line
 
     assert summary["prompts_accounted"] and prompts["in_flight"] == 0, prompts

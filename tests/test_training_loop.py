@@ -262,7 +262,7 @@ def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish
                 assert time.monotonic() < deadline
             victim.kill()  # what it held must be re-sent to the other worker
         assert proc.wait(timeout=600) == 0, proc.output()[-3000:]
-    assert "inference0 exited with code -9; restarting it" in proc.output()
+    assert "inference0 exited with code -9 (SIGKILL); restarting it" in proc.output()
     steps = read_jsonl_metrics(logs / "learner.jsonl")
     assert [s["step"] for s in steps] == list(range(1, max_steps + 1))
     (routing,) = [r for r in read_jsonl_metrics(logs / "rollout0.jsonl") if "requests/resent" in r]

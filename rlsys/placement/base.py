@@ -1,6 +1,8 @@
 """The small interface both placements implement: start a role, watch it, stop it."""
 
 import abc
+import contextlib
+import signal
 
 
 class PlacementError(RuntimeError):
@@ -45,6 +47,14 @@ class Placement(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Every role started here is gone; resources taken for the run are given back."""
+
+
+def process_exit(code: int) -> str:
+    """How a process ended, from its exit code: a negative code is the signal that ended it (-6: SIGABRT)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"exited with code {code} ({signal.Signals(-code).name})"
+    return f"exited with code {code}"
 
 
 def learner_rendezvous(index: int, world_size: int, address: str, port: int) -> dict[str, str]:

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from rlsys.bus.redis_server import free_port
-from rlsys.placement.base import Placement, RoleHandle, learner_rendezvous
+from rlsys.placement.base import Placement, RoleHandle, learner_rendezvous, process_exit
 from rlsys.placement.cpu_threads import role_environment
 from rlsys.placement.gpus import gpu_layout, visible_devices
 
@@ -22,6 +22,10 @@ class LocalRole(RoleHandle):
     @property
     def exitcode(self) -> int | None:
         return self.process.exitcode
+
+    @property
+    def exit_reason(self) -> str:
+        return process_exit(self.process.exitcode)
 
     def join(self, timeout: float) -> None:
         self.process.join(timeout)
