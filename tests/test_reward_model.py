@@ -11,21 +11,25 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from rlsys.api import EnvServiceAbstraction, make_env
+from rlsys.cli import parse_config
 from rlsys.impl.env.reward_model import RewardModelScorer, Score, shared_scorer
+from rlsys.launcher import launch
+from rlsys.metrics import read_jsonl_metrics
 from rlsys.model.tokenizer import build_char_tokenizer
+from tests.helpers import child_pids, left_behind, small_run_overrides
 
 HIDDEN = 8
 
 
-@pytest.fixture(scope="module")
-def reward_model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("reward-model")
+def build_reward_model(path: Path, preferred: str) -> str:
+    """A reward model that scores +1 a response whose last character is in `preferred`, any other -1."""
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = None  # pairs are scored as plain text, so the last token is the response's
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=16, num_hidden_layers=1,
@@ -37,11 +41,17 @@ def reward_model_path(tmp_path_factory):
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.model.embed_tokens.weight.fill_(-1.0)
-        model.model.embed_tokens.weight[tokenizer.convert_tokens_to_ids("!")] = 1.0
+        for char in preferred:
+            model.model.embed_tokens.weight[tokenizer.convert_tokens_to_ids(char)] = 1.0
         model.score.weight.fill_(1.0 / HIDDEN)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def reward_model_path(tmp_path_factory):
+    return build_reward_model(tmp_path_factory.mktemp("reward-model"), "!")
 
 
 def test_scores_follow_the_known_preference_in_one_padded_batch(reward_model_path):
@@ -159,3 +169,51 @@ def test_a_classifier_with_many_labels_is_refused(tmp_path, reward_model_path):
     build_char_tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="has 3 labels; a reward model has 1"):
         RewardModelScorer(str(tmp_path))
+
+
+# docs/data.md's plugin, as a user writes it
+REWARD_MODEL_PLUGIN = '''
+import dataclasses
+
+from experiments import AsyncPPOMATHConfig, register_experiment
+from rlsys.api import EnvServiceAbstraction
+
+
+@dataclasses.dataclass
+class RewardModelExperiment(AsyncPPOMATHConfig):
+    reward_model_path: str = ""
+    """HF sequence-classification checkpoint that scores responses."""
+
+    @property
+    def env(self):
+        return EnvServiceAbstraction("reward-model", args=dict(model_path=self.reward_model_path, timeout=60))
+
+
+register_experiment("reward-model-experiment", RewardModelExperiment)
+'''
+
+
+STEPS = 30
+MARGIN = 0.4  # the mean training reward rose 0.67-0.77, first 5 steps to last 5 (BENCHMARKS.md, "Rewards from a model")
+
+
+@pytest.mark.slow
+def test_a_run_learns_what_the_reward_model_prefers(cache_dir, tmp_path):
+    """The math task's policy, rewarded by a model that prefers answers ending in an even digit (+1, any other -1),
+    turns toward them; the rollout worker's scorer ends cleanly with the run."""
+    existing = child_pids()
+    model = build_reward_model(tmp_path / "reward-model", "02468")
+    plugin = tmp_path / "reward_model_plugin.py"
+    plugin.write_text(REWARD_MODEL_PLUGIN)
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "experiment=reward-model-experiment", f"plugins=[{plugin}]", f"reward_model_path={model}",
+        f"max_steps={STEPS}"])
+    summary = launch(config)
+    steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    first, last = (sum(s["reward"] for s in part) / len(part) for part in (steps[:5], steps[-5:]))
+    print(f"mean reward, first 5 steps {first:+.3f}, last 5 {last:+.3f}")  # for BENCHMARKS.md: pytest -s
+    assert last - first >= MARGIN, (first, last)
+    assert summary["final_accuracy"] - summary["initial_accuracy"] >= 2 * MARGIN  # held out, greedy
+    assert summary["prompts_accounted"] and summary["unclean_exits"] == {}
+    assert left_behind(tmp_path, existing) == []
