@@ -137,3 +137,5 @@ def test_the_run_trains_with_two_learner_ranks(cache_dir, tmp_path):
     assert summary["prompts_accounted"] and summary["restarts"] == {}
     assert summary["unclean_exits"] == {}  # each rank ended whole: a native abort at exit ends it by SIGABRT
     assert left_behind(tmp_path, existing) == []
+    for log in ("learner0.log", "learner1.log"):  # each rank ended whole (faulthandler writes a native abort there)
+        assert "Fatal Python error" not in (Path(config.logging_dir) / log).read_text(), log

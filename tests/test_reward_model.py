@@ -6,6 +6,7 @@ score +1 per unit of the head, any other last character -1. Padding in a batch m
 """
 
 import asyncio
+import re
 import subprocess
 import sys
 import textwrap
@@ -171,26 +172,9 @@ def test_a_classifier_with_many_labels_is_refused(tmp_path, reward_model_path):
         RewardModelScorer(str(tmp_path))
 
 
-# docs/data.md's plugin, as a user writes it
-REWARD_MODEL_PLUGIN = '''
-import dataclasses
-
-from experiments import AsyncPPOMATHConfig, register_experiment
-from rlsys.api import EnvServiceAbstraction
-
-
-@dataclasses.dataclass
-class RewardModelExperiment(AsyncPPOMATHConfig):
-    reward_model_path: str = ""
-    """HF sequence-classification checkpoint that scores responses."""
-
-    @property
-    def env(self):
-        return EnvServiceAbstraction("reward-model", args=dict(model_path=self.reward_model_path, timeout=60))
-
-
-register_experiment("reward-model-experiment", RewardModelExperiment)
-'''
+# docs/data.md's plugin, as a user copies it
+REWARD_MODEL_PLUGIN = re.search(r"```python\n(# reward_model_plugin\.py\n.*?)```",
+                                (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text(), re.S).group(1)
 
 
 STEPS = 30
