@@ -629,7 +629,9 @@ class AsyncRLExperimentConfig(BaseExperimentConfig):
                              "only when no batch is generated while the learner trains; got max_head_offpolicyness="
                              f"{self.max_head_offpolicyness}")
 
-    def held_out_score(self, trajectory) -> float:
-        """What one greedy held-out episode counts towards the held-out accuracy: its reward (1 or 0 for a
-        verified answer). An experiment whose reward also pays for something else says what counts instead."""
-        return trajectory.reward
+    def held_out_score(self, trajectory) -> float | None:
+        """What one greedy held-out episode counts towards the held-out accuracy: its success, 1 or 0, as the agent
+        records it (`metrics["success"]`: a verified answer, a solved game, the asked product bought). None where
+        it records none (its reward is a score, as a reward model's is): a run whose held-out episodes have none
+        reports their mean reward alone. An experiment that counts something else says so here."""
+        return trajectory.metrics.get("success")

@@ -40,6 +40,19 @@ def role_output_to_file(log_file: Path, role: str) -> None:
     logging.getLogger("rlsys").addHandler(to_console)
 
 
+def held_out_line(summary: dict) -> str:
+    """A run's last word on what it learned: held-out accuracy before and after, or, where its episodes have no
+    success to count (rewards from a reward model), their mean reward."""
+    took = f"{summary['steps']} steps"
+    before, after = summary["initial_accuracy"], summary["final_accuracy"]
+    if before is not None and after is not None:
+        change = f"{before:.1%} before, {after:.1%} after {took} ({100 * (after - before):+.1f} points)"
+        return f"held-out accuracy: {change} in {summary['minutes']:.1f} min"
+    before, after = summary["initial_reward"], summary["final_reward"]
+    change = f"{before:.3f} before, {after:.3f} after {took} ({after - before:+.3f})"
+    return f"held-out mean reward: {change} in {summary['minutes']:.1f} min"
+
+
 class ProgressReporter:
     """Prints a line every `logging_steps` learner steps, read from the learner's metrics file, and one for each
     held-out evaluation between the first and the last, read from `evaluations_file` (rollout worker 0's metrics,
@@ -63,8 +76,10 @@ class ProgressReporter:
                            f"update {row['time/compute']:.2f}s")
         self.seen = len(rows)
         for row in self.new_evaluations():
-            self.print(f"step {row['eval/version']:>5}/{self.max_steps}  held-out accuracy "
-                       f"{100 * row['eval/accuracy']:.1f}% (greedy, {row['eval/episodes']} problems)")
+            figure = (f"accuracy {100 * row['eval/accuracy']:.1f}%" if "eval/accuracy" in row
+                      else f"mean reward {row['eval/reward']:.3f}")
+            self.print(f"step {row['eval/version']:>5}/{self.max_steps}  held-out {figure} "
+                       f"(greedy, {row['eval/episodes']} problems)")
         if self.bus is not None and time.monotonic() - self.last_line >= self.quiet_seconds:
             with contextlib.suppress(redis.ConnectionError):  # our server restarting: the supervisor sees to it
                 self.print(self.waiting_line())
@@ -74,7 +89,7 @@ class ProgressReporter:
         if self.evaluations_file is None or not self.evaluations_file.exists():
             return []
         rows = [row for row in read_jsonl_metrics(self.evaluations_file)
-                if "eval/accuracy" in row and 0 < row["eval/version"] < self.max_steps]
+                if "eval/version" in row and 0 < row["eval/version"] < self.max_steps]
         new, self.evaluations_seen = rows[self.evaluations_seen:], len(rows)
         return new
 

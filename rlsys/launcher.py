@@ -177,8 +177,9 @@ def finish_observability(config, run_dir: Path) -> None:
 
 
 def launch(config) -> dict:
-    """Runs a whole experiment; returns (and writes to <run dir>/summary.json) its before/after accuracy
-    and where its prompts ended. StartupError, before any process starts, if it cannot run."""
+    """Runs a whole experiment; returns (and writes to <run dir>/summary.json) its held-out accuracy and mean
+    reward before and after, and where its prompts ended. StartupError, before any process starts, if it cannot
+    run."""
     started = time.monotonic()
     run_dir = run_directory(config)
     make_private(run_dir)
@@ -229,9 +230,14 @@ def launch(config) -> dict:
         for name, why in unclean.items():
             log.warning("%s %s as the run stopped; its output: %s", name, why, Path(config.logging_dir) / f"{name}.log")
         prompts = ledger.end_run()
+        initial, final = (bus.get(protocol.eval_result(tag)) or {} for tag in ("initial", "final"))
         summary = {
-            "initial_accuracy": (bus.get(protocol.eval_result("initial")) or {}).get("accuracy"),
-            "final_accuracy": (bus.get(protocol.eval_result("final")) or {}).get("accuracy"),
+            # None where the run did not evaluate, or its episodes have no success to count (rlsys/workers/
+            # rollout_worker.py, evaluate); the mean reward is there whenever it evaluated
+            "initial_accuracy": initial.get("accuracy"),
+            "final_accuracy": final.get("accuracy"),
+            "initial_reward": initial.get("reward"),
+            "final_reward": final.get("reward"),
             "steps": config.max_steps,
             "minutes": (time.monotonic() - started) / 60,
             "run_dir": str(run_dir),

@@ -1,6 +1,6 @@
 """The run report: `<run dir>/summary.html`, one self-contained file (figures inline as SVG, frames as data
-URIs) with the reward and held-out accuracy curves, where the time went, the prompt accounting, the
-correctness alarms, and a few traces and frames. Written at the end of every run; for any run directory:
+URIs) with the reward and held-out accuracy (or mean reward) curves, where the time went, the prompt accounting,
+the correctness alarms, and a few traces and frames. Written at the end of every run; for any run directory:
 
     python3 -m rlsys.report runs/<experiment>/<trial>
 """
@@ -91,6 +91,18 @@ def time_curves(learner: list[dict]) -> tuple[dict[str, tuple[list, list]], str]
     return times, f"Time per step (from step 2; step 1 waited {learner[0]['time/wait_data']:.0f} s for the start-up)"
 
 
+def _held_out_rows(summary: dict) -> list[tuple[str, str]]:
+    """Held-out accuracy before and after, or the mean reward where the run's episodes have no success to count."""
+    accuracy = any(summary.get(f"{tag}_accuracy") is not None for tag in ("initial", "final"))
+    name, key, shown = (("accuracy", "accuracy", lambda v: f"{100 * v:.1f}%")
+                        if accuracy or "initial_reward" not in summary else ("mean reward", "reward", "{:.3f}".format))
+    rows = []
+    for when, tag in (("before", "initial"), ("after", "final")):
+        value = summary.get(f"{tag}_{key}")
+        rows.append((f"held-out {name} {when}", shown(value) if value is not None else "n/a"))
+    return rows
+
+
 def _figures(learner: list[dict], rollout: list[dict]) -> list[tuple[str, str]]:
     """(id, svg) of every curve the run has data for."""
     figures = []
@@ -101,6 +113,9 @@ def _figures(learner: list[dict], rollout: list[dict]) -> list[tuple[str, str]]:
     if evals[0]:
         figures.append(("accuracy-curve", _curve({"held-out accuracy": evals}, "Held-out accuracy (greedy)",
                                                  "accuracy", "version")))
+    elif (evals := _series(rollout, "eval/reward"))[0]:  # episodes with no success to count: their mean reward
+        figures.append(("held-out-reward-curve", _curve({"held-out mean reward": evals},
+                                                        "Held-out mean reward (greedy)", "reward", "version")))
     times, title = time_curves(learner)
     if times:
         figures.append(("time-curve", _curve(times, title, "seconds")))
@@ -203,10 +218,8 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
     frame_files = sorted(frames_dir.glob("*.png")) if frames_dir.exists() else []
 
     title = f"rlsys run {run_dir.parent.name}/{run_dir.name}"
-    before, after = summary.get("initial_accuracy"), summary.get("final_accuracy")
     headline = [("steps", len(learner)), ("minutes", f"{summary['minutes']:.1f}" if "minutes" in summary else "n/a"),
-                ("held-out accuracy before", f"{100 * before:.1f}%" if before is not None else "n/a"),
-                ("held-out accuracy after", f"{100 * after:.1f}%" if after is not None else "n/a"),
+                *_held_out_rows(summary),
                 ("restarts", summary.get("restarts", {}) or "none"), ("dead letters", summary.get("dead_letters", 0))]
     prompts = summary.get("prompts")
     body = [f"<h1>{html.escape(title)}</h1>", _table(headline),

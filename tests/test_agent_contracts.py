@@ -2,10 +2,15 @@
 
 import asyncio
 
+import pytest
+
 import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
 import rlsys.impl.env  # noqa: F401
-from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, Prompt, make_agent, make_env
+from rlsys.api import (NOT_GENERATED, AgentAbstraction, EnvironmentService, EnvServiceAbstraction, GenerationConfig,
+                       Prompt, make_agent, make_env)
+from rlsys.cli import parse_config
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
+from rlsys.workers.rollout_worker import held_out_accuracy
 from tests.scripted import run_scripted_episode
 from tests.scripted_engine import ScriptedEngine
 
@@ -36,4 +41,20 @@ def test_math_single_step_scores_each_sample_and_masks_the_prompt(tmp_path):
         assert t.logprobs == [0.0] * n + [-0.25] * len(generated)
         assert t.versions == [NOT_GENERATED] * n + [0] * len(generated)
         assert t.group_id == "q1" and t.stop_reason == "stop" and t.turn_ends == [len(t.token_ids)]
-    assert [t.metrics["correct"] for t in trajectories] == [1.0, 0.0, 0.0]
+    assert [t.metrics["success"] for t in trajectories] == [1.0, 0.0, 0.0]  # the verifier's verdicts
+
+    # An environment whose rewards are scores says nothing of success: the episodes record none, and a held-out set of
+    # them has no accuracy (the run reports their mean reward), where the verifier's has one.
+    class Scores(EnvironmentService):
+        async def reset(self, seed=None, options=None):
+            return None, {}
+
+        async def step(self, action):
+            return None, [0.9, -0.4, 0.1], True, False, {"statuses": ["ok"] * 3}
+
+    scored = asyncio.run(run_scripted_episode(agent, Scores(), prompt, policy, ScriptedEngine(policy, logprob=-0.25)))
+    assert [t.reward for t in scored] == [0.9, -0.4, 0.1] and all("success" not in t.metrics for t in scored)
+    score = parse_config(["experiment=async-ppo-math"]).held_out_score
+    assert held_out_accuracy(score, scored, "accuracy") == {}
+    assert held_out_accuracy(score, trajectories, "accuracy") == {"accuracy": pytest.approx(1 / 3)}
+    assert held_out_accuracy(score, [], "accuracy") == {"accuracy": 0.0}  # every episode failed

@@ -68,7 +68,7 @@ def test_registry_kind_names_errors():
 def make_trajectory() -> Trajectory:
     return Trajectory(token_ids=[4, 7, 8, 10, 1], loss_mask=[0, 0, 0, 1, 1], logprobs=[0.0, 0.0, 0.0, -0.25, -1e-7],
                       versions=[-1, -1, -1, 3, 3], turn_ends=[5], turn_rewards=[1.0], reward=1.0, group_id="q-1",
-                      stop_reason="stop", metrics={"correct": 1.0})
+                      stop_reason="stop", metrics={"success": 1.0})
 
 
 def test_trajectory_round_trips_through_msgpack_unchanged():

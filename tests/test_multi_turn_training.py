@@ -70,8 +70,10 @@ def test_math_multi_turn_scores_held_out_episodes_by_first_attempts():
                          turn_ends=[2, 3], turn_rewards=[0.0, 1.0], reward=0.5, group_id="g", stop_reason="stop",
                          metrics={"first_turn_success": 0.0, "success": 1.0})
     assert config.held_out_score(retried) == 0.0  # right on the second attempt: not a first-attempt success
-    assert parse_config(["experiment=async-ppo-math"]).held_out_score(retried) == 0.5  # elsewhere: the reward
+    single_turn = parse_config(["experiment=async-ppo-math"])
+    assert single_turn.held_out_score(retried) == 1.0  # elsewhere: the episode's success, not its reward of 0.5
     retried.metrics = {}
+    assert single_turn.held_out_score(retried) is None  # no success recorded: no accuracy to count
     with pytest.raises(ValueError, match="first_turn_success"):
         config.held_out_score(retried)
 

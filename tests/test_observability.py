@@ -243,3 +243,30 @@ def test_the_time_plot_leaves_the_first_steps_start_up_wait_out():
     assert times["wait_data"] == ([2, 3], [0.1, 0.2]) and times["compute"] == ([2, 3], [0.5, 0.5])
     assert title == "Time per step (from step 2; step 1 waited 95 s for the start-up)"
     assert time_curves(rows[:1]) == ({"wait_data": ([1], [95.0]), "compute": ([1], [0.5])}, "Time per step")
+
+
+def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_accuracy(tmp_path, capsys):
+    """Rewards from a reward model or TRL's functions are scores, not verdicts: the console, the last line and the
+    report call the held-out figure what it is."""
+    from rlsys.console import ProgressReporter, held_out_line
+    from rlsys.report import build_report
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rows = [{"step": v, "eval/reward": r, "eval/version": v, "eval/episodes": 100}
+            for v, r in ((0, -0.16), (50, 0.42), (100, 1.0))]
+    (logs / "rollout0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ProgressReporter(logs / "learner.jsonl", every=10, max_steps=100, quiet_seconds=3600,
+                     evaluations_file=logs / "rollout0.jsonl")()
+    assert capsys.readouterr().out == "step    50/100  held-out mean reward 0.420 (greedy, 100 problems)\n"
+
+    summary = {"initial_accuracy": None, "final_accuracy": None, "initial_reward": -0.16, "final_reward": 1.0,
+               "steps": 100, "minutes": 1.25}
+    assert held_out_line(summary) == "held-out mean reward: -0.160 before, 1.000 after 100 steps (+1.160) in 1.2 min"
+    assert held_out_line({**summary, "initial_accuracy": 0.5, "final_accuracy": 0.625}) == \
+        "held-out accuracy: 50.0% before, 62.5% after 100 steps (+12.5 points) in 1.2 min"
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    page = build_report(tmp_path).read_text()
+    assert "<th>held-out mean reward before</th><td>-0.160</td>" in page
+    assert "<th>held-out mean reward after</th><td>1.000</td>" in page
+    assert "id='held-out-reward-curve'" in page and "accuracy" not in page.lower().replace("accuracy-curve", "")

@@ -83,7 +83,7 @@ def test_calculator_then_python_then_answer(tokenizer, tokenizer_dir):
     assert right.group_id == wrong.group_id == "q7" and right.stop_reason == wrong.stop_reason == "answer"
     assert not right.void and not wrong.void  # undecodable calls are calls, not void turns
     assert right.metrics == {"turns": 3, "tool_calls": 2, "tool_errors": 0, "tool_timeouts": 0, "decode_errors": 0,
-                             "void_turns": 0, "answered": 1, "correct": 1, "prefix_breaks": 0}
+                             "void_turns": 0, "answered": 1, "success": 1, "prefix_breaks": 0}
 
     error_text = tokenizer.decode(wrong.token_ids[wrong.turn_ends[0]:], skip_special_tokens=False)
     assert error_text.startswith("<|user|><tool_response>error: calculator: missing argument 'expression'; "
@@ -91,7 +91,7 @@ def test_calculator_then_python_then_answer(tokenizer, tokenizer_dir):
                                  "<tool_response>error: not valid JSON: Expecting property name")
     assert wrong.turn_rewards == [0.0, 0.0] and wrong.reward == 0.0
     assert wrong.metrics == {"turns": 2, "tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "decode_errors": 2,
-                             "void_turns": 0, "answered": 1, "correct": 0, "prefix_breaks": 0}
+                             "void_turns": 0, "answered": 1, "success": 0, "prefix_breaks": 0}
 
     # token in, token out: each request was exactly the chain's tokens up to the start of one of its turns
     assert len(engine.requests) == 5
@@ -117,7 +117,7 @@ def test_python_timeout_and_void_turn_are_observations_and_counted(tokenizer, to
     assert "<|user|>No tool call and no answer found." in text
     assert trajectory.token_ids[:len(prompt.token_ids)] == prompt.token_ids  # no instructions asked for
     assert trajectory.metrics == {"turns": 3, "tool_calls": 1, "tool_errors": 1, "tool_timeouts": 1,
-                                  "decode_errors": 0, "void_turns": 1, "answered": 1, "correct": 1,
+                                  "decode_errors": 0, "void_turns": 1, "answered": 1, "success": 1,
                                   "prefix_breaks": 0}
     assert trajectory.reward == 1.0 and trajectory.stop_reason == "answer"
     assert trajectory.void  # a turn with neither a call nor an answer: ppo.mask_void_trajectories keeps it out

@@ -2,8 +2,8 @@
 
 The run builds (or finds cached) its dataset and policy, starts a private Redis, then runs three kinds
 of processes joined by it: inference workers (vLLM), rollout workers (agents and environments) and
-the learner (PPO updates, weight publishing, checkpoints). It ends with held-out accuracy before and
-after training. `--help` lists every setting.
+the learner (PPO updates, weight publishing, checkpoints). It ends with held-out accuracy (or, where
+episodes have no success to count, mean reward) before and after training. `--help` lists every setting.
 """
 
 import sys
@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from rlsys.cli import ConfigError, parse_config  # noqa: E402
+from rlsys.console import held_out_line  # noqa: E402
 from rlsys.launcher import launch  # noqa: E402
 from rlsys.preflight import StartupError  # noqa: E402
 from rlsys.prompt_ledger import describe  # noqa: E402
@@ -27,9 +28,7 @@ def main(argv: list[str]) -> dict:
     except RoleFailed as e:  # the run started and could not go on: the roles logged the details above
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    before, after = summary["initial_accuracy"], summary["final_accuracy"]
-    print(f"held-out accuracy: {before:.1%} before, {after:.1%} after {summary['steps']} steps "
-          f"({100 * (after - before):+.1f} points) in {summary['minutes']:.1f} min")
+    print(held_out_line(summary))
     print(f"{describe(summary['prompts'])}; {summary['dead_letters']} trajectory messages dead-lettered")
     return summary
 

@@ -253,9 +253,10 @@ class RolloutWorker:
         except InvalidMessage as e:
             raise self.failed(prompt, EpisodeFailed("invalid_output", str(e))) from None
 
-    async def evaluate(self, tag: str) -> float:
-        """Greedy accuracy on the held-out set (the experiment's `held_out_score` per episode; for most, the
-        episode's reward), and the mean reward, logged and stored on the bus."""
+    async def evaluate(self, tag: str) -> None:
+        """Greedy episodes on the held-out set: their mean reward, and their accuracy (the mean of the experiment's
+        `held_out_score`, for most an episode's success) where every episode has a score, logged and stored on the
+        bus. A mixed run's environment types each get their own accuracy by the same rule."""
         version = await self.current_version()
         prompts = list(self.prompts(self.eval_rows, "eval", shuffle=False))
         results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p, tag)
@@ -265,18 +266,21 @@ class RolloutWorker:
                 raise result  # not an episode's failure (already counted): a bug or a cancellation
         episodes = [t for trajectories in results if isinstance(trajectories, list) for t in trajectories]
         score = self.config.held_out_score
-        accuracy = sum(map(score, episodes)) / max(len(episodes), 1)
-        result = {"accuracy": accuracy, "reward": sum(t.reward for t in episodes) / max(len(episodes), 1),
-                  "version": version, "episodes": len(episodes)}
+        result = {"reward": sum(t.reward for t in episodes) / max(len(episodes), 1), "version": version,
+                  "episodes": len(episodes), **held_out_accuracy(score, episodes, "accuracy")}
         if len(self.config.envs) > 1:  # a mixed run: each environment type's accuracy too
             for name in self.config.envs:
-                own = [score(t) for p, ts in zip(prompts, results) if isinstance(ts, list)
-                       and env_type(self.config, p) == name for t in ts]
-                result[f"{name}/accuracy"] = sum(own) / max(len(own), 1)
+                own = [t for p, ts in zip(prompts, results) if isinstance(ts, list) and env_type(self.config, p) == name
+                       for t in ts]
+                result.update(held_out_accuracy(score, own, f"{name}/accuracy"))
         self.metrics.log(version, {f"eval/{k}": v for k, v in result.items()})
         await asyncio.to_thread(self.bus.set, protocol.eval_result(tag), result)
-        log.info("held-out accuracy %s (version %d): %.1f%% of %d", tag, version, 100 * accuracy, len(episodes))
-        return accuracy
+        if "accuracy" in result:
+            log.info("held-out accuracy %s (version %d): %.1f%% of %d", tag, version, 100 * result["accuracy"],
+                     len(episodes))
+        else:
+            log.info("held-out mean reward %s (version %d): %.3f over %d", tag, version, result["reward"],
+                     len(episodes))
 
     async def wait_for_final_weights(self) -> bool:
         """True once inference serves the learner's final version; False if the run is stopped first."""
@@ -289,6 +293,13 @@ class RolloutWorker:
 
     async def _bus_get(self, key: str):
         return await asyncio.to_thread(self.bus.get, key)
+
+
+def held_out_accuracy(score, episodes: list[Trajectory], key: str) -> dict:
+    """{key: the episodes' mean `score` (0 for no episodes: every one failed)}, or {} where an episode has no score
+    (None): its outcome is a score of another kind, and there is no accuracy to report."""
+    scores = [score(t) for t in episodes]
+    return {} if None in scores else {key: sum(scores) / max(len(scores), 1)}
 
 
 def _build_agents(config, variant) -> dict:

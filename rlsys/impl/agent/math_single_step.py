@@ -38,9 +38,13 @@ class MathSingleStepAgent(Agent):
         answers = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in act.output_ids]
         _, rewards, _, _, info = await env.step((prompt.qid, answers))
         statuses = info.get("statuses", ["ok"] * len(answers))
+        # Whether an answer is right is the environment's to say (a verifier's verdict); one whose reward is a
+        # score (a reward model's, TRL reward functions') says nothing, and its episodes have no success.
+        successes = info.get("success")
         return [
-            single_turn_trajectory(prompt, act, i, float(rewards[i]),
-                                   {"correct": float(rewards[i]), "verify_failed": float(statuses[i] in ("timeout", "error"))})
+            single_turn_trajectory(prompt, act, i, float(rewards[i]), {
+                "verify_failed": float(statuses[i] in ("timeout", "error")),
+                **({"success": float(successes[i])} if successes is not None else {})})
             for i in range(len(answers))
         ]
 

@@ -53,13 +53,18 @@ class OpenAIAgent(Agent):
 
     async def trajectories(self, prompt: Prompt, env: EnvironmentService, sessions: list,
                            rewards: list[float | None]) -> list[Trajectory]:
-        """Each run's samples, with its reward: the function's, or the env's verdict on its last answer."""
+        """Each run's samples, with its reward: the function's, or the env's verdict on its last answer (and, where
+        the env says so, the run's success)."""
         trajectories = []
         for session, reward in zip(sessions, rewards):
+            success = None
             if reward is None:
-                _, verdict, *_ = await env.step((prompt.qid, [session.conversation.final_text]))
-                reward = verdict[0] if isinstance(verdict, (list, tuple)) else verdict
-            trajectories += session.conversation.trajectories(float(reward), prompt.qid)
+                _, verdict, _, _, info = await env.step((prompt.qid, [session.conversation.final_text]))
+                reward, success = _first(verdict), info.get("success")
+            ours = session.conversation.trajectories(float(reward), prompt.qid)
+            for trajectory in ours if success is not None else ():
+                trajectory.metrics["success"] = float(_first(success))
+            trajectories += ours
         return trajectories
 
     async def run_once(self, base_url: str, api_key: str, prompt: Prompt) -> float | None:
@@ -68,6 +73,11 @@ class OpenAIAgent(Agent):
                 return await self.run(base_url, api_key, prompt.data["prompt"])
         except TimeoutError:
             raise EpisodeFailed("agent_timeout", f"{self.run_entry} took longer than {self.timeout:g}s") from None
+
+
+def _first(value):
+    """A one-answer step's figure: environments that score a list of answers give a list."""
+    return value[0] if isinstance(value, (list, tuple)) else value
 
 
 register_agent("openai-agent", OpenAIAgent)

@@ -87,7 +87,7 @@ class ToolCallingAgent(Agent):
                 break
             transcript.add_observation(piece)
         metrics = {key: float(value) for key, value in counts.items()}
-        metrics.update(turns=float(len(turn_ends)), correct=float(sum(turn_rewards) > 0))
+        metrics.update(turns=float(len(turn_ends)), success=float(sum(turn_rewards) > 0))
         return Trajectory(token_ids=transcript.token_ids, loss_mask=transcript.loss_mask,
                           logprobs=transcript.logprobs, versions=transcript.versions, turn_ends=turn_ends,
                           turn_rewards=turn_rewards, reward=sum(turn_rewards), group_id=prompt.qid,

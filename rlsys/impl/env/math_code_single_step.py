@@ -35,7 +35,8 @@ class MathCodeSingleStepEnv(EnvironmentService):
         _qid, answers = action
         verdicts = await shared_pool(self.verifier_workers).score(answers, self.reference, self.verify_timeout)
         rewards = [1.0 if v.correct else 0.0 for v in verdicts]
-        info = {"statuses": [v.status for v in verdicts], "reasons": [v.reason for v in verdicts]}
+        info = {"statuses": [v.status for v in verdicts], "reasons": [v.reason for v in verdicts],
+                "success": [v.correct for v in verdicts]}
         return None, rewards, True, False, info
 
 
