@@ -81,3 +81,35 @@ def test_each_role_runs_its_loop_with_its_build_frozen_and_the_collector_on(role
     """, tmp_path)
     assert seen["collector_on"]
     assert seen["frozen"] > 10_000  # the role's modules at least (none are frozen unless the role froze them)
+
+
+def test_the_rollout_worker_freezes_what_reading_its_datasets_imported(tmp_path):
+    """The rollout worker reads its datasets after its build is frozen, beside the engines' start; what that
+    imports (Hugging Face datasets, pyarrow: over 100k objects) lives as long as the role, and is frozen too before
+    the first episode, so the full collections of the run do not walk it each time."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    config = AsyncPPOMATHConfig()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.dataset.path = config.dataset.eval_path = str(rows)
+    config.logging_dir = str(tmp_path / "logs")
+    seen = in_a_fresh_interpreter(f"""
+        import gc, json, sys
+        import rlsys.roles
+        from rlsys.workers import rollout_worker, routing
+
+        async def up(*args, **kwargs):
+            pass
+
+        async def record(worker, tag):  # the initial evaluation: the first thing after the datasets are read
+            json.dump({{"rows": len(worker.train_rows), "datasets_imported": "datasets" in sys.modules,
+                        "walked_by_a_collection": len(gc.get_objects())}}, open(out, "w"))
+            raise SystemExit(0)
+
+        routing.EpisodeRouter.live_worker = up
+        rollout_worker.RolloutWorker.warm_up_environments = up
+        rollout_worker.RolloutWorker.evaluate = record
+        rlsys.roles.run_role("rollout", 0, {config_to_dict(config)!r}, "inproc://heap", {str(tmp_path)!r}, {{}})
+    """, tmp_path)
+    assert seen["rows"] == 20 and seen["datasets_imported"]
+    assert seen["walked_by_a_collection"] < 10_000  # 7 here; 64,016 when the datasets' objects were left unfrozen
