@@ -40,17 +40,28 @@ def role_output_to_file(log_file: Path, role: str) -> None:
     logging.getLogger("rlsys").addHandler(to_console)
 
 
+def held_out(summary: dict) -> tuple[str, float | None, float | None]:
+    """A run's held-out figure, named, before and after: its accuracy, or, where its episodes have no success to
+    count (rewards from a reward model), their mean reward. None where the run did not evaluate."""
+    tags = ("initial", "final")
+    if any(summary.get(f"{tag}_accuracy") is not None for tag in tags) \
+            or all(summary.get(f"{tag}_reward") is None for tag in tags):
+        return "accuracy", summary.get("initial_accuracy"), summary.get("final_accuracy")
+    return "mean reward", summary.get("initial_reward"), summary.get("final_reward")
+
+
+def held_out_text(name: str, value: float | None) -> str:
+    """One of `held_out`'s figures as the console and the report show it."""
+    return "n/a" if value is None else f"{value:.1%}" if name == "accuracy" else f"{value:.3f}"
+
+
 def held_out_line(summary: dict) -> str:
-    """A run's last word on what it learned: held-out accuracy before and after, or, where its episodes have no
-    success to count (rewards from a reward model), their mean reward."""
-    took = f"{summary['steps']} steps"
-    before, after = summary["initial_accuracy"], summary["final_accuracy"]
-    if before is not None and after is not None:
-        change = f"{before:.1%} before, {after:.1%} after {took} ({100 * (after - before):+.1f} points)"
-        return f"held-out accuracy: {change} in {summary['minutes']:.1f} min"
-    before, after = summary["initial_reward"], summary["final_reward"]
-    change = f"{before:.3f} before, {after:.3f} after {took} ({after - before:+.3f})"
-    return f"held-out mean reward: {change} in {summary['minutes']:.1f} min"
+    """A run's last word on what it learned."""
+    name, before, after = held_out(summary)
+    change = "" if before is None or after is None else \
+        f" ({100 * (after - before):+.1f} points)" if name == "accuracy" else f" ({after - before:+.3f})"
+    return (f"held-out {name}: {held_out_text(name, before)} before, {held_out_text(name, after)} after "
+            f"{summary['steps']} steps{change} in {summary['minutes']:.1f} min")
 
 
 class ProgressReporter:
@@ -76,10 +87,9 @@ class ProgressReporter:
                            f"update {row['time/compute']:.2f}s")
         self.seen = len(rows)
         for row in self.new_evaluations():
-            figure = (f"accuracy {100 * row['eval/accuracy']:.1f}%" if "eval/accuracy" in row
-                      else f"mean reward {row['eval/reward']:.3f}")
-            self.print(f"step {row['eval/version']:>5}/{self.max_steps}  held-out {figure} "
-                       f"(greedy, {row['eval/episodes']} problems)")
+            name, key = ("accuracy", "eval/accuracy") if "eval/accuracy" in row else ("mean reward", "eval/reward")
+            self.print(f"step {row['eval/version']:>5}/{self.max_steps}  held-out {name} "
+                       f"{held_out_text(name, row[key])} (greedy, {row['eval/episodes']} problems)")
         if self.bus is not None and time.monotonic() - self.last_line >= self.quiet_seconds:
             with contextlib.suppress(redis.ConnectionError):  # our server restarting: the supervisor sees to it
                 self.print(self.waiting_line())

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from rlsys.console import held_out, held_out_text
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.prompt_ledger import describe
 from rlsys.run_privacy import write_private
@@ -89,18 +90,6 @@ def time_curves(learner: list[dict]) -> tuple[dict[str, tuple[list, list]], str]
     if shown is learner or "time/wait_data" not in learner[0]:
         return times, "Time per step"
     return times, f"Time per step (from step 2; step 1 waited {learner[0]['time/wait_data']:.0f} s for the start-up)"
-
-
-def _held_out_rows(summary: dict) -> list[tuple[str, str]]:
-    """Held-out accuracy before and after, or the mean reward where the run's episodes have no success to count."""
-    accuracy = any(summary.get(f"{tag}_accuracy") is not None for tag in ("initial", "final"))
-    name, key, shown = (("accuracy", "accuracy", lambda v: f"{100 * v:.1f}%")
-                        if accuracy or "initial_reward" not in summary else ("mean reward", "reward", "{:.3f}".format))
-    rows = []
-    for when, tag in (("before", "initial"), ("after", "final")):
-        value = summary.get(f"{tag}_{key}")
-        rows.append((f"held-out {name} {when}", shown(value) if value is not None else "n/a"))
-    return rows
 
 
 def _figures(learner: list[dict], rollout: list[dict]) -> list[tuple[str, str]]:
@@ -218,8 +207,10 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
     frame_files = sorted(frames_dir.glob("*.png")) if frames_dir.exists() else []
 
     title = f"rlsys run {run_dir.parent.name}/{run_dir.name}"
+    name, before, after = held_out(summary)
     headline = [("steps", len(learner)), ("minutes", f"{summary['minutes']:.1f}" if "minutes" in summary else "n/a"),
-                *_held_out_rows(summary),
+                (f"held-out {name} before", held_out_text(name, before)),
+                (f"held-out {name} after", held_out_text(name, after)),
                 ("restarts", summary.get("restarts", {}) or "none"), ("dead letters", summary.get("dead_letters", 0))]
     prompts = summary.get("prompts")
     body = [f"<h1>{html.escape(title)}</h1>", _table(headline),
