@@ -64,7 +64,7 @@ class RolloutWorker:
             # Engines take a while to start, and so do what environments share: episodes begin once both are up, and
             # the datasets are read meanwhile.
             await asyncio.gather(self.router.live_worker(), self.warm_up_environments(), self.read_datasets())
-            gc.freeze()  # the datasets' rows and the modules reading them imported live as long as the role
+            gc.freeze()  # what the read built and imported (rows, HF datasets, pyarrow) lives as long as the role
             if self.index == 0 and not await self._bus_get(protocol.eval_result("initial")):  # not a restart
                 await self.evaluate("initial")
             await self.train()
