@@ -172,11 +172,13 @@ def test_frozen_lakes_warm_start_stops_only_above_what_one_move_to_every_board_s
     move scores")."""
     from rlsys.cli import parse_config
     from rlsys.data.dataset import load_rows
+    from rlsys.impl.env.text_game import MOVES
+    from rlsys.model.tiny import HELD_OUT_CHECKS
     from rlsys.model.tokenizer import build_char_tokenizer
 
     config = parse_config(["experiment=async-ppo-frozen-lake", f"seed={seed}"])
     _, held_out = config.generate_dataset(tmp_path)
     _, checks = config.warm_start_examples(build_char_tokenizer(), [], load_rows(held_out))
-    checks = checks[:200]  # the ones the warm start stops on (rlsys/model/tiny.py)
-    blind = max(sum(move in check.accepted for check in checks) / len(checks) for move in "UDLR")
+    checks = checks[:HELD_OUT_CHECKS]  # the ones the warm start stops on
+    blind = max(sum(move in check.accepted for check in checks) / len(checks) for move in MOVES)
     assert 0.75 < blind <= config.model.warm_start_accuracy - 0.05, blind

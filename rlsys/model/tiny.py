@@ -16,6 +16,7 @@ import torch
 from rlsys.model.tokenizer import build_char_tokenizer
 from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence, answer_ids
 
+HELD_OUT_CHECKS = 200  # a warm start checks (and stops on) this many of its held-out examples, the first ones
 LOG_EVERY_SECONDS = 15  # a warm start's progress line at most this often: alive, without a line per check
 MAX_POSITIONS = 512  # multi-turn games run to a few hundred tokens; RoPE adds no parameters for it
 
@@ -186,12 +187,12 @@ def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, 
     if threads:
         torch.set_num_threads(threads)
     try:
-        accuracy, reach = warm_start(model, tokenizer, train_examples, eval_examples[:200], stop, seed,
+        accuracy, reach = warm_start(model, tokenizer, train_examples, eval_examples[:HELD_OUT_CHECKS], stop, seed,
                                      max_steps=max_steps, eval_every=eval_every, batch_size=batch_size, log=log)
     finally:
         torch.set_num_threads(previous_threads)
     stopped = "" if stop.met(accuracy, reach) else f", at its limit of {max_steps} steps,"
-    log(f"warm start reached {accuracy:.1%}{_reach_text(reach, stop)} on {len(eval_examples[:200])} held-out "
+    log(f"warm start reached {accuracy:.1%}{_reach_text(reach, stop)} on {len(eval_examples[:HELD_OUT_CHECKS])} held-out "
         f"examples{stopped} in {time.monotonic() - started:.0f}s")
     from transformers.utils import logging as hf_logging
 
