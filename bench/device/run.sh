@@ -18,13 +18,14 @@
 # the long-answer task's model's warm start, when it did not travel, up to 4 of them; TRL about 85 s, rlsys about
 # 130 s twice, then the scoring) runs the long-answer task on what time is left.
 # What comes back in $OUT (the tool returns at most 8 files): tests.txt, engine.txt, learner_vs_plain.txt,
-# vs_trl.txt, vs_trl.json, vs_trl_long.txt, vs_trl_long.json, and profile-<role>.txt (py-spy's collapsed stacks,
-# 10 s at 100 Hz, of learner0, inference0, rollout0, taken during rlsys's first run on the long-answer task). No vLLM
+# vs_trl.txt, vs_trl.json, vs_trl_long.txt, vs_trl_long.json, and profiles.tgz: py-spy's collapsed stacks (10 s at
+# 100 Hz) of learner0, inference0 and rollout0 in each of rlsys's runs (eager, then CUDA graphs), 25 s after each
+# run's learner starts. No vLLM
 # there (its wheel is too large to carry): the transformers engine serves.
 set -uo pipefail
 source .device-carry/env.sh
 OUT=${OUT:-/tmp/device-out}
-mkdir -p "$OUT" ~/.cache/rlsys
+mkdir -p "$OUT/profiles" ~/.cache/rlsys
 cp -r .device-carry/cache/* ~/.cache/rlsys/
 started=$SECONDS
 PARTS=${PARTS:-"tests learner engine vs_trl"}
@@ -32,15 +33,18 @@ GRAPHS="graphs:inference.enforce_eager=false"  # rlsys again, its engine's decod
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 stamp() { echo "== $1 at $((SECONDS - started)) s" | tee -a "$OUT/tests.txt"; }
 
-profile_roles() {  # once rlsys's roles run (TRL goes first) and have trained a while
-  for _ in $(seq 300); do pgrep -x learner0 > /dev/null && break; sleep 1; done
-  sleep 25
-  for role in learner0 inference0 rollout0; do
-    pid=$(pgrep -x "$role" | head -1)
-    [ -n "$pid" ] && py-spy record --pid "$pid" -d 10 -r 100 --format raw -o "$OUT/profile-$role.txt" \
-      --nonblocking > /dev/null 2>&1 &
+profile_roles() {  # each of rlsys's runs (TRL goes first) once its roles have trained a while: runs $1 to $2
+  for run in $(seq "$1" "$2"); do
+    for _ in $(seq 300); do pgrep -x learner0 > /dev/null && break; sleep 1; done
+    sleep 25
+    for role in learner0 inference0 rollout0; do
+      pid=$(pgrep -x "$role" | head -1)
+      [ -n "$pid" ] && py-spy record --pid "$pid" -d 10 -r 100 --format raw -o "$OUT/profiles/$role-run$run.txt" \
+        --nonblocking > /dev/null 2>&1 &
+    done
+    wait
+    while pgrep -x learner0 > /dev/null; do sleep 1; done
   done
-  wait
 }
 
 part tests && { stamp "GPU tests"
@@ -64,13 +68,16 @@ echo "--- the learner's publish and its checks" >> "$OUT/learner_vs_plain.txt"
 timeout 60 python3 bench/publish_cost.py --out /tmp/publish_cost.json >> "$OUT/learner_vs_plain.txt" 2>&1; }
 
 part long && { stamp "rlsys against TRL on the long-answer task, the GPU"
-profile_roles &
+profile_roles 1 1 &
 timeout 480 python3 bench/vs_trl.py --device cuda --task async-ppo-math-long --steps 60 --snapshot-steps 10 \
   --held-out 200 --variant "$GRAPHS" --out "$OUT/vs_trl_long.json" > "$OUT/vs_trl_long.txt" 2>&1
 echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl_long.txt"
 wait; }
 
 part vs_trl && { stamp "rlsys against TRL on the GPU"
+profile_roles 1 2 & profiler=$!
 timeout 330 python3 bench/vs_trl.py --device cuda --variant "$GRAPHS" --out "$OUT/vs_trl.json" > "$OUT/vs_trl.txt" 2>&1
-echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl.txt"; }
+echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl.txt"
+kill "$profiler" 2> /dev/null; wait; }
+tar -czf "$OUT/profiles.tgz" -C "$OUT" profiles && rm -r "$OUT/profiles"
 stamp "done"
