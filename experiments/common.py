@@ -417,9 +417,9 @@ class InferenceConfig:
     """vLLM's KV cache in GiB, on a GPU or a CPU; 0: on a GPU what gpu_memory_utilization leaves, on a CPU what
     max_num_seqs sequences of max_model_len tokens hold, at most 1 GiB (rlsys/engine/vllm_engine.py)."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take (on a CPU its cache is kv_cache_gib's, and another value is refused); with
-    inference.engine=transformers and enforce_eager=false, the share its model and its graphs' KV cache may take
-    (that cache is allocated whole)."""
+    """Fraction of GPU memory vLLM may take; with inference.engine=transformers and CUDA graphs (on a GPU unless
+    enforce_eager=true), the share its model and its graphs' KV cache may take (that cache is allocated whole). On a
+    CPU vLLM's cache is kv_cache_gib's and the transformers engine's grows as needed: another value is refused."""
     num_threads: int = 1
     """CPU threads of each inference worker (torch/OpenMP); 0: the engine's choice (vLLM-CPU: about one per core).
     One leaves the other cores to the learner and rollout workers of a small machine; with cluster.colocate=true
@@ -430,10 +430,10 @@ class InferenceConfig:
     """Longest prompt + response, in tokens, the engine accepts; 0 means the model's own limit."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes: a group's samples and an episode's earlier turns."""
-    enforce_eager: bool = True
-    """No CUDA graphs: faster start-up, slower decoding on GPUs. false: vLLM compiles the model and captures its graphs
-    at start-up; the transformers engine captures its decode step per batch size and cache width as they first come,
-    and needs a GPU for it."""
+    enforce_eager: bool | None = None
+    """true: no CUDA graphs (faster start-up, slower decoding on GPUs); false: vLLM compiles the model and captures its
+    graphs at start-up, the transformers engine captures its decode step per batch size and cache width as they first
+    come (a GPU only); unset (null): eager on a CPU, CUDA graphs on a GPU, as vLLM does by default there."""
     max_batch_requests: int = 256
     """Most observations taken from the bus between two engine steps."""
     tensor_parallel_size: int = 1
@@ -455,21 +455,28 @@ class InferenceConfig:
         only for its CUDA graphs."""
         vllm = (self.engine == "vllm", f"with inference.engine={self.engine} (only vLLM reads it)",
                 "set inference.engine=vllm")
-        memory = (self.engine == "vllm" or not self.enforce_eager,
+        memory = (self.engine == "vllm" or self.enforce_eager is not True,  # unset: graphs on a GPU
                   "with inference.engine=transformers and enforce_eager=true (its eager cache grows as needed)",
                   "set inference.enforce_eager=false for its CUDA graphs, or inference.engine=vllm")
         return {**{name: vllm for name in VLLM_ONLY}, "gpu_memory_utilization": memory}
 
+    def eager_on(self, device) -> bool:
+        """Whether the engine runs without CUDA graphs on `device` ("cpu", "cuda", "cuda:0", a torch.device):
+        enforce_eager, or where it is unset, everywhere but on a GPU."""
+        return self.enforce_eager if self.enforce_eager is not None else not str(device).startswith("cuda")
+
     def check_device(self, device: str) -> None:
         """A setting an engine on this device ("cpu" or "cuda") cannot honour is refused, with the reason."""
-        if self.engine == "transformers" and not self.enforce_eager and device == "cpu":
+        if self.engine == "transformers" and self.enforce_eager is False and device == "cpu":
             raise ValueError("inference.enforce_eager=false asks the transformers engine for CUDA graphs, which need "
-                             "a GPU, and this machine has none: leave inference.enforce_eager=true")
+                             "a GPU, and this machine has none: leave inference.enforce_eager unset or true")
         default_share = InferenceConfig.__dataclass_fields__["gpu_memory_utilization"].default
-        if self.engine == "vllm" and device == "cpu" and self.gpu_memory_utilization != default_share:
+        if device == "cpu" and self.gpu_memory_utilization != default_share:
+            cache = ("vLLM's KV cache is inference.kv_cache_gib's (GiB; 0: what max_num_seqs sequences of "
+                     "max_model_len tokens hold, at most 1)" if self.engine == "vllm" else
+                     "the transformers engine runs eagerly, its cache growing as needed")
             raise ValueError(f"inference.gpu_memory_utilization={self.gpu_memory_utilization} does nothing on a CPU, "
-                             "where vLLM's KV cache is inference.kv_cache_gib's (GiB; 0: what max_num_seqs sequences "
-                             "of max_model_len tokens hold, at most 1)")
+                             f"where {cache}")
 
 
 @dataclass

