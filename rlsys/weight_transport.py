@@ -274,8 +274,9 @@ class Incoming:
     of the checksum as it lands, while an engine that loads tensor by tensor takes them from `items`."""
 
     def __init__(self, connection: socket.socket, header: dict, buffer: torch.Tensor, held: Received | None,
-                 source: str):
+                 source: str, checksum_arrived: bool = True):
         self.version, self.dtype, self.buffer, self.source = header["version"], header["dtype"], buffer, source
+        self.checksum_arrived = checksum_arrived  # else `arrived_checksum` stays empty: the engine's own is checked
         self.layout = header["tensors"]
         self.tensors = {name: _view(buffer, getattr(torch, dtype), shape, start, nbytes)
                         for name, dtype, shape, start, nbytes in self.layout}
@@ -320,6 +321,8 @@ class Incoming:
                         self._arrived += 1
                         self._changed.notify_all()
                     first = first_at.setdefault(start, name)
+                    if not self.checksum_arrived:
+                        continue
                     if first == name:
                         parts.add(name, self.tensors[name])
                     else:
@@ -329,7 +332,8 @@ class Incoming:
                 trailer = _read_frame(connection)
                 if not isinstance(trailer, dict) or not isinstance(trailer.get("checksum"), str):
                     raise ValueError(f"the transfer ended with {trailer!r} where the checksum belongs")
-                self.checksum, self.arrived_checksum = trailer["checksum"], parts.digest()
+                self.checksum = trailer["checksum"]
+                self.arrived_checksum = parts.digest() if self.checksum_arrived else ""
         except (OSError, ValueError, msgpack.UnpackException) as e:
             with self._changed:
                 self.error = e
@@ -342,7 +346,8 @@ def fetch(address: str, token: str, into: torch.Tensor | None = None) -> Receive
     return _open(address, token, into, held=None).whole()
 
 
-def _open(address: str, token: str, into: torch.Tensor | None, held: Received | None) -> Incoming:
+def _open(address: str, token: str, into: torch.Tensor | None, held: Received | None,
+          checksum_arrived: bool = True) -> Incoming:
     """The transfer of the newest version `address` serves, started (into `into` if it has the size)."""
     host, port = address.rsplit(":", 1)
     connection = socket.create_connection((host, int(port)), timeout=IO_TIMEOUT)
@@ -356,7 +361,7 @@ def _open(address: str, token: str, into: torch.Tensor | None, held: Received | 
         raise
     size = header["bytes"]
     buffer = into if into is not None and into.numel() == size else torch.empty(size, dtype=torch.uint8)
-    return Incoming(connection, header, buffer, held, address)
+    return Incoming(connection, header, buffer, held, address, checksum_arrived)
 
 
 def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_dir: Path,
@@ -382,9 +387,13 @@ class WeightReceiver:
     """The inference worker's side: a published version, as something its engine can load.
 
     Two buffers take turns: the newest whole version stays in one (`held`) while the next arrives in the other, so
-    an engine may load the next tensor by tensor as it arrives and still go back if the transfer breaks off."""
+    an engine may load the next tensor by tensor as it arrives and still go back if the transfer breaks off.
 
-    def __init__(self):
+    `checksum_arrived`: compute the checksum of the bytes that arrive, for an engine that cannot list the tensors it
+    holds (`given_checksum`); one that can has those checked, and the receiving thread reads each tensor once less."""
+
+    def __init__(self, checksum_arrived: bool = True):
+        self.checksum_arrived = checksum_arrived
         self.received_streamed = 0  # versions that arrived over the stream
         self.failed_fetches = 0  # transfers that could not be had whole (the learner restarting, a broken link)
         self.held: Received | None = None  # the newest version streamed whole
@@ -402,7 +411,7 @@ class WeightReceiver:
         if self._failed and self._failed[:2] == announcement and time.monotonic() - self._failed[2] < RETRY_SECONDS:
             return None
         try:
-            incoming = _open(published.address, published.token, self._spare, self.held)
+            incoming = _open(published.address, published.token, self._spare, self.held, self.checksum_arrived)
         except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             self._fetch_failed(announcement, e)
             return None
@@ -446,6 +455,9 @@ def given_checksum(received: Received, held: dict | None = None) -> str:
         return weights_checksum(held, received.dtype)
     if received.arrived_checksum:  # streamed
         return received.arrived_checksum
+    if received.buffer is not None:
+        raise ValueError("a streamed version's checksum needs the engine's tensors, or WeightReceiver(checksum_arrived"
+                         "=True) for an engine that cannot list them")
     return weights_checksum(load_file(f"{received.weights}/{WEIGHTS_FILE}"), received.dtype)
 
 

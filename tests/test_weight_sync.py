@@ -183,6 +183,31 @@ def test_closing_the_server_ends_its_threads_and_frees_its_buffers_with_a_transf
     assert took < IO_TIMEOUT / 3  # the transfer broke off at close, not at its timeout
 
 
+def test_a_worker_whose_engine_lists_its_tensors_checks_those_and_not_the_bytes_that_arrived(tmp_path):
+    """The transformers engine lists what it holds, so its worker's receiver reads no checksum of the bytes that arrive
+    (each tensor read once less, on a thread beside the engine); vLLM cannot, so its worker's does. The check of
+    what the engine holds still equals the learner's checksum."""
+    path = save_random_tiny_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    transformers = GenerationEngine(TransformersBackend(str(path), InferenceConfig(engine="transformers"), seed=0))
+    receiver = InferenceWorker(transformers, InProcessBus(), 0, max_batch_requests=8).weights
+    assert receiver.checksum_arrived is False
+    assert InferenceWorker(GenerationEngine(VLLMBackend(str(path), InferenceConfig(), seed=0)), InProcessBus(), 0,
+                           max_batch_requests=8).weights.checksum_arrived is True
+
+    server, bus = WeightServer(), InProcessBus()
+    take_optimizer_steps(model)
+    publish(bus, model, 1, "stream", tmp_path, server=server)
+    received = receiver.receive(parse_published_weights(bus.get(protocol.WEIGHTS)))
+    assert received.arrived_checksum == ""
+    transformers.update_weights(received.weights, received.version)
+    assert given_checksum(received, transformers.backend.loaded_weights()) == received.checksum == weights_checksum(
+        model.state_dict())
+    with pytest.raises(ValueError, match="needs the engine's tensors"):
+        given_checksum(received)
+    server.close()
+
+
 def test_the_announcement_goes_out_before_the_copy_and_a_worker_reading_meanwhile_gets_the_version_whole():
     """The learner announces a version, then copies it tensor by tensor while workers already read it: a worker
     that connects at the announcement gets every byte of that version and the checksum of all of it."""
