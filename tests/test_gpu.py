@@ -132,9 +132,9 @@ def test_the_gpu_engine_matches_the_gpu_learner_before_and_after_updates_over_di
 
 
 def test_cuda_graphs_generate_the_learners_logprobs_with_sequences_joining_and_leaving(tmp_path):
-    """96 seeded samples of mixed lengths through 32 places with the decode step as CUDA graphs: every token's logprob
-    is the learner's for the tokens drawn (compared token by token: two kernels' last bits may draw another token,
-    which is no error), and a graph is captured once per batch and width bucket, not per step."""
+    """96 seeded samples of mixed lengths through 32 places with the decode step and the prefills as CUDA graphs:
+    every token's logprob is the learner's for the tokens drawn (compared token by token: two kernels' last bits may
+    draw another token, which is no error), and a graph is captured once per bucket, not per step."""
     from transformers import AutoModelForCausalLM
 
     path = str(save_random_tiny_model(tmp_path / "model"))
@@ -151,6 +151,7 @@ def test_cuda_graphs_generate_the_learners_logprobs_with_sequences_joining_and_l
             assert (torch.tensor(logprobs) - learner).abs().max() < 1e-4, out.rid
     graphs = backend.decode_graphs
     assert 1 < graphs.captured <= len(graphs.batch_sizes) * len(graphs.widths)
+    assert 1 <= graphs.captured_prefills <= len(graphs.batch_sizes) * len(graphs.prompt_widths)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["bfloat16", "float32-under-autocast"])

@@ -243,6 +243,7 @@ def test_long_staggered_generation_keeps_every_sequence_exact(tmp_path, monkeypa
     if not decode["enforce_eager"]:
         assert calls["_mostly_unused"] >= 1, f"the schedule must drop unused columns in place: {calls}"
         assert engine.backend.decode_graphs.captured <= 12 < step / 4, "a graph per batch and width bucket, reused"
+        assert 1 <= engine.backend.decode_graphs.captured_prefills < len(prefilled), "prefill graphs, reused"
     assert all(count * longest <= budget or count == 1 for count, longest in prefilled)
     assert max(count for count, _ in prefilled) > 1 and len(prefilled) > len(arrivals), prefilled
 

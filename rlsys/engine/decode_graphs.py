@@ -1,8 +1,11 @@
-"""The transformers engine's decode step replayed as CUDA graphs (`inference.enforce_eager=false`).
+"""The transformers engine's decode steps and prefills replayed as CUDA graphs (by default on a GPU;
+`inference.enforce_eager`).
 
 A small model's decode step on a GPU is a few hundred kernels of microseconds each, and Python issuing them (HF's
 model forward with its mask and cache objects) takes longer than they run: the engine's step is launch-bound, as
 vLLM's is without graphs. A graph captured once per (batch size, cache width) issues the whole step as one launch.
+A prefill (the prompts of the sequences that join, and of those a weight update interrupted) is the same number of
+launches, so it too replays a graph, one per (rows, prompt width) bucket, rows and left padding added.
 
 A graph replays exactly the kernels it recorded, on the addresses it recorded, so everything a step varies lives in
 device buffers filled before each replay: the token ids, their positions and the cache column they write, here; the
@@ -29,6 +32,7 @@ from rlsys.engine.kv_cache import kv_bytes_per_token
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the Llama layout, with Qwen3's per-head norms
 MIN_WIDTH = 64  # the narrowest cache width a graph attends over; wider ones double up to the buffers' columns
+MIN_PROMPT_WIDTH = 16  # the narrowest prefill a graph runs; wider ones double up to the buffers' columns
 
 
 class CudaGraphCapture:
@@ -114,10 +118,40 @@ class DecodeGraphs:
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self._buffers: int | None = None  # the address of the buffers the graphs were captured on
+        self.prompt_widths = _buckets(min(MIN_PROMPT_WIDTH, columns), columns)
+        # (rows, width) -> that bucket's input ids and mask, and its graph
+        self._prefills: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Callable]] = {}
 
     @property
     def captured(self) -> int:
+        """Decode graphs captured so far."""
         return len(self._graphs)
+
+    @property
+    def captured_prefills(self) -> int:
+        """Prefill graphs captured so far."""
+        return len(self._prefills)
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+        """`prefill_forward` of left-padded prompts (`ids`, `mask`: [rows, width] on the device), replayed from the
+        graph of their (rows, width) bucket: more rows with no token, more columns of left padding. Returns the
+        given rows' and columns' keys and values and their logits: views of the graph's outputs, to be read before
+        the next replay."""
+        rows, width = ids.shape
+        batch, columns = _bucket(rows, self.batch_sizes), _bucket(width, self.prompt_widths)
+        entry = self._prefills.get((batch, columns))
+        if entry is None:
+            ids_in, mask_in = (torch.zeros(batch, columns, dtype=torch.long, device=ids.device) for _ in range(2))
+            graph = self.capture(lambda: prefill_forward(self.model, ids_in, mask_in))
+            entry = self._prefills[batch, columns] = ids_in, mask_in, graph
+        ids_in, mask_in, graph = entry
+        ids_in.zero_()
+        mask_in.zero_()
+        ids_in[:rows, columns - width:] = ids
+        mask_in[:rows, columns - width:] = mask
+        keys, values, logits = graph()
+        return ([k[:rows, :, columns - width:] for k in keys], [v[:rows, :, columns - width:] for v in values],
+                logits[:rows])
 
     def decode(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, ids: list[int],
                positions: list[int], column: int) -> torch.Tensor:
@@ -167,6 +201,39 @@ def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor, column: to
         hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(rows, 1, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return model.lm_head(inner.norm(hidden))[:, -1].float()
+
+
+def prefill_forward(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+    """The prompts' forward pass of a Llama-layout model, as `decode_forward` runs its decode step: the decoder's own
+    modules in order, without HF's model forward, whose mask and cache objects cost more host time than a small
+    model's kernels take. `ids` and `mask` ([rows, width]) hold left-padded prompts; returns every layer's keys and
+    values ([rows, kv heads, width, head dim]) and the logits (float32) that predict each row's next token."""
+    inner = model.model
+    rows, width = ids.shape
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    hidden = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(hidden, positions)
+    # Causal over the row's own tokens; a padding query attends to itself only (its output is never read), so no
+    # row of the softmax is empty.
+    causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
+    attend = (causal & mask[:, None, None, :].bool()) | torch.eye(width, dtype=torch.bool, device=ids.device)
+    keys, values = [], []
+    for layer in inner.layers:
+        attention = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        shape = (rows, width, -1, attention.head_dim)
+        query, key = attention.q_proj(x).view(shape), attention.k_proj(x).view(shape)
+        if hasattr(attention, "q_norm"):  # Qwen3 normalises each head before the rotation
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        value = attention.v_proj(x).view(shape).transpose(1, 2)
+        keys.append(key)
+        values.append(value)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attend,
+                                                               scale=attention.scaling, enable_gqa=True)
+        hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return keys, values, model.lm_head(inner.norm(hidden[:, -1])).float()
 
 
 def _buckets(smallest: int, largest: int) -> list[int]:

@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
@@ -101,12 +102,12 @@ class TransformersBackend(GenerationBackend):
             # Places that finishing sequences free go to waiting ones in this same step.
             self._running.leave(_finished_ids(deltas))
         for rows in _prefill_groups(self._admit(self._running.count)):
-            prefill, mask, cache_rows, logits = self._prefill(rows)
+            keys, values, mask, cache_rows, logits = self._prefill(rows)
             joined = self._advance(rows, logits)
             deltas += joined
             done = _finished_ids(joined)
             self._running.join([(row, cache_row) for row, cache_row in zip(rows, cache_rows)
-                                if row.seq_id not in done], prefill, mask)
+                                if row.seq_id not in done], keys, values, mask)
         return deltas
 
     def abort(self, seq_ids: list[str]) -> None:
@@ -174,22 +175,28 @@ class TransformersBackend(GenerationBackend):
         occupied = [i for i, row in enumerate(slots) if row]
         return [slots[i] for i in occupied], logits[_index(occupied, self.device)]
 
-    def _prefill(self, rows: list[_Sequence]) -> tuple[Cache, torch.Tensor, list[int], torch.Tensor]:
-        """The KV cache of `rows`' prompts, each distinct prompt computed once and left-padded: the cache, its
-        mask, each row's cache row, and the logits that predict each row's first token."""
+    def _prefill(self, rows: list[_Sequence]) -> tuple[list, list, torch.Tensor, list[int], torch.Tensor]:
+        """The KV cache of `rows`' prompts, each distinct prompt computed once and left-padded: every layer's keys
+        and values, their mask, each row's cache row, and the logits that predict each row's first token. With
+        CUDA graphs, by the graph path's own forward pass (prefill_forward), without HF's."""
         prompts: dict[tuple[int, ...], int] = {}
         cache_rows = [prompts.setdefault(tuple(row.token_ids), len(prompts)) for row in rows]
         width = max(map(len, prompts))
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        ids = np.zeros((len(prompts), width), dtype=np.int64)
+        mask = np.zeros((len(prompts), width), dtype=np.int64)
         for i, prompt in enumerate(prompts):
-            ids[i, width - len(prompt):] = torch.tensor(prompt)
+            ids[i, width - len(prompt):] = prompt
             mask[i, width - len(prompt):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device)
+        if self.decode_graphs is not None:
+            keys, values, logits = self.decode_graphs.prefill(ids, mask)
+            return keys, values, mask, cache_rows, logits[cache_rows]
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
-        return out.past_key_values, mask, cache_rows, out.logits[cache_rows, -1].float()
+        cache = out.past_key_values
+        return ([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], mask, cache_rows,
+                out.logits[cache_rows, -1].float())
 
     def _advance(self, rows: list[_Sequence], logits: torch.Tensor) -> list[TokenDelta]:
         """Samples one token per row, appends it, and reports it."""
@@ -311,8 +318,10 @@ class _RunningBatch:
         self.end += 1
         return self.end - 1
 
-    def join(self, rows: list[tuple[_Sequence, int]], prefill: Cache, prefill_mask: torch.Tensor) -> None:
-        """Adds sequences whose prompts are in rows `cache_row` of a prefill cache, into free slots."""
+    def join(self, rows: list[tuple[_Sequence, int]], keys: list[torch.Tensor], values: list[torch.Tensor],
+             prefill_mask: torch.Tensor) -> None:
+        """Adds sequences whose prompts are in rows `cache_row` of a prefill's keys and values (per layer), into
+        free slots."""
         if not rows:
             return
         width = prefill_mask.shape[1]
@@ -320,14 +329,14 @@ class _RunningBatch:
         free += range(len(self.slots), len(self.slots) + len(rows) - len(free))
         if not self.keys:
             capacity = self.max_slots if self.fixed_columns else min(max(len(rows), 8), self.max_slots)
-            self._allocate(prefill, slots=capacity, columns=self.fixed_columns or width + SPARE_COLUMNS)
+            self._allocate(keys[0], len(keys), slots=capacity, columns=self.fixed_columns or width + SPARE_COLUMNS)
             self.end = width
         elif free[-1] >= len(self.mask) or width > self.end:
             self._relayout(max(free[-1] + 1, min(2 * len(self.mask), self.max_slots)), min_end=width)
         slots = _index(free[:len(rows)], self.mask.device)
         cache_rows = _index([cache_row for _, cache_row in rows], self.mask.device)
         columns = slice(self.end - width, self.end)
-        for mine, theirs in zip(self.keys + self.values, _tensors(prefill)):
+        for mine, theirs in zip(self.keys + self.values, keys + values):
             mine[slots, :, columns] = theirs[cache_rows]
         self.mask[slots] = 0
         self.mask[slots, columns] = prefill_mask[cache_rows]
@@ -355,12 +364,11 @@ class _RunningBatch:
         while self.slots and self.slots[-1] is None:
             self.slots.pop()
 
-    def _allocate(self, like: Cache, slots: int, columns: int) -> None:
-        self.keys = [layer.keys.new_zeros(slots, layer.keys.shape[1], columns, layer.keys.shape[3])
-                     for layer in like.layers]
-        self.values = [layer.values.new_zeros(slots, layer.values.shape[1], columns, layer.values.shape[3])
-                       for layer in like.layers]
-        self.mask = like.layers[0].keys.new_zeros(slots, columns, dtype=torch.long)
+    def _allocate(self, like: torch.Tensor, layers: int, slots: int, columns: int) -> None:
+        """Buffers of `layers` layers' keys and values of `like`'s kv heads, head size and dtype."""
+        self.keys = [like.new_zeros(slots, like.shape[1], columns, like.shape[3]) for _ in range(layers)]
+        self.values = [like.new_zeros(slots, like.shape[1], columns, like.shape[3]) for _ in range(layers)]
+        self.mask = like.new_zeros(slots, columns, dtype=torch.long)
 
     def _mostly_unused(self) -> bool:
         """Whether the columns before every running sequence are half of those before `end`, SPARE_COLUMNS or more."""
@@ -419,11 +427,6 @@ class _ColumnLayer(DynamicLayer):
 
 def _index(positions: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(positions, dtype=torch.long, device=device)
-
-
-def _tensors(cache: Cache) -> list[torch.Tensor]:
-    """Every layer's keys, then every layer's values."""
-    return [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
 
 
 def _eos_token_ids(model, tokenizer) -> frozenset[int]:
