@@ -347,8 +347,9 @@ def fetch(address: str, token: str, into: torch.Tensor | None = None) -> Receive
 
 
 def _open(address: str, token: str, into: torch.Tensor | None, held: Received | None,
-          checksum_arrived: bool = True) -> Incoming:
-    """The transfer of the newest version `address` serves, started (into `into` if it has the size)."""
+          checksum_arrived: bool = True, pinned: bool = False) -> Incoming:
+    """The transfer of the newest version `address` serves, started (into `into` if it has the size; else a new
+    buffer, in pinned memory if `pinned`)."""
     host, port = address.rsplit(":", 1)
     connection = socket.create_connection((host, int(port)), timeout=IO_TIMEOUT)
     try:
@@ -360,7 +361,8 @@ def _open(address: str, token: str, into: torch.Tensor | None, held: Received | 
         connection.close()
         raise
     size = header["bytes"]
-    buffer = into if into is not None and into.numel() == size else torch.empty(size, dtype=torch.uint8)
+    buffer = (into if into is not None and into.numel() == size
+              else torch.empty(size, dtype=torch.uint8, pin_memory=pinned))
     return Incoming(connection, header, buffer, held, address, checksum_arrived)
 
 
@@ -390,10 +392,11 @@ class WeightReceiver:
     an engine may load the next tensor by tensor as it arrives and still go back if the transfer breaks off.
 
     `checksum_arrived`: compute the checksum of the bytes that arrive, for an engine that cannot list the tensors it
-    holds (`given_checksum`); one that can has those checked, and the receiving thread reads each tensor once less."""
+    holds (`given_checksum`); one that can has those checked, and the receiving thread reads each tensor once less.
+    `pinned`: the buffers in pinned memory, from which a GPU engine copies without waiting for each copy."""
 
-    def __init__(self, checksum_arrived: bool = True):
-        self.checksum_arrived = checksum_arrived
+    def __init__(self, checksum_arrived: bool = True, pinned: bool = False):
+        self.checksum_arrived, self.pinned = checksum_arrived, pinned
         self.received_streamed = 0  # versions that arrived over the stream
         self.failed_fetches = 0  # transfers that could not be had whole (the learner restarting, a broken link)
         self.held: Received | None = None  # the newest version streamed whole
@@ -411,7 +414,8 @@ class WeightReceiver:
         if self._failed and self._failed[:2] == announcement and time.monotonic() - self._failed[2] < RETRY_SECONDS:
             return None
         try:
-            incoming = _open(published.address, published.token, self._spare, self.held, self.checksum_arrived)
+            incoming = _open(published.address, published.token, self._spare, self.held, self.checksum_arrived,
+                             self.pinned)
         except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             self._fetch_failed(announcement, e)
             return None

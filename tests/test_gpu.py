@@ -101,21 +101,26 @@ def test_the_gpu_engine_matches_the_gpu_learner_before_and_after_updates_over_di
                                                                                                  enforce_eager):
     """The transformers engine on the GPU scores and generates what the learner on the GPU computes, and after
     each update (a file on disk, then tensors streamed from the learner's weight server) holds the learner's new
-    weights, with the checksum computed on the GPU equal to the learner's; its decode graphs replay the new weights."""
+    weights, with the checksum computed on the GPU equal to the learner's; its decode graphs replay the new weights.
+    The second streamed version loads as it arrives, from pinned memory (one wait for all its copies)."""
     config = config_for(tmp_path)
     trainer = PolicyTrainer(config, Ranks(), config.model.path)
     engine = GenerationEngine(TransformersBackend(
         config.model.path, InferenceConfig(engine="transformers", enforce_eager=enforce_eager), seed=0))
     assert engine.backend.device.type == "cuda"
     sequence = PROMPT + GOOD
-    server, bus, receiver = WeightServer(), InProcessBus(), WeightReceiver()
-    for version, transport in enumerate((None, "disk", "stream")):
+    assert engine.backend.loads_from_pinned_memory
+    server, bus = WeightServer(), InProcessBus()
+    receiver = WeightReceiver(checksum_arrived=False, pinned=True)  # what the inference worker makes for it
+    for version, transport in enumerate((None, "disk", "stream", "stream")):
         if transport is not None:
             trainer.train_step(batch(trainer.model))
             publish(bus, trainer.model, version, transport, tmp_path / "weights", server=server)
-            received = receiver.receive(parse_published_weights(bus.get(protocol.WEIGHTS)))
+            received = receiver.receive(parse_published_weights(bus.get(protocol.WEIGHTS)), as_they_arrive=True)
             engine.update_weights(received.weights, version=version)
+            received = receiver.settle(received)
             assert weights_checksum(engine.backend.loaded_weights()) == received.checksum
+            assert transport == "disk" or received.buffer.is_pinned()
         expected = logprobs_of(trainer.model, sequence)
         scored = torch.tensor(engine.backend.score(sequence))
         assert (scored - expected).abs().max() < 1e-4, f"version {version} ({transport})"
@@ -127,7 +132,7 @@ def test_the_gpu_engine_matches_the_gpu_learner_before_and_after_updates_over_di
         assert versions == [version] * len(ids)
         learner = logprobs_of(trainer.model, PROMPT + ids)[-len(ids):]
         assert (torch.tensor(logprobs) - learner).abs().max() < 1e-4
-    assert receiver.received_streamed == 1
+    assert receiver.received_streamed == 2
     server.close()
 
 

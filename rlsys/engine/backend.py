@@ -62,6 +62,9 @@ class GenerationBackend(abc.ABC):
     """Whether `load_weights` takes tensors one by one from their `items()` as they arrive (vLLM's layerwise
     reload), so that loading overlaps the transfer; otherwise it is handed a whole dict."""
 
+    loads_from_pinned_memory = False
+    """Whether streamed weights should arrive in pinned memory: a GPU engine then copies them without a wait each."""
+
     @abc.abstractmethod
     def load_weights(self, weights) -> None:
         """Replace the weights in place, from tensors in memory (rlsys/weight_transport.py's stream: a dict, or an

@@ -53,6 +53,7 @@ class TransformersBackend(GenerationBackend):
             model_path, dtype=getattr(torch, inference_cfg.dtype),
             attn_implementation=CPU_ATTENTION if self.device.type == "cpu" else "sdpa")
         self.model.to(self.device).eval()
+        self.loads_from_pinned_memory = self.device.type == "cuda"
         _require_full_attention(self.model.config)
         self.max_num_seqs = inference_cfg.max_num_seqs
         self.max_model_len = _max_model_len(inference_cfg.max_model_len, self.model.config)
@@ -129,7 +130,7 @@ class TransformersBackend(GenerationBackend):
             weights = load_file(str(Path(weights) / WEIGHTS_FILE), device=str(self.device))
         # Strict: a version holds every name of the state dict, tied output head included, so a missing or
         # unexpected name means it is for another model.
-        own, loaded = self.model.state_dict(), set()
+        own, loaded, waits = self.model.state_dict(), set(), False
         for name, tensor in weights.items():
             if name not in own:
                 raise RuntimeError(f"the weights hold {name!r} of shape {tuple(tensor.shape)}, which this model does "
@@ -137,8 +138,13 @@ class TransformersBackend(GenerationBackend):
             if own[name].shape != tensor.shape:
                 raise RuntimeError(f"the weights hold {name!r} of shape {tuple(tensor.shape)}, which this model has "
                                    f"as {tuple(own[name].shape)}: they are for another model")
-            own[name].copy_(tensor)
+            # From pinned memory without a wait each; the one wait below, before the buffer is written again.
+            pinned = tensor.device.type == "cpu" and self.device.type == "cuda" and tensor.is_pinned()
+            own[name].copy_(tensor, non_blocking=pinned)
+            waits |= pinned
             loaded.add(name)
+        if waits:
+            torch.cuda.current_stream(self.device).synchronize()
         if missing := sorted(set(own) - loaded):
             raise RuntimeError(f"the weights lack {missing[:5]}{' ...' if len(missing) > 5 else ''}: they are for "
                                "another model")

@@ -36,7 +36,8 @@ class InferenceWorker:
                  weights: WeightReceiver | None = None):
         self.engine, self.bus, self.index = engine, bus, index
         # An engine that lists the tensors it holds has those checked: the bytes that arrive need no checksum.
-        self.weights = weights or WeightReceiver(checksum_arrived=engine.backend.loaded_weights() is None)
+        self.weights = weights or WeightReceiver(checksum_arrived=engine.backend.loaded_weights() is None,
+                                                 pinned=engine.backend.loads_from_pinned_memory)
         self.max_batch_requests = max_batch_requests
         self.reply_to: dict[str, str] = {}  # request id -> the router's reply queue
         self.queue = protocol.generation_requests(index)
