@@ -456,9 +456,10 @@ def test_graphs_are_refused_without_a_gpu_and_for_other_architectures(model_path
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_load_weights_replaces_every_weight_tied_output_head_included(tmp_path, tied):
+def test_load_weights_replaces_every_weight_tied_output_head_included(tmp_path, tied, decode):
+    """Scored (the weight-sync probe) before and after: with graphs, by the prefill's graph."""
     path = str(save_random_tiny_model(tmp_path / "model", tie_word_embeddings=tied))
-    backend = TransformersBackend(path, InferenceConfig(), seed=0)
+    backend = TransformersBackend(path, InferenceConfig(**decode), seed=0)
     model = load_model(path)
     sequence = [4, 7, 8, 78, 9, 10, 86, 1, 5, 10, 12, 1]
     train(model, lambda rng: sequence, steps=3, lr=1e-2)
@@ -467,6 +468,8 @@ def test_load_weights_replaces_every_weight_tied_output_head_included(tmp_path, 
 
     backend.load_weights(str(write_weight_update(model, tmp_path / "v1")))
     assert (torch.tensor(backend.score(sequence)) - expected).abs().max() < TOLERANCE
+    if not decode["enforce_eager"]:
+        assert backend.decode_graphs.captured_prefills == 1, "one graph for the sequence's width, replayed"
 
 
 def test_weights_for_another_model_are_refused_by_name(model_path):

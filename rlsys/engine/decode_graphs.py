@@ -119,8 +119,8 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self._buffers: int | None = None  # the address of the buffers the graphs were captured on
         self.prompt_widths = _buckets(min(MIN_PROMPT_WIDTH, columns), columns)
-        # (rows, width) -> that bucket's input ids and mask, and its graph
-        self._prefills: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Callable]] = {}
+        # (rows, width, every position's logits) -> that bucket's input ids and mask, and its graph
+        self._prefills: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor, Callable]] = {}
 
     @property
     def captured(self) -> int:
@@ -132,18 +132,19 @@ class DecodeGraphs:
         """Prefill graphs captured so far."""
         return len(self._prefills)
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor,
+                every_position: bool = False) -> tuple[list, list, torch.Tensor]:
         """`prefill_forward` of left-padded prompts (`ids`, `mask`: [rows, width] on the device), replayed from the
         graph of their (rows, width) bucket: more rows with no token, more columns of left padding. Returns the
         given rows' and columns' keys and values and their logits: views of the graph's outputs, to be read before
         the next replay."""
         rows, width = ids.shape
         batch, columns = _bucket(rows, self.batch_sizes), _bucket(width, self.prompt_widths)
-        entry = self._prefills.get((batch, columns))
+        entry = self._prefills.get((batch, columns, every_position))
         if entry is None:
             ids_in, mask_in = (torch.zeros(batch, columns, dtype=torch.long, device=ids.device) for _ in range(2))
-            graph = self.capture(lambda: prefill_forward(self.model, ids_in, mask_in))
-            entry = self._prefills[batch, columns] = ids_in, mask_in, graph
+            graph = self.capture(lambda: prefill_forward(self.model, ids_in, mask_in, every_position))
+            entry = self._prefills[batch, columns, every_position] = ids_in, mask_in, graph
         ids_in, mask_in, graph = entry
         ids_in.zero_()
         mask_in.zero_()
@@ -151,7 +152,7 @@ class DecodeGraphs:
         mask_in[:rows, columns - width:] = mask
         keys, values, logits = graph()
         return ([k[:rows, :, columns - width:] for k in keys], [v[:rows, :, columns - width:] for v in values],
-                logits[:rows])
+                logits[:rows, columns - width:] if every_position else logits[:rows])
 
     def decode(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, ids: list[int],
                positions: list[int], column: int) -> torch.Tensor:
@@ -203,11 +204,13 @@ def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor, column: to
     return model.lm_head(inner.norm(hidden))[:, -1].float()
 
 
-def prefill_forward(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+def prefill_forward(model, ids: torch.Tensor, mask: torch.Tensor,
+                    every_position: bool = False) -> tuple[list, list, torch.Tensor]:
     """The prompts' forward pass of a Llama-layout model, as `decode_forward` runs its decode step: the decoder's own
     modules in order, without HF's model forward, whose mask and cache objects cost more host time than a small
     model's kernels take. `ids` and `mask` ([rows, width]) hold left-padded prompts; returns every layer's keys and
-    values ([rows, kv heads, width, head dim]) and the logits (float32) that predict each row's next token."""
+    values ([rows, kv heads, width, head dim]) and the logits (float32) that predict each row's next token, or with
+    `every_position` those of every position ([rows, width, vocabulary]: scoring a sequence)."""
     inner = model.model
     rows, width = ids.shape
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -233,7 +236,7 @@ def prefill_forward(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list,
                                                                scale=attention.scaling, enable_gqa=True)
         hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return keys, values, model.lm_head(inner.norm(hidden[:, -1])).float()
+    return keys, values, model.lm_head(inner.norm(hidden if every_position else hidden[:, -1])).float()
 
 
 def _buckets(smallest: int, largest: int) -> list[int]:

@@ -155,7 +155,10 @@ class TransformersBackend(GenerationBackend):
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> list[float]:
         ids = torch.tensor([token_ids], device=self.device)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        if self.decode_graphs is not None:  # a graph of the prefill's forward pass, every position's logits
+            logits = self.decode_graphs.prefill(ids, torch.ones_like(ids), every_position=True)[2][0, :-1]
+        else:
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
 
     def _admit(self, running: int) -> list[_Sequence]:
