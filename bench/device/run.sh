@@ -9,12 +9,12 @@
 # about 12 minutes here), else it is warm-started there, on the GPU):
 #   bash ../shared/device/prepare-carry.sh .device-carry && echo /.device-carry/ >> .git/info/exclude
 #   mkdir -p .device-carry/cache && cp -r ~/.cache/rlsys/models ~/.cache/rlsys/data .device-carry/cache/
-# Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=560): the GPU tests (about 60 s),
+# Then: run(command="bash bench/device/run.sh", carry=[".device-carry"], timeout_s=560): the GPU tests (about 30 s),
 # the learner against a plain loop on the issue's two batches (the default step's and the 135M-shaped one, about
-# 60 s) and the learner's publish with its checks' share (bench/publish_cost.py, about 20 s), the transformers
-# engine eager against its CUDA graphs (`inference.enforce_eager=false`, about 60 s), and rlsys against TRL on the
-# default task, rlsys both ways (about 4 min). PARTS names the parts to run (of: tests
-# learner engine vs_trl long; by default "tests learner engine vs_trl"); a second call with PARTS=long (up to 8 min:
+# 60 s), the learner's publish with its checks' share (bench/publish_cost.py, about 20 s), the transformers engine
+# eager against its CUDA graphs (`inference.enforce_eager=false`, about 45 s), and rlsys against TRL on the default
+# task, rlsys with and without CUDA graphs (about 4.5 min; 413 s in all on 2026-12-04). PARTS names the parts to run
+# (of: tests learner publish engine vs_trl long; by default all but long); a second call with PARTS=long (up to 8 min:
 # the long-answer task's model's warm start, when it did not travel, up to 4 of them; TRL about 85 s, rlsys about
 # 130 s twice, then the scoring) runs the long-answer task on what time is left.
 # What comes back in $OUT (the tool returns at most 8 files): tests.txt, engine.txt, learner_vs_plain.txt,
@@ -28,7 +28,7 @@ OUT=${OUT:-/tmp/device-out}
 mkdir -p "$OUT/profiles" ~/.cache/rlsys
 cp -r .device-carry/cache/* ~/.cache/rlsys/
 started=$SECONDS
-PARTS=${PARTS:-"tests learner engine vs_trl"}
+PARTS=${PARTS:-"tests learner publish engine vs_trl"}
 EAGER="eager:inference.enforce_eager=true"  # rlsys again, its engine's decode steps without CUDA graphs
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 stamp() { echo "== $1 at $((SECONDS - started)) s" | tee -a "$OUT/tests.txt"; }
@@ -64,6 +64,9 @@ for settings in "" "--random-model 576,1536,30,9,3,49152 learner.dtype=bfloat16"
   timeout 45 python3 bench/learner_vs_plain.py --repeats 3 --out /tmp/lvp.json $settings \
     >> "$OUT/learner_vs_plain.txt" 2>&1
 done
+}
+
+part publish && { stamp "the learner's publish and its checks"
 echo "--- the learner's publish and its checks" >> "$OUT/learner_vs_plain.txt"
 timeout 60 python3 bench/publish_cost.py --out /tmp/publish_cost.json >> "$OUT/learner_vs_plain.txt" 2>&1; }
 
