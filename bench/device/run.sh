@@ -14,7 +14,8 @@
 # 60 s), the learner's publish with its checks' share (bench/publish_cost.py, about 20 s), the transformers engine
 # eager against its CUDA graphs (`inference.enforce_eager=false`, about 45 s), and rlsys against TRL on the default
 # task, rlsys with and without CUDA graphs (about 4.5 min; 413 s in all on 2026-12-04). PARTS names the parts to run
-# (of: tests learner publish engine vs_trl long; by default all but long); a second call with PARTS=long (up to 8 min:
+# (of: tests learner publish engine vs_trl long; by default all but long; VS_TRL_LIMIT, seconds, bounds vs_trl's part,
+# 330 unless set); a second call with PARTS=long (up to 8 min:
 # the long-answer task's model's warm start, when it did not travel, up to 4 of them; TRL about 85 s, rlsys about
 # 130 s twice, then the scoring) runs the long-answer task on what time is left.
 # What comes back in $OUT (the tool returns at most 8 files): tests.txt, engine.txt, learner_vs_plain.txt,
@@ -79,7 +80,8 @@ wait; }
 
 part vs_trl && { stamp "rlsys against TRL on the GPU"
 profile_roles 1 2 & profiler=$!
-timeout 330 python3 bench/vs_trl.py --device cuda --variant "$EAGER" --out "$OUT/vs_trl.json" > "$OUT/vs_trl.txt" 2>&1
+timeout "${VS_TRL_LIMIT:-330}" python3 bench/vs_trl.py --device cuda --variant "$EAGER" --out "$OUT/vs_trl.json" \
+  > "$OUT/vs_trl.txt" 2>&1
 echo "exit $? after $((SECONDS - started)) s" >> "$OUT/vs_trl.txt"
 kill "$profiler" 2> /dev/null; wait; }
 tar -czf "$OUT/profiles.tgz" -C "$OUT" profiles && rm -r "$OUT/profiles"
