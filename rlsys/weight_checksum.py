@@ -34,47 +34,24 @@ def weights_checksum(tensors: dict[str, torch.Tensor], dtype: str | None = None)
     return parts.digest()
 
 
-BATCHED_DEVICES = {"cuda"}  # where a small tensor's sums wait to be taken with the others of its shape
-BATCHED_BELOW = 4 << 20  # bytes: larger tensors are read alone (stacking them would copy that much more)
-STACK_BYTES = 64 << 20  # at most this much stacked at once
-
-
 class ChecksumParts:
     """The checksum of tensors added one by one, as a transfer copies or receives them. Adding a tensor reads it
     (its row and column sums, while the next bytes move); `digest` weighs and totals those of every tensor of one
     shape together: two operations per tensor and a dozen per shape, not a dozen per tensor, whose fixed costs
-    exceeded their work on a small model. On a GPU, where each operation is a launch that costs more than a small
-    tensor's sums, small tensors of one shape are stacked and summed together at `digest` (the same sums)."""
+    exceeded their work on a small model."""
 
     def __init__(self):
         self._labels: dict[str, str] = {}
         self._by_shape: dict[tuple, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
-        self._waiting: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # small tensors on a GPU, by shape
         self._aliases: dict[str, str] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         t = tensor.detach()
         self._labels[name] = f"{t.dtype}|{tuple(t.shape)}"
         words = _words(t.contiguous())
-        group = (tuple(words.shape), words.dtype, words.device)
-        if words.device.type in BATCHED_DEVICES and words.numel() * words.element_size() < BATCHED_BELOW:
-            self._waiting.setdefault(group, []).append((name, words))
-            return
         row_sums, column_sums = words.sum(1, dtype=words.dtype), words.sum(0, dtype=words.dtype)
-        self._by_shape.setdefault(group, []).append((name, row_sums, column_sums))
-
-    def _sum_waiting(self) -> None:
-        """The row and column sums of the small tensors waiting, a stack of each shape at a time."""
-        for group, waiting in self._waiting.items():
-            (rows, columns), dtype, _ = group
-            per_stack = max(STACK_BYTES // max(rows * columns * dtype.itemsize, 1), 1)
-            for start in range(0, len(waiting), per_stack):
-                chunk = waiting[start:start + per_stack]
-                stacked = torch.stack([words for _, words in chunk])
-                row_sums, column_sums = stacked.sum(2, dtype=dtype), stacked.sum(1, dtype=dtype)
-                self._by_shape.setdefault(group, []).extend(
-                    (name, r, c) for (name, _), r, c in zip(chunk, row_sums, column_sums))
-        self._waiting = {}
+        self._by_shape.setdefault((tuple(words.shape), words.dtype, words.device), []).append(
+            (name, row_sums, column_sums))
 
     def alias(self, name: str, first: str) -> None:
         """`name` is the tensor added as `first` (a tied output head): read once."""
@@ -82,7 +59,6 @@ class ChecksumParts:
 
     def digest(self) -> str:
         """The checksum of every tensor added: `weights_checksum` of them."""
-        self._sum_waiting()
         sums = {}
         for ((rows, columns), _, device), group in self._by_shape.items():
             row_sums = torch.stack([r for _, r, _ in group]).to(torch.int64)

@@ -128,29 +128,6 @@ def test_tensors_read_together_by_shape_give_each_ones_sums_under_its_own_name()
     assert reference == checksum_of_each_alone(tensors)
     swapped = {**tensors, "layer0.q": tensors["layer2.q"], "layer2.q": tensors["layer0.q"]}  # one shape, two names
     assert weights_checksum(swapped) == checksum_of_each_alone(swapped) != reference
-
-
-def test_small_tensors_stacked_by_shape_as_on_a_gpu_give_the_same_checksum(monkeypatch):
-    """On a GPU small tensors of one shape are summed as one stack (fewer launches), in stacks of at most
-    STACK_BYTES; large ones alone. Done here on the CPU: the checksum is each tensor's, as read alone."""
-    generator = torch.Generator().manual_seed(1)
-    tensors = {f"layer{i}.{kind}": torch.randn(shape, generator=generator).to(dtype)
-               for i in range(5) for kind, shape, dtype in (("q", (8, 8), torch.bfloat16), ("k", (4, 8), torch.float32),
-                                                             ("norm", (7,), torch.bfloat16), ("bias", (), torch.float32))}
-    tensors.update(embed=torch.randn(64, 32, generator=generator), empty=torch.zeros(0, 3), steps=torch.arange(5))
-    alone = checksum_of_each_alone(tensors)
-    monkeypatch.setattr(weight_checksum, "BATCHED_DEVICES", {"cpu"})
-    monkeypatch.setattr(weight_checksum, "BATCHED_BELOW", 64 * 32 * 4)  # the embedding is read alone
-    monkeypatch.setattr(weight_checksum, "STACK_BYTES", 256)  # two q's words (8 x 2 int64) a stack
-    stacks = []  # how many tensors' words each stack holds (the digest's stacks of sums are 1-D)
-    stack = torch.stack
-    monkeypatch.setattr(weight_checksum.torch, "stack",
-                        lambda ts, *a, **k: (ts[0].dim() == 2 and stacks.append(len(ts))) or stack(ts, *a, **k))
-    assert weights_checksum(tensors) == alone
-    # q and k 2 + 2 + 1, norm 4 + 1 (its 7 words of 8 bytes), bias 5, empty and steps 1 each; the embedding alone
-    assert sorted(stacks) == [1, 1, 1, 1, 1, 2, 2, 2, 2, 4, 5]
-    swapped = {**tensors, "layer0.q": tensors["layer4.q"], "layer4.q": tensors["layer0.q"]}
-    assert weights_checksum(swapped) == checksum_of_each_alone(swapped) != alone
     parts = weight_checksum.ChecksumParts()  # as a transfer adds them: a tied second name read once
     for name, t in tensors.items():
         parts.add(name, t)
