@@ -126,7 +126,8 @@ def test_a_learner_or_engine_setting_this_device_cannot_honour_stops_the_run(tmp
         launch(run_config(tmp_path, "learner.dtype=bfloat16"))
     with pytest.raises(StartupError, match="flash_attention_2 needs a GPU"):
         launch(run_config(tmp_path, "learner.attn_implementation=flash_attention_2"))
-    with pytest.raises(StartupError, match="CUDA graphs, which need a GPU.*leave inference.enforce_eager unset or true"):
+    with pytest.raises(StartupError,
+                       match="CUDA graphs, which need a GPU.*leave inference.enforce_eager unset or true"):
         launch(run_config(tmp_path, "inference.engine=transformers", "inference.enforce_eager=false"))
     with pytest.raises(StartupError, match="gpu_memory_utilization=0.9 does nothing on a CPU.*inference.kv_cache_gib"):
         launch(run_config(tmp_path, "inference.gpu_memory_utilization=0.9"))

@@ -423,7 +423,8 @@ def test_unset_enforce_eager_means_graphs_on_a_gpu_and_eager_where_they_cannot_r
     graphs cannot run (here: not one sequence's cache fits) the engine says why and decodes eagerly; false refuses."""
     unset = InferenceConfig()
     assert unset.eager_on("cpu") and not unset.eager_on("cuda") and not unset.eager_on(torch.device("cuda", 0))
-    assert InferenceConfig(enforce_eager=True).eager_on("cuda") and not InferenceConfig(enforce_eager=False).eager_on("cpu")
+    assert InferenceConfig(enforce_eager=True).eager_on("cuda")
+    assert not InferenceConfig(enforce_eager=False).eager_on("cpu")
     requests = [(f"q{i}", progression(random.Random(i), 3 + i), GenerationConfig(
         n=2, max_new_tokens=10, temperature=1.0 if i % 2 else 0.0, seed=i)) for i in range(3)]
     engine = transformers_engine(model_path)
