@@ -270,8 +270,9 @@ class WeightServer:
 
 
 class Incoming:
-    """A version arriving over the stream: a thread reads its tensors in buffer order and computes each one's part
-    of the checksum as it lands, while an engine that loads tensor by tensor takes them from `items`."""
+    """A version arriving over the stream: a thread reads its tensors in buffer order and (`checksum_arrived`)
+    computes each one's part of the checksum as it lands, while an engine that loads tensor by tensor takes them
+    from `items`."""
 
     def __init__(self, connection: socket.socket, header: dict, buffer: torch.Tensor, held: Received | None,
                  source: str, checksum_arrived: bool = True):
