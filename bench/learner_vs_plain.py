@@ -30,6 +30,10 @@ so few sequences that both sides are bound by the host's cost per tensor operati
 is bound by its launches, with the GPU's defaults (padded rows in float32, 16,384 tokens a micro-batch, foreach
 AdamW in the plain loop).
 
+`--profile FILE` writes, after the timings, torch.profiler's table of one more step of each side: on a GPU by
+kernel time, with each side's kernel time against its wall time, to tell a step bound by its kernels from one bound
+by the host.
+
 `--random-model` times a randomly initialised model of another shape on the same token ids instead (e.g.
 SmolLM2-135M's: hidden 576, MLP 1536, 30 layers, 9 heads, 3 key/value heads, 49,152-token vocabulary), and
 `gen.max_new_tokens=N` makes the answers up to N-1 tokens long: launch overheads that dominate a 2.4M-parameter
@@ -194,6 +198,37 @@ def count_operations(step) -> dict[str, int | None]:
     return {"operations": count.total, "optimizer_operations": count.optimizer}
 
 
+def write_profiles(sides: dict, on_gpu: bool, path: Path) -> None:
+    """One step of each side under torch.profiler: its busiest operations, and on a GPU the kernels' own time
+    against the step's wall time (a step whose kernels fill its wall time is bound by them, one whose kernels
+    leave it idle by the host or its waits)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    report = []
+    for name, run in sides.items():
+        if on_gpu:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        with profile(activities=activities) as profiled:
+            run()
+            if on_gpu:
+                torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+        events = profiled.key_averages()
+        line = f"== {name}: one step, {wall * 1e3:.1f} ms of wall time under the profiler"
+        if on_gpu:
+            kernels = sum(e.self_device_time_total for e in events) / 1e3
+            line += f"; kernels {kernels:.1f} ms ({kernels / (wall * 1e3):.0%} of it)"
+        report += [line, events.table(sort_by=sort, row_limit=25)]
+        if on_gpu:  # the host's side: launches, copies and the waits for the device
+            report.append(events.table(sort_by="self_cpu_time_total", row_limit=15))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(report))
+    print(f"profiles of one step of each side: {path}")
+
+
 def shown(count: int | None) -> str:
     return "-" if count is None else str(count)
 
@@ -209,6 +244,10 @@ def main() -> None:
     parser.add_argument("--plain-foreach", action="store_true",
                         help="the plain loop's AdamW as CUDA runs it by default (foreach: a few operations a step, "
                              "not several per tensor), for a CPU stand-in of a launch-bound GPU step")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="after the timings, one more step of each side under torch.profiler: write its busiest "
+                             "operations (on a GPU, by kernel time, and each side's kernel time against its wall "
+                             "time) to FILE")
     parser.add_argument("overrides", nargs="*", help="experiment settings, key=value (e.g. ppo.ppo_epochs=1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -235,6 +274,8 @@ def main() -> None:
                     torch.cuda.synchronize()  # a GPU's kernels run ahead of the clock
                 times[name].append((time.perf_counter() - started) / args.steps_per_repeat)
         operations = {name: count_operations(run) for name, run in sides.items()}
+        if args.profile:
+            write_profiles(sides, learner.device != "cpu", Path(args.profile))
 
     trained = tokens * config.ppo.ppo_epochs
     rows = {name: {"seconds_per_step": statistics.median(t), "tokens_per_second": trained / statistics.median(t),

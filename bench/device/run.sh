@@ -21,7 +21,8 @@
 # What comes back in $OUT (the tool returns at most 8 files): tests.txt, engine.txt, learner_vs_plain.txt,
 # vs_trl.txt, vs_trl.json, vs_trl_long.txt, vs_trl_long.json, and profiles.tgz: py-spy's collapsed stacks (10 s at
 # 100 Hz) of learner0, inference0 and rollout0 in each of rlsys's runs (CUDA graphs, then eager), 25 s after each
-# run's learner starts. No vLLM
+# run's learner starts, and torch.profiler's tables of one learner step and one plain-loop step on each batch
+# (learner-tiny.txt, learner-135m.txt). No vLLM
 # there (its wheel is too large to carry): the transformers engine serves.
 set -uo pipefail
 source .device-carry/env.sh
@@ -59,11 +60,12 @@ for tokens in 8 128; do
 done; }
 
 part learner && { stamp "learner against a plain loop"
-for settings in "" "--random-model 576,1536,30,9,3,49152 learner.dtype=bfloat16"; do
+for batch in "tiny:" "135m:--random-model 576,1536,30,9,3,49152 learner.dtype=bfloat16"; do
+  settings=${batch#*:}
   echo "--- $settings" >> "$OUT/learner_vs_plain.txt"
   # shellcheck disable=SC2086  # the settings are words
-  timeout 45 python3 bench/learner_vs_plain.py --repeats 3 --out /tmp/lvp.json $settings \
-    >> "$OUT/learner_vs_plain.txt" 2>&1
+  timeout 60 python3 bench/learner_vs_plain.py --repeats 3 --out /tmp/lvp.json \
+    --profile "$OUT/profiles/learner-${batch%%:*}.txt" $settings >> "$OUT/learner_vs_plain.txt" 2>&1
 done
 }
 
