@@ -183,16 +183,17 @@ def prepare_tiny_model(cfg, seed: int, examples: Callable[[object], tuple[list, 
     reach_goal = f" and a right answer among {samples} samples for {stop.reach:.0%}" if stop.reach else ""
     log(f"building the tiny default model ({n_params / 1e6:.1f}M parameters), warm start to "
         f"{stop.accuracy:.0%} held-out accuracy{reach_goal} on the {model.device.type.upper()}")
+    checks = eval_examples[:HELD_OUT_CHECKS]
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        accuracy, reach = warm_start(model, tokenizer, train_examples, eval_examples[:HELD_OUT_CHECKS], stop, seed,
+        accuracy, reach = warm_start(model, tokenizer, train_examples, checks, stop, seed,
                                      max_steps=max_steps, eval_every=eval_every, batch_size=batch_size, log=log)
     finally:
         torch.set_num_threads(previous_threads)
     stopped = "" if stop.met(accuracy, reach) else f", at its limit of {max_steps} steps,"
-    log(f"warm start reached {accuracy:.1%}{_reach_text(reach, stop)} on {len(eval_examples[:HELD_OUT_CHECKS])} held-out "
+    log(f"warm start reached {accuracy:.1%}{_reach_text(reach, stop)} on {len(checks)} held-out "
         f"examples{stopped} in {time.monotonic() - started:.0f}s")
     from transformers.utils import logging as hf_logging
 
