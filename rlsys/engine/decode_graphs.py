@@ -182,25 +182,18 @@ def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor, column: to
     buffers ([rows, kv heads, columns, head dim]) and attends over their first `width` columns where `mask`
     ([rows, columns]) is 1. Only `width` is a host value: a graph captured with it stays right for any contents."""
     inner = model.model
-    rows = ids.shape[0]
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
     attend = mask[:, None, None, :width].bool()
     for layer, key_buffer, value_buffer in zip(inner.layers, keys, values):
-        attention = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        shape = (rows, 1, -1, attention.head_dim)
-        query, key = attention.q_proj(x).view(shape), attention.k_proj(x).view(shape)
-        if hasattr(attention, "q_norm"):  # Qwen3 normalises each head before the rotation
-            query, key = attention.q_norm(query), attention.k_norm(key)
-        query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-        key_buffer.index_copy_(2, column, key)
-        value_buffer.index_copy_(2, column, attention.v_proj(x).view(shape).transpose(1, 2))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key_buffer[:, :, :width], value_buffer[:, :, :width], attn_mask=attend, scale=attention.scaling,
-            enable_gqa=True)
-        hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(rows, 1, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        def attention(query, key, value, scale, key_buffer=key_buffer, value_buffer=value_buffer):
+            key_buffer.index_copy_(2, column, key)
+            value_buffer.index_copy_(2, column, value)
+            return torch.nn.functional.scaled_dot_product_attention(
+                query, key_buffer[:, :, :width], value_buffer[:, :, :width], attn_mask=attend, scale=scale,
+                enable_gqa=True)
+
+        hidden = _decoder_layer(layer, hidden, cos, sin, attention)
     return model.lm_head(inner.norm(hidden))[:, -1].float()
 
 
@@ -212,7 +205,7 @@ def prefill_forward(model, ids: torch.Tensor, mask: torch.Tensor,
     values ([rows, kv heads, width, head dim]) and the logits (float32) that predict each row's next token, or with
     `every_position` those of every position ([rows, width, vocabulary]: scoring a sequence)."""
     inner = model.model
-    rows, width = ids.shape
+    width = ids.shape[1]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
@@ -221,22 +214,35 @@ def prefill_forward(model, ids: torch.Tensor, mask: torch.Tensor,
     causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
     attend = (causal & mask[:, None, None, :].bool()) | torch.eye(width, dtype=torch.bool, device=ids.device)
     keys, values = [], []
-    for layer in inner.layers:
-        attention = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        shape = (rows, width, -1, attention.head_dim)
-        query, key = attention.q_proj(x).view(shape), attention.k_proj(x).view(shape)
-        if hasattr(attention, "q_norm"):  # Qwen3 normalises each head before the rotation
-            query, key = attention.q_norm(query), attention.k_norm(key)
-        query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-        value = attention.v_proj(x).view(shape).transpose(1, 2)
+
+    def attention(query, key, value, scale):
         keys.append(key)
         values.append(value)
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attend,
-                                                               scale=attention.scaling, enable_gqa=True)
-        hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attend, scale=scale,
+                                                                enable_gqa=True)
+
+    for layer in inner.layers:
+        hidden = _decoder_layer(layer, hidden, cos, sin, attention)
     return keys, values, model.lm_head(inner.norm(hidden if every_position else hidden[:, -1])).float()
+
+
+def _decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """One Llama-layout decoder layer on `hidden` ([rows, tokens, hidden size]). `attention(query, key, value,
+    scale)` gets the rotated heads ([rows, heads, tokens, head dim]) and returns their attention's output, shaped
+    like `query`: where the keys and values are kept, and what they attend over, is the caller's."""
+    self_attention = layer.self_attn
+    rows, tokens = hidden.shape[:2]
+    x = layer.input_layernorm(hidden)
+    shape = (rows, tokens, -1, self_attention.head_dim)
+    query, key = self_attention.q_proj(x).view(shape), self_attention.k_proj(x).view(shape)
+    if hasattr(self_attention, "q_norm"):  # Qwen3 normalises each head before the rotation
+        query, key = self_attention.q_norm(query), self_attention.k_norm(key)
+    query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    value = self_attention.v_proj(x).view(shape).transpose(1, 2)
+    out = attention(query, key, value, self_attention.scaling)
+    hidden = hidden + self_attention.o_proj(out.transpose(1, 2).reshape(rows, tokens, -1))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
 def _buckets(smallest: int, largest: int) -> list[int]:
