@@ -321,9 +321,9 @@ class Incoming:
                     with self._changed:
                         self._arrived += 1
                         self._changed.notify_all()
-                    first = first_at.setdefault(start, name)
                     if not self.checksum_arrived:
                         continue
+                    first = first_at.setdefault(start, name)
                     if first == name:
                         parts.add(name, self.tensors[name])
                     else:

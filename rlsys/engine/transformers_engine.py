@@ -139,7 +139,7 @@ class TransformersBackend(GenerationBackend):
                 raise RuntimeError(f"the weights hold {name!r} of shape {tuple(tensor.shape)}, which this model has "
                                    f"as {tuple(own[name].shape)}: they are for another model")
             # From pinned memory without a wait each; the one wait below, before the buffer is written again.
-            pinned = tensor.device.type == "cpu" and self.device.type == "cuda" and tensor.is_pinned()
+            pinned = self.loads_from_pinned_memory and tensor.is_pinned()
             own[name].copy_(tensor, non_blocking=pinned)
             waits |= pinned
             loaded.add(name)
