@@ -6,13 +6,17 @@ The learner of the default experiment (its model, `inference.dtype`, the stream 
 inference worker connected: what `Learner.publish_weights` spends on the learner's side of every step.
 
 - "train step": `train_step` on a default step's batch (`bench/learner_vs_plain.py`'s), the denominator;
-- "publish": `publish_weights` whole (gather, the probe, the cast-and-copy into the served buffer, the checksum);
-- "probe": the weight-sync probe's forward pass alone (one sequence, rlsys/alarms.py);
+- "publish": `publish_weights` whole (gather, the cast-and-copy into the served buffer, the checksum);
+- "probe": the time inside the train step that the weight-sync probe takes (rlsys/alarms.py): keeping the first
+  update's logprobs at temperature 1 (`PolicyTrainer.score_first_pass`, each pass of that update) and taking the
+  probe's sequence and reading its logprobs back (`probe_of`). Its forward passes are the step's own;
 - "checksum": the weight checksum of the served tensors (rlsys/weight_checksum.py), which the transfer computes as
   it copies them and the inference worker of what it then holds;
 - "logprob check": the time inside the train step's `LogprobCheck.observe` calls (inference's logprobs against the
-  learner's on the tokens its version sampled; here every token, the batch's version being the learner's). On a
-  GPU that is the time to launch its operations.
+  learner's on the tokens its version sampled; here every token, the batch's version being the learner's).
+
+On a GPU the times inside the train step are those to launch the operations (and, for `probe_of`, to wait for the
+step's last ones before the read).
 
 The last alarm, token continuity (`PrefixCheck`), runs in the rollout workers, not on the learner's step. Repeats
 alternate the sides after one warm-up each; medians are reported. The last line is the headline: the checks'
@@ -36,7 +40,19 @@ from bench.learner_vs_plain import default_step_batch, prepared_config  # noqa: 
 from rlsys.alarms import LogprobCheck  # noqa: E402
 from rlsys.bus import InProcessBus  # noqa: E402
 from rlsys.weight_checksum import weights_checksum  # noqa: E402
-from rlsys.workers.learner import PROBE_SEQUENCES, PROBE_TOKENS, Learner  # noqa: E402
+from rlsys.training_step import PolicyTrainer  # noqa: E402
+from rlsys.workers.learner import Learner  # noqa: E402
+
+
+def timed(method, seconds: list[float]):
+    """`method`, adding the time of each call to the last entry of `seconds`."""
+    def call(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds[-1] += time.perf_counter() - started
+    return call
 
 
 def main() -> None:
@@ -54,24 +70,18 @@ def main() -> None:
         learner = Learner(config, InProcessBus(), Path(tmp) / "run")
         cast = getattr(torch, config.inference.dtype)
         served = {name: t.detach().to(cast) for name, t in learner.model.state_dict().items()}
-        probe_ids = [t.token_ids[:PROBE_TOKENS] for t in trajectories[:PROBE_SEQUENCES]]
-
-        in_step = []  # seconds in LogprobCheck.observe, each train step
-        observe = LogprobCheck.observe
-
-        def timed_observe(check, *args, **kwargs):
-            started = time.perf_counter()
-            observe(check, *args, **kwargs)
-            in_step[-1] += time.perf_counter() - started
+        in_step = {"probe": [], "logprob check": []}  # seconds inside the train step, each step
+        for part, owner, method in (("probe", PolicyTrainer, "score_first_pass"), ("probe", PolicyTrainer, "probe_of"),
+                                    ("logprob check", LogprobCheck, "observe")):
+            setattr(owner, method, timed(getattr(owner, method), in_step[part]))
 
         def train_step():
-            in_step.append(0.0)
+            for seconds in in_step.values():
+                seconds.append(0.0)
             learner.train_step(trajectories)
 
-        LogprobCheck.observe = timed_observe
         sides = {"train step": train_step,
-                 "publish": lambda: learner.publish_weights(trajectories),
-                 "probe": lambda: learner.probe_logprobs(probe_ids),
+                 "publish": learner.publish_weights,
                  "checksum": lambda: weights_checksum(served)}
         times = {name: [] for name in sides}
         for repeat in range(args.repeats + 1):  # the first of each side warms up
@@ -82,7 +92,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                 if repeat:
                     times[name].append(time.perf_counter() - started)
-        times["logprob check"] = in_step[1:]
+        times.update({part: seconds[1:] for part, seconds in in_step.items()})
         if learner.weight_server is not None:
             learner.weight_server.close()
 

@@ -3,13 +3,16 @@ inference engine did?
 
 The logprob comparison has two sources. In the batch (LogprobCheck): tokens sampled by the very version the
 learner holds, which in an asynchronous run are few or none (they are one or two versions old). And the probe,
-every step: the learner sends a few sequences with its logprobs under each new version, and every inference
-worker scores them right after loading that version (`probe_totals`); the learner logs what came back.
+every step: the step's first update scores its batch under the version it trains from (its forward passes, before
+any weight changes, so no pass of its own), the learner sends one of those sequences with its logprobs along with
+the next version, and every inference worker that still holds the scored version scores it before it loads the
+next (`probe_totals`); the learner logs what came back, a step later.
 
 (The other checks: that inference serves the weights the learner published is rlsys/weight_checksum.py; that each
 turn of a multi-turn episode extends the tokens of the turn before is rlsys/token_continuity.py.)
 """
 
+import dataclasses
 import logging
 
 import torch
@@ -72,6 +75,17 @@ class LogprobCheck:
 
 
 PROBE = "alarms/probe"  # the prefix of the probe's figures
+PROBE_TOKENS = 256  # the probe's first tokens: a weight or numerics mismatch shows in every position's logprob
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One sequence of a step's batch and the learner's logprob of each token after the first under `version`, the
+    weights the step trained from, at temperature 1 (as the engines score)."""
+
+    version: int
+    token_ids: list[int]
+    logprobs: list[float]
 
 
 def difference_totals(inference: torch.Tensor, learner: torch.Tensor) -> list[float]:

@@ -21,8 +21,8 @@ import contextlib
 import numpy as np
 import torch
 
-from rlsys.alarms import LogprobCheck
-from rlsys.algorithms.batch import SequenceBatch, sequence_batch, token_sequences
+from rlsys.alarms import PROBE_TOKENS, LogprobCheck, Probe
+from rlsys.algorithms.batch import SequenceBatch, sequence_batch
 from rlsys.algorithms.choices import NEEDS_CRITIC
 from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from rlsys.algorithms.finite import clip_and_step
@@ -82,6 +82,7 @@ class PolicyTrainer:
         self.skipped_updates = 0  # optimizer steps skipped: their loss or gradients were not finite
         self.logprob_check = LogprobCheck(version=-1)  # replaced by each train_step
         self.first_step_fills_proximal = False  # set by prepare_batch: see proximal_logprobs
+        self.probe: Probe | None = None  # the last step's (probe_of), until the learner publishes it
         self.last_advantages: list[float] = []  # the last step's, each sequence's mean over its trained tokens (traces)
         self.tokenizer = load_tokenizer(config.model.path)
         self.pad_id = self.tokenizer.pad_token_id
@@ -104,15 +105,16 @@ class PolicyTrainer:
         batch = self.prepare_batch(trajectories, mini_batches)
         stats: dict[str, float] = {}
         # Inference's logprobs against ours on the same tokens, from the first mini-batch's forward passes
-        # (before any update): no extra forward pass.
+        # (before any update): no extra forward pass. Those passes also score the probe (rlsys/alarms.py).
         self.logprob_check = LogprobCheck(self.version)
+        first_pass = torch.zeros(batch.num_tokens + 1, device=batch.device)
         for n, rows in enumerate(mini_batches):
             # In the batch's order, which changes nothing but how the mini-batch's passes are cut: one that holds
             # every sequence is then the batch itself, not a gather of it. The step reports the last update's
             # statistics, so only its passes compute them.
             fills = batch.fields["proximal_logprobs"] if n == 0 and self.first_step_fills_proximal else None
             stats = self.optimizer_step(batch.select(sorted(rows), self.pass_fields()), n == len(mini_batches) - 1,
-                                        fills)
+                                        fills, first_pass if n == 0 else None)
             self.logprob_check.seal()
         stats.update(LogprobCheck.merged(self.ranks.all_gather(self.logprob_check.totals())))
         advantages = batch.fields["advantages"]
@@ -122,7 +124,21 @@ class PolicyTrainer:
             self.kl_controller.update(stats["kl"], n_steps=len(trajectories))
         stats.update(batch_stats(trajectories, batch, self.version))
         stats.update(mean_agent_metrics(trajectories))
+        self.probe = self.probe_of(trajectories, batch, mini_batches[0], first_pass)
         return stats
+
+    def probe_of(self, trajectories: list[Trajectory], batch: SequenceBatch, rows: list[int],
+                 first_pass: torch.Tensor) -> Probe | None:
+        """The probe of this step (rlsys/alarms.py): the first sequence its first update computed, up to PROBE_TOKENS
+        tokens, with the logprobs those passes gave it (`first_pass`); None if that update computed none."""
+        rows = sorted(rows)
+        trains, moving = to_compute(batch.token_counts[rows])
+        if not trains:
+            return None
+        # The first one computed: with shared prefixes, the one whose row holds the prefix, so every token is scored.
+        i = rows[moving[0] if moving else 0]
+        n, start = min(batch.lengths[i], PROBE_TOKENS), int(batch.offsets[i])
+        return Probe(self.version, trajectories[i].token_ids[:n], first_pass[start:start + n - 1].tolist())
 
     def prepare_batch(self, trajectories: list[Trajectory],
                       mini_batches: list[list[int]] | None = None) -> SequenceBatch:
@@ -177,15 +193,16 @@ class PolicyTrainer:
         """The fields a training pass reads (accumulate_gradients): `versions` only while the logprob check is open."""
         return [*PASS_FIELDS, *(() if self.logprob_check.sealed else ("versions",))]
 
-    def optimizer_step(self, mini_batch: SequenceBatch, statistics: bool = True,
-                       fills: torch.Tensor | None = None) -> dict[str, float]:
+    def optimizer_step(self, mini_batch: SequenceBatch, statistics: bool = True, fills: torch.Tensor | None = None,
+                       first_pass: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step on a mini-batch (and one critic step, for gae); without `statistics`, of the loss
-        terms' figures only the loss, which decides whether the step is taken. `fills`: see mini_batch_gradients."""
+        terms' figures only the loss, which decides whether the step is taken. `fills`, `first_pass`: see
+        mini_batch_gradients."""
         trains, moving = self.sequences_to_compute(mini_batch)
         if not trains:
             # Every trajectory in it is void: no loss, and a step on zero gradients would still move by Adam's momentum.
             return {"grad_norm": 0.0}
-        stats = self.mini_batch_gradients(mini_batch, moving, statistics, fills)
+        stats = self.mini_batch_gradients(mini_batch, moving, statistics, fills, first_pass)
         # A non-finite loss or gradient skips the step (and is counted) instead of writing NaN weights. The loss
         # is the whole mini-batch's (merged over ranks) and the norm a global one, so every rank decides alike.
         stats["grad_norm"], stepped = clip_and_step(self.optimizer, self.ppo.max_grad_norm, stats.get("loss"))
@@ -220,15 +237,17 @@ class PolicyTrainer:
             1, batch.sequence_index, torch.stack([trained, live]).float())
         return counts[:, :-1].T.cpu().numpy()
 
-    def mini_batch_gradients(self, mini_batch: SequenceBatch, moving: list[int] | None = None,
-                             statistics: bool = True, fills: torch.Tensor | None = None) -> dict[str, float]:
+    def mini_batch_gradients(self, mini_batch: SequenceBatch, moving: list[int] | None = None, statistics: bool = True,
+                             fills: torch.Tensor | None = None,
+                             first_pass: torch.Tensor | None = None) -> dict[str, float]:
         """Gradients of a mini-batch's loss, accumulated over its micro-batches (on every rank, over its share).
 
         Each token's loss weight is fixed over the whole mini-batch first (token_loss_weights), so the
         accumulated gradient equals the mini-batch's, however it is split over ranks or packed, and when only the
         sequences `moving` (sequences_to_compute; None: all) are computed. The statistics are over those computed.
         `fills`: the step's first, before any update: its passes' logprobs are the proximal ones, and are added into
-        `fills` (the proximal logprobs in the layout of the batch `mini_batch` was selected from, 0 there).
+        `fills` (the proximal logprobs in the layout of the batch `mini_batch` was selected from, 0 there). `first_pass`,
+        in the same layout and also in the step's first: its passes' logprobs at temperature 1 are added into it.
         """
         mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
         mini_batch.fields["weights"] = token_loss_weights(mask, sequences, self.ppo.loss_agg_mode)
@@ -246,29 +265,34 @@ class PolicyTrainer:
             self.critic_optimizer.zero_grad()
         totals = StatsAccumulator()
         passes = self.micro_batches(mini_batch)
-        filled = None if fills is None else torch.zeros(mini_batch.num_tokens + 1, device=mini_batch.device)
+        filled, scored = (None if field is None else torch.zeros(mini_batch.num_tokens + 1, device=mini_batch.device)
+                          for field in (fills, first_pass))
         for n, mb in enumerate(passes):
             # Ranks exchange gradients once, after the last pass, not after each.
             sync_gradients((self.model, self.critic), n == len(passes) - 1)
-            stats = self.accumulate_gradients(mb, statistics, filled)
+            stats = self.accumulate_gradients(mb, statistics, filled, scored)
             if mb.indices:  # an empty pass (see micro_batches) has nothing to report
                 totals.add(stats)
-        if fills is not None:
-            # Each rank filled its share's positions: their sum is every rank's.
-            mini_batch.write_into(self.ranks.summed(filled * mini_batch.predicts), fills)
+        for values, field in ((filled, fills), (scored, first_pass)):
+            if field is not None:
+                # Each rank filled its share's positions: their sum is every rank's.
+                mini_batch.write_into(self.ranks.summed(values * mini_batch.predicts), field)
         stats = StatsAccumulator.merge(self.ranks.all_gather(totals.result()))
         stats["sequences/skipped_zero_advantage"] = float(skipped)
         return stats
 
-    def accumulate_gradients(self, mb: MicroBatch, statistics: bool = True,
-                             filled: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def accumulate_gradients(self, mb: MicroBatch, statistics: bool = True, filled: torch.Tensor | None = None,
+                             scored: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The micro-batch's part of the mini-batch loss, backpropagated; its statistics if asked, else the loss.
-        `filled`: no update has been made yet, so this pass's logprobs are the proximal ones; they go into it."""
+        `filled`: no update has been made yet, so this pass's logprobs are the proximal ones; they go into it.
+        `scored`: no update has been made yet either; this pass's logprobs at temperature 1 go into it."""
         f = mb.fields
         # One log-softmax for the logprobs and the entropy: with a real vocabulary it is a pass over [T, V] floats.
         distributions = torch.log_softmax(self._logits(self.model, mb), dim=-1)
         logp = taken_logprobs(distributions, mb.input_ids)
         self.logprob_check.observe(logp, f)
+        if scored is not None:
+            self.score_first_pass(mb, logp, distributions, scored)
         decoupled = dict(behaviour_logprobs=f["behaviour_logprobs"],
                          imp_weight_cap=self.ppo.behaviour_imp_weight_cap or None) if self.ppo.decoupled_loss else {}
         if filled is not None:
@@ -304,6 +328,15 @@ class PolicyTrainer:
             stats["critic/value_loss"] = value_loss.detach()
         return stats
 
+    def score_first_pass(self, mb: MicroBatch, logp: torch.Tensor, distributions: torch.Tensor,
+                         scored: torch.Tensor) -> None:
+        """This pass's logprobs at temperature 1 into `scored`, as the engines score (the probe). At another sampling
+        temperature T they are recovered from the pass's: log_softmax(T * log_softmax(z / T)) = log_softmax(z)."""
+        with torch.no_grad():
+            if self.temperature != 1.0:
+                logp = taken_logprobs(torch.log_softmax(self.temperature * distributions, dim=-1), mb.input_ids)
+            mb.scatter(logp.detach(), scored)
+
     def shares(self, batch: SequenceBatch, sequences: list[int] | None = None) -> list[list[int]]:
         """Which of `sequences` of `batch` (all by default) each rank computes: balanced by tokens computed.
         Sequences that share a prefix stay on one rank, so that it is computed once."""
@@ -333,17 +366,6 @@ class PolicyTrainer:
                 mb.scatter(forward(mb), out)
         # Each rank filled its share's positions and left the others 0: their sum is every rank's.
         return self.ranks.summed(out * batch.predicts)
-
-    def probe_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
-        """The policy's logprob of each token after the first, at temperature 1 (the engines score at 1): the
-        weight-sync probe (rlsys/alarms.py). Every rank calls it (the forward passes are collective)."""
-        def forward(mb: MicroBatch) -> torch.Tensor:
-            with self._autocast():
-                logits = next_token_logits(self.model, mb.input_ids, self._attention_mask(mb), 1.0, mb.position_ids)
-            return gather_logprobs(logits, mb.input_ids)
-
-        batch = token_sequences(token_ids).to(self.device)
-        return [values.tolist() for values in batch.sequences(self.per_token(forward, batch).cpu())]
 
     def _policy_logprobs(self, model):
         return lambda mb: gather_logprobs(self._logits(model, mb), mb.input_ids)

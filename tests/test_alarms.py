@@ -24,7 +24,7 @@ from rlsys.impl.agent.model_client import ModelClient
 from rlsys.errors import RunCannotGoOn
 from rlsys.weight_checksum import WeightChecksumMismatch, weights_checksum
 from rlsys.workers.inference_worker import InferenceWorker
-from rlsys.workers.learner import PROBE_SEQUENCES, Learner
+from rlsys.workers.learner import Learner
 from tests.helpers import save_random_tiny_model
 from tests.test_learner import BAD, GOOD, PROMPT, learner_config, trajectory
 
@@ -136,10 +136,12 @@ def test_tensors_read_together_by_shape_give_each_ones_sums_under_its_own_name()
 
 
 @pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
-def test_every_version_s_probe_is_scored_by_the_engine_and_reaches_the_learner(tmp_path, engine_dtype):
-    """The learner sends PROBE_SEQUENCES of its batch's sequences with each version; the worker scores them right after
-    loading it. The same weights in float32 agree to rounding; a bfloat16 engine passes the checksum (it holds
-    exactly the bfloat16 weights published) yet its logprobs differ, and only the probe shows it."""
+def test_every_step_s_probe_is_scored_by_the_engine_before_it_loads_the_next_version(tmp_path, engine_dtype):
+    """The learner sends one of its batch's sequences, scored by the step's first update, with the version that step
+    made; a worker that holds the version the step trained from scores it before it loads the new one. The same
+    weights in float32 agree to rounding; a bfloat16 engine passes the checksum (it holds exactly the bfloat16
+    weights published) yet its logprobs differ, and only the probe shows it. A worker that holds another version
+    (it missed one) scores nothing."""
     config = learner_config(tmp_path)
     config.inference.dtype = engine_dtype
     bus = InProcessBus()
@@ -147,14 +149,18 @@ def test_every_version_s_probe_is_scored_by_the_engine_and_reaches_the_learner(t
     worker = InferenceWorker(GenerationEngine(TransformersBackend(
         config.model.path, InferenceConfig(engine="transformers", dtype=engine_dtype), 0)), bus, 0, 8)
     batch = [trajectory(learner.model, answer, reward) for answer, reward in ((GOOD, 1.0), (BAD, 0.0))] * 2
-    for version in (1, 2):
+    for loads, version in enumerate((1, 2, 4), start=1):
+        learner.version = version - 1  # 3: published while the worker was away
         learner.train_step(batch)
         learner.version = version
-        learner.publish_weights(batch)
+        learner.publish_weights()
         worker.load_newest_weights()
-        assert worker.engine.version == version and bus.get(protocol.WEIGHT_CHECKS) == version
+        assert worker.engine.version == version and bus.get(protocol.WEIGHT_CHECKS) == loads
         stats = learner.probe_reports()
-        assert stats["alarms/probe_tokens"] == PROBE_SEQUENCES * (len(PROMPT) + 2)
+        if version == 4:
+            assert stats == {}
+            continue
+        assert stats["alarms/probe_tokens"] == len(PROMPT) + 2
         if engine_dtype == "float32":
             assert stats["alarms/probe_abs_diff_max"] < 1e-4
         else:

@@ -378,7 +378,7 @@ def test_a_bad_weights_message_is_set_aside_and_the_worker_keeps_its_weights(wei
 
 def test_published_weights_carry_their_checksum_and_dtype_together_or_not_at_all():
     check = {"checksum": "0123456789abcdef" * 2, "dtype": "bfloat16"}
-    probe = {"probe": {"token_ids": [[1, 2, 3]], "logprobs": [[-0.5, -1.0]]}}
+    probe = {"probe": {"version": 2, "token_ids": [[1, 2, 3]], "logprobs": [[-0.5, -1.0]]}}
     for where in ({"path": "/w/v3"}, {"address": "127.0.0.1:5000", "token": "ab" * 16}):
         message = {"version": 3, **where, **check, **probe}
         assert parse_published_weights(message).to_message() == message
@@ -386,8 +386,10 @@ def test_published_weights_carry_their_checksum_and_dtype_together_or_not_at_all
     for bad in ({"checksum": check["checksum"]}, {"dtype": "float32"}, {**check, "dtype": "int8"},
                 {**check, "checksum": "xyz"}, {**check, "checksum": check["checksum"] + "00"},
                 {"address": "127.0.0.1:5000", "token": "ab" * 16},  # a path and an address
-                {"probe": {"token_ids": [[1, 2, 3]], "logprobs": [[-0.5]]}},  # one logprob short
-                {"probe": {"token_ids": [[1, 2]], "logprobs": [[0.5]]}}):  # a positive logprob
+                {"probe": {"version": 2, "token_ids": [[1, 2, 3]], "logprobs": [[-0.5]]}},  # one logprob short
+                {"probe": {"version": 2, "token_ids": [[1, 2]], "logprobs": [[0.5]]}},  # a positive logprob
+                {"probe": {"version": 3, "token_ids": [[1, 2]], "logprobs": [[-0.5]]}},  # not of an older version
+                {"probe": {"token_ids": [[1, 2]], "logprobs": [[-0.5]]}}):  # of no version
         with pytest.raises(InvalidMessage):
             parse_published_weights({"version": 3, "path": "/w/v3", **bad})
     with pytest.raises(InvalidMessage):

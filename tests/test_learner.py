@@ -453,6 +453,48 @@ def test_with_one_mini_batch_the_first_steps_passes_are_the_proximal_ones_and_th
                for n, w in policies[False].items()), "the step must move the policy, or this test proves nothing"
 
 
+@pytest.mark.parametrize("settings", [
+    {},  # the CPU's defaults: packed rows, each group's prompt computed once
+    {"ppo.sequence_packing": False, "ppo.decoupled_loss": False},  # padded rows, no proximal logprobs to fill
+    {"ppo.num_mini_batches": 2, "gen.temperature": 0.7, "ppo.max_tokens_per_micro_batch": 64},
+])
+def test_the_probe_is_scored_by_the_first_updates_passes_as_a_separate_pass_would(tmp_path, monkeypatch, settings):
+    """The probe (rlsys/alarms.py): a sequence of the step's batch with its logprobs under the weights the step
+    trained from, at temperature 1, whatever the layout or sampling temperature, and with no pass of its own. The
+    first group got one reward, so its sequences are not computed and the probe is another group's."""
+    import dataclasses
+    import random
+
+    from rlsys import training_step
+
+    monkeypatch.setattr(training_step, "PROBE_TOKENS", 12)
+    config = learner_config(tmp_path)
+    for key, value in settings.items():
+        section, name = key.split(".")
+        setattr(getattr(config, section), name, value)
+    config.ppo.init_kl_coef = 0.0
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    batch = [dataclasses.replace(t, reward=1.0) if t.group_id == "g0" else t
+             for t in mixed_length_batch(learner.model, random.Random(0), groups=3)]
+    before = {}
+    for t in batch:
+        ids = torch.tensor([t.token_ids[:12]])
+        with torch.no_grad():
+            before[tuple(t.token_ids[:12])] = gather_logprobs(next_token_logits(learner.model, ids, None), ids)[0]
+    per_token = learner.per_token
+    passes = []
+    learner.per_token = lambda forward, b, sequences=None: (passes.append(sequences), per_token(forward, b,
+                                                                                                sequences))[1]
+    learner.version = 5
+    learner.train_step(batch)
+    probe = learner.probe
+    assert probe.version == 5 and len(probe.token_ids) == 12 and len(probe.logprobs) == 11
+    assert probe.token_ids in [t.token_ids[:12] for t in batch if t.group_id != "g0"]
+    assert torch.allclose(torch.tensor(probe.logprobs), before[tuple(probe.token_ids)], atol=1e-5)
+    assert all(sequences is not None and sequences != list(range(len(batch))) for sequences in passes), \
+        "no pass over the whole batch without gradients: the probe came from the step's own"
+
+
 @pytest.mark.parametrize("ppo", [{"init_kl_coef": 0.1}, {"init_kl_coef": 0.0, "entropy_loss_coef": 0.01},
                                  {"init_kl_coef": 0.0, "adv_estimator": "gae"},
                                  {"init_kl_coef": 0.0, "skip_zero_advantage": "false"}])
@@ -648,12 +690,12 @@ def test_bf16_on_a_cpu_computes_the_matmuls_in_bf16_and_attention_in_float32_and
         config.learner.dtype = dtype
         learner = Learner(config, InProcessBus(), tmp_path / "run")
         batch = mixed_length_batch(learner.model, random.Random(0), groups=3)
-        logprobs = learner.probe_logprobs([t.token_ids for t in batch])
-        results[dtype] = (logprobs, *accumulated_gradients(learner, batch))
+        logprobs = learner.per_token(learner._policy_logprobs(learner.model), learner.prepare_batch(batch))
+        results[dtype] = (logprobs.tolist(), *accumulated_gradients(learner, batch))
     assert attention_dtypes == {torch.float32}  # varlen_attention's float32 under bf16's autocast too
     assert varlen_attention.ATTN_IMPLEMENTATION == learner.model.config._attn_implementation
     (lp32, loss32, grads32), (lp16, loss16, grads16) = results["float32"], results["bfloat16"]
-    diffs = [abs(a - b) for x, y in zip(lp32, lp16) for a, b in zip(x, y)]
+    diffs = [abs(a - b) for a, b in zip(lp32, lp16) if a]
     assert 1e-4 < sum(diffs) / len(diffs) < 0.02  # bf16 matmuls: close, not equal
     assert loss16 == pytest.approx(loss32, abs=1e-3)
     flat32, flat16 = (torch.cat([g.flatten() for g in grads.values()]) for grads in (grads32, grads16))

@@ -150,12 +150,6 @@ class SequenceBatch:
                              self.prefix_ids, self.prefix_lengths, self.token_counts, self.origin)
 
 
-def token_sequences(token_ids: list[list[int]]) -> SequenceBatch:
-    """Sequences of token ids with no per-token fields (to score them)."""
-    lengths = [len(ids) for ids in token_ids]
-    return SequenceBatch(torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long), lengths)
-
-
 def trained_length(trajectory: Trajectory) -> int:
     """Tokens up to the last one trained on or rewarded. What follows (the feedback after a final answer) is
     context of no trained token, so a causal model's loss, logprobs and values are the same without it."""

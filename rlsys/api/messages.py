@@ -263,8 +263,9 @@ class PublishedWeights:
     """The newest policy the learner published: its version and where to get it, either the learner's weight
     server and the token it wants (weights_transport=stream: the server's reply carries the checksum) or the
     directory that holds it (disk) with the checksum of the weights an engine holding them in `dtype` must have
-    (rlsys/weight_checksum.py); and the probe: a few sequences with the learner's own logprobs of each token after
-    the first under this version, for the engine to score once it holds it (rlsys/alarms.py)."""
+    (rlsys/weight_checksum.py); and the probe: sequences with the learner's own logprobs of each token after the
+    first under an older version, `probe_version`, for an engine that holds that one to score before it loads this
+    (rlsys/alarms.py)."""
 
     version: int
     path: str = ""
@@ -272,13 +273,14 @@ class PublishedWeights:
     token: str = ""
     checksum: str = ""
     dtype: str = ""
+    probe_version: int = -1
     probe_ids: tuple[tuple[int, ...], ...] = ()
     probe_logprobs: tuple[tuple[float, ...], ...] = ()
 
     def to_message(self) -> dict:
         where = {"path": self.path} if self.path else {"address": self.address, "token": self.token}
         check = {"checksum": self.checksum, "dtype": self.dtype} if self.checksum else {}
-        probe = ({"probe": {"token_ids": [list(ids) for ids in self.probe_ids],
+        probe = ({"probe": {"version": self.probe_version, "token_ids": [list(ids) for ids in self.probe_ids],
                             "logprobs": [list(lps) for lps in self.probe_logprobs]}} if self.probe_ids else {})
         return {"version": self.version, **where, **check, **probe}
 
@@ -302,7 +304,7 @@ def parse_published_weights(message) -> PublishedWeights:
             raise InvalidMessage(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype!r}")
         check = {"checksum": _hex(d["checksum"], "checksum", 32), "dtype": dtype}
     if "probe" in d:
-        check["probe_ids"], check["probe_logprobs"] = _probe(d["probe"])
+        check["probe_version"], check["probe_ids"], check["probe_logprobs"] = _probe(d["probe"], version)
     where = d.keys() - {"version", "checksum", "dtype", "probe"}
     if where == {"path"}:
         return PublishedWeights(version, path=string(d["path"], "path", MAX_PATH_CHARS), **check)
@@ -312,15 +314,18 @@ def parse_published_weights(message) -> PublishedWeights:
     raise InvalidMessage("published weights need a path, or an address and a token, and not both")
 
 
-def _probe(value) -> tuple[tuple, tuple]:
-    d = fields(value, "probe", {"token_ids", "logprobs"})
+def _probe(value, version: int) -> tuple[int, tuple, tuple]:
+    d = fields(value, "probe", {"version", "token_ids", "logprobs"})
+    probe_version = integer(d["version"], "probe version")
+    if not 0 <= probe_version < version:
+        raise InvalidMessage(f"a probe is of a version before the one published ({version}), got {probe_version}")
     ids = items(d["token_ids"], "probe token_ids", lambda x, where: tuple(token_ids(x, where, MAX_PROBE_TOKENS)),
                 MAX_PROBE_SEQUENCES)
     lps = items(d["logprobs"], "probe logprobs", lambda x, where: tuple(items(x, where, logprob, MAX_PROBE_TOKENS)),
                 MAX_PROBE_SEQUENCES)
     if [len(x) - 1 for x in ids] != [len(x) for x in lps]:
         raise InvalidMessage("probe logprobs must have one value for each token after the first of their sequence")
-    return tuple(ids), tuple(lps)
+    return probe_version, tuple(ids), tuple(lps)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,14 +100,14 @@ class GenerationEngine:
         return [finished[rid] for rid, _, _ in requests]
 
     def update_weights(self, weights, version: int, probe: list[list[int]] = ()) -> tuple[int, list[list[float]]]:
-        """Interrupt, load `version` from `weights` (tensors, or a directory: GenerationBackend.load_weights), score
-        the `probe` sequences under it while nothing runs, resume; returns how many samples were interrupted and
-        the probe's logprobs."""
+        """Interrupt, score the `probe` sequences under the weights held while nothing runs, load `version` from
+        `weights` (tensors, or a directory: GenerationBackend.load_weights), resume; returns how many samples were
+        interrupted and the probe's logprobs."""
         running = [(request, index) for request in self._requests.values()
                    for index, sample in enumerate(request.samples) if not sample.finished]
         self.backend.abort([_seq_id(r.rid, i, r.samples[i].segment) for r, i in running])
-        self.backend.load_weights(weights)
         scored = self.backend.score_all([list(ids) for ids in probe]) if probe else []
+        self.backend.load_weights(weights)
         self.version = version
         for request, index in running:
             request.samples[index].segment += 1

@@ -96,7 +96,13 @@ class InferenceWorker:
             received = self.weights.receive(published, as_they_arrive=self.engine.backend.loads_as_they_arrive)
             if received is None or received.version <= self.engine.version:
                 return
-            interrupted, scored = self.engine.update_weights(received.weights, received.version, published.probe_ids)
+            # The probe is the learner's logprobs under an older version: scored if that is the one served so far.
+            before = self.engine.version
+            probe = published.probe_ids if published.probe_version == before else ()
+            interrupted, scored = self.engine.update_weights(received.weights, received.version, probe)
+            if scored:
+                self.bus.put(protocol.LOGPROB_PROBES, {"worker": self.index, "version": before,
+                                                       "totals": probe_totals(published.probe_logprobs, scored)})
             whole = self.weights.settle(received)
             if whole is None:  # it broke off mid-load: the engine holds a mix of two versions
                 held = self.weights.held
@@ -110,9 +116,6 @@ class InferenceWorker:
             # before start_epoch (the first load of a restarted worker): its status would carry no epoch.
             if self.epoch:
                 self.publish_status()
-            if scored and received.version == published.version:  # the probe is the learner's under this version
-                self.bus.put(protocol.LOGPROB_PROBES, {"worker": self.index, "version": received.version,
-                                                       "totals": probe_totals(published.probe_logprobs, scored)})
             log.info("version %d loaded%s", self.engine.version,
                      f"; {interrupted} samples resumed under it" if interrupted else "")
 

@@ -27,11 +27,7 @@ from rlsys.training_step import PolicyTrainer
 
 log = logging.getLogger(__name__)
 
-# Of each batch, sent with the new version for the inference workers to score. One: a weight or numerics mismatch
-# shows in every position's logprob, and its forward pass is a share of a small model's publish (BENCHMARKS.md).
-PROBE_SEQUENCES = 1
 STOP_POLL_SECONDS = 0.5  # how often a learner done training asks whether the run stopped
-PROBE_TOKENS = 256  # the first tokens of each
 
 
 def serve_until_stopped(bus, server: weight_transport.WeightServer | None) -> None:
@@ -101,7 +97,7 @@ class Learner(PolicyTrainer):
             computed = time.monotonic() - started - waited
             self.step += 1
             self.version += 1
-            self.publish_weights(trajectories)
+            self.publish_weights()
             published = time.monotonic() - started - waited - computed
             if self.ranks.main:
                 write_trained(self.run_dir, self.step, trajectories, self.last_advantages,
@@ -175,19 +171,20 @@ class Learner(PolicyTrainer):
         return {**as_metrics(self.ledger.counts()),
                 "trajectories/duplicates": self.inbox.duplicates, "trajectories/dead_letters": self.inbox.dead_letters}
 
-    def publish_weights(self, trajectories: list[Trajectory] = ()) -> None:
-        """The new version to the inference workers, in the dtype they hold, with a probe of `trajectories`."""
+    def publish_weights(self) -> None:
+        """The new version to the inference workers, in the dtype they hold, with the last step's probe (of the
+        version before: rlsys/alarms.py)."""
         state = full_state_dict(self.model, self.ranks)  # every rank takes part in gathering the shards
-        probe_ids = [t.token_ids[:PROBE_TOKENS] for t in trajectories[:PROBE_SEQUENCES]]
-        probe = {"token_ids": probe_ids, "logprobs": self.probe_logprobs(probe_ids)} if probe_ids else None
+        probe, self.probe = self.probe, None
         if self.ranks.main:
+            extra = {"probe": {"version": probe.version, "token_ids": [probe.token_ids],
+                               "logprobs": [probe.logprobs]}} if probe else None
             weight_transport.publish(self.bus, self.model, self.version, self.transport, self.run_dir / "weights",
-                                     state, self.config.inference.dtype, self.weight_server,
-                                     extra={"probe": probe} if probe else None)
+                                     state, self.config.inference.dtype, self.weight_server, extra=extra)
 
     def probe_reports(self) -> dict[str, float]:
-        """What the inference workers found when they scored the probes of the versions they loaded since the
-        last step (rlsys/alarms.py), as alarms/probe_* figures."""
+        """What the inference workers found when they scored the probes that reached them since the last step
+        (rlsys/alarms.py), as alarms/probe_* figures."""
         totals = []
         for message in self.bus.get_many(protocol.LOGPROB_PROBES, 1024, 0.0):
             try:
