@@ -246,8 +246,9 @@ class PolicyTrainer:
         accumulated gradient equals the mini-batch's, however it is split over ranks or packed, and when only the
         sequences `moving` (sequences_to_compute; None: all) are computed. The statistics are over those computed.
         `fills`: the step's first, before any update: its passes' logprobs are the proximal ones, and are added into
-        `fills` (the proximal logprobs in the layout of the batch `mini_batch` was selected from, 0 there). `first_pass`,
-        in the same layout and also in the step's first: its passes' logprobs at temperature 1 are added into it.
+        `fills` (the proximal logprobs in the layout of the batch `mini_batch` was selected from, 0 there).
+        `first_pass`, in the same layout and also in the step's first: its passes' logprobs at temperature 1 are added
+        into it.
         """
         mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
         mini_batch.fields["weights"] = token_loss_weights(mask, sequences, self.ppo.loss_agg_mode)

@@ -11,12 +11,18 @@ so the same on every device, thread count and summation order. Per tensor three 
 words, the row sums weighted by row index and the column sums weighted by column index. A changed word changes
 the first; swapped rows or columns, or a transposed matrix, change the others. It is a check against bugs, not
 against an adversary (who could craft compensating changes); the transport itself is authenticated.
+
+On a GPU those few operations per tensor are host work that outweighs their reads on a small model (BENCHMARKS.md,
+"The checks on a GPU"), so `weights_checksum` captures them as a CUDA graph once per set of tensors (their names,
+addresses, dtypes and shapes: a model's own, updated in place, are one set for the whole run) and replays it.
 """
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 
+from rlsys.cuda_graphs import GRAPH_CAPTURE
 from rlsys.errors import RunCannotGoOn
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -28,10 +34,49 @@ def weights_checksum(tensors: dict[str, torch.Tensor], dtype: str | None = None)
     `dtype` (a torch dtype name): cast each floating tensor to it first, so a learner training in float32 can compute the
     checksum of the bfloat16 copy an engine holds."""
     cast = getattr(torch, dtype) if dtype else None
+    devices = {t.device for t in tensors.values()}
+    if len(devices) == 1 and (device := devices.pop()).type in GRAPH_CAPTURE:
+        return _replayed(tensors, cast, device)
+    return _parts(tensors, cast).digest()
+
+
+def _parts(tensors: dict[str, torch.Tensor], cast: torch.dtype | None) -> "ChecksumParts":
     parts = ChecksumParts()
     for name, t in tensors.items():
         parts.add(name, t.detach().to(cast) if cast is not None and t.is_floating_point() else t)
-    return parts.digest()
+    return parts
+
+
+MAX_GRAPHS = 2  # sets of tensors whose checksum graph is kept: a learner checks one, an engine another
+_graphs: dict[tuple, tuple[Callable[[], torch.Tensor], list[str]]] = {}  # by set: the replay and the labels
+
+
+def _replayed(tensors: dict[str, torch.Tensor], cast: torch.dtype | None, device: torch.device) -> str:
+    """`weights_checksum` by a graph of its operations, captured the first time these tensors are checked. The
+    graph reads the addresses it recorded, so a tensor moved elsewhere (or another set) is captured anew."""
+    key = (cast, device,
+           tuple((name, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for name, t in tensors.items()))
+    if key not in _graphs:
+        labels = []
+
+        def totals() -> torch.Tensor:
+            parts = _parts(tensors, cast)
+            labels[:] = parts.labels()
+            return parts.totals()
+
+        replay = GRAPH_CAPTURE[device.type]()(totals)
+        while len(_graphs) >= MAX_GRAPHS:
+            del _graphs[next(iter(_graphs))]  # the oldest
+        _graphs[key] = replay, labels
+    replay, labels = _graphs[key]
+    return _digest(labels, replay().cpu())
+
+
+def _digest(labels: list[str], totals: torch.Tensor) -> str:
+    digest = hashlib.blake2b("\n".join(labels).encode(), digest_size=16)
+    if labels:
+        digest.update(totals.numpy().tobytes())
+    return digest.hexdigest()
 
 
 class ChecksumParts:
@@ -59,6 +104,15 @@ class ChecksumParts:
 
     def digest(self) -> str:
         """The checksum of every tensor added: `weights_checksum` of them."""
+        return _digest(self.labels(), self.totals().cpu())  # one copy to the host for the whole model
+
+    def labels(self) -> list[str]:
+        """Each tensor's name, dtype and shape, in name order."""
+        return [f"{name}|{self._labels[self._aliases.get(name, name)]}" for name in sorted(self._labels.keys()
+                                                                                          | self._aliases.keys())]
+
+    def totals(self) -> torch.Tensor:
+        """[tensors, 3]: each tensor's three sums, in name order, where they were computed (nothing read back)."""
         sums = {}
         for ((rows, columns), _, device), group in self._by_shape.items():
             row_sums = torch.stack([r for _, r, _ in group]).to(torch.int64)
@@ -68,14 +122,11 @@ class ChecksumParts:
                                   (column_sums * position[:columns]).sum(1)], dim=1)
             sums.update((name, row) for (name, _, _), row in zip(group, totals))
         for name, first in self._aliases.items():
-            sums[name], self._labels[name] = sums[first], self._labels[first]
-        names = sorted(sums)
-        digest = hashlib.blake2b("\n".join(f"{name}|{self._labels[name]}" for name in names).encode(), digest_size=16)
-        if names:  # one copy to the host for the whole model, not a synchronisation per tensor
-            parts = [sums[name] for name in names]
-            on_one_device = len({p.device for p in parts}) == 1
-            digest.update(torch.stack(parts if on_one_device else [p.cpu() for p in parts]).cpu().numpy().tobytes())
-        return digest.hexdigest()
+            sums[name] = sums[first]
+        parts = [sums[name] for name in sorted(sums)]
+        if not parts:
+            return torch.zeros(0, 3, dtype=torch.int64)
+        return torch.stack(parts if len({p.device for p in parts}) == 1 else [p.cpu() for p in parts])
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from experiments.common import InferenceConfig
-from rlsys import protocol, weight_checksum
+from rlsys import cuda_graphs, protocol, weight_checksum
 from rlsys.alarms import LogprobCheck, check_logprob_mismatch
 from rlsys.token_continuity import PrefixCheck
 from rlsys.algorithms.importance import truncated_importance_weights
@@ -25,7 +25,7 @@ from rlsys.errors import RunCannotGoOn
 from rlsys.weight_checksum import WeightChecksumMismatch, weights_checksum
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.learner import Learner
-from tests.helpers import save_random_tiny_model
+from tests.helpers import ReplayEagerly, save_random_tiny_model
 from tests.test_learner import BAD, GOOD, PROMPT, learner_config, trajectory
 
 
@@ -133,6 +133,33 @@ def test_tensors_read_together_by_shape_give_each_ones_sums_under_its_own_name()
         parts.add(name, t)
     parts.alias("head", "layer1.k")
     assert parts.digest() == weights_checksum({**tensors, "head": tensors["layer1.k"]})
+
+
+def test_on_a_gpu_the_checksum_is_a_graph_captured_once_per_set_of_tensors_and_replayed(monkeypatch):
+    """The graph path on the CPU (each graph replayed eagerly): the same digests, one capture for as long as the
+    tensors stay where they are (changed in place, they are read anew), another for another cast or set."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(6, 4, generator=generator), "b": torch.randn(5, generator=generator).bfloat16(),
+               "c": torch.randn(4, 6, generator=generator), "empty": torch.zeros(0, 3), "steps": torch.arange(3)}
+    eager = {dtype: weights_checksum(tensors, dtype) for dtype in (None, "bfloat16")}
+    captures = []
+
+    class CountedCapture(ReplayEagerly):
+        def __call__(self, fn):
+            captures.append(fn)
+            return fn
+
+    monkeypatch.setitem(cuda_graphs.GRAPH_CAPTURE, "cpu", CountedCapture)
+    monkeypatch.setattr(weight_checksum, "_graphs", {})
+    assert [weights_checksum(dict(tensors)) for _ in range(3)] == [eager[None]] * 3
+    assert weights_checksum(tensors, "bfloat16") == eager["bfloat16"]
+    assert len(captures) == 2
+    tensors["a"][2, 1] += 1.0  # in place: the same addresses, read again
+    changed = weights_checksum(tensors)
+    assert changed not in eager.values() and len(captures) == 2
+    tensors["c"] = tensors["c"].clone()  # elsewhere: captured anew, the oldest graph let go
+    assert weights_checksum(tensors) == changed and len(captures) == 3
+    assert len(weight_checksum._graphs) == weight_checksum.MAX_GRAPHS
 
 
 @pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])

@@ -250,3 +250,22 @@ def test_the_warm_start_trains_on_the_gpu_and_saves_a_model_the_cpu_loads(tmp_pa
     assert model.device.type == "cpu"
     tokenizer = build_char_tokenizer()
     assert greedy_accuracy(model, tokenizer, examples(tokenizer)[1]) >= 0.9
+
+
+def test_the_checksum_on_the_gpu_is_a_graph_replayed_that_gives_the_cpus_digest():
+    """The checksum's graph (rlsys/weight_checksum.py) against the CPU's eager checksum of the same bytes, cast or
+    not, captured once while the tensors stay where they are and reading their values anew at each replay."""
+    from rlsys import weight_checksum
+
+    generator = torch.Generator().manual_seed(0)
+    cpu = {"embed": torch.randn(96, 32, generator=generator), "norm": torch.randn(32, generator=generator),
+           "odd": torch.randn(7, generator=generator).bfloat16(), "steps": torch.arange(5)}
+    gpu = {name: t.cuda() for name, t in cpu.items()}
+    weight_checksum._graphs.clear()
+    for _ in range(2):
+        for dtype in (None, "bfloat16"):
+            assert weights_checksum(gpu, dtype) == weights_checksum(cpu, dtype)
+    assert len(weight_checksum._graphs) == 2
+    for tensors in (cpu, gpu):
+        tensors["embed"][3, 5] += 1.0
+    assert weights_checksum(gpu) == weights_checksum(cpu) and len(weight_checksum._graphs) == 2

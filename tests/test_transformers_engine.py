@@ -19,7 +19,7 @@ from rlsys.engine.generation import GenerationEngine
 from rlsys.engine.transformers_engine import SPARE_COLUMNS, TransformersBackend
 from rlsys.engine.weights import write_weight_update
 from rlsys.model.tokenizer import build_char_tokenizer
-from tests.helpers import save_random_tiny_model
+from tests.helpers import ReplayEagerly, save_random_tiny_model
 
 EOS = 1  # the character tokenizer's <|end|>
 FIRST_CHAR, NUM_CHARS = 7, 95  # character token ids follow the special tokens
@@ -56,14 +56,6 @@ def model_path(tmp_path_factory):
     train(model, lambda rng: progression(rng, rng.randint(3, 14)) + [EOS], steps=150, lr=3e-3)
     model.save_pretrained(directory)
     return str(directory)
-
-
-class ReplayEagerly:
-    """A CPU stand-in for CudaGraphCapture: replaying runs the captured function again, with the host values it was
-    captured with (a graph replays those too)."""
-
-    def __call__(self, fn):
-        return fn
 
 
 def graphs_on_the_cpu(monkeypatch, held: int = 0, total: int = 2**40, free: int | None = None) -> None:

@@ -28,41 +28,12 @@ from collections.abc import Callable
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from rlsys.cuda_graphs import GRAPH_CAPTURE
 from rlsys.engine.kv_cache import kv_bytes_per_token
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the Llama layout, with Qwen3's per-head norms
 MIN_WIDTH = 64  # the narrowest cache width a graph attends over; wider ones double up to the buffers' columns
 MIN_PROMPT_WIDTH = 16  # the narrowest prefill a graph runs; wider ones double up to the buffers' columns
-
-
-class CudaGraphCapture:
-    """Captures a function as a CUDA graph; replaying it returns the function's output tensor, rewritten in place.
-    Every graph shares one memory pool: they replay one at a time and their outputs are read before the next."""
-
-    def __init__(self):
-        self.pool = torch.cuda.graph_pool_handle()
-
-    def __call__(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        # One eager run on a side stream first, as torch asks: cuBLAS creates its handles and workspaces there,
-        # outside the capture.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the weight receiver's thread may touch the GPU while this thread captures.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = fn()
-
-        def replay() -> torch.Tensor:
-            graph.replay()
-            return out
-
-        return replay
-
-
-GRAPH_CAPTURE: dict[str, Callable[[], Callable]] = {"cuda": CudaGraphCapture}  # by device type
 
 
 def cuda_memory(device: torch.device) -> tuple[int, int, int]:
