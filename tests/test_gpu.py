@@ -269,3 +269,24 @@ def test_the_checksum_on_the_gpu_is_a_graph_replayed_that_gives_the_cpus_digest(
     for tensors in (cpu, gpu):
         tensors["embed"][3, 5] += 1.0
     assert weights_checksum(gpu) == weights_checksum(cpu) and len(weight_checksum._graphs) == 2
+
+
+def test_float32_attention_with_grouped_heads_takes_a_fused_kernel_not_sdpas_math_path(tmp_path):
+    """A float32 learner pads its rows (ppo.sequence_packing=auto) and attends with plain causal sdpa: the key/value
+    heads, fewer than the query's, are repeated for the memory-efficient kernel, which takes no groups."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_learner import mixed_length_batch
+
+    config = config_for(tmp_path)
+    trajectories = mixed_length_batch(AutoModelForCausalLM.from_pretrained(config.model.path), random.Random(0))
+    trainer = PolicyTrainer(config, Ranks(), config.model.path)
+    assert trainer.model.config.num_key_value_heads < trainer.model.config.num_attention_heads
+    assert not trainer.packed
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        trainer.train_step(trajectories)
+    names = {e.name for e in profile.events()}
+    assert "aten::_scaled_dot_product_attention_math" not in names
+    assert "aten::_scaled_dot_product_efficient_attention" in names

@@ -40,7 +40,7 @@ def test_sequences_continuing_a_shared_prefix_equal_each_sequence_alone(tmp_path
     tokens = lambda n: torch.randint(4, 100, (n,), generator=generator)  # noqa: E731
     groups = [(tokens(6), [tokens(n) for n in (3, 1, 4)]), (tokens(2), [tokens(5)]), (tokens(90), [tokens(40), tokens(2)]),
               (tokens(0), [tokens(7)])]  # the last one shares nothing
-    ids, positions, starts, contexts, expected_rows = [], [], [], [], []
+    ids, positions, starts, contexts = [], [], [], []
     cursor = 0
     for prefix, continuations in groups:
         k = len(prefix)
@@ -67,3 +67,37 @@ def test_sequences_continuing_a_shared_prefix_equal_each_sequence_alone(tmp_path
             torch.testing.assert_close(logits[at:at + len(own)], whole[len(prefix):], atol=1e-5, rtol=1e-4)
             at += len(own)
     assert at == row.shape[1]
+
+
+def test_grouped_heads_are_repeated_where_the_kernel_would_not_take_them_and_give_the_same_attention(monkeypatch):
+    """On CUDA only sdpa's flash kernel takes fewer key/value heads than query heads (half precision, no mask);
+    a float32 or masked call gets them repeated, or sdpa falls back to its math path. Either way the same values
+    and gradients (checked here on the CPU with the repeat forced)."""
+    from types import SimpleNamespace
+
+    from rlsys.model import varlen_attention
+
+    def query(cuda: bool, dtype: torch.dtype, head_size: int = 16):
+        return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=(2, 4, 9, head_size))
+
+    kernel_takes_groups = varlen_attention.kernel_takes_groups
+    assert kernel_takes_groups(query(True, torch.bfloat16), masked=False)
+    assert not kernel_takes_groups(query(True, torch.float32), masked=False)  # the memory-efficient kernel
+    assert not kernel_takes_groups(query(True, torch.bfloat16), masked=True)
+    assert not kernel_takes_groups(query(True, torch.bfloat16, head_size=12), masked=False)
+    assert kernel_takes_groups(query(False, torch.float32), masked=True)
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 9, 16, generator=generator, requires_grad=True) for h in (4, 2, 2))
+    mask = torch.rand(2, 1, 9, 9, generator=generator) > 0.3
+    mask[..., 0] = True
+    results = []
+    for repeated in (False, True):
+        monkeypatch.setattr(varlen_attention, "kernel_takes_groups", lambda query, masked: not repeated)
+        for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+            out = varlen_attention.grouped_sdpa(q, k, v, scale=0.25, **kwargs)
+            grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+            results.append((out, *grads))
+    for plain, repeated in zip(results[:2], results[2:]):
+        for a, b in zip(plain, repeated):
+            torch.testing.assert_close(a, b)

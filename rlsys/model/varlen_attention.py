@@ -20,6 +20,7 @@ import inspect
 import numpy as np
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
 
 from rlsys.host_copy import to_device
 
@@ -77,7 +78,7 @@ def varlen_causal_attention(module, query, key, value, attention_mask, scaling=N
         return shared_prefix_attention(query, key, value, _shared[2], scaling, dropout), None
     if len(lengths) > 1 and flash_varlen_applies(query, dropout):
         return flash_varlen_attention(query, key, value, starts, max(lengths), scaling), None
-    attend = functools.partial(causal_attention, scaling=scaling, dropout=dropout, gqa=query.shape[1] != key.shape[1])
+    attend = functools.partial(causal_attention, scaling=scaling, dropout=dropout)
     if len(lengths) == 1:
         return attend(query, key, value).transpose(1, 2).contiguous(), None
     # split, not slicing: a slice's backward writes a zero tensor of the whole row per sequence (quadratic in
@@ -136,19 +137,36 @@ def shared_prefix_attention(query, key, value, plan, scaling, dropout: float) ->
     """query [1, H, L, D], key/value [1, H_kv, L, D] of a row with shared prefixes -> [1, L, H, D]."""
     *calls, slots = plan
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H, D]
-    gqa = q.shape[1] != k.shape[1]
     outputs = []
     for queries, keys, mask in calls:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q[queries].transpose(1, 2), k[keys].transpose(1, 2), v[keys].transpose(1, 2), attn_mask=mask,
-            scale=scaling, dropout_p=dropout, enable_gqa=gqa)  # [S, H, Q, D]
+        out = grouped_sdpa(q[queries].transpose(1, 2), k[keys].transpose(1, 2), v[keys].transpose(1, 2),
+                           attn_mask=mask, scale=scaling, dropout_p=dropout)  # [S, H, Q, D]
         outputs.append(out.transpose(1, 2).flatten(0, 1))  # [S * Q, H, D]
     return torch.cat(outputs)[slots][None]
 
 
-def causal_attention(query, key, value, scaling, dropout: float, gqa: bool) -> torch.Tensor:
-    return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                                            dropout_p=dropout, enable_gqa=gqa)
+def causal_attention(query, key, value, scaling, dropout: float) -> torch.Tensor:
+    return grouped_sdpa(query, key, value, is_causal=True, scale=scaling, dropout_p=dropout)
+
+
+def grouped_sdpa(query, key, value, **kwargs) -> torch.Tensor:
+    """torch's sdpa, with fewer key/value heads than query heads (grouped-query attention) passed as they are where
+    the kernel torch picks takes them, and repeated to the query's heads where it does not: on CUDA only the flash
+    kernel takes them (half precision, no mask), and a float32 or masked call, which the memory-efficient kernel
+    serves, would fall back to sdpa's math path, a dozen kernels a call (each a launch, and its backward more).
+    torch's CPU kernel takes them."""
+    grouped = query.shape[1] != key.shape[1]
+    if grouped and not kernel_takes_groups(query, kwargs.get("attn_mask") is not None):
+        key, value = (repeat_kv(t, query.shape[1] // t.shape[1]) for t in (key, value))
+        grouped = False
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, enable_gqa=grouped, **kwargs)
+
+
+def kernel_takes_groups(query: torch.Tensor, masked: bool) -> bool:
+    """Whether sdpa's kernel for this call takes fewer key/value heads than query heads (see grouped_sdpa)."""
+    if not query.is_cuda:
+        return True
+    return not masked and half_precision(query) is not None and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256
 
 
 def flash_varlen_applies(query: torch.Tensor, dropout: float) -> bool:
