@@ -80,6 +80,7 @@ class PolicyTrainer:
             step, self.ppo.warmup_steps, optimizer_steps, self.ppo.lr_scheduler_type))
         self.version = 0  # of the policy being trained: staleness is measured against it
         self.skipped_updates = 0  # optimizer steps skipped: their loss or gradients were not finite
+        self.updates: list[tuple] = []  # this train step's, whether each was taken (policy, critic), until settled
         self.logprob_check = LogprobCheck(version=-1)  # replaced by each train_step
         self.first_step_fills_proximal = False  # set by prepare_batch: see proximal_logprobs
         self.probe: Probe | None = None  # the last step's (probe_of), until the learner publishes it
@@ -116,6 +117,7 @@ class PolicyTrainer:
             stats = self.optimizer_step(batch.select(sorted(rows), self.pass_fields()), n == len(mini_batches) - 1,
                                         fills, first_pass if n == 0 else None)
             self.logprob_check.seal()
+        stats = self.settle(stats)
         stats.update(LogprobCheck.merged(self.ranks.all_gather(self.logprob_check.totals())))
         advantages = batch.fields["advantages"]
         self.last_advantages = batch.sequence_means(advantages, advantages != 0)  # for the traces of this step
@@ -125,6 +127,23 @@ class PolicyTrainer:
         stats.update(batch_stats(trajectories, batch, self.version))
         stats.update(mean_agent_metrics(trajectories))
         self.probe = self.probe_of(trajectories, batch, mini_batches[0], first_pass)
+        return stats
+
+    def settle(self, stats: dict) -> dict[str, float]:
+        """The step's figures read back with whether each of its updates was taken, in one copy: on a GPU a read waits
+        for every kernel queued before it, and leaves the GPU idle while the host queues the next, so the step reads
+        once, not once per update. An update skipped for a non-finite loss or gradient (clip_and_step) is counted,
+        and given back to the learning-rate schedule, which stepped for it: an update after it in the same train
+        step took the rate of one step later."""
+        updates, self.updates = self.updates, []
+        values = read_back([*stats.values(), *(taken for pair in updates for taken in pair)])
+        stats = dict(zip(stats, values))
+        taken = values[len(stats):]
+        self.skipped_updates += sum(not (policy and critic) for policy, critic in zip(taken[::2], taken[1::2]))
+        if policy_skips := sum(not policy for policy in taken[::2]):
+            self.scheduler.last_epoch -= policy_skips + 1
+            self.scheduler.step()
+        stats["updates/skipped_non_finite"] = self.skipped_updates
         return stats
 
     def probe_of(self, trajectories: list[Trajectory], batch: SequenceBatch, rows: list[int],
@@ -205,16 +224,15 @@ class PolicyTrainer:
         stats = self.mini_batch_gradients(mini_batch, moving, statistics, fills, first_pass)
         # A non-finite loss or gradient skips the step (and is counted) instead of writing NaN weights. The loss
         # is the whole mini-batch's (merged over ranks) and the norm a global one, so every rank decides alike.
+        # On one rank nothing is read back here: whether it was taken is read with the step's figures (settle).
         stats["grad_norm"], stepped = clip_and_step(self.optimizer, self.ppo.max_grad_norm, stats.get("loss"))
         stats["lr"] = self.scheduler.get_last_lr()[0]
-        if stepped:  # the schedule counts optimizer steps
-            self.scheduler.step()
+        self.scheduler.step()  # the schedule counts the updates taken: settle gives a skipped one back
+        critic_stepped = True
         if self.critic is not None:
             stats["critic/grad_norm"], critic_stepped = clip_and_step(
                 self.critic_optimizer, self.ppo.max_grad_norm, stats.get("critic/value_loss"))
-            stepped = stepped and critic_stepped
-        self.skipped_updates += not stepped
-        stats["updates/skipped_non_finite"] = self.skipped_updates
+        self.updates.append((stepped, critic_stepped))
         return stats
 
     def sequences_to_compute(self, mini_batch: SequenceBatch) -> tuple[bool, list[int]]:
@@ -278,7 +296,9 @@ class PolicyTrainer:
             if field is not None:
                 # Each rank filled its share's positions: their sum is every rank's.
                 mini_batch.write_into(self.ranks.summed(values * mini_batch.predicts), field)
-        stats = StatsAccumulator.merge(self.ranks.all_gather(totals.result()))
+        # One rank's figures stay where they are, read back once a train step (settle); ranks exchange theirs here.
+        stats = dict(totals.totals) if self.ranks.world == 1 else StatsAccumulator.merge(
+            self.ranks.all_gather(totals.result()))
         stats["sequences/skipped_zero_advantage"] = float(skipped)
         return stats
 
@@ -476,13 +496,24 @@ def batch_stats(trajectories: list[Trajectory], batch: SequenceBatch, version: i
     return stats
 
 
+def read_back(values: list) -> list[float]:
+    """`values` (numbers, 0-d tensors) as floats: one copy to the host per device the tensors are on."""
+    out = list(values)
+    tensors = [i for i, v in enumerate(out) if isinstance(v, torch.Tensor)]
+    for device in {out[i].device for i in tensors}:
+        at = [i for i in tensors if out[i].device == device]
+        for i, value in zip(at, torch.stack([out[i].detach().float().reshape(()) for i in at]).tolist()):
+            out[i] = value
+    return [float(v) for v in out]
+
+
 class StatsAccumulator:
     """Combines micro-batch statistics into the mini-batch's.
 
     Each micro-batch's statistic is already its part of the mini-batch's: losses, entropy and KL are sums weighted
     over the whole mini-batch's tokens, means (clip fraction, ratios) are weighted by each token's share of them
     (token_share), so they add up; maxima stay maxima. Values may be 0-d tensors (on the model's device):
-    `result` reads them back at once. The ranks' totals combine the same way (merge).
+    `result` reads them back at once (read_back). The ranks' totals combine the same way (merge).
     """
 
     def __init__(self):
@@ -500,12 +531,7 @@ class StatsAccumulator:
                 self.totals[key] = before + value
 
     def result(self) -> dict[str, float]:
-        if not self.totals:
-            return {}
-        device = next((v.device for v in self.totals.values() if isinstance(v, torch.Tensor)), "cpu")
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
-                              for v in self.totals.values()])
-        return dict(zip(self.totals, values.tolist()))
+        return dict(zip(self.totals, read_back(list(self.totals.values()))))
 
     @staticmethod
     def merge(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -155,10 +155,11 @@ def test_a_step_whose_loss_overflows_is_skipped_counted_and_changes_no_weight(le
     group = [Trajectory(**{**good_trajectory(), "logprobs": [0.0, 0.0, -3e38, -3e38], "reward": r, "turn_rewards": [r],
                            "traj_id": uuid.uuid4().hex}) for r in (1.0, -1.0)]
     before = [p.detach().clone() for p in learner.model.parameters()]
-    skipped = learner.skipped_updates
+    skipped, schedule = learner.skipped_updates, (learner.scheduler.last_epoch, learner.scheduler.get_last_lr())
     stats = learner.train_step(group)
-    assert stats["updates/skipped_non_finite"] == learner.skipped_updates > skipped
+    assert stats["updates/skipped_non_finite"] == learner.skipped_updates == skipped + learner.ppo.ppo_epochs
     assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+    assert (learner.scheduler.last_epoch, learner.scheduler.get_last_lr()) == schedule, "it counts updates taken"
 
 
 @FEW
@@ -210,19 +211,28 @@ def test_an_impossible_logprob_or_reward_is_refused_naming_it(bad):
         read_group_message({"group_id": "g", "trajectories": [with_field(good_trajectory(), path, value)]}, 100)
 
 
-def test_a_non_finite_gradient_skips_the_step_and_leaves_the_weights_alone():
+@pytest.mark.parametrize("fused", [False, True], ids=["checked-on-the-host", "fused-told-on-the-device"])
+def test_a_non_finite_gradient_skips_the_step_and_leaves_the_weights_alone(fused):
     model = torch.nn.Linear(3, 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
     before = [p.detach().clone() for p in model.parameters()]
     model(torch.tensor([[1.0, math.inf, 0.0]])).sum().backward()
     norm, stepped = clip_and_step(optimizer, 1.0)
     assert not stepped and not math.isfinite(norm)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # nothing left to accumulate
-    model(torch.ones(1, 3)).sum().backward()
-    assert clip_and_step(optimizer, 1.0, loss=math.nan)[1] is False
-    model(torch.ones(1, 3)).sum().backward()
-    assert clip_and_step(optimizer, 1.0, loss=1.0)[1] is True
+    if not fused:
+        assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # nothing left to accumulate
+    for loss in (math.nan, torch.tensor(math.inf)):
+        optimizer.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        assert not clip_and_step(optimizer, 1.0, loss=loss)[1]
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not any(state["step"] for state in optimizer.state.values()), "a skipped step is not counted by Adam"
+    for loss in (1.0, torch.tensor(1.0)):
+        optimizer.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        assert clip_and_step(optimizer, 1.0, loss=loss)[1]
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 # ---- generation requests, replies, statuses and weights

@@ -290,3 +290,32 @@ def test_float32_attention_with_grouped_heads_takes_a_fused_kernel_not_sdpas_mat
     names = {e.name for e in profile.events()}
     assert "aten::_scaled_dot_product_attention_math" not in names
     assert "aten::_scaled_dot_product_efficient_attention" in names
+
+
+def test_a_gpu_step_synchronises_as_often_however_many_updates_it_takes(tmp_path):
+    """An update's figures and whether it was taken stay on the GPU until the train step reads them once (settle):
+    four updates a step wait for the GPU no more often than one."""
+    import random
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_learner import mixed_length_batch
+
+    config = config_for(tmp_path)
+    trajectories = mixed_length_batch(AutoModelForCausalLM.from_pretrained(config.model.path), random.Random(0))
+    waits = []
+    for epochs, mini_batches in ((1, 1), (2, 2)):
+        config.ppo.ppo_epochs, config.ppo.num_mini_batches = epochs, mini_batches
+        trainer = PolicyTrainer(config, Ranks(), config.model.path)
+        trainer.train_step(trajectories)  # warm
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.train_step(trajectories)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        waits.append(sum("synchroniz" in str(w.message) for w in caught))
+    assert waits[1] <= waits[0], waits

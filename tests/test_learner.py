@@ -734,6 +734,32 @@ def test_a_step_reads_back_from_its_tensors_as_often_however_many_micro_batches_
     assert many_reads == few_reads
 
 
+@pytest.mark.parametrize("ppo", [{}, {"adv_estimator": "gae", "init_kl_coef": 0.1, "entropy_loss_coef": 0.01}])
+def test_an_update_reads_nothing_back_its_figures_and_whether_it_was_taken_are_read_once_a_step(
+        tmp_path, monkeypatch, ppo):
+    """On one rank an optimizer step (its passes, the clipping, the fused AdamW's skip of a non-finite update) leaves
+    every figure on the device; the train step reads them back together at its end (settle)."""
+    import random
+
+    config = learner_config(tmp_path)
+    for key, value in ppo.items():
+        setattr(config.ppo, key, value)
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    trajectories = mixed_length_batch(learner.model, random.Random(0))
+    batch = learner.prepare_batch(trajectories)
+    reads = []
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _m=method, _n=name, **k: (reads.append(_n),
+                                                                                             _m(self, *a, **k))[1])
+    stats = learner.optimizer_step(batch)
+    assert reads == [] and isinstance(stats["loss"], torch.Tensor) and learner.updates
+    assert learner.scheduler.last_epoch == 1
+    settled = learner.settle(stats)
+    assert not any(isinstance(value, torch.Tensor) for value in settled.values()) and not learner.updates
+    assert settled["updates/skipped_non_finite"] == 0 and settled["grad_norm"] > 0
+
+
 def test_the_micro_batch_budget_is_the_devices_unless_set(tmp_path):
     import random
 
