@@ -13,7 +13,7 @@ the first; swapped rows or columns, or a transposed matrix, change the others. I
 against an adversary (who could craft compensating changes); the transport itself is authenticated.
 
 On a GPU those few operations per tensor are host work that outweighs their reads on a small model (BENCHMARKS.md,
-"The checks on a GPU"), so `weights_checksum` captures them as a CUDA graph once per set of tensors (their names,
+"Fifth GPU session"), so `weights_checksum` captures them as a CUDA graph once per set of tensors (their names,
 addresses, dtypes and shapes: a model's own, updated in place, are one set for the whole run) and replays it.
 """
 
