@@ -36,6 +36,16 @@ class LogprobCheck:
         self.sealed = False
         self.sums: torch.Tensor | None = None  # [tokens, sum |diff|, max |diff|, sum of KL terms], where they live
 
+    @classmethod
+    def of_step(cls, version: int, token_versions: list[list[int]]) -> "LogprobCheck":
+        """The check of a step whose sequences' tokens were sampled by `token_versions`: sealed from the start when
+        none was sampled by `version` (most steps of an asynchronous run), so that its passes compute nothing for it
+        (on a GPU, each of its operations is a launch)."""
+        check = cls(version)
+        if not any(version in versions for versions in token_versions):
+            check.seal()
+        return check
+
     def observe(self, learner_logprobs: torch.Tensor, fields: dict) -> None:
         """`fields`: behaviour_logprobs, loss_mask and versions, aligned with `learner_logprobs`. Nothing is read
         back to the host here (on a GPU that would wait for the micro-batch's kernels)."""

@@ -107,7 +107,7 @@ class PolicyTrainer:
         stats: dict[str, float] = {}
         # Inference's logprobs against ours on the same tokens, from the first mini-batch's forward passes
         # (before any update): no extra forward pass. Those passes also score the probe (rlsys/alarms.py).
-        self.logprob_check = LogprobCheck(self.version)
+        self.logprob_check = LogprobCheck.of_step(self.version, [t.versions for t in trajectories])
         first_pass = torch.zeros(batch.num_tokens + 1, device=batch.device)
         for n, rows in enumerate(mini_batches):
             # In the batch's order, which changes nothing but how the mini-batch's passes are cut: one that holds

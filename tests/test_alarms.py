@@ -275,6 +275,22 @@ def test_learner_reports_the_mismatch_of_what_inference_sampled(tmp_path, shift)
     assert stats["alarms/logprob_abs_diff_max"] == pytest.approx(shift, abs=1e-4)
 
 
+def test_a_step_with_no_token_of_the_learner_s_version_computes_no_check(tmp_path, monkeypatch):
+    """In an asynchronous run most steps train on tokens one or two versions old: their check is sealed from the start,
+    so no pass computes it or gathers the tokens' versions."""
+    learner = Learner(learner_config(tmp_path), InProcessBus(), tmp_path / "run")
+    observed = []
+    observe = LogprobCheck.observe
+    monkeypatch.setattr(LogprobCheck, "observe", lambda check, *a: (observed.append(check.sealed), observe(check, *a)))
+    old = [trajectory(learner.model, answer, reward, version=0) for answer, reward in ((GOOD, 1.0), (BAD, 0.0))]
+    learner.version = 1
+    stats = learner.train_step(old)
+    assert stats["alarms/logprob_tokens"] == 0 and set(observed) == {True}
+    assert "versions" not in learner.pass_fields()
+    learner.version = 0
+    assert learner.train_step(old)["alarms/logprob_tokens"] == len(GOOD) + len(BAD)
+
+
 def test_truncated_importance_weights_match_a_plain_loop():
     torch.manual_seed(0)
     learner, inference = torch.randn(3, 7), torch.randn(3, 7)
