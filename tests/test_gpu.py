@@ -61,6 +61,23 @@ def config_for(tmp_path, **learner) -> AsyncPPOMATHConfig:
     return config
 
 
+def waits_of_a_step(trainer, trajectories) -> int:
+    """How often a train step (after one to warm the kernels and the pinned-memory cache) waits for the GPU, as
+    torch's sync debug mode reports: each read back, each copy from pageable memory."""
+    import warnings
+
+    trainer.train_step(trajectories)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step(trajectories)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def test_a_train_step_on_the_gpu_gives_the_cpus_policy(tmp_path):
     """Compared as the policy (logprobs) and the step's statistics, not parameter by parameter: AdamW's first step
     divides each gradient by its own size, so a parameter whose gradient is near zero moves by a rounding-sized
@@ -195,7 +212,6 @@ def test_a_gpu_step_synchronises_as_often_however_many_micro_batches_it_takes(tm
     counted over a train step: per optimizer step, never per micro-batch. float32 pads (ppo.sequence_packing=auto),
     bfloat16 packs into flash-attention varlen calls."""
     import random
-    import warnings
 
     from tests.test_learner import mixed_length_batch
 
@@ -209,16 +225,7 @@ def test_a_gpu_step_synchronises_as_often_however_many_micro_batches_it_takes(tm
         trainer = PolicyTrainer(config, Ranks(), config.model.path)
         assert trainer.packed == (dtype == "bfloat16")
         passes = len(trainer.micro_batches(trainer.prepare_batch(trajectories)))
-        trainer.train_step(trajectories)  # warm: kernels, the pinned-memory cache
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                trainer.train_step(trajectories)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        counts.append((passes, sum("synchroniz" in str(w.message) for w in caught)))
+        counts.append((passes, waits_of_a_step(trainer, trajectories)))
     (few, few_waits), (many, many_waits) = counts
     assert many > few + 4, "the small budget must split the batch into more passes, or this test proves nothing"
     # Not one more wait for eleven more passes (seen on an H200: 11 waits in one pass, 10 in twelve; the one
@@ -296,7 +303,6 @@ def test_a_gpu_step_synchronises_as_often_however_many_updates_it_takes(tmp_path
     """An update's figures and whether it was taken stay on the GPU until the train step reads them once (settle):
     four updates a step wait for the GPU no more often than one."""
     import random
-    import warnings
 
     from transformers import AutoModelForCausalLM
 
@@ -308,14 +314,5 @@ def test_a_gpu_step_synchronises_as_often_however_many_updates_it_takes(tmp_path
     for epochs, mini_batches in ((1, 1), (2, 2)):
         config.ppo.ppo_epochs, config.ppo.num_mini_batches = epochs, mini_batches
         trainer = PolicyTrainer(config, Ranks(), config.model.path)
-        trainer.train_step(trajectories)  # warm
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                trainer.train_step(trajectories)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        waits.append(sum("synchroniz" in str(w.message) for w in caught))
+        waits.append(waits_of_a_step(trainer, trajectories))
     assert waits[1] <= waits[0], waits
