@@ -262,8 +262,10 @@ def main() -> None:
         # the learner's device: a GPU where there is one
         plain = PlainLoop(config, trajectories, learner.device, foreach=True if args.plain_foreach else None)
         sides = {"learner": lambda: learner.train_step(trajectories), "plain": plain.train_step}
-        for run in sides.values():  # warm-up: allocator, kernels
-            run()
+        # warm-up: allocator, kernels, and the learner's choice of layout where it measures (ppo.sequence_packing)
+        measured = {key: value for key, value in (sides["learner"]() or {}).items() if key.startswith("layout/")}
+        plain.train_step()
+        layout = "packed" if learner.packed else "padded"
         times = {name: [] for name in sides}
         for _ in range(args.repeats):
             for name, run in sides.items():
@@ -286,12 +288,15 @@ def main() -> None:
           f"{len(trajectories)} sequences ({config.ppo.batch_size} prompts x {config.group_size}), {tokens} tokens, "
           f"{config.ppo.ppo_epochs} epochs x {config.ppo.num_mini_batches} mini-batches, {device}, "
           f"median of {args.repeats} x {args.steps_per_repeat} steps")
+    how = ", ".join(f"{key.split('/')[1].split('_')[0]} {value:.4f} s" for key, value in measured.items())
+    print(f"learner's rows: {layout} ({f'measured on its first step, a pass: {how}' if measured else 'by rule'})")
     print(f"{'side':<8} {'s/step':>8} {'trained tok/s':>14} {'tensor ops/step':>16} {'of them optimizer':>18}")
     for name, row in rows.items():
         print(f"{name:<8} {row['seconds_per_step']:>8.4f} {row['tokens_per_second']:>14.0f} "
               f"{shown(row['operations']):>16} {shown(row['optimizer_operations']):>18}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "tokens": tokens, "machine": platform.node(), "device": device,
+    Path(args.out).write_text(json.dumps({"args": vars(args), "tokens": tokens, "machine": platform.node(),
+                                          "device": device, "learner_layout": layout, "layout_measured": measured,
                                           "results": rows, "ratio": ratio}, indent=2))
     print(f"ratio: learner / plain tokens/s = {ratio:.2f}")
 

@@ -195,8 +195,8 @@ class PPOHyperparameters:
     """Gradient norm clip."""
     sequence_packing: str = "auto"
     """true: pack sequences end to end into micro-batches (no padding computed); false: pad each micro-batch's rows;
-    auto: packed where a packed row's attention costs what its sequences cost (a CPU; a GPU in bfloat16, one
-    flash-attention varlen call), padded on a GPU in float32, where it would take one attention call per length."""
+    auto: packed on a CPU; padded on a GPU in float32, where a packed row would take one attention call per length;
+    on a GPU in bfloat16 (a packed row is one flash-attention varlen call) the faster, timed on the first step."""
     share_prefixes: str = "auto"
     """true: a packed row holds once the tokens its sequences share before their first trained one (a group's
     prompt), each sequence attending to them (exact: the same logprobs and gradients, fewer tokens computed);

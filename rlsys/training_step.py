@@ -17,6 +17,7 @@ the gradients, so one step at N ranks is the single-rank step.
 """
 
 import contextlib
+import time
 
 import numpy as np
 import torch
@@ -55,7 +56,11 @@ class PolicyTrainer:
         self.micro_batch_tokens = self.ppo.max_tokens_per_micro_batch or (2048 if self.device == "cpu" else 16384)
         torch.manual_seed(config.seed)
         attention = self.settings.attn_implementation
-        self.packed = packs(self.ppo.sequence_packing, self.device, self.settings.dtype, attention)
+        packed = packs(self.ppo.sequence_packing, self.device, self.settings.dtype, attention)
+        # Where each layout takes one attention call a row (a GPU in half precision) the first train step measures
+        # which is faster (measured_layout); rows are packed until then, and where several ranks would have to agree.
+        self.measure_layout = packed is None and ranks.world == 1 and self.ppo.share_prefixes != "true"
+        self.packed = packed is not False
         self.share_prefixes = shares_prefixes(self.ppo.share_prefixes, self.packed, self.device, attention)
         self.model = self._placed(load_policy(config.model.path, attention)).train()
         # The KL reference is the policy the run started from, also after a resume from a later checkpoint.
@@ -103,6 +108,7 @@ class PolicyTrainer:
                   for _ in range(self.ppo.ppo_epochs)]
         mini_batches = [rows.tolist() for order in orders
                         for rows in torch.tensor(order).chunk(self.ppo.num_mini_batches)]
+        layout = self.measured_layout(trajectories) if self.measure_layout else {}
         batch = self.prepare_batch(trajectories, mini_batches)
         stats: dict[str, float] = {}
         # Inference's logprobs against ours on the same tokens, from the first mini-batch's forward passes
@@ -127,7 +133,30 @@ class PolicyTrainer:
         stats.update(batch_stats(trajectories, batch, self.version))
         stats.update(mean_agent_metrics(trajectories))
         self.probe = self.probe_of(trajectories, batch, mini_batches[0], first_pass)
-        return stats
+        return stats | layout
+
+    def measured_layout(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """ppo.sequence_packing=auto where no rule knows the faster layout: on a GPU in half precision a packed row is
+        one flash-attention varlen call a layer and padded rows one sdpa call, so packing saves the padding's compute
+        and costs a custom operator's host time, and which weighs more depends on the lengths, the model and the GPU.
+        A forward and backward pass over the step's sequences in each layout, twice in turn; the layout of the faster
+        second pass is kept for the run (`packed`). Their gradients are dropped; nothing else changes.
+        Returns the second passes' seconds, logged with the step's figures."""
+        batch = sequence_batch(trajectories).to(self.device)
+        batch = batch.select(range(len(batch)), fields=())
+        seconds = {}
+        for packed in (True, False, True, False):
+            self.packed = packed
+            synchronize(self.device)
+            started = time.perf_counter()
+            for mb in self.micro_batches(batch):
+                gather_logprobs(self._logits(self.model, mb), mb.input_ids).sum().backward()
+            synchronize(self.device)
+            seconds[f"layout/{'packed' if packed else 'padded'}_seconds"] = time.perf_counter() - started
+        self.optimizer.zero_grad()
+        self.packed = seconds["layout/packed_seconds"] <= seconds["layout/padded_seconds"]
+        self.measure_layout = False
+        return seconds
 
     def settle(self, stats: dict) -> dict[str, float]:
         """The step's figures read back with whether each of its updates was taken, in one copy: on a GPU a read waits
@@ -421,16 +450,25 @@ class PolicyTrainer:
         return self.config.gen.temperature or 1.0  # greedy (0) rollouts are scored at temperature 1
 
 
-def packs(setting, device: str, dtype: str, attention: str) -> bool:
-    """Whether micro-batches are packed rows (ppo.sequence_packing; True/False as set in Python code)."""
+def packs(setting, device: str, dtype: str, attention: str) -> bool | None:
+    """Whether micro-batches are packed rows (ppo.sequence_packing; True/False as set in Python code); None where
+    only a measurement can tell (PolicyTrainer.measured_layout)."""
     setting = str(setting).lower()
     if setting != "auto":
         return setting == "true"
     if attention in ("sdpa", "eager"):  # they would attend across a packed row's sequences
         return False
+    if device == "cpu":  # per-length attention calls cost less than padding's (BENCHMARKS.md), and prompts are shared
+        return True
     # On a GPU in float32 there is no one-call kernel for a packed row: it would take an attention call per
     # sequence length, and a GPU is launch-bound long before padding costs as much (BENCHMARKS.md).
-    return device == "cpu" or dtype == "bfloat16" or attention == "flash_attention_2"
+    return None if dtype == "bfloat16" or attention == "flash_attention_2" else False
+
+
+def synchronize(device: str) -> None:
+    """Waits for the device's queued work (a GPU's kernels run ahead of the host's clock)."""
+    if device != "cpu":
+        torch.cuda.synchronize(device)
 
 
 def shares_prefixes(setting: str, packed: bool, device: str, attention: str) -> bool:

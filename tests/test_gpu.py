@@ -206,11 +206,11 @@ def test_a_packed_row_in_bfloat16_takes_the_flash_varlen_kernel_and_equals_each_
         torch.testing.assert_close(got.grad.float(), want.grad, atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_gpu_step_synchronises_as_often_however_many_micro_batches_it_takes(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,packing", [("float32", "auto"), ("bfloat16", "true"), ("bfloat16", "false")])
+def test_a_gpu_step_synchronises_as_often_however_many_micro_batches_it_takes(tmp_path, dtype, packing):
     """Every wait for the GPU (a read back, a copy from pageable memory) that torch's sync debug mode reports is
-    counted over a train step: per optimizer step, never per micro-batch. float32 pads (ppo.sequence_packing=auto),
-    bfloat16 packs into flash-attention varlen calls."""
+    counted over a train step: per optimizer step, never per micro-batch. float32 pads (ppo.sequence_packing=auto);
+    bfloat16 packs into flash-attention varlen calls or pads (auto measures which is faster)."""
     import random
 
     from tests.test_learner import mixed_length_batch
@@ -219,11 +219,12 @@ def test_a_gpu_step_synchronises_as_often_however_many_micro_batches_it_takes(tm
 
     counts = []
     config = config_for(tmp_path, dtype=dtype)
+    config.ppo.sequence_packing = packing
     trajectories = mixed_length_batch(AutoModelForCausalLM.from_pretrained(config.model.path), random.Random(0))
     for budget in (16384, 40):
         config.ppo.max_tokens_per_micro_batch = budget
         trainer = PolicyTrainer(config, Ranks(), config.model.path)
-        assert trainer.packed == (dtype == "bfloat16")
+        assert trainer.packed == (packing == "true") and not trainer.measure_layout
         passes = len(trainer.micro_batches(trainer.prepare_batch(trajectories)))
         counts.append((passes, waits_of_a_step(trainer, trajectories)))
     (few, few_waits), (many, many_waits) = counts
@@ -231,6 +232,25 @@ def test_a_gpu_step_synchronises_as_often_however_many_micro_batches_it_takes(tm
     # Not one more wait for eleven more passes (seen on an H200: 11 waits in one pass, 10 in twelve; the one
     # pass's bigger pinned host buffers are new to the caching allocator, the twelve small ones fit the warm-up's).
     assert many_waits <= few_waits, counts
+
+
+def test_a_bfloat16_learner_measures_on_its_first_step_whether_packing_or_padding_is_faster(tmp_path):
+    """ppo.sequence_packing=auto on a GPU in bfloat16: the first train step times a pass in each layout, logs both and
+    keeps the faster for the run; later steps measure nothing."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_learner import mixed_length_batch
+
+    config = config_for(tmp_path, dtype="bfloat16")
+    trajectories = mixed_length_batch(AutoModelForCausalLM.from_pretrained(config.model.path), random.Random(0))
+    trainer = PolicyTrainer(config, Ranks(), config.model.path)
+    assert trainer.measure_layout
+    stats = trainer.train_step(trajectories)
+    packed, padded = stats["layout/packed_seconds"], stats["layout/padded_seconds"]
+    assert 0 < min(packed, padded) and trainer.packed == (packed <= padded) and not trainer.measure_layout
+    assert "layout/packed_seconds" not in trainer.train_step(trajectories)
 
 
 def test_the_warm_start_trains_on_the_gpu_and_saves_a_model_the_cpu_loads(tmp_path):

@@ -647,7 +647,8 @@ def test_learner_settings_act_or_are_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="ppo.sequence_packing must be one of"):
         parse_config(["ppo.sequence_packing=maybe"])
     # auto: packed where one attention call serves a packed row, padded where it would take one call per length
-    assert packs("auto", "cpu", "float32", "auto") and packs("auto", "cuda:0", "bfloat16", "auto")
+    # and on a GPU in bfloat16, where both layouts take one call a row, measured (None)
+    assert packs("auto", "cpu", "float32", "auto") and packs("auto", "cuda:0", "bfloat16", "auto") is None
     assert not packs("auto", "cuda:0", "float32", "auto") and not packs("auto", "cpu", "float32", "sdpa")
     assert packs(True, "cuda:0", "float32", "auto") and not packs("false", "cpu", "float32", "auto")
     # shared prompts: auto on packed CPU rows; true wherever rows are packed under rlsys's attention, else refused
@@ -758,6 +759,41 @@ def test_an_update_reads_nothing_back_its_figures_and_whether_it_was_taken_are_r
     settled = learner.settle(stats)
     assert not any(isinstance(value, torch.Tensor) for value in settled.values()) and not learner.updates
     assert settled["updates/skipped_non_finite"] == 0 and settled["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("slower", ["packed", "padded"])
+def test_a_measured_layout_is_the_faster_one_and_the_step_is_that_layouts(tmp_path, monkeypatch, slower):
+    """Where ppo.sequence_packing=auto measures (a GPU in bfloat16, tests/test_gpu.py), the first step times a pass in
+    each layout and keeps the faster: here one is made slower by half a second a pass. The step trained after the
+    measurement is the one a learner set to that layout from the start takes: the measuring passes leave no trace."""
+    import random
+
+    parameters = {}
+    for packing in ("auto", "false" if slower == "packed" else "true"):
+        config = learner_config(tmp_path)
+        config.ppo.sequence_packing, config.ppo.share_prefixes = packing, "false"
+        learner = Learner(config, InProcessBus(), tmp_path / "run")
+        batch = mixed_length_batch(learner.model, random.Random(0))
+        if packing == "auto":
+            learner.measure_layout = True  # as on a GPU in bfloat16
+            cut = learner.micro_batches
+
+            def slowed(*args, cut=cut, learner=learner, **kwargs):
+                if learner.measure_layout and ("packed" if learner.packed else "padded") == slower:
+                    time.sleep(0.5)
+                return cut(*args, **kwargs)
+
+            monkeypatch.setattr(learner, "micro_batches", slowed)
+        torch.manual_seed(0)
+        stats = learner.train_step(batch)
+        parameters[packing] = [p.detach().clone() for p in learner.model.parameters()]
+        if packing == "auto":
+            faster = "padded" if slower == "packed" else "packed"
+            assert stats[f"layout/{slower}_seconds"] > 0.5 > stats[f"layout/{faster}_seconds"]
+            assert learner.packed == (slower == "padded") and not learner.measure_layout
+            assert "layout/packed_seconds" not in learner.train_step(batch)
+    measured, set_so = parameters.values()
+    assert all(torch.equal(a, b) for a, b in zip(measured, set_so))
 
 
 def test_the_micro_batch_budget_is_the_devices_unless_set(tmp_path):
