@@ -180,11 +180,11 @@ class PolicyTrainer:
         """The probe of this step (rlsys/alarms.py): the first sequence its first update computed, up to PROBE_TOKENS
         tokens, with the logprobs those passes gave it (`first_pass`); None if that update computed none."""
         rows = sorted(rows)
-        trains, moving = to_compute(batch.token_counts[rows])
-        if not trains:
+        computed = computed_sequences(batch.token_counts[rows])
+        if not computed:
             return None
         # The first one computed: with shared prefixes, the one whose row holds the prefix, so every token is scored.
-        i = rows[moving[0] if moving else 0]
+        i = rows[computed[0]]
         n, start = min(batch.lengths[i], PROBE_TOKENS), int(batch.offsets[i])
         return Probe(self.version, trajectories[i].token_ids[:n], first_pass[start:start + n - 1].tolist())
 
@@ -222,11 +222,7 @@ class PolicyTrainer:
         the proximal one, so that step's own forward passes are their proximal logprobs (its PPO ratio is exactly 1)
         and fill them in (mini_batch_gradients). With one mini-batch, the default, that is every sequence: the
         decoupled objective then costs no forward pass more than plain PPO."""
-        computed = []
-        for rows in mini_batches:
-            trains, moving = to_compute(batch.token_counts[rows])
-            # none moving: a step computes every sequence (mini_batch_gradients)
-            computed.append({rows[i] for i in (moving or range(len(rows)))} if trains else set())
+        computed = [{rows[i] for i in computed_sequences(batch.token_counts[rows])} for rows in mini_batches]
         everything = set().union(*computed)
         by_pass = sorted(everything - computed[0] if first_fills else everything)
         proximal = (self.per_token(self._policy_logprobs(self.model), batch, by_pass) if by_pass
@@ -246,11 +242,11 @@ class PolicyTrainer:
         """One optimizer step on a mini-batch (and one critic step, for gae); without `statistics`, of the loss
         terms' figures only the loss, which decides whether the step is taken. `fills`, `first_pass`: see
         mini_batch_gradients."""
-        trains, moving = self.sequences_to_compute(mini_batch)
-        if not trains:
+        computed = self.sequences_to_compute(mini_batch)
+        if not computed:
             # Every trajectory in it is void: no loss, and a step on zero gradients would still move by Adam's momentum.
             return {"grad_norm": 0.0}
-        stats = self.mini_batch_gradients(mini_batch, moving, statistics, fills, first_pass)
+        stats = self.mini_batch_gradients(mini_batch, computed, statistics, fills, first_pass)
         # A non-finite loss or gradient skips the step (and is counted) instead of writing NaN weights. The loss
         # is the whole mini-batch's (merged over ranks) and the norm a global one, so every rank decides alike.
         # On one rank nothing is read back here: whether it was taken is read with the step's figures (settle).
@@ -264,10 +260,10 @@ class PolicyTrainer:
         self.updates.append((stepped, critic_stepped))
         return stats
 
-    def sequences_to_compute(self, mini_batch: SequenceBatch) -> tuple[bool, list[int]]:
-        """Whether any token of `mini_batch` is trained, and which of its sequences can move the policy: on the host,
-        from the counts prepare_batch read back once for the whole batch (count_tokens)."""
-        return to_compute(mini_batch.token_counts)
+    def sequences_to_compute(self, mini_batch: SequenceBatch) -> list[int]:
+        """The sequences of `mini_batch` an update on it computes (computed_sequences): on the host, from the counts
+        prepare_batch read back once for the whole batch (count_tokens)."""
+        return computed_sequences(mini_batch.token_counts)
 
     def count_tokens(self, batch: SequenceBatch) -> np.ndarray:
         """[sequences, 2]: each sequence's tokens trained on, and of them those that can move the policy; one read.
@@ -284,14 +280,14 @@ class PolicyTrainer:
             1, batch.sequence_index, torch.stack([trained, live]).float())
         return counts[:, :-1].T.cpu().numpy()
 
-    def mini_batch_gradients(self, mini_batch: SequenceBatch, moving: list[int] | None = None, statistics: bool = True,
+    def mini_batch_gradients(self, mini_batch: SequenceBatch, computed: list[int] | None = None, statistics: bool = True,
                              fills: torch.Tensor | None = None,
                              first_pass: torch.Tensor | None = None) -> dict[str, float]:
         """Gradients of a mini-batch's loss, accumulated over its micro-batches (on every rank, over its share).
 
         Each token's loss weight is fixed over the whole mini-batch first (token_loss_weights), so the
         accumulated gradient equals the mini-batch's, however it is split over ranks or packed, and when only the
-        sequences `moving` (sequences_to_compute; None: all) are computed. The statistics are over those computed.
+        sequences `computed` (sequences_to_compute; None: all) are. The statistics are over those computed.
         `fills`: the step's first, before any update: its passes' logprobs are the proximal ones, and are added into
         `fills` (the proximal logprobs in the layout of the batch `mini_batch` was selected from, 0 there).
         `first_pass`, in the same layout and also in the step's first: its passes' logprobs at temperature 1 are added
@@ -300,9 +296,9 @@ class PolicyTrainer:
         mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
         mini_batch.fields["weights"] = token_loss_weights(mask, sequences, self.ppo.loss_agg_mode)
         skipped = 0
-        if moving is not None and 0 < len(moving) < len(mini_batch):  # none moving: a step as on any other batch
-            skipped = len(mini_batch) - len(moving)
-            mini_batch = mini_batch.select(moving)
+        if computed is not None and len(computed) < len(mini_batch):
+            skipped = len(mini_batch) - len(computed)
+            mini_batch = mini_batch.select(computed)
             mask, sequences = mini_batch.fields["loss_mask"], mini_batch.sequence_index
         # Each token's share of the computed tokens: the weight of the KL, entropy and value terms and the statistics
         mini_batch.fields["token_share"] = (
@@ -482,10 +478,13 @@ def shares_prefixes(setting: str, packed: bool, device: str, attention: str) -> 
     return packed and attention == "auto" and (setting == "true" or (setting == "auto" and device == "cpu"))
 
 
-def to_compute(token_counts: np.ndarray) -> tuple[bool, list[int]]:
-    """From SequenceBatch.token_counts: whether any token is trained, and which sequences can move the policy."""
+def computed_sequences(token_counts: np.ndarray) -> list[int]:
+    """From SequenceBatch.token_counts, which sequences an update computes: those that can move the policy; every one
+    if none can but some token is trained (a step as on any other batch); none if no token is trained."""
     trained, live = token_counts.T
-    return bool(trained.any()), [i for i, n in enumerate(live.tolist()) if n]
+    if not trained.any():
+        return []
+    return [i for i, n in enumerate(live.tolist()) if n] or list(range(len(live)))
 
 
 def mean_agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:

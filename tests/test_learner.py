@@ -372,8 +372,8 @@ def test_a_group_whose_samples_got_one_reward_is_not_computed_and_the_gradients_
         batch = [dataclasses.replace(t, reward=1.0) if t.group_id == "g0" else t
                  for t in mixed_length_batch(learner.model, random.Random(0), groups=3)]
         prepared = learner.prepare_batch(batch)  # its proximal pass, if any, computes every sequence
-        trains, moving = learner.sequences_to_compute(prepared)
-        assert trains and moving == [i for i, t in enumerate(batch) if t.group_id != "g0"]
+        moving = learner.sequences_to_compute(prepared)
+        assert moving == [i for i, t in enumerate(batch) if t.group_id != "g0"]
         passes = learner.micro_batches
         learner.micro_batches = lambda mini_batch: computed.setdefault(skip, passes(mini_batch))
         loss = learner.mini_batch_gradients(prepared, moving if skip else None)["loss"]
@@ -387,8 +387,9 @@ def test_a_group_whose_samples_got_one_reward_is_not_computed_and_the_gradients_
     assert any(g.abs().max() > 1e-3 for g in reference_grads.values())
     learner.micro_batches = passes
     uniform = learner.prepare_batch([dataclasses.replace(t, reward=1.0) for t in batch])
-    assert learner.sequences_to_compute(uniform) == (True, [])  # then a step as before: every sequence computed
-    assert learner.mini_batch_gradients(uniform, [])["sequences/skipped_zero_advantage"] == 0
+    every = learner.sequences_to_compute(uniform)  # none can move the policy: a step as before, every one computed
+    assert every == list(range(12))
+    assert learner.mini_batch_gradients(uniform, every)["sequences/skipped_zero_advantage"] == 0
 
 
 @pytest.mark.parametrize("ppo", [{"decoupled_loss": True}, {"tis_cap": 2.0}])
@@ -509,7 +510,7 @@ def test_every_sequence_is_computed_when_the_loss_has_a_term_besides_the_policy_
         setattr(config.ppo, key, value)
     learner = Learner(config, InProcessBus(), tmp_path / "run")
     batch = [dataclasses.replace(t, reward=1.0) for t in mixed_length_batch(learner.model, random.Random(0), groups=3)]
-    assert learner.sequences_to_compute(learner.prepare_batch(batch)) == (True, list(range(12)))
+    assert learner.sequences_to_compute(learner.prepare_batch(batch)) == list(range(12))
     if "skip_zero_advantage" not in ppo:
         with pytest.raises(ValueError, match="skip_zero_advantage=true needs a loss that is the policy term alone"):
             dataclasses.replace(config.ppo, skip_zero_advantage="true")
