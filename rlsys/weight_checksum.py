@@ -14,10 +14,12 @@ against an adversary (who could craft compensating changes); the transport itsel
 
 On a GPU those few operations per tensor are host work that outweighs their reads on a small model (BENCHMARKS.md,
 "Fifth GPU session"), so `weights_checksum` captures them as a CUDA graph once per set of tensors (their names,
-addresses, dtypes and shapes: a model's own, updated in place, are one set for the whole run) and replays it.
+addresses, dtypes and shapes: a model's own, updated in place, are one set for the whole run) and replays it. A
+capture that fails leaves that device's checksums eager from then on, with a warning: a check must not end a run.
 """
 
 import hashlib
+import logging
 from collections.abc import Callable
 
 import torch
@@ -26,6 +28,7 @@ from rlsys.cuda_graphs import GRAPH_CAPTURE
 from rlsys.errors import RunCannotGoOn
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+log = logging.getLogger(__name__)
 
 
 def weights_checksum(tensors: dict[str, torch.Tensor], dtype: str | None = None) -> str:
@@ -35,8 +38,13 @@ def weights_checksum(tensors: dict[str, torch.Tensor], dtype: str | None = None)
     checksum of the bfloat16 copy an engine holds."""
     cast = getattr(torch, dtype) if dtype else None
     devices = {t.device for t in tensors.values()}
-    if len(devices) == 1 and (device := devices.pop()).type in GRAPH_CAPTURE:
-        return _replayed(tensors, cast, device)
+    if len(devices) == 1 and (device := devices.pop()).type in GRAPH_CAPTURE and device.type not in _eager:
+        try:
+            return _replayed(tensors, cast, device)
+        except RuntimeError as error:  # the check must not end the run: the same sums, issued one by one
+            _eager.add(device.type)
+            log.warning("the weight checksum could not be captured as a CUDA graph on %s (%s); it runs eagerly "
+                        "from now on", device, error)
     return _parts(tensors, cast).digest()
 
 
@@ -48,6 +56,7 @@ def _parts(tensors: dict[str, torch.Tensor], cast: torch.dtype | None) -> "Check
 
 
 MAX_GRAPHS = 2  # sets of tensors whose checksum graph is kept: a learner checks one, an engine another
+_eager: set[str] = set()  # device types where a capture failed
 _graphs: dict[tuple, tuple[Callable[[], torch.Tensor], list[str]]] = {}  # by set: the replay and the labels
 
 

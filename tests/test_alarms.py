@@ -162,6 +162,29 @@ def test_on_a_gpu_the_checksum_is_a_graph_captured_once_per_set_of_tensors_and_r
     assert len(weight_checksum._graphs) == weight_checksum.MAX_GRAPHS
 
 
+def test_a_checksum_whose_graph_cannot_be_captured_is_computed_eagerly_and_says_so(monkeypatch, caplog):
+    """A capture that fails (an operation a CUDA graph cannot hold, on some GPU) costs the checksum its graph, not
+    the run: the same digest, computed eagerly, one warning, no capture tried again on that device."""
+    tensors = {"a": torch.randn(6, 4), "b": torch.arange(5)}
+    eager = weights_checksum(tensors)
+    tries = []
+
+    class FailingCapture(ReplayEagerly):
+        def __call__(self, fn):
+            tries.append(fn)
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setitem(cuda_graphs.GRAPH_CAPTURE, "cpu", FailingCapture)
+    monkeypatch.setattr(weight_checksum, "_graphs", {})
+    monkeypatch.setattr(weight_checksum, "_eager", set())
+    with caplog.at_level("WARNING", logger="rlsys.weight_checksum"):
+        assert [weights_checksum(tensors) for _ in range(3)] == [eager] * 3
+    assert len(tries) == 1 and not weight_checksum._graphs
+    assert [r.message for r in caplog.records if "could not be captured" in r.message] == [
+        "the weight checksum could not be captured as a CUDA graph on cpu (operation not permitted when stream is "
+        "capturing); it runs eagerly from now on"]
+
+
 @pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
 def test_every_step_s_probe_is_scored_by_the_engine_before_it_loads_the_next_version(tmp_path, engine_dtype):
     """The learner sends one of its batch's sequences, scored by the step's first update, with the version that step
