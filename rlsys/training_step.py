@@ -280,8 +280,8 @@ class PolicyTrainer:
             1, batch.sequence_index, torch.stack([trained, live]).float())
         return counts[:, :-1].T.cpu().numpy()
 
-    def mini_batch_gradients(self, mini_batch: SequenceBatch, computed: list[int] | None = None, statistics: bool = True,
-                             fills: torch.Tensor | None = None,
+    def mini_batch_gradients(self, mini_batch: SequenceBatch, computed: list[int] | None = None,
+                             statistics: bool = True, fills: torch.Tensor | None = None,
                              first_pass: torch.Tensor | None = None) -> dict[str, float]:
         """Gradients of a mini-batch's loss, accumulated over its micro-batches (on every rank, over its share).
 
