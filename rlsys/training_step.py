@@ -139,17 +139,19 @@ class PolicyTrainer:
         """ppo.sequence_packing=auto where no rule knows the faster layout: on a GPU in half precision a packed row is
         one flash-attention varlen call a layer and padded rows one sdpa call, so packing saves the padding's compute
         and costs a custom operator's host time, and which weighs more depends on the lengths, the model and the GPU.
-        A forward and backward pass over the step's sequences in each layout, twice in turn; the layout of the faster
-        second pass is kept for the run (`packed`). Their gradients are dropped; nothing else changes.
+        A forward and backward pass in each layout, twice in turn, over the step's first sequences up to one
+        micro-batch's tokens (a big step's passes are many of that size); the layout of the faster second pass is kept
+        for the run (`packed`). Their gradients are dropped; nothing else changes.
         Returns the second passes' seconds, logged with the step's figures."""
         batch = sequence_batch(trajectories).to(self.device)
         batch = batch.select(range(len(batch)), fields=())
+        sequences = np.flatnonzero(np.cumsum(batch.lengths) <= self.micro_batch_tokens).tolist() or [0]
         seconds = {}
         for packed in (True, False, True, False):
             self.packed = packed
             synchronize(self.device)
             started = time.perf_counter()
-            for mb in self.micro_batches(batch):
+            for mb in self.micro_batches(batch, sequences):
                 gather_logprobs(self._logits(self.model, mb), mb.input_ids).sum().backward()
             synchronize(self.device)
             seconds[f"layout/{'packed' if packed else 'padded'}_seconds"] = time.perf_counter() - started

@@ -765,24 +765,28 @@ def test_an_update_reads_nothing_back_its_figures_and_whether_it_was_taken_are_r
 @pytest.mark.parametrize("slower", ["packed", "padded"])
 def test_a_measured_layout_is_the_faster_one_and_the_step_is_that_layouts(tmp_path, monkeypatch, slower):
     """Where ppo.sequence_packing=auto measures (a GPU in bfloat16, tests/test_gpu.py), the first step times a pass in
-    each layout and keeps the faster: here one is made slower by half a second a pass. The step trained after the
-    measurement is the one a learner set to that layout from the start takes: the measuring passes leave no trace."""
+    each layout over its first sequences up to a micro-batch's tokens, and keeps the faster: here one is made slower
+    by half a second a pass. The step trained after the measurement is the one a learner set to that layout from the
+    start takes: the measuring passes leave no trace."""
     import random
 
-    parameters = {}
+    parameters, measured = {}, []
     for packing in ("auto", "false" if slower == "packed" else "true"):
         config = learner_config(tmp_path)
         config.ppo.sequence_packing, config.ppo.share_prefixes = packing, "false"
+        config.ppo.max_tokens_per_micro_batch = 64
         learner = Learner(config, InProcessBus(), tmp_path / "run")
         batch = mixed_length_batch(learner.model, random.Random(0))
         if packing == "auto":
             learner.measure_layout = True  # as on a GPU in bfloat16
             cut = learner.micro_batches
 
-            def slowed(*args, cut=cut, learner=learner, **kwargs):
-                if learner.measure_layout and ("packed" if learner.packed else "padded") == slower:
-                    time.sleep(0.5)
-                return cut(*args, **kwargs)
+            def slowed(batch, sequences=None, cut=cut, learner=learner):
+                if learner.measure_layout:
+                    measured.append(sequences)
+                    if ("packed" if learner.packed else "padded") == slower:
+                        time.sleep(0.5)
+                return cut(batch, sequences)
 
             monkeypatch.setattr(learner, "micro_batches", slowed)
         torch.manual_seed(0)
@@ -792,6 +796,9 @@ def test_a_measured_layout_is_the_faster_one_and_the_step_is_that_layouts(tmp_pa
             faster = "padded" if slower == "packed" else "packed"
             assert stats[f"layout/{slower}_seconds"] > 0.5 > stats[f"layout/{faster}_seconds"]
             assert learner.packed == (slower == "padded") and not learner.measure_layout
+            lengths = [len(t.token_ids) for t in batch]
+            first = max(n for n in range(len(batch) + 1) if sum(lengths[:n]) <= 64)
+            assert 0 < first < len(batch) and measured == [list(range(first))] * 4
             assert "layout/packed_seconds" not in learner.train_step(batch)
     measured, set_so = parameters.values()
     assert all(torch.equal(a, b) for a, b in zip(measured, set_so))
