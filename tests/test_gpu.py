@@ -336,3 +336,21 @@ def test_a_gpu_step_synchronises_as_often_however_many_updates_it_takes(tmp_path
         trainer = PolicyTrainer(config, Ranks(), config.model.path)
         waits.append(waits_of_a_step(trainer, trajectories))
     assert waits[1] <= waits[0], waits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_graphs_masked_grouped_query_attention_takes_a_fused_kernel(dtype):
+    """The transformers engine's decode and prefill graphs attend with a mask over fewer key/value heads than query
+    heads: stacked along the queries (decode_graphs.grouped_query_attention), no sdpa math path, sdpa's values."""
+    from rlsys.engine.decode_graphs import grouped_query_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(8, 4, 1, 64, generator=generator).to("cuda", dtype)
+    key, value = (torch.randn(8, 2, 96, 64, generator=generator).to("cuda", dtype) for _ in range(2))
+    attend = torch.rand(8, 1, 1, 96, generator=generator).cuda() > 0.3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        out = grouped_query_attention(query, key, value, attend, 0.125)
+    assert "aten::_scaled_dot_product_attention_math" not in {e.name for e in profile.events()}
+    expected = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(),
+                                                                attn_mask=attend, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)

@@ -381,6 +381,24 @@ def test_the_graph_path_generates_what_hfs_forward_does_for_llama_and_qwen3(tmp_
     assert_same_outputs(transformers_engine(path, enforce_eager=False).generate(requests), eager)
 
 
+@pytest.mark.parametrize("tokens", [1, 5], ids=["decode", "prefill"])
+def test_grouped_query_heads_stacked_along_the_queries_attend_as_sdpa_with_groups(tokens):
+    """The graphs' attention (decode_graphs.grouped_query_attention) stacks each key/value head's query heads along
+    the query length, the mask repeated for each: the same outputs as sdpa taking the groups, padding included."""
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, width, dim = 3, 6, 2, 7, 8
+    query = torch.randn(rows, tokens, heads, dim, generator=generator).transpose(1, 2)  # as the layer hands it over
+    key, value = (torch.randn(rows, kv_heads, width, dim, generator=generator) for _ in range(2))
+    attend = torch.rand(rows, 1, tokens, width, generator=generator) > 0.4
+    attend[..., -1] = True  # no row without a key
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attend, scale=0.3,
+                                                                enable_gqa=True)
+    stacked = attend if tokens == 1 else attend.repeat(1, 1, heads // kv_heads, 1)
+    got = decode_graphs.grouped_query_attention(query, key, value, stacked, 0.3)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
 def test_the_graphs_run_as_many_sequences_as_their_cache_fits_in_the_memory_given(model_path, monkeypatch, caplog):
     """The graphs' KV cache is allocated whole, for every sequence's longest, so it is sized to
     inference.gpu_memory_utilization: where half the device less what the process holds fits 3.5 sequences' cache,

@@ -155,14 +155,13 @@ def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor, column: to
     inner = model.model
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
-    attend = mask[:, None, None, :width].bool()
+    attend = mask[:, None, None, :width].bool()  # one query a row: the same for every head of a group
     for layer, key_buffer, value_buffer in zip(inner.layers, keys, values):
         def attention(query, key, value, scale, key_buffer=key_buffer, value_buffer=value_buffer):
             key_buffer.index_copy_(2, column, key)
             value_buffer.index_copy_(2, column, value)
-            return torch.nn.functional.scaled_dot_product_attention(
-                query, key_buffer[:, :, :width], value_buffer[:, :, :width], attn_mask=attend, scale=scale,
-                enable_gqa=True)
+            return grouped_query_attention(query, key_buffer[:, :, :width], value_buffer[:, :, :width], attend,
+                                           scale)
 
         hidden = _decoder_layer(layer, hidden, cos, sin, attention)
     return model.lm_head(inner.norm(hidden))[:, -1].float()
@@ -184,17 +183,31 @@ def prefill_forward(model, ids: torch.Tensor, mask: torch.Tensor,
     # row of the softmax is empty.
     causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
     attend = (causal & mask[:, None, None, :].bool()) | torch.eye(width, dtype=torch.bool, device=ids.device)
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    attend = attend.repeat(1, 1, groups, 1)  # a row of the mask for every query of a group (grouped_query_attention)
     keys, values = [], []
 
     def attention(query, key, value, scale):
         keys.append(key)
         values.append(value)
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attend, scale=scale,
-                                                                enable_gqa=True)
+        return grouped_query_attention(query, key, value, attend, scale)
 
     for layer in inner.layers:
         hidden = _decoder_layer(layer, hidden, cos, sin, attention)
     return keys, values, model.lm_head(inner.norm(hidden if every_position else hidden[:, -1])).float()
+
+
+def grouped_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attend: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Masked sdpa of query heads [rows, heads, tokens, head dim] over fewer key/value heads, as one call with as many
+    heads on both sides: each key/value head's group of query heads is stacked along the query length
+    ([rows, kv heads, group * tokens, head dim]), and `attend` ([rows, 1, group * tokens or 1, width]) has a row for
+    each. On CUDA the kernels that take a mask take no groups, and `enable_gqa` would run sdpa's math path, a dozen
+    kernels with a copy of the keys and values for every query head; on a CPU the stacked call is faster too."""
+    rows, heads, tokens, dim = query.shape
+    stacked = query.reshape(rows, key.shape[1], heads // key.shape[1] * tokens, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=attend, scale=scale)
+    return out.reshape(rows, heads, tokens, dim)
 
 
 def _decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
