@@ -203,7 +203,7 @@ def grouped_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     heads on both sides: each key/value head's group of query heads is stacked along the query length
     ([rows, kv heads, group * tokens, head dim]), and `attend` ([rows, 1, group * tokens or 1, width]) has a row for
     each. On CUDA the kernels that take a mask take no groups, and `enable_gqa` would run sdpa's math path, a dozen
-    kernels with a copy of the keys and values for every query head; on a CPU the stacked call is faster too."""
+    kernels with a copy of the keys and values for every query head."""
     rows, heads, tokens, dim = query.shape
     stacked = query.reshape(rows, key.shape[1], heads // key.shape[1] * tokens, dim)
     out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=attend, scale=scale)
