@@ -22,7 +22,8 @@
 # vs_trl.txt, vs_trl.json, vs_trl_long.txt, vs_trl_long.json, and profiles.tgz: py-spy's collapsed stacks (10 s at
 # 100 Hz) of learner0, inference0 and rollout0 in each of rlsys's runs (CUDA graphs, then eager), 25 s after each
 # run's learner starts, and torch.profiler's tables of one learner step and one plain-loop step on each batch
-# (learner-tiny.txt, learner-135m.txt). No vLLM
+# (learner-tiny.txt, learner-135m.txt), with py-spy's stacks of each batch's whole bench (pyspy-tiny.txt,
+# pyspy-135m.txt). No vLLM
 # there (its wheel is too large to carry): the transformers engine serves.
 set -uo pipefail
 source .device-carry/env.sh
@@ -63,8 +64,11 @@ part learner && { stamp "learner against a plain loop"
 for batch in "tiny:" "135m:--random-model 576,1536,30,9,3,49152 learner.dtype=bfloat16"; do
   settings=${batch#*:}
   echo "--- $settings" >> "$OUT/learner_vs_plain.txt"
+  # py-spy samples the whole bench (both sides, alternating): where each side's host time goes, Python included,
+  # which torch.profiler's tables of operations do not show
   # shellcheck disable=SC2086  # the settings are words
-  timeout 60 python3 bench/learner_vs_plain.py --repeats 3 --out /tmp/lvp.json \
+  timeout 60 py-spy record --format raw -r 100 --nonblocking -o "$OUT/profiles/pyspy-${batch%%:*}.txt" -- \
+    python3 bench/learner_vs_plain.py --repeats 3 --out /tmp/lvp.json \
     --profile "$OUT/profiles/learner-${batch%%:*}.txt" $settings >> "$OUT/learner_vs_plain.txt" 2>&1
 done
 }
