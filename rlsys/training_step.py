@@ -146,7 +146,7 @@ class PolicyTrainer:
         batch = sequence_batch(trajectories).to(self.device)
         batch = batch.select(range(len(batch)), fields=())
         sequences = np.flatnonzero(np.cumsum(batch.lengths) <= self.micro_batch_tokens).tolist() or [0]
-        seconds = {}
+        seconds = {}  # by layout (packed or not): its second pass's
         for packed in (True, False, True, False):
             self.packed = packed
             synchronize(self.device)
@@ -154,11 +154,11 @@ class PolicyTrainer:
             for mb in self.micro_batches(batch, sequences):
                 gather_logprobs(self._logits(self.model, mb), mb.input_ids).sum().backward()
             synchronize(self.device)
-            seconds[f"layout/{'packed' if packed else 'padded'}_seconds"] = time.perf_counter() - started
+            seconds[packed] = time.perf_counter() - started
         self.optimizer.zero_grad()
-        self.packed = seconds["layout/packed_seconds"] <= seconds["layout/padded_seconds"]
+        self.packed = seconds[True] <= seconds[False]
         self.measure_layout = False
-        return seconds
+        return {"layout/packed_seconds": seconds[True], "layout/padded_seconds": seconds[False]}
 
     def settle(self, stats: dict) -> dict[str, float]:
         """The step's figures read back with whether each of its updates was taken, in one copy: on a GPU a read waits
