@@ -58,8 +58,8 @@ class PolicyTrainer:
         attention = self.settings.attn_implementation
         packed = packs(self.ppo.sequence_packing, self.device, self.settings.dtype, attention)
         # Where each layout takes one attention call a row (a GPU in half precision) the first train step measures
-        # which is faster (measured_layout); rows are packed until then, and where several ranks would have to agree.
-        self.measure_layout = packed is None and ranks.world == 1 and self.ppo.share_prefixes != "true"
+        # which is faster (measured_layout); rows are packed until then.
+        self.measure_layout = packed is None and self.ppo.share_prefixes != "true"
         self.packed = packed is not False
         self.share_prefixes = shares_prefixes(self.ppo.share_prefixes, self.packed, self.device, attention)
         self.model = self._placed(load_policy(config.model.path, attention)).train()
@@ -140,21 +140,27 @@ class PolicyTrainer:
         one flash-attention varlen call a layer and padded rows one sdpa call, so packing saves the padding's compute
         and costs a custom operator's host time, and which weighs more depends on the lengths, the model and the GPU.
         A forward and backward pass in each layout, twice in turn, over the step's first sequences up to one
-        micro-batch's tokens (a big step's passes are many of that size); the layout of the faster second pass is kept
-        for the run (`packed`). Their gradients are dropped; nothing else changes.
-        Returns the second passes' seconds, logged with the step's figures."""
+        micro-batch's tokens a rank (a big step's passes are many of that size); the layout of the faster second pass
+        is kept for the run (`packed`): by its slowest rank's time, the step's, which every rank reads the same.
+        Their gradients are dropped; nothing else changes. Returns the second passes' seconds, logged with the step's
+        figures."""
         batch = sequence_batch(trajectories).to(self.device)
         batch = batch.select(range(len(batch)), fields=())
-        sequences = np.flatnonzero(np.cumsum(batch.lengths) <= self.micro_batch_tokens).tolist() or [0]
+        budget = self.micro_batch_tokens * self.ranks.world
+        sequences = np.flatnonzero(np.cumsum(batch.lengths) <= budget).tolist() or [0]
         seconds = {}  # by layout (packed or not): its second pass's
         for packed in (True, False, True, False):
             self.packed = packed
             synchronize(self.device)
             started = time.perf_counter()
-            for mb in self.micro_batches(batch, sequences):
+            passes = self.micro_batches(batch, sequences)
+            for n, mb in enumerate(passes):
+                sync_gradients((self.model,), n == len(passes) - 1)  # as in a mini-batch's passes
                 gather_logprobs(self._logits(self.model, mb), mb.input_ids).sum().backward()
             synchronize(self.device)
             seconds[packed] = time.perf_counter() - started
+        slowest = np.max(self.ranks.all_gather([seconds[True], seconds[False]]), axis=0).tolist()
+        seconds = dict(zip((True, False), slowest))
         self.optimizer.zero_grad()
         self.packed = seconds[True] <= seconds[False]
         self.measure_layout = False

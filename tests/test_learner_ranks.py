@@ -3,9 +3,11 @@
 import contextlib
 import faulthandler
 import gc
+import json
 import os
 import random
 import socket
+import types
 from pathlib import Path
 
 import pytest
@@ -45,9 +47,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: list[dict], run_dir: str) -> None:
+def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: list[dict], run_dir: str,
+                     clock: list[float] | None = None) -> None:
     """A learner rank, built as the learner role builds it: one train step on `batch`, then a checkpoint; rank 0
-    writes the gathered weights."""
+    writes the gathered weights. clock: the first step measures the layout (as on a GPU in bfloat16), with a clock
+    that reads these times in turn; each rank then writes the layout it kept and the seconds it logged."""
     from rlsys.distributed import full_state_dict, join_ranks, leave_ranks
     from rlsys.roles import freeze_start_up_heap
 
@@ -59,7 +63,14 @@ def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: lis
     config = config_from_dict(payload)
     learner = Learner(config, InProcessBus(), run_dir, ranks)
     freeze_start_up_heap()
-    learner.train_step([Trajectory.from_dict(t) for t in batch])
+    if clock is not None:
+        import rlsys.training_step
+
+        learner.measure_layout = True
+        rlsys.training_step.time = types.SimpleNamespace(perf_counter=iter(clock).__next__)
+    stats = learner.train_step([Trajectory.from_dict(t) for t in batch])
+    Path(run_dir, f"layout-{rank}.json").write_text(json.dumps(
+        ["packed" if learner.packed else "padded", {k: v for k, v in stats.items() if k.startswith("layout/")}]))
     learner.step = 1
     learner.save()
     state = full_state_dict(learner.model, ranks)
@@ -120,6 +131,38 @@ def test_two_ranks_take_the_single_rank_step_and_their_checkpoint_resumes_on_one
             assert torch.allclose(got[i]["exp_avg"], expected[i]["exp_avg"], atol=1e-7, rtol=1e-4)
             assert torch.allclose(got[i]["exp_avg_sq"], expected[i]["exp_avg_sq"], atol=1e-10, rtol=1e-3)
     assert resumed.scheduler.state_dict()["last_epoch"] == single.scheduler.state_dict()["last_epoch"]
+
+
+def test_two_ranks_measure_the_layout_and_keep_the_same_one_the_faster_on_the_slowest_rank(tmp_path):
+    """Where the first step measures the layout (a GPU in bfloat16), every rank keeps the same one: the faster by the
+    slowest rank's time, the step's. Here rank 0's clock finds padding faster, rank 1's packing by more; both keep
+    packing, and the step is then a packed one."""
+    config = learner_config(tmp_path)
+    config.ppo.lr, config.ppo.ppo_epochs, config.ppo.num_mini_batches = 1e-3, 1, 1
+    config.ppo.share_prefixes, config.ppo.max_tokens_per_micro_batch = "false", 64
+    single = Learner(config, InProcessBus(), tmp_path / "single")  # packs on a CPU
+    batch = mixed_length_batch(single.model, random.Random(0), groups=3)[:7]
+    single.train_step(batch)
+
+    run_dir = tmp_path / "two"
+    run_dir.mkdir()
+    mp.start_processes(measuring_rank, args=(2, free_port(), config_to_dict(config), [t.to_dict() for t in batch],
+                                             str(run_dir)), nprocs=2, start_method="spawn")
+    slowest = {"layout/packed_seconds": 1.0, "layout/padded_seconds": 2.0}
+    assert [json.loads((run_dir / f"layout-{rank}.json").read_text()) for rank in (0, 1)] == [["packed", slowest]] * 2
+    sharded = torch.load(run_dir / "params.pt", weights_only=True)
+    for key, value in single.model.state_dict().items():
+        assert torch.allclose(sharded[key], value, atol=1e-5, rtol=0), key
+
+
+# Each rank's clock at the start and end of the four measuring passes (packed, padded, packed, padded); the last two
+# count.
+CLOCKS = {0: [0, 1, 1, 2, 2, 3, 3, 3.5],  # packed 1.0, padded 0.5
+          1: [0, 1, 1, 2, 2, 2.8, 3, 5]}  # packed 0.8, padded 2.0
+
+
+def measuring_rank(rank: int, world: int, port: int, payload: dict, batch: list[dict], run_dir: str) -> None:
+    one_step_at_rank(rank, world, port, payload, batch, run_dir, clock=CLOCKS[rank])
 
 
 @pytest.mark.slow
