@@ -196,7 +196,8 @@ class PPOHyperparameters:
     sequence_packing: str = "auto"
     """true: pack sequences end to end into micro-batches (no padding computed); false: pad each micro-batch's rows;
     auto: packed on a CPU; padded on a GPU in float32, where a packed row would take one attention call per length;
-    on a GPU in bfloat16 (a packed row is one flash-attention varlen call) the faster, timed on the first step."""
+    on a GPU in bfloat16 (a packed row is one flash-attention varlen call) the faster, timed on the first step and
+    again when the mean sequence length has doubled or halved."""
     share_prefixes: str = "auto"
     """true: a packed row holds once the tokens its sequences share before their first trained one (a group's
     prompt), each sequence attending to them (exact: the same logprobs and gradients, fewer tokens computed);

@@ -57,9 +57,10 @@ class PolicyTrainer:
         torch.manual_seed(config.seed)
         attention = self.settings.attn_implementation
         packed = packs(self.ppo.sequence_packing, self.device, self.settings.dtype, attention)
-        # Where each layout takes one attention call a row (a GPU in half precision) the first train step measures
-        # which is faster (measured_layout); rows are packed until then.
-        self.measure_layout = packed is None and self.ppo.share_prefixes != "true"
+        # Where each layout takes one attention call a row (a GPU in half precision) train steps measure which is
+        # faster (measured_layout, layout_outdated); rows are packed until the first does.
+        self.measures_layout = packed is None and self.ppo.share_prefixes != "true"
+        self.layout_timed_on = 0.0  # the mean sequence length of the batch the layout was last timed on; 0: none yet
         self.packed = packed is not False
         self.share_prefixes = shares_prefixes(self.ppo.share_prefixes, self.packed, self.device, attention)
         self.model = self._placed(load_policy(config.model.path, attention)).train()
@@ -108,7 +109,7 @@ class PolicyTrainer:
                   for _ in range(self.ppo.ppo_epochs)]
         mini_batches = [rows.tolist() for order in orders
                         for rows in torch.tensor(order).chunk(self.ppo.num_mini_batches)]
-        layout = self.measured_layout(trajectories) if self.measure_layout else {}
+        layout = self.measured_layout(trajectories) if self.layout_outdated(trajectories) else {}
         batch = self.prepare_batch(trajectories, mini_batches)
         stats: dict[str, float] = {}
         # Inference's logprobs against ours on the same tokens, from the first mini-batch's forward passes
@@ -135,15 +136,25 @@ class PolicyTrainer:
         self.probe = self.probe_of(trajectories, batch, mini_batches[0], first_pass)
         return stats | layout
 
+    def layout_outdated(self, trajectories: list[Trajectory]) -> bool:
+        """Whether this step times the layouts (measured_layout): where they are measured, on the first step, and on
+        any whose mean sequence length is twice or half the one they were last timed on, since what padding costs
+        and packing saves moves with the lengths (an agent's episodes grow as it learns). Every rank holds the same
+        trajectories, so they agree."""
+        if not self.measures_layout:
+            return False
+        ratio = np.mean([len(t.token_ids) for t in trajectories]) / (self.layout_timed_on or np.inf)
+        return not 0.5 < ratio < 2
+
     def measured_layout(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """ppo.sequence_packing=auto where no rule knows the faster layout: on a GPU in half precision a packed row is
         one flash-attention varlen call a layer and padded rows one sdpa call, so packing saves the padding's compute
         and costs a custom operator's host time, and which weighs more depends on the lengths, the model and the GPU.
         A forward and backward pass in each layout, twice in turn, over the step's first sequences up to one
         micro-batch's tokens a rank (a big step's passes are many of that size); the layout of the faster second pass
-        is kept for the run (`packed`): by its slowest rank's time, the step's, which every rank reads the same.
-        Their gradients are dropped; nothing else changes. Returns the second passes' seconds, logged with the step's
-        figures."""
+        is kept (`packed`) until the lengths move (layout_outdated): by its slowest rank's time, the step's, which
+        every rank reads the same. Their gradients are dropped; nothing else changes. Returns the second passes'
+        seconds, logged with the step's figures."""
         batch = sequence_batch(trajectories).to(self.device)
         batch = batch.select(range(len(batch)), fields=())
         budget = self.micro_batch_tokens * self.ranks.world
@@ -163,7 +174,7 @@ class PolicyTrainer:
         seconds = dict(zip((True, False), slowest))
         self.optimizer.zero_grad()
         self.packed = seconds[True] <= seconds[False]
-        self.measure_layout = False
+        self.layout_timed_on = float(np.mean(batch.lengths))
         return {"layout/packed_seconds": seconds[True], "layout/padded_seconds": seconds[False]}
 
     def settle(self, stats: dict) -> dict[str, float]:

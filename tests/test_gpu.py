@@ -224,7 +224,7 @@ def test_a_gpu_step_synchronises_as_often_however_many_micro_batches_it_takes(tm
     for budget in (16384, 40):
         config.ppo.max_tokens_per_micro_batch = budget
         trainer = PolicyTrainer(config, Ranks(), config.model.path)
-        assert trainer.packed == (packing == "true") and not trainer.measure_layout
+        assert trainer.packed == (packing == "true") and not trainer.measures_layout
         passes = len(trainer.micro_batches(trainer.prepare_batch(trajectories)))
         counts.append((passes, waits_of_a_step(trainer, trajectories)))
     (few, few_waits), (many, many_waits) = counts
@@ -236,7 +236,7 @@ def test_a_gpu_step_synchronises_as_often_however_many_micro_batches_it_takes(tm
 
 def test_a_bfloat16_learner_measures_on_its_first_step_whether_packing_or_padding_is_faster(tmp_path):
     """ppo.sequence_packing=auto on a GPU in bfloat16: the first train step times a pass in each layout, logs both and
-    keeps the faster for the run; later steps measure nothing."""
+    keeps the faster; a later step on the same lengths measures nothing."""
     import random
 
     from transformers import AutoModelForCausalLM
@@ -246,10 +246,10 @@ def test_a_bfloat16_learner_measures_on_its_first_step_whether_packing_or_paddin
     config = config_for(tmp_path, dtype="bfloat16")
     trajectories = mixed_length_batch(AutoModelForCausalLM.from_pretrained(config.model.path), random.Random(0))
     trainer = PolicyTrainer(config, Ranks(), config.model.path)
-    assert trainer.measure_layout
+    assert trainer.measures_layout
     stats = trainer.train_step(trajectories)
     packed, padded = stats["layout/packed_seconds"], stats["layout/padded_seconds"]
-    assert 0 < min(packed, padded) and trainer.packed == (packed <= padded) and not trainer.measure_layout
+    assert 0 < min(packed, padded) and trainer.packed == (packed <= padded)
     assert "layout/packed_seconds" not in trainer.train_step(trajectories)
 
 

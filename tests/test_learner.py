@@ -1,6 +1,7 @@
 """The learner on its own: PPO steps move probability toward the rewarded answer; weights are published."""
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -765,10 +766,14 @@ def test_an_update_reads_nothing_back_its_figures_and_whether_it_was_taken_are_r
 @pytest.mark.parametrize("slower", ["packed", "padded"])
 def test_a_measured_layout_is_the_faster_one_and_the_step_is_that_layouts(tmp_path, monkeypatch, slower):
     """Where ppo.sequence_packing=auto measures (a GPU in bfloat16, tests/test_gpu.py), the first step times a pass in
-    each layout over its first sequences up to a micro-batch's tokens, and keeps the faster: here one is made slower
-    by half a second a pass. The step trained after the measurement is the one a learner set to that layout from the
-    start takes: the measuring passes leave no trace."""
+    each layout over its first sequences up to a micro-batch's tokens, and keeps the faster: here a clock makes one
+    slower by half a second a pass. The step trained after the measurement is the one a learner set to that layout
+    from the start takes: the measuring passes leave no trace. A later step measures again only once the mean length
+    has doubled or halved."""
     import random
+    import types
+
+    from rlsys import training_step
 
     parameters, measured = {}, []
     for packing in ("auto", "false" if slower == "packed" else "true"):
@@ -778,30 +783,47 @@ def test_a_measured_layout_is_the_faster_one_and_the_step_is_that_layouts(tmp_pa
         learner = Learner(config, InProcessBus(), tmp_path / "run")
         batch = mixed_length_batch(learner.model, random.Random(0))
         if packing == "auto":
-            learner.measure_layout = True  # as on a GPU in bfloat16
-            cut = learner.micro_batches
+            learner.measures_layout = True  # as on a GPU in bfloat16
+            readings, cut = [], learner.micro_batches
 
-            def slowed(batch, sequences=None, cut=cut, learner=learner):
-                if learner.measure_layout:
+            def clock(learner=learner, readings=readings):
+                """A timed pass starts at 0 and ends at 0.1 s, in the slower layout at 0.6 s."""
+                layout = "packed" if learner.packed else "padded"
+                readings.append(0.0 if len(readings) % 2 == 0 else 0.1 + 0.5 * (layout == slower))
+                return readings[-1]
+
+            def cut_in_passes(batch, sequences=None, cut=cut, readings=readings):
+                if len(readings) % 2:  # between a timed pass's start and end
                     measured.append(sequences)
-                    if ("packed" if learner.packed else "padded") == slower:
-                        time.sleep(0.5)
                 return cut(batch, sequences)
 
-            monkeypatch.setattr(learner, "micro_batches", slowed)
+            monkeypatch.setattr(training_step, "time", types.SimpleNamespace(perf_counter=clock))
+            monkeypatch.setattr(learner, "micro_batches", cut_in_passes)
         torch.manual_seed(0)
         stats = learner.train_step(batch)
         parameters[packing] = [p.detach().clone() for p in learner.model.parameters()]
         if packing == "auto":
             faster = "padded" if slower == "packed" else "packed"
-            assert stats[f"layout/{slower}_seconds"] > 0.5 > stats[f"layout/{faster}_seconds"]
-            assert learner.packed == (slower == "padded") and not learner.measure_layout
+            assert (stats[f"layout/{slower}_seconds"], stats[f"layout/{faster}_seconds"]) == (0.6, 0.1)
+            assert learner.packed == (slower == "padded")
             lengths = [len(t.token_ids) for t in batch]
             first = max(n for n in range(len(batch) + 1) if sum(lengths[:n]) <= 64)
             assert 0 < first < len(batch) and measured == [list(range(first))] * 4
-            assert "layout/packed_seconds" not in learner.train_step(batch)
-    measured, set_so = parameters.values()
-    assert all(torch.equal(a, b) for a, b in zip(measured, set_so))
+            assert "layout/packed_seconds" not in learner.train_step(batch) and len(readings) == 8
+            longer = [twice_over(t) for t in batch]
+            assert "layout/packed_seconds" in learner.train_step(longer) and len(readings) == 16
+            first = max(n for n in range(len(batch) + 1) if 2 * sum(lengths[:n]) <= 64)
+            assert 0 < first and measured[4:] == [list(range(first))] * 4
+    auto, set_so = parameters.values()
+    assert all(torch.equal(a, b) for a, b in zip(auto, set_so))
+
+
+def twice_over(t: Trajectory) -> Trajectory:
+    """One trajectory of `t`'s turns played twice."""
+    n = len(t.token_ids)
+    return dataclasses.replace(t, token_ids=t.token_ids * 2, loss_mask=t.loss_mask * 2, logprobs=t.logprobs * 2,
+                               versions=t.versions * 2, turn_ends=t.turn_ends + [n + end for end in t.turn_ends],
+                               turn_rewards=t.turn_rewards * 2, reward=2 * t.reward)
 
 
 def test_the_micro_batch_budget_is_the_devices_unless_set(tmp_path):

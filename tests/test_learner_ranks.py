@@ -66,7 +66,7 @@ def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: lis
     if clock is not None:
         import rlsys.training_step
 
-        learner.measure_layout = True
+        learner.measures_layout = True
         rlsys.training_step.time = types.SimpleNamespace(perf_counter=iter(clock).__next__)
     stats = learner.train_step([Trajectory.from_dict(t) for t in batch])
     Path(run_dir, f"layout-{rank}.json").write_text(json.dumps(
