@@ -65,7 +65,7 @@ from rlsys.cli import parse_config  # noqa: E402
 from rlsys.data.dataset import load_rows  # noqa: E402
 from rlsys.distributed import Ranks  # noqa: E402
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids  # noqa: E402
-from rlsys.training_step import PolicyTrainer  # noqa: E402
+from rlsys.training_step import PolicyTrainer, synchronize  # noqa: E402
 
 
 def prepared_config(overrides: list[str], tmp: str):
@@ -198,23 +198,22 @@ def count_operations(step) -> dict[str, int | None]:
     return {"operations": count.total, "optimizer_operations": count.optimizer}
 
 
-def write_profiles(sides: dict, on_gpu: bool, path: Path) -> None:
+def write_profiles(sides: dict, device: str, path: Path) -> None:
     """One step of each side under torch.profiler: its busiest operations, and on a GPU the kernels' own time
     against the step's wall time (a step whose kernels fill its wall time is bound by them, one whose kernels
     leave it idle by the host or its waits)."""
     from torch.profiler import ProfilerActivity, profile
 
+    on_gpu = device != "cpu"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     report = []
     for name, run in sides.items():
-        if on_gpu:
-            torch.cuda.synchronize()
+        synchronize(device)
         started = time.perf_counter()
         with profile(activities=activities) as profiled:
             run()
-            if on_gpu:
-                torch.cuda.synchronize()
+            synchronize(device)
         wall = time.perf_counter() - started
         events = profiled.key_averages()
         line = f"== {name}: one step, {wall * 1e3:.1f} ms of wall time under the profiler"
@@ -272,12 +271,11 @@ def main() -> None:
                 started = time.perf_counter()
                 for _ in range(args.steps_per_repeat):
                     run()
-                if learner.device != "cpu":
-                    torch.cuda.synchronize()  # a GPU's kernels run ahead of the clock
+                synchronize(learner.device)  # a GPU's kernels run ahead of the clock
                 times[name].append((time.perf_counter() - started) / args.steps_per_repeat)
         operations = {name: count_operations(run) for name, run in sides.items()}
         if args.profile:
-            write_profiles(sides, learner.device != "cpu", Path(args.profile))
+            write_profiles(sides, learner.device, Path(args.profile))
 
     trained = tokens * config.ppo.ppo_epochs
     rows = {name: {"seconds_per_step": statistics.median(t), "tokens_per_second": trained / statistics.median(t),

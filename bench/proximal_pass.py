@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.learner_vs_plain import default_step_batch, prepared_config  # noqa: E402
 from rlsys.distributed import Ranks  # noqa: E402
-from rlsys.training_step import PolicyTrainer  # noqa: E402
+from rlsys.training_step import PolicyTrainer, synchronize  # noqa: E402
 
 
 def main() -> None:
@@ -71,8 +71,7 @@ def main() -> None:
             for name, (learner.prepare_batch, learner.proximal_logprobs, learner.ppo.decoupled_loss) in sides.items():
                 started = time.perf_counter()
                 learner.train_step(trajectories)
-                if learner.device != "cpu":
-                    torch.cuda.synchronize()
+                synchronize(learner.device)
                 if repeat:
                     times[name].append(time.perf_counter() - started)
 

@@ -40,7 +40,7 @@ from bench.learner_vs_plain import default_step_batch, prepared_config  # noqa: 
 from rlsys.alarms import LogprobCheck  # noqa: E402
 from rlsys.bus import InProcessBus  # noqa: E402
 from rlsys.weight_checksum import weights_checksum  # noqa: E402
-from rlsys.training_step import PolicyTrainer  # noqa: E402
+from rlsys.training_step import PolicyTrainer, synchronize  # noqa: E402
 from rlsys.workers.learner import Learner  # noqa: E402
 
 
@@ -88,8 +88,7 @@ def main() -> None:
             for name, side in sides.items():
                 started = time.perf_counter()
                 side()
-                if torch.cuda.is_available():  # the learner's device, as Learner places it
-                    torch.cuda.synchronize()
+                synchronize(learner.device)
                 if repeat:
                     times[name].append(time.perf_counter() - started)
         times.update({part: seconds[1:] for part, seconds in in_step.items()})
