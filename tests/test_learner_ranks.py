@@ -69,8 +69,9 @@ def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: lis
         learner.measures_layout = True
         rlsys.training_step.time = types.SimpleNamespace(perf_counter=iter(clock).__next__)
     stats = learner.train_step([Trajectory.from_dict(t) for t in batch])
-    Path(run_dir, f"layout-{rank}.json").write_text(json.dumps(
-        ["packed" if learner.packed else "padded", {k: v for k, v in stats.items() if k.startswith("layout/")}]))
+    if clock is not None:
+        Path(run_dir, f"layout-{rank}.json").write_text(json.dumps(
+            ["packed" if learner.packed else "padded", {k: v for k, v in stats.items() if k.startswith("layout/")}]))
     learner.step = 1
     learner.save()
     state = full_state_dict(learner.model, ranks)
