@@ -15,9 +15,10 @@ handed to the learner by a bus server that then died before its reply went out i
 arrived: after a server restart the learner claims every pending entry under a new consumer name, and
 takes again those it does not hold.
 
-Duplicates (a group delivered again, e.g. after a claim, or resent) are dropped by group id and by
-trajectory id, against a bounded window of recent ids. The window starts from the checkpoint's consumed
-prompts, so a resumed learner still drops groups it trained before.
+Duplicates (a group delivered again, e.g. after a claim, or resent) are dropped by group id, against a
+bounded window of recent ids. The window starts from the checkpoint's consumed prompts, so a resumed learner
+still drops groups it trained before. A new group holding a trajectory id delivered before (an agent that
+reuses ids) is no duplicate: it is set aside as below, and its prompt counted as failed.
 
 A message the learner cannot use goes to the DEAD_LETTERS stream with its reason, and is acknowledged:
   * one over the size limit, undecodable, of the wrong shape, or with trajectories the learner cannot
@@ -36,7 +37,7 @@ from rlsys import protocol
 from rlsys.api import Trajectory
 from rlsys.api.messages import INT32_MAX, InvalidMessage, boolean, integer, integers, items, logprobs, number, reward, \
     string, versions
-from rlsys.bus import BusDecodeError, ServerRestarts, StreamEntry
+from rlsys.bus import BusDecodeError, BusEncodeError, ServerRestarts, StreamEntry
 from rlsys.bus.base import encode
 from rlsys.prompt_ledger import failed
 
@@ -53,7 +54,10 @@ def group_message(group_id: str, trajectories: list[Trajectory], max_bytes: int)
     if not isinstance(trajectories, list) or not all(isinstance(t, Trajectory) for t in trajectories):
         raise InvalidMessage(f"collect_trajectory must return a list of Trajectory, got {_type_names(trajectories)}")
     message = {"group_id": group_id, "trajectories": [t.to_dict() for t in trajectories]}
-    size = len(encode(message, f"stream {protocol.TRAJECTORIES}"))
+    try:
+        size = len(encode(message, f"stream {protocol.TRAJECTORIES}"))
+    except BusEncodeError as e:  # e.g. a numpy number for a reward or among an agent's metrics
+        raise InvalidMessage(str(e)) from None
     if size > max_bytes:
         raise InvalidMessage(_too_large(size, max_bytes))
     read_group_message(message)
@@ -212,10 +216,15 @@ class TrajectoryInbox:
         if entry.deliveries > MAX_DELIVERIES:
             self._dead_letter(entry, f"delivered {entry.deliveries} times without an acknowledgement", group_id)
             return None
-        if group_id in self.seen or any(t.traj_id in self.seen for t in trajectories):
+        if group_id in self.seen:
             self.duplicates += 1
             log.warning("dropped a duplicate of group %s (stream entry %s)", group_id, entry.id)
             self.ack([entry.id])
+            return None
+        reused = next((t.traj_id for t in trajectories if t.traj_id in self.seen), None)
+        if reused is not None:  # another prompt's trajectory (an agent that reuses ids): its own prompt fails
+            self._dead_letter(entry, f"trajectory id {reused!r:.80} was delivered before, in another group; "
+                                     "trajectory ids must be unique across the run", group_id)
             return None
         for i in [group_id, *(t.traj_id for t in trajectories)]:
             self.seen.add(i)

@@ -4,6 +4,7 @@ import math
 import os
 
 import msgpack
+import numpy as np
 import pytest
 
 from rlsys import protocol
@@ -59,16 +60,20 @@ def test_a_group_stays_in_the_stream_until_acknowledged(bus):
     assert bus.stream_length(protocol.TRAJECTORIES) == 0 and bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 0
 
 
-def test_duplicates_are_dropped_by_group_id_and_by_trajectory_id(bus):
+def test_duplicates_are_dropped_by_group_id_and_a_reused_trajectory_id_fails_its_own_prompt(bus):
     message = send(bus, "g1")
     bus.stream_add(protocol.TRAJECTORIES, message)  # the same message sent again
+    ledger(bus).admit("g2")
     reused = group_message("g2", [Trajectory.from_dict(message["trajectories"][0])], max_bytes=MB)
     bus.stream_add(protocol.TRAJECTORIES, reused)  # a new group id, but a trajectory already delivered
     send(bus, "g3")
     learner = inbox(bus)
     received = learner.receive(10, timeout=1)
     assert [d.group_id for d in received] == ["g1", "g3"]
-    assert learner.duplicates == 2
+    assert learner.duplicates == 1 and learner.dead_letters == 1
+    assert "delivered before, in another group" in dead_letters(bus)[0]["reason"]
+    counts = ledger(bus).counts()  # g2 has its outcome (it would otherwise hold its slot for the rest of the run)
+    assert counts["failed"] == {"rejected": 1} and counts["in_flight"] == 2
     assert bus.stream_length(protocol.TRAJECTORIES) == 2  # duplicates acknowledged (deleted), the rest pending
 
 
@@ -194,6 +199,8 @@ def test_the_rollout_side_refuses_what_the_learner_would_reject():
         group_message("g", [trajectory("g", reward=math.inf)], max_bytes=MB)
     with pytest.raises(InvalidMessage, match="exceeds the limit"):
         group_message("g", [trajectory("g", stop_reason="x" * 2 * MB)], max_bytes=MB)
+    with pytest.raises(InvalidMessage, match="not msgpack-serializable.*float32"):
+        group_message("g", [trajectory("g", metrics={"score": np.float32(1.0)})], max_bytes=MB)
     assert group_message("g", [trajectory("g")], max_bytes=MB)["group_id"] == "g"
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from rlsys import protocol
 from rlsys.api import GenerationConfig
+from rlsys.api.messages import InvalidMessage
 from rlsys.bus import EmbeddedRedis, InProcessBus, connect
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.inference_status import InferenceStatus
@@ -137,6 +138,44 @@ def test_several_requests_in_flight_per_episode_come_back_by_request():
     for k in range(4):
         assert replies[f"q{k}"].prompt_ids == [5, k]
         assert replies[f"q{k}"].output_ids == [[100 + i for i in range(3 + k)]]
+
+
+class ShortPromptsOnly(ScriptedEngine):
+    """Refuses prompts of `limit` tokens or more as a real engine's backend does (ValueError from its add)."""
+
+    def __init__(self, limit: int):
+        super().__init__(counting_policy)
+        add = self.backend.add
+
+        def checked(seq_id, token_ids, sampling, arrival=0.0):
+            if len(token_ids) >= limit:
+                raise ValueError(f"a prompt of {len(token_ids)} tokens, the model's context is {limit}")
+            add(seq_id, token_ids, sampling, arrival)
+        self.backend.add = checked
+
+
+def test_a_request_the_engine_refuses_fails_its_episode_with_the_reason_instead_of_waiting():
+    async def ask(router, prompt):
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+
+        async def agent():
+            await obs_queue.put(("q", prompt, GenerationConfig(n=1, max_new_tokens=2)))
+            return await act_queue.get()
+        return await asyncio.wait_for(router.serve(agent(), obs_queue, act_queue), 10)
+
+    async def main():
+        bus = InProcessBus()
+        async with serving(bus, [InferenceWorker(ShortPromptsOnly(limit=8), bus, 0, max_batch_requests=8)]) as router:
+            short = await ask(router, [1, 2, 3])
+            with pytest.raises(InvalidMessage, match="refused it: a prompt of 20 tokens, the model's context is 8"):
+                await ask(router, list(range(1, 21)))
+            assert not router.waiting
+            short_again = await ask(router, [4, 5])  # the worker serves on
+            return short, short_again, bus.stream_length(protocol.DEAD_MESSAGES)
+
+    short, short_again, dead = asyncio.run(main())
+    assert short.output_ids == [[100, 101]] and short_again.output_ids == [[100, 101]]
+    assert dead == 1  # the refused request is kept, with its reason, for inspection
 
 
 def test_requests_join_a_running_batch():

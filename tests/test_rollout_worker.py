@@ -1,9 +1,12 @@
-"""The rollout worker's start: it reads its datasets while the engines start, not after."""
+"""The rollout worker: it reads its datasets while the engines start, not after; every admitted prompt gets its
+outcome, whatever the agent raises."""
 
 import asyncio
+import dataclasses
 import json
 
 from experiments import AsyncPPOMATHConfig
+from rlsys.api import Agent, AgentAbstraction, Prompt, register_agent
 from rlsys.bus import InProcessBus
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.workers.rollout_worker import RolloutWorker
@@ -43,3 +46,46 @@ def test_the_datasets_are_read_while_no_inference_worker_is_up(tmp_path):
         close_shared_pool()
     assert [row["answer"] for row in worker.train_rows] == ["1", "2", "3"]
     assert [row["answer"] for row in worker.eval_rows] == ["4", "5"]
+
+
+class CancelledWithin(Agent):
+    """Awaits a task something else cancels (as a library may cancel its own inner task): CancelledError reaches
+    the agent, though nobody cancelled the episode."""
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        inner = asyncio.create_task(asyncio.sleep(10))
+        asyncio.get_running_loop().call_later(0.01, inner.cancel)
+        await inner
+
+
+register_agent("cancelled-within", CancelledWithin)
+
+
+@dataclasses.dataclass
+class CancelledWithinExperiment(AsyncPPOMATHConfig):
+    @property
+    def agent(self):
+        return AgentAbstraction("cancelled-within", {})
+
+
+def test_an_agent_s_own_cancelled_error_fails_its_episode_and_an_episode_cancelled_from_outside_stays_in_flight(
+        tmp_path):
+    config = CancelledWithinExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    bus = InProcessBus()
+    worker = RolloutWorker(config, bus, 0)
+
+    async def main():
+        assert worker.ledger.take_slot(0) and worker.ledger.take_slot(0)
+        await worker.run_training_episode(Prompt("train-0-0", [1, 2], {}))  # returns: its outcome is recorded
+        outside = asyncio.create_task(worker.run_training_episode(Prompt("train-0-1", [1, 2], {})))
+        await asyncio.sleep(0.001)
+        outside.cancel()  # as train() cancels the episodes left when the learner is done
+        await asyncio.gather(outside, return_exceptions=True)
+        return outside.cancelled()
+
+    assert asyncio.run(main())
+    counts = worker.ledger.counts()
+    assert counts["failed"] == {"agent_error": 1} and counts["in_flight"] == 1  # counted as run_ended at the end
+    assert worker.ledger.slots_taken() == 1 and worker.failures == {"agent_error": 1}

@@ -22,6 +22,7 @@ INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_ID_CHARS = 256  # request, trajectory, group ids and queue names
 MAX_PATH_CHARS = 4096
+MAX_REASON_CHARS = 4096  # why a worker refused a request, in its engine's words
 MAX_SAMPLES = 1024  # samples per generation request
 MAX_SEQUENCE_TOKENS = 1_000_000
 MAX_STOP_TOKEN_IDS = 4096  # extra stop tokens per request
@@ -225,6 +226,26 @@ def parse_generation_reply(message) -> GenerationReply:
                                      f"{len(tokens)} tokens")
         string(reply.stop_reasons[i], f"stop_reasons[{i}]")
     return reply
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRefusal:
+    """An inference worker's answer to a request its engine would not take (a prompt longer than the model's
+    context, a token outside its vocabulary): the episode that asked fails with `reason` instead of waiting."""
+
+    rid: str
+    refused: str  # why, in the engine's words
+
+    def to_message(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_reply(message) -> GenerationReply | GenerationRefusal:
+    """What an inference worker sends to a reply queue: a GenerationReply, or a GenerationRefusal."""
+    if isinstance(message, dict) and "refused" in message:
+        d = fields(message, "generation refusal", {"rid", "refused"})
+        return GenerationRefusal(string(d["rid"], "rid"), string(d["refused"], "refused", max_chars=MAX_REASON_CHARS))
+    return parse_generation_reply(message)
 
 
 # ---- inference worker status (its heartbeat) and published weights

@@ -13,8 +13,8 @@ import time
 
 from rlsys import protocol
 from rlsys.alarms import probe_totals
-from rlsys.api.messages import InvalidMessage, WorkerStatus, parse_generation_request, \
-    parse_published_weights
+from rlsys.api.messages import MAX_REASON_CHARS, GenerationRefusal, InvalidMessage, WorkerStatus, \
+    parse_generation_request, parse_published_weights
 from rlsys.bus import Undecodable
 from rlsys.bus.dead_letters import set_aside
 from rlsys.engine.generation import GenerationEngine
@@ -150,6 +150,9 @@ class InferenceWorker:
                 self.engine.abort_request(request.rid)
                 self.refused += 1
                 set_aside(self.bus, self.queue, f"the engine refused request {request.rid}: {e}", message)
+                # the episode that asked fails with the reason rather than waiting for a reply that never comes
+                reason = f"the engine of inference worker {self.index} refused it: {e}"[:MAX_REASON_CHARS]
+                self.bus.put(request.reply_to, GenerationRefusal(request.rid, reason).to_message())
                 continue
             self.reply_to[request.rid] = request.reply_to
         if copies:

@@ -202,6 +202,11 @@ class RolloutWorker:
         except Exception as e:
             log.debug("episode %s: the agent's traceback", prompt.qid, exc_info=True)
             raise self.failed(prompt, EpisodeFailed("agent_error", describe_exception(e))) from None
+        except asyncio.CancelledError as e:
+            if asyncio.current_task().cancelling():
+                raise  # this episode is being cancelled: the run is ending
+            # something the agent awaited was cancelled, not the episode: an agent's error like any other
+            raise self.failed(prompt, EpisodeFailed("agent_error", describe_exception(e))) from None
         finally:
             if env is not None:
                 await self.close_env(env, prompt)

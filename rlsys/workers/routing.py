@@ -11,7 +11,9 @@
   running). A late duplicate reply is dropped.
 - Nothing sent that a worker's parser would refuse: each request is checked by the parser the inference
   worker runs. A worker sets a bad request aside and never answers it, so the router refuses it instead, and
-  the episode fails at once with the reason rather than waiting for a reply that never comes.
+  the episode fails at once with the reason rather than waiting for a reply that never comes. What only the
+  engine can check (the model's context length, its vocabulary) the worker answers with a refusal, which fails
+  the episode the same way.
 """
 
 import asyncio
@@ -23,7 +25,8 @@ from dataclasses import dataclass, field
 
 from rlsys import protocol
 from rlsys.api import GenerationConfig
-from rlsys.api.messages import GenerationRequest, InvalidMessage, parse_generation_reply, parse_generation_request
+from rlsys.api.messages import GenerationRefusal, GenerationRequest, InvalidMessage, parse_generation_request, \
+    parse_reply
 from rlsys.bus import ServerRestarts, Undecodable
 from rlsys.bus.dead_letters import set_aside
 from rlsys.workers.inference_status import InferenceStatus
@@ -97,6 +100,7 @@ class PendingRequest:
     worker: int = -1
     epoch: int = 0
     calls: list | None = None  # the episode's call log, when it is traced (rlsys/tracing.py)
+    refused: asyncio.Future | None = None  # the episode's: set with the reason if a worker refuses a request
 
 
 @dataclass
@@ -126,32 +130,40 @@ class EpisodeRouter:
     async def serve(self, episode: Awaitable, obs_queue: asyncio.Queue, act_queue: asyncio.Queue,
                     calls: list | None = None):
         """Runs `episode` (an agent's `collect_trajectory` over these queues) with its requests forwarded, and
-        returns what it returns. A request the router refuses cancels it and raises InvalidMessage."""
-        forwarder = asyncio.create_task(self.forward(obs_queue, act_queue, calls))
+        returns what it returns. A request the router or an inference worker refuses cancels it and raises
+        InvalidMessage."""
+        refused = asyncio.get_running_loop().create_future()
+        forwarder = asyncio.create_task(self.forward(obs_queue, act_queue, calls, refused))
         playing = asyncio.ensure_future(episode)
         try:
-            await asyncio.wait([playing, forwarder], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([playing, forwarder, refused], return_when=asyncio.FIRST_COMPLETED)
             if not playing.done():
-                forwarder.result()  # forward ends only by raising
+                (forwarder if forwarder.done() else refused).result()  # each ends only by raising
             return playing.result()
         finally:
             forwarder.cancel()
+            if refused.done() and not refused.cancelled():
+                refused.exception()  # a refusal of a request the episode no longer awaited: retrieved, not logged
+            refused.cancel()
             if not playing.done():
                 playing.cancel()
                 await asyncio.wait([playing])  # the agent's own cleanup runs before its environment closes
             self.forget(act_queue)
 
-    async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue, calls: list | None = None) -> None:
+    async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue, calls: list | None = None,
+                      refused: asyncio.Future | None = None) -> None:
         """Sends one episode's requests, all to the worker that took its first, while that worker lives.
         `calls`: if given, each answered request appends when it was sent, how long it took and its sizes.
-        Raises InvalidMessage on a request an inference worker would refuse."""
+        Raises InvalidMessage on a request an inference worker would refuse; `refused` gets the reason of one its
+        engine refuses."""
         worker = None
         while True:
             qid, message = self.checked_request(await obs_queue.get())
             put_at = time.monotonic()
             if worker is None or not self.workers.is_alive(worker):
                 worker = await self.live_worker()
-            pending = self.waiting[message["rid"]] = PendingRequest(qid, act_queue, message, put_at, calls=calls)
+            pending = self.waiting[message["rid"]] = PendingRequest(qid, act_queue, message, put_at, calls=calls,
+                                                                    refused=refused)
             await self.send(pending, worker)
 
     def checked_request(self, request) -> tuple[str, dict]:
@@ -187,7 +199,7 @@ class EpisodeRouter:
                 try:
                     if isinstance(message, Undecodable):
                         raise InvalidMessage(message.reason)
-                    reply = parse_generation_reply(message)
+                    reply = parse_reply(message)
                 except InvalidMessage as e:  # its request, if it was one, is re-sent when its worker dies
                     self.stats.refused += 1
                     await asyncio.to_thread(set_aside, self.bus, self.reply_queue, str(e), message)
@@ -195,6 +207,10 @@ class EpisodeRouter:
                 pending = self.waiting.pop(reply.rid, None)
                 if pending is None:
                     continue  # a duplicate of a re-sent request, or the episode was cancelled
+                if isinstance(reply, GenerationRefusal):
+                    if pending.refused is not None and not pending.refused.done():
+                        pending.refused.set_exception(InvalidMessage(f"request {pending.qid!r:.80}: {reply.refused}"))
+                    continue
                 latency = time.monotonic() - pending.put_at
                 self.stats.latencies.append(latency)
                 output = reply.output(pending.qid)
