@@ -24,8 +24,12 @@ names, with no sequence running. It keeps the newest whole version it received i
 arrives in another, so if a transfer breaks off mid-load (the learner died), the engine's load completes from the
 held version and the worker loads the held version whole again before it generates: it never serves half of one
 version and half of another. A worker that cannot reach the learner (it is restarting from a checkpoint), or whose
-transfer breaks off, keeps serving the version it has, says so in its log, and tries the newest announcement at its
-next check.
+transfer breaks off, keeps serving the version it has, says so in its log, and tries again after a wait that doubles
+with each failure (a newer announcement at once).
+
+The listener answers only a worker that sends the token announced on the password-protected bus; until a peer has
+sent it, the server reads at most a small frame, within one short deadline, and holds a bounded number of
+connections.
 """
 
 import contextlib
@@ -54,9 +58,14 @@ log = logging.getLogger(__name__)
 KEEP_VERSIONS = 3  # disk: an inference worker may still be reading a slightly older version
 ALIGN = 64  # bytes: every tensor in the buffer starts aligned, so it can be viewed in place as its dtype
 IO_TIMEOUT = 30.0  # seconds without progress after which a transfer counts as broken off
-RETRY_SECONDS = 1.0  # a worker tries an announcement it could not fetch again at most this often
+HANDSHAKE_SECONDS = 5.0  # to connect, ask and have the header: a learner slower than this is hung or unreachable
+RETRY_SECONDS = 1.0  # a worker tries an announcement it could not fetch again after this, doubled on each failure
+MAX_RETRY_SECONDS = 30.0  # ... up to this: each try of a hung learner holds the engine's thread for a handshake
+SEND_BYTES = 8 << 20  # sent at a time: a socket's timeout bounds a whole sendall, so each must be short
+MAX_CONNECTIONS = 256  # at once; a worker holds one, and one more while a newer version arrives
 _LENGTH = struct.Struct(">I")  # the length of each msgpack frame (request, header)
-MAX_FRAME_BYTES = 64 << 20  # a request or header longer than this is not one of ours
+MAX_FRAME_BYTES = 64 << 20  # a header longer than this is not one of ours
+MAX_REQUEST_BYTES = 1024  # a request is a token: read before the token is checked, so it stays small
 
 
 def resolve(cluster) -> str:
@@ -226,16 +235,20 @@ class WeightServer:
             sender = threading.Thread(target=self._serve, args=(connection,), name="weight-send", daemon=True)
             with self._lock:  # the ended ones go: a thread is joined by close even once it left _serve
                 self._senders = {t: c for t, c in self._senders.items() if t.is_alive()}
+                if len(self._senders) >= MAX_CONNECTIONS:
+                    connection.close()  # no thread or memory for a connection past the limit
+                    continue
                 self._senders[sender] = connection
             sender.start()
 
     def _serve(self, connection: socket.socket) -> None:
         with connection:
-            connection.settimeout(IO_TIMEOUT)
             try:
-                request = _read_frame(connection)
+                # Before the token is checked a peer gets a small frame and one deadline for all of it.
+                request = _read_frame(connection, MAX_REQUEST_BYTES, time.monotonic() + HANDSHAKE_SECONDS)
+                connection.settimeout(IO_TIMEOUT)
                 if not (isinstance(request, dict) and isinstance(request.get("token"), str)
-                        and hmac.compare_digest(request["token"], self.token)):
+                        and hmac.compare_digest(request["token"].encode(), self.token.encode())):
                     connection.sendall(_frame({"error": "wrong token"}))
                     return
                 with self._lock:
@@ -250,13 +263,14 @@ class WeightServer:
                     data, sent = memoryview(offer.buffer.numpy()), 0
                     while sent < offer.size:
                         filled = offer.wait_beyond(sent)
-                        connection.sendall(data[sent:filled])  # the GIL is released while the bytes go out
+                        for start in range(sent, filled, SEND_BYTES):  # the GIL is released while bytes go out
+                            connection.sendall(data[start:min(start + SEND_BYTES, filled)])
                         sent = filled
                     offer.wait_beyond(sent)
                     connection.sendall(_frame({"checksum": offer.checksum}))
                 finally:
                     self._sent(offer.buffer)
-            except (OSError, ValueError, msgpack.UnpackException) as e:
+            except (OSError, ValueError, TypeError, msgpack.UnpackException) as e:
                 log.info("a weight transfer to a worker broke off: %s", e)
 
     def _sent(self, buffer: torch.Tensor) -> None:
@@ -313,8 +327,8 @@ class Incoming:
         try:
             with connection:
                 view, received, first_at = memoryview(self.buffer.numpy()), 0, {}
-                for name, _, _, start, nbytes in self.layout:  # in buffer order; a tied tensor's second name at
-                    end = min(start + -(-nbytes // ALIGN) * ALIGN, len(view))  # the first one's place
+                for name, dtype, shape, start, nbytes in self.layout:  # in buffer order
+                    end = min(start + -(-nbytes // ALIGN) * ALIGN, len(view))  # a tied tensor's: the first one's
                     if end > received:
                         _read_into(connection, view[received:end])  # the tensor and the alignment after it
                         received = end
@@ -323,7 +337,8 @@ class Incoming:
                         self._changed.notify_all()
                     if not self.checksum_arrived:
                         continue
-                    first = first_at.setdefault(start, name)
+                    # a tied tensor has the first one's place, dtype and shape; an empty one shares only its place
+                    first = first_at.setdefault((start, dtype, tuple(shape)), name)
                     if first == name:
                         parts.add(name, self.tensors[name])
                     else:
@@ -335,7 +350,7 @@ class Incoming:
                     raise ValueError(f"the transfer ended with {trailer!r} where the checksum belongs")
                 self.checksum = trailer["checksum"]
                 self.arrived_checksum = parts.digest() if self.checksum_arrived else ""
-        except (OSError, ValueError, msgpack.UnpackException) as e:
+        except Exception as e:  # whatever ends this thread must reach `items` and `whole`, or the engine waits forever
             with self._changed:
                 self.error = e
                 self._changed.notify_all()
@@ -352,12 +367,13 @@ def _open(address: str, token: str, into: torch.Tensor | None, held: Received | 
     """The transfer of the newest version `address` serves, started (into `into` if it has the size; else a new
     buffer, in pinned memory if `pinned`)."""
     host, port = address.rsplit(":", 1)
-    connection = socket.create_connection((host, int(port)), timeout=IO_TIMEOUT)
+    connection = socket.create_connection((host, int(port)), timeout=HANDSHAKE_SECONDS)
     try:
         connection.sendall(_frame({"token": token}))
-        header = _read_frame(connection)
+        header = _read_frame(connection, MAX_FRAME_BYTES, time.monotonic() + HANDSHAKE_SECONDS)
         if not isinstance(header, dict) or "error" in header:
             raise ConnectionError(f"the weight server at {address} refused: {header}")
+        connection.settimeout(IO_TIMEOUT)
     except BaseException:
         connection.close()
         raise
@@ -402,7 +418,7 @@ class WeightReceiver:
         self.failed_fetches = 0  # transfers that could not be had whole (the learner restarting, a broken link)
         self.held: Received | None = None  # the newest version streamed whole
         self._spare: torch.Tensor | None = None  # the other buffer
-        self._failed: tuple[str, int, float] | None = None  # (address, version, when) of the last failed fetch
+        self._failed: tuple[str, int, float, int] | None = None  # (address, version, next try at, failures so far)
 
     def receive(self, published, as_they_arrive: bool = False) -> Received | None:
         """`published` (rlsys.api.messages.PublishedWeights) as loadable weights; None if it cannot be had now.
@@ -412,8 +428,8 @@ class WeightReceiver:
         if published.path:
             return Received(published.version, published.path, published.checksum, published.dtype)
         announcement = (published.address, published.version)
-        if self._failed and self._failed[:2] == announcement and time.monotonic() - self._failed[2] < RETRY_SECONDS:
-            return None
+        if self._failed and self._failed[:2] == announcement and time.monotonic() < self._failed[2]:
+            return None  # not yet time to try this announcement again
         try:
             incoming = _open(published.address, published.token, self._spare, self.held, self.checksum_arrived,
                              self.pinned)
@@ -446,10 +462,15 @@ class WeightReceiver:
         return whole
 
     def _fetch_failed(self, announcement: tuple[str, int], error: Exception) -> None:
-        if not self._failed or self._failed[:2] != announcement:  # one line per announcement, not per retry
+        """Tries of one announcement come RETRY_SECONDS apart, doubled on each failure up to MAX_RETRY_SECONDS: a
+        learner that never answers costs the worker's engine a handshake's wait now and then, not most of its time."""
+        times = self._failed[3] + 1 if self._failed and self._failed[:2] == announcement else 1
+        if times == 1:  # one line per announcement, not per retry
             log.warning("could not fetch version %d from the learner at %s (%s); serving the weights held and trying "
-                        "again every %.0f s", announcement[1], announcement[0], error, RETRY_SECONDS)
-        self._failed = (*announcement, time.monotonic())
+                        "again, from %.0f s apart to %.0f s", announcement[1], announcement[0], error, RETRY_SECONDS,
+                        MAX_RETRY_SECONDS)
+        wait = min(RETRY_SECONDS * 2 ** (times - 1), MAX_RETRY_SECONDS)
+        self._failed = (*announcement, time.monotonic() + wait, times)
         self.failed_fetches += 1
 
 
@@ -475,21 +496,27 @@ def _frame(message: dict) -> bytes:
     return _LENGTH.pack(len(data)) + data
 
 
-def _read_frame(connection: socket.socket):
-    (length,) = _LENGTH.unpack(_read_exactly(connection, _LENGTH.size))
-    if length > MAX_FRAME_BYTES:
-        raise ValueError(f"a frame of {length} bytes is longer than {MAX_FRAME_BYTES}")
-    return msgpack.unpackb(_read_exactly(connection, length))
+def _read_frame(connection: socket.socket, max_bytes: int = MAX_FRAME_BYTES, deadline: float | None = None):
+    """One msgpack frame of at most `max_bytes`, all of it by `deadline` (monotonic) if given."""
+    (length,) = _LENGTH.unpack(_read_exactly(connection, _LENGTH.size, deadline))
+    if length > max_bytes:
+        raise ValueError(f"a frame of {length} bytes is longer than {max_bytes}")
+    return msgpack.unpackb(_read_exactly(connection, length, deadline))
 
 
-def _read_exactly(connection: socket.socket, n: int) -> bytes:
+def _read_exactly(connection: socket.socket, n: int, deadline: float | None = None) -> bytes:
     data = bytearray(n)
-    _read_into(connection, memoryview(data))
+    _read_into(connection, memoryview(data), deadline)
     return bytes(data)
 
 
-def _read_into(connection: socket.socket, view: memoryview) -> None:
+def _read_into(connection: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     while view:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the other side took too long to say what it wants")
+            connection.settimeout(left)
         got = connection.recv_into(view)
         if got == 0:
             raise ConnectionError("the connection closed before the whole transfer arrived")

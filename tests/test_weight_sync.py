@@ -3,6 +3,7 @@ weight stream hands over whole versions or none."""
 
 import logging
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -12,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from experiments.common import InferenceConfig
-from rlsys import protocol
+from rlsys import protocol, weight_transport
 from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import GenerationConfig
 from rlsys.api.messages import parse_published_weights
@@ -24,6 +25,7 @@ from rlsys.engine.weights import write_weight_update
 from rlsys.weight_checksum import weights_checksum
 from rlsys.weight_transport import IO_TIMEOUT, RETRY_SECONDS, Incoming, WeightReceiver, WeightServer, _frame, \
     _read_exactly, _read_frame, _view, fetch, given_checksum, publish
+from rlsys.workers.inference_status import InferenceStatus
 from rlsys.workers.inference_worker import InferenceWorker
 from tests.helpers import save_random_tiny_model
 
@@ -272,15 +274,23 @@ def test_a_version_that_breaks_off_while_it_loads_leaves_the_worker_on_the_versi
     monkeypatch.setattr(bus, "set", lambda key, value, set_=bus.set: (set_(key, value), announced.set()))
     learner.start()
     announced.wait(10)
-    loaded = []
-    original_load = worker.engine.backend.load_weights
-    monkeypatch.setattr(worker.engine.backend, "load_weights",
-                        lambda weights: (loaded.append(type(weights).__name__), halfway.set(), original_load(weights)))
+    loaded, announced_while_loading = [], []
+    original_load, beat = worker.engine.backend.load_weights, worker.publish_status
+
+    def load(weights):
+        loaded.append(type(weights).__name__)
+        halfway.set()
+        beat()  # a heartbeat meanwhile: it announces the version served, not one being loaded
+        announced_while_loading.append(InferenceStatus(bus, 0).read().version)
+        original_load(weights)
+
+    monkeypatch.setattr(worker.engine.backend, "load_weights", load)
     with caplog.at_level(logging.WARNING):
         worker.load_newest_weights()
     learner.join()
     assert died == ["the learner died"]
     assert loaded == ["Incoming", "dict"], "version 2 loaded as it arrived, then version 1 whole"
+    assert announced_while_loading == [1, 1]  # never version 2, which the staleness gate would have counted
     assert worker.engine.version == 1 and worker.weights.failed_fetches == 1
     assert "version 2 broke off while loading; version 1 loaded again" in caplog.text
     gap = (torch.tensor(worker.engine.backend.score(SEQUENCE)) - version_1).abs().max()
@@ -299,7 +309,7 @@ def test_a_version_that_breaks_off_while_it_loads_leaves_the_worker_on_the_versi
 
 def test_a_worker_that_cannot_have_a_version_keeps_serving_and_says_so(tmp_path, caplog):
     """A wrong token is refused; a learner that is gone (restarting) leaves the worker on the weights it holds,
-    with a warning, and the next announcement is tried at the next check."""
+    with a warning, and the announcement is tried again after a wait that doubles with each failure."""
     model = AutoModelForCausalLM.from_pretrained(save_random_tiny_model(tmp_path / "model"), dtype=torch.float32)
     server = WeightServer()
     bus = InProcessBus()
@@ -316,6 +326,10 @@ def test_a_worker_that_cannot_have_a_version_keeps_serving_and_says_so(tmp_path,
     assert receiver.failed_fetches == 1 and caplog.text.count("serving the weights held") == 1
     time.sleep(RETRY_SECONDS)
     assert receiver.receive(published) is None and receiver.failed_fetches == 2
+    time.sleep(RETRY_SECONDS)  # the wait doubles with each failure: a hung learner costs the engine less and less
+    assert receiver.receive(published) is None and receiver.failed_fetches == 2
+    time.sleep(RETRY_SECONDS)
+    assert receiver.receive(published) is None and receiver.failed_fetches == 3
 
 
 def test_update_mid_generation_keeps_every_token_s_version_and_logprob_true(tmp_path):
@@ -345,3 +359,89 @@ def test_update_mid_generation_keeps_every_token_s_version_and_logprob_true(tmp_
         expected = torch.cat([before[len(prompt) - 1:][:switch], after[len(prompt) - 1:][switch:]])
         gap = (torch.tensor(output.logprobs[sample]) - expected).abs().max()
         assert gap < 1e-4, f"sample {sample}: engine logprobs differ from the generating policy's by {gap:.2e}"
+
+
+def test_a_slow_steady_reader_gets_a_version_of_any_size_within_the_timeout_without_progress(monkeypatch):
+    """A socket's timeout bounds a whole sendall: the server sends a piece at a time, so IO_TIMEOUT is the time
+    without progress, not the time a whole model may take (16 GB in 30 s would need 0.5 GB/s per worker)."""
+    monkeypatch.setattr(weight_transport, "IO_TIMEOUT", 1.0)
+    monkeypatch.setattr(weight_transport, "SEND_BYTES", 1 << 20)
+    server = WeightServer()
+    server.offer(1, {"w": torch.zeros(64 << 20, dtype=torch.uint8)}, "float32")  # 64 MiB, in the buffer at once
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(_frame({"token": server.token}))
+        assert _read_frame(connection)["bytes"] == 64 << 20
+        got, piece, started = 0, bytearray(256 << 10), time.monotonic()
+        while got < 64 << 20:  # about 50 MB/s: over a second in all, never a second without a byte
+            n = connection.recv_into(piece, min(len(piece), (64 << 20) - got))  # the checksum's frame follows
+            assert n, f"the server broke off after {got >> 20} MiB"
+            got += n
+            time.sleep(0.005)
+        assert time.monotonic() - started > 1.0
+        assert _read_frame(connection)["checksum"]
+    server.close()
+
+
+def test_a_peer_without_the_token_gets_a_small_frame_one_deadline_and_a_refusal(monkeypatch):
+    """Before the token is checked the server reads at most a small frame, within one deadline: an unknown peer
+    can hold neither memory nor a thread for long. A token that is not ASCII is refused like any wrong one."""
+    monkeypatch.setattr(weight_transport, "HANDSHAKE_SECONDS", 0.3)
+    server = WeightServer()
+    server.offer(1, {"w": torch.ones(4, 4)}, "float32")
+    host, port = server.address.rsplit(":", 1)
+
+    def closed_by_server(connection) -> bool:
+        connection.settimeout(5)
+        try:
+            return connection.recv(1) == b""
+        except ConnectionResetError:  # closed with our bytes unread
+            return True
+
+    with socket.create_connection((host, int(port))) as big:
+        big.sendall(struct.pack(">I", 64 << 20) + b"x")  # claims a 64 MiB request
+        assert closed_by_server(big)
+    with socket.create_connection((host, int(port))) as slow:
+        slow.sendall(struct.pack(">I", 100))  # then nothing: the deadline, not IO_TIMEOUT, ends it
+        started = time.monotonic()
+        assert closed_by_server(slow) and time.monotonic() - started < 2
+    with socket.create_connection((host, int(port)), timeout=5) as wrong:
+        wrong.sendall(_frame({"token": "\u00e9" * 32}))
+        assert _read_frame(wrong) == {"error": "wrong token"}
+    assert fetch(server.address, server.token).version == 1  # and the server serves on
+    server.close()
+
+
+def test_an_empty_tensor_is_no_alias_of_the_one_after_it():
+    """A tensor of no bytes starts where the next one does; the receiver must not take the next for a tied copy of
+    it, or the checksum of what arrived differs from the learner's and the run stops."""
+    server = WeightServer()
+    learner = server.offer(1, {"a.bias": torch.zeros(0), "b.weight": torch.randn(4, 4)}, "float32")
+    received = fetch(server.address, server.token)
+    assert received.arrived_checksum == received.checksum == learner
+    server.close()
+
+
+def test_an_error_of_any_kind_in_the_receiving_thread_ends_the_load_from_the_held_version(monkeypatch):
+    """Whatever ends the receiving thread reaches the engine's load: it completes from the held version and the
+    transfer counts as broken off, instead of the load waiting forever while the heartbeat says all is well."""
+    server = WeightServer()
+    state = {f"w{i}": torch.randn(64, 64) for i in range(4)}
+    server.offer(1, state, "float32")
+    held = fetch(server.address, server.token)
+
+    def out_of_memory(self, name, tensor):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(weight_transport.ChecksumParts, "add", out_of_memory)
+    incoming = weight_transport._open(server.address, server.token, None, held)
+    loaded = {}
+    loading = threading.Thread(target=lambda: loaded.update(incoming.items()), daemon=True)
+    loading.start()
+    loading.join(10)
+    assert not loading.is_alive()
+    assert sorted(loaded) == sorted(state)  # w0 arrived before its checksum part raised; the rest are the held ones
+    assert all(loaded[name] is held.weights[name] for name in ("w1", "w2", "w3"))
+    with pytest.raises(OSError, match="broke off.*not enough memory"):
+        incoming.whole()
+    server.close()

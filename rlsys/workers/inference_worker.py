@@ -48,6 +48,9 @@ class InferenceWorker:
         self._stopping = threading.Event()
         self._next_control = 0.0
         self.beat = 0  # the heartbeat's counter
+        # The version the status announces: the engine's once a load is whole and checked. While one loads, the
+        # engine's own is already the new one, which the load may yet back out of (a transfer that broke off).
+        self.served_version = engine.version
         self._status_lock = threading.Lock()
 
     def run(self) -> None:
@@ -108,10 +111,12 @@ class InferenceWorker:
                 held = self.weights.held
                 self.engine.update_weights(held.weights, held.version)
                 self.verify_weights(held)
+                self.served_version = held.version
                 log.warning("version %d broke off while loading; version %d loaded again", received.version,
                             held.version)
                 return
             self.verify_weights(whole)
+            self.served_version = whole.version
             # Now, not at the next beat: the staleness gate admits the next prompts on the version served. Not
             # before start_epoch (the first load of a restarted worker): its status would carry no epoch.
             if self.epoch:
@@ -170,7 +175,7 @@ class InferenceWorker:
         # The heartbeat thread and a weight update both publish; the version is read under the lock, so the
         # last write holds the newest version.
         with self._status_lock:
-            self.status.publish(WorkerStatus(self.epoch, self.beat, self.engine.version, self.engine.in_flight,
+            self.status.publish(WorkerStatus(self.epoch, self.beat, self.served_version, self.engine.in_flight,
                                              weights_streamed=self.weights.received_streamed))
 
     def _heartbeat(self) -> None:
