@@ -9,7 +9,7 @@ from pathlib import Path
 
 from experiments.async_ppo_math import WARM_START_REACH, AsyncPPOMATHConfig
 from experiments.common import DatasetConfig, GenerationHyperparameters, InferenceConfig, ModelConfig, \
-    PPOHyperparameters
+    PPOHyperparameters, check_at_least
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction, make_env
 from rlsys.data.games import generate_game_dataset, random_walks
@@ -56,6 +56,12 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
     turn_discount: float = 0.5
     """A success at attempt k earns turn_discount**(k-1), so a first-try answer is worth the most."""
     rollout: RolloutStrategy = field(default_factory=RolloutStrategy)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_at_least("", self, num_turns=1)
+        if not 0 <= self.turn_discount <= 1:
+            raise ValueError(f"turn_discount must be in [0, 1], got {self.turn_discount}")
 
     @property
     def agent(self) -> AgentAbstraction:
@@ -108,6 +114,13 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
     warm_start_eval_every = 5
     warm_start_max_steps = 40  # about one pass over the walks: a minute or two on 2 cores, threshold reached or not
 
+    def __post_init__(self):
+        super().__post_init__()
+        check_at_least("", self, max_turns=1, invalid_action_penalty=0)
+        for name in ("turn_discount", "warm_start_hint"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
     @property
     def agent(self) -> AgentAbstraction:
         return multi_turn_agent(self, "text-game", max_turns=self.max_turns)
@@ -135,6 +148,10 @@ class AsyncPPOTextGameConfig(AsyncPPOTurnBasedConfig):
     gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=4))
 
     env_name = ""  # the registered environment (a class attribute, not a setting)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_at_least("", self, game_size=2)
 
     @property
     def board_options(self) -> dict:
@@ -172,6 +189,11 @@ class AsyncPPOFrozenLakeConfig(AsyncPPOTextGameConfig):
     warm_start_eval_every = 25
     warm_start_max_steps = 400  # seeds 1-3 reached 90% in 12-23 s on 2 cores, seed 1 at step 225
 
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 < self.frozen_prob <= 1:  # at 0 every map is holes: drawn again and again, forever
+            raise ValueError(f"frozen_prob must be in (0, 1], got {self.frozen_prob}")
+
     @property
     def board_options(self) -> dict:
         return {"size": self.game_size, "frozen_prob": self.frozen_prob}
@@ -188,6 +210,13 @@ class AsyncPPOSokobanConfig(AsyncPPOTextGameConfig):
     dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(num_train=1000, num_eval=100))
 
     env_name = "sokoban"
+
+    def __post_init__(self):
+        super().__post_init__()
+        room = (self.game_size - 2) ** 2  # cells inside the walls: each box and the player need one, and room to move
+        if self.game_size < 4 or not 1 <= self.num_boxes <= room - 2:
+            raise ValueError(f"a {self.game_size}x{self.game_size} room holds 1 to {max(room - 2, 0)} boxes with "
+                             f"game_size at least 4; got game_size={self.game_size}, num_boxes={self.num_boxes}")
 
     @property
     def board_options(self) -> dict:

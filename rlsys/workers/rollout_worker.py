@@ -106,7 +106,7 @@ class RolloutWorker:
     async def train(self) -> None:
         prompts = self.prompts(self.train_rows, "train", shuffle=True)
         await self.take_over(self.train_rows, prompts)
-        next_eval = self.config.eval_steps
+        next_eval = next_evaluation(await self.current_version(), self.config.eval_steps)
         while not await self._bus_get(protocol.LEARNER_DONE) and not await self._bus_get(protocol.STOP):
             if self.cannot_go_on:
                 raise self.cannot_go_on
@@ -118,7 +118,7 @@ class RolloutWorker:
                 continue
             version = await self.current_version()
             if self.index == 0 and next_eval and version >= next_eval:
-                next_eval += self.config.eval_steps
+                next_eval = next_evaluation(version, self.config.eval_steps)
                 self._start(self.evaluate(f"step-{version}"))
             await self.wait_for_an_episode_to_end(GATE_POLL_SECONDS)
         for task in list(self.running):
@@ -300,6 +300,12 @@ class RolloutWorker:
 
     async def _bus_get(self, key: str):
         return await asyncio.to_thread(self.bus.get, key)
+
+
+def next_evaluation(version: int, every: int) -> int:
+    """The version of the next evaluation after `version`: the next multiple of `every` (eval_steps; 0: none). A
+    worker restarted, or a run resumed, at version 150 evaluates next at 200, not at 50, 100 and 150 at once."""
+    return (version // every + 1) * every if every else 0
 
 
 def held_out_accuracy(score, episodes: list[Trajectory], key: str) -> dict:
