@@ -9,9 +9,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
-from experiments.common import GenerationHyperparameters
+from experiments.common import GenerationHyperparameters, check_at_least
 from rlsys.api.experiment import register_experiment
-from rlsys.api import AgentAbstraction, EnvServiceAbstraction
+from rlsys.api import TOOLS, AgentAbstraction, EnvServiceAbstraction
 from rlsys.tools.confinement import preflight
 from rlsys.tools.sandbox import SandboxLimits
 
@@ -40,6 +40,14 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        check_at_least("", self, max_turns=1, max_total_tokens=1, tool_output_chars=1, max_calls_per_turn=1)
+        if self.tool_timeout <= 0:
+            raise ValueError(f"tool_timeout must be positive, got {self.tool_timeout}")
+        for name in self.tools:  # here, not in every episode's environment
+            try:
+                TOOLS.lookup(name)
+            except KeyError as e:
+                raise ValueError(f"tools: {e.args[0]}") from None
         if "python" in self.tools:  # the run stops here, saying why, if model code could not be confined
             preflight(self.sandbox.allow_unconfined)
 

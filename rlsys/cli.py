@@ -357,7 +357,8 @@ def value_at(raw: dict, keys: list[str], default):
 
 
 def first_line(e: BaseException) -> str:
-    message = getattr(e, "msg", None) or str(e)
+    # a KeyError's str() is its message quoted
+    message = getattr(e, "msg", None) or (e.args[0] if isinstance(e, KeyError) and e.args else str(e))
     return message.splitlines()[0] if message else type(e).__name__
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from rlsys import protocol
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.checkpoint import latest_checkpoint, read_trainer_state
-from rlsys.cli import config_to_dict, registry_name_of, save_config
+from rlsys.cli import config_to_dict, first_line, registry_name_of, save_config
 from rlsys.console import ProgressReporter
 from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout, visible_devices
@@ -130,6 +130,28 @@ def prepare(config) -> None:
         prepare_assets(config)
     except (AssetError, DatasetError) as e:
         raise StartupError(str(e)) from None
+    check_plugins(config)
+
+
+def check_plugins(config) -> None:
+    """The run's agents built once and its environments' arguments bound to their constructors, here: a name,
+    an argument or a value they refuse stops the run with their message, not a rollout worker restarted until it
+    gives up, the reason in its log. Environments are not built here: some load a model (reward-model)."""
+    import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments, as the roles do)
+    import rlsys.impl.env  # noqa: F401
+    from rlsys.api import ENVIRONMENTS, make_agent
+    from rlsys.workers.env_per_row import run_environments
+
+    for abstraction in {repr(a): a for a in [config.agent, *config.agents.values()]}.values():
+        try:
+            make_agent(abstraction)
+        except Exception as e:  # a plugin's constructor may raise anything
+            raise StartupError(f"agent {abstraction.name!r} cannot be built: {first_line(e)}") from None
+    for abstraction in run_environments(config):
+        try:
+            ENVIRONMENTS.check(abstraction.name, abstraction.args)
+        except (KeyError, TypeError) as e:
+            raise StartupError(first_line(e)) from None
 
 
 def resume_from_latest(config, run_dir: Path) -> dict:

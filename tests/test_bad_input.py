@@ -5,6 +5,7 @@ huge payloads) in tests/test_delivery.py, and injected into a live run in tests/
 """
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import rlsys.impl.env  # noqa: F401  (registers the environments)
+from experiments import AsyncPPOMATHConfig, register_experiment
 from rlsys.api import EnvServiceAbstraction, make_env
 from rlsys.bus import EmbeddedRedis
 from rlsys.checkpoint import TRAINER_STATE
@@ -23,7 +25,7 @@ from rlsys.data.dataset import DatasetError, load_rows
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.launcher import last_checkpoint_note, launch, resolve_resume, run_directory
 from rlsys.preflight import StartupError
-from tests.helpers import child_pids, left_behind
+from tests.helpers import child_pids, left_behind, save_random_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "training" / "main_async_ppo.py"
@@ -66,6 +68,9 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["experiment=async-ppo-sokoban", "num_boxes=40"], "a 6x6 room holds 1 to 14 boxes"),
     (["experiment=async-ppo-frozen-lake", "game_size=1"], "game_size must be at least 2, got 1"),
     (["experiment=async-ppo-frozen-lake", "frozen_prob=0"], "frozen_prob must be in (0, 1], got 0.0"),  # it hung
+    (["experiment=async-ppo-math-tools", "tools=[calculater]"],
+     "tools: unknown tool 'calculater'. Did you mean ['calculator']? Registered tools: ["),
+    (["experiment=async-ppo-math-tools", "tool_timeout=-3"], "tool_timeout must be positive, got -3.0"),
 ])
 def test_a_config_that_cannot_work_names_its_key(args, message):
     with pytest.raises(ConfigError) as error:
@@ -145,6 +150,33 @@ def test_a_learner_or_engine_setting_this_device_cannot_honour_stops_the_run(tmp
         launch(run_config(tmp_path, "inference.engine=transformers", "inference.gpu_memory_utilization=0.9"))
     assert left_behind(tmp_path, existing) == []
     assert not (tmp_path / "cache").exists()  # refused before the dataset and the warm start
+
+
+@dataclasses.dataclass
+class MisspelledEnvArgs(AsyncPPOMATHConfig):
+    @property
+    def env(self):
+        return EnvServiceAbstraction("math-code-single-step", args={"verify_timout": 5})
+
+
+register_experiment("misspelled-env-args", MisspelledEnvArgs)
+
+
+def test_an_agent_or_environment_that_refuses_its_arguments_stops_the_run_at_start(tmp_path):
+    """Built once (agents) or bound to their constructors (environments) before any role starts: a run whose rollout
+    worker could never build them stops with their message, not after the worker's restarts, its reason in a log."""
+    existing = child_pids()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(GOOD_ROW + "\n")
+    given = [f"model.path={save_random_tiny_model(tmp_path / 'model')}", f"dataset.path={rows}",
+             f"dataset.eval_path={rows}"]
+    with pytest.raises(StartupError, match="agent 'openai-agent' cannot be built: cannot import plugin 'nonexistent'"):
+        launch(run_config(tmp_path, "experiment=async-ppo-openai-agent", "agent_function=nonexistent:run", *given))
+    with pytest.raises(StartupError, match="agent 'openai-agent' cannot be built: timeout must be positive, got -1"):
+        launch(run_config(tmp_path, "experiment=async-ppo-openai-agent", "agent_timeout=-1", *given))
+    with pytest.raises(StartupError, match="environment 'math-code-single-step'.*cannot take args.*verify_timeout"):
+        launch(run_config(tmp_path, "experiment=misspelled-env-args", *given))
+    assert left_behind(tmp_path, existing) == []
 
 
 def test_a_missing_model_path_stops_the_run(tmp_path):

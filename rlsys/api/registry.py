@@ -37,7 +37,9 @@ class Registry(Generic[T]):
             raise KeyError(f"unknown {self.kind} {name!r}.{did_you_mean} Registered {self.kind}s: {self.names()}")
         return self._classes[name]
 
-    def make(self, name: str, args: dict[str, Any]) -> T:
+    def check(self, name: str, args: dict[str, Any]) -> type[T]:
+        """The class registered as `name`, if its constructor takes `args` (KeyError, TypeError otherwise); nothing
+        is built."""
         cls = self.lookup(name)
         signature = inspect.signature(cls.__init__)
         try:
@@ -46,4 +48,7 @@ class Registry(Generic[T]):
             accepted = [p for p in signature.parameters if p != "self"]
             raise TypeError(f"{self.kind} {name!r} ({cls.__qualname__}) cannot take args {sorted(args)}: {e}. "
                             f"It accepts: {accepted}") from None
-        return cls(**args)
+        return cls
+
+    def make(self, name: str, args: dict[str, Any]) -> T:
+        return self.check(name, args)(**args)
