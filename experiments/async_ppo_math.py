@@ -5,7 +5,7 @@ from pathlib import Path
 
 from experiments.common import AsyncRLExperimentConfig, ModelConfig, PPOMATHConfig
 from rlsys.api.experiment import register_experiment
-from rlsys.api import AgentAbstraction, EnvServiceAbstraction
+from rlsys.api import AGENTS, AgentAbstraction, EnvServiceAbstraction
 from rlsys.data.arithmetic import generate_addition_dataset
 from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence, arithmetic_warm_start
 from rlsys.plugins import load_function
@@ -14,6 +14,15 @@ from rlsys.plugins import load_function
 # The math tasks' warm start goes on past its greedy accuracy until 3 problems in 4 get a right answer in their group
 # of samples: how much RL gains follows that share (BENCHMARKS.md, "What a warm start leaves RL").
 WARM_START_REACH = 0.75
+
+
+def marks_void(agent: str) -> bool:
+    """Whether the agent registered as `agent` may mark trajectories void; one not registered yet (a plugin's, or a
+    misspelling the launcher reports) is given the benefit of the doubt."""
+    try:
+        return AGENTS.lookup(agent).marks_void
+    except KeyError:
+        return True
 
 
 @dataclass
@@ -53,6 +62,12 @@ class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
             "math-single-step",
             args=dict(gconfig=self.gen.generation_config(n=self.group_size), tokenizer_path=self.model.path),
         )
+
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        names = sorted({agent.name for agent in [self.agent, *self.agents.values()]})
+        return {**super().inactive_settings(), "ppo.mask_void_trajectories": (
+            any(marks_void(name) for name in names), f"with agents that never mark a trajectory void ({names})",
+            "use an agent that does (the multi-turn, text-game and tool-calling ones)")}
 
     @property
     def agents(self) -> dict[str, AgentAbstraction]:

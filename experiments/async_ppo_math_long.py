@@ -36,6 +36,11 @@ class AsyncPPOMathLongConfig(AsyncPPOMATHConfig):
     warm_start_eval_every = 100
     warm_start_max_steps = 3000
 
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        generated = (not self.dataset.path, f"with dataset.path set (the sums are read from {self.dataset.path!r})",
+                     "leave dataset.path empty for the generated set")
+        return {**super().inactive_settings(), **{name: generated for name in ("min_terms", "max_terms", "term_digits")}}
+
     def __post_init__(self):
         super().__post_init__()
         if not 2 <= self.min_terms <= self.max_terms:

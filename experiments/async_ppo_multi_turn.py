@@ -92,6 +92,12 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
         return taught + retry_sequences(tokenizer, train_rows[::self.warm_start_retry_every], self.seed), checks
 
 
+def warm_start_only(model_path: str) -> tuple[bool, str, str]:
+    """A setting of the tiny model's warm start, which a policy given by path does not have."""
+    return (not model_path, f"with model.path set (the policy is {model_path!r}: no warm start)",
+            "leave model.path empty for the tiny model")
+
+
 @dataclass
 class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
     """An environment played turn by turn by the `text-game` agent; subclasses name the env and how to walk it."""
@@ -113,6 +119,9 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
     warm_start_batch_size = 16  # a walk teaches every move it makes: 16 of them a step are a hundred moves
     warm_start_eval_every = 5
     warm_start_max_steps = 40  # about one pass over the walks: a minute or two on 2 cores, threshold reached or not
+
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        return {**super().inactive_settings(), "warm_start_hint": warm_start_only(self.model.path)}
 
     def __post_init__(self):
         super().__post_init__()

@@ -5,6 +5,8 @@ as `key=value` (nested: `ppo.lr=1e-5`).
 """
 
 from dataclasses import MISSING, dataclass, field, fields
+from operator import attrgetter
+from types import SimpleNamespace
 
 from rlsys.algorithms.choices import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, NEEDS_CRITIC
 from rlsys.api import GenerationConfig
@@ -24,12 +26,13 @@ def check_at_least(group: str, config, **minimums) -> None:
 
 def refuse_inactive(group: str, settings, defaults, acts_only_with: dict[str, tuple[bool, str, str]]) -> None:
     """ValueError for the first field of `settings` changed from its value in `defaults` (the experiment's own
-    default for the group) where `acts_only_with` says it does nothing: {field: (acts, why, what to do)}."""
+    default for the group) where `acts_only_with` says it does nothing: {field: (acts, why, what to do)}. Without a
+    `group`, fields of the experiment itself, or dotted, of a group whose own table cannot tell (ppo.*, by the agent)."""
     for name, (acts, why, fix) in acts_only_with.items():
-        value, default = getattr(settings, name), getattr(defaults, name)
+        value, default = attrgetter(name)(settings), attrgetter(name)(defaults)
+        key = f"{group}.{name}" if group else name
         if not acts and value != default:
-            raise ValueError(f"{group}.{name}={value} does nothing {why}; {fix}, or leave {group}.{name} at its "
-                             f"default ({default!r})")
+            raise ValueError(f"{key}={value} does nothing {why}; {fix}, or leave {key} at its default ({default!r})")
 
 
 TINY_MODEL_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "tie_word_embeddings",
@@ -545,11 +548,18 @@ class BaseExperimentConfig:
         nothing is an error, not a no-op. Each group names such settings in its `inactive_settings()` table (the
         command line calls this; a worker rebuilding the launcher's config, whose dataset and model paths the
         launcher filled in, does not). ppo.* refuses its own in PPOHyperparameters."""
+        defaults = SimpleNamespace(**{f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+                                      for f in fields(self)})
         for f in fields(self):
             settings = getattr(self, f.name)
             if hasattr(settings, "inactive_settings"):
-                defaults = f.default_factory() if f.default_factory is not MISSING else f.default
-                refuse_inactive(f.name, settings, defaults, settings.inactive_settings())
+                refuse_inactive(f.name, settings, getattr(defaults, f.name), settings.inactive_settings())
+        refuse_inactive("", self, defaults, self.inactive_settings())
+
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        """The experiment's own settings that the rest of it makes do nothing, as each group's
+        `inactive_settings`: {name: (acts, why, what to do)}. A subclass adds its own to its parent's."""
+        return {}
 
 
 LEARNER_DTYPES = ("float32", "bfloat16")

@@ -71,6 +71,14 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["experiment=async-ppo-math-tools", "tools=[calculater]"],
      "tools: unknown tool 'calculater'. Did you mean ['calculator']? Registered tools: ["),
     (["experiment=async-ppo-math-tools", "tool_timeout=-3"], "tool_timeout must be positive, got -3.0"),
+    (["ppo.mask_void_trajectories=true"],
+     "ppo.mask_void_trajectories=True does nothing with agents that never mark a trajectory void (['math-single-step'])"),
+    (["experiment=async-ppo-math-long", "dataset.path=a.jsonl", "dataset.eval_path=b.jsonl", "min_terms=3"],
+     "min_terms=3 does nothing with dataset.path set"),
+    (["experiment=async-ppo-sokoban", "model.path=/m", "warm_start_hint=0.5"],
+     "warm_start_hint=0.5 does nothing with model.path set"),
+    (["experiment=async-ppo-mixed-games", "dataset.path=a.jsonl", "dataset.eval_path=b.jsonl", "frozen_lake_share=0.3"],
+     "frozen_lake_share=0.3 does nothing with dataset.path set"),
 ])
 def test_a_config_that_cannot_work_names_its_key(args, message):
     with pytest.raises(ConfigError) as error:

@@ -18,6 +18,8 @@ class Agent(abc.ABC):
     model produced.
     """
 
+    marks_void = False  # whether its trajectories may be void (Trajectory.void): ppo.mask_void_trajectories acts on them
+
     @abc.abstractmethod
     async def collect_trajectory(
         self,

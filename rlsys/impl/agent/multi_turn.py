@@ -217,6 +217,8 @@ class Transcript:
 class MultiTurnAgent(Agent):
     """An agent that talks to its environment over several turns; subclasses say how one turn plays out."""
 
+    marks_void = True  # a turn that is neither an action nor an answer
+
     def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, max_turns: int, turn_discount: float,
                  strategy: RolloutStrategy | dict | None, max_context_tokens: int):
         if max_turns < 1:

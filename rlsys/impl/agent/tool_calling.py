@@ -28,6 +28,8 @@ COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "decode_errors", "void_
 
 
 class ToolCallingAgent(Agent):
+    marks_void = True  # a turn that is neither an action nor an answer
+
     def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, max_turns: int = 4,
                  max_total_tokens: int = 1024, use_instructions: bool = True):
         if max_turns < 1:
