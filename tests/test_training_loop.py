@@ -148,12 +148,16 @@ def test_resume_from_checkpoint_continues_step_and_version(cache_dir, tmp_path):
 
 BROKEN_PLUGIN = '''
 import dataclasses
+import multiprocessing
 from experiments import AsyncPPOMATHConfig, register_experiment
 from rlsys.api import Agent, AgentAbstraction, register_agent
 
 class BrokenAgent(Agent):
+    """Built by the launcher's check, it breaks only in the rollout worker (a role's process), as an agent that
+    needs what only the worker's machine has."""
     def __init__(self):
-        raise RuntimeError("this agent cannot start")
+        if multiprocessing.parent_process() is not None:
+            raise RuntimeError("this agent cannot start")
 
     async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
         return []
