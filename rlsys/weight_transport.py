@@ -374,13 +374,13 @@ def _open(address: str, token: str, into: torch.Tensor | None, held: Received | 
         if not isinstance(header, dict) or "error" in header:
             raise ConnectionError(f"the weight server at {address} refused: {header}")
         connection.settimeout(IO_TIMEOUT)
+        size = header["bytes"]
+        buffer = (into if into is not None and into.numel() == size
+                  else torch.empty(size, dtype=torch.uint8, pin_memory=pinned))  # RuntimeError if out of memory
+        return Incoming(connection, header, buffer, held, address, checksum_arrived)  # its thread owns it from here
     except BaseException:
         connection.close()
         raise
-    size = header["bytes"]
-    buffer = (into if into is not None and into.numel() == size
-              else torch.empty(size, dtype=torch.uint8, pin_memory=pinned))
-    return Incoming(connection, header, buffer, held, address, checksum_arrived)
 
 
 def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_dir: Path,
@@ -433,8 +433,8 @@ class WeightReceiver:
         try:
             incoming = _open(published.address, published.token, self._spare, self.held, self.checksum_arrived,
                              self.pinned)
-        except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
-            self._fetch_failed(announcement, e)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, msgpack.UnpackException) as e:
+            self._fetch_failed(announcement, e)  # RuntimeError: no memory for the buffer; the held version serves on
             return None
         self._spare = None  # the incoming version's buffer now
         arriving = Received(incoming.version, incoming, dtype=incoming.dtype, buffer=incoming.buffer)

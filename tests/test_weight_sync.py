@@ -445,3 +445,24 @@ def test_an_error_of_any_kind_in_the_receiving_thread_ends_the_load_from_the_hel
     with pytest.raises(OSError, match="broke off.*not enough memory"):
         incoming.whole()
     server.close()
+
+
+def test_a_worker_without_memory_for_the_next_version_keeps_serving_and_takes_it_later(monkeypatch):
+    """No memory for the arriving version's buffer: the worker keeps serving what it holds (a RuntimeError ended it
+    before), says so, and takes the version on a later try."""
+    server = WeightServer()
+    bus = InProcessBus()
+    state = {"w": torch.randn(64, 64)}
+    publish(bus, None, 1, "stream", "/unused", state_dict=state, server=server)
+    published = parse_published_weights(bus.get(protocol.WEIGHTS))
+    receiver = WeightReceiver()
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(weight_transport.torch, "empty", out_of_memory)
+    assert receiver.receive(published) is None and receiver.failed_fetches == 1
+    monkeypatch.undo()
+    time.sleep(RETRY_SECONDS)
+    assert receiver.receive(published).version == 1
+    server.close()
