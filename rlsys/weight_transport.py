@@ -173,10 +173,10 @@ class WeightServer:
             previous, self._offer = self._offer, offer
             if previous is not None and not self._sending.get(id(previous.buffer)):
                 self._spare = previous.buffer
-        announce()
         try:
+            announce()
             checksum = self._fill(offer, entries, state_dict, dtype, on_gpu)
-        except BaseException:
+        except BaseException:  # connections to this offer break off instead of waiting for bytes that never come
             offer.mark(offer.filled, failed=True)
             raise
         return checksum

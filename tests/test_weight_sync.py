@@ -466,3 +466,20 @@ def test_a_worker_without_memory_for_the_next_version_keeps_serving_and_takes_it
     time.sleep(RETRY_SECONDS)
     assert receiver.receive(published).version == 1
     server.close()
+
+
+def test_an_offer_whose_announcement_fails_breaks_off_its_transfers_instead_of_holding_them():
+    server = WeightServer()
+
+    def bus_gone():
+        raise ConnectionError("the bus is down")
+
+    with pytest.raises(ConnectionError):
+        server.offer(1, {"w": torch.randn(64, 64)}, "float32", announce=bus_gone)
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(pytest.raises(OSError, fetch, server.address,
+                                                                          server.token)), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert outcome, "the transfer waited for bytes the learner will never copy"
+    server.close()
