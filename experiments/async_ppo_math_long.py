@@ -39,7 +39,8 @@ class AsyncPPOMathLongConfig(AsyncPPOMATHConfig):
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
         generated = (not self.dataset.path, f"with dataset.path set (the sums are read from {self.dataset.path!r})",
                      "leave dataset.path empty for the generated set")
-        return {**super().inactive_settings(), **{name: generated for name in ("min_terms", "max_terms", "term_digits")}}
+        return {**super().inactive_settings(),
+                **{name: generated for name in ("min_terms", "max_terms", "term_digits")}}
 
     def __post_init__(self):
         super().__post_init__()

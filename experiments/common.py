@@ -27,7 +27,8 @@ def check_at_least(group: str, config, **minimums) -> None:
 def refuse_inactive(group: str, settings, defaults, acts_only_with: dict[str, tuple[bool, str, str]]) -> None:
     """ValueError for the first field of `settings` changed from its value in `defaults` (the experiment's own
     default for the group) where `acts_only_with` says it does nothing: {field: (acts, why, what to do)}. Without a
-    `group`, fields of the experiment itself, or dotted, of a group whose own table cannot tell (ppo.*, by the agent)."""
+    `group`, fields of the experiment itself, or dotted, of a group whose own table cannot tell (ppo.*, by the
+    agent)."""
     for name, (acts, why, fix) in acts_only_with.items():
         value, default = attrgetter(name)(settings), attrgetter(name)(defaults)
         key = f"{group}.{name}" if group else name

@@ -18,7 +18,7 @@ class Agent(abc.ABC):
     model produced.
     """
 
-    marks_void = False  # whether its trajectories may be void (Trajectory.void): ppo.mask_void_trajectories acts on them
+    marks_void = False  # whether its trajectories may be void (Trajectory.void), which ppo.mask_void_trajectories reads
 
     @abc.abstractmethod
     async def collect_trajectory(
