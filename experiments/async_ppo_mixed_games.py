@@ -12,8 +12,8 @@ from pathlib import Path
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.async_ppo_multi_turn import (AsyncPPOFrozenLakeConfig, AsyncPPOSokobanConfig, multi_turn_agent,
-                                              walk_model, warm_start_only)
-from experiments.common import DatasetConfig, GenerationHyperparameters, ModelConfig, check_at_least
+                                              walk_model)
+from experiments.common import DatasetConfig, GenerationHyperparameters, ModelConfig, check_at_least, check_fraction
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
 from rlsys.data.dataset import load_rows, write_jsonl
@@ -54,12 +54,10 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
         if not 0 < self.frozen_lake_share < 1:
             raise ValueError(f"frozen_lake_share must be in (0, 1): both games in the run, got {self.frozen_lake_share}")
         check_at_least("", self, max_turns=1, invalid_action_penalty=0, eval_invalid_action_penalty=0)
-        for name in ("turn_discount", "warm_start_hint"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        check_fraction("", self, "turn_discount", "warm_start_hint")
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
-        return {**super().inactive_settings(), "warm_start_hint": warm_start_only(self.model.path),
+        return {**super().inactive_settings(), "warm_start_hint": self.model.tiny_only(),
                 "frozen_lake_share": (not self.dataset.path, f"with dataset.path set (the rows, and which game each "
                                       f"is, are read from {self.dataset.path!r})", "leave dataset.path empty for the "
                                       "generated mix")}

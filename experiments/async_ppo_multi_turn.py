@@ -9,7 +9,7 @@ from pathlib import Path
 
 from experiments.async_ppo_math import WARM_START_REACH, AsyncPPOMATHConfig
 from experiments.common import DatasetConfig, GenerationHyperparameters, InferenceConfig, ModelConfig, \
-    PPOHyperparameters, check_at_least
+    PPOHyperparameters, check_at_least, check_fraction
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction, make_env
 from rlsys.data.games import generate_game_dataset, random_walks
@@ -60,8 +60,7 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
     def __post_init__(self):
         super().__post_init__()
         check_at_least("", self, num_turns=1)
-        if not 0 <= self.turn_discount <= 1:
-            raise ValueError(f"turn_discount must be in [0, 1], got {self.turn_discount}")
+        check_fraction("", self, "turn_discount")
 
     @property
     def agent(self) -> AgentAbstraction:
@@ -92,12 +91,6 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
         return taught + retry_sequences(tokenizer, train_rows[::self.warm_start_retry_every], self.seed), checks
 
 
-def warm_start_only(model_path: str) -> tuple[bool, str, str]:
-    """A setting of the tiny model's warm start, which a policy given by path does not have."""
-    return (not model_path, f"with model.path set (the policy is {model_path!r}: no warm start)",
-            "leave model.path empty for the tiny model")
-
-
 @dataclass
 class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
     """An environment played turn by turn by the `text-game` agent; subclasses name the env and how to walk it."""
@@ -121,14 +114,12 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
     warm_start_max_steps = 40  # about one pass over the walks: a minute or two on 2 cores, threshold reached or not
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
-        return {**super().inactive_settings(), "warm_start_hint": warm_start_only(self.model.path)}
+        return {**super().inactive_settings(), "warm_start_hint": self.model.tiny_only()}
 
     def __post_init__(self):
         super().__post_init__()
         check_at_least("", self, max_turns=1, invalid_action_penalty=0)
-        for name in ("turn_discount", "warm_start_hint"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        check_fraction("", self, "turn_discount", "warm_start_hint")
 
     @property
     def agent(self) -> AgentAbstraction:

@@ -24,6 +24,13 @@ def check_at_least(group: str, config, **minimums) -> None:
             raise ValueError(f"{group}{name} must be at least {minimum}, got {value}")
 
 
+def check_fraction(group: str, config, *names: str) -> None:
+    """ValueError naming the key of the first of `names` whose value is outside [0, 1]."""
+    for name in names:
+        if not 0 <= getattr(config, name) <= 1:
+            raise ValueError(f"{group}{name} must be in [0, 1], got {getattr(config, name)}")
+
+
 def refuse_inactive(group: str, settings, defaults, acts_only_with: dict[str, tuple[bool, str, str]]) -> None:
     """ValueError for the first field of `settings` changed from its value in `defaults` (the experiment's own
     default for the group) where `acts_only_with` says it does nothing: {field: (acts, why, what to do)}. Without a
@@ -67,15 +74,16 @@ class ModelConfig:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.hidden_size ({self.hidden_size}) must be a multiple of model.num_heads "
                              f"({self.num_heads}), and that of model.num_kv_heads ({self.num_kv_heads})")
-        for name in ("warm_start_accuracy", "warm_start_reach"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"model.{name} must be in [0, 1], got {getattr(self, name)}")
+        check_fraction("model.", self, "warm_start_accuracy", "warm_start_reach")
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
         """The tiny model's shape and warm start, which a checkpoint given by path replaces."""
-        tiny = (not self.path, f"with model.path set (the policy is {self.path!r}, with its own shape, not the "
-                               "tiny model)", "leave model.path empty for the tiny model")
-        return {name: tiny for name in TINY_MODEL_FIELDS}
+        return {name: self.tiny_only() for name in TINY_MODEL_FIELDS}
+
+    def tiny_only(self) -> tuple[bool, str, str]:
+        """The inactive_settings entry of a setting of the tiny model or its warm start (an experiment's own too)."""
+        return (not self.path, f"with model.path set (the policy is {self.path!r}, with its own shape, not the tiny "
+                               "model)", "leave model.path empty for the tiny model")
 
 
 @dataclass
