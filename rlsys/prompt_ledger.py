@@ -20,6 +20,8 @@ waiting in the stream or in the learner's unfinished batch) is counted as filter
 the set's size rather than by subtraction: admitted == trained + filtered + failed is then a check that can fail.
 """
 
+from rlsys.bus.base import Step
+
 _GATE_SLOTS = "gate:slots_taken"  # counter: slots of the staleness gate held by admitted prompts
 _IN_FLIGHT = "prompts:in_flight"  # set: ids of admitted prompts whose outcome is not recorded yet
 
@@ -30,6 +32,7 @@ def _outcome_key(outcome: str) -> str:
 
 
 ADMITTED, TRAINED = "admitted", "trained"
+GATE_FULL, IN_FLIGHT = "gate_full", "in_flight"  # why `PromptLedger.admit` did not admit a prompt
 FILTER_REASONS = {
     "uniform_reward": "every sample of the group got the same reward (ppo.filter_uniform_groups)",
     "run_ended": "still in flight, or delivered but not yet trained, when the run ended",
@@ -106,22 +109,12 @@ class PromptLedger:
     def capacity(self, served_version: int) -> int:
         return (served_version + self.max_head_offpolicyness + 1) * self.batch_size
 
-    def take_slot(self, served_version: int) -> bool:
-        """A slot for one prompt, if fewer than `capacity(served_version)` are taken."""
-        if self.bus.incr(_GATE_SLOTS, 1) <= self.capacity(served_version):
-            return True
-        self._give_slot_back()
-        return False
-
     def slots_taken(self) -> int:
         return self.bus.get(_GATE_SLOTS) or 0
 
     def hold_slots(self, n: int) -> None:
         """Sets the slots taken: `start`'s, or a benchmark's way to close and reopen the gate."""
         self.bus.set(_GATE_SLOTS, n)
-
-    def _give_slot_back(self) -> None:
-        self.bus.incr(_GATE_SLOTS, -1)
 
     def too_stale(self, generated_versions: list[int], training_version: int) -> bool:
         """Whether the oldest of a group's generated tokens (their versions) is more than max_head_offpolicyness
@@ -130,27 +123,30 @@ class PromptLedger:
 
     # the lifecycle
 
-    def admit(self, prompt_id: str) -> bool:
-        """Counts `prompt_id`, which holds a slot, as admitted and in flight. False if it is in flight already:
-        nothing counted, and its slot given back."""
-        if self.bus.set_add(_IN_FLIGHT, prompt_id, counter=_outcome_key(ADMITTED)):
-            return True
-        self._give_slot_back()
-        return False
+    def admit(self, prompt_id: str, served_version: int, also: tuple[Step, ...] = ()) -> str:
+        """ADMITTED: `prompt_id` took a slot of the gate and is counted as admitted and in flight. GATE_FULL (`capacity(
+        served_version)` slots are taken) or IN_FLIGHT (admitted already, and its outcome not recorded): nothing
+        changed. In one atomic step with the caller's own writes `also` (Bus.change), so a caller that dies cannot
+        leave a slot taken by no prompt, or a prompt in flight that it did not record."""
+        unmet = self.bus.change([Step.at_most(_GATE_SLOTS, self.capacity(served_version)),
+                                 Step.absent(_IN_FLIGHT, prompt_id), Step.incr(_GATE_SLOTS),
+                                 Step.add(_IN_FLIGHT, prompt_id), Step.incr(_outcome_key(ADMITTED)), *also])
+        return ADMITTED if unmet is None else GATE_FULL if unmet.key == _GATE_SLOTS else IN_FLIGHT
 
     def trained(self, prompt_id: str) -> bool:
         """Records that the prompt was trained; False, and nothing counted, if it is not in flight (never
         admitted, or settled already)."""
-        return self.bus.set_remove(_IN_FLIGHT, prompt_id, counter=_outcome_key(TRAINED))
+        return self._settle(prompt_id, TRAINED, ())
 
-    def untrained(self, prompt_id: str, outcome: str) -> bool:
+    def untrained(self, prompt_id: str, outcome: str, also: tuple[Step, ...] = ()) -> bool:
         """Records an outcome other than trained (filtered(reason) or failed(reason)) and gives the prompt's slot
-        back; False, and nothing counted or given back, if the prompt is not in flight. Only the caller that
-        settles the prompt gives its slot back."""
-        if not self.bus.set_remove(_IN_FLIGHT, prompt_id, counter=_outcome_key(outcome)):
-            return False
-        self._give_slot_back()
-        return True
+        back, with the caller's writes `also` in the same atomic step; False, and nothing changed, if the prompt is
+        not in flight. So of several callers exactly one records it and gives its slot back."""
+        return self._settle(prompt_id, outcome, (Step.incr(_GATE_SLOTS, -1), *also))
+
+    def _settle(self, prompt_id: str, outcome: str, also: tuple[Step, ...]) -> bool:
+        return self.bus.change([Step.present(_IN_FLIGHT, prompt_id), Step.remove(_IN_FLIGHT, prompt_id),
+                                Step.incr(_outcome_key(outcome)), *also]) is None
 
     def in_flight(self) -> list[str]:
         """The ids of the admitted prompts whose outcome is not recorded yet."""

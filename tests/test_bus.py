@@ -6,7 +6,8 @@ import uuid
 
 import pytest
 
-from rlsys.bus import Bus, BusDecodeError, BusError, EmbeddedRedis, InProcessBus, RedisBus, Undecodable, connect
+from rlsys.bus import (Bus, BusDecodeError, BusEncodeError, BusError, EmbeddedRedis, InProcessBus, RedisBus, Step, Undecodable,
+                       connect)
 from tests.helpers import no_leaked_servers  # noqa: F401  (a fixture)
 
 
@@ -219,24 +220,30 @@ def test_connect_dispatch(redis_url):
         connect("ftp://example.com")
 
 
-def test_set_add_and_remove_count_each_member_once(bus):
-    assert bus.set_add("s", "a", counter="added") is True
-    assert bus.set_add("s", "a", counter="added") is False
-    assert bus.set_add("s", "b") is True
-    assert bus.set_size("s") == 2 and bus.get("added") == 1
-    assert bus.set_remove("s", "a", counter="removed") is True
-    assert bus.set_remove("s", "a", counter="removed") is False
-    assert bus.set_remove("s", "never", counter="removed") is False
-    assert bus.set_size("s") == 1 and bus.get("removed") == 1
-    bus.set_add("s", "c-é")
-    assert bus.set_members("s") == ["b", "c-é"] and bus.set_members("unset") == []
+def test_a_change_makes_every_write_when_its_guards_hold_and_none_when_one_does_not(bus):
+    admit = [Step.absent("s", "a"), Step.at_most("n", 2), Step.incr("n"), Step.add("s", "a"),
+             Step.append("st", {"id": "a"})]
+    assert bus.change(admit) is None
+    assert bus.set_members("s") == ["a"] and bus.get("n") == 1 and bus.stream_length("st") == 1
+    assert bus.change(admit) == Step.absent("s", "a")  # the first guard that does not hold, nothing written
+    assert bus.get("n") == 1 and bus.stream_length("st") == 1
+    bus.set("n", 2)  # the limit counts this change's increment: 2 + 1 > 2
+    assert bus.change([Step.at_most("n", 2), Step.incr("n"), Step.add("s", "b")]) == Step.at_most("n", 2)
+    assert bus.get("n") == 2 and bus.set_members("s") == ["a"]
+    assert bus.change([Step.present("s", "a"), Step.remove("s", "a"), Step.incr("n", -2), Step.incr("m", 5)]) is None
+    assert bus.set_size("s") == 0 and bus.get("n") == 0 and bus.get("m") == 5
+    bus.change([Step.add("s", "c-é"), Step.add("s", "b"), Step.add("s", "b")])
+    assert bus.set_members("s") == ["b", "c-é"] and bus.set_size("s") == 2 and bus.set_members("unset") == []
+    assert bus.change([Step.present("s", "a"), Step.incr("m")]) == Step.present("s", "a") and bus.get("m") == 5
+    [entry] = bus.stream_read("st", "g", "c", 1, timeout=0)
+    assert entry.decode("st") == {"id": "a"}
 
-    for i in range(50):
-        bus.set_add("race", str(i))
+    bus.change([Step.add("race", str(i)) for i in range(50)])
     results = []
 
     def remove_all():
-        results.extend(bus.set_remove("race", str(i), counter="race-removed") for i in range(50))
+        results.extend(bus.change([Step.present("race", str(i)), Step.remove("race", str(i)),
+                                   Step.incr("race-removed")]) is None for i in range(50))
 
     threads = [threading.Thread(target=remove_all) for _ in range(4)]
     for t in threads:
@@ -247,15 +254,15 @@ def test_set_add_and_remove_count_each_member_once(bus):
     assert bus.set_size("race") == 0
 
 
-def test_set_with_a_counter_that_is_not_an_integer_changes_nothing(bus):
+def test_a_change_that_counts_a_key_holding_something_else_changes_nothing(bus):
     bus.set("not-a-counter", {"x": 1})
-    with pytest.raises(BusError):
-        bus.set_add("s", "a", counter="not-a-counter")
-    assert bus.set_size("s") == 0
-    bus.set_add("s", "a")
-    with pytest.raises(BusError):
-        bus.set_remove("s", "a", counter="not-a-counter")
-    assert bus.set_size("s") == 1
+    for counted in (Step.incr("not-a-counter"), Step.at_most("not-a-counter", 5)):
+        with pytest.raises(BusError, match="not-a-counter"):
+            bus.change([Step.add("s", "a"), Step.incr("n"), counted])
+        assert bus.set_size("s") == 0 and bus.get("n") is None
+    with pytest.raises(BusEncodeError):
+        bus.change([Step.add("s", "a"), Step.append("st", object())])
+    assert bus.set_size("s") == 0 and bus.stream_length("st") == 0
 
 
 def test_stream_hands_each_entry_to_one_consumer_of_a_group(bus):
@@ -361,7 +368,7 @@ def test_stream_entries_keep_raw_bytes_and_decode_errors_name_the_entry(bus):
 
 
 def test_delete_removes_sets_and_streams(bus):
-    bus.set_add("s", "a")
+    bus.change([Step.add("s", "a")])
     bus.stream_add("st", 1)
     bus.stream_read("st", "g", "c", 1, timeout=0)
     bus.delete("s", "st")

@@ -34,7 +34,7 @@ def ledger(bus) -> PromptLedger:
 
 def send(bus, group_id: str, n: int = 2, admit: bool = True) -> dict:
     if admit:
-        ledger(bus).admit(group_id)
+        ledger(bus).admit(group_id, served_version=10)
     message = group_message(group_id, [trajectory(group_id) for _ in range(n)], max_bytes=MB)
     bus.stream_add(protocol.TRAJECTORIES, message)
     return message
@@ -63,7 +63,7 @@ def test_a_group_stays_in_the_stream_until_acknowledged(bus):
 def test_duplicates_are_dropped_by_group_id_and_a_reused_trajectory_id_fails_its_own_prompt(bus):
     message = send(bus, "g1")
     bus.stream_add(protocol.TRAJECTORIES, message)  # the same message sent again
-    ledger(bus).admit("g2")
+    ledger(bus).admit("g2", served_version=10)
     reused = group_message("g2", [Trajectory.from_dict(message["trajectories"][0])], max_bytes=MB)
     bus.stream_add(protocol.TRAJECTORIES, reused)  # a new group id, but a trajectory already delivered
     send(bus, "g3")
@@ -176,7 +176,7 @@ def test_a_bad_message_is_dead_lettered_with_its_reason_and_the_stream_goes_on(b
 
 def test_a_rejected_group_of_an_admitted_prompt_counts_as_failed_and_gives_its_slot_back(bus):
     ledger(bus).hold_slots(7)
-    ledger(bus).admit("train-0-3")
+    ledger(bus).admit("train-0-3", served_version=10)
     inject_raw_entry(bus, protocol.TRAJECTORIES, raw({"group_id": "train-0-3", "trajectories": ["junk"]}))
     inject_raw_entry(bus, protocol.TRAJECTORIES, raw({"group_id": "never-admitted", "trajectories": []}))
     send(bus, "train-0-3", admit=False)  # a later copy of the rejected prompt's group
@@ -185,7 +185,7 @@ def test_a_rejected_group_of_an_admitted_prompt_counts_as_failed_and_gives_its_s
     assert learner.dead_letters == 2 and learner.duplicates == 1
     counts = ledger(bus).counts()
     assert counts["failed"] == {"rejected": 1} and counts["admitted"] == 1 and counts["in_flight"] == 0
-    assert ledger(bus).slots_taken() == 6  # only the admitted prompt gave a slot back
+    assert ledger(bus).slots_taken() == 7  # the admitted prompt took one and gave it back; nothing else did
 
 
 def test_the_rollout_side_refuses_what_the_learner_would_reject():

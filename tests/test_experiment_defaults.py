@@ -128,7 +128,7 @@ def test_a_quiet_run_says_what_it_waits_for(tmp_path, capsys):
         report()
         assert "s in: starting the roles and the initial held-out evaluation" in capsys.readouterr().out
         bus.set(protocol.eval_result("initial"), {"accuracy": 0.5})
-        ledger.admit("p1")
+        ledger.admit("p1", served_version=10)
         report()
         assert "s in: step 1/3 collecting episodes: 1 prompts in flight, 0 trained so far" in capsys.readouterr().out
         row = {"step": 3, "reward": 0.25, "staleness_mean": 1.0, "time/wait_data": 0.1, "time/compute": 2.0}

@@ -3,8 +3,9 @@ crash, a resume, a too-stale group and the run's end. Every admitted prompt ends
 
 import pytest
 
-from rlsys.bus import InProcessBus
-from rlsys.prompt_ledger import PromptLedger, accounted, as_metrics, describe, failed, filtered
+from rlsys.bus import InProcessBus, Step
+from rlsys.prompt_ledger import (ADMITTED, GATE_FULL, IN_FLIGHT, PromptLedger, accounted, as_metrics, describe, failed,
+                                 filtered)
 
 BATCH, ETA = 2, 1  # capacity at served version v: (v + 1 + 1) * 2
 
@@ -18,16 +19,31 @@ def ledger(bus=None) -> PromptLedger:
 def test_the_gate_admits_capacity_prompts_and_opens_as_versions_are_served():
     gate = ledger()
     assert gate.capacity(0) == 4 and gate.capacity(3) == 10
-    assert [gate.take_slot(0) for _ in range(5)] == [True] * 4 + [False]  # a refused slot is not kept
-    assert gate.slots_taken() == 4
-    assert gate.take_slot(1) and gate.take_slot(1) and not gate.take_slot(1)
+    assert [gate.admit(qid, 0) for qid in "abcde"] == [ADMITTED] * 4 + [GATE_FULL]  # a refused one changes nothing
+    assert gate.slots_taken() == 4 and gate.counts()["admitted"] == 4 and gate.in_flight() == list("abcd")
+    assert gate.admit("e", 1) == gate.admit("f", 1) == ADMITTED and gate.admit("g", 1) == GATE_FULL
+
+
+def test_the_callers_own_writes_are_made_with_an_admission_or_a_settlement_and_only_then():
+    bus = InProcessBus()
+    gate = ledger(bus)
+    mine = (Step.incr("position"), Step.add("my-episodes", "a"))
+    assert gate.admit("a", 0, mine) == ADMITTED and gate.admit("a", 0, mine) == IN_FLIGHT
+    assert bus.get("position") == 1 and bus.set_members("my-episodes") == ["a"]
+    gate.hold_slots(4)
+    assert gate.admit("b", 0, (Step.incr("position"),)) == GATE_FULL and bus.get("position") == 1
+    done = (Step.remove("my-episodes", "a"),)
+    assert gate.untrained("a", failed("env_error"), done) and bus.set_members("my-episodes") == []
+    bus.change([Step.add("my-episodes", "a")])
+    assert not gate.untrained("a", failed("env_error"), done) and bus.set_members("my-episodes") == ["a"]
+    assert gate.slots_taken() == 3  # given back once
 
 
 def test_each_admitted_prompt_is_counted_once_in_one_outcome():
     book = ledger()
     for qid in "abcde":
-        assert book.take_slot(10) and book.admit(qid)
-    assert book.take_slot(10) and not book.admit("a")  # already in flight: not admitted twice, its slot given back
+        assert book.admit(qid, 10) == ADMITTED
+    assert book.admit("a", 10) == IN_FLIGHT  # already in flight: not admitted twice, no slot taken
     assert book.slots_taken() == 5
     assert book.trained("a")
     assert not book.untrained("a", failed("agent_error"))  # a second report changes nothing
@@ -49,7 +65,7 @@ def test_each_admitted_prompt_is_counted_once_in_one_outcome():
 def test_a_prompt_that_will_not_be_trained_gives_its_gate_slot_back_once():
     book = ledger()
     for qid in "ab":
-        book.take_slot(0), book.admit(qid)
+        book.admit(qid, 0)
     assert book.untrained("a", failed("env_error"))
     assert not book.untrained("a", failed("env_error"))
     assert book.slots_taken() == 1
@@ -74,7 +90,7 @@ def test_after_a_crash_a_resume_counts_what_was_settled_and_holds_the_trained_ve
     bus = InProcessBus()
     book = ledger(bus)
     for qid in "abcd":
-        book.take_slot(0), book.admit(qid)
+        book.admit(qid, 0)
     book.trained("a")
     book.untrained("b", failed("agent_error"))
     snapshot = book.snapshot()  # what a checkpoint keeps; c and d will be admitted again
@@ -85,7 +101,7 @@ def test_after_a_crash_a_resume_counts_what_was_settled_and_holds_the_trained_ve
     assert resumed.counts()["in_flight"] == 0  # the crashed run's in-flight prompts are not carried over
     assert resumed.slots_taken() == BATCH  # the trained version's prompts hold their slots: no burst
     for qid in "cd":
-        assert resumed.take_slot(1) and resumed.admit(qid) and resumed.trained(qid)
+        assert resumed.admit(qid, 1) == ADMITTED and resumed.trained(qid)
     final = resumed.end_run()
     assert final == {"admitted": 4, "trained": 3, "filtered": {}, "failed": {"agent_error": 1}, "in_flight": 0}
     resumed.start()  # a fresh run starts from zero

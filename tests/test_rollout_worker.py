@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 from experiments import AsyncPPOMATHConfig
+from rlsys import protocol
 from rlsys.api import Agent, AgentAbstraction, Prompt, register_agent
 from rlsys.bus import InProcessBus
 from rlsys.impl.env.math_verifier import close_shared_pool
@@ -77,9 +78,10 @@ def test_an_agent_s_own_cancelled_error_fails_its_episode_and_an_episode_cancell
     worker = RolloutWorker(config, bus, 0)
 
     async def main():
-        assert worker.ledger.take_slot(0) and worker.ledger.take_slot(0)
-        await worker.run_training_episode(Prompt("train-0-0", [1, 2], {}))  # returns: its outcome is recorded
-        outside = asyncio.create_task(worker.run_training_episode(Prompt("train-0-1", [1, 2], {})))
+        prompts = iter([Prompt("train-0-0", [1, 2], {}), Prompt("train-0-1", [1, 2], {})])
+        first, second = await worker.admit(prompts), await worker.admit(prompts)
+        await worker.run_training_episode(first)  # returns: its outcome is recorded
+        outside = asyncio.create_task(worker.run_training_episode(second))
         await asyncio.sleep(0.001)
         outside.cancel()  # as train() cancels the episodes left when the learner is done
         await asyncio.gather(outside, return_exceptions=True)
@@ -89,6 +91,8 @@ def test_an_agent_s_own_cancelled_error_fails_its_episode_and_an_episode_cancell
     counts = worker.ledger.counts()
     assert counts["failed"] == {"agent_error": 1} and counts["in_flight"] == 1  # counted as run_ended at the end
     assert worker.ledger.slots_taken() == 1 and worker.failures == {"agent_error": 1}
+    # what a restarted worker would find: past both prompts, and the cancelled one to redo
+    assert bus.get(protocol.rollout_position(0)) == 2 and bus.set_members(protocol.rollout_episodes(0)) == ["train-0-1"]
 
 
 def test_a_restarted_or_resumed_worker_evaluates_next_at_the_next_multiple_of_eval_steps():

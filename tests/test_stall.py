@@ -55,7 +55,7 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     after(59)
     with pytest.raises(RunStalled, match="none admitted"):
         after(1)
-    ledger.admit("p1")
+    ledger.admit("p1", served_version=100)
     after(0)
     after(1000)  # a prompt in flight: its own timeouts end it
     ledger.trained("p1")
@@ -63,7 +63,7 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     after(59)
     bus.set(protocol.WEIGHTS, {"version": 1, "path": "/w"})  # a new version: progress
     after(59)
-    ledger.admit("p2")
+    ledger.admit("p2", served_version=100)
     ledger.trained("p2")  # admitted and trained between two polls: progress
     after(59)
     ledger.hold_slots(64)
@@ -73,18 +73,18 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
         after(1)
     # Prompts in flight that were all delivered wait for a learner that needs more: nothing generates them.
     ledger.hold_slots(2)
-    ledger.admit("p3")
+    ledger.admit("p3", served_version=100)
     bus.stream_add(protocol.TRAJECTORIES, {"group_id": "p3", "trajectories": []})
     after(0)
     after(59)
     with pytest.raises(RunStalled, match=r"holds 1 groups and waits for 16"):
         after(1)
-    ledger.admit("p4")  # and one still being generated is no stall, however long
+    ledger.admit("p4", served_version=100)  # and one still being generated is no stall, however long
     after(0)
     after(1000)
     bus.stream_add(protocol.TRAJECTORIES, {"group_id": "p4", "trajectories": []})
     for i in range(5, 5 + 14):  # nor a learner that holds a whole batch: it is training it, however long that takes
-        ledger.admit(f"p{i}")
+        ledger.admit(f"p{i}", served_version=100)
         bus.stream_add(protocol.TRAJECTORIES, {"group_id": f"p{i}", "trajectories": []})
     after(0)
     after(1000)

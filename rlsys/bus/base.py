@@ -109,6 +109,54 @@ class StreamEntry:
         return decode(self.payload, f"stream {stream} entry {self.id}")
 
 
+GUARDS = ("absent", "present", "at_most")
+WRITES = ("incr", "add", "remove", "append")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One part of an atomic `Bus.change`: a guard, which must hold, or a write. Build them with the class methods."""
+
+    op: str  # one of GUARDS or WRITES
+    key: str
+    arg: object = None  # the member, the amount, the limit or the message
+
+    @classmethod
+    def absent(cls, key: str, member: str) -> "Step":
+        """Guard: `member` is not in the set under `key`."""
+        return cls("absent", key, member)
+
+    @classmethod
+    def present(cls, key: str, member: str) -> "Step":
+        """Guard: `member` is in the set under `key`."""
+        return cls("present", key, member)
+
+    @classmethod
+    def at_most(cls, key: str, limit: int) -> "Step":
+        """Guard: the integer under `key`, this change's increments of it included, is at most `limit`."""
+        return cls("at_most", key, limit)
+
+    @classmethod
+    def incr(cls, key: str, amount: int = 1) -> "Step":
+        """Write: add `amount` to the integer under `key` (unset counts as 0)."""
+        return cls("incr", key, amount)
+
+    @classmethod
+    def add(cls, key: str, member: str) -> "Step":
+        """Write: add `member` to the set under `key`."""
+        return cls("add", key, member)
+
+    @classmethod
+    def remove(cls, key: str, member: str) -> "Step":
+        """Write: remove `member` from the set under `key`."""
+        return cls("remove", key, member)
+
+    @classmethod
+    def append(cls, stream: str, message) -> "Step":
+        """Write: append `message` to `stream`."""
+        return cls("append", stream, message)
+
+
 class Bus(abc.ABC):
     """FIFO queues, a key/value store with atomic counters, sets of strings, and streams read by consumer
     groups with acknowledgement. Sync and thread-safe.
@@ -157,14 +205,12 @@ class Bus(abc.ABC):
         """Remove keys or queues; missing ones are ignored."""
 
     @abc.abstractmethod
-    def set_add(self, key: str, member: str, counter: str | None = None) -> bool:
-        """Add `member` to the set under `key`; if it was not there, atomically add 1 to the integer under
-        `counter` too. Returns whether it was added."""
-
-    @abc.abstractmethod
-    def set_remove(self, key: str, member: str, counter: str | None = None) -> bool:
-        """Remove `member` from the set under `key`; if it was there, atomically add 1 to the integer under
-        `counter` too. Returns whether it was removed, so of several callers exactly one counts it."""
+    def change(self, steps: list[Step]) -> Step | None:
+        """All of `steps` in one atomic step: if every guard holds, every write is made, in order, and None is
+        returned; otherwise nothing changes and the first guard that does not hold is returned. So a process that
+        dies between two of a change's writes cannot leave one made without the other, and of several callers
+        whose guards exclude each other exactly one changes anything. BusError, and nothing changed, if a key
+        that a step counts holds something other than an integer."""
 
     @abc.abstractmethod
     def set_size(self, key: str) -> int:

@@ -10,7 +10,8 @@ import threading
 import time
 import uuid
 
-from rlsys.bus.base import Bus, BusError, StreamEntry, decode_or_undecodable, decode_value, encode, encode_value, oversize
+from rlsys.bus.base import (Bus, BusError, Step, StreamEntry, decode_or_undecodable, decode_value, encode, encode_value,
+                            oversize)
 
 
 @dataclasses.dataclass
@@ -120,11 +121,15 @@ class InProcessBus(Bus):
             return self._incr(key, amount)
 
     def _incr(self, key: str, amount: int) -> int:
+        current = self._integer(key)
+        self._values[key] = str(current + amount).encode()
+        return current + amount
+
+    def _integer(self, key: str) -> int:
         current = decode_value(self._values.get(key, b"0"), key)
         if not isinstance(current, int):
             raise BusError(f"key {key!r} does not hold an integer; cannot incr it")
-        self._values[key] = str(current + amount).encode()
-        return current + amount
+        return current
 
     def delete(self, *keys: str) -> None:
         with self._cond:
@@ -134,23 +139,33 @@ class InProcessBus(Bus):
                 self._sets.pop(key, None)
                 self._streams.pop(key, None)
 
-    def set_add(self, key: str, member: str, counter: str | None = None) -> bool:
+    def change(self, steps: list[Step]) -> Step | None:
+        payloads = {i: encode(step.arg, f"stream {step.key}") for i, step in enumerate(steps) if step.op == "append"}
         with self._cond:
-            if member in self._sets[key]:
-                return False
-            if counter is not None:
-                self._incr(counter, 1)  # first: a counter that is not an integer changes nothing, as in Redis
-            self._sets[key].add(member)
-            return True
-
-    def set_remove(self, key: str, member: str, counter: str | None = None) -> bool:
-        with self._cond:
-            if member not in self._sets.get(key, ()):
-                return False
-            if counter is not None:
-                self._incr(counter, 1)
-            self._sets[key].discard(member)
-            return True
+            increments = collections.Counter()
+            for step in steps:  # first: a key that is not an integer changes nothing, as in Redis
+                if step.op in ("incr", "at_most"):
+                    self._integer(step.key)
+                if step.op == "incr":
+                    increments[step.key] += step.arg
+            for step in steps:
+                if step.op == "absent" and step.arg in self._sets.get(step.key, ()):
+                    return step
+                if step.op == "present" and step.arg not in self._sets.get(step.key, ()):
+                    return step
+                if step.op == "at_most" and self._integer(step.key) + increments[step.key] > step.arg:
+                    return step
+            for i, step in enumerate(steps):
+                if step.op == "incr":
+                    self._incr(step.key, step.arg)
+                elif step.op == "add":
+                    self._sets[step.key].add(step.arg)
+                elif step.op == "remove":
+                    self._sets[step.key].discard(step.arg)
+                elif step.op == "append":
+                    self._append(step.key, payloads[i])
+            self._cond.notify_all()
+            return None
 
     def set_size(self, key: str) -> int:
         with self._cond:
@@ -163,11 +178,15 @@ class InProcessBus(Bus):
     def stream_add(self, stream: str, message) -> str:
         payload = encode(message, f"stream {stream}")
         with self._cond:
-            s = self._streams[stream]
-            entry_id = s.next_id()
-            s.entries[entry_id] = payload
+            entry_id = self._append(stream, payload)
             self._cond.notify_all()
             return entry_id
+
+    def _append(self, stream: str, payload: bytes) -> str:
+        s = self._streams[stream]
+        entry_id = s.next_id()
+        s.entries[entry_id] = payload
+        return entry_id
 
     def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float,
                     max_bytes: int | None = None) -> list[StreamEntry]:

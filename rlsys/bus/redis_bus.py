@@ -12,7 +12,8 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from rlsys.bus.base import Bus, BusError, StreamEntry, decode_or_undecodable, decode_value, encode, encode_value, oversize
+from rlsys.bus.base import (Bus, BusError, Step, StreamEntry, decode_or_undecodable, decode_value, encode, encode_value,
+                            oversize)
 
 # A blocking command must return before the socket times out, or redis-py drops the connection while
 # the server may already have popped a message for it (lost). Long waits are therefore cut into slices.
@@ -23,14 +24,40 @@ PENDING_PAGE = 100
 RECONNECT_SECONDS = 60.0  # how long roles keep retrying while Redis restarts
 RECONNECT_BACKOFF_CAP = 1.0
 
-# SADD or SREM, and the counter's INCRBY only if the member changes, in one atomic step. INCRBY goes
-# first: a script that fails keeps the writes it made, and a counter that is not an integer must change nothing.
-_SET_AND_COUNT = """
-local present = redis.call('SISMEMBER', KEYS[1], ARGV[2]) == 1
-if (ARGV[1] == 'SADD') == present then return 0 end
-if #KEYS == 2 then redis.call('INCRBY', KEYS[2], 1) end
-redis.call(ARGV[1], KEYS[1], ARGV[2])
-return 1
+# Bus.change: KEYS[i] is step i's key, ARGV[2i-1] and ARGV[2i] its op and arg. Guards are checked before any
+# write, and so are the keys that steps count: a script that fails keeps the writes it made. Returns the index of
+# the first guard that does not hold, or 0 when every write was made.
+_CHANGE = """
+local function integer(key)
+  local value = redis.call('GET', key)
+  if value and not string.match(value, '^-?%d+$') then
+    return redis.error_reply('key ' .. key .. ' does not hold an integer')
+  end
+  return tonumber(value or '0')
+end
+local increments = {}
+for i, key in ipairs(KEYS) do
+  local op = ARGV[2 * i - 1]
+  if op == 'incr' or op == 'at_most' then
+    local value = integer(key)
+    if type(value) == 'table' then return value end
+    if op == 'incr' then increments[key] = (increments[key] or 0) + tonumber(ARGV[2 * i]) end
+  end
+end
+for i, key in ipairs(KEYS) do
+  local op, arg = ARGV[2 * i - 1], ARGV[2 * i]
+  if op == 'absent' and redis.call('SISMEMBER', key, arg) == 1 then return i end
+  if op == 'present' and redis.call('SISMEMBER', key, arg) == 0 then return i end
+  if op == 'at_most' and integer(key) + (increments[key] or 0) > tonumber(arg) then return i end
+end
+for i, key in ipairs(KEYS) do
+  local op, arg = ARGV[2 * i - 1], ARGV[2 * i]
+  if op == 'incr' then redis.call('INCRBY', key, arg)
+  elseif op == 'add' then redis.call('SADD', key, arg)
+  elseif op == 'remove' then redis.call('SREM', key, arg)
+  elseif op == 'append' then redis.call('XADD', key, '*', 'm', arg) end
+end
+return 0
 """
 
 
@@ -81,7 +108,7 @@ class RedisBus(Bus):
     def __init__(self, client: redis.Redis, namespace: str = ""):
         self._client = client
         self._prefix = f"{namespace}:" if namespace else ""
-        self._set_and_count = client.register_script(_SET_AND_COUNT)
+        self._change = client.register_script(_CHANGE)
         self._fetch_entries = client.register_script(_FETCH_ENTRIES)
 
     @classmethod
@@ -159,18 +186,16 @@ class RedisBus(Bus):
         if keys:
             self._client.delete(*(self._k(k) for k in keys))
 
-    def set_add(self, key: str, member: str, counter: str | None = None) -> bool:
-        return self._change_set("SADD", key, member, counter)
-
-    def set_remove(self, key: str, member: str, counter: str | None = None) -> bool:
-        return self._change_set("SREM", key, member, counter)
-
-    def _change_set(self, command: str, key: str, member: str, counter: str | None) -> bool:
-        keys = [self._k(key)] + ([self._k(counter)] if counter is not None else [])
+    def change(self, steps: list[Step]) -> Step | None:
+        args = []
+        for step in steps:
+            arg = encode(step.arg, f"stream {step.key}") if step.op == "append" else step.arg
+            args += [step.op, arg]
         try:
-            return bool(self._set_and_count(keys=keys, args=[command, member]))
+            unmet = self._change(keys=[self._k(step.key) for step in steps], args=args)
         except redis.ResponseError as e:
-            raise BusError(f"{command} {member!r} on {key!r} counted in {counter!r} failed: {e}") from e
+            raise BusError(f"change {[(step.op, step.key) for step in steps]} failed: {e}") from e
+        return steps[unmet - 1] if unmet else None
 
     def set_size(self, key: str) -> int:
         return self._client.scard(self._k(key))

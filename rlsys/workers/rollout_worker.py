@@ -11,13 +11,14 @@ from pathlib import Path
 
 from rlsys import protocol
 from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent, make_env
+from rlsys.bus.base import Step
 from rlsys.checkpoint import read_trainer_state
 from rlsys.data.dataset import load_rows
 from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, group_message
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
-from rlsys.prompt_ledger import PromptLedger, failed
+from rlsys.prompt_ledger import ADMITTED, GATE_FULL, PromptLedger, failed
 from rlsys.errors import RunCannotGoOn
 from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
@@ -44,6 +45,7 @@ class RolloutWorker:
             Path(run_dir) / config.trace.render_save_dir if config.trace.render_save_dir else None)
         self.train_rows: list[dict] = []  # read_datasets
         self.eval_rows: list[dict] = []
+        self.next_prompt: Prompt | None = None  # taken from this worker's share, waiting for the gate to open
         self.running: set[asyncio.Task] = set()
         self.episode_ended = asyncio.Event()
         self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
@@ -111,9 +113,7 @@ class RolloutWorker:
             if self.cannot_go_on:
                 raise self.cannot_go_on
             self.episode_ended.clear()
-            if len(self.running) < self.config.max_concurrent_rollouts and await self.admit():
-                prompt = next(prompts)
-                await asyncio.to_thread(self.bus.incr, protocol.rollout_position(self.index))
+            if len(self.running) < self.config.max_concurrent_rollouts and (prompt := await self.admit(prompts)):
                 self._start(self.run_training_episode(prompt))
                 continue
             version = await self.current_version()
@@ -134,9 +134,9 @@ class RolloutWorker:
         in_flight = set(await asyncio.to_thread(self.ledger.in_flight))
         for qid in unfinished:
             if qid in in_flight:
-                self._start(self.run_training_episode(prompt_by_id(rows, self.tokenizer, qid), redo=True))
-            else:  # its outcome was recorded just before the predecessor died
-                await asyncio.to_thread(self.bus.set_remove, protocol.rollout_episodes(self.index), qid)
+                self._start(self.run_training_episode(prompt_by_id(rows, self.tokenizer, qid)))
+            else:  # settled by another role (the run ended) just before the predecessor died
+                await asyncio.to_thread(self.bus.change, [Step.remove(protocol.rollout_episodes(self.index), qid)])
         if unfinished:
             log.warning("rollout worker %d restarted: redoing %d unfinished episodes", self.index,
                         len(unfinished))
@@ -164,9 +164,24 @@ class RolloutWorker:
     async def current_version(self) -> int:
         return self.router.workers.served_version()
 
-    async def admit(self) -> bool:
-        """A slot of the staleness gate (rlsys/prompt_ledger.py) at the version inference serves."""
-        return await asyncio.to_thread(self.ledger.take_slot, await self.current_version())
+    async def admit(self, prompts) -> Prompt | None:
+        """The next prompt of `prompts`, admitted through the staleness gate (rlsys/prompt_ledger.py) at the version
+        inference serves, and recorded as this worker's in the same atomic step; None while the gate is full (the
+        prompt waits for the next call). A prompt still in flight from the dataset's previous pass is skipped."""
+        position = protocol.rollout_position(self.index)
+        while True:
+            self.next_prompt = self.next_prompt or next(prompts)
+            qid = self.next_prompt.qid
+            admission = await asyncio.to_thread(
+                self.ledger.admit, qid, await self.current_version(),
+                (Step.incr(position), Step.add(protocol.rollout_episodes(self.index), qid)))
+            if admission == GATE_FULL:
+                return None
+            prompt, self.next_prompt = self.next_prompt, None
+            if admission == ADMITTED:
+                return prompt
+            log.error("prompt %s is already in flight; not run twice", qid)
+            await asyncio.to_thread(self.bus.incr, position)  # a restarted worker goes on past it too
 
     @staticmethod
     def agent_for(prompt: Prompt, agents: dict):
@@ -223,26 +238,22 @@ class RolloutWorker:
         log.warning("episode %s failed (%s): %s", prompt.qid, failure.reason, failure.detail)
         return failure
 
-    async def run_training_episode(self, prompt: Prompt, redo: bool = False) -> None:
-        """One admitted prompt: its group goes to the learner, or it is counted as failed and gives its gate
-        slot back. Cancelled (the run is ending), it stays in flight and is counted as run_ended. `redo`:
-        a killed predecessor's episode, admitted and counted already."""
-        episodes = protocol.rollout_episodes(self.index)
-        if not redo:
-            if not await asyncio.to_thread(self.ledger.admit, prompt.qid):
-                log.error("prompt %s is already in flight; not run twice", prompt.qid)
-                return
-            await asyncio.to_thread(self.bus.set_add, episodes, prompt.qid)
+    async def run_training_episode(self, prompt: Prompt) -> None:
+        """One admitted prompt: its group goes to the learner, or it is counted as failed and gives its gate slot
+        back; either in one atomic step with its leaving this worker's unfinished episodes, so a worker killed at
+        any moment redoes exactly the episodes whose outcome is not out. Cancelled (the run is ending), it stays in
+        flight and is counted as run_ended."""
+        unfinished = Step.remove(protocol.rollout_episodes(self.index), prompt.qid)
         try:
             trajectories = await self.run_episode(self.agent_for(prompt, self.agents), prompt)
             message = self.trajectory_message(prompt, trajectories)
         except EpisodeFailed as failure:
-            await asyncio.to_thread(self.ledger.untrained, prompt.qid, failed(failure.reason))
+            if not await asyncio.to_thread(self.ledger.untrained, prompt.qid, failed(failure.reason), (unfinished,)):
+                await asyncio.to_thread(self.bus.change, [unfinished])  # settled by another role
             self.count_failure_in_a_row(failure)
         else:
-            await asyncio.to_thread(self.bus.stream_add, protocol.TRAJECTORIES, message)
+            await asyncio.to_thread(self.bus.change, [Step.append(protocol.TRAJECTORIES, message), unfinished])
             self.failed_in_a_row = 0
-        await asyncio.to_thread(self.bus.set_remove, episodes, prompt.qid)
 
     def count_failure_in_a_row(self, failure: EpisodeFailed) -> None:
         """Episodes that all fail mean a broken env or agent, not bad luck: the run stops instead of burning
