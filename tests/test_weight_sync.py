@@ -16,7 +16,7 @@ from experiments.common import InferenceConfig
 from rlsys import protocol, weight_transport
 from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import GenerationConfig
-from rlsys.api.messages import parse_published_weights
+from rlsys.api.messages import parse_probe_report, parse_published_weights
 from rlsys.bus import InProcessBus
 from rlsys.engine.generation import GenerationEngine
 from rlsys.engine.transformers_engine import TransformersBackend
@@ -303,6 +303,40 @@ def test_a_version_that_breaks_off_while_it_loads_leaves_the_worker_on_the_versi
     assert worker.engine.version == 3 and worker.weights.held.version == 3
     gap = (torch.tensor(worker.engine.backend.score(SEQUENCE)) - learner_logprobs(model)).abs().max()
     assert gap < 1e-4
+    server.close()
+    del worker
+
+
+def test_a_retried_version_reports_its_probe_once(tmp_path, monkeypatch):
+    """Version 2 comes with the learner's probe of version 1, which the worker scores before it loads; the link
+    breaks off mid-load, and the next try of the same announcement loads version 2: the probe is reported once, or
+    the learner would count its tokens twice in alarms/probe_*."""
+    path = save_random_tiny_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    bus, server = InProcessBus(), WeightServer()
+    worker = InferenceWorker(GenerationEngine(TransformersBackend(str(path), InferenceConfig(), seed=0)), bus, 0, 8)
+    take_optimizer_steps(model)
+    publish(bus, model, 1, "stream", tmp_path, server=server)
+    worker.load_newest_weights()
+    probe = {"version": 1, "token_ids": [SEQUENCE], "logprobs": [learner_logprobs(model).tolist()]}
+    take_optimizer_steps(model)
+    publish(bus, model, 2, "stream", tmp_path, server=server, extra={"probe": probe})
+    read_into, broken = weight_transport._read_into, []
+
+    def breaks_once(connection, view, deadline=None):
+        if threading.current_thread().name == "weight-receive" and not broken:  # the tensors, not the handshake
+            broken.append(True)
+            raise ConnectionResetError("the link went down")
+        read_into(connection, view, deadline)
+
+    monkeypatch.setattr(weight_transport, "_read_into", breaks_once)
+    monkeypatch.setattr(weight_transport, "RETRY_SECONDS", 0.0)
+    worker.load_newest_weights()
+    assert broken and worker.engine.version == 1 and worker.weights.failed_fetches == 1
+    worker.load_newest_weights()
+    assert worker.engine.version == 2
+    reports = [parse_probe_report(m) for m in bus.get_many(protocol.LOGPROB_PROBES, 10, 0.0)]
+    assert [(r.worker, r.version, r.totals[0]) for r in reports] == [(0, 1, len(SEQUENCE) - 1)]
     server.close()
     del worker
 

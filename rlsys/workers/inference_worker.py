@@ -103,9 +103,6 @@ class InferenceWorker:
             before = self.engine.version
             probe = published.probe_ids if published.probe_version == before else ()
             interrupted, scored = self.engine.update_weights(received.weights, received.version, probe)
-            if scored:
-                self.bus.put(protocol.LOGPROB_PROBES, {"worker": self.index, "version": before,
-                                                       "totals": probe_totals(published.probe_logprobs, scored)})
             whole = self.weights.settle(received)
             if whole is None:  # it broke off mid-load: the engine holds a mix of two versions
                 held = self.weights.held
@@ -116,6 +113,11 @@ class InferenceWorker:
                             held.version)
                 return
             self.verify_weights(whole)
+            # Once the version is in: a load that breaks off goes back to the same weights, and its retry scores the
+            # probe again; reported at both, its tokens would count twice in the learner's alarms/probe_*.
+            if scored:
+                self.bus.put(protocol.LOGPROB_PROBES, {"worker": self.index, "version": before,
+                                                       "totals": probe_totals(published.probe_logprobs, scored)})
             self.served_version = whole.version
             # Now, not at the next beat: the staleness gate admits the next prompts on the version served. Not
             # before start_epoch (the first load of a restarted worker): its status would carry no epoch.
