@@ -5,7 +5,10 @@
   carries only the announcement (version, address, a random token). A worker reads the bytes straight into
   memory and hands the tensors to its engine: no file, no copy in Redis, one pass over the bytes on each side.
 - `disk`: the learner writes a safetensors file under the run directory and publishes its path. Every
-  inference worker must see that path: one machine, or a filesystem the nodes share.
+  inference worker must see that path: one machine, or a filesystem the nodes share. The learner deletes a version
+  once KEEP_VERSIONS newer ones are out, which the staleness gate does not forbid while a worker is still to load it
+  (max_head_offpolicyness above 2): a worker opens the file before its engine is touched, and one that finds it gone
+  keeps serving what it holds and loads the newest announcement next.
 
 Why a server the workers pull from, rather than a `torch.distributed` broadcast: it needs no peer to be alive at
 the moment of publishing. A worker restarted on another node, or one that joins late, connects whenever it comes
@@ -55,7 +58,7 @@ from rlsys.weight_checksum import ChecksumParts, weights_checksum
 
 log = logging.getLogger(__name__)
 
-KEEP_VERSIONS = 3  # disk: an inference worker may still be reading a slightly older version
+KEEP_VERSIONS = 3  # disk: a worker opens a version just after reading its announcement; one deleted by then is skipped
 ALIGN = 64  # bytes: every tensor in the buffer starts aligned, so it can be viewed in place as its dtype
 IO_TIMEOUT = 30.0  # seconds without progress after which a transfer counts as broken off
 HANDSHAKE_SECONDS = 5.0  # to connect, ask and have the header: a learner slower than this is hung or unreachable
@@ -85,12 +88,12 @@ def serving_host(backend: str) -> str:
 
 @dataclass
 class Received:
-    """One version as a worker got it: tensors in memory (stream; an `Incoming` while they still arrive) or the
-    directory of its file (disk), with the checksum the learner computed over them in `dtype` (empty when the
+    """One version as a worker got it: tensors in memory (stream; an `Incoming` while they still arrive) or in its
+    opened file (disk), with the checksum the learner computed over them in `dtype` (empty when the
     publisher sent none) and, streamed, the checksum of the bytes that arrived."""
 
     version: int
-    weights: "dict[str, torch.Tensor] | str | Incoming"
+    weights: "dict[str, torch.Tensor] | Incoming"
     checksum: str = ""
     dtype: str = ""
     buffer: torch.Tensor | None = None  # streamed: the memory the tensors are views of
@@ -425,11 +428,18 @@ class WeightReceiver:
 
         `as_they_arrive`: when a whole version of the same layout is held, return as soon as the transfer starts,
         with `weights` the `Incoming` tensors; `settle` it once they are loaded. Otherwise return it whole."""
-        if published.path:
-            return Received(published.version, published.path, published.checksum, published.dtype)
-        announcement = (published.address, published.version)
+        announcement = (published.path or published.address, published.version)
         if self._failed and self._failed[:2] == announcement and time.monotonic() < self._failed[2]:
             return None  # not yet time to try this announcement again
+        if published.path:
+            # Opened here, not by the engine: a file the learner deletes once it is open stays readable, and one it
+            # deleted before fails now, with the engine untouched (vLLM's reload fails halfway, its layers emptied).
+            try:
+                tensors = load_file(f"{published.path}/{WEIGHTS_FILE}")
+            except OSError as e:
+                self._fetch_failed(announcement, e)
+                return None
+            return Received(published.version, tensors, published.checksum, published.dtype)
         try:
             incoming = _open(published.address, published.token, self._spare, self.held, self.checksum_arrived,
                              self.pinned)
@@ -476,7 +486,7 @@ class WeightReceiver:
 
 def given_checksum(received: Received, held: dict | None = None) -> str:
     """The checksum to compare with the learner's: of `held`, the tensors an engine holds after loading `received`,
-    or where it cannot list them (None), of what it was given: the bytes that arrived, or the file."""
+    or where it cannot list them (None), of what it was given: the bytes that arrived, or the file's tensors."""
     if held is not None:
         return weights_checksum(held, received.dtype)
     if received.arrived_checksum:  # streamed
@@ -484,7 +494,7 @@ def given_checksum(received: Received, held: dict | None = None) -> str:
     if received.buffer is not None:
         raise ValueError("a streamed version's checksum needs the engine's tensors, or WeightReceiver(checksum_arrived"
                          "=True) for an engine that cannot list them")
-    return weights_checksum(load_file(f"{received.weights}/{WEIGHTS_FILE}"), received.dtype)
+    return weights_checksum(received.weights, received.dtype)
 
 
 def _view(buffer: torch.Tensor, dtype: torch.dtype, shape, start: int, nbytes: int) -> torch.Tensor:

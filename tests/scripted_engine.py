@@ -20,7 +20,7 @@ class ScriptedBackend(GenerationBackend):
         self.logprob, self.tokens_per_step = logprob, tokens_per_step
         self.scripts: dict[tuple[str, int], tuple[int, list[int]]] = {}  # (rid, sample) -> (prompt length, tokens)
         self.running: dict[str, tuple[list[int], int, SamplingSettings]] = {}  # seq id -> (script, position, settings)
-        self.loaded: list[str] = []  # weight directories, in the order they were loaded
+        self.loaded: list[str] = []  # what each load was given, in order: a directory, or "tensors"
 
     def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings, arrival: float = 0.0) -> None:
         rid, index, _ = seq_id.rsplit("|", 2)

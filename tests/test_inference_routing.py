@@ -11,11 +11,14 @@ import time
 from contextlib import asynccontextmanager
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from rlsys import protocol
 from rlsys.api import GenerationConfig
 from rlsys.api.messages import InvalidMessage
 from rlsys.bus import EmbeddedRedis, InProcessBus, connect
+from rlsys.engine.weights import write_weight_file
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.inference_status import InferenceStatus
 from rlsys.workers.routing import EpisodeRouter
@@ -29,6 +32,12 @@ def one_millisecond_per_step(step):
         time.sleep(0.001)
         return step()
     return slow_step
+
+
+def announce_weights(bus, directory, version: int) -> None:
+    """A version as the learner publishes it over disk: its file is there when announced (the worker opens it)."""
+    write_weight_file(directory, lambda path: save_file({"w": torch.zeros(1)}, str(path)))
+    bus.set(protocol.WEIGHTS, {"version": version, "path": str(directory)})
 
 
 def counting_policy(prompt_ids, gconfig, sample):
@@ -305,13 +314,13 @@ def test_weight_update_mid_generation_tags_each_token_with_its_version(tmp_path)
     worker.take_requests(timeout=1)
     for _ in range(15):
         worker.reply(engine.step())
-    bus.set(protocol.WEIGHTS, {"version": 1, "path": str(tmp_path / "v1")})
+    announce_weights(bus, tmp_path / "v1", 1)
     worker.load_newest_weights()
     while engine.in_flight:
         worker.reply(engine.step())
     (output,) = bus.get_many("replies", 10, timeout=1)
 
-    assert engine.backend.loaded == [str(tmp_path / "v1")]
+    assert engine.backend.loaded == ["tensors"]
     assert engine.interrupted_samples == 2
     for sample in range(2):
         assert output["output_ids"][sample] == [100 + sample + i for i in range(40)]  # none lost, none repeated
@@ -339,12 +348,12 @@ def test_new_weights_are_served_and_announced_without_waiting_for_a_beat(tmp_pat
         deadline = time.monotonic() + 30
         while status.read() is None and time.monotonic() < deadline:
             time.sleep(0.001)
-        bus.set(protocol.WEIGHTS, {"version": 1, "path": str(tmp_path / "v1")})
+        announce_weights(bus, tmp_path / "v1", 1)
         while status.read().version != 1 and time.monotonic() < deadline:
             time.sleep(0.001)
         assert status.read().version == 1, "the new version was not announced"
         assert status.read().beat == 0  # announced by the update, not by a heartbeat
-        assert engine.backend.loaded == [str(tmp_path / "v1")]
+        assert engine.backend.loaded == ["tensors"]
     finally:
         bus.set(protocol.STOP, 1)
         thread.join(timeout=30)
@@ -355,7 +364,7 @@ def test_a_restarted_worker_announces_nothing_before_its_epoch(tmp_path):
     """A restarted worker loads the newest weights before it starts its epoch; a status written then would carry
     no epoch, and routers would take it for a new worker and send it requests that start_epoch then deletes."""
     bus = InProcessBus()
-    bus.set(protocol.WEIGHTS, {"version": 3, "path": str(tmp_path / "v3")})
+    announce_weights(bus, tmp_path / "v3", 3)
     engine = ScriptedEngine(counting_policy, tokens_per_step=1)
     worker = InferenceWorker(engine, bus, 0, max_batch_requests=64)
     worker.load_newest_weights()

@@ -78,7 +78,7 @@ def check_updates(tmp_path, bus, server: WeightServer, tied: bool, caplog) -> No
         assert stale_gap > 1e-2, "the update must change the logprobs, or this test proves nothing"
         publish(bus, model, version, transport, tmp_path / f"tied{tied}-weights", server=server)
         received = receiver.receive(parse_published_weights(bus.get(protocol.WEIGHTS)), as_they_arrive=True)
-        assert isinstance(received.weights, str) == (transport == "disk")
+        assert (received.buffer is None) == (transport == "disk")  # disk: the tensors of its file
         assert isinstance(received.weights, Incoming) == (version == 3)
         assert received.version == version
         if transport == "stream":  # a tied output head is the embedding's memory, sent once
@@ -339,6 +339,62 @@ def test_a_retried_version_reports_its_probe_once(tmp_path, monkeypatch):
     assert [(r.worker, r.version, r.totals[0]) for r in reports] == [(0, 1, len(SEQUENCE) - 1)]
     server.close()
     del worker
+
+
+@pytest.mark.parametrize("backend", [VLLMBackend, TransformersBackend])
+def test_a_worker_loads_a_version_deleted_once_it_opened_it_and_skips_one_deleted_before(tmp_path, caplog,
+                                                                                         monkeypatch, backend):
+    """disk keeps KEEP_VERSIONS versions. With max_head_offpolicyness=3 the staleness gate lets the learner publish
+    version 5 while a worker serves version 1, and publishing 5 deletes 2. A worker that read 2's announcement just
+    before keeps serving version 1, says so, and loads 5 on its next look; a version deleted once the worker opened
+    it loads whole and checked."""
+    path = save_random_tiny_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    bus, weights = InProcessBus(), tmp_path / "weights"
+    worker = InferenceWorker(GenerationEngine(backend(str(path), InferenceConfig(), seed=0)), bus, 0, 8)
+
+    def learner_publishes(*versions):
+        for version in versions:
+            take_optimizer_steps(model)
+            publish(bus, model, version, "disk", weights)
+
+    def serves(expected):
+        gap = (torch.tensor(worker.engine.backend.score(SEQUENCE)) - expected).abs().max()
+        return gap < 1e-4
+
+    learner_publishes(1)
+    worker.load_newest_weights()
+    version_1 = learner_logprobs(model)
+    learner_publishes(2)
+    get = bus.get
+
+    def learner_runs_ahead(key):
+        message = get(key)
+        if key == protocol.WEIGHTS and message["version"] == 2:  # after the worker read it, before it opens it
+            learner_publishes(3, 4, 5)
+        return message
+
+    monkeypatch.setattr(bus, "get", learner_runs_ahead)
+    with caplog.at_level(logging.WARNING):
+        worker.load_newest_weights()
+    assert not (weights / "v2").exists()
+    assert worker.engine.version == 1 and "could not fetch version 2" in caplog.text and serves(version_1)
+    worker.load_newest_weights()
+    assert worker.engine.version == 5 and bus.get(protocol.WEIGHT_CHECKS) == 2 and serves(learner_logprobs(model))
+
+    learner_publishes(6)
+    version_6 = learner_logprobs(model)
+    receive = worker.weights.receive
+
+    def opens_then_learner_runs_ahead(published, **kwargs):
+        received = receive(published, **kwargs)
+        learner_publishes(7, 8, 9)
+        return received
+
+    monkeypatch.setattr(worker.weights, "receive", opens_then_learner_runs_ahead)
+    worker.load_newest_weights()
+    assert not (weights / "v6").exists()
+    assert worker.engine.version == 6 and bus.get(protocol.WEIGHT_CHECKS) == 3 and serves(version_6)
 
 
 def test_a_worker_that_cannot_have_a_version_keeps_serving_and_says_so(tmp_path, caplog):
