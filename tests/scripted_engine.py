@@ -20,7 +20,7 @@ class ScriptedBackend(GenerationBackend):
         self.logprob, self.tokens_per_step = logprob, tokens_per_step
         self.scripts: dict[tuple[str, int], tuple[int, list[int]]] = {}  # (rid, sample) -> (prompt length, tokens)
         self.running: dict[str, tuple[list[int], int, SamplingSettings]] = {}  # seq id -> (script, position, settings)
-        self.loaded: list[str] = []  # what each load was given, in order: a directory, or "tensors"
+        self.loaded: list[list[str]] = []  # the names of the tensors each load was given, in order
 
     def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings, arrival: float = 0.0) -> None:
         rid, index, _ = seq_id.rsplit("|", 2)
@@ -50,7 +50,7 @@ class ScriptedBackend(GenerationBackend):
         return bool(self.running)
 
     def load_weights(self, weights) -> None:
-        self.loaded.append(weights if isinstance(weights, str) else "tensors")
+        self.loaded.append(sorted(weights))
 
 
 class ScriptedEngine(GenerationEngine):

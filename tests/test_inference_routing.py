@@ -320,7 +320,7 @@ def test_weight_update_mid_generation_tags_each_token_with_its_version(tmp_path)
         worker.reply(engine.step())
     (output,) = bus.get_many("replies", 10, timeout=1)
 
-    assert engine.backend.loaded == ["tensors"]
+    assert engine.backend.loaded == [["w"]]
     assert engine.interrupted_samples == 2
     for sample in range(2):
         assert output["output_ids"][sample] == [100 + sample + i for i in range(40)]  # none lost, none repeated
@@ -353,7 +353,7 @@ def test_new_weights_are_served_and_announced_without_waiting_for_a_beat(tmp_pat
             time.sleep(0.001)
         assert status.read().version == 1, "the new version was not announced"
         assert status.read().beat == 0  # announced by the update, not by a heartbeat
-        assert engine.backend.loaded == ["tensors"]
+        assert engine.backend.loaded == [["w"]]
     finally:
         bus.set(protocol.STOP, 1)
         thread.join(timeout=30)

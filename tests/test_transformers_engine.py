@@ -17,7 +17,6 @@ from rlsys.engine import decode_graphs
 from rlsys.engine.backend import SamplingSettings
 from rlsys.engine.generation import GenerationEngine
 from rlsys.engine.transformers_engine import SPARE_COLUMNS, TransformersBackend
-from rlsys.engine.weights import write_weight_update
 from rlsys.model.tokenizer import build_char_tokenizer
 from tests.helpers import ReplayEagerly, save_random_tiny_model
 
@@ -309,7 +308,7 @@ def test_sampled_first_tokens_follow_the_distribution(model_path, temperature, t
     assert tv < 0.03, f"sampled frequencies are {tv:.3f} (total variation) from the model's distribution"
 
 
-def test_weight_update_mid_generation_tags_each_token_with_the_weights_that_made_it(model_path, decode, tmp_path):
+def test_weight_update_mid_generation_tags_each_token_with_the_weights_that_made_it(model_path, decode):
     engine = transformers_engine(model_path, **decode)
     requests = [("greedy", [20, 22, 24], GenerationConfig(n=2, max_new_tokens=10, temperature=0.0)),
                 ("sampled", [60, 61], GenerationConfig(n=1, max_new_tokens=10, temperature=1.0, seed=5))]
@@ -321,7 +320,7 @@ def test_weight_update_mid_generation_tags_each_token_with_the_weights_that_made
 
     old, new = load_model(model_path), load_model(model_path)
     train(new, lambda rng: progression(rng, 8, stride=-1) + [EOS], steps=5, lr=1e-2)  # now counts down
-    assert engine.update_weights(str(write_weight_update(new, tmp_path / "v1")), version=1) == (3, [])
+    assert engine.update_weights(new.state_dict(), version=1) == (3, [])
     finished = {}
     while len(finished) < 2:
         finished.update((out.rid, out) for out in engine.step())
@@ -343,14 +342,14 @@ def test_weight_update_mid_generation_tags_each_token_with_the_weights_that_made
     assert changed > 1e-2, "the update must change the logprobs, or this test proves nothing"
 
 
-def test_interrupted_samples_keep_their_place_ahead_of_newer_requests(model_path, tmp_path):
+def test_interrupted_samples_keep_their_place_ahead_of_newer_requests(model_path):
     """One place in the batch: the old request, interrupted by an update, resumes before the newer one that
     was waiting; queued behind it, the oldest rollout would become the stalest."""
     engine = transformers_engine(model_path, max_num_seqs=1)
     engine.add_request("old", [20, 22, 24], GenerationConfig(max_new_tokens=10, temperature=0.0))
     engine.step()
     engine.add_request("new", [30, 32, 34], GenerationConfig(max_new_tokens=10, temperature=0.0))
-    engine.update_weights(str(write_weight_update(load_model(model_path), tmp_path / "v1")), version=1)
+    engine.update_weights(load_model(model_path).state_dict(), version=1)
     order = []
     while len(order) < 2:
         order += [out.rid for out in engine.step()]
@@ -477,7 +476,7 @@ def test_load_weights_replaces_every_weight_tied_output_head_included(tmp_path, 
     expected = learner_logprobs(model, sequence[:1], sequence[1:])
     assert (torch.tensor(backend.score(sequence)) - expected).abs().max() > 1e-2, "the update must change the scores"
 
-    backend.load_weights(str(write_weight_update(model, tmp_path / "v1")))
+    backend.load_weights(model.state_dict())
     assert (torch.tensor(backend.score(sequence)) - expected).abs().max() < TOLERANCE
     if not decode["enforce_eager"]:
         assert backend.decode_graphs.captured_prefills == 1, "one graph for the sequence's width, replayed"
@@ -497,7 +496,7 @@ def test_weights_for_another_model_are_refused_by_name(model_path):
         backend.load_weights({**state, name: torch.ones(state[name].shape[1])})  # copy_ alone would broadcast it
 
 
-def test_bad_input_and_the_context_limit(model_path, tmp_path):
+def test_bad_input_and_the_context_limit(model_path):
     positions = load_model(model_path).config.max_position_embeddings
     with pytest.raises(ValueError, match=f"max_position_embeddings={positions}"):
         TransformersBackend(model_path, InferenceConfig(max_model_len=positions + 1), seed=0)
@@ -512,7 +511,7 @@ def test_bad_input_and_the_context_limit(model_path, tmp_path):
     (delta,) = backend.step()
     tokens = delta.token_ids
     with pytest.raises(RuntimeError, match="finished or aborted"):
-        backend.load_weights(str(write_weight_update(load_model(model_path), tmp_path / "v1")))
+        backend.load_weights(load_model(model_path).state_dict())
     while backend.has_unfinished():
         (delta,) = backend.step()
         tokens += delta.token_ids

@@ -21,7 +21,6 @@ from rlsys.bus import InProcessBus
 from rlsys.engine.generation import GenerationEngine
 from rlsys.engine.transformers_engine import TransformersBackend
 from rlsys.engine.vllm_engine import RELOAD_LOGGER, VLLMBackend
-from rlsys.engine.weights import write_weight_update
 from rlsys.weight_checksum import weights_checksum
 from rlsys.weight_transport import IO_TIMEOUT, RETRY_SECONDS, Incoming, WeightReceiver, WeightServer, _frame, \
     _read_exactly, _read_frame, _view, fetch, given_checksum, publish
@@ -434,7 +433,7 @@ def test_update_mid_generation_keeps_every_token_s_version_and_logprob_true(tmp_
     for _ in range(8):
         assert engine.step() == []
     take_optimizer_steps(model)
-    assert engine.update_weights(str(write_weight_update(model, tmp_path / "v1")), version=1) == (2, [])
+    assert engine.update_weights(model.state_dict(), version=1) == (2, [])
     outputs = []
     while not outputs:
         outputs = engine.step()

@@ -67,9 +67,8 @@ class GenerationBackend(abc.ABC):
 
     @abc.abstractmethod
     def load_weights(self, weights) -> None:
-        """Replace the weights in place, from tensors in memory (rlsys/weight_transport.py's stream: a dict, or an
-        object whose `items()` yields them as they arrive, for a backend that `loads_as_they_arrive`) or from the
-        directory (a str) of a file written by `write_weight_update`.
+        """Replace the weights in place, from tensors in memory (rlsys/weight_transport.py: a dict, or an object
+        whose `items()` yields them as they arrive, for a backend that `loads_as_they_arrive`).
 
         Called with no sequence running; any cached prefix computed with the old weights is dropped.
         """

@@ -101,7 +101,7 @@ class GenerationEngine:
 
     def update_weights(self, weights, version: int, probe: list[list[int]] = ()) -> tuple[int, list[list[float]]]:
         """Interrupt, score the `probe` sequences under the weights held while nothing runs, load `version` from
-        `weights` (tensors, or a directory: GenerationBackend.load_weights), resume; returns how many samples were
+        `weights` (tensors: GenerationBackend.load_weights), resume; returns how many samples were
         interrupted and the probe's logprobs."""
         running = [(request, index) for request in self._requests.values()
                    for index, sample in enumerate(request.samples) if not sample.finished]

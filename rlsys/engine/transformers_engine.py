@@ -14,18 +14,15 @@ part of its output.
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
 from rlsys.engine.decode_graphs import DecodeGraphs
-from rlsys.engine.weights import WEIGHTS_FILE
 from rlsys.model.tokenizer import load_tokenizer
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy, as in vLLM (dividing by them overflows)
@@ -126,8 +123,6 @@ class TransformersBackend(GenerationBackend):
         if self.has_unfinished():
             raise RuntimeError("load_weights needs every sequence finished or aborted: their KV cache would mix "
                                "two sets of weights")
-        if isinstance(weights, (str, Path)):
-            weights = load_file(str(Path(weights) / WEIGHTS_FILE), device=str(self.device))
         # Strict: a version holds every name of the state dict, tied output head included, so a missing or
         # unexpected name means it is for another model.
         own, loaded, waits = self.model.state_dict(), set(), False

@@ -186,9 +186,7 @@ class VLLMBackend(GenerationBackend):
     def load_weights(self, weights) -> None:
         # vLLM's in-place reload: it maps the learner's names onto its fused layers and redoes whatever processing
         # its kernels need after loading. Tensors pass in memory: the engine core runs in this process.
-        source = ({"weights_path": str(weights)} if isinstance(weights, (str, os.PathLike)) else
-                  {"weights_iterator": iter(weights.items())})
-        self.llm.collective_rpc("reload_weights", kwargs=source)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def close(self) -> None:
