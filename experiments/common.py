@@ -625,9 +625,11 @@ class PPOMATHConfig(BaseExperimentConfig):
     def __post_init__(self):
         super().__post_init__()
         check_at_least("", self, group_size=1)
-        if self.group_size < 2 and (self.ppo.adv_estimator == "grpo" or self.ppo.filter_uniform_groups):
-            raise ValueError(f"group_size must be at least 2 with ppo.adv_estimator=grpo or "
-                             f"ppo.filter_uniform_groups=true (both compare a prompt's samples), got {self.group_size}")
+        comparing = ([f"ppo.adv_estimator={self.ppo.adv_estimator}"] * (self.ppo.adv_estimator in ("grpo", "starpo"))
+                     + ["ppo.filter_uniform_groups=true"] * self.ppo.filter_uniform_groups)
+        if self.group_size < 2 and comparing:
+            raise ValueError(f"group_size must be at least 2 with {' and '.join(comparing)} (a prompt's samples are "
+                             f"compared with each other; one alone gets advantage 0), got {self.group_size}")
         if self.ppo.sequence_packing == "true" and self.learner.attn_implementation in ("sdpa", "eager"):
             raise ValueError(f"learner.attn_implementation={self.learner.attn_implementation} would attend across the "
                              "sequences of a packed row; use auto or flash_attention_2, or ppo.sequence_packing=false")
