@@ -45,8 +45,11 @@ def is_plugin_file(entry: str) -> bool:
 
 
 def import_plugin_module(name: str) -> None:
+    """A setting the plugin gets wrong as it runs (a name registered twice) is a ConfigError that names it."""
     try:
         importlib.import_module(name)
+    except ConfigError as e:
+        raise ConfigError(f"plugin {name}: {e}") from None
     except ModuleNotFoundError as e:
         if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
             raise  # the plugin itself imports something missing: its traceback says what
@@ -74,8 +77,10 @@ def import_plugin_file(path: Path) -> None:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except BaseException:
+    except BaseException as e:
         del sys.modules[name]
+        if isinstance(e, ConfigError):  # a name registered twice, say
+            raise ConfigError(f"plugin {path}: {e}") from None
         raise
 
 

@@ -1,5 +1,6 @@
 """Command-line configuration: overrides, YAML files, subclass fields, plugins, errors, --help, round trips."""
 
+import re
 import sys
 import textwrap
 import uuid
@@ -101,6 +102,25 @@ def test_plugin_module_that_does_not_exist():
         parse_config(["plugins=[no_such_plugin_module]"])
     with pytest.raises(ConfigError, match="plugin file not found"):
         parse_config(["plugins=[/no/such/plugin.py]"])
+
+
+def test_a_plugin_that_registers_a_taken_name_is_a_config_error_naming_the_plugin(tmp_path, monkeypatch):
+    source = textwrap.dedent("""
+        from rlsys.api import register_agent
+        from rlsys.impl.agent.math_single_step import MathSingleStepAgent
+
+        class Mine(MathSingleStepAgent):
+            pass
+
+        register_agent("math-single-step", Mine)
+    """)
+    (tmp_path / "taken_name_plugin.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for entry in (str(tmp_path / "taken_name_plugin.py"), "taken_name_plugin"):
+        with pytest.raises(ConfigError, match=rf"^plugin {re.escape(entry)}: agent 'math-single-step' is already "
+                                              r"registered \(by rlsys.impl.agent.math_single_step.MathSingleStepAgent\)"):
+            parse_config([f"plugins=[{entry}]"])
+    assert "taken_name_plugin" not in sys.modules  # a failed import leaves nothing half-registered behind to reuse
 
 
 def test_misspelled_top_level_key_lists_close_matches():

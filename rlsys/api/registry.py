@@ -4,6 +4,8 @@ import difflib
 import inspect
 from typing import Any, Generic, TypeVar
 
+from rlsys.errors import ConfigError
+
 T = TypeVar("T")
 
 
@@ -21,10 +23,9 @@ class Registry(Generic[T]):
 
     def register(self, name: str, cls: type[T]) -> None:
         if name in self._classes:
-            raise ValueError(
-                f"{self.kind} {name!r} is already registered (by {self._classes[name].__qualname__}); "
-                f"registered {self.kind}s: {self.names()}"
-            )
+            raise ConfigError(f"{self.kind} {name!r} is already registered (by {self._classes[name].__module__}."
+                              f"{self._classes[name].__qualname__}): register yours under another name; registered "
+                              f"{self.kind}s: {self.names()}")
         self._classes[name] = cls
 
     def names(self) -> list[str]:
