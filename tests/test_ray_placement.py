@@ -1,5 +1,6 @@
 """cluster.backend=ray's placement alone (no run): a role's actor gives its bundle back when its run ends."""
 
+import os
 import time
 
 import pytest
@@ -31,6 +32,24 @@ def test_a_role_started_again_in_its_bundle_runs_once_the_last_one_returned():
         placement.entry = raises
         assert exit_code_within(placement.start("rollout", 0, ()), 60) == -1
         placement.entry = lambda role, index, *args: 0
+        assert exit_code_within(placement.start("rollout", 0, ()), 60) == 0
+    finally:
+        placement.close()
+
+
+def test_a_role_runs_in_the_launchers_working_directory(tmp_path, monkeypatch):
+    """Relative paths in the config (plugins=[my_plugin.py]) name for every role what they name for the launcher:
+    a Ray actor starts where its node's Ray was started, here where the launcher was when it started Ray."""
+    from rlsys.placement.ray_actors import RayPlacement
+
+    (tmp_path / "started_ray").mkdir()
+    (tmp_path / "launcher").mkdir()
+    monkeypatch.chdir(tmp_path / "started_ray")
+    placement = RayPlacement(parse_config(["cluster.backend=ray"]), lambda role, index, *args: 1)
+    try:
+        monkeypatch.chdir(tmp_path / "launcher")
+        placement.entry = lambda role, index, *args: 0 if os.path.isfile("here") else 1
+        (tmp_path / "launcher" / "here").touch()
         assert exit_code_within(placement.start("rollout", 0, ()), 60) == 0
     finally:
         placement.close()

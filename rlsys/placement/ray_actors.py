@@ -31,7 +31,15 @@ class RoleActor:
     def ping(self) -> bool:
         return True
 
-    def run(self, entry, role: str, index: int, *args) -> int:
+    def run(self, workdir: str, entry, role: str, index: int, *args) -> int:
+        """Runs in `workdir`, the launcher's working directory, as a role on one machine does, so that the config's
+        relative paths (plugins=[my_plugin.py], a dataset's file) name what they name for the launcher; on a node
+        without that directory they resolve against the node's own, as Ray started it."""
+        if os.path.isdir(workdir):
+            os.chdir(workdir)
+        else:
+            print(f"{role}{index}: the launcher's directory {workdir} is not on this node; relative paths in the "
+                  f"config resolve against {os.getcwd()}", flush=True)
         return entry(role, index, *args)
 
 
@@ -141,7 +149,7 @@ class RayPlacement(Placement):
             if index == 0:  # rank 0's node hosts the rendezvous of a new group of ranks
                 self.master = ray.get(actor.address.remote())
             env = learner_rendezvous(index, self.config.cluster.n_learner_ranks, *self.master)
-        handle = RayRole(f"{role}{index}", actor, actor.run.remote(self.entry, role, index, *args, env))
+        handle = RayRole(f"{role}{index}", actor, actor.run.remote(os.getcwd(), self.entry, role, index, *args, env))
         self.roles.append(handle)
         return handle
 
