@@ -95,7 +95,8 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
                  for key in (protocol.generation_requests(i), protocol.inference_status(i))),
                *(key for i in range(cluster.n_rollout_workers)
                  for key in (protocol.replies(i), protocol.rollout_done(i), protocol.rollout_episodes(i),
-                             protocol.rollout_position(i), protocol.role_stop_reason(f"rollout{i}"))))
+                             protocol.rollout_position(i), protocol.rollout_running(i),
+                             protocol.role_stop_reason(f"rollout{i}"))))
     if not trainer_state:
         bus.delete(protocol.DEAD_LETTERS, protocol.WEIGHT_CHECKS)
     PromptLedger.of(bus, config).start(trainer_state.get("version", 0), trainer_state.get("accounting"))

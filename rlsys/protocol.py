@@ -49,6 +49,11 @@ def rollout_position(rollout_worker: int) -> str:
     return f"rollout:{rollout_worker}:position"
 
 
+def rollout_running(rollout_worker: int) -> str:
+    """Key: how many episodes (training and evaluation) a rollout worker's tasks are running now."""
+    return f"rollout:{rollout_worker}:running"
+
+
 def rollout_done(rollout_worker: int) -> str:
     return f"rollout:{rollout_worker}:done"
 

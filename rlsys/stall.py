@@ -6,6 +6,9 @@ none admitted and no new version published, nothing in the run can change that: 
 nobody is generating, and the rollout workers wait for a gate that only a trained step opens. Held for
 `cluster.stall_timeout` seconds, that state stops the run with what the gate and the counters say. Prompts being
 generated are not a stall here: a hanging environment, agent or model call is ended by its own timeout and counted.
+What is being generated is what the rollout workers say they run (each publishes its count of running episodes),
+not what the ledger holds in flight: a prompt in flight that no episode runs would otherwise pass for one being
+generated and keep a run waiting in silence; here it stops the run, which names them lost.
 Nor is a run whose inference workers are still starting (after a restart, vLLM's start takes about a minute on a
 CPU): the clock runs only while every one of them serves.
 """
@@ -28,6 +31,7 @@ class StallWatch:
     def __init__(self, config, ledger: PromptLedger, clock=time.monotonic):
         self.timeout, self.ledger = config.cluster.stall_timeout, ledger
         self.n_inference_workers = config.cluster.n_inference_workers
+        self.n_rollout_workers = config.cluster.n_rollout_workers
         self.clock = clock
         self.state: tuple | None = None
         self.since = 0.0
@@ -44,26 +48,30 @@ class StallWatch:
         weights = bus.get(protocol.WEIGHTS)
         version = weights.get("version") if isinstance(weights, dict) else None
         delivered = bus.stream_length(protocol.TRAJECTORIES)  # one entry a prompt, until the learner trains it
-        generating = counts["in_flight"] - delivered
+        running = sum(bus.get(protocol.rollout_running(i)) or 0 for i in range(self.n_rollout_workers))
         # A learner that holds a batch's worth is training it (a step of a large model on a CPU takes minutes).
-        moving = generating > 0 or delivered >= self.ledger.batch_size
+        moving = running > 0 or delivered >= self.ledger.batch_size
         state = (counts[ADMITTED], version, delivered)
         if moving or state != self.state:
             self.state, self.since = (None if moving else state), now
             return
         if now - self.since >= self.timeout:
-            raise RunStalled(self.explain(counts, version, self.ledger.slots_taken(), delivered))
+            lost = counts["in_flight"] - delivered
+            raise RunStalled(self.explain(counts, version, self.ledger.slots_taken(), delivered, lost))
 
     def inference_serves(self, bus) -> bool:
         """Every inference worker has published a status and the launcher has not seen its process exit."""
         statuses = (InferenceStatus(bus, index).read() for index in range(self.n_inference_workers))
         return all(status is not None and not status.dead for status in statuses)
 
-    def explain(self, counts: dict, version, gate, delivered: int) -> str:
+    def explain(self, counts: dict, version, gate, delivered: int, lost: int) -> str:
+        lost_line = (f" {lost} of the prompts in flight are neither delivered nor run by any rollout worker: they were "
+                     "lost (a defect of rlsys or of a plugin that ended an episode's task; please report it)."
+                     if lost > 0 else "")
         return (f"the run stood still for {self.timeout:.0f} s (cluster.stall_timeout): no prompt being generated, "
                 f"none admitted, no new weights (last published version: "
                 f"{version if version is not None else 'none'}). The learner holds {delivered} groups and waits for "
-                f"{self.ledger.batch_size} that nobody is generating. The staleness gate holds "
+                f"{self.ledger.batch_size} that nobody is generating.{lost_line} The staleness gate holds "
                 f"{gate} prompts against a limit of (version served + {self.ledger.max_head_offpolicyness} + 1) x "
                 f"{self.ledger.batch_size}; "
                 f"{describe(counts)}. The rollout workers' logs say why they admit nothing")

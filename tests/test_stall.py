@@ -40,6 +40,9 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
         clock.now += seconds
         watch.check(bus)
 
+    def running(episodes: int) -> None:  # what the rollout worker publishes as its tasks start and end
+        bus.set(protocol.rollout_running(0), episodes)
+
     after(0)
     after(1000)  # starting: no initial evaluation yet
     bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
@@ -56,9 +59,11 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     with pytest.raises(RunStalled, match="none admitted"):
         after(1)
     ledger.admit("p1", served_version=100)
+    running(1)
     after(0)
-    after(1000)  # a prompt in flight: its own timeouts end it
+    after(1000)  # a prompt being generated: its own timeouts end it
     ledger.trained("p1")
+    running(0)
     after(0)
     after(59)
     bus.set(protocol.WEIGHTS, {"version": 1, "path": "/w"})  # a new version: progress
@@ -80,8 +85,15 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     with pytest.raises(RunStalled, match=r"holds 1 groups and waits for 16"):
         after(1)
     ledger.admit("p4", served_version=100)  # and one still being generated is no stall, however long
+    running(1)
     after(0)
     after(1000)
+    running(0)  # but one in flight that no rollout worker runs was lost: nothing will ever deliver it
+    after(0)
+    after(59)
+    with pytest.raises(RunStalled, match=r"waits for 16 that nobody is generating\. 1 of the prompts in flight are "
+                                         r"neither delivered nor run by any rollout worker: they were lost"):
+        after(1)
     bus.stream_add(protocol.TRAJECTORIES, {"group_id": "p4", "trajectories": []})
     for i in range(5, 5 + 14):  # nor a learner that holds a whole batch: it is training it, however long that takes
         ledger.admit(f"p{i}", served_version=100)

@@ -47,6 +47,7 @@ class RolloutWorker:
         self.eval_rows: list[dict] = []
         self.next_prompt: Prompt | None = None  # taken from this worker's share, waiting for the gate to open
         self.running: set[asyncio.Task] = set()
+        self.published_running = -1  # the count of `running` the bus holds (publish_running)
         self.episode_ended = asyncio.Event()
         self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
         self.failed_in_a_row = 0  # training episodes that failed since the last one that did not
@@ -113,6 +114,7 @@ class RolloutWorker:
             if self.cannot_go_on:
                 raise self.cannot_go_on
             self.episode_ended.clear()
+            await self.publish_running()
             if len(self.running) < self.config.max_concurrent_rollouts and (prompt := await self.admit(prompts)):
                 self._start(self.run_training_episode(prompt))
                 continue
@@ -155,6 +157,12 @@ class RolloutWorker:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self.episode_ended.wait()
+
+    async def publish_running(self) -> None:
+        """How many episodes this worker runs, for the stall watch (rlsys/stall.py), when it changed."""
+        if len(self.running) != self.published_running:
+            self.published_running = len(self.running)
+            await asyncio.to_thread(self.bus.set, protocol.rollout_running(self.index), self.published_running)
 
     def routing_metrics(self) -> dict[str, float]:
         stats = self.router.stats
