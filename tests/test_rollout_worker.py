@@ -95,6 +95,37 @@ def test_an_agent_s_own_cancelled_error_fails_its_episode_and_an_episode_cancell
     assert bus.get(protocol.rollout_position(0)) == 2 and bus.set_members(protocol.rollout_episodes(0)) == ["train-0-1"]
 
 
+class RetriedOnce(InProcessBus):
+    """The first admission is made twice, as a Redis client sends a command again whose reply a restart lost."""
+
+    def __init__(self):
+        super().__init__()
+        self.retries = 1
+
+    def change(self, steps):
+        if self.retries and any(step.key == protocol.rollout_position(0) for step in steps):
+            self.retries -= 1
+            super().change(steps)  # made; its reply never came
+        return super().change(steps)
+
+
+def test_an_admission_sent_again_after_its_reply_was_lost_admits_the_prompt_once(tmp_path):
+    config = CancelledWithinExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    bus = RetriedOnce()
+    worker = RolloutWorker(config, bus, 0)
+    prompts = iter([Prompt("train-0-0", [1, 2], {}), Prompt("train-0-1", [1, 2], {})])
+
+    async def admit_two():
+        return [(await worker.admit(prompts)).qid for _ in range(2)]
+
+    assert asyncio.run(admit_two()) == ["train-0-0", "train-0-1"]
+    counts = worker.ledger.counts()
+    assert counts["admitted"] == counts["in_flight"] == worker.ledger.slots_taken() == 2
+    assert bus.get(protocol.rollout_position(0)) == 2
+
+
 def test_a_restarted_or_resumed_worker_evaluates_next_at_the_next_multiple_of_eval_steps():
     assert [next_evaluation(v, 50) for v in (0, 49, 50, 150, 151)] == [50, 50, 100, 200, 200]
     assert next_evaluation(150, 0) == 0  # eval_steps=0: only before and after

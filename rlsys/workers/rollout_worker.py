@@ -48,6 +48,7 @@ class RolloutWorker:
         self.next_prompt: Prompt | None = None  # taken from this worker's share, waiting for the gate to open
         self.running: set[asyncio.Task] = set()
         self.published_running = -1  # the count of `running` the bus holds (publish_running)
+        self.training: set[str] = set()  # ids of the training prompts whose episodes run here
         self.episode_ended = asyncio.Event()
         self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
         self.failed_in_a_row = 0  # training episodes that failed since the last one that did not
@@ -186,10 +187,17 @@ class RolloutWorker:
             if admission == GATE_FULL:
                 return None
             prompt, self.next_prompt = self.next_prompt, None
-            if admission == ADMITTED:
+            if admission == ADMITTED or await self.admitted_by_a_retry(qid):
                 return prompt
             log.error("prompt %s is already in flight; not run twice", qid)
             await asyncio.to_thread(self.bus.incr, position)  # a restarted worker goes on past it too
+
+    async def admitted_by_a_retry(self, qid: str) -> bool:
+        """Whether `qid`, found in flight, is this worker's without an episode running it: its admission was made,
+        but the reply was lost as Redis restarted and the client sent it again (rlsys/bus/redis_bus.py), which then
+        found it in flight. Every other unfinished episode of this worker runs (`take_over` redoes a predecessor's)."""
+        return qid not in self.training and qid in await asyncio.to_thread(
+            self.bus.set_members, protocol.rollout_episodes(self.index))
 
     @staticmethod
     def agent_for(prompt: Prompt, agents: dict):
@@ -252,6 +260,7 @@ class RolloutWorker:
         any moment redoes exactly the episodes whose outcome is not out. Cancelled (the run is ending), it stays in
         flight and is counted as run_ended."""
         unfinished = Step.remove(protocol.rollout_episodes(self.index), prompt.qid)
+        self.training.add(prompt.qid)
         try:
             trajectories = await self.run_episode(self.agent_for(prompt, self.agents), prompt)
             message = self.trajectory_message(prompt, trajectories)
@@ -262,6 +271,8 @@ class RolloutWorker:
         else:
             await asyncio.to_thread(self.bus.change, [Step.append(protocol.TRAJECTORIES, message), unfinished])
             self.failed_in_a_row = 0
+        finally:
+            self.training.discard(prompt.qid)
 
     def count_failure_in_a_row(self, failure: EpisodeFailed) -> None:
         """Episodes that all fail mean a broken env or agent, not bad luck: the run stops instead of burning
