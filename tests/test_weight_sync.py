@@ -231,12 +231,8 @@ def test_the_announcement_goes_out_before_the_copy_and_a_worker_reading_meanwhil
     server.close()
 
 
-@pytest.mark.parametrize("backend", [VLLMBackend, TransformersBackend])
-def test_a_version_that_breaks_off_while_it_loads_leaves_the_worker_on_the_version_it_held(tmp_path, caplog,
-                                                                                           monkeypatch, backend):
-    """The learner dies while copying version 2, after half its tensors went out, as the worker's engine loads them
-    one by one: the worker completes the load from the version it held, loads that one whole again, and serves it,
-    with the learner's logprobs of version 1; it says so, and takes version 3 when it comes."""
+def a_worker_serving_version_1(tmp_path, backend):
+    """The learner's model, the bus, its weight server, and an inference worker that loaded version 1 from it."""
     path = save_random_tiny_model(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     bus, server = InProcessBus(), WeightServer()
@@ -244,6 +240,16 @@ def test_a_version_that_breaks_off_while_it_loads_leaves_the_worker_on_the_versi
     take_optimizer_steps(model)
     publish(bus, model, 1, "stream", tmp_path, server=server)
     worker.load_newest_weights()
+    return model, bus, server, worker
+
+
+@pytest.mark.parametrize("backend", [VLLMBackend, TransformersBackend])
+def test_a_version_that_breaks_off_while_it_loads_leaves_the_worker_on_the_version_it_held(tmp_path, caplog,
+                                                                                           monkeypatch, backend):
+    """The learner dies while copying version 2, after half its tensors went out, as the worker's engine loads them
+    one by one: the worker completes the load from the version it held, loads that one whole again, and serves it,
+    with the learner's logprobs of version 1; it says so, and takes version 3 when it comes."""
+    model, bus, server, worker = a_worker_serving_version_1(tmp_path, backend)
     version_1 = learner_logprobs(model)
     assert worker.engine.version == 1 and worker.weights.held.version == 1
 
@@ -310,13 +316,7 @@ def test_a_retried_version_reports_its_probe_once(tmp_path, monkeypatch):
     """Version 2 comes with the learner's probe of version 1, which the worker scores before it loads; the link
     breaks off mid-load, and the next try of the same announcement loads version 2: the probe is reported once, or
     the learner would count its tokens twice in alarms/probe_*."""
-    path = save_random_tiny_model(tmp_path / "model")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    bus, server = InProcessBus(), WeightServer()
-    worker = InferenceWorker(GenerationEngine(TransformersBackend(str(path), InferenceConfig(), seed=0)), bus, 0, 8)
-    take_optimizer_steps(model)
-    publish(bus, model, 1, "stream", tmp_path, server=server)
-    worker.load_newest_weights()
+    model, bus, server, worker = a_worker_serving_version_1(tmp_path, TransformersBackend)
     probe = {"version": 1, "token_ids": [SEQUENCE], "logprobs": [learner_logprobs(model).tolist()]}
     take_optimizer_steps(model)
     publish(bus, model, 2, "stream", tmp_path, server=server, extra={"probe": probe})
