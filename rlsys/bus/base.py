@@ -109,15 +109,11 @@ class StreamEntry:
         return decode(self.payload, f"stream {stream} entry {self.id}")
 
 
-GUARDS = ("absent", "present", "at_most")
-WRITES = ("incr", "add", "remove", "append")
-
-
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One part of an atomic `Bus.change`: a guard, which must hold, or a write. Build them with the class methods."""
 
-    op: str  # one of GUARDS or WRITES
+    op: str  # a guard (absent, present, at_most) or a write (incr, add, remove, append)
     key: str
     arg: object = None  # the member, the amount, the limit or the message
 
