@@ -126,6 +126,25 @@ def test_an_admission_sent_again_after_its_reply_was_lost_admits_the_prompt_once
     assert bus.get(protocol.rollout_position(0)) == 2
 
 
+def test_a_prompt_still_in_flight_from_the_last_pass_is_skipped_and_the_next_one_admitted(tmp_path, caplog):
+    config = CancelledWithinExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    bus = InProcessBus()
+    worker = RolloutWorker(config, bus, 0)
+    worker.training.add("train-0-0")  # its episode of the dataset's last pass still runs
+    assert worker.ledger.admit("train-0-0", 0) == "admitted"
+    prompts = iter([Prompt("train-0-0", [1, 2], {}), Prompt("train-0-1", [1, 2], {})])
+
+    async def admit_twice():
+        return [await worker.admit(prompts), (await worker.admit(prompts)).qid]
+
+    assert asyncio.run(admit_twice()) == [None, "train-0-1"]
+    assert "prompt train-0-0 is already in flight; not run twice" in caplog.text
+    assert bus.get(protocol.rollout_position(0)) == 2  # a restarted worker goes on past both
+    assert worker.ledger.counts()["admitted"] == 2
+
+
 def test_a_restarted_or_resumed_worker_evaluates_next_at_the_next_multiple_of_eval_steps():
     assert [next_evaluation(v, 50) for v in (0, 49, 50, 150, 151)] == [50, 50, 100, 200, 200]
     assert next_evaluation(150, 0) == 0  # eval_steps=0: only before and after

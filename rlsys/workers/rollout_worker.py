@@ -179,21 +179,21 @@ class RolloutWorker:
     async def admit(self, prompts) -> Prompt | None:
         """The next prompt of `prompts`, admitted through the staleness gate (rlsys/prompt_ledger.py) at the version
         inference serves, and recorded as this worker's in the same atomic step; None while the gate is full (the
-        prompt waits for the next call). A prompt still in flight from the dataset's previous pass is skipped."""
+        prompt waits for the next call), or if the prompt is still in flight from the dataset's previous pass (it is
+        skipped)."""
         position = protocol.rollout_position(self.index)
-        while True:
-            self.next_prompt = self.next_prompt or next(prompts)
-            qid = self.next_prompt.qid
-            admission = await asyncio.to_thread(
-                self.ledger.admit, qid, await self.current_version(),
-                (Step.incr(position), Step.add(protocol.rollout_episodes(self.index), qid)))
-            if admission == GATE_FULL:
-                return None
-            prompt, self.next_prompt = self.next_prompt, None
-            if admission == ADMITTED or await self.admitted_by_a_retry(qid):
-                return prompt
-            log.error("prompt %s is already in flight; not run twice", qid)
-            await asyncio.to_thread(self.bus.incr, position)  # a restarted worker goes on past it too
+        self.next_prompt = self.next_prompt or next(prompts)
+        qid = self.next_prompt.qid
+        admission = await asyncio.to_thread(self.ledger.admit, qid, await self.current_version(),
+                                            (Step.incr(position), Step.add(protocol.rollout_episodes(self.index), qid)))
+        if admission == GATE_FULL:
+            return None
+        prompt, self.next_prompt = self.next_prompt, None
+        if admission == ADMITTED or await self.admitted_by_a_retry(qid):
+            return prompt
+        log.error("prompt %s is already in flight; not run twice", qid)
+        await asyncio.to_thread(self.bus.incr, position)  # a restarted worker goes on past it too
+        return None
 
     async def admitted_by_a_retry(self, qid: str) -> bool:
         """Whether `qid`, found in flight, is this worker's without an episode running it: its admission was made,
