@@ -7,9 +7,9 @@ also runs under an unprivileged user with the system's Python (`python tests/san
 prints one mode's results as JSON).
 
 An attack is contained when the program could not do what it tried: hold capabilities, change mounts,
-make namespaces, trace, write a host path its user owns, read a dataset outside, reach the network,
-read the caller's environment, hold more memory or CPU than the sandbox's limits together, or make
-the sandbox's own report lie (a SIGINT to its init, a SIGXCPU read as a crash).
+make namespaces, trace, write a host path its user owns or a host-wide sysctl, read a dataset outside,
+reach the network, read the caller's environment, hold more memory or CPU than the sandbox's limits
+together, or make the sandbox's own report lie (a SIGINT to its init, a SIGXCPU read as a crash).
 """
 
 import asyncio
@@ -50,7 +50,7 @@ EXPECTED_GAPS = {
     "bwrap": AGGREGATE | ({"fork-bomb"} if os.geteuid() == 0 else set()),
     "unconfined": {"capabilities", "unmount", "remount-read-write", "namespaces-ptrace-keyctl", "write-owned-host-path",
                    "read-dataset", "network", "memfd-flood", "dev-shm-flood", "sysv-shm-256MiB"} | AGGREGATE
-    | ({"fork-bomb"} if os.geteuid() == 0 else set()),
+    | ({"fork-bomb", "open-host-sysctls-for-writing"} if os.geteuid() == 0 else set()),
 }
 
 SYSCALLS = """
@@ -102,6 +102,19 @@ for host in ("127.0.0.1", "10.0.0.1"):
     except OSError as e:
         results[host] = str(e)
 print(json.dumps(results))
+"""
+# host-wide sysctls (core_pattern runs a program as the host's root); opened for writing, nothing written
+HOST_SYSCTLS = """
+import os
+paths = ("/proc/sys/kernel/core_pattern", "/proc/sys/kernel/modprobe", "/proc/sys/vm/drop_caches")
+outcomes = {}
+for path in paths:
+    try:
+        os.close(os.open(path, os.O_WRONLY))
+        outcomes[path] = "ok"
+    except OSError as e:
+        outcomes[path] = e.strerror
+print(json.dumps(outcomes))
 """
 ENVIRONMENT = """
 import json, os
@@ -247,6 +260,7 @@ def attacks(workspace: Path, port: int, secret: str) -> list[Attack]:
                lambda r: r.status == "ok" and secret not in r.stdout),
         Attack("network", NETWORK.replace("PORT", str(port)),
                lambda r: r.status == "ok" and "connected" not in last_json(r).values()),
+        Attack("open-host-sysctls-for-writing", SYSCALLS + HOST_SYSCTLS, all_failed),
         Attack("read-caller-environment", ENVIRONMENT.replace("SECRET", repr(secret)),
                lambda r: r.status == "ok" and last_json(r) is False),
         Attack("forked-memory-3x80MiB", FORKED_MEMORY, lambda r: last_int(r) < 3),

@@ -7,7 +7,7 @@ Modes, best first:
   user namespaces disabled, a new session (no TIOCSTI into the caller's terminal), killed with its
   parent, and the seccomp filter of `seccomp_filter.py`. Mounts made in the parent namespace are
   locked (a nested user namespace cannot unmount or remount them), and the filesystem is an
-  allow-list: read-only /usr and the interpreter's prefix, a fresh /proc and /dev, a private
+  allow-list: read-only /usr and the interpreter's prefix, a fresh read-only /proc, a fresh /dev, a private
   size-limited /tmp (the only writable place) and /dev/shm; nothing else of the host (no home, no
   dataset, no run directory). A cgroup bounds memory (shmem and memfd included) and processes for
   the run as a whole, and counts its CPU time. Needs a cgroup we may create: root, or delegation.
@@ -149,8 +149,11 @@ def interpreter_dirs() -> list[str]:
 
 def bwrap_command(limits: dict, seccomp_fd: int, code_fd: int) -> list[str]:
     """The bubblewrap part of a run's command line; the init's own command follows it."""
+    # /proc read-only: run by root, bubblewrap maps the sandbox's uid to root outside, and sysctls check only
+    # that uid, so a writable /proc/sys would let the program set host-wide ones (kernel.core_pattern runs
+    # a program of its choosing as the host's root)
     args = [shutil.which("bwrap") or "bwrap", *namespace_options(), "--as-pid-1", *system_binds(),
-            "--proc", "/proc", "--dev", "/dev",
+            "--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev",
             "--size", str(limits["workdir_bytes"]), "--tmpfs", WORKDIR,
             "--size", str(limits["shm_bytes"]), "--tmpfs", "/dev/shm"]
     # After the tmpfs mounts, which would hide an interpreter that lives under them (a venv in /tmp)
