@@ -49,7 +49,8 @@ EXPECTED_GAPS = {
     "bwrap+cgroup": set(),
     "bwrap": AGGREGATE | ({"fork-bomb"} if os.geteuid() == 0 else set()),
     "unconfined": {"capabilities", "unmount", "remount-read-write", "namespaces-ptrace-keyctl", "write-owned-host-path",
-                   "read-dataset", "network", "memfd-flood", "dev-shm-flood", "sysv-shm-256MiB"} | AGGREGATE
+                   "read-dataset", "network", "memfd-flood", "dev-shm-flood", "write-outside-scratch",
+                   "sysv-shm-256MiB"} | AGGREGATE
     | ({"fork-bomb", "open-host-sysctls-for-writing"} if os.geteuid() == 0 else set()),
 }
 
@@ -189,6 +190,19 @@ except OSError as e:
     print("stopped:", e.strerror, flush=True)
 print(held, flush=True)
 """
+# bubblewrap's own tmpfs (/ and /dev, where it makes mount points) has no size limit: only the scratch is writable
+WRITE_OUTSIDE_SCRATCH = """
+import json
+outcomes = {}
+for path in ("/escaped", "/dev/escaped", "/etc/escaped", "/usr/escaped"):
+    try:
+        with open(path, "wb") as f:
+            f.write(b"x" * 2**20)
+        outcomes[path] = "ok"
+    except OSError as e:
+        outcomes[path] = e.strerror
+print(json.dumps(outcomes))
+"""
 SYSV_SHM = """
 import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
@@ -225,7 +239,7 @@ class Attack:
     name: str
     code: str
     contained: Callable[[SandboxResult], bool]
-    harms_host: bool = False  # unconfined, it would unmount or remount the caller's own filesystems: not run
+    harms_host: bool = False  # unconfined, it would change the caller's own filesystems: not run
     needs_process_limit: bool = False  # without one it would flood the machine with processes: not run
     wall_seconds: float = LIMITS.wall_seconds
 
@@ -269,6 +283,7 @@ def attacks(workspace: Path, port: int, secret: str) -> list[Attack]:
                wall_seconds=60),  # the CPU limit, not the wall clock, must stop them, however loaded the machine
         Attack("memfd-flood", MEMFD_FLOOD, lambda r: last_int(r) <= LIMITS.memory_mb),
         Attack("dev-shm-flood", SHM_FLOOD, lambda r: last_int(r) <= LIMITS.memory_mb),
+        Attack("write-outside-scratch", WRITE_OUTSIDE_SCRATCH, all_failed, harms_host=True),
         Attack("sysv-shm-256MiB", SYSV_SHM, lambda r: "held" not in r.stdout),
         Attack("fork-bomb", FORK_BOMB, lambda r: r.status in ("cpu_limit", "timeout", "memory_limit"),
                needs_process_limit=True, wall_seconds=4),
@@ -327,7 +342,7 @@ async def run_attacks(confinement: Confinement, workspace: Path, secret: str) ->
 
 def skip_reason(attack: Attack, confinement: Confinement) -> str:
     if attack.harms_host and not confinement.namespaces:
-        return "not run: it would unmount or remount the caller's own filesystems"
+        return "not run: it would change the caller's own filesystems"
     if attack.needs_process_limit and "process-limit" not in confinement.isolation:
         return "not run: no process limit in this mode, it would flood the machine"
     return ""

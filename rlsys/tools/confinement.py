@@ -160,5 +160,7 @@ def bwrap_command(limits: dict, seccomp_fd: int, code_fd: int) -> list[str]:
     for path in interpreter_dirs():
         args += ["--ro-bind", path, path]
     args += ["--perms", "0644", "--file", str(code_fd), f"{WORKDIR}/main.py",
+             # last, once every mount point is made: bubblewrap's own tmpfs at / and /dev have no size limit
+             "--remount-ro", "/dev", "--remount-ro", "/",
              "--chdir", WORKDIR, "--clearenv", "--seccomp", str(seccomp_fd), "--"]
     return args
