@@ -245,6 +245,33 @@ def test_runs_share_the_workers_http_pools_and_each_call_carries_its_own_key(tok
                    for t in trajectories)
 
 
+def test_headers_that_never_end_are_refused_before_they_fill_the_workers_memory():
+    """Headers are read before any key is checked, and every local user reaches the endpoint: the server stops
+    reading a header block long before it has taken 64 MiB, and ends the connection."""
+    async def main():
+        endpoint = Endpoint()
+        await endpoint.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: endpoint\r\nX-Pad: ")
+        try:
+            for _ in range(64):
+                writer.write(b"a" * 2**20)
+                await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 10)  # still reading headers: never answers
+        except ConnectionError:  # closed while we wrote
+            answer = b""
+        except TimeoutError:
+            answer = None
+        finally:
+            writer.close()
+            endpoint.task.cancel()
+        return answer
+
+    answer = asyncio.run(main())
+    assert answer is not None, "the server kept reading 64 MiB of headers"
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 400"), answer[:200]
+
+
 # ---- what a client may send: answered, or refused with 4xx naming the field and why; never a 500
 
 ENDPOINT = Endpoint()

@@ -5,7 +5,8 @@ episode opens a session under an API key of its own (a random secret, so the key
 attributes every call): `/v1/chat/completions`, `/v1/completions` and `/v1/models` answer for that
 episode only. A call with a key nobody opened is refused with 401, one with the key of an episode that
 ended with 410, a malformed request with 400 and one over MAX_BODY_BYTES with 413; OpenAI's error body says
-why, and for 400 which field (rlsys/endpoint/request_checks.py).
+why, and for 400 which field (rlsys/endpoint/request_checks.py). Headers over MAX_HEADER_BYTES get a plain 400
+and the connection closed, whatever the key.
 """
 
 import asyncio
@@ -28,6 +29,7 @@ for _chatty in ("httpx", "httpx2", "httpcore", "httpcore2", "openai"):
     logging.getLogger(_chatty).setLevel(logging.WARNING)
 KEEP_ALIVE_SECONDS = 30
 FINISHED_KEYS_KEPT = 100_000  # keys of ended episodes remembered, to answer 410 rather than 401
+MAX_HEADER_BYTES = 64 * 1024  # a request line and headers; OpenAI clients send about 1 KiB
 
 
 class _Server(uvicorn.Server):
@@ -60,9 +62,12 @@ class Endpoint:
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
         # Idle connections kept longer than the agents' pool keeps them (rlsys/endpoint/http_client.py), so a
-        # client never sends on a connection the server is closing.
+        # client never sends on a connection the server is closing. h11, not httptools (uvicorn's choice where it is
+        # installed): httptools keeps a request's headers however long they grow, before any key is checked, so any
+        # local user could fill this process's memory; h11 refuses a header block over MAX_HEADER_BYTES.
         server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
-                                        timeout_keep_alive=KEEP_ALIVE_SECONDS))
+                                        timeout_keep_alive=KEEP_ALIVE_SECONDS, http="h11",
+                                        h11_max_incomplete_event_size=MAX_HEADER_BYTES))
         self.task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if self.task.done():
