@@ -114,7 +114,8 @@ def probe_bwrap() -> None:
                       "installs it)")
     from rlsys.tools.seccomp_filter import deny_filter
     deny_filter(True)  # no table for this architecture: raises
-    done = subprocess.run([bwrap, *namespace_options(), *system_binds(), "--", "/usr/bin/true"],
+    done = subprocess.run([bwrap, *namespace_options(), *system_binds(), *PROC_AND_DEV, *READ_ONLY_ROOT, "--",
+                           "/usr/bin/true"],
                           capture_output=True, text=True, timeout=PROBE_TIMEOUT, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         raise OSError(f"bubblewrap failed: {done.stderr.strip() or f'exit code {done.returncode}'}")
@@ -147,20 +148,22 @@ def interpreter_dirs() -> list[str]:
     return [d for d in real if not (d == "/usr" or d.startswith("/usr/"))]
 
 
+# /proc read-only: run by root, bubblewrap maps the sandbox's uid to root outside, and sysctls check only that uid,
+# so a writable /proc/sys would let the program set host-wide ones (kernel.core_pattern runs a program of its
+# choosing as the host's root).
+PROC_AND_DEV = ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev"]
+# Last, once every mount point is made: bubblewrap's own tmpfs at / and /dev have no size limit.
+READ_ONLY_ROOT = ["--remount-ro", "/dev", "--remount-ro", "/"]
+
+
 def bwrap_command(limits: dict, seccomp_fd: int, code_fd: int) -> list[str]:
     """The bubblewrap part of a run's command line; the init's own command follows it."""
-    # /proc read-only: run by root, bubblewrap maps the sandbox's uid to root outside, and sysctls check only
-    # that uid, so a writable /proc/sys would let the program set host-wide ones (kernel.core_pattern runs
-    # a program of its choosing as the host's root)
-    args = [shutil.which("bwrap") or "bwrap", *namespace_options(), "--as-pid-1", *system_binds(),
-            "--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev",
+    args = [shutil.which("bwrap") or "bwrap", *namespace_options(), "--as-pid-1", *system_binds(), *PROC_AND_DEV,
             "--size", str(limits["workdir_bytes"]), "--tmpfs", WORKDIR,
             "--size", str(limits["shm_bytes"]), "--tmpfs", "/dev/shm"]
     # After the tmpfs mounts, which would hide an interpreter that lives under them (a venv in /tmp)
     for path in interpreter_dirs():
         args += ["--ro-bind", path, path]
-    args += ["--perms", "0644", "--file", str(code_fd), f"{WORKDIR}/main.py",
-             # last, once every mount point is made: bubblewrap's own tmpfs at / and /dev have no size limit
-             "--remount-ro", "/dev", "--remount-ro", "/",
+    args += ["--perms", "0644", "--file", str(code_fd), f"{WORKDIR}/main.py", *READ_ONLY_ROOT,
              "--chdir", WORKDIR, "--clearenv", "--seccomp", str(seccomp_fd), "--"]
     return args
