@@ -34,8 +34,10 @@ def save_checkpoint(directory: Path, ranks, sharded_state: dict, export, trainer
 
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
+    replaced = directory.with_name(directory.name + ".old")
     if ranks.main:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(replaced, ignore_errors=True)
         tmp.mkdir(parents=True)
     ranks.barrier()  # nobody writes into the old temporary directory
     dcp.save(sharded_state, checkpoint_id=tmp / SHARDED_STATE)
@@ -43,8 +45,13 @@ def save_checkpoint(directory: Path, ranks, sharded_state: dict, export, trainer
     if ranks.main:
         torch.save(torch.get_rng_state(), tmp / RNG_STATE)
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
-        shutil.rmtree(directory, ignore_errors=True)
+        # A checkpoint of the same step (the final save after a periodic one, a stop right after a resume) is
+        # renamed away, not deleted in place: a crash mid-delete would leave its trainer state without its shards,
+        # a checkpoint `auto` picks and cannot load.
+        if directory.exists():
+            directory.rename(replaced)
         tmp.rename(directory)
+        shutil.rmtree(replaced, ignore_errors=True)
     ranks.barrier()  # the checkpoint is there for every rank once save returns
     return directory
 
@@ -98,7 +105,8 @@ def read_trainer_state(directory: Path) -> dict:
 
 
 def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None; half-written `.tmp` directories never count."""
+    """The complete checkpoint with the highest step, or None; half-written `.tmp` and replaced `.old` directories
+    never count."""
     complete = [d for d in Path(checkpoints_dir).glob("step_*")
-                if not d.name.endswith(".tmp") and (d / TRAINER_STATE).exists()]
+                if d.name.removeprefix("step_").isdigit() and (d / TRAINER_STATE).exists()]
     return max(complete, key=lambda d: read_trainer_state(d)["step"], default=None)
