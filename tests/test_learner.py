@@ -548,6 +548,19 @@ def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
     assert resumed.critic_optimizer.state_dict()["state"]  # Adam moments came back too
 
 
+def test_a_resumed_learner_continues_its_adaptive_kl_coefficient_and_counters(tmp_path):
+    config = learner_config(tmp_path)
+    config.ppo.init_kl_coef, config.ppo.target_kl = 0.1, 0.05
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    learner.step = learner.version = 1
+    # as training left them: the coefficient adapted, a group filtered, an update skipped
+    learner.kl_controller.value, learner.filtered_groups, learner.skipped_updates = 0.37, 5, 2
+    config.resume_from_checkpoint = str(learner.save())
+    resumed = Learner(config, InProcessBus(), tmp_path / "run")
+    assert resumed.kl_controller.value == 0.37
+    assert (resumed.filtered_groups, resumed.skipped_updates) == (5, 2)
+
+
 class _RunsCode:
     def __reduce__(self):
         return (print, ("a tampered checkpoint ran code",))

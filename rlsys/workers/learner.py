@@ -81,6 +81,11 @@ class Learner(PolicyTrainer):
             set_state_dict(self.critic, self.critic_optimizer, model_state_dict=state["critic"],
                            optim_state_dict=state["critic_optimizer"])
         self.scheduler.load_state_dict(trainer["scheduler"])
+        # What a step updates besides the tensors: an adaptive KL coefficient restarting at init_kl_coef would change
+        # the loss, and the metrics' counters would restart at 0. Checkpoints from before they were kept lack them.
+        self.kl_controller.value = trainer.get("kl_coef", self.kl_controller.value)
+        self.filtered_groups = trainer.get("filtered_groups", 0)
+        self.skipped_updates = trainer.get("skipped_updates", 0)
         torch.set_rng_state(load_rng_state(checkpoint))
 
     def run(self) -> None:
@@ -217,6 +222,8 @@ class Learner(PolicyTrainer):
     def save(self) -> Path:
         trainer_state = {"step": self.step, "version": self.version, "consumed_prompts": self.consumed_prompts,
                          "initial_model_path": self.initial_model_path, "scheduler": self.scheduler.state_dict(),
+                         "kl_coef": self.kl_controller.value, "filtered_groups": self.filtered_groups,
+                         "skipped_updates": self.skipped_updates,
                          "accounting": self.ledger.snapshot() if self.ranks.main else None}
         return save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.ranks, self.sharded_state(),
                                self.export, trainer_state)
