@@ -20,10 +20,15 @@ waiting in the stream or in the learner's unfinished batch) is counted as filter
 the set's size rather than by subtraction: admitted == trained + filtered + failed is then a check that can fail.
 """
 
+import collections
+
 from rlsys.bus.base import Step
 
 _GATE_SLOTS = "gate:slots_taken"  # counter: slots of the staleness gate held by admitted prompts
 _IN_FLIGHT = "prompts:in_flight"  # set: ids of admitted prompts whose outcome is not recorded yet
+_FAILED = "prompts:failed_ids"  # set: "reason id" of each failed prompt, so a checkpoint can name them
+_FAILED_UNNAMED = "prompts:failed_unnamed"  # {reason: n}: failures a checkpoint from before _FAILED counted unnamed
+_RESTORE_CHUNK = 500  # set members restored per atomic step: one script call stays small
 
 
 def _outcome_key(outcome: str) -> str:
@@ -80,7 +85,13 @@ class PromptLedger:
         self.hold_slots(version * self.batch_size)
         snapshot = snapshot or {}
         outcomes = [ADMITTED, TRAINED, *map(filtered, FILTER_REASONS), *map(failed, FAILURE_REASONS)]
-        self.bus.delete(_IN_FLIGHT, *map(_outcome_key, outcomes))
+        self.bus.delete(_IN_FLIGHT, _FAILED, _FAILED_UNNAMED, *map(_outcome_key, outcomes))
+        named = snapshot.get("failed_prompts", {})
+        members = [f"{reason} {prompt_id}" for prompt_id, reason in named.items()]
+        for i in range(0, len(members), _RESTORE_CHUNK):
+            self.bus.change([Step.add(_FAILED, member) for member in members[i:i + _RESTORE_CHUNK]])
+        if unnamed := collections.Counter(snapshot.get("failed", {})) - collections.Counter(named.values()):
+            self.bus.set(_FAILED_UNNAMED, dict(unnamed))
         values = {ADMITTED: snapshot.get(ADMITTED, 0), TRAINED: snapshot.get(TRAINED, 0),
                   **{filtered(r): n for r, n in snapshot.get("filtered", {}).items()},
                   **{failed(r): n for r, n in snapshot.get("failed", {}).items()}}
@@ -90,10 +101,18 @@ class PromptLedger:
 
     def snapshot(self) -> dict:
         """What a checkpoint keeps: only prompts with an outcome. The in-flight ones are not in the checkpoint's
-        consumed prompts, so a run resumed from it admits them again; counted here, they would count twice."""
+        consumed prompts, so a run resumed from it admits them again; counted here, they would count twice.
+        The failed ones are named (`failed_prompts`, id -> reason) so that a resumed run skips them, as it skips
+        the consumed ones; their counts come from the same read as their names, so a failure recorded meanwhile is
+        in neither and simply runs again."""
+        named = {prompt_id: reason for reason, prompt_id in
+                 (member.split(" ", 1) for member in self.bus.set_members(_FAILED))}
         c = self.counts()
+        unnamed = collections.Counter(self.bus.get(_FAILED_UNNAMED) or {})
+        c["failed"] = dict(unnamed + collections.Counter(named.values()))
         c["in_flight"] = 0
         c[ADMITTED] = accounted(c)
+        c["failed_prompts"] = named
         return c
 
     def end_run(self) -> dict:
@@ -142,6 +161,8 @@ class PromptLedger:
         """Records an outcome other than trained (filtered(reason) or failed(reason)) and gives the prompt's slot
         back, with the caller's writes `also` in the same atomic step; False, and nothing changed, if the prompt is
         not in flight. So of several callers exactly one records it and gives its slot back."""
+        if outcome.startswith("failed:"):
+            also = (Step.add(_FAILED, f"{outcome.removeprefix('failed:')} {prompt_id}"), *also)
         return self._settle(prompt_id, outcome, (Step.incr(_GATE_SLOTS, -1), *also))
 
     def _settle(self, prompt_id: str, outcome: str, also: tuple[Step, ...]) -> bool:
@@ -163,6 +184,12 @@ class PromptLedger:
                 TRAINED: self.bus.get(_outcome_key(TRAINED)) or 0,
                 "filtered": by_reason(FILTER_REASONS, filtered), "failed": by_reason(FAILURE_REASONS, failed),
                 "in_flight": self.bus.set_size(_IN_FLIGHT)}
+
+
+def settled_prompts(trainer_state: dict) -> set[str]:
+    """The prompts a run resumed from `trainer_state` (a checkpoint's) never admits again: those trained or filtered
+    (the learner's consumed prompts) and those that failed (its accounting names them)."""
+    return {*trainer_state["consumed_prompts"], *(trainer_state.get("accounting") or {}).get("failed_prompts", {})}
 
 
 def accounted(c: dict) -> int:

@@ -5,7 +5,7 @@ import pytest
 
 from rlsys.bus import InProcessBus, Step
 from rlsys.prompt_ledger import (ADMITTED, GATE_FULL, IN_FLIGHT, PromptLedger, accounted, as_metrics, describe, failed,
-                                 filtered)
+                                 filtered, settled_prompts)
 
 BATCH, ETA = 2, 1  # capacity at served version v: (v + 1 + 1) * 2
 
@@ -78,6 +78,37 @@ def test_unknown_reasons_are_refused():
         filtered("oops")
 
 
+def test_a_prompt_that_failed_before_the_checkpoint_is_not_run_again_after_a_resume_nor_counted_twice():
+    """The learner's consumed prompts hold only trained and filtered ones: the checkpoint names the failed ones,
+    and keeps naming them through a second resume."""
+    book = ledger()
+    for qid in "abc":
+        book.admit(qid, 0)
+    book.trained("a")
+    book.untrained("b", failed("env_error"), ())
+    trainer_state = {"consumed_prompts": ["a"], "accounting": book.snapshot()}  # c was in flight: it runs again
+    assert settled_prompts(trainer_state) == {"a", "b"}
+    for _ in range(2):  # resumed, then resumed again from the resumed run's checkpoint
+        resumed = PromptLedger(InProcessBus(), BATCH, ETA)
+        resumed.start(version=0, snapshot=trainer_state["accounting"])
+        trainer_state["accounting"] = resumed.snapshot()
+        assert settled_prompts(trainer_state) == {"a", "b"}
+    resumed.admit("c", 0)
+    resumed.untrained("c", failed("agent_error"))
+    final = resumed.end_run()
+    assert final == {"admitted": 3, "trained": 1, "filtered": {}, "failed": {"env_error": 1, "agent_error": 1},
+                     "in_flight": 0}
+
+
+def test_a_checkpoint_from_before_failed_prompts_were_named_keeps_its_failure_counts():
+    resumed = PromptLedger(InProcessBus(), BATCH, ETA)
+    resumed.start(version=1, snapshot={"admitted": 3, "trained": 2, "filtered": {}, "failed": {"env_error": 1},
+                                       "in_flight": 0})
+    resumed.admit("d", 2)
+    resumed.untrained("d", failed("env_error"))
+    assert resumed.snapshot()["failed"] == {"env_error": 2} and resumed.snapshot()["admitted"] == 4
+
+
 def test_the_age_bound_refuses_a_group_older_than_max_head_offpolicyness():
     book = ledger()
     assert not book.too_stale([4, 5], training_version=5)
@@ -94,7 +125,8 @@ def test_after_a_crash_a_resume_counts_what_was_settled_and_holds_the_trained_ve
     book.trained("a")
     book.untrained("b", failed("agent_error"))
     snapshot = book.snapshot()  # what a checkpoint keeps; c and d will be admitted again
-    assert snapshot == {"admitted": 2, "trained": 1, "filtered": {}, "failed": {"agent_error": 1}, "in_flight": 0}
+    assert snapshot == {"admitted": 2, "trained": 1, "filtered": {}, "failed": {"agent_error": 1}, "in_flight": 0,
+                        "failed_prompts": {"b": "agent_error"}}
     # the run crashes here with c and d in flight; a resume from the checkpoint (1 version trained) on the same bus
     resumed = PromptLedger(bus, BATCH, ETA)
     resumed.start(version=1, snapshot=snapshot)

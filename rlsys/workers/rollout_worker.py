@@ -18,7 +18,7 @@ from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, group_message
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
-from rlsys.prompt_ledger import ADMITTED, GATE_FULL, PromptLedger, failed
+from rlsys.prompt_ledger import ADMITTED, GATE_FULL, PromptLedger, failed, settled_prompts
 from rlsys.errors import RunCannotGoOn
 from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
@@ -54,9 +54,9 @@ class RolloutWorker:
         self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
         self.failed_in_a_row = 0  # training episodes that failed since the last one that did not
         self.cannot_go_on: RunCannotGoOn | None = None
-        # Prompts a resumed run already trained (or filtered): skipped, so none is trained twice.
-        self.consumed = set(read_trainer_state(Path(config.resume_from_checkpoint))["consumed_prompts"]
-                            if config.resume_from_checkpoint else [])
+        # Prompts a resumed run already trained, filtered or failed: skipped, so none is trained twice or run again.
+        self.consumed = (settled_prompts(read_trainer_state(Path(config.resume_from_checkpoint)))
+                         if config.resume_from_checkpoint else set())
 
     def prompts(self, rows: list[dict], tag: str, shuffle: bool):
         """Endless (training) or one-pass (evaluation) stream of this worker's share of a dataset."""
