@@ -561,6 +561,26 @@ def test_a_resumed_learner_continues_its_adaptive_kl_coefficient_and_counters(tm
     assert (resumed.filtered_groups, resumed.skipped_updates) == (5, 2)
 
 
+def test_a_resumed_learner_goes_on_from_its_schedules_position_at_the_configured_rates(tmp_path):
+    config = learner_config(tmp_path)
+    config.ppo.lr, config.ppo.warmup_steps, config.ppo.weight_decay = 1e-5, 4, 0.0
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    for _ in range(3):  # three updates into the warm-up: 3/4 of the rate
+        learner.optimizer.step()
+        learner.scheduler.step()
+    learner.step = learner.version = 1
+    config.resume_from_checkpoint = str(learner.save())
+    same = Learner(config, InProcessBus(), tmp_path / "run")
+    assert same.optimizer.param_groups[0]["lr"] == pytest.approx(0.75e-5) == same.scheduler.get_last_lr()[0]
+    config.ppo.lr, config.ppo.weight_decay = 2e-5, 0.1  # changed on resume: taken, not silently overridden
+    changed = Learner(config, InProcessBus(), tmp_path / "run")
+    assert changed.optimizer.param_groups[0]["lr"] == pytest.approx(1.5e-5)
+    assert changed.optimizer.param_groups[0]["weight_decay"] == 0.1
+    changed.optimizer.step()
+    changed.scheduler.step()
+    assert changed.optimizer.param_groups[0]["lr"] == pytest.approx(2e-5)  # the warm-up's end, at the new rate
+
+
 class _RunsCode:
     def __reduce__(self):
         return (print, ("a tampered checkpoint ran code",))

@@ -74,6 +74,9 @@ class Learner(PolicyTrainer):
 
         self.step, self.version = trainer["step"], trainer["version"]
         self.consumed_prompts = trainer["consumed_prompts"]
+        optimizers = [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
+        configured = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+                      for optimizer in optimizers]
         state = self.sharded_state()
         load_sharded_state(checkpoint, state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -81,6 +84,14 @@ class Learner(PolicyTrainer):
             set_state_dict(self.critic, self.critic_optimizer, model_state_dict=state["critic"],
                            optim_state_dict=state["critic_optimizer"])
         self.scheduler.load_state_dict(trainer["scheduler"])
+        # The optimizers' moments and the schedule's position come from the checkpoint, their settings (ppo.lr,
+        # critic_lr, weight_decay, ...) from the config: loaded, the checkpoint's would silently override a changed one.
+        for optimizer, groups in zip(optimizers, configured):
+            for group, settings in zip(optimizer.param_groups, groups):
+                group.update(settings)
+        self.scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
+        self.scheduler.last_epoch -= 1
+        self.scheduler.step()  # the rate at the schedule's position, from the configured base
         # What a step updates besides the tensors: an adaptive KL coefficient restarting at init_kl_coef would change
         # the loss, and the metrics' counters would restart at 0. Checkpoints from before they were kept lack them.
         self.kl_controller.value = trainer.get("kl_coef", self.kl_controller.value)
