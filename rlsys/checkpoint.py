@@ -14,6 +14,7 @@ trainer states, and importing torch.distributed.checkpoint would cost them a sec
 import json
 import pickle
 import shutil
+import time
 from pathlib import Path
 
 TRAINER_STATE = "trainer_state.json"
@@ -27,7 +28,7 @@ def save_checkpoint(directory: Path, ranks, sharded_state: dict, export, trainer
     Every rank calls it. `sharded_state` is each rank's part (torch.distributed.checkpoint.state_dict);
     `export(tmp)` writes the HF-format export on rank 0 (it may be collective: every rank calls it).
     `trainer_state` ({"step", "version", "consumed_prompts", ...}) is JSON; it is written last, and a
-    directory without it is never taken as a checkpoint.
+    directory without it is never taken as a checkpoint. Its `saved_at` (the time) is added here.
     """
     import torch
     import torch.distributed.checkpoint as dcp
@@ -44,7 +45,7 @@ def save_checkpoint(directory: Path, ranks, sharded_state: dict, export, trainer
     export(tmp)
     if ranks.main:
         torch.save(torch.get_rng_state(), tmp / RNG_STATE)
-        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        (tmp / TRAINER_STATE).write_text(json.dumps({**trainer_state, "saved_at": time.time()}))
         # A checkpoint of the same step (the final save after a periodic one, a stop right after a resume) is
         # renamed away, not deleted in place: a crash mid-delete would leave its trainer state without its shards,
         # a checkpoint `auto` picks and cannot load.
@@ -105,8 +106,12 @@ def read_trainer_state(directory: Path) -> dict:
 
 
 def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None; half-written `.tmp` and replaced `.old` directories
-    never count."""
+    """The complete checkpoint saved last, or None; half-written `.tmp` and replaced `.old` directories never count.
+
+    Saved last, not of the highest step: a run resumed from an earlier checkpoint of its own directory saves lower
+    steps than the ones it left behind, and continuing it must not jump back to those. Checkpoints from before
+    `saved_at` was kept count as saved before any that has it, the highest step last."""
     complete = [d for d in Path(checkpoints_dir).glob("step_*")
                 if d.name.removeprefix("step_").isdigit() and (d / TRAINER_STATE).exists()]
-    return max(complete, key=lambda d: read_trainer_state(d)["step"], default=None)
+    states = {d: read_trainer_state(d) for d in complete}
+    return max(complete, key=lambda d: (states[d].get("saved_at", 0.0), states[d]["step"]), default=None)

@@ -1,6 +1,8 @@
 """Checkpoints on disk: what `resume_from_checkpoint=auto` picks is always one that loads."""
 
+import itertools
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -49,3 +51,23 @@ def test_auto_takes_only_complete_checkpoints_named_by_their_step(tmp_path):
         shutil.copytree(checkpoints / "step_2", checkpoints / leftover)
         (checkpoints / leftover / checkpoint.TRAINER_STATE).write_text('{"step": 4}')
     assert latest_checkpoint(checkpoints) == checkpoints / "step_2"
+
+
+def test_auto_takes_the_checkpoint_saved_last_not_an_abandoned_higher_step(tmp_path, monkeypatch):
+    """A run resumed from its own step_4 while step_8 is there saves step_6 again: continuing it (after a crash, or
+    the learner's restart) goes on from that step_6, not from the step_8 it turned away from."""
+    clock = itertools.count(1)
+    monkeypatch.setattr(time, "time", lambda: float(next(clock)))  # saves a second apart, on any machine
+    checkpoints = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8):
+        save(checkpoints / f"step_{step}", step, 1.0)
+    save(checkpoints / "step_6", 6, 2.0)  # resumed from step_4
+    assert latest_checkpoint(checkpoints) == checkpoints / "step_6"
+    (checkpoints / "step_9").mkdir()  # a checkpoint from before saved_at was kept counts as older
+    (checkpoints / "step_9" / checkpoint.TRAINER_STATE).write_text('{"step": 9}')
+    assert latest_checkpoint(checkpoints) == checkpoints / "step_6"
+    legacy = tmp_path / "legacy"
+    for step in (9, 3):  # among those, the highest step is the newest
+        (legacy / f"step_{step}").mkdir(parents=True)
+        (legacy / f"step_{step}" / checkpoint.TRAINER_STATE).write_text(f'{{"step": {step}}}')
+    assert latest_checkpoint(legacy) == legacy / "step_9"
