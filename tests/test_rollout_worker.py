@@ -148,3 +148,20 @@ def test_a_prompt_still_in_flight_from_the_last_pass_is_skipped_and_the_next_one
 def test_a_restarted_or_resumed_worker_evaluates_next_at_the_next_multiple_of_eval_steps():
     assert [next_evaluation(v, 50) for v in (0, 49, 50, 150, 151)] == [50, 50, 100, 200, 200]
     assert next_evaluation(150, 0) == 0  # eval_steps=0: only before and after
+
+
+def test_a_resumed_worker_skips_the_prompts_its_checkpoint_trained_filtered_or_failed(tmp_path):
+    config = AsyncPPOMATHConfig()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    config.cluster.n_rollout_workers = 1
+    checkpoint = tmp_path / "step_1"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({
+        "step": 1, "version": 1, "consumed_prompts": ["train-0-0"],
+        "accounting": {"admitted": 2, "trained": 1, "filtered": {}, "failed": {"env_error": 1}, "in_flight": 0,
+                       "failed_prompts": {"train-0-2": "env_error"}}}))
+    config.resume_from_checkpoint = str(checkpoint)
+    worker = RolloutWorker(config, InProcessBus(), 0)
+    rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(4)]
+    assert [p.qid for p in worker.prompts(rows, "train", shuffle=False)] == ["train-0-1", "train-0-3"]
