@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from rlsys.bus import (Bus, BusDecodeError, BusEncodeError, BusError, EmbeddedRedis, InProcessBus, RedisBus, Step, Undecodable,
-                       connect)
+from rlsys.bus import (Bus, BusDecodeError, BusEncodeError, BusError, EmbeddedRedis, InProcessBus, RedisBus, Step,
+                       Undecodable, connect)
 from tests.helpers import no_leaked_servers  # noqa: F401  (a fixture)
 
 

@@ -117,8 +117,9 @@ def test_a_plugin_that_registers_a_taken_name_is_a_config_error_naming_the_plugi
     (tmp_path / "taken_name_plugin.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     for entry in (str(tmp_path / "taken_name_plugin.py"), "taken_name_plugin"):
-        with pytest.raises(ConfigError, match=rf"^plugin {re.escape(entry)}: agent 'math-single-step' is already "
-                                              r"registered \(by rlsys.impl.agent.math_single_step.MathSingleStepAgent\)"):
+        taken = (r"agent 'math-single-step' is already registered "
+                 r"\(by rlsys.impl.agent.math_single_step.MathSingleStepAgent\)")
+        with pytest.raises(ConfigError, match=rf"^plugin {re.escape(entry)}: {taken}"):
             parse_config([f"plugins=[{entry}]"])
     assert "taken_name_plugin" not in sys.modules  # a failed import leaves nothing half-registered behind to reuse
 

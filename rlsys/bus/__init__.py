@@ -10,8 +10,9 @@ from rlsys.bus.inproc import InProcessBus
 from rlsys.bus.redis_bus import RedisBus
 from rlsys.bus.redis_server import EmbeddedRedis, EmbeddedRedisError, raise_on_sigterm
 
-__all__ = ["Bus", "BusDecodeError", "BusEncodeError", "BusError", "ServerRestarts", "Step", "StreamEntry", "Undecodable",
-           "connect", "InProcessBus", "RedisBus", "EmbeddedRedis", "EmbeddedRedisError", "raise_on_sigterm"]
+__all__ = ["Bus", "BusDecodeError", "BusEncodeError", "BusError", "ServerRestarts", "Step", "StreamEntry",
+           "Undecodable", "connect", "InProcessBus", "RedisBus", "EmbeddedRedis", "EmbeddedRedisError",
+           "raise_on_sigterm"]
 
 
 def connect(url: str, wait_out_restarts: bool = True) -> Bus:
