@@ -18,7 +18,7 @@ from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, Ge
     Model, Prompt, make_agent, make_env
 from rlsys.bus import InProcessBus
 from rlsys.endpoint.server import Endpoint
-from rlsys.endpoint.session import EpisodeSession
+from rlsys.endpoint.session import EpisodeSession, _cut_at_stop_strings
 from rlsys.model.tokenizer import chat_prompt_ids
 from rlsys.workers.episode_failure import EpisodeFailed
 from rlsys.workers.routing import EpisodeRouter
@@ -437,3 +437,22 @@ def test_any_settings_within_the_bounds_are_answered_and_reach_the_model_as_aske
     gconfig = asked["gconfig"]
     assert (gconfig["n"], gconfig["temperature"], gconfig["top_p"]) == (n, temperature, top_p)
     assert gconfig["seed"] == seed and gconfig["max_new_tokens"] == min(max_tokens, CONTEXT - len(asked["token_ids"]))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(st.text(alphabet="ab\n.", max_size=40), min_size=1, max_size=3),
+       stops=st.lists(st.text(alphabet="ab\n.", min_size=1, max_size=3), max_size=3))
+def test_each_sample_is_cut_after_the_first_token_that_completes_a_stop_string(tokenizer, texts, stops):
+    """As a scan of every prefix cuts it (the oracle here), in a few decodes a sample instead of one per token."""
+    samples = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    output = GenerationOutput("q", [1], samples, [[-0.5] * len(s) for s in samples], [[3] * len(s) for s in samples],
+                              ["length"] * len(samples))
+    cut = _cut_at_stop_strings(output, stops, tokenizer)
+    for sample, kept, reason, logprobs, versions in zip(samples, cut.output_ids, cut.stop_reasons, cut.logprobs,
+                                                        cut.versions):
+        first = next((k for k in range(1, len(sample) + 1)
+                      if any(s in tokenizer.decode(sample[:k], skip_special_tokens=True) for s in stops)), None)
+        assert kept == sample[:first] if first else kept == sample
+        assert reason == ("stop" if first else "length")
+        assert logprobs == [-0.5] * len(kept) and versions == [3] * len(kept)
+    assert output.output_ids == samples  # the output it was given is left as it was

@@ -154,11 +154,22 @@ def _cut_at_stop_strings(output: GenerationOutput, stops: list[str], tokenizer) 
         return output
     cut = dataclasses.replace(output, output_ids=list(output.output_ids), logprobs=list(output.logprobs),
                               versions=list(output.versions), stop_reasons=list(output.stop_reasons))
+
+    def stopped(ids: list[int]) -> bool:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        return any(s in text for s in stops)
+
     for i, ids in enumerate(output.output_ids):
-        for k in range(1, len(ids) + 1):
-            text = tokenizer.decode(ids[:k], skip_special_tokens=True)
-            if any(s in text for s in stops):
-                cut.output_ids[i], cut.logprobs[i], cut.versions[i] = ids[:k], output.logprobs[i][:k], output.versions[i][:k]
-                cut.stop_reasons[i] = "stop"
-                break
+        if not stopped(ids):
+            continue
+        # The shortest prefix that holds a stop string, by bisection: a longer prefix's text extends a shorter one's
+        # (but for a character still incomplete at its end), so a prefix that holds one is followed by others that
+        # do. One decode a step: decoding every prefix cost the event loop seconds on a few thousand tokens.
+        low, high = 0, len(ids)  # ids[:low] holds none, ids[:high] holds one
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if stopped(ids[:middle]) else (middle, high)
+        cut.output_ids[i], cut.logprobs[i] = ids[:high], output.logprobs[i][:high]
+        cut.versions[i] = output.versions[i][:high]
+        cut.stop_reasons[i] = "stop"
     return cut
