@@ -90,6 +90,7 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
     one keeps those of its earlier part)."""
     cluster = config.cluster
     bus.delete(protocol.STOP, protocol.LEARNER_DONE, protocol.WEIGHTS, protocol.LOGPROB_PROBES, protocol.TRAJECTORIES,
+               protocol.DATASET_FINGERPRINT,
                *(protocol.eval_result(tag) for tag in (("final",) if keep_initial_eval else ("initial", "final"))),
                *(key for i in range(cluster.n_inference_workers)
                  for key in (protocol.generation_requests(i), protocol.inference_status(i))),
@@ -153,6 +154,25 @@ def check_plugins(config) -> None:
             ENVIRONMENTS.check(abstraction.name, abstraction.args)
         except (KeyError, TypeError) as e:
             raise StartupError(first_line(e)) from None
+
+
+def check_same_dataset(config, trainer_state: dict) -> None:
+    """A resume reads the training rows its checkpoint was trained on: its prompts are named by their row's place,
+    so on other rows it would skip rows never trained and train others again. A checkpoint from before the
+    fingerprint was kept is not checked."""
+    from rlsys.data.dataset import DatasetError, load_rows, rows_fingerprint
+
+    if not (saved := trainer_state.get("dataset")):
+        return
+    try:
+        now = rows_fingerprint(load_rows(config.dataset.path, config.dataset.row_format()))
+    except DatasetError as e:
+        raise StartupError(str(e)) from None
+    if now != saved:
+        raise StartupError(f"{config.resume_from_checkpoint} was trained on other training rows than "
+                           f"dataset.path={config.dataset.path} holds now (or the same in another order or format): "
+                           "a resume names prompts by their row, so it would skip rows never trained and train others "
+                           "again. Resume with the dataset it was trained on, or start a new run (trial_name=NEW)")
 
 
 def resume_from_latest(config, run_dir: Path) -> dict:
@@ -220,6 +240,7 @@ def launch(config) -> dict:
     trainer_state = {}
     if config.resume_from_checkpoint:
         trainer_state = read_trainer_state(Path(config.resume_from_checkpoint))
+        check_same_dataset(config, trainer_state)
         print(f"resuming from {config.resume_from_checkpoint} (version {trainer_state['version']})", flush=True)
     with raise_on_sigterm(), placed_roles(config) as placement, \
             message_bus(config, run_dir, placement.bus_host) as (bus_url, server):

@@ -7,6 +7,7 @@ DEAD_LETTERS = "trajectories:dead"  # stream: trajectory messages the learner co
 DEAD_MESSAGES = "messages:dead"  # stream: {"source", "reason", "size", "head"} of requests/replies a role refused
 MAX_QUEUE_MESSAGE_BYTES = 64 * 2**20  # a generation request or reply larger than this is refused unread
 WEIGHTS = "weights:latest"  # key: the newest published policy (rlsys.api.messages.PublishedWeights)
+DATASET_FINGERPRINT = "dataset:fingerprint"  # key: rlsys.data.dataset.rows_fingerprint of the training rows
 WEIGHT_CHECKS = "weights:checks"  # counter: weight updates whose checksum an inference worker verified
 LOGPROB_PROBES = "weights:probes"  # queue: each worker's logprobs of the learner's probe sequences, scored at load
 LEARNER_DONE = "learner:final_version"  # key: set once the learner published its last version

@@ -21,7 +21,7 @@ from rlsys.api import EnvServiceAbstraction, make_env
 from rlsys.bus import EmbeddedRedis
 from rlsys.checkpoint import TRAINER_STATE
 from rlsys.cli import ConfigError, parse_config, save_config
-from rlsys.data.dataset import DatasetError, load_rows
+from rlsys.data.dataset import DatasetError, load_rows, rows_fingerprint
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.launcher import last_checkpoint_note, launch, resolve_resume, run_directory
 from rlsys.preflight import StartupError
@@ -208,6 +208,26 @@ def test_a_malformed_dataset_stops_the_run_naming_line_and_field(tmp_path):
     held_out.write_text(f"{GOOD_ROW}\n")
     with pytest.raises(StartupError, match=r"train.jsonl:2: field 'answer' must be a string or a number, got list"):
         launch(run_config(tmp_path, f"dataset.path={train}", f"dataset.eval_path={held_out}"))
+    assert left_behind(tmp_path, existing) == []
+
+
+def test_a_resume_on_other_training_rows_stops_before_anything_starts(tmp_path):
+    """Prompts are named by their row's place: resumed on other rows (here two swapped), a run would skip rows it
+    never trained and train others twice."""
+    existing = child_pids()
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(4)]
+    trained_on, now = tmp_path / "train.jsonl", tmp_path / "changed.jsonl"
+    trained_on.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    now.write_text("".join(json.dumps(row) + "\n" for row in [rows[1], rows[0], *rows[2:]]))
+    checkpoint = save_random_tiny_model(tmp_path / "checkpoint")  # the policy a checkpoint holds, and its state
+    (checkpoint / TRAINER_STATE).write_text(json.dumps(
+        {"step": 1, "version": 1, "dataset": rows_fingerprint(load_rows(trained_on))}))
+    resume = [f"dataset.eval_path={trained_on}", f"resume_from_checkpoint={checkpoint}"]
+    with pytest.raises(StartupError, match=r"checkpoint was trained on other training rows than dataset.path=.*"
+                                           r"changed.jsonl holds now.*Resume with the dataset it was trained on"):
+        launch(run_config(tmp_path, "trial_name=t", f"dataset.path={now}", *resume))
+    assert not (tmp_path / "runs" / "async-ppo-math" / "t" / "redis").exists()  # nothing was started
+    assert rows_fingerprint(load_rows(now)) != rows_fingerprint(load_rows(trained_on))
     assert left_behind(tmp_path, existing) == []
 
 

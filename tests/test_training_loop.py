@@ -14,6 +14,7 @@ from rlsys import protocol
 from rlsys.bus import RedisBus
 from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import parse_config
+from rlsys.data.dataset import load_rows, rows_fingerprint
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.errors import RoleFailed
@@ -132,6 +133,9 @@ def test_resume_from_checkpoint_continues_step_and_version(cache_dir, tmp_path):
     first = parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=2", "trial_name=a"])
     launch(first)
     checkpoint = tmp_path / "async-ppo-math" / "a" / "checkpoints" / "step_2"
+    # What a resume checks it reads the same training rows against (launcher.check_same_dataset).
+    rows = load_rows(first.dataset.path, first.dataset.row_format())
+    assert read_trainer_state(checkpoint)["dataset"] == rows_fingerprint(rows)
     second = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         "max_steps=4", "trial_name=b", f"resume_from_checkpoint={checkpoint}"])
     summary = launch(second)

@@ -12,6 +12,7 @@ so agents and environments read `prompt`/`answer` whatever the file called them,
 renders `messages` (system prompt included) with the tokenizer's chat template.
 """
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,15 @@ def load_rows(path: str | Path, row_format: RowFormat = RowFormat(), agent_names
         raise DatasetError(f"dataset {path} has no rows")
     where = _locator(path)
     return [_row(record, where(number), row_format, agent_names) for number, record in enumerate(records, start=1)]
+
+
+def rows_fingerprint(rows: list[dict]) -> str:
+    """A digest of the rows, in order. Prompts are named by their row's place (rlsys/data/prompts.py), so a run
+    resumed on other rows would skip rows it never trained and train others again: its checkpoint keeps this."""
+    digest = hashlib.blake2b(digest_size=16)
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=str).encode() + b"\n")
+    return digest.hexdigest()
 
 
 def _locator(path: Path):

@@ -13,7 +13,7 @@ from rlsys import protocol
 from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent, make_env
 from rlsys.bus.base import Step
 from rlsys.checkpoint import read_trainer_state
-from rlsys.data.dataset import load_rows
+from rlsys.data.dataset import load_rows, rows_fingerprint
 from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, group_message
 from rlsys.metrics import MetricsLogger
@@ -94,6 +94,8 @@ class RolloutWorker:
         self.train_rows = await asyncio.to_thread(load_rows, data.path, data.row_format())
         if self.index == 0:
             self.eval_rows = await asyncio.to_thread(load_rows, data.eval_path, data.row_format())
+            fingerprint = await asyncio.to_thread(rows_fingerprint, self.train_rows)  # kept by each checkpoint
+            await asyncio.to_thread(self.bus.set, protocol.DATASET_FINGERPRINT, fingerprint)
 
     async def warm_up_environments(self) -> None:
         """One instance of each environment the run uses starts what all its episodes share (EnvironmentService.
