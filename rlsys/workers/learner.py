@@ -234,7 +234,9 @@ class Learner(PolicyTrainer):
         trainer_state = {"step": self.step, "version": self.version, "consumed_prompts": self.consumed_prompts,
                          "initial_model_path": self.initial_model_path, "scheduler": self.scheduler.state_dict(),
                          "kl_coef": self.kl_controller.value, "filtered_groups": self.filtered_groups,
-                         "skipped_updates": self.skipped_updates, "dataset": self.bus.get(protocol.DATASET_FINGERPRINT),
+                         "skipped_updates": self.skipped_updates,
+                         # rank 0 alone writes the trainer state, so it alone reads the bus for it
+                         "dataset": self.bus.get(protocol.DATASET_FINGERPRINT) if self.ranks.main else None,
                          "accounting": self.ledger.snapshot() if self.ranks.main else None}
         return save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.ranks, self.sharded_state(),
                                self.export, trainer_state)
