@@ -6,9 +6,14 @@ import asyncio
 import functools
 import json
 import math
+import resource
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import Request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +22,7 @@ import rlsys.impl.env  # noqa: F401
 from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, GenerationOutput, \
     Model, Prompt, make_agent, make_env
 from rlsys.bus import InProcessBus
+from rlsys.endpoint import http_protocol, server
 from rlsys.endpoint.server import Endpoint
 from rlsys.endpoint.session import EpisodeSession, _cut_at_stop_strings
 from rlsys.model.tokenizer import chat_prompt_ids
@@ -271,6 +277,102 @@ def test_headers_that_never_end_are_refused_before_they_fill_the_workers_memory(
     assert answer is not None, "the server kept reading 64 MiB of headers"
     assert answer == b"" or answer.startswith(b"HTTP/1.1 400"), answer[:200]
 
+
+
+async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes | None:
+    """What the server sent before it closed the connection, or None if it was still open after `seconds`."""
+    try:
+        return await asyncio.wait_for(reader.read(), seconds)
+    except ConnectionError:
+        return b""
+    except TimeoutError:
+        return None
+
+
+def test_a_request_that_does_not_arrive_in_time_is_closed_and_an_answered_one_is_not(monkeypatch):
+    """Every local user reaches the endpoint, and each connection holds a descriptor of the rollout worker's: a
+    connection that never sends, trickles its headers or stops in its body is closed at the deadline (more bytes do
+    not restart it); an answered connection stays open for its next request, and a handler slower than the
+    deadline is not cut."""
+    monkeypatch.setattr(http_protocol, "REQUEST_READ_SECONDS", 0.5)
+
+    async def main():
+        endpoint = Endpoint()
+
+        @endpoint.app.get("/slow")
+        async def slow():
+            await asyncio.sleep(1.0)
+            return {"ok": True}
+
+        @endpoint.app.post("/echo")
+        async def echo(request: Request):
+            return {"body": (await request.body()).decode()}
+
+        await endpoint.start()
+        connect = functools.partial(asyncio.open_connection, "127.0.0.1", endpoint.port)
+        (silent, _), (trickle, trickle_w), (body, body_w), (kept, kept_w) = [await connect() for _ in range(4)]
+        body_w.write(b"POST /echo HTTP/1.1\r\nHost: e\r\nContent-Length: 100\r\n\r\n" + b"{" * 10)
+        kept_w.write(b"GET /slow HTTP/1.1\r\nHost: e\r\n\r\n")
+        started = asyncio.get_running_loop().time()
+        for byte in b"GET /v1/models HTTP/1.1\r\nHost: e\r\nX-Pad: aaaaaaa":  # a byte every 50 ms
+            if trickle_w.is_closing() or trickle.at_eof():
+                break
+            trickle_w.write(bytes([byte]))
+            await asyncio.sleep(0.05)
+        trickled = asyncio.get_running_loop().time() - started
+        closed = [await _closed_within(r, 2.0) for r in (silent, trickle, body)]
+        slow_answer = await kept.readuntil(b'{"ok":true}')
+        await asyncio.sleep(0.7)  # idle past the deadline, within keep-alive
+        kept_w.write(b"GET /v1/models HTTP/1.1\r\nHost: e\r\n\r\n")
+        second = await asyncio.wait_for(kept.readuntil(b"invalid_api_key"), 5)
+        endpoint.task.cancel()
+        return trickled, closed, slow_answer, second
+
+    trickled, closed, slow_answer, second = asyncio.run(main())
+    assert closed == [b"", b"", b""], closed  # each closed, none answered
+    assert trickled < 1.5, trickled  # the trickle was cut near the deadline, not when it finished (2.1 s)
+    assert slow_answer.startswith(b"HTTP/1.1 200"), slow_answer
+    assert second.startswith(b"HTTP/1.1 401"), second
+
+
+def test_connections_over_the_cap_are_answered_busy_and_closed_until_one_ends(monkeypatch):
+    """The endpoint keeps at most its cap of connections (half the descriptors the process may open, beyond a
+    reserve), so connections opened and held by anyone cannot take the rollout worker's last descriptors."""
+    monkeypatch.setattr(server, "connection_cap", lambda descriptors: 3, raising=False)
+
+    async def main():
+        endpoint = Endpoint()
+        await endpoint.start()
+        connect = functools.partial(asyncio.open_connection, "127.0.0.1", endpoint.port)
+        held = [await connect() for _ in range(3)]
+        over, _ = await connect()
+        refused = await _closed_within(over, 5)
+        held[0][1].close()
+        await asyncio.sleep(0.2)
+        reader, writer = await connect()
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: e\r\n\r\n")
+        answered = await asyncio.wait_for(reader.readuntil(b"invalid_api_key"), 5)
+        endpoint.task.cancel()
+        return refused, answered
+
+    refused, answered = asyncio.run(main())
+    assert refused.startswith(b"HTTP/1.1 503"), refused
+    assert answered.startswith(b"HTTP/1.1 401"), answered
+
+
+def test_a_process_that_serves_the_endpoint_raises_its_descriptor_limit_to_the_hard_one():
+    """Under the usual soft limit of 1024 the endpoint's cap would be 384 connections, below the 512 calls 64
+    episodes of 8 runs may have in flight; the process that starts an endpoint raises its soft limit to the hard
+    one."""
+    code = ("import asyncio, resource; from rlsys.endpoint.server import Endpoint; "
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)); e = Endpoint(); "
+            "asyncio.run(e.start()); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)")
+    raised, hard = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                  cwd=Path(__file__).parents[1]).stdout.split()
+    assert int(hard) > 256, "this machine's hard limit leaves nothing to raise"
+    wanted = http_protocol.DESCRIPTORS_WANTED if int(hard) == resource.RLIM_INFINITY else int(hard)
+    assert int(raised) == wanted, (raised, hard)
 
 # ---- what a client may send: answered, or refused with 4xx naming the field and why; never a 500
 

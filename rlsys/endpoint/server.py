@@ -6,7 +6,8 @@ attributes every call): `/v1/chat/completions`, `/v1/completions` and `/v1/model
 episode only. A call with a key nobody opened is refused with 401, one with the key of an episode that
 ended with 410, a malformed request with 400 and one over MAX_BODY_BYTES with 413; OpenAI's error body says
 why, and for 400 which field (rlsys/endpoint/request_checks.py). Headers over MAX_HEADER_BYTES get a plain 400
-and the connection closed, whatever the key.
+and the connection closed, whatever the key; so is a request that has not arrived whole within 30 s, and a
+connection over the server's cap is answered 503 (rlsys/endpoint/http_protocol.py).
 """
 
 import asyncio
@@ -20,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from rlsys.endpoint.http_protocol import bounded_protocol, connection_cap, raise_descriptor_limit
 from rlsys.endpoint.request_checks import MAX_BODY_BYTES, RequestError, json_body, too_large
 from rlsys.endpoint.session import EpisodeSession
 
@@ -64,9 +66,11 @@ class Endpoint:
         # Idle connections kept longer than the agents' pool keeps them (rlsys/endpoint/http_client.py), so a
         # client never sends on a connection the server is closing. h11, not httptools (uvicorn's choice where it is
         # installed): httptools keeps a request's headers however long they grow, before any key is checked, so any
-        # local user could fill this process's memory; h11 refuses a header block over MAX_HEADER_BYTES.
+        # local user could fill this process's memory; h11 refuses a header block over MAX_HEADER_BYTES. Its
+        # protocol here also bounds how long a request may take to arrive and how many connections are open.
+        protocol = bounded_protocol(connection_cap(raise_descriptor_limit()))
         server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
-                                        timeout_keep_alive=KEEP_ALIVE_SECONDS, http="h11",
+                                        timeout_keep_alive=KEEP_ALIVE_SECONDS, http=protocol,
                                         h11_max_incomplete_event_size=MAX_HEADER_BYTES))
         self.task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
