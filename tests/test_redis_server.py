@@ -102,13 +102,22 @@ def test_password_required_and_not_on_command_line(tmp_path):
         assert (tmp_path / "redis.conf").stat().st_mode & 0o777 == 0o600
 
 
-def test_bound_to_loopback_in_protected_mode(tmp_path):
+def test_bound_to_loopback_in_protected_mode_and_the_commands_that_reach_beyond_the_data_refused(tmp_path):
+    """The password travels in clear to other nodes: whoever holds it may read and write the run's keys, but not
+    make the server write a file of their choosing (CONFIG SET dir), replicate from their server or load a module."""
     with EmbeddedRedis(tmp_path) as server:
         client = redis.Redis.from_url(server.url, decode_responses=True)
-        assert client.config_get("bind") == {"bind": "127.0.0.1"}
-        assert client.config_get("protected-mode") == {"protected-mode": "yes"}
-        assert client.config_get("appendonly") == {"appendonly": "yes"}
-        assert str(tmp_path.resolve()) == client.config_get("dir")["dir"]
+        config = (tmp_path / "redis.conf").read_text().splitlines()
+        assert {"bind 127.0.0.1", "protected-mode yes", "appendonly yes"} <= set(config)
+        listening = {line.split()[1] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                     if line.split()[3] == "0A"}  # state LISTEN
+        assert f"0100007F:{server.port:04X}" in listening and f"00000000:{server.port:04X}" not in listening
+        for command in (("CONFIG", "SET", "dir", "/tmp"), ("CONFIG", "GET", "dir"), ("REPLICAOF", "10.0.0.1", "6379"),
+                        ("SLAVEOF", "10.0.0.1", "6379"), ("MODULE", "LOAD", "/tmp/x.so"), ("DEBUG", "SLEEP", "0"),
+                        ("MIGRATE", "10.0.0.1", "6379", "k", "0", "100")):
+            with pytest.raises(redis.ResponseError, match="unknown command"):
+                client.execute_command(*command)
+        assert client.ping() and client.set("k", "v") and client.get("k") == "v"
         client.close()
 
 

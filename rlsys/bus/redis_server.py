@@ -1,7 +1,8 @@
 """EmbeddedRedis: a private redis-server for a single-machine run, that never outlives its owner.
 
-Security: binds 127.0.0.1 only (or the one address given, for other nodes), protected mode on, a random password that is written to a 0600
-config file (never on the command line, where `ps` would show it).
+Security: binds 127.0.0.1 only (or the one address given, for other nodes), protected mode on, a random password
+that is written to a 0600 config file (never on the command line, where `ps` would show it), and the commands that
+would let the password's holder write files, load code or replicate from elsewhere removed (DISABLED_COMMANDS).
 Durability: append-only file in the run directory, so restarting on the same run_dir keeps the data.
 Cleanup on every way the owning process can end:
   * normal end / exception / KeyboardInterrupt: the `with` block (or atexit) calls stop();
@@ -38,6 +39,11 @@ STOP_TIMEOUT = 10.0
 PORT_ATTEMPTS = 5
 MIN_VERSION = (6, 2)  # XPENDING IDLE and XAUTOCLAIM-era stream commands
 _PR_SET_PDEATHSIG = 1
+# Commands the bus never sends that would let whoever holds the password (sent in clear to other nodes) reach
+# beyond the run's data: CONFIG SET dir/dbfilename writes a file of their choosing as this user (Redis 6.2 has no
+# protected configs), REPLICAOF/SLAVEOF loads a server of theirs, MODULE loads code, DEBUG crashes or stalls it,
+# MIGRATE sends keys to any host. Removed from the server's command table, so no ACL change brings them back.
+DISABLED_COMMANDS = ("CONFIG", "REPLICAOF", "SLAVEOF", "MODULE", "DEBUG", "MIGRATE")
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -185,7 +191,7 @@ class EmbeddedRedis:
             "hz 100",  # blocking-pop timeouts are checked at this rate: 10 ms, not the default 100 ms
             "daemonize no",
             'logfile ""',  # stdout, which goes to redis.log
-        ]
+        ] + [f'rename-command {command} ""' for command in DISABLED_COMMANDS]
         path = self.run_dir / "redis.conf"
         write_private(path, "\n".join(lines) + "\n")
         return path
