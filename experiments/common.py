@@ -228,7 +228,8 @@ class PPOHyperparameters:
     filter_uniform_groups: bool = False
     """Drop groups whose rewards are all equal (no signal for group baselines); counted as groups/filtered."""
     tis_cap: float = 0.0
-    """Truncated importance sampling: each token's loss times min(p_learner/p_inference, tis_cap); 0 is off."""
+    """Truncated importance sampling: each token's loss times min(p_learner/p_inference, tis_cap); 0 is off. Not with
+    ppo.decoupled_loss, whose weight is the same ratio."""
 
     def __post_init__(self):
         self.sequence_packing = str(self.sequence_packing).lower()  # false from the command line arrives as "False"
@@ -268,6 +269,10 @@ class PPOHyperparameters:
             raise ValueError(f"ppo.gamma and ppo.lambd must be in [0, 1], got {self.gamma} and {self.lambd}")
         if self.tis_cap and self.tis_cap <= 1:
             raise ValueError(f"ppo.tis_cap must be 0 (off) or greater than 1, got {self.tis_cap}")
+        if self.tis_cap and self.decoupled_loss:
+            raise ValueError("ppo.tis_cap and ppo.decoupled_loss=true both weight each token's loss by "
+                             "p_proximal/p_behaviour (truncated at tis_cap; dropped over behaviour_imp_weight_cap): "
+                             "together they apply that correction twice. Set one of them")
         if self.behaviour_imp_weight_cap and self.behaviour_imp_weight_cap <= 1:
             raise ValueError(f"ppo.behaviour_imp_weight_cap must be 0 (off) or greater than 1, "
                              f"got {self.behaviour_imp_weight_cap}")

@@ -93,3 +93,12 @@ def test_every_experiment_parses_with_its_defaults_and_with_a_model_and_dataset_
     parse_config([f"experiment={name}"])
     parse_config([f"experiment={name}", "model.path=/models/qwen", "dataset.path=train.jsonl",
                   "dataset.eval_path=test.jsonl"])
+
+
+def test_truncated_importance_sampling_and_the_decoupled_objective_are_not_combined():
+    """Both weight each token's loss by p_proximal / p_behaviour (tis_cap truncated, decoupled_loss with tokens over its
+    cap dropped): together a token at ratio 1.5 would weigh 1.5 * min(1.5, C) = 2.25, the correction applied twice."""
+    with pytest.raises(ConfigError, match="ppo.tis_cap and ppo.decoupled_loss"):
+        parse_config(["ppo.decoupled_loss=true", "ppo.tis_cap=2"])
+    parse_config(["ppo.decoupled_loss=true"])
+    parse_config(["ppo.tis_cap=2"])
