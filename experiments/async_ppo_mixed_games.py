@@ -12,7 +12,7 @@ from pathlib import Path
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.async_ppo_multi_turn import (AsyncPPOFrozenLakeConfig, AsyncPPOSokobanConfig, multi_turn_agent,
-                                              walk_model)
+                                              refuse_unapplied_turn_discount, walk_model)
 from experiments.common import DatasetConfig, GenerationHyperparameters, ModelConfig, check_at_least, check_fraction
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
@@ -55,6 +55,7 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
             raise ValueError(f"frozen_lake_share must be in (0, 1): both games in the run, got {self.frozen_lake_share}")
         check_at_least("", self, max_turns=1, invalid_action_penalty=0, eval_invalid_action_penalty=0)
         check_fraction("", self, "turn_discount", "warm_start_hint")
+        refuse_unapplied_turn_discount(self)
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
         return {**super().inactive_settings(), "warm_start_hint": self.model.tiny_only(),

@@ -36,6 +36,26 @@ def multi_turn_agent(config, name: str, **own_args) -> AgentAbstraction:
         max_context_tokens=config.inference.max_model_len, **own_args))
 
 
+def refuse_unapplied_turn_discount(config) -> None:
+    """turn_discount shapes each episode's reward, sum_k turn_discount**(k-1) r_k (Trajectory.reward), which grpo and
+    reinforce train on. starpo (and gigpo's episode part) sum the turn rewards undiscounted and gae discounts them per
+    token by ppo.gamma: on whole episodes a discount other than 1 would change the logged rewards and not the update."""
+    estimator = config.ppo.adv_estimator
+    if config.turn_discount != 1 and estimator in TURN_REWARD_ESTIMATORS and not config.rollout.single_turn_samples:
+        raise ValueError(f"turn_discount={config.turn_discount} is not applied by ppo.adv_estimator={estimator}, "
+                         f"which {TURN_REWARD_ESTIMATORS[estimator]}: set turn_discount=1, or "
+                         "rollout.single_turn_samples=true (each turn's reward is then its discounted return), or "
+                         "ppo.adv_estimator=grpo or reinforce (which train on the discounted episode reward)")
+
+
+TURN_REWARD_ESTIMATORS = {  # those that read the turn rewards, not the episode's discounted reward
+    "starpo": "sums each episode's turn rewards undiscounted",
+    "gigpo": "sums each episode's turn rewards undiscounted for its episode advantage (ppo.gigpo_step_gamma "
+             "discounts its step returns)",
+    "gae": "puts each turn's reward on its last token and discounts per token by ppo.gamma",
+}
+
+
 @dataclass
 class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
     # A step trains about 12k tokens where the math experiment's trains 1.6k (each retry's prompt carries the
@@ -61,6 +81,7 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
         super().__post_init__()
         check_at_least("", self, num_turns=1)
         check_fraction("", self, "turn_discount")
+        refuse_unapplied_turn_discount(self)
 
     @property
     def agent(self) -> AgentAbstraction:
@@ -120,6 +141,7 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
         super().__post_init__()
         check_at_least("", self, max_turns=1, invalid_action_penalty=0)
         check_fraction("", self, "turn_discount", "warm_start_hint")
+        refuse_unapplied_turn_discount(self)
 
     @property
     def agent(self) -> AgentAbstraction:

@@ -102,3 +102,19 @@ def test_truncated_importance_sampling_and_the_decoupled_objective_are_not_combi
         parse_config(["ppo.decoupled_loss=true", "ppo.tis_cap=2"])
     parse_config(["ppo.decoupled_loss=true"])
     parse_config(["ppo.tis_cap=2"])
+
+
+@pytest.mark.parametrize("estimator", ["starpo", "gigpo", "gae"])
+@pytest.mark.parametrize("experiment", ["async-ppo-math-multi-turn", "async-ppo-frozen-lake", "async-ppo-mixed-games"])
+def test_a_turn_discount_the_estimator_never_applies_is_refused(experiment, estimator):
+    """turn_discount makes each episode's reward sum_k discount**(k-1) r_k (Trajectory.reward), which grpo and reinforce
+    train on; starpo and gigpo's episode part sum the turn rewards undiscounted, and gae discounts them per token by
+    ppo.gamma. With those, on whole episodes, a discount other than 1 trains nothing different: on the math retries
+    a right second attempt would score as a right first one, which the discount is there to tell apart."""
+    with pytest.raises(ConfigError, match=f"turn_discount=0.5 is not applied by ppo.adv_estimator={estimator}"):
+        parse_config([f"experiment={experiment}", f"ppo.adv_estimator={estimator}", "turn_discount=0.5"])
+    parse_config([f"experiment={experiment}", f"ppo.adv_estimator={estimator}", "turn_discount=1"])
+    parse_config([f"experiment={experiment}", "ppo.adv_estimator=grpo", "turn_discount=0.5"])
+    # Trained turn by turn, each sample's one turn reward is its discounted return: the discount is applied.
+    parse_config([f"experiment={experiment}", f"ppo.adv_estimator={estimator}", "turn_discount=0.5",
+                  "rollout.single_turn_samples=true"])
