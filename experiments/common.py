@@ -160,7 +160,7 @@ class PPOHyperparameters:
     num_mini_batches: int = 1
     """Optimizer steps per pass: the batch's sequences are split into this many shuffled mini-batches."""
     warmup_steps: int = 0
-    """Learning-rate warm-up, in optimizer steps, linear from 0."""
+    """The policy's learning-rate warm-up, in optimizer steps, linear from 0 (the critic's stays ppo.critic_lr)."""
     lr_scheduler_type: str = "constant"
     """After warm-up: constant, linear (to 0 at the last step) or cosine (to 0 at the last step)."""
     pg_clip: float = 0.2
@@ -196,9 +196,12 @@ class PPOHyperparameters:
     value_clip: float = 0.2
     """gae: PPO value clipping, how far a value may move from its pre-update estimate; 0 disables it."""
     value_loss_coef: float = 0.5
-    """gae: scale of the critic's squared-error loss."""
+    """gae: scale of the critic's squared-error loss. The critic has an AdamW of its own, whose steps do not change with
+    the scale of its gradients: in effect this sets where ppo.max_grad_norm clips them (max_grad_norm / value_loss_coef
+    of the unscaled loss's gradient norm)."""
     loss_agg_mode: str = "token-mean"
-    """Loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum."""
+    """Loss aggregation of the policy term: token-mean, seq-mean-token-mean or seq-mean-token-sum. The KL, entropy and
+    value terms are token means over the mini-batch whatever this is."""
     decoupled_loss: bool = False
     """AReaL's decoupled objective: ratio against the learner's recomputed (proximal) logprobs, weighted by prox/behaviour."""
     behaviour_imp_weight_cap: float = 5.0
