@@ -878,3 +878,80 @@ def test_the_micro_batch_budget_is_the_devices_unless_set(tmp_path):
     assert len(mb) > 1 and max(m.input_ids.numel() for m in mb) <= 40
     with pytest.raises(ValueError, match="must be 0 \\(by device\\) or a number of tokens"):
         parse_config(["ppo.max_tokens_per_micro_batch=-1"])
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_a_mini_batchs_loss_and_gradients_are_those_of_a_plain_per_sequence_computation(tmp_path, agg):
+    """The whole loss (decoupled PPO with dual clip and the behaviour weight's cap, entropy bonus, k3 KL) against one
+    written out sequence by sequence, each its own unpadded forward pass, from the definitions: GRPO advantages over
+    each group (population std), the policy term aggregated by `agg` over the mini-batch's sequences, the KL and
+    entropy terms token means over all its trained tokens. Small micro-batches, so the learner accumulates."""
+    import math
+    import random
+
+    config = learner_config(tmp_path)
+    for key, value in {"loss_agg_mode": agg, "init_kl_coef": 0.1, "entropy_loss_coef": 0.01, "decoupled_loss": True,
+                       "dual_clip": 1.3, "behaviour_imp_weight_cap": 1.5, "max_tokens_per_micro_batch": 64}.items():
+        setattr(config.ppo, key, value)
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    trajectories = mixed_length_batch(learner.model, random.Random(0), groups=3)
+    for t in trajectories:  # behaviour logprobs up to 0.6 below: weights up to 1.8, some over the cap
+        t.logprobs = [lp - 0.6 * random.Random(len(t.token_ids) + k).random() if m else lp
+                      for k, (lp, m) in enumerate(zip(t.logprobs, t.loss_mask))]
+    batch = learner.prepare_batch(trajectories)
+    # proximal logprobs moved off the policy's, so that ratios are clipped and dual-clipped
+    shifts = [torch.tensor([0.4 * math.sin(7 * i + 3 * k) for k in range(n - 1)]) for i, n in enumerate(batch.lengths)]
+    batch.fields["proximal_logprobs"] = batch.fields["proximal_logprobs"] + batch.flatten(shifts)
+    assert len(learner.micro_batches(batch)) > 1
+    loss = learner.mini_batch_gradients(batch)["loss"]
+    grads = {n: p.grad.clone() for n, p in learner.model.named_parameters()}
+
+    learner.model.zero_grad()
+    rewards, groups = [t.reward for t in trajectories], [t.group_id for t in trajectories]
+    advantages = []
+    for r, g in zip(rewards, groups):
+        members = [x for x, h in zip(rewards, groups) if h == g]
+        mean = sum(members) / len(members)
+        std = math.sqrt(sum((x - mean) ** 2 for x in members) / len(members))
+        advantages.append((r - mean) / (std + 1e-6))
+    policy_terms, kl_sum, entropy_sum, tokens, sequences = [], 0.0, 0.0, 0, 0
+    exercised = {"clipped": 0, "dual_clipped": 0, "capped": 0}
+    for i, t in enumerate(trajectories):
+        ids = torch.tensor([t.token_ids])
+        logits = learner.model(input_ids=ids).logits[0, :-1].float()
+        distributions = torch.log_softmax(logits, -1)
+        logp = distributions.gather(-1, ids[0, 1:, None])[:, 0]
+        with torch.no_grad():
+            ref = torch.log_softmax(learner.reference(input_ids=ids).logits[0, :-1].float(), -1).gather(
+                -1, ids[0, 1:, None])[:, 0]
+        proximal = logp.detach() + shifts[i]
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
+        behaviour = torch.tensor(t.logprobs[1:])
+        a = advantages[i]
+        ratio = torch.exp(logp - proximal)
+        token_loss = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))
+        exercised["clipped"] += int((((ratio > 1.2) & (a > 0)) | ((ratio < 0.8) & (a < 0)))[mask > 0].sum())
+        if a < 0:
+            exercised["dual_clipped"] += int((token_loss > -a * 1.3)[mask > 0].sum())
+            token_loss = torch.minimum(token_loss, torch.full_like(token_loss, -a * 1.3))
+        weight = torch.exp(proximal - behaviour)
+        exercised["capped"] += int((weight > 1.5)[mask > 0].sum())
+        token_loss = token_loss * torch.where(weight > 1.5, 0.0, weight) * mask
+        n = mask.sum()
+        policy_terms.append((token_loss.sum(), n))
+        kl_sum = kl_sum + ((torch.exp(ref - logp) - (ref - logp) - 1) * mask).sum()
+        entropy_sum = entropy_sum - ((distributions.exp() * distributions).sum(-1) * mask).sum()
+        tokens, sequences = tokens + n, sequences + (n > 0)
+    if agg == "token-mean":
+        policy = sum(s for s, _ in policy_terms) / tokens
+    elif agg == "seq-mean-token-mean":
+        policy = sum(s / n for s, n in policy_terms) / sequences
+    else:
+        policy = sum(s for s, _ in policy_terms) / sequences
+    expected = policy - 0.01 * entropy_sum / tokens + 0.1 * kl_sum / tokens
+    expected.backward()
+    assert float(loss) == pytest.approx(expected.item(), abs=1e-5)
+    for name, p in learner.model.named_parameters():
+        assert torch.allclose(grads[name], p.grad, atol=1e-5, rtol=1e-4), name
+    assert max(g.abs().max() for g in grads.values()) > 1e-3
+    assert min(exercised.values()) > 0, exercised
