@@ -288,7 +288,15 @@ class PPOHyperparameters:
     def refuse_inactive_settings(self) -> None:
         """A field changed from its default where the chosen algorithm never reads it is an error, not a no-op."""
         group = self.adv_estimator in ("grpo", "starpo", "gigpo")
+        # Against the proximal policy (decoupled_loss, tis_cap), the policy before the step's first update, the ratios
+        # of a step's only update are all exactly 1: no clip acts.
+        ratio_moves = (not (self.decoupled_loss or self.tis_cap) or self.ppo_epochs > 1 or self.num_mini_batches > 1,
+                       "a second optimizer step in a train step (ppo.ppo_epochs or ppo.num_mini_batches > 1): with "
+                       "ppo.decoupled_loss or ppo.tis_cap the PPO ratio is against the policy before the step's first "
+                       "update, so the ratios of a step's only update are all 1")
         acts_only_with = {
+            "pg_clip": ratio_moves,
+            "dual_clip": ratio_moves,
             "whiten_advantages": (self.adv_estimator in ("reinforce", "gae"), "ppo.adv_estimator=reinforce or gae "
                                   "(grpo, starpo and gigpo already normalise each group; see ppo.grpo_scale_by_std)"),
             "grpo_scale_by_std": (group, "ppo.adv_estimator=grpo, starpo or gigpo"),

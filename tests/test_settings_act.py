@@ -118,3 +118,16 @@ def test_a_turn_discount_the_estimator_never_applies_is_refused(experiment, esti
     # Trained turn by turn, each sample's one turn reward is its discounted return: the discount is applied.
     parse_config([f"experiment={experiment}", f"ppo.adv_estimator={estimator}", "turn_discount=0.5",
                   "rollout.single_turn_samples=true"])
+
+
+@pytest.mark.parametrize("correction", ["ppo.decoupled_loss=true", "ppo.tis_cap=2"])
+@pytest.mark.parametrize("clip", ["ppo.pg_clip=0.3", "ppo.dual_clip=3"])
+def test_a_clip_of_a_ratio_that_is_always_1_is_refused(correction, clip):
+    """With ppo.decoupled_loss or ppo.tis_cap the PPO ratio is against the policy before the step's first update; with
+    one epoch of one mini-batch that update is the only one, so every ratio is exactly 1 and no clip can act."""
+    with pytest.raises(ConfigError, match=f"{clip.split('=')[0]}=.* does nothing without a second optimizer step"):
+        parse_config([correction, clip, "ppo.ppo_epochs=1"])
+    parse_config([correction, clip, "ppo.ppo_epochs=2"])
+    parse_config([correction, clip, "ppo.ppo_epochs=1", "ppo.num_mini_batches=2"])
+    parse_config([clip, "ppo.ppo_epochs=1"])  # against the behaviour logprobs, which an async run's staleness moves
+    parse_config([correction, "ppo.ppo_epochs=1"])  # the defaults are not the user's
