@@ -304,6 +304,11 @@ class PPOHyperparameters:
                for name in ("gigpo_step_gamma", "gigpo_step_weight")},
             **{name: (self.adv_estimator == "gae", "ppo.adv_estimator=gae")
                for name in ("gamma", "lambd", "critic_lr", "value_clip", "value_loss_coef")},
+            # The values it clips around are the critic's before the step's first update: with one, none can move.
+            **({"value_clip": (self.ppo_epochs > 1 or self.num_mini_batches > 1, "a second optimizer step in a train "
+                               "step (ppo.ppo_epochs or ppo.num_mini_batches > 1): the values are clipped around the "
+                               "critic's before the step's first update, which a step's only update starts from")}
+               if self.adv_estimator == "gae" else {}),
             "target_kl": (self.init_kl_coef > 0, "ppo.init_kl_coef > 0"),
             "kl_horizon": (self.init_kl_coef > 0 and self.target_kl > 0, "ppo.init_kl_coef > 0 and ppo.target_kl > 0"),
             "behaviour_imp_weight_cap": (self.decoupled_loss, "ppo.decoupled_loss=true"),

@@ -131,3 +131,13 @@ def test_a_clip_of_a_ratio_that_is_always_1_is_refused(correction, clip):
     parse_config([correction, clip, "ppo.ppo_epochs=1", "ppo.num_mini_batches=2"])
     parse_config([clip, "ppo.ppo_epochs=1"])  # against the behaviour logprobs, which an async run's staleness moves
     parse_config([correction, "ppo.ppo_epochs=1"])  # the defaults are not the user's
+
+
+def test_a_value_clip_around_values_that_cannot_have_moved_is_refused():
+    """The critic's pre-update values are those of its step's first update: with one epoch of one mini-batch no value
+    can leave them, and ppo.value_clip never acts."""
+    with pytest.raises(ConfigError, match="ppo.value_clip=0.5 does nothing without a second optimizer step"):
+        parse_config(["ppo.adv_estimator=gae", "ppo.value_clip=0.5", "ppo.ppo_epochs=1"])
+    parse_config(["ppo.adv_estimator=gae", "ppo.value_clip=0.5", "ppo.ppo_epochs=1", "ppo.num_mini_batches=2"])
+    parse_config(["ppo.adv_estimator=gae", "ppo.value_clip=0.5"])
+    parse_config(["ppo.adv_estimator=gae", "ppo.ppo_epochs=1"])
