@@ -8,7 +8,7 @@ prints one mode's results as JSON).
 
 An attack is contained when the program could not do what it tried: hold capabilities, change mounts,
 make namespaces, trace, write a host path its user owns or a host-wide sysctl, read a dataset outside,
-reach the network, read the caller's environment, hold more memory or CPU than the sandbox's limits
+change a host device node or read what /proc shows the host's root only, reach the network, read the caller's environment, hold more memory or CPU than the sandbox's limits
 together, or make the sandbox's own report lie (a SIGINT to its init, a SIGXCPU read as a crash).
 """
 
@@ -51,7 +51,8 @@ EXPECTED_GAPS = {
     "unconfined": {"capabilities", "unmount", "remount-read-write", "namespaces-ptrace-keyctl", "write-owned-host-path",
                    "read-dataset", "network", "memfd-flood", "dev-shm-flood", "write-outside-scratch",
                    "sysv-shm-256MiB"} | AGGREGATE
-    | ({"fork-bomb", "open-host-sysctls-for-writing"} if os.geteuid() == 0 else set()),
+    | ({"fork-bomb", "open-host-sysctls-for-writing", "chmod-host-device-nodes", "read-root-only-proc"}
+       if os.geteuid() == 0 else set()),
 }
 
 SYSCALLS = """
@@ -115,6 +116,37 @@ for path in paths:
         outcomes[path] = "ok"
     except OSError as e:
         outcomes[path] = e.strerror
+print(json.dumps(outcomes))
+"""
+# the host's device nodes (bubblewrap binds them into the sandbox's /dev): chmod to the mode each already has, so
+# that even where it succeeds nothing changes; success means the program could as well make /dev/null 000
+# (every other user's process then fails to open it)
+CHMOD_DEVICE_NODES = """
+import os
+outcomes = {}
+for path in ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"):
+    try:
+        os.chmod(path, os.stat(path).st_mode & 0o7777)
+        outcomes[path] = "ok"
+    except OSError as e:
+        outcomes[path] = e.strerror
+print(json.dumps(outcomes))
+"""
+# what /proc shows the host's root only: files of mode 0400, and the keys /proc/keys lists to their owner
+ROOT_ONLY_PROC = """
+import os
+outcomes = {}
+for path in ("/proc/timer_list", "/proc/slabinfo", "/proc/vmallocinfo"):
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+        outcomes[path] = "ok"
+    except OSError as e:
+        outcomes[path] = e.strerror
+try:
+    keys = open("/proc/keys").read().splitlines()
+    outcomes["/proc/keys"] = "ok" if keys else "no keys listed"
+except OSError as e:
+    outcomes["/proc/keys"] = e.strerror
 print(json.dumps(outcomes))
 """
 ENVIRONMENT = """
@@ -275,6 +307,8 @@ def attacks(workspace: Path, port: int, secret: str) -> list[Attack]:
         Attack("network", NETWORK.replace("PORT", str(port)),
                lambda r: r.status == "ok" and "connected" not in last_json(r).values()),
         Attack("open-host-sysctls-for-writing", SYSCALLS + HOST_SYSCTLS, all_failed),
+        Attack("chmod-host-device-nodes", SYSCALLS + CHMOD_DEVICE_NODES, all_failed),
+        Attack("read-root-only-proc", SYSCALLS + ROOT_ONLY_PROC, all_failed),
         Attack("read-caller-environment", ENVIRONMENT.replace("SECRET", repr(secret)),
                lambda r: r.status == "ok" and last_json(r) is False),
         Attack("forked-memory-3x80MiB", FORKED_MEMORY, lambda r: last_int(r) < 3),
