@@ -14,6 +14,11 @@ it (SIGINT, SIGTERM, ...) get a no-op handler, since unconfined it is no namespa
 own SIGINT handler would turn a SIGINT from the program into a KeyboardInterrupt here (a forged
 sandbox_error). When it exits, the kernel kills everything left in the namespace.
 The program must not be PID 1 itself, or it would ignore SIGXCPU and the CPU limit's SIGKILL too.
+
+Run by root (config `drop_to`), bubblewrap starts the init as the user namespace's root, which maps to the host's
+root, with CAP_SETUID, CAP_SETGID and CAP_SETPCAP in the namespace: the init empties the capability bounding set
+and drops to `drop_to` (which maps to an unprivileged uid outside) before anything else, and checks that no
+capability and no supplementary group is left; it fails closed (a report error, no program) otherwise.
 """
 
 import ctypes
@@ -23,7 +28,8 @@ import resource
 import signal
 import sys
 
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 4, 24, 38, 47
+PR_CAP_AMBIENT_CLEAR_ALL, CAPABILITY_VERSION_3 = 4, 0x20080522
 IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
                    signal.SIGALRM)
 
@@ -52,6 +58,30 @@ def processes_of(uid: int) -> int:
     return count
 
 
+def drop_to(uid: int, libc) -> None:
+    """Empties the bounding set, becomes `uid` (its gid alike), clears every capability set; raises unless the
+    result is that uid with no capability and no supplementary group (the launch cleared those)."""
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last_cap = int(f.read())
+    for cap in range(last_cap + 1):
+        check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), libc, f"prctl(PR_CAPBSET_DROP, {cap})")
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # from the namespace's root to another uid: the kernel clears the permitted set
+    header, data = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0), (ctypes.c_uint32 * 6)()
+    check(libc.capset(header, data), libc, "capset")
+    check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), libc, "prctl(PR_CAP_AMBIENT_CLEAR_ALL)")
+    with open("/proc/self/status") as f:
+        caps = {line.split(":")[0]: int(line.split()[1], 16) for line in f if line.startswith("Cap")}
+    if os.getresuid() != (uid,) * 3 or os.getresgid() != (uid,) * 3 or os.getgroups() or any(caps.values()):
+        raise OSError(f"could not drop to uid {uid}: uids {os.getresuid()}, gids {os.getresgid()}, "
+                      f"groups {os.getgroups()}, capabilities {caps}")
+
+
+def check(result: int, libc, what: str) -> None:
+    if result != 0:
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
 def wait_for(program: int) -> dict:
     """Reaps orphans (we are their init) until the program itself ends; returns its exit code or signal."""
     while True:
@@ -67,16 +97,29 @@ def main() -> None:
     os.set_inheritable(status_fd, False)  # the program must not be able to write the report
     try:
         libc = ctypes.CDLL(None, use_errno=True)
+        if config.get("drop_to") is not None:  # first: a change of uid resets the parent-death signal
+            drop_to(config["drop_to"], libc)
         for option, value in ((PR_SET_NO_NEW_PRIVS, 1), (PR_SET_DUMPABLE, 0), (PR_SET_PDEATHSIG, signal.SIGKILL)):
-            if libc.prctl(option, value, 0, 0, 0) != 0:
-                raise OSError(ctypes.get_errno(), f"prctl({option}): {os.strerror(ctypes.get_errno())}")
+            check(libc.prctl(option, value, 0, 0, 0), libc, f"prctl({option})")
+        for fd in map(int, os.listdir("/proc/self/fd")):  # nothing but stdio reaches the program (bubblewrap's
+            if fd > 2:                                      # --userns-block-fd stays open in its child)
+                try:
+                    os.set_inheritable(fd, False)
+                except OSError:  # the listing's own, closed meanwhile
+                    pass
         set_limits(config["limits"], count_others=not config["namespaces"])
         os.chdir(config["workdir"])
         env = dict(config["env"], HOME=config["workdir"], TMPDIR=config["workdir"])
         program = os.fork()
         if program == 0:
             python = config["python"]
-            os.execve(python, [python, "-E", "-s", "-B", "-u", "main.py"], env)
+            try:
+                os.execve(python, [python, "-E", "-s", "-B", "-u", "main.py"], env)
+            except PermissionError as e:
+                if config.get("drop_to") is None:
+                    raise
+                raise PermissionError(e.errno, f"{e.strerror}: {python} (run by root, the program runs as an "
+                                      "unprivileged uid, which must be able to read the interpreter)") from None
     except BaseException as e:  # noqa: BLE001 (anything that stops the program from starting is reported)
         os.write(status_fd, (json.dumps({"error": f"sandbox setup failed: {type(e).__name__}: {e}"}) + "\n").encode())
         os._exit(127)

@@ -20,7 +20,8 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlsys.tools.confinement import WORKDIR, Confinement, bwrap_command, machine_confinement, refusal
+from rlsys.tools.confinement import (SANDBOX_UID, WORKDIR, Confinement, UsernsPipes, bwrap_command, launch_options,
+                                     machine_confinement, refusal)
 from rlsys.tools.sandbox_cgroup import SandboxCgroup
 from rlsys.tools.seccomp_filter import deny_filter
 
@@ -117,6 +118,8 @@ class Run:
         self.cpu_exceeded = False
         self.fds: list[int] = []
         self.workdir: str | None = None
+        # run by root: how bubblewrap's user namespace gets mapped to an unprivileged uid outside
+        self.pipes = UsernsPipes(confinement.namespaces and confinement.outside_uid is not None)
 
     def command(self, code: str, report_write: int) -> tuple[list[str], dict, str]:
         """argv, environment and working directory of the launch."""
@@ -129,14 +132,14 @@ class Run:
             code_fd, seccomp_fd = self.memfd("code", code.encode()), self.memfd(
                 "seccomp", deny_filter(deny_memfd=not self.confinement.cgroup))
             prefix = bwrap_command({"workdir_bytes": limits.workdir_mb * mib, "shm_bytes": limits.workdir_mb * mib},
-                                   seccomp_fd, code_fd)
+                                   seccomp_fd, code_fd, self.pipes)
             workdir, cwd = WORKDIR, "/"
         else:
             self.workdir = workdir = cwd = tempfile.mkdtemp(prefix="rlsys-sandbox-")
             Path(workdir, "main.py").write_text(code, encoding="utf-8")
             prefix = []
         config = {"python": sys.executable, "env": PROGRAM_ENV, "limits": init_limits, "workdir": workdir,
-                  "namespaces": namespaces}
+                  "namespaces": namespaces, "drop_to": SANDBOX_UID if self.pipes.used else None}
         argv = prefix + [sys.executable, "-I", "-S", "-c", INIT_SOURCE, str(report_write), json.dumps(config)]
         env = {"PATH": PROGRAM_ENV["PATH"]}
         if self.cgroup is not None:  # join the cgroup first, so that everything the launch starts is in it
@@ -150,6 +153,12 @@ class Run:
         os.write(fd, data)
         os.lseek(fd, 0, os.SEEK_SET)
         return fd
+
+    async def map_user_namespace(self) -> None:
+        """Run by root: once bubblewrap says its child's pid, maps that child's user namespace to the unprivileged
+        uid and lets it go on."""
+        if self.pipes.used:
+            self.pipes.map_ids(await read_to_end(self.pipes.info), self.confinement.outside_uid)
 
     async def watch_cpu(self) -> None:
         """Ends the run once its processes together have used `cpu_seconds` (the cgroup counts them all)."""
@@ -172,6 +181,7 @@ class Run:
             self.cgroup.remove()
         for fd in self.fds:
             os.close(fd)
+        self.pipes.close()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, True)
 
@@ -189,14 +199,16 @@ async def _run(code: str, limits: SandboxLimits, confinement: Confinement) -> Sa
         argv, env, cwd = run.command(code, report_write)
         run.process = process = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            pass_fds=(report_write, *run.fds), start_new_session=True, env=env, cwd=cwd)
+            pass_fds=(report_write, *run.fds, *run.pipes.passed), start_new_session=True, env=env, cwd=cwd,
+            **launch_options(confinement.outside_uid if run.pipes.used else None))
         os.close(report_write)
         report_write = None
+        run.pipes.launched()
         if run.cgroup is not None:
             watcher = asyncio.create_task(run.watch_cpu())
         output = CappedOutput(limits.output_bytes, on_overflow=run.kill)
         try:
-            await asyncio.wait_for(_finish(process, output), limits.wall_seconds)
+            await asyncio.wait_for(_finish(run, process, output), limits.wall_seconds)
             timed_out = False
         except asyncio.TimeoutError:
             timed_out = True
@@ -221,9 +233,31 @@ async def _run(code: str, limits: SandboxLimits, confinement: Confinement) -> Sa
         await asyncio.to_thread(run.cleanup)
 
 
-async def _finish(process: asyncio.subprocess.Process, output: "CappedOutput") -> None:
-    await asyncio.gather(output.drain(process.stdout, "stdout"), output.drain(process.stderr, "stderr"))
+async def _finish(run: Run, process: asyncio.subprocess.Process, output: "CappedOutput") -> None:
+    await asyncio.gather(run.map_user_namespace(), output.drain(process.stdout, "stdout"),
+                         output.drain(process.stderr, "stderr"))
     await process.wait()
+
+
+async def read_to_end(fd: int) -> bytes:
+    """Reads a pipe until its writers are gone, without blocking the event loop."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            readable = loop.create_future()
+            loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+            try:
+                await readable
+            finally:
+                loop.remove_reader(fd)
+            continue
+        if not chunk:
+            return data
+        data += chunk
 
 
 class CappedOutput:
