@@ -133,6 +133,47 @@ def test_as_root_without_cap_sys_admin_the_sandbox_holds(workspace):
     assert gaps_of(result["results"], result["mode"]) == set(), result["results"]
 
 
+@pytest.mark.skipif(not AS_ROOT, reason="the uid drop is root's path")
+@pytest.mark.parametrize("uid", [None, 54321])
+def test_run_by_root_the_sandbox_runs_as_an_unprivileged_uid_outside(uid, monkeypatch):
+    """Run by root, the sandbox's uid must map to an unprivileged one outside (nobody, or RLSYS_SANDBOX_UID), with no
+    supplementary group and no capability: seen from outside, on a process the program started."""
+    if uid is not None:
+        monkeypatch.setenv("RLSYS_SANDBOX_UID", str(uid))
+    machine_confinement.cache_clear()
+    try:
+        confinement = machine_confinement()
+        if not confinement.namespaces:
+            pytest.skip(f"no sandbox on this machine: {confinement.notes}")
+        expected = uid or 65534
+        assert confinement.outside_uid == expected and f"outside-uid-{expected}" in confinement.isolation
+        marker = f"{secrets.randbelow(10**6) + 100}.75"
+        code = f"import subprocess, time\nsubprocess.Popen(['sleep', '{marker}'])\ntime.sleep(60)\n"
+
+        async def look_from_outside():
+            run = asyncio.create_task(run_python(code, SandboxLimits(wall_seconds=30), confinement))
+            for _ in range(200):
+                await asyncio.sleep(0.05)
+                if processes_with_argument(marker):
+                    break
+            status = {line.split(":")[0]: line.split(":", 1)[1].split()
+                      for line in Path(f"/proc/{processes_with_argument(marker)[0]}/status").read_text().splitlines()}
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+            return status
+
+        status = asyncio.run(look_from_outside())
+        assert status["Uid"] == [str(expected)] * 4 and status["Gid"] == [str(expected)] * 4, status
+        assert status["Groups"] == [] and status["NoNewPrivs"] == ["1"], status
+        assert all(int(status[c][0], 16) == 0 for c in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")), status
+        result = asyncio.run(run_python("open('written', 'w').write('x')\nprint(open('written').read())\n",
+                                        SandboxLimits(), confinement))
+        assert result.status == "ok" and result.stdout == "x\n", result  # the scratch is the program's to write
+    finally:
+        machine_confinement.cache_clear()
+
+
 def test_without_bubblewrap_the_run_stops_at_start_unless_unconfined_is_allowed(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # a machine without bwrap (or where it cannot make namespaces)
     machine_confinement.cache_clear()
@@ -241,9 +282,17 @@ def test_an_interpreter_in_a_venv_under_tmp_runs_confined():
                        check=True)
         code = ("import asyncio, sys\nfrom rlsys.tools.sandbox import run_python\n"
                 "r = asyncio.run(run_python('import sys; print(sys.prefix)'))\n"
-                "print(r.status, r.stdout.strip(), r.isolation, r.stderr)\n")
-        out = subprocess.run([str(venv / "bin" / "python3"), "-c", code], capture_output=True, text=True,
-                             cwd=ROOT, timeout=120)
-        assert out.stdout.split()[:2] == ["ok", str(venv)], out.stdout + out.stderr
+                "print(r.status, r.stdout.strip(), r.isolation, r.stderr, r.reason)\n")
+
+        def run_in_venv() -> str:
+            return subprocess.run([str(venv / "bin" / "python3"), "-c", code], capture_output=True, text=True,
+                                  cwd=ROOT, timeout=120).stdout
+
+        if AS_ROOT:  # mkdtemp's 0700, root's: the unprivileged uid the program runs as cannot read it, and is told so
+            out = run_in_venv()
+            assert out.startswith("sandbox_error") and f"{venv}/bin/python3 (run by root" in out, out
+        venv.chmod(0o755)  # as `python -m venv` makes it
+        out = run_in_venv()
+        assert out.split()[:2] == ["ok", str(venv)], out
     finally:
         shutil.rmtree(venv, ignore_errors=True)
