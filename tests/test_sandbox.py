@@ -146,7 +146,6 @@ def test_run_by_root_the_sandbox_runs_as_an_unprivileged_uid_outside(uid, monkey
         if not confinement.namespaces:
             pytest.skip(f"no sandbox on this machine: {confinement.notes}")
         expected = uid or 65534
-        assert confinement.outside_uid == expected and f"outside-uid-{expected}" in confinement.isolation
         marker = f"{secrets.randbelow(10**6) + 100}.75"
         code = f"import subprocess, time\nsubprocess.Popen(['sleep', '{marker}'])\ntime.sleep(60)\n"
 
@@ -170,6 +169,7 @@ def test_run_by_root_the_sandbox_runs_as_an_unprivileged_uid_outside(uid, monkey
         result = asyncio.run(run_python("open('written', 'w').write('x')\nprint(open('written').read())\n",
                                         SandboxLimits(), confinement))
         assert result.status == "ok" and result.stdout == "x\n", result  # the scratch is the program's to write
+        assert f"outside-uid-{expected}" in result.isolation and confinement.outside_uid == expected  # said
     finally:
         machine_confinement.cache_clear()
 
