@@ -8,8 +8,9 @@ prints one mode's results as JSON).
 
 An attack is contained when the program could not do what it tried: hold capabilities, change mounts,
 make namespaces, trace, write a host path its user owns or a host-wide sysctl, read a dataset outside,
-change a host device node or read what /proc shows the host's root only, reach the network, read the caller's environment, hold more memory or CPU than the sandbox's limits
-together, or make the sandbox's own report lie (a SIGINT to its init, a SIGXCPU read as a crash).
+change a host device node or read what /proc shows the host's root only, reach the network, read the
+caller's environment, hold more memory or CPU than the sandbox's limits together, or make the sandbox's own
+report lie (a SIGINT to its init, a SIGXCPU read as a crash).
 """
 
 import asyncio

@@ -4,13 +4,14 @@ that applies it.
 Modes, best first:
 - `bwrap+cgroup`: bubblewrap (Debian's `bubblewrap`) in a new user namespace with every other namespace
   new too (mount, PID, network without interfaces, IPC, UTS, cgroup), all capabilities dropped, further
-  user namespaces disabled (run by root: by the seccomp filter alone, see below), a new session (no TIOCSTI into the caller's terminal), killed with its
-  parent, and the seccomp filter of `seccomp_filter.py`. Mounts made in the parent namespace are
-  locked (a nested user namespace cannot unmount or remount them), and the filesystem is an
-  allow-list: read-only /usr and the interpreter's prefix, a fresh read-only /proc, a fresh /dev, a private
-  size-limited /tmp (the only writable place) and /dev/shm; nothing else of the host (no home, no
-  dataset, no run directory). A cgroup bounds memory (shmem and memfd included) and processes for
-  the run as a whole, and counts its CPU time. Needs a cgroup we may create: root, or delegation.
+  user namespaces disabled (run by root: by the seccomp filter alone, see below), a new session (no TIOCSTI
+  into the caller's terminal), killed with its parent, and the seccomp filter of `seccomp_filter.py`.
+  Mounts made in the parent namespace are locked (a nested user namespace cannot unmount or remount
+  them), and the filesystem is an allow-list: read-only /usr and the interpreter's prefix, a fresh
+  read-only /proc, a fresh /dev, a private size-limited /tmp (the only writable place) and /dev/shm;
+  nothing else of the host (no home, no dataset, no run directory). A cgroup bounds memory (shmem and
+  memfd included) and processes for the run as a whole, and counts its CPU time. Needs a cgroup we may
+  create: root, or delegation.
 - `bwrap`: the same without the cgroup (a non-root user on a machine that delegates none): memory and
   CPU limits hold per process only, and memfd_create is denied, since nothing would bound its pages.
 - `unconfined`: the per-process limits only. Never chosen unless the caller allows it
@@ -210,9 +211,12 @@ class UsernsPipes:
         except (ValueError, KeyError, TypeError):
             return
         ids = f"0 0 1\n{SANDBOX_UID} {uid} 1\n"
-        for name, text in (("uid_map", ids), ("setgroups", "deny"), ("gid_map", ids)):
-            with open(f"/proc/{pid}/{name}", "w") as f:
-                f.write(text)
+        try:
+            for name, text in (("uid_map", ids), ("setgroups", "deny"), ("gid_map", ids)):
+                with open(f"/proc/{pid}/{name}", "w") as f:
+                    f.write(text)
+        except OSError as e:
+            raise OSError(f"could not map the sandbox's user namespace to uid {uid} outside: {e}") from None
         os.write(self.block, b"1")
 
     def close(self) -> None:
