@@ -57,10 +57,19 @@ EXPECTED_GAPS = {
 }
 
 SYSCALLS = """
-import ctypes, json
+import ctypes, json, os
 libc = ctypes.CDLL(None, use_errno=True)
 def attempt(result):
     return "ok" if result == 0 else "errno %d" % ctypes.get_errno()
+def outcomes_of(paths, action):
+    outcomes = {}
+    for path in paths:
+        try:
+            action(path)
+            outcomes[path] = "ok"
+        except OSError as e:
+            outcomes[path] = e.strerror
+    return outcomes
 """
 CAPABILITIES = """
 status = open("/proc/self/status").read()
@@ -108,44 +117,22 @@ print(json.dumps(results))
 """
 # host-wide sysctls (core_pattern runs a program as the host's root); opened for writing, nothing written
 HOST_SYSCTLS = """
-import os
 paths = ("/proc/sys/kernel/core_pattern", "/proc/sys/kernel/modprobe", "/proc/sys/vm/drop_caches")
-outcomes = {}
-for path in paths:
-    try:
-        os.close(os.open(path, os.O_WRONLY))
-        outcomes[path] = "ok"
-    except OSError as e:
-        outcomes[path] = e.strerror
-print(json.dumps(outcomes))
+print(json.dumps(outcomes_of(paths, lambda path: os.close(os.open(path, os.O_WRONLY)))))
 """
 # the host's device nodes (bubblewrap binds them into the sandbox's /dev): chmod to the mode each already has, so
 # that even where it succeeds nothing changes; success means the program could as well make /dev/null 000
 # (every other user's process then fails to open it)
 CHMOD_DEVICE_NODES = """
-import os
-outcomes = {}
-for path in ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"):
-    try:
-        os.chmod(path, os.stat(path).st_mode & 0o7777)
-        outcomes[path] = "ok"
-    except OSError as e:
-        outcomes[path] = e.strerror
-print(json.dumps(outcomes))
+paths = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+print(json.dumps(outcomes_of(paths, lambda path: os.chmod(path, os.stat(path).st_mode & 0o7777))))
 """
 # what /proc shows the host's root only: files of mode 0400, and the keys /proc/keys lists to their owner
 ROOT_ONLY_PROC = """
-import os
-outcomes = {}
-for path in ("/proc/timer_list", "/proc/slabinfo", "/proc/vmallocinfo"):
-    try:
-        os.close(os.open(path, os.O_RDONLY))
-        outcomes[path] = "ok"
-    except OSError as e:
-        outcomes[path] = e.strerror
+outcomes = outcomes_of(("/proc/timer_list", "/proc/slabinfo", "/proc/vmallocinfo"),
+                       lambda path: os.close(os.open(path, os.O_RDONLY)))
 try:
-    keys = open("/proc/keys").read().splitlines()
-    outcomes["/proc/keys"] = "ok" if keys else "no keys listed"
+    outcomes["/proc/keys"] = "ok" if open("/proc/keys").read().splitlines() else "no keys listed"
 except OSError as e:
     outcomes["/proc/keys"] = e.strerror
 print(json.dumps(outcomes))
