@@ -561,6 +561,8 @@ class BaseExperimentConfig:
     """Training steps (one step = one batch of groups)."""
     save_steps: int = 0
     """Save an HF checkpoint every this many steps; 0 saves only at the end."""
+    save_total_limit: int = 0
+    """Keep only this many checkpoints, the newest of the line continued (rlsys/checkpoint.py); 0 keeps all."""
     logging_steps: int = 10
     """Print a progress line every this many steps."""
     eval_steps: int = 50
@@ -571,7 +573,7 @@ class BaseExperimentConfig:
     """Modules or .py files to import first, so their agents, envs and experiments register."""
 
     def __post_init__(self):
-        check_at_least("", self, max_steps=1, save_steps=0, logging_steps=1, eval_steps=0)
+        check_at_least("", self, max_steps=1, save_steps=0, save_total_limit=0, logging_steps=1, eval_steps=0)
 
     def refuse_inactive_settings(self) -> None:
         """A setting the user changed from this experiment's default where the rest of its group makes it do

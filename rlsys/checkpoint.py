@@ -105,8 +105,12 @@ def read_trainer_state(directory: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
-    """The complete checkpoint saved last, or None; half-written `.tmp` and replaced `.old` directories never count.
+DELETING = ".deleting"  # a checkpoint being deleted: renamed first, so a crash mid-delete leaves no step_N half gone
+
+
+def saved_in_order(checkpoints_dir: Path) -> list[tuple[Path, dict]]:
+    """The complete checkpoints and their trainer states, the one saved first first; half-written `.tmp`, replaced
+    `.old` and `.deleting` directories never count.
 
     Saved last, not of the highest step: a run resumed from an earlier checkpoint of its own directory saves lower
     steps than the ones it left behind, and continuing it must not jump back to those. Checkpoints from before
@@ -114,4 +118,40 @@ def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
     complete = [d for d in Path(checkpoints_dir).glob("step_*")
                 if d.name.removeprefix("step_").isdigit() and (d / TRAINER_STATE).exists()]
     states = {d: read_trainer_state(d) for d in complete}
-    return max(complete, key=lambda d: (states[d].get("saved_at", 0.0), states[d]["step"]), default=None)
+    return sorted(((d, states[d]) for d in complete), key=lambda item: (item[1].get("saved_at", 0.0), item[1]["step"]))
+
+
+def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
+    """The complete checkpoint saved last (`saved_in_order`), or None."""
+    ordered = saved_in_order(checkpoints_dir)
+    return ordered[-1][0] if ordered else None
+
+
+def delete_checkpoint(directory: Path) -> None:
+    """Renamed out of what `latest_checkpoint` reads first, then deleted: a crash mid-delete leaves a `.deleting`
+    directory (removed by `remove_leftovers`), never a trainer state without its shards."""
+    doomed = directory.with_name(directory.name + DELETING)
+    shutil.rmtree(doomed, ignore_errors=True)
+    directory.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def keep_newest(checkpoints_dir: Path, limit: int) -> list[Path]:
+    """Deletes all but `limit` checkpoints once a new one is complete (`save_total_limit`); returns those deleted.
+
+    The one saved last (the new one) is always kept. Kept first are those of the line it continues: itself and its
+    ancestors (its trainer state's `lineage`: the checkpoints it was resumed from, and the earlier saves of its
+    runs), newest first; then the others (a line abandoned by a resume from an earlier step, checkpoints from before
+    the lineage was kept), newest first. So the checkpoint a run resumed from goes only once a newer one of its own
+    line is there, and an abandoned line goes before any of the one continued."""
+    ordered = saved_in_order(checkpoints_dir)
+    if not limit or len(ordered) <= limit:
+        return []
+    newest = ordered[-1][1]
+    line = {tuple(ancestor) for ancestor in newest.get("lineage", [])} | {(newest["step"], newest.get("saved_at"))}
+    on_line = [d for d, state in reversed(ordered) if (state["step"], state.get("saved_at")) in line]
+    off_line = [d for d, _ in reversed(ordered) if d not in on_line]
+    doomed = (on_line + off_line)[limit:]
+    for directory in doomed:
+        delete_checkpoint(directory)
+    return doomed

@@ -8,13 +8,18 @@ from pathlib import Path
 import torch
 
 from rlsys import checkpoint
-from rlsys.checkpoint import SHARDED_STATE, latest_checkpoint, load_sharded_state, read_trainer_state, save_checkpoint
+from rlsys.checkpoint import (SHARDED_STATE, keep_newest, latest_checkpoint, load_sharded_state, read_trainer_state,
+                              save_checkpoint)
 from rlsys.distributed import Ranks
 
 
-def save(directory: Path, step: int, value: float) -> Path:
+def save(directory: Path, step: int, value: float, lineage: list | None = None) -> Path:
     return save_checkpoint(directory, Ranks(), {"model": {"w": torch.full((2,), value)}}, lambda tmp: None,
-                           {"step": step, "version": step, "consumed_prompts": []})
+                           {"step": step, "version": step, "consumed_prompts": [], "lineage": lineage or []})
+
+
+def names(checkpoints: Path) -> set[str]:
+    return {d.name for d in checkpoints.iterdir()}
 
 
 def test_a_crash_while_a_checkpoint_of_the_same_step_is_replaced_leaves_one_that_loads(tmp_path, monkeypatch):
@@ -71,3 +76,48 @@ def test_auto_takes_the_checkpoint_saved_last_not_an_abandoned_higher_step(tmp_p
         (legacy / f"step_{step}").mkdir(parents=True)
         (legacy / f"step_{step}" / checkpoint.TRAINER_STATE).write_text(f'{{"step": {step}}}')
     assert latest_checkpoint(legacy) == legacy / "step_9"
+
+
+def test_keep_newest_keeps_the_line_continued_before_an_abandoned_one(tmp_path, monkeypatch):
+    """save_total_limit: the newest by the time they were saved, as `auto` picks; of a run resumed from its own
+    step_4 while step_6 and step_8 are there, those two (a line it turned away from) go first."""
+    clock = itertools.count(1)
+    monkeypatch.setattr(time, "time", lambda: float(next(clock)))
+    checkpoints = tmp_path / "checkpoints"
+    lineage = []
+    for step in (2, 4, 6, 8):
+        saved = save(checkpoints / f"step_{step}", step, 1.0, lineage)
+        lineage = [*lineage, [step, read_trainer_state(saved)["saved_at"]]]
+    assert keep_newest(checkpoints, 0) == [] and keep_newest(checkpoints, 4) == []
+    resumed = read_trainer_state(checkpoints / "step_4")
+    save(checkpoints / "step_5", 5, 2.0, [*resumed["lineage"], [4, resumed["saved_at"]]])
+    assert keep_newest(checkpoints, 3) == [checkpoints / "step_8", checkpoints / "step_6"]
+    assert names(checkpoints) == {"step_2", "step_4", "step_5"}
+    assert keep_newest(checkpoints, 2) == [checkpoints / "step_2"]
+    assert names(checkpoints) == {"step_4", "step_5"} and latest_checkpoint(checkpoints) == checkpoints / "step_5"
+    assert keep_newest(checkpoints, 1) == [checkpoints / "step_4"]  # the one resumed from, once a newer one is there
+
+
+def test_a_crash_while_an_old_checkpoint_is_deleted_leaves_none_that_auto_picks_and_cannot_load(tmp_path, monkeypatch):
+    checkpoints = tmp_path / "checkpoints"
+    for step in (2, 4):
+        save(checkpoints / f"step_{step}", step, float(step))
+    real_rmtree = shutil.rmtree
+
+    def killed_mid_delete(path, ignore_errors=False):
+        path = Path(path)
+        if path.name.startswith("step_2") and path.exists():
+            real_rmtree(path / SHARDED_STATE)  # the shards go first, then the process is killed
+            raise KeyboardInterrupt
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_mid_delete)
+    try:
+        keep_newest(checkpoints, 1)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    assert [d.name for d, _ in checkpoint.saved_in_order(checkpoints)] == ["step_4"]
+    state = {"model": {"w": torch.zeros(2)}}
+    load_sharded_state(latest_checkpoint(checkpoints), state)
+    assert state["model"]["w"].tolist() == [4.0, 4.0]

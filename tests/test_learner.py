@@ -16,6 +16,7 @@ from rlsys.algorithms.ppo import gather_logprobs, next_token_logits
 from rlsys.api import Trajectory
 from rlsys.api.messages import WorkerStatus, parse_published_weights
 from rlsys.bus import InProcessBus
+from rlsys.checkpoint import read_trainer_state
 from rlsys.cpu_features import has_bf16_flag, native_bf16
 from rlsys.engine.weights import WEIGHTS_FILE
 from rlsys.training_step import packs, shares_prefixes
@@ -522,8 +523,6 @@ def test_every_sequence_is_computed_when_the_loss_has_a_term_besides_the_policy_
 def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
     import random
 
-    from rlsys.checkpoint import read_trainer_state
-
     config = learner_config(tmp_path)
     config.ppo.adv_estimator, config.ppo.gamma, config.ppo.lambd = "gae", 1.0, 1.0
     learner = Learner(config, InProcessBus(), tmp_path / "run")
@@ -579,6 +578,28 @@ def test_a_resumed_learner_goes_on_from_its_schedules_position_at_the_configured
     changed.optimizer.step()
     changed.scheduler.step()
     assert changed.optimizer.param_groups[0]["lr"] == pytest.approx(2e-5)  # the warm-up's end, at the new rate
+
+
+def test_save_total_limit_keeps_the_newest_checkpoints_of_the_line_a_resume_continues(tmp_path):
+    config = learner_config(tmp_path)
+    config.save_total_limit = 2
+    checkpoints = tmp_path / "run" / "checkpoints"
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    for step in (2, 4, 6, 8):
+        learner.step = learner.version = step
+        learner.save()
+    assert {d.name for d in checkpoints.iterdir()} == {"step_6", "step_8"}
+    config.resume_from_checkpoint = str(checkpoints / "step_6")  # back to an earlier step: step_8 is abandoned
+    resumed = Learner(config, InProcessBus(), tmp_path / "run")
+    resumed.step = resumed.version = 7
+    resumed.save()
+    assert {d.name for d in checkpoints.iterdir()} == {"step_6", "step_7"}  # the one resumed from stays
+    resumed.step = resumed.version = 9
+    resumed.save()
+    assert {d.name for d in checkpoints.iterdir()} == {"step_7", "step_9"}
+    assert [step for step, _ in read_trainer_state(checkpoints / "step_9")["lineage"]] == [2, 4, 6, 7]
+    with pytest.raises(ValueError, match="save_total_limit must be at least 0, got -1"):
+        AsyncPPOMATHConfig(save_total_limit=-1)
 
 
 class _RunsCode:

@@ -16,7 +16,8 @@ from rlsys import protocol, weight_transport
 from rlsys.alarms import PROBE, LogprobCheck, check_logprob_mismatch
 from rlsys.api import NOT_GENERATED, Trajectory
 from rlsys.api.messages import InvalidMessage, parse_probe_report
-from rlsys.checkpoint import SHARDED_STATE, load_rng_state, load_sharded_state, read_trainer_state, save_checkpoint
+from rlsys.checkpoint import (SHARDED_STATE, keep_newest, load_rng_state, load_sharded_state, read_trainer_state,
+                              save_checkpoint)
 from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.distributed import Ranks, full_state_dict
 from rlsys.metrics import MetricsLogger
@@ -52,6 +53,9 @@ class Learner(PolicyTrainer):
         self.step = 0
         self.filtered_groups = 0
         self.consumed_prompts: list[str] = []  # group ids trained or filtered: the dataset position on resume
+        # [step, saved_at] of each checkpoint the state descends from (resumed from, saved before): what
+        # save_total_limit keeps first (rlsys/checkpoint.py, keep_newest)
+        self.lineage: list[list] = []
         if resumed:
             self._resume(Path(config.resume_from_checkpoint), resumed)
         self.transport = weight_transport.resolve(config.cluster)
@@ -74,6 +78,7 @@ class Learner(PolicyTrainer):
 
         self.step, self.version = trainer["step"], trainer["version"]
         self.consumed_prompts = trainer["consumed_prompts"]
+        self.lineage = [*trainer.get("lineage", []), [trainer["step"], trainer.get("saved_at")]]
         optimizers = [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
         configured = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
                       for optimizer in optimizers]
@@ -234,9 +239,14 @@ class Learner(PolicyTrainer):
         trainer_state = {"step": self.step, "version": self.version, "consumed_prompts": self.consumed_prompts,
                          "initial_model_path": self.initial_model_path, "scheduler": self.scheduler.state_dict(),
                          "kl_coef": self.kl_controller.value, "filtered_groups": self.filtered_groups,
-                         "skipped_updates": self.skipped_updates,
+                         "skipped_updates": self.skipped_updates, "lineage": self.lineage,
                          # rank 0 alone writes the trainer state, so it alone reads the bus for it
                          "dataset": self.bus.get(protocol.DATASET_FINGERPRINT) if self.ranks.main else None,
                          "accounting": self.ledger.snapshot() if self.ranks.main else None}
-        return save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.ranks, self.sharded_state(),
-                               self.export, trainer_state)
+        saved = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.ranks, self.sharded_state(),
+                                self.export, trainer_state)
+        if self.ranks.main:  # which alone wrote the trainer state, and keeps the lineage it holds
+            self.lineage = [*self.lineage, [self.step, read_trainer_state(saved)["saved_at"]]]
+            for deleted in keep_newest(saved.parent, self.config.save_total_limit):
+                log.info("checkpoint %s deleted (save_total_limit=%d)", deleted, self.config.save_total_limit)
+        return saved
