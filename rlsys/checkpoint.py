@@ -136,6 +136,20 @@ def delete_checkpoint(directory: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+LEFTOVERS = (".tmp", ".old", DELETING)
+
+
+def remove_leftovers(checkpoints_dir: Path, keep: Path | None = None) -> list[Path]:
+    """Deletes what crashed saves and deletions left (`step_N.tmp`, `.old`, `.deleting`), but `keep`; returns them.
+    Only where no save is under way in `checkpoints_dir`: the learner calls it as it starts, before its first."""
+    leftovers = [d for d in Path(checkpoints_dir).glob("step_*")
+                 if d.suffix in LEFTOVERS and d.stem.removeprefix("step_").isdigit() and d.is_dir()
+                 and (keep is None or d.resolve() != Path(keep).resolve())]
+    for directory in leftovers:
+        shutil.rmtree(directory, ignore_errors=True)
+    return leftovers
+
+
 def keep_newest(checkpoints_dir: Path, limit: int) -> list[Path]:
     """Deletes all but `limit` checkpoints once a new one is complete (`save_total_limit`); returns those deleted.
 

@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 import itertools
+import shutil
 import threading
 import time
 from types import SimpleNamespace
@@ -600,6 +601,19 @@ def test_save_total_limit_keeps_the_newest_checkpoints_of_the_line_a_resume_cont
     assert [step for step, _ in read_trainer_state(checkpoints / "step_9")["lineage"]] == [2, 4, 6, 7]
     with pytest.raises(ValueError, match="save_total_limit must be at least 0, got -1"):
         AsyncPPOMATHConfig(save_total_limit=-1)
+
+
+def test_a_learner_starting_deletes_what_crashed_saves_left_and_nothing_else(tmp_path):
+    config = learner_config(tmp_path)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    learner.step = learner.version = 2
+    config.resume_from_checkpoint = str(learner.save())
+    left = ["step_4.tmp", "step_2.old", "step_6.deleting"]  # a killed save, a replaced copy, a killed deletion
+    for name in left + ["step_8.mine", "notes.tmp"]:
+        shutil.copytree(checkpoints / "step_2", checkpoints / name)
+    Learner(config, InProcessBus(), tmp_path / "run")
+    assert {d.name for d in checkpoints.iterdir()} == {"step_2", "step_8.mine", "notes.tmp"}
 
 
 class _RunsCode:

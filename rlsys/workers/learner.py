@@ -17,7 +17,7 @@ from rlsys.alarms import PROBE, LogprobCheck, check_logprob_mismatch
 from rlsys.api import NOT_GENERATED, Trajectory
 from rlsys.api.messages import InvalidMessage, parse_probe_report
 from rlsys.checkpoint import (SHARDED_STATE, keep_newest, load_rng_state, load_sharded_state, read_trainer_state,
-                              save_checkpoint)
+                              remove_leftovers, save_checkpoint)
 from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.distributed import Ranks, full_state_dict
 from rlsys.metrics import MetricsLogger
@@ -58,6 +58,9 @@ class Learner(PolicyTrainer):
         self.lineage: list[list] = []
         if resumed:
             self._resume(Path(config.resume_from_checkpoint), resumed)
+        if ranks.main:  # before its first save, so none of this run's is under way
+            for leftover in remove_leftovers(self.run_dir / "checkpoints", keep=config.resume_from_checkpoint or None):
+                log.info("%s deleted: a save or deletion a crash interrupted left it", leftover)
         self.transport = weight_transport.resolve(config.cluster)
         self.weight_server = None
         if ranks.main and self.transport == "stream":
