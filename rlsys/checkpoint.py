@@ -139,9 +139,25 @@ def delete_checkpoint(directory: Path) -> None:
 LEFTOVERS = (".tmp", ".old", DELETING)
 
 
+def restore_replaced(checkpoints_dir: Path) -> list[Path]:
+    """Puts back each `step_N.old` whose `step_N` is missing: a save of a step saved before crashed between its two
+    renames (the old copy away, the new one not yet in), so the old copy, complete, is the step's only checkpoint.
+    Returns the restored. Only where no save is under way in `checkpoints_dir` (the launcher before it picks the
+    checkpoint to resume from, the learner as it starts): mid-save, the step is missing for a moment."""
+    restored = []
+    for old in Path(checkpoints_dir).glob("step_*.old"):
+        directory = old.with_suffix("")
+        if directory.name.removeprefix("step_").isdigit() and not directory.exists() and (old / TRAINER_STATE).exists():
+            old.rename(directory)
+            restored.append(directory)
+    return restored
+
+
 def remove_leftovers(checkpoints_dir: Path, keep: Path | None = None) -> list[Path]:
     """Deletes what crashed saves and deletions left (`step_N.tmp`, `.old`, `.deleting`), but `keep`; returns them.
-    Only where no save is under way in `checkpoints_dir`: the learner calls it as it starts, before its first."""
+    A `.old` that is its step's only copy is restored first (`restore_replaced`). Only where no save is under way in
+    `checkpoints_dir`: the learner calls it as it starts, before its first."""
+    restore_replaced(checkpoints_dir)
     leftovers = [d for d in Path(checkpoints_dir).glob("step_*")
                  if d.suffix in LEFTOVERS and d.stem.removeprefix("step_").isdigit() and d.is_dir()
                  and (keep is None or d.resolve() != Path(keep).resolve())]

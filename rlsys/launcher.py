@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rlsys import protocol
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
-from rlsys.checkpoint import latest_checkpoint, read_trainer_state
+from rlsys.checkpoint import latest_checkpoint, read_trainer_state, restore_replaced
 from rlsys.cli import config_to_dict, first_line, registry_name_of, save_config
 from rlsys.console import ProgressReporter
 from rlsys.placement import PlacementError, open_placement
@@ -60,6 +60,7 @@ def resolve_resume(config, run_dir: Path) -> None:
     """`resume_from_checkpoint=auto`: the run directory's newest complete checkpoint, or a fresh start."""
     if config.resume_from_checkpoint != "auto":
         return
+    restore_replaced(run_dir / "checkpoints")  # a step whose save crashed between its renames counts
     latest = latest_checkpoint(run_dir / "checkpoints")
     config.resume_from_checkpoint = str(latest) if latest else ""
     if not latest:
@@ -178,6 +179,7 @@ def check_same_dataset(config, trainer_state: dict) -> None:
 def resume_from_latest(config, run_dir: Path) -> dict:
     """After the learner died: every role starts again from the run's newest checkpoint (or from the start,
     if it saved none), so the learner's weights, step and dataset position agree with inference's again."""
+    restore_replaced(run_dir / "checkpoints")  # every role stopped: no save is under way
     latest = latest_checkpoint(run_dir / "checkpoints") or config.resume_from_checkpoint
     if latest:
         config.resume_from_checkpoint = config.model.path = str(latest)

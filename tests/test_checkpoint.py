@@ -121,3 +121,40 @@ def test_a_crash_while_an_old_checkpoint_is_deleted_leaves_none_that_auto_picks_
     state = {"model": {"w": torch.zeros(2)}}
     load_sharded_state(latest_checkpoint(checkpoints), state)
     assert state["model"]["w"].tolist() == [4.0, 4.0]
+
+
+def test_a_crash_between_the_renames_of_a_replaced_step_leaves_it_for_auto_and_the_learner(tmp_path, monkeypatch):
+    """A save of a step saved before renames the old copy to step_N.old, then the new one in: killed between the
+    two, there is no step_N; `auto` must not go back to an earlier step, nor the learner's start delete the copy."""
+    from types import SimpleNamespace
+
+    from rlsys.launcher import resolve_resume
+
+    clock = itertools.count(1)
+    monkeypatch.setattr(time, "time", lambda: float(next(clock)))
+    checkpoints = tmp_path / "checkpoints"
+    for step in (2, 4):
+        save(checkpoints / f"step_{step}", step, float(step))
+    real_rename = Path.rename
+
+    def killed_before_the_new_copy_is_in(self, target):
+        if self.name == "step_4.tmp":
+            raise KeyboardInterrupt
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed_before_the_new_copy_is_in)
+    try:
+        save(checkpoints / "step_4", 4, 5.0)  # the final save after a periodic one
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    assert names(checkpoints) == {"step_2", "step_4.old", "step_4.tmp"}
+    config = SimpleNamespace(resume_from_checkpoint="auto")
+    resolve_resume(config, tmp_path)
+    assert config.resume_from_checkpoint == str(checkpoints / "step_4")
+    state = {"model": {"w": torch.zeros(2)}}
+    load_sharded_state(checkpoints / "step_4", state)
+    assert state["model"]["w"].tolist() == [4.0, 4.0]  # the copy that was complete before the save
+    real_rename(checkpoints / "step_4", checkpoints / "step_4.old")  # as the learner's start finds it
+    assert checkpoint.remove_leftovers(checkpoints) == [checkpoints / "step_4.tmp"]
+    assert names(checkpoints) == {"step_2", "step_4"}
