@@ -104,6 +104,35 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
     PromptLedger.of(bus, config).start(trainer_state.get("version", 0), trainer_state.get("accounting"))
 
 
+def take_back_abandoned_steps(bus, config, run_dir: Path, trainer_state: dict) -> None:
+    """A run resumed from a checkpoint in its own directory (`auto`, or the learner's restart) trains the steps after
+    it again: what those steps added before the crash is taken back, so each is counted once, as trained after the
+    resume. The learner's and rollout workers' metrics after the checkpoint's step (version), and the trained traces'
+    records, move to <file>.jsonl.abandoned, and TensorBoard is told the run restarted there (rlsys/metrics.py); the
+    weight-check counter goes back to the checkpoint's count, and the dead letters set aside after it are deleted
+    (their prompts, back in flight, are admitted again). A checkpoint from before the counters were kept leaves them
+    as they are."""
+    from rlsys.metrics import drop_records_after, mark_restart
+    from rlsys.tracing import TRACES_DIR, TRAINED_FILE
+
+    logs, step, version = Path(config.logging_dir), trainer_state["step"], trainer_state["version"]
+    dropped = drop_records_after(logs / "learner.jsonl", step) + drop_records_after(
+        run_dir / TRACES_DIR / TRAINED_FILE, step)
+    mark_restart(logs, "learner", step + 1)
+    for metrics in sorted(logs.glob("rollout*.jsonl")):
+        dropped += drop_records_after(metrics, version)
+        mark_restart(logs, metrics.stem, version + 1)
+    if dropped:
+        log.info("resumed at step %d: %d records of the steps after it moved to *.jsonl.abandoned", step, dropped)
+    if (checks := trainer_state.get("weight_checks")) is not None:
+        bus.delete(protocol.WEIGHT_CHECKS)
+        if checks:
+            bus.incr(protocol.WEIGHT_CHECKS, checks)
+    if (kept := trainer_state.get("dead_letters")) is not None:
+        bus.stream_delete(protocol.DEAD_LETTERS, [entry.id for entry in bus.stream_range(protocol.DEAD_LETTERS, 2**31)
+                                                  [kept:]])
+
+
 def prepare(config) -> None:
     """Dataset and model ready, or a StartupError that names what is wrong with them."""
     from rlsys.assets import AssetError, prepare_assets
@@ -258,6 +287,8 @@ def launch(config) -> dict:
         try:
             while True:
                 initialize_bus_state(bus, config, trainer_state, keep_initial_eval=restarted)
+                if trainer_state:
+                    take_back_abandoned_steps(bus, config, run_dir, trainer_state)
                 supervisor.start()
                 stall.state = None  # a new part of the run starts its own clock
                 try:

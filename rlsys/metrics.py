@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from rlsys.run_privacy import append_private
+from rlsys.run_privacy import append_private, write_private
 
 
 class MetricsLogger:
@@ -36,3 +36,43 @@ class MetricsLogger:
 
 def read_jsonl_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+ABANDONED = ".abandoned"  # <file>.jsonl.abandoned: the records a resume took back, kept apart for a post-mortem
+
+
+def drop_records_after(path: Path, last_step: int) -> int:
+    """A run resumed from a checkpoint trains the steps after it again: the records of the JSONL file at `path`
+    (learner.jsonl, rollout0.jsonl, traces/trained.jsonl) with a step after `last_step`, written before the resume,
+    are moved to `<path>.abandoned`. Returns how many. Only while nothing writes the file (the launcher, before the
+    roles start)."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept, dropped = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):  # a line a kill cut short
+            dropped.append(line if line.endswith("\n") else line + "\n")
+            continue
+        (dropped if step > last_step else kept).append(line)
+    if dropped:
+        with os.fdopen(append_private(path.with_name(path.name + ABANDONED)), "a") as abandoned:
+            abandoned.writelines(dropped)
+        write_private(path, "".join(kept))
+    return len(dropped)
+
+
+def mark_restart(log_dir: Path, name: str, step: int) -> None:
+    """Tells TensorBoard that `name`'s events start again at `step` (a SessionLog START, as TensorFlow's resumed
+    runs write): it then drops the events of that step and later that it read before, the abandoned steps'."""
+    events = Path(log_dir) / "tensorboard" / name
+    if not events.is_dir():
+        return
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    writer = EventFileWriter(str(events), filename_suffix=".resumed")
+    writer.add_event(Event(wall_time=time.time(), step=step, session_log=SessionLog(status=SessionLog.START)))
+    writer.close()

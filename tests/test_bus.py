@@ -373,3 +373,9 @@ def test_delete_removes_sets_and_streams(bus):
     bus.stream_read("st", "g", "c", 1, timeout=0)
     bus.delete("s", "st")
     assert bus.set_size("s") == 0 and bus.stream_length("st") == 0 and bus.stream_pending("st", "g") == 0
+
+
+def test_stream_delete_deletes_the_entries_named_and_only_them(bus):
+    ids = [bus.stream_add("dead", {"n": n}) for n in range(3)]
+    assert bus.stream_delete("dead", ids[1:] + ["9999999999999-0"]) == 2 and bus.stream_delete("dead", []) == 0
+    assert [entry.decode("dead") for entry in bus.stream_range("dead", 10)] == [{"n": 0}]

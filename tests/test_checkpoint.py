@@ -158,3 +158,49 @@ def test_a_crash_between_the_renames_of_a_replaced_step_leaves_it_for_auto_and_t
     real_rename(checkpoints / "step_4", checkpoints / "step_4.old")  # as the learner's start finds it
     assert checkpoint.remove_leftovers(checkpoints) == [checkpoints / "step_4.tmp"]
     assert names(checkpoints) == {"step_2", "step_4"}
+
+
+def test_a_resume_takes_back_the_metrics_and_counts_of_the_steps_after_its_checkpoint(tmp_path):
+    """Killed at step 6 after its checkpoint at step 4, the run trains steps 5 and 6 again once resumed."""
+    from types import SimpleNamespace
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlsys import protocol
+    from rlsys.bus import InProcessBus
+    from rlsys.launcher import take_back_abandoned_steps
+    from rlsys.metrics import MetricsLogger, read_jsonl_metrics
+
+    logs = tmp_path / "logs"
+    killed, rollout = MetricsLogger(logs, "learner"), MetricsLogger(logs, "rollout0")
+    for step in range(1, 7):
+        killed.log(step, {"reward": 0.0})
+    rollout.log(0, {"eval/accuracy": 0.2})
+    rollout.log(6, {"eval/accuracy": 0.3})
+    killed.close(), rollout.close()
+    bus = InProcessBus()
+    for reason in ("before the checkpoint", "after it", "after it too"):
+        bus.stream_add(protocol.DEAD_LETTERS, {"reason": reason})
+    bus.incr(protocol.WEIGHT_CHECKS, 6)
+    trained = tmp_path / "traces" / "trained.jsonl"
+    trained.parent.mkdir()
+    trained.write_text("".join(f'{{"traj_id": "t{step}", "step": {step}}}\n' for step in (4, 5)))
+    take_back_abandoned_steps(bus, SimpleNamespace(logging_dir=str(logs)), tmp_path,
+                              {"step": 4, "version": 4, "weight_checks": 4, "dead_letters": 1})
+    time.sleep(1.1)  # TensorBoard reads event files in the order of their names, which start with the second
+    resumed = MetricsLogger(logs, "learner")
+    for step in (5, 6):
+        resumed.log(step, {"reward": 1.0})
+    resumed.close()
+    assert [(r["step"], r["reward"]) for r in read_jsonl_metrics(logs / "learner.jsonl")] == \
+        [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0), (5, 1.0), (6, 1.0)]
+    assert [r["step"] for r in read_jsonl_metrics(logs / "learner.jsonl.abandoned")] == [5, 6]
+    assert [r["step"] for r in read_jsonl_metrics(logs / "rollout0.jsonl")] == [0]
+    assert [r["traj_id"] for r in read_jsonl_metrics(trained)] == ["t4"]  # t5's training was abandoned
+    events = EventAccumulator(str(logs / "tensorboard" / "learner"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward")] == \
+        [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0), (5, 1.0), (6, 1.0)]
+    assert bus.get(protocol.WEIGHT_CHECKS) == 4
+    assert [e.decode(protocol.DEAD_LETTERS)["reason"] for e in bus.stream_range(protocol.DEAD_LETTERS, 10)] == \
+        ["before the checkpoint"]

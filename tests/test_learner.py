@@ -551,11 +551,16 @@ def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
 def test_a_resumed_learner_continues_its_adaptive_kl_coefficient_and_counters(tmp_path):
     config = learner_config(tmp_path)
     config.ppo.init_kl_coef, config.ppo.target_kl = 0.1, 0.05
-    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    bus = InProcessBus()
+    learner = Learner(config, bus, tmp_path / "run")
     learner.step = learner.version = 1
     # as training left them: the coefficient adapted, a group filtered, an update skipped
     learner.kl_controller.value, learner.filtered_groups, learner.skipped_updates = 0.37, 5, 2
+    bus.incr(protocol.WEIGHT_CHECKS, 3)  # the run's counters, which a resume takes back to these (rlsys/launcher.py)
+    bus.stream_add(protocol.DEAD_LETTERS, {"reason": "a message the learner could not use"})
     config.resume_from_checkpoint = str(learner.save())
+    assert {k: read_trainer_state(config.resume_from_checkpoint)[k] for k in ("weight_checks", "dead_letters")} == \
+        {"weight_checks": 3, "dead_letters": 1}
     resumed = Learner(config, InProcessBus(), tmp_path / "run")
     assert resumed.kl_controller.value == 0.37
     assert (resumed.filtered_groups, resumed.skipped_updates) == (5, 2)

@@ -227,6 +227,46 @@ def test_kill_9_then_resume_auto_continues_without_training_a_prompt_twice(cache
     assert len(consumed) == accounting["trained"] + learner_filtered, accounting
 
 
+def last_logged_step(path: Path) -> int:
+    """The step of the last whole line of a metrics file a run is writing, 0 before its first."""
+    try:
+        return read_jsonl_metrics(path)[-1]["step"] if path.exists() else 0
+    except (IndexError, json.JSONDecodeError):  # caught between a line's characters
+        return 0
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_a_checkpoint_and_resumed_counts_the_steps_after_it_once(cache_dir, tmp_path):
+    """Killed at step K past its checkpoint at step S, a run resumed with `auto` trains S+1.. again: its metrics
+    and its counters must hold those steps once, as trained after the resume."""
+    args = small_run_overrides(cache_dir, tmp_path) + ["trial_name=r", "save_steps=4"]
+    run_dir = tmp_path / "async-ppo-math" / "r"
+    learner_metrics = run_dir / "logs" / "learner.jsonl"
+    with command_line_run(tmp_path, args + ["max_steps=100000"]) as proc:
+        deadline = time.monotonic() + 600
+        while not ((killed_at := last_logged_step(learner_metrics)) >= 6 and killed_at % 4 in (2, 3)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.output()[-3000:]
+            time.sleep(0.01)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    psutil.wait_procs(children, timeout=20)
+    checkpoint = read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))
+    killed_at = last_logged_step(learner_metrics)
+    assert killed_at > checkpoint["step"], (killed_at, checkpoint["step"])  # steps it will train again
+
+    final = checkpoint["step"] + 3
+    summary = launch(parse_config(args + [f"max_steps={final}", "resume_from_checkpoint=auto"]))
+    steps = [s["step"] for s in read_jsonl_metrics(learner_metrics)]
+    # One inference worker verifies each version of the line continued once at most, and the checkpoint's again
+    # as the resumed learner publishes it: none of the abandoned steps' checks.
+    checks = summary["weight_checks"]
+    assert (steps, 0 < checks <= final + 1) == (list(range(1, final + 1)), True), \
+        f"checkpoint at step {checkpoint['step']}, killed at {killed_at}: steps {steps}, {checks} weight checks"
+    assert [s["step"] for s in read_jsonl_metrics(learner_metrics.with_name("learner.jsonl.abandoned"))] == \
+        list(range(checkpoint["step"] + 1, killed_at + 1))
+
+
 def run_bus(run_dir: Path):
     """A client of a running run's private Redis, from the config file it keeps in the run directory."""
     config = dict(line.split(" ", 1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines())

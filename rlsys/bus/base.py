@@ -254,6 +254,11 @@ class Bus(abc.ABC):
         """The oldest `max_count` entries, for inspection (e.g. of a dead-letter stream); reads nothing."""
 
     @abc.abstractmethod
+    def stream_delete(self, stream: str, ids: list[str]) -> int:
+        """Deletes entries from `stream` (a resume drops the dead letters of the steps it abandoned); returns how many
+        were there."""
+
+    @abc.abstractmethod
     def server_id(self) -> str:
         """Changes whenever the server behind the bus restarts (see ServerRestarts)."""
 

@@ -253,6 +253,11 @@ class InProcessBus(Bus):
             entries = list(self._streams[stream].entries.items())[:max_count]
         return [StreamEntry(i, payload, 0) for i, payload in entries]
 
+    def stream_delete(self, stream: str, ids: list[str]) -> int:
+        with self._cond:
+            entries = self._streams[stream].entries
+            return sum(entries.pop(entry_id, None) is not None for entry_id in ids)
+
     def server_id(self) -> str:
         return self._id  # it lives and dies with this process: it never restarts
 

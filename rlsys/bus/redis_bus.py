@@ -291,6 +291,9 @@ class RedisBus(Bus):
         return [_stream_entry(entry_id, _OK if PAYLOAD in fields else _NO_PAYLOAD, 0, fields.get(PAYLOAD, b""), 0, None)
                 for entry_id, fields in self._client.xrange(self._k(stream), count=max_count)]
 
+    def stream_delete(self, stream: str, ids: list[str]) -> int:
+        return self._client.xdel(self._k(stream), *ids) if ids else 0
+
     def server_id(self) -> str:
         return self._client.info("server")["run_id"]  # a random id each redis-server process draws at start
 

@@ -245,7 +245,11 @@ class Learner(PolicyTrainer):
                          "skipped_updates": self.skipped_updates, "lineage": self.lineage,
                          # rank 0 alone writes the trainer state, so it alone reads the bus for it
                          "dataset": self.bus.get(protocol.DATASET_FINGERPRINT) if self.ranks.main else None,
-                         "accounting": self.ledger.snapshot() if self.ranks.main else None}
+                         "accounting": self.ledger.snapshot() if self.ranks.main else None,
+                         # what the run's counters held, so a resume takes back what the steps after it added
+                         # (rlsys/launcher.py, take_back_abandoned_steps)
+                         "weight_checks": (self.bus.get(protocol.WEIGHT_CHECKS) or 0) if self.ranks.main else None,
+                         "dead_letters": self.bus.stream_length(protocol.DEAD_LETTERS) if self.ranks.main else None}
         saved = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.ranks, self.sharded_state(),
                                 self.export, trainer_state)
         if self.ranks.main:  # which alone wrote the trainer state, and keeps the lineage it holds
