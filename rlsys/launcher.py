@@ -133,6 +133,27 @@ def take_back_abandoned_steps(bus, config, run_dir: Path, trainer_state: dict) -
                                                   [kept:]])
 
 
+def held_out_summary(bus, started_from: dict) -> dict:
+    """The summary's held-out figures. The evaluation on the bus as "initial" is the one at the launch's start: a
+    fresh run's first, before any step; a resumed run's, of its checkpoint's weights. Resumed, the "initial" figures
+    are the run's first, which its checkpoints keep (from before they were kept: that evaluation at the resumed step,
+    as before), and the one at the resumed step is `resumed` ({"step", "accuracy", "reward"})."""
+    start, final = (bus.get(protocol.eval_result(tag)) or {} for tag in ("initial", "final"))
+    initial = (started_from.get("initial_eval") or start) if started_from else start
+    figures = {
+        # None where the run did not evaluate, or its episodes have no success to count (rlsys/workers/
+        # rollout_worker.py, evaluate); the mean reward is there whenever it evaluated
+        "initial_accuracy": initial.get("accuracy"),
+        "final_accuracy": final.get("accuracy"),
+        "initial_reward": initial.get("reward"),
+        "final_reward": final.get("reward"),
+    }
+    if started_from:
+        figures["resumed"] = {"step": started_from["step"], "accuracy": start.get("accuracy"),
+                              "reward": start.get("reward")}
+    return figures
+
+
 def prepare(config) -> None:
     """Dataset and model ready, or a StartupError that names what is wrong with them."""
     from rlsys.assets import AssetError, prepare_assets
@@ -283,7 +304,7 @@ def launch(config) -> dict:
                                   config.max_steps, bus, ledger,
                                   evaluations_file=Path(config.logging_dir) / "rollout0.jsonl")
         stall = StallWatch(config, ledger)
-        restarted = False
+        restarted, started_from = False, trainer_state
         try:
             while True:
                 initialize_bus_state(bus, config, trainer_state, keep_initial_eval=restarted)
@@ -307,14 +328,8 @@ def launch(config) -> dict:
         for name, why in unclean.items():
             log.warning("%s %s as the run stopped; its output: %s", name, why, Path(config.logging_dir) / f"{name}.log")
         prompts = ledger.end_run()
-        initial, final = (bus.get(protocol.eval_result(tag)) or {} for tag in ("initial", "final"))
         summary = {
-            # None where the run did not evaluate, or its episodes have no success to count (rlsys/workers/
-            # rollout_worker.py, evaluate); the mean reward is there whenever it evaluated
-            "initial_accuracy": initial.get("accuracy"),
-            "final_accuracy": final.get("accuracy"),
-            "initial_reward": initial.get("reward"),
-            "final_reward": final.get("reward"),
+            **held_out_summary(bus, started_from),
             "steps": config.max_steps,
             "minutes": (time.monotonic() - started) / 60,
             "run_dir": str(run_dir),

@@ -131,14 +131,26 @@ def test_bad_key_on_the_command_line_exits_2_with_close_matches(tmp_path):
 
 def test_resume_from_checkpoint_continues_step_and_version(cache_dir, tmp_path):
     first = parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=2", "trial_name=a"])
-    launch(first)
+    before = launch(first)
     checkpoint = tmp_path / "async-ppo-math" / "a" / "checkpoints" / "step_2"
     # What a resume checks it reads the same training rows against (launcher.check_same_dataset).
     rows = load_rows(first.dataset.path, first.dataset.row_format())
-    assert read_trainer_state(checkpoint)["dataset"] == rows_fingerprint(rows)
+    state = read_trainer_state(checkpoint)
+    assert state["dataset"] == rows_fingerprint(rows)
+    # The run's first evaluation, kept for the resumed run's before/after; made one no evaluation gives (of 200
+    # problems), so the figure cannot come from the evaluation the resumed run takes of the checkpoint's weights.
+    assert state["initial_eval"]["accuracy"] == before["initial_accuracy"] and state["initial_eval"]["version"] == 0
+    state["initial_eval"]["accuracy"] = 0.1234
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     second = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         "max_steps=4", "trial_name=b", f"resume_from_checkpoint={checkpoint}"])
     summary = launch(second)
+    assert summary["initial_accuracy"] == 0.1234
+    evaluations = [r for r in read_jsonl_metrics(tmp_path / "async-ppo-math" / "b" / "logs" / "rollout0.jsonl")
+                   if "eval/version" in r]
+    assert [r["eval/version"] for r in evaluations] == [2, 4]  # at the resumed step, and the final one
+    assert summary["resumed"] == {"step": 2, "accuracy": evaluations[0]["eval/accuracy"],
+                                  "reward": evaluations[0]["eval/reward"]}
     steps = read_jsonl_metrics(tmp_path / "async-ppo-math" / "b" / "logs" / "learner.jsonl")
     assert [(s["step"], s["version"]) for s in steps] == [(3, 3), (4, 4)]
     # The prompt accounting went on from the checkpoint's: its 2 steps' prompts, then 2 more steps'.

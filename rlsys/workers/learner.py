@@ -56,6 +56,9 @@ class Learner(PolicyTrainer):
         # [step, saved_at] of each checkpoint the state descends from (resumed from, saved before): what
         # save_total_limit keeps first (rlsys/checkpoint.py, keep_newest)
         self.lineage: list[list] = []
+        # the held-out evaluation before the run's first step; a resumed learner carries its checkpoint's, since the
+        # bus's "initial" is then the evaluation at the resumed step (rlsys/launcher.py, held_out_summary)
+        self.resumed, self.initial_eval = bool(resumed), resumed.get("initial_eval")
         if resumed:
             self._resume(Path(config.resume_from_checkpoint), resumed)
         if ranks.main:  # before its first save, so none of this run's is under way
@@ -249,7 +252,9 @@ class Learner(PolicyTrainer):
                          # what the run's counters held, so a resume takes back what the steps after it added
                          # (rlsys/launcher.py, take_back_abandoned_steps)
                          "weight_checks": (self.bus.get(protocol.WEIGHT_CHECKS) or 0) if self.ranks.main else None,
-                         "dead_letters": self.bus.stream_length(protocol.DEAD_LETTERS) if self.ranks.main else None}
+                         "dead_letters": self.bus.stream_length(protocol.DEAD_LETTERS) if self.ranks.main else None,
+                         "initial_eval": self.initial_eval if self.resumed or not self.ranks.main
+                         else self.bus.get(protocol.eval_result("initial"))}
         saved = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.ranks, self.sharded_state(),
                                 self.export, trainer_state)
         if self.ranks.main:  # which alone wrote the trainer state, and keeps the lineage it holds

@@ -71,7 +71,9 @@ class RolloutWorker:
             await asyncio.gather(self.router.live_worker(), self.warm_up_environments(), self.read_datasets())
             gc.freeze()  # what the read built and imported (rows, HF datasets, pyarrow) lives as long as the role
             if self.index == 0 and not await self._bus_get(protocol.eval_result("initial")):  # not a restart
-                await self.evaluate("initial")
+                # resumed, the evaluation of the checkpoint's weights, at its step: logged as such; the summary's
+                # "initial" figures stay the run's first (the checkpoint keeps them)
+                await self.evaluate("initial", "at the resumed step" if self.config.resume_from_checkpoint else "initial")
             await self.train()
             self.metrics.log(await self.current_version(), {
                 "episodes/failed": sum(self.failures.values()),
@@ -295,7 +297,7 @@ class RolloutWorker:
         except InvalidMessage as e:
             raise self.failed(prompt, EpisodeFailed("invalid_output", str(e))) from None
 
-    async def evaluate(self, tag: str) -> None:
+    async def evaluate(self, tag: str, label: str = "") -> None:
         """Greedy episodes on the held-out set: their mean reward, and their accuracy (the mean of the experiment's
         `held_out_score`, for most an episode's success) where every episode has a score, logged and stored on the
         bus. A mixed run's environment types each get their own accuracy by the same rule."""
@@ -318,10 +320,10 @@ class RolloutWorker:
         self.metrics.log(version, {f"eval/{k}": v for k, v in result.items()})
         await asyncio.to_thread(self.bus.set, protocol.eval_result(tag), result)
         if "accuracy" in result:
-            log.info("held-out accuracy %s (version %d): %.1f%% of %d", tag, version, 100 * result["accuracy"],
-                     len(episodes))
+            log.info("held-out accuracy %s (version %d): %.1f%% of %d", label or tag, version,
+                     100 * result["accuracy"], len(episodes))
         else:
-            log.info("held-out mean reward %s (version %d): %.3f over %d", tag, version, result["reward"],
+            log.info("held-out mean reward %s (version %d): %.3f over %d", label or tag, version, result["reward"],
                      len(episodes))
 
     async def wait_for_final_weights(self) -> bool:
