@@ -104,6 +104,9 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
     PromptLedger.of(bus, config).start(trainer_state.get("version", 0), trainer_state.get("accounting"))
 
 
+FROM_THE_START = {"step": 0, "version": 0, "weight_checks": 0, "dead_letters": 0}  # what a run restarted so takes back
+
+
 def take_back_abandoned_steps(bus, config, run_dir: Path, trainer_state: dict) -> None:
     """A run resumed from a checkpoint in its own directory (`auto`, or the learner's restart) trains the steps after
     it again: what those steps added before the crash is taken back, so each is counted once, as trained after the
@@ -308,8 +311,8 @@ def launch(config) -> dict:
         try:
             while True:
                 initialize_bus_state(bus, config, trainer_state, keep_initial_eval=restarted)
-                if trainer_state:
-                    take_back_abandoned_steps(bus, config, run_dir, trainer_state)
+                if trainer_state or restarted:  # a restart with no checkpoint yet trains from the start again
+                    take_back_abandoned_steps(bus, config, run_dir, trainer_state or FROM_THE_START)
                 supervisor.start()
                 stall.state = None  # a new part of the run starts its own clock
                 try:

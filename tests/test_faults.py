@@ -239,4 +239,7 @@ def test_a_learner_killed_before_any_checkpoint_restarts_the_run_from_the_start_
     assert summary["restarts"] == {"learner0": 1}
     assert summary["prompts_accounted"], summary["prompts"]
     assert summary["final_accuracy"] is not None
+    # the steps the killed learner took are trained again: logged once, as trained after the restart
+    steps = [json.loads(line)["step"] for line in (run_dir / "logs" / "learner.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7)), steps
     assert left_behind(tmp_path, existing) == []
