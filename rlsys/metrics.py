@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from rlsys.run_privacy import append_private, write_private
+from rlsys.run_privacy import PRIVATE_UMASK, append_private, write_private
 
 
 class MetricsLogger:
@@ -73,6 +73,10 @@ def mark_restart(log_dir: Path, name: str, step: int) -> None:
     from tensorboard.compat.proto.event_pb2 import Event, SessionLog
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-    writer = EventFileWriter(str(events), filename_suffix=".resumed")
-    writer.add_event(Event(wall_time=time.time(), step=step, session_log=SessionLog(status=SessionLog.START)))
-    writer.close()
+    umask = os.umask(PRIVATE_UMASK)  # the launcher's own is the user's; the roles' files are owner-only
+    try:
+        writer = EventFileWriter(str(events), filename_suffix=".resumed")
+        writer.add_event(Event(wall_time=time.time(), step=step, session_log=SessionLog(status=SessionLog.START)))
+        writer.close()
+    finally:
+        os.umask(umask)

@@ -197,6 +197,8 @@ def test_a_resume_takes_back_the_metrics_and_counts_of_the_steps_after_its_check
     assert [r["step"] for r in read_jsonl_metrics(logs / "learner.jsonl.abandoned")] == [5, 6]
     assert [r["step"] for r in read_jsonl_metrics(logs / "rollout0.jsonl")] == [0]
     assert [r["traj_id"] for r in read_jsonl_metrics(trained)] == ["t4"]  # t5's training was abandoned
+    (marker,) = (logs / "tensorboard" / "learner").glob("*.resumed")
+    assert marker.stat().st_mode & 0o777 == 0o600
     events = EventAccumulator(str(logs / "tensorboard" / "learner"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("reward")] == \

@@ -247,7 +247,6 @@ def last_logged_step(path: Path) -> int:
         return 0
 
 
-@pytest.mark.slow
 def test_a_run_killed_after_a_checkpoint_and_resumed_counts_the_steps_after_it_once(cache_dir, tmp_path):
     """Killed at step K past its checkpoint at step S, a run resumed with `auto` trains S+1.. again: its metrics
     and its counters must hold those steps once, as trained after the resume."""
