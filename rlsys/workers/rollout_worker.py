@@ -73,7 +73,8 @@ class RolloutWorker:
             if self.index == 0 and not await self._bus_get(protocol.eval_result("initial")):  # not a restart
                 # resumed, the evaluation of the checkpoint's weights, at its step: logged as such; the summary's
                 # "initial" figures stay the run's first (the checkpoint keeps them)
-                await self.evaluate("initial", "at the resumed step" if self.config.resume_from_checkpoint else "initial")
+                resumed = bool(self.config.resume_from_checkpoint)
+                await self.evaluate("initial", "at the resumed step" if resumed else "initial")
             await self.train()
             self.metrics.log(await self.current_version(), {
                 "episodes/failed": sum(self.failures.values()),
