@@ -516,3 +516,18 @@ def test_bad_input_and_the_context_limit(model_path):
         (delta,) = backend.step()
         tokens += delta.token_ids
     assert tokens == [45, 46, 47] and delta.finish_reason == "length", "prompt + output stop at max_model_len"
+
+
+def test_a_token_outside_the_vocabulary_is_refused_at_add_and_the_batch_generates_on(model_path):
+    """As vLLM refuses it in add_request: the worker answers that request with the reason, and the others run on.
+    Accepted, it would fail the whole batch's next step (an embedding index out of range)."""
+    backend = TransformersBackend(model_path, InferenceConfig(engine="transformers"), seed=0)
+    vocab = backend.model.get_input_embeddings().num_embeddings
+    backend.add("good", [40, 41, 42], SamplingSettings(max_tokens=3, temperature=0.0))
+    with pytest.raises(ValueError, match=f"token id {vocab}, outside the model.s vocabulary of {vocab}"):
+        backend.add("bad", [40, vocab, 42], SamplingSettings(max_tokens=3, temperature=0.0))
+    tokens = []
+    while backend.has_unfinished():
+        (delta,) = backend.step()
+        tokens += delta.token_ids
+    assert len(tokens) == 3 and delta.seq_id == "good"

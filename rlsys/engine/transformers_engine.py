@@ -55,6 +55,7 @@ class TransformersBackend(GenerationBackend):
         self.max_num_seqs = inference_cfg.max_num_seqs
         self.max_model_len = _max_model_len(inference_cfg.max_model_len, self.model.config)
         self.eos_token_ids = _eos_token_ids(self.model, load_tokenizer(model_path))
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.generator = torch.Generator(self.device).manual_seed(seed)  # for sequences without a seed
         self._waiting: dict[str, _Sequence] = {}
         # Graphs hold the cache's addresses, so their buffers are allocated once, for the longest sequences: as many
@@ -84,6 +85,9 @@ class TransformersBackend(GenerationBackend):
         if not 0 < len(token_ids) < self.max_model_len:
             raise ValueError(f"sequence {seq_id!r} has a prompt of {len(token_ids)} tokens; it must have at least "
                              f"1 and leave room for one more within max_model_len={self.max_model_len}")
+        if max(token_ids) >= self.vocab_size:  # as vLLM refuses it: in the batch, it would fail every sequence's step
+            raise ValueError(f"sequence {seq_id!r} holds token id {max(token_ids)}, outside the model's vocabulary of "
+                             f"{self.vocab_size}")
         if sampling.max_tokens < 1:
             raise ValueError(f"sequence {seq_id!r} asks for max_tokens={sampling.max_tokens}; it must be at least 1")
         generator = None
