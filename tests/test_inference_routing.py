@@ -382,3 +382,22 @@ def test_served_version_is_the_oldest_live_worker_s(n_workers):
         bus.set(protocol.inference_status(i), {"epoch": 1, "beat": 1, "version": 3 + i, "load": 0})
     router.workers.refresh()
     assert router.workers.served_version() == 3
+
+
+def test_requests_sent_since_a_worker_s_last_beat_count_until_its_next_one():
+    """Routers refresh every REFRESH_INTERVAL, workers beat every HEARTBEAT_INTERVAL (5x longer): a refresh that reads
+    the same beat again must not forget what was sent since, or every new episode between two beats goes to the
+    worker that was least loaded at the last one."""
+    bus = InProcessBus()
+    router = EpisodeRouter(bus, "replies", n_inference_workers=2)
+    for i in range(2):
+        bus.set(protocol.inference_status(i), {"epoch": 1, "beat": 1, "version": 0, "load": 0})
+    picks = []
+    for _ in range(4):
+        router.workers.refresh()  # the same beat each time
+        picks.append(router.workers.least_loaded())
+        router.workers.views[picks[-1]].sent_since_refresh += 1  # as send does
+    assert sorted(picks) == [0, 0, 1, 1], picks
+    bus.set(protocol.inference_status(0), {"epoch": 1, "beat": 2, "version": 0, "load": 2})  # a beat: load has them
+    router.workers.refresh()
+    assert [v.load + v.sent_since_refresh for v in router.workers.views] == [2, 2]

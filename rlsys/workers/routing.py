@@ -45,7 +45,7 @@ class WorkerView:
     version: int = 0
     load: int = 0
     beat_seen_at: float = 0.0  # monotonic time the beat last moved
-    sent_since_refresh: int = 0
+    sent_since_refresh: int = 0  # requests this router sent it since the status it last published
     seen: bool = False
     dead: bool = False  # the launcher saw this epoch's process exit
 
@@ -66,10 +66,14 @@ class InferenceWorkers:
                 continue
             if not view.seen or status.beat != view.beat or status.epoch != view.epoch:
                 view.beat_seen_at = now
+            # A status published again counts the requests the worker took; one read again (a refresh comes five
+            # times a beat) counts none of those sent since, which stay counted here.
+            if not view.seen or (status.epoch, status.beat, status.version, status.load) != \
+                    (view.epoch, view.beat, view.version, view.load):
+                view.sent_since_refresh = 0
             view.seen = True
             view.epoch, view.beat, view.version, view.load = status.epoch, status.beat, status.version, status.load
             view.dead = status.dead
-            view.sent_since_refresh = 0
 
     def is_alive(self, index: int) -> bool:
         """Marked dead by the launcher that saw it exit (at once), or silent for `dead_after` seconds (a worker
