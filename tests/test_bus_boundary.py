@@ -23,7 +23,7 @@ from rlsys.api import GenerationConfig, Trajectory
 from rlsys.api import Model
 from rlsys.api.messages import (INT32_MAX, LOGPROB_TOLERANCE, MAX_REWARD, GenerationReply, InvalidMessage, WorkerStatus,
                                 generation_setting, parse_generation_config, parse_generation_reply,
-                                parse_generation_request, parse_published_weights, parse_worker_status)
+                                parse_published_weights, parse_worker_request, parse_worker_status)
 from rlsys.bus import EmbeddedRedis, InProcessBus, RedisBus
 from rlsys.delivery import TrajectoryInbox, group_message, read_group_message
 from rlsys.prompt_ledger import PromptLedger
@@ -248,7 +248,7 @@ REQUEST_PATHS = [(k,) for k in good_request()] + [("gconfig", k) for k in Genera
 
 @FEW
 @given(bad=st.one_of(values, st.builds(with_field, st.just(good_request("bad")), st.sampled_from(REQUEST_PATHS),
-                                         values)))
+                                         values), st.builds(lambda v: {"abort": v}, values)))
 def test_an_inference_worker_sets_aside_any_bad_request_and_serves_the_good_one_beside_it(bad):
     bus = InProcessBus()
     engine = ScriptedEngine(lambda prompt, g, sample: [100 + i for i in range(g.max_new_tokens)], tokens_per_step=1)
@@ -256,7 +256,7 @@ def test_an_inference_worker_sets_aside_any_bad_request_and_serves_the_good_one_
     bus.put_many(protocol.generation_requests(0), [bad, good_request("good")])
     worker.take_requests(timeout=1)
     try:
-        parse_generation_request(bad)
+        parse_worker_request(bad)  # a request, or the abort of one
     except InvalidMessage:
         assert worker.refused == 1
         (letter,) = [e.decode(protocol.DEAD_MESSAGES) for e in bus.stream_range(protocol.DEAD_MESSAGES, 10)]

@@ -401,3 +401,32 @@ def test_requests_sent_since_a_worker_s_last_beat_count_until_its_next_one():
     bus.set(protocol.inference_status(0), {"epoch": 1, "beat": 2, "version": 0, "load": 2})  # a beat: load has them
     router.workers.refresh()
     assert [v.load + v.sent_since_refresh for v in router.workers.views] == [2, 2]
+
+
+def test_the_requests_of_an_episode_that_ends_unanswered_stop_generating():
+    """An episode that fails (or is cancelled) with requests in flight: nobody takes their replies, so the worker
+    stops generating them instead of spending its batch on them to the end."""
+    async def main():
+        bus = InProcessBus()
+        engine = ScriptedEngine(counting_policy, tokens_per_step=1)
+        engine.step = one_millisecond_per_step(engine.step)
+        worker = InferenceWorker(engine, bus, 0, max_batch_requests=8)
+        async with serving(bus, [worker]) as router:
+            obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+
+            async def agent():
+                await obs_queue.put(("long", [1, 2], GenerationConfig(n=2, max_new_tokens=100_000)))
+                while not engine.in_flight:
+                    await asyncio.sleep(0.01)
+                raise RuntimeError("the environment broke")
+
+            with pytest.raises(RuntimeError, match="the environment broke"):
+                await router.serve(agent(), obs_queue, act_queue)
+            deadline = time.monotonic() + 5
+            while engine.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            stopped = engine.in_flight, router.waiting, worker.reply_to, worker.aborted
+            replies = await episode(router, [("next", [3], GenerationConfig(max_new_tokens=2))], sequential=True)
+            return stopped, replies["next"].output_ids
+
+    assert asyncio.run(main()) == ((0, {}, {}, 1), [[100, 101]])  # and the worker serves on

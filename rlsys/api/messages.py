@@ -185,6 +185,24 @@ def parse_generation_request(message) -> GenerationRequest:
     return request
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationAbort:
+    """Sent after a request whose episode ended without its reply (failed or cancelled): nobody would take the reply,
+    so the worker stops generating it. On the same queue as the request, so it never arrives first."""
+
+    rid: str
+
+    def to_message(self) -> dict:
+        return {"abort": self.rid}
+
+
+def parse_worker_request(message) -> GenerationRequest | GenerationAbort:
+    """What a router puts on an inference worker's queue: a GenerationRequest, or a GenerationAbort."""
+    if isinstance(message, dict) and "abort" in message:
+        return GenerationAbort(string(fields(message, "generation abort", {"abort"})["abort"], "abort"))
+    return parse_generation_request(message)
+
+
 @dataclasses.dataclass
 class GenerationReply:
     """An inference worker's answer to one GenerationRequest, under that request's id. The router hands it to the

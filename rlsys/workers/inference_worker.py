@@ -13,8 +13,8 @@ import time
 
 from rlsys import protocol
 from rlsys.alarms import probe_totals
-from rlsys.api.messages import MAX_REASON_CHARS, GenerationRefusal, InvalidMessage, WorkerStatus, \
-    parse_generation_request, parse_published_weights
+from rlsys.api.messages import MAX_REASON_CHARS, GenerationAbort, GenerationRefusal, InvalidMessage, WorkerStatus, \
+    parse_published_weights, parse_worker_request
 from rlsys.bus import Undecodable
 from rlsys.bus.dead_letters import set_aside
 from rlsys.engine.generation import GenerationEngine
@@ -45,6 +45,7 @@ class InferenceWorker:
         self.refused = 0  # requests set aside as malformed
         self.epoch = 0
         self.copies_dropped = 0  # requests that arrived again while running
+        self.aborted = 0  # requests stopped unfinished: their episode ended without them
         self._stopping = threading.Event()
         self._next_control = 0.0
         self.beat = 0  # the heartbeat's counter
@@ -143,10 +144,15 @@ class InferenceWorker:
             try:
                 if isinstance(message, Undecodable):
                     raise InvalidMessage(message.reason)
-                request = parse_generation_request(message)
+                request = parse_worker_request(message)
             except InvalidMessage as e:
                 self.refused += 1
                 set_aside(self.bus, self.queue, str(e), message)
+                continue
+            if isinstance(request, GenerationAbort):  # a no-op for one already answered, or never taken
+                self.aborted += self.engine.is_running(request.rid)
+                self.engine.abort_request(request.rid)
+                self.reply_to.pop(request.rid, None)
                 continue
             if self.engine.is_running(request.rid):  # a router sent it again after a bus server restart
                 copies += 1

@@ -9,6 +9,8 @@
   the episode just waits a little longer. When the bus server restarts, a request or reply may have been
   lost on the way, so every unanswered request is sent again (a worker drops a copy of a request it is
   running). A late duplicate reply is dropped.
+- Nothing generated for nobody: the requests of an episode that ends unanswered (it failed) are aborted on the
+  worker that holds them, which drops them from its batch.
 - Nothing sent that a worker's parser would refuse: each request is checked by the parser the inference
   worker runs. A worker sets a bad request aside and never answers it, so the router refuses it instead, and
   the episode fails at once with the reason rather than waiting for a reply that never comes. What only the
@@ -25,8 +27,8 @@ from dataclasses import dataclass, field
 
 from rlsys import protocol
 from rlsys.api import GenerationConfig
-from rlsys.api.messages import GenerationRefusal, GenerationRequest, InvalidMessage, parse_generation_request, \
-    parse_reply
+from rlsys.api.messages import GenerationAbort, GenerationRefusal, GenerationRequest, InvalidMessage, \
+    parse_generation_request, parse_reply
 from rlsys.bus import ServerRestarts, Undecodable
 from rlsys.bus.dead_letters import set_aside
 from rlsys.workers.inference_status import InferenceStatus
@@ -152,7 +154,9 @@ class EpisodeRouter:
             if not playing.done():
                 playing.cancel()
                 await asyncio.wait([playing])  # the agent's own cleanup runs before its environment closes
-            self.forget(act_queue)
+            aborts = self.forget(act_queue)
+            if aborts and not asyncio.current_task().cancelling():  # a run that ends stops its workers anyway
+                await self.abort(aborts)
 
     async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue, calls: list | None = None,
                       refused: asyncio.Future | None = None) -> None:
@@ -245,7 +249,17 @@ class EpisodeRouter:
             self.stats.resent += 1
             await self.send(pending, worker)
 
-    def forget(self, act_queue: asyncio.Queue) -> None:
-        """An episode ended: its unanswered requests (if it was cancelled) need no reply."""
+    def forget(self, act_queue: asyncio.Queue) -> dict[int, list[dict]]:
+        """An episode ended: its unanswered requests (if it failed or was cancelled) need no reply. Returns the
+        aborts that stop them, by the worker that holds them (`abort`)."""
+        aborts: dict[int, list[dict]] = {}
         for rid in [rid for rid, p in self.waiting.items() if p.act_queue is act_queue]:
-            del self.waiting[rid]
+            pending = self.waiting.pop(rid)
+            if pending.worker >= 0:
+                aborts.setdefault(pending.worker, []).append(GenerationAbort(rid).to_message())
+        return aborts
+
+    async def abort(self, aborts: dict[int, list[dict]]) -> None:
+        """The workers stop generating what nobody will take (after the request, on its queue)."""
+        for worker, messages in aborts.items():
+            await asyncio.to_thread(self.bus.put_many, protocol.generation_requests(worker), messages)
