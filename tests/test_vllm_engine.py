@@ -74,3 +74,33 @@ def test_on_a_gpu_the_kv_cache_is_vllms_own_unless_asked(tmp_path, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert kv_cache_bytes(str(tmp_path), InferenceConfig()) is None  # from inference.gpu_memory_utilization
     assert kv_cache_bytes(str(tmp_path), InferenceConfig(kv_cache_gib=8)) == 8 * 2**30
+
+
+def test_a_request_vllm_refuses_is_answered_with_its_reason_and_the_worker_serves_on(tmp_path):
+    """vLLM refuses a prompt that leaves no room within max_model_len, or a token outside the vocabulary, with its own
+    VLLMValidationError, no ValueError: the backend hands it on as the ValueError the worker answers with a refusal,
+    where the worker would die on it, and its restarted successor on the same request re-sent."""
+    from rlsys import protocol
+    from rlsys.api import GenerationConfig
+    from rlsys.api.messages import GenerationRequest, parse_reply
+    from rlsys.bus import InProcessBus
+    from rlsys.engine.generation import GenerationEngine
+    from rlsys.engine.vllm_engine import VLLMBackend
+    from rlsys.workers.inference_worker import InferenceWorker
+
+    model_path = save_random_tiny_model(tmp_path / "model")
+    engine = GenerationEngine(VLLMBackend(str(model_path), InferenceConfig(max_model_len=8, max_num_seqs=4), seed=0))
+    bus = InProcessBus()
+    worker = InferenceWorker(engine, bus, 0, max_batch_requests=8)
+    greedy = GenerationConfig(n=1, max_new_tokens=2, temperature=0.0)
+    bus.put_many(protocol.generation_requests(0), [
+        GenerationRequest(rid, ids, greedy, "replies").to_message()
+        for rid, ids in [("long", list(range(10, 18))), ("good", [4, 7]), ("unknown", [4, 10**6])]])
+    worker.take_requests(timeout=1)
+    refusals = {reply.rid: reply.refused for reply in map(parse_reply, bus.get_many("replies", 8, 1))}
+    assert sorted(refusals) == ["long", "unknown"] and "out of vocabulary" in refusals["unknown"], refusals
+    assert "maximum model length of 8" in refusals["long"], refusals
+    while engine.in_flight:
+        worker.reply(engine.step())
+    (reply,) = map(parse_reply, bus.get_many("replies", 8, 1))
+    assert reply.rid == "good" and len(reply.output_ids[0]) == 2

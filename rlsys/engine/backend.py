@@ -39,7 +39,9 @@ class GenerationBackend(abc.ABC):
 
     @abc.abstractmethod
     def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings, arrival: float = 0.0) -> None:
-        """Start a sequence; it is generated from the next `step` on.
+        """Start a sequence; it is generated from the next `step` on. Raises ValueError for one this engine cannot
+        take (a prompt that leaves no room within the model's length, a token outside its vocabulary): the inference
+        worker answers its request with the reason.
 
         Sequences wait for a place in the batch in order of `arrival` (a monotonic time): a sequence
         resumed after a weight update keeps its request's place instead of queueing behind newer ones,

@@ -149,15 +149,20 @@ class VLLMBackend(GenerationBackend):
 
     def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings, arrival: float = 0.0) -> None:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
-            output_kind=RequestOutputKind.DELTA,
-            detokenize=False)  # the worker sends token ids; text is the agents' business (their tokenizer)
-        self.engine.add_request(seq_id, TokensPrompt(prompt_token_ids=list(token_ids)), params, arrival_time=arrival)
+        try:
+            params = SamplingParams(
+                n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
+                output_kind=RequestOutputKind.DELTA,
+                detokenize=False)  # the worker sends token ids; text is the agents' business (their tokenizer)
+            self.engine.add_request(seq_id, TokensPrompt(prompt_token_ids=list(token_ids)), params,
+                                    arrival_time=arrival)
+        except VLLMClientError as e:  # a prompt too long, a token outside the vocabulary: no ValueError in vLLM 0.32
+            raise ValueError(str(e)) from e
         self._running.add(seq_id)
 
     def step(self) -> list[TokenDelta]:
