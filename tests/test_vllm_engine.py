@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from transformers import Qwen2Config
 
 from experiments.common import InferenceConfig
@@ -76,7 +77,16 @@ def test_on_a_gpu_the_kv_cache_is_vllms_own_unless_asked(tmp_path, monkeypatch):
     assert kv_cache_bytes(str(tmp_path), InferenceConfig(kv_cache_gib=8)) == 8 * 2**30
 
 
-def test_a_request_vllm_refuses_is_answered_with_its_reason_and_the_worker_serves_on(tmp_path):
+@pytest.fixture(scope="module")
+def short_vllm(tmp_path_factory):
+    """vLLM on the tiny model, sequences of at most 8 tokens."""
+    from rlsys.engine.vllm_engine import VLLMBackend
+
+    model_path = save_random_tiny_model(tmp_path_factory.mktemp("model"))
+    return VLLMBackend(str(model_path), InferenceConfig(max_model_len=8, max_num_seqs=4), seed=0)
+
+
+def test_a_request_vllm_refuses_is_answered_with_its_reason_and_the_worker_serves_on(short_vllm):
     """vLLM refuses a prompt that leaves no room within max_model_len, or a token outside the vocabulary, with its own
     VLLMValidationError, no ValueError: the backend hands it on as the ValueError the worker answers with a refusal,
     where the worker would die on it, and its restarted successor on the same request re-sent."""
@@ -85,11 +95,9 @@ def test_a_request_vllm_refuses_is_answered_with_its_reason_and_the_worker_serve
     from rlsys.api.messages import GenerationRequest, parse_reply
     from rlsys.bus import InProcessBus
     from rlsys.engine.generation import GenerationEngine
-    from rlsys.engine.vllm_engine import VLLMBackend
     from rlsys.workers.inference_worker import InferenceWorker
 
-    model_path = save_random_tiny_model(tmp_path / "model")
-    engine = GenerationEngine(VLLMBackend(str(model_path), InferenceConfig(max_model_len=8, max_num_seqs=4), seed=0))
+    engine = GenerationEngine(short_vllm)
     bus = InProcessBus()
     worker = InferenceWorker(engine, bus, 0, max_batch_requests=8)
     greedy = GenerationConfig(n=1, max_new_tokens=2, temperature=0.0)
@@ -104,3 +112,14 @@ def test_a_request_vllm_refuses_is_answered_with_its_reason_and_the_worker_serve
         worker.reply(engine.step())
     (reply,) = map(parse_reply, bus.get_many("replies", 8, 1))
     assert reply.rid == "good" and len(reply.output_ids[0]) == 2
+
+
+def test_a_probe_as_long_as_the_model_s_context_is_scored_where_vllm_can(short_vllm):
+    """The learner's probe is a trained sequence's first PROBE_TOKENS tokens: one that ran to max_model_len (a reply cut
+    at the length limit) has max_model_len tokens, where vLLM scores only prompts that leave room for one more. Its
+    first max_model_len - 1 are scored (the probe compares the logprobs both sides have), not the weight update
+    failed: that would stop every worker holding the probe's version at once."""
+    full, short = list(range(10, 18)), [4, 7, 8]
+    scored = short_vllm.score_all([full, short])
+    assert [len(s) for s in scored] == [6, 2]
+    assert scored[0] == pytest.approx(short_vllm.score(full[:7]), abs=1e-5)

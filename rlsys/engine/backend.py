@@ -85,7 +85,8 @@ class GenerationBackend(abc.ABC):
         """Let go of what would outlive the process: the inference role calls it last, before its quick exit."""
 
     def score(self, token_ids: list[int]) -> list[float]:
-        """Logprob of each token after the first given its prefix, at temperature 1 (the weight-sync check)."""
+        """Logprob of each token after the first given its prefix, at temperature 1 (the weight-sync check); of the
+        first ones only, for a sequence longer than the engine scores (vLLM: max_model_len - 1 tokens)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score sequences")
 
     def score_all(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -211,7 +211,11 @@ class VLLMBackend(GenerationBackend):
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        results = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences], params,
+        # vLLM takes a prompt that leaves room for one token more: a sequence that ran to max_model_len (a reply cut
+        # there) has its first max_model_len - 1 scored, and the probe compares the logprobs both sides have.
+        room = self.llm.llm_engine.model_config.max_model_len - 1
+        sequences = [list(ids[:room]) for ids in sequences]
+        results = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences], params,
                                     use_tqdm=False)
         return [[step[tok].logprob for tok, step in zip(ids[1:], result.prompt_logprobs[1:])]
                 for ids, result in zip(sequences, results)]
