@@ -430,3 +430,25 @@ def test_the_requests_of_an_episode_that_ends_unanswered_stop_generating():
             return stopped, replies["next"].output_ids
 
     assert asyncio.run(main()) == ((0, {}, {}, 1), [[100, 101]])  # and the worker serves on
+
+
+def test_a_reply_the_router_cannot_use_fails_its_episode_with_the_reason_instead_of_leaving_it_waiting():
+    """A worker whose model gives NaN logprobs sends replies no reader takes: set aside, and the episode that waits for
+    one fails with the reason (as for a refusal), where it would wait for ever on a worker that lives on."""
+    async def ask(router):
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+
+        async def agent():
+            await obs_queue.put(("q", [1, 2], GenerationConfig(n=1, max_new_tokens=2)))
+            return await act_queue.get()
+        return await asyncio.wait_for(router.serve(agent(), obs_queue, act_queue), 10)
+
+    async def main():
+        bus = InProcessBus()
+        engine = ScriptedEngine(counting_policy, logprob=float("nan"))
+        async with serving(bus, [InferenceWorker(engine, bus, 0, max_batch_requests=8)]) as router:
+            with pytest.raises(InvalidMessage, match="request 'q'.*logprobs"):
+                await ask(router)
+            return router.waiting, router.stats.refused, bus.stream_length(protocol.DEAD_MESSAGES)
+
+    assert asyncio.run(main()) == ({}, 1, 1)

@@ -15,7 +15,7 @@
   worker runs. A worker sets a bad request aside and never answers it, so the router refuses it instead, and
   the episode fails at once with the reason rather than waiting for a reply that never comes. What only the
   engine can check (the model's context length, its vocabulary) the worker answers with a refusal, which fails
-  the episode the same way.
+  the episode the same way; so does a reply the router cannot use (NaN logprobs), set aside with its reason.
 """
 
 import asyncio
@@ -208,16 +208,20 @@ class EpisodeRouter:
                     if isinstance(message, Undecodable):
                         raise InvalidMessage(message.reason)
                     reply = parse_reply(message)
-                except InvalidMessage as e:  # its request, if it was one, is re-sent when its worker dies
+                except InvalidMessage as e:
                     self.stats.refused += 1
                     await asyncio.to_thread(set_aside, self.bus, self.reply_queue, str(e), message)
+                    # The episode that waits for it fails with the reason: a live worker would not send it again (its
+                    # model gave NaN logprobs, say). One that names no request waiting here is left at that.
+                    rid = message.get("rid") if isinstance(message, dict) else None
+                    if isinstance(rid, str) and (pending := self.waiting.pop(rid, None)) is not None:
+                        self.fail(pending, f"its reply could not be used: {e}")
                     continue
                 pending = self.waiting.pop(reply.rid, None)
                 if pending is None:
                     continue  # a duplicate of a re-sent request, or the episode was cancelled
                 if isinstance(reply, GenerationRefusal):
-                    if pending.refused is not None and not pending.refused.done():
-                        pending.refused.set_exception(InvalidMessage(f"request {pending.qid!r:.80}: {reply.refused}"))
+                    self.fail(pending, reply.refused)
                     continue
                 latency = time.monotonic() - pending.put_at
                 self.stats.latencies.append(latency)
@@ -227,6 +231,12 @@ class EpisodeRouter:
                                           "worker": pending.worker, "prompt_tokens": len(output.prompt_ids),
                                           "output_tokens": [len(ids) for ids in output.output_ids]})
                 pending.act_queue.put_nowait(output)
+
+    @staticmethod
+    def fail(pending: PendingRequest, reason: str) -> None:
+        """The episode that asked fails with `reason` instead of waiting for a reply that never comes."""
+        if pending.refused is not None and not pending.refused.done():
+            pending.refused.set_exception(InvalidMessage(f"request {pending.qid!r:.80}: {reason}"))
 
     async def watch_workers(self) -> None:
         while True:
