@@ -185,9 +185,13 @@ def test_a_resume_takes_back_the_metrics_and_counts_of_the_steps_after_its_check
     trained = tmp_path / "traces" / "trained.jsonl"
     trained.parent.mkdir()
     trained.write_text("".join(f'{{"traj_id": "t{step}", "step": {step}}}\n' for step in (4, 5)))
+    # TensorBoard reads event files in the order of their names: the second each was made, then a per-process
+    # counter compared as text ("100" before "99" once a test session has made 100 writers). In a run the killed
+    # part's files are seconds older than the resume's marker, and the resumed learner's seconds newer.
+    time.sleep(1.1)
     take_back_abandoned_steps(bus, SimpleNamespace(logging_dir=str(logs)), tmp_path,
                               {"step": 4, "version": 4, "weight_checks": 4, "dead_letters": 1})
-    time.sleep(1.1)  # TensorBoard reads event files in the order of their names, which start with the second
+    time.sleep(1.1)
     resumed = MetricsLogger(logs, "learner")
     for step in (5, 6):
         resumed.log(step, {"reward": 1.0})

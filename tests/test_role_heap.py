@@ -101,7 +101,7 @@ def test_the_rollout_worker_freezes_what_reading_its_datasets_imported(tmp_path)
         async def up(*args, **kwargs):
             pass
 
-        async def record(worker, tag):  # the initial evaluation: the first thing after the datasets are read
+        async def record(worker, *tag_and_label):  # the initial evaluation: the first thing after the datasets are read
             json.dump({{"rows": len(worker.train_rows), "datasets_imported": "datasets" in sys.modules,
                         "walked_by_a_collection": len(gc.get_objects())}}, open(out, "w"))
             raise SystemExit(0)
