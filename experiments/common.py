@@ -452,9 +452,11 @@ class InferenceConfig:
     """vLLM's KV cache in GiB, on a GPU or a CPU; 0: on a GPU what gpu_memory_utilization leaves, on a CPU what
     max_num_seqs sequences of max_model_len tokens hold, at most 1 GiB (rlsys/engine/vllm_engine.py)."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take; with inference.engine=transformers and CUDA graphs (on a GPU unless
-    enforce_eager=true), the share its model and its graphs' KV cache may take (that cache is allocated whole). On a
-    CPU vLLM's cache is kv_cache_gib's and the transformers engine's grows as needed: another value is refused."""
+    """Fraction of GPU memory vLLM may take (with kv_cache_gib set, vLLM sizes its cache by that and only checks at
+    start that this share of the GPU is free: lower it to start beside other processes); with
+    inference.engine=transformers and CUDA graphs (on a GPU unless enforce_eager=true), the share its model and its
+    graphs' KV cache may take (that cache is allocated whole). On a CPU vLLM's cache is kv_cache_gib's and the
+    transformers engine's grows as needed: another value is refused."""
     num_threads: int = 1
     """CPU threads of each inference worker (torch/OpenMP); 0: the engine's choice (vLLM-CPU: about one per core).
     One leaves the other cores to the learner and rollout workers of a small machine; with cluster.colocate=true
