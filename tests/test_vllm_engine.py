@@ -10,7 +10,7 @@ import pytest
 from transformers import Qwen2Config
 
 from experiments.common import InferenceConfig
-from rlsys.engine.vllm_engine import kv_cache_bytes
+from rlsys.engine.vllm_engine import VLLMBackend, kv_cache_bytes
 from tests.helpers import save_random_tiny_model
 
 GENERATE = """
@@ -123,3 +123,31 @@ def test_a_probe_as_long_as_the_model_s_context_is_scored_where_vllm_can(short_v
     scored = short_vllm.score_all([full, short])
     assert [len(s) for s in scored] == [6, 2]
     assert scored[0] == pytest.approx(short_vllm.score(full[:7]), abs=1e-5)
+
+
+class _LLMStandIn:
+    """vLLM's LLM at a weight load, its prefix-cache reset answering `resets` (the load's one piece under test)."""
+
+    def __init__(self, resets: bool):
+        self.resets, self.loaded = resets, None
+
+    def collective_rpc(self, method, kwargs):
+        self.loaded = (method, dict(kwargs["weights_iterator"]))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.resets
+
+
+@pytest.mark.parametrize("resets", [True, False])
+def test_a_weight_load_whose_prefix_cache_stays_stops_the_worker_rather_than_serve_old_kv(resets):
+    """vLLM declines to reset its prefix cache while a request holds blocks; KV computed with the old weights would
+    then be served as the new version's, so the load raises instead of going on."""
+    backend = VLLMBackend.__new__(VLLMBackend)
+    backend.llm = _LLMStandIn(resets)
+    if resets:
+        backend.load_weights({"w": 1})
+    else:
+        with pytest.raises(RuntimeError, match="prefix cache"):
+            backend.load_weights({"w": 1})
+    assert backend.llm.loaded == ("reload_weights", {"w": 1})
+

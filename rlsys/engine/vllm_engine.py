@@ -192,7 +192,12 @@ class VLLMBackend(GenerationBackend):
         # vLLM's in-place reload: it maps the learner's names onto its fused layers and redoes whatever processing
         # its kernels need after loading. Tensors pass in memory: the engine core runs in this process.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        # Cached KV was computed with the old weights. vLLM declines (False) while a request holds cache blocks; the
+        # generation engine has taken every sequence out before a load, so a refusal means old-weight KV could be
+        # served as the new version's: the worker stops (and is restarted) rather than mix them.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache after new weights were loaded (a request still holds cache "
+                               "blocks): its cached KV of the old weights would be served as the new version's")
 
     def close(self) -> None:
         # vLLM's one-process group meets through a file in the temp directory that only the group's destruction
