@@ -64,12 +64,12 @@ def drop_to(uid: int, libc) -> None:
     with open("/proc/sys/kernel/cap_last_cap") as f:
         last_cap = int(f.read())
     for cap in range(last_cap + 1):
-        check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), libc, f"prctl(PR_CAPBSET_DROP, {cap})")
+        check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"prctl(PR_CAPBSET_DROP, {cap})")
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)  # from the namespace's root to another uid: the kernel clears the permitted set
     header, data = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0), (ctypes.c_uint32 * 6)()
-    check(libc.capset(header, data), libc, "capset")
-    check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), libc, "prctl(PR_CAP_AMBIENT_CLEAR_ALL)")
+    check(libc.capset(header, data), "capset")
+    check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "prctl(PR_CAP_AMBIENT_CLEAR_ALL)")
     with open("/proc/self/status") as f:
         caps = {line.split(":")[0]: int(line.split()[1], 16) for line in f if line.startswith("Cap")}
     if os.getresuid() != (uid,) * 3 or os.getresgid() != (uid,) * 3 or os.getgroups() or any(caps.values()):
@@ -77,7 +77,7 @@ def drop_to(uid: int, libc) -> None:
                       f"groups {os.getgroups()}, capabilities {caps}")
 
 
-def check(result: int, libc, what: str) -> None:
+def check(result: int, what: str) -> None:
     if result != 0:
         raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
 
@@ -100,7 +100,7 @@ def main() -> None:
         if config.get("drop_to") is not None:  # first: a change of uid resets the parent-death signal
             drop_to(config["drop_to"], libc)
         for option, value in ((PR_SET_NO_NEW_PRIVS, 1), (PR_SET_DUMPABLE, 0), (PR_SET_PDEATHSIG, signal.SIGKILL)):
-            check(libc.prctl(option, value, 0, 0, 0), libc, f"prctl({option})")
+            check(libc.prctl(option, value, 0, 0, 0), f"prctl({option})")
         for fd in map(int, os.listdir("/proc/self/fd")):  # nothing but stdio reaches the program (bubblewrap's
             if fd > 2:                                      # --userns-block-fd stays open in its child)
                 try:
