@@ -14,7 +14,7 @@ from pathlib import Path
 import redis
 
 from rlsys import protocol
-from rlsys.metrics import read_jsonl_metrics
+from rlsys.metrics import JsonlFollower
 from rlsys.prompt_ledger import TRAINED, PromptLedger
 from rlsys.run_privacy import append_private
 
@@ -72,20 +72,23 @@ class ProgressReporter:
 
     def __init__(self, metrics_file: Path, every: int, max_steps: int, bus=None, ledger: PromptLedger | None = None,
                  quiet_seconds: float = 20.0, evaluations_file: Path | None = None):
-        self.metrics_file, self.every, self.max_steps = metrics_file, max(every, 1), max_steps
+        self.every, self.max_steps = max(every, 1), max_steps
         self.bus, self.ledger, self.quiet_seconds = bus, ledger, quiet_seconds
-        self.evaluations_file, self.evaluations_seen = evaluations_file, 0
-        self.seen, self.started = 0, time.monotonic()
+        self.steps = JsonlFollower(metrics_file)
+        self.evaluations = JsonlFollower(evaluations_file) if evaluations_file is not None else None
+        self.step_seen = self.evaluation_seen = 0  # the last learner step and evaluated version read
+        self.started = time.monotonic()
         self.last_line = self.started
 
     def __call__(self) -> None:
-        rows = read_jsonl_metrics(self.metrics_file) if self.metrics_file.exists() else []
-        for row in rows[self.seen:]:
+        for row in self.steps():
+            if row["step"] <= self.step_seen:  # a step a resume took back and trains again was said already
+                continue
+            self.step_seen = row["step"]
             if row["step"] % self.every == 0 or row["step"] == self.max_steps:
                 self.print(f"step {row['step']:>5}/{self.max_steps}  reward {row['reward']:.3f}  "
                            f"staleness {row['staleness_mean']:.2f}  wait {row['time/wait_data']:.2f}s  "
                            f"update {row['time/compute']:.2f}s")
-        self.seen = len(rows)
         for row in self.new_evaluations():
             name, key = ("accuracy", "eval/accuracy") if "eval/accuracy" in row else ("mean reward", "eval/reward")
             self.print(f"step {row['eval/version']:>5}/{self.max_steps}  held-out {name} "
@@ -96,21 +99,21 @@ class ProgressReporter:
 
     def new_evaluations(self) -> list[dict]:
         """Evaluations after the first and before the last (the run's summary gives those two) not printed yet."""
-        if self.evaluations_file is None or not self.evaluations_file.exists():
+        if self.evaluations is None:
             return []
-        rows = [row for row in read_jsonl_metrics(self.evaluations_file)
-                if "eval/version" in row and 0 < row["eval/version"] < self.max_steps]
-        new, self.evaluations_seen = rows[self.evaluations_seen:], len(rows)
+        new = [row for row in self.evaluations()
+               if "eval/version" in row and self.evaluation_seen < row["eval/version"] < self.max_steps]
+        self.evaluation_seen = max([self.evaluation_seen] + [row["eval/version"] for row in new])
         return new
 
     def waiting_line(self) -> str:
         elapsed = f"{time.monotonic() - self.started:.0f}s in"
-        if self.seen >= self.max_steps:
+        if self.step_seen >= self.max_steps:
             return f"{elapsed}: training done, final held-out evaluation"
         if not self.bus.get(protocol.eval_result("initial")):
             return f"{elapsed}: starting the roles and the initial held-out evaluation"
         c = self.ledger.counts()
-        return (f"{elapsed}: step {self.seen + 1}/{self.max_steps} collecting episodes: {c['in_flight']} prompts "
+        return (f"{elapsed}: step {self.step_seen + 1}/{self.max_steps} collecting episodes: {c['in_flight']} prompts "
                 f"in flight, {c[TRAINED]} trained so far")
 
     def print(self, line: str) -> None:

@@ -38,6 +38,31 @@ def read_jsonl_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+class JsonlFollower:
+    """Each call returns the records appended to a JSON-lines file since the last, so that following a run's file
+    costs what its new lines cost, not what the whole file does (read every poll, that grows with the run's steps).
+    Whole lines only: one its writer is still writing is returned by the next call. A file replaced or cut shorter
+    (a resume takes back the steps after its checkpoint) is read again from its start."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.inode = Path(path), 0, None
+
+    def __call__(self) -> list[dict]:
+        try:
+            file = open(self.path, "rb")
+        except FileNotFoundError:
+            return []
+        with file:
+            stat = os.fstat(file.fileno())
+            if stat.st_ino != self.inode or stat.st_size < self.offset:
+                self.inode, self.offset = stat.st_ino, 0
+            file.seek(self.offset)
+            data = file.read()
+        whole = data[:data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        return [json.loads(line) for line in whole.splitlines() if line.strip()]
+
+
 ABANDONED = ".abandoned"  # <file>.jsonl.abandoned: the records a resume took back, kept apart for a post-mortem
 
 

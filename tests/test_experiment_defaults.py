@@ -159,3 +159,33 @@ def test_evaluations_between_the_first_and_the_last_get_a_console_line_each(tmp_
     evaluations.write_text("".join(json.dumps(row) + "\n" for row in rows))
     report()  # the first and the last are the summary's; 50 was said already
     assert capsys.readouterr().out == ""
+
+
+def test_the_console_reads_only_what_was_appended_since_its_last_poll(tmp_path, capsys):
+    """The launcher polls the learner's metrics twice a second for the whole run: re-reading the file each time would
+    cost the launcher a core by step 20,000. It reads whole lines only (the learner may be mid-write), and a file a
+    resume replaced with fewer steps is followed again without saying its steps twice."""
+    from rlsys.console import ProgressReporter
+    from rlsys.metrics import drop_records_after
+
+    metrics = tmp_path / "learner.jsonl"
+    row = {"reward": 0.25, "staleness_mean": 1.0, "time/wait_data": 0.1, "time/compute": 2.0}
+    line = {step: json.dumps({**row, "step": step}) + "\n" for step in range(1, 7)}
+    report = ProgressReporter(metrics, every=2, max_steps=6, quiet_seconds=3600)
+    metrics.write_text(line[1] + line[2] + line[3][:20])  # step 3's line is being written
+    report()
+    assert capsys.readouterr().out.splitlines() == ["step     2/6  reward 0.250  staleness 1.00  wait 0.10s  update 2.00s"]
+    with open(metrics, "r+") as file:  # what was read is not parsed again: spoiling it changes nothing
+        file.write("x" * len(line[1]))
+        file.seek(0, 2)
+        file.write(line[3][20:] + line[4])
+    report()
+    assert capsys.readouterr().out.startswith("step     4/6")
+    metrics.write_text("".join(line[s] for s in (1, 2, 3, 4)))
+    assert drop_records_after(metrics, 3) == 1  # a resume from step 3's checkpoint takes step 4 back
+    report()
+    assert capsys.readouterr().out == ""
+    with open(metrics, "a") as file:
+        file.write(line[4] + line[5] + line[6])
+    report()
+    assert [s[:12] for s in capsys.readouterr().out.splitlines()] == ["step     6/6"]
