@@ -116,21 +116,28 @@ class PolicyTrainer:
         # (before any update): no extra forward pass. Those passes also score the probe (rlsys/alarms.py).
         self.logprob_check = LogprobCheck.of_step(self.version, [t.versions for t in trajectories])
         first_pass = torch.zeros(batch.num_tokens + 1, device=batch.device)
+        kl_sum, kl_tokens = 0.0, 0.0  # every update's KL weighted by its trained tokens: the adaptive controller's
         for n, rows in enumerate(mini_batches):
             # In the batch's order, which changes nothing but how the mini-batch's passes are cut: one that holds
             # every sequence is then the batch itself, not a gather of it. The step reports the last update's
             # statistics, so only its passes compute them.
             fills = batch.fields["proximal_logprobs"] if n == 0 and self.first_step_fills_proximal else None
-            stats = self.optimizer_step(batch.select(sorted(rows), self.pass_fields()), n == len(mini_batches) - 1,
-                                        fills, first_pass if n == 0 else None)
+            mini_batch = batch.select(sorted(rows), self.pass_fields())
+            stats = self.optimizer_step(mini_batch, n == len(mini_batches) - 1, fills, first_pass if n == 0 else None)
             self.logprob_check.seal()
+            if "kl" in stats:  # a mean over the mini-batch's trained tokens, which a KL term makes every one computed
+                tokens = float(mini_batch.token_counts[:, 0].sum())
+                kl_sum, kl_tokens = kl_sum + stats["kl"] * tokens, kl_tokens + tokens
+        if kl_tokens:  # read back with the step's figures
+            stats["kl_step_mean"] = kl_sum / kl_tokens
         stats = self.settle(stats)
         stats.update(LogprobCheck.merged(self.ranks.all_gather(self.logprob_check.totals())))
         advantages = batch.fields["advantages"]
         self.last_advantages = batch.sequence_means(advantages, advantages != 0)  # for the traces of this step
-        if self.reference is not None and "kl" in stats:
+        if "kl_step_mean" in stats:
             stats["kl_coef"] = self.kl_controller.value
-            self.kl_controller.update(stats["kl"], n_steps=len(trajectories))
+            # The step's KL, not its last update's: that one is of the policy furthest from where the step began.
+            self.kl_controller.update(stats["kl_step_mean"], n_steps=len(trajectories))
         stats.update(batch_stats(trajectories, batch, self.version))
         stats.update(mean_agent_metrics(trajectories))
         self.probe = self.probe_of(trajectories, batch, mini_batches[0], first_pass)

@@ -548,6 +548,32 @@ def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
     assert resumed.critic_optimizer.state_dict()["state"]  # Adam moments came back too
 
 
+def test_the_adaptive_kl_coefficient_follows_the_steps_kl_not_its_last_updates(tmp_path):
+    """Each update's KL is a mean over its mini-batch's trained tokens; the controller reads them all, weighted by
+    those tokens. The first update's policy is the reference (KL 0), so the last update's KL is the step's highest."""
+    import random
+
+    config = learner_config(tmp_path)
+    config.ppo.init_kl_coef, config.ppo.target_kl, config.ppo.kl_horizon = 0.1, 0.05, 10
+    config.ppo.num_mini_batches, config.ppo.ppo_epochs, config.ppo.lr = 2, 2, 1e-2
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    updates, read = [], []
+    optimizer_step, update = learner.optimizer_step, learner.kl_controller.update
+
+    def each_update(mini_batch, *args):
+        stats = optimizer_step(mini_batch, *args)
+        updates.append((float(stats["kl"]), float(mini_batch.token_counts[:, 0].sum())))
+        return stats
+
+    learner.optimizer_step = each_update
+    learner.kl_controller.update = lambda kl, n_steps: (read.append(kl), update(kl, n_steps))[1]
+    stats = learner.train_step(mixed_length_batch(learner.model, random.Random(0)))
+    assert len(updates) == 4 and updates[0][0] == 0 and updates[-1][0] > 2 * read[0]
+    expected = sum(kl * tokens for kl, tokens in updates) / sum(tokens for _, tokens in updates)
+    assert read == [pytest.approx(expected, rel=1e-5)] and stats["kl_step_mean"] == read[0]
+    assert stats["kl"] == pytest.approx(updates[-1][0]) and stats["kl_coef"] == 0.1
+
+
 def test_a_resumed_learner_continues_its_adaptive_kl_coefficient_and_counters(tmp_path):
     config = learner_config(tmp_path)
     config.ppo.init_kl_coef, config.ppo.target_kl = 0.1, 0.05
