@@ -107,8 +107,10 @@ class PolicyTrainer:
         # Rank 0 draws each epoch's order, so every rank takes the same mini-batches.
         orders = [self.ranks.broadcast(torch.randperm(len(trajectories)).tolist() if self.ranks.main else None)
                   for _ in range(self.ppo.ppo_epochs)]
+        # As many as asked, their sizes at most one apart: chunk() cuts 6 into 2, 2 and 2 when asked for 4, one update
+        # short of what the learning-rate schedule counts, and 10 into 3, 3, 3 and 1.
         mini_batches = [rows.tolist() for order in orders
-                        for rows in torch.tensor(order).chunk(self.ppo.num_mini_batches)]
+                        for rows in torch.tensor(order).tensor_split(self.ppo.num_mini_batches) if len(rows)]
         layout = self.measured_layout(trajectories) if self.layout_outdated(trajectories) else {}
         batch = self.prepare_batch(trajectories, mini_batches)
         stats: dict[str, float] = {}

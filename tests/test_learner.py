@@ -161,6 +161,21 @@ def test_mini_batches_and_warm_up_drive_the_optimizer(tmp_path):
     assert lrs == pytest.approx([3 / 8 * 1e-3, 7 / 8 * 1e-3, 1e-3])  # lr of each step's last mini-batch
 
 
+def test_a_step_takes_as_many_updates_as_mini_batches_of_balanced_sizes_whatever_its_sequences(tmp_path):
+    """6 sequences in 4 mini-batches: cut into chunks of 2 they would be 3 (one optimizer step short of what the
+    learning-rate schedule counts on); balanced, they are 2, 2, 1 and 1."""
+    config = learner_config(tmp_path)
+    config.ppo.ppo_epochs, config.ppo.num_mini_batches = 2, 4
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    sizes = []
+    optimizer_step = learner.optimizer_step
+    learner.optimizer_step = lambda mini_batch, *args: (sizes.append(len(mini_batch)),
+                                                        optimizer_step(mini_batch, *args))[1]
+    learner.train_step([trajectory(learner.model, GOOD, 1.0), trajectory(learner.model, BAD, 0.0)] * 3)
+    assert sizes == [2, 2, 1, 1] * 2
+    assert next(iter(learner.optimizer.state_dict()["state"].values()))["step"].item() == 2 * 4
+
+
 def test_uniform_groups_are_filtered_and_give_their_gate_slot_back(tmp_path):
     config = learner_config(tmp_path)
     config.ppo.batch_size, config.ppo.filter_uniform_groups = 2, True
