@@ -152,7 +152,7 @@ class PolicyTrainer:
         trajectories, so they agree."""
         if not self.measures_layout:
             return False
-        ratio = np.mean([len(t.token_ids) for t in trajectories]) / (self.layout_timed_on or np.inf)
+        ratio = mean_length(trajectories) / (self.layout_timed_on or np.inf)
         return not 0.5 < ratio < 2
 
     def measured_layout(self, trajectories: list[Trajectory]) -> dict[str, float]:
@@ -183,7 +183,7 @@ class PolicyTrainer:
         seconds = dict(zip((True, False), slowest))
         self.optimizer.zero_grad()
         self.packed = seconds[True] <= seconds[False]
-        self.layout_timed_on = float(np.mean(batch.lengths))
+        self.layout_timed_on = mean_length(trajectories)
         return {"layout/packed_seconds": seconds[True], "layout/padded_seconds": seconds[False]}
 
     def settle(self, stats: dict) -> dict[str, float]:
@@ -504,6 +504,12 @@ def shares_prefixes(setting: str, packed: bool, device: str, attention: str) -> 
     # auto: on a CPU only. On a GPU a packed row is one flash-attention varlen call, which has no form for
     # a prefix attended to by several sequences; the masked sdpa calls that do it are unmeasured there.
     return packed and attention == "auto" and (setting == "true" or (setting == "auto" and device == "cpu"))
+
+
+def mean_length(trajectories: list[Trajectory]) -> float:
+    """The trajectories' mean length, every token counted: the one measure layout_outdated compares between the batch
+    the layout was timed on and a step's (a batch's trained lengths leave out the tokens after the last trained one)."""
+    return float(np.mean([len(t.token_ids) for t in trajectories]))
 
 
 def computed_sequences(token_counts: np.ndarray) -> list[int]:

@@ -934,6 +934,23 @@ def test_a_measured_layout_is_the_faster_one_and_the_step_is_that_layouts(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(auto, set_so))
 
 
+def test_a_layout_timed_on_a_batch_is_not_timed_again_on_the_same_batch(tmp_path):
+    """Trajectories as long again after their last trained token (a closing message of the environment): the step
+    computes half their tokens, and the batch it timed the layouts on is the same batch the next step gets."""
+    import random
+
+    config = learner_config(tmp_path)
+    config.ppo.sequence_packing, config.ppo.share_prefixes = "auto", "false"
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    learner.measures_layout = True  # as on a GPU in bfloat16
+    batch = [dataclasses.replace(t, token_ids=t.token_ids * 2, loss_mask=t.loss_mask + [0] * len(t.token_ids),
+                                 logprobs=t.logprobs + [0.0] * len(t.token_ids),
+                                 versions=t.versions + [-1] * len(t.token_ids))
+             for t in mixed_length_batch(learner.model, random.Random(0))]
+    assert "layout/packed_seconds" in learner.train_step(batch)
+    assert "layout/packed_seconds" not in learner.train_step(batch)
+
+
 def twice_over(t: Trajectory) -> Trajectory:
     """One trajectory of `t`'s turns played twice."""
     n = len(t.token_ids)
