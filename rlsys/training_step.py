@@ -107,8 +107,8 @@ class PolicyTrainer:
         # Rank 0 draws each epoch's order, so every rank takes the same mini-batches.
         orders = [self.ranks.broadcast(torch.randperm(len(trajectories)).tolist() if self.ranks.main else None)
                   for _ in range(self.ppo.ppo_epochs)]
-        # As many as asked, their sizes at most one apart: chunk() cuts 6 into 2, 2 and 2 when asked for 4, one update
-        # short of what the learning-rate schedule counts, and 10 into 3, 3, 3 and 1.
+        # As many as asked (one a sequence if there are fewer), their sizes at most one apart: chunk() cuts 6 into 2, 2
+        # and 2 when asked for 4, one update short of what the learning-rate schedule counts, and 10 into 3, 3, 3, 1.
         mini_batches = [rows.tolist() for order in orders
                         for rows in torch.tensor(order).tensor_split(self.ppo.num_mini_batches) if len(rows)]
         layout = self.measured_layout(trajectories) if self.layout_outdated(trajectories) else {}
@@ -127,7 +127,7 @@ class PolicyTrainer:
             mini_batch = batch.select(sorted(rows), self.pass_fields())
             stats = self.optimizer_step(mini_batch, n == len(mini_batches) - 1, fills, first_pass if n == 0 else None)
             self.logprob_check.seal()
-            if "kl" in stats:  # a mean over the mini-batch's trained tokens, which a KL term makes every one computed
+            if "kl" in stats:  # a mean over the mini-batch's trained tokens (a KL term has every sequence computed)
                 tokens = float(mini_batch.token_counts[:, 0].sum())
                 kl_sum, kl_tokens = kl_sum + stats["kl"] * tokens, kl_tokens + tokens
         if kl_tokens:  # read back with the step's figures
