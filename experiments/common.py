@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from rlsys.algorithms.choices import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, NEEDS_CRITIC
 from rlsys.api import GenerationConfig
+from rlsys.api.generation import GREEDY_BELOW
 from rlsys.cpu_features import native_bf16
 from rlsys.data.dataset import RowFormat
 
@@ -137,6 +138,10 @@ class GenerationHyperparameters:
 
     def __post_init__(self):
         check_at_least("gen.", self, max_new_tokens=1, temperature=0)
+        if 0 < self.temperature < GREEDY_BELOW:  # the learner would score the greedy tokens at this temperature
+            raise ValueError(f"gen.temperature {self.temperature} samples greedily in the engines (below "
+                             f"{GREEDY_BELOW}) while the learner divides by it: use 0 for greedy, or at least "
+                             f"{GREEDY_BELOW}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"gen.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:

@@ -54,6 +54,7 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["env_timeout=-1"], "env_timeout must be at least 0"),
     (["ppo.num_mini_batches=1000"], "ppo.num_mini_batches (1000) is more than the sequences of a step"),
     (["gen.temperature=-1"], "gen.temperature must be at least 0"),
+    (["gen.temperature=1e-7"], "gen.temperature 1e-07 samples greedily in the engines"),
     (["gen.top_p=1.5"], "gen.top_p must be in (0, 1]"),
     (["cluster.redis_port=99999"], "cluster.redis_port must be a TCP port"),
     (["cluster.n_rollout_workers=0"], "cluster.n_rollout_workers must be at least 1"),

@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy in both engines, as in vLLM (dividing by them overflows)
+
 
 @dataclass
 class GenerationConfig:

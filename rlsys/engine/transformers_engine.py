@@ -21,11 +21,11 @@ from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from rlsys.api.generation import GREEDY_BELOW
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
 from rlsys.engine.decode_graphs import DecodeGraphs
 from rlsys.model.tokenizer import load_tokenizer
 
-GREEDY_BELOW = 1e-5  # temperatures below this are greedy, as in vLLM (dividing by them overflows)
 PREFILL_TOKENS = 8192  # padded prompt tokens per prefill forward pass: bounds its activations and mask
 SPARE_COLUMNS = 64  # free cache columns kept ahead: decode steps write into them instead of reallocating
 
