@@ -90,7 +90,7 @@ class PolicyTrainer:
         self.logprob_check = LogprobCheck(version=-1)  # replaced by each train_step
         self.first_step_fills_proximal = False  # set by prepare_batch: see proximal_logprobs
         self.probe: Probe | None = None  # the last step's (probe_of), until the learner publishes it
-        self.last_advantages: list[float] = []  # the last step's, each sequence's mean over its trained tokens (traces)
+        self.last_advantages: list[float] = []  # the last step's, per sequence: mean of its non-zero advantages
         self.tokenizer = load_tokenizer(config.model.path)
         self.pad_id = self.tokenizer.pad_token_id
 
