@@ -10,7 +10,8 @@ import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and enviro
 import rlsys.impl.env  # noqa: F401
 from experiments import AsyncPPOMATHToolsConfig
 from experiments.common import GenerationHyperparameters, ModelConfig
-from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, GenerationConfig, Prompt, make_agent, make_env
+from rlsys.api import (NOT_GENERATED, AgentAbstraction, EnvironmentService, EnvServiceAbstraction, GenerationConfig,
+                       GenerationOutput, Prompt, make_agent, make_env)
 from rlsys.model.tokenizer import chat_prompt_ids
 from tests.scripted import ids, run_scripted_episode
 from tests.scripted_engine import ScriptedEngine
@@ -166,3 +167,38 @@ def test_a_prompt_longer_than_the_budget_is_a_clear_error(tokenizer, tokenizer_d
     agent = tool_agent(tokenizer_dir, max_total_tokens=100)  # the instructions alone are longer
     with pytest.raises(ValueError, match="leaving nothing of the 100-token budget"):
         run(agent, make_env(EnvServiceAbstraction("math-tools")), scripted(tokenizer, {0: ["x"]}), prompt)
+
+
+class FailingChainEnv(EnvironmentService):
+    """Chain 0's step raises; chain 1's takes a while and then goes on."""
+
+    async def step(self, action):
+        chain, _ = action
+        if chain == 0:
+            raise RuntimeError("chain 0's env broke")
+        await asyncio.sleep(0.1)
+        return "go on", 0.0, False, False, {}
+
+
+def test_a_failing_chain_stops_the_others(tokenizer, tokenizer_dir):
+    """The episode fails with chain 0's error, and chain 1 stops with it: not left behind as a task that goes on
+    to its next turn and awaits, forever, a reply nobody routes any more."""
+    prompt = Prompt("q13", chat_prompt_ids(tokenizer, ROW["prompt"]), ROW)
+    agent = tool_agent(tokenizer_dir, n=2, use_instructions=False)
+
+    async def episode():
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+
+        async def engine():
+            while True:
+                qid, token_ids, _ = await obs_queue.get()
+                act_queue.put_nowait(GenerationOutput(qid, token_ids, [[5]], [[LOGPROB]], [[0]], ["length"]))
+
+        serving = asyncio.create_task(engine())
+        with pytest.raises(RuntimeError, match="chain 0's env broke"):
+            await agent.collect_trajectory(prompt, FailingChainEnv(), obs_queue, act_queue)
+        await asyncio.sleep(0.3)  # chain 1's step would be over by now
+        serving.cancel()
+        return [t for t in asyncio.all_tasks() if t not in (asyncio.current_task(), serving) and not t.done()]
+
+    assert asyncio.run(episode()) == []

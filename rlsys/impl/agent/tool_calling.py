@@ -20,7 +20,7 @@ from collections import Counter
 from rlsys.api import Agent, EnvironmentService, GenerationConfig, Prompt, Trajectory, register_agent
 from rlsys.api.trajectory import Transcript
 from rlsys.impl.agent.model_client import ModelClient
-from rlsys.impl.agent.multi_turn import context_limit
+from rlsys.impl.agent.multi_turn import context_limit, gather_or_cancel
 from rlsys.model.tokenizer import continuation_ids, load_tokenizer
 
 OBSERVATION_ROLE = "user"
@@ -51,7 +51,9 @@ class ToolCallingAgent(Agent):
                              "or set tool_instructions=false")
         async with ModelClient(obs_queue, act_queue) as model:
             chains = [self.run_chain(chain, prompt, prompt_ids, env, model) for chain in range(self.gconfig.n)]
-            trajectories = list(await asyncio.gather(*chains))
+            # a chain that fails fails the episode: the others stop, none left stepping a closed env or awaiting a
+            # reply that will never come
+            trajectories = await gather_or_cancel(chains)
         for t in trajectories:  # the episode's count, on each of its trajectories (the learner logs the mean)
             t.metrics["prefix_breaks"] = float(model.prefix.breaks)
         return trajectories
