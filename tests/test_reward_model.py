@@ -117,6 +117,19 @@ def test_a_hung_or_failing_model_scores_zero_with_its_reason(reward_model_path):
     assert scores == [Score(0.0, "error", "ZeroDivisionError: division by zero")]
 
 
+def test_pairs_whose_caller_gave_up_are_not_scored(reward_model_path):
+    """Timed out, a pair still queued is dropped: scoring it for nobody would only push later pairs past their own
+    timeouts."""
+    scorer = RewardModelScorer(reward_model_path, batch_size=1)
+    passes = []
+    scorer.forward = lambda pairs: passes.append(len(pairs)) or time.sleep(0.3) or [1.0] * len(pairs)
+    scores = asyncio.run(scorer.score(["p"] * 4, ["a!"] * 4, timeout=0.1))
+    assert [s.status for s in scores] == ["timeout"] * 4
+    time.sleep(1.5)  # the four passes would be over by now
+    assert len(passes) <= 1  # at most the one in progress when the caller gave up
+    scorer.close()
+
+
 def test_closing_fails_the_queued_pairs_and_ends_the_thread(reward_model_path):
     scorer = RewardModelScorer(reward_model_path, batch_size=1)
     started, release = threading.Event(), threading.Event()

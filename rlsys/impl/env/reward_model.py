@@ -78,7 +78,11 @@ class RewardModelScorer:
                 raise RuntimeError(f"the scorer of reward model {self.path} is closed")
             for prompt, response, future in zip(prompts, responses, futures, strict=True):
                 self._requests.put((prompt, response, future, loop))
-        done, _ = await asyncio.wait(futures, timeout=timeout or None)
+        try:
+            done, _ = await asyncio.wait(futures, timeout=timeout or None)
+        finally:  # timed out or cancelled: the pairs still queued are skipped, not scored for nobody
+            for future in futures:
+                future.cancel()
         return [f.result() if f in done else Score(0.0, "timeout", f"not scored within {timeout:g}s")
                 for f in futures]
 
