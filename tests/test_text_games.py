@@ -33,6 +33,13 @@ def test_same_seed_same_lake_and_every_lake_is_solvable():
         assert lake[position[0]][position[1]] == "G"
 
 
+def test_a_lake_too_icy_to_cross_is_a_clear_error_not_a_hang():
+    with pytest.raises(ValueError, match="none of 100000 2x2 lakes with frozen_prob 0 had a path"):
+        generate_lake(2, 0.0, 1)  # all holes: the default bound, at its cheapest
+    with pytest.raises(ValueError, match="none of 1000 8x8 lakes with frozen_prob 0.1 had a path"):
+        generate_lake(8, 0.1, 1, max_draws=1000)  # a path has odds far below one in a million
+
+
 def test_frozen_lake_renders_the_player_and_walks_the_shortest_path_to_the_goal():
     env = FrozenLakeEnv(max_steps=20)
     board, info = run(env.reset(seed=3))

@@ -14,17 +14,20 @@ from rlsys.impl.env.text_game import MOVES, GridGame, TextGameEnv, shortest_move
 START_CELL, ICE, HOLE, GOAL, PLAYER = "S", "_", "O", "G", "P"
 
 
-def generate_lake(size: int, frozen_prob: float, seed: int) -> list[str]:
-    """A size x size map (rows of S/_/O/G) with a path from S (top left) to G (bottom right)."""
+def generate_lake(size: int, frozen_prob: float, seed: int, max_draws: int = 100_000) -> list[str]:
+    """A size x size map (rows of S/_/O/G) with a path from S (top left) to G (bottom right). ValueError if none
+    of `max_draws` maps has one (a second or two): with little ice on a big lake, drawing on would hang."""
     if size < 2:
         raise ValueError(f"a lake needs size >= 2, got {size}")
     rng = random.Random(seed)
-    while True:
+    for _ in range(max_draws):
         rows = [[ICE if rng.random() < frozen_prob else HOLE for _ in range(size)] for _ in range(size)]
         rows[0][0], rows[-1][-1] = START_CELL, GOAL
         lake = ["".join(row) for row in rows]
         if shortest_path(lake) is not None:
             return lake
+    raise ValueError(f"none of {max_draws} {size}x{size} lakes with frozen_prob {frozen_prob:g} had a path from start "
+                     f"to goal (seed {seed}): raise frozen_prob or lower the size")
 
 
 def shortest_path(lake: list[str], start: tuple[int, int] = (0, 0)) -> str | None:
