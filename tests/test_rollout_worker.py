@@ -9,6 +9,7 @@ from experiments import AsyncPPOMATHConfig
 from rlsys import protocol
 from rlsys.api import Agent, AgentAbstraction, Prompt, register_agent
 from rlsys.bus import InProcessBus
+from rlsys.errors import EpisodeFailed
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.workers.rollout_worker import RolloutWorker, next_evaluation
 from tests.helpers import save_random_tiny_model
@@ -93,6 +94,41 @@ def test_an_agent_s_own_cancelled_error_fails_its_episode_and_an_episode_cancell
     assert worker.ledger.slots_taken() == 1 and worker.failures == {"agent_error": 1}
     # what a restarted worker would find: past both prompts, and the cancelled one to redo
     assert bus.get(protocol.rollout_position(0)) == 2 and bus.set_members(protocol.rollout_episodes(0)) == ["train-0-1"]
+
+
+class OwnReason(Agent):
+    """Fails its episodes with a reason of its own, which the ledger does not count."""
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        raise EpisodeFailed("out_of_budget", "spent its budget")
+
+
+register_agent("own-reason", OwnReason)
+
+
+@dataclasses.dataclass
+class OwnReasonExperiment(AsyncPPOMATHConfig):
+    @property
+    def agent(self):
+        return AgentAbstraction("own-reason", {})
+
+
+def test_an_episode_failed_with_an_unknown_reason_is_counted_as_an_agent_error_naming_it(tmp_path, caplog):
+    """Not a ValueError out of the episode's task, leaving the prompt in flight and its gate slot taken for good."""
+    config = OwnReasonExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    worker = RolloutWorker(config, InProcessBus(), 0)
+
+    async def main():
+        await worker.run_training_episode(await worker.admit(iter([Prompt("train-0-0", [1, 2], {})])))
+
+    asyncio.run(main())
+    counts = worker.ledger.counts()
+    assert counts["failed"] == {"agent_error": 1} and counts["in_flight"] == 0 and worker.ledger.slots_taken() == 0
+    assert worker.failures == {"agent_error": 1}
+    assert "EpisodeFailed('out_of_budget') is not one of the failure reasons" in caplog.text
+    assert "spent its budget" in caplog.text
 
 
 class RetriedOnce(InProcessBus):

@@ -18,7 +18,7 @@ from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, group_message
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
-from rlsys.prompt_ledger import ADMITTED, GATE_FULL, PromptLedger, failed, settled_prompts
+from rlsys.prompt_ledger import ADMITTED, FAILURE_REASONS, GATE_FULL, PromptLedger, failed, settled_prompts
 from rlsys.errors import RunCannotGoOn
 from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
@@ -258,6 +258,9 @@ class RolloutWorker:
             log.warning("episode %s: closing its environment failed (%s)", prompt.qid, failure)
 
     def failed(self, prompt: Prompt, failure: EpisodeFailed) -> EpisodeFailed:
+        if failure.reason not in FAILURE_REASONS:  # an agent's or env's own: the ledger could not record the episode
+            failure = EpisodeFailed("agent_error", f"EpisodeFailed({failure.reason!r}) is not one of the failure "
+                                                   f"reasons {sorted(FAILURE_REASONS)}: {failure.detail}")
         self.failures[failure.reason] += 1
         log.warning("episode %s failed (%s): %s", prompt.qid, failure.reason, failure.detail)
         return failure
