@@ -18,7 +18,7 @@ from tests.helpers import child_pids, left_behind, small_run_overrides
 # As a TRL user writes them (https://huggingface.co/docs/trl, "Using a custom reward function"): dataset columns
 # arrive as keyword lists, one entry per completion; None where a function does not apply.
 REWARDS = '''
-import json, os
+import json, os, time
 
 def accuracy_reward(completions, answer, **kwargs):
     """1 for the reference answer; plain completions where the prompt is a string."""
@@ -39,6 +39,9 @@ def raises(completions, **kwargs):
 
 def too_few(completions, **kwargs):
     return [1.0]
+
+def hangs(completions, **kwargs):
+    time.sleep(10)
 
 def logged(prompts, completions, answer, **kwargs):
     """accuracy_reward that also records how it was called, from which process."""
@@ -92,6 +95,22 @@ def test_a_failing_function_fails_its_episode_with_its_name(rewards_file, name, 
         asyncio.run(episode())
     assert failure.value.reason == "env_error"
     assert f"reward function {rewards_file}:{name} {problem}" in failure.value.detail
+
+
+def test_hung_functions_fail_their_episodes_and_leave_the_event_loop_s_threads_free(rewards_file):
+    """More hung calls than the default executor has threads: each episode ends with env_timeout, and the rollout
+    worker's bus calls (asyncio.to_thread) still get a thread."""
+    async def episodes():
+        reasons = []
+        for _ in range(min(32, (os.cpu_count() or 1) + 4) + 1):  # the default executor's threads, and one more
+            env = guard_env(TRLRewardFunctionsEnv([f"{rewards_file}:hangs"]), timeout=0.05)
+            await env.reset(options={"prompt": "1+1="})
+            with pytest.raises(EpisodeFailed) as failure:
+                await env.step(("q", ["2"]))
+            reasons.append(failure.value.reason)
+        return set(reasons), await asyncio.wait_for(asyncio.to_thread(lambda: "answered"), 5)
+
+    assert asyncio.run(episodes()) == ({"env_timeout"}, "answered")
 
 
 def test_reward_funcs_are_checked_when_the_run_is_configured(rewards_file):

@@ -10,11 +10,14 @@ is a conversation), and every other column of the row is a keyword argument hold
 reward is the sum of the functions' rewards times `weights` (1 each by default); a None (a function that does not
 apply to that answer) adds nothing, as TRL's nansum. Functions run on a thread, off the rollout worker's event
 loop. One that raises or returns the wrong number of rewards fails the episode (`env_error`) with its name; one
-that hangs is ended by `env_timeout`; the run goes on either way.
+that hangs is ended by `env_timeout`; the run goes on either way. A thread cannot be stopped, so each step's runs
+on a daemon thread of its own: a hung one holds that thread, not one of the event loop's default executor, whose
+few threads every bus call of the rollout worker waits for, and not the process's exit.
 """
 
 import asyncio
 import math
+import threading
 from typing import Any
 
 from rlsys.api import EnvironmentService, register_environment
@@ -47,7 +50,7 @@ class TRLRewardFunctionsEnv(EnvironmentService):
         if self.row is None:
             raise RuntimeError("step() before reset(): no dataset row to score against")
         _qid, answers = action
-        rewards = await asyncio.to_thread(self.score, answers)
+        rewards = await in_own_thread(self.score, answers)
         return None, rewards, True, False, {"statuses": ["ok"] * len(answers)}
 
     def score(self, answers: list[str]) -> list[float]:
@@ -70,6 +73,30 @@ class TRLRewardFunctionsEnv(EnvironmentService):
                                        "a reward is a finite number or None")
                 total[i] += 0.0 if r is None else weight * float(r)
         return total
+
+
+async def in_own_thread(function, *args):
+    """`function(*args)` on a new daemon thread; what it returns or raises, once it does."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run():
+        try:
+            outcome = (future.set_result, function(*args))
+        except BaseException as e:  # noqa: BLE001 (raised in the caller)
+            outcome = (future.set_exception, e)
+        try:
+            loop.call_soon_threadsafe(_settle, future, *outcome)
+        except RuntimeError:  # the loop has closed: nobody waits for it
+            pass
+
+    threading.Thread(target=run, name="trl-reward", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future, setter, value) -> None:
+    if not future.done():  # the caller may have stopped waiting (env_timeout)
+        setter(value)
 
 
 register_environment("trl-reward-funcs", TRLRewardFunctionsEnv)
