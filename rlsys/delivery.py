@@ -49,10 +49,16 @@ DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024  # a dead letter keeps the start of the pa
 CLAIM_PAGE = 1000
 
 
-def group_message(group_id: str, trajectories: list[Trajectory], max_bytes: int) -> dict:
-    """The message for one prompt's trajectories, checked as the learner will check it."""
+def agent_output(trajectories) -> list[Trajectory]:
+    """What an agent's collect_trajectory returned, if it is a list of Trajectory; else InvalidMessage."""
     if not isinstance(trajectories, list) or not all(isinstance(t, Trajectory) for t in trajectories):
         raise InvalidMessage(f"collect_trajectory must return a list of Trajectory, got {_type_names(trajectories)}")
+    return trajectories
+
+
+def group_message(group_id: str, trajectories: list[Trajectory], max_bytes: int) -> dict:
+    """The message for one prompt's trajectories, checked as the learner will check it."""
+    agent_output(trajectories)
     message = {"group_id": group_id, "trajectories": [t.to_dict() for t in trajectories]}
     try:
         size = len(encode(message, f"stream {protocol.TRAJECTORIES}"))

@@ -5,6 +5,8 @@ import asyncio
 import dataclasses
 import json
 
+import pytest
+
 from experiments import AsyncPPOMATHConfig
 from rlsys import protocol
 from rlsys.api import Agent, AgentAbstraction, Prompt, register_agent
@@ -129,6 +131,39 @@ def test_an_episode_failed_with_an_unknown_reason_is_counted_as_an_agent_error_n
     assert worker.failures == {"agent_error": 1}
     assert "EpisodeFailed('out_of_budget') is not one of the failure reasons" in caplog.text
     assert "spent its budget" in caplog.text
+
+
+class ReturnsJunk(Agent):
+    """Returns what is not a list of Trajectory."""
+
+    def __init__(self, junk):
+        self.junk = junk
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        return self.junk
+
+
+register_agent("returns-junk", ReturnsJunk)
+
+
+@pytest.mark.parametrize("junk,named", [((), "got tuple"), ([{"reward": 1.0}], "got a list of ['dict']")])
+def test_an_evaluation_episode_that_returns_no_trajectories_fails_as_invalid_output(tmp_path, caplog, junk, named):
+    """As a training episode does: not a TypeError or AttributeError out of the evaluation, ending the worker."""
+    @dataclasses.dataclass
+    class ReturnsJunkExperiment(AsyncPPOMATHConfig):
+        @property
+        def agent(self):
+            return AgentAbstraction("returns-junk", {"junk": junk})
+
+    config = ReturnsJunkExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    bus = InProcessBus()
+    worker = RolloutWorker(config, bus, 0)
+    worker.eval_rows = [{"prompt": "1+1=", "answer": "2"}]
+    asyncio.run(worker.evaluate("initial"))
+    assert worker.failures == {"invalid_output": 1} and bus.get(protocol.eval_result("initial"))["episodes"] == 0
+    assert f"collect_trajectory must return a list of Trajectory, {named}" in caplog.text
 
 
 class RetriedOnce(InProcessBus):

@@ -15,7 +15,7 @@ from rlsys.bus.base import Step
 from rlsys.checkpoint import read_trainer_state
 from rlsys.data.dataset import load_rows, rows_fingerprint
 from rlsys.data.prompts import prompt_by_id, prompt_stream
-from rlsys.delivery import InvalidMessage, group_message
+from rlsys.delivery import InvalidMessage, agent_output, group_message
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.prompt_ledger import ADMITTED, FAILURE_REASONS, GATE_FULL, PromptLedger, failed, settled_prompts
@@ -233,6 +233,10 @@ class RolloutWorker:
             env = guard_env(make_env(env_for(self.config, prompt, evaluation)), self.config.env_timeout)
             trajectories = await self.router.serve(agent.collect_trajectory(prompt, env, obs_queue, act_queue),
                                                    obs_queue, act_queue, calls)
+            try:  # checked here, not only as a training group's message: evaluation reads them too
+                agent_output(trajectories)
+            except InvalidMessage as e:
+                raise EpisodeFailed("invalid_output", str(e)) from None
             if len(self.config.envs) > 1:  # a mixed run: metrics per environment type too
                 trajectories = with_env_type_metrics(trajectories, env_type(self.config, prompt))
             return trajectories
