@@ -240,6 +240,21 @@ def test_env_runs_at_most_max_calls_per_turn():
     assert (info["tool_calls"], info["tool_errors"]) == (3, 1)
 
 
+def test_env_cuts_every_response_to_max_response_chars_errors_that_quote_the_call_too():
+    env = make_env(EnvServiceAbstraction("math-tools", {"tools": {"calculator": {}}, "max_response_chars": 100}))
+    long_name = '<tool_call>{"name": "' + "x" * 5000 + '", "arguments": {}}</tool_call>'
+    long_argument = '<tool_call>{"name": "calculator", "arguments": {"' + "e" * 5000 + '": 1}}</tool_call>'
+
+    async def episode():
+        await env.reset(options={"answer": "2"})
+        return [(await env.step((0, text)))[0] for text in (long_name, long_argument)]
+
+    for observation in asyncio.run(episode()):
+        assert observation.startswith("<tool_response>error: ")
+        assert observation.endswith("...(truncated)</tool_response>")
+        assert len(observation) == len("<tool_response>") + 100 + len("...(truncated)</tool_response>")
+
+
 # --- the experiment ---------------------------------------------------------------------------------------
 
 def test_experiment_is_picked_by_name_and_its_fields_reach_the_agent_and_env():

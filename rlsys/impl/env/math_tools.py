@@ -69,7 +69,7 @@ class MathToolsEnv(EnvironmentService):
         for index, item in enumerate(parsed.items):
             if not isinstance(item, ToolCall):
                 counts["decode_errors"] += 1
-                responses.append(f"error: {item.reason}")
+                responses.append(self.clip(f"error: {item.reason}"))  # it may quote the model's call at length
                 continue
             counts["tool_calls"] += 1
             if counts["tool_calls"] > self.max_calls_per_turn:
