@@ -71,4 +71,8 @@ async def hanging_run(base_url, api_key, prompt):
     await asyncio.sleep(3600)
 
 
+async def own_timeout_run(base_url, api_key, prompt):
+    raise TimeoutError("the user's HTTP call timed out")
+
+
 

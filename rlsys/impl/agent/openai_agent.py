@@ -69,9 +69,11 @@ class OpenAIAgent(Agent):
 
     async def run_once(self, base_url: str, api_key: str, prompt: Prompt) -> float | None:
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(self.timeout) as deadline:
                 return await self.run(base_url, api_key, prompt.data["prompt"])
         except TimeoutError:
+            if not deadline.expired():  # the function's own (an HTTP call's): an agent_error like any other it raises
+                raise
             raise EpisodeFailed("agent_timeout", f"{self.run_entry} took longer than {self.timeout:g}s") from None
 
 
