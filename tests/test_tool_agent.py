@@ -169,6 +169,21 @@ def test_a_prompt_longer_than_the_budget_is_a_clear_error(tokenizer, tokenizer_d
         run(agent, make_env(EnvServiceAbstraction("math-tools")), scripted(tokenizer, {0: ["x"]}), prompt)
 
 
+def test_the_instructions_join_the_row_s_own_system_prompt_and_earlier_turns(tokenizer, tokenizer_dir):
+    """`dataset.system_prompt`, and a conversational row's earlier messages, reach the model beside the
+    instructions: not dropped for a system message of the instructions alone."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"},
+                {"role": "assistant", "content": "<answer>2</answer>"}, {"role": "user", "content": ROW["prompt"]}]
+    row = {**ROW, "messages": messages}
+    prompt = Prompt("q14", chat_prompt_ids(tokenizer, messages), row)
+    agent = tool_agent(tokenizer_dir)
+    assert ids(tokenizer, "<|system|>Be brief.\n\nTools!<|end|><|user|>1+1?<|end|><|assistant|><answer>2</answer>"
+                          f"<|end|><|user|>{ROW['prompt']}<|end|><|assistant|>") == agent.prompt_ids(prompt, "Tools!")
+    without_system = {**ROW, "messages": messages[1:]}
+    assert tokenizer.decode(agent.prompt_ids(Prompt("q15", [], without_system), "Tools!")).startswith(
+        "<|system|>Tools!<|end|><|user|>1+1?<|end|>")
+
+
 class FailingChainEnv(EnvironmentService):
     """Chain 0's step raises; chain 1's takes a while and then goes on."""
 

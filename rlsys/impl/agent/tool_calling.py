@@ -59,10 +59,15 @@ class ToolCallingAgent(Agent):
         return trajectories
 
     def prompt_ids(self, prompt: Prompt, instructions: str | None) -> list[int]:
-        """The row's prompt, after a system message with the environment's instructions if there are any."""
+        """The row's prompt, its messages (a system prompt, earlier turns) included, with the environment's
+        instructions, if there are any, in the system message: after the row's own system prompt."""
         if not (self.use_instructions and instructions):
             return list(prompt.token_ids)
-        messages = [{"role": "system", "content": instructions}, {"role": "user", "content": prompt.data["prompt"]}]
+        messages = list(prompt.data.get("messages") or [{"role": "user", "content": prompt.data["prompt"]}])
+        if messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{instructions}"}
+        else:
+            messages.insert(0, {"role": "system", "content": instructions})
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
