@@ -32,6 +32,7 @@ def test_parser_takes_the_answer_and_ignores_calls_beside_it():
 @pytest.mark.parametrize("body, reason", [
     ('{"name": "calculator", "arguments": {"expression": "1"}', "not valid JSON"),
     ('["calculator"]', "must be a JSON object"),
+    ("[" * 5000, "not valid JSON: nested too deeply"),  # not a RecursionError that fails the episode
     ('{"name": "calculator"}', "missing ['arguments']"),
     ('{"name": "calculator", "arguments": {}, "id": 1}', "unexpected ['id']"),
     ('{"name": "shell", "arguments": {"cmd": "ls"}}', "unknown tool 'shell'; tools: calculator, python"),

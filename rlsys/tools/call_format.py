@@ -70,6 +70,8 @@ def decode_call(body: str, tools: dict[str, dict]) -> ToolCall | DecodeError:
         call = json.loads(body)
     except json.JSONDecodeError as e:
         return DecodeError(body, f"not valid JSON: {e}")
+    except RecursionError:  # a thousand `[` (a degenerate sample) would otherwise fail the whole episode
+        return DecodeError(body, "not valid JSON: nested too deeply")
     if not isinstance(call, dict):
         return DecodeError(body, f"a call must be a JSON object with keys {sorted(CALL_KEYS)}")
     if set(call) != CALL_KEYS:
