@@ -65,8 +65,8 @@ def parse_reference(reference: str) -> list:
 
 CHOICE = re.compile(r"\(?([A-J])\)?\.?")
 CHOICE_IN_LATEX = re.compile(r"\\(?:text|textbf|mathrm)\{\s*\(?([A-J])\)?\s*\}")
-ANSWER_CHOICE = (re.compile(r"\\boxed\{\s*(?:\\(?:text|textbf|mathrm)\{)?\s*\(?([A-J])\)?\s*\}?\s*\}"),
-                 re.compile(r"\(([A-J])\)"))
+BOXED_CHOICE = re.compile(r"\\boxed\{\s*(?:\\(?:text|textbf|mathrm)\{)?\s*\(?([A-J])\)?\s*\}?\s*\}")
+PARENTHESIZED_CHOICE = re.compile(r"\(([A-J])\)")
 
 
 def choice_letter(reference: str) -> str | None:
@@ -76,15 +76,16 @@ def choice_letter(reference: str) -> str | None:
 
 
 def answer_choice(answer: str) -> str | None:
-    """The choice an answer makes: math-verify's letter extraction ("the answer is C", "Answer: D"), else the
-    last `\\boxed{C}` or `(C)`."""
+    """The choice an answer makes: its last `\\boxed{C}`, else math-verify's letter extraction ("the answer is C",
+    "Answer: D"), else its last `(C)`. The box comes first: math-verify's extraction also takes a capital letter
+    standing alone in the reasoning ("A car travels...", "point B") for the choice."""
+    if letters := BOXED_CHOICE.findall(answer):
+        return letters[-1]
     found = parse(answer, extraction_config=[StringExtractionConfig(lowercase=False)])
     if found:
         return str(found[0])
-    for pattern in ANSWER_CHOICE:
-        if letters := pattern.findall(answer):
-            return letters[-1]
-    return None
+    letters = PARENTHESIZED_CHOICE.findall(answer)
+    return letters[-1] if letters else None
 
 
 PLAIN_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?")  # math-verify reads "+46" as no number; so do we
