@@ -28,8 +28,10 @@ FORMATS = {  # format: (reference, right answers, wrong answers)
     "GSM8K solution": (GSM8K, ["72", "#### 72", "The answer is 72."], ["24", "#### 48"]),
     "GSM8K with separators": ("1,000 + 234 = 1,234 dollars\n#### 1,234", ["1234", "1,234"], ["234", "1"]),
     "choice letter": ("C", ["C", "The answer is C", "\\boxed{C}", "(C)", "Answer: C",
-                            "A car goes 3 miles, so B is out: \\boxed{C}"],  # the box, not a letter of the prose
-                      ["B", "The answer is (D)", "\\boxed{A}", "no idea", "Point C is the midpoint: \\boxed{D}"]),
+                            "A car goes 3 miles, so B is out: \\boxed{C}",  # not a letter of the prose
+                            "In case B the sum is 5, so the answer is (C)."],
+                      ["B", "The answer is (D)", "\\boxed{A}", "no idea", "Point C is the midpoint: \\boxed{D}",
+                       "In case C the sum is 5, so the answer is (D)."]),
     "MATH choice": ("\\text{(C)}", ["\\boxed{\\text{(C)}}", "C"], ["\\boxed{\\text{(B)}}"]),
     "thousands separator": ("1,000", ["1000", "\\boxed{1,000}"], ["100", "1"]),
     "unit in words": ("5 cm", ["5", "5 cm"], ["6 cm", "50"]),

@@ -76,16 +76,18 @@ def choice_letter(reference: str) -> str | None:
 
 
 def answer_choice(answer: str) -> str | None:
-    """The choice an answer makes: its last `\\boxed{C}`, else math-verify's letter extraction ("the answer is C",
-    "Answer: D"), else its last `(C)`. The box comes first: math-verify's extraction also takes a capital letter
-    standing alone in the reasoning ("A car travels...", "point B") for the choice."""
+    """The choice an answer makes: its last `\\boxed{C}`, else a letter math-verify finds after an anchor ("the answer
+    is C", "Answer: D"), else its last `(C)`, else a letter math-verify finds anywhere ("C", "I pick D."). A letter
+    standing alone in the reasoning ("A car travels...", "in case B") comes last: it is not the choice."""
     if letters := BOXED_CHOICE.findall(answer):
         return letters[-1]
-    found = parse(answer, extraction_config=[StringExtractionConfig(lowercase=False)])
-    if found:
+    if found := parse(answer, extraction_config=[StringExtractionConfig(lowercase=False,
+                                                                        try_extract_without_anchor=False)]):
         return str(found[0])
-    letters = PARENTHESIZED_CHOICE.findall(answer)
-    return letters[-1] if letters else None
+    if letters := PARENTHESIZED_CHOICE.findall(answer):
+        return letters[-1]
+    found = parse(answer, extraction_config=[StringExtractionConfig(lowercase=False)])
+    return str(found[0]) if found else None
 
 
 PLAIN_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?")  # math-verify reads "+46" as no number; so do we
