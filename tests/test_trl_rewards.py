@@ -27,6 +27,9 @@ def accuracy_reward(completions, answer, **kwargs):
 def length_reward(prompts, completions, **kwargs):
     return [len(c) / 10 for c in completions]
 
+def prompt_length(prompts, completions, **kwargs):
+    return [float(len(p)) for p in prompts]
+
 def only_long_prompts(prompts, completions, **kwargs):
     return [1.0 if len(p) > 5 else None for p in prompts]
 
@@ -80,6 +83,21 @@ def test_functions_are_called_as_trl_calls_them_and_their_weighted_rewards_summe
     # a conversational prompt gets conversational completions
     chat = {"prompt": [{"role": "user", "content": "Is 2 even?"}]}
     assert scores([f"{rewards_file}:chat_reward"], chat, ["yes", "no"]) == [1.0, 0.0]
+
+
+def test_functions_get_the_prompt_as_the_dataset_file_gives_it(rewards_file, tmp_path):
+    """A TRL dataset's rows reach the functions in its own form: a conversation stays chat messages (TRL's functions
+    for chat data read `prompts[i][-1]["content"]`), without rlsys's system prompt and template."""
+    from rlsys.data.dataset import RowFormat, load_rows, rows_fingerprint
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "Is 2 even?"}], "answer": "yes"}) + "\n"
+                    + json.dumps({"prompt": "12+34=", "answer": "46"}) + "\n")
+    chat, plain = load_rows(path, RowFormat(system_prompt="Think first.", prompt_template="Q: {prompt}"))
+    assert scores([f"{rewards_file}:chat_reward"], chat, ["yes", "no"]) == [1.0, 0.0]
+    assert scores([f"{rewards_file}:prompt_length"], chat, ["yes"]) == [1.0]  # one message: no system prompt added
+    assert scores([f"{rewards_file}:prompt_length"], plain, ["46"]) == [6.0]  # "12+34=", not "Q: 12+34="
+    assert rows_fingerprint([chat]) == rows_fingerprint([{k: v for k, v in chat.items() if k != "given_prompt"}])
 
 
 @pytest.mark.parametrize("name,problem", [("raises", "raised ValueError: no reward for you"),

@@ -6,7 +6,7 @@ fields (`reward_model.ground_truth`, as verl writes it). A prompt is a string or
 (`{"role", "content"}`); an answer is a string or a number. Every row comes out in one shape:
 
     {"prompt": <the user's text, templated>, "answer": <str>, "messages": <chat, when not just the prompt>,
-     ...the row's other top-level fields (e.g. `agent_name`, as in verl)}
+     "given_prompt": <the prompt as the file gave it>, ...the row's other top-level fields (e.g. `agent_name`)}
 
 so agents and environments read `prompt`/`answer` whatever the file called them, and the prompt stream
 renders `messages` (system prompt included) with the tokenizer's chat template.
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROMPT_PLACEHOLDER = "{prompt}"
+GIVEN_PROMPT = "given_prompt"  # a row's prompt before rlsys's template and system prompt (TRL's reward functions)
 
 
 class DatasetError(ValueError):
@@ -53,7 +54,8 @@ def rows_fingerprint(rows: list[dict]) -> str:
     """A digest of the rows, in order. Prompts are named by their row's place (rlsys/data/prompts.py), so a run
     resumed on other rows would skip rows it never trained and train others again: its checkpoint keeps this."""
     digest = hashlib.blake2b(digest_size=16)
-    for row in rows:
+    for row in rows:  # GIVEN_PROMPT left out: the formatted prompt follows it, and checkpoints from before it resume
+        row = {k: v for k, v in row.items() if k != GIVEN_PROMPT}
         digest.update(json.dumps(row, sort_keys=True, default=str).encode() + b"\n")
     return digest.hexdigest()
 
@@ -180,10 +182,12 @@ def _row(record, where: str, row_format: RowFormat, agent_names: list[str] | Non
     if not isinstance(answer, str):
         raise DatasetError(f"{where}: field {row_format.answer_key!r} must be a string or a number, "
                            f"got {type(answer).__name__}")
-    messages = _messages(prompt, row_format, f"{where}: field {row_format.prompt_key!r}")
+    given = _chat(prompt, f"{where}: field {row_format.prompt_key!r}")
+    messages = _formatted(given, row_format)
     row = {key: value for key, value in record.items() if value is not None}
     user = [m for m in messages if m["role"] == "user"]
     row.update(prompt=user[-1]["content"] if user else messages[-1]["content"], answer=answer)
+    row[GIVEN_PROMPT] = prompt if isinstance(prompt, str) else given
     if len(messages) > 1 or messages[0]["role"] != "user":
         row["messages"] = messages
     else:
@@ -194,8 +198,8 @@ def _row(record, where: str, row_format: RowFormat, agent_names: list[str] | Non
     return row
 
 
-def _messages(prompt, row_format: RowFormat, where: str) -> list[dict]:
-    """The chat the prompt stands for: system prompt first, the template applied to the last user message."""
+def _chat(prompt, where: str) -> list[dict]:
+    """The chat messages a prompt field gives: a string is one user message."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and prompt:
@@ -209,6 +213,12 @@ def _messages(prompt, row_format: RowFormat, where: str) -> list[dict]:
             messages.append({k: v for k, v in message.items() if v is not None})
     else:
         raise DatasetError(f"{where} must be a string or a non-empty list of chat messages, got {type(prompt).__name__}")
+    return messages
+
+
+def _formatted(given: list[dict], row_format: RowFormat) -> list[dict]:
+    """The chat the prompt stands for: system prompt first, the template applied to the last user message."""
+    messages = list(given)
     if row_format.prompt_template:
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
         if last_user is not None:

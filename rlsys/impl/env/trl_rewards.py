@@ -4,15 +4,16 @@ Each function is called as TRL calls it:
 
     function(prompts=[...], completions=[...], completion_ids=None, **columns) -> list[float | None]
 
-one entry per answer of the group: `prompts` is the row's `prompt` as the dataset holds it (a string, or a list of
-chat messages), `completions` the answers (strings, or `[{"role": "assistant", "content": ...}]` where the prompt
-is a conversation), and every other column of the row is a keyword argument holding one value per answer. The
-reward is the sum of the functions' rewards times `weights` (1 each by default); a None (a function that does not
-apply to that answer) adds nothing, as TRL's nansum. Functions run on a thread, off the rollout worker's event
-loop. One that raises or returns the wrong number of rewards fails the episode (`env_error`) with its name; one
-that hangs is ended by `env_timeout`; the run goes on either way. A thread cannot be stopped, so each step's runs
-on a daemon thread of its own: a hung one holds that thread, not one of the event loop's default executor, whose
-few threads every bus call of the rollout worker waits for, and not the process's exit.
+one entry per answer of the group: `prompts` is the row's prompt as the dataset file holds it (a string, or a list
+of chat messages; without `dataset.system_prompt` and `prompt_template`, which are rlsys's), `completions` the
+answers (strings, or `[{"role": "assistant", "content": ...}]` where the prompt is a conversation), and every other
+column of the row is a keyword argument holding one value per answer. The reward is the sum of the functions'
+rewards times `weights` (1 each by default); a None (a function that does not apply to that answer) adds nothing, as
+TRL's nansum. Functions run on a thread, off the rollout worker's event loop. One that raises or returns the wrong
+number of rewards fails the episode (`env_error`) with its name; one that hangs is ended by `env_timeout`; the run
+goes on either way. A thread cannot be stopped, so each step's runs on a daemon thread of its own: a hung one holds
+that thread, not one of the event loop's default executor, whose few threads every bus call of the rollout worker
+waits for, and not the process's exit.
 """
 
 import asyncio
@@ -21,9 +22,10 @@ import threading
 from typing import Any
 
 from rlsys.api import EnvironmentService, register_environment
+from rlsys.data.dataset import GIVEN_PROMPT
 from rlsys.plugins import load_function
 
-NOT_COLUMNS = ("prompt", "completion", "completions", "prompts")  # passed by name already
+NOT_COLUMNS = ("prompt", "completion", "completions", "prompts", GIVEN_PROMPT)  # passed by name already
 
 
 class TRLRewardFunctionsEnv(EnvironmentService):
@@ -54,7 +56,7 @@ class TRLRewardFunctionsEnv(EnvironmentService):
         return None, rewards, True, False, {"statuses": ["ok"] * len(answers)}
 
     def score(self, answers: list[str]) -> list[float]:
-        prompt, n = self.row["prompt"], len(answers)
+        prompt, n = self.row.get(GIVEN_PROMPT, self.row["prompt"]), len(answers)
         conversational = isinstance(prompt, list)
         completions = [[{"role": "assistant", "content": a}] for a in answers] if conversational else list(answers)
         columns = {k: [v] * n for k, v in self.row.items() if k not in NOT_COLUMNS}
