@@ -33,7 +33,7 @@ def check_answer(answer: str, reference: str) -> Verdict:
     return Verdict(bool(verify(gold, predicted)), "ok")
 
 
-GSM8K_FINAL = re.compile(r"####\s*(.*?)\s*$", re.DOTALL)
+GSM8K_FINAL = re.compile(r"####(?!.*####)\s*(.*?)\s*$", re.DOTALL)  # the last ####
 NUMBER_WITH_UNIT = re.compile(  # "1,000 dollars", "5 cm", "3.5\\mbox{ inches}": the unit is dropped ("2x" is kept)
     r"(-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+))(?:\s*\\(?:text|mbox|mathrm)\{[^{}]*\}|\s+[A-Za-z]{2,}[A-Za-z .]*)")
 THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
