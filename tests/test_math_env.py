@@ -5,6 +5,7 @@ its magic answers hang or crash the worker for real, which is what the hard dead
 """
 
 import asyncio
+import errno
 import os
 import subprocess
 import sys
@@ -94,6 +95,33 @@ def test_crashing_worker_gives_error_and_is_replaced(pool):
     assert crashed.status == "error" and not crashed.correct
     assert "exit code 3" in crashed.reason
     assert score(pool, ["57"]) == [Verdict(True, "ok")]
+
+
+def test_a_worker_that_cannot_be_started_fails_a_check_and_is_started_again(monkeypatch):
+    """Out of processes or descriptors for a moment (fork's EAGAIN, EMFILE): the check that meets it gets an error
+    verdict and the pool keeps its size, serving again once the moment passes (the slot was lost, and with it every
+    later check hung)."""
+    from rlsys.impl.env import math_verifier
+
+    pool = VerifierPool(size=1, check=f"{__name__}:scripted_check")
+    try:
+        real_popen, failures = subprocess.Popen, iter([OSError(errno.EAGAIN, "Resource temporarily unavailable")])
+
+        def popen(*args, **kwargs):
+            for error in failures:  # the next start fails
+                raise error
+            return real_popen(*args, **kwargs)
+
+        monkeypatch.setattr(math_verifier.subprocess, "Popen", popen)
+        crashed, = score(pool, [CRASH])  # and its replacement cannot start
+        assert crashed.status == "error" and "exit code 3" in crashed.reason
+        unstarted, = score(pool, ["57"])
+        assert unstarted.status == "error"
+        assert unstarted.reason == \
+            "could not start a verifier worker: BlockingIOError: [Errno 11] Resource temporarily unavailable"
+        assert score(pool, ["57"]) == [Verdict(True, "ok")]
+    finally:
+        pool.close()
 
 
 def test_exception_in_check_gives_error(pool):

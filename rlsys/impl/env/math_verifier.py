@@ -77,17 +77,30 @@ class Worker:
     """One child process and the parent's end of its socket; used by one thread at a time."""
 
     def __init__(self, check_path: str):
-        ours, theirs = socket.socketpair()
-        with theirs:  # closed here once the child has it, so the parent sees EOF when the child dies
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", WORKER_PROGRAM, str(theirs.fileno()), check_path, *sys.path],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        self.ready = self.dead = False
+        self.process: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.start_error: OSError | None = None
+        try:
+            ours, theirs = socket.socketpair()
+            try:
+                with theirs:  # closed here once the child has it, so the parent sees EOF when the child dies
+                    self.process = subprocess.Popen(
+                        [sys.executable, "-c", WORKER_PROGRAM, str(theirs.fileno()), check_path, *sys.path],
+                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            except OSError:
+                ours.close()
+                raise
+        except OSError as e:  # out of processes or descriptors for now: dead, so the pool tries again at its release
+            self.dead, self.start_error = True, e
+            return
         self.conn = Connection(ours.detach())
-        self.ready = False
-        self.dead = False
 
     def wait_ready(self, startup_timeout: float) -> Verdict | None:
         """None once the worker is ready. Startup (interpreter + sympy import) is not charged to a check."""
+        if self.start_error is not None:
+            e = self.start_error
+            return Verdict(False, "error", f"could not start a verifier worker: {type(e).__name__}: {e}")
         if not self.ready:
             message = self.receive(startup_timeout, "startup")
             self.ready = message == READY
@@ -116,6 +129,8 @@ class Worker:
 
     def kill(self) -> None:
         self.dead = True
+        if self.process is None:  # never started
+            return
         self.process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=5)
