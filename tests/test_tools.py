@@ -212,6 +212,38 @@ def test_env_gives_each_chain_its_own_tool_state_and_releases_it_at_close():
     assert (RecordingTool.started, stopped_before_close, RecordingTool.stopped) == (2, 0, 2)
 
 
+class SlowStartTool(RecordingTool):
+    """Its first start overruns any tool_timeout, after acquiring what its stop releases."""
+
+    async def start(self):
+        await super().start()
+        if RecordingTool.started == 1:
+            await asyncio.sleep(3600)
+
+
+register_tool("slow-start-test-tool", SlowStartTool)
+
+
+def test_a_tool_whose_start_overruns_is_stopped_then_and_started_again_at_the_next_call():
+    RecordingTool.started = RecordingTool.stopped = 0
+    env = make_env(EnvServiceAbstraction("math-tools", {"tools": {"slow-start-test-tool": {}}, "tool_timeout": 0.5}))
+    slow_call = call("ok").replace("recording-test-tool", "slow-start-test-tool")
+
+    async def episode():
+        await env.reset(options={"prompt": "1+1", "answer": "2"})
+        first = await env.step((0, slow_call))
+        stopped_after_first = RecordingTool.stopped
+        second = await env.step((0, slow_call))
+        await env.close()
+        return first, stopped_after_first, second
+
+    first, stopped_after_first, second = asyncio.run(episode())
+    assert first[0] == "<tool_response>error: slow-start-test-tool did not start in 0.5s</tool_response>"
+    assert first[4]["tool_timeouts"] == 1 and stopped_after_first == 1
+    assert second[0] == "<tool_response>call 1</tool_response>"
+    assert (RecordingTool.started, RecordingTool.stopped) == (2, 2)
+
+
 def test_env_scores_answers_and_hints_after_a_turn_without_action():
     env = make_env(EnvServiceAbstraction("math-tools"))
 

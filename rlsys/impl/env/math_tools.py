@@ -82,11 +82,13 @@ class MathToolsEnv(EnvironmentService):
         return "\n".join(map(tool_response, responses)), 0.0, False, False, dict(counts)
 
     async def run_tool(self, chain: Hashable, call: ToolCall) -> ToolOutput:
+        doing = "start"
         try:
             tool = await self.tool(chain, call.name)
+            doing = "finish"
             output = await asyncio.wait_for(tool.call(**call.arguments), self.tool_timeout)
         except asyncio.TimeoutError:
-            reason = f"{call.name} did not finish in {self.tool_timeout:g}s"
+            reason = f"{call.name} did not {doing} in {self.tool_timeout:g}s"
             return ToolOutput(f"error: {reason}", "timeout", reason)
         except Exception as e:  # noqa: BLE001 (a broken tool is the model's observation, not the episode's end)
             log.warning("tool %s failed", call.name, exc_info=True)
@@ -104,7 +106,11 @@ class MathToolsEnv(EnvironmentService):
         tools = self.chains.setdefault(chain, {})
         if name not in tools:
             tool = make_tool(name, self.tool_args[name])
-            await asyncio.wait_for(tool.start(), self.tool_timeout)
+            try:
+                await asyncio.wait_for(tool.start(), self.tool_timeout)
+            except BaseException:  # close() would not see it: what a start that overran or failed acquired goes now
+                await self.stop([tool])
+                raise
             tools[name] = tool
         return tools[name]
 
@@ -115,6 +121,9 @@ class MathToolsEnv(EnvironmentService):
         """Stops every tool of every chain; a tool that fails to stop is logged, the others still stop."""
         tools = [tool for chain in self.chains.values() for tool in chain.values()]
         self.chains = {}
+        await self.stop(tools)
+
+    async def stop(self, tools: list[Tool]) -> None:
         results = await asyncio.gather(*(asyncio.wait_for(t.stop(), self.tool_timeout) for t in tools),
                                        return_exceptions=True)
         for tool, result in zip(tools, results):
