@@ -53,3 +53,30 @@ def test_a_role_runs_in_the_launchers_working_directory(tmp_path, monkeypatch):
         assert exit_code_within(placement.start("rollout", 0, ()), 60) == 0
     finally:
         placement.close()
+
+
+def test_a_role_ray_cannot_start_in_its_bundle_ends_with_the_reason(monkeypatch):
+    """An actor whose bundle no node can hold (its node was lost, and no other has the resources; here its bundle's
+    CPU is held) is never started by Ray: it used to count as running for ever, the supervisor waiting on it with
+    no error (learner rank 0's start, for its rendezvous address). Past the placement timeout it ends, with a
+    reason that names its bundle."""
+    from rlsys.errors import RoleFailed
+    from rlsys.placement import ray_actors
+
+    def sleeps(role, index, *args):
+        time.sleep(600)
+
+    monkeypatch.setattr(ray_actors, "PLACEMENT_TIMEOUT", 10.0)
+    placement = ray_actors.RayPlacement(parse_config(["cluster.backend=ray"]), sleeps)
+    try:
+        holder = placement.start("rollout", 0, ())
+        waiting = placement.start("rollout", 0, ())  # the same one-CPU bundle, which `holder` keeps
+        assert exit_code_within(waiting, 60) == -1
+        assert waiting.exit_reason.startswith("was not started by Ray within 10 s: no node of the cluster can hold "
+                                              "its bundle {'CPU': 1")
+        assert holder.exitcode is None
+        placement.start("learner", 0, ())
+        with pytest.raises(RoleFailed, match="learner0 was not started by Ray within 10 s"):
+            placement.start("learner", 0, ())  # its rendezvous address would be waited for, for ever
+    finally:
+        placement.close()

@@ -4,13 +4,17 @@ Ray is the engine: one placement group reserves a bundle per role process (CPU, 
 custom resources) with `cluster.ray_placement_strategy`, all or nothing, so a layout the cluster cannot
 hold is refused before anything runs. Each role is an actor pinned to its bundle. When a node dies, Ray
 moves its bundles to nodes that can hold them; the supervisor sees the actor's death and starts a new
-actor in the same bundle, which Ray schedules once the bundle is placed again. Actors are never
-restarted by Ray itself (max_restarts=0): the supervisor counts restarts the same way on both backends.
+actor in the same bundle, which Ray schedules once the bundle is placed again. An actor Ray has not started
+within PLACEMENT_TIMEOUT (no node left can hold its bundle) counts as a role that died, with that reason, rather
+than one that runs. Actors are never restarted by Ray itself (max_restarts=0): the supervisor counts restarts the
+same way on both backends.
 """
 
 import os
+import time
 
 from rlsys.bus.redis_server import free_port
+from rlsys.errors import RoleFailed
 from rlsys.placement.base import Placement, PlacementError, RoleHandle, learner_rendezvous
 from rlsys.placement.cpu_threads import role_environment
 
@@ -44,16 +48,26 @@ class RoleActor:
 
 
 class RayRole(RoleHandle):
-    def __init__(self, name: str, actor, done):
+    def __init__(self, name: str, actor, done, started, bundle: dict):
         self.name, self.actor, self.done = name, actor, done
         self._code: int | None = None
         self._reason = ""
         self._probe = None  # a ping sent after the actor was out of reach
+        # A ping sent before its run, answered once Ray has started the actor (then None); still unanswered at
+        # `_place_by` (monotonic), the actor's bundle fits on no node left
+        self._started, self._bundle = started, bundle
+        self._place_by = time.monotonic() + PLACEMENT_TIMEOUT
 
     @property
     def exitcode(self) -> int | None:
         import ray
 
+        if self._code is None and self._started is not None:
+            if ray.wait([self._started], timeout=0)[0]:
+                self._started = None
+            elif time.monotonic() > self._place_by:
+                self._code, self._reason = -1, not_placed(self._bundle)
+                ray.kill(self.actor, no_restart=True)
         waiting_on = self._probe or self.done
         if self._code is None and ray.wait([waiting_on], timeout=0)[0]:
             try:
@@ -90,6 +104,13 @@ class RayRole(RoleHandle):
 
         ray.kill(self.actor, no_restart=True)
         ray.wait([self.done], timeout=30)
+
+
+def not_placed(bundle: dict) -> str:
+    import ray
+
+    return (f"was not started by Ray within {PLACEMENT_TIMEOUT:.0f} s: no node of the cluster can hold its bundle "
+            f"{bundle} now (a node it needs was lost?); the cluster has free: {ray.available_resources()}")
 
 
 class RayPlacement(Placement):
@@ -142,14 +163,20 @@ class RayPlacement(Placement):
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.group,
                                                                  placement_group_bundle_index=bundle),
             **({"runtime_env": {"env_vars": added}} if added else {}), **options).remote()
+        started = actor.ping.remote()  # before the run: an actor answers in the order it was asked
         env = {}
         if role == "learner":
             import ray
 
             if index == 0:  # rank 0's node hosts the rendezvous of a new group of ranks
-                self.master = ray.get(actor.address.remote())
+                address = actor.address.remote()
+                if not ray.wait([address], timeout=PLACEMENT_TIMEOUT)[0]:
+                    ray.kill(actor, no_restart=True)
+                    raise RoleFailed(f"learner0 {not_placed(self.group.bundle_specs[bundle])}")
+                self.master = ray.get(address)
             env = learner_rendezvous(index, self.config.cluster.n_learner_ranks, *self.master)
-        handle = RayRole(f"{role}{index}", actor, actor.run.remote(os.getcwd(), self.entry, role, index, *args, env))
+        handle = RayRole(f"{role}{index}", actor, actor.run.remote(os.getcwd(), self.entry, role, index, *args, env),
+                         started, self.group.bundle_specs[bundle])
         self.roles.append(handle)
         return handle
 
