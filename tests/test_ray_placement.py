@@ -2,6 +2,7 @@
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +81,45 @@ def test_a_role_ray_cannot_start_in_its_bundle_ends_with_the_reason(monkeypatch)
             placement.start("learner", 0, ())  # its rendezvous address would be waited for, for ever
     finally:
         placement.close()
+
+
+STOPPED_BY_SIGTERM = """
+import sys, time
+from rlsys.bus import raise_on_sigterm
+from rlsys.cli import parse_config
+from rlsys.placement import open_placement
+
+with raise_on_sigterm(), open_placement(parse_config(["cluster.backend=ray"]), None):
+    print("placed", flush=True)
+    try:
+        time.sleep(600)
+    finally:
+        time.sleep(5)  # the launcher's stop: every role told to stop, given time to save its checkpoint
+        print("stopped", flush=True)
+"""
+
+
+def test_a_sigterm_to_a_launcher_on_ray_runs_its_whole_stop_and_leaves_no_ray_process():
+    """ray.init put its own SIGTERM handling in place of the launcher's: its core worker's crash handler aborted the
+    process 3 s after a SIGTERM, in the middle of the stop, which left the roles without their checkpoint and Ray's
+    agents running."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    launcher = subprocess.Popen([sys.executable, "-c", STOPPED_BY_SIGTERM], stdout=subprocess.PIPE, text=True,
+                                cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert launcher.stdout.readline() == "placed\n"
+        ray_processes = psutil.Process(launcher.pid).children(recursive=True)
+        assert ray_processes
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.stdout.read() == "stopped\n"
+        assert launcher.wait(timeout=60) == 143
+    finally:
+        launcher.kill()
+        launcher.wait()
+    _, alive = psutil.wait_procs(ray_processes, timeout=30)
+    assert [p.cmdline() for p in alive] == []

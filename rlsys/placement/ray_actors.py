@@ -10,7 +10,10 @@ than one that runs. Actors are never restarted by Ray itself (max_restarts=0): t
 same way on both backends.
 """
 
+import contextlib
 import os
+import signal
+import threading
 import time
 
 from rlsys.bus.redis_server import free_port
@@ -106,6 +109,21 @@ class RayRole(RoleHandle):
         ray.wait([self.done], timeout=30)
 
 
+@contextlib.contextmanager
+def keep_sigterm_handler():
+    """The SIGTERM handler of the caller (the launcher's, rlsys.bus.raise_on_sigterm) still in place after the block.
+    ray.init installs its own, and its core worker a crash handler that reports a SIGTERM, calls the one before it,
+    and aborts the process 3 s later: the launcher's stop (every role told to stop, then Ray shut down) would be cut
+    short, the roles killed without their checkpoint and Ray's agents left running."""
+    main = threading.current_thread() is threading.main_thread()  # only the main thread sets handlers
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
+
+
 def not_placed(bundle: dict) -> str:
     import ray
 
@@ -137,10 +155,11 @@ class RayPlacement(Placement):
             raise PlacementError("cluster.ray_address=ray://... runs this launcher off the cluster, where a private Redis "
                                  "is out of the nodes' reach: set cluster.redis_url to a Redis every node reaches, or run "
                                  "the command on a node of the cluster with cluster.ray_address=auto")
-        if cluster.ray_address:
-            ray.init(address=cluster.ray_address, log_to_driver=True)
-        else:  # a Ray for this run only, with a logical CPU per role even on a small machine
-            ray.init(num_cpus=max(os.cpu_count() or 1, CPUS_PER_ROLE * len(bundles)), include_dashboard=False)
+        with keep_sigterm_handler():
+            if cluster.ray_address:
+                ray.init(address=cluster.ray_address, log_to_driver=True)
+            else:  # a Ray for this run only, with a logical CPU per role even on a small machine
+                ray.init(num_cpus=max(os.cpu_count() or 1, CPUS_PER_ROLE * len(bundles)), include_dashboard=False)
         self.bus_host = ray.util.get_node_ip_address()
         self.group = placement_group(bundles, strategy=cluster.ray_placement_strategy, name="")
         if not self.group.wait(PLACEMENT_TIMEOUT):
