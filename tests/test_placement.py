@@ -1,4 +1,9 @@
-"""Placement: which GPUs each role of a single-machine run sees, and layouts refused with what fits."""
+"""Placement: which GPUs each role of a single-machine run sees, and layouts refused with what fits; a role that
+would outlive its launcher."""
+
+import contextlib
+import os
+import signal
 
 import pytest
 
@@ -51,3 +56,43 @@ def test_cluster_settings_are_checked_by_name():
     assert ClusterConfig(learner_resources="trainer:1, big:0.5").resources("learner") == {"trainer": 1.0, "big": 0.5}
     with pytest.raises(ValueError, match="tensor_parallel_size=2 needs inference.engine=vllm"):
         InferenceConfig(engine="transformers", tensor_parallel_size=2)
+
+
+ORPHANED_ROLE = """
+import os, signal, sys, time
+from rlsys.cli import parse_config
+from rlsys.placement.local import LocalPlacement
+
+def role(*args):
+    time.sleep(600)
+
+if __name__ == "__main__":
+    print(LocalPlacement(parse_config([]), role).start("rollout", 0, ()).process.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the launcher killed (kill -9, the OOM killer) as its role starts
+"""
+
+
+def test_a_role_whose_launcher_died_as_it_started_does_not_run(tmp_path):
+    """A role asks the kernel for SIGTERM when the launcher dies; one whose launcher died before it asked was never
+    told, and ran on, orphaned."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.helpers import alive
+
+    script = tmp_path / "launcher.py"
+    script.write_text(ORPHANED_ROLE)
+    root = Path(__file__).resolve().parents[1]
+    with open(tmp_path / "role_pid", "w") as out:  # not a pipe: a role that outlives the launcher would hold it open
+        subprocess.run([sys.executable, str(script)], stdout=out, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    role = int((tmp_path / "role_pid").read_text())
+    try:
+        deadline = time.monotonic() + 30
+        while alive(role) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(role)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(role, signal.SIGKILL)

@@ -94,6 +94,9 @@ def run_in_process(entry, role: str, index: int, *args) -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: the kernel sends SIGTERM to this process if the launcher dies, even by SIGKILL."""
+    """Linux: the kernel sends SIGTERM to this process if the launcher dies, even by SIGKILL. A launcher that died
+    before (the process takes a moment to get here) is not watched by it: then the role does not start."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != multiprocessing.parent_process().pid:
+        os._exit(1)
