@@ -86,7 +86,8 @@ def test_a_role_whose_launcher_died_as_it_started_does_not_run(tmp_path):
     script.write_text(ORPHANED_ROLE)
     root = Path(__file__).resolve().parents[1]
     with open(tmp_path / "role_pid", "w") as out:  # not a pipe: a role that outlives the launcher would hold it open
-        subprocess.run([sys.executable, str(script)], stdout=out, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+        subprocess.run([sys.executable, str(script)], stdout=out, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(root)})
     role = int((tmp_path / "role_pid").read_text())
     try:
         deadline = time.monotonic() + 30
