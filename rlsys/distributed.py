@@ -8,10 +8,12 @@ default, initialises nothing and shards nothing.
 
 import gc
 import os
+import socket
 
 import msgpack
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 
 class Ranks:
@@ -105,11 +107,23 @@ def join_ranks(rank: int, world: int) -> Ranks:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(ranks.device)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world, store=rendezvous_store(rank, world))
     from torch.distributed.device_mesh import init_device_mesh
 
     ranks.mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (world,))
     return ranks
+
+
+def rendezvous_store(rank: int, world: int) -> "dist.TCPStore":
+    """The ranks' rendezvous at MASTER_ADDR:MASTER_PORT, rank 0 its server. It listens on MASTER_ADDR alone (loopback
+    on one machine, the node's address under Ray): torch's env:// rendezvous listens on every interface, where whoever
+    reaches the machine could read and write the store, which has no password, while the ranks meet in it."""
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    listener = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        listener = socket.create_server((address, port), family=family).detach()  # the store owns it from here
+    return dist.TCPStore(address, port, world, rank == 0, default_pg_timeout, master_listen_fd=listener)
 
 
 def leave_ranks(ranks: Ranks, finished: bool = True) -> None:

@@ -183,3 +183,26 @@ def test_the_run_trains_with_two_learner_ranks(cache_dir, tmp_path):
     assert left_behind(tmp_path, existing) == []
     for log in ("learner0.log", "learner1.log"):  # each rank ended whole (faulthandler writes a native abort there)
         assert "Fatal Python error" not in (Path(config.logging_dir) / log).read_text(), log
+
+
+def rendezvous_listeners_at_rank(rank: int, world: int, port: int, found: str) -> None:
+    """Joins the ranks; rank 0 writes where the rendezvous port is listened on."""
+    import psutil
+
+    from rlsys.distributed import join_ranks, leave_ranks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ranks = join_ranks(rank, world)
+    if rank == 0:
+        Path(found).write_text(json.dumps(sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                                                  if c.status == psutil.CONN_LISTEN and c.laddr.port == port})))
+    leave_ranks(ranks)
+
+
+def test_the_ranks_rendezvous_listens_on_the_master_address_alone(tmp_path):
+    """torch's env:// rendezvous served its store (no password) on every interface, whatever MASTER_ADDR said: on one
+    machine, loopback is where the ranks meet."""
+    found = tmp_path / "listeners.json"
+    mp.start_processes(rendezvous_listeners_at_rank, args=(2, free_port(), str(found)), nprocs=2,
+                       start_method="spawn")
+    assert json.loads(found.read_text()) == ["127.0.0.1"]
