@@ -244,7 +244,7 @@ def lookup_experiment(name: str) -> type:
 def build_config(cls: type, raw: dict):
     """The instance of `cls` with `raw` (plain nested dict) merged over its defaults, every key checked."""
     fields = {info.path: info for info in describe_fields(cls)}
-    problems = list(key_problems(raw, fields, prefix=""))
+    problems = list(key_problems(raw, fields, prefix="", experiment=cls))
     if problems:
         raise ConfigError("\n".join(problems))
     try:
@@ -273,15 +273,15 @@ def refuse_inactive_settings(config) -> None:
         raise ConfigError(f"{type(config).__qualname__}: {e}") from None
 
 
-def key_problems(raw: dict, fields: dict[str, FieldInfo], prefix: str) -> Iterator[str]:
+def key_problems(raw: dict, fields: dict[str, FieldInfo], prefix: str, experiment: type | None = None) -> Iterator[str]:
     """A message for each key in `raw` that is not a field, and each group given a plain value."""
     for key, value in raw.items():
         path = f"{prefix}{key}"
         info = fields.get(path)
         if info is None:
-            yield from unknown_key_messages(path, value, fields)
+            yield from unknown_key_messages(path, value, fields, experiment)
         elif info.is_group and isinstance(value, dict):
-            yield from key_problems(value, fields, prefix=f"{path}.")
+            yield from key_problems(value, fields, prefix=f"{path}.", experiment=experiment)
         elif info.is_group and value is not None:
             example = next(p for p in fields if p.startswith(f"{path}."))
             yield (f"{path} is a group of settings ({type_name(info.type)}), not a value; "
@@ -301,7 +301,8 @@ ROLL_KEYS = {
 }
 
 
-def unknown_key_messages(path: str, value, fields: dict[str, FieldInfo]) -> Iterator[str]:
+def unknown_key_messages(path: str, value, fields: dict[str, FieldInfo], experiment: type | None = None
+                         ) -> Iterator[str]:
     leaf = path.rpartition(".")[2]
     if leaf in ROLL_KEYS:
         ours, meaning = ROLL_KEYS[leaf]
@@ -310,14 +311,32 @@ def unknown_key_messages(path: str, value, fields: dict[str, FieldInfo]) -> Iter
     # An unknown group (`ppp: {lr: 1}`) is reported leaf by leaf: `ppp.lr` finds `ppo.lr`, `ppp` alone may not.
     if isinstance(value, dict) and value:
         for key, inner in value.items():
-            yield from unknown_key_messages(f"{path}.{key}", inner, fields)
+            yield from unknown_key_messages(f"{path}.{key}", inner, fields, experiment)
         return
     settable = [p for p, info in fields.items() if not info.is_group]  # a group takes no value itself
     hints = suggest_keys(path, settable)
-    if hints:
+    owners = experiments_with_key(path, besides=experiment)
+    if owners:  # the key is right, the experiment is not: a plugin's `my_param=5.0` without experiment=my-experiment
+        name = registry_name_of_class(experiment)
+        which = (f"experiment {owners[0]!r}: add experiment={owners[0]}" if len(owners) == 1 else
+                 f"experiments {', '.join(repr(o) for o in owners)}: add experiment= one of them")
+        yield (f"unknown key {path!r} for experiment {name}; it is a key of {which}"
+               + (f" (or did you mean {' or '.join(repr(h) for h in hints)}?)" if hints else ""))
+    elif hints:
         yield f"unknown key {path!r}; did you mean {' or '.join(repr(h) for h in hints)}?"
     else:
         yield f"unknown key {path!r}; --help lists every key"
+
+
+def experiments_with_key(path: str, besides: type | None) -> list[str]:
+    """The registered experiments, other than `besides`, that have `path` as a settable key."""
+    return [name for name in EXPERIMENTS.names() if (cls := EXPERIMENTS.lookup(name)) is not besides
+            and any(info.path == path and not info.is_group for info in describe_fields(cls))]
+
+
+def registry_name_of_class(cls: type | None) -> str:
+    names = [name for name in EXPERIMENTS.names() if EXPERIMENTS.lookup(name) is cls]
+    return names[0] if names else (cls.__qualname__ if cls is not None else "?")
 
 
 def suggest_keys(path: str, known: list[str]) -> list[str]:

@@ -144,9 +144,18 @@ def test_every_unknown_key_is_reported():
     assert "'seeed'" in str(err.value) and "'ppo.lrr'" in str(err.value)
 
 
-def test_subclass_field_is_unknown_to_the_base_experiment():
-    with pytest.raises(ConfigError, match="unknown key 'my_param'"):
+def test_subclass_field_is_unknown_to_the_base_experiment_which_names_the_experiment_that_has_it():
+    # the seed's `my_param=5.0` without experiment=: the key is right, the experiment is not, and the fix is named
+    with pytest.raises(ConfigError, match=r"unknown key 'my_param' for experiment async-ppo-math; it is a key of "
+                                          r"experiments? .*'test-cli-my-param'.*: add experiment="):
         parse_config(["my_param=5.0"])
+    with pytest.raises(ConfigError, match=r"^unknown key 'num_turns' for experiment async-ppo-math; it is a key of "
+                                          r"experiment 'async-ppo-math-multi-turn': add "
+                                          r"experiment=async-ppo-math-multi-turn$"):
+        parse_config(["num_turns=3"])
+    with pytest.raises(ConfigError, match=r"^unknown key 'frozen_lake_share' for experiment async-ppo-sokoban; .*"
+                                          r"add experiment=async-ppo-mixed-games$"):
+        parse_config(["experiment=async-ppo-sokoban", "frozen_lake_share=0.5"])
 
 
 def test_wrong_type_names_key_expected_type_and_value():
