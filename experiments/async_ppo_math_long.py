@@ -54,7 +54,8 @@ class AsyncPPOMathLongConfig(AsyncPPOMATHConfig):
         if longest > self.gen.max_new_tokens:
             raise ValueError(f"a working of max_terms={self.max_terms} numbers of term_digits={self.term_digits} "
                              f"takes up to {longest} tokens; "
-                             f"gen.max_new_tokens={self.gen.max_new_tokens} would cut it short")
+                             f"gen.max_new_tokens={self.gen.max_new_tokens} would cut it short: set "
+                             f"gen.max_new_tokens={longest} or more, or fewer max_terms")
 
     def generate_dataset(self, data_dir: Path) -> tuple[Path, Path]:
         """Seeded sums of min_terms to max_terms numbers of term_digits digits, each row with its working."""

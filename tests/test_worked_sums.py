@@ -97,5 +97,10 @@ def test_the_long_experiment_is_registered_and_resolves(tmp_path, tokenizer):
     assert checks[0].accepted == (load_rows(held_out)[0]["solution"],)
     with pytest.raises(ConfigError, match="min_terms must be at least 2 and at most max_terms"):
         parse_config(["experiment=async-ppo-math-long", "min_terms=9"])
-    with pytest.raises(ConfigError, match="gen.max_new_tokens=128 would cut it short"):
+    with pytest.raises(ConfigError, match="gen.max_new_tokens=128 would cut it short: set gen.max_new_tokens="):
         parse_config(["experiment=async-ppo-math-long", "max_terms=12"])
+    # docs/data.md's two-digit task: the message names the length to ask for, and that length is accepted
+    with pytest.raises(ConfigError, match=r"takes up to 153 tokens; gen.max_new_tokens=128 would cut it short: set "
+                                          r"gen.max_new_tokens=153 or more"):
+        parse_config(["experiment=async-ppo-math-long", "term_digits=2"])
+    assert parse_config(["experiment=async-ppo-math-long", "term_digits=2", "gen.max_new_tokens=160"]).term_digits == 2
