@@ -192,7 +192,8 @@ def prepare(config) -> None:
 def check_plugins(config) -> None:
     """The run's agents built once and its environments' arguments bound to their constructors, here: a name,
     an argument or a value they refuse stops the run with their message, not a rollout worker restarted until it
-    gives up, the reason in its log. Environments are not built here: some load a model (reward-model)."""
+    gives up, the reason in its log. Environments are not built here: some load a model (reward-model); their
+    `check_args` refuses what they could never run with."""
     import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments, as the roles do)
     import rlsys.impl.env  # noqa: F401
     from rlsys.api import ENVIRONMENTS, make_agent
@@ -205,9 +206,13 @@ def check_plugins(config) -> None:
             raise StartupError(f"agent {abstraction.name!r} cannot be built: {first_line(e)}") from None
     for abstraction in run_environments(config):
         try:
-            ENVIRONMENTS.check(abstraction.name, abstraction.args)
+            cls = ENVIRONMENTS.check(abstraction.name, abstraction.args)
         except (KeyError, TypeError) as e:
             raise StartupError(first_line(e)) from None
+        try:
+            getattr(cls, "check_args", lambda **_: None)(**abstraction.args)
+        except ValueError as e:
+            raise StartupError(f"environment {abstraction.name!r}: {first_line(e)}") from None
 
 
 def check_same_dataset(config, trainer_state: dict) -> None:

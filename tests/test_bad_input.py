@@ -174,6 +174,18 @@ class MisspelledEnvArgs(AsyncPPOMATHConfig):
 register_experiment("misspelled-env-args", MisspelledEnvArgs)
 
 
+@dataclasses.dataclass
+class RewardModelArgs(AsyncPPOMATHConfig):  # docs/data.md's reward-model plugin
+    reward_model_path: str = ""
+
+    @property
+    def env(self):
+        return EnvServiceAbstraction("reward-model", args=dict(model_path=self.reward_model_path, timeout=60))
+
+
+register_experiment("bad-input-reward-model", RewardModelArgs)
+
+
 def test_an_agent_or_environment_that_refuses_its_arguments_stops_the_run_at_start(tmp_path):
     """Built once (agents) or bound to their constructors (environments) before any role starts: a run whose rollout
     worker could never build them stops with their message, not after the worker's restarts, its reason in a log."""
@@ -188,6 +200,13 @@ def test_an_agent_or_environment_that_refuses_its_arguments_stops_the_run_at_sta
         launch(run_config(tmp_path, "experiment=async-ppo-openai-agent", "agent_timeout=-1", *given))
     with pytest.raises(StartupError, match="environment 'math-code-single-step'.*cannot take args.*verify_timeout"):
         launch(run_config(tmp_path, "experiment=misspelled-env-args", *given))
+    # values the environment's check_args refuses, without loading its model: before, every episode failed on them
+    with pytest.raises(StartupError, match="environment 'reward-model': reward-model needs model_path"):
+        launch(run_config(tmp_path, "experiment=bad-input-reward-model", *given))
+    with pytest.raises(StartupError, match="model_path '/nonexistent/rm' does not exist"):
+        launch(run_config(tmp_path, "experiment=bad-input-reward-model", "reward_model_path=/nonexistent/rm", *given))
+    with pytest.raises(StartupError, match="is not an HF checkpoint directory"):
+        launch(run_config(tmp_path, "experiment=bad-input-reward-model", f"reward_model_path={tmp_path}", *given))
     assert left_behind(tmp_path, existing) == []
 
 

@@ -30,6 +30,12 @@ class EnvironmentService(abc.ABC):
         episode: otherwise the first episodes pay the start-up, and on a busy machine those seconds let them fall
         versions behind the episodes admitted after them."""
 
+    @classmethod
+    def check_args(cls, **args) -> None:
+        """Raise ValueError for arguments no instance could run with (a missing model path), without building one:
+        the launcher calls it before any role starts, where building would load what the environment loads. By
+        default nothing is checked beyond the constructor's signature."""
+
     async def fork(self) -> "EnvironmentService":
         """An independent copy in the same state, for rollouts that branch: one per chain, one per tree branch.
 

@@ -27,6 +27,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from rlsys.api import EnvironmentService, register_environment
@@ -169,9 +170,20 @@ def shared_scorer(path: str, batch_size: int = 16, max_length: int = 1024) -> Re
 class RewardModelEnv(EnvironmentService):
     """`reset` takes the row (its `prompt`), one `step` scores all answers of the group and ends."""
 
-    def __init__(self, model_path: str, timeout: float = 60.0, batch_size: int = 16, max_length: int = 1024):
+    @classmethod
+    def check_args(cls, model_path: str = "", **_) -> None:
         if not model_path:
             raise ValueError("reward-model needs model_path: an HF sequence-classification checkpoint directory")
+        path = Path(model_path).expanduser()
+        if path.exists() and not (path / "config.json").is_file():
+            raise ValueError(f"reward-model's model_path {model_path!r} is not an HF checkpoint directory (no "
+                             "config.json): give a directory written by save_pretrained")
+        if not path.exists() and (path.is_absolute() or model_path.startswith((".", "~")) or len(path.parts) > 2):
+            raise ValueError(f"reward-model's model_path {model_path!r} does not exist: give an HF "
+                             "sequence-classification checkpoint directory")  # `org/name` may be a hub id
+
+    def __init__(self, model_path: str, timeout: float = 60.0, batch_size: int = 16, max_length: int = 1024):
+        self.check_args(model_path)
         self.scorer = shared_scorer(model_path, batch_size, max_length)
         self.timeout = timeout
         self.prompt: str | None = None
