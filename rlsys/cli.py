@@ -286,7 +286,12 @@ def key_problems(raw: dict, fields: dict[str, FieldInfo], prefix: str, experimen
             example = next(p for p in fields if p.startswith(f"{path}."))
             yield (f"{path} is a group of settings ({type_name(info.type)}), not a value; "
                    f"set its keys instead, e.g. {example}=...")
+        elif path == "resume_from_checkpoint" and isinstance(value, bool):  # omegaconf: the path 'False'
+            yield f"invalid value for {path}: expected str, got {value} (YAML's boolean); {NO_RESUME}"
 
+
+# ROLL's `resume_from_checkpoint: False`, which omegaconf would make the path 'False'.
+NO_RESUME = "a fresh start is its default, empty: leave it out (or resume_from_checkpoint=); auto continues this trial"
 
 # ROLL's names for what rlsys names otherwise: refused with ours, not read as aliases, so that a setting has one name
 # in a config file, in --help, in config.yaml and in the logs.

@@ -165,6 +165,16 @@ def test_wrong_type_names_key_expected_type_and_value():
         parse_config(["ppo=5"])
 
 
+def test_a_boolean_resume_from_checkpoint_is_refused_not_read_as_the_path_false(tmp_path):
+    # ROLL's `resume_from_checkpoint: False` (no resume) was the path 'False', refused later as a missing model.path
+    (tmp_path / "roll.yaml").write_text("resume_from_checkpoint: False\n")
+    for argv in (["--config", str(tmp_path / "roll.yaml")], ["resume_from_checkpoint=false"]):
+        with pytest.raises(ConfigError, match=r"^invalid value for resume_from_checkpoint: expected str, got False "
+                                              r"\(YAML's boolean\); a fresh start is its default, empty: leave it out"):
+            parse_config(argv)
+    assert parse_config(["resume_from_checkpoint="]).resume_from_checkpoint == ""
+
+
 def test_argument_without_equals_says_the_expected_form():
     with pytest.raises(ConfigError, match=r"expected key=value, got 'ppo.lr'"):
         parse_config(["ppo.lr"])
