@@ -36,6 +36,7 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
         except ValueError as e:
             raise AssetError(str(e)) from None
     if config.resume_from_checkpoint:
+        check_resumable(config.resume_from_checkpoint)
         config.model.path = config.resume_from_checkpoint
     elif not config.model.path:
         directory = tiny_model_dir(config.model, config.seed, Path(data.path).parent, warm_start_key(config))
@@ -54,6 +55,20 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
     if not (Path(config.model.path) / "config.json").exists():
         raise AssetError(f"model.path {config.model.path!r} is not an HF checkpoint directory (no config.json); "
                          "give a directory written by save_pretrained, or leave model.path empty for the tiny model")
+
+
+def check_resumable(checkpoint: str) -> None:
+    """resume_from_checkpoint names a checkpoint a run saved, with its trainer state, or the run stops here naming
+    that key (not model.path, which it fills in)."""
+    from rlsys.checkpoint import TRAINER_STATE
+
+    what = "give a checkpoint a run saved (runs/<experiment>/<trial>/checkpoints/step_N), or auto"
+    if not Path(checkpoint).is_dir():
+        raise AssetError(f"resume_from_checkpoint {checkpoint!r} does not exist; {what}")
+    if not (Path(checkpoint) / TRAINER_STATE).is_file():
+        weights = (Path(checkpoint) / "config.json").is_file()  # an HF model: a fresh start from it is model.path's
+        raise AssetError(f"resume_from_checkpoint {checkpoint!r} is not an rlsys checkpoint (no {TRAINER_STATE}): "
+                         + what + (f"; to start from its weights instead, model.path={checkpoint}" if weights else ""))
 
 
 def tiny_model_dir(cfg, seed: int, dataset_dir: Path, warm_start: dict) -> Path:

@@ -221,6 +221,24 @@ def test_a_missing_model_path_stops_the_run(tmp_path):
     assert left_behind(tmp_path, existing) == []
 
 
+def test_a_resume_from_what_is_no_checkpoint_names_resume_from_checkpoint(tmp_path):
+    """Not model.path, which the resume fills in, and not a FileNotFoundError's traceback from an HF model's
+    directory, which has weights and no trainer state."""
+    existing = child_pids()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(GOOD_ROW + "\n")
+    given = [f"dataset.path={rows}", f"dataset.eval_path={rows}"]
+    with pytest.raises(StartupError, match=r"^resume_from_checkpoint '/nonexistent/step_3' does not exist; give a "
+                                           r"checkpoint a run saved \(runs/<experiment>/<trial>/checkpoints/step_N\)"):
+        launch(run_config(tmp_path, "resume_from_checkpoint=/nonexistent/step_3", *given))
+    model = save_random_tiny_model(tmp_path / "model")
+    with pytest.raises(StartupError, match=rf"^resume_from_checkpoint '{model}' is not an rlsys checkpoint \(no "
+                                           rf"trainer_state.json\): .*; to start from its weights instead, "
+                                           rf"model.path={model}$"):
+        launch(run_config(tmp_path, f"resume_from_checkpoint={model}", *given))
+    assert left_behind(tmp_path, existing) == []
+
+
 def test_a_malformed_dataset_stops_the_run_naming_line_and_field(tmp_path):
     existing = child_pids()
     train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
