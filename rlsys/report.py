@@ -236,10 +236,17 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print("usage: python3 -m rlsys.report RUN_DIR", file=sys.stderr)
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print("usage: python3 -m rlsys.report RUN_DIR (runs/<experiment>/<trial>)", file=sys.stderr)
         return 2
-    print(build_report(Path(argv[0])))
+    run_dir = Path(argv[0])
+    if not (run_dir / "config.yaml").is_file():  # every run writes it first: anything else is no run's directory
+        below = sorted(str(p.parent) for p in run_dir.glob("**/config.yaml"))[:5] if run_dir.is_dir() else []
+        why = "no config.yaml" if run_dir.is_dir() else "no such directory"
+        print(f"error: {run_dir} is not a run directory ({why}); a run's is runs/<experiment>/<trial>"
+              + (f", such as {', '.join(below)}" if below else ""), file=sys.stderr)
+        return 2
+    print(build_report(run_dir))
     return 0
 
 

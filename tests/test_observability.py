@@ -272,3 +272,18 @@ def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_a
     assert "<th>held-out mean reward before</th><td>-0.160</td>" in page
     assert "<th>held-out mean reward after</th><td>1.000</td>" in page
     assert "id='held-out-reward-curve'" in page and "accuracy" not in page.lower().replace("accuracy-curve", "")
+
+
+def test_the_report_command_refuses_what_is_no_run_directory_and_names_the_runs_below(tmp_path, capsys):
+    """`python3 -m rlsys.report runs` wrote an empty runs/summary.html and exited 0."""
+    from rlsys.report import main
+
+    run_dir = tmp_path / "runs" / "async-ppo-math" / "t1"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("experiment: async-ppo-math\n")
+    assert main([str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'runs'} is not a run directory (no config.yaml); "
+                                       f"a run's is runs/<experiment>/<trial>, such as {run_dir}\n")
+    assert main([str(tmp_path / "nowhere")]) == 2 and "(no such directory)" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "summary.html").exists()
+    assert main([str(run_dir)]) == 0 and (run_dir / "summary.html").is_file()
