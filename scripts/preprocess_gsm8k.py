@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {output} must end in .jsonl or .parquet", file=sys.stderr)
         return 2
     try:
-        rows = training_rows(load_rows(source, RowFormat(prompt_key="question")), source, args.instruction,
+        rows = training_rows(load_rows(source, RowFormat(prompt_key="question", settings="")), source, args.instruction,
                              args.agent_name)
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -114,6 +114,8 @@ GOOD_ROW = json.dumps({"prompt": "1+1=", "answer": "2"})
 @pytest.mark.parametrize("content, message", [
     (f"{GOOD_ROW}\n{{\"prompt\": \"2+2=\", \"answer\": \n", r":2: not valid JSON"),
     (f"{GOOD_ROW}\n{GOOD_ROW}\n{json.dumps({'prompt': '3+3='})}\n", r":3: field 'answer' missing"),
+    (f"{json.dumps({'question': '3+3=', 'answer': '6'})}\n",  # verl's column name: the message names the setting
+     r":1: field 'prompt' missing \(the row has \['answer', 'question'\]; dataset.prompt_key=FIELD reads another"),
     (f"{json.dumps({'prompt': 7, 'answer': '7'})}\n", r":1: field 'prompt' must be a string or a non-empty list of chat messages, got int"),
     (f"{GOOD_ROW}\n[1, 2]\n", r":2: expected a JSON object, got list"),
     ("", r"has no rows"),

@@ -33,6 +33,7 @@ class RowFormat:
     answer_key: str = "answer"
     system_prompt: str = ""  # added as the first message of rows that have no system message
     prompt_template: str = ""  # the user's text is put where "{prompt}" is; empty: the text as it is
+    settings: str = "dataset."  # where the config names the keys (dataset.prompt_key), for errors; "": no config
 
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -161,13 +162,14 @@ def _diagnose_json(path: Path) -> None:
             raise DatasetError(f"{where}: expected {shape}, got {type(value).__name__}")
 
 
-def _field(record: dict, key: str, where: str):
-    """`record[key]`, where a dotted key reaches into nested objects."""
+def _field(record: dict, key: str, where: str, setting: str):
+    """`record[key]`, where a dotted key reaches into nested objects; `setting` is the config key naming it, if any."""
     value = record
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value or value[part] is None:
             present = sorted(k for k, v in record.items() if v is not None)
-            raise DatasetError(f"{where}: field {key!r} missing (the row has {present})")
+            hint = f"; {setting}=FIELD reads another, dots reaching into nested ones" if setting else ""
+            raise DatasetError(f"{where}: field {key!r} missing (the row has {present}{hint})")
         value = value[part]
     return value
 
@@ -175,8 +177,9 @@ def _field(record: dict, key: str, where: str):
 def _row(record, where: str, row_format: RowFormat, agent_names: list[str] | None) -> dict:
     if not isinstance(record, dict):
         raise DatasetError(f"{where}: expected an object, got {type(record).__name__}")
-    prompt = _field(record, row_format.prompt_key, where)
-    answer = _field(record, row_format.answer_key, where)
+    settings = row_format.settings
+    prompt = _field(record, row_format.prompt_key, where, settings and f"{settings}prompt_key")
+    answer = _field(record, row_format.answer_key, where, settings and f"{settings}answer_key")
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)
     if not isinstance(answer, str):
