@@ -218,7 +218,12 @@ def parse_override(arg: str):
         return OmegaConf.from_dotlist([arg])
     except (yaml.YAMLError, OmegaConfBaseException, ValueError) as e:
         reason = getattr(e, "problem", None) or first_line(e)  # YAML's first line is only its context
-        raise ConfigError(f"cannot parse {arg!r}: {reason}") from None
+        raise ConfigError(f"cannot parse {arg!r}: {reason} (the value is read as YAML; {quote_text(key)})") from None
+
+
+def quote_text(key: str) -> str:
+    """Text with `: `, `{`, `[` or `#` reads as YAML's mapping, list or comment; in quotes it is text."""
+    return f"text holding ': ', '{{', '[' or '#' goes in quotes inside the argument: '{key}=\"...\"'"
 
 
 def pop_experiment_name(raw: dict, default: str) -> str:
@@ -368,7 +373,8 @@ def value_error_message(e: OmegaConfBaseException, raw: dict, fields: dict[str, 
     info = fields.get(field_path)
     given = value_at(raw, field_path.split("."), default=getattr(e, "value", None))
     expected = type_name(info.type) if info else "a different type"
-    return f"invalid value for {key}: expected {expected}, got {given!r}"
+    quote = f" ({quote_text(key)})" if info and info.type is str and isinstance(given, (dict, list)) else ""
+    return f"invalid value for {key}: expected {expected}, got {given!r}{quote}"
 
 
 def value_at(raw: dict, keys: list[str], default):

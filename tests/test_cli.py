@@ -182,6 +182,17 @@ def test_argument_without_equals_says_the_expected_form():
         parse_config(["--lr", "3"])
 
 
+def test_text_that_yaml_reads_as_something_else_names_the_quotes_that_keep_it_text():
+    # docs/data.md's prompt template without its inner quotes, and a system prompt with a colon
+    with pytest.raises(ConfigError, match=r"cannot parse 'dataset.prompt_template=\{prompt\} Answer after ####.': .*"
+                                          r"goes in quotes inside the argument: 'dataset.prompt_template=\"...\"'\)$"):
+        parse_config(["dataset.prompt_template={prompt} Answer after ####."])
+    with pytest.raises(ConfigError, match=r"^invalid value for dataset.system_prompt: expected str, got "
+                                          r"\{'Say': True\} \(.*'dataset.system_prompt=\"...\"'\)$"):
+        parse_config(["dataset.system_prompt=Say: yes"])
+    assert parse_config(['dataset.system_prompt="Say: yes"']).dataset.system_prompt == "Say: yes"
+
+
 def test_unparseable_value_is_a_config_error():
     with pytest.raises(ConfigError, match=r"cannot parse 'plugins=\[a,'"):
         parse_config(["plugins=[a,"])
