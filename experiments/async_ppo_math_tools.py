@@ -38,6 +38,13 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
     sandbox: SandboxLimits = field(default_factory=SandboxLimits)
     gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=256))
 
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        """The python tool's own settings, which a run without it never reads."""
+        python = ("python" in self.tools, f"without the python tool (tools={list(self.tools)})",
+                  "add python to tools")
+        sandbox = [f"sandbox.{f.name}" for f in dataclasses.fields(SandboxLimits)]
+        return {**super().inactive_settings(), **{name: python for name in ["python_persistent", *sandbox]}}
+
     def __post_init__(self):
         super().__post_init__()
         check_at_least("", self, max_turns=1, max_total_tokens=1, tool_output_chars=1, max_calls_per_turn=1)

@@ -57,6 +57,10 @@ GROUP_REFUSED = [  # (overrides, what the message must say)
     (["experiment=async-ppo-sokoban", "rollout.tree_branching=3"],
      "rollout.tree_branching=3 does nothing with rollout.mode=chain"),
     (["experiment=async-ppo-frozen-lake", "rollout.tree_depth=2"], "rollout.tree_depth=2 does nothing with rollout.mode=chain"),
+    (["experiment=async-ppo-math-tools", "tools=[calculator]", "sandbox.memory_mb=64"],
+     "sandbox.memory_mb=64 does nothing without the python tool (tools=['calculator']); add python to tools"),
+    (["experiment=async-ppo-math-tools", "tools=[calculator]", "python_persistent=false"],
+     "python_persistent=False does nothing without the python tool"),
 ]
 
 
@@ -80,6 +84,8 @@ def test_a_setting_the_rest_of_its_group_makes_do_nothing_is_refused(overrides, 
     ["inference.engine=transformers", "inference.enforce_eager=false", "inference.gpu_memory_utilization=0.9"],
     ["inference.engine=transformers", "inference.gpu_memory_utilization=0.9"],  # unset: graphs on a GPU
     ["experiment=async-ppo-sokoban", "rollout.mode=tree", "rollout.tree_branching=3", "rollout.tree_depth=2"],
+    ["experiment=async-ppo-math-tools", "sandbox.memory_mb=64", "python_persistent=false",
+     "sandbox.allow_unconfined=true"],
 ])
 def test_those_settings_are_taken_where_they_act(overrides):
     parse_config(overrides)
