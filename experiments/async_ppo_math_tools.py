@@ -12,7 +12,7 @@ from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.common import GenerationHyperparameters, check_at_least
 from rlsys.api.experiment import register_experiment
 from rlsys.api import TOOLS, AgentAbstraction, EnvServiceAbstraction
-from rlsys.tools.confinement import preflight
+from rlsys.tools.confinement import SandboxUnavailable, preflight
 from rlsys.tools.sandbox import SandboxLimits
 
 
@@ -56,7 +56,10 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
             except KeyError as e:
                 raise ValueError(f"tools: {e.args[0]}") from None
         if "python" in self.tools:  # the run stops here, saying why, if model code could not be confined
-            preflight(self.sandbox.allow_unconfined)
+            try:
+                preflight(self.sandbox.allow_unconfined)
+            except SandboxUnavailable as e:  # a ValueError is what the command line reports as `error: ...`
+                raise ValueError(str(e)) from None
 
     @property
     def agent(self) -> AgentAbstraction:

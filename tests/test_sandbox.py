@@ -191,6 +191,28 @@ def test_without_bubblewrap_the_run_stops_at_start_unless_unconfined_is_allowed(
         machine_confinement.cache_clear()
 
 
+def test_the_tools_experiment_without_a_sandbox_is_a_config_error_not_a_traceback(monkeypatch, tmp_path):
+    """The command line prints a ConfigError as `error: ...` (exit 2); SandboxUnavailable went through it as a
+    traceback. So did RLSYS_SANDBOX_UID that is no number, as int()'s own message."""
+    from rlsys.cli import ConfigError, parse_config
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    machine_confinement.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="bubblewrap is not installed.*sandbox.allow_unconfined=true"):
+            parse_config(["experiment=async-ppo-math-tools"])
+        assert parse_config(["experiment=async-ppo-math-tools", "sandbox.allow_unconfined=true"]).tools == [
+            "calculator", "python"]
+        if os.geteuid() == 0:  # the uid outside is chosen only for root
+            monkeypatch.undo()
+            monkeypatch.setenv("RLSYS_SANDBOX_UID", "nobody")
+            machine_confinement.cache_clear()
+            with pytest.raises(ConfigError, match="RLSYS_SANDBOX_UID='nobody' is not a uid: give a number"):
+                parse_config(["experiment=async-ppo-math-tools"])
+    finally:
+        machine_confinement.cache_clear()
+
+
 def test_every_tool_result_carries_the_isolation_in_force():
     async def call():
         tool = PythonTool(limits={"wall_seconds": 5})

@@ -116,7 +116,12 @@ def outside_uid() -> int | None:
     sandbox runs as the caller's own uid)."""
     if os.geteuid() != 0:
         return None
-    uid = int(os.environ.get("RLSYS_SANDBOX_UID", UNPRIVILEGED_UID))
+    given = os.environ.get("RLSYS_SANDBOX_UID", str(UNPRIVILEGED_UID))
+    try:
+        uid = int(given)
+    except ValueError:
+        raise ValueError(f"RLSYS_SANDBOX_UID={given!r} is not a uid: give a number, an unprivileged uid that owns no "
+                         f"files, or unset it ({UNPRIVILEGED_UID}, nobody)") from None
     if not 0 < uid < 2**32 - 1:
         raise ValueError(f"RLSYS_SANDBOX_UID={uid}: the sandbox's uid outside must not be root's (0) nor -1")
     return uid
