@@ -661,6 +661,10 @@ class PPOMATHConfig(BaseExperimentConfig):
         if self.group_size < 2 and comparing:
             raise ValueError(f"group_size must be at least 2 with {' and '.join(comparing)} (a prompt's samples are "
                              f"compared with each other; one alone gets advantage 0), got {self.group_size}")
+        if self.gen.temperature == 0 and comparing:
+            raise ValueError(f"gen.temperature=0 samples every response of a group alike (greedy), so with "
+                             f"{' and '.join(comparing)} each group has one reward and advantage 0 and nothing trains "
+                             "(held-out evaluation is greedy already): give a temperature above 0")
         if self.ppo.sequence_packing == "true" and self.learner.attn_implementation in ("sdpa", "eager"):
             raise ValueError(f"learner.attn_implementation={self.learner.attn_implementation} would attend across the "
                              "sequences of a packed row; use auto or flash_attention_2, or ppo.sequence_packing=false")
