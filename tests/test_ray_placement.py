@@ -90,8 +90,8 @@ from rlsys.cli import parse_config
 from rlsys.placement import open_placement
 
 with raise_on_sigterm(), open_placement(parse_config(["cluster.backend=ray"]), None):
-    print("placed", flush=True)
-    try:
+    try:  # before the print: the test's SIGTERM follows it at once
+        print("placed", flush=True)
         time.sleep(600)
     finally:
         time.sleep(5)  # the launcher's stop: every role told to stop, given time to save its checkpoint
