@@ -335,7 +335,8 @@ def unknown_key_messages(path: str, value, fields: dict[str, FieldInfo], experim
     elif hints:
         yield f"unknown key {path!r}; did you mean {' or '.join(repr(h) for h in hints)}?"
     else:
-        yield f"unknown key {path!r}; --help lists every key"
+        yield (f"unknown key {path!r}; --help lists every key (a key of an experiment of your own is known once "
+               "its file is loaded and it is chosen: plugins=[my_plugin.py] experiment=NAME)")
 
 
 def experiments_with_key(path: str, besides: type | None) -> list[str]:

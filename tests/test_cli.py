@@ -144,6 +144,13 @@ def test_every_unknown_key_is_reported():
     assert "'seeed'" in str(err.value) and "'ppo.lrr'" in str(err.value)
 
 
+def test_a_key_no_experiment_has_names_how_a_plugins_experiment_is_loaded():
+    # the seed's `my_param=5.0` run before its plugin file was given: no experiment registered has the key
+    with pytest.raises(ConfigError, match=r"^unknown key 'zz_param'; --help lists every key \(a key of an experiment "
+                                          r"of your own .* plugins=\[my_plugin.py\] experiment=NAME\)$"):
+        parse_config(["zz_param=5.0"])
+
+
 def test_subclass_field_is_unknown_to_the_base_experiment_which_names_the_experiment_that_has_it():
     # the seed's `my_param=5.0` without experiment=: the key is right, the experiment is not, and the fix is named
     with pytest.raises(ConfigError, match=r"unknown key 'my_param' for experiment async-ppo-math; it is a key of "
