@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlsys.api import EnvironmentService, register_environment
+from rlsys.impl.env.thread_results import settle_from_thread
 
 log = logging.getLogger(__name__)
 CLOSE_WAIT_SECONDS = 15.0  # for the batch in progress; within the grace the launcher gives a stopping role
@@ -150,15 +151,7 @@ class RewardModelScorer:
 def _answer(item: tuple, score: Score) -> None:
     """Resolves a request's future on the loop that asked."""
     _, _, future, loop = item
-    try:
-        loop.call_soon_threadsafe(_resolve, future, score)
-    except RuntimeError:  # the asking loop has closed: nobody waits for this score
-        pass
-
-
-def _resolve(future: asyncio.Future, score: Score) -> None:
-    if not future.done():  # its caller may have timed out meanwhile
-        future.set_result(score)
+    settle_from_thread(loop, future, score)
 
 
 @lru_cache(maxsize=4)

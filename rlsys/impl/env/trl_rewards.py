@@ -23,6 +23,7 @@ from typing import Any
 
 from rlsys.api import EnvironmentService, register_environment
 from rlsys.data.dataset import GIVEN_PROMPT
+from rlsys.impl.env.thread_results import settle_from_thread
 from rlsys.plugins import load_function
 
 NOT_COLUMNS = ("prompt", "completion", "completions", "prompts", GIVEN_PROMPT)  # passed by name already
@@ -84,21 +85,12 @@ async def in_own_thread(function, *args):
 
     def run():
         try:
-            outcome = (future.set_result, function(*args))
+            settle_from_thread(loop, future, function(*args))
         except BaseException as e:  # noqa: BLE001 (raised in the caller)
-            outcome = (future.set_exception, e)
-        try:
-            loop.call_soon_threadsafe(_settle, future, *outcome)
-        except RuntimeError:  # the loop has closed: nobody waits for it
-            pass
+            settle_from_thread(loop, future, error=e)
 
     threading.Thread(target=run, name="trl-reward", daemon=True).start()
     return await future
-
-
-def _settle(future: asyncio.Future, setter, value) -> None:
-    if not future.done():  # the caller may have stopped waiting (env_timeout)
-        setter(value)
 
 
 register_environment("trl-reward-funcs", TRLRewardFunctionsEnv)
