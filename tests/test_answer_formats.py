@@ -38,6 +38,9 @@ FORMATS = {  # format: (reference, right answers, wrong answers)
     "unit in LaTeX": ("12\\text{ square units}", ["12", "\\boxed{12}"], ["13"]),
     "currency": ("18.90 dollars", ["$18.90", "18.9"], ["19"]),
     "degrees": ("90^\\circ", ["\\boxed{90^\\circ}", "90"], ["45"]),
+    "math word, not a unit": ("2 pi", ["\\boxed{2\\pi}", "$2\\pi$"], ["\\boxed{2}", "2"]),
+    "function without backslash": ("3 sin x", ["\\boxed{3\\sin x}"], ["\\boxed{3}"]),
+    "seconds": ("5 sec", ["\\boxed{5}"], ["\\boxed{6}"]),
 }
 
 

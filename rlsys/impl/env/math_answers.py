@@ -34,8 +34,12 @@ def check_answer(answer: str, reference: str) -> Verdict:
 
 
 GSM8K_FINAL = re.compile(r"####(?!.*####)\s*(.*?)\s*$", re.DOTALL)  # the last ####
+# Names a bare reference may spell without their backslash ("2 pi", "3 sin x"): math, not a unit ("sec" is seconds).
+MATH_WORDS = r"(?:pi|infty|infinity|sqrt|sin|cos|tan|cot|csc|arcsin|arccos|arctan|log|ln|exp)(?![A-Za-z])"
 NUMBER_WITH_UNIT = re.compile(  # "1,000 dollars", "5 cm", "3.5\\mbox{ inches}": the unit is dropped ("2x" is kept)
-    r"(-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+))(?:\s*\\(?:text|mbox|mathrm)\{[^{}]*\}|\s+[A-Za-z]{2,}[A-Za-z .]*)")
+    r"(-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+))"
+    rf"(?:\s*\\(?:text|mbox|mathrm)\{{[^{{}}]*\}}|\s+(?!{MATH_WORDS})[A-Za-z]{{2,}}[A-Za-z .]*)")
+BARE_MATH_WORD = re.compile(rf"(?<![\\A-Za-z]){MATH_WORDS}")
 THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
@@ -57,10 +61,12 @@ def reference_answer(reference: str) -> str:
 
 def parse_reference(reference: str) -> list:
     """math-verify's reading of a reference. MATH stores bare LaTeX (`\\frac{1}{2}`, `(3, -1)`, `[2, 5)`), which
-    math-verify only reads as a whole inside `$...$`: bare, it finds no expression or only the last number."""
+    math-verify only reads as a whole inside `$...$`: bare, it finds no expression or only the last number. A name
+    written without its backslash ("2 pi") gets one: inside `$...$` math-verify reads "pi" as p*i."""
     if "$" in reference or "\\boxed" in reference:
         return parse(reference)
-    return parse(f"${reference}$") or parse(reference)
+    latex = BARE_MATH_WORD.sub(lambda word: "\\infty" if word[0] == "infinity" else "\\" + word[0], reference)
+    return parse(f"${latex}$") or parse(reference)
 
 
 CHOICE = re.compile(r"\(?([A-J])\)?\.?")
