@@ -12,11 +12,12 @@ from experiments import AsyncPPOMATHToolsConfig
 from experiments.common import GenerationHyperparameters, ModelConfig
 from rlsys.api import (NOT_GENERATED, AgentAbstraction, EnvironmentService, EnvServiceAbstraction, GenerationConfig,
                        GenerationOutput, Prompt, make_agent, make_env)
+from rlsys.impl.agent.multi_turn import SEED_STRIDE
 from rlsys.model.tokenizer import chat_prompt_ids
 from tests.scripted import ids, run_scripted_episode
 from tests.scripted_engine import ScriptedEngine
 
-SEED = 100  # chain c of an episode samples with seed SEED + c: how the scripted model tells chains apart
+SEED = 100  # chain c's turn t samples with seed SEED + c + SEED_STRIDE * t: how the scripted model tells chains apart
 LOGPROB = -0.25
 ROW = {"prompt": "What is 12*34+1?", "answer": "409"}
 CALCULATOR = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
@@ -30,7 +31,7 @@ def scripted(tokenizer, scripts: dict[int, list[str]], eos: bool = True):
     assistant = tokenizer.convert_tokens_to_ids("<|assistant|>")
 
     def policy(prompt_ids, gconfig, sample):
-        chain, turn = gconfig.seed - SEED, prompt_ids.count(assistant) - 1
+        chain, turn = (gconfig.seed - SEED) % SEED_STRIDE, prompt_ids.count(assistant) - 1
         return ids(tokenizer, scripts[chain][turn]) + [tokenizer.eos_token_id] * eos
 
     return policy
@@ -96,11 +97,12 @@ def test_calculator_then_python_then_answer(tokenizer, tokenizer_dir):
 
     # token in, token out: each request was exactly the chain's tokens up to the start of one of its turns
     assert len(engine.requests) == 5
+    assert len({gconfig.seed for _, gconfig in engine.requests}) == 5  # each turn of each chain: its own stream
     requested = {0: [], 1: []}
     for request_ids, gconfig in engine.requests:
-        chain = {0: right, 1: wrong}[gconfig.seed - SEED]
+        chain = {0: right, 1: wrong}[(gconfig.seed - SEED) % SEED_STRIDE]
         assert gconfig.n == 1 and request_ids == chain.token_ids[:len(request_ids)]
-        requested[gconfig.seed - SEED].append(len(request_ids))
+        requested[(gconfig.seed - SEED) % SEED_STRIDE].append(len(request_ids))
     for chain, trajectory in ((0, right), (1, wrong)):
         mask = trajectory.loss_mask
         assert sorted(requested[chain]) == [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]

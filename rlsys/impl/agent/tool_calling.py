@@ -20,7 +20,7 @@ from collections import Counter
 from rlsys.api import Agent, EnvironmentService, GenerationConfig, Prompt, Trajectory, register_agent
 from rlsys.api.trajectory import Transcript
 from rlsys.impl.agent.model_client import ModelClient
-from rlsys.impl.agent.multi_turn import context_limit, gather_or_cancel
+from rlsys.impl.agent.multi_turn import SEED_STRIDE, context_limit, gather_or_cancel
 from rlsys.model.tokenizer import continuation_ids, load_tokenizer
 
 OBSERVATION_ROLE = "user"
@@ -78,7 +78,7 @@ class ToolCallingAgent(Agent):
         stop_reason = "max_turns"
         for turn in range(self.max_turns):
             output = await model.generate(f"{prompt.qid}:{chain}:{turn}", transcript.token_ids,
-                                          self.turn_config(chain, len(transcript.token_ids)))
+                                          self.turn_config(chain, turn, len(transcript.token_ids)))
             transcript.add_generated(output)
             turn_ends.append(len(transcript.token_ids))
             text = self.tokenizer.decode(output.output_ids[0], skip_special_tokens=True)
@@ -102,9 +102,10 @@ class ToolCallingAgent(Agent):
                           turn_rewards=turn_rewards, reward=sum(turn_rewards), group_id=prompt.qid,
                           stop_reason=stop_reason, metrics=metrics, void=counts["void_turns"] > 0)
 
-    def turn_config(self, chain: int, used_tokens: int) -> GenerationConfig:
-        """One sample; no longer than the budget allows; a seed of its own per chain (if seeded at all)."""
-        seed = None if self.gconfig.seed is None else self.gconfig.seed + chain
+    def turn_config(self, chain: int, turn: int, used_tokens: int) -> GenerationConfig:
+        """One sample; no longer than the budget allows; if seeded at all, a seed of its own per chain and turn (one
+        per chain drew every turn from the same random stream)."""
+        seed = None if self.gconfig.seed is None else self.gconfig.seed + chain + SEED_STRIDE * turn
         return dataclasses.replace(self.gconfig, n=1, seed=seed,
                                    max_new_tokens=min(self.gconfig.max_new_tokens, self.max_total_tokens - used_tokens))
 
