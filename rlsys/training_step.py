@@ -299,11 +299,12 @@ class PolicyTrainer:
         If the loss is the policy term alone (no KL, entropy or value term), a sequence whose every trained token
         has advantage 0 adds 0 to the loss and to every gradient, whatever its ratios, as each sample of a GRPO
         group that got one reward does: it need not be computed (ppo.skip_zero_advantage). Otherwise every
-        sequence can."""
+        sequence with a trained token can: one with none (a void one, under ppo.mask_void_trajectories) has 0 weight
+        in every term."""
         f = batch.fields
         trained = f["loss_mask"] > 0
         policy_term_alone = self.ppo.loss_is_the_policy_term_alone and self.ppo.skip_zero_advantage != "false"
-        live = trained & (f["advantages"] != 0) if policy_term_alone else torch.ones_like(trained)
+        live = trained & (f["advantages"] != 0) if policy_term_alone else trained
         counts = torch.zeros(2, len(batch) + 1, device=trained.device).index_add_(
             1, batch.sequence_index, torch.stack([trained, live]).float())
         return counts[:, :-1].T.cpu().numpy()

@@ -711,7 +711,7 @@ def test_void_trajectories_count_in_the_baseline_but_not_in_the_loss(tmp_path):
     import dataclasses
 
     config = learner_config(tmp_path)
-    config.ppo.mask_void_trajectories = True
+    config.ppo.mask_void_trajectories, config.ppo.init_kl_coef = True, 0.1
     learner = Learner(config, InProcessBus(), tmp_path / "run")
     good, bad = trajectory(learner.model, GOOD, 1.0), trajectory(learner.model, BAD, 0.0)
     batch = [good, bad, dataclasses.replace(bad, void=True), dataclasses.replace(bad, void=True)]
@@ -721,8 +721,11 @@ def test_void_trajectories_count_in_the_baseline_but_not_in_the_loss(tmp_path):
     mean, std = 0.25, (0.25 * 0.75) ** 0.5
     assert prepared.sequences("advantages")[0].max().item() == pytest.approx((1 - mean) / std, rel=1e-4)
     assert prepared.sequences("advantages")[1].min().item() == pytest.approx(-mean / std, rel=1e-4)
+    # With a KL term every trained sequence is computed; the void ones add 0 to every term, so no pass computes them.
+    assert learner.sequences_to_compute(prepared) == [0, 1]
     stats = learner.train_step(batch)
     assert stats["void_fraction"] == 0.5 and stats["response_length"] == 3
+    assert stats["sequences/skipped_zero_advantage"] == 2
 
     all_void = [dataclasses.replace(t, void=True) for t in (good, bad)]
     before = [p.clone() for p in learner.model.parameters()]
