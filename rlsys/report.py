@@ -24,6 +24,10 @@ REPORT_FILE = "summary.html"
 TRACES_SHOWN = 4
 FRAMES_SHOWN = 4
 TIME_KEYS = ("time/wait_data", "time/compute", "time/publish")
+# The two logprob comparisons' figures (rlsys/alarms.py; the report reads the file, not torch): tokens sampled by the
+# learner's own version, which an asynchronous run has at its first steps only, and the probe, which an inference
+# worker scores after loading each version.
+LOGPROB_ALARMS = {"alarms/logprob": "sampled tokens", "alarms/probe": "probe"}
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px;color:#222}
 h1{font-size:1.5em} h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em}
@@ -109,7 +113,7 @@ def _figures(learner: list[dict], rollout: list[dict]) -> list[tuple[str, str]]:
     if times:
         figures.append(("time-curve", _curve(times, title, "seconds")))
     alarms = {key.removeprefix("alarms/"): _series(learner, key)
-              for key in ("alarms/logprob_abs_diff_mean", "alarms/logprob_abs_diff_max", "alarms/logprob_kl")
+              for prefix in LOGPROB_ALARMS for key in (f"{prefix}_abs_diff_mean", f"{prefix}_abs_diff_max")
               if any(key in r for r in learner)}
     if alarms:
         figures.append(("logprob-curve", _curve(alarms, "Inference vs learner logprobs", "nats")))
@@ -133,11 +137,15 @@ def _alarm_rows(learner: list[dict], summary: dict) -> list[tuple[str, str]]:
         return f"{max(values):.4g}" if values else "n/a"
 
     breaks = [r["agent/prefix_breaks"] for r in learner if "agent/prefix_breaks" in r]
-    return [("logprob |diff| mean (worst step)", worst("alarms/logprob_abs_diff_mean")),
-            ("logprob |diff| max (worst step)", worst("alarms/logprob_abs_diff_max")),
-            ("logprob KL (worst step)", worst("alarms/logprob_kl")),
-            ("weight updates verified by checksum", summary.get("weight_checks", "n/a")),
-            ("token-prefix breaks per trajectory (worst step)", f"{max(breaks):g}" if breaks else "n/a (single-turn)")]
+    compared = sum(any(r.get(f"{prefix}_tokens") for prefix in LOGPROB_ALARMS) for r in learner)
+    rows = [("steps with a train/inference logprob comparison", f"{compared} of {len(learner)}")]
+    for prefix, what in LOGPROB_ALARMS.items():
+        rows += [(f"{what}: logprob |diff| mean (worst step)", worst(f"{prefix}_abs_diff_mean")),
+                 (f"{what}: logprob |diff| max (worst step)", worst(f"{prefix}_abs_diff_max")),
+                 (f"{what}: logprob KL (worst step)", worst(f"{prefix}_kl"))]
+    return rows + [("weight updates verified by checksum", summary.get("weight_checks", "n/a")),
+                   ("token-prefix breaks per trajectory (worst step)",
+                    f"{max(breaks):g}" if breaks else "n/a (single-turn)")]
 
 
 def _message_html(message: dict) -> str:

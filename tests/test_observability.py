@@ -287,3 +287,23 @@ def test_the_report_command_refuses_what_is_no_run_directory_and_names_the_runs_
     assert main([str(tmp_path / "nowhere")]) == 2 and "(no such directory)" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "summary.html").exists()
     assert main([str(run_dir)]) == 0 and (run_dir / "summary.html").is_file()
+
+
+def test_the_report_shows_the_probe_that_compares_logprobs_at_every_step(tmp_path):
+    """An asynchronous run compares the sampled tokens' logprobs at its first steps only; the probe, at every step.
+    The report showed the first alone, as if the run had been checked once."""
+    from rlsys.report import build_report
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rows = [{"step": 1, "alarms/logprob_tokens": 40.0, "alarms/logprob_abs_diff_mean": 0.001,
+             "alarms/logprob_abs_diff_max": 0.004, "alarms/logprob_kl": 1e-6, "alarms/probe_tokens": 0.0},
+            {"step": 2, "alarms/logprob_tokens": 0.0, "alarms/probe_tokens": 12.0, "alarms/probe_abs_diff_mean": 0.02,
+             "alarms/probe_abs_diff_max": 0.05, "alarms/probe_kl": 2e-4},
+            {"step": 3, "alarms/logprob_tokens": 0.0}]
+    (logs / "learner.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    page = build_report(tmp_path).read_text()
+    assert "<th>steps with a train/inference logprob comparison</th><td>2 of 3</td>" in page
+    assert "<th>probe: logprob |diff| max (worst step)</th><td>0.05</td>" in page
+    assert "<th>sampled tokens: logprob |diff| max (worst step)</th><td>0.004</td>" in page
+    assert "id='logprob-curve'" in page and "probe_abs_diff_mean" in page
