@@ -68,15 +68,18 @@ class ProgressReporter:
     """Prints a line every `logging_steps` learner steps, read from the learner's metrics file, and one for each
     held-out evaluation between the first and the last, read from `evaluations_file` (rollout worker 0's metrics,
     where its evaluations are written); and, while no line comes for `quiet_seconds` (vLLM starting, the first
-    evaluation, a slow step), one that says what the run is waiting for, so that a long step does not look hung."""
+    evaluation, a slow step), one that says what the run is waiting for, so that a long step does not look hung.
+    A run resumed from a checkpoint (`resumed`: its step and weight version) says nothing of the steps and evaluations
+    before it, which the files still hold: the launch that ran them said them."""
 
     def __init__(self, metrics_file: Path, every: int, max_steps: int, bus=None, ledger: PromptLedger | None = None,
-                 quiet_seconds: float = 20.0, evaluations_file: Path | None = None):
+                 quiet_seconds: float = 20.0, evaluations_file: Path | None = None, resumed: tuple[int, int] = (0, 0)):
         self.every, self.max_steps = max(every, 1), max_steps
         self.bus, self.ledger, self.quiet_seconds = bus, ledger, quiet_seconds
         self.steps = JsonlFollower(metrics_file)
         self.evaluations = JsonlFollower(evaluations_file) if evaluations_file is not None else None
-        self.step_seen = self.evaluation_seen = 0  # the last learner step and evaluated version read
+        # the last learner step and evaluated version read; resumed, the evaluation of the checkpoint's weights is new
+        self.step_seen, self.evaluation_seen = resumed[0], max(resumed[1] - 1, 0)
         self.started = time.monotonic()
         self.last_line = self.started
 

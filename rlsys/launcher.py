@@ -310,7 +310,8 @@ def launch(config) -> dict:
         ledger = PromptLedger.of(bus, config)
         report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps,
                                   config.max_steps, bus, ledger,
-                                  evaluations_file=Path(config.logging_dir) / "rollout0.jsonl")
+                                  evaluations_file=Path(config.logging_dir) / "rollout0.jsonl",
+                                  resumed=(trainer_state.get("step", 0), trainer_state.get("version", 0)))
         stall = StallWatch(config, ledger)
         restarted, started_from = False, trainer_state
         try:

@@ -189,3 +189,22 @@ def test_the_console_reads_only_what_was_appended_since_its_last_poll(tmp_path, 
         file.write(line[4] + line[5] + line[6])
     report()
     assert [s[:12] for s in capsys.readouterr().out.splitlines()] == ["step     6/6"]
+
+
+def test_a_resumed_run_says_only_what_comes_after_its_checkpoint(tmp_path, capsys):
+    """The metrics files of a run resumed in its own directory still hold the steps and evaluations of the launch
+    before: the console printed them all again (a line every logging_steps, from step 1) at the resumed launch's
+    first poll."""
+    from rlsys.console import ProgressReporter
+
+    metrics, evaluations = tmp_path / "learner.jsonl", tmp_path / "rollout0.jsonl"
+    row = {"reward": 0.25, "staleness_mean": 1.0, "time/wait_data": 0.1, "time/compute": 2.0}
+    metrics.write_text("".join(json.dumps({**row, "step": step}) + "\n" for step in range(1, 13)))
+    evaluations.write_text("".join(json.dumps({"step": v, "eval/accuracy": 0.5, "eval/version": v, "eval/episodes": 9})
+                                   + "\n" for v in (0, 4, 8, 8)))  # the last: the checkpoint's weights, resumed
+    ProgressReporter(metrics, every=2, max_steps=20, quiet_seconds=3600, evaluations_file=evaluations,
+                     resumed=(8, 8))()
+    # at version 8: the launch before evaluated it too (its files cannot tell which launch wrote a line)
+    assert [line[:25] for line in capsys.readouterr().out.splitlines()] == [
+        "step    10/20  reward 0.2", "step    12/20  reward 0.2",
+        "step     8/20  held-out a", "step     8/20  held-out a"]
