@@ -9,7 +9,7 @@ import pytest
 
 from experiments import AsyncPPOMATHConfig
 from rlsys import protocol
-from rlsys.api import Agent, AgentAbstraction, Prompt, register_agent
+from rlsys.api import Agent, AgentAbstraction, Prompt, Trajectory, register_agent
 from rlsys.bus import InProcessBus
 from rlsys.errors import EpisodeFailed
 from rlsys.impl.env.math_verifier import close_shared_pool
@@ -236,3 +236,37 @@ def test_a_resumed_worker_skips_the_prompts_its_checkpoint_trained_filtered_or_f
     worker = RolloutWorker(config, InProcessBus(), 0)
     rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(4)]
     assert [p.qid for p in worker.prompts(rows, "train", shuffle=False)] == ["train-0-1", "train-0-3"]
+
+
+class AnswersRight(Agent):
+    """One successful trajectory per prompt, without asking the model."""
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        return [Trajectory([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.1], [-1, 0, 0], [3], [1.0], 1.0, prompt.qid, "stop",
+                           {"success": 1.0})]
+
+
+register_agent("answers-right", AnswersRight)
+
+
+@dataclasses.dataclass
+class AnswersRightExperiment(AsyncPPOMATHConfig):
+    @property
+    def agent(self):
+        return AgentAbstraction("answers-right", {})
+
+
+def test_with_several_rollout_workers_the_evaluation_runs_every_held_out_row(tmp_path):
+    """Worker 0 evaluates alone: on the whole held-out set, not on its share of it."""
+    config = AnswersRightExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    config.cluster.n_rollout_workers = 2
+    bus = InProcessBus()
+    worker = RolloutWorker(config, bus, 0)
+    worker.eval_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(5)]
+    try:
+        asyncio.run(worker.evaluate("initial"))
+    finally:
+        close_shared_pool()
+    assert bus.get(protocol.eval_result("initial"))["episodes"] == 5

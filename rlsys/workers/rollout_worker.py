@@ -59,7 +59,7 @@ class RolloutWorker:
                          if config.resume_from_checkpoint else set())
 
     def prompts(self, rows: list[dict], tag: str, shuffle: bool):
-        """Endless (training) or one-pass (evaluation) stream of this worker's share of a dataset."""
+        """Endless (shuffle=True) or one-pass stream of this worker's share of a dataset's rows."""
         return prompt_stream(rows, self.tokenizer, tag, seed=self.config.seed, shuffle=shuffle, shard=self.index,
                              num_shards=self.config.cluster.n_rollout_workers, skip=frozenset(self.consumed))
 
@@ -310,7 +310,8 @@ class RolloutWorker:
         `held_out_score`, for most an episode's success) where every episode has a score, logged and stored on the
         bus. A mixed run's environment types each get their own accuracy by the same rule."""
         version = await self.current_version()
-        prompts = list(self.prompts(self.eval_rows, "eval", shuffle=False))
+        # worker 0 evaluates alone, so on every held-out row: its share of them would shrink with n_rollout_workers
+        prompts = list(prompt_stream(self.eval_rows, self.tokenizer, "eval", seed=self.config.seed, shuffle=False))
         results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p, tag)
                                          for p in prompts), return_exceptions=True)
         for result in results:
