@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from rlsys.data.dataset import load_rows
+from rlsys.data.prompts import no_share
 from rlsys.placement.cpu_threads import warm_start_threads
 from rlsys.workers.env_per_row import check_env_names
 
@@ -30,6 +31,8 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
     agent_names = list(config.agents)
     train_rows = load_rows(data.path, data.row_format(), agent_names)
     eval_rows = load_rows(data.eval_path, data.row_format(), agent_names)
+    if len(train_rows) < config.cluster.n_rollout_workers:  # refused here, not by rollout workers that die at start
+        raise AssetError(f"dataset {data.path}: {no_share(len(train_rows), config.cluster.n_rollout_workers)}")
     for rows, path in ((train_rows, data.path), (eval_rows, data.eval_path)):
         try:
             check_env_names(rows, config, path)

@@ -10,7 +10,9 @@ import pytest
 from experiments import AsyncPPOMATHConfig
 from rlsys import protocol
 from rlsys.api import Agent, AgentAbstraction, Prompt, Trajectory, register_agent
+from rlsys.assets import AssetError, prepare_assets
 from rlsys.bus import InProcessBus
+from rlsys.data.prompts import prompt_stream
 from rlsys.errors import EpisodeFailed
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.workers.rollout_worker import RolloutWorker, next_evaluation
@@ -270,3 +272,22 @@ def test_with_several_rollout_workers_the_evaluation_runs_every_held_out_row(tmp
     finally:
         close_shared_pool()
     assert bus.get(protocol.eval_result("initial"))["episodes"] == 5
+
+
+@pytest.mark.timeout(60)  # before the fix, the stream looked for a row forever
+def test_a_rollout_worker_whose_share_of_the_training_rows_is_empty_is_told_so_instead_of_hanging(tokenizer):
+    rows = [{"prompt": "1+0=", "answer": "1"}]
+    stream = prompt_stream(rows, tokenizer, "train", seed=0, shuffle=True, shard=1, num_shards=2)
+    with pytest.raises(ValueError, match="1 training rows leave some of the 2 rollout workers none to run"):
+        next(stream)
+    assert next(prompt_stream(rows, tokenizer, "train", seed=0, shuffle=True, shard=0, num_shards=2)).qid == "train-0-0"
+
+
+def test_a_run_with_fewer_training_rows_than_rollout_workers_stops_at_start(tmp_path):
+    config = AsyncPPOMATHConfig()
+    config.dataset.path = write_rows(tmp_path / "train.jsonl", [1])
+    config.dataset.eval_path = write_rows(tmp_path / "eval.jsonl", [2])
+    config.model.path = str(tmp_path / "no-model")
+    config.cluster.n_rollout_workers = 2
+    with pytest.raises(AssetError, match="train.jsonl: 1 training rows leave some of the 2 rollout workers none"):
+        prepare_assets(config)

@@ -21,6 +21,8 @@ def prompt_stream(rows: list[dict], tokenizer, tag: str, *, seed: int, shuffle: 
     Prompt ids are `{tag}-{epoch}-{row}`, the same in every process and run, so `skip` (the ids a
     resumed run already trained) keeps a prompt from being trained twice.
     """
+    if shuffle and shard >= len(rows):  # an endless stream of no rows would look for its next prompt forever
+        raise ValueError(no_share(len(rows), num_shards))
     for epoch in itertools.count() if shuffle else [0]:
         order = list(range(len(rows)))
         if shuffle:
@@ -29,6 +31,11 @@ def prompt_stream(rows: list[dict], tokenizer, tag: str, *, seed: int, shuffle: 
             qid = f"{tag}-{epoch}-{i}"
             if qid not in skip:
                 yield Prompt(qid=qid, token_ids=row_prompt_ids(tokenizer, rows[i]), data=rows[i])
+
+
+def no_share(n_rows: int, n_rollout_workers: int) -> str:
+    return (f"{n_rows} training rows leave some of the {n_rollout_workers} rollout workers none to run: give each at "
+            "least one (fewer cluster.n_rollout_workers, or more rows)")
 
 
 def row_prompt_ids(tokenizer, row: dict) -> list[int]:
