@@ -123,3 +123,14 @@ def test_a_sigterm_to_a_launcher_on_ray_runs_its_whole_stop_and_leaves_no_ray_pr
         launcher.wait()
     _, alive = psutil.wait_procs(ray_processes, timeout=30)
     assert [p.cmdline() for p in alive] == []
+
+
+def test_the_private_redis_of_a_run_on_a_ray_of_its_own_listens_on_loopback_only():
+    """Every role of a Ray this run started is on this machine: its bus need not be reachable from the network."""
+    from rlsys.placement.ray_actors import RayPlacement
+
+    placement = RayPlacement(parse_config(["cluster.backend=ray"]), lambda role, index, *args: 0)
+    try:
+        assert placement.bus_host == "127.0.0.1"
+    finally:
+        placement.close()

@@ -160,7 +160,8 @@ class RayPlacement(Placement):
                 ray.init(address=cluster.ray_address, log_to_driver=True)
             else:  # a Ray for this run only, with a logical CPU per role even on a small machine
                 ray.init(num_cpus=max(os.cpu_count() or 1, CPUS_PER_ROLE * len(bundles)), include_dashboard=False)
-        self.bus_host = ray.util.get_node_ip_address()
+        # other nodes reach a private Redis on this node's address; a Ray of this run's own has only this machine
+        self.bus_host = ray.util.get_node_ip_address() if cluster.ray_address else "127.0.0.1"
         self.group = placement_group(bundles, strategy=cluster.ray_placement_strategy, name="")
         if not self.group.wait(PLACEMENT_TIMEOUT):
             available = ray.available_resources()
