@@ -1,10 +1,13 @@
 """Pictures of a traced episode (text games): each turn's board as the model saw it, its move and reward,
 side by side in a PNG strip and one after another in a GIF, so a person can watch what the agent did."""
 
+import io
 import re
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
+
+from rlsys.run_privacy import write_private
 
 PAD, LINE = 8, 14
 INK, PAPER, MOVE = (20, 20, 20), (250, 250, 245), (30, 90, 200)
@@ -54,15 +57,21 @@ def render_episode(record: dict, directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     name = slug(f"{record['tag']}-{record['episode_id']}")
     png, gif = directory / f"{name}.png", directory / f"{name}.gif"
-    strip.save(png)
+    write_private(png, encoded(strip, "PNG"))  # a frame's name is foreseeable: never written through a link
     width = max(i.width for i in images)
     frames = []
     for image in images:
         frame = Image.new("RGB", (width, height), PAPER)
         frame.paste(image, (0, 0))
         frames.append(frame)
-    frames[0].save(gif, save_all=True, append_images=frames[1:], duration=800, loop=0)
+    write_private(gif, encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=800, loop=0))
     return [png, gif]
+
+
+def encoded(image: Image.Image, image_format: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, image_format, **options)
+    return buffer.getvalue()
 
 
 def slug(text: str) -> str:

@@ -6,8 +6,8 @@ processes and redis-server run under umask 077; what was made before, by an olde
 the run starts again). The Redis password in `cluster.redis_url` is replaced by REDACTED in the saved
 config.yaml; a rerun from that file passes the URL again (`cluster.redis_url=...`).
 
-What rlsys writes by name in a run directory (config.yaml, summary.json, logs, traces, the report, the
-private Redis's config and log) is never written through a symbolic link: someone may have planted one
+What rlsys writes by name in a run directory (config.yaml, summary.json, logs, traces, the report, frames,
+the private Redis's config and log) is never written through a symbolic link: someone may have planted one
 while the directory was open, at config.yaml say, pointing at a file of the user's, which a write would
 overwrite and a chmod would make 0600. A whole file is written beside its path and moved over it (`write_private`), an
 appended log is opened only if it is no link (`append_private`), and `make_private` leaves links alone.
@@ -42,8 +42,8 @@ def make_private(directory: Path) -> None:
                     os.chmod(path, mode)
 
 
-def write_private(path: Path, text: str) -> None:
-    """Writes `text` to `path` as a file only its owner can read, never through a link at `path`.
+def write_private(path: Path, text: str | bytes) -> None:
+    """Writes `text` (or bytes: an image) to `path` as a file only its owner can read, never through a link at `path`.
 
     The text goes to a new file beside `path`, created with O_EXCL | O_NOFOLLOW (so it is no link and no one
     else's file), which os.replace then moves onto `path`. A link planted there is replaced itself, its target
@@ -55,7 +55,7 @@ def write_private(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             os.fchmod(fd, 0o600)  # whatever the umask
             f.write(text)
         os.replace(temporary, path)

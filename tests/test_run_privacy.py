@@ -120,3 +120,20 @@ def test_a_log_is_never_appended_through_a_link(tmp_path):
     os.write(fd, b"line\n")
     os.close(fd)
     assert mode(run / "logs" / "rollout.log") == 0o600
+
+
+def test_a_link_planted_at_an_episode_s_frame_is_replaced_never_written_through(tmp_path):
+    """A frame's name is foreseeable from the episode id (train-train-0-3.png)."""
+    from rlsys.frames import render_episode
+
+    run, outside, _ = plant_links(tmp_path)
+    (run / "frames").mkdir()
+    for ext in ("png", "gif"):
+        (run / "frames" / f"train-train-0-3.{ext}").symlink_to(outside)
+    messages = [{"role": "prompt", "text": "S.\n.G"}, {"role": "assistant", "text": "R", "reward": 1.0}]
+    record = {"tag": "train", "episode_id": "train-0-3", "trajectories": [{"messages": messages, "reward": 1.0}]}
+    png, gif = render_episode(record, run / "frames")
+    assert outside.read_text() == "the user's own file" and mode(outside) == 0o644
+    for frame in (png, gif):
+        assert not frame.is_symlink() and mode(frame) == 0o600
+    assert png.read_bytes().startswith(b"\x89PNG") and gif.read_bytes().startswith(b"GIF8")
