@@ -9,6 +9,7 @@ import urllib.parse
 
 import redis
 
+from rlsys.bus.redis_bus import without_namespace
 from rlsys.bus.redis_server import MIN_VERSION, EmbeddedRedisError, check_port_free, find_redis_server
 
 CONNECT_TIMEOUT = 5.0
@@ -33,7 +34,7 @@ def check_message_bus(cluster) -> None:
 
 def check_redis_url(url: str) -> None:
     where = redacted(url)
-    client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT,
+    client = redis.Redis.from_url(without_namespace(url)[0], socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT,
                                   retry=None)
     try:
         version = client.info("server")["redis_version"]

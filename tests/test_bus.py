@@ -220,6 +220,17 @@ def test_connect_dispatch(redis_url):
         connect("ftp://example.com")
 
 
+def test_a_redis_url_with_a_namespace_passes_the_start_up_check(redis_url):
+    """`cluster.redis_url=redis://...?namespace=NAME`, which `connect` takes: redis-py refused the namespace as an
+    unknown argument (a TypeError out of the launcher)."""
+    from rlsys.preflight import StartupError, check_redis_url
+
+    check_redis_url(redis_url + "?namespace=run1")
+    wrong = redis_url.replace("redis://:", "redis://:wrong", 1) + "?namespace=run1"
+    with pytest.raises(StartupError, match="refused the credentials"):
+        check_redis_url(wrong)
+
+
 def test_a_change_makes_every_write_when_its_guards_hold_and_none_when_one_does_not(bus):
     admit = [Step.absent("s", "a"), Step.at_most("n", 2), Step.incr("n"), Step.add("s", "a"),
              Step.append("st", {"id": "a"})]

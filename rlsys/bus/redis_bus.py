@@ -115,10 +115,8 @@ class RedisBus(Bus):
     def from_url(cls, url: str, namespace: str = "", wait_out_restarts: bool = True) -> "RedisBus":
         """`redis://[:PASSWORD@]HOST:PORT/DB[?namespace=NAME]`; an explicit `namespace` argument wins.
         `wait_out_restarts=False`: a command on a server that is down raises redis.ConnectionError at once."""
-        parts = urllib.parse.urlsplit(url)
-        query = urllib.parse.parse_qs(parts.query)
-        namespace = namespace or query.pop("namespace", [""])[0]
-        url = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query, doseq=True)))
+        url, named = without_namespace(url)
+        namespace = namespace or named
         retry = _reconnect_retry() if wait_out_restarts else Retry(NoBackoff(), 0)
         client = redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=10,
                                       decode_responses=False, retry=retry,
@@ -299,6 +297,14 @@ class RedisBus(Bus):
 
     def close(self) -> None:
         self._client.close()
+
+
+def without_namespace(url: str) -> tuple[str, str]:
+    """(`url` without its `?namespace=NAME`, which redis-py would refuse as an unknown argument; NAME or "")."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qs(parts.query)
+    namespace = query.pop("namespace", [""])[0]
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query, doseq=True))), namespace
 
 
 def _stream_entry(entry_id: bytes, status: int, size: int, payload: bytes, deliveries: int,
