@@ -34,8 +34,8 @@ def check_message_bus(cluster) -> None:
 
 def check_redis_url(url: str) -> None:
     where = redacted(url)
-    client = redis.Redis.from_url(without_namespace(url)[0], socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT,
-                                  retry=None)
+    client = redis.Redis.from_url(without_namespace(url)[0], socket_connect_timeout=CONNECT_TIMEOUT,
+                                  socket_timeout=CONNECT_TIMEOUT, retry=None)
     try:
         version = client.info("server")["redis_version"]
     except redis.AuthenticationError as e:
