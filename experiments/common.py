@@ -13,6 +13,7 @@ from rlsys.api import GenerationConfig
 from rlsys.api.generation import GREEDY_BELOW
 from rlsys.cpu_features import native_bf16
 from rlsys.data.dataset import RowFormat
+from rlsys.protocol import HEARTBEAT_INTERVAL
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -325,6 +326,9 @@ class PPOHyperparameters:
                                  f"set that too, or leave ppo.{name} at its default ({defaults[name]})")
 
 
+DEAD_AFTER_BEATS = 4  # the fewest heartbeats cluster.inference_dead_after may span: a beat can come late
+
+
 @dataclass
 class ClusterConfig:
     redis_url: str = ""
@@ -334,7 +338,8 @@ class ClusterConfig:
     n_rollout_workers: int = 1
     """Rollout worker processes."""
     inference_dead_after: float = 3.0
-    """Seconds without a heartbeat after which an inference worker counts as dead and its requests are re-sent."""
+    """Seconds without a heartbeat after which an inference worker counts as dead and its requests are re-sent; at
+    least four beats (1 s)."""
     max_role_restarts: int = 3
     """Times each role process (and the private redis-server) is restarted after dying before the run stops."""
     stall_timeout: float = 120.0
@@ -379,8 +384,11 @@ class ClusterConfig:
                            max_failed_in_a_row=0, n_learner_ranks=1)
         if self.stall_timeout < 0:
             raise ValueError(f"cluster.stall_timeout must be 0 (never) or positive, got {self.stall_timeout}")
-        if self.inference_dead_after <= 0:
-            raise ValueError(f"cluster.inference_dead_after must be positive, got {self.inference_dead_after}")
+        if self.inference_dead_after < DEAD_AFTER_BEATS * HEARTBEAT_INTERVAL:
+            raise ValueError(f"cluster.inference_dead_after must be at least {DEAD_AFTER_BEATS * HEARTBEAT_INTERVAL:g} "
+                             f"s, got {self.inference_dead_after:g}: inference workers beat every "
+                             f"{HEARTBEAT_INTERVAL:g} s, and a shorter wait counts live ones dead between beats "
+                             "(their requests are sent again)")
         if self.redis_port > 65535:
             raise ValueError(f"cluster.redis_port must be a TCP port (0 to 65535), got {self.redis_port}")
         if self.max_message_mb <= 0:

@@ -57,6 +57,8 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["gen.temperature=1e-7"], "gen.temperature 1e-07 samples greedily in the engines"),
     (["gen.top_p=1.5"], "gen.top_p must be in (0, 1]"),
     (["cluster.redis_port=99999"], "cluster.redis_port must be a TCP port"),
+    (["cluster.inference_dead_after=0.3"], "cluster.inference_dead_after must be at least 1 s, got 0.3: inference "
+                                           "workers beat every 0.25 s"),
     (["cluster.n_rollout_workers=0"], "cluster.n_rollout_workers must be at least 1"),
     (["cluster.max_message_mb=0"], "cluster.max_message_mb must be positive"),
     (["cluster.redis_url=localhost:6379"], "cluster.redis_url must look like redis://"),

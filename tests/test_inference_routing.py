@@ -337,7 +337,7 @@ def test_new_weights_are_served_and_announced_without_waiting_for_a_beat(tmp_pat
     from rlsys.workers import inference_worker
 
     monkeypatch.setattr(inference_worker, "CONTROL_INTERVAL", 60.0)
-    monkeypatch.setattr(inference_worker, "HEARTBEAT_INTERVAL", 60.0)
+    monkeypatch.setattr(protocol, "HEARTBEAT_INTERVAL", 60.0)
     bus = InProcessBus()
     engine = ScriptedEngine(counting_policy, tokens_per_step=1)
     worker = InferenceWorker(engine, bus, 0, max_batch_requests=64)

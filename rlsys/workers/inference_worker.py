@@ -28,7 +28,6 @@ IDLE_WAIT = 0.02  # seconds an idle worker blocks on its queue before checking f
 CONTROL_INTERVAL = 0.1  # while busy, how often the worker checks for new weights and the stop flag (each check
 # is two round trips on the engine's own thread; a learner step takes far longer than this). An idle worker
 # checks after every IDLE_WAIT: in the synchronous setting the next batch waits on it.
-HEARTBEAT_INTERVAL = 0.25  # well under cluster.inference_dead_after; each beat takes the GIL from the engine loop
 
 
 class InferenceWorker:
@@ -188,7 +187,7 @@ class InferenceWorker:
 
     def _heartbeat(self) -> None:
         """On its own thread, so a long engine step never makes a live worker look dead."""
-        while not self._stopping.wait(HEARTBEAT_INTERVAL):
+        while not self._stopping.wait(protocol.HEARTBEAT_INTERVAL):
             self.beat += 1
             try:
                 self.publish_status()
