@@ -14,6 +14,9 @@ from rlsys.tracing import read_traces
 
 log = logging.getLogger(__name__)
 NS = 1_000_000_000
+# Tags of the run's MLflow run: the last learner step exported, and the end (time.time()) of the last episode. A
+# resumed run's launch ends after every episode of the launches before it.
+EXPORTED_STEP, EXPORTED_UNTIL = "rlsys.exported_step", "rlsys.exported_until"
 
 
 def default_tracking_uri(run_dir: Path) -> str:
@@ -73,7 +76,10 @@ def _export_episode(mlflow, episode: dict, experiment_id: str) -> None:
 
 
 def export_run(run_dir: Path, tracking_uri: str = "", logging_dir: Path | None = None) -> str:
-    """Learner metrics into an MLflow run and every trace into its experiment; returns the tracking URI."""
+    """Learner metrics into an MLflow run and every trace into its experiment; returns the tracking URI.
+
+    A run resumed in its directory exports at the end of each launch: into the same MLflow run, only the steps and
+    episodes the exports before did not take (its tags say how far they went), so none is there twice."""
     import mlflow
 
     run_dir = Path(run_dir)
@@ -84,12 +90,21 @@ def export_run(run_dir: Path, tracking_uri: str = "", logging_dir: Path | None =
         # not in ./mlruns of whatever directory the command ran in (MLflow's default beside a database store)
         mlflow.create_experiment(name, artifact_location=(run_dir / "mlflow-artifacts").resolve().as_uri())
     experiment = mlflow.set_experiment(name)
+    earlier = mlflow.search_runs([experiment.experiment_id], filter_string=f"tags.`{EXPORTED_STEP}` != ''",
+                                 output_format="list", max_results=1)
+    tags = earlier[0].data.tags if earlier else {}
+    exported_step, exported_until = int(tags.get(EXPORTED_STEP, 0)), float(tags.get(EXPORTED_UNTIL, 0.0))
     metrics_file = Path(logging_dir or run_dir / "logs") / "learner.jsonl"
-    with mlflow.start_run(run_name=run_dir.name):
+    with mlflow.start_run(run_id=earlier[0].info.run_id) if earlier else mlflow.start_run(run_name=run_dir.name):
         for row in read_jsonl_metrics(metrics_file) if metrics_file.exists() else []:
-            mlflow.log_metrics({k.replace("/", "."): float(v) for k, v in row.items()
-                                if k not in ("step", "time") and isinstance(v, (int, float))}, step=row["step"])
+            if row["step"] > exported_step:
+                mlflow.log_metrics({k.replace("/", "."): float(v) for k, v in row.items()
+                                    if k not in ("step", "time") and isinstance(v, (int, float))}, step=row["step"])
+                exported_step = row["step"]
         for episode in read_traces(run_dir):
-            _export_episode(mlflow, episode, experiment.experiment_id)
+            if episode["ended"] > exported_until:
+                _export_episode(mlflow, episode, experiment.experiment_id)
+                exported_until = max(exported_until, episode["ended"])
+        mlflow.set_tags({EXPORTED_STEP: exported_step, EXPORTED_UNTIL: repr(exported_until)})
     mlflow.flush_trace_async_logging()  # MLflow writes traces on a background queue; they are all in once we return
     return uri

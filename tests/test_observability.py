@@ -307,3 +307,29 @@ def test_the_report_shows_the_probe_that_compares_logprobs_at_every_step(tmp_pat
     assert "<th>probe: logprob |diff| max (worst step)</th><td>0.05</td>" in page
     assert "<th>sampled tokens: logprob |diff| max (worst step)</th><td>0.004</td>" in page
     assert "id='logprob-curve'" in page and "probe_abs_diff_mean" in page
+
+
+def test_a_resumed_run_exports_to_mlflow_only_what_the_export_before_did_not(tmp_path, tokenizer_dir):
+    """Each launch of a run exports at its end; a run resumed in its directory made a second MLflow run holding every
+    step again and a second copy of each earlier trace."""
+    import mlflow
+
+    from rlsys.mlflow_export import export_run
+
+    run_dir = tmp_path / "tools-experiment" / "t"
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True)
+    rows = [{"step": step, "reward": step / 10} for step in range(1, 6)]
+    (logs / "learner.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
+    tool_episode(run_dir, tokenizer_dir)
+    uri = export_run(run_dir)
+    (logs / "learner.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))  # the resumed launch's
+    tool_episode(run_dir, tokenizer_dir)  # a second episode, in the traces beside the first
+    assert len(read_traces(run_dir)) == 2
+    export_run(run_dir)
+    mlflow.set_tracking_uri(uri)
+    experiment = mlflow.get_experiment_by_name("tools-experiment/t").experiment_id
+    (run,) = mlflow.search_runs([experiment], output_format="list")
+    history = mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "reward")
+    assert sorted((m.step, m.value) for m in history) == [(r["step"], r["reward"]) for r in rows]
+    assert len(mlflow.search_traces(locations=[experiment], return_type="list")) == 2
