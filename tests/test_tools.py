@@ -139,6 +139,21 @@ def test_python_session_keeps_variables_until_stopped_and_skips_failed_cells():
     assert tool.cells is None  # released at stop
 
 
+def test_python_session_goes_on_after_a_cell_that_exits():
+    """exit() ends a cell that succeeded; replayed in later calls, it must not end them before their own cell."""
+    async def session():
+        tool = make_tool("python")
+        await tool.start()
+        outputs = [await tool.call(code=code) for code in ["x = 41\nprint(x)\nexit()", "print(x + 1)",
+                                                            "import sys\nsys.exit(0)", "print(x + 2)"]]
+        await tool.stop()
+        return outputs
+
+    outputs = asyncio.run(session())
+    assert [(o.text, o.status) for o in outputs] == [("41\n", "ok"), ("42\n", "ok"), ("(no output)", "ok"),
+                                                     ("43\n", "ok")]
+
+
 def test_python_tool_reports_limits_and_truncates_output():
     async def calls():
         hasty = make_tool("python", {"limits": {"wall_seconds": 1.5}, "persistent": False})

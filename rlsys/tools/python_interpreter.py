@@ -28,7 +28,8 @@ for index, source in enumerate(CELLS):
                 contextlib.redirect_stderr(sink if quiet else sys.stderr):
             exec(compile(source, filename, "exec"), namespace)
     except SystemExit:
-        raise
+        if not quiet:  # a replayed cell that exited succeeded (code 0): its exit ends that cell, not the session
+            raise
     except BaseException as e:
         print("".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)), end="", file=sys.stderr)
         sys.exit(1)
