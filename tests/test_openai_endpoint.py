@@ -362,6 +362,44 @@ def test_connections_over_the_cap_are_answered_busy_and_closed_until_one_ends(mo
     assert answered.startswith(b"HTTP/1.1 401"), answered
 
 
+@pytest.mark.parametrize("ends", ["while_the_body_arrives", "while_the_model_generates"])
+def test_a_call_whose_episode_ends_before_it_is_answered_gets_410(tokenizer, ends):
+    """The episode's model answers nothing once the episode has ended (a run of its group failed, say): a call still
+    sending its body then, or waiting on the model, is refused with 410, and none waits forever or fails with 500."""
+    async def main():
+        endpoint = Endpoint()
+        await endpoint.start()
+        looked_up, session_of = asyncio.Event(), endpoint.session
+        endpoint.session = lambda request: looked_up.set() or session_of(request)
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+        body = json.dumps({"prompt": "12+34=", "max_tokens": 4}).encode()
+        async with Model(obs_queue, act_queue) as model:
+            key = endpoint.open(EpisodeSession(model, tokenizer, GenerationConfig(max_new_tokens=4), 64, "rlsys"))
+            reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
+            sent = 5 if ends == "while_the_body_arrives" else len(body)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: e\r\nAuthorization: Bearer " + key.encode() +
+                         b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:sent])
+            await writer.drain()
+            if sent == len(body):
+                await obs_queue.get()  # the request reached the model, which will never answer it
+            else:
+                await looked_up.wait()  # the server has read the headers and checked the key
+            endpoint.close(key)  # as the agent ends an episode: keys closed, then the model
+        writer.write(body[sent:])
+        await writer.drain()
+        try:
+            answer = await asyncio.wait_for(reader.readuntil(b"}}"), 20)
+        except TimeoutError:
+            answer = b"no answer"
+        writer.close()
+        endpoint.task.cancel()
+        return answer, obs_queue.qsize()
+
+    answer, asked = asyncio.run(main())
+    assert answer.startswith(b"HTTP/1.1 410") and b"episode_ended" in answer, answer
+    assert asked == 0  # nothing was asked of the model for an episode that had ended
+
+
 def test_a_process_that_serves_the_endpoint_raises_its_descriptor_limit_to_the_hard_one():
     """Under the usual soft limit of 1024 the endpoint's cap would be 384 connections, below the 512 calls 64
     episodes of 8 runs may have in flight; the process that starts an endpoint raises its soft limit to the hard

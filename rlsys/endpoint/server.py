@@ -101,6 +101,13 @@ class Endpoint:
         raise RequestError(401, "unknown API key: each episode calls with the key it was given",
                            "invalid_api_key")
 
+    async def session_and_body(self, request: Request) -> tuple[EpisodeSession, dict]:
+        """The key is checked before the body is read, and again once it has arrived: an episode that ended meanwhile
+        no longer answers its model's replies, so a call on it would wait forever."""
+        self.session(request)
+        body = await _json_body(request)
+        return self.session(request), body
+
     def build_app(self) -> FastAPI:
         app = FastAPI(title="rlsys episode endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -110,13 +117,13 @@ class Endpoint:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
-            session = self.session(request)
-            return await session.chat(await _json_body(request))
+            session, body = await self.session_and_body(request)
+            return await session.chat(body)
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            session = self.session(request)
-            return await session.complete(await _json_body(request))
+            session, body = await self.session_and_body(request)
+            return await session.complete(body)
 
         @app.get("/v1/models")
         async def models(request: Request):

@@ -13,6 +13,7 @@ Extension (as vLLM names it): `"return_token_ids": true` adds `prompt_token_ids`
 `token_ids` to each choice.
 """
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -77,7 +78,14 @@ class EpisodeSession:
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> GenerationOutput:
         gconfig = self.generation_config(sampling, len(prompt_ids))
-        output = await self.model.generate(prompt_ids, gconfig)
+        try:
+            output = await self.model.generate(prompt_ids, gconfig)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this call itself is cancelled
+                raise
+            # the episode ended while the model generated: its model cancelled the reply this call waited for
+            raise RequestError(410, "this API key's episode ended before the model answered", "episode_ended") \
+                from None
         output = _cut_at_stop_strings(output, sampling.stop, self.tokenizer)
         self.outputs.append(output)
         return output
