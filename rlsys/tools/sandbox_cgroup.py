@@ -6,7 +6,8 @@ Both layouts are handled: cgroup v2 (one unified tree) and v1 (a tree per contro
 machines that mount v2 at /sys/fs/cgroup/unified without controllers). The run's cgroup is made
 inside the caller's own, so any limit the caller is under still applies (v2: in the root cgroup where
 the caller's own cannot have children with controllers; not tested here, our machines are v1). Memory counts swap where the
-kernel allows (memsw / swap.max) and shmem: tmpfs, /dev/shm and memfd pages are charged to it.
+kernel allows (memsw / swap.max) and shmem: tmpfs, /dev/shm and memfd pages are charged to it. Socket
+buffers count too (v1: apart, under a limit of the same size).
 CPU is not throttled but counted; the parent reads `cpu_seconds()` and ends the run past its limit.
 Where no cgroup can be made (a non-root user without delegation), `SandboxCgroup.create` raises
 OSError and the sandbox says so and keeps per-process limits.
@@ -63,6 +64,10 @@ class SandboxCgroup:
             write(self.file("memory", "memory.limit_in_bytes"), memory_bytes)
             if os.path.exists(self.file("memory", "memory.memsw.limit_in_bytes")):  # memory + swap
                 write(self.file("memory", "memory.memsw.limit_in_bytes"), memory_bytes)
+            # v1 counts socket buffers apart, and only under a limit of their own: without one, a few loopback
+            # connections held hundreds of MiB of kernel memory past memory_bytes (v2 counts them in memory.max)
+            if os.path.exists(self.file("memory", "memory.kmem.tcp.limit_in_bytes")):
+                write(self.file("memory", "memory.kmem.tcp.limit_in_bytes"), memory_bytes)
         write(self.file("pids", "pids.max"), max_pids)
 
     @property
