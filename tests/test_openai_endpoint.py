@@ -400,6 +400,44 @@ def test_a_call_whose_episode_ends_before_it_is_answered_gets_410(tokenizer, end
     assert asked == 0  # nothing was asked of the model for an episode that had ended
 
 
+def test_concurrent_calls_that_continue_one_sample_each_fork_it(tokenizer):
+    """A client may send several calls from the same history at once (a search over next steps): each continues the
+    sample, as n > 1 would fork it, and none is refused for the other having consumed it."""
+    async def main():
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+        reply = ids(tokenizer, "46") + [tokenizer.eos_token_id]
+
+        async def engine(together: int):  # answers once `together` requests are in: all of them saw the same samples
+            while True:
+                requests = [await obs_queue.get() for _ in range(together)]
+                for qid, token_ids, _ in requests:
+                    act_queue.put_nowait(GenerationOutput(qid, token_ids, [reply], [[LOGPROB] * len(reply)],
+                                                          [[0] * len(reply)], ["stop"]))
+
+        async with Model(obs_queue, act_queue) as model:
+            session = EpisodeSession(model, tokenizer, GenerationConfig(max_new_tokens=8), CONTEXT, "rlsys")
+            key = ENDPOINT.open(session)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=ENDPOINT.app), base_url="http://e/v1",
+                                         headers={"Authorization": f"Bearer {key}"}) as http:
+                serving = asyncio.create_task(engine(1))
+                history = [{"role": "user", "content": "12+34="}]
+                first = await http.post("/chat/completions", json={"messages": history})
+                history.append(first.json()["choices"][0]["message"])
+                serving.cancel()
+                serving = asyncio.create_task(engine(2))
+                followed = await asyncio.gather(*(http.post("/chat/completions", json={
+                    "messages": history + [{"role": "user", "content": text}]}) for text in ("again", "more")))
+                serving.cancel()
+            ENDPOINT.close(key)
+        return followed, session.conversation.trajectories(1.0, "q0")
+
+    followed, trajectories = asyncio.run(main())
+    assert [r.status_code for r in followed] == [200, 200], [r.text for r in followed]
+    first_turn = ids(tokenizer, "<|user|>12+34=<|end|><|assistant|>46") + [tokenizer.eos_token_id]
+    assert len(trajectories) == 2 and all(t.token_ids[:len(first_turn)] == first_turn for t in trajectories)
+    assert all(len(t.turn_ends) == 2 and t.metrics["history_splits"] == 0 for t in trajectories)
+
+
 def test_a_process_that_serves_the_endpoint_raises_its_descriptor_limit_to_the_hard_one():
     """Under the usual soft limit of 1024 the endpoint's cap would be 384 connections, below the 512 calls 64
     episodes of 8 runs may have in flight; the process that starts an endpoint raises its soft limit to the hard

@@ -120,8 +120,8 @@ class Conversation:
         """The call's choices (`messages` is a completion's prompt text): each continues (a copy of) the
         sample, which the call consumed."""
         self.calls += 1
-        if sample is not None:
-            self.samples.remove(sample)
+        if sample is not None:  # by identity: a concurrent call that continued it too may have consumed it already
+            self.samples = [s for s in self.samples if s is not sample]
         text = messages if isinstance(messages, str) else None
         keys = [] if text is not None else [normalized(m) for m in messages]
         for i, reply in enumerate(replies):
