@@ -318,3 +318,13 @@ def test_experiment_is_picked_by_name_and_its_fields_reach_the_agent_and_env():
     assert config.env.args["tools"]["calculator"] == {}
     env = make_env(config.env)
     assert make_tool("python", python).limits.wall_seconds == 2.5 and list(env.tool_args) == ["calculator", "python"]
+
+
+@pytest.mark.parametrize("setting", ["sandbox.nice=-5", "sandbox.cpu_seconds=0", "sandbox.memory_mb=0",
+                                     "sandbox.wall_seconds=-1", "sandbox.output_bytes=0"])
+def test_a_sandbox_limit_no_program_could_run_under_stops_the_run_at_start(setting):
+    """Accepted, each made every call of the python tool fail alike (a setup error, or a limit hit at once)."""
+    from rlsys.cli import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=re.escape(setting.split("=")[0])):
+        parse_config(["experiment=async-ppo-math-tools", setting])

@@ -66,6 +66,15 @@ class SandboxLimits:
     """Run model code even where no confinement can be had (no bubblewrap or no user namespaces), with
     per-process limits only; false refuses such runs, and the run stops at start."""
 
+    def __post_init__(self):
+        # here, so that the run stops at start: past it every call of the python tool would fail the same way
+        for name in ("wall_seconds", "cpu_seconds", "memory_mb", "max_processes", "file_mb", "open_files",
+                     "output_bytes", "workdir_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"sandbox.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.nice <= 19:  # below 0 raises the priority, which the sandbox's unprivileged init may not
+            raise ValueError(f"sandbox.nice must be in [0, 19], got {self.nice}")
+
 
 @dataclass
 class SandboxResult:
