@@ -33,6 +33,8 @@ def test_parser_takes_the_answer_and_ignores_calls_beside_it():
     ('{"name": "calculator", "arguments": {"expression": "1"}', "not valid JSON"),
     ('["calculator"]', "must be a JSON object"),
     ("[" * 5000, "not valid JSON: nested too deeply"),  # not a RecursionError that fails the episode
+    pytest.param('{"name": "calculator", "arguments": {"expression": ' + "1" * 5000 + "}}",
+                 "a number in it is too long", id="a-5000-digit-number"),  # not a ValueError that fails the episode
     ('{"name": "calculator"}', "missing ['arguments']"),
     ('{"name": "calculator", "arguments": {}, "id": 1}', "unexpected ['id']"),
     ('{"name": "shell", "arguments": {"cmd": "ls"}}', "unknown tool 'shell'; tools: calculator, python"),

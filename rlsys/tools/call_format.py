@@ -72,6 +72,8 @@ def decode_call(body: str, tools: dict[str, dict]) -> ToolCall | DecodeError:
         return DecodeError(body, f"not valid JSON: {e}")
     except RecursionError:  # a thousand `[` (a degenerate sample) would otherwise fail the whole episode
         return DecodeError(body, "not valid JSON: nested too deeply")
+    except ValueError:  # an integer of over 4,300 digits (a degenerate sample too), which Python refuses to convert
+        return DecodeError(body, "a number in it is too long (over 4,300 digits)")
     if not isinstance(call, dict):
         return DecodeError(body, f"a call must be a JSON object with keys {sorted(CALL_KEYS)}")
     if set(call) != CALL_KEYS:
