@@ -567,6 +567,19 @@ HOSTILE = {  # name -> (path, body, status, param)
 }
 
 
+@pytest.mark.parametrize("arguments", ['{"expression": ' + "1" * 5000 + "}", "[" * 10_000],
+                         ids=["a-5000-digit-number", "10000-deep"])
+def test_tool_call_arguments_json_cannot_read_are_taken_as_text(tokenizer, arguments):
+    """A client's earlier tool call whose arguments string Python's JSON reader refuses (an integer past 4,300
+    digits, nesting past its recursion limit) is compared and rendered as the text it is, not a server error: here
+    its thousands of characters are more tokens than the context holds, and the call is refused saying so."""
+    messages = [dict(m) for m in CHAT["messages"]]
+    messages[2] = {**messages[2], "tool_calls": [{"id": "c1", "type": "function",
+                                                  "function": {"name": "calculator", "arguments": arguments}}]}
+    response, asked = post(tokenizer, "/chat/completions", {**CHAT, "messages": messages})
+    assert refusal(response)["code"] == "context_length_exceeded" and asked == []
+
+
 @pytest.mark.parametrize("name", HOSTILE)
 def test_a_hostile_request_is_refused_naming_its_field_and_never_reaches_the_model(tokenizer, name):
     path, body, status, param = HOSTILE[name]

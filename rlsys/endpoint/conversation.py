@@ -47,7 +47,7 @@ def _arguments(arguments):
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or JSON no tool takes: a 5,000-digit number, 10,000 `[`
             return arguments
     return arguments
 
