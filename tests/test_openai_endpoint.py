@@ -531,6 +531,17 @@ def test_valid_chat_and_completion_bodies_are_answered_as_asked(tokenizer):
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == "46"
 
 
+def test_a_model_without_a_chat_template_refuses_chat_calls_saying_so_and_serves_completions():
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    base = build_char_tokenizer()
+    base.chat_template = None
+    chat, asked = post(base, "/chat/completions", CHAT)
+    assert chat.status_code == 404 and "/v1/completions" in chat.json()["error"]["message"] and asked == []
+    completion, _ = post(base, "/completions", COMPLETION)
+    assert completion.status_code == 200 and completion.json()["choices"][0]["text"] == "46"
+
+
 HOSTILE = {  # name -> (path, body, status, param)
     "negative max_tokens": ("/chat/completions", {**CHAT, "max_tokens": -5}, 400, "max_tokens"),
     "a million samples": ("/chat/completions", {**CHAT, "n": 1_000_000}, 400, "n"),

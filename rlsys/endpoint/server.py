@@ -4,10 +4,11 @@ One server per rollout worker process (FastAPI on uvicorn), started by the first
 episode opens a session under an API key of its own (a random secret, so the key both authenticates and
 attributes every call): `/v1/chat/completions`, `/v1/completions` and `/v1/models` answer for that
 episode only. A call with a key nobody opened is refused with 401, one with the key of an episode that
-ended with 410, a malformed request with 400 and one over MAX_BODY_BYTES with 413; OpenAI's error body says
-why, and for 400 which field (rlsys/endpoint/request_checks.py). Headers over MAX_HEADER_BYTES get a plain 400
-and the connection closed, whatever the key; so is a request that has not arrived whole within 30 s, and a
-connection over the server's cap is answered 503 (rlsys/endpoint/http_protocol.py).
+ended with 410, a malformed request with 400, one over MAX_BODY_BYTES with 413 and a chat call to a model
+without a chat template with 404; OpenAI's error body says why, and for 400 which field
+(rlsys/endpoint/request_checks.py). Headers over MAX_HEADER_BYTES get a plain 400 and the connection closed,
+whatever the key; so is a request that has not arrived whole within 30 s, and a connection over the server's
+cap is answered 503 (rlsys/endpoint/http_protocol.py).
 """
 
 import asyncio

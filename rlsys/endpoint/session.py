@@ -37,6 +37,10 @@ class EpisodeSession:
         self.outputs: list[GenerationOutput] = []  # every reply the engine sent, in call order
 
     async def chat(self, body: dict) -> dict:
+        if self.tokenizer.chat_template is None:  # a base model: transformers' ValueError would be a bare 500
+            raise RequestError(404, "this is not a chat model (its tokenizer has no chat template), so it is not "
+                                    "served at /v1/chat/completions: call /v1/completions", "model_not_found",
+                               param="model")
         messages, tools, sampling = chat_request(body, self.max_total_tokens)
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
         try:
