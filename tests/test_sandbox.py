@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,38 @@ def test_a_cancelled_run_leaves_no_process(monkeypatch, tmp_path):
     started, leftovers = asyncio.run(cancel_midway())
     assert started and leftovers == []
     assert list(tmp_path.iterdir()) == [] and sandbox_cgroups() == [] and zombies_of(os.getpid()) == []
+
+
+def test_a_run_cancelled_while_its_cgroup_is_made_leaves_no_cgroup(monkeypatch):
+    """The cgroup is made in a thread, which a cancelled run cannot stop: the run must still remove what it makes."""
+    if not machine_confinement().cgroup:
+        pytest.skip(f"no cgroup here ({machine_confinement().notes})")
+    from rlsys.tools.sandbox_cgroup import SandboxCgroup
+
+    create, making, made, go_on = SandboxCgroup.create, threading.Event(), threading.Event(), threading.Event()
+
+    def held_back(*args):  # made only once the run has been cancelled
+        making.set()
+        go_on.wait()
+        try:
+            return create(*args)
+        finally:
+            made.set()
+
+    monkeypatch.setattr(SandboxCgroup, "create", held_back)
+
+    async def cancel_while_making():
+        run = asyncio.create_task(run_python("print(1)", SandboxLimits()))
+        await asyncio.to_thread(making.wait)
+        run.cancel()
+        await asyncio.sleep(0)
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        await asyncio.to_thread(made.wait)
+
+    asyncio.run(cancel_while_making())
+    assert sandbox_cgroups() == []
 
 
 def test_sleeping_program_hits_the_wall_clock_and_children_die_with_it():

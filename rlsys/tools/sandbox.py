@@ -10,6 +10,7 @@ unless `allow_unconfined`.
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -203,8 +204,14 @@ async def _run(code: str, limits: SandboxLimits, confinement: Confinement) -> Sa
     watcher = None
     try:
         if confinement.cgroup:
-            run.cgroup = await asyncio.to_thread(SandboxCgroup.create, limits.memory_mb << 20,
-                                                 limits.max_processes + CGROUP_EXTRA_PIDS)
+            creating = asyncio.ensure_future(asyncio.to_thread(SandboxCgroup.create, limits.memory_mb << 20,
+                                                               limits.max_processes + CGROUP_EXTRA_PIDS))
+            try:
+                run.cgroup = await asyncio.shield(creating)
+            except asyncio.CancelledError:  # the thread makes it all the same: held, so that cleanup removes it
+                with contextlib.suppress(OSError):
+                    run.cgroup = await creating
+                raise
         argv, env, cwd = run.command(code, report_write)
         run.process = process = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
