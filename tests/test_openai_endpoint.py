@@ -194,6 +194,14 @@ def test_a_failing_or_hanging_user_function_ends_the_episode_with_a_reason(token
         assert failed.value.reason == reason
 
 
+@pytest.mark.parametrize("args, message", [({"timeout": 0}, "timeout must be positive"),
+                                           ({"max_total_tokens": 0}, "max_total_tokens must leave room")])
+def test_agent_arguments_no_call_could_succeed_under_are_refused_when_it_is_built(tokenizer, tokenizer_dir, args,
+                                                                                 message):
+    with pytest.raises(ValueError, match=message):
+        agent(tokenizer, tokenizer_dir, "tests.endpoint_clients:openai_tools_run", **args)
+
+
 def test_model_generates_with_request_ids_of_its_own():
     async def main():
         obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()

@@ -23,6 +23,9 @@ class OpenAIAgent(Agent):
                  timeout: float = 300.0, host: str = "127.0.0.1", model_name: str = "rlsys"):
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        if max_total_tokens < 2:  # else every call of every run is refused, and each episode fails on it
+            raise ValueError(f"max_total_tokens must leave room for a prompt and a reply (2 or more), got "
+                             f"{max_total_tokens}")
         self.gconfig, self.run_entry = gconfig, run
         self.run = load_function(run, "agent function", coroutine=True)
         self.tokenizer = load_tokenizer(tokenizer_path)
