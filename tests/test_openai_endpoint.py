@@ -446,6 +446,53 @@ def test_concurrent_calls_that_continue_one_sample_each_fork_it(tokenizer):
     assert all(len(t.turn_ends) == 2 and t.metrics["history_splits"] == 0 for t in trajectories)
 
 
+# Renders the last assistant turn apart, as Qwen3's template does (an empty think block, which earlier turns lose)
+LAST_TURN_APART = ("{% for message in messages %}<|{{ message['role'] }}|>"
+                   "{% if message['role'] == 'assistant' and loop.last %}<think></think>{% endif %}"
+                   "{{ message['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_a_template_that_renders_the_last_assistant_turn_apart_is_continued_token_exactly():
+    """Every call after the first continues the model's own ids with the new messages; the stand-in exchange this is
+    rendered after must be cut where a following message starts, not where the template ends a last turn (it was a
+    ValueError, a 500 for every such call)."""
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = LAST_TURN_APART
+
+    async def main():
+        obs_queue, act_queue, asked = asyncio.Queue(), asyncio.Queue(), []
+        reply = ids(tokenizer, "46") + [tokenizer.eos_token_id]
+
+        async def engine():
+            while True:
+                qid, token_ids, _ = await obs_queue.get()
+                asked.append(token_ids)
+                act_queue.put_nowait(GenerationOutput(qid, token_ids, [reply], [[LOGPROB] * len(reply)],
+                                                      [[0] * len(reply)], ["stop"]))
+
+        serving = asyncio.create_task(engine())
+        async with Model(obs_queue, act_queue) as model:
+            session = EpisodeSession(model, tokenizer, GenerationConfig(max_new_tokens=8), CONTEXT, "rlsys")
+            key = ENDPOINT.open(session)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=ENDPOINT.app), base_url="http://e/v1",
+                                         headers={"Authorization": f"Bearer {key}"}) as http:
+                history = [{"role": "user", "content": "12+34="}]
+                first = await http.post("/chat/completions", json={"messages": history})
+                history += [first.json()["choices"][0]["message"], {"role": "user", "content": "again"}]
+                second = await http.post("/chat/completions", json={"messages": history})
+            ENDPOINT.close(key)
+        serving.cancel()
+        return second, asked, session.conversation
+
+    second, asked, conversation = asyncio.run(main())
+    assert second.status_code == 200, second.text
+    assert asked[1] == asked[0] + ids(tokenizer, "46") + [tokenizer.eos_token_id] + \
+        ids(tokenizer, "<|user|>again<|end|><|assistant|>")
+    assert conversation.history_splits == 0
+
+
 def test_a_process_that_serves_the_endpoint_raises_its_descriptor_limit_to_the_hard_one():
     """Under the usual soft limit of 1024 the endpoint's cap would be 384 connections, below the 512 calls 64
     episodes of 8 runs may have in flight; the process that starts an endpoint raises its soft limit to the hard

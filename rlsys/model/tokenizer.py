@@ -59,11 +59,18 @@ def messages_continuation_ids(tokenizer, messages: list[dict]) -> list[int]:
     exchange = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
     before = tokenizer.apply_chat_template(exchange, tokenize=False)
     after = tokenizer.apply_chat_template(exchange + list(messages), add_generation_prompt=True, tokenize=False)
+    eos = tokenizer.eos_token
+    if eos and eos in before:
+        # The exchange as it renders once a message follows it, through the assistant's eos (the first after those of
+        # the user's message): a template may render the last assistant turn apart (Qwen3 gives it an empty think
+        # block, which earlier turns do not have).
+        followed = tokenizer.apply_chat_template(exchange + exchange[:1], tokenize=False)
+        ends = [i + len(eos) for i in range(len(followed)) if followed.startswith(eos, i)]
+        earlier = tokenizer.apply_chat_template(exchange[:1], tokenize=False).count(eos)
+        before = followed[:ends[earlier]] if len(ends) > earlier else before[:before.rindex(eos) + len(eos)]
     if not after.startswith(before):
         raise ValueError("this chat template renders earlier messages differently once a message follows them")
-    eos = tokenizer.eos_token
-    cut = before.rindex(eos) + len(eos) if eos and eos in before else len(before)
-    return tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
+    return tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
 
 
 GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
