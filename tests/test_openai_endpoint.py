@@ -452,15 +452,9 @@ LAST_TURN_APART = ("{% for message in messages %}<|{{ message['role'] }}|>"
                    "{{ message['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def test_a_template_that_renders_the_last_assistant_turn_apart_is_continued_token_exactly():
-    """Every call after the first continues the model's own ids with the new messages; the stand-in exchange this is
-    rendered after must be cut where a following message starts, not where the template ends a last turn (it was a
-    ValueError, a 500 for every such call)."""
-    from rlsys.model.tokenizer import build_char_tokenizer
-
-    tokenizer = build_char_tokenizer()
-    tokenizer.chat_template = LAST_TURN_APART
-
+def two_chat_calls(tokenizer):
+    """A call, then one that sends its history and a new user message: the second's response, the prompt ids the
+    engine was asked, and the episode's conversation."""
     async def main():
         obs_queue, act_queue, asked = asyncio.Queue(), asyncio.Queue(), []
         reply = ids(tokenizer, "46") + [tokenizer.eos_token_id]
@@ -486,12 +480,37 @@ def test_a_template_that_renders_the_last_assistant_turn_apart_is_continued_toke
         serving.cancel()
         return second, asked, session.conversation
 
-    second, asked, conversation = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_template_that_renders_the_last_assistant_turn_apart_is_continued_token_exactly():
+    """Every call after the first continues the model's own ids with the new messages; the stand-in exchange this is
+    rendered after must be cut where a following message starts, not where the template ends a last turn (it was a
+    ValueError, a 500 for every such call)."""
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = LAST_TURN_APART
+    second, asked, conversation = two_chat_calls(tokenizer)
     assert second.status_code == 200, second.text
     assert asked[1] == asked[0] + ids(tokenizer, "46") + [tokenizer.eos_token_id] + \
         ids(tokenizer, "<|user|>again<|end|><|assistant|>")
     assert conversation.history_splits == 0
 
+
+def test_a_template_that_renders_earlier_turns_anew_splits_the_episode_rather_than_failing_the_call():
+    """A template whose rendering of the first messages depends on what follows (here: it starts with the last
+    message's text) leaves no ids to append: the call is served from the whole conversation's rendering, and the
+    split counted, as for a client that rewrote its history; it was a 500."""
+    from rlsys.model.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = "{{ messages[-1]['content'] }}" + CHAT_TEMPLATE
+    second, asked, conversation = two_chat_calls(tokenizer)
+    assert second.status_code == 200, second.text
+    assert asked[1] == ids(tokenizer, "again<|user|>12+34=<|end|><|assistant|>46<|end|><|user|>again<|end|>"
+                                "<|assistant|>")
+    assert conversation.history_splits == 1 and len(conversation.samples) == 2
 
 def test_a_process_that_serves_the_endpoint_raises_its_descriptor_limit_to_the_hard_one():
     """Under the usual soft limit of 1024 the endpoint's cap would be 384 connections, below the 512 calls 64

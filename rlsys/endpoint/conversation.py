@@ -7,8 +7,9 @@ generated (loss mask 1, their versions and logprobs) and the chat template's ren
 messages the client added since (loss mask 0). A call continues the sample whose messages are a prefix of
 the ones it sends (compared as messages: role, text, tool calls with their arguments parsed), so only the
 new messages are rendered. A call that continues no sample (the client dropped a turn, stripped reasoning,
-rewrote a message) starts a new sample from the template's rendering of the whole conversation: the
-episode is split there, and counted (`history_splits`). With `n` > 1 a call forks its sample into n.
+rewrote a message; or the chat template renders earlier messages anew once others follow) starts a new sample
+from the template's rendering of the whole conversation: the episode is split there, and counted
+(`history_splits`). With `n` > 1 a call forks its sample into n.
 """
 
 import json
@@ -84,7 +85,10 @@ class Conversation:
         for sample in sorted(self.samples, key=lambda s: -len(s.messages)):
             n = len(sample.messages)
             if sample.text is None and n < len(keys) and keys[:n] == sample.messages:
-                return sample, sample.transcript.token_ids + self.new_message_ids(sample, messages[n:])
+                try:
+                    return sample, sample.transcript.token_ids + self.new_message_ids(sample, messages[n:])
+                except ValueError:  # a template that renders earlier turns anew once one follows: no ids to append
+                    break
         if self.samples:
             self.history_splits += 1
         text = self.tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
