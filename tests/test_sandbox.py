@@ -108,6 +108,28 @@ def test_attacks_are_contained_in_each_mode_as_far_as_the_mode_claims(mode, work
     assert list(Path("/dev/shm").glob("rlsys-attack-*")) == []
 
 
+VSOCK = """
+import errno, socket
+try:
+    socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close()
+    print("made")
+except OSError as e:
+    print(errno.errorcode[e.errno])
+"""
+
+
+@pytest.mark.parametrize("mode", ["machine", "bwrap"])
+def test_no_vsock_socket_is_made_past_the_network_namespace(mode):
+    """The network namespace has no interface, but vsock is no part of it: from any namespace, a socket of that family
+    talks to the hypervisor's host (CID 2). Nothing is connected to here; the seccomp filter must refuse the socket."""
+    modes = confinements()
+    mode = machine_confinement().mode if mode == "machine" else mode
+    if mode not in modes or not modes[mode].namespaces:
+        pytest.skip(f"mode {mode} cannot run here: {machine_confinement().notes}")
+    result = asyncio.run(run_python(VSOCK, LIMITS, modes[mode]))
+    assert (result.status, result.stdout) == ("ok", "EPERM\n"), result
+
+
 @pytest.mark.skipif(not AS_ROOT or not shutil.which("setpriv"), reason="needs root to become another user")
 def test_as_an_unprivileged_user_the_sandbox_holds_or_refuses(workspace):
     """The non-root path for real: the suite runs as `nobody`, with the system's Python (the one a user can read)."""
