@@ -403,3 +403,22 @@ def test_a_zero_context_budget_means_the_models_own_limit(tmp_path, tokenizer_di
     assert context_limit(str(tokenizer_dir)) == sys.maxsize  # a directory that does not say: no limit
     build_char_tokenizer().save_pretrained(tmp_path)
     assert frozen_lake_agent(tmp_path, n=1).max_context_tokens == 300
+
+
+def test_feedback_follows_a_turn_under_a_template_that_renders_the_last_assistant_turn_apart(tmp_path):
+    """Qwen3's template gives the last assistant turn an empty think block that earlier turns lack: the feedback's ids
+    are still what the template renders after the turn (it failed every episode that got feedback, a ValueError)."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = ("{% for message in messages %}<|{{ message['role'] }}|>"
+                               "{% if message['role'] == 'assistant' and loop.last %}<think></think>{% endif %}"
+                               "{{ message['content'] }}<|end|>{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer.save_pretrained(tmp_path)
+    agent, _ = math_agent(tmp_path, n=1, num_turns=2)
+    prompt = math_prompt(tokenizer)
+    (trajectory,), _ = play(agent, math_env(), prompt, answer_by_history(tokenizer, [["45", "46"]]))
+    eos = tokenizer.eos_token_id
+    assert trajectory.token_ids == prompt.token_ids + ids(tokenizer, "45") + [eos] + \
+        ids(tokenizer, f"<|user|>{WRONG_FEEDBACK}<|end|><|assistant|>") + ids(tokenizer, "46") + [eos] + \
+        ids(tokenizer, f"<|user|>{CORRECT_FEEDBACK}<|end|><|assistant|>")
+    assert trajectory.turn_rewards == [0.0, 1.0]

@@ -6,10 +6,9 @@ from pathlib import Path
 
 from rlsys.data.arithmetic import write_jsonl
 from rlsys.data.dataset import DatasetError
-from rlsys.impl.agent.multi_turn import ChatRenderer
 from rlsys.impl.env.text_game import MOVES, GridGame, TextGameEnv
 from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence, answer_ids
-from rlsys.model.tokenizer import chat_prompt_ids
+from rlsys.model.tokenizer import chat_prompt_ids, message_after_ids
 
 MAX_DRAWS_PER_ROW = 50  # small boards repeat; give up rather than loop if the options allow too few
 
@@ -59,7 +58,7 @@ class Walk:
     observations after them (not taught), tokenized as a multi-turn agent's transcript would be."""
 
     def __init__(self, tokenizer, prompt_text: str):
-        self.tokenizer, self.chat = tokenizer, ChatRenderer(tokenizer)
+        self.tokenizer = tokenizer
         prompt = chat_prompt_ids(tokenizer, prompt_text)
         self.sequence, self.last = TaughtSequence(prompt, [0] * len(prompt)), []
 
@@ -73,7 +72,7 @@ class Walk:
         self.sequence.taught += [1] * len(self.last)
 
     def observe(self, text: str) -> None:
-        ids = self.chat.message_ids("user", text, self.last)
+        ids = message_after_ids(self.tokenizer, self.last, "user", text)
         self.sequence.token_ids += ids
         self.sequence.taught += [0] * len(ids)
 

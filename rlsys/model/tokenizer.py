@@ -49,6 +49,13 @@ def continuation_ids(tokenizer, role: str, content: str) -> list[int]:
     return messages_continuation_ids(tokenizer, [{"role": role, "content": content}])
 
 
+def message_after_ids(tokenizer, generated: list[int], role: str, content: str) -> list[int]:
+    """Token ids of one more message after a model's turn `generated`, then the assistant's prompt: eos first if the
+    turn did not end with one (it was cut at max_new_tokens)."""
+    closing = [] if generated and generated[-1] == tokenizer.eos_token_id else [tokenizer.eos_token_id]
+    return closing + continuation_ids(tokenizer, role, content)
+
+
 def messages_continuation_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids that follow an assistant turn ending in eos: `messages`, then the assistant's prompt.
 

@@ -14,9 +14,9 @@ A turn is void when its answer is empty or was cut off by the token limit before
 import random
 
 from rlsys.api import EnvironmentService, GenerationConfig, Prompt, register_agent
-from rlsys.impl.agent.multi_turn import ChatRenderer, MultiTurnAgent, Reaction, RolloutStrategy
+from rlsys.impl.agent.multi_turn import MultiTurnAgent, Reaction, RolloutStrategy
 from rlsys.model.warm_start_examples import TaughtSequence, answer_ids
-from rlsys.model.tokenizer import chat_prompt_ids
+from rlsys.model.tokenizer import chat_prompt_ids, message_after_ids
 
 CORRECT_FEEDBACK = "Congratulations! You are correct!"
 WRONG_FEEDBACK = "Unfortunately your answer is wrong. Let's try again."
@@ -46,13 +46,13 @@ def retry_sequences(tokenizer, rows: list[dict], seed: int) -> list[TaughtSequen
 
     Only the right answer is taught: a warm start on these shows a model what a second attempt looks like.
     """
-    rng, chat = random.Random(seed), ChatRenderer(tokenizer)
+    rng = random.Random(seed)
     sequences = []
     for row in rows:
         prompt = chat_prompt_ids(tokenizer, row["prompt"])
         wrong = answer_ids(tokenizer, str(int(row["answer"]) + rng.choice([-10, -1, 1, 10])))
         right = answer_ids(tokenizer, row["answer"])
-        context = prompt + wrong + chat.message_ids("user", WRONG_FEEDBACK, wrong)
+        context = prompt + wrong + message_after_ids(tokenizer, wrong, "user", WRONG_FEEDBACK)
         sequences.append(TaughtSequence(context + right, [0] * len(context) + [1] * len(right)))
     return sequences
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from rlsys.algorithms.returns import discounted_turn_returns
 from rlsys.api import NOT_GENERATED, Agent, EnvironmentService, GenerationConfig, GenerationOutput, Prompt, Trajectory
 from rlsys.impl.agent.model_client import ModelClient
-from rlsys.model.tokenizer import load_tokenizer
+from rlsys.model.tokenizer import load_tokenizer, message_after_ids
 
 ROLLOUT_MODES = ("chain", "tree")
 SEED_STRIDE = 7919  # requests of one episode with a fixed seed still draw different random streams
@@ -68,32 +68,6 @@ class RolloutStrategy:
         if self.mode == "tree" and 2 <= turn <= self.tree_depth + 1 and gconfig.temperature > 0:
             return self.tree_branching
         return 1
-
-
-class ChatRenderer:
-    """Token ids of one more message, rendered by the tokenizer's chat template and tokenized on its own."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        self.before = tokenizer.apply_chat_template(probe, tokenize=False)
-        eos = tokenizer.eos_token
-        # What the template puts after the assistant's end-of-sequence token (Qwen: "\n"); the model stops at
-        # the eos itself, so this separator is ours to add (verl #6501: dropping it skews every later turn).
-        self.separator = self.before[self.before.rindex(eos) + len(eos):] if eos in self.before else ""
-        self.probe = probe
-
-    def message_ids(self, role: str, content: str, after: list[int]) -> list[int]:
-        """The message as it follows a response `after`; a response cut off before its eos is closed first."""
-        full = self.tokenizer.apply_chat_template(self.probe + [{"role": role, "content": content}],
-                                                  add_generation_prompt=True, tokenize=False)
-        if not full.startswith(self.before):
-            raise ValueError("the chat template renders earlier messages differently once a message follows; "
-                             "its messages cannot be appended as token ids")
-        eos = self.tokenizer.eos_token_id
-        closing = [] if after and after[-1] == eos else [eos]
-        text = self.separator + full[len(self.before):]
-        return closing + self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 async def gather_or_cancel(coroutines) -> list:
@@ -230,7 +204,6 @@ class MultiTurnAgent(Agent):
         # An episode ends before a request could outgrow this; 0: the model's own limit.
         self.max_context_tokens = max_context_tokens or context_limit(tokenizer_path)
         self.tokenizer = load_tokenizer(tokenizer_path)
-        self.chat = ChatRenderer(self.tokenizer)
 
     @abc.abstractmethod
     async def start(self, env: EnvironmentService, prompt: Prompt) -> str | None:
@@ -280,8 +253,8 @@ class MultiTurnAgent(Agent):
         response = self.tokenizer.decode(out.output_ids[sample], skip_special_tokens=True)
         reaction = await self.react(env, prompt, response, out.stop_reasons[sample])
         transcript.reactions.append(reaction)
-        feedback = [] if reaction.feedback is None else self.chat.message_ids("user", reaction.feedback,
-                                                                             out.output_ids[sample])
+        feedback = [] if reaction.feedback is None else message_after_ids(self.tokenizer, out.output_ids[sample],
+                                                                          "user", reaction.feedback)
         if reaction.done:
             transcript.add_context(feedback)  # a closing message, if any
             return [transcript]

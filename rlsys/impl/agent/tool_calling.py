@@ -21,7 +21,7 @@ from rlsys.api import Agent, EnvironmentService, GenerationConfig, Prompt, Traje
 from rlsys.api.trajectory import Transcript
 from rlsys.impl.agent.model_client import ModelClient
 from rlsys.impl.agent.multi_turn import SEED_STRIDE, context_limit, gather_or_cancel
-from rlsys.model.tokenizer import continuation_ids, load_tokenizer
+from rlsys.model.tokenizer import load_tokenizer, message_after_ids
 
 OBSERVATION_ROLE = "user"
 COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "decode_errors", "void_turns", "answered")
@@ -90,7 +90,7 @@ class ToolCallingAgent(Agent):
                 break
             if turn == self.max_turns - 1:
                 break
-            piece = self.observation_ids(output.output_ids[0], observation)
+            piece = message_after_ids(self.tokenizer, output.output_ids[0], OBSERVATION_ROLE, observation or "")
             if len(transcript.token_ids) + len(piece) >= self.max_total_tokens:  # no room left to generate
                 stop_reason = "token_budget"
                 break
@@ -108,12 +108,6 @@ class ToolCallingAgent(Agent):
         seed = None if self.gconfig.seed is None else self.gconfig.seed + chain + SEED_STRIDE * turn
         return dataclasses.replace(self.gconfig, n=1, seed=seed,
                                    max_new_tokens=min(self.gconfig.max_new_tokens, self.max_total_tokens - used_tokens))
-
-    def observation_ids(self, generated: list[int], observation: str) -> list[int]:
-        """eos if the model's turn did not end with one, then the observation message and the assistant's prompt."""
-        eos = self.tokenizer.eos_token_id
-        closing = [] if generated and generated[-1] == eos else [eos]
-        return closing + continuation_ids(self.tokenizer, OBSERVATION_ROLE, observation or "")
 
 
 register_agent("tool-calling", ToolCallingAgent)
