@@ -5,7 +5,8 @@ The sharded state (model, optimizer, critic, ...) loads onto any number of ranks
 group. Its tensors load with `weights_only=True`, but torch.distributed.checkpoint reads its index (.metadata)
 with plain `pickle.load`, which runs whatever a tampered file names; so the index is read first by an
 unpickler that resolves only the classes such an index is made of, and a checkpoint naming anything else is
-refused before DCP touches it.
+refused before DCP touches it. Its non-tensor values (an optimizer's lr, betas, ...), which DCP loads with
+`weights_only=False`, are read with `weights_only=True` first (`_WeightsOnlyValues`).
 
 torch is imported by the functions that write or read tensors: the launcher and the rollout workers read only
 trainer states, and importing torch.distributed.checkpoint would cost them a second of CPU at every start.
@@ -13,6 +14,7 @@ trainer states, and importing torch.distributed.checkpoint would cost them a sec
 
 import json
 import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -60,9 +62,39 @@ def save_checkpoint(directory: Path, ranks, sharded_state: dict, export, trainer
 def load_sharded_state(directory: Path, state: dict) -> None:
     """Fills `state` (this rank's state dict, of the shapes to load into) from the checkpoint, resharded."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     check_sharded_index(Path(directory) / SHARDED_STATE / ".metadata")
-    dcp.load(state, checkpoint_id=Path(directory) / SHARDED_STATE)
+    planner = _weights_only_values()
+    try:
+        dcp.load(state, checkpoint_id=Path(directory) / SHARDED_STATE, planner=planner)
+    except CheckpointException:
+        if planner.refused:  # DCP wraps whatever its reading raised
+            raise ValueError(f"{directory} is not a checkpoint rlsys will load: {planner.refused}") from None
+        raise
+
+
+def _weights_only_values():
+    """DCP's load planner, but a non-tensor value that `torch.load(weights_only=True)` refuses (it names code) is
+    refused before DCP's own `weights_only=False` load runs it."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class _WeightsOnlyValues(DefaultLoadPlanner):
+        refused = ""
+
+        def load_bytes(self, read_item, value) -> None:
+            try:
+                torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                unsupported = re.search(r"Unsupported global: (.*?)(?: was not|$)", str(e), re.MULTILINE)
+                self.refused = (f"its value {read_item.dest_index.fqn} names "
+                                f"{unsupported.group(1) if unsupported else e}, where plain values belong")
+                raise
+            value.seek(0)  # the same bytes, found to name no code
+            super().load_bytes(read_item, value)
+
+    return _WeightsOnlyValues()
 
 
 _INDEX_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (

@@ -5,6 +5,7 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlsys import checkpoint
@@ -210,3 +211,23 @@ def test_a_resume_takes_back_the_metrics_and_counts_of_the_steps_after_its_check
     assert bus.get(protocol.WEIGHT_CHECKS) == 4
     assert [e.decode(protocol.DEAD_LETTERS)["reason"] for e in bus.stream_range(protocol.DEAD_LETTERS, 10)] == \
         ["before the checkpoint"]
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("a tampered checkpoint ran code",))
+
+
+def test_a_checkpoint_whose_saved_values_name_other_code_is_refused_before_they_run(tmp_path, capsys):
+    """DCP keeps each non-tensor value (an optimizer's lr, betas, ...) as a pickle beside the tensors, and loads it
+    with `torch.load(weights_only=False)`: a tampered value would run code though the index passes the check."""
+    directory = save_checkpoint(tmp_path / "step_1", Ranks(), {"optimizer": {"lr": _RunsCode()}}, lambda tmp: None,
+                                {"step": 1, "version": 1, "consumed_prompts": []})
+    with pytest.raises(ValueError, match="its value optimizer.lr names GLOBAL print"):
+        load_sharded_state(directory, {"optimizer": {"lr": 1e-3}})
+    assert "ran code" not in capsys.readouterr().out
+    save_checkpoint(directory, Ranks(), {"optimizer": {"lr": 2e-3, "betas": (0.9, 0.99)}}, lambda tmp: None,
+                    {"step": 1, "version": 1, "consumed_prompts": []})
+    state = {"optimizer": {"lr": 1e-3, "betas": (0.0, 0.0)}}
+    load_sharded_state(directory, state)  # what rlsys writes still loads
+    assert state == {"optimizer": {"lr": 2e-3, "betas": (0.9, 0.99)}}
