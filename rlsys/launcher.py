@@ -236,11 +236,16 @@ def check_same_dataset(config, trainer_state: dict) -> None:
 
 def resume_from_latest(config, run_dir: Path) -> dict:
     """After the learner died: every role starts again from the run's newest checkpoint (or from the start,
-    if it saved none), so the learner's weights, step and dataset position agree with inference's again."""
+    if it saved none), so the learner's weights, step and dataset position agree with inference's again.
+
+    model.path stays the run's own, as in a run started with resume_from_checkpoint: the learner loads the
+    checkpoint's state over it and publishes its version, which inference loads. A role restarted later (the
+    supervisor restarts each that dies) builds its engine and tokenizer from model.path, and save_total_limit
+    deletes the checkpoint once newer ones of its line are saved."""
     restore_replaced(run_dir / "checkpoints")  # every role stopped: no save is under way
     latest = latest_checkpoint(run_dir / "checkpoints") or config.resume_from_checkpoint
     if latest:
-        config.resume_from_checkpoint = config.model.path = str(latest)
+        config.resume_from_checkpoint = str(latest)
     log.warning("restarting every role from %s", latest or "the start (no checkpoint was saved yet)")
     return read_trainer_state(Path(latest)) if latest else {}
 

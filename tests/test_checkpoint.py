@@ -231,3 +231,30 @@ def test_a_checkpoint_whose_saved_values_name_other_code_is_refused_before_they_
     state = {"optimizer": {"lr": 1e-3, "betas": (0.0, 0.0)}}
     load_sharded_state(directory, state)  # what rlsys writes still loads
     assert state == {"optimizer": {"lr": 2e-3, "betas": (0.9, 0.99)}}
+
+
+def test_a_role_restarted_once_save_total_limit_deleted_the_checkpoint_the_run_restarted_from_finds_its_model(
+        tmp_path):
+    """After the learner died every role restarts from the newest checkpoint; the run goes on, and save_total_limit
+    deletes that checkpoint once newer ones of its line are saved. An inference or rollout worker that dies after
+    that is restarted with the run's config and builds its engine and tokenizer from config.model.path."""
+    from experiments import AsyncPPOMATHConfig
+    from rlsys.launcher import resume_from_latest
+    from rlsys.model.tokenizer import load_tokenizer
+    from tests.helpers import save_random_tiny_model
+
+    config = AsyncPPOMATHConfig()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    run, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+
+    def save_with_export(step: int, lineage: list) -> Path:  # the HF export a checkpoint holds beside its shards
+        return save_checkpoint(checkpoints / f"step_{step}", Ranks(), {"model": {"w": torch.zeros(2)}},
+                               lambda tmp: shutil.copytree(config.model.path, tmp, dirs_exist_ok=True),
+                               {"step": step, "version": step, "consumed_prompts": [], "lineage": lineage})
+
+    save_with_export(2, [])
+    assert resume_from_latest(config, run)["step"] == 2 and config.resume_from_checkpoint == str(checkpoints / "step_2")
+    lineage = [[2, read_trainer_state(checkpoints / "step_2")["saved_at"]]]
+    save_with_export(4, lineage)
+    assert keep_newest(checkpoints, 1) == [checkpoints / "step_2"]
+    assert load_tokenizer(config.model.path).vocab_size > 0  # what a restarted rollout worker loads first
