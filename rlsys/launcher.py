@@ -101,6 +101,8 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
                              protocol.role_stop_reason(f"rollout{i}"))))
     if not trainer_state:
         bus.delete(protocol.DEAD_LETTERS, protocol.WEIGHT_CHECKS)
+    # Read by the inference workers from the bus: they may run where the checkpoint's directory is not
+    bus.set(protocol.RESUMED_VERSION, trainer_state.get("version", 0))
     PromptLedger.of(bus, config).start(trainer_state.get("version", 0), trainer_state.get("accounting"))
 
 

@@ -15,6 +15,7 @@ WEIGHT_CHECKS = "weights:checks"  # counter: weight updates whose checksum an in
 LOGPROB_PROBES = "weights:probes"  # queue: each worker's logprobs of the learner's probe sequences, scored at load
 LEARNER_DONE = "learner:final_version"  # key: set once the learner published its last version
 STOP = "run:stop"  # key: set by the launcher to end every role
+RESUMED_VERSION = "run:resumed_version"  # key: the version of the checkpoint the roles start from; 0 fresh
 
 
 def replies(rollout_worker: int) -> str:

@@ -572,3 +572,48 @@ def test_an_offer_whose_announcement_fails_breaks_off_its_transfers_instead_of_h
     worker.join(10)
     assert outcome, "the transfer waited for bytes the learner will never copy"
     server.close()
+
+
+def test_a_resumed_runs_worker_goes_live_only_once_it_serves_the_checkpoints_version(tmp_path, monkeypatch):
+    """A resumed run's inference starts from model.path's weights at version 0, and the first worker live takes the
+    evaluation at the resumed step and the first rollouts: it goes live (its status, which routers wait for) once it
+    serves the version the learner publishes from the checkpoint; a run stopped before that ends it unstarted."""
+    from experiments import AsyncPPOMATHConfig
+    from rlsys.launcher import initialize_bus_state
+
+    path = save_random_tiny_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    take_optimizer_steps(model)
+    server = WeightServer()
+
+    def resumed_at_version_3() -> tuple[InProcessBus, InferenceWorker]:
+        bus = InProcessBus()
+        initialize_bus_state(bus, AsyncPPOMATHConfig(), {"step": 3, "version": 3})  # the launcher, before the roles
+        engine = GenerationEngine(TransformersBackend(str(path), InferenceConfig(engine="transformers"), seed=0))
+        return bus, InferenceWorker(engine, bus, 0, 8)
+
+    (bus, resumed), looks, live_at = resumed_at_version_3(), [], []
+    look = resumed.load_newest_weights
+
+    def learner_publishes_at_the_third_look():  # the learner is still loading its checkpoint until then
+        looks.append(True)
+        if len(looks) == 3:
+            publish(bus, model, 3, "stream", tmp_path, server=server)
+        look()
+
+    def start_epoch():
+        live_at.append(resumed.engine.version)
+        bus.set(protocol.STOP, 1)  # the run ends at the worker's next look
+
+    monkeypatch.setattr(resumed, "load_newest_weights", learner_publishes_at_the_third_look)
+    monkeypatch.setattr(resumed, "start_epoch", start_epoch)
+    resumed.run()
+    assert live_at == [3] and len(looks) >= 3
+    gap = (torch.tensor(resumed.engine.backend.score(SEQUENCE)) - learner_logprobs(model)).abs().max()
+    assert gap < 1e-4
+    server.close()
+
+    bus, stopped = resumed_at_version_3()  # a run whose learner never publishes, stopped meanwhile
+    bus.set(protocol.STOP, 1)
+    stopped.run()
+    assert stopped.engine.version == 0 and InferenceStatus(bus, 0).read() is None

@@ -55,6 +55,14 @@ class InferenceWorker:
 
     def run(self) -> None:
         self.load_newest_weights()
+        # A resumed run's worker goes live once it serves the checkpoint's version: its engine starts from model.path's
+        # weights, and the evaluation at the resumed step and the first rollouts run on the first worker live.
+        resumed = self.bus.get(protocol.RESUMED_VERSION) or 0
+        while self.engine.version < resumed:
+            if self.bus.get(protocol.STOP):
+                return
+            time.sleep(IDLE_WAIT)
+            self.load_newest_weights()
         self.start_epoch()
         heartbeat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
         heartbeat.start()
