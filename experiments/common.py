@@ -708,6 +708,12 @@ class AsyncRLExperimentConfig(BaseExperimentConfig):
             raise ValueError("cluster.colocate=true needs max_head_offpolicyness=0: generation and training take turns "
                              "only when no batch is generated while the learner trains; got max_head_offpolicyness="
                              f"{self.max_head_offpolicyness}")
+        if self.inference.tensor_parallel_size > 1 and self.cluster.weights_transport != "disk":
+            # vLLM hands a reload's weights to its other processes by pickling them: a streamed version is a generator
+            # of tensors as they arrive (no pickle takes it), viewing one buffer (each view pickles all of it)
+            raise ValueError(f"inference.tensor_parallel_size={self.inference.tensor_parallel_size} takes new weights "
+                             "from disk only: set cluster.weights_transport=disk (one machine, or a run directory "
+                             f"every node shares); got cluster.weights_transport={self.cluster.weights_transport}")
 
     def held_out_score(self, trajectory) -> float | None:
         """What one greedy held-out episode counts towards the held-out accuracy: its success, 1 or 0, as the agent

@@ -57,6 +57,8 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["gen.temperature=1e-7"], "gen.temperature 1e-07 samples greedily in the engines"),
     (["gen.top_p=1.5"], "gen.top_p must be in (0, 1]"),
     (["cluster.redis_port=99999"], "cluster.redis_port must be a TCP port"),
+    (["inference.tensor_parallel_size=2"], "inference.tensor_parallel_size=2 takes new weights from disk only: set "
+                                           "cluster.weights_transport=disk"),
     (["cluster.inference_dead_after=0.3"], "cluster.inference_dead_after must be at least 1 s, got 0.3: inference "
                                            "workers beat every 0.25 s"),
     (["cluster.n_rollout_workers=0"], "cluster.n_rollout_workers must be at least 1"),
