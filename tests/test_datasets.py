@@ -79,6 +79,16 @@ def test_a_bad_row_names_file_row_and_field(tmp_path, rows, fmt, message):
         load_rows(write(rows, tmp_path / "rows.parquet"), fmt)
 
 
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json"])
+def test_json_numbers_come_out_as_the_file_wrote_them(tmp_path, name):
+    """pyarrow reads a column of integers and fractions as floats; the rows must not: 5 is not "5.0"."""
+    rows = [{"prompt": "2+3=", "answer": 5, "meta": {"id": 12345678901234567891, "weight": 1}},
+            {"prompt": "5/2=", "answer": 2.5, "meta": {"id": 7, "weight": 123456.78901234567}}]
+    loaded = load_rows(write(rows, tmp_path / name))
+    assert [r["answer"] for r in loaded] == ["5", "2.5"]
+    assert [r["meta"] for r in loaded] == [row["meta"] for row in rows]
+
+
 def test_deeply_nested_json_is_a_clear_error_not_a_recursion_error(tmp_path):
     good = json.dumps({"prompt": "1+1=", "answer": "2"})
     path = tmp_path / "deep.jsonl"
