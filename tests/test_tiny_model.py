@@ -194,3 +194,23 @@ def test_a_model_warm_started_on_another_schedule_is_not_reused(tmp_path):
     assert key(Halved()) != key(AsyncPPOMATHConfig())
     multi_turn = AsyncPPOMathMultiTurnConfig().warm_start_settings  # a subclass adds to the schedule, keeps it
     assert multi_turn["batch"] == AsyncPPOMATHConfig.warm_start_batch_size and "retry_every" in multi_turn
+
+
+def test_the_arithmetic_warm_start_teaches_and_checks_prompts_as_the_rollout_worker_renders_them(tmp_path):
+    """A system prompt (dataset.system_prompt, or a chat row's own) is part of every prompt the run sends: the warm
+    start must teach and check answers after it too."""
+    from rlsys.data.dataset import RowFormat, load_rows, write_jsonl
+    from rlsys.data.prompts import row_prompt_ids
+    from rlsys.model.warm_start_examples import arithmetic_warm_start
+
+    path = write_jsonl([{"prompt": "1+1=", "answer": "2"},
+                        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3="}],
+                         "answer": "5"}], tmp_path / "rows.jsonl")
+    rows = load_rows(path, RowFormat(system_prompt="You add."))
+    tokenizer = build_char_tokenizer()
+    taught, checks = arithmetic_warm_start(tokenizer, rows, rows)
+    for row, sequence, check in zip(rows, taught, checks, strict=True):
+        sent = row_prompt_ids(tokenizer, row)
+        assert check.prompt_ids == sent
+        assert sequence.token_ids[:len(sent)] == sent and sequence.taught[:len(sent)] == [0] * len(sent)
+        assert tokenizer.decode(sequence.token_ids[len(sent):]) == row["answer"] + "<|end|>"
