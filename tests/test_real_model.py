@@ -13,14 +13,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rlsys.cli import parse_config
 from rlsys.data.word_problems import generate
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.model.convert import convert, smollm2_gguf
-from tests.helpers import child_pids, left_behind
+from tests.helpers import child_pids, left_behind, save_random_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,6 +54,20 @@ def test_the_command_line_says_what_it_cannot_convert(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rlsys.model.convert", str(tmp_path / "nope.gguf"), str(tmp_path / "o")],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "error:" in done.stderr and "does not exist" in done.stderr
+
+
+def test_an_hf_checkpoint_converts_with_the_stop_tokens_of_its_generation_config(tmp_path):
+    """An instruct model's generation config ends sequences at more tokens than its config's eos; the engines stop
+    where the converted checkpoint's generation config says."""
+    from experiments.common import InferenceConfig
+    from rlsys.engine.transformers_engine import TransformersBackend
+
+    source = save_random_tiny_model(tmp_path / "source")  # eos 1
+    GenerationConfig(eos_token_id=[1, 5], bos_token_id=1, pad_token_id=0).save_pretrained(source)
+    out = convert(source, tmp_path / "hf")
+    assert GenerationConfig.from_pretrained(out).eos_token_id == [1, 5]
+    backend = TransformersBackend(str(out), InferenceConfig(engine="transformers"), seed=0)
+    assert backend.eos_token_ids == {1, 5}
 
 
 @pytest.mark.slow

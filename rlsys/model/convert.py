@@ -56,6 +56,9 @@ def convert(source: str | Path, out_dir: str | Path, dtype: str = "float32") -> 
                          f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})")
     if config.tie_word_embeddings:
         model.tie_weights()
+    # The source's own, not one made from its config: a generation config may end sequences at more tokens than the
+    # config's eos (an instruct model's end of turn), and both engines stop where it says.
+    model.generation_config = loaded.generation_config
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
