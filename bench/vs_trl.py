@@ -354,7 +354,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from rlsys.data.dataset import load_rows
-    from rlsys.data.prompts import row_prompt_ids
+    from rlsys.model.tokenizer import row_prompt_ids
     from rlsys.model.tokenizer import load_tokenizer
 
     overrides = [*task_settings(args.task), *engine_settings(args.device), *args.overrides]

@@ -12,9 +12,8 @@ import pytest
 
 from experiments.common import DatasetConfig
 from rlsys.data.dataset import DatasetError, RowFormat, load_rows
-from rlsys.data.prompts import row_prompt_ids
 from rlsys.data.word_problems import generate
-from rlsys.model.tokenizer import build_char_tokenizer
+from rlsys.model.tokenizer import build_char_tokenizer, row_prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"question": "1+1=", "reward_model": {"ground_truth": "2", "style": "rule"}, "id": 0},

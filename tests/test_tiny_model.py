@@ -200,7 +200,7 @@ def test_the_arithmetic_warm_start_teaches_and_checks_prompts_as_the_rollout_wor
     """A system prompt (dataset.system_prompt, or a chat row's own) is part of every prompt the run sends: the warm
     start must teach and check answers after it too."""
     from rlsys.data.dataset import RowFormat, load_rows, write_jsonl
-    from rlsys.data.prompts import row_prompt_ids
+    from rlsys.model.tokenizer import row_prompt_ids
     from rlsys.model.warm_start_examples import arithmetic_warm_start
 
     path = write_jsonl([{"prompt": "1+1=", "answer": "2"},

@@ -5,7 +5,7 @@ import random
 from collections.abc import Iterator
 
 from rlsys.api import Prompt
-from rlsys.model.tokenizer import chat_prompt_ids
+from rlsys.model.tokenizer import row_prompt_ids
 
 
 def prompt_by_id(rows: list[dict], tokenizer, qid: str) -> Prompt:
@@ -38,7 +38,3 @@ def no_share(n_rows: int, n_rollout_workers: int) -> str:
             "least one (fewer cluster.n_rollout_workers, or more rows)")
 
 
-def row_prompt_ids(tokenizer, row: dict) -> list[int]:
-    """A dataset row's prompt through the chat template: its `messages` (system prompt included) when it
-    has them, else its `prompt` as the one user message."""
-    return chat_prompt_ids(tokenizer, row.get("messages") or row["prompt"])

@@ -44,6 +44,12 @@ def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def row_prompt_ids(tokenizer, row: dict) -> list[int]:
+    """A dataset row's prompt through the chat template: its `messages` (system prompt included) when it
+    has them, else its `prompt` as the one user message. What the rollout worker sends, and the warm start teaches."""
+    return chat_prompt_ids(tokenizer, row.get("messages") or row["prompt"])
+
+
 def continuation_ids(tokenizer, role: str, content: str) -> list[int]:
     """Token ids that follow an assistant turn ending in eos: one more message, then the assistant's prompt."""
     return messages_continuation_ids(tokenizer, [{"role": role, "content": content}])

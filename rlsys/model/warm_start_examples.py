@@ -5,7 +5,7 @@ code that runs it is rlsys/model/tiny.py, imported only by whoever builds a mode
 
 from dataclasses import dataclass
 
-from rlsys.model.tokenizer import chat_prompt_ids
+from rlsys.model.tokenizer import row_prompt_ids
 
 
 @dataclass
@@ -43,13 +43,6 @@ def arithmetic_warm_start(tokenizer, train_rows: list[dict],
     """Each training prompt, as the rollout worker renders it, followed by its answer; held-out prompts to check."""
     taught = []
     for row in train_rows:
-        prompt, answer = rendered_prompt_ids(tokenizer, row), answer_ids(tokenizer, row["answer"])
+        prompt, answer = row_prompt_ids(tokenizer, row), answer_ids(tokenizer, row["answer"])
         taught.append(TaughtSequence(prompt + answer, [0] * len(prompt) + [1] * len(answer)))
-    return taught, [AnswerCheck(rendered_prompt_ids(tokenizer, row), (row["answer"],)) for row in eval_rows]
-
-
-def rendered_prompt_ids(tokenizer, row: dict) -> list[int]:
-    """A dataset row's prompt as the rollout worker renders it (rlsys/data/prompts.py, a layer above): its `messages`
-    when it has them. Its `prompt` alone left out dataset.system_prompt and a chat's earlier messages, so the warm start
-    taught and checked answers to prompts the run never sends."""
-    return chat_prompt_ids(tokenizer, row.get("messages") or row["prompt"])
+    return taught, [AnswerCheck(row_prompt_ids(tokenizer, row), (row["answer"],)) for row in eval_rows]
