@@ -74,7 +74,7 @@ class AsyncPPOMathLongConfig(AsyncPPOMATHConfig):
         if any("solution" not in rows[0] for rows in (train_rows, eval_rows)):
             raise ValueError("the warm start teaches each row's working, its `solution` field, which this dataset's "
                              "rows lack; give model.path, or leave dataset.path empty for the generated sums")
-        worked = [[{"prompt": row["prompt"], "answer": row["solution"]} for row in rows]
+        worked = [[{**row, "answer": row["solution"]} for row in rows]  # its messages too, as the run sends them
                   for rows in (train_rows, eval_rows)]
         taught, checks = arithmetic_warm_start(tokenizer, *worked)
         return taught, [replace(check, final_mark=FINAL) for check in checks]

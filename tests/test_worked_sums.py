@@ -6,10 +6,11 @@ import pytest
 
 from experiments import EXPERIMENTS, AsyncPPOMathLongConfig
 from rlsys.cli import ConfigError, parse_config
-from rlsys.data.dataset import load_rows
+from rlsys.data.dataset import RowFormat, load_rows
 from rlsys.data.worked_sums import generate_worked_sums_dataset, prompt_width, worked_sum
 from rlsys.impl.env.math_answers import check_answer, reference_answer
 from rlsys.assets import tiny_model_dir
+from rlsys.model.tokenizer import row_prompt_ids
 
 TERMS = (AsyncPPOMathLongConfig.min_terms, AsyncPPOMathLongConfig.max_terms)  # the experiment's
 DIGITS = AsyncPPOMathLongConfig.term_digits
@@ -95,6 +96,14 @@ def test_the_long_experiment_is_registered_and_resolves(tmp_path, tokenizer):
     answer = [t for t, m in zip(first.token_ids, first.taught) if m]
     assert tokenizer.decode(answer, skip_special_tokens=True) == load_rows(train)[0]["solution"]
     assert checks[0].accepted == (load_rows(held_out)[0]["solution"],)
+    # A dataset.system_prompt is in the prompts the run sends: the warm start teaches and checks those prompts
+    with_system = RowFormat(system_prompt="Show your working.")
+    taught, checks = config.warm_start_examples(tokenizer, load_rows(train, with_system)[:1],
+                                                load_rows(held_out, with_system)[:1])
+    sent = row_prompt_ids(tokenizer, load_rows(held_out, with_system)[0])
+    assert "Show your working." in tokenizer.decode(sent) and checks[0].prompt_ids == sent
+    sent = row_prompt_ids(tokenizer, load_rows(train, with_system)[0])
+    assert taught[0].token_ids[:len(sent)] == sent
     with pytest.raises(ConfigError, match="min_terms must be at least 2 and at most max_terms"):
         parse_config(["experiment=async-ppo-math-long", "min_terms=9"])
     with pytest.raises(ConfigError, match="gen.max_new_tokens=128 would cut it short: set gen.max_new_tokens="):
