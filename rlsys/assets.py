@@ -5,7 +5,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from rlsys.data.dataset import load_rows
+from rlsys.data.dataset import load_rows, rows_fingerprint
 from rlsys.data.prompts import no_share
 from rlsys.placement.cpu_threads import warm_start_threads
 from rlsys.workers.env_per_row import check_env_names
@@ -42,7 +42,7 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
         check_resumable(config.resume_from_checkpoint)
         config.model.path = config.resume_from_checkpoint
     elif not config.model.path:
-        directory = tiny_model_dir(config.model, config.seed, Path(data.path).parent, warm_start_key(config))
+        directory = tiny_model_dir(config.model, config.seed, rows_key(train_rows, eval_rows), warm_start_key(config))
         if not (directory / "config.json").exists():
             from rlsys.model.tiny import prepare_tiny_model  # torch and transformers' models: only to build one
 
@@ -74,12 +74,18 @@ def check_resumable(checkpoint: str) -> None:
                          + what + (f"; to start from its weights instead, model.path={checkpoint}" if weights else ""))
 
 
-def tiny_model_dir(cfg, seed: int, dataset_dir: Path, warm_start: dict) -> Path:
-    """The tiny model's cache directory, keyed by everything that changes the model (`warm_start`: the experiment's
-    own settings)."""
-    fields = {"model": vars(cfg), "seed": seed, "data": str(dataset_dir), "warm_start": warm_start}
+def tiny_model_dir(cfg, seed: int, data: str, warm_start: dict) -> Path:
+    """The tiny model's cache directory, keyed by everything that changes the model: `data` names the rows it is
+    taught and checked on (rows_key), `warm_start` the experiment's own settings."""
+    fields = {"model": vars(cfg), "seed": seed, "data": data, "warm_start": warm_start}
     key = json.dumps(fields, sort_keys=True, default=str)
     return Path(cfg.cache_dir).expanduser() / "models" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def rows_key(train_rows: list[dict], eval_rows: list[dict]) -> str:
+    """The rows a warm start is taught and checked on, as the run sends them: the dataset's folder alone kept a model
+    taught on other prompts when the file, its keys, dataset.system_prompt or dataset.prompt_template changed."""
+    return f"{rows_fingerprint(train_rows)}:{rows_fingerprint(eval_rows)}"
 
 
 def warm_start_key(config) -> dict:

@@ -214,3 +214,28 @@ def test_the_arithmetic_warm_start_teaches_and_checks_prompts_as_the_rollout_wor
         assert check.prompt_ids == sent
         assert sequence.token_ids[:len(sent)] == sent and sequence.taught[:len(sent)] == [0] * len(sent)
         assert tokenizer.decode(sequence.token_ids[len(sent):]) == row["answer"] + "<|end|>"
+
+
+def test_a_model_warm_started_on_other_prompts_is_not_reused(tmp_path, monkeypatch):
+    """The cache was keyed by the dataset's folder: a run with a dataset.system_prompt (or another file, prompt key or
+    template in that folder) got the model taught on the prompts without it."""
+    from rlsys import assets
+    from rlsys.model import tiny
+
+    built = []
+
+    def build(cfg, seed, examples, directory, *args, **kwargs):  # no warm start: where the model would go is the test
+        built.append(directory)
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text("{}")
+
+    monkeypatch.setattr(tiny, "prepare_tiny_model", build)
+
+    def model_path(*overrides):
+        config = parse_config([f"model.cache_dir={tmp_path}", *overrides])
+        assets.prepare_assets(config, log=lambda *_: None)
+        return config.model.path
+
+    plain = model_path()
+    assert model_path("dataset.system_prompt=Be brief.") != plain
+    assert model_path() == plain and len(built) == 2  # the same rows: the cached model
