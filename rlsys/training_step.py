@@ -35,7 +35,7 @@ from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clippe
 from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.api import Trajectory
 from rlsys.distributed import Ranks, shard, sync_gradients
-from rlsys.model.loading import load_critic, load_policy
+from rlsys.model.loading import check_full_attention, load_critic, load_policy
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.model.varlen_attention import known_segment_starts
 
@@ -64,6 +64,10 @@ class PolicyTrainer:
         self.packed = packed is not False
         self.share_prefixes = shares_prefixes(self.ppo.share_prefixes, self.packed, self.device, attention)
         self.model = self._placed(load_policy(config.model.path, attention)).train()
+        if attention == "auto":  # HF's own attention masks a window: rlsys's does not
+            longest = config.inference.max_model_len or getattr(self.model.config, "max_position_embeddings", 0)
+            check_full_attention(self.model.config, longest, "learner.attn_implementation=auto (rlsys's attention)",
+                                 "set learner.attn_implementation=sdpa")
         # The KL reference is the policy the run started from, also after a resume from a later checkpoint.
         self.initial_model_path = initial_model_path
         self.reference = None

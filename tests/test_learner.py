@@ -1056,3 +1056,28 @@ def test_a_mini_batchs_loss_and_gradients_are_those_of_a_plain_per_sequence_comp
         assert torch.allclose(grads[name], p.grad, atol=1e-5, rtol=1e-4), name
     assert max(g.abs().max() for g in grads.values()) > 1e-3
     assert min(exercised.values()) > 0, exercised
+
+
+def test_a_model_with_windowed_attention_is_refused_by_rlsys_attention(tmp_path):
+    """rlsys's attention spans whole sequences: a model with sliding-window layers (Gemma's, Qwen2's with
+    use_sliding_window) trained with it would get other logprobs than its own past the window, unseen."""
+    import json
+    from pathlib import Path
+
+    from transformers import MistralConfig
+
+    from rlsys.model.loading import check_full_attention
+
+    config = learner_config(tmp_path)
+    model_config = json.loads((Path(config.model.path) / "config.json").read_text())
+    layers = model_config["num_hidden_layers"]
+    model_config.update(use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention"] * layers)
+    (Path(config.model.path) / "config.json").write_text(json.dumps(model_config))
+    with pytest.raises(NotImplementedError, match=r"learner.attn_implementation=auto \(rlsys's attention\) runs "
+                                                  r"full-attention models only; this one has layers of types "
+                                                  r"\['sliding_attention'\]: set learner.attn_implementation=sdpa"):
+        Learner(config, InProcessBus(), tmp_path / "run")
+    # A window as long as the sequences never binds (Mistral's 4096 at max_model_len 4096)
+    check_full_attention(MistralConfig(sliding_window=4096), 4096, "x", "y")
+    with pytest.raises(NotImplementedError, match="sliding window of 4096 tokens.*set inference.max_model_len=4096"):
+        check_full_attention(MistralConfig(sliding_window=4096), 8192, "x", "y")

@@ -24,6 +24,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from rlsys.api.generation import GREEDY_BELOW
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
 from rlsys.engine.decode_graphs import DecodeGraphs
+from rlsys.model.loading import check_full_attention
 from rlsys.model.tokenizer import load_tokenizer
 
 PREFILL_TOKENS = 8192  # padded prompt tokens per prefill forward pass: bounds its activations and mask
@@ -51,9 +52,11 @@ class TransformersBackend(GenerationBackend):
             attn_implementation=CPU_ATTENTION if self.device.type == "cpu" else "sdpa")
         self.model.to(self.device).eval()
         self.loads_from_pinned_memory = self.device.type == "cuda"
-        _require_full_attention(self.model.config)
         self.max_num_seqs = inference_cfg.max_num_seqs
         self.max_model_len = _max_model_len(inference_cfg.max_model_len, self.model.config)
+        # left padding shifts columns, so a sliding window would cover the wrong tokens of padded rows
+        check_full_attention(self.model.config, self.max_model_len, "the transformers engine",
+                             "use inference.engine=vllm")
         self.eos_token_ids = _eos_token_ids(self.model, load_tokenizer(model_path))
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.generator = torch.Generator(self.device).manual_seed(seed)  # for sequences without a seed
@@ -455,14 +458,6 @@ def _max_model_len(configured: int, config) -> int:
         raise ValueError("inference.max_model_len=0 means the model's own limit, but its config has no "
                          "max_position_embeddings; set inference.max_model_len")
     return configured or positions
-
-
-def _require_full_attention(config) -> None:
-    """Left padding shifts columns, so a sliding window would cover the wrong tokens of padded rows."""
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise NotImplementedError(f"the transformers backend runs full-attention models only; this one has "
-                                  f"layers of types {sorted(layer_types)}")
 
 
 def _grouped_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

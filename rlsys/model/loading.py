@@ -15,6 +15,23 @@ def attention_for(requested: str = "auto") -> str:
     return ATTN_IMPLEMENTATION if requested == "auto" else requested
 
 
+def check_full_attention(config, max_len: int, who: str, instead: str) -> None:
+    """NotImplementedError for a model whose attention is limited to a window within its `max_len`-token sequences:
+    rlsys's attention (the learner's packed rows, the transformers engine's left-padded ones) spans whole sequences,
+    so it would compute other logprobs than the model's (and vLLM's) past the window."""
+    types = set(getattr(config, "layer_types", None) or ())
+    windowed = not types and getattr(config, "use_sliding_window", True)  # Qwen2 names a window it does not use
+    window = getattr(config, "sliding_window", None) if windowed else None
+    if types - {"full_attention"}:
+        why = f"layers of types {sorted(types)}"
+    elif window and window < max_len:
+        why = f"a sliding window of {window} tokens, within its {max_len}-token sequences"
+        instead = f"set inference.max_model_len={window} or less, or {instead}"
+    else:
+        return
+    raise NotImplementedError(f"{who} runs full-attention models only; this one has {why}: {instead}")
+
+
 def load_policy(path: str, attention: str = "auto"):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention_for(attention))
 
