@@ -15,7 +15,7 @@ from rlsys.impl.agent.model_client import ModelClient
 from rlsys.impl.agent.multi_turn import RolloutStrategy, token_key
 from rlsys.impl.env.frozen_lake import FrozenLakeEnv, generate_lake, shortest_path
 from rlsys.impl.env.sokoban import SokobanEnv, generate_room, solve
-from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids
+from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids, row_prompt_ids
 from tests.scripted import ids, run_scripted_episode
 from tests.scripted_engine import ScriptedEngine
 
@@ -352,6 +352,12 @@ def test_retry_warm_start_is_tokenized_exactly_like_the_agents_second_attempt(to
     right = ids(tokenizer, "46") + [tokenizer.eos_token_id]
     assert trajectory.token_ids == sequence.token_ids + user_turn(tokenizer, CORRECT_FEEDBACK)
     assert sequence.taught == [0] * (len(sequence.token_ids) - len(right)) + [1] * len(right)
+    # a row with a system prompt is taught as the rollout worker sends it (the prompt alone left the system out)
+    row = {"prompt": "12+34=", "answer": "46", "messages": [{"role": "system", "content": "Be brief."},
+                                                           {"role": "user", "content": "12+34="}]}
+    (sequence,) = retry_sequences(tokenizer, [row], seed=0)
+    sent = row_prompt_ids(tokenizer, row)
+    assert "Be brief." in tokenizer.decode(sent) and sequence.token_ids[:len(sent)] == sent
 
 
 class BrokenLake(FrozenLakeEnv):

@@ -16,7 +16,7 @@ import random
 from rlsys.api import EnvironmentService, GenerationConfig, Prompt, register_agent
 from rlsys.impl.agent.multi_turn import MultiTurnAgent, Reaction, RolloutStrategy
 from rlsys.model.warm_start_examples import TaughtSequence, answer_ids
-from rlsys.model.tokenizer import chat_prompt_ids, message_after_ids
+from rlsys.model.tokenizer import message_after_ids, row_prompt_ids
 
 CORRECT_FEEDBACK = "Congratulations! You are correct!"
 WRONG_FEEDBACK = "Unfortunately your answer is wrong. Let's try again."
@@ -49,7 +49,7 @@ def retry_sequences(tokenizer, rows: list[dict], seed: int) -> list[TaughtSequen
     rng = random.Random(seed)
     sequences = []
     for row in rows:
-        prompt = chat_prompt_ids(tokenizer, row["prompt"])
+        prompt = row_prompt_ids(tokenizer, row)  # as the rollout worker renders it: a system prompt included
         wrong = answer_ids(tokenizer, str(int(row["answer"]) + rng.choice([-10, -1, 1, 10])))
         right = answer_ids(tokenizer, row["answer"])
         context = prompt + wrong + message_after_ids(tokenizer, wrong, "user", WRONG_FEEDBACK)
