@@ -354,8 +354,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from rlsys.data.dataset import load_rows
-    from rlsys.model.tokenizer import row_prompt_ids
-    from rlsys.model.tokenizer import load_tokenizer
+    from rlsys.model.tokenizer import load_tokenizer, row_prompt_ids
 
     overrides = [*task_settings(args.task), *engine_settings(args.device), *args.overrides]
     config = prepared_config(overrides)

@@ -36,5 +36,3 @@ def prompt_stream(rows: list[dict], tokenizer, tag: str, *, seed: int, shuffle: 
 def no_share(n_rows: int, n_rollout_workers: int) -> str:
     return (f"{n_rows} training rows leave some of the {n_rollout_workers} rollout workers none to run: give each at "
             "least one (fewer cluster.n_rollout_workers, or more rows)")
-
-
