@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from rlsys.api import GenerationOutput, Trajectory
 from rlsys.api.trajectory import Transcript
-from rlsys.model.tokenizer import messages_continuation_ids
+from rlsys.model.tokenizer import messages_after_ids
 from rlsys.tools.call_format import CALL_CLOSE, CALL_OPEN, tool_response
 
 
@@ -114,10 +114,7 @@ class Conversation:
     def new_message_ids(self, sample: Sample, messages: list[dict]) -> list[int]:
         """eos if the model's last turn did not end with one (it was cut), then the template's rendering of
         only the new messages and the assistant's prompt."""
-        eos = self.tokenizer.eos_token_id
-        ids = sample.transcript.token_ids
-        closing = [] if ids and ids[-1] == eos else [eos]
-        return closing + messages_continuation_ids(self.tokenizer, template_messages(messages))
+        return messages_after_ids(self.tokenizer, sample.transcript.token_ids, template_messages(messages))
 
     def record(self, messages: list[dict] | str, sample: Sample | None, prompt_ids: list[int],
                output: GenerationOutput, replies: list[dict], finish_reasons: list[str]) -> None:

@@ -50,16 +50,16 @@ def row_prompt_ids(tokenizer, row: dict) -> list[int]:
     return chat_prompt_ids(tokenizer, row.get("messages") or row["prompt"])
 
 
-def continuation_ids(tokenizer, role: str, content: str) -> list[int]:
-    """Token ids that follow an assistant turn ending in eos: one more message, then the assistant's prompt."""
-    return messages_continuation_ids(tokenizer, [{"role": role, "content": content}])
-
-
 def message_after_ids(tokenizer, generated: list[int], role: str, content: str) -> list[int]:
-    """Token ids of one more message after a model's turn `generated`, then the assistant's prompt: eos first if the
-    turn did not end with one (it was cut at max_new_tokens)."""
+    """Token ids of one more message after a model's turn `generated`, then the assistant's prompt."""
+    return messages_after_ids(tokenizer, generated, [{"role": role, "content": content}])
+
+
+def messages_after_ids(tokenizer, generated: list[int], messages: list[dict]) -> list[int]:
+    """Token ids of `messages` after a model's turn `generated`, then the assistant's prompt: eos first if the turn
+    did not end with one (it was cut at max_new_tokens)."""
     closing = [] if generated and generated[-1] == tokenizer.eos_token_id else [tokenizer.eos_token_id]
-    return closing + continuation_ids(tokenizer, role, content)
+    return closing + messages_continuation_ids(tokenizer, messages)
 
 
 def messages_continuation_ids(tokenizer, messages: list[dict]) -> list[int]:
