@@ -69,21 +69,32 @@ def messages_continuation_ids(tokenizer, messages: list[dict]) -> list[int]:
     whatever a template puts between an assistant's eos and the next message (Qwen's newline) is kept
     rather than silently dropped at every turn boundary.
     """
-    exchange = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
-    before = tokenizer.apply_chat_template(exchange, tokenize=False)
-    after = tokenizer.apply_chat_template(exchange + list(messages), add_generation_prompt=True, tokenize=False)
-    eos = tokenizer.eos_token
-    if eos and eos in before:
-        # The exchange as it renders once a message follows it, through the assistant's eos (the first after those of
-        # the user's message): a template may render the last assistant turn apart (Qwen3 gives it an empty think
-        # block, which earlier turns do not have).
-        followed = tokenizer.apply_chat_template(exchange + exchange[:1], tokenize=False)
-        ends = [i + len(eos) for i in range(len(followed)) if followed.startswith(eos, i)]
-        earlier = tokenizer.apply_chat_template(exchange[:1], tokenize=False).count(eos)
-        before = followed[:ends[earlier]] if len(ends) > earlier else before[:before.rindex(eos) + len(eos)]
+    # keyed by the template's text too: a tokenizer's template may be changed in place, or be a dict of templates
+    before = _stand_in_exchange(tokenizer, str(tokenizer.chat_template), tokenizer.eos_token)
+    after = tokenizer.apply_chat_template(STAND_IN + list(messages), add_generation_prompt=True, tokenize=False)
     if not after.startswith(before):
         raise ValueError("this chat template renders earlier messages differently once a message follows them")
     return tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
+
+
+STAND_IN = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+
+
+@lru_cache(maxsize=8)
+def _stand_in_exchange(tokenizer, chat_template: str, eos: str | None) -> str:
+    """The stand-in exchange as the template renders it before a following message, through the assistant's eos.
+    The same for every call with one template (the key: the tokenizer, its template and eos), so rendered once:
+    three renders a turn would be most of the cost of appending a message."""
+    before = tokenizer.apply_chat_template(STAND_IN, tokenize=False)
+    if not (eos and eos in before):
+        return before
+    # The exchange as it renders once a message follows it, through the assistant's eos (the first after those of
+    # the user's message): a template may render the last assistant turn apart (Qwen3 gives it an empty think
+    # block, which earlier turns do not have).
+    followed = tokenizer.apply_chat_template(STAND_IN + STAND_IN[:1], tokenize=False)
+    ends = [i + len(eos) for i in range(len(followed)) if followed.startswith(eos, i)]
+    earlier = tokenizer.apply_chat_template(STAND_IN[:1], tokenize=False).count(eos)
+    return followed[:ends[earlier]] if len(ends) > earlier else before[:before.rindex(eos) + len(eos)]
 
 
 GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
