@@ -30,7 +30,7 @@ from rlsys.tools.sandbox import SandboxLimits, SandboxResult, run_python
 LIMITS = SandboxLimits(wall_seconds=10, cpu_seconds=2, memory_mb=128, max_processes=16, file_mb=16,
                        output_bytes=8192, workdir_mb=32, allow_unconfined=True)
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-SANDBOX_MODULES = ("confine", "confinement", "sandbox", "sandbox_cgroup", "seccomp_filter")
+SANDBOX_MODULES = ("confine", "confinement", "queue_time", "sandbox", "sandbox_cgroup", "seccomp_filter")
 # runs the attack suite in another process (another user), from a copy of the sandbox's modules only
 AS_USER = """
 import sys, types

@@ -8,8 +8,10 @@ import pytest
 
 import rlsys.impl.env  # noqa: F401  (registers the environments)
 from rlsys.api import TOOLS, EnvServiceAbstraction, Tool, ToolOutput, make_env, make_tool, register_tool
+from rlsys.tools import sandbox
 from rlsys.tools.calculator import CalculatorError, evaluate, format_number
 from rlsys.tools.call_format import DecodeError, ToolCall, parse_turn
+from rlsys.tools.queue_time import queued_for, within
 
 SCHEMAS = {name: TOOLS.lookup(name).parameters for name in ("calculator", "python")}
 
@@ -259,6 +261,48 @@ def test_a_tool_whose_start_overruns_is_stopped_then_and_started_again_at_the_ne
     assert first[4]["tool_timeouts"] == 1 and stopped_after_first == 1
     assert second[0] == "<tool_response>call 1</tool_response>"
     assert (RecordingTool.started, RecordingTool.stopped) == (2, 2)
+
+
+def test_a_python_call_queued_for_a_sandbox_slot_is_not_timed_out_for_the_wait(monkeypatch):
+    """One slot: a chain's call that hangs holds it until the env's limit; another chain's quick call, queued behind
+    it all that time, runs once it is free and is not reported as timed out (the wait was not its run)."""
+    monkeypatch.setattr(sandbox, "MAX_CONCURRENT", 1)
+    env = make_env(EnvServiceAbstraction("math-tools", {"tool_timeout": 2.0}))
+    python_call = '<tool_call>{{"name": "python", "arguments": {{"code": "{}"}}}}</tool_call>'.format
+
+    async def episode():
+        await env.reset(options={"prompt": "6*7", "answer": "42"})
+        hang = asyncio.ensure_future(env.step((0, python_call("while True: pass"))))
+        while not (sandbox._semaphores.get(asyncio.get_running_loop()) or asyncio.Semaphore()).locked():
+            await asyncio.sleep(0.01)  # the hanging call holds the slot
+        quick = await env.step((1, python_call("print(6*7)")))
+        hung = await hang
+        await env.close()
+        return hung, quick
+
+    hung, quick = asyncio.run(episode())
+    assert hung[0] == "<tool_response>error: python did not finish in 2s</tool_response>"
+    assert hung[4]["tool_timeouts"] == 1
+    assert quick[0] == "<tool_response>42\n</tool_response>" and quick[4]["tool_timeouts"] == 0
+
+
+def test_within_counts_a_call_s_run_not_its_queued_waits():
+    async def main():
+        lock = asyncio.Semaphore(1)
+
+        async def hold(seconds):
+            async with queued_for(lock):
+                await asyncio.sleep(seconds)
+            return seconds
+
+        holder = asyncio.ensure_future(hold(0.6))
+        await asyncio.sleep(0)
+        queued_then_quick = await within(hold(0.1), 0.3)  # 0.6 s queued, 0.1 s run
+        with pytest.raises(asyncio.TimeoutError):
+            await within(hold(0.6), 0.3)  # its own run overruns
+        return queued_then_quick, await holder, lock.locked()
+
+    assert asyncio.run(main()) == (0.1, 0.6, False)  # the timed-out call let the lock go
 
 
 def test_env_scores_answers_and_hints_after_a_turn_without_action():

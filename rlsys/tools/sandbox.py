@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rlsys.tools.confinement import (SANDBOX_UID, WORKDIR, Confinement, UsernsPipes, bwrap_command, launch_options,
                                      machine_confinement, refusal)
+from rlsys.tools.queue_time import queued_for
 from rlsys.tools.sandbox_cgroup import SandboxCgroup
 from rlsys.tools.seccomp_filter import deny_filter
 
@@ -104,7 +105,7 @@ async def run_python(code: str, limits: SandboxLimits | None = None,
     if confinement.mode == "unconfined" and not limits.allow_unconfined:
         return SandboxResult("refused", None, "", "", False, refusal(confinement), 0.0, [], list(confinement.notes),
                              confinement.mode)
-    async with _slots():
+    async with queued_for(_slots()):  # a call's time limit (`within`) does not count the wait
         return await _run(code, limits, confinement)
 
 

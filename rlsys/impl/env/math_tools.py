@@ -19,6 +19,7 @@ from rlsys.api import TOOLS, EnvironmentService, Tool, ToolOutput, make_tool, re
 from rlsys.api.tool import describe_tool
 from rlsys.impl.env.math_verifier import shared_pool
 from rlsys.tools.call_format import ToolCall, instructions, no_action_hint, parse_turn, tool_response
+from rlsys.tools.queue_time import within
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class MathToolsEnv(EnvironmentService):
         try:
             tool = await self.tool(chain, call.name)
             doing = "finish"
-            output = await asyncio.wait_for(tool.call(**call.arguments), self.tool_timeout)
+            output = await within(tool.call(**call.arguments), self.tool_timeout)  # a wait for a slot not counted
         except asyncio.TimeoutError:
             reason = f"{call.name} did not {doing} in {self.tool_timeout:g}s"
             return ToolOutput(f"error: {reason}", "timeout", reason)
