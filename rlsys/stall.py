@@ -57,21 +57,30 @@ class StallWatch:
             return
         if now - self.since >= self.timeout:
             lost = counts["in_flight"] - delivered
-            raise RunStalled(self.explain(counts, version, self.ledger.slots_taken(), delivered, lost))
+            behind = {index: status.version for index, status in enumerate(self.statuses(bus))
+                      if version is not None and status is not None and status.version < version}
+            raise RunStalled(self.explain(counts, version, self.ledger.slots_taken(), delivered, lost, behind))
+
+    def statuses(self, bus) -> list:
+        return [InferenceStatus(bus, index).read() for index in range(self.n_inference_workers)]
 
     def inference_serves(self, bus) -> bool:
         """Every inference worker has published a status and the launcher has not seen its process exit."""
-        statuses = (InferenceStatus(bus, index).read() for index in range(self.n_inference_workers))
-        return all(status is not None and not status.dead for status in statuses)
+        return all(status is not None and not status.dead for status in self.statuses(bus))
 
-    def explain(self, counts: dict, version, gate, delivered: int, lost: int) -> str:
+    def explain(self, counts: dict, version, gate, delivered: int, lost: int, behind: dict[int, int]) -> str:
         lost_line = (f" {lost} of the prompts in flight are neither delivered nor run by any rollout worker: they were "
                      "lost (a defect of rlsys or of a plugin that ended an episode's task; please report it)."
                      if lost > 0 else "")
+        # A load of a model larger than the timeout allows looks the same from here (the worker's beat goes on while
+        # it loads): the gate waits for it, and nothing else moves. Say so rather than leave the user to guess.
+        behind_line = (" Inference workers still serving an older version: " + ", ".join(
+            f"{index} ({served})" for index, served in behind.items()) + f"; if loading version {version} takes them "
+            f"longer than {self.timeout:.0f} s (a large model), raise cluster.stall_timeout." if behind else "")
         return (f"the run stood still for {self.timeout:.0f} s (cluster.stall_timeout): no prompt being generated, "
                 f"none admitted, no new weights (last published version: "
                 f"{version if version is not None else 'none'}). The learner holds {delivered} groups and waits for "
                 f"{self.ledger.batch_size} that nobody is generating.{lost_line} The staleness gate holds "
                 f"{gate} prompts against a limit of (version served + {self.ledger.max_head_offpolicyness} + 1) x "
                 f"{self.ledger.batch_size}; "
-                f"{describe(counts)}. The rollout workers' logs say why they admit nothing")
+                f"{describe(counts)}.{behind_line} The rollout workers' logs say why they admit nothing")

@@ -110,6 +110,25 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     never.check(bus)
 
 
+def test_a_stall_while_a_worker_still_serves_an_older_version_says_to_raise_the_timeout():
+    """With max_head_offpolicyness=0 the gate waits for the new version to be served; a model whose load takes
+    longer than the timeout stands the run still, and the error says which worker lags and what to change."""
+    config = AsyncPPOMATHConfig()
+    config.cluster.stall_timeout, config.cluster.n_inference_workers = 60, 2
+    bus, clock = InProcessBus(), Clock()
+    watch = StallWatch(config, PromptLedger.of(bus, config), clock)
+    bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
+    InferenceStatus(bus, 0).publish(WorkerStatus(epoch=1, beat=1, version=3, load=0))
+    InferenceStatus(bus, 1).publish(WorkerStatus(epoch=1, beat=1, version=2, load=0))
+    bus.set(protocol.WEIGHTS, {"version": 3, "path": "/w"})
+    watch.check(bus)
+    clock.now += 60
+    with pytest.raises(RunStalled, match=r"Inference workers still serving an older version: 1 \(2\); if loading "
+                                         r"version 3 takes them longer than 60 s \(a large model\), raise "
+                                         r"cluster.stall_timeout\. The rollout"):
+        watch.check(bus)
+
+
 @pytest.mark.slow
 def test_a_run_whose_gate_never_opens_again_stops_with_the_reason(cache_dir, tmp_path):
     """The staleness gate's counter is pushed past any limit mid-run (as a restart that kept a stale gate would
