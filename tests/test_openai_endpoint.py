@@ -195,11 +195,27 @@ def test_a_failing_or_hanging_user_function_ends_the_episode_with_a_reason(token
 
 
 @pytest.mark.parametrize("args, message", [({"timeout": 0}, "timeout must be positive"),
-                                           ({"max_total_tokens": 0}, "max_total_tokens must leave room")])
+                                           ({"max_total_tokens": 0}, "max_total_tokens must leave room"),
+                                           ({"host": "no-such-host.invalid"}, "host 'no-such-host.invalid' cannot be")])
 def test_agent_arguments_no_call_could_succeed_under_are_refused_when_it_is_built(tokenizer, tokenizer_dir, args,
                                                                                  message):
     with pytest.raises(ValueError, match=message):
         agent(tokenizer, tokenizer_dir, "tests.endpoint_clients:openai_tools_run", **args)
+
+
+def test_the_endpoint_listens_on_an_ipv6_host_and_names_it_in_its_url():
+    async def main():
+        endpoint = Endpoint("::1")
+        await endpoint.start()
+        try:
+            async with httpx.AsyncClient(base_url=endpoint.base_url) as http:
+                return endpoint.base_url, await http.get("/models", headers={"Authorization": "Bearer nobody"})
+        finally:
+            endpoint.task.cancel()
+
+    url, refused = asyncio.run(main())
+    assert url.startswith("http://[::1]:") and url.endswith("/v1")
+    assert refused.status_code == 401  # served: the key is refused, not the connection
 
 
 def test_model_generates_with_request_ids_of_its_own():

@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from rlsys.endpoint.address import listen_address
 from rlsys.endpoint.http_protocol import bounded_protocol, connection_cap, raise_descriptor_limit
 from rlsys.endpoint.request_checks import MAX_BODY_BYTES, RequestError, json_body, too_large
 from rlsys.endpoint.session import EpisodeSession
@@ -56,13 +57,15 @@ class Endpoint:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address is bracketed in a URL
+        return f"http://{host}:{self.port}/v1"
 
     async def start(self) -> None:
         """Listens on `host`, on a port the system picks (so runs and tests never collide)."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        family, kind, proto, _, address = listen_address(self.host)  # IPv4 or IPv6
+        sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, 0))
+        sock.bind(address)
         self.port = sock.getsockname()[1]
         # Idle connections kept longer than the agents' pool keeps them (rlsys/endpoint/http_client.py), so a
         # client never sends on a connection the server is closing. h11, not httptools (uvicorn's choice where it is

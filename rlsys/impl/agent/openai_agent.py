@@ -13,6 +13,7 @@ environments' contract). A run that raises fails the episode (`agent_error`), on
 import asyncio
 
 from rlsys.api import Agent, EnvironmentService, GenerationConfig, Model, Prompt, Trajectory, register_agent
+from rlsys.endpoint.address import listen_address
 from rlsys.errors import EpisodeFailed
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.plugins import load_function
@@ -26,6 +27,7 @@ class OpenAIAgent(Agent):
         if max_total_tokens < 2:  # else every call of every run is refused, and each episode fails on it
             raise ValueError(f"max_total_tokens must leave room for a prompt and a reply (2 or more), got "
                              f"{max_total_tokens}")
+        listen_address(host)  # a host that cannot be resolved fails here (at start), not in every episode
         self.gconfig, self.run_entry = gconfig, run
         self.run = load_function(run, "agent function", coroutine=True)
         self.tokenizer = load_tokenizer(tokenizer_path)
