@@ -199,6 +199,29 @@ def test_an_admission_sent_again_after_its_reply_was_lost_admits_the_prompt_once
     assert bus.get(protocol.rollout_position(0)) == 2
 
 
+class OutcomeLost(InProcessBus):
+    """The bus fails the step that records an episode's outcome (it leaves the worker's unfinished episodes)."""
+
+    def change(self, steps):
+        if any(step.key == protocol.rollout_episodes(0) and step.op == "remove" for step in steps):
+            raise ConnectionError("the bus went away")
+        return super().change(steps)
+
+
+def test_an_episode_whose_outcome_the_bus_could_not_record_fails_the_worker_instead_of_being_dropped(tmp_path):
+    """Its task's error was never looked at: the prompt stayed in flight with nobody running it, and the worker went
+    on admitting. Failing, the worker is restarted and its successor redoes the episode (`take_over`)."""
+    config = CancelledWithinExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    worker = RolloutWorker(config, OutcomeLost(), 0)
+    worker.train_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(4)]
+
+    with pytest.raises(ConnectionError, match="the bus went away"):
+        asyncio.run(asyncio.wait_for(worker.train(), 30))
+    assert worker.ledger.counts()["in_flight"] >= 1  # not settled: the successor's to redo
+
+
 def test_a_prompt_still_in_flight_from_the_last_pass_is_skipped_and_the_next_one_admitted(tmp_path, caplog):
     config = CancelledWithinExperiment()
     config.model.path = str(save_random_tiny_model(tmp_path / "model"))

@@ -54,6 +54,7 @@ class RolloutWorker:
         self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
         self.failed_in_a_row = 0  # training episodes that failed since the last one that did not
         self.cannot_go_on: RunCannotGoOn | None = None
+        self.crashed: BaseException | None = None  # raised by an episode's task outside the episode (the bus)
         # Prompts a resumed run already trained, filtered or failed: skipped, so none is trained twice or run again.
         self.consumed = (settled_prompts(read_trainer_state(Path(config.resume_from_checkpoint)))
                          if config.resume_from_checkpoint else set())
@@ -120,6 +121,8 @@ class RolloutWorker:
         while not await self._bus_get(protocol.LEARNER_DONE) and not await self._bus_get(protocol.STOP):
             if self.cannot_go_on:
                 raise self.cannot_go_on
+            if self.crashed:  # the worker fails, and its successor redoes the episodes whose outcome is not out
+                raise self.crashed
             self.episode_ended.clear()
             await self.publish_running()
             if len(self.running) < self.config.max_concurrent_rollouts and (prompt := await self.admit(prompts)):
@@ -157,6 +160,8 @@ class RolloutWorker:
 
     def _ended(self, task: asyncio.Task) -> None:
         self.running.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.crashed is None:
+            self.crashed = task.exception()  # an episode's outcome not recorded (or an evaluation lost): not silently
         self.episode_ended.set()
 
     async def wait_for_an_episode_to_end(self, timeout: float) -> None:
