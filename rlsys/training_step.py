@@ -394,7 +394,7 @@ class PolicyTrainer:
             if self.ppo.entropy_loss_coef:
                 loss = loss - self.ppo.entropy_loss_coef * entropy
         if self.reference is not None:
-            kl = (kl_k3(logp, f["ref_logprobs"]) * f["token_share"]).sum()
+            kl = (kl_k3(logp, f["ref_logprobs"], f["loss_mask"]) * f["token_share"]).sum()
             loss = loss + self.kl_controller.value * kl
             stats["kl"] = kl.detach()
         stats["loss"] = loss.detach()

@@ -563,6 +563,25 @@ def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
     assert resumed.critic_optimizer.state_dict()["state"]  # Adam moments came back too
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_kl_term_is_finite_where_untrained_positions_have_logprobs_far_below_the_reference(tmp_path, packing):
+    """The reference logprobs are 0 where nothing is trained (a sequence's last position, padding), so there k3's
+    exp(ref - logp) overflows once logp is below about -88: a sharp policy's, or at a low temperature (this tiny
+    model's flat logits at 0.005 give logprobs of hundreds below 0). The KL of the policy against itself is 0, the loss
+    and gradients finite."""
+    import random
+
+    config = learner_config(tmp_path)
+    config.ppo.init_kl_coef, config.ppo.sequence_packing, config.gen.temperature = 0.1, packing, 0.005
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    batch = learner.prepare_batch(mixed_length_batch(learner.model, random.Random(0)))
+    untrained = (batch.fields["loss_mask"] == 0) & (batch.fields["ref_logprobs"] == 0)
+    assert untrained.any()
+    stats = learner.mini_batch_gradients(batch)
+    assert float(stats["kl"]) == 0 and float(stats["loss"]) == float(stats["policy_loss"])
+    assert all(torch.isfinite(p.grad).all() for p in learner.model.parameters())
+
+
 def test_the_adaptive_kl_coefficient_follows_the_steps_kl_not_its_last_updates(tmp_path):
     """Each update's KL is a mean over its mini-batch's trained tokens; the controller reads them all, weighted by
     those tokens. The first update's policy is the reference (KL 0), so the last update's KL is the step's highest."""

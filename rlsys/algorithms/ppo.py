@@ -125,15 +125,21 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     return loss, stats
 
 
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1, never negative (Schulman)."""
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1, never negative (Schulman); 0 where
+    `mask` (if given) is 0."""
     delta = ref_logp - logp
+    if mask is not None:
+        # Off the trained tokens ref_logp is 0 (a sequence's last position, padding) or unconstrained, and a logp below
+        # about -88 there overflows exp to inf, which a 0 loss weight turns into a NaN loss and NaN gradients (0 * inf):
+        # zeroed before the exp, those positions give 0 and pass no gradient.
+        delta = torch.where(mask > 0, delta, 0.0)
     return torch.exp(delta) - delta - 1
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Token-mean k3 KL over the generated tokens."""
-    return masked_mean(kl_k3(logp, ref_logp), mask)
+    return masked_mean(kl_k3(logp, ref_logp, mask), mask)
 
 
 def token_entropy(distributions: torch.Tensor) -> torch.Tensor:
