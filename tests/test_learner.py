@@ -626,6 +626,19 @@ def test_a_resumed_learner_continues_its_adaptive_kl_coefficient_and_counters(tm
     assert (resumed.filtered_groups, resumed.skipped_updates) == (5, 2)
 
 
+@pytest.mark.parametrize("target_kl", [0.0, 0.05])
+def test_a_kl_coefficient_set_on_resume_from_a_run_whose_coefficient_was_fixed_is_taken(tmp_path, target_kl):
+    """A fixed coefficient is a setting, not state: resumed with another ppo.init_kl_coef (here a KL term added to a
+    run without one), the learner trains with the configured one, fixed or the adaptive controller's start."""
+    config = learner_config(tmp_path)
+    learner = Learner(config, InProcessBus(), tmp_path / "run")  # ppo.init_kl_coef 0: no KL term
+    learner.step = learner.version = 1
+    config.resume_from_checkpoint = str(learner.save())
+    config.ppo.init_kl_coef, config.ppo.target_kl = 0.1, target_kl
+    resumed = Learner(config, InProcessBus(), tmp_path / "run")
+    assert resumed.reference is not None and resumed.kl_controller.value == 0.1
+
+
 def test_a_resumed_learner_goes_on_from_its_schedules_position_at_the_configured_rates(tmp_path):
     config = learner_config(tmp_path)
     config.ppo.lr, config.ppo.warmup_steps, config.ppo.weight_decay = 1e-5, 4, 0.0

@@ -14,6 +14,7 @@ import torch
 
 from rlsys import protocol, weight_transport
 from rlsys.alarms import PROBE, LogprobCheck, check_logprob_mismatch
+from rlsys.algorithms.ppo import AdaptiveKLController
 from rlsys.api import NOT_GENERATED, Trajectory
 from rlsys.api.messages import InvalidMessage, parse_probe_report
 from rlsys.checkpoint import (SHARDED_STATE, keep_newest, load_rng_state, load_sharded_state, read_trainer_state,
@@ -105,7 +106,10 @@ class Learner(PolicyTrainer):
         self.scheduler.step()  # the rate at the schedule's position, from the configured base
         # What a step updates besides the tensors: an adaptive KL coefficient restarting at init_kl_coef would change
         # the loss, and the metrics' counters would restart at 0. Checkpoints from before they were kept lack them.
-        self.kl_controller.value = trainer.get("kl_coef", self.kl_controller.value)
+        # A fixed coefficient is no state but the configured ppo.init_kl_coef, as is an adaptive one's start after a
+        # run whose coefficient was fixed (0 without a KL term, which an adaptive controller could never move from).
+        if isinstance(self.kl_controller, AdaptiveKLController) and trainer.get("kl_adaptive", True):
+            self.kl_controller.value = trainer.get("kl_coef", self.kl_controller.value)
         self.filtered_groups = trainer.get("filtered_groups", 0)
         self.skipped_updates = trainer.get("skipped_updates", 0)
         torch.set_rng_state(load_rng_state(checkpoint))
@@ -244,7 +248,9 @@ class Learner(PolicyTrainer):
     def save(self) -> Path:
         trainer_state = {"step": self.step, "version": self.version, "consumed_prompts": self.consumed_prompts,
                          "initial_model_path": self.initial_model_path, "scheduler": self.scheduler.state_dict(),
-                         "kl_coef": self.kl_controller.value, "filtered_groups": self.filtered_groups,
+                         "kl_coef": self.kl_controller.value,
+                         "kl_adaptive": isinstance(self.kl_controller, AdaptiveKLController),
+                         "filtered_groups": self.filtered_groups,
                          "skipped_updates": self.skipped_updates, "lineage": self.lineage,
                          # rank 0 alone writes the trainer state, so it alone reads the bus for it
                          "dataset": self.bus.get(protocol.DATASET_FINGERPRINT) if self.ranks.main else None,
