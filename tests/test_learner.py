@@ -563,6 +563,26 @@ def test_gae_places_turn_rewards_and_the_critic_is_checkpointed(tmp_path):
     assert resumed.critic_optimizer.state_dict()["state"]  # Adam moments came back too
 
 
+def test_a_step_whose_loss_was_nan_leaves_the_adaptive_kl_coefficient_as_it_was(tmp_path):
+    """A NaN loss skips the step's updates and is counted; the step's KL is then NaN too, which must not reach the
+    adaptive coefficient: a NaN coefficient would make every later loss NaN, and no update would be taken again."""
+    import math
+    import random
+
+    config = learner_config(tmp_path)
+    config.ppo.init_kl_coef, config.ppo.target_kl, config.ppo.kl_horizon = 0.1, 0.05, 10
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    batch = mixed_length_batch(learner.model, random.Random(0))
+    hook = learner.reference.lm_head.register_forward_hook(lambda module, args, out: out.fill_(float("nan")))
+    stats = learner.train_step(batch)
+    hook.remove()
+    assert stats["updates/skipped_non_finite"] == 2 and math.isnan(stats["kl_step_mean"])
+    assert learner.kl_controller.value == 0.1
+    stats = learner.train_step(batch)
+    assert stats["updates/skipped_non_finite"] == 2 and math.isfinite(stats["loss"])
+    assert math.isfinite(learner.kl_controller.value) and learner.kl_controller.value != 0.1
+
+
 @pytest.mark.parametrize("packing", [True, False])
 def test_the_kl_term_is_finite_where_untrained_positions_have_logprobs_far_below_the_reference(tmp_path, packing):
     """The reference logprobs are 0 where nothing is trained (a sequence's last position, padding), so there k3's

@@ -1,5 +1,7 @@
 """PPO clipped loss (dual clip, decoupled, aggregation), KL penalty and controllers, entropy; tensors [B, T-1]."""
 
+import math
+
 import torch
 
 from rlsys.algorithms.choices import LOSS_AGG_MODES
@@ -168,6 +170,10 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> float:
         # A proportional controller on log(beta): the clip to +-0.2 keeps one noisy KL estimate from moving beta
         # by more than 20% per `horizon` steps; n_steps and horizon share a unit (Ziegler et al. count samples).
+        if math.isnan(current_kl):
+            # A step whose loss was NaN (its updates skipped, rlsys/algorithms/finite.py) measured no KL; taken in, it
+            # would make beta NaN for good, and with it every later loss, so that no update is ever taken again.
+            return self.value
         error = min(max(float(current_kl) / self.target_kl - 1, -0.2), 0.2)
         self.value *= 1 + error * n_steps / self.horizon
         return self.value
