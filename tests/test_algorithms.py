@@ -521,6 +521,15 @@ def test_adaptive_kl_controller_follows_the_reference_and_moves_kl_to_target():
     assert gaps[-1] < 0.05 < gaps[0] and all(b <= a + 1e-9 for a, b in zip(gaps, gaps[1:]))
 
 
+def test_adaptive_kl_coefficient_stays_positive_over_steps_of_many_horizons():
+    """A step of 60 sequences at kl_horizon 10: the linear factor 1 - 0.2 * 6 would make beta negative, a KL penalty
+    turned into a reward for leaving the reference; per horizon beta moves by 20% at most, so by 0.8 or 1.2 ** 6."""
+    low, high = (AdaptiveKLController(0.1, target_kl=1.0, horizon=10) for _ in range(2))
+    assert low.update(0.0, 60) == pytest.approx(0.1 * 0.8 ** 6) and low.value > 0
+    assert high.update(50.0, 60) == pytest.approx(0.1 * 1.2 ** 6)
+    assert low.update(0.0, 25) == pytest.approx(0.1 * 0.8 ** 8 * (1 - 0.2 * 0.5))  # two horizons and a half
+
+
 def test_fixed_kl_controller_never_moves():
     controller = FixedKLController(0.05)
     assert controller.update(100.0, 1000) == 0.05 and controller.value == 0.05

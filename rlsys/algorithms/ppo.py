@@ -160,7 +160,8 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """beta <- beta * (1 + clip(KL / target_kl - 1, -0.2, 0.2) * n_steps / horizon) (Ziegler et al. 2019)."""
+    """beta <- beta * (1 + clip(KL / target_kl - 1, -0.2, 0.2) * n_steps / horizon) (Ziegler et al. 2019), for
+    n_steps up to a horizon; compounded per horizon beyond."""
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
         if target_kl <= 0 or horizon <= 0:
@@ -175,7 +176,11 @@ class AdaptiveKLController:
             # would make beta NaN for good, and with it every later loss, so that no update is ever taken again.
             return self.value
         error = min(max(float(current_kl) / self.target_kl - 1, -0.2), 0.2)
-        self.value *= 1 + error * n_steps / self.horizon
+        # Ziegler et al.'s linear factor holds for a step of up to a horizon of samples; at 5 horizons and more it
+        # would reach 0 or below, and a negative beta rewards moving away from the reference. Each whole horizon
+        # moves beta by 1 + error, the 20% at most that the horizon allows.
+        horizons, rest = divmod(n_steps, self.horizon)
+        self.value *= (1 + error) ** horizons * (1 + error * rest / self.horizon)
         return self.value
 
 
