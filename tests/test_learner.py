@@ -1133,3 +1133,24 @@ def test_a_model_with_windowed_attention_is_refused_by_rlsys_attention(tmp_path)
     check_full_attention(MistralConfig(sliding_window=4096), 4096, "x", "y")
     with pytest.raises(NotImplementedError, match="sliding window of 4096 tokens.*set inference.max_model_len=4096"):
         check_full_attention(MistralConfig(sliding_window=4096), 8192, "x", "y")
+
+
+@pytest.mark.parametrize("family, dropout", [("gpt2", {"resid_pdrop": 0.5, "embd_pdrop": 0.5, "attn_pdrop": 0.5}),
+                                             ("llama", {"attention_dropout": 0.5})])
+def test_the_learner_s_models_score_in_train_mode_without_dropout_and_keep_their_config(tmp_path, family, dropout):
+    """Trained in train mode, a model with dropout scored each pass with other units dropped: logprobs unlike the
+    engine's and ratios other than 1 on-policy. GPT-2's dropout is modules, Llama's attention keeps a rate."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlsys.model.loading import load_critic, load_policy
+
+    shape = (dict(n_layer=2, n_embd=16, n_head=2, vocab_size=32) if family == "gpt2" else
+             dict(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                  num_key_value_heads=2, vocab_size=32))
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **shape, **dropout)).save_pretrained(tmp_path)
+    ids = torch.arange(12).reshape(2, 6)
+    for model in (load_policy(str(tmp_path), "sdpa").train(), load_critic(str(tmp_path), "sdpa").train()):
+        torch.manual_seed(0)
+        first = model(ids).logits
+        assert torch.equal(first, model(ids).logits)
+        assert all(getattr(model.config, key) == value for key, value in dropout.items())  # what a save writes

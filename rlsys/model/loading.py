@@ -33,7 +33,23 @@ def check_full_attention(config, max_len: int, who: str, instead: str) -> None:
 
 
 def load_policy(path: str, attention: str = "auto"):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention_for(attention))
+    """The policy, dropout off (`without_dropout`)."""
+    return without_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                attn_implementation=attention_for(attention)))
+
+
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every dropout at 0, its config (what checkpoints save) unchanged. The learner trains in train mode
+    (gradient checkpointing acts only there), where a model with dropout (GPT-2's, OPT's 0.1) would score each pass
+    with other units dropped: logprobs unlike the engine's, ratios other than 1 on-policy, a KL at the first step.
+    Dropout is a module (nn.Dropout) or a rate an attention layer keeps as a number (Llama's `attention_dropout`)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and type(value) is float:
+                setattr(module, name, 0.0)
+    return model
 
 
 def load_critic(path: str, attention: str = "auto"):
@@ -47,7 +63,6 @@ def load_critic(path: str, attention: str = "auto"):
     learning (BENCHMARKS.md, "GAE's first steps").
     """
     config = AutoConfig.from_pretrained(path, num_labels=1)
-    config.classifier_dropout = 0.0
     critic, loading = AutoModelForTokenClassification.from_pretrained(
         path, config=config, dtype=torch.float32, attn_implementation=attention_for(attention),
         output_loading_info=True)
@@ -55,4 +70,4 @@ def load_critic(path: str, attention: str = "auto"):
         torch.nn.init.zeros_(critic.score.weight)
         if critic.score.bias is not None:
             torch.nn.init.zeros_(critic.score.bias)
-    return critic
+    return without_dropout(critic)
