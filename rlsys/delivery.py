@@ -31,10 +31,11 @@ staleness-gate slot back, so the run neither stalls nor loses count.
 
 import dataclasses
 import logging
+import operator
 from collections.abc import Iterable
 
 from rlsys import protocol
-from rlsys.api import Trajectory
+from rlsys.api import NOT_GENERATED, Trajectory
 from rlsys.api.messages import INT32_MAX, InvalidMessage, boolean, integer, integers, items, logprobs, number, reward, \
     string, versions
 from rlsys.bus import BusDecodeError, BusEncodeError, ServerRestarts, StreamEntry
@@ -119,6 +120,12 @@ def _check_trajectory(t: Trajectory, vocab_size: int | None) -> None:
     items(t.turn_obs_keys, "turn_obs_keys", lambda x, where: string(x, where, empty=True))
     if not any(t.loss_mask[1:]):  # the first token is never predicted, so never trained
         raise InvalidMessage("has no generated token after the first: nothing to train on")
+    # A trained token the model did not generate (no version) has no staleness: the age bound would pass it unseen,
+    # and a batch of only such tokens would fail the learner's statistics, again at each redelivery.
+    unversioned = list(map(operator.and_, t.loss_mask, map(NOT_GENERATED.__eq__, t.versions)))
+    if any(unversioned):
+        raise InvalidMessage(f"token {unversioned.index(True)} is trained (loss_mask 1) but has no version "
+                             f"({NOT_GENERATED}): a trained token carries the weight version that generated it")
     t.reward = reward(t.reward, "reward")
     boolean(t.void, "void")
     for name in ("group_id", "stop_reason", "traj_id"):

@@ -139,6 +139,9 @@ BAD_MESSAGES = {  # name -> (payload, words the reason must contain)
     "inf logprob": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0, 0, -math.inf, 0])]}), "logprobs"),
     "nothing generated": (raw({"group_id": "x", "trajectories": [good_dict("x", loss_mask=[1, 0, 0, 0])]}),
                           "nothing to train on"),
+    "a trained token without a version": (
+        raw({"group_id": "x", "trajectories": [good_dict("x", versions=[-1, -1, 3, -1])]}),
+        "token 3 is trained (loss_mask 1) but has no version (-1)"),
     "void not a bool": (raw({"group_id": "x", "trajectories": [good_dict("x", void="yes")]}), "void"),
     "version overflows int64": (raw({"group_id": "x", "trajectories": [good_dict("x", versions=[-1, -1, 2**63, 1])]}),
                                 "versions[2] must be an integer in [-1, 2147483647]"),
