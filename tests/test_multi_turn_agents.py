@@ -282,6 +282,19 @@ def test_text_game_episode_ends_at_max_turns_or_in_a_hole(tokenizer, tokenizer_d
     assert falling.token_ids == prompt.token_ids + ids(tokenizer, "D") + [eos]  # nothing after the fall
 
 
+def test_an_episode_the_env_cuts_at_its_step_limit_counts_as_truncated(tokenizer, tokenizer_dir):
+    """The experiments give the env's step limit and the agent's max_turns one value (max_turns): the env ends the
+    episode at the last turn, and that episode was cut short all the same (it counted 0)."""
+    seed = 15
+    env = FrozenLakeEnv(max_steps=3)
+    prompt = game_prompt(tokenizer, env, "lake", seed)
+    eos = tokenizer.eos_token_id
+    agent = frozen_lake_agent(tokenizer_dir, n=2, max_turns=3)
+    bumping, falling = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "UD"[i]) + [eos])[0]
+    assert bumping.metrics["num_turns"] == 3 and bumping.metrics["truncated"] == 1.0
+    assert falling.metrics["num_turns"] == 1 and falling.metrics["truncated"] == 0.0
+
+
 def test_tree_rollout_forks_the_game_so_branches_play_on_their_own_boards(tokenizer, tokenizer_dir):
     seed = 3
     env = SokobanEnv()

@@ -98,12 +98,13 @@ class Reaction:
     """What the environment made of one turn."""
 
     reward: float
-    done: bool  # the task ended (solved, failed for good)
+    done: bool  # the episode ended: the task (solved, failed for good), or the env's own step limit
     feedback: str | None  # next user message (after the last turn: a closing message, or None)
     success: bool = False  # the task is solved as of this turn
     state_key: str | None = None  # the state the next turn acts on; None: the token context itself
     void: bool = False  # neither a complete action nor a final answer
     metrics: dict[str, float] = field(default_factory=dict)  # per step; averaged over a trajectory's turns
+    truncated: bool = False  # done by the env's step limit, not by the task (gym's truncated)
 
 
 @dataclass
@@ -120,7 +121,7 @@ class Transcript:
     turn_keys: list[str] = field(default_factory=list)
     reactions: list[Reaction] = field(default_factory=list)
     stop_reasons: list[str] = field(default_factory=list)
-    truncated: bool = False  # ended by max_turns or the context budget, not by the task
+    truncated: bool = False  # ended by max_turns, the context budget or the env's step limit, not by the task
 
     @classmethod
     def from_prompt(cls, prompt_ids: list[int], key: str) -> "Transcript":
@@ -256,6 +257,7 @@ class MultiTurnAgent(Agent):
         feedback = [] if reaction.feedback is None else message_after_ids(self.tokenizer, out.output_ids[sample],
                                                                           "user", reaction.feedback)
         if reaction.done:
+            transcript.truncated = reaction.truncated
             transcript.add_context(feedback)  # a closing message, if any
             return [transcript]
         next_request = len(transcript.token_ids) + len(feedback) + self.gconfig.max_new_tokens

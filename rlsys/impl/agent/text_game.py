@@ -25,7 +25,7 @@ class TextGameAgent(MultiTurnAgent):
         board, reward, terminated, truncated, info = await env.step(response)
         done = terminated or truncated
         return Reaction(reward=float(reward), done=done, feedback=None if done else board, success=info["success"],
-                        state_key=board, void=not info["action_is_valid"],
+                        state_key=board, void=not info["action_is_valid"], truncated=truncated and not terminated,
                         metrics={"action_is_valid": float(info["action_is_valid"]),
                                  "action_is_effective": float(info["action_is_effective"])})
 
