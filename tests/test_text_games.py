@@ -78,6 +78,19 @@ def test_a_hole_ends_the_episode_and_max_steps_truncates_it():
         run(env.step("D"))
 
 
+def test_stepping_after_the_game_ended_is_an_error_until_the_next_reset():
+    """A fall into a hole (or a solved room) ends the episode as the step limit does: a step after it walked out of
+    the hole and on to the goal, reward 1 after the loss."""
+    env = FrozenLakeEnv()
+    run(env.reset(seed=15))  # a hole right below the start
+    assert run(env.step("D"))[2]
+    for game in (env, run(env.fork())):
+        with pytest.raises(RuntimeError, match="after the episode ended"):
+            run(game.step("U"))
+    run(env.reset(seed=15))
+    assert run(env.step("R"))[2:4] == (False, False)
+
+
 def test_reset_needs_a_seed_and_step_needs_a_reset():
     with pytest.raises(RuntimeError, match="before reset"):
         run(FrozenLakeEnv().step("D"))

@@ -80,6 +80,18 @@ def test_max_steps_truncates_and_stepping_after_the_end_is_an_error():
         asyncio.run(env.step("click[back to search]"))
 
 
+def test_stepping_after_buying_is_an_error_until_the_next_reset():
+    """A purchase ends the episode: a second `buy now` was paid its reward again."""
+    env = WebShopEnv()
+    env.first_observation(1)
+    assert play_env(env, env.expert_actions(env.goal))[-1][1:4] == (1.0, True, False)
+    for shop in (env, copy.deepcopy(env)):
+        with pytest.raises(RuntimeError, match="after the episode ended"):
+            asyncio.run(shop.step("click[buy now]"))
+    env.first_observation(1)
+    assert asyncio.run(env.step(env.expert_actions(env.goal)[0]))[2:4] == (False, False)
+
+
 def test_a_scripted_shopper_plays_through_the_text_game_agent(tokenizer, tokenizer_dir):
     """Two chains: the expert's actions (reward 1), and a shopper who searches the type alone and buys the first
     result without choosing an option (less)."""

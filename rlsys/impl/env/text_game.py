@@ -5,7 +5,8 @@ The board is rendered as text, one row per line. The model answers with one move
 the shortest answer, which matters for the character-level default tokenizer. Anything else is an invalid
 action: it costs `invalid_action_penalty`, changes nothing, and the episode goes on (as in ROLL). A move
 into a wall is valid but not effective. Every step reports `action_is_valid`, `action_is_effective` and
-`success` in its info. After `max_steps` steps the episode is truncated.
+`success` in its info. After `max_steps` steps the episode is truncated. A step after the episode ended
+(terminated or truncated) is an error until the next `reset`.
 
 A board is generated from the seed alone, so the same seed always gives the same, solvable, puzzle.
 """
@@ -87,7 +88,7 @@ class TextGameEnv(EnvironmentService):
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
         self.max_steps, self.invalid_action_penalty = max_steps, invalid_action_penalty
         self.game: GridGame | None = None
-        self.steps = 0
+        self.steps, self.terminated = 0, False
 
     @abc.abstractmethod
     def new_game(self, seed: int, options: dict) -> GridGame:
@@ -98,20 +99,22 @@ class TextGameEnv(EnvironmentService):
         seed = options.get("seed") if seed is None else seed
         if seed is None:
             raise ValueError(f"{type(self).__name__}.reset needs a seed (argument or options['seed'])")
-        self.game, self.steps = self.new_game(int(seed), options), 0
+        self.game, self.steps, self.terminated = self.new_game(int(seed), options), 0, False
         return self.game.render(), {}
 
     async def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.game is None:
             raise RuntimeError("step() before reset()")
-        if self.steps >= self.max_steps:
-            raise RuntimeError(f"step() after the episode ended ({self.max_steps} steps)")
+        if self.terminated or self.steps >= self.max_steps:  # a game moved on after a fall or a win
+            raise RuntimeError(f"step() after the episode ended ({'terminated' if self.terminated else 'truncated'} "
+                               f"at step {self.steps})")
         self.steps += 1
         move = parse_move(action)
         if move is None:
             reward, terminated, effective = -self.invalid_action_penalty, False, False
         else:
             reward, terminated, effective = self.game.move(move)
+        self.terminated = terminated
         info = {"action_is_valid": move is not None, "action_is_effective": effective, "success": self.game.solved}
         truncated = not terminated and self.steps >= self.max_steps
         return self.game.render(), reward, terminated, truncated, info

@@ -125,7 +125,7 @@ class WebShopEnv(EnvironmentService):
         self.results_per_page, self.max_steps, self.invalid_action_penalty = results_per_page, max_steps, \
             invalid_action_penalty
         self.goal: Goal | None = None
-        self.state, self.steps = ShopState(), 0
+        self.state, self.steps, self.terminated = ShopState(), 0, False
 
     @property
     def catalog(self) -> tuple[Product, ...]:
@@ -134,7 +134,7 @@ class WebShopEnv(EnvironmentService):
     def __deepcopy__(self, memo):
         twin = WebShopEnv(self.num_products, self.catalog_seed, self.results_per_page, self.max_steps,
                           self.invalid_action_penalty)
-        twin.goal, twin.steps = self.goal, self.steps
+        twin.goal, twin.steps, twin.terminated = self.goal, self.steps, self.terminated
         twin.state = ShopState(self.state.page, list(self.state.results), self.state.item, self.state.selected)
         return twin
 
@@ -178,7 +178,7 @@ class WebShopEnv(EnvironmentService):
 
     def reset_sync(self, seed: int) -> tuple[str, dict]:
         """`reset` for callers outside an event loop (dataset generation, warm-start walks)."""
-        self.goal, self.state, self.steps = self.new_goal(seed), ShopState(), 0
+        self.goal, self.state, self.steps, self.terminated = self.new_goal(seed), ShopState(), 0, False
         return self.render(), {}
 
     def first_observation(self, seed: int) -> str:
@@ -235,11 +235,12 @@ class WebShopEnv(EnvironmentService):
     async def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.goal is None:
             raise RuntimeError("step() before reset()")
-        if self.steps >= self.max_steps:
-            raise RuntimeError(f"step() after the episode ended ({self.max_steps} steps)")
+        if self.terminated or self.steps >= self.max_steps:  # a second buy would be paid again
+            raise RuntimeError(f"step() after the episode ended ({'bought' if self.terminated else 'truncated'} "
+                               f"at step {self.steps})")
         self.steps += 1
         valid, bought = self.apply(action)
-        terminated = bought is not None
+        terminated = self.terminated = bought is not None
         score = bought if terminated else (0.0 if valid else 0.0 - self.invalid_action_penalty)
         info = {"action_is_valid": valid, "action_is_effective": valid, "success": bought == 1.0,
                 "bought": float(terminated)}
