@@ -12,7 +12,7 @@ from pathlib import Path
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.async_ppo_multi_turn import (AsyncPPOFrozenLakeConfig, AsyncPPOSokobanConfig, multi_turn_agent,
-                                              refuse_unapplied_turn_discount, walk_model)
+                                              refuse_unapplied_turn_discount, rollout_inactive_settings, walk_model)
 from experiments.common import DatasetConfig, GenerationHyperparameters, ModelConfig, check_at_least, check_fraction
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
@@ -59,6 +59,7 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
         return {**super().inactive_settings(), "warm_start_hint": self.model.tiny_only(),
+                **rollout_inactive_settings(self, "max_turns"),
                 "frozen_lake_share": (not self.dataset.path, f"with dataset.path set (the rows, and which game each "
                                       f"is, are read from {self.dataset.path!r})", "leave dataset.path empty for the "
                                       "generated mix")}

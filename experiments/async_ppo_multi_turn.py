@@ -48,6 +48,28 @@ def refuse_unapplied_turn_discount(config) -> None:
                          "ppo.adv_estimator=grpo or reinforce (which train on the discounted episode reward)")
 
 
+def rollout_inactive_settings(config, turns_key: str) -> dict[str, tuple[bool, str, str]]:
+    """The rollout strategy and turn_discount where the episodes make them do nothing (an `inactive_settings` table):
+    greedy rollouts never branch nor split an episode into its turns (MultiTurnAgent), an episode of one turn
+    (`turns_key`: the experiment's num_turns or max_turns) has no second turn to branch at, train apart or discount,
+    and a tree of depth 0 or of one branch per node is a chain."""
+    turns, rollout = getattr(config, turns_key), config.rollout
+    sampled = (config.gen.temperature > 0, "with gen.temperature=0 (greedy rollouts neither branch nor split into "
+                                           "turns)", "give gen.temperature above 0")
+    several = (turns > 1, f"with {turns_key}=1 (an episode of one turn)", f"set {turns_key} to 2 or more")
+    wide = (rollout.tree_branching > 1, "with rollout.tree_branching=1 (one response a node: a chain)",
+            "set rollout.tree_branching to 2 or more")
+    deep = (rollout.tree_depth > 0, "with rollout.tree_depth=0 (no turn branches)",
+            "set rollout.tree_depth to 1 or more")
+    return {"rollout.mode": first_inactive(sampled, several, wide, deep),
+            "rollout.single_turn_samples": first_inactive(sampled, several), "turn_discount": several}
+
+
+def first_inactive(*conditions: tuple[bool, str, str]) -> tuple[bool, str, str]:
+    """The first condition that does not hold (its reason and fix), or one that does: a setting needing them all."""
+    return next((condition for condition in conditions if not condition[0]), conditions[0])
+
+
 TURN_REWARD_ESTIMATORS = {  # those that read the turn rewards, not the episode's discounted reward
     "starpo": "sums each episode's turn rewards undiscounted",
     "gigpo": "sums each episode's turn rewards undiscounted for its episode advantage (ppo.gigpo_step_gamma "
@@ -76,6 +98,9 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
     turn_discount: float = 0.5
     """A success at attempt k earns turn_discount**(k-1), so a first-try answer is worth the most."""
     rollout: RolloutStrategy = field(default_factory=RolloutStrategy)
+
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        return {**super().inactive_settings(), **rollout_inactive_settings(self, "num_turns")}
 
     def __post_init__(self):
         super().__post_init__()
@@ -135,7 +160,8 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
     warm_start_max_steps = 40  # about one pass over the walks: a minute or two on 2 cores, threshold reached or not
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
-        return {**super().inactive_settings(), "warm_start_hint": self.model.tiny_only()}
+        return {**super().inactive_settings(), "warm_start_hint": self.model.tiny_only(),
+                **rollout_inactive_settings(self, "max_turns")}
 
     def __post_init__(self):
         super().__post_init__()

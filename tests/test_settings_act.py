@@ -57,6 +57,22 @@ GROUP_REFUSED = [  # (overrides, what the message must say)
     (["experiment=async-ppo-sokoban", "rollout.tree_branching=3"],
      "rollout.tree_branching=3 does nothing with rollout.mode=chain"),
     (["experiment=async-ppo-frozen-lake", "rollout.tree_depth=2"], "rollout.tree_depth=2 does nothing with rollout.mode=chain"),
+    # Greedy rollouts never branch nor split an episode into its turns (MultiTurnAgent); one turn has no second to
+    # branch at, to train apart or to discount; a tree of depth 0 or of one branch per node is a chain.
+    (["experiment=async-ppo-frozen-lake", "rollout.mode=tree", "gen.temperature=0", "ppo.adv_estimator=reinforce"],
+     "rollout.mode=tree does nothing with gen.temperature=0"),
+    (["experiment=async-ppo-math-multi-turn", "rollout.single_turn_samples=true", "gen.temperature=0",
+      "ppo.adv_estimator=reinforce"], "rollout.single_turn_samples=True does nothing with gen.temperature=0"),
+    (["experiment=async-ppo-sokoban", "rollout.mode=tree", "max_turns=1"], "rollout.mode=tree does nothing with "
+                                                                           "max_turns=1"),
+    (["experiment=async-ppo-webshop", "rollout.single_turn_samples=true", "max_turns=1"],
+     "rollout.single_turn_samples=True does nothing with max_turns=1"),
+    (["experiment=async-ppo-mixed-games", "rollout.mode=tree", "rollout.tree_depth=0"],
+     "rollout.mode=tree does nothing with rollout.tree_depth=0"),
+    (["experiment=async-ppo-frozen-lake", "rollout.mode=tree", "rollout.tree_branching=1"],
+     "rollout.mode=tree does nothing with rollout.tree_branching=1"),
+    (["experiment=async-ppo-math-multi-turn", "num_turns=1", "turn_discount=0.3"],
+     "turn_discount=0.3 does nothing with num_turns=1"),
     (["experiment=async-ppo-math-tools", "tools=[calculator]", "sandbox.memory_mb=64"],
      "sandbox.memory_mb=64 does nothing without the python tool (tools=['calculator']); add python to tools"),
     (["experiment=async-ppo-math-tools", "tools=[calculator]", "python_persistent=false"],
@@ -84,6 +100,9 @@ def test_a_setting_the_rest_of_its_group_makes_do_nothing_is_refused(overrides, 
     ["inference.engine=transformers", "inference.enforce_eager=false", "inference.gpu_memory_utilization=0.9"],
     ["inference.engine=transformers", "inference.gpu_memory_utilization=0.9"],  # unset: graphs on a GPU
     ["experiment=async-ppo-sokoban", "rollout.mode=tree", "rollout.tree_branching=3", "rollout.tree_depth=2"],
+    ["experiment=async-ppo-math-multi-turn", "rollout.single_turn_samples=true", "ppo.adv_estimator=reinforce"],
+    ["experiment=async-ppo-math-multi-turn", "num_turns=1"],  # the experiment's own turn_discount is no request
+    ["experiment=async-ppo-frozen-lake", "max_turns=2", "turn_discount=0.9", "rollout.mode=tree"],
     ["experiment=async-ppo-math-tools", "sandbox.memory_mb=64", "python_persistent=false",
      "sandbox.allow_unconfined=true"],
 ])
