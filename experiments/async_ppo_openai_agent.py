@@ -7,6 +7,7 @@ call the rollout worker's endpoint with keys of their own, and train on exactly 
 from dataclasses import dataclass
 
 from experiments.async_ppo_math import AsyncPPOMATHConfig
+from experiments.common import check_at_least
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction
 
@@ -23,6 +24,13 @@ class AsyncPPOOpenAIAgentConfig(AsyncPPOMATHConfig):
     (the tiny default model has 512 positions)."""
     endpoint_host: str = "127.0.0.1"
     """Where the rollout worker's endpoint listens (each episode's API key is a random secret)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        # Here, not only where the agent is built: that is after the dataset and tiny model are ready, minutes later
+        if self.agent_timeout <= 0:
+            raise ValueError(f"agent_timeout must be positive, got {self.agent_timeout}")
+        check_at_least("", self, max_total_tokens=2)  # a prompt and a reply: less refuses every call of every run
 
     @property
     def agent(self) -> AgentAbstraction:

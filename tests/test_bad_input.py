@@ -79,6 +79,9 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["experiment=async-ppo-math-tools", "tools=[calculater]"],
      "tools: unknown tool 'calculater'. Did you mean ['calculator']? Registered tools: ["),
     (["experiment=async-ppo-math-tools", "tool_timeout=-3"], "tool_timeout must be positive, got -3.0"),
+    # The agent refused them too, but only once the assets were ready (a warm start: minutes), naming its own argument
+    (["experiment=async-ppo-openai-agent", "agent_timeout=-1"], "agent_timeout must be positive, got -1.0"),
+    (["experiment=async-ppo-openai-agent", "max_total_tokens=1"], "max_total_tokens must be at least 2, got 1"),
     (["ppo.mask_void_trajectories=true"],
      "ppo.mask_void_trajectories=True does nothing with agents that never mark a trajectory void (['math-single-step'])"),
     (["experiment=async-ppo-math-long", "dataset.path=a.jsonl", "dataset.eval_path=b.jsonl", "min_terms=3"],
@@ -202,8 +205,6 @@ def test_an_agent_or_environment_that_refuses_its_arguments_stops_the_run_at_sta
              f"dataset.eval_path={rows}"]
     with pytest.raises(StartupError, match="agent 'openai-agent' cannot be built: cannot import plugin 'nonexistent'"):
         launch(run_config(tmp_path, "experiment=async-ppo-openai-agent", "agent_function=nonexistent:run", *given))
-    with pytest.raises(StartupError, match="agent 'openai-agent' cannot be built: timeout must be positive, got -1"):
-        launch(run_config(tmp_path, "experiment=async-ppo-openai-agent", "agent_timeout=-1", *given))
     with pytest.raises(StartupError, match="environment 'math-code-single-step'.*cannot take args.*verify_timeout"):
         launch(run_config(tmp_path, "experiment=misspelled-env-args", *given))
     # values the environment's check_args refuses, without loading its model: before, every episode failed on them
