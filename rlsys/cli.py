@@ -70,7 +70,7 @@ def parse_config(argv: list[str], default_experiment: str = "async-ppo-math"):
     if wants_help:
         print(help_text(cls, experiment))
         raise SystemExit(0)
-    config = build_config(cls, raw)
+    config = build_config(cls, raw, typed=dict(arg.split("=", 1) for arg in overrides))  # the last of a key wins
     refuse_inactive_settings(config)
     return config
 
@@ -210,7 +210,8 @@ def read_yaml_file(path: str):
 
 
 def parse_override(arg: str):
-    """`a.b=value` as a nested config; the value is read as YAML (numbers, [lists], null), `key=` is ''."""
+    """`a.b=value` as a nested config; the value is read as YAML (numbers, [lists], null), `key=` is ''; a str
+    setting gets the text back (keep_typed_text)."""
     key, value = arg.split("=", 1)
     if value == "":
         arg = f"{key}=''"  # omegaconf would read an empty value as null, which no str field accepts
@@ -246,12 +247,14 @@ def lookup_experiment(name: str) -> type:
 # Building and checking the config
 # ---------------------------------------------------------------------------------------------------------
 
-def build_config(cls: type, raw: dict):
-    """The instance of `cls` with `raw` (plain nested dict) merged over its defaults, every key checked."""
+def build_config(cls: type, raw: dict, typed: dict[str, str] | None = None):
+    """The instance of `cls` with `raw` (plain nested dict) merged over its defaults, every key checked; `typed`
+    holds the text after `=` of each command-line key."""
     fields = {info.path: info for info in describe_fields(cls)}
     problems = list(key_problems(raw, fields, prefix="", experiment=cls))
     if problems:
         raise ConfigError("\n".join(problems))
+    keep_typed_text(raw, typed or {}, fields)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls), raw)
         return OmegaConf.to_object(merged)
@@ -263,6 +266,18 @@ def build_config(cls: type, raw: dict):
         raise ConfigError(value_error_message(e, raw, fields)) from None
     except ValueError as e:  # raised by the dataclass's own __post_init__ checks
         raise ConfigError(f"{cls.__qualname__}: {e}") from None
+
+
+def keep_typed_text(raw: dict, typed: dict[str, str], fields: dict[str, FieldInfo]) -> None:
+    """A str setting holds the text typed after `=`, not what YAML reads it as: `trial_name=007` was '7',
+    `trial_name=12:30` '750' (base 60), `dataset.system_prompt=No` 'False'. After key_problems, which refuses
+    YAML's boolean where it means something else (resume_from_checkpoint=false)."""
+    for key, text in typed.items():
+        *groups, leaf = key.split(".")
+        node = value_at(raw, groups, default=None)
+        info = fields.get(key)
+        if info and info.type is str and isinstance(node, dict) and isinstance(node.get(leaf), (bool, int, float)):
+            node[leaf] = text
 
 
 def refuse_inactive_settings(config) -> None:

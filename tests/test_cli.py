@@ -200,6 +200,19 @@ def test_text_that_yaml_reads_as_something_else_names_the_quotes_that_keep_it_te
     assert parse_config(['dataset.system_prompt="Say: yes"']).dataset.system_prompt == "Say: yes"
 
 
+def test_a_text_setting_holds_the_text_typed_not_what_yaml_reads_it_as():
+    """YAML reads 007 as 7, 12:30 as 750 (base 60), No as false and 1e3 as 1000.0: a str setting held them as '7',
+    '750', 'False' and '1000.0'."""
+    config = parse_config(["trial_name=007", "experiment_name=12:30", "dataset.system_prompt=No",
+                           "dataset.prompt_key=1e3"])
+    assert (config.trial_name, config.experiment_name, config.dataset.system_prompt, config.dataset.prompt_key) == (
+        "007", "12:30", "No", "1e3")
+    assert parse_config(["trial_name=007", "trial_name=x"]).trial_name == "x"  # the last one wins
+    assert parse_config(["trial_name=x", "trial_name=007"]).trial_name == "007"
+    assert parse_config(["seed=007"]).seed == 7  # a number where a number is asked for
+    assert parse_config(["ppo.sequence_packing=false"]).ppo.sequence_packing == "false"
+
+
 def test_unparseable_value_is_a_config_error():
     with pytest.raises(ConfigError, match=r"cannot parse 'plugins=\[a,'"):
         parse_config(["plugins=[a,"])
