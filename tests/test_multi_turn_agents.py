@@ -354,6 +354,23 @@ def test_warm_start_walks_are_tokenized_exactly_like_the_agents_conversations(to
             assert check.accepted == tuple(valid_moves(game))
 
 
+def test_game_and_shop_walks_start_from_the_prompt_the_rollout_worker_sends(tokenizer):
+    """A row with a system prompt (dataset.system_prompt) is walked as it is sent: from its messages; the walks
+    taught the board alone, without the system message every episode starts with."""
+    from rlsys.data.games import random_walks
+    from rlsys.data.webshop import shop_walks
+    from rlsys.impl.env.webshop import WebShopEnv
+
+    for env, walks in ((FrozenLakeEnv(max_steps=4), random_walks), (WebShopEnv(max_steps=4), shop_walks)):
+        text = env.first_observation(3)
+        row = {"prompt": text, "answer": "", "seed": 3,
+               "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]}
+        (walk,), _ = walks(tokenizer, env, [row], 4, 0, 1.0)
+        sent = row_prompt_ids(tokenizer, row)
+        assert "Be brief." in tokenizer.decode(sent) and walk.token_ids[:len(sent)] == sent
+        assert walk.taught[:len(sent)] == [0] * len(sent)
+
+
 def test_retry_warm_start_is_tokenized_exactly_like_the_agents_second_attempt(tokenizer, tokenizer_dir):
     from rlsys.impl.agent.math_multi_turn import retry_sequences
 

@@ -8,7 +8,7 @@ from rlsys.data.arithmetic import write_jsonl
 from rlsys.data.dataset import DatasetError
 from rlsys.impl.env.text_game import MOVES, GridGame, TextGameEnv
 from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence, answer_ids
-from rlsys.model.tokenizer import chat_prompt_ids, message_after_ids
+from rlsys.model.tokenizer import message_after_ids, row_prompt_ids
 
 MAX_DRAWS_PER_ROW = 50  # small boards repeat; give up rather than loop if the options allow too few
 
@@ -57,9 +57,9 @@ class Walk:
     """A conversation taught to the tiny model: the prompt, then responses (taught, each ending in eos) and the
     observations after them (not taught), tokenized as a multi-turn agent's transcript would be."""
 
-    def __init__(self, tokenizer, prompt_text: str):
+    def __init__(self, tokenizer, row: dict):
         self.tokenizer = tokenizer
-        prompt = chat_prompt_ids(tokenizer, prompt_text)
+        prompt = row_prompt_ids(tokenizer, row)  # as the rollout worker sends it: a system prompt included
         self.sequence, self.last = TaughtSequence(prompt, [0] * len(prompt)), []
 
     def check(self, accepted: tuple[str, ...]) -> AnswerCheck:
@@ -90,7 +90,7 @@ def random_walks(tokenizer, env: TextGameEnv, rows: list[dict], max_turns: int, 
     walks, checks = [], []
     for row in rows:
         game = env.new_game(row["seed"], row)
-        walk = Walk(tokenizer, row["prompt"])
+        walk = Walk(tokenizer, row)
         for turn in range(1, min(max_turns, env.max_steps) + 1):
             moves = valid_moves(game)
             if not moves:

@@ -61,7 +61,7 @@ def shop_walks(tokenizer, env: WebShopEnv, rows: list[dict], max_turns: int, see
     walks, checks = [], []
     for row in rows:
         page, _ = env.reset_sync(row["seed"])
-        walk = Walk(tokenizer, row["prompt"])
+        walk = Walk(tokenizer, row)
         for turn in range(1, min(max_turns, env.max_steps) + 1):
             expert = env.expert_action()
             checks.append(walk.check((expert,)))
