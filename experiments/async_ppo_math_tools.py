@@ -39,15 +39,18 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
     gen: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(max_new_tokens=256))
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
-        """The python tool's own settings, which a run without it never reads."""
+        """The python tool's own settings, which a run without it never reads; the calls' settings, which a run
+        without tools never reads."""
         python = ("python" in self.tools, f"without the python tool (tools={list(self.tools)})",
                   "add python to tools")
+        calls = (bool(self.tools), "without tools (tools=[])", "name a tool in tools")
         sandbox = [f"sandbox.{f.name}" for f in dataclasses.fields(SandboxLimits)]
-        return {**super().inactive_settings(), **{name: python for name in ["python_persistent", *sandbox]}}
+        return {**super().inactive_settings(), **{name: python for name in ["python_persistent", *sandbox]},
+                **{name: calls for name in ["tool_timeout", "max_calls_per_turn"]}}
 
     def __post_init__(self):
         super().__post_init__()
-        check_at_least("", self, max_turns=1, max_total_tokens=1, tool_output_chars=1, max_calls_per_turn=1)
+        check_at_least("", self, max_turns=1, max_total_tokens=2, tool_output_chars=1, max_calls_per_turn=1)
         if self.tool_timeout <= 0:
             raise ValueError(f"tool_timeout must be positive, got {self.tool_timeout}")
         for name in self.tools:  # here, not in every episode's environment

@@ -82,6 +82,7 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     # The agent refused them too, but only once the assets were ready (a warm start: minutes), naming its own argument
     (["experiment=async-ppo-openai-agent", "agent_timeout=-1"], "agent_timeout must be positive, got -1.0"),
     (["experiment=async-ppo-openai-agent", "max_total_tokens=1"], "max_total_tokens must be at least 2, got 1"),
+    (["experiment=async-ppo-math-tools", "max_total_tokens=1"], "max_total_tokens must be at least 2, got 1"),
     (["ppo.mask_void_trajectories=true"],
      "ppo.mask_void_trajectories=True does nothing with agents that never mark a trajectory void (['math-single-step'])"),
     (["experiment=async-ppo-math-long", "dataset.path=a.jsonl", "dataset.eval_path=b.jsonl", "min_terms=3"],

@@ -77,6 +77,8 @@ GROUP_REFUSED = [  # (overrides, what the message must say)
      "sandbox.memory_mb=64 does nothing without the python tool (tools=['calculator']); add python to tools"),
     (["experiment=async-ppo-math-tools", "tools=[calculator]", "python_persistent=false"],
      "python_persistent=False does nothing without the python tool"),
+    (["experiment=async-ppo-math-tools", "tools=[]", "tool_timeout=5"],
+     "tool_timeout=5.0 does nothing without tools (tools=[]); name a tool in tools"),
 ]
 
 
