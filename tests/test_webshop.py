@@ -92,6 +92,15 @@ def test_stepping_after_buying_is_an_error_until_the_next_reset():
     assert asyncio.run(env.step(env.expert_actions(env.goal)[0]))[2:4] == (False, False)
 
 
+def test_a_row_whose_prompt_is_not_its_seed_s_task_in_this_catalog_is_refused_at_reset():
+    """Rows hold a seed; a row made with another catalog asked for one thing and was scored against another."""
+    made_with = WebShopEnv(catalog_seed=0, num_products=40)
+    row = {"prompt": made_with.first_observation(7), "seed": 7}
+    assert asyncio.run(WebShopEnv(catalog_seed=0, num_products=40).reset(options=row))[0] == row["prompt"]
+    with pytest.raises(ValueError, match="the row of seed 7 asks for something else than its task in this shop"):
+        asyncio.run(WebShopEnv(catalog_seed=1, num_products=40).reset(options=row))
+
+
 def test_a_scripted_shopper_plays_through_the_text_game_agent(tokenizer, tokenizer_dir):
     """Two chains: the expert's actions (reward 1), and a shopper who searches the type alone and buys the first
     result without choosing an option (less)."""

@@ -174,7 +174,14 @@ class WebShopEnv(EnvironmentService):
         seed = options.get("seed") if seed is None else seed
         if seed is None:
             raise ValueError("WebShopEnv.reset needs a seed (argument or options['seed'])")
-        return self.reset_sync(int(seed))
+        observation, info = self.reset_sync(int(seed))
+        # A row holds only its task's seed; the task is drawn from this env's catalog. Rows made with another catalog
+        # (seed, num_products) would be scored against a goal their prompt does not show, the run learning nothing.
+        prompt = options.get("prompt")
+        if isinstance(prompt, str) and self.goal.instruction not in prompt:
+            raise ValueError(f"the row of seed {seed} asks for something else than its task in this shop "
+                             f"({self.goal.instruction!r}): rows made with another catalog (its seed, num_products)?")
+        return observation, info
 
     def reset_sync(self, seed: int) -> tuple[str, dict]:
         """`reset` for callers outside an event loop (dataset generation, warm-start walks)."""
