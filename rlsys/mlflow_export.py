@@ -109,8 +109,12 @@ def export_run(run_dir: Path, tracking_uri: str = "", logging_dir: Path | None =
         for start in range(0, len(metrics), METRICS_PER_BATCH):
             MlflowClient().log_batch(run.info.run_id, metrics=metrics[start:start + METRICS_PER_BATCH])
         exported_step = max([exported_step] + [row["step"] for row in new])
+        # Against the exports before's mark, not one that moves as this one goes: each rollout worker's file is in
+        # the order its episodes ended, but the files follow one another, so a worker's episodes that ended before
+        # the last of the file read before it would be taken for exported.
+        since = exported_until
         for episode in read_traces(run_dir):
-            if episode["ended"] > exported_until:
+            if episode["ended"] > since:
                 _export_episode(mlflow, episode, experiment.experiment_id)
                 exported_until = max(exported_until, episode["ended"])
         mlflow.set_tags({EXPORTED_STEP: exported_step, EXPORTED_UNTIL: repr(exported_until)})

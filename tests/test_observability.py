@@ -333,3 +333,29 @@ def test_a_resumed_run_exports_to_mlflow_only_what_the_export_before_did_not(tmp
     history = mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "reward")
     assert sorted((m.step, m.value) for m in history) == [(r["step"], r["reward"]) for r in rows]
     assert len(mlflow.search_traces(locations=[experiment], return_type="list")) == 2
+
+
+def test_the_mlflow_export_takes_every_rollout_workers_episodes(tmp_path):
+    """Each worker's trace file is in the order its episodes ended, one file after the other: the export took the
+    newest end it had exported so far for the exports before's mark, and skipped every episode of rollout1 that ended
+    before rollout0's last."""
+    import mlflow
+
+    from rlsys.mlflow_export import export_run
+
+    run_dir = tmp_path / "two-workers" / "t"
+    (run_dir / "traces").mkdir(parents=True)
+    start = time.time() - 100
+
+    def episode(worker: int, ended: float) -> dict:
+        return {"episode_id": f"train-{worker}-{ended:g}", "tag": "train", "started": start + ended - 1,
+                "ended": start + ended, "seconds": 1.0, "failure": None, "calls": [], "trajectories": []}
+
+    for worker, ends in ((0, (1, 3, 5)), (1, (2, 4, 6))):  # their episodes ended in turn
+        (run_dir / "traces" / f"rollout{worker}.jsonl").write_text(
+            "".join(json.dumps(episode(worker, end)) + "\n" for end in ends))
+    mlflow.set_tracking_uri(export_run(run_dir))
+    experiment = mlflow.get_experiment_by_name("two-workers/t").experiment_id
+    names = {s.name for trace in mlflow.search_traces(locations=[experiment], return_type="list")
+             for s in trace.data.spans}
+    assert names == {f"episode train-{w}-{end}" for w, ends in ((0, (1, 3, 5)), (1, (2, 4, 6))) for end in ends}
