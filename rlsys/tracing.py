@@ -102,6 +102,8 @@ class TraceWriter:
 
     def _write(self) -> None:
         with os.fdopen(append_private(self.path), "a", buffering=1 << 16) as file:
+            if _ends_mid_line(self.path):  # a predecessor killed mid-record: ours start on a line of their own
+                file.write("\n")
             while (item := self.queue.get()) is not None:
                 try:
                     record = self._episode(*item)
@@ -117,6 +119,27 @@ class TraceWriter:
         return {"episode_id": episode_id, "tag": tag, "started": started, "ended": ended, "seconds": ended - started,
                 "failure": None if failure is None else {"reason": failure[0], "detail": failure[1]},
                 "calls": calls, "trajectories": [trajectory_record(self.tokenizer, t) for t in trajectories or []]}
+
+
+def _ends_mid_line(path: Path) -> bool:
+    """Whether the file's last record was cut short: its writer was killed with part of its buffer written."""
+    with open(path, "rb") as file:
+        if file.seek(0, os.SEEK_END) == 0:
+            return False
+        file.seek(-1, os.SEEK_END)
+        return file.read(1) != b"\n"
+
+
+def _records(path: Path) -> list[dict]:
+    """The records of a trace file, but for any a kill cut short (the writer's buffer goes out in pieces)."""
+    records = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                log.warning("%s: a record cut short (its writer was killed) is left out", path)
+    return records
 
 
 def write_trained(run_dir: Path, step: int, trajectories: list[Trajectory], advantages: list[float],
@@ -137,18 +160,15 @@ def read_traces(run_dir: Path) -> list[dict]:
     directory = Path(run_dir) / TRACES_DIR
     trained = {}
     if (directory / TRAINED_FILE).exists():
-        for line in (directory / TRAINED_FILE).read_text().splitlines():
-            row = json.loads(line)
+        for row in _records(directory / TRAINED_FILE):
             trained[row["traj_id"]] = row
     episodes = []
     for path in sorted(directory.glob("*.jsonl")) if directory.exists() else []:
         if path.name == TRAINED_FILE:
             continue
-        for line in path.read_text().splitlines():
-            if line.strip():
-                episode = json.loads(line)
-                for t in episode["trajectories"]:
-                    if t["traj_id"] in trained:
-                        t["trained"] = {k: trained[t["traj_id"]][k] for k in ("step", "advantage")}
-                episodes.append(episode)
+        for episode in _records(path):
+            for t in episode["trajectories"]:
+                if t["traj_id"] in trained:
+                    t["trained"] = {k: trained[t["traj_id"]][k] for k in ("step", "advantage")}
+            episodes.append(episode)
     return episodes

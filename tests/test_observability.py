@@ -359,3 +359,21 @@ def test_the_mlflow_export_takes_every_rollout_workers_episodes(tmp_path):
     names = {s.name for trace in mlflow.search_traces(locations=[experiment], return_type="list")
              for s in trace.data.spans}
     assert names == {f"episode train-{w}-{end}" for w, ends in ((0, (1, 3, 5)), (1, (2, 4, 6))) for end in ends}
+
+
+def test_a_rollout_worker_killed_mid_record_costs_the_report_only_that_record(tmp_path, tokenizer_dir):
+    """A trace writer killed with part of its buffer written leaves a record cut short; its restarted successor
+    appended its first record to that line, and the report (and the MLflow export) of the run failed on it."""
+    from rlsys.report import build_report
+
+    run_dir = tmp_path / "exp" / "t"
+    tool_episode(run_dir, tokenizer_dir)
+    trace_file = run_dir / "traces" / "rollout0.jsonl"
+    whole = trace_file.read_text()
+    with trace_file.open("a") as file:
+        file.write(whole[:len(whole) // 2])  # the killed writer's last piece
+    (run_dir / "traces" / "trained.jsonl").write_text('{"traj_id": "x", "gro')  # and the learner's
+    tool_episode(run_dir, tokenizer_dir)  # the restarted worker's episode
+    episodes = read_traces(run_dir)
+    assert [e["episode_id"] for e in episodes] == ["train-0-7", "train-0-7"]
+    assert "2 episodes recorded" in build_report(run_dir).read_text()
