@@ -259,6 +259,11 @@ def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_a
     ProgressReporter(logs / "learner.jsonl", every=10, max_steps=100, quiet_seconds=3600,
                      evaluations_file=logs / "rollout0.jsonl")()
     assert capsys.readouterr().out == "step    50/100  held-out mean reward 0.420 (greedy, 100 problems)\n"
+    rows[1].update({"eval/episodes": 97, "eval/failed": 3})  # failed episodes: among the problems, and named
+    (logs / "rollout0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ProgressReporter(logs / "learner.jsonl", every=10, max_steps=100, quiet_seconds=3600,
+                     evaluations_file=logs / "rollout0.jsonl")()
+    assert capsys.readouterr().out == "step    50/100  held-out mean reward 0.420 (greedy, 100 problems, 3 failed)\n"
 
     summary = {"initial_accuracy": None, "final_accuracy": None, "initial_reward": -0.16, "final_reward": 1.0,
                "steps": 100, "minutes": 1.25}

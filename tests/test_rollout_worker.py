@@ -314,3 +314,38 @@ def test_a_run_with_fewer_training_rows_than_rollout_workers_stops_at_start(tmp_
     config.cluster.n_rollout_workers = 2
     with pytest.raises(AssetError, match="train.jsonl: 1 training rows leave some of the 2 rollout workers none"):
         prepare_assets(config)
+
+
+class FailsOnOddRows(Agent):
+    """Solves the even problems and raises on the odd ones."""
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        if int(prompt.data["answer"]) % 2:
+            raise RuntimeError("no answer")
+        return await AnswersRight().collect_trajectory(prompt, env, obs_queue, act_queue)
+
+
+register_agent("fails-on-odd-rows", FailsOnOddRows)
+
+
+def test_a_held_out_episode_that_failed_counts_against_the_accuracy(tmp_path):
+    """Failed evaluation episodes were left out of the accuracy's denominator: an agent that failed on half the
+    held-out problems and solved the rest was reported at 100%."""
+    @dataclasses.dataclass
+    class FailsOnOddRowsExperiment(AsyncPPOMATHConfig):
+        @property
+        def agent(self):
+            return AgentAbstraction("fails-on-odd-rows", {})
+
+    config = FailsOnOddRowsExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    bus = InProcessBus()
+    worker = RolloutWorker(config, bus, 0)
+    worker.eval_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(4)]
+    try:
+        asyncio.run(worker.evaluate("initial"))
+    finally:
+        close_shared_pool()
+    result = bus.get(protocol.eval_result("initial"))
+    assert result["accuracy"] == 0.5 and result["failed"] == 2 and result["episodes"] == 2

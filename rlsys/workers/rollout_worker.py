@@ -312,8 +312,8 @@ class RolloutWorker:
 
     async def evaluate(self, tag: str, label: str = "") -> None:
         """Greedy episodes on the held-out set: their mean reward, and their accuracy (the mean of the experiment's
-        `held_out_score`, for most an episode's success) where every episode has a score, logged and stored on the
-        bus. A mixed run's environment types each get their own accuracy by the same rule."""
+        `held_out_score`, for most an episode's success, a failed episode scoring 0) where every episode has a score,
+        logged and stored on the bus. A mixed run's environment types each get their own accuracy by the same rule."""
         version = await self.current_version()
         # worker 0 evaluates alone, so on every held-out row: its share of them would shrink with n_rollout_workers
         prompts = list(prompt_stream(self.eval_rows, self.tokenizer, "eval", seed=self.config.seed, shuffle=False))
@@ -323,14 +323,16 @@ class RolloutWorker:
             if not isinstance(result, (list, EpisodeFailed)):
                 raise result  # not an episode's failure (already counted): a bug or a cancellation
         episodes = [t for trajectories in results if isinstance(trajectories, list) for t in trajectories]
+        failed = sum(isinstance(r, EpisodeFailed) for r in results)
         score = self.config.held_out_score
         result = {"reward": sum(t.reward for t in episodes) / max(len(episodes), 1), "version": version,
-                  "episodes": len(episodes), **held_out_accuracy(score, episodes, "accuracy")}
+                  "episodes": len(episodes), "failed": failed,
+                  **held_out_accuracy(score, episodes, "accuracy", failed)}
         if len(self.config.envs) > 1:  # a mixed run: each environment type's accuracy too
             for name in self.config.envs:
-                own = [t for p, ts in zip(prompts, results) if isinstance(ts, list) and env_type(self.config, p) == name
-                       for t in ts]
-                result.update(held_out_accuracy(score, own, f"{name}/accuracy"))
+                own = [ts for p, ts in zip(prompts, results) if env_type(self.config, p) == name]
+                result.update(held_out_accuracy(score, [t for ts in own if isinstance(ts, list) for t in ts],
+                                                f"{name}/accuracy", sum(isinstance(ts, EpisodeFailed) for ts in own)))
         self.metrics.log(version, {f"eval/{k}": v for k, v in result.items()})
         await asyncio.to_thread(self.bus.set, protocol.eval_result(tag), result)
         if "accuracy" in result:
@@ -359,11 +361,12 @@ def next_evaluation(version: int, every: int) -> int:
     return (version // every + 1) * every if every else 0
 
 
-def held_out_accuracy(score, episodes: list[Trajectory], key: str) -> dict:
-    """{key: the episodes' mean `score` (0 for no episodes: every one failed)}, or {} where an episode has no score
-    (None): its outcome is a score of another kind, and there is no accuracy to report."""
+def held_out_accuracy(score, episodes: list[Trajectory], key: str, failed: int = 0) -> dict:
+    """{key: the mean `score` of the episodes and of the `failed` ones, which score 0 (a held-out problem the agent
+    or environment failed on was not solved: left out, failures would raise the accuracy)}, or {} where an episode has
+    no score (None): its outcome is a score of another kind, and there is no accuracy to report."""
     scores = [score(t) for t in episodes]
-    return {} if None in scores else {key: sum(scores) / max(len(scores), 1)}
+    return {} if None in scores else {key: sum(scores) / max(len(scores) + failed, 1)}
 
 
 def _build_agents(config, variant) -> dict:
