@@ -280,7 +280,7 @@ def finish_observability(config, run_dir: Path) -> None:
         if config.trace.mlflow:
             from rlsys.mlflow_export import export_run
 
-            uri = export_run(run_dir, config.trace.mlflow_tracking_uri)
+            uri = export_run(run_dir, config.trace.mlflow_tracking_uri, Path(config.logging_dir))
             print(f"traces in MLflow: mlflow ui --backend-store-uri {uri}", flush=True)
     except Exception:
         log.warning("could not write the run report or export the traces", exc_info=True)

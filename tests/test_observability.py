@@ -382,3 +382,24 @@ def test_a_rollout_worker_killed_mid_record_costs_the_report_only_that_record(tm
     episodes = read_traces(run_dir)
     assert [e["episode_id"] for e in episodes] == ["train-0-7", "train-0-7"]
     assert "2 episodes recorded" in build_report(run_dir).read_text()
+
+
+def test_the_mlflow_export_at_a_runs_end_takes_the_learner_metrics_from_its_logging_dir(tmp_path, tokenizer_dir):
+    """With logging_dir set, the run's end exported to MLflow the traces without a single learner metric: it looked
+    for learner.jsonl under <run dir>/logs."""
+    import mlflow
+
+    from experiments import AsyncPPOMATHConfig
+    from rlsys.launcher import finish_observability
+
+    run_dir, logs = tmp_path / "exp" / "t", tmp_path / "elsewhere"
+    logs.mkdir()
+    (logs / "learner.jsonl").write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in (1, 2)))
+    tool_episode(run_dir, tokenizer_dir)
+    config = AsyncPPOMATHConfig()
+    config.logging_dir, config.trace.mlflow = str(logs), True
+    finish_observability(config, run_dir)
+    mlflow.set_tracking_uri(f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+    (run,) = mlflow.search_runs([mlflow.get_experiment_by_name("exp/t").experiment_id], output_format="list")
+    history = mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "reward")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.1), (2, 0.2)]
