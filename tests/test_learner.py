@@ -636,6 +636,7 @@ def test_a_resumed_learner_continues_its_adaptive_kl_coefficient_and_counters(tm
     learner.step = learner.version = 1
     # as training left them: the coefficient adapted, a group filtered, an update skipped
     learner.kl_controller.value, learner.filtered_groups, learner.skipped_updates = 0.37, 5, 2
+    learner.inbox.duplicates, learner.inbox.dead_letters = 3, 1  # logged every step as trajectories/*
     bus.incr(protocol.WEIGHT_CHECKS, 3)  # the run's counters, which a resume takes back to these (rlsys/launcher.py)
     bus.stream_add(protocol.DEAD_LETTERS, {"reason": "a message the learner could not use"})
     config.resume_from_checkpoint = str(learner.save())
@@ -644,6 +645,8 @@ def test_a_resumed_learner_continues_its_adaptive_kl_coefficient_and_counters(tm
     resumed = Learner(config, InProcessBus(), tmp_path / "run")
     assert resumed.kl_controller.value == 0.37
     assert (resumed.filtered_groups, resumed.skipped_updates) == (5, 2)
+    assert {k: resumed.delivery_metrics()[k] for k in ("trajectories/duplicates", "trajectories/dead_letters")} == \
+        {"trajectories/duplicates": 3, "trajectories/dead_letters": 1}  # a resumed learner logged 0 and 0
 
 
 @pytest.mark.parametrize("target_kl", [0.0, 0.05])

@@ -74,6 +74,10 @@ class Learner(PolicyTrainer):
             self.inbox = TrajectoryInbox(bus, self.ledger, f"learner-{uuid.uuid4().hex[:8]}",
                                          int(config.cluster.max_message_mb * 2**20), self.model.config.vocab_size,
                                          consumed=self.consumed_prompts)
+            # its counters are the run's, logged every step: a resumed or restarted learner goes on from its
+            # checkpoint's (from before they were kept: from 0)
+            self.inbox.duplicates = resumed.get("trajectory_duplicates", 0)
+            self.inbox.dead_letters = resumed.get("trajectory_dead_letters", 0)
             self.metrics = MetricsLogger(Path(config.logging_dir), "learner")
 
     def _resume(self, checkpoint: Path, trainer: dict) -> None:
@@ -252,6 +256,8 @@ class Learner(PolicyTrainer):
                          "kl_adaptive": isinstance(self.kl_controller, AdaptiveKLController),
                          "filtered_groups": self.filtered_groups,
                          "skipped_updates": self.skipped_updates, "lineage": self.lineage,
+                         "trajectory_duplicates": self.inbox.duplicates if self.ranks.main else None,
+                         "trajectory_dead_letters": self.inbox.dead_letters if self.ranks.main else None,
                          # rank 0 alone writes the trainer state, so it alone reads the bus for it
                          "dataset": self.bus.get(protocol.DATASET_FINGERPRINT) if self.ranks.main else None,
                          "accounting": self.ledger.snapshot() if self.ranks.main else None,
