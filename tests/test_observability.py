@@ -292,6 +292,9 @@ def test_the_report_command_refuses_what_is_no_run_directory_and_names_the_runs_
     assert main([str(tmp_path / "nowhere")]) == 2 and "(no such directory)" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "summary.html").exists()
     assert main([str(run_dir)]) == 0 and (run_dir / "summary.html").is_file()
+    # a run that did not finish: its restarts and dead letters are unknown, and were shown as "none" and 0
+    page = (run_dir / "summary.html").read_text()
+    assert "<th>restarts</th><td>n/a</td>" in page and "<th>dead letters</th><td>n/a</td>" in page
 
 
 def test_the_report_shows_the_probe_that_compares_logprobs_at_every_step(tmp_path):
