@@ -272,6 +272,9 @@ def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_a
         "held-out accuracy: 50.0% before, 62.5% after 100 steps (+12.5 points) in 1.2 min"
     assert held_out_line({**summary, "initial_accuracy": 0.5, "final_reward": None}) == \
         "held-out accuracy: 50.0% before, n/a after 100 steps in 1.2 min"  # stopped before its final evaluation
+    # resumed at step 80: the run's 100 steps did not take the last launch's 1.2 minutes
+    assert held_out_line({**summary, "initial_accuracy": 0.5, "final_accuracy": 0.625, "resumed": {"step": 80}}) == \
+        "held-out accuracy: 50.0% before, 62.5% after 100 steps (+12.5 points) in 1.2 min since its resume at step 80"
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     page = build_report(tmp_path).read_text()
     assert "<th>held-out mean reward before</th><td>-0.160</td>" in page
