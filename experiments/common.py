@@ -556,6 +556,10 @@ class AlarmConfig:
     stop_on_logprob_diff: bool = False
     """Stop the run (instead of warning) when alarms.logprob_diff_warn is exceeded."""
 
+    def __post_init__(self):
+        if not self.logprob_diff_warn >= 0:  # below 0 (or NaN) every mean |diff| exceeds it: a warning every step
+            raise ValueError(f"alarms.logprob_diff_warn must be >= 0 (0: never warn), got {self.logprob_diff_warn}")
+
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
         return {"stop_on_logprob_diff": (self.logprob_diff_warn > 0, "with alarms.logprob_diff_warn=0 (no "
                                          "difference is ever checked)", "set alarms.logprob_diff_warn above 0")}

@@ -287,6 +287,15 @@ def test_logprob_mismatch_warns_or_stops_above_the_threshold(caplog):
         check_logprob_mismatch(stats, 7, warn_at=0.5, stop=True)
 
 
+def test_a_negative_logprob_diff_threshold_is_refused_not_warned_at_every_step():
+    """alarms.logprob_diff_warn=-0.5 was taken: every step's mean |diff| exceeds it, so the alarm warned at each."""
+    from rlsys.cli import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"alarms.logprob_diff_warn must be >= 0 \(0: never warn\), got -0.5"):
+        parse_config(["alarms.logprob_diff_warn=-0.5"])
+    assert parse_config(["alarms.logprob_diff_warn=0"]).alarms.logprob_diff_warn == 0
+
+
 @pytest.mark.parametrize("shift", [0.0, 0.4])
 def test_learner_reports_the_mismatch_of_what_inference_sampled(tmp_path, shift):
     config = learner_config(tmp_path)
