@@ -293,6 +293,8 @@ def launch(config) -> dict:
     started = time.monotonic()
     run_dir = run_directory(config)
     make_private(run_dir)
+    if config.logging_dir:  # saved so: the report, run from another directory, finds the metrics
+        config.logging_dir = str(Path(config.logging_dir).resolve())
     logging_dir = Path(config.logging_dir) if config.logging_dir else run_dir / "logs"
     if not config.resume_from_checkpoint:
         refuse_a_second_start(run_dir, logging_dir)

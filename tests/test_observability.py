@@ -298,6 +298,10 @@ def test_the_report_command_refuses_what_is_no_run_directory_and_names_the_runs_
     # a run that did not finish: its restarts and dead letters are unknown, and were shown as "none" and 0
     page = (run_dir / "summary.html").read_text()
     assert "<th>restarts</th><td>n/a</td>" in page and "<th>dead letters</th><td>n/a</td>" in page
+    # a logging_dir the report cannot find (relative, run from another directory): said, not a report of 0 steps
+    (run_dir / "config.yaml").write_text("experiment: async-ppo-math\nlogging_dir: elsewhere/logs\n")
+    assert main([str(run_dir)]) == 2
+    assert "metrics directory elsewhere/logs (config.yaml's logging_dir" in capsys.readouterr().err
 
 
 def test_the_report_shows_the_probe_that_compares_logprobs_at_every_step(tmp_path):
@@ -409,3 +413,17 @@ def test_the_mlflow_export_at_a_runs_end_takes_the_learner_metrics_from_its_logg
     (run,) = mlflow.search_runs([mlflow.get_experiment_by_name("exp/t").experiment_id], output_format="list")
     history = mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "reward")
     assert sorted((m.step, m.value) for m in history) == [(1, 0.1), (2, 0.2)]
+
+
+def test_a_relative_logging_dir_is_saved_absolute_so_the_report_finds_it_from_anywhere(tmp_path, monkeypatch):
+    from rlsys.cli import parse_config
+    from rlsys.launcher import launch
+    from rlsys.preflight import StartupError
+
+    monkeypatch.chdir(tmp_path)
+    config = parse_config([f"output_dir={tmp_path / 'runs'}", "trial_name=t", "logging_dir=mylogs",
+                           f"dataset.path={tmp_path / 'missing.jsonl'}"])
+    with pytest.raises(StartupError):  # stops at the dataset, after the config is saved
+        launch(config)
+    saved = (tmp_path / "runs" / "async-ppo-math" / "t" / "config.yaml").read_text()
+    assert f"logging_dir: {tmp_path / 'mylogs'}\n" in saved
