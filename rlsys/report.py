@@ -23,7 +23,7 @@ from rlsys.tracing import TRACES_DIR, read_traces
 REPORT_FILE = "summary.html"
 TRACES_SHOWN = 4
 FRAMES_SHOWN = 4
-TIME_KEYS = ("time/wait_data", "time/compute", "time/publish")
+TIME_KEYS = ("time/wait_data", "time/compute", "time/publish", "time/save")
 # The two logprob comparisons' figures (rlsys/alarms.py; the report reads the file, not torch): tokens sampled by the
 # learner's own version, which an asynchronous run has at its first steps only, and the probe, which an inference
 # worker scores after loading each version.

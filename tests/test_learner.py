@@ -1157,3 +1157,21 @@ def test_the_learner_s_models_score_in_train_mode_without_dropout_and_keep_their
         first = model(ids).logits
         assert torch.equal(first, model(ids).logits)
         assert all(getattr(model.config, key) == value for key, value in dropout.items())  # what a save writes
+
+
+def test_a_step_that_saves_logs_the_save_s_time(tmp_path):
+    """A checkpoint's time fell in no time/* figure: the report's "where the time went" left it out."""
+    from rlsys.metrics import read_jsonl_metrics
+
+    config = learner_config(tmp_path)
+    config.max_steps, config.save_steps, config.ppo.batch_size = 2, 2, 1
+    bus = InProcessBus()
+    learner = Learner(config, bus, tmp_path / "run")
+    for step in range(2):
+        learner.ledger.admit(f"p{step}", served_version=10)
+        group = [trajectory(learner.model, answer, reward).to_dict() for answer, reward in ((GOOD, 1.0), (BAD, 0.0))]
+        bus.stream_add(protocol.TRAJECTORIES, {"group_id": f"p{step}", "trajectories": group})
+    learner.run()
+    rows = read_jsonl_metrics(tmp_path / "logs" / "learner.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    assert rows[0]["time/save"] < 0.01 < rows[1]["time/save"]  # step 2 saved a checkpoint

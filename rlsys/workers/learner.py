@@ -143,14 +143,16 @@ class Learner(PolicyTrainer):
                 self.consumed_prompts += [group.group_id for group in groups]
                 for group in groups:
                     self.ledger.trained(group.group_id)
+            saving = time.monotonic()
+            if self.config.save_steps and self.step % self.config.save_steps == 0:
+                self.save()  # after the step's prompts are counted trained: the checkpoint holds them so
+            if self.ranks.main:
                 self.metrics.log(self.step, {
                     **stats, "groups/filtered": self.filtered_groups, "version": self.version,
                     "time/wait_data": waited, "time/compute": computed, "time/publish": published,
+                    "time/save": time.monotonic() - saving,
                     "throughput/tokens_per_second": stats["tokens"] * self.ppo.ppo_epochs / max(computed, 1e-9),
                     **self.delivery_metrics()})
-            if self.config.save_steps and self.step % self.config.save_steps == 0:
-                self.save()
-            if self.ranks.main:
                 self.inbox.ack([group.entry_id for group in groups])  # taken into a step: see rlsys/delivery.py
         self.save()
         if self.ranks.main:
