@@ -4,11 +4,13 @@ would outlive its launcher."""
 import contextlib
 import os
 import signal
+import time
 
 import pytest
 
 from experiments.common import ClusterConfig, InferenceConfig
-from rlsys.placement import PlacementError
+from rlsys.cli import parse_config
+from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout
 
 
@@ -77,7 +79,6 @@ def test_a_role_whose_launcher_died_as_it_started_does_not_run(tmp_path):
     told, and ran on, orphaned."""
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     from tests.helpers import alive
@@ -97,3 +98,20 @@ def test_a_role_whose_launcher_died_as_it_started_does_not_run(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(role, signal.SIGKILL)
+
+
+def wait_for_the_stop(*args):
+    time.sleep(120)  # a role the stop did not reach: it runs on
+
+
+def test_closing_a_local_placement_ends_every_role_it_started_that_still_runs():
+    """The supervisor's stop ends a run's roles; those it did not reach (a second Ctrl-C during its grace period, an
+    error while the roles were being started) ran on, and the launcher's exit waited for them (multiprocessing joins
+    its children), however long they took."""
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with open_placement(parse_config([]), wait_for_the_stop) as placement:
+            roles = [placement.start("rollout", 0, ()), placement.start("inference", 0, ())]
+            raise KeyboardInterrupt
+    assert [role.is_alive() for role in roles] == [False, False]
+    assert time.monotonic() - started < 60

@@ -43,6 +43,7 @@ class LocalPlacement(Placement):
         self.config, self.entry = config, entry
         self.gpus = gpu_layout(config.cluster, config.inference, visible_devices())
         self.master_port = 0
+        self.roles: list[LocalRole] = []  # every role started here that may still run, for close()
 
     def start(self, role: str, index: int, args: tuple) -> RoleHandle:
         env = {"CUDA_VISIBLE_DEVICES": self.gpus[(role, index)]} if (role, index) in self.gpus else {}
@@ -54,10 +55,16 @@ class LocalPlacement(Placement):
         process = ctx.Process(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env))
         with environment(role_environment()):  # read by libgomp as torch loads, before the role's own code runs
             process.start()
-        return LocalRole(process)
+        self.roles = [handle for handle in self.roles if handle.is_alive()]  # restarts replace the dead
+        self.roles.append(LocalRole(process))
+        return self.roles[-1]
 
     def close(self) -> None:
-        """The supervisor stops the processes it watches; nothing else was taken."""
+        """Kills every role process still running. The supervisor's stop has ended them on a run's ordinary ways out;
+        this ends those it did not reach (a second Ctrl-C during its stop, an error while the roles were being
+        started), which the launcher's exit would otherwise wait on (multiprocessing joins its children at exit)."""
+        for handle in self.roles:
+            handle.kill()
 
 
 @contextlib.contextmanager
