@@ -5,7 +5,8 @@
 - A rollout worker that dies is restarted; the new one redoes its predecessor's unfinished episodes and
   goes on from its place in the prompt stream.
 - The private redis-server that dies is restarted on the same port, with the data its append-only file
-  kept; every role's client waits for it (rlsys.bus.redis_bus), but not the launcher's, which restarts it.
+  kept; every role's client waits for it (rlsys.bus.redis_bus), but not the launcher's, which restarts it. One that
+  cannot be started again (its port taken meanwhile) stops the run with RoleFailed and the server's reason.
 - The learner that dies cannot be replaced alone: the weights in inference are newer than its last
   checkpoint. LearnerFailed tells the launcher to restart the whole run from that checkpoint.
 
@@ -25,6 +26,7 @@ import time
 import redis
 
 from rlsys import protocol
+from rlsys.bus.redis_server import EmbeddedRedisError
 from rlsys.errors import LearnerFailed, RoleFailed
 from rlsys.placement.base import process_exit
 from rlsys.workers.inference_status import InferenceStatus
@@ -71,8 +73,12 @@ class Supervisor:
 
     def restart_dead_server(self) -> None:
         if self.server is not None and self.server.exited():
-            self.count_restart("redis-server", process_exit(self.server.process.returncode))
-            self.server.restart()
+            why = process_exit(self.server.process.returncode)
+            self.count_restart("redis-server", why)
+            try:
+                self.server.restart()
+            except EmbeddedRedisError as e:  # the run cannot go on without it: stopped as any role that gave up
+                raise RoleFailed(f"redis-server {why}, and could not be started again: {e}") from None
 
     def restart_dead_roles(self, bus) -> None:
         for (role, index), process in self.processes.items():

@@ -250,3 +250,26 @@ def test_the_supervisor_restarts_its_server_when_a_command_finds_it_down(tmp_pat
         supervisor.watch(bus, report=lambda: None)  # returns once the restarted server says the run is done
         assert supervisor.restarts == {"redis-server": 1} and server.checks == 2
         bus.close()
+
+
+def test_a_server_that_cannot_be_started_again_stops_the_run_with_the_reason(tmp_path):
+    """A dead server whose restart failed (its port taken meanwhile, its append-only file unreadable) ended the run
+    with the server's own error as a traceback, which left out the run's checkpoint note and, for a taken port, told
+    the user to choose another cluster.redis_port, when the roles' URL holds that one."""
+    from types import SimpleNamespace
+
+    from rlsys.errors import RoleFailed
+    from rlsys.supervisor import Supervisor
+
+    config = SimpleNamespace(cluster=SimpleNamespace(n_rollout_workers=1, max_role_restarts=1))
+    with EmbeddedRedis(tmp_path) as server, socket.socket() as squatter:
+        server.process.kill()
+        server.process.wait(10)
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind((server.host, server.port))
+        squatter.listen()
+        supervisor = Supervisor(config, start_role=None, server=server)
+        with pytest.raises(RoleFailed, match=rf"^redis-server exited with code -9 \(SIGKILL\), and could not be "
+                                             rf"started again: another process took its port {server.port} on "):
+            supervisor.restart_dead_server()
+        assert supervisor.restarts == {"redis-server": 1}

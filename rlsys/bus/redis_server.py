@@ -173,8 +173,8 @@ class EmbeddedRedis:
         """A dead server started again on the same port, password and data directory: clients reconnect
         to the same URL and find what the append-only file kept."""
         self.process = None
-        if not self._launch(find_redis_server()):
-            raise _port_in_use(self.port)
+        if not self._launch(find_redis_server()):  # the roles hold the URL: no other port would do
+            raise EmbeddedRedisError(f"another process took its port {self.port} on {self.host} while it was down")
 
     def _write_config(self) -> Path:
         def quote(text: str) -> str:  # redis config takes double-quoted strings with \\ and \" escapes
