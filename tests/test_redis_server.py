@@ -273,3 +273,22 @@ def test_a_server_that_cannot_be_started_again_stops_the_run_with_the_reason(tmp
                                              rf"started again: another process took its port {server.port} on "):
             supervisor.restart_dead_server()
         assert supervisor.restarts == {"redis-server": 1}
+
+
+def test_the_port_of_a_server_stopped_with_clients_connected_counts_as_free(tmp_path):
+    """A server stopped with clients connected closes their connections first, which leaves them in TIME_WAIT on
+    its port for a minute. redis-server binds such a port again (SO_REUSEADDR), but the check before a run's start
+    found it "in use": the same command with a fixed cluster.redis_port, rerun after a Ctrl-C to resume, was
+    refused for a minute."""
+    from rlsys.bus.redis_server import check_port_free, free_port
+
+    port = free_port()
+    with EmbeddedRedis(tmp_path, port) as server:
+        bus = connect(server.url)
+        bus.set("x", 1)
+    bus.close()
+    check_port_free(port)
+    with EmbeddedRedis(tmp_path, port) as server:
+        again = connect(server.url)
+        assert server.port == port and again.get("x") == 1
+        again.close()

@@ -68,6 +68,10 @@ def find_redis_server() -> str:
 def check_port_free(port: int) -> None:
     """EmbeddedRedisError unless `port` can be bound on the loopback interface right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As redis-server binds: a port whose only sockets are closed connections in TIME_WAIT (a server stopped
+        # with clients connected, for a minute after: a resume right after a Ctrl-C) is free to it; one that a
+        # socket listens on or holds is not
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
