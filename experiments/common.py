@@ -361,7 +361,8 @@ class ClusterConfig:
     learner_gpus: int = 0
     """GPUs of the learner, split evenly over its ranks; 0: local roles share every GPU (as before), Ray gives none."""
     gpus_per_inference_worker: int = 0
-    """GPUs of each inference worker (at least inference.tensor_parallel_size); 0: as learner_gpus=0."""
+    """GPUs of each inference worker (inference.tensor_parallel_size of them: its engine uses no more); 0: as
+    learner_gpus=0."""
     learner_resources: str = ""
     """backend=ray: custom resources each learner rank needs, NAME:AMOUNT[,NAME:AMOUNT]; pins it to nodes that have them."""
     inference_resources: str = ""
@@ -718,6 +719,11 @@ class AsyncRLExperimentConfig(BaseExperimentConfig):
             raise ValueError(f"inference.tensor_parallel_size={self.inference.tensor_parallel_size} takes new weights "
                              "from disk only: set cluster.weights_transport=disk (one machine, or a run directory "
                              f"every node shares); got cluster.weights_transport={self.cluster.weights_transport}")
+        gpus, tp = self.cluster.gpus_per_inference_worker, self.inference.tensor_parallel_size
+        if gpus > tp:  # fewer are refused by the placements, which know the machine (or cluster) they place on
+            raise ValueError(f"cluster.gpus_per_inference_worker={gpus} gives each inference worker {gpus - tp} GPUs "
+                             f"its engine never uses: it runs on inference.tensor_parallel_size={tp} of them. Set the "
+                             "two equal; more inference throughput: cluster.n_inference_workers")
 
     def held_out_score(self, trajectory) -> float | None:
         """What one greedy held-out episode counts towards the held-out accuracy: its success, 1 or 0, as the agent

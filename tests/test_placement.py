@@ -9,7 +9,7 @@ import time
 import pytest
 
 from experiments.common import ClusterConfig, InferenceConfig
-from rlsys.cli import parse_config
+from rlsys.cli import ConfigError, parse_config
 from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout
 
@@ -60,9 +60,21 @@ def test_cluster_settings_are_checked_by_name():
         InferenceConfig(engine="transformers", tensor_parallel_size=2)
 
 
+def test_gpus_an_inference_worker_would_never_use_are_refused():
+    """vLLM runs on tensor_parallel_size GPUs of those its worker sees: more per worker were reserved (locally, out of
+    every other role's reach; on Ray, in its bundle) and sat idle, without a word."""
+    with pytest.raises(ConfigError, match=r"cluster.gpus_per_inference_worker=4 gives each inference worker 3 GPUs "
+                                          r"its engine never uses: it runs on inference.tensor_parallel_size=1"):
+        parse_config(["cluster.gpus_per_inference_worker=4"])
+    config = parse_config(["cluster.gpus_per_inference_worker=2", "inference.tensor_parallel_size=2",
+                           "cluster.weights_transport=disk"])
+    assert layout(["0", "1", "2"], config.inference, learner_gpus=1, gpus_per_inference_worker=2) == {
+        ("learner", 0): "0", ("inference", 0): "1,2"}
+
+
 ORPHANED_ROLE = """
 import os, signal, sys, time
-from rlsys.cli import parse_config
+from rlsys.cli import ConfigError, parse_config
 from rlsys.placement.local import LocalPlacement
 
 def role(*args):
