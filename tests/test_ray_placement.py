@@ -134,3 +134,23 @@ def test_the_private_redis_of_a_run_on_a_ray_of_its_own_listens_on_loopback_only
         assert placement.bus_host == "127.0.0.1"
     finally:
         placement.close()
+
+
+def test_a_ray_address_where_no_cluster_answers_is_refused_before_anything_starts(monkeypatch):
+    """cluster.ray_address=auto with no Ray running here: ray.init's ConnectionError left the launcher as a traceback
+    (exit 1), not the `error:` line and exit 2 of a run that cannot start."""
+    import functools
+
+    import ray._private.services
+
+    from rlsys.launcher import placed_roles
+    from rlsys.preflight import StartupError
+
+    # a Ray that another test or user runs on this machine is not the one this test looks for
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray._private.services, "_cached_find_gcs_addresses", functools.cache(lambda: frozenset()))
+    monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda temp_dir: None)
+    with pytest.raises(StartupError, match=r"^cluster.ray_address=auto: no Ray cluster answered \(Could not find any "
+                                           r"running Ray instance.*\); start one \(`ray start --head`"):
+        with placed_roles(parse_config(["cluster.backend=ray", "cluster.ray_address=auto"])):
+            pass

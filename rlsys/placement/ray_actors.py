@@ -157,7 +157,13 @@ class RayPlacement(Placement):
                                  "the command on a node of the cluster with cluster.ray_address=auto")
         with keep_sigterm_handler():
             if cluster.ray_address:
-                ray.init(address=cluster.ray_address, log_to_driver=True)
+                try:
+                    ray.init(address=cluster.ray_address, log_to_driver=True)
+                except ConnectionError as e:  # nothing started yet: refused as a layout that cannot be placed
+                    raise PlacementError(
+                        f"cluster.ray_address={cluster.ray_address}: no Ray cluster answered "
+                        f"({str(e).splitlines()[0]}); start one (`ray start --head` on its head node), fix the "
+                        "address, or leave cluster.ray_address empty to start a Ray for this run alone") from None
             else:  # a Ray for this run only, with a logical CPU per role even on a small machine
                 ray.init(num_cpus=max(os.cpu_count() or 1, CPUS_PER_ROLE * len(bundles)), include_dashboard=False)
         # other nodes reach a private Redis on this node's address; a Ray of this run's own has only this machine
