@@ -87,11 +87,11 @@ class Supervisor:
             if process.exitcode == CANNOT_GO_ON_EXIT:
                 raise RoleFailed(f"{process.name} stopped the run: {bus.get(protocol.role_stop_reason(process.name))}")
             why = process.exit_reason
-            if role == "learner":
+            self.count_restart(process.name, why)
+            if role == "learner":  # restarted with every role, by the launcher
                 raise LearnerFailed(f"{process.name} {why}")
             if role == "inference":
                 InferenceStatus(bus, index).mark_dead()
-            self.count_restart(process.name, why)
             self.processes[(role, index)] = self.start_role(role, index)
 
     def count_restart(self, name: str, why: str) -> None:

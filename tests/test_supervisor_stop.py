@@ -1,13 +1,18 @@
-"""The supervisor's stop: what it reports of the roles that did not end cleanly once told to stop."""
+"""The supervisor's stop: what it reports of the roles that did not end cleanly once told to stop; and how it names
+a learner rank that died."""
 
 import multiprocessing
 import os
 import resource
 import time
 
+import pytest
+
 from rlsys import protocol, supervisor
 from rlsys.bus.inproc import InProcessBus
-from rlsys.placement.local import LocalRole
+from rlsys.cli import parse_config
+from rlsys.errors import LearnerFailed
+from rlsys.placement.local import LocalPlacement, LocalRole
 
 
 def finish() -> None:
@@ -40,3 +45,24 @@ def test_the_stop_names_each_role_that_crashed_or_had_to_be_killed(monkeypatch):
     assert unclean == {"rollout0": "exited with code -6 (SIGABRT)",
                        "inference0": "was still running 3 s after the stop, and was killed"}
     assert [role.exitcode for role in roles] == [0, -6, -9]
+
+
+def learner1_dies(role, index, *args):
+    return 1 if (role, index) == ("learner", 1) else 0  # the others finish their part at once
+
+
+def test_a_learner_rank_that_died_is_named_in_its_restart(caplog):
+    """Any rank's death restarts the run; each was counted as learner0's, with the rank that died in the reason:
+    "learner0 learner1 exited with code 1; restarting it", and at the limit "error: learner0 learner1 exited ...".
+    """
+    config = parse_config(["cluster.n_learner_ranks=2"])
+    placement = LocalPlacement(config, learner1_dies)
+    watching = supervisor.Supervisor(config, lambda role, index: placement.start(role, index, ()))
+    try:
+        watching.start()
+        with pytest.raises(LearnerFailed, match=r"^learner1 exited with code 1$"):
+            watching.watch(InProcessBus(), report=lambda: None)
+    finally:
+        placement.close()
+    assert watching.restarts == {"learner1": 1}
+    assert "learner1 exited with code 1; restarting it (restart 1 of 3)" in caplog.text
