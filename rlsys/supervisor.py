@@ -82,11 +82,15 @@ class Supervisor:
 
     def restart_dead_roles(self, bus) -> None:
         for (role, index), process in self.processes.items():
-            if process.exitcode in (None, 0):  # 0: a role that finished its part (the learner, before the final eval)
+            if process.exitcode is None:
                 continue
+            if process.exitcode == 0 and (role != "rollout" or bus.get(protocol.rollout_done(index))):
+                continue  # it finished its part: the learner, before the final eval; a rollout worker, once done
             if process.exitcode == CANNOT_GO_ON_EXIT:
                 raise RoleFailed(f"{process.name} stopped the run: {bus.get(protocol.role_stop_reason(process.name))}")
-            why = process.exit_reason
+            # A rollout worker that exits 0 without saying it is done (a plugin's sys.exit()) left the run waiting
+            # for it for ever, with no error: it died
+            why = process.exit_reason if process.exitcode else "exited with code 0 before it was done"
             self.count_restart(process.name, why)
             if role == "learner":  # restarted with every role, by the launcher
                 raise LearnerFailed(f"{process.name} {why}")

@@ -11,7 +11,7 @@ import pytest
 from rlsys import protocol, supervisor
 from rlsys.bus.inproc import InProcessBus
 from rlsys.cli import parse_config
-from rlsys.errors import LearnerFailed
+from rlsys.errors import LearnerFailed, RoleFailed
 from rlsys.placement.local import LocalPlacement, LocalRole
 
 
@@ -48,7 +48,7 @@ def test_the_stop_names_each_role_that_crashed_or_had_to_be_killed(monkeypatch):
 
 
 def learner1_dies(role, index, *args):
-    return 1 if (role, index) == ("learner", 1) else 0  # the others finish their part at once
+    return 1 if (role, index) == ("learner", 1) else time.sleep(600)  # the others run on
 
 
 def test_a_learner_rank_that_died_is_named_in_its_restart(caplog):
@@ -66,3 +66,27 @@ def test_a_learner_rank_that_died_is_named_in_its_restart(caplog):
         placement.close()
     assert watching.restarts == {"learner1": 1}
     assert "learner1 exited with code 1; restarting it (restart 1 of 3)" in caplog.text
+
+
+def rollout_exits_early(role, index, *args):
+    return 0 if role == "rollout" else time.sleep(600)  # as a plugin's sys.exit() ends a rollout worker
+
+
+def test_a_rollout_worker_that_exits_without_being_done_is_restarted_not_waited_for(monkeypatch):
+    """Exit code 0 counted as a role that finished its part; a rollout worker that exited 0 before it said it was
+    done (its done key) was never restarted, and the run waited for it for ever, in silence."""
+    config = parse_config(["cluster.max_role_restarts=1"])
+    placement = LocalPlacement(config, rollout_exits_early)
+    watching = supervisor.Supervisor(config, lambda role, index: placement.start(role, index, ()))
+    deadline = time.monotonic() + 60
+
+    def report():
+        assert time.monotonic() < deadline, "the supervisor still waits for a rollout worker that exited"
+
+    try:
+        watching.start()
+        with pytest.raises(RoleFailed, match=r"^rollout0 exited with code 0 before it was done, and was restarted 1 "):
+            watching.watch(InProcessBus(), report)
+    finally:
+        placement.close()
+    assert watching.restarts == {"rollout0": 1}
