@@ -342,6 +342,10 @@ class ClusterConfig:
     least four beats (1 s)."""
     max_role_restarts: int = 3
     """Times each role process (and the private redis-server) is restarted after dying before the run stops."""
+    stop_grace_seconds: float = 20.0
+    """Seconds the roles get to end once the run stops (its end, Ctrl-C, a failure) before they are killed: the learner
+    finishes its step and saves the run's checkpoint in them, which a large model on a CPU takes minutes to do. A
+    second Ctrl-C kills at once."""
     stall_timeout: float = 120.0
     """Seconds with no prompt in flight, none admitted and no new weights (mid-training) after which the run stops
     with an error that says what the gate and the counters hold; 0: never (rlsys/stall.py)."""
@@ -383,6 +387,8 @@ class ClusterConfig:
     def __post_init__(self):
         check_at_least("cluster.", self, n_inference_workers=1, n_rollout_workers=1, redis_port=0, max_role_restarts=0,
                            max_failed_in_a_row=0, n_learner_ranks=1)
+        if not self.stop_grace_seconds > 0:
+            raise ValueError(f"cluster.stop_grace_seconds must be positive, got {self.stop_grace_seconds}")
         if self.stall_timeout < 0:
             raise ValueError(f"cluster.stall_timeout must be 0 (never) or positive, got {self.stall_timeout}")
         if self.inference_dead_after < DEAD_AFTER_BEATS * HEARTBEAT_INTERVAL:

@@ -32,7 +32,6 @@ from rlsys.placement.base import process_exit
 from rlsys.workers.inference_status import InferenceStatus
 
 log = logging.getLogger("rlsys")
-STOP_GRACE_SECONDS = 20
 POLL_SECONDS = 0.5
 CANNOT_GO_ON_EXIT = 3
 
@@ -107,23 +106,25 @@ class Supervisor:
         log.warning("%s %s; restarting it (restart %d of %d)", name, why, self.restarts[name], limit)
 
     def stop(self, bus) -> dict[str, str]:
-        return stop_processes(bus, self.processes.values())
+        return stop_processes(bus, self.processes.values(), self.config.cluster.stop_grace_seconds)
 
 
-def stop_processes(bus, processes) -> dict[str, str]:
-    """Tells every role to stop (the learner saves a checkpoint), then kills what outlives the grace period.
-    Returns how each role that did not end cleanly ended, by its name: a role that crashes on its way out has
-    finished its part, but what it left (its log's end, a checkpoint) deserves a look."""
+def stop_processes(bus, processes, grace: float) -> dict[str, str]:
+    """Tells every role to stop (the learner finishes its step and saves a checkpoint), then kills what outlives
+    `grace` seconds (cluster.stop_grace_seconds). Returns how each role that did not end cleanly ended, by its name: a
+    role that crashes on its way out has finished its part, but what it left (its log's end, a checkpoint) deserves a
+    look."""
     with contextlib.suppress(Exception):
         bus.set(protocol.STOP, 1)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    deadline = time.monotonic() + grace
     for p in processes:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     unclean = {}
     for p in processes:
         if p.is_alive():
             p.kill()
-            unclean[p.name] = f"was still running {STOP_GRACE_SECONDS} s after the stop, and was killed"
+            unclean[p.name] = (f"was still running {grace:g} s after the stop, and was killed (a learner that needs "
+                               "longer to finish its step and save: cluster.stop_grace_seconds)")
         elif p.exitcode != 0:
             unclean[p.name] = p.exit_reason
     return unclean

@@ -29,8 +29,7 @@ def ignore_the_stop() -> None:
     time.sleep(600)
 
 
-def test_the_stop_names_each_role_that_crashed_or_had_to_be_killed(monkeypatch):
-    monkeypatch.setattr(supervisor, "STOP_GRACE_SECONDS", 3)
+def test_the_stop_names_each_role_that_crashed_or_had_to_be_killed():
     ctx = multiprocessing.get_context("spawn")
     roles = []
     for name, target in (("learner0", finish), ("rollout0", crash_on_the_way_out), ("inference0", ignore_the_stop)):
@@ -39,11 +38,12 @@ def test_the_stop_names_each_role_that_crashed_or_had_to_be_killed(monkeypatch):
         roles.append(LocalRole(process))
     bus = InProcessBus()
     start = time.monotonic()
-    unclean = supervisor.stop_processes(bus, roles)
+    unclean = supervisor.stop_processes(bus, roles, grace=3)
     assert time.monotonic() - start < 3 + 10
     assert bus.get(protocol.STOP) == 1
     assert unclean == {"rollout0": "exited with code -6 (SIGABRT)",
-                       "inference0": "was still running 3 s after the stop, and was killed"}
+                       "inference0": "was still running 3 s after the stop, and was killed (a learner that needs "
+                                     "longer to finish its step and save: cluster.stop_grace_seconds)"}
     assert [role.exitcode for role in roles] == [0, -6, -9]
 
 
@@ -90,3 +90,24 @@ def test_a_rollout_worker_that_exits_without_being_done_is_restarted_not_waited_
     finally:
         placement.close()
     assert watching.restarts == {"rollout0": 1}
+
+
+def save_for_two_seconds(role, index, *args):
+    return time.sleep(2) if role == "learner" else None  # a learner finishing its step and its checkpoint
+
+
+@pytest.mark.parametrize("grace, killed", [(1, True), (6, False)])
+def test_the_stop_gives_the_roles_cluster_stop_grace_seconds(grace, killed):
+    """The grace was 20 s whatever the model: a learner whose step and save took longer was killed, and a run that
+    saves only at its end lost its only checkpoint."""
+    config = parse_config([f"cluster.stop_grace_seconds={grace}"])
+    placement = LocalPlacement(config, save_for_two_seconds)
+    watching = supervisor.Supervisor(config, lambda role, index: placement.start(role, index, ()))
+    try:
+        watching.start()
+        unclean = watching.stop(InProcessBus())
+    finally:
+        placement.close()
+    assert ("learner0" in unclean) == killed
+    if killed:
+        assert unclean["learner0"].startswith(f"was still running {grace} s after the stop")
