@@ -85,8 +85,11 @@ class Supervisor:
                 continue
             if process.exitcode == 0 and (role != "rollout" or bus.get(protocol.rollout_done(index))):
                 continue  # it finished its part: the learner, before the final eval; a rollout worker, once done
-            if process.exitcode == CANNOT_GO_ON_EXIT:
-                raise RoleFailed(f"{process.name} stopped the run: {bus.get(protocol.role_stop_reason(process.name))}")
+            # The code a role that cannot go on exits with, once it has said why; without a reason, code 3 is some
+            # other exit (a plugin's sys.exit(3)), a death like any other
+            reason = bus.get(protocol.role_stop_reason(process.name)) if process.exitcode == CANNOT_GO_ON_EXIT else None
+            if reason:
+                raise RoleFailed(f"{process.name} stopped the run: {reason}")
             # A rollout worker that exits 0 without saying it is done (a plugin's sys.exit()) left the run waiting
             # for it for ever, with no error: it died
             why = process.exit_reason if process.exitcode else "exited with code 0 before it was done"

@@ -111,3 +111,22 @@ def test_the_stop_gives_the_roles_cluster_stop_grace_seconds(grace, killed):
     assert ("learner0" in unclean) == killed
     if killed:
         assert unclean["learner0"].startswith(f"was still running {grace} s after the stop")
+
+
+def rollout_exits_3(role, index, *args):
+    return 3 if role == "rollout" else time.sleep(600)  # a plugin's sys.exit(3), no reason said
+
+
+def test_a_role_that_exits_with_code_3_without_a_reason_is_restarted_not_taken_for_a_stop(caplog):
+    """Code 3 is what a role that cannot go on exits with, after it has put its reason on the bus; another exit with
+    it stopped the run as "rollout0 stopped the run: None"."""
+    config = parse_config(["cluster.max_role_restarts=1"])
+    placement = LocalPlacement(config, rollout_exits_3)
+    watching = supervisor.Supervisor(config, lambda role, index: placement.start(role, index, ()))
+    try:
+        watching.start()
+        with pytest.raises(RoleFailed, match=r"rollout0 exited with code 3"):
+            watching.watch(InProcessBus(), report=lambda: None)
+    finally:
+        placement.close()
+    assert "rollout0 exited with code 3; restarting it (restart 1 of 1)" in caplog.text
