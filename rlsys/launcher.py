@@ -304,6 +304,8 @@ def launch(config) -> dict:
     save_config(config, run_dir / "config.yaml")
     config.logging_dir = str(logging_dir)
     resolve_resume(config, run_dir)
+    if config.resume_from_checkpoint:  # the run goes on: its last launch's result is not the run's until it ends
+        (run_dir / "summary.json").unlink(missing_ok=True)
     prepare(config)
     print(f"run directory: {run_dir} (each role's full output: {config.logging_dir}/<role>.log)", flush=True)
     trainer_state = {}

@@ -427,3 +427,22 @@ def test_a_relative_logging_dir_is_saved_absolute_so_the_report_finds_it_from_an
         launch(config)
     saved = (tmp_path / "runs" / "async-ppo-math" / "t" / "config.yaml").read_text()
     assert f"logging_dir: {tmp_path / 'mylogs'}\n" in saved
+
+
+def test_a_resumed_launch_takes_its_last_launch_s_summary_away(tmp_path):
+    """Left in place, a resumed launch that then crashed had its report show the last launch's result and prompt
+    accounting beside the newer steps, as if the run had ended there."""
+    from rlsys.cli import parse_config
+    from rlsys.launcher import launch
+    from rlsys.preflight import StartupError
+
+    run_dir = tmp_path / "runs" / "async-ppo-math" / "t"
+    checkpoint = run_dir / "checkpoints" / "step_2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 2, "version": 2}))
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 2, "held_out": {}}))
+    config = parse_config([f"output_dir={tmp_path / 'runs'}", "trial_name=t", "resume_from_checkpoint=auto",
+                           f"dataset.path={tmp_path / 'missing.jsonl'}"])
+    with pytest.raises(StartupError):  # stops at the dataset, once the resume is decided
+        launch(config)
+    assert not (run_dir / "summary.json").exists()
