@@ -1,6 +1,7 @@
 """The supervisor's stop: what it reports of the roles that did not end cleanly once told to stop; and how it names
 a learner rank that died."""
 
+import contextlib
 import multiprocessing
 import os
 import resource
@@ -47,6 +48,19 @@ def test_the_stop_names_each_role_that_crashed_or_had_to_be_killed():
     assert [role.exitcode for role in roles] == [0, -6, -9]
 
 
+@contextlib.contextmanager
+def supervising(overrides: list[str], entry):
+    """A supervisor whose roles run `entry` in local processes, started; every one still running ends at the exit."""
+    config = parse_config(overrides)
+    placement = LocalPlacement(config, entry)
+    watching = supervisor.Supervisor(config, lambda role, index: placement.start(role, index, ()))
+    try:
+        watching.start()
+        yield watching
+    finally:
+        placement.close()
+
+
 def learner1_dies(role, index, *args):
     return 1 if (role, index) == ("learner", 1) else time.sleep(600)  # the others run on
 
@@ -55,15 +69,9 @@ def test_a_learner_rank_that_died_is_named_in_its_restart(caplog):
     """Any rank's death restarts the run; each was counted as learner0's, with the rank that died in the reason:
     "learner0 learner1 exited with code 1; restarting it", and at the limit "error: learner0 learner1 exited ...".
     """
-    config = parse_config(["cluster.n_learner_ranks=2"])
-    placement = LocalPlacement(config, learner1_dies)
-    watching = supervisor.Supervisor(config, lambda role, index: placement.start(role, index, ()))
-    try:
-        watching.start()
+    with supervising(["cluster.n_learner_ranks=2"], learner1_dies) as watching:
         with pytest.raises(LearnerFailed, match=r"^learner1 exited with code 1$"):
             watching.watch(InProcessBus(), report=lambda: None)
-    finally:
-        placement.close()
     assert watching.restarts == {"learner1": 1}
     assert "learner1 exited with code 1; restarting it (restart 1 of 3)" in caplog.text
 
@@ -75,20 +83,14 @@ def rollout_exits_early(role, index, *args):
 def test_a_rollout_worker_that_exits_without_being_done_is_restarted_not_waited_for(monkeypatch):
     """Exit code 0 counted as a role that finished its part; a rollout worker that exited 0 before it said it was
     done (its done key) was never restarted, and the run waited for it for ever, in silence."""
-    config = parse_config(["cluster.max_role_restarts=1"])
-    placement = LocalPlacement(config, rollout_exits_early)
-    watching = supervisor.Supervisor(config, lambda role, index: placement.start(role, index, ()))
     deadline = time.monotonic() + 60
 
     def report():
         assert time.monotonic() < deadline, "the supervisor still waits for a rollout worker that exited"
 
-    try:
-        watching.start()
+    with supervising(["cluster.max_role_restarts=1"], rollout_exits_early) as watching:
         with pytest.raises(RoleFailed, match=r"^rollout0 exited with code 0 before it was done, and was restarted 1 "):
             watching.watch(InProcessBus(), report)
-    finally:
-        placement.close()
     assert watching.restarts == {"rollout0": 1}
 
 
@@ -100,14 +102,8 @@ def save_for_two_seconds(role, index, *args):
 def test_the_stop_gives_the_roles_cluster_stop_grace_seconds(grace, killed):
     """The grace was 20 s whatever the model: a learner whose step and save took longer was killed, and a run that
     saves only at its end lost its only checkpoint."""
-    config = parse_config([f"cluster.stop_grace_seconds={grace}"])
-    placement = LocalPlacement(config, save_for_two_seconds)
-    watching = supervisor.Supervisor(config, lambda role, index: placement.start(role, index, ()))
-    try:
-        watching.start()
+    with supervising([f"cluster.stop_grace_seconds={grace}"], save_for_two_seconds) as watching:
         unclean = watching.stop(InProcessBus())
-    finally:
-        placement.close()
     assert ("learner0" in unclean) == killed
     if killed:
         assert unclean["learner0"].startswith(f"was still running {grace} s after the stop")
@@ -120,13 +116,7 @@ def rollout_exits_3(role, index, *args):
 def test_a_role_that_exits_with_code_3_without_a_reason_is_restarted_not_taken_for_a_stop(caplog):
     """Code 3 is what a role that cannot go on exits with, after it has put its reason on the bus; another exit with
     it stopped the run as "rollout0 stopped the run: None"."""
-    config = parse_config(["cluster.max_role_restarts=1"])
-    placement = LocalPlacement(config, rollout_exits_3)
-    watching = supervisor.Supervisor(config, lambda role, index: placement.start(role, index, ()))
-    try:
-        watching.start()
+    with supervising(["cluster.max_role_restarts=1"], rollout_exits_3) as watching:
         with pytest.raises(RoleFailed, match=r"rollout0 exited with code 3"):
             watching.watch(InProcessBus(), report=lambda: None)
-    finally:
-        placement.close()
     assert "rollout0 exited with code 3; restarting it (restart 1 of 1)" in caplog.text
