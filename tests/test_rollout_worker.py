@@ -281,20 +281,25 @@ class AnswersRightExperiment(AsyncPPOMATHConfig):
         return AgentAbstraction("answers-right", {})
 
 
-def test_with_several_rollout_workers_the_evaluation_runs_every_held_out_row(tmp_path):
-    """Worker 0 evaluates alone: on the whole held-out set, not on its share of it."""
-    config = AnswersRightExperiment()
+def evaluated(config, tmp_path, answers) -> dict:
+    """Worker 0's initial evaluation of `config`'s agent on held-out rows of `answers`: its result on the bus."""
     config.model.path = str(save_random_tiny_model(tmp_path / "model"))
     config.logging_dir = str(tmp_path / "logs")
-    config.cluster.n_rollout_workers = 2
     bus = InProcessBus()
     worker = RolloutWorker(config, bus, 0)
-    worker.eval_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(5)]
+    worker.eval_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in answers]
     try:
         asyncio.run(worker.evaluate("initial"))
     finally:
         close_shared_pool()
-    assert bus.get(protocol.eval_result("initial"))["episodes"] == 5
+    return bus.get(protocol.eval_result("initial"))
+
+
+def test_with_several_rollout_workers_the_evaluation_runs_every_held_out_row(tmp_path):
+    """Worker 0 evaluates alone: on the whole held-out set, not on its share of it."""
+    config = AnswersRightExperiment()
+    config.cluster.n_rollout_workers = 2
+    assert evaluated(config, tmp_path, range(5))["episodes"] == 5
 
 
 @pytest.mark.timeout(60)  # before the fix, the stream looked for a row forever
@@ -337,15 +342,5 @@ def test_a_held_out_episode_that_failed_counts_against_the_accuracy(tmp_path):
         def agent(self):
             return AgentAbstraction("fails-on-odd-rows", {})
 
-    config = FailsOnOddRowsExperiment()
-    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
-    config.logging_dir = str(tmp_path / "logs")
-    bus = InProcessBus()
-    worker = RolloutWorker(config, bus, 0)
-    worker.eval_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(4)]
-    try:
-        asyncio.run(worker.evaluate("initial"))
-    finally:
-        close_shared_pool()
-    result = bus.get(protocol.eval_result("initial"))
+    result = evaluated(FailsOnOddRowsExperiment(), tmp_path, range(4))
     assert result["accuracy"] == 0.5 and result["failed"] == 2 and result["episodes"] == 2
