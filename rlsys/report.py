@@ -256,8 +256,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {run_dir} is not a run directory ({why}); a run's is runs/<experiment>/<trial>"
               + (f", such as {', '.join(below)}" if below else ""), file=sys.stderr)
         return 2
-    if not _run_paths(run_dir).is_dir():  # else a report of 0 steps, with no word of why
-        print(f"error: {run_dir}'s metrics directory {_run_paths(run_dir)} (config.yaml's logging_dir, else "
+    if not (logs := _run_paths(run_dir)).is_dir():  # else a report of 0 steps, with no word of why
+        print(f"error: {run_dir}'s metrics directory {logs} (config.yaml's logging_dir, else "
               "<run dir>/logs) does not exist; a relative logging_dir is read from the current directory",
               file=sys.stderr)
         return 2
