@@ -621,6 +621,18 @@ def test_valid_chat_and_completion_bodies_are_answered_as_asked(tokenizer):
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == "46"
 
 
+def test_settings_sent_at_their_neutral_value_are_answered_and_top_k_reaches_the_model(tokenizer):
+    """Clients send penalties at 0, tool_choice "auto" and the like by default: those are answered as asked."""
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1, "min_p": 0,
+               "top_logprobs": 0, "logit_bias": {}, "response_format": {"type": "text"}, "tool_choice": "auto"}
+    response, (asked,) = post(tokenizer, "/chat/completions", {**CHAT, **neutral, "top_k": 5})
+    assert response.status_code == 200, response.text
+    assert asked["gconfig"]["top_k"] == 5
+    no_tools = {k: v for k, v in CHAT.items() if k != "tools"}
+    response, _ = post(tokenizer, "/chat/completions", {**no_tools, "tool_choice": "none"})
+    assert response.status_code == 200, response.text
+
+
 def test_a_model_without_a_chat_template_refuses_chat_calls_saying_so_and_serves_completions():
     from rlsys.model.tokenizer import build_char_tokenizer
 
@@ -659,6 +671,21 @@ HOSTILE = {  # name -> (path, body, status, param)
     "prompt ids past the vocabulary": ("/completions", {**COMPLETION, "prompt": [5, 10**9]}, 400, "prompt"),
     "an empty prompt": ("/completions", {**COMPLETION, "prompt": ""}, 400, "prompt"),
     "logprobs 99": ("/completions", {**COMPLETION, "logprobs": 99}, 400, "logprobs"),
+    # Settings no engine here applies: sampled as if unset, and trained on as such.
+    "logprobs 2 (alternatives)": ("/completions", {**COMPLETION, "logprobs": 2}, 400, "logprobs"),
+    "top_logprobs 3": ("/chat/completions", {**CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
+    "presence_penalty 1": ("/chat/completions", {**CHAT, "presence_penalty": 1.0}, 400, "presence_penalty"),
+    "frequency_penalty 0.5": ("/completions", {**COMPLETION, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    "repetition_penalty 1.2": ("/chat/completions", {**CHAT, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    "min_p 0.1": ("/chat/completions", {**CHAT, "min_p": 0.1}, 400, "min_p"),
+    "a logit bias": ("/chat/completions", {**CHAT, "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    "a JSON reply": ("/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
+                     "response_format"),
+    "a forced tool call": ("/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    "a named tool call": ("/chat/completions", {**CHAT, "tool_choice": {"type": "function",
+                                                                        "function": {"name": "calculator"}}},
+                          400, "tool_choice"),
+    "no tool call with tools": ("/chat/completions", {**CHAT, "tool_choice": "none"}, 400, "tool_choice"),
     "JSON 100,000 deep": ("/chat/completions", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
     "JSON 100 deep": ("/chat/completions", {**CHAT, "metadata": functools.reduce(lambda x, _: [x], range(100), 0)},
                       400, None),

@@ -10,8 +10,11 @@ recurses through it.
 
 The sampling settings are held to the bounds every request to the model is held to
 (`rlsys.api.messages.generation_setting`, the check `Model`, the router and the inference worker run), and
-`max_tokens` to the episode's context as well. Fields the endpoint does not read are left alone: OpenAI
-clients send many.
+`max_tokens` to the episode's context as well. Sampling and reply settings the engines do not honour (penalties,
+logit bias, min_p, a forced or forbidden tool call, a JSON reply format, alternatives to each token's logprob) may
+be sent at their neutral value, as many clients do, and are refused at any other: the reply would be sampled as if
+they were unset and trained on as such. Other fields the endpoint does not read are left alone: OpenAI clients send
+many.
 """
 
 import json
@@ -23,11 +26,13 @@ MAX_BODY_BYTES = 2**20
 MAX_JSON_DEPTH = 64  # deeper than any tool schema; the chat template and json.dumps recurse through what they get
 MAX_STOP_STRINGS = 16  # each is searched for after every generated token
 MAX_STOP_CHARS = 256
-MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` is how many alternatives to list; OpenAI allows 5
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Request fields that are GenerationConfig fields of the same name (max_tokens is apart: it has two names, and
 # the context bounds it too).
-SAME_NAMED_SETTINGS = ("n", "temperature", "top_p", "seed")
+SAME_NAMED_SETTINGS = ("n", "temperature", "top_p", "top_k", "seed")  # top_k: vLLM's extension
+# Settings no engine here applies -> the value that asks for nothing (as OpenAI's and vLLM's defaults do).
+NEUTRAL_SETTINGS = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0,
+                    "top_logprobs": 0}
 
 
 class RequestError(Exception):
@@ -102,7 +107,11 @@ def chat_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[di
         raise _invalid("messages", "must be a non-empty list of message objects")
     for i, message in enumerate(messages):
         _message(message, f"messages[{i}]")
-    return messages, _tools(body.get("tools")), _sampling(body, max_total_tokens, completion=False)
+    tools = _tools(body.get("tools"))
+    if body.get("tool_choice") not in (None, "auto") and not (body["tool_choice"] == "none" and not tools):
+        raise _invalid("tool_choice", '"auto" (or null) is the only choice supported: the model decides whether to '
+                                      'call a tool; forcing or forbidding a call is not')
+    return messages, tools, _sampling(body, max_total_tokens, completion=False)
 
 
 def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tuple[str | list[int], Sampling]:
@@ -120,6 +129,7 @@ def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tu
 def _sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
     if _flag(body, "stream"):
         raise _invalid("stream", "is not supported; call without stream=true")
+    _refuse_unhonoured(body)
     settings = {name: _setting(name, body[name], name) for name in SAME_NAMED_SETTINGS if body.get(name) is not None}
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if body.get(param) is not None:
@@ -136,6 +146,19 @@ def _sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
     return Sampling(settings, stop, _logprobs(body, completion), _flag(body, "return_token_ids"))
 
 
+def _refuse_unhonoured(body: dict) -> None:
+    for name, neutral in NEUTRAL_SETTINGS.items():
+        value = body.get(name)
+        if value is not None and (type(value) not in (int, float) or value != neutral):
+            raise _invalid(name, f"is not supported: send {neutral} or leave it out (got {value!r})")
+    if body.get("logit_bias") not in (None, {}):
+        raise _invalid("logit_bias", "is not supported: send {} or leave it out")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise _invalid("response_format", 'is not supported: send {"type": "text"} or leave it out (replies are '
+                                          'sampled unconstrained)')
+
+
 def _setting(name: str, value, param: str):
     try:
         return generation_setting(name, value, param)
@@ -144,12 +167,14 @@ def _setting(name: str, value, param: str):
 
 
 def _logprobs(body: dict, completion: bool) -> bool:
-    """Chat asks with true/false; completions with how many alternatives to list (0 lists none but the token)."""
+    """Chat asks with true/false; completions with how many alternatives to list beside each token's own logprob,
+    and no engine here returns alternatives: 0 (as `top_logprobs` must be, NEUTRAL_SETTINGS)."""
     if not completion:
         return _flag(body, "logprobs")
     value = body.get("logprobs")
-    if value is not None and (type(value) is not int or not 0 <= value <= MAX_COMPLETION_LOGPROBS):
-        raise _invalid("logprobs", f"must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] or null")
+    if value is not None and (type(value) is not int or value != 0):
+        raise _invalid("logprobs", f"must be 0 (each token's own logprob; alternatives are not listed) or null, "
+                                   f"got {value!r}")
     return value is not None
 
 
