@@ -162,6 +162,46 @@ def test_a_worker_does_not_run_the_programs_entry_script(tmp_path):
     assert len(runs.read_text().split()) == 1
 
 
+def test_a_worker_hung_in_a_check_exits_when_its_parent_is_killed(tmp_path):
+    """A parent killed outright (SIGKILL, the OOM killer: no close(), no atexit) while a worker is stuck in a check
+    that never ends (sympy on adversarial output): the worker, which sees the parent gone only between checks, ends
+    within seconds rather than spinning on for ever, orphaned."""
+    (tmp_path / "hanging_check.py").write_text("import time\ndef check(answer, reference):\n    time.sleep(3600)\n")
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import asyncio, sys, threading, time\n"
+        "from rlsys.impl.env.math_verifier import VerifierPool\n"
+        "pool = VerifierPool(size=1, check='hanging_check:check')\n"
+        "pool.wait_ready()\n"
+        "threading.Thread(target=pool.check_blocking, args=('1', '1', 3600.0), daemon=True).start()\n"
+        "time.sleep(1)\n"  # the job is on the worker's socket
+        "print(next(iter(pool._workers)).process.pid, flush=True)\n"
+        "time.sleep(3600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    try:
+        worker = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited: no reaper in some sandboxes
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not alive(worker), "the verifier worker outlived its killed parent"
+    finally:
+        if alive(worker):
+            os.kill(worker, 9)
+
+
 def test_env_from_registry_scores_a_group():
     env = make_env(EnvServiceAbstraction("math-code-single-step", {}))
 

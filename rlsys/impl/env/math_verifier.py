@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -52,6 +53,7 @@ def resolve(path: str) -> Callable[[str, str], Verdict]:
 
 def serve(conn: Connection, check_path: str) -> None:
     """Worker main loop: import the check once, announce readiness, then answer (answer, reference) jobs."""
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     check = resolve(check_path)
     conn.send_bytes(json.dumps(READY).encode())
     while True:
@@ -66,6 +68,16 @@ def serve(conn: Connection, check_path: str) -> None:
         except Exception as e:  # a bad answer must never take the worker down
             verdict = Verdict(False, "error", f"{type(e).__name__}: {e}")
         conn.send_bytes(json.dumps(dataclasses.asdict(verdict)).encode())
+
+
+def _exit_with_parent(parent: int) -> None:
+    """The job loop sees its parent gone (EOF) only between checks; a check hung in sympy would outlive a parent
+    killed outright (no close(): SIGKILL, the OOM killer) and spin on, orphaned. A thread, since sympy holds the
+    GIL only a switch interval at a time; not PR_SET_PDEATHSIG, which fires when the thread that started the worker
+    ends (a pool thread), not the process."""
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
 
 
 # The worker's program: the parent's import path (as a multiprocessing child gets it), then serve on the socket.
