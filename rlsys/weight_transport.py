@@ -53,6 +53,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlsys import protocol
+from rlsys.api.messages import MAX_PATH_CHARS, WEIGHT_DTYPES, InvalidMessage, fields, integer, integers, items, \
+    string
 from rlsys.engine.weights import WEIGHTS_FILE, write_weight_update
 from rlsys.weight_checksum import ChecksumParts, weights_checksum
 
@@ -69,6 +71,8 @@ MAX_CONNECTIONS = 256  # at once; a worker holds one, and one more while a newer
 _LENGTH = struct.Struct(">I")  # the length of each msgpack frame (request, header)
 MAX_FRAME_BYTES = 64 << 20  # a header longer than this is not one of ours
 MAX_REQUEST_BYTES = 1024  # a request is a token: read before the token is checked, so it stays small
+MAX_BYTES = 2**63 - 1  # a header's sizes and offsets: torch's (int64)
+MAX_DIMENSIONS = 64  # of a tensor in a header
 
 
 def resolve(cluster) -> str:
@@ -374,8 +378,9 @@ def _open(address: str, token: str, into: torch.Tensor | None, held: Received | 
     try:
         connection.sendall(_frame({"token": token}))
         header = _read_frame(connection, MAX_FRAME_BYTES, time.monotonic() + HANDSHAKE_SECONDS)
-        if not isinstance(header, dict) or "error" in header:
+        if isinstance(header, dict) and "error" in header:
             raise ConnectionError(f"the weight server at {address} refused: {header}")
+        header = _parse_header(header)  # InvalidMessage (a ValueError) naming the field
         connection.settimeout(IO_TIMEOUT)
         size = header["bytes"]
         buffer = (into if into is not None and into.numel() == size
@@ -495,6 +500,33 @@ def given_checksum(received: Received, held: dict | None = None) -> str:
         raise ValueError("a streamed version's checksum needs the engine's tensors, or WeightReceiver(checksum_arrived"
                          "=True) for an engine that cannot list them")
     return weights_checksum(received.weights, received.dtype)
+
+
+def _parse_header(header) -> dict:
+    """A weight server's header checked as a bus message is (rlsys/api/messages.py): one from another rlsys, say,
+    is refused naming the field, and the worker keeps serving what it holds, instead of dying on a dtype torch
+    lacks or a version that is no integer."""
+    d = fields(header, "the weight server's header", {"version", "dtype", "bytes", "tensors"})
+    integer(d["version"], "version")
+    if not isinstance(d["dtype"], str) or d["dtype"] not in WEIGHT_DTYPES:
+        raise InvalidMessage(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {d['dtype']!r:.60}")
+    integer(d["bytes"], "bytes", high=MAX_BYTES)
+    items(d["tensors"], "tensors", _tensor_entry)
+    return d
+
+
+def _tensor_entry(entry, where: str) -> list:
+    """[name, dtype, shape, start, bytes] of one tensor in a header."""
+    if not isinstance(entry, list) or len(entry) != 5:
+        raise InvalidMessage(f"{where} must be [name, dtype, shape, start, bytes], got {type(entry).__name__}")
+    name, dtype, shape, start, nbytes = entry
+    string(name, f"{where} name", MAX_PATH_CHARS)
+    if not isinstance(getattr(torch, string(dtype, f"{where} dtype"), None), torch.dtype):
+        raise InvalidMessage(f"{where} dtype must name a torch dtype, got {dtype!r:.60}")
+    integers(shape, f"{where} shape", high=MAX_BYTES, max_items=MAX_DIMENSIONS)
+    integer(start, f"{where} start", high=MAX_BYTES)
+    integer(nbytes, f"{where} bytes", high=MAX_BYTES)
+    return entry
 
 
 def _view(buffer: torch.Tensor, dtype: torch.dtype, shape, start: int, nbytes: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """After the learner updates, vLLM's logprobs on a fixed sequence equal the learner's own (float32), and the
 weight stream hands over whole versions or none."""
 
+import contextlib
 import logging
 import socket
 import struct
@@ -617,3 +618,38 @@ def test_a_resumed_runs_worker_goes_live_only_once_it_serves_the_checkpoints_ver
     bus.set(protocol.STOP, 1)
     stopped.run()
     assert stopped.engine.version == 0 and InferenceStatus(bus, 0).read() is None
+
+
+@pytest.mark.parametrize("entry, top, field", [
+    (["w", "nonsense", [4], 0, 16], {}, "tensors[0] dtype must name a torch dtype"),
+    (["w", "float32", [4], 0, 16], {"dtype": "nonsense"}, "dtype must be one of"),
+    (["w", "float32", [4], 0, 16], {"version": "2"}, "version must be an integer"),
+    (["w", "float32", "4", 0, 16], {}, "tensors[0] shape must be a list"),
+    (["w", "float32", [4], 0], {}, "tensors[0] must be [name, dtype, shape, start, bytes]"),
+])
+def test_a_header_the_worker_cannot_use_is_refused_naming_the_field_and_the_worker_keeps_serving(caplog, entry, top,
+                                                                                                field):
+    """A weight server's header is a msgpack payload from another process (another rlsys on a learner node, say):
+    checked as a bus message is, not trusted. One that names a dtype torch lacks, or a version that is no integer,
+    is a fetch that failed, with the field named, not an AttributeError or TypeError that ends the worker."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serves_the_header():
+        connection, _ = listener.accept()
+        with connection:
+            _read_frame(connection)
+            connection.sendall(_frame({"version": 2, "dtype": "float32", "bytes": 64, "tensors": [entry], **top}))
+            with contextlib.suppress(OSError):
+                connection.sendall(bytes(64) + _frame({"checksum": "0" * 32}))
+
+    server = threading.Thread(target=serves_the_header, daemon=True)
+    server.start()
+    receiver = WeightReceiver()
+    published = parse_published_weights({"version": 2, "address": f"127.0.0.1:{listener.getsockname()[1]}",
+                                         "token": "0" * 32})
+    with caplog.at_level(logging.WARNING):
+        assert receiver.receive(published) is None
+    server.join(10)
+    listener.close()
+    assert receiver.failed_fetches == 1 and receiver.held is None
+    assert "could not fetch version 2" in caplog.text and field in caplog.text
