@@ -16,12 +16,12 @@ from safetensors.torch import save_file
 
 from rlsys import protocol
 from rlsys.api import GenerationConfig
-from rlsys.api.messages import InvalidMessage
+from rlsys.api.messages import InvalidMessage, WorkerStatus, parse_worker_request
 from rlsys.bus import EmbeddedRedis, InProcessBus, connect
 from rlsys.engine.weights import write_weight_file
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.inference_status import InferenceStatus
-from rlsys.workers.routing import EpisodeRouter
+from rlsys.workers.routing import EpisodeRouter, PendingRequest
 from tests.scripted_engine import ScriptedEngine
 
 LONG = GenerationConfig(n=2, max_new_tokens=40)
@@ -452,3 +452,37 @@ def test_a_reply_the_router_cannot_use_fails_its_episode_with_the_reason_instead
             return router.waiting, router.stats.refused, bus.stream_length(protocol.DEAD_MESSAGES)
 
     assert asyncio.run(main()) == ({}, 1, 1)
+
+
+def test_a_request_whose_episode_ends_while_orphans_are_resent_is_not_sent_again():
+    """Worker 0 dies holding two episodes' requests; while the router re-sends the first to worker 1, the other
+    episode ends (it failed): its request is forgotten and its abort goes to worker 0. Re-sent anyway, worker 1
+    would generate it for nobody."""
+    async def main():
+        bus = InProcessBus()
+        router = EpisodeRouter(bus, "replies", n_inference_workers=2)
+        for i in range(2):
+            InferenceStatus(bus, i).publish(WorkerStatus(1, 1, 0, 1))
+        router.workers.refresh()
+        queues = {qid: asyncio.Queue() for qid in ("first", "second")}
+        for qid, queue in queues.items():
+            _, message = router.checked_request((qid, [1, 2], GenerationConfig()))
+            router.waiting[message["rid"]] = pending = PendingRequest(qid, queue, message, time.monotonic())
+            await router.send(pending, 0)
+        InferenceStatus(bus, 0).mark_dead()
+        router.workers.refresh()
+        send, aborts = router.send, {}
+
+        async def the_other_episode_ends_meanwhile(pending, worker):
+            await send(pending, worker)
+            if pending.qid == "first":
+                aborts.update(router.forget(queues["second"]))
+
+        router.send = the_other_episode_ends_meanwhile
+        await router.resend_orphans()
+        return bus, router, aborts
+
+    bus, router, aborts = asyncio.run(main())
+    resent = [parse_worker_request(m) for m in bus.get_many(protocol.generation_requests(1), 10, 0.0)]
+    assert [router.stats.resent, len(resent), list(aborts)] == [1, 1, [0]]
+    assert resent[0].token_ids == [1, 2] and [p.qid for p in router.waiting.values()] == ["first"]

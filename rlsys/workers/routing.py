@@ -249,9 +249,11 @@ class EpisodeRouter:
 
     async def resend_orphans(self) -> None:
         """Requests whose worker died or restarted, or that a bus restart may have lost, go to their worker
-        if it lives, else to the least loaded live one (they wait if there is none)."""
-        for pending in list(self.waiting.values()):
-            if self.workers.serves(pending.worker, pending.epoch):
+        if it lives, else to the least loaded live one (they wait if there is none). One answered, or whose episode
+        ended, while an earlier one was being sent is no longer waiting: sent again, it would be generated for nobody
+        (its abort went to the worker that held it)."""
+        for rid, pending in list(self.waiting.items()):
+            if self.waiting.get(rid) is not pending or self.workers.serves(pending.worker, pending.epoch):
                 continue
             worker = pending.worker if self.workers.is_alive(pending.worker) else self.workers.least_loaded()
             if worker is None:
