@@ -486,3 +486,41 @@ def test_a_request_whose_episode_ends_while_orphans_are_resent_is_not_sent_again
     resent = [parse_worker_request(m) for m in bus.get_many(protocol.generation_requests(1), 10, 0.0)]
     assert [router.stats.resent, len(resent), list(aborts)] == [1, 1, [0]]
     assert resent[0].token_ids == [1, 2] and [p.qid for p in router.waiting.values()] == ["first"]
+
+
+async def sent_by(router):
+    """Once the router's forward sent the request put on its queue."""
+    while not router.waiting:
+        await asyncio.sleep(0)
+
+
+def test_an_episode_whose_worker_died_stays_on_the_worker_its_request_was_resent_to():
+    """Worker 0 dies holding an episode's first turn, which is re-sent to worker 1 (then the least loaded). Its next
+    turn goes to worker 1, which holds its prefix now, though worker 2 has become the least loaded."""
+    async def main():
+        bus = InProcessBus()
+        router = EpisodeRouter(bus, "replies", n_inference_workers=3)
+
+        def statuses(loads, beat):
+            for i, load in enumerate(loads):
+                InferenceStatus(bus, i).publish(WorkerStatus(1, beat, 0, load, dead=i == 0 and beat > 1))
+            router.workers.refresh()
+
+        statuses([0, 1, 2], beat=1)
+        obs_queue = asyncio.Queue()
+        forwarder = asyncio.create_task(router.forward(obs_queue, asyncio.Queue()))
+        await obs_queue.put(("turn1", [1], GenerationConfig()))
+        await asyncio.wait_for(sent_by(router), 10)
+        statuses([0, 1, 2], beat=2)  # worker 0 died
+        await router.resend_orphans()
+        router.waiting.clear()  # worker 1 answered
+        statuses([0, 5, 0], beat=3)
+        await obs_queue.put(("turn2", [1, 2, 3], GenerationConfig()))
+        await asyncio.wait_for(sent_by(router), 10)
+        forwarder.cancel()
+        return bus
+
+    bus = asyncio.run(main())
+    sent = {i: [parse_worker_request(m).token_ids for m in bus.get_many(protocol.generation_requests(i), 10, 0.0)]
+            for i in range(3)}
+    assert sent == {0: [[1]], 1: [[1], [1, 2, 3]], 2: []}

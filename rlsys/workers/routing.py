@@ -160,14 +160,17 @@ class EpisodeRouter:
 
     async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue, calls: list | None = None,
                       refused: asyncio.Future | None = None) -> None:
-        """Sends one episode's requests, all to the worker that took its first, while that worker lives.
+        """Sends one episode's requests, all to the worker that took its first, while that worker lives (or to the
+        one its last request was re-sent to, when that one died).
         `calls`: if given, each answered request appends when it was sent, how long it took and its sizes.
         Raises InvalidMessage on a request an inference worker would refuse; `refused` gets the reason of one its
         engine refuses."""
-        worker = None
+        worker, pending = None, None
         while True:
             qid, message = self.checked_request(await obs_queue.get())
             put_at = time.monotonic()
+            if pending is not None:  # where the last request went: one re-sent took the episode's prefix with it
+                worker = pending.worker
             if worker is None or not self.workers.is_alive(worker):
                 worker = await self.live_worker()
             pending = self.waiting[message["rid"]] = PendingRequest(qid, act_queue, message, put_at, calls=calls,
