@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from rlsys.algorithms.choices import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, NEEDS_CRITIC
 from rlsys.api import GenerationConfig
-from rlsys.api.generation import GREEDY_BELOW
+from rlsys.api.generation import MIN_TEMPERATURE
 from rlsys.cpu_features import native_bf16
 from rlsys.data.dataset import RowFormat
 from rlsys.protocol import HEARTBEAT_INTERVAL
@@ -139,10 +139,10 @@ class GenerationHyperparameters:
 
     def __post_init__(self):
         check_at_least("gen.", self, max_new_tokens=1, temperature=0)
-        if 0 < self.temperature < GREEDY_BELOW:  # the learner would score the greedy tokens at this temperature
-            raise ValueError(f"gen.temperature {self.temperature} samples greedily in the engines (below "
-                             f"{GREEDY_BELOW}) while the learner divides by it: use 0 for greedy, or at least "
-                             f"{GREEDY_BELOW}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # the learner would score the engines' tokens at another one
+            raise ValueError(f"gen.temperature {self.temperature} is sampled at {MIN_TEMPERATURE} in the engines "
+                             f"(vLLM's floor) while the learner divides by {self.temperature}: use 0 for greedy, or "
+                             f"at least {MIN_TEMPERATURE}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"gen.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:

@@ -54,7 +54,9 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["env_timeout=-1"], "env_timeout must be at least 0"),
     (["ppo.num_mini_batches=1000"], "ppo.num_mini_batches (1000) is more than the sequences of a step"),
     (["gen.temperature=-1"], "gen.temperature must be at least 0"),
-    (["gen.temperature=1e-7"], "gen.temperature 1e-07 samples greedily in the engines"),
+    (["gen.temperature=1e-7"], "gen.temperature 1e-07 is sampled at 0.01 in the engines (vLLM's floor)"),
+    (["gen.temperature=0.005"], "gen.temperature 0.005 is sampled at 0.01 in the engines (vLLM's floor) while the "
+                                "learner divides by 0.005"),
     (["gen.top_p=1.5"], "gen.top_p must be in (0, 1]"),
     (["cluster.redis_port=99999"], "cluster.redis_port must be a TCP port"),
     (["inference.tensor_parallel_size=2"], "inference.tensor_parallel_size=2 takes new weights from disk only: set "

@@ -263,6 +263,21 @@ def test_seeded_sampling_is_reproducible_and_its_logprobs_are_the_learners(model
             assert (torch.tensor(logprobs) - expected).abs().max() < TOLERANCE
 
 
+def test_a_temperature_below_vllms_floor_is_sampled_at_the_floor_as_vllm_does(tmp_path):
+    """vLLM raises a temperature in (0, 0.01) to 0.01 and samples there, logprobs at 0.01: only 0 is greedy. So does
+    this engine; greedy, its logprobs would be at temperature 1 (about -3.9 on this random model, where vLLM gives
+    about 0), and those of 0.004 at 0.004."""
+    path = str(save_random_tiny_model(tmp_path / "model"))  # untrained: logits close together
+    prompt, model = [4, 7, 8, 20, 21], load_model(path)
+    for temperature in (1e-6, 0.004):
+        (out,) = transformers_engine(path).generate([("q", prompt, GenerationConfig(
+            n=2, max_new_tokens=4, temperature=temperature, seed=3))])
+        for ids, logprobs in zip(out.output_ids, out.logprobs):
+            expected = learner_logprobs(model, prompt, ids, temperature=0.01)
+            assert (torch.tensor(logprobs) - expected).abs().max() < TOLERANCE, temperature
+    assert (learner_logprobs(model, prompt, ids) - expected).abs().min() > 1, "greedy logprobs must differ here"
+
+
 def test_top_k_one_is_greedy(model_path):
     requests = [(f"q{i}", [30 + 5 * i, 31 + 5 * i], GenerationConfig(n=2, max_new_tokens=10, temperature=0.0))
                 for i in range(3)]

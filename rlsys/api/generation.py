@@ -5,7 +5,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-GREEDY_BELOW = 1e-5  # temperatures below this are greedy in both engines, as in vLLM (dividing by them overflows)
+MIN_TEMPERATURE = 1e-2  # vLLM raises a temperature in (0, 1e-2) to this (dividing by less overflows), as the
+# transformers engine does: it samples there and its logprobs are at 1e-2
+GREEDY_BELOW = 1e-5  # temperatures below this (after that floor: 0 alone) are greedy in both engines, as in vLLM
 
 
 @dataclass

@@ -7,13 +7,13 @@ same step, in the places that finished or aborted sequences left. Each row has i
 so left padding moves no token and the logits equal an unpadded forward pass's to float rounding.
 
 Sampling and logprobs follow vLLM with `logprobs_mode="processed_logprobs"`: the logprob of the sampled
-token under softmax(logits / temperature) over the whole vocabulary (temperature 1 when greedy), top-k
-and top-p only restricting which token is drawn; a stop or end-of-sequence token ends the sequence and is
-part of its output.
+token under softmax(logits / temperature) over the whole vocabulary (temperature 1 when greedy, 0.01 for
+one between 0 and 0.01, as vLLM raises it), top-k and top-p only restricting which token is drawn; a stop
+or end-of-sequence token ends the sequence and is part of its output.
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from rlsys.api.generation import GREEDY_BELOW
+from rlsys.api.generation import GREEDY_BELOW, MIN_TEMPERATURE
 from rlsys.engine.backend import GenerationBackend, SamplingSettings, TokenDelta
 from rlsys.engine.decode_graphs import DecodeGraphs
 from rlsys.model.loading import check_full_attention
@@ -93,6 +93,8 @@ class TransformersBackend(GenerationBackend):
                              f"{self.vocab_size}")
         if sampling.max_tokens < 1:
             raise ValueError(f"sequence {seq_id!r} asks for max_tokens={sampling.max_tokens}; it must be at least 1")
+        if 0 < sampling.temperature < MIN_TEMPERATURE:  # sampled at vLLM's floor, not greedily, as vLLM does
+            sampling = replace(sampling, temperature=MIN_TEMPERATURE)
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(self.device).manual_seed(sampling.seed)
