@@ -6,6 +6,7 @@ from pathlib import Path
 from experiments.common import AsyncRLExperimentConfig, ModelConfig, PPOMATHConfig
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AGENTS, AgentAbstraction, EnvServiceAbstraction
+from rlsys.api.generation import VLLM_MAX_TEMPERATURE
 from rlsys.data.arithmetic import generate_addition_dataset
 from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence, arithmetic_warm_start
 from rlsys.plugins import load_function
@@ -45,6 +46,10 @@ class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.inference.engine == "vllm" and self.gen.temperature > VLLM_MAX_TEMPERATURE:
+            raise ValueError(f"gen.temperature={self.gen.temperature} is more than vLLM takes "
+                             f"({VLLM_MAX_TEMPERATURE} at most: it would refuse every rollout's request): lower it, "
+                             "or set inference.engine=transformers")
         if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(f"{len(self.reward_weights)} reward_weights for {len(self.reward_funcs)} reward_funcs: "
                              "give one weight per function, or none")

@@ -57,6 +57,8 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["gen.temperature=1e-7"], "gen.temperature 1e-07 is sampled at 0.01 in the engines (vLLM's floor)"),
     (["gen.temperature=0.005"], "gen.temperature 0.005 is sampled at 0.01 in the engines (vLLM's floor) while the "
                                 "learner divides by 0.005"),
+    (["gen.temperature=2.5"], "gen.temperature=2.5 is more than vLLM takes (2.0 at most: it would refuse every "
+                              "rollout's request): lower it, or set inference.engine=transformers"),
     (["gen.top_p=1.5"], "gen.top_p must be in (0, 1]"),
     (["cluster.redis_port=99999"], "cluster.redis_port must be a TCP port"),
     (["inference.tensor_parallel_size=2"], "inference.tensor_parallel_size=2 takes new weights from disk only: set "

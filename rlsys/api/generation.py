@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 MIN_TEMPERATURE = 1e-2  # vLLM raises a temperature in (0, 1e-2) to this (dividing by less overflows), as the
 # transformers engine does: it samples there and its logprobs are at 1e-2
+VLLM_MAX_TEMPERATURE = 2.0  # vLLM 0.32 refuses a request of a higher temperature (the transformers engine takes it)
 GREEDY_BELOW = 1e-5  # temperatures below this (after that floor: 0 alone) are greedy in both engines, as in vLLM
 
 
