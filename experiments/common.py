@@ -470,7 +470,8 @@ class InferenceConfig:
     """Engine weights dtype: float32, bfloat16 or float16."""
     kv_cache_gib: float = 0.0
     """vLLM's KV cache in GiB, on a GPU or a CPU; 0: on a GPU what gpu_memory_utilization leaves, on a CPU what
-    max_num_seqs sequences of max_model_len tokens hold, at most 1 GiB (rlsys/engine/vllm_engine.py)."""
+    max_num_seqs sequences of max_model_len tokens hold, at most 1 GiB but at least one sequence's
+    (rlsys/engine/vllm_engine.py)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take (with kv_cache_gib set, vLLM sizes its cache by that and only checks at
     start that this share of the GPU is free: lower it to start beside other processes); with
@@ -530,7 +531,7 @@ class InferenceConfig:
         default_share = InferenceConfig.__dataclass_fields__["gpu_memory_utilization"].default
         if device == "cpu" and self.gpu_memory_utilization != default_share:
             cache = ("vLLM's KV cache is inference.kv_cache_gib's (GiB; 0: what max_num_seqs sequences of "
-                     "max_model_len tokens hold, at most 1)" if self.engine == "vllm" else
+                     "max_model_len tokens hold, at most 1 but at least one's)" if self.engine == "vllm" else
                      "the transformers engine runs eagerly, its cache growing as needed")
             raise ValueError(f"inference.gpu_memory_utilization={self.gpu_memory_utilization} does nothing on a CPU, "
                              f"where {cache}")

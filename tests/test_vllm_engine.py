@@ -68,6 +68,12 @@ def test_the_cpu_kv_cache_holds_every_sequence_at_most_a_gib_or_what_is_asked(tm
                         max_position_embeddings=8192)  # SmolLM2-135M's: 256 of its sequences take 94 GB
     assert cpu_kv_cache(tmp_path, monkeypatch, large) == 1.0
     assert cpu_kv_cache(tmp_path, monkeypatch, large, kv_cache_gib=2.5) == 2.5
+    # one sequence over the GiB (Llama-3.2-1B's shape, 131,072 positions, 64 KiB a token): vLLM starts only with a
+    # cache that holds one, so that is the default
+    long_context = Qwen2Config(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                               max_position_embeddings=131072)
+    assert cpu_kv_cache(tmp_path, monkeypatch, long_context) == 8.0
+    assert cpu_kv_cache(tmp_path, monkeypatch, long_context, max_model_len=4096) == 1.0
     assert cpu_kv_cache(tmp_path, monkeypatch, small, kv_cache_gib=0.25) == 0.25
 
 

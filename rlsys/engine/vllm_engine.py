@@ -26,7 +26,8 @@ def kv_cache_bytes(model_path: str, inference_cfg) -> int | None:
     of max_model_len tokens hold in whole blocks (and one sequence more), at most DEFAULT_CPU_KV_CACHE_GIB: vLLM-CPU
     allocates its cache whole and writes it as the worker starts, a cost by the GiB (BENCHMARKS.md, "Start-up
     (2026-12-03)"), where a small model's sequences fill a fraction of one. Beyond what every sequence can hold at
-    once, a larger cache only keeps more finished prefixes for reuse."""
+    once, a larger cache only keeps more finished prefixes for reuse. Never less than one sequence of max_model_len
+    tokens: vLLM refuses to start with less (and tells to raise gpu_memory_utilization, which a CPU's cache ignores)."""
     if inference_cfg.kv_cache_gib:
         return int(inference_cfg.kv_cache_gib * 2**30)
     if torch.cuda.is_available():
@@ -42,7 +43,7 @@ def kv_cache_bytes(model_path: str, inference_cfg) -> int | None:
     dtype = getattr(torch, inference_cfg.dtype, None)
     per_token = kv_bytes_per_token(config, dtype.itemsize if isinstance(dtype, torch.dtype) else 4)
     sequence = -(-(inference_cfg.max_model_len or positions) // BLOCK_ROUNDING) * BLOCK_ROUNDING
-    return min(cap, (inference_cfg.max_num_seqs + 1) * sequence * per_token)
+    return max(min(cap, (inference_cfg.max_num_seqs + 1) * sequence * per_token), sequence * per_token)
 
 
 def configure_cpu_backend(enforce_eager: bool) -> None:
