@@ -102,6 +102,9 @@ def _trajectory(d, group_id: str, index: int, vocab_size: int | None) -> Traject
         _check_trajectory(t, vocab_size)
     except InvalidMessage as e:
         raise InvalidMessage(f"{where}: {e}", group_id) from None
+    if t.group_id != group_id:  # the learner's advantages pool trajectories by their own group_id
+        raise InvalidMessage(f"{where}: group_id {t.group_id!r:.80} is not its prompt's id {group_id!r}: each "
+                             "trajectory carries the id of the prompt it answers (prompt.qid)", group_id)
     return t
 
 

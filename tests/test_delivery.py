@@ -64,7 +64,8 @@ def test_duplicates_are_dropped_by_group_id_and_a_reused_trajectory_id_fails_its
     message = send(bus, "g1")
     bus.stream_add(protocol.TRAJECTORIES, message)  # the same message sent again
     ledger(bus).admit("g2", served_version=10)
-    reused = group_message("g2", [Trajectory.from_dict(message["trajectories"][0])], max_bytes=MB)
+    reused = group_message("g2", [Trajectory.from_dict({**message["trajectories"][0], "group_id": "g2"})],
+                           max_bytes=MB)
     bus.stream_add(protocol.TRAJECTORIES, reused)  # a new group id, but a trajectory already delivered
     send(bus, "g3")
     learner = inbox(bus)
@@ -155,6 +156,8 @@ BAD_MESSAGES = {  # name -> (payload, words the reason must contain)
                                 "reward must be a finite number in [-1e+06, 1e+06], got 10000000.0"),
     "turn reward beyond its range": (raw({"group_id": "x", "trajectories": [good_dict("x", turn_rewards=[-1e7])]}),
                                      "turn_rewards[0] must be a finite number in [-1e+06, 1e+06]"),
+    "another prompt's trajectory": (raw({"group_id": "x", "trajectories": [good_dict("x"), good_dict("y")]}),
+                                    "trajectory 1: group_id 'y' is not its prompt's id 'x'"),
     "huge": (raw({"group_id": "x", "trajectories": [good_dict("x", metrics={"blob": 1.0}, stop_reason="s" * 3 * MB)]}),
              "exceeds the limit of 1.0 MiB"),
 }
@@ -204,6 +207,8 @@ def test_the_rollout_side_refuses_what_the_learner_would_reject():
         group_message("g", [trajectory("g", stop_reason="x" * 2 * MB)], max_bytes=MB)
     with pytest.raises(InvalidMessage, match="not msgpack-serializable.*float32"):
         group_message("g", [trajectory("g", metrics={"score": np.float32(1.0)})], max_bytes=MB)
+    with pytest.raises(InvalidMessage, match="group_id '' is not its prompt's id 'g'"):  # pooled with others
+        group_message("g", [trajectory("g"), trajectory("")], max_bytes=MB)
     assert group_message("g", [trajectory("g")], max_bytes=MB)["group_id"] == "g"
 
 
