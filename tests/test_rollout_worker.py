@@ -9,7 +9,8 @@ import pytest
 
 from experiments import AsyncPPOMATHConfig
 from rlsys import protocol
-from rlsys.api import Agent, AgentAbstraction, Prompt, Trajectory, register_agent
+from rlsys.api import (Agent, AgentAbstraction, EnvironmentService, EnvServiceAbstraction, Prompt, Trajectory,
+                       register_agent, register_environment)
 from rlsys.assets import AssetError, prepare_assets
 from rlsys.bus import InProcessBus
 from rlsys.data.prompts import prompt_stream
@@ -133,6 +134,45 @@ def test_an_episode_failed_with_an_unknown_reason_is_counted_as_an_agent_error_n
     assert worker.failures == {"agent_error": 1}
     assert "EpisodeFailed('out_of_budget') is not one of the failure reasons" in caplog.text
     assert "spent its budget" in caplog.text
+
+
+class UnmadeEnv(EnvironmentService):
+    """An environment whose constructor raises (say its reward model's file is missing)."""
+
+    def __init__(self):
+        raise FileNotFoundError("reward_model.bin")
+
+    async def reset(self, seed=None, options=None):
+        return None, {}
+
+    async def step(self, action):
+        return None, 0.0, True, False, {}
+
+
+register_environment("unmade", UnmadeEnv)
+
+
+@dataclasses.dataclass
+class UnmadeEnvExperiment(CancelledWithinExperiment):
+    @property
+    def env(self):
+        return EnvServiceAbstraction("unmade")
+
+
+def test_an_environment_whose_constructor_raises_fails_its_episode_as_an_env_error(tmp_path, caplog):
+    """Counted as the agent's error, it sent the user looking at the wrong plugin."""
+    config = UnmadeEnvExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    worker = RolloutWorker(config, InProcessBus(), 0)
+
+    async def main():
+        await worker.run_training_episode(await worker.admit(iter([Prompt("train-0-0", [1, 2], {})])))
+
+    asyncio.run(main())
+    counts = worker.ledger.counts()
+    assert counts["failed"] == {"env_error": 1} and counts["in_flight"] == 0 and worker.failures == {"env_error": 1}
+    assert "the environment's constructor raised FileNotFoundError: reward_model.bin" in caplog.text
 
 
 class ReturnsJunk(Agent):

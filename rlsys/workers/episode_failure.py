@@ -1,7 +1,8 @@
 """Why an episode failed: environment calls bounded in time, and every failure named by one reason.
 
 An environment's `reset`, `step` and `close` are the only calls into environment code (rewards are
-computed in `step`). `guard_env` binds them, on the env object itself, to a deadline, and turns what they
+computed in `step`) besides its constructor, whose error is an `env_error` too (the rollout worker's
+`play_episode`). `guard_env` binds them, on the env object itself, to a deadline, and turns what they
 raise into `EpisodeFailed("env_error")` or, past the deadline, `EpisodeFailed("env_timeout")`: the agent's
 `await env.step(...)` raises it, and unless the agent handles it, the episode ends with that reason.
 Anything else the agent raises is an `agent_error`. The env stays the same object (its other methods and

@@ -235,7 +235,12 @@ class RolloutWorker:
         obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
         env = None
         try:
-            env = guard_env(make_env(env_for(self.config, prompt, evaluation)), self.config.env_timeout)
+            try:
+                made = make_env(env_for(self.config, prompt, evaluation))
+            except Exception as e:  # environment code like reset and step: its failure, not the agent's
+                raise EpisodeFailed("env_error", f"the environment's constructor raised {describe_exception(e)}") \
+                    from e
+            env = guard_env(made, self.config.env_timeout)
             trajectories = await self.router.serve(agent.collect_trajectory(prompt, env, obs_queue, act_queue),
                                                    obs_queue, act_queue, calls)
             try:  # checked here, not only as a training group's message: evaluation reads them too
