@@ -16,7 +16,7 @@ from rlsys.console import ProgressReporter
 from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_extras, check_message_bus
-from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, describe
+from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, describe, settled_prompts
 from rlsys.run_privacy import make_private, write_private
 from rlsys.roles import run_role
 from rlsys.stall import StallWatch
@@ -103,7 +103,8 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
         bus.delete(protocol.DEAD_LETTERS, protocol.WEIGHT_CHECKS)
     # Read by the inference workers from the bus: they may run where the checkpoint's directory is not
     bus.set(protocol.RESUMED_VERSION, trainer_state.get("version", 0))
-    PromptLedger.of(bus, config).start(trainer_state.get("version", 0), trainer_state.get("accounting"))
+    PromptLedger.of(bus, config).start(trainer_state.get("version", 0), trainer_state.get("accounting"),
+                                       settled_prompts(trainer_state) if trainer_state else ())
 
 
 FROM_THE_START = {"step": 0, "version": 0, "weight_checks": 0, "dead_letters": 0}  # what a run restarted so takes back
@@ -242,8 +243,9 @@ def resume_from_latest(config, run_dir: Path) -> dict:
 
     model.path stays the run's own, as in a run started with resume_from_checkpoint: the learner loads the
     checkpoint's state over it and publishes its version, which inference loads. A role restarted later (the
-    supervisor restarts each that dies) builds its engine and tokenizer from model.path, and save_total_limit
-    deletes the checkpoint once newer ones of its line are saved."""
+    supervisor restarts each that dies) builds its engine and tokenizer from model.path, and a rollout worker reads
+    the prompts to skip from the bus (PromptLedger.settled_before): save_total_limit deletes the checkpoint once
+    newer ones of its line are saved."""
     restore_replaced(run_dir / "checkpoints")  # every role stopped: no save is under way
     latest = latest_checkpoint(run_dir / "checkpoints") or config.resume_from_checkpoint
     if latest:

@@ -21,6 +21,7 @@ the set's size rather than by subtraction: admitted == trained + filtered + fail
 """
 
 import collections
+from collections.abc import Iterable
 
 from rlsys.bus.base import Step
 
@@ -28,6 +29,7 @@ _GATE_SLOTS = "gate:slots_taken"  # counter: slots of the staleness gate held by
 _IN_FLIGHT = "prompts:in_flight"  # set: ids of admitted prompts whose outcome is not recorded yet
 _FAILED = "prompts:failed_ids"  # set: "reason id" of each failed prompt, so a checkpoint can name them
 _FAILED_UNNAMED = "prompts:failed_unnamed"  # {reason: n}: failures a checkpoint from before _FAILED counted unnamed
+_SETTLED_BEFORE = "prompts:settled_before"  # set: what the checkpoint the run (re)started from had settled
 _RESTORE_CHUNK = 500  # set members restored per atomic step: one script call stays small
 
 
@@ -78,18 +80,19 @@ class PromptLedger:
 
     # starting, resuming, ending
 
-    def start(self, version: int = 0, snapshot: dict | None = None) -> None:
+    def start(self, version: int = 0, snapshot: dict | None = None, settled: Iterable[str] = ()) -> None:
         """Before any role starts. A resumed run (`version` trained versions, the checkpoint's `snapshot`) counts
         the prompts it trained as holding slots, so it does not admit a burst, and its counters continue from the
-        snapshot; a fresh run starts from zero."""
+        snapshot; a fresh run starts from zero. `settled` (the checkpoint's `settled_prompts`) is kept for the
+        rollout workers (`settled_before`): one restarted after save_total_limit deleted the checkpoint still
+        finds them."""
         self.hold_slots(version * self.batch_size)
         snapshot = snapshot or {}
         outcomes = [ADMITTED, TRAINED, *map(filtered, FILTER_REASONS), *map(failed, FAILURE_REASONS)]
-        self.bus.delete(_IN_FLIGHT, _FAILED, _FAILED_UNNAMED, *map(_outcome_key, outcomes))
+        self.bus.delete(_IN_FLIGHT, _FAILED, _FAILED_UNNAMED, _SETTLED_BEFORE, *map(_outcome_key, outcomes))
+        self._add_all(_SETTLED_BEFORE, list(settled))
         named = snapshot.get("failed_prompts", {})
-        members = [f"{reason} {prompt_id}" for prompt_id, reason in named.items()]
-        for i in range(0, len(members), _RESTORE_CHUNK):
-            self.bus.change([Step.add(_FAILED, member) for member in members[i:i + _RESTORE_CHUNK]])
+        self._add_all(_FAILED, [f"{reason} {prompt_id}" for prompt_id, reason in named.items()])
         if unnamed := collections.Counter(snapshot.get("failed", {})) - collections.Counter(named.values()):
             self.bus.set(_FAILED_UNNAMED, dict(unnamed))
         values = {ADMITTED: snapshot.get(ADMITTED, 0), TRAINED: snapshot.get(TRAINED, 0),
@@ -98,6 +101,10 @@ class PromptLedger:
         for outcome, n in values.items():
             if n:
                 self.bus.set(_outcome_key(outcome), n)
+
+    def _add_all(self, key: str, members: list[str]) -> None:
+        for i in range(0, len(members), _RESTORE_CHUNK):
+            self.bus.change([Step.add(key, member) for member in members[i:i + _RESTORE_CHUNK]])
 
     def snapshot(self) -> dict:
         """What a checkpoint keeps: only prompts with an outcome. The in-flight ones are not in the checkpoint's
@@ -168,6 +175,10 @@ class PromptLedger:
     def _settle(self, prompt_id: str, outcome: str, also: tuple[Step, ...]) -> bool:
         return self.bus.change([Step.present(_IN_FLIGHT, prompt_id), Step.remove(_IN_FLIGHT, prompt_id),
                                 Step.incr(_outcome_key(outcome)), *also]) is None
+
+    def settled_before(self) -> set[str]:
+        """The prompts the checkpoint the run (re)started from had trained, filtered or failed (`start`)."""
+        return set(self.bus.set_members(_SETTLED_BEFORE))
 
     def in_flight(self) -> list[str]:
         """The ids of the admitted prompts whose outcome is not recorded yet."""

@@ -4,6 +4,7 @@ outcome, whatever the agent raises."""
 import asyncio
 import dataclasses
 import json
+import shutil
 
 import pytest
 
@@ -13,9 +14,11 @@ from rlsys.api import (Agent, AgentAbstraction, EnvironmentService, EnvServiceAb
                        register_agent, register_environment)
 from rlsys.assets import AssetError, prepare_assets
 from rlsys.bus import InProcessBus
+from rlsys.checkpoint import read_trainer_state
 from rlsys.data.prompts import prompt_stream
 from rlsys.errors import EpisodeFailed
 from rlsys.impl.env.math_verifier import close_shared_pool
+from rlsys.launcher import initialize_bus_state
 from rlsys.workers.rollout_worker import RolloutWorker, next_evaluation
 from tests.helpers import save_random_tiny_model
 
@@ -287,6 +290,8 @@ def test_a_restarted_or_resumed_worker_evaluates_next_at_the_next_multiple_of_ev
 
 
 def test_a_resumed_worker_skips_the_prompts_its_checkpoint_trained_filtered_or_failed(tmp_path):
+    """Also when it is restarted after save_total_limit deleted that checkpoint (the run goes on from its newer
+    saves): reading the checkpoint, the restarted worker died with FileNotFoundError, and so did the run."""
     config = AsyncPPOMATHConfig()
     config.model.path = str(save_random_tiny_model(tmp_path / "model"))
     config.logging_dir = str(tmp_path / "logs")
@@ -298,7 +303,10 @@ def test_a_resumed_worker_skips_the_prompts_its_checkpoint_trained_filtered_or_f
         "accounting": {"admitted": 2, "trained": 1, "filtered": {}, "failed": {"env_error": 1}, "in_flight": 0,
                        "failed_prompts": {"train-0-2": "env_error"}}}))
     config.resume_from_checkpoint = str(checkpoint)
-    worker = RolloutWorker(config, InProcessBus(), 0)
+    bus = InProcessBus()
+    initialize_bus_state(bus, config, read_trainer_state(checkpoint))  # the launcher, before any role starts
+    shutil.rmtree(checkpoint)  # save_total_limit, once newer checkpoints of the run's line are saved
+    worker = RolloutWorker(config, bus, 0)
     rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(4)]
     assert [p.qid for p in worker.prompts(rows, "train", shuffle=False)] == ["train-0-1", "train-0-3"]
 

@@ -12,13 +12,12 @@ from pathlib import Path
 from rlsys import protocol
 from rlsys.api import AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent, make_env
 from rlsys.bus.base import Step
-from rlsys.checkpoint import read_trainer_state
 from rlsys.data.dataset import load_rows, rows_fingerprint
 from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, agent_output, group_message
 from rlsys.metrics import MetricsLogger
 from rlsys.model.tokenizer import load_tokenizer
-from rlsys.prompt_ledger import ADMITTED, FAILURE_REASONS, GATE_FULL, PromptLedger, failed, settled_prompts
+from rlsys.prompt_ledger import ADMITTED, FAILURE_REASONS, GATE_FULL, PromptLedger, failed
 from rlsys.errors import RunCannotGoOn
 from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
@@ -56,8 +55,8 @@ class RolloutWorker:
         self.cannot_go_on: RunCannotGoOn | None = None
         self.crashed: BaseException | None = None  # raised by an episode's task outside the episode (the bus)
         # Prompts a resumed run already trained, filtered or failed: skipped, so none is trained twice or run again.
-        self.consumed = (settled_prompts(read_trainer_state(Path(config.resume_from_checkpoint)))
-                         if config.resume_from_checkpoint else set())
+        # From the bus, not the checkpoint, which save_total_limit may have deleted before this worker (re)started.
+        self.consumed = self.ledger.settled_before()
 
     def prompts(self, rows: list[dict], tag: str, shuffle: bool):
         """Endless (shuffle=True) or one-pass stream of this worker's share of a dataset's rows."""
