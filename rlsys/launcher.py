@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rlsys import protocol
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
-from rlsys.checkpoint import latest_checkpoint, read_trainer_state, restore_replaced
+from rlsys.checkpoint import latest_checkpoint, read_trainer_state, restore_replaced, saved_in_order
 from rlsys.cli import config_to_dict, first_line, registry_name_of, save_config
 from rlsys.console import ProgressReporter
 from rlsys.placement import PlacementError, open_placement
@@ -237,9 +237,16 @@ def check_same_dataset(config, trainer_state: dict) -> None:
                            "again. Resume with the dataset it was trained on, or start a new run (trial_name=NEW)")
 
 
-def resume_from_latest(config, run_dir: Path) -> dict:
-    """After the learner died: every role starts again from the run's newest checkpoint (or from the start,
-    if it saved none), so the learner's weights, step and dataset position agree with inference's again.
+def saved_checkpoints(run_dir: Path) -> set[tuple]:
+    """(step, saved_at) of each complete checkpoint in the run directory."""
+    return {(state["step"], state.get("saved_at")) for _, state in saved_in_order(run_dir / "checkpoints")}
+
+
+def resume_from_latest(config, run_dir: Path, saved_before: set[tuple]) -> dict:
+    """After the learner died: every role starts again from the newest checkpoint saved since they last started
+    (`saved_before`: `saved_checkpoints` then; a line that a resume from an earlier step abandoned was saved later,
+    but it is not this run's), or, if none was, from where they started (from the start if from no checkpoint), so
+    the learner's weights, step and dataset position agree with inference's again.
 
     model.path stays the run's own, as in a run started with resume_from_checkpoint: the learner loads the
     checkpoint's state over it and publishes its version, which inference loads. A role restarted later (the
@@ -247,7 +254,9 @@ def resume_from_latest(config, run_dir: Path) -> dict:
     the prompts to skip from the bus (PromptLedger.settled_before): save_total_limit deletes the checkpoint once
     newer ones of its line are saved."""
     restore_replaced(run_dir / "checkpoints")  # every role stopped: no save is under way
-    latest = latest_checkpoint(run_dir / "checkpoints") or config.resume_from_checkpoint
+    saved = [d for d, state in saved_in_order(run_dir / "checkpoints")
+             if (state["step"], state.get("saved_at")) not in saved_before]
+    latest = (saved[-1] if saved else None) or config.resume_from_checkpoint
     if latest:
         config.resume_from_checkpoint = str(latest)
     log.warning("restarting every role from %s", latest or "the start (no checkpoint was saved yet)")
@@ -332,6 +341,7 @@ def launch(config) -> dict:
                 initialize_bus_state(bus, config, trainer_state, keep_initial_eval=restarted)
                 if trainer_state or restarted:  # a restart with no checkpoint yet trains from the start again
                     take_back_abandoned_steps(bus, config, run_dir, trainer_state or FROM_THE_START)
+                saved_before = saved_checkpoints(run_dir)
                 supervisor.start()
                 stall.state = None  # a new part of the run starts its own clock
                 try:
@@ -340,7 +350,7 @@ def launch(config) -> dict:
                     break
                 except LearnerFailed:  # counted as a restart of the rank that died
                     supervisor.stop(bus)
-                    trainer_state = resume_from_latest(config, run_dir)
+                    trainer_state = resume_from_latest(config, run_dir, saved_before)
                     restarted = True
                 finally:
                     unclean = supervisor.stop(bus)  # the learner saves a checkpoint when it is told to stop

@@ -253,8 +253,34 @@ def test_a_role_restarted_once_save_total_limit_deleted_the_checkpoint_the_run_r
                                {"step": step, "version": step, "consumed_prompts": [], "lineage": lineage})
 
     save_with_export(2, [])
-    assert resume_from_latest(config, run)["step"] == 2 and config.resume_from_checkpoint == str(checkpoints / "step_2")
+    assert resume_from_latest(config, run, set())["step"] == 2
+    assert config.resume_from_checkpoint == str(checkpoints / "step_2")
     lineage = [[2, read_trainer_state(checkpoints / "step_2")["saved_at"]]]
     save_with_export(4, lineage)
     assert keep_newest(checkpoints, 1) == [checkpoints / "step_2"]
     assert load_tokenizer(config.model.path).vocab_size > 0  # what a restarted rollout worker loads first
+
+
+def test_a_learner_that_dies_restarts_the_run_on_the_line_it_continues_not_on_one_it_abandoned(tmp_path, monkeypatch):
+    """Resumed from its own step_4 while step_6 and step_8 (saved later) are there, a run whose learner died before
+    it saved went on from step_8: the weights, counters and dataset position of the line the user turned away from."""
+    from experiments import AsyncPPOMATHConfig
+    from rlsys.launcher import resume_from_latest, saved_checkpoints
+
+    clock = itertools.count(1)
+    monkeypatch.setattr(time, "time", lambda: float(next(clock)))
+    run, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    lineage = []
+    for step in (4, 6, 8):
+        saved = save(checkpoints / f"step_{step}", step, 1.0, lineage)
+        lineage = [*lineage, [step, read_trainer_state(saved)["saved_at"]]]
+    config = AsyncPPOMATHConfig()
+    config.resume_from_checkpoint = str(checkpoints / "step_4")
+    saved_before = saved_checkpoints(run)  # as the roles start
+    assert resume_from_latest(config, run, saved_before)["step"] == 4  # died before it saved
+    assert config.resume_from_checkpoint == str(checkpoints / "step_4")
+    save(checkpoints / "step_5", 5, 2.0, [[4, read_trainer_state(checkpoints / "step_4")["saved_at"]]])
+    assert resume_from_latest(config, run, saved_before)["step"] == 5
+    assert config.resume_from_checkpoint == str(checkpoints / "step_5")
+    config.resume_from_checkpoint = ""  # a run that started from no checkpoint and saved none restarts from the start
+    assert resume_from_latest(config, tmp_path / "another run", set()) == {} and config.resume_from_checkpoint == ""
