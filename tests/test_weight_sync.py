@@ -589,7 +589,8 @@ def test_a_resumed_runs_worker_goes_live_only_once_it_serves_the_checkpoints_ver
 
     def resumed_at_version_3() -> tuple[InProcessBus, InferenceWorker]:
         bus = InProcessBus()
-        initialize_bus_state(bus, AsyncPPOMATHConfig(), {"step": 3, "version": 3})  # the launcher, before the roles
+        # the launcher, before the roles
+        initialize_bus_state(bus, AsyncPPOMATHConfig(), {"step": 3, "version": 3, "consumed_prompts": []})
         engine = GenerationEngine(TransformersBackend(str(path), InferenceConfig(engine="transformers"), seed=0))
         return bus, InferenceWorker(engine, bus, 0, 8)
 
