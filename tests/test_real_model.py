@@ -70,6 +70,17 @@ def test_an_hf_checkpoint_converts_with_the_stop_tokens_of_its_generation_config
     assert backend.eos_token_ids == {1, 5}
 
 
+def test_a_checkpoint_without_weights_its_config_needs_is_refused_not_converted_with_random_ones(tmp_path):
+    """A base model's checkpoint (no output head) under a config that is not tied: transformers would fill the head
+    with random weights, and the converted model would answer noise."""
+    source = save_random_tiny_model(tmp_path / "source", tie_word_embeddings=False)
+    base = AutoModelForCausalLM.from_pretrained(source).model  # the same weights but lm_head
+    base.save_pretrained(source)
+    with pytest.raises(ValueError, match=r"weights do not fit the Qwen2ForCausalLM .*missing \['lm_head.weight'\]"):
+        convert(source, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.slow
 def test_smollm2_trains_two_steps_on_gsm8k_format_rows(smollm2, tmp_path):
     existing = child_pids()

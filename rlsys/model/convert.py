@@ -47,13 +47,17 @@ def convert(source: str | Path, out_dir: str | Path, dtype: str = "float32") -> 
         raise ValueError(f"{source} is neither a .gguf file nor an HF checkpoint directory")
     torch_dtype = getattr(torch, dtype)
     config = AutoConfig.from_pretrained(directory, **kwargs)
-    loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **kwargs)
+    # The loading info, not the loaded state dict: from_pretrained fills weights the source lacks with random ones
+    # (a base model's missing output head), which a copy of its state dict would carry on unnoticed.
+    loaded, info = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, output_loading_info=True,
+                                                        **kwargs)
+    # Weights it has and the model does not use (an old GPT-2's attn.masked_bias) are left behind, as transformers does.
+    missing = set(info["missing_keys"]) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if missing:
+        raise ValueError(f"{source}: weights do not fit the {type(loaded).__name__} its config describes "
+                         f"(missing {sorted(missing)[:5]}, unexpected {sorted(info['unexpected_keys'])[:5]})")
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"{source}: weights do not fit the model its config describes "
-                         f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    model.load_state_dict(loaded.state_dict())
     if config.tie_word_embeddings:
         model.tie_weights()
     # The source's own, not one made from its config: a generation config may end sequences at more tokens than the
