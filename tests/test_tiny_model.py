@@ -167,6 +167,25 @@ def test_a_warm_start_with_a_reach_goes_on_until_both_are_met(monkeypatch):
                       batch_size=2) == (0.35, None)
 
 
+def test_a_warm_start_on_fewer_examples_than_its_batch_takes_all_of_them_each_step(monkeypatch):
+    """A dataset smaller than the warm start's batch (dataset.num_train=100 against the default run's 128) once
+    stopped the run with random.sample's 'Sample larger than population'."""
+    from rlsys.model import tiny
+    from rlsys.model.tiny import WarmStartStop, warm_start
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1), tokenizer, 0)
+    taught = [TaughtSequence([5, 6, 7, 8 + i], [0, 0, 1, 1]) for i in range(3)]
+    batches = []
+    backward = tiny.supervised_backward
+    monkeypatch.setattr(tiny, "supervised_backward", lambda m, t, examples: (batches.append(examples),
+                                                                              backward(m, t, examples)))
+    monkeypatch.setattr(tiny, "greedy_accuracy", lambda *a, **k: 0.0)
+    assert warm_start(model, tokenizer, taught, [], WarmStartStop(0.5), seed=0, max_steps=2, eval_every=1,
+                      batch_size=8) == (0.0, None)
+    assert [sorted(e.token_ids[-1] for e in batch) for batch in batches] == [[8, 9, 10]] * 2
+
+
 def test_the_reach_and_what_it_is_sampled_with_are_part_of_the_cached_model_key(tmp_path):
     from rlsys.assets import warm_start_key
 

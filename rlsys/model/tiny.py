@@ -140,6 +140,7 @@ def warm_start(model, tokenizer, train_examples, eval_examples, stop: WarmStartS
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # one kernel, not a loop over tensors
     model.train()
     accuracy, reach, logged = 0.0, None, time.monotonic()
+    batch_size = min(batch_size, len(train_examples))  # a dataset smaller than a batch: all of it each step
     for step in range(1, max_steps + 1):
         optimizer.zero_grad()
         supervised_backward(model, tokenizer, rng.sample(train_examples, batch_size))
