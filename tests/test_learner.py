@@ -1161,6 +1161,27 @@ def test_the_learner_s_models_score_in_train_mode_without_dropout_and_keep_their
         assert all(getattr(model.config, key) == value for key, value in dropout.items())  # what a save writes
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_critic_started_from_a_policy_predicts_zero_whatever_its_head_is_named(tmp_path, family):
+    """The head a policy's checkpoint lacks starts at zero (load_critic): Llama's is `score`, GPT-2's `classifier`,
+    which was left at its random initialisation."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlsys.model.loading import load_critic
+
+    shape = (dict(n_layer=2, n_embd=16, n_head=2, vocab_size=32) if family == "gpt2" else
+             dict(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                  num_key_value_heads=2, vocab_size=32))
+    policy = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **shape))
+    policy.save_pretrained(tmp_path)
+    critic = load_critic(str(tmp_path), "sdpa")
+    with torch.no_grad():
+        values = critic(torch.arange(12).reshape(2, 6)).logits
+    assert values.shape == (2, 6, 1) and torch.equal(values, torch.zeros_like(values))
+    backbone = getattr(critic, critic.base_model_prefix).state_dict()
+    assert all(torch.equal(backbone[key], value) for key, value in policy.base_model.state_dict().items())
+
+
 def test_a_step_that_saves_logs_the_save_s_time(tmp_path):
     """A checkpoint's time fell in no time/* figure: the report's "where the time went" left it out."""
     from rlsys.metrics import read_jsonl_metrics

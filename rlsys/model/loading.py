@@ -66,8 +66,10 @@ def load_critic(path: str, attention: str = "auto"):
     critic, loading = AutoModelForTokenClassification.from_pretrained(
         path, config=config, dtype=torch.float32, attn_implementation=attention_for(attention),
         output_loading_info=True)
-    if any(key.startswith("score.") for key in loading["missing_keys"]):
-        torch.nn.init.zeros_(critic.score.weight)
-        if critic.score.bias is not None:
-            torch.nn.init.zeros_(critic.score.bias)
+    # The head is whatever the checkpoint lacks outside the backbone: `score` (Llama's, Qwen2's), `classifier` (GPT-2's)
+    backbone = critic.base_model_prefix + "."
+    with torch.no_grad():
+        for key in loading["missing_keys"]:
+            if not key.startswith(backbone):
+                critic.get_parameter(key).zero_()
     return without_dropout(critic)
