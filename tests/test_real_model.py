@@ -70,6 +70,18 @@ def test_an_hf_checkpoint_converts_with_the_stop_tokens_of_its_generation_config
     assert backend.eos_token_ids == {1, 5}
 
 
+def test_a_converted_checkpoint_keeps_its_tokenizer_spaces_and_newlines_included(tmp_path):
+    """AutoTokenizer loads a qwen2 checkpoint's generic tokenizer (the tiny model's) as a Qwen2Tokenizer, which
+    drops spaces and newlines; a conversion saved that one, and the run trained on prompts it mangled."""
+    from rlsys.model.tokenizer import load_tokenizer
+
+    source = save_random_tiny_model(tmp_path / "source")
+    out = convert(source, tmp_path / "hf")
+    text = "click[buy now]\n12 + 34 ="
+    expected = load_tokenizer(str(source))(text)["input_ids"]
+    assert load_tokenizer(str(out))(text)["input_ids"] == expected and len(expected) == len(text)
+
+
 def test_a_checkpoint_without_weights_its_config_needs_is_refused_not_converted_with_random_ones(tmp_path):
     """A base model's checkpoint (no output head) under a config that is not tied: transformers would fill the head
     with random weights, and the converted model would answer noise."""

@@ -36,6 +36,8 @@ def convert(source: str | Path, out_dir: str | Path, dtype: str = "float32") -> 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from rlsys.model.tokenizer import load_tokenizer
+
     source = smollm2_gguf() if str(source) == SMOLLM2 else Path(source)
     if not source.exists():
         raise FileNotFoundError(f"{source} does not exist; give a .gguf file, an HF checkpoint directory or {SMOLLM2!r}")
@@ -63,7 +65,10 @@ def convert(source: str | Path, out_dir: str | Path, dtype: str = "float32") -> 
     # The source's own, not one made from its config: a generation config may end sequences at more tokens than the
     # config's eos (an instruct model's end of turn), and both engines stop where it says.
     model.generation_config = loaded.generation_config
-    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    # A checkpoint's own tokenizer as rlsys loads it (load_tokenizer): AutoTokenizer makes a generic one of a qwen2
+    # checkpoint (the tiny model's) a Qwen2Tokenizer, which drops its spaces and newlines, and would save it as that.
+    tokenizer = (load_tokenizer(str(directory)) if source.is_dir()
+                 else AutoTokenizer.from_pretrained(directory, **kwargs))
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
