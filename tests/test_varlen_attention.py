@@ -1,5 +1,6 @@
 """Packed-row attention: a row of sequences end to end gives each sequence's own logits and gradients."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -101,3 +102,43 @@ def test_grouped_heads_are_repeated_where_the_kernel_would_not_take_them_and_giv
     for plain, repeated in zip(results[:2], results[2:]):
         for a, b in zip(plain, repeated):
             torch.testing.assert_close(a, b)
+
+
+FAMILIES = {  # the shapes the learner trains: absolute positions (GPT-2), rotary with grouped heads, scaled rotary
+    "gpt2": dict(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64),
+    "llama": dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=100, max_position_embeddings=64),
+    "llama-linear-rope": dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=100, max_position_embeddings=64,
+                              rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "qwen2": dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=1, vocab_size=100, max_position_embeddings=64),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_packed_row_gives_the_logits_of_a_padded_hf_forward_in_every_family(family):
+    """Each sequence's logits in a packed row (positions restarting at 0, no mask) are those of HF's own sdpa
+    attention over the same sequences right-padded with an attention mask."""
+    from transformers import AutoConfig
+
+    def model(attention: str):  # a config each: a model built from one sets its attention on the config it shares
+        torch.manual_seed(0)
+        built = AutoModelForCausalLM.from_config(AutoConfig.for_model(family.split("-")[0], **FAMILIES[family]),
+                                                 attn_implementation=attention).eval()
+        assert built.config._attn_implementation == attention
+        return built
+
+    padded, packed = model("sdpa"), model(ATTN_IMPLEMENTATION)
+    assert all(torch.equal(p, q) for p, q in zip(padded.parameters(), packed.parameters()))
+    generator = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(1, 100, (n,), generator=generator) for n in (5, 9, 3, 12, 9)]
+    row = torch.cat(sequences)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
+    ids = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in sequences], batch_first=True)
+    with torch.no_grad():
+        logits = packed(input_ids=row, position_ids=positions, use_cache=False).logits[0]
+        expected = padded(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(logits, torch.cat([expected[i, :len(s)] for i, s in enumerate(sequences)]),
+                               atol=1e-5, rtol=1e-4)
