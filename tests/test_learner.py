@@ -684,6 +684,35 @@ def test_a_resumed_learner_goes_on_from_its_schedules_position_at_the_configured
     assert changed.optimizer.param_groups[0]["lr"] == pytest.approx(2e-5)  # the warm-up's end, at the new rate
 
 
+def test_a_resumed_learner_takes_the_step_an_uninterrupted_one_takes_bit_for_bit(tmp_path):
+    """Model, optimizer moments, schedule, RNG (the mini-batches' order), critic and adaptive KL coefficient all
+    come back: the step after a resume equals the step the run would have taken, to the last bit."""
+    config = learner_config(tmp_path)
+    config.max_steps, config.ppo.lr, config.ppo.warmup_steps, config.ppo.num_mini_batches = 10, 1e-3, 3, 2
+    config.ppo.adv_estimator, config.ppo.init_kl_coef, config.ppo.target_kl = "gae", 0.1, 0.05
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+
+    def batch():
+        return [trajectory(learner.model, answer, reward) for answer, reward in
+                ((GOOD, 1.0), (BAD, 0.0), (GOOD, 0.0), (BAD, 1.0))]
+
+    learner.train_step(batch())
+    learner.step = learner.version = 1
+    config.resume_from_checkpoint = config.model.path = str(learner.save())  # as rlsys/assets.py sets them
+    second = batch()
+    learner.train_step(second)
+    resumed = Learner(config, InProcessBus(), tmp_path / "run")
+    resumed.train_step(second)
+    assert (resumed.step, resumed.version) == (1, 1)
+    for a, b in ((learner.model, resumed.model), (learner.critic, resumed.critic)):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    for a, b in ((learner.optimizer, resumed.optimizer), (learner.critic_optimizer, resumed.critic_optimizer)):
+        moments = [(a.state[p], b.state[q]) for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"])]
+        assert all(torch.equal(x[key], y[key]) for x, y in moments for key in x)
+    assert resumed.scheduler.last_epoch == learner.scheduler.last_epoch == 2 * config.ppo.ppo_epochs * 2
+    assert resumed.kl_controller.value == learner.kl_controller.value != 0.1
+
+
 def test_save_total_limit_keeps_the_newest_checkpoints_of_the_line_a_resume_continues(tmp_path):
     config = learner_config(tmp_path)
     config.save_total_limit = 2
