@@ -40,7 +40,7 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
             raise AssetError(str(e)) from None
     if config.resume_from_checkpoint:
         check_resumable(config.resume_from_checkpoint)
-        config.model.path = config.resume_from_checkpoint
+        config.model.path = resumed_model_path(config.resume_from_checkpoint)
     elif not config.model.path:
         directory = tiny_model_dir(config.model, config.seed, rows_key(train_rows, eval_rows), warm_start_key(config))
         if not (directory / "config.json").exists():
@@ -72,6 +72,27 @@ def check_resumable(checkpoint: str) -> None:
         weights = (Path(checkpoint) / "config.json").is_file()  # an HF model: a fresh start from it is model.path's
         raise AssetError(f"resume_from_checkpoint {checkpoint!r} is not an rlsys checkpoint (no {TRAINER_STATE}): "
                          + what + (f"; to start from its weights instead, model.path={checkpoint}" if weights else ""))
+
+
+def resumed_model_path(checkpoint: str) -> str:
+    """What a resumed run's roles build their models and tokenizer from; the weights are the checkpoint's, loaded
+    over it (the learner) or published (inference). The model the run started from, while it is there with the
+    checkpoint's shape: save_total_limit deletes the checkpoint once newer ones of its line are saved, and a role
+    restarted after that builds from model.path again. Else the checkpoint's own export."""
+    from rlsys.checkpoint import read_trainer_state
+
+    initial, shape = read_trainer_state(Path(checkpoint)).get("initial_model_path"), _model_config(checkpoint)
+    return initial if initial and shape is not None and _model_config(initial) == shape else checkpoint
+
+
+def _model_config(directory: str) -> dict | None:
+    """The HF config's fields that give the model its shape (not the versions or dtype it was saved with)."""
+    try:
+        fields = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: v for k, v in fields.items() if k not in ("transformers_version", "torch_dtype", "dtype",
+                                                         "_name_or_path")}
 
 
 def tiny_model_dir(cfg, seed: int, data: str, warm_start: dict) -> Path:

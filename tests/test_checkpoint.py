@@ -261,6 +261,43 @@ def test_a_role_restarted_once_save_total_limit_deleted_the_checkpoint_the_run_r
     assert load_tokenizer(config.model.path).vocab_size > 0  # what a restarted rollout worker loads first
 
 
+def test_a_role_restarted_once_save_total_limit_deleted_the_checkpoint_a_run_resumed_from_finds_its_model(tmp_path):
+    """resume_from_checkpoint=step_2 with save_total_limit=1: step_2 goes once step_4 is saved, and an inference or
+    rollout worker restarted after that builds its engine and tokenizer from config.model.path. The roles build from
+    the model the run started from (their weights are the checkpoint's, loaded over it) while it is there and has the
+    checkpoint's shape; from the checkpoint's own export when it is not."""
+    from experiments import AsyncPPOMATHConfig
+    from rlsys.assets import prepare_assets
+    from rlsys.model.tokenizer import load_tokenizer
+    from tests.helpers import save_random_tiny_model
+
+    initial = save_random_tiny_model(tmp_path / "model")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    step_2 = save_checkpoint(checkpoints / "step_2", Ranks(), {"model": {"w": torch.zeros(2)}},
+                             lambda tmp: shutil.copytree(initial, tmp, dirs_exist_ok=True),
+                             {"step": 2, "version": 2, "consumed_prompts": [], "lineage": [],
+                              "initial_model_path": str(initial)})
+
+    def resumed_model_path() -> str:
+        config = AsyncPPOMATHConfig(resume_from_checkpoint=str(step_2))
+        config.model.cache_dir = str(tmp_path / "cache")
+        prepare_assets(config, log=lambda *_: None)
+        return config.model.path
+
+    assert resumed_model_path() == str(initial)
+    save(checkpoints / "step_4", 4, 1.0, [[2, read_trainer_state(step_2)["saved_at"]]])
+    assert keep_newest(checkpoints, 1) == [step_2]
+    assert load_tokenizer(str(initial)).vocab_size > 0  # what a restarted rollout worker loads first
+    step_2 = save_checkpoint(checkpoints / "step_2", Ranks(), {"model": {"w": torch.zeros(2)}},
+                             lambda tmp: shutil.copytree(initial, tmp, dirs_exist_ok=True),
+                             {"step": 2, "version": 2, "consumed_prompts": [], "lineage": [],
+                              "initial_model_path": str(initial)})
+    save_random_tiny_model(initial, tie_word_embeddings=False)  # another shape there now
+    assert resumed_model_path() == str(step_2)
+    shutil.rmtree(initial)
+    assert resumed_model_path() == str(step_2)
+
+
 def test_a_learner_that_dies_restarts_the_run_on_the_line_it_continues_not_on_one_it_abandoned(tmp_path, monkeypatch):
     """Resumed from its own step_4 while step_6 and step_8 (saved later) are there, a run whose learner died before
     it saved went on from step_8: the weights, counters and dataset position of the line the user turned away from."""
