@@ -56,6 +56,18 @@ def test_the_command_line_says_what_it_cannot_convert(tmp_path):
     assert done.returncode == 2 and "error:" in done.stderr and "does not exist" in done.stderr
 
 
+def test_a_gguf_file_without_the_gguf_package_is_an_error_naming_the_extra(tmp_path, monkeypatch, capsys):
+    """transformers reads a .gguf only with the gguf package: its ImportError was a traceback."""
+    from transformers import modeling_gguf_pytorch_utils
+
+    from rlsys.model.convert import main
+
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "is_gguf_available", lambda *args, **kwargs: False)
+    assert main([str(smollm2_gguf()), str(tmp_path / "o")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and "pip install -e .[gguf]" in error and not (tmp_path / "o").exists()
+
+
 def test_an_hf_checkpoint_converts_with_the_stop_tokens_of_its_generation_config(tmp_path):
     """An instruct model's generation config ends sequences at more tokens than its config's eos; the engines stop
     where the converted checkpoint's generation config says."""

@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # transformers reads a .gguf file only with the gguf package
+        print(f"error: {e} (pip install -e .[gguf] installs what reading a .gguf file needs)", file=sys.stderr)
+        return 2
     print(f"wrote {out}; train it with model.path={out}")
     return 0
 
