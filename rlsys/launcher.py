@@ -100,7 +100,7 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
                              protocol.rollout_position(i), protocol.rollout_running(i),
                              protocol.role_stop_reason(f"rollout{i}"))))
     if not trainer_state:
-        bus.delete(protocol.DEAD_LETTERS, protocol.WEIGHT_CHECKS)
+        bus.delete(protocol.DEAD_LETTERS, protocol.DEAD_MESSAGES, protocol.WEIGHT_CHECKS)
     # Read by the inference workers from the bus: they may run where the checkpoint's directory is not
     bus.set(protocol.RESUMED_VERSION, trainer_state.get("version", 0))
     PromptLedger.of(bus, config).start(trainer_state.get("version", 0), trainer_state.get("accounting"),
@@ -367,6 +367,7 @@ def launch(config) -> dict:
             "prompts": prompts,
             "prompts_accounted": accounted(prompts) == prompts[ADMITTED],
             "dead_letters": bus.stream_length(protocol.DEAD_LETTERS),
+            "messages_set_aside": bus.stream_length(protocol.DEAD_MESSAGES),  # requests and replies a role refused
             "restarts": dict(supervisor.restarts),
             "unclean_exits": unclean,  # role name -> how it ended, for each that did not end cleanly at the stop
             "weight_checks": bus.get(protocol.WEIGHT_CHECKS) or 0,

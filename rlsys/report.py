@@ -221,7 +221,8 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
                 (f"held-out {name} after", held_out_text(name, after)),
                 # a run that did not finish wrote no summary: what it restarted or set aside is not known, not none
                 ("restarts", summary.get("restarts", {}) or "none" if summary else "n/a"),
-                ("dead letters", summary.get("dead_letters", 0) if summary else "n/a")]
+                ("dead letters", summary.get("dead_letters", 0) if summary else "n/a"),
+                ("requests and replies set aside", summary.get("messages_set_aside", 0) if summary else "n/a")]
     prompts = summary.get("prompts")
     body = [f"<h1>{html.escape(title)}</h1>", _table(headline),
             "<h2>Curves</h2><section id='curves'>"]

@@ -121,6 +121,7 @@ def inject_poison(bus: RedisBus) -> None:
     bus.stream_add(protocol.TRAJECTORIES, [1, 2, 3])
     bus.stream_add(protocol.TRAJECTORIES, {"group_id": "forged", "trajectories": [{"evil": True}]})
     bus.stream_add(protocol.TRAJECTORIES, {"group_id": "big", "trajectories": [{"blob": os.urandom(3 * MB)}]})
+    bus.put(protocol.generation_requests(0), [1, 2, 3])  # a request no inference worker can use: set aside
 
 
 def inject_once_training_runs(redis_url: str, learner_log: Path, stop: threading.Event) -> None:
@@ -141,6 +142,8 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
             "experiment=faulty-experiment", f"plugins=[{plugin}]", "trial_name=faults", "max_steps=6",
             "env_timeout=1", "cluster.max_message_mb=1", f"cluster.redis_url={server.url}"])
         learner_log = tmp_path / "faulty-experiment" / "faults" / "logs" / "learner.jsonl"
+        with RedisBus.from_url(server.url) as bus:  # what an earlier run on this Redis set aside is not this one's
+            bus.stream_add(protocol.DEAD_MESSAGES, {"source": "an earlier run", "reason": "stale"})
         stop = threading.Event()
         injector = threading.Thread(target=inject_once_training_runs, args=(server.url, learner_log, stop))
         injector.start()
@@ -174,6 +177,7 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     print(describe(prompts))  # for BENCHMARKS.md: pytest -s shows it
 
     assert summary["dead_letters"] == len(POISON) and len(letters) == len(POISON)
+    assert summary["messages_set_aside"] == 1
     for (name, words), letter in zip(POISON.items(), letters):
         assert words in letter["reason"], (name, letter["reason"])
     assert steps[-1]["trajectories/dead_letters"] == len(POISON)

@@ -298,6 +298,7 @@ def test_the_report_command_refuses_what_is_no_run_directory_and_names_the_runs_
     # a run that did not finish: its restarts and dead letters are unknown, and were shown as "none" and 0
     page = (run_dir / "summary.html").read_text()
     assert "<th>restarts</th><td>n/a</td>" in page and "<th>dead letters</th><td>n/a</td>" in page
+    assert "<th>requests and replies set aside</th><td>n/a</td>" in page
     # a logging_dir the report cannot find (relative, run from another directory): said, not a report of 0 steps
     (run_dir / "config.yaml").write_text("experiment: async-ppo-math\nlogging_dir: elsewhere/logs\n")
     assert main([str(run_dir)]) == 2

@@ -29,7 +29,9 @@ def main(argv: list[str]) -> dict:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     print(held_out_line(summary))
-    print(f"{describe(summary['prompts'])}; {summary['dead_letters']} trajectory messages dead-lettered")
+    set_aside = summary["messages_set_aside"]
+    print(f"{describe(summary['prompts'])}; {summary['dead_letters']} trajectory messages dead-lettered"
+          + (f"; {set_aside} requests and replies set aside (messages:dead)" if set_aside else ""))
     return summary
 
 
