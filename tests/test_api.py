@@ -6,6 +6,7 @@ import pytest
 from rlsys.api import (Agent, AgentAbstraction, EnvironmentService, EnvServiceAbstraction, GenerationConfig,
                        GenerationOutput, Trajectory, make_agent, make_env, register_agent, register_environment)
 from rlsys.api.registry import Registry
+from rlsys.errors import ConfigError
 
 
 class EchoAgent(Agent):
@@ -45,6 +46,25 @@ def test_unknown_agent_lists_registered_and_close_matches():
     assert "unknown agent 'test-ecko'" in message
     assert "Did you mean ['test-echo']" in message
     assert "'test-echo'" in message.split("Registered agents:")[1]
+
+
+def test_a_bad_registration_is_refused_naming_what_was_given_and_leaves_the_registry_usable():
+    """A plugin's slip (arguments swapped, an instance or a class of another kind) is refused as it registers; the
+    swapped call was taken, and every later unknown-name error failed sorting the names to list them."""
+    class NotAnAgent:
+        async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+            return []
+
+    with pytest.raises(ConfigError, match=r"register_agent\(name, cls\) takes the name first.*got <class .*EchoAgent"):
+        register_agent(EchoAgent, "test-swapped")
+    for cls in (EchoAgent(), NotAnAgent, NullEnv):
+        with pytest.raises(ConfigError, match=r"register_agent\('test-bad', cls\) takes a subclass of Agent"):
+            register_agent("test-bad", cls)
+    with pytest.raises(ConfigError, match=r"register_environment\('test-bad', cls\) takes a subclass of "
+                                          r"EnvironmentService.*EchoAgent"):
+        register_environment("test-bad", EchoAgent)
+    with pytest.raises(KeyError, match="unknown agent 'test-bad'.*Registered agents: .*'test-echo'"):
+        make_agent(AgentAbstraction("test-bad"))
 
 
 def test_unknown_env_lists_registered():

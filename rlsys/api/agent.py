@@ -39,7 +39,7 @@ class AgentAbstraction:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-AGENTS: Registry[Agent] = Registry("agent")
+AGENTS: Registry[Agent] = Registry("agent", Agent)
 
 
 def register_agent(name: str, cls: type[Agent]) -> None:

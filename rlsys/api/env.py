@@ -53,7 +53,7 @@ class EnvServiceAbstraction:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-ENVIRONMENTS: Registry[EnvironmentService] = Registry("environment")
+ENVIRONMENTS: Registry[EnvironmentService] = Registry("environment", EnvironmentService)
 
 
 def register_environment(name: str, cls: type[EnvironmentService]) -> None:

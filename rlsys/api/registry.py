@@ -15,13 +15,19 @@ def close_matches(word: str, candidates) -> list[str]:
 
 
 class Registry(Generic[T]):
-    """Maps plugin names to classes; `kind` ("agent", "environment") names them in errors."""
+    """Maps plugin names to classes; `kind` ("agent", "environment") names them in errors, and a class registered
+    must subclass `base`, if one is given."""
 
-    def __init__(self, kind: str):
-        self.kind = kind
+    def __init__(self, kind: str, base: type | None = None):
+        self.kind, self.base = kind, base
         self._classes: dict[str, type[T]] = {}
 
     def register(self, name: str, cls: type[T]) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"register_{self.kind}(name, cls) takes the name first, a non-empty string; got {name!r}")
+        if not isinstance(cls, type) or not issubclass(cls, self.base or object):
+            wanted = f"a subclass of {self.base.__name__} (rlsys.api)" if self.base else "a class"
+            raise ConfigError(f"register_{self.kind}({name!r}, cls) takes {wanted} as cls, got {cls!r}")
         if name in self._classes:
             raise ConfigError(f"{self.kind} {name!r} is already registered (by {self._classes[name].__module__}."
                               f"{self._classes[name].__qualname__}): register yours under another name; registered "

@@ -63,7 +63,7 @@ def describe_tool(name: str, tool: type[Tool] | Tool) -> str:
     return f"{name}({', '.join(tool.parameters.get('properties', {}))}): {tool.description}"
 
 
-TOOLS: Registry[Tool] = Registry("tool")
+TOOLS: Registry[Tool] = Registry("tool", Tool)
 
 
 def register_tool(name: str, cls: type[Tool]) -> None:
