@@ -192,6 +192,8 @@ class RecordingTool(Tool):
             await asyncio.sleep(3600)
         if mode == "junk":
             return 42
+        if mode == "junk-text":
+            return ToolOutput(42)
         return ToolOutput(f"call {self.calls}")
 
     async def stop(self):
@@ -212,7 +214,8 @@ def test_env_gives_each_chain_its_own_tool_state_and_releases_it_at_close():
     async def episode():
         instructions, info = await env.reset(options={"prompt": "1+1", "answer": "2"})
         steps = [await env.step((chain, call(mode))) for chain, mode in
-                 [(0, "ok"), (0, "ok"), (1, "ok"), (1, "raise"), (1, "hang"), (0, "junk")]]
+                 [(0, "ok"), (0, "ok"), (1, "ok"), (1, "raise"), (1, "hang"), (0, "junk"),
+                                           (0, "junk-text")]]
         stopped_before_close = RecordingTool.stopped
         await env.close()
         return instructions, info, steps, stopped_before_close
@@ -225,8 +228,10 @@ def test_env_gives_each_chain_its_own_tool_state_and_releases_it_at_close():
     assert observations[3] == "<tool_response>error: recording-test-tool failed: RuntimeError: tool broke</tool_response>"
     assert observations[4] == "<tool_response>error: recording-test-tool did not finish in 0.5s</tool_response>"
     assert "returned int, not ToolOutput" in observations[5]
-    assert [s[4]["tool_errors"] for s in steps] == [0, 0, 0, 1, 1, 1]
-    assert [s[4]["tool_timeouts"] for s in steps] == [0, 0, 0, 0, 1, 0]
+    assert observations[6] == ("<tool_response>error: recording-test-tool returned a ToolOutput whose text is int, "
+                               "not str</tool_response>")  # not a TypeError out of step, failing the episode
+    assert [s[4]["tool_errors"] for s in steps] == [0, 0, 0, 1, 1, 1, 1]
+    assert [s[4]["tool_timeouts"] for s in steps] == [0, 0, 0, 0, 1, 0, 0]
     assert all(s[1:4] == (0.0, False, False) for s in steps)
     assert (RecordingTool.started, stopped_before_close, RecordingTool.stopped) == (2, 0, 2)
 

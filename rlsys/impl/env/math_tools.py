@@ -100,6 +100,9 @@ class MathToolsEnv(EnvironmentService):
         if not isinstance(output, ToolOutput):
             reason = f"{call.name} returned {type(output).__name__}, not ToolOutput"
             return ToolOutput(f"error: {reason}", "error", reason)
+        if not isinstance(output.text, str):  # the model reads it: anything else failed the step (len() of an int)
+            reason = f"{call.name} returned a ToolOutput whose text is {type(output.text).__name__}, not str"
+            return ToolOutput(f"error: {reason}", "error", reason)
         return output
 
     async def tool(self, chain: Hashable, name: str) -> Tool:
