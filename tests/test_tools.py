@@ -1,6 +1,7 @@
 """The tool-call parser, the calculator, the tool registry, the python tool's session and the math-tools env."""
 
 import asyncio
+import json
 import re
 import time
 
@@ -29,6 +30,16 @@ def test_parser_returns_calls_in_order():
 def test_parser_takes_the_answer_and_ignores_calls_beside_it():
     parsed = parse_turn('<tool_call>{"name": "calculator"}</tool_call> <answer> 42 </answer>', SCHEMAS)
     assert parsed.answer == "42" and parsed.items == []
+
+
+def test_an_answer_tag_inside_a_call_is_the_call_s_not_the_turn_s_answer():
+    """Code that prints the answer format is a python call to run: it was taken for the final answer (here "{x}"),
+    ending the episode (and the endpoint returned the turn as plain text, the tool never called)."""
+    code = "x = 6*7\nprint(f'<answer>{x}</answer>')"
+    call = f'<tool_call>{json.dumps({"name": "python", "arguments": {"code": code}})}</tool_call>'
+    parsed = parse_turn(call, SCHEMAS)
+    assert parsed.answer is None and parsed.items == [ToolCall("python", {"code": code})]
+    assert parse_turn(call + " <answer>42</answer>", SCHEMAS).answer == "42"  # one beside the call still ends the turn
 
 
 @pytest.mark.parametrize("body, reason", [

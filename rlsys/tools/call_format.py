@@ -52,11 +52,11 @@ class ParsedTurn:
 
 def parse_turn(text: str, tools: dict[str, dict]) -> ParsedTurn:
     """Finds the calls and the answer in a model turn; `tools` maps each offered tool name to its parameters."""
-    answer = ANSWER.search(text)
+    rest = CALL.sub("", text)  # an answer tag inside a call (code that prints one) is the call's, not the answer
+    answer = ANSWER.search(rest)
     if answer is not None:
         return ParsedTurn([], answer.group(1).strip())
     items: list[ToolCall | DecodeError] = [decode_call(m.group(1), tools) for m in CALL.finditer(text)]
-    rest = CALL.sub("", text)
     if CALL_OPEN in rest:
         items.append(DecodeError(rest[rest.index(CALL_OPEN) + len(CALL_OPEN):], f"{CALL_OPEN} without {CALL_CLOSE}"))
     if ANSWER_OPEN in rest:
