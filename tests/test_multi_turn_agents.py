@@ -201,6 +201,23 @@ def test_single_turn_samples_train_each_turn_with_its_history_as_prompt(tokenize
     assert [s.turn_rewards for s in samples] == [[0.25], [0.5], [1.0]]
 
 
+def test_single_turn_samples_count_each_episode_once_in_the_learner_s_agent_metrics(tokenizer, tokenizer_dir):
+    """A chain right at once and one wrong three times: half the episodes succeeded, in 2 turns on average, as whole
+    episodes log it. With the episode's metrics on every sample the learner logged 1/4 and 2.5 turns."""
+    from rlsys.training_step import mean_agent_metrics
+
+    policy = answer_by_history(tokenizer, [["46"], ["1", "2", "3"]])
+    agent, _ = math_agent(tokenizer_dir, n=2, num_turns=3, strategy={"single_turn_samples": True})
+    samples, _ = play(agent, math_env(), math_prompt(tokenizer), policy)
+    assert len(samples) == 4
+    logged = mean_agent_metrics(samples)
+    assert logged["agent/success"] == 0.5 and logged["agent/num_turns"] == 2.0
+    assert logged["agent/truncated"] == 0.5 and logged["agent/prefix_breaks"] == 0.0
+    whole, _ = math_agent(tokenizer_dir, n=2, num_turns=3)
+    episodes, _ = play(whole, math_env(), math_prompt(tokenizer), policy)
+    assert mean_agent_metrics(episodes) == logged
+
+
 def test_model_client_matches_replies_to_requests_by_qid():
     async def scenario():
         obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()

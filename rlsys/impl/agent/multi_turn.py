@@ -173,9 +173,12 @@ class Transcript:
             void=any(r.void for r in self.reactions))
 
     def single_turn_samples(self, group_id: str, turn_discount: float) -> list[Trajectory]:
-        """One trajectory per turn: the history up to its response as prompt, its discounted return as reward."""
+        """One trajectory per turn: the history up to its response as prompt, its discounted return as reward. The
+        episode's metrics ride on its last turn's sample alone: the learner averages each over the trajectories that
+        carry it, so each episode counts once, as a whole one does (on every sample, an episode of k turns counted k
+        times, and a chain that failed three attempts pulled agent/success down three times)."""
         returns = discounted_turn_returns(self.turn_rewards, turn_discount)
-        metrics = self.metrics()
+        metrics, last = self.metrics(), len(self.turn_ends) - 1
         samples = []
         for k, (start, end) in enumerate(zip(self.turn_starts, self.turn_ends)):
             generated = end - start
@@ -184,8 +187,8 @@ class Transcript:
                 logprobs=[0.0] * start + self.logprobs[start:end],
                 versions=[NOT_GENERATED] * start + self.versions[start:end],
                 turn_ends=[end], turn_rewards=[returns[k]], reward=returns[k], group_id=group_id,
-                stop_reason=self.stop_reasons[k], metrics=metrics, turn_obs_keys=[self.turn_keys[k]],
-                void=self.reactions[k].void))
+                stop_reason=self.stop_reasons[k], metrics=metrics if k == last else {},
+                turn_obs_keys=[self.turn_keys[k]], void=self.reactions[k].void))
         return samples
 
 
@@ -243,8 +246,9 @@ class MultiTurnAgent(Agent):
             trajectories = [s for t in transcripts for s in t.single_turn_samples(prompt.qid, self.turn_discount)]
         else:
             trajectories = [t.trajectory(prompt.qid, self.turn_discount) for t in transcripts]
-        for t in trajectories:  # the episode's count, on each of its trajectories (the learner logs the mean)
-            t.metrics["prefix_breaks"] = float(model.prefix.breaks)
+        for t in trajectories:  # the episode's count, beside its other metrics (the learner logs the mean)
+            if t.metrics:  # not on a single-turn sample of a turn before the last (see single_turn_samples)
+                t.metrics["prefix_breaks"] = float(model.prefix.breaks)
         return trajectories
 
     async def _play(self, ask, prompt: Prompt, transcript: Transcript, env: EnvironmentService,
