@@ -25,6 +25,12 @@ class AsyncPPOOpenAIAgentConfig(AsyncPPOMATHConfig):
     endpoint_host: str = "127.0.0.1"
     """Where the rollout worker's endpoint listens (each episode's API key is a random secret)."""
 
+    def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
+        """dataset.system_prompt, which never reaches the model here: agent_function gets the prompt's text alone."""
+        return {**super().inactive_settings(), "dataset.system_prompt": (
+            False, "with the openai-agent (agent_function gets the prompt's text alone and writes its own messages)",
+            "put the system message in agent_function's messages")}
+
     def __post_init__(self):
         super().__post_init__()
         # Here, not only where the agent is built: that is after the dataset and tiny model are ready, minutes later

@@ -79,6 +79,9 @@ GROUP_REFUSED = [  # (overrides, what the message must say)
      "python_persistent=False does nothing without the python tool"),
     (["experiment=async-ppo-math-tools", "tools=[]", "tool_timeout=5"],
      "tool_timeout=5.0 does nothing without tools (tools=[]); name a tool in tools"),
+    # the agent function gets prompt.data["prompt"], the user's text, and writes its own messages: no system message
+    (["experiment=async-ppo-openai-agent", "dataset.system_prompt=Be brief."],
+     "dataset.system_prompt=Be brief. does nothing with the openai-agent (agent_function gets the prompt's text alone"),
 ]
 
 
@@ -107,6 +110,7 @@ def test_a_setting_the_rest_of_its_group_makes_do_nothing_is_refused(overrides, 
     ["experiment=async-ppo-frozen-lake", "max_turns=2", "turn_discount=0.9", "rollout.mode=tree"],
     ["experiment=async-ppo-math-tools", "sandbox.memory_mb=64", "python_persistent=false",
      "sandbox.allow_unconfined=true"],
+    ["experiment=async-ppo-math-tools", "dataset.system_prompt=Be brief."],  # the instructions join it
 ])
 def test_those_settings_are_taken_where_they_act(overrides):
     parse_config(overrides)
