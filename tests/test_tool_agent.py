@@ -13,6 +13,8 @@ from experiments.common import GenerationHyperparameters, ModelConfig
 from rlsys.api import (NOT_GENERATED, AgentAbstraction, EnvironmentService, EnvServiceAbstraction, GenerationConfig,
                        GenerationOutput, Prompt, make_agent, make_env)
 from rlsys.impl.agent.multi_turn import SEED_STRIDE
+from rlsys.impl.env import math_tools
+from rlsys.impl.env.math_verifier import Verdict
 from rlsys.model.tokenizer import chat_prompt_ids
 from tests.scripted import ids, run_scripted_episode
 from tests.scripted_engine import ScriptedEngine
@@ -85,7 +87,8 @@ def test_calculator_then_python_then_answer(tokenizer, tokenizer_dir):
     assert right.group_id == wrong.group_id == "q7" and right.stop_reason == wrong.stop_reason == "answer"
     assert not right.void and not wrong.void  # undecodable calls are calls, not void turns
     assert right.metrics == {"turns": 3, "tool_calls": 2, "tool_errors": 0, "tool_timeouts": 0, "decode_errors": 0,
-                             "void_turns": 0, "answered": 1, "success": 1, "prefix_breaks": 0}
+                             "void_turns": 0, "answered": 1, "success": 1, "prefix_breaks": 0,
+                             "verify_failed": 0}
 
     error_text = tokenizer.decode(wrong.token_ids[wrong.turn_ends[0]:], skip_special_tokens=False)
     assert error_text.startswith("<|user|><tool_response>error: calculator: missing argument 'expression'; "
@@ -93,7 +96,8 @@ def test_calculator_then_python_then_answer(tokenizer, tokenizer_dir):
                                  "<tool_response>error: not valid JSON: Expecting property name")
     assert wrong.turn_rewards == [0.0, 0.0] and wrong.reward == 0.0
     assert wrong.metrics == {"turns": 2, "tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "decode_errors": 2,
-                             "void_turns": 0, "answered": 1, "success": 0, "prefix_breaks": 0}
+                             "void_turns": 0, "answered": 1, "success": 0, "prefix_breaks": 0,
+                             "verify_failed": 0}
 
     # token in, token out: each request was exactly the chain's tokens up to the start of one of its turns
     assert len(engine.requests) == 5
@@ -121,9 +125,27 @@ def test_python_timeout_and_void_turn_are_observations_and_counted(tokenizer, to
     assert trajectory.token_ids[:len(prompt.token_ids)] == prompt.token_ids  # no instructions asked for
     assert trajectory.metrics == {"turns": 3, "tool_calls": 1, "tool_errors": 1, "tool_timeouts": 1,
                                   "decode_errors": 0, "void_turns": 1, "answered": 1, "success": 1,
-                                  "prefix_breaks": 0}
+                                  "prefix_breaks": 0, "verify_failed": 0}
     assert trajectory.reward == 1.0 and trajectory.stop_reason == "answer"
     assert trajectory.void  # a turn with neither a call nor an answer: ppo.mask_void_trajectories keeps it out
+
+
+class TimedOutPool:
+    """A verifier pool whose every check ran out of time."""
+
+    async def score(self, answers, reference, timeout):
+        return [Verdict(False, "timeout", "check took longer than 5s") for _ in answers]
+
+
+def test_an_answer_whose_check_timed_out_counts_as_verify_failed(tokenizer, tokenizer_dir, monkeypatch):
+    """Scored 0 as a wrong answer is, and counted (agent/verify_failed) as the math agents count math-verify's
+    failures: the tools run's wrong answers hid them."""
+    monkeypatch.setattr(math_tools, "shared_pool", lambda workers=None: TimedOutPool())
+    prompt = Prompt("q16", chat_prompt_ids(tokenizer, ROW["prompt"]), ROW)
+    [trajectory], _ = run(tool_agent(tokenizer_dir, use_instructions=False), make_env(EnvServiceAbstraction(
+        "math-tools")), scripted(tokenizer, {0: ["<answer>409</answer>"]}), prompt)
+    assert trajectory.reward == 0.0 and trajectory.stop_reason == "answer"
+    assert trajectory.metrics["answered"] == 1 and trajectory.metrics["verify_failed"] == 1
 
 
 def test_max_turns_ends_the_episode_after_the_last_turn(tokenizer, tokenizer_dir):

@@ -24,7 +24,7 @@ from rlsys.impl.agent.multi_turn import SEED_STRIDE, context_limit, gather_or_ca
 from rlsys.model.tokenizer import load_tokenizer, message_after_ids
 
 OBSERVATION_ROLE = "user"
-COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "decode_errors", "void_turns", "answered")
+COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "decode_errors", "void_turns", "answered", "verify_failed")
 
 
 class ToolCallingAgent(Agent):

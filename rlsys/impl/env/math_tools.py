@@ -24,7 +24,7 @@ from rlsys.tools.queue_time import within
 log = logging.getLogger(__name__)
 
 DEFAULT_TOOLS = {"calculator": {}, "python": {}}
-STEP_COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "decode_errors", "void_turns", "answered")
+STEP_COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "decode_errors", "void_turns", "answered", "verify_failed")
 
 
 class MathToolsEnv(EnvironmentService):
@@ -61,6 +61,7 @@ class MathToolsEnv(EnvironmentService):
             [verdict] = await shared_pool(self.verifier_workers).score([parsed.answer], self.reference,
                                                                        self.verify_timeout)
             counts["answered"] = 1
+            counts["verify_failed"] = int(verdict.status in ("timeout", "error"))  # scored 0; counted as math's are
             info = {**counts, "verify_status": verdict.status, "verify_reason": verdict.reason}
             return None, float(verdict.correct), True, False, info
         if not parsed.items:
