@@ -326,16 +326,17 @@ class RolloutWorker:
         for result in results:
             if not isinstance(result, (list, EpisodeFailed)):
                 raise result  # not an episode's failure (already counted): a bug or a cancellation
-        episodes = [t for trajectories in results if isinstance(trajectories, list) for t in trajectories]
-        failed = sum(isinstance(r, EpisodeFailed) for r in results)
+        episodes = [trajectories for trajectories in results if isinstance(trajectories, list)]
+        failed = len(results) - len(episodes)
+        answered = [ts for ts in episodes if ts]
         score = self.config.held_out_score
-        result = {"reward": sum(t.reward for t in episodes) / max(len(episodes), 1), "version": version,
-                  "episodes": len(episodes), "failed": failed,
+        result = {"reward": sum(_mean([t.reward for t in ts]) for ts in answered) / max(len(answered), 1),
+                  "version": version, "episodes": len(episodes), "failed": failed,
                   **held_out_accuracy(score, episodes, "accuracy", failed)}
         if len(self.config.envs) > 1:  # a mixed run: each environment type's accuracy too
             for name in self.config.envs:
                 own = [ts for p, ts in zip(prompts, results) if env_type(self.config, p) == name]
-                result.update(held_out_accuracy(score, [t for ts in own if isinstance(ts, list) for t in ts],
+                result.update(held_out_accuracy(score, [ts for ts in own if isinstance(ts, list)],
                                                 f"{name}/accuracy", sum(isinstance(ts, EpisodeFailed) for ts in own)))
         self.metrics.log(version, {f"eval/{k}": v for k, v in result.items()})
         await asyncio.to_thread(self.bus.set, protocol.eval_result(tag), result)
@@ -365,12 +366,20 @@ def next_evaluation(version: int, every: int) -> int:
     return (version // every + 1) * every if every else 0
 
 
-def held_out_accuracy(score, episodes: list[Trajectory], key: str, failed: int = 0) -> dict:
-    """{key: the mean `score` of the episodes and of the `failed` ones, which score 0 (a held-out problem the agent
-    or environment failed on was not solved: left out, failures would raise the accuracy)}, or {} where an episode has
-    no score (None): its outcome is a score of another kind, and there is no accuracy to report."""
-    scores = [score(t) for t in episodes]
-    return {} if None in scores else {key: sum(scores) / max(len(scores) + failed, 1)}
+def held_out_accuracy(score, episodes: list[list[Trajectory]], key: str, failed: int = 0) -> dict:
+    """{key: the mean score of the episodes and of the `failed` ones, which score 0 (a held-out problem the agent
+    or environment failed on was not solved: left out, failures would raise the accuracy)}, or {} where a trajectory
+    has no score (None): its outcome is a score of another kind, and there is no accuracy to report. An episode
+    scores the mean `score` of its trajectories, so it counts once however many it gave (an openai-agent run whose
+    client rewrote its history gives several), and 0 with none (it gave no answer)."""
+    scores = [[score(t) for t in trajectories] for trajectories in episodes]
+    if any(None in episode for episode in scores):
+        return {}
+    return {key: sum(_mean(episode) for episode in scores if episode) / max(len(scores) + failed, 1)}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def _build_agents(config, variant) -> dict:
