@@ -409,3 +409,32 @@ def test_socket_buffers_count_against_the_memory_limit():
     if result.status == "ok":
         # within the limit, give or take the few pages the kernel lets each socket take under memory pressure
         assert int(result.stdout.split()[-1]) <= limits.memory_mb * 1.25, result.stdout
+
+
+# Run from a trainer under a real-time policy (SCHED_RR 1), in every mode: the policy the program runs under
+REAL_TIME_TRAINER = """
+import asyncio, os, sys
+from rlsys.tools.sandbox import SandboxLimits, run_python
+from tests.sandbox_attacks import confinements
+try:
+    os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
+except PermissionError:
+    sys.exit("no CAP_SYS_NICE")
+code = "import os\\nprint(os.sched_getscheduler(0), os.nice(0))\\n"
+for mode, confinement in confinements().items():
+    result = asyncio.run(run_python(code, SandboxLimits(allow_unconfined=True), confinement))
+    print(mode, result.status, result.stdout.strip())
+"""
+
+
+def test_the_program_does_not_inherit_a_real_time_policy_from_the_trainer():
+    """Inherited through fork and exec, a real-time policy put model code above every ordinary process on the machine
+    (the trainer's own threads included), where its nice value does not count."""
+    done = subprocess.run([sys.executable, "-c", REAL_TIME_TRAINER], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    if "no CAP_SYS_NICE" in done.stderr:
+        pytest.skip("needs CAP_SYS_NICE to run the trainer under a real-time policy")
+    runs = [line.split(maxsplit=2) for line in done.stdout.splitlines()]
+    assert done.returncode == 0 and runs, done.stderr
+    assert {status for _, status, _ in runs} == {"ok"}, done.stdout
+    assert {policy_and_nice for _, _, policy_and_nice in runs} == {f"{os.SCHED_OTHER} 10"}, done.stdout

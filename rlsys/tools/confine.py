@@ -45,6 +45,10 @@ def set_limits(limits: dict, count_others: bool) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"],) * 2)
     resource.setrlimit(resource.RLIMIT_NOFILE, (limits["open_files"],) * 2)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # a trainer's real-time policy is inherited, and would put the program above every ordinary process, its nice
+    # value ignored: the program gets the ordinary policy (lowering it needs no privilege)
+    if os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK not in (os.SCHED_OTHER, os.SCHED_BATCH, os.SCHED_IDLE):
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     os.nice(limits["nice"])
 
 
