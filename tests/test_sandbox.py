@@ -438,3 +438,22 @@ def test_the_program_does_not_inherit_a_real_time_policy_from_the_trainer():
     assert done.returncode == 0 and runs, done.stderr
     assert {status for _, status, _ in runs} == {"ok"}, done.stdout
     assert {policy_and_nice for _, _, policy_and_nice in runs} == {f"{os.SCHED_OTHER} 10"}, done.stdout
+
+
+IGNORES_SIGXCPU = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n"
+KILLS_ITSELF = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
+
+
+@pytest.mark.parametrize("mode", ["machine", "bwrap", "unconfined"])
+def test_a_program_that_ignores_sigxcpu_is_stopped_as_over_its_cpu_limit(mode):
+    """Without a cgroup, RLIMIT_CPU's hard limit (a second past the soft one) SIGKILLs a program that ignores SIGXCPU:
+    that is the CPU limit, not a crash, while a SIGKILL the program sends itself early is still a crash."""
+    modes = confinements()
+    mode = machine_confinement().mode if mode == "machine" else mode
+    if mode not in modes:
+        pytest.skip(f"mode {mode} cannot run here: {machine_confinement().notes}")
+    limits = SandboxLimits(wall_seconds=20, cpu_seconds=1, allow_unconfined=True)
+    over = asyncio.run(run_python(IGNORES_SIGXCPU, limits, modes[mode]))
+    assert over.status == "cpu_limit" and "CPU time limit of 1s exceeded" in over.reason, over
+    killed = asyncio.run(run_python(KILLS_ITSELF, limits, modes[mode]))
+    assert (killed.status, killed.exit_code, killed.reason) == ("crashed", -9, "killed by SIGKILL"), killed

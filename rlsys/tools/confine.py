@@ -87,11 +87,13 @@ def check(result: int, what: str) -> None:
 
 
 def wait_for(program: int) -> dict:
-    """Reaps orphans (we are their init) until the program itself ends; returns its exit code or signal."""
+    """Reaps orphans (we are their init) until the program itself ends; returns its exit code or signal, and the CPU
+    seconds it used (a SIGKILL at RLIMIT_CPU's hard limit is told from others by them)."""
     while True:
-        pid, status = os.waitpid(-1, 0)
+        pid, status, usage = os.wait4(-1, 0)
         if pid == program:
-            return {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.WEXITSTATUS(status)}
+            ending = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.WEXITSTATUS(status)}
+            return ending | {"cpu_seconds": usage.ru_utime + usage.ru_stime}
 
 
 def main() -> None:

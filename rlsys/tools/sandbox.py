@@ -359,7 +359,7 @@ def outcome(report: dict, output: CappedOutput, ending: Ending, limits: SandboxL
     if "error" in report:
         return "sandbox_error", report["error"]
     if "signal" in report:
-        return signal_outcome(report["signal"], limits)
+        return signal_outcome(report["signal"], limits, report.get("cpu_seconds", 0.0))
     if "exit" not in report:
         return "sandbox_error", "the sandbox launcher died without a report"
     if report["exit"] == 0:
@@ -372,10 +372,12 @@ def outcome(report: dict, output: CappedOutput, ending: Ending, limits: SandboxL
     return "error", last_line or f"exit code {report['exit']}"
 
 
-def signal_outcome(number: int, limits: SandboxLimits) -> tuple[str, str]:
+def signal_outcome(number: int, limits: SandboxLimits, cpu_seconds: float) -> tuple[str, str]:
     name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
     if number == signal.SIGXCPU:
         return "cpu_limit", f"CPU time limit of {limits.cpu_seconds}s exceeded (SIGXCPU)"
+    if number == signal.SIGKILL and cpu_seconds >= limits.cpu_seconds:  # RLIMIT_CPU's hard limit: SIGXCPU was ignored
+        return "cpu_limit", f"CPU time limit of {limits.cpu_seconds}s exceeded (SIGKILL; the program ignored SIGXCPU)"
     if number == signal.SIGXFSZ:
         return "file_size_limit", f"file size limit of {limits.file_mb} MiB exceeded (SIGXFSZ)"
     return "crashed", f"killed by {name}"
