@@ -31,14 +31,17 @@ LIMITS = SandboxLimits(wall_seconds=10, cpu_seconds=2, memory_mb=128, max_proces
                        output_bytes=8192, workdir_mb=32, allow_unconfined=True)
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 SANDBOX_MODULES = ("confine", "confinement", "queue_time", "sandbox", "sandbox_cgroup", "seccomp_filter")
-# runs the attack suite in another process (another user), from a copy of the sandbox's modules only
-AS_USER = """
+# imports the sandbox from a copy of its modules only (`copy_sandbox`), without the package's dependencies
+FROM_COPY = """
 import sys, types
 sys.path.insert(0, {directory!r})
 for name in ("rlsys", "rlsys.tools"):
     module = types.ModuleType(name)
     module.__path__ = [{directory!r} + "/" + name.replace(".", "/")]
     sys.modules[name] = module
+"""
+# runs the attack suite in another process (another user), from a copy of the sandbox's modules only
+AS_USER = FROM_COPY + """
 import sandbox_attacks
 sys.argv = ["sandbox_attacks", {workspace!r}]
 sandbox_attacks.main()
@@ -377,9 +380,8 @@ def safely(check: Callable[[SandboxResult], bool], result: SandboxResult) -> boo
         return False
 
 
-def run_as(prefix: list[str], python: str, directory: Path, user: str = "root") -> dict:
-    """Runs the attack suite under `prefix` (setpriv ...) with `python`, from a copy of the sandbox modules;
-    its workspace belongs to `user`."""
+def copy_sandbox(directory: Path) -> None:
+    """The sandbox's modules and this file under `directory`, readable by anyone (import them with FROM_COPY)."""
     package = directory / "rlsys" / "tools"
     package.mkdir(parents=True)
     for name in SANDBOX_MODULES:
@@ -387,6 +389,12 @@ def run_as(prefix: list[str], python: str, directory: Path, user: str = "root") 
     shutil.copy(__file__, directory / "sandbox_attacks.py")
     for path in [directory, *directory.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def run_as(prefix: list[str], python: str, directory: Path, user: str = "root") -> dict:
+    """Runs the attack suite under `prefix` (setpriv ...) with `python`, from a copy of the sandbox modules;
+    its workspace belongs to `user`."""
+    copy_sandbox(directory)
     (directory / "attack").mkdir()
     os.chown(directory / "attack", pwd.getpwnam(user).pw_uid, pwd.getpwnam(user).pw_gid)
     script = AS_USER.format(directory=str(directory), workspace=str(directory / "attack"))

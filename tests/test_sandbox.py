@@ -18,7 +18,8 @@ import pytest
 from rlsys.tools.confinement import SandboxUnavailable, machine_confinement, preflight
 from rlsys.tools.python_interpreter import PythonTool
 from rlsys.tools.sandbox import SandboxLimits, run_python
-from tests.sandbox_attacks import EXPECTED_GAPS, confinements, prepare, run_as, run_attacks
+from tests.sandbox_attacks import (EXPECTED_GAPS, FROM_COPY, confinements, copy_sandbox, prepare, run_as,
+                                    run_attacks)
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS = SandboxLimits(wall_seconds=5, cpu_seconds=2, memory_mb=512, max_processes=16, file_mb=4,
@@ -457,3 +458,33 @@ def test_a_program_that_ignores_sigxcpu_is_stopped_as_over_its_cpu_limit(mode):
     assert over.status == "cpu_limit" and "CPU time limit of 1s exceeded" in over.reason, over
     killed = asyncio.run(run_python(KILLS_ITSELF, limits, modes[mode]))
     assert (killed.status, killed.exit_code, killed.reason) == ("crashed", -9, "killed by SIGKILL"), killed
+
+
+# A caller with 40 threads, as a trainer has: unconfined, a non-root user's RLIMIT_NPROC counts all of its tasks
+THREADED_CALLER = """
+import asyncio, threading
+from rlsys.tools.confinement import unconfined
+from rlsys.tools.sandbox import SandboxLimits, run_python
+stop = threading.Event()
+threads = [threading.Thread(target=stop.wait) for _ in range(40)]
+for thread in threads:
+    thread.start()
+code = "import subprocess\\nprint(subprocess.run(['true']).returncode)\\n"
+result = asyncio.run(run_python(code, SandboxLimits(max_processes=4, allow_unconfined=True), unconfined("chosen")))
+stop.set()
+print(result.status, result.stdout.strip(), result.reason)
+"""
+
+
+@pytest.mark.skipif(not AS_ROOT or not shutil.which("setpriv"), reason="needs root to become another user")
+def test_unconfined_a_threaded_non_root_caller_leaves_the_program_its_processes(workspace):
+    """RLIMIT_NPROC counts threads; the init counted the caller's processes only, so a caller with more threads than
+    max_processes left a limit below what it already ran: the init's own fork failed, every run a sandbox_error."""
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system python3 for the unprivileged user")
+    copy_sandbox(workspace)
+    done = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", python, "-I", "-c",
+                           FROM_COPY.format(directory=str(workspace)) + THREADED_CALLER], capture_output=True,
+                          text=True, timeout=60, cwd=workspace, env={"PATH": os.environ["PATH"]})
+    assert done.stdout.strip() == "ok 0", (done.stdout, done.stderr)

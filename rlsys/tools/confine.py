@@ -39,7 +39,7 @@ def set_limits(limits: dict, count_others: bool) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU first, SIGKILL a second later
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_bytes"],) * 2)
     # counted per uid in the innermost user namespace: only the sandbox's own processes under bubblewrap,
-    # all of the caller's otherwise; root's uid is exempt, where the pids cgroup counts instead
+    # all of the caller's otherwise (threads included); root's uid is exempt, where the pids cgroup counts instead
     others = processes_of(os.getuid()) if count_others else 0
     resource.setrlimit(resource.RLIMIT_NPROC, (others + 1 + limits["max_processes"],) * 2)  # +1: this init
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"],) * 2)
@@ -53,10 +53,13 @@ def set_limits(limits: dict, count_others: bool) -> None:
 
 
 def processes_of(uid: int) -> int:
+    """Tasks of `uid`, each thread one, as RLIMIT_NPROC counts them (a trainer's threads would leave the limit below
+    what the user already runs, and the program could not even be started)."""
     count = 0
     for entry in os.listdir("/proc"):
         try:
-            count += entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid
+            if entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid:
+                count += len(os.listdir(f"/proc/{entry}/task"))
         except OSError:  # exited meanwhile
             pass
     return count
