@@ -390,3 +390,13 @@ def test_a_sandbox_limit_no_program_could_run_under_stops_the_run_at_start(setti
 
     with pytest.raises(ConfigError, match=re.escape(setting.split("=")[0])):
         parse_config(["experiment=async-ppo-math-tools", setting])
+
+
+@pytest.mark.parametrize("limits, field", [({"cpu_seconds": 2.5}, "cpu_seconds"), ({"memory_mb": 256.5}, "memory_mb"),
+                                           ({"nice": 5.0}, "nice"), ({"workdir_mb": 8.5}, "workdir_mb"),
+                                           ({"open_files": True}, "open_files")])
+def test_a_python_tool_whose_limits_are_not_whole_numbers_is_refused_naming_the_field(limits, field):
+    """The env's tool arguments do not pass the command line's type checks: a float went on to fail every call
+    (setrlimit and nice take integers: sandbox_error), a bool was read as a limit of 1 open file."""
+    with pytest.raises(ValueError, match=re.escape(f"sandbox.{field} must be a whole number, got {limits[field]!r}")):
+        make_tool("python", {"limits": limits})

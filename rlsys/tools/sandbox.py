@@ -70,6 +70,10 @@ class SandboxLimits:
 
     def __post_init__(self):
         # here, so that the run stops at start: past it every call of the python tool would fail the same way
+        for name in ("cpu_seconds", "memory_mb", "max_processes", "file_mb", "open_files", "output_bytes",
+                     "workdir_mb", "nice"):
+            if type(getattr(self, name)) is not int:  # rlimits, byte counts and nice take integers only
+                raise ValueError(f"sandbox.{name} must be a whole number, got {getattr(self, name)!r}")
         for name in ("wall_seconds", "cpu_seconds", "memory_mb", "max_processes", "file_mb", "open_files",
                      "output_bytes", "workdir_mb"):
             if not getattr(self, name) > 0:
