@@ -169,6 +169,23 @@ def test_python_session_goes_on_after_a_cell_that_exits():
                                                      ("43\n", "ok")]
 
 
+def test_python_session_goes_on_after_a_cell_that_ends_its_process_with_os_exit():
+    """os._exit(0) ends a cell that succeeded without unwinding; replayed, it ended every later call of the session
+    before its own cell ran, each a silent '(no output)' with status ok. A forked child's os._exit still exits."""
+    async def session():
+        tool = make_tool("python")
+        await tool.start()
+        outputs = [await tool.call(code=code) for code in [
+            "import os\nx = 41\nprint(x, flush=True)\nos._exit(0)", "print(x + 1)",
+            "import multiprocessing, os\nchild = multiprocessing.get_context('fork').Process(target=os._exit, "
+            "args=(3,))\nchild.start()\nchild.join()\nprint(child.exitcode)", "print(x + 2)"]]
+        await tool.stop()
+        return outputs
+
+    outputs = asyncio.run(session())
+    assert [(o.text, o.status) for o in outputs] == [("41\n", "ok"), ("42\n", "ok"), ("3\n", "ok"), ("43\n", "ok")]
+
+
 def test_python_tool_reports_limits_and_truncates_output():
     async def calls():
         hasty = make_tool("python", {"limits": {"wall_seconds": 1.5}, "persistent": False})

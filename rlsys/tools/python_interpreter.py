@@ -15,13 +15,19 @@ from rlsys.tools.sandbox import SandboxLimits, SandboxResult, run_python
 # Runs the cells in one namespace; only the last one's output is shown. Tracebacks name the cell and
 # show its source lines, and leave out this driver's own frame.
 SESSION_DRIVER = '''\
-import contextlib, io, linecache, sys, traceback
+import contextlib, io, linecache, os, sys, traceback
 CELLS = {cells!r}
 namespace = {{"__name__": "__main__"}}
+real_exit, driver = os._exit, os.getpid()
+def replayed_exit(code):  # a replayed cell that called os._exit ends itself, not the session (a fork's child exits)
+    if os.getpid() != driver:
+        real_exit(code)
+    raise SystemExit(code)
 for index, source in enumerate(CELLS):
     filename = f"<cell {{index + 1}}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     quiet = index < len(CELLS) - 1
+    os._exit = replayed_exit if quiet else real_exit
     sink = io.StringIO()
     try:
         with contextlib.redirect_stdout(sink if quiet else sys.stdout), \\
