@@ -78,6 +78,7 @@ def test_parser_reports_unclosed_tags_and_keeps_good_calls():
     ("1+2*3", "7"), ("(12+3)*4", "60"), ("10/4", "2.5"), ("6/3", "2"), ("7//2", "3"), ("-7%3", "2"),
     ("2**10", "1024"), ("2**-2", "0.25"), ("sqrt(16)", "4"), ("round(2.567, 2)", "2.57"), ("max(1, 5, 3)", "5"),
     ("factorial(20)", "2432902008176640000"), ("pi", "3.14159265359"), ("gcd(12, 18)", "6"),
+    ("+".join(map(str, range(1, 101))), "5050"), ("*".join(["2"] * 60), str(2**60)),  # long runs are no nesting
 ])
 def test_calculator_evaluates_arithmetic(expression, value):
     assert format_number(evaluate(expression)) == value
@@ -104,6 +105,7 @@ def test_calculator_evaluates_arithmetic(expression, value):
     ("1 +", "not an arithmetic expression"),
     ("(" * 300 + "1" + ")" * 300, "longer than 500"),
     ("-" * 200 + "1", "nested deeper than 50"),
+    ("1+(" * 60 + "1" + ")" * 60, "nested deeper than 50"),
 ])
 def test_calculator_refuses_hostile_or_unbounded_input_quickly(expression, reason):
     started = time.perf_counter()

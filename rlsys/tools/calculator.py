@@ -62,7 +62,8 @@ def _eval(node: ast.AST, depth: int) -> int | float:
     if isinstance(node, ast.UnaryOp) and type(node.op) in UNARY:
         return UNARY[type(node.op)](_eval(node.operand, depth + 1))
     if isinstance(node, ast.BinOp) and type(node.op) in BINARY:
-        left, right = _eval(node.left, depth + 1), _eval(node.right, depth + 1)
+        # a run of operators (1+2+...+60) is a chain down the left, not nesting: MAX_LENGTH bounds its recursion
+        left, right = _eval(node.left, depth), _eval(node.right, depth + 1)
         if isinstance(node.op, ast.Pow):
             _check_power(left, right)
         return _bounded(BINARY[type(node.op)](left, right))
