@@ -488,3 +488,16 @@ def test_unconfined_a_threaded_non_root_caller_leaves_the_program_its_processes(
                            FROM_COPY.format(directory=str(workspace)) + THREADED_CALLER], capture_output=True,
                           text=True, timeout=60, cwd=workspace, env={"PATH": os.environ["PATH"]})
     assert done.stdout.strip() == "ok 0", (done.stdout, done.stderr)
+
+
+OOM_SCORE = "import subprocess\nprint(subprocess.run(['cat', '/proc/self/oom_score_adj'], capture_output=True).stdout)\n"
+
+
+def test_the_sandbox_is_the_oom_killer_s_first_pick_not_the_trainer():
+    """The trainer's OOM score was inherited: where memory runs out as a whole (mode `bwrap` bounds memory per process
+    only; or a container's score, the same for all its processes), the kernel killed the largest, the trainer."""
+    results = {mode: asyncio.run(run_python(OOM_SCORE, LIMITS, confinement))
+               for mode, confinement in confinements().items()}
+    assert {mode: (r.status, r.stdout) for mode, r in results.items()} == {
+        mode: ("ok", "b'1000\\n'\n") for mode in results}, results
+    assert Path("/proc/self/oom_score_adj").read_text() != "1000\n"  # the caller's own is left as it was

@@ -34,8 +34,11 @@ PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_N
 REPORT_WAIT = 5.0  # seconds to reap a killed launcher
 CPU_POLL = 0.05  # seconds between reads of the cgroup's CPU time
 CGROUP_EXTRA_PIDS = 2  # bubblewrap's monitor and the init, besides the program's own processes
-# the launch joins the cgroup (every controller's tree) before it execs bubblewrap or the init
-JOIN_CGROUP = 'for f in $RLSYS_CGROUP_PROCS; do echo $$ > "$f" || exit 125; done; exec "$@"'
+# the launch makes the sandbox the OOM killer's first pick, whatever the trainer's own score (inherited by all it
+# starts; where /proc refuses, it goes on without), and joins the cgroup (every controller's tree, if any) before it
+# execs bubblewrap or the init
+LAUNCH = ('{ echo 1000 > /proc/self/oom_score_adj; } 2>/dev/null; '
+          'for f in $RLSYS_CGROUP_PROCS; do echo $$ > "$f" || exit 125; done; exec "$@"')
 
 STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "file_size_limit", "output_limit", "crashed",
             "sandbox_error", "refused")
@@ -156,11 +159,10 @@ class Run:
         config = {"python": sys.executable, "env": PROGRAM_ENV, "limits": init_limits, "workdir": workdir,
                   "namespaces": namespaces, "drop_to": SANDBOX_UID if self.pipes.used else None}
         argv = prefix + [sys.executable, "-I", "-S", "-c", INIT_SOURCE, str(report_write), json.dumps(config)]
-        env = {"PATH": PROGRAM_ENV["PATH"]}
-        if self.cgroup is not None:  # join the cgroup first, so that everything the launch starts is in it
-            env["RLSYS_CGROUP_PROCS"] = " ".join(self.cgroup.procs_files)
-            argv = ["/bin/sh", "-c", JOIN_CGROUP, "sh", *argv]
-        return argv, env, cwd
+        # join the cgroup first, so that everything the launch starts is in it
+        env = {"PATH": PROGRAM_ENV["PATH"],
+               "RLSYS_CGROUP_PROCS": " ".join(self.cgroup.procs_files) if self.cgroup is not None else ""}
+        return ["/bin/sh", "-c", LAUNCH, "sh", *argv], env, cwd
 
     def memfd(self, name: str, data: bytes) -> int:
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
