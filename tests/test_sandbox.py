@@ -476,18 +476,44 @@ print(result.status, result.stdout.strip(), result.reason)
 """
 
 
-@pytest.mark.skipif(not AS_ROOT or not shutil.which("setpriv"), reason="needs root to become another user")
+def run_as_nobody(workspace: Path, script: str) -> str:
+    """`script`'s output, run as nobody by the system's Python, importing the sandbox from a copy in `workspace`."""
+    python = "/usr/bin/python3"
+    if not AS_ROOT or not shutil.which("setpriv") or not os.access(python, os.X_OK):
+        pytest.skip("needs root, setpriv and a system python3 to run as an unprivileged user")
+    copy_sandbox(workspace)
+    done = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", python, "-I", "-c",
+                           FROM_COPY.format(directory=str(workspace)) + script], capture_output=True,
+                          text=True, timeout=60, cwd=workspace, env={"PATH": os.environ["PATH"]})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_unconfined_a_threaded_non_root_caller_leaves_the_program_its_processes(workspace):
     """RLIMIT_NPROC counts threads; the init counted the caller's processes only, so a caller with more threads than
     max_processes left a limit below what it already ran: the init's own fork failed, every run a sandbox_error."""
-    python = "/usr/bin/python3"
-    if not os.access(python, os.X_OK):
-        pytest.skip("no system python3 for the unprivileged user")
-    copy_sandbox(workspace)
-    done = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", python, "-I", "-c",
-                           FROM_COPY.format(directory=str(workspace)) + THREADED_CALLER], capture_output=True,
-                          text=True, timeout=60, cwd=workspace, env={"PATH": os.environ["PATH"]})
-    assert done.stdout.strip() == "ok 0", (done.stdout, done.stderr)
+    assert run_as_nobody(workspace, THREADED_CALLER).strip() == "ok 0"
+
+
+# Unconfined, run by nobody, the program locks up what it made in its work directory
+LOCKED_SCRATCH = """
+import asyncio, os, tempfile
+from rlsys.tools.confinement import unconfined
+from rlsys.tools.sandbox import SandboxLimits, run_python
+tempfile.tempdir = tempfile.mkdtemp(prefix="rlsys-scratch-")
+print(tempfile.tempdir)
+code = "import os\\nos.makedirs('d/e')\\nopen('d/e/f', 'w').close()\\nos.chmod('d/e', 0)\\nos.chmod('d', 0o500)\\n"
+result = asyncio.run(run_python(code, SandboxLimits(allow_unconfined=True), unconfined("chosen")))
+print(result.status, os.listdir(tempfile.tempdir))
+"""
+
+
+def test_unconfined_the_work_directory_goes_whatever_permissions_the_program_left(workspace):
+    """Run by a non-root user, a directory the program made unreadable or unwritable stopped the work directory's
+    removal: one left behind in the caller's TMPDIR for every such run."""
+    output = run_as_nobody(workspace, LOCKED_SCRATCH).split("\n", 1)
+    shutil.rmtree(output[0])
+    assert output[1].strip() == "ok []", output
 
 
 OOM_SCORE = "import subprocess\nprint(subprocess.run(['cat', '/proc/self/oom_score_adj'], capture_output=True).stdout)\n"

@@ -200,7 +200,20 @@ class Run:
             os.close(fd)
         self.pipes.close()
         if self.workdir is not None:
-            shutil.rmtree(self.workdir, True)
+            remove_scratch(self.workdir)
+
+
+def remove_scratch(path: str) -> None:
+    """Removes an unconfined run's work directory, whatever permissions the program left in it: run by a non-root
+    user, a directory it had made unreadable or unwritable could not be emptied, and was left behind."""
+    directories = [path]
+    while directories:
+        directory = directories.pop()
+        with contextlib.suppress(OSError):
+            os.chmod(directory, 0o700)
+            with os.scandir(directory) as entries:
+                directories += [entry.path for entry in entries if entry.is_dir(follow_symlinks=False)]
+    shutil.rmtree(path, True)
 
 
 async def _run(code: str, limits: SandboxLimits, confinement: Confinement) -> SandboxResult:
