@@ -188,6 +188,23 @@ def test_python_session_goes_on_after_a_cell_that_ends_its_process_with_os_exit(
     assert [(o.text, o.status) for o in outputs] == [("41\n", "ok"), ("42\n", "ok"), ("3\n", "ok"), ("43\n", "ok")]
 
 
+def test_python_cells_can_pickle_what_they_define_and_hand_it_to_a_process_pool():
+    """Cells ran in a dict named __main__ while sys.modules['__main__'] was the driver: pickling a class or function a
+    cell defined failed ('attribute lookup P on __main__ failed'), and with it multiprocessing.Pool.map."""
+    async def session():
+        tool = make_tool("python")
+        await tool.start()
+        outputs = [await tool.call(code=code) for code in [
+            "import pickle\nclass P:\n    pass\nprint(type(pickle.loads(pickle.dumps(P()))).__name__)",
+            "from multiprocessing import Pool\ndef square(x):\n    return x * x\nwith Pool(2) as pool:\n"
+            "    print(pool.map(square, [1, 2, 3]))", "print(square(4), pickle.dumps(P) != b'')"]]
+        await tool.stop()
+        return outputs
+
+    outputs = asyncio.run(session())
+    assert [(o.text, o.status) for o in outputs] == [("P\n", "ok"), ("[1, 4, 9]\n", "ok"), ("16 True\n", "ok")]
+
+
 def test_python_tool_reports_limits_and_truncates_output():
     async def calls():
         hasty = make_tool("python", {"limits": {"wall_seconds": 1.5}, "persistent": False})

@@ -15,9 +15,10 @@ from rlsys.tools.sandbox import SandboxLimits, SandboxResult, run_python
 # Runs the cells in one namespace; only the last one's output is shown. Tracebacks name the cell and
 # show its source lines, and leave out this driver's own frame.
 SESSION_DRIVER = '''\
-import contextlib, io, linecache, os, sys, traceback
+import contextlib, io, linecache, os, sys, traceback, types
 CELLS = {cells!r}
-namespace = {{"__name__": "__main__"}}
+sys.modules["__main__"] = main = types.ModuleType("__main__")  # the cells' own: what they define pickles by name
+namespace = main.__dict__
 real_exit, driver = os._exit, os.getpid()
 def replayed_exit(code):  # a replayed cell that called os._exit ends itself, not the session (a fork's child exits)
     if os.getpid() != driver:
