@@ -7,6 +7,7 @@ import asyncio
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -527,3 +528,28 @@ def test_the_sandbox_is_the_oom_killer_s_first_pick_not_the_trainer():
     assert {mode: (r.status, r.stdout) for mode, r in results.items()} == {
         mode: ("ok", "b'1000\\n'\n") for mode in results}, results
     assert Path("/proc/self/oom_score_adj").read_text() != "1000\n"  # the caller's own is left as it was
+
+
+# Run from a trainer that blocks SIGALRM and SIGXCPU and ignores SIGTSTP, in every mode: what the program starts with
+SIGNAL_MASKING_TRAINER = """
+import asyncio, signal
+from rlsys.tools.sandbox import SandboxLimits, run_python
+from tests.sandbox_attacks import confinements
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGXCPU})
+signal.signal(signal.SIGTSTP, signal.SIG_IGN)
+code = ("import signal\\nprint(sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])), "
+        "int(signal.getsignal(signal.SIGTSTP)))\\n")
+for mode, confinement in confinements().items():
+    result = asyncio.run(run_python(code, SandboxLimits(allow_unconfined=True), confinement))
+    print(mode, result.status, result.stdout.strip())
+"""
+
+
+def test_the_program_does_not_inherit_the_trainer_s_blocked_or_ignored_signals():
+    """Blocked and ignored signals survive fork and exec: the program started with SIGALRM blocked (an alarm-based
+    timeout in model code never fired) and SIGXCPU blocked (the CPU limit's first signal never came)."""
+    done = subprocess.run([sys.executable, "-c", SIGNAL_MASKING_TRAINER], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    runs = [line.split(maxsplit=2) for line in done.stdout.splitlines()]
+    assert done.returncode == 0 and runs, done.stderr
+    assert {(status, started) for _, status, started in runs} == {("ok", f"[] {int(signal.SIG_DFL)}")}, done.stdout

@@ -121,6 +121,11 @@ def main() -> None:
         env = dict(config["env"], HOME=config["workdir"], TMPDIR=config["workdir"])
         program = os.fork()
         if program == 0:
+            # signals the caller blocked or ignored would stay so through exec (SIGXCPU, SIGALRM, SIGINT...)
+            signal.pthread_sigmask(signal.SIG_SETMASK, ())
+            for number in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+                if signal.getsignal(number) == signal.SIG_IGN:
+                    signal.signal(number, signal.SIG_DFL)
             python = config["python"]
             try:
                 os.execve(python, [python, "-E", "-s", "-B", "-u", "main.py"], env)
