@@ -14,6 +14,7 @@ turn of a multi-turn episode extends the tokens of the turn before is rlsys/toke
 
 import dataclasses
 import logging
+import math
 
 import torch
 
@@ -80,8 +81,14 @@ class LogprobCheck:
         if not tokens:
             return {f"{prefix}_tokens": 0.0}
         return {f"{prefix}_abs_diff_mean": sum(p[1] for p in parts) / tokens,
-                f"{prefix}_abs_diff_max": max(p[2] for p in parts),
+                f"{prefix}_abs_diff_max": largest(p[2] for p in parts),
                 f"{prefix}_kl": sum(p[3] for p in parts) / tokens, f"{prefix}_tokens": float(tokens)}
+
+
+def largest(values) -> float:
+    """The largest of `values`, NaN if any is NaN, as torch.maximum gives it: Python's max keeps or drops a NaN by
+    where it stands, so a rank's or worker's NaN after a finite part would be reported as a finite maximum."""
+    return max(values, key=lambda v: (math.isnan(v), v))
 
 
 PROBE = "alarms/probe"  # the prefix of the probe's figures

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from rlsys.alarms import PROBE_TOKENS, LogprobCheck, Probe
+from rlsys.alarms import PROBE_TOKENS, LogprobCheck, Probe, largest
 from rlsys.algorithms.batch import SequenceBatch, sequence_batch
 from rlsys.algorithms.choices import NEEDS_CRITIC
 from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS
@@ -602,7 +602,7 @@ class StatsAccumulator:
                 self.totals[key] = value
             elif key.endswith("_max"):
                 self.totals[key] = (torch.maximum(before, value) if isinstance(value, torch.Tensor)
-                                    else max(before, value))
+                                    else largest((before, value)))
             else:
                 self.totals[key] = before + value
 

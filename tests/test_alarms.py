@@ -277,6 +277,22 @@ def test_logprob_check_compares_only_tokens_of_the_learner_s_version():
     assert stats["alarms/logprob_kl"] == pytest.approx((log_r.exp() - 1 - log_r).mean().item(), abs=1e-6)
 
 
+def test_ranks_merged_logprob_and_step_maxima_are_nan_where_one_rank_s_is_whatever_its_place():
+    """One rank's check (or figure) computes the max with torch, which keeps a NaN; merged over ranks, a NaN of a
+    later rank was dropped by Python's max, and the logged max was a finite one the single-rank step never reports."""
+    from rlsys.training_step import StatsAccumulator
+
+    nan = float("nan")
+    parts = [[4, 0.4, 0.2, 0.01], [3, nan, nan, nan]]
+    for ordered in (parts, parts[::-1]):
+        merged = LogprobCheck.merged(ordered)
+        assert np.isnan(merged["alarms/logprob_abs_diff_max"]) and merged["alarms/logprob_tokens"] == 7
+        stats = StatsAccumulator.merge([{"importance_weight_max": p[2], "loss": p[1]} for p in ordered])
+        assert np.isnan(stats["importance_weight_max"]), stats
+    assert LogprobCheck.merged([[4, 0.4, 0.2, 0.01], [3, 0.9, 0.5, 0.0]])["alarms/logprob_abs_diff_max"] == 0.5
+    assert StatsAccumulator.merge([{"x_max": 0.2}, {"x_max": 0.5}, {"x_max": 0.1}]) == {"x_max": 0.5}
+
+
 def test_logprob_mismatch_warns_or_stops_above_the_threshold(caplog):
     stats = {"alarms/logprob_abs_diff_mean": 0.6, "alarms/logprob_abs_diff_max": 2.0, "alarms/logprob_kl": 0.3}
     with caplog.at_level(logging.WARNING):
