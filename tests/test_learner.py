@@ -375,6 +375,29 @@ def test_shared_prefixes_give_the_loss_and_gradients_of_unshared_rows(tmp_path, 
     assert any(g.abs().max() > 1e-3 for g in reference_grads.values())
 
 
+def test_sequences_with_no_untrained_prefix_are_balanced_over_the_ranks(tmp_path):
+    """A sequence whose first trained token is its first or second has no prefix to share. With shared prefixes on
+    (packed rows on a CPU), every such sequence had the empty prefix's id, one group that went to one rank whole: the
+    other ranks computed nothing."""
+    from rlsys.algorithms.batch import sequence_batch
+    from rlsys.distributed import Ranks
+
+    learner = Learner(learner_config(tmp_path), InProcessBus(), tmp_path / "run")
+    assert learner.share_prefixes
+    learner.ranks = Ranks(0, 2)  # shares() reads only how many ranks there are
+    batch = sequence_batch([Trajectory(token_ids=[4 + i] + [10] * (3 + i % 3), loss_mask=[0] + [1] * (3 + i % 3),
+                                       logprobs=[0.0] + [-1.0] * (3 + i % 3), versions=[-1] + [0] * (3 + i % 3),
+                                       turn_ends=[4 + i % 3], turn_rewards=[1.0], reward=1.0, group_id="g",
+                                       stop_reason="stop") for i in range(6)])
+    assert batch.prefix_lengths == [0] * 6
+    parts = learner.shares(batch)
+    assert sorted(i for part in parts for i in part) == list(range(6))
+    assert [sum(batch.lengths[i] for i in part) for part in parts] == [15, 15]
+    # sequences that do share a prompt still go to one rank together, so that it is computed once
+    shared = sequence_batch([trajectory(learner.model, GOOD, 1.0), trajectory(learner.model, BAD, 0.0)] * 2)
+    assert sorted(map(len, learner.shares(shared))) == [0, 4]
+
+
 @pytest.mark.parametrize("ppo", [
     {"loss_agg_mode": "token-mean"},
     {"loss_agg_mode": "seq-mean-token-mean", "decoupled_loss": True, "dual_clip": 3.0, "max_tokens_per_micro_batch": 64},

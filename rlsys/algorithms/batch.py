@@ -174,9 +174,11 @@ def sequence_batch(trajectories: list[Trajectory]) -> SequenceBatch:
     token_ids = np.fromiter(chain.from_iterable(islice(t.token_ids, n) for t, n in zip(trajectories, lengths)),
                             dtype=np.int64, count=sum(lengths))
     prefix_lengths = [max(min(untrained_prefix(t), n - 1), 0) for t, n in zip(trajectories, lengths)]
-    prefixes: dict[tuple[int, ...], int] = {}
-    prefix_ids = [prefixes.setdefault(tuple(islice(t.token_ids, k)), len(prefixes))
-                  for t, k in zip(trajectories, prefix_lengths)]
+    # A sequence with no untrained prefix shares nothing: an id of its own (keyed by its place), not one empty
+    # prefix's for all such sequences, which would keep them together (on one learner rank: PolicyTrainer.shares).
+    prefixes: dict[tuple[int, ...] | int, int] = {}
+    prefix_ids = [prefixes.setdefault(tuple(islice(t.token_ids, k)) if k else i, len(prefixes))
+                  for i, (t, k) in enumerate(zip(trajectories, prefix_lengths))]
     batch = SequenceBatch(torch.from_numpy(token_ids), lengths, prefix_ids=prefix_ids, prefix_lengths=prefix_lengths)
 
     def shifted(values_of, fill, dtype) -> torch.Tensor:
