@@ -49,10 +49,11 @@ def refuse_unapplied_turn_discount(config) -> None:
 
 
 def rollout_inactive_settings(config, turns_key: str) -> dict[str, tuple[bool, str, str]]:
-    """The rollout strategy and turn_discount where the episodes make them do nothing (an `inactive_settings` table):
-    greedy rollouts never branch nor split an episode into its turns (MultiTurnAgent), an episode of one turn
-    (`turns_key`: the experiment's num_turns or max_turns) has no second turn to branch at, train apart or discount,
-    and a tree of depth 0 or of one branch per node is a chain."""
+    """The rollout strategy, turn_discount and GiGPO's step discount where the episodes make them do nothing (an
+    `inactive_settings` table): greedy rollouts never branch nor split an episode into its turns (MultiTurnAgent), an
+    episode of one turn (`turns_key`: the experiment's num_turns or max_turns) has no second turn to branch at, train
+    apart or discount, a sample of one turn (single_turn_samples) none either, and a tree of depth 0 or of one branch
+    per node is a chain."""
     turns, rollout = getattr(config, turns_key), config.rollout
     sampled = (config.gen.temperature > 0, "with gen.temperature=0 (greedy rollouts neither branch nor split into "
                                            "turns)", "give gen.temperature above 0")
@@ -61,8 +62,12 @@ def rollout_inactive_settings(config, turns_key: str) -> dict[str, tuple[bool, s
             "set rollout.tree_branching to 2 or more")
     deep = (rollout.tree_depth > 0, "with rollout.tree_depth=0 (no turn branches)",
             "set rollout.tree_depth to 1 or more")
+    whole = (not rollout.single_turn_samples, "with rollout.single_turn_samples=true (each sample is one turn, whose "
+             "step return is its own reward)", "leave rollout.single_turn_samples false")
     return {"rollout.mode": first_inactive(sampled, several, wide, deep),
-            "rollout.single_turn_samples": first_inactive(sampled, several), "turn_discount": several}
+            "rollout.single_turn_samples": first_inactive(sampled, several), "turn_discount": several,
+            # GiGPO discounts a step's return over the later turns of its trajectory: there are none to discount
+            "ppo.gigpo_step_gamma": first_inactive(several, whole)}
 
 
 def first_inactive(*conditions: tuple[bool, str, str]) -> tuple[bool, str, str]:

@@ -73,6 +73,11 @@ GROUP_REFUSED = [  # (overrides, what the message must say)
      "rollout.mode=tree does nothing with rollout.tree_branching=1"),
     (["experiment=async-ppo-math-multi-turn", "num_turns=1", "turn_discount=0.3"],
      "turn_discount=0.3 does nothing with num_turns=1"),
+    # GiGPO's step return of a sample of one turn is that turn's reward: nothing to discount
+    (["experiment=async-ppo-frozen-lake", "ppo.adv_estimator=gigpo", "rollout.single_turn_samples=true",
+      "ppo.gigpo_step_gamma=0.5"], "ppo.gigpo_step_gamma=0.5 does nothing with rollout.single_turn_samples=true"),
+    (["experiment=async-ppo-sokoban", "ppo.adv_estimator=gigpo", "max_turns=1", "ppo.gigpo_step_gamma=0.5"],
+     "ppo.gigpo_step_gamma=0.5 does nothing with max_turns=1"),
     (["experiment=async-ppo-math-tools", "tools=[calculator]", "sandbox.memory_mb=64"],
      "sandbox.memory_mb=64 does nothing without the python tool (tools=['calculator']); add python to tools"),
     (["experiment=async-ppo-math-tools", "tools=[calculator]", "python_persistent=false"],
@@ -108,6 +113,7 @@ def test_a_setting_the_rest_of_its_group_makes_do_nothing_is_refused(overrides, 
     ["experiment=async-ppo-math-multi-turn", "rollout.single_turn_samples=true", "ppo.adv_estimator=reinforce"],
     ["experiment=async-ppo-math-multi-turn", "num_turns=1"],  # the experiment's own turn_discount is no request
     ["experiment=async-ppo-frozen-lake", "max_turns=2", "turn_discount=0.9", "rollout.mode=tree"],
+    ["experiment=async-ppo-frozen-lake", "ppo.adv_estimator=gigpo", "ppo.gigpo_step_gamma=0.5"],
     ["experiment=async-ppo-math-tools", "sandbox.memory_mb=64", "python_persistent=false",
      "sandbox.allow_unconfined=true"],
     ["experiment=async-ppo-math-tools", "dataset.system_prompt=Be brief."],  # the instructions join it
