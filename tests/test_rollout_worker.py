@@ -121,9 +121,8 @@ class OwnReasonExperiment(AsyncPPOMATHConfig):
         return AgentAbstraction("own-reason", {})
 
 
-def test_an_episode_failed_with_an_unknown_reason_is_counted_as_an_agent_error_naming_it(tmp_path, caplog):
-    """Not a ValueError out of the episode's task, leaving the prompt in flight and its gate slot taken for good."""
-    config = OwnReasonExperiment()
+def after_one_training_episode(config, tmp_path) -> RolloutWorker:
+    """A rollout worker of `config` (a random tiny model) that has admitted and run one training episode."""
     config.model.path = str(save_random_tiny_model(tmp_path / "model"))
     config.logging_dir = str(tmp_path / "logs")
     worker = RolloutWorker(config, InProcessBus(), 0)
@@ -132,6 +131,12 @@ def test_an_episode_failed_with_an_unknown_reason_is_counted_as_an_agent_error_n
         await worker.run_training_episode(await worker.admit(iter([Prompt("train-0-0", [1, 2], {})])))
 
     asyncio.run(main())
+    return worker
+
+
+def test_an_episode_failed_with_an_unknown_reason_is_counted_as_an_agent_error_naming_it(tmp_path, caplog):
+    """Not a ValueError out of the episode's task, leaving the prompt in flight and its gate slot taken for good."""
+    worker = after_one_training_episode(OwnReasonExperiment(), tmp_path)
     counts = worker.ledger.counts()
     assert counts["failed"] == {"agent_error": 1} and counts["in_flight"] == 0 and worker.ledger.slots_taken() == 0
     assert worker.failures == {"agent_error": 1}
@@ -164,15 +169,7 @@ class UnmadeEnvExperiment(CancelledWithinExperiment):
 
 def test_an_environment_whose_constructor_raises_fails_its_episode_as_an_env_error(tmp_path, caplog):
     """Counted as the agent's error, it sent the user looking at the wrong plugin."""
-    config = UnmadeEnvExperiment()
-    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
-    config.logging_dir = str(tmp_path / "logs")
-    worker = RolloutWorker(config, InProcessBus(), 0)
-
-    async def main():
-        await worker.run_training_episode(await worker.admit(iter([Prompt("train-0-0", [1, 2], {})])))
-
-    asyncio.run(main())
+    worker = after_one_training_episode(UnmadeEnvExperiment(), tmp_path)
     counts = worker.ledger.counts()
     assert counts["failed"] == {"env_error": 1} and counts["in_flight"] == 0 and worker.failures == {"env_error": 1}
     assert "the environment's constructor raised FileNotFoundError: reward_model.bin" in caplog.text
