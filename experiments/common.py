@@ -227,7 +227,8 @@ class PPOHyperparameters:
     max_tokens_per_micro_batch: int = 0
     """Token budget of one forward/backward pass; micro-batches accumulate into one optimizer step per mini-batch.
     0: by the learner's device, 2048 on a CPU, 16384 on a GPU (verl's default per GPU), where each pass costs
-    launches whatever its size (BENCHMARKS.md, "Learner against a plain training loop on the same batch")."""
+    launches whatever its size (BENCHMARKS.md, "Learner against a plain training loop on the same batch"). A
+    sequence longer than the budget gets a pass of its own, over it."""
     skip_zero_advantage: str = "auto"
     """auto: where the loss is the policy term alone (no KL, entropy or value term), a sequence whose trained tokens
     all have advantage 0 (a GRPO group whose samples got one reward) is not computed, in the update's passes or in
