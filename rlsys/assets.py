@@ -38,13 +38,18 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
             check_env_names(rows, config, path)
         except ValueError as e:
             raise AssetError(str(e)) from None
+    given_model = bool(config.model.path) and not config.resume_from_checkpoint
     if config.resume_from_checkpoint:
         check_resumable(config.resume_from_checkpoint)
         config.model.path = resumed_model_path(config.resume_from_checkpoint)
     elif not config.model.path:
         directory = tiny_model_dir(config.model, config.seed, rows_key(train_rows, eval_rows), warm_start_key(config))
         if not (directory / "config.json").exists():
-            from rlsys.model.tiny import prepare_tiny_model  # torch and transformers' models: only to build one
+            from rlsys.model.tiny import MAX_POSITIONS, prepare_tiny_model  # torch and transformers' models: only
+            from rlsys.model.tokenizer import build_char_tokenizer  # to build one
+
+            check_prompt_lengths(config, build_char_tokenizer(), MAX_POSITIONS, "the tiny model's",
+                                 {data.path: train_rows, data.eval_path: eval_rows})
 
             examples = functools.partial(config.warm_start_examples, train_rows=train_rows, eval_rows=eval_rows)
             prepare_tiny_model(
@@ -58,6 +63,36 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
     if not (Path(config.model.path) / "config.json").exists():
         raise AssetError(f"model.path {config.model.path!r} is not an HF checkpoint directory (no config.json); "
                          "give a directory written by save_pretrained, or leave model.path empty for the tiny model")
+    positions = (_model_config(config.model.path) or {}).get("max_position_embeddings")
+    if given_model and (positions or config.inference.max_model_len):  # a resumed run's rows were checked at its start
+        from rlsys.model.tokenizer import load_tokenizer  # the agents load it next (launcher.check_plugins)
+
+        check_prompt_lengths(config, load_tokenizer(config.model.path), positions, "the model's",
+                             {data.path: train_rows, data.eval_path: eval_rows})
+
+
+def check_prompt_lengths(config, tokenizer, positions: int | None, whose: str, rows_at: dict[str, list[dict]]) -> None:
+    """AssetError naming the file, row and field of the first prompt, as the rollout worker sends it (chat template,
+    system prompt and template included), that leaves no room for an answer within the context inference gives
+    (inference.max_model_len, else the model's positions): the engine would refuse every episode of it, after the
+    roles, and a warm start, took minutes to start."""
+    from rlsys.model.tokenizer import row_prompt_ids
+
+    configured = config.inference.max_model_len
+    limit = configured or positions
+    context = f"inference.max_model_len={configured}" if configured else f"{whose} context of {limit} positions"
+    longer = configured and (positions is None or configured < positions)  # what raising max_model_len would give
+    for path, rows in rows_at.items():
+        for number, row in enumerate(rows, 1):
+            try:
+                length = len(row_prompt_ids(tokenizer, row))
+            except ValueError as e:  # a tokenizer without a chat template, one that refuses these messages
+                raise AssetError(f"{path}: row {number}: the prompt cannot be sent to the model: {e}") from None
+            if length >= limit:
+                raise AssetError(f"{path}: row {number}: field {config.dataset.prompt_key!r} is a prompt of {length} "
+                                 f"tokens as the model is sent it, and {context} leaves room for at most {limit - 1} "
+                                 "(one more for the answer): shorten or drop the row"
+                                 + (", or raise inference.max_model_len" if longer else ""))
 
 
 def check_resumable(checkpoint: str) -> None:

@@ -262,6 +262,39 @@ def test_a_malformed_dataset_stops_the_run_naming_line_and_field(tmp_path):
     assert left_behind(tmp_path, existing) == []
 
 
+def test_a_prompt_longer_than_the_models_context_stops_the_run_before_a_warm_start(tmp_path, monkeypatch):
+    """The engine refuses a prompt that leaves no room for an answer: every episode of its row failed, after the
+    warm start and the roles' start took minutes. Counted as the rollout worker sends it, chat template included."""
+    from rlsys.assets import AssetError, prepare_assets
+    from rlsys.model import tiny
+
+    built = []
+    monkeypatch.setattr(tiny, "prepare_tiny_model", lambda *args, **kwargs: built.append(args))
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text(f"{GOOD_ROW}\n{json.dumps({'prompt': '1+' * 300 + '1=', 'answer': '301'})}\n")
+    held_out.write_text(f"{GOOD_ROW}\n")
+    config = AsyncPPOMATHConfig()
+    config.dataset.path, config.dataset.eval_path = str(train), str(held_out)
+    config.model.cache_dir = str(tmp_path / "cache")
+    with pytest.raises(AssetError, match=r"train.jsonl: row 2: field 'prompt' is a prompt of 605 tokens as the model "
+                                         r"is sent it, and the tiny model's context of 512 positions leaves room for "
+                                         r"at most 511 \(one more for the answer\): shorten or drop the row$"):
+        prepare_assets(config)
+    assert built == []  # no warm start
+    # a model of the user's, within inference.max_model_len: "<|user|>" + the prompt + "<|end|><|assistant|>"
+    model = save_random_tiny_model(tmp_path / "model")
+    held_out.write_text(json.dumps({"prompt": "x" * 60, "answer": "1"}) + "\n")
+    config = AsyncPPOMATHConfig()
+    config.dataset.path, config.dataset.eval_path = str(held_out), str(held_out)
+    config.model.path, config.inference.max_model_len = str(model), 64
+    prepare_assets(config)  # 63 tokens fit, with room for one more
+    held_out.write_text(json.dumps({"prompt": "x" * 61, "answer": "1"}) + "\n")
+    with pytest.raises(AssetError, match=r"eval.jsonl: row 1: field 'prompt' is a prompt of 64 tokens .* "
+                                         r"inference.max_model_len=64 leaves room for at most 63 .*: shorten or drop "
+                                         r"the row, or raise inference.max_model_len$"):
+        prepare_assets(config)
+
+
 def test_a_resume_on_other_training_rows_stops_before_anything_starts(tmp_path):
     """Prompts are named by their row's place: resumed on other rows (here two swapped), a run would skip rows it
     never trained and train others twice."""
