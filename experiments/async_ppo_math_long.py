@@ -13,6 +13,7 @@ from pathlib import Path
 from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.common import DatasetConfig, GenerationHyperparameters, ModelConfig
 from rlsys.api.experiment import register_experiment
+from rlsys.data.dataset import DatasetError
 from rlsys.data.worked_sums import FINAL, generate_worked_sums_dataset, prompt_width, term_range, worked_sum
 from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence, arithmetic_warm_start
 
@@ -71,9 +72,12 @@ class AsyncPPOMathLongConfig(AsyncPPOMATHConfig):
 
         Not the whole working to the letter: RL rewards the final number alone, and a working with a slip in a middle
         line and the right total earns it (BENCHMARKS.md, "The long task's warm start")."""
-        if any("solution" not in rows[0] for rows in (train_rows, eval_rows)):
-            raise ValueError("the warm start teaches each row's working, its `solution` field, which this dataset's "
-                             "rows lack; give model.path, or leave dataset.path empty for the generated sums")
+        for rows, path in ((train_rows, self.dataset.path), (eval_rows, self.dataset.eval_path)):
+            if (lacking := next((n for n, row in enumerate(rows, 1) if not isinstance(row.get("solution"), str)),
+                                None)) is not None:
+                raise DatasetError(f"{path}: row {lacking}: field 'solution' missing or not a string: the warm start "
+                                   "teaches each row's working, its `solution`; give model.path, or leave "
+                                   "dataset.path empty for the generated sums")
         worked = [[{**row, "answer": row["solution"]} for row in rows]  # its messages too, as the run sends them
                   for rows in (train_rows, eval_rows)]
         taught, checks = arithmetic_warm_start(tokenizer, *worked)

@@ -6,7 +6,7 @@ import pytest
 
 from experiments import EXPERIMENTS, AsyncPPOMathLongConfig
 from rlsys.cli import ConfigError, parse_config
-from rlsys.data.dataset import RowFormat, load_rows
+from rlsys.data.dataset import DatasetError, RowFormat, load_rows
 from rlsys.data.worked_sums import generate_worked_sums_dataset, prompt_width, worked_sum
 from rlsys.impl.env.math_answers import check_answer, reference_answer
 from rlsys.assets import tiny_model_dir
@@ -104,6 +104,16 @@ def test_the_long_experiment_is_registered_and_resolves(tmp_path, tokenizer):
     assert "Show your working." in tokenizer.decode(sent) and checks[0].prompt_ids == sent
     sent = row_prompt_ids(tokenizer, load_rows(train, with_system)[0])
     assert taught[0].token_ids[:len(sent)] == sent
+    # rows of the user's without a working, whichever row it is: named by file, row and field, a DatasetError (the
+    # launcher's StartupError), not a KeyError (or a ValueError) out of the warm start
+    config.dataset.path, config.dataset.eval_path = "mine.jsonl", "held.jsonl"
+    rows = load_rows(train)[:3]
+    for lacking in (0, 2):
+        bare = [{k: v for k, v in row.items() if k != "solution" or i != lacking} for i, row in enumerate(rows)]
+        with pytest.raises(DatasetError, match=rf"^held.jsonl: row {lacking + 1}: field 'solution' missing"):
+            config.warm_start_examples(tokenizer, rows, bare)
+        with pytest.raises(DatasetError, match=rf"^mine.jsonl: row {lacking + 1}: field 'solution' missing"):
+            config.warm_start_examples(tokenizer, bare, rows)
     with pytest.raises(ConfigError, match="min_terms must be at least 2 and at most max_terms"):
         parse_config(["experiment=async-ppo-math-long", "min_terms=9"])
     with pytest.raises(ConfigError, match="gen.max_new_tokens=128 would cut it short: set gen.max_new_tokens="):
