@@ -72,6 +72,9 @@ def test_chat_prompts_system_prompt_and_template_go_through_the_chat_template(tm
     ([{"prompt": [{"role": "user"}], "answer": "1"}], RowFormat(), r"row 1: field 'prompt': message 0 must be an object"),
     ([{"prompt": [], "answer": "1"}], RowFormat(), r"row 1: field 'prompt' must be a string or a non-empty list"),
     ([{"prompt": "p", "answer": ["1"]}], RowFormat(), r"row 1: field 'answer' must be a string or a number, got list"),
+    ([ROWS[0], {**ROWS[1], "question": " \n"}], VERL, r"rows.parquet: row 2: field 'question' is empty$"),
+    ([{"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": " "}], "answer": "1"}], RowFormat(),
+     r"row 1: field 'prompt' is empty \(every message's content is\)"),
 ])
 def test_a_bad_row_names_file_row_and_field(tmp_path, rows, fmt, message):
     with pytest.raises(DatasetError, match=message):

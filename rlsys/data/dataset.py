@@ -245,6 +245,8 @@ def _chat(prompt, where: str) -> list[dict]:
             messages.append({k: v for k, v in message.items() if v is not None})
     else:
         raise DatasetError(f"{where} must be a string or a non-empty list of chat messages, got {type(prompt).__name__}")
+    if not any(message["content"].strip() for message in messages):  # the model would be asked nothing
+        raise DatasetError(f"{where} is empty" + ("" if isinstance(prompt, str) else " (every message's content is)"))
     return messages
 
 
