@@ -91,6 +91,20 @@ def test_json_numbers_come_out_as_the_file_wrote_them(tmp_path, name):
     assert [r["meta"] for r in loaded] == [row["meta"] for row in rows]
 
 
+def test_answers_of_mixed_types_load_beside_a_line_of_spaces(tmp_path):
+    """Numbers and strings in one column send datasets to its fallback reader, which took a line of spaces (an
+    editor's trailing one) for a row and refused the file naming no line; blank lines hold no row."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n  \n"
+                    + json.dumps({"prompt": "x=", "answer": "\\frac{1}{2}", "meta": {"k": 1.5}}) + "\n \n")
+    rows = load_rows(path)
+    assert [(r["prompt"], r["answer"], r.get("meta")) for r in rows] == [("1+1=", "2", None),
+                                                                          ("x=", "\\frac{1}{2}", {"k": 1.5})]
+    path.write_text(path.read_text() + json.dumps({"prompt": "y=", "answer": [1]}) + "\n")
+    with pytest.raises(DatasetError, match=r"rows.jsonl:5: field 'answer' must be a string or a number, got list"):
+        load_rows(path)
+
+
 def test_deeply_nested_json_is_a_clear_error_not_a_recursion_error(tmp_path):
     good = json.dumps({"prompt": "1+1=", "answer": "2"})
     path = tmp_path / "deep.jsonl"

@@ -107,6 +107,10 @@ def _read(path: Path) -> list:
     except Exception as e:  # datasets wraps what pyarrow says: find the line at fault ourselves
         if builder == "json":
             _diagnose_json(path)
+            # Every row a JSON object: what failed is datasets' reader, not the file (its fallback for columns of
+            # mixed types, an answer 5 beside "x", takes a line of spaces for a row). Python's reading keeps the rows
+            # as the file wrote them.
+            return _json_rows(path)
         cause = e.__cause__ or e
         raise DatasetError(f"cannot read dataset {path}: {type(cause).__name__}: {str(cause)[:300]}") from None
 
