@@ -96,6 +96,10 @@ class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
         """The same names set up for evaluation (ROLL's val_env_manager); by default as in training."""
         return self.envs
 
+    def check_rows(self, rows: list[dict], path: str) -> None:
+        """DatasetError naming `path`'s first row this experiment cannot play, checked before any warm start; every
+        row load_rows accepts has a prompt and an answer, all a math episode needs."""
+
     def generate_dataset(self, data_dir: Path) -> tuple[Path, Path]:
         """(train, held-out) JSONL written under `data_dir` when dataset.path is empty: seeded two-digit sums."""
         d = self.dataset

@@ -17,6 +17,7 @@ from experiments.common import DatasetConfig, GenerationHyperparameters, ModelCo
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
 from rlsys.data.dataset import load_rows, write_jsonl
+from rlsys.data.games import check_seeds
 from rlsys.impl.agent.multi_turn import RolloutStrategy
 from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence
 from rlsys.workers.env_per_row import ENV_NAME
@@ -90,6 +91,9 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
     @property
     def agent(self) -> AgentAbstraction:
         return multi_turn_agent(self, "text-game", max_turns=self.max_turns)
+
+    def check_rows(self, rows: list[dict], path: str) -> None:
+        check_seeds(rows, path)
 
     def generate_dataset(self, data_dir: Path) -> tuple[Path, Path]:
         """Each game's own generated rows, tagged with `env_name`, in one train and one held-out file."""

@@ -12,7 +12,7 @@ from experiments.common import DatasetConfig, GenerationHyperparameters, Inferen
     PPOHyperparameters, check_at_least, check_fraction
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction, make_env
-from rlsys.data.games import generate_game_dataset, random_walks
+from rlsys.data.games import check_seeds, generate_game_dataset, random_walks
 from rlsys.impl.agent.math_multi_turn import retry_sequences
 from rlsys.impl.agent.multi_turn import RolloutStrategy
 from rlsys.model.warm_start_examples import AnswerCheck, TaughtSequence
@@ -177,6 +177,9 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
     @property
     def agent(self) -> AgentAbstraction:
         return multi_turn_agent(self, "text-game", max_turns=self.max_turns)
+
+    def check_rows(self, rows: list[dict], path: str) -> None:
+        check_seeds(rows, path)
 
     @property
     def warm_start_settings(self) -> dict:

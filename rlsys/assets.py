@@ -38,6 +38,7 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
             check_env_names(rows, config, path)
         except ValueError as e:
             raise AssetError(str(e)) from None
+        config.check_rows(rows, path)
     given_model = bool(config.model.path) and not config.resume_from_checkpoint
     if config.resume_from_checkpoint:
         check_resumable(config.resume_from_checkpoint)

@@ -12,6 +12,7 @@ from experiments import AsyncPPOMixedGamesConfig
 from rlsys.api import Prompt, Trajectory
 from rlsys.assets import AssetError, prepare_assets
 from rlsys.cli import ConfigError, parse_config
+from rlsys.data.dataset import DatasetError
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.workers.env_per_row import env_for, run_environments, with_env_type_metrics
@@ -62,6 +63,25 @@ def test_a_row_naming_an_unknown_environment_stops_the_run_at_start(tmp_path):
     config.model.cache_dir = str(tmp_path / "cache")
     with pytest.raises(AssetError, match=r"rows.jsonl: row 2: env_name 'sokobam' is not an environment of this "
                                          r"experiment; it has \['frozen-lake', 'sokoban'\]"):
+        prepare_assets(config)
+    assert not (tmp_path / "cache").exists()  # before any model is built
+
+
+@pytest.mark.parametrize("experiment", ["async-ppo-frozen-lake", "async-ppo-webshop", "async-ppo-mixed-games"])
+def test_a_game_row_without_an_integer_seed_stops_the_run_at_start(tmp_path, experiment):
+    """Each row's puzzle (or shop task) is rebuilt from its seed: without one every episode failed at reset, and the
+    warm start's walks raised a KeyError."""
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    good = {"prompt": "x", "answer": "", "seed": 1}
+    train.write_text(json.dumps({**good, "seed": "1"}) + "\n" + json.dumps({**good, "seed": "2"}) + "\n")
+    held_out.write_text(json.dumps(good) + "\n" + json.dumps({"prompt": "x", "answer": ""}) + "\n")
+    config = parse_config([f"experiment={experiment}", f"dataset.path={train}", f"dataset.eval_path={held_out}",
+                           f"model.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(DatasetError, match=r"train.jsonl: row 1: field 'seed' must be an integer, the seed its "
+                                           r"puzzle or task is rebuilt from; got '1'$"):
+        prepare_assets(config)
+    train.write_text(json.dumps(good) + "\n")
+    with pytest.raises(DatasetError, match=r"eval.jsonl: row 2: field 'seed' must be an integer.*; got nothing$"):
         prepare_assets(config)
     assert not (tmp_path / "cache").exists()  # before any model is built
 

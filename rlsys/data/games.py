@@ -42,6 +42,17 @@ def generate_game_dataset(directory: Path, env: TextGameEnv, options: dict, seed
     return train, held_out
 
 
+def check_seeds(rows: list[dict], path: str) -> None:
+    """DatasetError naming the file and row of the first row without an integer `seed`: the environment rebuilds each
+    row's puzzle (or shop task) from it, so every episode of such a row would fail at reset, and the warm start's
+    walks through it raised a KeyError."""
+    for number, row in enumerate(rows, 1):
+        seed = row.get("seed")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise DatasetError(f"{path}: row {number}: field 'seed' must be an integer, the seed its puzzle or task is "
+                               f"rebuilt from; got {'nothing' if seed is None else repr(seed)[:40]}")
+
+
 def valid_moves(game: GridGame) -> list[str]:
     """Moves that change the board and do not lose the game (into a hole), in MOVES order."""
     valid = []
