@@ -91,6 +91,16 @@ def test_json_numbers_come_out_as_the_file_wrote_them(tmp_path, name):
     assert [r["meta"] for r in loaded] == [row["meta"] for row in rows]
 
 
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json"])
+def test_strings_beside_numbers_come_out_as_the_file_wrote_them(tmp_path, name):
+    """A column of numbers and strings sends datasets to its fallback reader, which read the strings that look like
+    numbers as numbers: "007" came out "7", "1e3" "1000.0"."""
+    rows = [{"prompt": "5=", "answer": 5, "code": "0012"}, {"prompt": "7=", "answer": "007", "code": 12},
+            {"prompt": "k=", "answer": "1e3", "code": "3.10"}]
+    loaded = load_rows(write(rows, tmp_path / name))
+    assert [(r["answer"], r["code"]) for r in loaded] == [("5", "0012"), ("007", 12), ("1e3", "3.10")]
+
+
 def test_answers_of_mixed_types_load_beside_a_line_of_spaces(tmp_path):
     """Numbers and strings in one column send datasets to its fallback reader, which took a line of spaces (an
     editor's trailing one) for a row and refused the file naming no line; blank lines hold no row."""

@@ -95,14 +95,14 @@ def _read(path: Path) -> list:
     if builder == "json":
         _check_depth(path)
     try:
-        loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
-        records = loaded.to_list()
-        floating = [field.name for field in loaded.data.schema if _holds_floats(field.type)]
-        if builder == "json" and floating:
-            # pyarrow reads a JSON column of integers and fractions as floats: an answer 5 beside one of 2.5 came out
-            # "5.0", an integer past 2**53 rounded. Python's reading keeps each number as the file wrote it.
+        records = datasets.load_dataset(builder, data_files=str(path), split="train").to_list()
+        if builder == "json":
+            # datasets' readers change what a JSON file wrote: pyarrow reads a column of integers and fractions as
+            # floats (an answer 5 beside one of 2.5 came out "5.0", an integer past 2**53 rounded), and the fallback
+            # for a column of mixed types reads strings as numbers where they look like ones (an answer "007" beside
+            # one of 5 came out "7"). Python's reading keeps each value as the file wrote it.
             for record, raw in zip(records, _json_rows(path), strict=True):
-                record.update((name, raw.get(name)) for name in floating)
+                record.update((name, raw.get(name)) for name in record)
         return records
     except Exception as e:  # datasets wraps what pyarrow says: find the line at fault ourselves
         if builder == "json":
@@ -121,19 +121,6 @@ def _json_rows(path: Path) -> list:
     if path.suffix == ".json":
         return json.loads(data)
     return [json.loads(line) for line in data.splitlines() if line.strip()]
-
-
-def _holds_floats(arrow_type) -> bool:
-    """Whether a column of this pyarrow type has floats in it, nested ones included."""
-    import pyarrow as pa
-
-    if pa.types.is_floating(arrow_type):
-        return True
-    if pa.types.is_struct(arrow_type):
-        return any(_holds_floats(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
-    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
-        return _holds_floats(arrow_type.value_type)
-    return False
 
 
 MAX_DEPTH = 64  # pyarrow's JSON reader crashes the process (stack overflow) on rows nested ~100,000 deep
