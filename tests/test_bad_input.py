@@ -135,6 +135,10 @@ GOOD_ROW = json.dumps({"prompt": "1+1=", "answer": "2"})
     ("\n   \n\n", r"has no rows"),
     (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", r":1: not UTF-8 text|:1: not valid JSON"),
     (GOOD_ROW.encode() + b"\n" + bytes(range(128, 256)), r":2: not UTF-8 text \(byte 0"),
+    # readers differ on which value they keep (pyarrow refuses it, Python keeps the last, ujson the first)
+    (f'{GOOD_ROW}\n\n{{"prompt": "2+2=", "answer": "4", "prompt": "3+3="}}\n', r":3: key 'prompt' is given twice"),
+    (f'{GOOD_ROW}\n{{"prompt": "2+2=", "answer": "4", "meta": {{"id": 1, "id": 2}}}}\n',
+     r":2: key 'id' is given twice"),
 ])
 def test_a_malformed_dataset_names_its_line_and_field(tmp_path, content, message):
     path = tmp_path / "data.jsonl"

@@ -101,6 +101,13 @@ def test_strings_beside_numbers_come_out_as_the_file_wrote_them(tmp_path, name):
     assert [(r["answer"], r["code"]) for r in loaded] == [("5", "0012"), ("007", 12), ("1e3", "3.10")]
 
 
+def test_a_key_given_twice_in_a_json_list_is_refused(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text('[{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4", "answer": "5"}]')
+    with pytest.raises(DatasetError, match=r"rows.json: key 'answer' is given twice in one object; keep one"):
+        load_rows(path)  # datasets' reader kept one of them without a word
+
+
 def test_answers_of_mixed_types_load_beside_a_line_of_spaces(tmp_path):
     """Numbers and strings in one column send datasets to its fallback reader, which took a line of spaces (an
     editor's trailing one) for a row and refused the file naming no line; blank lines hold no row."""

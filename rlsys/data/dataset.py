@@ -104,6 +104,8 @@ def _read(path: Path) -> list:
             for record, raw in zip(records, _json_rows(path), strict=True):
                 record.update((name, raw.get(name)) for name in record)
         return records
+    except DatasetError:
+        raise
     except Exception as e:  # datasets wraps what pyarrow says: find the line at fault ourselves
         if builder == "json":
             _diagnose_json(path)
@@ -116,11 +118,23 @@ def _read(path: Path) -> list:
 
 
 def _json_rows(path: Path) -> list:
-    """The rows of a JSON file (a list) or a JSONL file (an object a line; blank lines hold none), read by Python."""
+    """The rows of a JSON file (a list) or a JSONL file (an object a line; blank lines hold none), read by Python;
+    DatasetError naming the line of an object that gives a key twice (readers differ on which value they keep)."""
     data = path.read_bytes()
     if path.suffix == ".json":
-        return json.loads(data)
-    return [json.loads(line) for line in data.splitlines() if line.strip()]
+        return _json_value(data, str(path))
+    return [_json_value(line, f"{path}:{number}") for number, line in enumerate(data.splitlines(), start=1)
+            if line.strip()]
+
+
+def _json_value(text: bytes, where: str):
+    def unique(pairs: list[tuple]) -> dict:
+        keys = [key for key, _ in pairs]
+        if twice := next((key for key in keys if keys.count(key) > 1), None):
+            raise DatasetError(f"{where}: key {twice!r} is given twice in one object; keep one")
+        return dict(pairs)
+
+    return json.loads(text, object_pairs_hook=unique)
 
 
 MAX_DEPTH = 64  # pyarrow's JSON reader crashes the process (stack overflow) on rows nested ~100,000 deep
