@@ -101,6 +101,19 @@ def test_strings_beside_numbers_come_out_as_the_file_wrote_them(tmp_path, name):
     assert [(r["answer"], r["code"]) for r in loaded] == [("5", "0012"), ("007", 12), ("1e3", "3.10")]
 
 
+def test_a_json_file_of_json_lines_loads_as_datasets_reads_it(tmp_path):
+    """datasets reads a .json file that holds an object a line as JSON lines; so must the rest of the reading (the
+    numbers as the file wrote them, the line of a bad row), not take it for one document that is not valid JSON."""
+    rows = [{"prompt": "5/2=", "answer": 2.5}, {"prompt": "2+2=", "answer": 4, "meta": {"k": "007"}}]
+    jsonl = write(rows, tmp_path / "rows.jsonl")
+    (tmp_path / "rows.json").write_text(jsonl.read_text())
+    assert load_rows(tmp_path / "rows.json") == load_rows(jsonl)
+    assert [r["answer"] for r in load_rows(tmp_path / "rows.json")] == ["2.5", "4"]
+    (tmp_path / "rows.json").write_text(jsonl.read_text() + '{"prompt": "x", "answer": \n')
+    with pytest.raises(DatasetError, match=r"rows.json:3: not valid JSON"):
+        load_rows(tmp_path / "rows.json")
+
+
 def test_a_key_given_twice_in_a_json_list_is_refused(tmp_path):
     path = tmp_path / "rows.json"
     path.write_text('[{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4", "answer": "5"}]')

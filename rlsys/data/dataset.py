@@ -121,7 +121,7 @@ def _json_rows(path: Path) -> list:
     """The rows of a JSON file (a list) or a JSONL file (an object a line; blank lines hold none), read by Python;
     DatasetError naming the line of an object that gives a key twice (readers differ on which value they keep)."""
     data = path.read_bytes()
-    if path.suffix == ".json":
+    if not _is_json_lines(path, data):
         return _json_value(data, str(path))
     return [_json_value(line, f"{path}:{number}") for number, line in enumerate(data.splitlines(), start=1)
             if line.strip()]
@@ -137,6 +137,12 @@ def _json_value(text: bytes, where: str):
     return json.loads(text, object_pairs_hook=unique)
 
 
+def _is_json_lines(path: Path, data: bytes) -> bool:
+    """Whether the file holds a JSON object a line, as datasets reads it: a .jsonl file, or a .json file that starts
+    with an object (a JSON document is a list of them)."""
+    return path.suffix == ".jsonl" or data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
+
+
 MAX_DEPTH = 64  # pyarrow's JSON reader crashes the process (stack overflow) on rows nested ~100,000 deep
 
 
@@ -144,11 +150,12 @@ def _check_depth(path: Path) -> None:
     """Refuses JSON nested deeper than MAX_DEPTH before pyarrow reads it. Only lines (or a .json file) with
     that many brackets are parsed here, so an ordinary file costs two byte counts per line."""
     data = path.read_bytes()
-    lines = [data] if path.suffix == ".json" else data.splitlines()
+    one_per_line = _is_json_lines(path, data)
+    lines = data.splitlines() if one_per_line else [data]
     for number, line in enumerate(lines, start=1):
         if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
             continue
-        where = f"{path}:{number}" if path.suffix == ".jsonl" else str(path)
+        where = f"{path}:{number}" if one_per_line else str(path)
         try:
             value = json.loads(line)
         except RecursionError:
@@ -175,11 +182,12 @@ def _diagnose_json(path: Path) -> None:
     """Raises a DatasetError naming the first line of a JSONL file that is not a JSON object (or the JSON
     file's own fault); returns if it finds none."""
     data = path.read_bytes()
-    lines = [data] if path.suffix == ".json" else data.splitlines()
+    one_per_line = _is_json_lines(path, data)
+    lines = data.splitlines() if one_per_line else [data]
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        where = f"{path}:{number}" if path.suffix == ".jsonl" else str(path)
+        where = f"{path}:{number}" if one_per_line else str(path)
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -190,7 +198,7 @@ def _diagnose_json(path: Path) -> None:
             raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         except RecursionError:
             raise DatasetError(f"{where}: JSON nested too deeply to read") from None
-        expected = list if path.suffix == ".json" else dict
+        expected = dict if one_per_line else list
         if not isinstance(value, expected) or (expected is list and not all(isinstance(v, dict) for v in value)):
             shape = "a list of JSON objects (or one object per line, .jsonl)" if expected is list else "a JSON object"
             raise DatasetError(f"{where}: expected {shape}, got {type(value).__name__}")
