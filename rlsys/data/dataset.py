@@ -86,8 +86,8 @@ def _read(path: Path) -> list:
         return loaded.to_list()
     if not path.exists():
         raise DatasetError(f"cannot read dataset {path}: no such file; give {FORMATS}")
-    if path.suffix in (".jsonl", ".json") and not path.read_bytes().strip():
-        return []  # datasets reads an empty file as an error about its schema
+    if path.suffix in (".jsonl", ".json") and not path.read_bytes().replace(b"null", b"").strip():
+        return []  # datasets reads an empty file as an error about its schema, and one of nulls crashes the process
     builder = SUFFIXES.get(path.suffix)
     if builder is None:
         raise DatasetError(f"dataset {path}: unknown suffix {path.suffix!r}; give {FORMATS} "
