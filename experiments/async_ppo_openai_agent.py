@@ -10,6 +10,7 @@ from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.common import check_at_least
 from rlsys.api.experiment import register_experiment
 from rlsys.api import AgentAbstraction
+from rlsys.data.dataset import DatasetError
 
 
 @dataclass
@@ -30,6 +31,16 @@ class AsyncPPOOpenAIAgentConfig(AsyncPPOMATHConfig):
         return {**super().inactive_settings(), "dataset.system_prompt": (
             False, "with the openai-agent (agent_function gets the prompt's text alone and writes its own messages)",
             "put the system message in agent_function's messages")}
+
+    def check_rows(self, rows: list[dict], path: str) -> None:
+        """A row of several chat messages would reach agent_function as its last user message alone."""
+        agents = {None: self.agent, **self.agents}
+        for number, row in enumerate(rows, 1):
+            if "messages" in row and agents[row.get("agent_name")].name == "openai-agent":
+                raise DatasetError(f"{path}: row {number}: field {self.dataset.prompt_key!r} is a chat of "
+                                   f"{len(row['messages'])} messages, and agent_function is given the text of its "
+                                   "last user message alone: give the prompt as text, or send the rest from "
+                                   "agent_function")
 
     def __post_init__(self):
         super().__post_init__()

@@ -301,6 +301,23 @@ def test_a_prompt_longer_than_the_models_context_stops_the_run_before_a_warm_sta
         prepare_assets(config)
 
 
+def test_a_chat_row_the_openai_agent_would_cut_to_its_last_message_stops_the_run_at_start(tmp_path):
+    """agent_function(base_url, api_key, prompt) is given the prompt's text: the row's last user message. A system
+    message or earlier turns never reached the model, though the warm start taught them."""
+    from rlsys.assets import prepare_assets
+
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    chat = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "2+2="}]
+    train.write_text(f"{GOOD_ROW}\n{json.dumps({'prompt': [chat[1]], 'answer': '4'})}\n")  # one user message: text
+    held_out.write_text(f"{GOOD_ROW}\n{json.dumps({'prompt': chat, 'answer': '4'})}\n")
+    config = parse_config(["experiment=async-ppo-openai-agent", f"dataset.path={train}",
+                           f"dataset.eval_path={held_out}", f"model.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(DatasetError, match=r"eval.jsonl: row 2: field 'prompt' is a chat of 2 messages, and "
+                                           r"agent_function is given the text of its last user message alone"):
+        prepare_assets(config)
+    assert not (tmp_path / "cache").exists()  # before any model is built
+
+
 def test_a_resume_on_other_training_rows_stops_before_anything_starts(tmp_path):
     """Prompts are named by their row's place: resumed on other rows (here two swapped), a run would skip rows it
     never trained and train others twice."""
