@@ -517,7 +517,8 @@ def test_unconfined_the_work_directory_goes_whatever_permissions_the_program_lef
     assert output[1].strip() == "ok []", output
 
 
-OOM_SCORE = "import subprocess\nprint(subprocess.run(['cat', '/proc/self/oom_score_adj'], capture_output=True).stdout)\n"
+OOM_SCORE = ("import subprocess\n"
+             "print(subprocess.run(['cat', '/proc/self/oom_score_adj'], capture_output=True).stdout)\n")
 
 
 def test_the_sandbox_is_the_oom_killer_s_first_pick_not_the_trainer():
