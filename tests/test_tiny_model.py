@@ -186,6 +186,23 @@ def test_a_warm_start_on_fewer_examples_than_its_batch_takes_all_of_them_each_st
     assert [sorted(e.token_ids[-1] for e in batch) for batch in batches] == [[8, 9, 10]] * 2
 
 
+def test_a_warm_start_that_ends_between_checks_reports_its_last_step_s_model(monkeypatch):
+    """max_steps=5 with a check every 2 steps: the model saved is step 5's, and its accuracy is the one returned (it
+    was step 4's check)."""
+    from rlsys.model import tiny
+    from rlsys.model.tiny import WarmStartStop, warm_start
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1), tokenizer, 0)
+    steps, checked = [], []
+    monkeypatch.setattr(tiny, "supervised_backward", lambda m, t, examples: steps.append(len(steps) + 1))
+    monkeypatch.setattr(tiny, "greedy_accuracy", lambda *a, **k: checked.append(len(steps)) or len(steps) / 10)
+    taught = [TaughtSequence([5, 6, 7, 8], [0, 0, 1, 1])] * 4
+    assert warm_start(model, tokenizer, taught, [], WarmStartStop(0.9), seed=0, max_steps=5, eval_every=2,
+                      batch_size=2) == (0.5, None)
+    assert checked == [2, 4, 5]
+
+
 def test_the_reach_and_what_it_is_sampled_with_are_part_of_the_cached_model_key(tmp_path):
     from rlsys.assets import warm_start_key
 

@@ -145,7 +145,7 @@ def warm_start(model, tokenizer, train_examples, eval_examples, stop: WarmStartS
         optimizer.zero_grad()
         supervised_backward(model, tokenizer, rng.sample(train_examples, batch_size))
         optimizer.step()
-        if step % eval_every == 0:
+        if step % eval_every == 0 or step == max_steps:  # the last step's model is the one saved: its figures
             accuracy = greedy_accuracy(model, tokenizer, eval_examples)
             # Sampled only once greedy answers are enough; None otherwise, not an earlier check's figure.
             reach = (sampled_reach(model, tokenizer, eval_examples, stop.samples, stop.temperature, seed)
