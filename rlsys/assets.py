@@ -31,6 +31,10 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
     agent_names = list(config.agents)
     train_rows = load_rows(data.path, data.row_format(), agent_names)
     eval_rows = load_rows(data.eval_path, data.row_format(), agent_names)
+    trained = set(map(_row_key, train_rows))
+    if leaked := sum(_row_key(row) in trained for row in eval_rows):  # a user's split; the generated ones are disjoint
+        log(f"warning: {leaked} of the {len(eval_rows)} held-out rows ({data.eval_path}) are also training rows "
+            f"({data.path}): held-out accuracy counts them as if unseen")
     if len(train_rows) < config.cluster.n_rollout_workers:  # refused here, not by rollout workers that die at start
         raise AssetError(f"dataset {data.path}: {no_share(len(train_rows), config.cluster.n_rollout_workers)}")
     for rows, path in ((train_rows, data.path), (eval_rows, data.eval_path)):
@@ -94,6 +98,11 @@ def check_prompt_lengths(config, tokenizer, positions: int | None, whose: str, r
                                  f"tokens as the model is sent it, and {context} leaves room for at most {limit - 1} "
                                  "(one more for the answer): shorten or drop the row"
                                  + (", or raise inference.max_model_len" if longer else ""))
+
+
+def _row_key(row: dict) -> str:
+    """A row as text: rows equal in every field (prompt, answer, a game's seed) are the same problem."""
+    return json.dumps(row, sort_keys=True, default=str)
 
 
 def check_resumable(checkpoint: str) -> None:

@@ -366,6 +366,23 @@ def test_a_run_with_fewer_training_rows_than_rollout_workers_stops_at_start(tmp_
         prepare_assets(config)
 
 
+def test_held_out_rows_that_are_also_training_rows_are_named_at_start(tmp_path):
+    """Held-out accuracy over rows the run trains on measures memory, not generalisation: nothing said so."""
+    lines = []
+    config = AsyncPPOMATHConfig()
+    config.dataset.path = write_rows(tmp_path / "train.jsonl", [1, 2, 3, 4])
+    config.dataset.eval_path = write_rows(tmp_path / "eval.jsonl", [3, 4, 5])
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    prepare_assets(config, log=lines.append)
+    assert [line for line in lines if line.startswith("warning:")] == [
+        f"warning: 2 of the 3 held-out rows ({config.dataset.eval_path}) are also training rows "
+        f"({config.dataset.path}): held-out accuracy counts them as if unseen"]
+    config.dataset.eval_path = write_rows(tmp_path / "eval.jsonl", [5, 6])
+    lines.clear()
+    prepare_assets(config, log=lines.append)
+    assert not [line for line in lines if line.startswith("warning:")]
+
+
 class FailsOnOddRows(Agent):
     """Solves the even problems and raises on the odd ones."""
 
