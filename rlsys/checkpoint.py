@@ -153,6 +153,12 @@ def saved_in_order(checkpoints_dir: Path) -> list[tuple[Path, dict]]:
     return sorted(((d, states[d]) for d in complete), key=lambda item: (item[1].get("saved_at", 0.0), item[1]["step"]))
 
 
+def identity(state: dict) -> tuple:
+    """A checkpoint's identity from its trainer state: (step, saved_at). A step alone is not one: a run resumed from
+    an earlier step saves that step again, on another line. `lineage` lists the identities a state descends from."""
+    return state["step"], state.get("saved_at")
+
+
 def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
     """The complete checkpoint saved last (`saved_in_order`), or None."""
     ordered = saved_in_order(checkpoints_dir)
@@ -210,8 +216,8 @@ def keep_newest(checkpoints_dir: Path, limit: int) -> list[Path]:
     if not limit or len(ordered) <= limit:
         return []
     newest = ordered[-1][1]
-    line = {tuple(ancestor) for ancestor in newest.get("lineage", [])} | {(newest["step"], newest.get("saved_at"))}
-    on_line = [d for d, state in reversed(ordered) if (state["step"], state.get("saved_at")) in line]
+    line = {tuple(ancestor) for ancestor in newest.get("lineage", [])} | {identity(newest)}
+    on_line = [d for d, state in reversed(ordered) if identity(state) in line]
     off_line = [d for d, _ in reversed(ordered) if d not in on_line]
     doomed = (on_line + off_line)[limit:]
     for directory in doomed:

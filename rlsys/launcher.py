@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rlsys import protocol
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
-from rlsys.checkpoint import latest_checkpoint, read_trainer_state, restore_replaced, saved_in_order
+from rlsys.checkpoint import identity, latest_checkpoint, read_trainer_state, restore_replaced, saved_in_order
 from rlsys.cli import config_to_dict, first_line, registry_name_of, save_config
 from rlsys.console import ProgressReporter
 from rlsys.placement import PlacementError, open_placement
@@ -239,7 +239,7 @@ def check_same_dataset(config, trainer_state: dict) -> None:
 
 def saved_checkpoints(run_dir: Path) -> set[tuple]:
     """(step, saved_at) of each complete checkpoint in the run directory."""
-    return {(state["step"], state.get("saved_at")) for _, state in saved_in_order(run_dir / "checkpoints")}
+    return {identity(state) for _, state in saved_in_order(run_dir / "checkpoints")}
 
 
 def resume_from_latest(config, run_dir: Path, saved_before: set[tuple]) -> dict:
@@ -254,8 +254,7 @@ def resume_from_latest(config, run_dir: Path, saved_before: set[tuple]) -> dict:
     the prompts to skip from the bus (PromptLedger.settled_before): save_total_limit deletes the checkpoint once
     newer ones of its line are saved."""
     restore_replaced(run_dir / "checkpoints")  # every role stopped: no save is under way
-    saved = [d for d, state in saved_in_order(run_dir / "checkpoints")
-             if (state["step"], state.get("saved_at")) not in saved_before]
+    saved = [d for d, state in saved_in_order(run_dir / "checkpoints") if identity(state) not in saved_before]
     latest = (saved[-1] if saved else None) or config.resume_from_checkpoint
     if latest:
         config.resume_from_checkpoint = str(latest)

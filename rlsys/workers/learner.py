@@ -17,8 +17,8 @@ from rlsys.alarms import PROBE, LogprobCheck, check_logprob_mismatch
 from rlsys.algorithms.ppo import AdaptiveKLController
 from rlsys.api import NOT_GENERATED, Trajectory
 from rlsys.api.messages import InvalidMessage, parse_probe_report
-from rlsys.checkpoint import (SHARDED_STATE, keep_newest, load_rng_state, load_sharded_state, read_trainer_state,
-                              remove_leftovers, save_checkpoint)
+from rlsys.checkpoint import (SHARDED_STATE, identity, keep_newest, load_rng_state, load_sharded_state,
+                              read_trainer_state, remove_leftovers, save_checkpoint)
 from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.distributed import Ranks, full_state_dict
 from rlsys.metrics import MetricsLogger
@@ -89,7 +89,7 @@ class Learner(PolicyTrainer):
 
         self.step, self.version = trainer["step"], trainer["version"]
         self.consumed_prompts = trainer["consumed_prompts"]
-        self.lineage = [*trainer.get("lineage", []), [trainer["step"], trainer.get("saved_at")]]
+        self.lineage = [*trainer.get("lineage", []), list(identity(trainer))]
         optimizers = [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
         configured = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
                       for optimizer in optimizers]
@@ -272,7 +272,7 @@ class Learner(PolicyTrainer):
         saved = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.ranks, self.sharded_state(),
                                 self.export, trainer_state)
         if self.ranks.main:  # which alone wrote the trainer state, and keeps the lineage it holds
-            self.lineage = [*self.lineage, [self.step, read_trainer_state(saved)["saved_at"]]]
+            self.lineage = [*self.lineage, list(identity(read_trainer_state(saved)))]
             for deleted in keep_newest(saved.parent, self.config.save_total_limit):
                 log.info("checkpoint %s deleted (save_total_limit=%d)", deleted, self.config.save_total_limit)
         return saved
