@@ -133,8 +133,8 @@ GOOD_ROW = json.dumps({"prompt": "1+1=", "answer": "2"})
     (f"{GOOD_ROW}\n[1, 2]\n", r":2: expected a JSON object, got list"),
     ("", r"has no rows"),
     ("\n   \n\n", r"has no rows"),
-    ("null\n", r"has no rows"),  # datasets' reader crashed the process (a segmentation fault) on a file of nulls
-    ("\nnull\n  null \n", r"has no rows"),
+    ("null\n", r":1: expected a JSON object, got NoneType"),  # datasets' reader crashed the process (a segmentation
+    ("\nnull\n  null \n", r":2: expected a JSON object, got NoneType"),  # fault) on a file of nulls
     (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", r":1: not UTF-8 text|:1: not valid JSON"),
     (GOOD_ROW.encode() + b"\n" + bytes(range(128, 256)), r":2: not UTF-8 text \(byte 0"),
     # readers differ on which value they keep (pyarrow refuses it, Python keeps the last, ujson the first)

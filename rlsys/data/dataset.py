@@ -1,4 +1,4 @@
-"""Prompt datasets as users have them, read with Hugging Face `datasets`, checked row by row.
+"""Prompt datasets as users have them, checked row by row: JSON read by Python, the rest by Hugging Face `datasets`.
 
 A dataset is a JSONL, JSON or Parquet file, or a directory written by `Dataset.save_to_disk`. Each row
 gives a prompt and a reference answer under the keys `RowFormat` names; a dotted key reaches into nested
@@ -12,6 +12,7 @@ so agents and environments read `prompt`/`answer` whatever the file called them,
 renders `messages` (system prompt included) with the tokenizer's chat template.
 """
 
+import codecs
 import hashlib
 import json
 from dataclasses import dataclass
@@ -71,6 +72,17 @@ def _locator(path: Path):
 
 
 def _read(path: Path) -> list:
+    if not path.exists():
+        raise DatasetError(f"cannot read dataset {path}: no such file; give {FORMATS}")
+    builder = SUFFIXES.get(path.suffix)
+    if builder is None and not path.is_dir():
+        raise DatasetError(f"dataset {path}: unknown suffix {path.suffix!r}; give {FORMATS} "
+                           f"(suffixes {sorted(SUFFIXES)})")
+    if builder == "json" and not path.is_dir():
+        # Python reads JSON, not datasets: its readers change what the file wrote (pyarrow read a column of integers
+        # and fractions as floats, an answer 5 beside one of 2.5 coming out "5.0"; the fallback for columns of mixed
+        # types read "007" as 7), and pyarrow crashes the process on a file of nulls or rows nested 100,000 deep.
+        return _json_rows(path)
     import datasets
 
     datasets.disable_progress_bars()
@@ -84,124 +96,57 @@ def _read(path: Path) -> list:
             raise DatasetError(f"dataset {path} holds the splits {sorted(loaded)}; give one of them, "
                                f"e.g. {path / sorted(loaded)[0]}")
         return loaded.to_list()
-    if not path.exists():
-        raise DatasetError(f"cannot read dataset {path}: no such file; give {FORMATS}")
-    if path.suffix in (".jsonl", ".json") and not path.read_bytes().replace(b"null", b"").strip():
-        return []  # datasets reads an empty file as an error about its schema, and one of nulls crashes the process
-    builder = SUFFIXES.get(path.suffix)
-    if builder is None:
-        raise DatasetError(f"dataset {path}: unknown suffix {path.suffix!r}; give {FORMATS} "
-                           f"(suffixes {sorted(SUFFIXES)})")
-    if builder == "json":
-        _check_depth(path)
     try:
-        records = datasets.load_dataset(builder, data_files=str(path), split="train").to_list()
-        if builder == "json":
-            # datasets' readers change what a JSON file wrote: pyarrow reads a column of integers and fractions as
-            # floats (an answer 5 beside one of 2.5 came out "5.0", an integer past 2**53 rounded), and the fallback
-            # for a column of mixed types reads strings as numbers where they look like ones (an answer "007" beside
-            # one of 5 came out "7"). Python's reading keeps each value as the file wrote it.
-            for record, raw in zip(records, _json_rows(path), strict=True):
-                record.update((name, raw.get(name)) for name in record)
-        return records
-    except DatasetError:
-        raise
-    except Exception as e:  # datasets wraps what pyarrow says: find the line at fault ourselves
-        if builder == "json":
-            _diagnose_json(path)
-            # Every row a JSON object: what failed is datasets' reader, not the file (its fallback for columns of
-            # mixed types, an answer 5 beside "x", takes a line of spaces for a row). Python's reading keeps the rows
-            # as the file wrote them.
-            return _json_rows(path)
+        return datasets.load_dataset(builder, data_files=str(path), split="train").to_list()
+    except Exception as e:  # datasets wraps what pyarrow says
         cause = e.__cause__ or e
         raise DatasetError(f"cannot read dataset {path}: {type(cause).__name__}: {str(cause)[:300]}") from None
 
 
-def _json_rows(path: Path) -> list:
-    """The rows of a JSON file (a list) or a JSONL file (an object a line; blank lines hold none), read by Python;
-    DatasetError naming the line of an object that gives a key twice (readers differ on which value they keep)."""
-    data = path.read_bytes()
-    if not _is_json_lines(path, data):
-        return _json_value(data, str(path))
-    return [_json_value(line, f"{path}:{number}") for number, line in enumerate(data.splitlines(), start=1)
-            if line.strip()]
+def _json_rows(path: Path) -> list[dict]:
+    """The rows of a JSON file (a list of objects) or a JSONL file (an object a line; blank lines hold none), as the
+    file wrote them; DatasetError naming the line at fault: not UTF-8, not JSON, not an object, a key given twice."""
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
+    one_per_line = _is_json_lines(path, data)
+    rows = []
+    for number, line in enumerate(data.splitlines() if one_per_line else [data], start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}" if one_per_line else str(path)
+        value = _json_value(line, where)
+        if one_per_line and isinstance(value, dict):
+            rows.append(value)
+        elif not one_per_line and isinstance(value, list) and all(isinstance(v, dict) for v in value):
+            rows = value
+        else:
+            shape = "a JSON object" if one_per_line else "a list of JSON objects (or one object per line, .jsonl)"
+            raise DatasetError(f"{where}: expected {shape}, got {type(value).__name__}")
+    return rows
 
 
-def _json_value(text: bytes, where: str):
+def _json_value(line: bytes, where: str):
     def unique(pairs: list[tuple]) -> dict:
         keys = [key for key, _ in pairs]
         if twice := next((key for key in keys if keys.count(key) > 1), None):
             raise DatasetError(f"{where}: key {twice!r} is given twice in one object; keep one")
         return dict(pairs)
 
-    return json.loads(text, object_pairs_hook=unique)
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{where}: not UTF-8 text (byte {e.start} is {line[e.start:e.start + 1]!r})") from None
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DatasetError(f"{where}: JSON nested too deeply to read") from None
 
 
 def _is_json_lines(path: Path, data: bytes) -> bool:
     """Whether the file holds a JSON object a line, as datasets reads it: a .jsonl file, or a .json file that starts
     with an object (a JSON document is a list of them)."""
     return path.suffix == ".jsonl" or data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
-
-
-MAX_DEPTH = 64  # pyarrow's JSON reader crashes the process (stack overflow) on rows nested ~100,000 deep
-
-
-def _check_depth(path: Path) -> None:
-    """Refuses JSON nested deeper than MAX_DEPTH before pyarrow reads it. Only lines (or a .json file) with
-    that many brackets are parsed here, so an ordinary file costs two byte counts per line."""
-    data = path.read_bytes()
-    one_per_line = _is_json_lines(path, data)
-    lines = data.splitlines() if one_per_line else [data]
-    for number, line in enumerate(lines, start=1):
-        if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
-            continue
-        where = f"{path}:{number}" if one_per_line else str(path)
-        try:
-            value = json.loads(line)
-        except RecursionError:
-            raise DatasetError(f"{where}: JSON nested too deeply to read (more than {MAX_DEPTH} levels)") from None
-        except ValueError:
-            continue  # not JSON at all: _diagnose_json names it
-        depth = _depth(value)
-        if depth > MAX_DEPTH:
-            raise DatasetError(f"{where}: JSON nested too deeply to read ({depth} levels, at most {MAX_DEPTH})")
-
-
-def _depth(value) -> int:
-    """Nesting depth of a parsed JSON value, without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (list, dict)):
-            deepest = max(deepest, depth)
-            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
-    return deepest
-
-
-def _diagnose_json(path: Path) -> None:
-    """Raises a DatasetError naming the first line of a JSONL file that is not a JSON object (or the JSON
-    file's own fault); returns if it finds none."""
-    data = path.read_bytes()
-    one_per_line = _is_json_lines(path, data)
-    lines = data.splitlines() if one_per_line else [data]
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}" if one_per_line else str(path)
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DatasetError(f"{where}: not UTF-8 text (byte {e.start} is {line[e.start:e.start + 1]!r})") from None
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        except RecursionError:
-            raise DatasetError(f"{where}: JSON nested too deeply to read") from None
-        expected = dict if one_per_line else list
-        if not isinstance(value, expected) or (expected is list and not all(isinstance(v, dict) for v in value)):
-            shape = "a list of JSON objects (or one object per line, .jsonl)" if expected is list else "a JSON object"
-            raise DatasetError(f"{where}: expected {shape}, got {type(value).__name__}")
 
 
 def _field(record: dict, key: str, where: str, setting: str):
