@@ -5,7 +5,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from rlsys.data.dataset import load_rows, rows_fingerprint
+from rlsys.data.dataset import load_rows, row_text, rows_fingerprint
 from rlsys.data.prompts import no_share
 from rlsys.placement.cpu_threads import warm_start_threads
 from rlsys.workers.env_per_row import check_env_names
@@ -31,8 +31,8 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
     agent_names = list(config.agents)
     train_rows = load_rows(data.path, data.row_format(), agent_names)
     eval_rows = load_rows(data.eval_path, data.row_format(), agent_names)
-    trained = set(map(_row_key, train_rows))
-    if leaked := sum(_row_key(row) in trained for row in eval_rows):  # a user's split; the generated ones are disjoint
+    trained = set(map(row_text, train_rows))
+    if leaked := sum(row_text(row) in trained for row in eval_rows):  # a user's split; the generated ones are disjoint
         log(f"warning: {leaked} of the {len(eval_rows)} held-out rows ({data.eval_path}) are also training rows "
             f"({data.path}): held-out accuracy counts them as if unseen")
     if len(train_rows) < config.cluster.n_rollout_workers:  # refused here, not by rollout workers that die at start
@@ -98,11 +98,6 @@ def check_prompt_lengths(config, tokenizer, positions: int | None, whose: str, r
                                  f"tokens as the model is sent it, and {context} leaves room for at most {limit - 1} "
                                  "(one more for the answer): shorten or drop the row"
                                  + (", or raise inference.max_model_len" if longer else ""))
-
-
-def _row_key(row: dict) -> str:
-    """A row as text: rows equal in every field (prompt, answer, a game's seed) are the same problem."""
-    return json.dumps(row, sort_keys=True, default=str)
 
 
 def check_resumable(checkpoint: str) -> None:

@@ -57,9 +57,13 @@ def rows_fingerprint(rows: list[dict]) -> str:
     resumed on other rows would skip rows it never trained and train others again: its checkpoint keeps this."""
     digest = hashlib.blake2b(digest_size=16)
     for row in rows:  # GIVEN_PROMPT left out: the formatted prompt follows it, and checkpoints from before it resume
-        row = {k: v for k, v in row.items() if k != GIVEN_PROMPT}
-        digest.update(json.dumps(row, sort_keys=True, default=str).encode() + b"\n")
+        digest.update(row_text({k: v for k, v in row.items() if k != GIVEN_PROMPT}).encode() + b"\n")
     return digest.hexdigest()
+
+
+def row_text(row: dict) -> str:
+    """A row as text, its keys in order: rows equal in every field (prompt, answer, a game's seed) give one text."""
+    return json.dumps(row, sort_keys=True, default=str)
 
 
 def _locator(path: Path):
