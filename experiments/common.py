@@ -709,7 +709,8 @@ class AsyncRLExperimentConfig(BaseExperimentConfig):
     trace: TraceConfig = field(default_factory=TraceConfig)
     alarms: AlarmConfig = field(default_factory=AlarmConfig)
     env_timeout: float = 120.0
-    """Seconds an environment's reset, step or close may take; a longer call fails its episode (env_timeout). 0: no limit."""
+    """Seconds an environment's reset, step or close may take, not counting waits for a sandbox slot other episodes
+    hold; a longer call fails its episode (env_timeout). 0: no limit."""
 
     def __post_init__(self):
         super().__post_init__()

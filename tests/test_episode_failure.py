@@ -6,6 +6,7 @@ import time
 import pytest
 
 from rlsys.api import EnvironmentService
+from rlsys.tools.queue_time import queued_for, within
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
 
 
@@ -49,6 +50,47 @@ def test_a_hanging_env_fails_the_episode_as_env_timeout_after_its_timeout():
         step(guard_env(Env("hang"), timeout=0.3))
     assert failure.value.reason == "env_timeout" and "took longer than 0.3s" in failure.value.detail
     assert 0.3 <= time.monotonic() - start < 2
+
+
+class QueuingEnv(Env):
+    """A step that runs a tool: it waits for a slot other episodes' calls hold (a sandbox slot), then runs `run` s."""
+
+    def __init__(self, slot: asyncio.Semaphore, run: float):
+        super().__init__("fine")
+        self.slot, self.run = slot, run
+
+    async def step(self, action):
+        async def tool():
+            async with queued_for(self.slot):
+                await asyncio.sleep(self.run)
+
+        await within(tool(), 5.0)  # the tool call's own limit, inside the step's
+        return None, 1.0, True, False, {}
+
+
+@pytest.mark.parametrize("run, reason", [(0.1, None), (0.6, "env_timeout")])
+def test_env_timeout_counts_a_steps_run_not_its_wait_for_a_slot_other_episodes_hold(run, reason):
+    """Episodes queued for the sandbox behind others' long calls were failed as env_timeout, their own work quick."""
+    async def main():
+        slot = asyncio.Semaphore(1)
+
+        async def other_episodes_call():
+            async with slot:
+                await asyncio.sleep(0.8)
+
+        other = asyncio.ensure_future(other_episodes_call())
+        await asyncio.sleep(0)
+        try:
+            return await guard_env(QueuingEnv(slot, run), timeout=0.4).step("action")
+        finally:
+            await other
+
+    if reason is None:
+        assert asyncio.run(main()) == (None, 1.0, True, False, {})  # 0.8 s queued, 0.1 s run: within 0.4 s
+    else:
+        with pytest.raises(EpisodeFailed) as failure:
+            asyncio.run(main())
+        assert failure.value.reason == reason and "took longer than 0.4s" in failure.value.detail
 
 
 def test_an_envs_own_timeout_error_is_an_env_error():

@@ -2,7 +2,8 @@
 
 An environment's `reset`, `step` and `close` are the only calls into environment code (rewards are
 computed in `step`) besides its constructor, whose error is an `env_error` too (the rollout worker's
-`play_episode`). `guard_env` binds them, on the env object itself, to a deadline, and turns what they
+`play_episode`). `guard_env` binds them, on the env object itself, to a deadline (not counting their waits
+for a shared resource such as a sandbox slot: rlsys/tools/queue_time.py), and turns what they
 raise into `EpisodeFailed("env_error")` or, past the deadline, `EpisodeFailed("env_timeout")`: the agent's
 `await env.step(...)` raises it, and unless the agent handles it, the episode ends with that reason.
 Anything else the agent raises is an `agent_error`. The env stays the same object (its other methods and
@@ -15,11 +16,11 @@ blocks the event loop with synchronous work stalls every episode of the worker, 
 environment work belongs off the loop (see rlsys/api/env.py).
 """
 
-import asyncio
 import functools
 import traceback
 
 from rlsys.errors import EpisodeFailed
+from rlsys.tools.queue_time import Overran, within
 
 
 GUARDED = ("reset", "step", "close", "fork")
@@ -46,14 +47,11 @@ def _guarded(method, label: str, timeout: float):
     @functools.wraps(method)
     async def call(*args, **kwargs):
         try:
-            async with asyncio.timeout(timeout or None) as deadline:
-                return await method(*args, **kwargs)
+            return await (within(method(*args, **kwargs), timeout) if timeout else method(*args, **kwargs))
         except EpisodeFailed:
             raise
-        except TimeoutError as e:
-            if deadline.expired():
-                raise EpisodeFailed("env_timeout", f"{label} took longer than {timeout:g}s (env_timeout)") from None
-            raise EpisodeFailed("env_error", f"{label} raised {describe_exception(e)}") from e
+        except Overran:
+            raise EpisodeFailed("env_timeout", f"{label} took longer than {timeout:g}s (env_timeout)") from None
         except Exception as e:
             raise EpisodeFailed("env_error", f"{label} raised {describe_exception(e)}") from e
 
