@@ -386,6 +386,19 @@ def test_a_bad_weights_message_is_set_aside_and_the_worker_keeps_its_weights(wei
         assert engine.version == max(0, published.version)
 
 
+def test_a_bad_weights_message_is_set_aside_once_and_left_for_the_next_version_to_replace():
+    """The worker deleted the key, which races the learner's next announcement (deleted unread, that version was
+    skipped); left in place, it is not set aside again at each check."""
+    bus = InProcessBus()
+    engine = ScriptedEngine(lambda *a: [1], tokens_per_step=1)
+    worker = InferenceWorker(engine, bus, 0, max_batch_requests=64)
+    bus.set(protocol.WEIGHTS, {"version": "three", "path": "/w"})
+    worker.load_newest_weights()
+    worker.load_newest_weights()
+    assert bus.get(protocol.WEIGHTS) == {"version": "three", "path": "/w"}
+    assert bus.stream_length(protocol.DEAD_MESSAGES) == 1 and engine.version == 0
+
+
 def test_published_weights_carry_their_checksum_and_dtype_together_or_not_at_all():
     check = {"checksum": "0123456789abcdef" * 2, "dtype": "bfloat16"}
     probe = {"probe": {"version": 2, "token_ids": [[1, 2, 3]], "logprobs": [[-0.5, -1.0]]}}

@@ -42,6 +42,7 @@ class InferenceWorker:
         self.queue = protocol.generation_requests(index)
         self.status = InferenceStatus(bus, index)
         self.refused = 0  # requests set aside as malformed
+        self.refused_announcement = None  # the weight announcement last set aside as malformed
         self.epoch = 0
         self.copies_dropped = 0  # requests that arrived again while running
         self.aborted = 0  # requests stopped unfinished: their episode ended without them
@@ -95,13 +96,15 @@ class InferenceWorker:
 
     def load_newest_weights(self) -> None:
         message = self.bus.get(protocol.WEIGHTS)
-        if message is None:
+        if message is None or message == self.refused_announcement:
             return
         try:
             published = parse_published_weights(message)
         except InvalidMessage as e:
             set_aside(self.bus, protocol.WEIGHTS, str(e), message)
-            self.bus.delete(protocol.WEIGHTS)  # the learner's next version replaces it
+            # Set aside once and left for the learner's next version to replace: deleting it here could delete that
+            # one, published between this read and the delete.
+            self.refused_announcement = message
             return
         if published.version > self.engine.version:
             received = self.weights.receive(published, as_they_arrive=self.engine.backend.loads_as_they_arrive)
