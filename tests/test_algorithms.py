@@ -435,6 +435,26 @@ def test_ppo_defaults_are_unchanged():
     assert decoupled_stats["importance_weight_mean"] == decoupled_stats["importance_weight_max"] == 1
 
 
+def test_an_untrained_token_leaves_the_loss_and_its_gradient_finite():
+    """Off the trained tokens old_logp is whatever the trajectory recorded (the checks on a trajectory admit any
+    finite logprob). A learner logprob above it by more than about 88 made exp(logp - old_logp) inf there, and the
+    0 advantage and 0 loss weight turned it into a NaN loss, NaN gradients and a NaN importance_ratio: every update
+    with such a token was skipped as non-finite. In float32, as the learner computes them."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float32, requires_grad=True)
+    old = torch.tensor([[-1.1, -200.0, -0.4]], dtype=torch.float32)  # token 1 untrained: 198 below the learner
+    adv = torch.tensor([[1.0, 0.0, -1.0]], dtype=torch.float32)
+    mask = torch.tensor([[1.0, 0.0, 1.0]], dtype=torch.float32)
+    for kwargs in ({}, {"dual_clip": 3.0}, {"behaviour_logprobs": old.clone()}):
+        logp.grad = None
+        loss, stats = ppo_clip_loss(logp, old, adv, mask, 0.2, **kwargs)
+        loss.backward()
+        # By hand, token-mean over tokens 0 and 2, both inside the clip range:
+        # token 0: A = 1, r = e^0.1, loss -e^0.1; token 2: A = -1, r = e^-0.1, loss e^-0.1.
+        assert loss.item() == pytest.approx((-math.exp(0.1) + math.exp(-0.1)) / 2, abs=1e-6)
+        assert logp.grad[0].tolist() == pytest.approx([-math.exp(0.1) / 2, 0.0, math.exp(-0.1) / 2], abs=1e-6)
+        assert stats["importance_ratio"].item() == pytest.approx((math.exp(0.1) + math.exp(-0.1)) / 2, abs=1e-6)
+
+
 def test_aggregate_token_loss_rejects_unknown_modes():
     with pytest.raises(ValueError):
         aggregate_token_loss(torch.ones(2, 3), torch.ones(2, 3), "seq-sum")

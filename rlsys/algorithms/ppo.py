@@ -87,7 +87,11 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     if imp_weight_cap is not None and imp_weight_cap <= 1:
         raise ValueError(f"imp_weight_cap must be > 1, got {imp_weight_cap}")
     generated = mask > 0
-    ratio = torch.exp(logp - old_logp)
+    # The log-ratio is taken on the trained tokens only: elsewhere (prompt, tool output, padding, a sequence's last
+    # position) old_logp may be anything an agent recorded, and a logp above it by more than about 88 overflows exp to
+    # inf, which the 0 advantage and 0 loss weight there turn into a NaN loss and NaN gradients (0 * inf): every such
+    # update would be skipped as non-finite. Zeroed before the exp, those positions have ratio 1 and no gradient.
+    ratio = torch.exp(torch.where(generated, logp - old_logp, 0.0))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
     token_loss = torch.maximum(unclipped, clipped)
