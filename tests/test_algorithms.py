@@ -407,6 +407,43 @@ def test_gigpo_prefers_the_action_that_leads_on_from_a_shared_state():
     assert adv[0][0] > adv[1][0] and adv[0][0] > 0 > adv[1][1]
 
 
+def test_a_reward_after_an_untrained_token_goes_to_the_last_action_before_it():
+    """GAE reads rewards on trained tokens only. A turn whose end counts the environment's feedback put its reward on
+    a feedback token, where GAE dropped it: the episode below trained on rewards of 0. The reward belongs to the last
+    token the policy generated before it, as if the turn had ended there."""
+    from types import SimpleNamespace
+
+    from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS
+
+    # prompt 0-1, turn 1 generates 2-3, feedback 4-5, turn 2 generates 6, feedback 7-8; each turn end counts its
+    # feedback (6 and 9), the rewards 0.5 and 1.0 arrive with it.
+    def episode(turn_ends):
+        return Trajectory(token_ids=[5, 6, 7, 8, 9, 10, 11, 12, 13], loss_mask=[0, 0, 1, 1, 0, 0, 1, 0, 0],
+                          logprobs=[0, 0, -1.0, -1.0, 0, 0, -1.0, 0, 0], versions=[-1, -1, 0, 0, -1, -1, 0, -1, -1],
+                          turn_ends=turn_ends, turn_rewards=[0.5, 1.0], reward=1.5, group_id="g", stop_reason="stop")
+
+    told, ended = sequence_batch([episode([6, 9])]), sequence_batch([episode([4, 7])])
+    # Cut after token 6, the last trained one; position k - 1 predicts token k: 0.5 on token 3, 1.0 on token 6.
+    assert told.lengths == ended.lengths == [7]
+    assert told.sequences("token_rewards")[0].tolist() == [0, 0, 0.5, 0, 0, 1.0]
+    assert {k: v.tolist() for k, v in told.fields.items()} == {k: v.tolist() for k, v in ended.fields.items()}
+    # By hand, gamma 0.9, lambda 1, V = 0: token 6: 1.0; token 3: 0.5 + 0.9 * 1.0 = 1.4; token 2: 0.9 * 1.4 = 1.26.
+    ppo = SimpleNamespace(gamma=0.9, lambd=1.0, whiten_advantages=False)
+    told.fields["old_values"] = torch.zeros(told.num_tokens + 1)
+    out = ADVANTAGE_ESTIMATORS["gae"]([episode([6, 9])], told, ppo)
+    assert told.sequences(out["advantages"])[0].tolist() == pytest.approx([0, 1.26, 1.4, 0, 0, 1.0])
+    # A trajectory that records no turn has its episode reward (what grpo and reinforce read) on its last trained
+    # token; a reward no trained token precedes rewards no action.
+    plain = Trajectory(token_ids=[5, 6, 7, 8], loss_mask=[0, 1, 1, 0], logprobs=[0, -1.0, -1.0, 0],
+                       versions=[-1, 0, 0, -1], turn_ends=[], turn_rewards=[], reward=2.0, group_id="g",
+                       stop_reason="stop")
+    assert sequence_batch([plain]).sequences("token_rewards")[0].tolist() == [0, 2.0]
+    early = Trajectory(token_ids=[5, 6, 7, 8], loss_mask=[0, 0, 1, 1], logprobs=[0, 0, -1.0, -1.0],
+                       versions=[-1, -1, 0, 0], turn_ends=[2, 4], turn_rewards=[3.0, 1.0], reward=4.0, group_id="g",
+                       stop_reason="stop")
+    assert sequence_batch([early]).sequences("token_rewards")[0].tolist() == [0, 0, 1.0]
+
+
 def test_per_turn_values_land_on_each_turns_generated_tokens():
     # prompt(2) turn1(2) feedback(2) turn2(3): token ids 0..8; shifted positions 0..7 predict tokens 1..8.
     loss_mask = torch.tensor([0, 1, 1, 0, 0, 1, 1, 1], dtype=torch.float32)

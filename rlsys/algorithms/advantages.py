@@ -53,9 +53,14 @@ def reinforce_advantages(rewards: list[float], group_ids: list[str] | None = Non
 def gae_advantages(rewards_per_token: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
                    lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A_t = d_t + gamma*lambd*A_n, d_t = r_t + gamma*V_n - V_t, n = next mask-1 position; returns = A + V."""
-    # Inputs are [B, T] in the same (shifted) layout as TrainingBatch.loss_mask; the caller puts each turn's reward
-    # on the last generated token of that turn. Rewards at mask-0 positions are ignored. Advantages and returns
-    # are regression/policy-gradient targets, so nothing flows back into `values`; they are computed in float32.
+    # Inputs are [B, T] in the same (shifted) layout as SequenceBatch's loss_mask; the caller puts each turn's reward
+    # on the last trained token at or before the turn's end (batch.rewarded_tokens). Rewards at mask-0 positions are
+    # ignored here. Advantages and returns are regression/policy-gradient targets, so nothing flows back into
+    # `values`; they are computed in float32.
+    # Every sequence ends in termination: V = 0 after its last generated token, also where the response was cut at
+    # max_new_tokens or the episode at its turn or token budget (stop_reason "length", "truncated"). The environment
+    # scored what it got and the episode is over; there is no later state whose value a bootstrap would stand for.
+    # (verl and OpenRLHF do the same; a time limit inside a longer episode would call for V(s_T) instead.)
     with torch.no_grad():
         rewards = rewards_per_token.detach().float()
         values = values.detach().float()

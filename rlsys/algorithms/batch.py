@@ -151,11 +151,31 @@ class SequenceBatch:
 
 
 def trained_length(trajectory: Trajectory) -> int:
-    """Tokens up to the last one trained on or rewarded. What follows (the feedback after a final answer) is
-    context of no trained token, so a causal model's loss, logprobs and values are the same without it."""
-    mask, ends = trajectory.loss_mask, trajectory.turn_ends
-    last_trained = len(mask) - mask[::-1].index(1) if 1 in mask else len(mask)
-    return max(last_trained, max(ends, default=0))
+    """Tokens up to the last one trained on (every reward sits on a trained token: rewarded_tokens). What follows (the
+    feedback after a final answer) is context of no trained token, so a causal model's loss, logprobs and values are
+    the same without it."""
+    mask = trajectory.loss_mask
+    return len(mask) - mask[::-1].index(1) if 1 in mask else len(mask)
+
+
+def rewarded_tokens(trajectory: Trajectory) -> list[tuple[int, float]]:
+    """(token, reward) of each turn: its reward on the last trained token at or before the turn's last one (token
+    end - 1), the last action the policy took before the reward came. Tokens the policy did not produce are not steps
+    of the MDP (gae_advantages carries its values across them), so a reward on one of them, where a turn's end counts
+    the environment's feedback or the turn's own tokens are all untrained, would otherwise be lost. A trajectory that
+    records no turn has its `reward` on its last trained token, as one turn: the reward GRPO and REINFORCE read. A
+    reward with no trained token before it (in the prompt) rewards no action and is left out."""
+    mask = trajectory.loss_mask
+    turns = (zip(trajectory.turn_ends, trajectory.turn_rewards) if trajectory.turn_ends
+             else [(len(mask), trajectory.reward)])
+    out = []
+    for end, reward in turns:
+        token = min(end, len(mask)) - 1
+        while token > 0 and not mask[token]:  # one look in the usual case: a turn ends on a generated token
+            token -= 1
+        if token > 0:  # token 0 is predicted by nothing, so never trained
+            out.append((token, reward))
+    return out
 
 
 def untrained_prefix(trajectory: Trajectory) -> int:
@@ -168,8 +188,8 @@ def untrained_prefix(trajectory: Trajectory) -> int:
 
 def sequence_batch(trajectories: list[Trajectory]) -> SequenceBatch:
     """loss_mask, behaviour_logprobs, versions (-1: not generated) and token_rewards (each turn's reward on its
-    last token), each trajectory cut to its `trained_length`, and each one's untrained prefix. Built from flat
-    Python lists: a few tensors however many trajectories."""
+    last trained token: rewarded_tokens), each trajectory cut to its `trained_length`, and each one's untrained
+    prefix. Built from flat Python lists: a few tensors however many trajectories."""
     lengths = [trained_length(t) for t in trajectories]
     token_ids = np.fromiter(chain.from_iterable(islice(t.token_ids, n) for t, n in zip(trajectories, lengths)),
                             dtype=np.int64, count=sum(lengths))
@@ -188,8 +208,8 @@ def sequence_batch(trajectories: list[Trajectory]) -> SequenceBatch:
 
     rewards = np.zeros(sum(lengths) + 1, dtype=np.float32)
     for offset, t in zip(batch.offsets.tolist(), trajectories):
-        for end, reward in zip(t.turn_ends, t.turn_rewards):
-            rewards[offset + end - 2] += reward  # the turn's last token, token end-1, is predicted at position end-2
+        for token, reward in rewarded_tokens(t):
+            rewards[offset + token - 1] += reward  # token k is predicted at position k - 1
     batch.fields = {"loss_mask": shifted(lambda t: t.loss_mask, 0, np.float32),
                     "behaviour_logprobs": shifted(lambda t: t.logprobs, 0, np.float32),
                     "versions": shifted(lambda t: t.versions, -1, np.int64),
