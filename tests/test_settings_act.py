@@ -182,6 +182,21 @@ def test_a_clip_of_a_ratio_that_is_always_1_is_refused(correction, clip):
     parse_config([correction, "ppo.ppo_epochs=1"])  # the defaults are not the user's
 
 
+@pytest.mark.parametrize("estimator", ["reinforce", "gae", "gigpo"])
+def test_filtering_uniform_groups_is_refused_where_they_still_train(estimator):
+    """ppo.filter_uniform_groups drops groups whose rewards are all equal: advantage 0 under a group baseline (grpo,
+    starpo), not under reinforce (rewards 1, 1 in a batch of mean 0.5 get +0.5 each), gae (the critic's baseline) or
+    gigpo (step advantages at shared states). There it threw signal away and biased the update without a word."""
+    from rlsys.algorithms.advantages import reinforce_advantages
+
+    assert reinforce_advantages([1.0, 1.0, 0.0, 0.0]).tolist() == [0.5, 0.5, -0.5, -0.5]  # the uniform groups train
+    with pytest.raises(ConfigError, match=f"under ppo.adv_estimator={estimator} they have advantages other than 0"):
+        parse_config([f"ppo.adv_estimator={estimator}", "ppo.filter_uniform_groups=true"])
+    parse_config([f"ppo.adv_estimator={estimator}"])
+    parse_config(["ppo.adv_estimator=grpo", "ppo.filter_uniform_groups=true"])
+    parse_config(["ppo.adv_estimator=starpo", "ppo.filter_uniform_groups=true"])
+
+
 def test_a_value_clip_around_values_that_cannot_have_moved_is_refused():
     """The critic's pre-update values are those of its step's first update: with one epoch of one mini-batch no value
     can leave them, and ppo.value_clip never acts."""
