@@ -168,7 +168,8 @@ class PPOHyperparameters:
     warmup_steps: int = 0
     """The policy's learning-rate warm-up, in optimizer steps, linear from 0 (the critic's stays ppo.critic_lr)."""
     lr_scheduler_type: str = "constant"
-    """After warm-up: constant, linear (to 0 at the last step) or cosine (to 0 at the last step)."""
+    """After warm-up: constant, linear or cosine, decaying to 0 one update after the run's last (the last one takes the
+    smallest rate above 0)."""
     pg_clip: float = 0.2
     """PPO ratio clip."""
     dual_clip: float = 0.0

@@ -598,6 +598,10 @@ def test_lr_schedules_warm_up_then_decay_to_zero():
     assert [lr_multiplier(s, 4, 12, "constant") for s in (0, 2, 4, 12)] == [0.0, 0.5, 1.0, 1.0]
     assert [lr_multiplier(s, 4, 12, "linear") for s in (4, 8, 12)] == [1.0, 0.5, 0.0]
     assert [round(lr_multiplier(s, 0, 10, "cosine"), 6) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    # The learner's update k takes multiplier k (docs/learner.md): over a run of 12 updates with 4 of warm-up the
+    # first has rate 0 and the last, update 11, 1/8 (linear) or (1 + cos(7/8 pi)) / 2 (cosine), 0 only after it.
+    assert lr_multiplier(0, 4, 12, "linear") == 0 and lr_multiplier(11, 4, 12, "linear") == 1 / 8
+    assert lr_multiplier(11, 4, 12, "cosine") == pytest.approx((1 + math.cos(7 / 8 * math.pi)) / 2)
 
 
 def test_every_choice_the_config_accepts_has_an_implementation():

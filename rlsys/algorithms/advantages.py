@@ -10,6 +10,9 @@ def grpo_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-
                     scale_by_std: bool = True) -> torch.Tensor:
     """Group-normalised outcome reward: (r - mean of its group) / (std of its group + eps), or r - group mean.
 
+    The std is the population std, so each group's advantages have std 1; TRL and verl divide by the sample std,
+    sqrt(G/(G-1)) larger (docs/learner.md). Without the std this is RLOO's advantage times (G-1)/G.
+
     A group whose rewards are all equal gets exactly zero advantage: it carries no signal about which answer
     is better (and the learner leaves sequences of advantage 0 out of its passes: ppo.skip_zero_advantage).
     """

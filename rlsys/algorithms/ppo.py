@@ -133,7 +133,10 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1, never negative (Schulman); 0 where
-    `mask` (if given) is 0."""
+    `mask` (if given) is 0.
+
+    As GRPO uses it, a loss term on the policy's own samples: its value estimates KL(pi || ref) without bias, but its
+    gradient, (1 - ref/pi) grad logp, is in expectation -E_ref[grad log pi], that of KL(ref || pi)."""
     delta = ref_logp - logp
     if mask is not None:
         # Off the trained tokens ref_logp is 0 (a sequence's last position, padding) or unconstrained, and a logp below
