@@ -136,7 +136,7 @@ def test_greedy_sampling_with_an_estimator_that_compares_a_groups_samples_is_ref
     """At temperature 0 a group's samples are one response n times: in a 3-step run every advantage, the loss and the
     gradient norm were 0 and held-out accuracy moved +0.0 points."""
     for overrides in (["gen.temperature=0"], ["experiment=async-ppo-frozen-lake", "gen.temperature=0"],
-                      ["ppo.adv_estimator=reinforce", "ppo.filter_uniform_groups=true", "gen.temperature=0"]):
+                      ["ppo.filter_uniform_groups=true", "gen.temperature=0"]):
         with pytest.raises(ConfigError, match=r"gen.temperature=0 samples every response of a group alike .* nothing "
                                               r"trains .*give a temperature above 0"):
             parse_config(overrides)
