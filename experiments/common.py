@@ -8,7 +8,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from operator import attrgetter
 from types import SimpleNamespace
 
-from rlsys.algorithms.choices import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, NEEDS_CRITIC, ZERO_FOR_UNIFORM_GROUPS
+from rlsys.algorithms.choices import ADVANTAGE_ESTIMATORS, GROUP_BASELINES, LOSS_AGG_MODES, NEEDS_CRITIC
 from rlsys.api import GenerationConfig
 from rlsys.api.generation import MIN_TEMPERATURE
 from rlsys.cpu_features import native_bf16
@@ -183,7 +183,8 @@ class PPOHyperparameters:
     entropy_loss_coef: float = 0.0
     """Entropy bonus coefficient."""
     adv_estimator: str = "grpo"
-    """Advantage estimator: grpo (group-normalised reward), reinforce (batch-mean baseline), gae (critic), starpo or gigpo."""
+    """Advantage estimator: grpo (group-normalised reward), reinforce (batch-mean baseline), reinforce_baseline
+    (group-mean baseline; with ppo.whiten_advantages, REINFORCE++-baseline), gae (critic), starpo or gigpo."""
     grpo_scale_by_std: bool = True
     """grpo, starpo, gigpo: divide by the group's reward std; false subtracts the group mean only (Dr. GRPO)."""
     gigpo_step_gamma: float = 0.95
@@ -237,8 +238,8 @@ class PPOHyperparameters:
     is the same with fewer tokens, and the step's statistics cover the sequences computed; true: the same, refused
     where the loss has another term; false: every sequence is computed."""
     filter_uniform_groups: bool = False
-    """Drop groups whose rewards are all equal (no signal for group baselines); counted as groups/filtered. grpo and
-    starpo only: under reinforce, gae and gigpo such a group still has advantages other than 0."""
+    """Drop groups whose rewards are all equal (no signal for group baselines); counted as groups/filtered. grpo,
+    reinforce_baseline and starpo only: under reinforce, gae and gigpo such a group still has advantages other than 0."""
     tis_cap: float = 0.0
     """Truncated importance sampling: each token's loss times min(p_learner/p_inference, tis_cap); 0 is off. Not with
     ppo.decoupled_loss, whose weight is the same ratio."""
@@ -285,15 +286,15 @@ class PPOHyperparameters:
             raise ValueError("ppo.tis_cap and ppo.decoupled_loss=true both weight each token's loss by "
                              "p_proximal/p_behaviour (truncated at tis_cap; dropped over behaviour_imp_weight_cap): "
                              "together they apply that correction twice. Set one of them")
-        if self.filter_uniform_groups and self.adv_estimator not in ZERO_FOR_UNIFORM_GROUPS:
+        if self.filter_uniform_groups and self.adv_estimator not in GROUP_BASELINES:
             # DAPO's dynamic sampling drops what a group baseline turns into advantages of 0. Under the other estimators
             # a group whose rewards are equal still trains: reinforce's baseline is the batch's mean, gae's the critic
             # (which would also never see those prompts' returns), and gigpo's step advantages compare discounted
             # returns at shared states, which differ where the episodes reached the same reward in different turns.
             raise ValueError(f"ppo.filter_uniform_groups=true drops groups whose rewards are all equal, which only "
-                             f"under ppo.adv_estimator=grpo or starpo get advantage 0; under "
+                             f"under ppo.adv_estimator={', '.join(sorted(GROUP_BASELINES))} get advantage 0; under "
                              f"ppo.adv_estimator={self.adv_estimator} they have advantages other than 0, and dropping "
-                             "them biases the update: leave it false, or use grpo or starpo")
+                             "them biases the update: leave it false, or use one of those")
         if self.behaviour_imp_weight_cap and self.behaviour_imp_weight_cap <= 1:
             raise ValueError(f"ppo.behaviour_imp_weight_cap must be 0 (off) or greater than 1, "
                              f"got {self.behaviour_imp_weight_cap}")
@@ -315,7 +316,8 @@ class PPOHyperparameters:
         acts_only_with = {
             "pg_clip": ratio_moves,
             "dual_clip": ratio_moves,
-            "whiten_advantages": (self.adv_estimator in ("reinforce", "gae"), "ppo.adv_estimator=reinforce or gae "
+            "whiten_advantages": (self.adv_estimator in ("reinforce", "reinforce_baseline", "gae"),
+                                  "ppo.adv_estimator=reinforce, reinforce_baseline or gae "
                                   "(grpo, starpo and gigpo already normalise each group; see ppo.grpo_scale_by_std)"),
             "grpo_scale_by_std": (group, "ppo.adv_estimator=grpo, starpo or gigpo"),
             **{name: (self.adv_estimator == "gigpo", "ppo.adv_estimator=gigpo")
@@ -688,7 +690,7 @@ class PPOMATHConfig(BaseExperimentConfig):
     def __post_init__(self):
         super().__post_init__()
         check_at_least("", self, group_size=1)
-        comparing = ([f"ppo.adv_estimator={self.ppo.adv_estimator}"] * (self.ppo.adv_estimator in ("grpo", "starpo"))
+        comparing = ([f"ppo.adv_estimator={self.ppo.adv_estimator}"] * (self.ppo.adv_estimator in GROUP_BASELINES)
                      + ["ppo.filter_uniform_groups=true"] * self.ppo.filter_uniform_groups)
         if self.group_size < 2 and comparing:
             raise ValueError(f"group_size must be at least 2 with {' and '.join(comparing)} (a prompt's samples are "

@@ -305,6 +305,26 @@ def test_reinforce_baseline_and_whitening_match_reference():
     assert reinforce_advantages([1.0, 1.0, 1.0], whiten=True).abs().max().item() == 0  # no signal, no blow-up
 
 
+@pytest.mark.parametrize("whiten", [False, True])
+def test_reinforce_baseline_centres_each_groups_rewards_and_whitens_over_the_batch(whiten):
+    """ppo.adv_estimator=reinforce_baseline: r - its group's mean on each generated token, then (with
+    ppo.whiten_advantages, REINFORCE++-baseline) one batch-wide mean and std."""
+    from types import SimpleNamespace
+
+    from rlsys.algorithms.estimators import ADVANTAGE_ESTIMATORS
+
+    def answer(group, reward):
+        return Trajectory(token_ids=[5, 6, 7], loss_mask=[0, 1, 1], logprobs=[0, -1.0, -1.0], versions=[-1, 0, 0],
+                          turn_ends=[3], turn_rewards=[reward], reward=reward, group_id=group, stop_reason="stop")
+
+    trajectories = [answer("a", 1.0), answer("a", 0.0), answer("b", 1.0), answer("b", 1.0)]
+    batch = sequence_batch(trajectories)
+    out = ADVANTAGE_ESTIMATORS["reinforce_baseline"](trajectories, batch, SimpleNamespace(whiten_advantages=whiten))
+    centred = [0.5, -0.5, 0.0, 0.0]  # the uniform group b gets 0, as under grpo
+    expected = reference_whiten(centred) if whiten else centred
+    assert torch.cat(batch.sequences(out["advantages"])).tolist() == pytest.approx([e for e in expected for _ in "ab"])
+
+
 def test_gae_skips_tool_output_between_turns():
     # Two turns of two generated tokens each, separated by two tool-output tokens, rewards at turn ends.
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]], dtype=torch.float32)

@@ -7,7 +7,8 @@ from rlsys.api import EXPERIMENTS
 from rlsys.cli import ConfigError, parse_config
 
 REFUSED = [  # (overrides, what the message must say)
-    (["ppo.whiten_advantages=true"], "ppo.whiten_advantages=True does nothing without ppo.adv_estimator=reinforce or gae"),
+    (["ppo.whiten_advantages=true"],
+     "ppo.whiten_advantages=True does nothing without ppo.adv_estimator=reinforce, reinforce_baseline or gae"),
     (["ppo.adv_estimator=starpo", "ppo.whiten_advantages=true"], "grpo, starpo and gigpo already normalise each group"),
     (["ppo.adv_estimator=gigpo", "ppo.whiten_advantages=true"], "ppo.whiten_advantages=True does nothing"),
     (["ppo.gamma=0.9"], "ppo.gamma=0.9 does nothing without ppo.adv_estimator=gae"),
@@ -195,6 +196,10 @@ def test_filtering_uniform_groups_is_refused_where_they_still_train(estimator):
     parse_config([f"ppo.adv_estimator={estimator}"])
     parse_config(["ppo.adv_estimator=grpo", "ppo.filter_uniform_groups=true"])
     parse_config(["ppo.adv_estimator=starpo", "ppo.filter_uniform_groups=true"])
+    parse_config(["ppo.adv_estimator=reinforce_baseline", "ppo.filter_uniform_groups=true",
+                  "ppo.whiten_advantages=true"])
+    with pytest.raises(ConfigError, match="grpo_scale_by_std=False does nothing without ppo.adv_estimator=grpo, "):
+        parse_config(["ppo.adv_estimator=reinforce_baseline", "ppo.grpo_scale_by_std=false"])
 
 
 def test_a_value_clip_around_values_that_cannot_have_moved_is_refused():

@@ -30,6 +30,11 @@ def reinforce(trajectories: list[Trajectory], batch: SequenceBatch, ppo) -> PerT
                                 batch)
 
 
+def reinforce_baseline(trajectories: list[Trajectory], batch: SequenceBatch, ppo) -> PerToken:
+    rewards, groups = [t.reward for t in trajectories], [t.group_id for t in trajectories]
+    return _on_generated_tokens(reinforce_advantages(rewards, groups, whiten=ppo.whiten_advantages), batch)
+
+
 def starpo(trajectories: list[Trajectory], batch: SequenceBatch, ppo) -> PerToken:
     return _on_generated_tokens(starpo_advantages([t.turn_rewards for t in trajectories],
                                                   [t.group_id for t in trajectories], ppo.grpo_scale_by_std), batch)
@@ -54,4 +59,5 @@ def gae(trajectories: list[Trajectory], batch: SequenceBatch, ppo) -> PerToken:
     return {"advantages": advantages, "returns": returns}
 
 # Keyed on the names rlsys/algorithms/choices.py lists for the config.
-ADVANTAGE_ESTIMATORS = {"grpo": grpo, "reinforce": reinforce, "gae": gae, "starpo": starpo, "gigpo": gigpo}
+ADVANTAGE_ESTIMATORS = {"grpo": grpo, "reinforce": reinforce, "reinforce_baseline": reinforce_baseline, "gae": gae,
+                        "starpo": starpo, "gigpo": gigpo}
