@@ -542,6 +542,75 @@ def test_a_process_that_serves_the_endpoint_raises_its_descriptor_limit_to_the_h
     wanted = http_protocol.DESCRIPTORS_WANTED if int(hard) == resource.RLIM_INFINITY else int(hard)
     assert int(raised) == wanted, (raised, hard)
 
+def scripted_calls(tokenizer, replies: list[str], calls):
+    """`calls(http)` on a fresh episode's key over ASGI, its model answering each request with the next of `replies`
+    (and eos): what `calls` returned, the prompt ids the engine was asked, and the episode's conversation."""
+    async def main():
+        obs_queue, act_queue, asked, script = asyncio.Queue(), asyncio.Queue(), [], iter(replies)
+
+        async def engine():
+            while True:
+                qid, token_ids, gconfig = await obs_queue.get()
+                asked.append(token_ids)
+                reply = ids(tokenizer, next(script)) + [tokenizer.eos_token_id]
+                act_queue.put_nowait(GenerationOutput(qid, token_ids, [reply] * gconfig.n,
+                                                      [[LOGPROB] * len(reply)] * gconfig.n,
+                                                      [[0] * len(reply)] * gconfig.n, ["stop"] * gconfig.n))
+
+        serving = asyncio.create_task(engine())
+        async with Model(obs_queue, act_queue) as model:
+            defaults = GenerationConfig(max_new_tokens=32, stop_token_ids=[tokenizer.eos_token_id])
+            session = EpisodeSession(model, tokenizer, defaults, CONTEXT, "rlsys")
+            key = ENDPOINT.open(session)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=ENDPOINT.app), base_url="http://e/v1",
+                                         headers={"Authorization": f"Bearer {key}"}) as http:
+                result = await calls(http)
+            ENDPOINT.close(key)
+        serving.cancel()
+        return result, asked, session.conversation
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("sent_back, continued", [("Observation: 4\nThought:", True), ("\nObservation: 4", False)],
+                         ids=["the-stop-string", "other-text"])
+def test_a_completion_cut_at_a_stop_string_is_continued_from_the_text_its_ids_hold(tokenizer, sent_back, continued):
+    """ReAct over /v1/completions: the reply is cut at "Observation:" and returned without it; the client sends the
+    stop string back with the tool's result. The model must see it once (its own ids already hold it: it was seen
+    twice), and a client that sends other text in its place starts a new sample from its own text."""
+    prompt = "Q: 2+2?\nThought:"
+
+    async def calls(http):
+        first = await http.post("/completions", json={"prompt": prompt, "stop": ["Observation:"]})
+        text = first.json()["choices"][0]["text"]
+        assert text == " calc "
+        await http.post("/completions", json={"prompt": prompt + text + sent_back, "stop": ["Observation:"]})
+
+    _, asked, conversation = scripted_calls(tokenizer, [" calc Observation: junk", " done"], calls)
+    if continued:
+        assert asked[1] == asked[0] + ids(tokenizer, " calc Observation:") + ids(tokenizer, " 4\nThought:")
+    else:
+        assert asked[1] == ids(tokenizer, prompt + " calc " + sent_back)
+    assert conversation.history_splits == int(not continued)
+
+
+def test_a_completion_that_ended_with_eos_is_continued_once_past_it(tokenizer):
+    """A client that writes its chat template itself sends the model's end of turn back after its reply: the eos the
+    model generated is not appended a second time."""
+    first_prompt = "<|user|>12+34=<|end|><|assistant|>"
+
+    async def calls(http):
+        first = await http.post("/completions", json={"prompt": first_prompt})
+        text = first.json()["choices"][0]["text"]
+        then = first_prompt + text + "<|end|><|user|>again<|end|><|assistant|>"
+        await http.post("/completions", json={"prompt": then})
+
+    _, asked, conversation = scripted_calls(tokenizer, ["46", "57"], calls)
+    assert asked[1] == asked[0] + ids(tokenizer, "46") + [tokenizer.eos_token_id] + \
+        ids(tokenizer, "<|user|>again<|end|><|assistant|>")
+    assert conversation.history_splits == 0
+
+
 # ---- what a client may send: answered, or refused with 4xx naming the field and why; never a 500
 
 ENDPOINT = Endpoint()

@@ -30,7 +30,9 @@ class Sample:
     turn_ends: list[int] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     final_text: str = ""  # the model's last turn as the client got it
-    text: str | None = None  # /v1/completions samples: the prompt and completion as text (None: a chat sample)
+    # /v1/completions samples: the text their ids hold, the prompt and the completion whole, with any stop string
+    # and special token the model generated (None: a chat sample)
+    text: str | None = None
 
 
 def normalized(message: dict) -> tuple:
@@ -97,7 +99,11 @@ class Conversation:
 
     def prompt_for_text(self, prompt: str | list[int]) -> tuple[Sample | None, list[int]]:
         """/v1/completions: a prompt continues the completion sample it extends, as ids or as text (then only
-        the new text is tokenized); otherwise it starts a new one."""
+        the new text is tokenized); otherwise it starts a new one. Extending as text means extending all the text
+        the sample's ids hold: a completion cut at a stop string, or ended with eos, was returned without them, and
+        a client that sends them back (ReAct's "Observation:", a template's end of turn) must not be continued from
+        ids that hold them already (the model saw them twice); one that sends something else in their place starts
+        a new sample."""
         completions = sorted((s for s in self.samples if s.text is not None), key=lambda s: -len(s.transcript.token_ids))
         for sample in completions:
             ids = sample.transcript.token_ids
@@ -135,9 +141,11 @@ class Conversation:
                 transcript.add_observation(prompt_ids[len(transcript.token_ids):])
                 turn_ends = list(sample.turn_ends)
             transcript.add_generated(_choice(output, i))
+            held = None if text is None else text + self.tokenizer.decode(
+                output.output_ids[i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
             new = Sample(transcript, keys + [normalized(reply)], turn_ends + [len(transcript.token_ids)],
                          (sample.finish_reasons if sample else []) + [finish_reasons[i]], reply.get("content") or "",
-                         None if text is None else text + reply["content"])
+                         held)
             self.samples.append(new)
 
     def trajectories(self, reward: float, group_id: str) -> list[Trajectory]:

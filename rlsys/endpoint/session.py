@@ -65,7 +65,7 @@ class EpisodeSession:
         prompt, sampling = completion_request(body, self.max_total_tokens, len(self.tokenizer))
         sample, prompt_ids = self.conversation.prompt_for_text(prompt)
         output = await self.generate(prompt_ids, sampling)
-        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, clean_up_tokenization_spaces=False)
         choices, replies = [], []
         for i, ids in enumerate(output.output_ids):
             completion = self.text(ids, sampling)
