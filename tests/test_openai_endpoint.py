@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from fastapi import Request
 from hypothesis import HealthCheck, given, settings
@@ -422,6 +423,41 @@ def test_a_call_whose_episode_ends_before_it_is_answered_gets_410(tokenizer, end
     answer, asked = asyncio.run(main())
     assert answer.startswith(b"HTTP/1.1 410") and b"episode_ended" in answer, answer
     assert asked == 0  # nothing was asked of the model for an episode that had ended
+
+
+def test_a_call_whose_client_gave_up_is_not_recorded_and_its_retry_is(tokenizer):
+    """The `openai` client times out a call the model is slow to answer and sends it again: the reply to the call it
+    gave up on reaches nobody, and no sample holds it (it was trained with the episode's reward, beside the retry's)."""
+    async def main():
+        endpoint = Endpoint()
+        await endpoint.start()
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+
+        async def engine():  # answers the first request once its retry has come, the retry next
+            requests = [await obs_queue.get() for _ in range(2)]
+            for (qid, token_ids, _), text in zip(requests, ("99", "46")):
+                reply = ids(tokenizer, text) + [tokenizer.eos_token_id]
+                act_queue.put_nowait(GenerationOutput(qid, token_ids, [reply], [[LOGPROB] * len(reply)],
+                                                      [[0] * len(reply)], ["stop"]))
+                await asyncio.sleep(0.2)
+
+        serving = asyncio.create_task(engine())
+        async with Model(obs_queue, act_queue) as model:
+            session = EpisodeSession(model, tokenizer, GenerationConfig(max_new_tokens=8), CONTEXT, "rlsys")
+            key = endpoint.open(session)
+            client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=key, max_retries=1, timeout=1.0)
+            messages = [{"role": "user", "content": "12+34="}]
+            response = await client.chat.completions.create(model="rlsys", messages=messages)
+            await serving
+            endpoint.close(key)
+        endpoint.task.cancel()
+        return response, session.conversation
+
+    response, conversation = asyncio.run(main())
+    assert response.choices[0].message.content == "46"
+    [trajectory] = conversation.trajectories(1.0, "q0")
+    assert trajectory.token_ids == ids(tokenizer, "<|user|>12+34=<|end|><|assistant|>46") + [tokenizer.eos_token_id]
+    assert trajectory.metrics["calls"] == 1
 
 
 def test_concurrent_calls_that_continue_one_sample_each_fork_it(tokenizer):

@@ -122,12 +122,12 @@ class Endpoint:
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             session, body = await self.session_and_body(request)
-            return await session.chat(body)
+            return await session.chat(body, request.is_disconnected)
 
         @app.post("/v1/completions")
         async def completions(request: Request):
             session, body = await self.session_and_body(request)
-            return await session.complete(body)
+            return await session.complete(body, request.is_disconnected)
 
         @app.get("/v1/models")
         async def models(request: Request):

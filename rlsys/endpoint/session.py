@@ -11,6 +11,10 @@ Every field a request sets is checked before any of it is used (rlsys/endpoint/r
 
 Extension (as vLLM names it): `"return_token_ids": true` adds `prompt_token_ids` to the response and
 `token_ids` to each choice.
+
+A call whose client has gone by the time the model answers (its HTTP client timed out; the `openai` client then sends
+the same messages again) is answered to nobody and not recorded: no sample holds a reply no client acted on, trained
+with a reward it had no part in.
 """
 
 import asyncio
@@ -18,6 +22,7 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import jinja2
 
@@ -25,6 +30,8 @@ from rlsys.api import GenerationConfig, GenerationOutput, Model
 from rlsys.endpoint.conversation import Conversation
 from rlsys.endpoint.request_checks import RequestError, Sampling, chat_request, completion_request
 from rlsys.tools.call_format import CALL, parse_turn
+
+ClientGone = Callable[[], Awaitable[bool]]  # whether the call's client has disconnected
 
 
 class EpisodeSession:
@@ -36,7 +43,7 @@ class EpisodeSession:
         self.conversation = Conversation(tokenizer)
         self.outputs: list[GenerationOutput] = []  # every reply the engine sent, in call order
 
-    async def chat(self, body: dict) -> dict:
+    async def chat(self, body: dict, client_gone: ClientGone | None = None) -> dict:
         if self.tokenizer.chat_template is None:  # a base model: transformers' ValueError would be a bare 500
             raise RequestError(404, "this is not a chat model (its tokenizer has no chat template), so it is not "
                                     "served at /v1/chat/completions: call /v1/completions", "model_not_found",
@@ -58,10 +65,11 @@ class EpisodeSession:
             choices.append({"index": i, "message": reply, "finish_reason": finish,
                             "logprobs": {"content": self.token_logprobs(output, i)} if sampling.logprobs else None,
                             **self.token_ids(sampling, ids)})
-        self.conversation.record(messages, sample, prompt_ids, output, replies, reasons)
+        if not (client_gone and await client_gone()):
+            self.conversation.record(messages, sample, prompt_ids, output, replies, reasons)
         return self.response("chat.completion", output, choices, sampling)
 
-    async def complete(self, body: dict) -> dict:
+    async def complete(self, body: dict, client_gone: ClientGone | None = None) -> dict:
         prompt, sampling = completion_request(body, self.max_total_tokens, len(self.tokenizer))
         sample, prompt_ids = self.conversation.prompt_for_text(prompt)
         output = await self.generate(prompt_ids, sampling)
@@ -77,7 +85,8 @@ class EpisodeSession:
                             "top_logprobs": None, "text_offset": []}
             choices.append({"index": i, "text": completion, "finish_reason": _finish(output.stop_reasons[i]),
                             "logprobs": logprobs, **self.token_ids(sampling, ids)})
-        self.conversation.record(text, sample, prompt_ids, output, replies, list(output.stop_reasons))
+        if not (client_gone and await client_gone()):
+            self.conversation.record(text, sample, prompt_ids, output, replies, list(output.stop_reasons))
         return self.response("text_completion", output, choices, sampling)
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> GenerationOutput:
