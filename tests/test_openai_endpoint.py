@@ -608,6 +608,31 @@ def scripted_calls(tokenizer, replies: list[str], calls):
     return asyncio.run(main())
 
 
+def test_a_call_that_adds_tools_is_rendered_with_them_not_appended_to_a_sample_without_them():
+    """A template renders the tools ahead of the messages: a call that sends tools the earlier calls did not (an agent
+    that offers a tool from its second step) is rendered whole, with them, and the split counted; appended to the
+    earlier sample, the model never saw the tools it was asked to call."""
+    from rlsys.model.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = "{% if tools %}<|system|>tools: {{ tools|length }}<|end|>{% endif %}" + CHAT_TEMPLATE
+
+    async def calls(http):
+        history = [{"role": "user", "content": "12+34="}]
+        first = await http.post("/chat/completions", json={"messages": history})
+        history += [first.json()["choices"][0]["message"], {"role": "user", "content": "again"}]
+        for _ in range(2):  # the second time with the same tools: continued
+            reply = await http.post("/chat/completions", json={"messages": history, "tools": TOOLS})
+            history += [reply.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+
+    _, asked, conversation = scripted_calls(tokenizer, ["46", "57", "68"], calls)
+    assert asked[1] == ids(tokenizer, "<|system|>tools: 1<|end|><|user|>12+34=<|end|><|assistant|>46<|end|>"
+                                      "<|user|>again<|end|><|assistant|>")
+    assert asked[2] == asked[1] + ids(tokenizer, "57") + [tokenizer.eos_token_id] + \
+        ids(tokenizer, "<|user|>more<|end|><|assistant|>")
+    assert conversation.history_splits == 1
+
+
 @pytest.mark.parametrize("sent_back, continued", [("Observation: 4\nThought:", True), ("\nObservation: 4", False)],
                          ids=["the-stop-string", "other-text"])
 def test_a_completion_cut_at_a_stop_string_is_continued_from_the_text_its_ids_hold(tokenizer, sent_back, continued):

@@ -5,11 +5,12 @@ the model never produced (text to tokens is not reversible: separators, tool-cal
 reasoning). Instead every sample keeps the exact ids: its prompt, then per call the ids the engine
 generated (loss mask 1, their versions and logprobs) and the chat template's rendering of only the
 messages the client added since (loss mask 0). A call continues the sample whose messages are a prefix of
-the ones it sends (compared as messages: role, text, tool calls with their arguments parsed), so only the
-new messages are rendered. A call that continues no sample (the client dropped a turn, stripped reasoning,
-rewrote a message; or the chat template renders earlier messages anew once others follow) starts a new sample
-from the template's rendering of the whole conversation: the episode is split there, and counted
-(`history_splits`). With `n` > 1 a call forks its sample into n.
+the ones it sends (compared as messages: role, text, tool calls with their arguments parsed) under the same
+tools, so only the new messages are rendered (a template renders the tools ahead of the messages: a call that adds
+or changes one cannot append to what the model saw without it). A call that continues no sample (the client
+dropped a turn, stripped reasoning, rewrote a message or changed the tools; or the chat template renders earlier
+messages anew once others follow) starts a new sample from the template's rendering of the whole conversation: the
+episode is split there, and counted (`history_splits`). With `n` > 1 a call forks its sample into n.
 """
 
 import json
@@ -33,6 +34,7 @@ class Sample:
     # /v1/completions samples: the text their ids hold, the prompt and the completion whole, with any stop string
     # and special token the model generated (None: a chat sample)
     text: str | None = None
+    tools: str = "[]"  # a chat sample's tools, as the template rendered them (JSON)
 
 
 def normalized(message: dict) -> tuple:
@@ -83,10 +85,10 @@ class Conversation:
 
     def prompt_for(self, messages: list[dict], tools: list[dict] | None) -> tuple[Sample | None, list[int]]:
         """The sample a call continues (None: a new one) and the prompt ids to generate from."""
-        keys = [normalized(m) for m in messages]
+        keys, tools_key = [normalized(m) for m in messages], _tools_key(tools)
         for sample in sorted(self.samples, key=lambda s: -len(s.messages)):
             n = len(sample.messages)
-            if sample.text is None and n < len(keys) and keys[:n] == sample.messages:
+            if sample.text is None and n < len(keys) and keys[:n] == sample.messages and sample.tools == tools_key:
                 try:
                     return sample, sample.transcript.token_ids + self.new_message_ids(sample, messages[n:])
                 except ValueError:  # a template that renders earlier turns anew once one follows: no ids to append
@@ -123,14 +125,16 @@ class Conversation:
         return messages_after_ids(self.tokenizer, sample.transcript.token_ids, template_messages(messages))
 
     def record(self, messages: list[dict] | str, sample: Sample | None, prompt_ids: list[int],
-               output: GenerationOutput, replies: list[dict], finish_reasons: list[str]) -> None:
-        """The call's choices (`messages` is a completion's prompt text): each continues (a copy of) the
-        sample, which the call consumed."""
+               output: GenerationOutput, replies: list[dict], finish_reasons: list[str],
+               tools: list[dict] | None = None) -> None:
+        """The call's choices (`messages` is a completion's prompt text, `tools` a chat call's tools): each continues
+        (a copy of) the sample, which the call consumed."""
         self.calls += 1
         if sample is not None:  # by identity: a concurrent call that continued it too may have consumed it already
             self.samples = [s for s in self.samples if s is not sample]
         text = messages if isinstance(messages, str) else None
         keys = [] if text is not None else [normalized(m) for m in messages]
+        tools_key = _tools_key(tools)
         for i, reply in enumerate(replies):
             if sample is None:
                 transcript = Transcript.of_prompt(prompt_ids)
@@ -145,7 +149,7 @@ class Conversation:
                 output.output_ids[i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
             new = Sample(transcript, keys + [normalized(reply)], turn_ends + [len(transcript.token_ids)],
                          (sample.finish_reasons if sample else []) + [finish_reasons[i]], reply.get("content") or "",
-                         held)
+                         held, tools_key)
             self.samples.append(new)
 
     def trajectories(self, reward: float, group_id: str) -> list[Trajectory]:
@@ -166,6 +170,10 @@ class Conversation:
     def final_text(self) -> str:
         """The model's last answer (of the newest sample): what an environment scores."""
         return self.samples[-1].final_text if self.samples else ""
+
+
+def _tools_key(tools: list[dict] | None) -> str:
+    return json.dumps(tools or [], sort_keys=True)
 
 
 def _choice(output: GenerationOutput, i: int) -> GenerationOutput:

@@ -66,7 +66,7 @@ class EpisodeSession:
                             "logprobs": {"content": self.token_logprobs(output, i)} if sampling.logprobs else None,
                             **self.token_ids(sampling, ids)})
         if not (client_gone and await client_gone()):
-            self.conversation.record(messages, sample, prompt_ids, output, replies, reasons)
+            self.conversation.record(messages, sample, prompt_ids, output, replies, reasons, tools)
         return self.response("chat.completion", output, choices, sampling)
 
     async def complete(self, body: dict, client_gone: ClientGone | None = None) -> dict:
