@@ -633,6 +633,27 @@ def test_a_call_that_adds_tools_is_rendered_with_them_not_appended_to_a_sample_w
     assert conversation.history_splits == 1
 
 
+def test_logprobs_list_each_token_as_its_text_for_a_byte_level_vocabulary():
+    """GPT-2's, Llama 3's and Qwen's vocabularies hold bytes as stand-in characters (a space is "Ġ"): each token in
+    `logprobs` is its text, as OpenAI lists it (and a chat choice's `bytes` that text's UTF-8); they were the
+    vocabulary's stand-ins."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["hello world, café " * 20], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+
+    async def calls(http):
+        chosen = await http.post("/completions", json={"prompt": "hello", "logprobs": 0})
+        return chosen.json()["choices"][0]["logprobs"]
+
+    logprobs, _, _ = scripted_calls(tokenizer, [" world café"], calls)
+    assert "".join(logprobs["tokens"]) == " world café<eos>"
+
+
 @pytest.mark.parametrize("sent_back, continued", [("Observation: 4\nThought:", True), ("\nObservation: 4", False)],
                          ids=["the-stop-string", "other-text"])
 def test_a_completion_cut_at_a_stop_string_is_continued_from_the_text_its_ids_hold(tokenizer, sent_back, continued):

@@ -144,7 +144,9 @@ class EpisodeSession:
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls", "tool_calls"
 
     def token_logprobs(self, output: GenerationOutput, i: int) -> list[dict]:
-        tokens = self.tokenizer.convert_ids_to_tokens(output.output_ids[i])
+        """Each token as its text, as OpenAI and vLLM list it (" world", not a byte-level vocabulary's "Ġworld"); a
+        token that holds part of a character is the replacement character, as in vLLM."""
+        tokens = self.tokenizer.batch_decode([[t] for t in output.output_ids[i]], clean_up_tokenization_spaces=False)
         return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                 for t, lp in zip(tokens, output.logprobs[i])]
 
