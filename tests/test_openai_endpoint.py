@@ -775,10 +775,13 @@ def test_valid_chat_and_completion_bodies_are_answered_as_asked(tokenizer):
 def test_settings_sent_at_their_neutral_value_are_answered_and_top_k_reaches_the_model(tokenizer):
     """Clients send penalties at 0, tool_choice "auto" and the like by default: those are answered as asked."""
     neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1, "min_p": 0,
-               "top_logprobs": 0, "logit_bias": {}, "response_format": {"type": "text"}, "tool_choice": "auto"}
+               "top_logprobs": 0, "logit_bias": {}, "response_format": {"type": "text"}, "tool_choice": "auto",
+               "parallel_tool_calls": True, "functions": None, "function_call": "auto"}
     response, (asked,) = post(tokenizer, "/chat/completions", {**CHAT, **neutral, "top_k": 5})
     assert response.status_code == 200, response.text
     assert asked["gconfig"]["top_k"] == 5
+    response, _ = post(tokenizer, "/completions", {**COMPLETION, "echo": False, "suffix": None, "best_of": 1})
+    assert response.status_code == 200, response.text
     no_tools = {k: v for k, v in CHAT.items() if k != "tools"}
     response, _ = post(tokenizer, "/chat/completions", {**no_tools, "tool_choice": "none"})
     assert response.status_code == 200, response.text
@@ -837,6 +840,16 @@ HOSTILE = {  # name -> (path, body, status, param)
                                                                         "function": {"name": "calculator"}}},
                           400, "tool_choice"),
     "no tool call with tools": ("/chat/completions", {**CHAT, "tool_choice": "none"}, 400, "tool_choice"),
+    "one tool call a turn": ("/chat/completions", {**CHAT, "parallel_tool_calls": False}, 400, "parallel_tool_calls"),
+    "legacy functions": ("/chat/completions", {**CHAT, "functions": [TOOLS[0]["function"]]}, 400, "functions"),
+    "a legacy forced call": ("/chat/completions", {**CHAT, "function_call": {"name": "calculator"}}, 400,
+                             "function_call"),
+    "an image": ("/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}
+    ]}]}, 400, "messages[0].content[1]"),
+    "the prompt echoed": ("/completions", {**COMPLETION, "echo": True}, 400, "echo"),
+    "a suffix": ("/completions", {**COMPLETION, "suffix": " = 46"}, 400, "suffix"),
+    "best of 3": ("/completions", {**COMPLETION, "best_of": 3}, 400, "best_of"),
     "JSON 100,000 deep": ("/chat/completions", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
     "JSON 100 deep": ("/chat/completions", {**CHAT, "metadata": functools.reduce(lambda x, _: [x], range(100), 0)},
                       400, None),

@@ -10,11 +10,12 @@ recurses through it.
 
 The sampling settings are held to the bounds every request to the model is held to
 (`rlsys.api.messages.generation_setting`, the check `Model`, the router and the inference worker run), and
-`max_tokens` to the episode's context as well. Sampling and reply settings the engines do not honour (penalties,
-logit bias, min_p, a forced or forbidden tool call, a JSON reply format, alternatives to each token's logprob) may
-be sent at their neutral value, as many clients do, and are refused at any other: the reply would be sampled as if
-they were unset and trained on as such. Other fields the endpoint does not read are left alone: OpenAI clients send
-many.
+`max_tokens` to the episode's context as well. Sampling and reply settings the endpoint does not honour (penalties,
+logit bias, min_p, a forced or forbidden tool call, at most one tool call a turn, a JSON reply format, alternatives
+to each token's logprob; a completion's echoed prompt, suffix and best-of choice; the legacy `functions`) may be
+sent at their neutral value, as many clients do, and are refused at any other: the reply would be sampled as if
+they were unset and trained on as such. So is content other than text (an image): the model would answer without
+it. Other fields the endpoint does not read are left alone: OpenAI clients send many.
 """
 
 import json
@@ -111,6 +112,13 @@ def chat_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[di
     if body.get("tool_choice") not in (None, "auto") and not (body["tool_choice"] == "none" and not tools):
         raise _invalid("tool_choice", '"auto" (or null) is the only choice supported: the model decides whether to '
                                       'call a tool; forcing or forbidding a call is not')
+    _flag(body, "parallel_tool_calls")  # true, false or null
+    if body.get("parallel_tool_calls") is False and tools:
+        raise _invalid("parallel_tool_calls", "false is not supported: the model may call several tools in a turn; "
+                                              "send true or leave it out")
+    for legacy, neutral in (("functions", (None, [])), ("function_call", (None, "auto", "none"))):
+        if body.get(legacy) not in neutral:
+            raise _invalid(legacy, 'is not supported (the legacy form of "tools" and "tool_choice"): send "tools"')
     return messages, tools, _sampling(body, max_total_tokens, completion=False)
 
 
@@ -123,7 +131,17 @@ def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tu
     if not (isinstance(prompt, str) or ids) or not prompt:
         raise _invalid("prompt", f"must be a non-empty string or list of token ids below {vocab_size} (one prompt "
                                  f"per call)")
-    return prompt, _sampling(body, max_total_tokens, completion=True)
+    if _flag(body, "echo"):
+        raise _invalid("echo", "is not supported: a choice's text is the completion alone; send false or leave it out")
+    if body.get("suffix") not in (None, ""):
+        raise _invalid("suffix", "is not supported: the model continues the prompt, it does not fill in before a "
+                                 "suffix; send null or leave it out")
+    sampling = _sampling(body, max_total_tokens, completion=True)
+    n, best_of = sampling.settings.get("n", 1), body.get("best_of")
+    if best_of is not None and (type(best_of) is not int or best_of != n):
+        raise _invalid("best_of", f"is not supported: every sample is returned, none chosen among more; send n ({n}) "
+                                  f"or leave it out")
+    return prompt, sampling
 
 
 def _sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
@@ -196,6 +214,9 @@ def _message(message, where: str) -> None:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
                 raise _invalid(f"{where}.content[{j}]", "must be a content part object whose text is a string")
+            if part.get("type", "text") != "text":  # an image, audio, a file: the model would answer without it
+                raise _invalid(f"{where}.content[{j}]", f'must be a text part: this model reads text only (got type '
+                                                        f'{part["type"]!r})')
     elif content is not None and not isinstance(content, str):
         raise _invalid(f"{where}.content", "must be a string, a list of content parts or null")
     calls = message.get("tool_calls")
