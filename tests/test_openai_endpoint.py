@@ -5,6 +5,7 @@ are checked token by token against what the engine was asked and produced, call 
 import asyncio
 import functools
 import json
+import logging
 import math
 import resource
 import subprocess
@@ -857,6 +858,34 @@ HOSTILE = {  # name -> (path, body, status, param)
     "a lone surrogate": ("/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}, 400, None),
     "10 MB": ("/chat/completions", {**CHAT, "user": "x" * 10 * 2**20}, 413, None),
 }
+
+
+def test_a_client_that_disconnects_while_sending_its_body_leaves_no_traceback_in_the_log(tokenizer):
+    """A client gone mid-body is answered to nobody; Starlette's ClientDisconnect was logged as an ASGI application's
+    exception, with its traceback, once per such client."""
+    async def main():
+        endpoint = Endpoint()
+        await endpoint.start()
+        errors = []
+        handler = logging.Handler(logging.ERROR)
+        handler.emit = errors.append
+        logging.getLogger("uvicorn.error").addHandler(handler)
+        try:
+            async with Model(asyncio.Queue(), asyncio.Queue()) as model:
+                key = endpoint.open(EpisodeSession(model, tokenizer, GenerationConfig(max_new_tokens=4), 64, "rlsys"))
+                _, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: e\r\nAuthorization: Bearer " + key.encode() +
+                             b"\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+                await writer.drain()
+                await asyncio.sleep(0.3)
+                writer.close()
+                await asyncio.sleep(0.5)
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(handler)
+            endpoint.task.cancel()
+        return errors
+
+    assert asyncio.run(main()) == []
 
 
 @pytest.mark.parametrize("arguments", ['{"expression": ' + "1" * 5000 + "}", "[" * 10_000],

@@ -21,6 +21,7 @@ import socket
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from rlsys.endpoint.address import listen_address
 from rlsys.endpoint.http_protocol import bounded_protocol, connection_cap, raise_descriptor_limit
@@ -141,10 +142,13 @@ class Endpoint:
 async def _json_body(request: Request) -> dict:
     """The body as a JSON object; read no further than MAX_BODY_BYTES, whatever length the client declares."""
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise too_large()
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise too_large()
+    except ClientDisconnect:  # answered to nobody; uncaught, it was an ASGI traceback in the worker's log
+        raise RequestError(400, "the client disconnected before its request arrived whole") from None
     return json_body(bytes(raw))
 
 
