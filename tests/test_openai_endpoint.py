@@ -860,6 +860,21 @@ HOSTILE = {  # name -> (path, body, status, param)
 }
 
 
+def test_a_path_or_method_not_served_is_refused_in_openais_error_shape(tokenizer):
+    """The `openai` client reads the error from OpenAI's shape; FastAPI's {"detail": "Not Found"} said nothing of
+    what is served (a client of the Responses API, say)."""
+    response, asked = post(tokenizer, "/responses", {"model": "rlsys", "input": "hi"})
+    assert response.status_code == 404 and "/v1/chat/completions" in refusal(response)["message"] and asked == []
+
+    async def get():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=ENDPOINT.app), base_url="http://e/v1") as http:
+            return await http.get("/chat/completions")
+
+    response = asyncio.run(get())
+    assert response.status_code == 405 and "POST /v1/chat/completions" in refusal(response)["message"]
+    assert response.headers["allow"] == "POST"
+
+
 def test_a_client_that_disconnects_while_sending_its_body_leaves_no_traceback_in_the_log(tokenizer):
     """A client gone mid-body is answered to nobody; Starlette's ClientDisconnect was logged as an ASGI application's
     exception, with its traceback, once per such client."""

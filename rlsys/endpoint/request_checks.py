@@ -39,7 +39,8 @@ NEUTRAL_SETTINGS = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_p
 class RequestError(Exception):
     """A request the endpoint refuses: an HTTP status and OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = "invalid_request_error",
+                 param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
 

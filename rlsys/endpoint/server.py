@@ -6,9 +6,10 @@ attributes every call): `/v1/chat/completions`, `/v1/completions` and `/v1/model
 episode only. A call with a key nobody opened is refused with 401, one with the key of an episode that
 ended with 410, a malformed request with 400, one over MAX_BODY_BYTES with 413 and a chat call to a model
 without a chat template with 404; OpenAI's error body says why, and for 400 which field
-(rlsys/endpoint/request_checks.py). Headers over MAX_HEADER_BYTES get a plain 400 and the connection closed,
-whatever the key; so is a request that has not arrived whole within 30 s, and a connection over the server's
-cap is answered 503 (rlsys/endpoint/http_protocol.py).
+(rlsys/endpoint/request_checks.py); so does a 404 or 405 for a path or method not served (`/v1/responses`, say).
+Headers over MAX_HEADER_BYTES get a plain 400 and the connection closed, whatever the key; so is a request that has
+not arrived whole within 30 s, and a connection over the server's cap is answered 503
+(rlsys/endpoint/http_protocol.py).
 """
 
 import asyncio
@@ -21,6 +22,7 @@ import socket
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from rlsys.endpoint.address import listen_address
@@ -119,6 +121,14 @@ class Endpoint:
         @app.exception_handler(RequestError)
         async def refused(_request: Request, error: RequestError) -> JSONResponse:
             return JSONResponse(error.body(), status_code=error.status)
+
+        @app.exception_handler(HTTPException)
+        async def not_served(request: Request, error: HTTPException) -> JSONResponse:
+            """OpenAI's error shape, as clients parse it, rather than FastAPI's {"detail": ...}."""
+            message = (f"{error.detail}: {request.method} {request.url.path}; this endpoint serves POST "
+                       f"/v1/chat/completions, POST /v1/completions and GET /v1/models")
+            return JSONResponse(RequestError(error.status_code, message, code=None).body(),
+                                status_code=error.status_code, headers=error.headers)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
