@@ -7,6 +7,7 @@ rollout path.
 """
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -19,6 +20,14 @@ NS = 1_000_000_000
 # resumed run's launch ends after every episode of the launches before it.
 EXPORTED_STEP, EXPORTED_UNTIL = "rlsys.exported_step", "rlsys.exported_until"
 METRICS_PER_BATCH = 1000  # MLflow's limit on one log_batch call
+MAX_METRIC_NAME = 250  # MLflow's limit on a metric name's length
+
+
+def metric_name(key: str) -> str:
+    """`key`, a learner metric's name, as MLflow takes it: `/` as `.`, and what MLflow refuses in a name (it allows
+    letters, digits, `_`, `-`, `.` and spaces everywhere) as `_`, at most MAX_METRIC_NAME characters. An agent's own
+    metric, such as `agent/pass@1`, is any string: one refused name failed the whole export, every metric and trace."""
+    return re.sub(r"[^\w.\- ]", "_", key.replace("/", "."))[:MAX_METRIC_NAME]
 
 
 def default_tracking_uri(run_dir: Path) -> str:
@@ -104,7 +113,7 @@ def export_run(run_dir: Path, tracking_uri: str = "", logging_dir: Path | None =
         new = [row for row in (read_jsonl_metrics(metrics_file) if metrics_file.exists() else [])
                if row["step"] > exported_step]
         # in batches (one call a step took 12 s a thousand steps, one database write each), stamped when logged
-        metrics = [Metric(k.replace("/", "."), float(v), int(row.get("time", now) * 1000), row["step"])
+        metrics = [Metric(metric_name(k), float(v), int(row.get("time", now) * 1000), row["step"])
                    for row in new for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))]
         for start in range(0, len(metrics), METRICS_PER_BATCH):
             MlflowClient().log_batch(run.info.run_id, metrics=metrics[start:start + METRICS_PER_BATCH])

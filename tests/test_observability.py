@@ -351,6 +351,26 @@ def test_a_resumed_run_exports_to_mlflow_only_what_the_export_before_did_not(tmp
     assert len(mlflow.search_traces(locations=[experiment], return_type="list")) == 2
 
 
+def test_an_agent_metric_whose_name_mlflow_refuses_costs_the_export_nothing(tmp_path, tokenizer_dir):
+    """An agent's metrics are named by the agent (`agent/pass@1`): MLflow refused that name, and with it the whole
+    batch, so the run's end exported not one metric and not one trace (a warning in the log said only that)."""
+    import mlflow
+
+    from rlsys.mlflow_export import export_run
+
+    run_dir = tmp_path / "exp" / "t"
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True)
+    (logs / "learner.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5, "agent/pass@1": 0.25,
+                                                    "agent/" + "x" * 300: 1.0}) + "\n")
+    tool_episode(run_dir, tokenizer_dir)
+    mlflow.set_tracking_uri(export_run(run_dir))
+    experiment = mlflow.get_experiment_by_name("exp/t").experiment_id
+    (run,) = mlflow.search_runs([experiment], output_format="list")
+    assert run.data.metrics == {"reward": 0.5, "agent.pass_1": 0.25, ("agent." + "x" * 300)[:250]: 1.0}
+    assert len(mlflow.search_traces(locations=[experiment], return_type="list")) == 1
+
+
 def test_the_mlflow_export_takes_every_rollout_workers_episodes(tmp_path):
     """Each worker's trace file is in the order its episodes ended, one file after the other: the export took the
     newest end it had exported so far for the exports before's mark, and skipped every episode of rollout1 that ended
