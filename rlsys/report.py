@@ -9,6 +9,7 @@ import base64
 import html
 import io
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -133,8 +134,10 @@ def _time_split(learner: list[dict]) -> list[tuple[str, str]]:
 
 def _alarm_rows(learner: list[dict], summary: dict) -> list[tuple[str, str]]:
     def worst(key):
+        # NaN where any step's is: Python's max keeps or drops a NaN by where it stands, and a step whose logprobs
+        # disagree by NaN is the worst there is (rlsys/alarms.py, largest; not imported: the report needs no torch)
         values = [r[key] for r in learner if key in r]
-        return f"{max(values):.4g}" if values else "n/a"
+        return f"{max(values, key=lambda v: (math.isnan(v), v)):.4g}" if values else "n/a"
 
     breaks = [r["agent/prefix_breaks"] for r in learner if "agent/prefix_breaks" in r]
     compared = sum(any(r.get(f"{prefix}_tokens") for prefix in LOGPROB_ALARMS) for r in learner)

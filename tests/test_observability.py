@@ -325,6 +325,22 @@ def test_the_report_shows_the_probe_that_compares_logprobs_at_every_step(tmp_pat
     assert "id='logprob-curve'" in page and "probe_abs_diff_mean" in page
 
 
+def test_the_report_s_worst_step_is_nan_where_a_step_s_logprobs_disagreed_by_nan(tmp_path):
+    """Python's max keeps a NaN only where it comes first: a NaN step between finite ones was reported as the finite
+    worst, the one step that most needed a look hidden."""
+    from rlsys.report import build_report
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rows = [{"step": step, "alarms/probe_tokens": 12.0, "alarms/probe_abs_diff_mean": value,
+             "alarms/probe_abs_diff_max": value, "alarms/probe_kl": value}
+            for step, value in ((1, 0.01), (2, float("nan")), (3, 0.02))]
+    (logs / "learner.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    page = build_report(tmp_path).read_text()
+    for figure in ("|diff| mean", "|diff| max", "KL"):
+        assert f"<th>probe: logprob {figure} (worst step)</th><td>nan</td>" in page
+
+
 def test_a_resumed_run_exports_to_mlflow_only_what_the_export_before_did_not(tmp_path, tokenizer_dir):
     """Each launch of a run exports at its end; a run resumed in its directory made a second MLflow run holding every
     step again and a second copy of each earlier trace."""
