@@ -127,9 +127,17 @@ def _table(rows: list[tuple[str, object]]) -> str:
 
 
 def _time_split(learner: list[dict]) -> list[tuple[str, str]]:
-    totals = {key: sum(r.get(key, 0.0) for r in learner) for key in TIME_KEYS}
+    """The learner's seconds by what it did, as the time plot shows them: from step 2, the first step's wait for data
+    being the run's start-up (engines loading, the first evaluation), which made waiting look like most of a short
+    run's time; that wait on a row of its own."""
+    shown = learner[1:] if len(learner) > 1 else learner
+    totals = {key: sum(r.get(key, 0.0) for r in shown) for key in TIME_KEYS}
     whole = sum(totals.values()) or 1.0
-    return [(key.removeprefix("time/"), f"{seconds:.1f} s ({100 * seconds / whole:.0f}%)") for key, seconds in totals.items()]
+    rows = [(key.removeprefix("time/"), f"{seconds:.1f} s ({100 * seconds / whole:.0f}%)")
+            for key, seconds in totals.items()]
+    if shown is not learner and "time/wait_data" in learner[0]:
+        rows.append(("start-up (step 1's wait for data, left out above)", f"{learner[0]['time/wait_data']:.1f} s"))
+    return rows
 
 
 def _alarm_rows(learner: list[dict], summary: dict) -> list[tuple[str, str]]:

@@ -341,6 +341,21 @@ def test_the_report_s_worst_step_is_nan_where_a_step_s_logprobs_disagreed_by_nan
         assert f"<th>probe: logprob {figure} (worst step)</th><td>nan</td>" in page
 
 
+def test_where_the_learner_s_time_went_leaves_the_start_up_out_as_the_plot_does(tmp_path):
+    """Step 1's wait for data is the run's start-up: counted with the rest, a short run's learner looked as if it
+    waited for data most of its time (82% in a 10-step run whose steps waited 13%)."""
+    from rlsys.report import build_report
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rows = [{"step": s, "time/wait_data": w, "time/compute": 0.5, "time/publish": 0.0, "time/save": 0.0}
+            for s, w in ((1, 95.0), (2, 0.25), (3, 0.25))]
+    (logs / "learner.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    page = build_report(tmp_path).read_text()
+    assert "<th>wait_data</th><td>0.5 s (33%)</td>" in page and "<th>compute</th><td>1.0 s (67%)</td>" in page
+    assert "<th>start-up (step 1&#x27;s wait for data, left out above)</th><td>95.0 s</td>" in page
+
+
 def test_a_resumed_run_exports_to_mlflow_only_what_the_export_before_did_not(tmp_path, tokenizer_dir):
     """Each launch of a run exports at its end; a run resumed in its directory made a second MLflow run holding every
     step again and a second copy of each earlier trace."""
