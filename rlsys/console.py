@@ -97,9 +97,11 @@ class ProgressReporter:
         for row in self.new_evaluations():
             name, key = ("accuracy", "eval/accuracy") if "eval/accuracy" in row else ("mean reward", "eval/reward")
             failed = row.get("eval/failed", 0)  # counted in the accuracy, as unsolved
+            # an evaluation runs beside training: weights it began with may be replaced before it ends
+            versions = f", versions {row['eval/version']}-{row['eval/version_max']}" if "eval/version_max" in row else ""
             self.print(f"step {row['eval/version']:>5}/{self.max_steps}  held-out {name} "
                        f"{held_out_text(name, row[key])} (greedy, {row['eval/episodes'] + failed} problems"
-                       + (f", {failed} failed)" if failed else ")"))
+                       + (f", {failed} failed" if failed else "") + versions + ")")
         if self.bus is not None and time.monotonic() - self.last_line >= self.quiet_seconds:
             with contextlib.suppress(redis.ConnectionError):  # our server restarting: the supervisor sees to it
                 self.print(self.waiting_line())

@@ -15,6 +15,7 @@ from rlsys.api import (Agent, AgentAbstraction, EnvironmentService, EnvServiceAb
 from rlsys.assets import AssetError, prepare_assets
 from rlsys.bus import InProcessBus
 from rlsys.checkpoint import read_trainer_state
+from rlsys.console import ProgressReporter
 from rlsys.data.prompts import prompt_stream
 from rlsys.errors import EpisodeFailed
 from rlsys.impl.env.math_verifier import close_shared_pool
@@ -206,6 +207,46 @@ def test_an_evaluation_episode_that_returns_no_trajectories_fails_as_invalid_out
     asyncio.run(worker.evaluate("initial"))
     assert worker.failures == {"invalid_output": 1} and bus.get(protocol.eval_result("initial"))["episodes"] == 0
     assert f"collect_trajectory must return a list of Trajectory, {named}" in caplog.text
+
+
+class AnsweredByLaterVersions(Agent):
+    """An evaluation's episode whose tokens the versions loaded while it ran generated (7, then 8)."""
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        return [Trajectory(token_ids=[5, 6, 7], loss_mask=[0, 1, 1], logprobs=[0.0, -0.1, -0.1], versions=[-1, 7, 8],
+                           turn_ends=[3], turn_rewards=[1.0], reward=1.0, group_id=prompt.qid, stop_reason="stop",
+                           metrics={"success": 1.0})]
+
+
+register_agent("answered-by-later-versions", AnsweredByLaterVersions)
+
+
+def test_an_evaluation_is_labelled_with_the_versions_that_generated_it(tmp_path, capsys):
+    """It runs beside training, so inference loads new versions meanwhile: labelled with the version served when it
+    began, the evaluation at version 4 of a 10-step run was every episode version 5's, and its curve and console line
+    credited version 4 with it."""
+    @dataclasses.dataclass
+    class LaterVersionsExperiment(AsyncPPOMATHConfig):
+        @property
+        def agent(self):
+            return AgentAbstraction("answered-by-later-versions", {})
+
+    config = LaterVersionsExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    bus = InProcessBus()
+    worker = RolloutWorker(config, bus, 0)
+    worker.eval_rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    asyncio.run(worker.evaluate("step-4"))  # no inference worker: the version served is 0
+    worker.metrics.close()
+    result = bus.get(protocol.eval_result("step-4"))
+    assert (result["version"], result["version_max"], result["accuracy"]) == (7, 8, 1.0)
+    (row,) = [json.loads(line) for line in (tmp_path / "logs" / "rollout0.jsonl").read_text().splitlines()]
+    assert (row["step"], row["eval/version"], row["eval/version_max"]) == (7, 7, 8)
+    report = ProgressReporter(tmp_path / "learner.jsonl", every=10, max_steps=10, quiet_seconds=3600,
+                              evaluations_file=tmp_path / "logs" / "rollout0.jsonl")
+    report()
+    assert capsys.readouterr().out == "step     7/10  held-out accuracy 100.0% (greedy, 2 problems, versions 7-8)\n"
 
 
 class RetriedOnce(InProcessBus):
