@@ -10,7 +10,8 @@ What is being generated is what the rollout workers say they run (each publishes
 not what the ledger holds in flight: a prompt in flight that no episode runs would otherwise pass for one being
 generated and keep a run waiting in silence; here it stops the run, which names them lost.
 Nor is a run whose inference workers are still starting (after a restart, vLLM's start takes about a minute on a
-CPU): the clock runs only while every one of them serves.
+CPU): the clock runs only while every one of them serves; nor one whose rollout workers are (their environments'
+warm-up may load a model): only while every one of them has said what it runs since it started.
 """
 
 import time
@@ -40,15 +41,19 @@ class StallWatch:
         if not self.timeout:
             return
         now = self.clock()
+        # None where a rollout worker has not said yet: it is starting (the launcher deletes the count of one that
+        # died, and every count when the roles start again after the learner's death, while the initial evaluation,
+        # which tells a start from the rest, is kept)
+        running = [bus.get(protocol.rollout_running(i)) for i in range(self.n_rollout_workers)]
         if (not bus.get(protocol.eval_result("initial")) or bus.get(protocol.LEARNER_DONE) is not None
-                or not self.inference_serves(bus)):
+                or not self.inference_serves(bus) or None in running):
             self.state = None  # starting, (re)starting a role, or past the last step: the final evaluation is no stall
             return
         counts = self.ledger.counts()
         weights = bus.get(protocol.WEIGHTS)
         version = weights.get("version") if isinstance(weights, dict) else None
         delivered = bus.stream_length(protocol.TRAJECTORIES)  # one entry a prompt, until the learner trains it
-        running = sum(bus.get(protocol.rollout_running(i)) or 0 for i in range(self.n_rollout_workers))
+        running = sum(running)
         # A learner that holds a batch's worth is training it (a step of a large model on a CPU takes minutes).
         moving = running > 0 or delivered >= self.ledger.batch_size
         state = (counts[ADMITTED], version, delivered)

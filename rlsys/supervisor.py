@@ -98,6 +98,8 @@ class Supervisor:
                 raise LearnerFailed(f"{process.name} {why}")
             if role == "inference":
                 InferenceStatus(bus, index).mark_dead()
+            if role == "rollout":  # it runs nothing now; the stall watch waits for its successor to say what it runs
+                bus.delete(protocol.rollout_running(index))
             self.processes[(role, index)] = self.start_role(role, index)
 
     def count_restart(self, name: str, why: str) -> None:

@@ -11,10 +11,11 @@ from experiments import AsyncPPOMATHConfig
 from rlsys import protocol
 from rlsys.bus import InProcessBus
 from rlsys.cli import parse_config
-from rlsys.launcher import launch
+from rlsys.launcher import initialize_bus_state, launch
 from rlsys.prompt_ledger import PromptLedger
 from rlsys.api.messages import WorkerStatus
 from rlsys.stall import RunStalled, StallWatch
+from rlsys.supervisor import Supervisor
 from rlsys.errors import RoleFailed
 from rlsys.workers.inference_status import InferenceStatus
 from tests.helpers import child_pids, left_behind, small_run_overrides
@@ -54,6 +55,9 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     status.mark_dead()
     after(1000)  # an inference worker being restarted
     status.publish(WorkerStatus(epoch=2, beat=1, version=0, load=0))
+    after(0)
+    after(1000)  # nor a rollout worker that has not said what it runs: it is starting (its environments warming up)
+    running(0)
     after(0)
     after(59)
     with pytest.raises(RunStalled, match="none admitted"):
@@ -110,6 +114,45 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     never.check(bus)
 
 
+class Exited:
+    """A role's handle whose process has exited, as rlsys.placement's are read by the supervisor."""
+
+    def __init__(self, name: str):
+        self.name, self.exitcode, self.exit_reason = name, -9, "was killed by SIGKILL"
+
+
+def test_a_rollout_worker_restarted_after_the_learner_s_death_or_its_own_is_starting_not_stalled():
+    """After the learner died every role starts again with the initial evaluation kept, and a rollout worker that dies
+    is restarted alone: while its successor's environments warmed up (a reward model loading), no episode ran and
+    nothing was admitted, and the watch stopped the run as stalled after 120 s of a start."""
+    config = AsyncPPOMATHConfig()
+    config.cluster.stall_timeout = 60
+    bus, clock = InProcessBus(), Clock()
+    watch = StallWatch(config, PromptLedger.of(bus, config), clock)
+    bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
+    InferenceStatus(bus, 0).publish(WorkerStatus(epoch=1, beat=1, version=3, load=0))
+    bus.set(protocol.WEIGHTS, {"version": 3, "path": "/w"})
+    initialize_bus_state(bus, config, {}, keep_initial_eval=True)  # the roles' start again: their counts are gone
+    InferenceStatus(bus, 0).publish(WorkerStatus(epoch=2, beat=1, version=3, load=0))
+    watch.check(bus)
+    clock.now += 1000
+    watch.check(bus)
+    bus.set(protocol.rollout_running(0), 0)  # up, and idle at a closed gate
+    watch.check(bus)
+    restarted = []
+    supervisor = Supervisor(config, lambda role, index: restarted.append((role, index)))
+    supervisor.processes = {("rollout", 0): Exited("rollout0")}
+    supervisor.restart_dead_roles(bus)
+    assert restarted == [("rollout", 0)]
+    clock.now += 1000
+    watch.check(bus)
+    bus.set(protocol.rollout_running(0), 0)
+    watch.check(bus)
+    clock.now += 60
+    with pytest.raises(RunStalled):
+        watch.check(bus)
+
+
 def test_a_stall_while_a_worker_still_serves_an_older_version_says_to_raise_the_timeout():
     """With max_head_offpolicyness=0 the gate waits for the new version to be served; a model whose load takes
     longer than the timeout stands the run still, and the error says which worker lags and what to change."""
@@ -121,6 +164,7 @@ def test_a_stall_while_a_worker_still_serves_an_older_version_says_to_raise_the_
     InferenceStatus(bus, 0).publish(WorkerStatus(epoch=1, beat=1, version=3, load=0))
     InferenceStatus(bus, 1).publish(WorkerStatus(epoch=1, beat=1, version=2, load=0))
     bus.set(protocol.WEIGHTS, {"version": 3, "path": "/w"})
+    bus.set(protocol.rollout_running(0), 0)
     watch.check(bus)
     clock.now += 60
     with pytest.raises(RunStalled, match=r"Inference workers still serving an older version: 1 \(2\); if loading "
