@@ -98,7 +98,8 @@ class ProgressReporter:
             name, key = ("accuracy", "eval/accuracy") if "eval/accuracy" in row else ("mean reward", "eval/reward")
             failed = row.get("eval/failed", 0)  # counted in the accuracy, as unsolved
             # an evaluation runs beside training: weights it began with may be replaced before it ends
-            versions = f", versions {row['eval/version']}-{row['eval/version_max']}" if "eval/version_max" in row else ""
+            versions = (f", versions {row['eval/version']}-{row['eval/version_max']}" if "eval/version_max" in row
+                        else "")
             self.print(f"step {row['eval/version']:>5}/{self.max_steps}  held-out {name} "
                        f"{held_out_text(name, row[key])} (greedy, {row['eval/episodes'] + failed} problems"
                        + (f", {failed} failed" if failed else "") + versions + ")")
