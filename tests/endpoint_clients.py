@@ -7,6 +7,7 @@ import json
 
 import httpx
 import openai
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "arithmetic",
                                            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
@@ -15,13 +16,18 @@ RESPONSES: list = []  # what the functions got back, per call
 SEEN: dict = {}  # what probing_run observed
 
 
-async def openai_tools_run(base_url, api_key, prompt):
-    """A hand-written tool loop on the real `openai` client."""
+async def openai_tools_run(base_url, api_key, prompt, stream: bool = False):
+    """A hand-written tool loop on the real `openai` client; streamed, each reply as the client reassembles it."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": prompt}]
     for _ in range(3):
         response = await client.chat.completions.create(model="rlsys", messages=messages, tools=TOOLS, logprobs=True,
-                                                        extra_body={"return_token_ids": True})
+                                                        seed=7, stream=stream, extra_body={"return_token_ids": True})
+        if stream:
+            state = ChatCompletionStreamState()
+            async for chunk in response:
+                state.handle_chunk(chunk)
+            response = state.get_final_completion()
         RESPONSES.append(response)
         message = response.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
@@ -31,6 +37,26 @@ async def openai_tools_run(base_url, api_key, prompt):
             result = str(eval(json.loads(call.function.arguments)["expression"]))  # the test's own calculator
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return 0.0
+
+
+async def openai_streaming_tools_run(base_url, api_key, prompt):
+    return await openai_tools_run(base_url, api_key, prompt, stream=True)
+
+
+async def langgraph_streaming_run(base_url, api_key, prompt):
+    """The LangGraph example's agent, its model streaming and the graph run with stream_mode="messages"."""
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    from rlsys.impl.agent.langgraph_example import calculator
+
+    model = ChatOpenAI(base_url=base_url, api_key=api_key, model="rlsys", max_retries=0, streaming=True,
+                       stream_usage=True)
+    agent = create_react_agent(model, [calculator])
+    async for message, _ in agent.astream({"messages": [("user", prompt)]}, {"recursion_limit": 8},
+                                          stream_mode="messages"):
+        RESPONSES.append(message)
+    return None
 
 
 async def editing_run(base_url, api_key, prompt):

@@ -708,8 +708,9 @@ CHAT = {"model": "rlsys", "messages": [
     "logprobs": True, "return_token_ids": True, "user": "anyone"}
 COMPLETION = {"model": "rlsys", "prompt": ["12+34="], "max_tokens": 4, "n": 1, "logprobs": 0, "stop": "\n"}
 CHAT_PATHS = [(k,) for k in CHAT] + [
-    ("max_completion_tokens",), ("stream",), ("messages", 1), ("messages", 1, "role"), ("messages", 1, "content"),
-    ("messages", 1, "content", 0), ("messages", 2, "tool_calls"), ("messages", 2, "tool_calls", 0, "function"),
+    ("max_completion_tokens",), ("stream",), ("stream_options",), ("messages", 1), ("messages", 1, "role"),
+    ("messages", 1, "content"), ("messages", 1, "content", 0), ("messages", 2, "tool_calls"),
+    ("messages", 2, "tool_calls", 0, "function"),
     ("messages", 3, "tool_call_id"), ("tools", 0), ("tools", 0, "function", "parameters"),
     ("tools", 0, "function", "parameters", "required"), ("stop", 0)]
 COMPLETION_PATHS = [(k,) for k in COMPLETION] + [("prompt", 0)]

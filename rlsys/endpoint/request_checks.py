@@ -16,6 +16,10 @@ to each token's logprob; a completion's echoed prompt, suffix and best-of choice
 sent at their neutral value, as many clients do, and are refused at any other: the reply would be sampled as if
 they were unset and trained on as such. So is content other than text (an image): the model would answer without
 it. Other fields the endpoint does not read are left alone: OpenAI clients send many.
+
+`"stream": true` is answered as Server-Sent Events (rlsys/endpoint/streaming.py). `stream_options` is refused
+without it, as OpenAI refuses it; of its keys `include_usage` is honoured, `include_obfuscation` refused unless
+false, and any other refused.
 """
 
 import json
@@ -65,6 +69,8 @@ class Sampling:
     stop: list[str]  # the reply ends before the first of these
     logprobs: bool  # each choice lists its tokens' logprobs
     return_token_ids: bool  # the extension: the prompt's and each choice's token ids
+    stream: bool  # the reply is sent as Server-Sent Events
+    include_usage: bool  # a streamed reply ends with a chunk of usage
 
 
 def json_body(raw: bytes) -> dict:
@@ -146,8 +152,6 @@ def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tu
 
 
 def _sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
-    if _flag(body, "stream"):
-        raise _invalid("stream", "is not supported; call without stream=true")
     _refuse_unhonoured(body)
     settings = {name: _setting(name, body[name], name) for name in SAME_NAMED_SETTINGS if body.get(name) is not None}
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -162,7 +166,28 @@ def _sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
             and all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stop)):
         raise _invalid("stop", f"must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of at most "
                                f"{MAX_STOP_CHARS} characters")
-    return Sampling(settings, stop, _logprobs(body, completion), _flag(body, "return_token_ids"))
+    return Sampling(settings, stop, _logprobs(body, completion), _flag(body, "return_token_ids"), *_stream(body))
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """Whether the reply is streamed, and whether the stream ends with usage."""
+    stream, options = _flag(body, "stream"), body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise _invalid("stream_options", "is only allowed when stream is true")
+    if not isinstance(options, dict):
+        raise _invalid("stream_options", "must be an object or null")
+    for key in options:
+        if key not in ("include_usage", "include_obfuscation"):
+            raise _invalid(f"stream_options.{key}", "is not supported: the stream options are include_usage and "
+                                                   "include_obfuscation")
+    # Obfuscation pads each chunk against a network observer inferring its text from its size: the endpoint's
+    # clients are on this host, and no chunk here is padded.
+    if _flag(options, "include_obfuscation", "stream_options.include_obfuscation"):
+        raise _invalid("stream_options.include_obfuscation", "is not supported: chunks are not padded; send false "
+                                                              "or leave it out")
+    return True, _flag(options, "include_usage", "stream_options.include_usage")
 
 
 def _refuse_unhonoured(body: dict) -> None:
@@ -197,10 +222,11 @@ def _logprobs(body: dict, completion: bool) -> bool:
     return value is not None
 
 
-def _flag(body: dict, param: str) -> bool:
-    value = body.get(param)
+def _flag(body: dict, key: str, param: str | None = None) -> bool:
+    """`body[key]` as true, false or null (false); `param` names it in a refusal (the key itself by default)."""
+    value = body.get(key)
     if value is not None and not isinstance(value, bool):
-        raise _invalid(param, "must be true, false or null")
+        raise _invalid(param or key, "must be true, false or null")
     return bool(value)
 
 

@@ -9,7 +9,8 @@ without a chat template with 404; OpenAI's error body says why, and for 400 whic
 (rlsys/endpoint/request_checks.py); so does a 404 or 405 for a path or method not served (`/v1/responses`, say).
 Headers over MAX_HEADER_BYTES get a plain 400 and the connection closed, whatever the key; so is a request that has
 not arrived whole within 30 s, and a connection over the server's cap is answered 503
-(rlsys/endpoint/http_protocol.py).
+(rlsys/endpoint/http_protocol.py). A call with `"stream": true` is answered as Server-Sent Events once the model has
+answered it whole (rlsys/endpoint/streaming.py).
 """
 
 import asyncio

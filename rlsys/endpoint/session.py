@@ -9,12 +9,16 @@ rlsys/tools/call_format.py and returned as OpenAI `tool_calls`.
 
 Every field a request sets is checked before any of it is used (rlsys/endpoint/request_checks.py).
 
+`"stream": true` gets the same reply as Server-Sent Events, split once the model has answered and the call is
+recorded (rlsys/endpoint/streaming.py).
+
 Extension (as vLLM names it): `"return_token_ids": true` adds `prompt_token_ids` to the response and
 `token_ids` to each choice.
 
 A call whose client has gone by the time the model answers (its HTTP client timed out; the `openai` client then sends
 the same messages again) is answered to nobody and not recorded: no sample holds a reply no client acted on, trained
-with a reward it had no part in.
+with a reward it had no part in. A streamed call is checked the same way, before its first chunk is sent; a client
+that goes while the chunks are sent had its reply recorded, as one that goes while an unstreamed reply is sent does.
 """
 
 import asyncio
@@ -25,10 +29,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 import jinja2
+from starlette.responses import Response
 
 from rlsys.api import GenerationConfig, GenerationOutput, Model
 from rlsys.endpoint.conversation import Conversation
 from rlsys.endpoint.request_checks import RequestError, Sampling, chat_request, completion_request
+from rlsys.endpoint.streaming import event_stream
 from rlsys.tools.call_format import CALL, parse_turn
 
 ClientGone = Callable[[], Awaitable[bool]]  # whether the call's client has disconnected
@@ -43,7 +49,7 @@ class EpisodeSession:
         self.conversation = Conversation(tokenizer)
         self.outputs: list[GenerationOutput] = []  # every reply the engine sent, in call order
 
-    async def chat(self, body: dict, client_gone: ClientGone | None = None) -> dict:
+    async def chat(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
         if self.tokenizer.chat_template is None:  # a base model: transformers' ValueError would be a bare 500
             raise RequestError(404, "this is not a chat model (its tokenizer has no chat template), so it is not "
                                     "served at /v1/chat/completions: call /v1/completions", "model_not_found",
@@ -69,7 +75,7 @@ class EpisodeSession:
             self.conversation.record(messages, sample, prompt_ids, output, replies, reasons, tools)
         return self.response("chat.completion", output, choices, sampling)
 
-    async def complete(self, body: dict, client_gone: ClientGone | None = None) -> dict:
+    async def complete(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
         prompt, sampling = completion_request(body, self.max_total_tokens, len(self.tokenizer))
         sample, prompt_ids = self.conversation.prompt_for_text(prompt)
         output = await self.generate(prompt_ids, sampling)
@@ -154,7 +160,8 @@ class EpisodeSession:
     def token_ids(sampling: Sampling, ids: list[int]) -> dict:
         return {"token_ids": list(ids)} if sampling.return_token_ids else {}
 
-    def response(self, kind: str, output: GenerationOutput, choices: list[dict], sampling: Sampling) -> dict:
+    def response(self, kind: str, output: GenerationOutput, choices: list[dict], sampling: Sampling) -> dict | Response:
+        """The reply: a JSON object, or its events where the call asked for a stream."""
         response = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
                     "created": int(time.time()), "model": self.model_name, "choices": choices,
                     "usage": {"prompt_tokens": len(output.prompt_ids),
@@ -162,7 +169,7 @@ class EpisodeSession:
                               "total_tokens": len(output.prompt_ids) + sum(len(ids) for ids in output.output_ids)}}
         if sampling.return_token_ids:
             response["prompt_token_ids"] = list(output.prompt_ids)
-        return response
+        return event_stream(response, sampling.include_usage) if sampling.stream else response
 
 
 def _finish(stop_reason: str) -> str:
