@@ -153,7 +153,7 @@ def test_a_streamed_completion_is_the_unstreamed_one_in_text_completion_chunks(t
         streamed = await chunks_of(await client.completions.create(
             model="rlsys", prompt="12+34=", logprobs=0, stream=True, stream_options={"include_usage": True}))
         raw = await http.post("/completions", json={"prompt": "12+34=", "stream": True, "n": 2,
-                                                    "extra": None, "return_token_ids": True})
+                                                    "return_token_ids": True})
         return plain, streamed, raw
 
     (plain, streamed, raw), session = served(tokenizer, [["46"], ["46"], ["46", "57"]], calls)
