@@ -8,10 +8,10 @@ status with OpenAI's error body: no byte of the stream has been sent by then.
 
 A chat choice comes as a chunk with `{"role": "assistant", "content": ""}`, then one with its whole content, then
 one with its whole tool calls (each with its `index`, `id`, `type` and `function`), then one with an empty delta and
-its finish reason; a completion choice as one chunk with its text and finish reason. A choice's logprobs and token
-ids ride on its last chunk before the finish. With `stream_options.include_usage` the last chunk has no choices and
-the call's usage, and every other chunk `"usage": null`. The chunks share the reply's id, created and model; the
-first carries the extension's `prompt_token_ids`.
+its finish reason; a completion choice as one chunk with its text and finish reason. A chat choice's logprobs and
+token ids ride on its last chunk before the finish, a completion choice's on its chunk. With
+`stream_options.include_usage` the last chunk has no choices and the call's usage, and every other chunk `"usage":
+null`. The chunks share the reply's id, created and model; the first carries the extension's `prompt_token_ids`.
 """
 
 import json
