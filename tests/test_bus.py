@@ -153,6 +153,21 @@ def test_incr_of_a_non_integer_fails_clearly(bus):
         bus.incr("k")
 
 
+def test_both_buses_refuse_a_count_that_is_not_an_int_and_a_set_member_that_is_not_a_str_and_change_nothing(bus):
+    # Redis refuses these (INCRBY 1.5, redis-py's True) or stores them as their text (5 and b"x" as "5" and "x"); the
+    # in-process bus used to take them: a float made the key unreadable, and 5 and "5" were two members
+    for amount in (1.5, True, "2", None):
+        with pytest.raises(TypeError, match="incr of key 'c': the amount must be an int"):
+            bus.incr("c", amount)
+        with pytest.raises(TypeError, match="incr on key 'c': the amount must be an int"):
+            bus.change([Step.add("s", "a"), Step.incr("c", amount)])
+    for member in (5, b"x", None):
+        for step in (Step.add, Step.remove, Step.absent, Step.present):
+            with pytest.raises(TypeError, match=f"{step.__name__} on set 's': the member must be a str"):
+                bus.change([Step.add("s", "a"), step("s", member)])
+    assert bus.get("c") is None and bus.set_size("s") == 0
+
+
 def test_set_get_delete_nested_values(bus):
     value = {"version": 3, "path": "/ckpt/3", "stats": [1.5, None, True, {"deep": ["x", -7]}], "t": (1, 2)}
     bus.set("k", value)

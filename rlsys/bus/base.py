@@ -89,6 +89,13 @@ def decode_value(data: bytes, key: str):
     return decode(data, f"key {key}")
 
 
+def check_integer(value, what: str) -> None:
+    """TypeError unless `value` is an int: Redis counts only in integers (INCRBY refuses 1.5, redis-py refuses True), and the
+    in-process bus, which would add anything, must refuse what Redis refuses or tests pass that real runs fail."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r:.80}")
+
+
 @dataclasses.dataclass(frozen=True)
 class StreamEntry:
     """One stream message as a consumer group delivered it: raw bytes, so a bad one can be set aside whole."""
@@ -116,6 +123,15 @@ class Step:
     op: str  # a guard (absent, present, at_most) or a write (incr, add, remove, append)
     key: str
     arg: object = None  # the member, the amount, the limit or the message
+
+    def __post_init__(self):
+        # Set members are strings: Redis would store 5 and "5" as the same member, and b"x" as "x", where a Python
+        # set keeps them apart; refused here, both buses behave alike.
+        if self.op in ("absent", "present", "add", "remove") and not isinstance(self.arg, str):
+            raise TypeError(f"{self.op} on set {self.key!r}: the member must be a str, got "
+                            f"{type(self.arg).__name__} {self.arg!r:.80}")
+        if self.op == "incr":
+            check_integer(self.arg, f"incr on key {self.key!r}: the amount")
 
     @classmethod
     def absent(cls, key: str, member: str) -> "Step":

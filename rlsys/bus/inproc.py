@@ -10,8 +10,8 @@ import threading
 import time
 import uuid
 
-from rlsys.bus.base import (Bus, BusError, Step, StreamEntry, decode_or_undecodable, decode_value, encode, encode_value,
-                            oversize)
+from rlsys.bus.base import (Bus, BusError, Step, StreamEntry, check_integer, decode_or_undecodable, decode_value,
+                            encode, encode_value, oversize)
 
 
 @dataclasses.dataclass
@@ -117,6 +117,7 @@ class InProcessBus(Bus):
         return default if data is None else decode_value(data, key)
 
     def incr(self, key: str, amount: int = 1) -> int:
+        check_integer(amount, f"incr of key {key!r}: the amount")
         with self._cond:
             return self._incr(key, amount)
 

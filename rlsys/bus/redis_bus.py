@@ -12,8 +12,8 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from rlsys.bus.base import (Bus, BusError, Step, StreamEntry, decode_or_undecodable, decode_value, encode, encode_value,
-                            oversize)
+from rlsys.bus.base import (Bus, BusError, Step, StreamEntry, check_integer, decode_or_undecodable, decode_value,
+                            encode, encode_value, oversize)
 
 # A blocking command must return before the socket times out, or redis-py drops the connection while
 # the server may already have popped a message for it (lost). Long waits are therefore cut into slices.
@@ -175,6 +175,7 @@ class RedisBus(Bus):
         return default if data is None else decode_value(data, key)
 
     def incr(self, key: str, amount: int = 1) -> int:
+        check_integer(amount, f"incr of key {key!r}: the amount")
         try:
             return self._client.incrby(self._k(key), amount)
         except redis.ResponseError as e:
