@@ -153,6 +153,20 @@ def test_retries_when_the_chosen_port_is_taken(tmp_path, monkeypatch):
         squatter.close()
 
 
+def test_a_port_taken_on_the_address_it_listens_on_is_named_with_that_address(tmp_path):
+    """A head node's server listens on the node's address, not loopback: the refusal named 127.0.0.1, where the port
+    was free, sending the user to look in the wrong place."""
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.2", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    try:
+        with pytest.raises(EmbeddedRedisError, match=rf"cluster.redis_port {taken} is in use on 127.0.0.2;"):
+            EmbeddedRedis(tmp_path, taken, host="127.0.0.2").start()
+    finally:
+        squatter.close()
+
+
 def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(redis_server_module.shutil, "which", lambda name: None)
     with pytest.raises(EmbeddedRedisError, match="apt-get install redis-server"):

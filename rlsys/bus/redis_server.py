@@ -75,11 +75,11 @@ def check_port_free(port: int) -> None:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise _port_in_use(port) from None
+            raise _port_in_use(port, "127.0.0.1") from None
 
 
-def _port_in_use(port: int) -> EmbeddedRedisError:
-    return EmbeddedRedisError(f"cluster.redis_port {port} is in use on 127.0.0.1; choose another port, "
+def _port_in_use(port: int, host: str) -> EmbeddedRedisError:
+    return EmbeddedRedisError(f"cluster.redis_port {port} is in use on {host}; choose another port, "
                               "or set cluster.redis_port=0 to pick a free one")
 
 
@@ -165,7 +165,7 @@ class EmbeddedRedis:
                 atexit.register(self.stop)
                 return self
         if self.requested_port:
-            raise _port_in_use(self.port)
+            raise _port_in_use(self.port, self.host)
         raise EmbeddedRedisError(f"redis-server found no free port in {PORT_ATTEMPTS} attempts; "
                                  f"log tail:\n{self._log_tail()}")
 
