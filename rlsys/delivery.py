@@ -206,7 +206,8 @@ class TrajectoryInbox:
         if lost:
             log.warning("the bus server restarted; %d trajectory messages it had handed out never arrived: "
                         "taking them again", len(lost))
-        self.orphans += lost
+        # every pending entry not held, so the orphans not taken yet too: added to them, those would come twice
+        self.orphans = lost
 
     def receive(self, max_count: int, timeout: float) -> list[Delivery]:
         """Up to `max_count` new groups (waiting up to `timeout` s for the first entry); each must be acked."""

@@ -233,6 +233,27 @@ def test_after_a_bus_server_restart_the_learner_takes_again_what_never_arrived_a
         bus.close()
 
 
+def test_entries_still_waiting_to_be_taken_again_when_the_server_restarts_again_are_taken_once(tmp_path):
+    """What the learner had yet to take again after one restart was claimed again at the next and queued a second
+    time: its second copy was dropped as a duplicate and acknowledged, deleting the entry the learner held."""
+    with EmbeddedRedis(tmp_path) as server:
+        bus = connect(server.url)
+        for group_id in ["held", "lost-1", "lost-2"]:
+            send(bus, group_id)
+        learner = inbox(bus)
+        (held,) = learner.receive(1, timeout=1)
+        bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, learner.consumer, 2, 1)  # replies that never came
+        for taken in (["lost-1"], ["lost-2"]):
+            server.process.terminate()
+            server.process.wait(10)
+            server.restart()
+            assert [d.group_id for d in learner.receive(1 if taken == ["lost-1"] else 10, timeout=1)] == taken
+        assert learner.receive(10, timeout=0.1) == []
+        assert learner.duplicates == 0
+        assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 3  # all three held, none acknowledged
+        bus.close()
+
+
 def outcome(check):
     """(what `check()` returned, None) or (None, the InvalidMessage's text)."""
     try:
