@@ -6,13 +6,14 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import redis
 
-from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, ServerRestarts, connect
+from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, RedisBus, ServerRestarts, connect
 from rlsys.bus import redis_server as redis_server_module
 from tests.helpers import alive, no_leaked_servers  # noqa: F401  (a fixture)
 
@@ -205,6 +206,29 @@ def test_clients_ride_out_a_restart_and_find_their_data(tmp_path):
         server.restart()  # from the thread that owns the server, as the launcher does
         assert waiting.result(timeout=30) == [1, 2]
         assert not server.exited() and bus.stream_length("s") == 1
+        bus.close()
+
+
+def test_a_command_the_server_does_not_answer_fails_after_one_socket_timeout(tmp_path, monkeypatch):
+    """A server that stops answering (stopped, swapping, cut off) is not a restart: the timed-out command was retried
+    as if it were, RECONNECT_SECONDS / RECONNECT_BACKOFF_CAP + 5 times a socket timeout of 30 s, half an hour."""
+    from rlsys.bus import redis_bus
+
+    monkeypatch.setattr(redis_bus, "SOCKET_TIMEOUT", 0.5)
+    with EmbeddedRedis(tmp_path) as server:
+        bus = RedisBus.from_url(server.url)
+        bus.set("x", 1)
+        raised = []
+        caller = threading.Thread(target=lambda: raised.append(pytest.raises(redis.TimeoutError, bus.get, "x")))
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            caller.start()
+            caller.join(10)
+            assert not caller.is_alive() and raised  # one timeout, not 65
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+            caller.join()
+        assert bus.get("x") == 1  # the server answering again, the next command goes through
         bus.close()
 
 

@@ -97,9 +97,14 @@ _OK, _NO_PAYLOAD, _OVERSIZE = 0, 1, 2
 
 
 def _reconnect_retry() -> Retry:
-    """Commands wait out a restarting server (down, then loading its append-only file) for about RECONNECT_SECONDS."""
+    """Commands wait out a restarting server (down, then loading its append-only file) for about RECONNECT_SECONDS.
+
+    Only what a restart raises is retried: a refused or dropped connection, then LOADING. Not a timeout (Retry's
+    default list has it): each try of a server that stopped answering lasts SOCKET_TIMEOUT, so the retries would wait
+    half an hour rather than a minute, and send again a command the server may have run."""
     backoff = ExponentialBackoff(cap=RECONNECT_BACKOFF_CAP, base=0.05)
-    return Retry(backoff, retries=int(RECONNECT_SECONDS / RECONNECT_BACKOFF_CAP) + 5)
+    return Retry(backoff, retries=int(RECONNECT_SECONDS / RECONNECT_BACKOFF_CAP) + 5,
+                 supported_errors=(redis.ConnectionError, redis.BusyLoadingError))
 
 
 class RedisBus(Bus):
