@@ -401,6 +401,18 @@ def test_delete_removes_sets_and_streams(bus):
     assert bus.set_size("s") == 0 and bus.stream_length("st") == 0 and bus.stream_pending("st", "g") == 0
 
 
+def test_a_count_below_one_takes_nothing_on_both_buses(bus):
+    # the in-process stream_range sliced to it (-1: all but the newest) where Redis refused it
+    bus.put("q", 1)
+    bus.stream_add("st", 1)
+    bus.stream_add("st", 2)
+    for stream in ("st", "absent"):
+        for count in (0, -1):
+            assert bus.stream_range(stream, count) == [] and bus.get_many("q", count, 0) == []
+            assert bus.stream_read(stream, "g", "c", count, 0) == []
+    assert bus.qsize("q") == 1 and bus.stream_length("st") == 2
+
+
 def test_stream_delete_deletes_the_entries_named_and_only_them(bus):
     ids = [bus.stream_add("dead", {"n": n}) for n in range(3)]
     assert bus.stream_delete("dead", ids[1:] + ["9999999999999-0"]) == 2 and bus.stream_delete("dead", []) == 0

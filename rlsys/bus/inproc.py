@@ -250,6 +250,8 @@ class InProcessBus(Bus):
             return len(self._streams[stream].entries)
 
     def stream_range(self, stream: str, max_count: int) -> list[StreamEntry]:
+        if max_count <= 0:  # as get_many and stream_read; a slice to -1 would take all but the newest
+            return []
         with self._cond:
             entries = list(self._streams[stream].entries.items())[:max_count]
         return [StreamEntry(i, payload, 0) for i, payload in entries]

@@ -292,6 +292,8 @@ class RedisBus(Bus):
         return self._client.xlen(self._k(stream))
 
     def stream_range(self, stream: str, max_count: int) -> list[StreamEntry]:
+        if max_count <= 0:  # as get_many and stream_read; XRANGE refuses a COUNT below 1
+            return []
         return [_stream_entry(entry_id, _OK if PAYLOAD in fields else _NO_PAYLOAD, 0, fields.get(PAYLOAD, b""), 0, None)
                 for entry_id, fields in self._client.xrange(self._k(stream), count=max_count)]
 
