@@ -13,7 +13,8 @@ learner that dies leaves its entries pending; the next one claims them when it s
 learner, so at that moment every pending entry belongs to a dead one) and gets them again. An entry
 handed to the learner by a bus server that then died before its reply went out is pending but never
 arrived: after a server restart the learner claims every pending entry under a new consumer name, and
-takes again those it does not hold.
+takes again those it does not hold. So it does when, with nothing to read, more entries are pending than it holds:
+a connection that dropped while a read's reply was on its way (the client reads again) loses entries the same way.
 
 Duplicates (a group delivered again, e.g. after a claim, or resent) are dropped by group id, against a
 bounded window of recent ids. The window starts from the checkpoint's consumed prompts, so a resumed learner
@@ -188,6 +189,7 @@ class TrajectoryInbox:
         self.duplicates = self.dead_letters = 0
         self.held: set[str] = set()  # entry ids handed out and not yet acknowledged
         self.server_restarts = ServerRestarts(bus)
+        self.takebacks = 0  # consumer names taken to take lost entries back: each must be new
         self.orphans = self._claim_pending()
         if self.orphans:
             log.info("took over %d trajectory messages a previous learner left unacknowledged", len(self.orphans))
@@ -200,24 +202,28 @@ class TrajectoryInbox:
             claimed += page
         return claimed
 
-    def _take_back_lost_entries(self) -> None:
-        self.consumer = f"{self.name}@{self.server_restarts.server}"
+    def _take_back_lost_entries(self, why: str) -> None:
+        self.takebacks += 1  # a claim takes only what other consumer names hold
+        self.consumer = f"{self.name}@{self.server_restarts.server}.{self.takebacks}"
         lost = [entry for entry in self._claim_pending() if entry.id not in self.held]
         if lost:
-            log.warning("the bus server restarted; %d trajectory messages it had handed out never arrived: "
-                        "taking them again", len(lost))
+            log.warning("%s; %d trajectory messages the bus server had handed out never arrived: taking them again",
+                        why, len(lost))
         # every pending entry not held, so the orphans not taken yet too: added to them, those would come twice
         self.orphans = lost
 
     def receive(self, max_count: int, timeout: float) -> list[Delivery]:
         """Up to `max_count` new groups (waiting up to `timeout` s for the first entry); each must be acked."""
         if self.server_restarts.happened():
-            self._take_back_lost_entries()
+            self._take_back_lost_entries("the bus server restarted")
         if self.orphans:
             entries, self.orphans = self.orphans[:max_count], self.orphans[max_count:]
         else:
             entries = self.bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, self.consumer, max_count, timeout,
                                            self.max_message_bytes)
+            # checked when idle, where a round trip costs nothing: every pending entry is held or queued otherwise
+            if not entries and self.bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) > len(self.held):
+                self._take_back_lost_entries("a read's reply never arrived")
         return [d for d in map(self._accept, entries) if d is not None]
 
     def ack(self, entry_ids: list[str]) -> None:

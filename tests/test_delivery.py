@@ -212,6 +212,21 @@ def test_the_rollout_side_refuses_what_the_learner_would_reject():
     assert group_message("g", [trajectory("g")], max_bytes=MB)["group_id"] == "g"
 
 
+def test_an_entry_whose_reply_was_lost_without_a_server_restart_is_taken_again(bus):
+    """A connection that drops while a read's reply is on its way (the server ran the read; the client reconnects and
+    reads again) leaves entries pending for the learner that it never saw, with the same server: they were never
+    delivered, and their prompts held their gate slots until the run ended."""
+    for group_id in ["held", "lost", "later"]:
+        send(bus, group_id)
+    learner = inbox(bus)
+    (held,) = learner.receive(1, timeout=1)
+    bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, learner.consumer, 1, 1)  # the reply that never came
+    taken = [d.group_id for _ in range(3) for d in learner.receive(10, timeout=0.1)]
+    assert sorted(taken) == ["later", "lost"] and learner.duplicates == 0
+    learner.ack([held.entry_id])
+    assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 2  # "lost" and "later", held now
+
+
 def test_after_a_bus_server_restart_the_learner_takes_again_what_never_arrived_and_only_that(tmp_path):
     """A server that dies right after handing an entry out never sends it: the entry is pending for the
     learner, which never saw it. The learner takes it again after the restart, not the entries it holds."""
