@@ -85,10 +85,13 @@ def test_each_role_runs_its_loop_with_its_build_frozen_and_the_collector_on(role
 
 def test_the_rollout_worker_freezes_what_reading_its_datasets_imported(tmp_path):
     """The rollout worker reads its datasets after its build is frozen, beside the engines' start; what that
-    imports (Hugging Face datasets, pyarrow: over 100k objects) lives as long as the role, and is frozen too before
-    the first episode, so the full collections of the run do not walk it each time."""
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    imports (Hugging Face datasets and pyarrow for a Parquet file: over 100k objects) lives as long as the role, and
+    is frozen too before the first episode, so the full collections of the run do not walk it each time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = tmp_path / "rows.parquet"  # read with datasets (a JSON file is read by Python alone, importing little)
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]), rows)
     config = AsyncPPOMATHConfig()
     config.model.path = str(save_random_tiny_model(tmp_path / "model"))
     config.dataset.path = config.dataset.eval_path = str(rows)
