@@ -377,7 +377,8 @@ class ClusterConfig:
     ray_address: str = ""
     """backend=ray: the cluster to join (auto, ray://HOST:10001, HOST:6379); empty starts a Ray for this run only."""
     learner_gpus: int = 0
-    """GPUs of the learner, split evenly over its ranks; 0: local roles share every GPU (as before), Ray gives none."""
+    """GPUs of the learner, one per rank (0 or cluster.n_learner_ranks); 0: local roles share every GPU (as before),
+    Ray gives none."""
     gpus_per_inference_worker: int = 0
     """GPUs of each inference worker (inference.tensor_parallel_size of them: its engine uses no more); 0: as
     learner_gpus=0."""
@@ -420,9 +421,11 @@ class ClusterConfig:
         check_at_least("cluster.", self, n_learner_ranks=1, learner_gpus=0, gpus_per_inference_worker=0)
         check_choice("cluster.", self, backend=BACKENDS, ray_placement_strategy=PLACEMENT_STRATEGIES,
                      weights_transport=WEIGHTS_TRANSPORTS)
-        if self.learner_gpus % self.n_learner_ranks:
-            raise ValueError(f"cluster.learner_gpus ({self.learner_gpus}) must split evenly over "
-                             f"cluster.n_learner_ranks ({self.n_learner_ranks})")
+        if self.learner_gpus not in (0, self.n_learner_ranks):  # each rank computes on one device (Ranks.device)
+            raise ValueError(f"cluster.learner_gpus={self.learner_gpus} with cluster.n_learner_ranks="
+                             f"{self.n_learner_ranks}: each learner rank trains on one GPU, so more per rank would sit "
+                             "idle and fewer cannot be split; set cluster.learner_gpus to 0 (share every GPU, locally) "
+                             f"or {self.n_learner_ranks} (one per rank); more GPUs for the learner: more ranks")
         for name in ("learner_resources", "inference_resources", "rollout_resources"):
             parse_resources(f"cluster.{name}", getattr(self, name))
         if self.colocate and (self.n_inference_workers > 1 or self.n_learner_ranks > 1 or self.backend != "local"):

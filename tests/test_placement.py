@@ -32,8 +32,21 @@ def test_default_layout_shares_every_gpu_as_before():
 
 
 def test_learner_and_workers_get_disjoint_gpus_in_order():
-    got = layout([str(i) for i in range(8)], learner_gpus=2, gpus_per_inference_worker=2, n_inference_workers=3)
-    assert got == {("learner", 0): "0,1", ("inference", 0): "2,3", ("inference", 1): "4,5", ("inference", 2): "6,7"}
+    got = layout([str(i) for i in range(8)], learner_gpus=2, n_learner_ranks=2, gpus_per_inference_worker=2,
+                 n_inference_workers=3)
+    assert got == {("learner", 0): "0", ("learner", 1): "1", ("inference", 0): "2,3", ("inference", 1): "4,5",
+                   ("inference", 2): "6,7"}
+
+
+def test_gpus_a_learner_rank_would_never_use_are_refused():
+    """Each learner rank trains on one device (cuda:0 of those it sees): cluster.learner_gpus=2 with one rank reserved
+    a second GPU (locally, out of every other role's reach; on Ray, in its bundle) that sat idle, without a word."""
+    with pytest.raises(ConfigError, match=r"cluster.learner_gpus=2 with cluster.n_learner_ranks=1: each learner rank "
+                                          r"trains on one GPU"):
+        parse_config(["cluster.learner_gpus=2"])
+    with pytest.raises(ValueError, match=r"cluster.learner_gpus=4 with cluster.n_learner_ranks=2"):
+        ClusterConfig(learner_gpus=4, n_learner_ranks=2)
+    assert layout(["0", "1", "2"], learner_gpus=2, n_learner_ranks=2) == {("learner", 0): "0", ("learner", 1): "1"}
 
 
 def test_gpu_names_follow_the_launcher_s_own_cuda_visible_devices():
@@ -43,7 +56,8 @@ def test_gpu_names_follow_the_launcher_s_own_cuda_visible_devices():
 
 def test_a_layout_that_does_not_fit_says_what_fits():
     with pytest.raises(PlacementError, match=r"needs 8 GPUs .* has 4: the learner's 2 leave 2: at most 1 inference workers of 2"):
-        layout(["0", "1", "2", "3"], learner_gpus=2, gpus_per_inference_worker=2, n_inference_workers=3)
+        layout(["0", "1", "2", "3"], learner_gpus=2, n_learner_ranks=2, gpus_per_inference_worker=2,
+               n_inference_workers=3)
     with pytest.raises(PlacementError, match="tensor_parallel_size=4 needs at least that many GPUs per inference worker"):
         layout(["0", "1", "2", "3"], InferenceConfig(tensor_parallel_size=4), gpus_per_inference_worker=2)
 

@@ -1,6 +1,6 @@
 """Which GPUs each role of a single-machine run sees (CUDA_VISIBLE_DEVICES), from the cluster.* settings.
 
-Learner ranks take the first `cluster.learner_gpus` devices, split evenly; each inference worker then takes
+Learner ranks take the first `cluster.learner_gpus` devices, one each; each inference worker then takes
 the next `cluster.gpus_per_inference_worker`. A count of 0 leaves that role seeing every GPU, as before
 placement existed. With no GPU nothing is assigned and nothing changes. A layout that needs more GPUs than
 the machine has is refused, with what would fit.
@@ -44,7 +44,7 @@ def gpu_layout(cluster, inference, devices: list[str]) -> dict[tuple[str, int], 
                              f"this machine has {len(devices)}: {fits}")
     if cluster.n_learner_ranks > 1 and not per_rank:
         raise PlacementError(f"cluster.n_learner_ranks={cluster.n_learner_ranks} on a GPU machine needs a GPU per rank: "
-                             f"set cluster.learner_gpus={cluster.n_learner_ranks} (or a multiple)")
+                             f"set cluster.learner_gpus={cluster.n_learner_ranks}")
     layout = {}
     for rank in range(cluster.n_learner_ranks if per_rank else 0):
         layout[("learner", rank)] = ",".join(devices[rank * per_rank:(rank + 1) * per_rank])
