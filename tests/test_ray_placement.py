@@ -154,3 +154,34 @@ def test_a_ray_address_where_no_cluster_answers_is_refused_before_anything_start
                                            r"running Ray instance.*\); start one \(`ray start --head`"):
         with placed_roles(parse_config(["cluster.backend=ray", "cluster.ray_address=auto"])):
             pass
+
+
+PLACED_AT = """
+import sys
+from rlsys.cli import parse_config
+from rlsys.launcher import placed_roles
+from rlsys.preflight import StartupError
+
+try:
+    with placed_roles(parse_config(["cluster.backend=ray", "cluster.ray_address=" + sys.argv[1]])):
+        print("placed", flush=True)
+except StartupError as e:
+    print(e, flush=True)
+"""
+
+
+def test_a_ray_address_where_nothing_listens_is_refused_within_seconds():
+    """cluster.ray_address=HOST:PORT with a wrong port (or a head that was stopped): ray.init tried to reach the
+    cluster 20 times, some 40 s each, the launcher silent for about 14 minutes before it said so."""
+    import subprocess
+    import sys
+
+    from rlsys.bus.redis_server import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", PLACED_AT, address], capture_output=True, text=True, timeout=90,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.stdout.startswith(f"cluster.ray_address={address}: no Ray cluster answered (nothing answered at "
+                                    f"{address}: Connection refused); start one (`ray start --head`")
+    assert time.monotonic() - started < 60

@@ -13,6 +13,7 @@ same way on both backends.
 import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -22,6 +23,7 @@ from rlsys.placement.base import Placement, PlacementError, RoleHandle, learner_
 from rlsys.placement.cpu_threads import role_environment
 
 PLACEMENT_TIMEOUT = 120.0  # seconds to wait for the cluster to reserve every bundle
+REACH_TIMEOUT = 10.0  # seconds to wait for the cluster's head to accept a connection
 CPUS_PER_ROLE = 1
 
 
@@ -124,6 +126,19 @@ def keep_sigterm_handler():
             signal.signal(signal.SIGTERM, handler)
 
 
+def check_reachable(address: str) -> None:
+    """ConnectionError if nothing listens at a HOST:PORT address (auto, ray://... and the like are left to ray.init).
+    ray.init retries a GCS it cannot reach 20 times, about 40 s each: a wrong port or a stopped head made the launcher
+    sit silent for some 14 minutes before it said so."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answered at {address}: {e.strerror or e}") from None
+
+
 def not_placed(bundle: dict) -> str:
     import ray
 
@@ -158,6 +173,7 @@ class RayPlacement(Placement):
         with keep_sigterm_handler():
             if cluster.ray_address:
                 try:
+                    check_reachable(cluster.ray_address)
                     ray.init(address=cluster.ray_address, log_to_driver=True)
                 except ConnectionError as e:  # nothing started yet: refused as a layout that cannot be placed
                     raise PlacementError(
