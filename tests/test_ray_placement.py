@@ -83,6 +83,33 @@ def test_a_role_ray_cannot_start_in_its_bundle_ends_with_the_reason(monkeypatch)
         placement.close()
 
 
+def test_a_role_whose_bundle_has_no_gpu_sees_none(monkeypatch):
+    """cluster.learner_gpus=0 under Ray gives the learner no GPU (its docs). Ray 2.60 sets CUDA_VISIBLE_DEVICES only for
+    an actor it gave GPUs, so one given none saw every GPU of its node: the learner trained on cuda:0, the GPU Ray had
+    given this run's inference worker, and Ray counted it nowhere."""
+    from ray.cluster_utils import Cluster
+
+    from rlsys.placement.ray_actors import RayPlacement
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # a node whose GPU every process sees
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "num_gpus": 1, "include_dashboard": False})
+
+    def sees(role, index, *args):
+        os.environ.update(args[-1])  # what run_role does first
+        return 0 if os.environ.get("CUDA_VISIBLE_DEVICES") == ("0" if role == "inference" else "") else 1
+
+    try:
+        placement = RayPlacement(parse_config(["cluster.backend=ray", f"cluster.ray_address={cluster.address}",
+                                               "cluster.gpus_per_inference_worker=1"]), sees)
+        try:
+            roles = [placement.start(role, 0, ()) for role in ("learner", "inference", "rollout")]
+            assert [exit_code_within(role, 60) for role in roles] == [0, 0, 0]
+        finally:
+            placement.close()
+    finally:
+        cluster.shutdown()
+
+
 STOPPED_BY_SIGTERM = """
 import sys, time
 from rlsys.bus import raise_on_sigterm

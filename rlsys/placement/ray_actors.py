@@ -206,7 +206,9 @@ class RayPlacement(Placement):
                                                                  placement_group_bundle_index=bundle),
             **({"runtime_env": {"env_vars": added}} if added else {}), **options).remote()
         started = actor.ping.remote()  # before the run: an actor answers in the order it was asked
-        env = {}
+        # Ray sets CUDA_VISIBLE_DEVICES only for an actor given GPUs: one given none would see every GPU of its node,
+        # those Ray gave other actors included, and its torch would compute on them
+        env = {} if options["num_gpus"] else {"CUDA_VISIBLE_DEVICES": ""}
         if role == "learner":
             import ray
 
@@ -216,7 +218,7 @@ class RayPlacement(Placement):
                     ray.kill(actor, no_restart=True)
                     raise RoleFailed(f"learner0 {not_placed(self.group.bundle_specs[bundle])}")
                 self.master = ray.get(address)
-            env = learner_rendezvous(index, self.config.cluster.n_learner_ranks, *self.master)
+            env.update(learner_rendezvous(index, self.config.cluster.n_learner_ranks, *self.master))
         handle = RayRole(f"{role}{index}", actor, actor.run.remote(os.getcwd(), self.entry, role, index, *args, env),
                          started, self.group.bundle_specs[bundle])
         self.roles.append(handle)
