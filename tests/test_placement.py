@@ -54,6 +54,30 @@ def test_gpu_names_follow_the_launcher_s_own_cuda_visible_devices():
     assert got == {("learner", 0): "3", ("inference", 0): "5", ("inference", 1): "7"}
 
 
+def test_under_ray_the_learner_s_settings_are_checked_against_its_bundle_s_device(monkeypatch):
+    """Under Ray the learner has a GPU exactly when its bundle has one (a role given none sees none). Its settings were
+    checked against the launcher's machine: learner.attn_implementation=flash_attention_2 with learner_gpus=1 was
+    refused from a head node without a GPU, and let through with learner_gpus=0 from a GPU one (the rank then died
+    at start, restarted until the run gave up)."""
+    from rlsys import assets
+    from rlsys.launcher import prepare
+    from rlsys.preflight import StartupError
+
+    class Checked(Exception):
+        """The device checks passed: prepare went on to the model and the dataset."""
+
+    def checked(config):
+        raise Checked
+
+    monkeypatch.setattr(assets, "prepare_assets", checked)
+    ray = ["cluster.backend=ray", "learner.attn_implementation=flash_attention_2"]
+    with pytest.raises(Checked):
+        prepare(parse_config([*ray, "cluster.learner_gpus=1"]))
+    monkeypatch.setattr("rlsys.launcher.visible_devices", lambda: ["0"])  # a launcher on a GPU node
+    with pytest.raises(StartupError, match="flash_attention_2 needs a GPU"):
+        prepare(parse_config(ray))
+
+
 def test_a_layout_that_does_not_fit_says_what_fits():
     with pytest.raises(PlacementError, match=r"needs 8 GPUs .* has 4: the learner's 2 leave 2: at most 1 inference workers of 2"):
         layout(["0", "1", "2", "3"], learner_gpus=2, n_learner_ranks=2, gpus_per_inference_worker=2,
