@@ -178,13 +178,14 @@ def prepare(config) -> None:
                                "mode and in-memory weight hand-over, which rlsys does not have yet: leave it false")
     # Refused here rather than by a role that would die and be restarted.
     device = "cuda" if devices else "cpu"
-    # Under Ray the learner has a GPU where its bundle has (a role given none sees none), whatever this machine has
-    learner_device = device if config.cluster.backend == "local" else "cuda" if config.cluster.learner_gpus else "cpu"
+    # Under Ray a role has a GPU where its bundle has (a role given none sees none), whatever this machine has
+    on_ray = config.cluster.backend == "ray"
+    learner_device = "cuda" if config.cluster.learner_gpus else "cpu" if on_ray else device
+    inference_device = "cuda" if config.cluster.gpus_per_inference_worker else "cpu" if on_ray else device
     try:
         if hasattr(config, "learner"):
             config.learner.check_device(learner_device, config.cluster.n_learner_ranks)
-        if config.cluster.backend == "local":  # under Ray, inference runs on another node's devices
-            config.inference.check_device(device)
+        config.inference.check_device(inference_device)
     except ValueError as e:
         raise StartupError(str(e)) from None
     try:

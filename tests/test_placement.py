@@ -78,6 +78,17 @@ def test_under_ray_the_learner_s_settings_are_checked_against_its_bundle_s_devic
         prepare(parse_config(ray))
 
 
+def test_under_ray_the_inference_settings_are_checked_against_its_bundle_s_device(monkeypatch):
+    """Under Ray an inference worker with cluster.gpus_per_inference_worker=0 has no GPU; its settings were not checked
+    at all there, so CUDA graphs asked of the transformers engine let the run start, each worker dying as it began."""
+    from rlsys.launcher import prepare
+    from rlsys.preflight import StartupError
+
+    monkeypatch.setattr("rlsys.launcher.visible_devices", lambda: ["0"])  # a launcher on a GPU node
+    with pytest.raises(StartupError, match="CUDA graphs, which need a GPU"):
+        prepare(parse_config(["cluster.backend=ray", "inference.engine=transformers", "inference.enforce_eager=false"]))
+
+
 def test_a_layout_that_does_not_fit_says_what_fits():
     with pytest.raises(PlacementError, match=r"needs 8 GPUs .* has 4: the learner's 2 leave 2: at most 1 inference workers of 2"):
         layout(["0", "1", "2", "3"], learner_gpus=2, n_learner_ranks=2, gpus_per_inference_worker=2,
