@@ -110,6 +110,28 @@ def test_a_role_whose_bundle_has_no_gpu_sees_none(monkeypatch):
         cluster.shutdown()
 
 
+def test_without_a_ray_address_the_run_starts_a_ray_of_its_own_beside_one_that_runs(monkeypatch):
+    """An empty cluster.ray_address starts a Ray for this run alone (docs/cluster.md). ray.init joins the cluster that
+    RAY_ADDRESS names (or a `ray start` on this machine) by default, and refused the run's CPU count there: a
+    ValueError traceback for whoever had a Ray running."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from rlsys.placement.ray_actors import RayPlacement
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    try:
+        placement = RayPlacement(parse_config(["cluster.backend=ray"]), lambda role, index, *args: 0)
+        try:
+            assert ray.get_runtime_context().gcs_address != cluster.address
+            assert exit_code_within(placement.start("rollout", 0, ()), 60) == 0
+        finally:
+            placement.close()
+    finally:
+        cluster.shutdown()
+
+
 STOPPED_BY_SIGTERM = """
 import sys, time
 from rlsys.bus import raise_on_sigterm

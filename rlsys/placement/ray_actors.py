@@ -180,8 +180,10 @@ class RayPlacement(Placement):
                         f"cluster.ray_address={cluster.ray_address}: no Ray cluster answered "
                         f"({str(e).splitlines()[0]}); start one (`ray start --head` on its head node), fix the "
                         "address, or leave cluster.ray_address empty to start a Ray for this run alone") from None
-            else:  # a Ray for this run only, with a logical CPU per role even on a small machine
-                ray.init(num_cpus=max(os.cpu_count() or 1, CPUS_PER_ROLE * len(bundles)), include_dashboard=False)
+            else:  # a Ray for this run only, with a logical CPU per role even on a small machine; "local": not
+                # the cluster RAY_ADDRESS or an earlier `ray start` here names, which ray.init joins by default
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, CPUS_PER_ROLE * len(bundles)),
+                         include_dashboard=False)
         # other nodes reach a private Redis on this node's address; a Ray of this run's own has only this machine
         self.bus_host = ray.util.get_node_ip_address() if cluster.ray_address else "127.0.0.1"
         self.group = placement_group(bundles, strategy=cluster.ray_placement_strategy, name="")
