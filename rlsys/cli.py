@@ -13,6 +13,7 @@ message names the key; omegaconf's own exceptions never reach the user.
 """
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -270,14 +271,22 @@ def build_config(cls: type, raw: dict, typed: dict[str, str] | None = None):
 
 def keep_typed_text(raw: dict, typed: dict[str, str], fields: dict[str, FieldInfo]) -> None:
     """A str setting holds the text typed after `=`, not what YAML reads it as: `trial_name=007` was '7',
-    `trial_name=12:30` '750' (base 60), `dataset.system_prompt=No` 'False'. After key_problems, which refuses
-    YAML's boolean where it means something else (resume_from_checkpoint=false)."""
+    `trial_name=12:30` '750' (base 60), `dataset.system_prompt=No` 'False'. A number is read as the decimal typed:
+    YAML read `seed=0042` as 34 (octal) and `max_steps=1:30` as 90 (base 60), which is refused as no number. After
+    key_problems, which refuses YAML's boolean where it means something else (resume_from_checkpoint=false)."""
     for key, text in typed.items():
         *groups, leaf = key.split(".")
         node = value_at(raw, groups, default=None)
         info = fields.get(key)
-        if info and info.type is str and isinstance(node, dict) and isinstance(node.get(leaf), (bool, int, float)):
+        if not (info and isinstance(node, dict) and isinstance(node.get(leaf), (bool, int, float))):
+            continue
+        if info.type is str:
             node[leaf] = text
+        elif info.type in (int, float) and not isinstance(node[leaf], bool):
+            with contextlib.suppress(ValueError):
+                node[leaf] = info.type(text.strip())  # 0042 is 42; 0x10 and .inf stay as YAML reads them
+            if ":" in text:
+                node[leaf] = text  # YAML's base 60: no number is typed so; the type check names the key
 
 
 def refuse_inactive_settings(config) -> None:

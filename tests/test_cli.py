@@ -213,6 +213,18 @@ def test_a_text_setting_holds_the_text_typed_not_what_yaml_reads_it_as():
     assert parse_config(["ppo.sequence_packing=false"]).ppo.sequence_packing == "false"
 
 
+def test_a_number_is_the_decimal_typed_not_yaml_s_octal_or_base_60():
+    """YAML 1.1 read seed=0042 as 34 (octal) while seed=08 was 8, and max_steps=1:30 as 90 (base 60)."""
+    assert parse_config(["seed=0042"]).seed == 42
+    assert parse_config(["seed=010", "ppo.lr=010"]).seed == 10
+    assert parse_config(["ppo.lr=010"]).ppo.lr == 10.0
+    assert parse_config(["seed=0x10"]).seed == 16  # written as hexadecimal: read so
+    with pytest.raises(ConfigError, match=r"^invalid value for max_steps: expected int, got '1:30'$"):
+        parse_config(["max_steps=1:30"])
+    with pytest.raises(ConfigError, match=r"^invalid value for env_timeout: expected float, got '2:00'$"):
+        parse_config(["env_timeout=2:00"])
+
+
 def test_unparseable_value_is_a_config_error():
     with pytest.raises(ConfigError, match=r"cannot parse 'plugins=\[a,'"):
         parse_config(["plugins=[a,"])
