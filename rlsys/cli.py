@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import re
 import sys
 import textwrap
@@ -258,6 +259,10 @@ def build_config(cls: type, raw: dict, typed: dict[str, str] | None = None):
     keep_typed_text(raw, typed or {}, fields)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls), raw)
+    except OmegaConfBaseException as e:
+        raise ConfigError(value_error_message(e, raw, fields)) from None
+    refuse_nan(merged, fields)
+    try:
         return OmegaConf.to_object(merged)
     except MissingMandatoryValue as e:
         raise ConfigError(f"{e.full_key} has no default and must be set: {e.full_key}=...") from None
@@ -287,6 +292,19 @@ def keep_typed_text(raw: dict, typed: dict[str, str], fields: dict[str, FieldInf
                 node[leaf] = info.type(text.strip())  # 0042 is 42; 0x10 and .inf stay as YAML reads them
             if ":" in text:
                 node[leaf] = text  # YAML's base 60: no number is typed so; the type check names the key
+
+
+def refuse_nan(merged, fields: dict[str, FieldInfo]) -> None:
+    """ConfigError naming the first setting that holds NaN, typed `nan` or `.nan`: every range check passes it (nan < 0
+    and nan > 0 are both false), so ppo.lr=nan reached the optimizer, whose learner died and was restarted until the
+    run gave up. Before __post_init__ runs (to_object), whose checks it would pass."""
+    for path, info in fields.items():
+        if info.is_group:
+            continue
+        value = OmegaConf.select(merged, path, throw_on_missing=False, throw_on_resolution_failure=False)
+        values = value if OmegaConf.is_list(value) else [value]
+        if any(isinstance(v, float) and math.isnan(v) for v in values):
+            raise ConfigError(f"invalid value for {path}: expected {type_name(info.type)}, got nan (not a number)")
 
 
 def refuse_inactive_settings(config) -> None:

@@ -225,6 +225,23 @@ def test_a_number_is_the_decimal_typed_not_yaml_s_octal_or_base_60():
         parse_config(["env_timeout=2:00"])
 
 
+@pytest.mark.parametrize("override, key, expected", [("ppo.lr=nan", "ppo.lr", "float"),
+                                                    ("env_timeout=.nan", "env_timeout", "float"),
+                                                    ("reward_weights=[1,nan]", "reward_weights", r"list\[float\]")])
+def test_nan_is_refused_naming_the_key(override, key, expected):
+    """Every range check passes NaN: ppo.lr=nan was taken, and its learner died and was restarted until the run
+    gave up, minutes later."""
+    with pytest.raises(ConfigError, match=rf"^invalid value for {key}: expected {expected}, got nan \(not a number\)$"):
+        parse_config([override])
+    assert parse_config(["trial_name=nan"]).trial_name == "nan"  # text, where text is asked for
+
+
+def test_nan_in_a_config_file_is_refused(tmp_path):
+    (tmp_path / "run.yaml").write_text("ppo:\n  lr: .nan\n")
+    with pytest.raises(ConfigError, match=r"^invalid value for ppo.lr: expected float, got nan"):
+        parse_config(["--config", str(tmp_path / "run.yaml")])
+
+
 def test_unparseable_value_is_a_config_error():
     with pytest.raises(ConfigError, match=r"cannot parse 'plugins=\[a,'"):
         parse_config(["plugins=[a,"])
