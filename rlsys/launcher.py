@@ -57,15 +57,20 @@ def refuse_a_second_start(run_dir: Path, logging_dir: Path) -> None:
 
 
 def resolve_resume(config, run_dir: Path) -> None:
-    """`resume_from_checkpoint=auto`: the run directory's newest complete checkpoint, or a fresh start."""
+    """`resume_from_checkpoint=auto`: the run directory's newest complete checkpoint, or a fresh start that takes back
+    what an earlier start of the trial logged."""
     if config.resume_from_checkpoint != "auto":
         return
     restore_replaced(run_dir / "checkpoints")  # a step whose save crashed between its renames counts
     latest = latest_checkpoint(run_dir / "checkpoints")
     config.resume_from_checkpoint = str(latest) if latest else ""
     if not latest:
+        # A run killed before its first save left records of steps this start trains again: kept, they mixed with its
+        # own (learner.jsonl held steps 1-48, then 1-3; the console replayed the old progress lines)
+        abandoned = abandon_records_after(config, run_dir, FROM_THE_START["step"], FROM_THE_START["version"])
+        moved = f" ({abandoned} earlier records moved to *.jsonl.abandoned)" if abandoned else ""
         print(f"resume_from_checkpoint=auto: no complete checkpoint in {run_dir / 'checkpoints'}, so the run starts "
-              "from the beginning", flush=True)
+              f"from the beginning{moved}", flush=True)
 
 
 @contextlib.contextmanager
@@ -118,17 +123,8 @@ def take_back_abandoned_steps(bus, config, run_dir: Path, trainer_state: dict) -
     weight-check counter goes back to the checkpoint's count, and the dead letters set aside after it are deleted
     (their prompts, back in flight, are admitted again). A checkpoint from before the counters were kept leaves them
     as they are."""
-    from rlsys.metrics import drop_records_after, mark_restart
-    from rlsys.tracing import TRACES_DIR, TRAINED_FILE
-
-    logs, step, version = Path(config.logging_dir), trainer_state["step"], trainer_state["version"]
-    dropped = drop_records_after(logs / "learner.jsonl", step) + drop_records_after(
-        run_dir / TRACES_DIR / TRAINED_FILE, step)
-    mark_restart(logs, "learner", step + 1)
-    for metrics in sorted(logs.glob("rollout*.jsonl")):
-        dropped += drop_records_after(metrics, version)
-        mark_restart(logs, metrics.stem, version + 1)
-    if dropped:
+    step = trainer_state["step"]
+    if dropped := abandon_records_after(config, run_dir, step, trainer_state["version"]):
         log.info("resumed at step %d: %d records of the steps after it moved to *.jsonl.abandoned", step, dropped)
     if (checks := trainer_state.get("weight_checks")) is not None:
         bus.delete(protocol.WEIGHT_CHECKS)
@@ -137,6 +133,23 @@ def take_back_abandoned_steps(bus, config, run_dir: Path, trainer_state: dict) -
     if (kept := trainer_state.get("dead_letters")) is not None:
         bus.stream_delete(protocol.DEAD_LETTERS, [entry.id for entry in bus.stream_range(protocol.DEAD_LETTERS, 2**31)
                                                   [kept:]])
+
+
+def abandon_records_after(config, run_dir: Path, step: int, version: int) -> int:
+    """The files' part of take_back_abandoned_steps: the learner's records (and trained traces) after `step` and the
+    rollout workers' after `version` moved to <file>.jsonl.abandoned, TensorBoard told where each starts again.
+    Returns how many records moved."""
+    from rlsys.metrics import drop_records_after, mark_restart
+    from rlsys.tracing import TRACES_DIR, TRAINED_FILE
+
+    logs = Path(config.logging_dir)
+    dropped = drop_records_after(logs / "learner.jsonl", step) + drop_records_after(
+        run_dir / TRACES_DIR / TRAINED_FILE, step)
+    mark_restart(logs, "learner", step + 1)
+    for metrics in sorted(logs.glob("rollout*.jsonl")):
+        dropped += drop_records_after(metrics, version)
+        mark_restart(logs, metrics.stem, version + 1)
+    return dropped
 
 
 def held_out_summary(bus, started_from: dict) -> dict:

@@ -161,6 +161,29 @@ def test_a_crash_between_the_renames_of_a_replaced_step_leaves_it_for_auto_and_t
     assert names(checkpoints) == {"step_2", "step_4"}
 
 
+def test_auto_without_a_checkpoint_takes_back_what_the_earlier_start_logged(tmp_path):
+    """A run killed before its first save, continued with resume_from_checkpoint=auto, starts from the beginning: its
+    records went on after the killed run's in the same files (learner.jsonl: steps 1-3, then 1, 2, ...)."""
+    from types import SimpleNamespace
+
+    from rlsys.launcher import resolve_resume
+    from rlsys.metrics import MetricsLogger, read_jsonl_metrics
+
+    logs = tmp_path / "logs"
+    killed, rollout = MetricsLogger(logs, "learner"), MetricsLogger(logs, "rollout0")
+    for step in range(1, 4):
+        killed.log(step, {"reward": 0.0})
+    rollout.log(0, {"eval/accuracy": 0.2})
+    rollout.log(2, {"reward": 0.5})
+    killed.close(), rollout.close()
+    config = SimpleNamespace(resume_from_checkpoint="auto", logging_dir=str(logs))
+    resolve_resume(config, tmp_path)
+    assert config.resume_from_checkpoint == ""
+    assert read_jsonl_metrics(logs / "learner.jsonl") == []
+    assert [r["step"] for r in read_jsonl_metrics(logs / "rollout0.jsonl")] == [0]  # the evaluation before step 1
+    assert len((logs / "learner.jsonl.abandoned").read_text().splitlines()) == 3
+
+
 def test_a_resume_takes_back_the_metrics_and_counts_of_the_steps_after_its_checkpoint(tmp_path):
     """Killed at step 6 after its checkpoint at step 4, the run trains steps 5 and 6 again once resumed."""
     from types import SimpleNamespace
