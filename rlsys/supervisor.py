@@ -63,9 +63,9 @@ class Supervisor:
                     return
                 self.restart_dead_roles(bus)
                 report()
-            except redis.ConnectionError:
-                if self.server is None:
-                    raise
+            except redis.ConnectionError as e:
+                if self.server is None:  # the bus already waited out a restart (rlsys.bus.redis_bus, RECONNECT_SECONDS)
+                    raise RoleFailed(f"the run's Redis (cluster.redis_url) stopped answering: {e}") from None
                 # Our server went down after the check above (SIGTERM, or shutting down): the next turn
                 # restarts it once its process has exited. `bus` must not wait out restarts, or nobody would.
             time.sleep(POLL_SECONDS)

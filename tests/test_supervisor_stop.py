@@ -8,6 +8,7 @@ import resource
 import time
 
 import pytest
+import redis
 
 from rlsys import protocol, supervisor
 from rlsys.bus.inproc import InProcessBus
@@ -92,6 +93,20 @@ def test_a_rollout_worker_that_exits_without_being_done_is_restarted_not_waited_
         with pytest.raises(RoleFailed, match=r"^rollout0 exited with code 0 before it was done, and was restarted 1 "):
             watching.watch(InProcessBus(), report)
     assert watching.restarts == {"rollout0": 1}
+
+
+class UnreachableBus(InProcessBus):
+    """A Redis given by cluster.redis_url that went away for longer than the bus waits out a restart."""
+
+    def get(self, key):
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6392. Connection refused.")
+
+
+def test_a_joined_redis_that_stops_answering_stops_the_run_with_a_reason():
+    """It ended the launcher with redis's own traceback, and no `error:` line."""
+    watching = supervisor.Supervisor(parse_config([]), start_role=None, server=None)
+    with pytest.raises(RoleFailed, match=r"^the run's Redis \(cluster.redis_url\) stopped answering: Error 111 "):
+        watching.watch(UnreachableBus(), lambda: None)
 
 
 def save_for_two_seconds(role, index, *args):
