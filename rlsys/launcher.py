@@ -42,6 +42,22 @@ def run_directory(config) -> Path:
     return experiment_dir / config.trial_name
 
 
+def make_run_directories(config) -> tuple[Path, Path]:
+    """(run directory, logging directory), made, the run directory owner-only; StartupError naming the settings where
+    one cannot be made (output_dir or logging_dir is a file, or not writable), which roles died on, with tracebacks."""
+    try:
+        run_dir = run_directory(config)
+        make_private(run_dir)
+        if config.logging_dir:  # saved so: the report, run from another directory, finds the metrics
+            config.logging_dir = str(Path(config.logging_dir).resolve())
+        logging_dir = Path(config.logging_dir) if config.logging_dir else run_dir / "logs"
+        logging_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise StartupError(f"cannot make the run's directories (output_dir={config.output_dir!r}, logging_dir="
+                           f"{config.logging_dir!r}): {e}") from None
+    return run_dir, logging_dir
+
+
 def refuse_a_second_start(run_dir: Path, logging_dir: Path) -> None:
     """A fresh start (no resume_from_checkpoint) in a run directory an earlier run wrote to would append to its logs
     and leave both runs' checkpoints side by side: refused, naming the two ways on."""
@@ -317,11 +333,7 @@ def launch(config) -> dict:
     reward before and after, and where its prompts ended. StartupError, before any process starts, if it cannot
     run."""
     started = time.monotonic()
-    run_dir = run_directory(config)
-    make_private(run_dir)
-    if config.logging_dir:  # saved so: the report, run from another directory, finds the metrics
-        config.logging_dir = str(Path(config.logging_dir).resolve())
-    logging_dir = Path(config.logging_dir) if config.logging_dir else run_dir / "logs"
+    run_dir, logging_dir = make_run_directories(config)
     if not config.resume_from_checkpoint:
         refuse_a_second_start(run_dir, logging_dir)
     # Before the logs' directory, the checkpoint `auto` names, and the generated dataset's and tiny model's paths are

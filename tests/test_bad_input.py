@@ -397,6 +397,18 @@ def test_a_failed_runs_note_names_the_command_that_continues_it(tmp_path):
     assert again.resume_from_checkpoint == str(checkpoint)
 
 
+@pytest.mark.parametrize("setting", ["output_dir", "logging_dir"])
+def test_a_run_directory_that_cannot_be_made_stops_the_run_naming_the_setting(tmp_path, setting):
+    """output_dir naming a file ended the launcher with a traceback; logging_dir naming one let the roles start and
+    die with tracebacks, then the launcher too."""
+    existing = child_pids()
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    with pytest.raises(StartupError, match=rf"^cannot make the run's directories \(.*{setting}='{taken}'.*\): \[Errno"):
+        launch(run_config(tmp_path, f"{setting}={taken}"))
+    assert child_pids() == existing
+
+
 def test_a_taken_redis_port_stops_the_run(tmp_path):
     existing = child_pids()
     with socket.socket() as squatter:
