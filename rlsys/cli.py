@@ -208,7 +208,27 @@ def read_yaml_file(path: str):
         raise ConfigError(f"cannot read config file {path}: {e}") from None
     if not OmegaConf.is_dict(loaded):
         raise ConfigError(f"config file {path} must hold a mapping of keys to values")
-    return loaded
+    return OmegaConf.create(nest_dotted_keys(OmegaConf.to_container(loaded, resolve=False), path))
+
+
+def nest_dotted_keys(document: dict, path: str) -> dict:
+    """`ppo.lr: 1e-4`, a key as --help and the command line write it, as `ppo: {lr: 1e-4}`: omegaconf keeps the dotted
+    name whole, which the merge then read as no value at all ("invalid value for ppo.lr: expected float, got None")."""
+    nested: dict = {}
+    for key, value in document.items():
+        *groups, leaf = str(key).split(".")
+        target = nested
+        for group in groups:
+            target = target.setdefault(group, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"config file {path} gives {group} a value and sets {key} too")
+        if isinstance(target.get(leaf), dict) and isinstance(value, dict):
+            target[leaf].update(value)
+        elif leaf in target:
+            raise ConfigError(f"config file {path} sets {key} twice (nested and dotted)")
+        else:
+            target[leaf] = value
+    return nested
 
 
 def parse_override(arg: str):

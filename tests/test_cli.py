@@ -56,6 +56,20 @@ def test_yaml_file_then_command_line_overrides_it(tmp_path):
     assert parse_config(["ppo.batch_size=8", f"--config={path}"]).ppo.batch_size == 8  # order does not matter
 
 
+def test_a_config_file_takes_dotted_keys_as_help_writes_them(tmp_path):
+    """`ppo.lr: 1e-4` in a file was refused as 'invalid value for ppo.lr: expected float, got None'."""
+    path = tmp_path / "run.yaml"
+    path.write_text("ppo.lr: 1e-4\nppo:\n  batch_size: 3\nmax_steps: 5\n")
+    config = parse_config(["--config", str(path)])
+    assert (config.ppo.lr, config.ppo.batch_size, config.max_steps) == (1e-4, 3, 5)
+    path.write_text("ppo.lrr: 1\n")
+    with pytest.raises(ConfigError, match=r"^unknown key 'ppo.lrr'; did you mean 'ppo.lr'\?$"):
+        parse_config(["--config", str(path)])
+    path.write_text("ppo: 3\nppo.lr: 1\n")
+    with pytest.raises(ConfigError, match=r"gives ppo a value and sets ppo.lr too$"):
+        parse_config(["--config", str(path)])
+
+
 def test_yaml_keys_are_checked_like_command_line_keys(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("ppo:\n  lrr: 1.0e-4\n")
