@@ -5,6 +5,7 @@ import contextlib
 import multiprocessing
 import os
 import resource
+import signal
 import time
 
 import pytest
@@ -107,6 +108,23 @@ def test_a_joined_redis_that_stops_answering_stops_the_run_with_a_reason():
     watching = supervisor.Supervisor(parse_config([]), start_role=None, server=None)
     with pytest.raises(RoleFailed, match=r"^the run's Redis \(cluster.redis_url\) stopped answering: Error 111 "):
         watching.watch(UnreachableBus(), lambda: None)
+
+
+def ends_at_once(role, index, *args) -> int:
+    return 0
+
+
+def test_a_ctrl_c_while_a_role_process_starts_is_left_to_the_launcher():
+    """The role's process ignored Ctrl-C only once it ran the role: one in the seconds it spent importing the
+    launcher's main module ended it there, with a KeyboardInterrupt traceback on the console."""
+    placement = LocalPlacement(parse_config([]), ends_at_once)
+    try:
+        role = placement.start("rollout", 0, ())
+        os.kill(role.process.pid, signal.SIGINT)  # as Ctrl-C reaches the whole process group: it is still importing
+        role.join(timeout=60)
+        assert role.exitcode == 0
+    finally:
+        placement.close()
 
 
 def save_for_two_seconds(role, index, *args):

@@ -4,6 +4,7 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import signal
@@ -53,7 +54,7 @@ class LocalPlacement(Placement):
             env.update(learner_rendezvous(index, self.config.cluster.n_learner_ranks, "127.0.0.1", self.master_port))
         ctx = multiprocessing.get_context("spawn")  # vLLM and torch do not survive fork
         process = ctx.Process(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env))
-        with environment(role_environment()):  # read by libgomp as torch loads, before the role's own code runs
+        with environment(role_environment()), sigint_blocked():  # the environment: libgomp reads it as torch loads
             process.start()
         self.roles = [handle for handle in self.roles if handle.is_alive()]  # restarts replace the dead
         self.roles.append(LocalRole(process))
@@ -82,10 +83,26 @@ def environment(added: dict[str, str]):
                 os.environ[name] = value
 
 
+@contextlib.contextmanager
+def sigint_blocked():
+    """SIGINT held back from this thread for the moment a role process is spawned, which starts with it blocked (a
+    signal mask outlives exec) until run_in_process ignores it: a Ctrl-C in the seconds a new process spends importing
+    the launcher's main module ended each role there with a KeyboardInterrupt traceback on the console. The launcher
+    gets its own Ctrl-C once the mask is back."""
+    # Started first: the first spawn starts multiprocessing's resource tracker, which unblocks SIGINT after it
+    multiprocessing.resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def run_in_process(entry, role: str, index: int, *args) -> None:
     """A role process: dies with the launcher, leaves Ctrl-C to it, exits with the role's code."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked since its spawn (sigint_blocked)
     code = entry(role, index, *args)
     if role == "inference":
         # vLLM's exit-time shutdown garbage-collects the engine's whole heap twice (8 s of a CPU run's end); the
