@@ -86,7 +86,21 @@ def save_config(config, path) -> None:
     document = {EXPERIMENT_KEY: payload["experiment"], **payload["config"]}
     if document.get("cluster", {}).get("redis_url"):
         document["cluster"]["redis_url"] = redact_url(document["cluster"]["redis_url"])
-    write_private(path, yaml.safe_dump(document, sort_keys=False, default_flow_style=False))
+    write_private(path, yaml.dump(document, Dumper=ConfigDumper, sort_keys=False, default_flow_style=False))
+
+
+class ConfigDumper(yaml.SafeDumper):
+    """Writes each text in quotes where omegaconf, reading the file back, would take it for something else: PyYAML
+    leaves `1e5` bare (a float to it needs a dot), which omegaconf reads as 100000.0, so trial_name=1e5's config.yaml
+    resumed trial '100000.0', a new directory."""
+
+
+def represent_text(dumper: yaml.SafeDumper, text: str):
+    read_back = OmegaConf.to_container(OmegaConf.create(yaml.safe_dump({"v": text})), resolve=False)["v"]
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=None if read_back == text else "'")
+
+
+ConfigDumper.add_representer(str, represent_text)
 
 
 def load_config(path, experiment: str | None = None):

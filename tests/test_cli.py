@@ -298,6 +298,14 @@ def test_save_then_load_round_trip(tmp_path):
     assert parse_config(["--config", str(path), "my_param=3.0"]).my_param == 3.0
 
 
+def test_a_saved_config_gives_back_text_that_omegaconf_reads_as_a_number(tmp_path):
+    """config.yaml held trial_name: 1e5 bare (PyYAML's floats need a dot), which omegaconf read back as 100000.0: the
+    `--config .../config.yaml resume_from_checkpoint=auto` the README gives resumed trial '100000.0', a new one."""
+    config = parse_config(["trial_name=1e5", "dataset.system_prompt=2e-3", "experiment_name=007"])
+    save_config(config, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == config
+
+
 def test_dict_round_trip():
     config = parse_config([f"experiment={SUBCLASS_EXPERIMENT}", "my_param=2.5", "cluster.n_rollout_workers=3"])
     payload = config_to_dict(config)
