@@ -369,7 +369,7 @@ def test_a_runs_saved_config_reruns_as_a_new_run_in_a_directory_of_its_own(tmp_p
     with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist"):
         launch(run_config(tmp_path, "trial_name=t", "model.path=/nonexistent/model"))  # saves config.yaml, then stops
     saved = tmp_path / "runs" / "async-ppo-math" / "t" / "config.yaml"
-    (saved.parent / "logs").mkdir()
+    (saved.parent / "logs").mkdir(exist_ok=True)  # made at the start, before the model was looked for
     (saved.parent / "logs" / "learner.jsonl").write_text('{"step": 1}\n')  # as if that run had trained
     rerun = parse_config(["--config", str(saved), "trial_name="])
     with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist"):  # not the refusal
