@@ -225,41 +225,6 @@ def test_a_streamed_tool_loop_records_the_same_trajectory_as_the_unstreamed_one(
     assert trajectory["reward"] == 1.0 and sum(trajectory["loss_mask"]) == len(ids(tokenizer, CALL)) + 1 + 4
 
 
-def test_a_streamed_call_whose_client_gave_up_is_not_recorded_and_its_retry_is(tokenizer):
-    """As unstreamed: the model's reply to a call whose client timed out before the first chunk reaches nobody and no
-    sample holds it; the streamed retry is recorded."""
-    async def main():
-        endpoint = Endpoint()
-        await endpoint.start()
-        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
-
-        async def engine():  # answers the first request once its retry has come, the retry next
-            requests = [await obs_queue.get() for _ in range(2)]
-            for (qid, token_ids, _), text in zip(requests, ("99", "46")):
-                reply = ids(tokenizer, text) + [tokenizer.eos_token_id]
-                act_queue.put_nowait(GenerationOutput(qid, token_ids, [reply], [[LOGPROB] * len(reply)],
-                                                      [[0] * len(reply)], ["stop"]))
-                await asyncio.sleep(0.2)
-
-        serving = asyncio.create_task(engine())
-        async with Model(obs_queue, act_queue) as model:
-            session = EpisodeSession(model, tokenizer, GenerationConfig(max_new_tokens=8), CONTEXT, "rlsys")
-            key = endpoint.open(session)
-            client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=key, max_retries=1, timeout=1.0)
-            streamed = await chunks_of(await client.chat.completions.create(
-                model="rlsys", messages=[{"role": "user", "content": "12+34="}], stream=True))
-            await serving
-            endpoint.close(key)
-        endpoint.task.cancel()
-        return streamed, session.conversation
-
-    streamed, conversation = asyncio.run(main())
-    assert reassembled(streamed).choices[0].message.content == "46"
-    [trajectory] = conversation.trajectories(1.0, "q0")
-    assert trajectory.token_ids == ids(tokenizer, "<|user|>12+34=<|end|><|assistant|>46") + [tokenizer.eos_token_id]
-    assert trajectory.metrics["calls"] == 1
-
-
 def test_a_langgraph_agent_streaming_messages_records_the_same_trajectory_as_invoked(tokenizer, tokenizer_dir):
     """LangGraph's stream_mode="messages" over ChatOpenAI(streaming=True, stream_usage=True): the agent gets its tool
     call and answer, and the episode's record is the one `ainvoke` without streaming leaves."""

@@ -426,9 +426,11 @@ def test_a_call_whose_episode_ends_before_it_is_answered_gets_410(tokenizer, end
     assert asked == 0  # nothing was asked of the model for an episode that had ended
 
 
-def test_a_call_whose_client_gave_up_is_not_recorded_and_its_retry_is(tokenizer):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_whose_client_gave_up_is_not_recorded_and_its_retry_is(tokenizer, stream):
     """The `openai` client times out a call the model is slow to answer and sends it again: the reply to the call it
-    gave up on reaches nobody, and no sample holds it (it was trained with the episode's reward, beside the retry's)."""
+    gave up on reaches nobody, and no sample holds it (it was trained with the episode's reward, beside the retry's).
+    Streamed, the same: the client gave up before the first chunk."""
     async def main():
         endpoint = Endpoint()
         await endpoint.start()
@@ -448,14 +450,16 @@ def test_a_call_whose_client_gave_up_is_not_recorded_and_its_retry_is(tokenizer)
             key = endpoint.open(session)
             client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=key, max_retries=1, timeout=1.0)
             messages = [{"role": "user", "content": "12+34="}]
-            response = await client.chat.completions.create(model="rlsys", messages=messages)
+            response = await client.chat.completions.create(model="rlsys", messages=messages, stream=stream)
+            content = ("".join([c.choices[0].delta.content or "" async for c in response if c.choices]) if stream
+                       else response.choices[0].message.content)
             await serving
             endpoint.close(key)
         endpoint.task.cancel()
-        return response, session.conversation
+        return content, session.conversation
 
-    response, conversation = asyncio.run(main())
-    assert response.choices[0].message.content == "46"
+    content, conversation = asyncio.run(main())
+    assert content == "46"
     [trajectory] = conversation.trajectories(1.0, "q0")
     assert trajectory.token_ids == ids(tokenizer, "<|user|>12+34=<|end|><|assistant|>46") + [tokenizer.eos_token_id]
     assert trajectory.metrics["calls"] == 1

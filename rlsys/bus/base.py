@@ -90,8 +90,9 @@ def decode_value(data: bytes, key: str):
 
 
 def check_integer(value, what: str) -> None:
-    """TypeError unless `value` is an int: Redis counts only in integers (INCRBY refuses 1.5, redis-py refuses True), and the
-    in-process bus, which would add anything, must refuse what Redis refuses or tests pass that real runs fail."""
+    """TypeError unless `value` is an int: Redis counts only in integers (INCRBY refuses 1.5, redis-py refuses True),
+    and the in-process bus, which would add anything, must refuse what Redis refuses or tests pass that real runs
+    fail."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r:.80}")
 
