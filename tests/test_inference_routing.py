@@ -488,10 +488,11 @@ def test_a_request_whose_episode_ends_while_orphans_are_resent_is_not_sent_again
     assert resent[0].token_ids == [1, 2] and [p.qid for p in router.waiting.values()] == ["first"]
 
 
-async def sent_by(router):
-    """Once the router's forward sent the request put on its queue."""
-    while not router.waiting:
-        await asyncio.sleep(0)
+async def on_the_workers_queues(bus, requests: int, workers: int = 3):
+    """Once `requests` requests are on the workers' queues. Not once the router holds one as waiting: it sends it from
+    a thread, and a forward cancelled before that thread started skipped the send (the test failed under load)."""
+    while sum(bus.qsize(protocol.generation_requests(i)) for i in range(workers)) < requests:
+        await asyncio.sleep(0.001)
 
 
 def test_an_episode_whose_worker_died_stays_on_the_worker_its_request_was_resent_to():
@@ -510,13 +511,13 @@ def test_an_episode_whose_worker_died_stays_on_the_worker_its_request_was_resent
         obs_queue = asyncio.Queue()
         forwarder = asyncio.create_task(router.forward(obs_queue, asyncio.Queue()))
         await obs_queue.put(("turn1", [1], GenerationConfig()))
-        await asyncio.wait_for(sent_by(router), 10)
+        await asyncio.wait_for(on_the_workers_queues(bus, 1), 10)
         statuses([0, 1, 2], beat=2)  # worker 0 died
         await router.resend_orphans()
         router.waiting.clear()  # worker 1 answered
         statuses([0, 5, 0], beat=3)
         await obs_queue.put(("turn2", [1, 2, 3], GenerationConfig()))
-        await asyncio.wait_for(sent_by(router), 10)
+        await asyncio.wait_for(on_the_workers_queues(bus, 3), 10)  # turn 1, its re-sent copy, turn 2
         forwarder.cancel()
         return bus
 
