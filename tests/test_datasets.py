@@ -112,6 +112,9 @@ def test_a_json_file_of_json_lines_loads_as_datasets_reads_it(tmp_path):
     (tmp_path / "rows.json").write_text(jsonl.read_text() + '{"prompt": "x", "answer": \n')
     with pytest.raises(DatasetError, match=r"rows.json:3: not valid JSON"):
         load_rows(tmp_path / "rows.json")
+    (tmp_path / "rows.json").write_text(jsonl.read_text() + '\n{"prompt": "x", "answer": [1]}\n')
+    with pytest.raises(DatasetError, match=r"rows.json:4: field 'answer' must be a string or a number, got list"):
+        load_rows(tmp_path / "rows.json")  # the line, as in a .jsonl file; it was "row 3"
 
 
 def test_a_key_given_twice_in_a_json_list_is_refused(tmp_path):

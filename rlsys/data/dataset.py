@@ -48,8 +48,7 @@ def load_rows(path: str | Path, row_format: RowFormat = RowFormat(), agent_names
     records = _read(path)
     if not records:
         raise DatasetError(f"dataset {path} has no rows")
-    where = _locator(path)
-    return [_row(record, where(number), row_format, agent_names) for number, record in enumerate(records, start=1)]
+    return [_row(record, where, row_format, agent_names) for where, record in records]
 
 
 def rows_fingerprint(rows: list[dict]) -> str:
@@ -66,16 +65,9 @@ def row_text(row: dict) -> str:
     return json.dumps(row, sort_keys=True, default=str)
 
 
-def _locator(path: Path):
-    """Names row `number` (from 1) in errors: `file.jsonl:LINE` for JSONL (blank lines hold no row), else
-    `file: row N`."""
-    if path.suffix != ".jsonl":
-        return lambda number: f"{path}: row {number}"
-    lines = [i for i, line in enumerate(path.read_bytes().splitlines(), start=1) if line.strip()]
-    return lambda number: f"{path}:{lines[number - 1]}" if number <= len(lines) else f"{path}: row {number}"
-
-
-def _read(path: Path) -> list:
+def _read(path: Path) -> list[tuple[str, object]]:
+    """Each record of the file, with where errors name it: `file:LINE` for an object a line (blank lines hold no
+    row), else `file: row N` (from 1)."""
     if not path.exists():
         raise DatasetError(f"cannot read dataset {path}: no such file; give {FORMATS}")
     builder = SUFFIXES.get(path.suffix)
@@ -99,17 +91,22 @@ def _read(path: Path) -> list:
         if isinstance(loaded, datasets.DatasetDict):
             raise DatasetError(f"dataset {path} holds the splits {sorted(loaded)}; give one of them, "
                                f"e.g. {path / sorted(loaded)[0]}")
-        return loaded.to_list()
+        return _numbered(path, loaded.to_list())
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train").to_list()
+        return _numbered(path, datasets.load_dataset(builder, data_files=str(path), split="train").to_list())
     except Exception as e:  # datasets wraps what pyarrow says
         cause = e.__cause__ or e
         raise DatasetError(f"cannot read dataset {path}: {type(cause).__name__}: {str(cause)[:300]}") from None
 
 
-def _json_rows(path: Path) -> list[dict]:
+def _numbered(path: Path, records: list) -> list[tuple[str, object]]:
+    return [(f"{path}: row {number}", record) for number, record in enumerate(records, start=1)]
+
+
+def _json_rows(path: Path) -> list[tuple[str, dict]]:
     """The rows of a JSON file (a list of objects) or a JSONL file (an object a line; blank lines hold none), as the
-    file wrote them; DatasetError naming the line at fault: not UTF-8, not JSON, not an object, a key given twice."""
+    file wrote them, each with where it is; DatasetError naming the line at fault: not UTF-8, not JSON, not an object,
+    a key given twice."""
     data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     one_per_line = _is_json_lines(path, data)
     rows = []
@@ -119,9 +116,9 @@ def _json_rows(path: Path) -> list[dict]:
         where = f"{path}:{number}" if one_per_line else str(path)
         value = _json_value(line, where)
         if one_per_line and isinstance(value, dict):
-            rows.append(value)
+            rows.append((where, value))
         elif not one_per_line and isinstance(value, list) and all(isinstance(v, dict) for v in value):
-            rows = value
+            rows = _numbered(path, value)
         else:
             shape = "a JSON object" if one_per_line else "a list of JSON objects (or one object per line, .jsonl)"
             raise DatasetError(f"{where}: expected {shape}, got {type(value).__name__}")
