@@ -161,21 +161,30 @@ def test_a_crash_between_the_renames_of_a_replaced_step_leaves_it_for_auto_and_t
     assert names(checkpoints) == {"step_2", "step_4"}
 
 
+def killed_run_records(tmp_path, learner_steps: int, rollout: list[tuple[int, dict]]):
+    """The logging directory a killed run left: the learner's steps 1 to `learner_steps`, and a rollout worker's
+    records (step, metrics)."""
+    from rlsys.metrics import MetricsLogger
+
+    logs = tmp_path / "logs"
+    learner, worker = MetricsLogger(logs, "learner"), MetricsLogger(logs, "rollout0")
+    for step in range(1, learner_steps + 1):
+        learner.log(step, {"reward": 0.0})
+    for step, metrics in rollout:
+        worker.log(step, metrics)
+    learner.close(), worker.close()
+    return logs
+
+
 def test_auto_without_a_checkpoint_takes_back_what_the_earlier_start_logged(tmp_path):
     """A run killed before its first save, continued with resume_from_checkpoint=auto, starts from the beginning: its
     records went on after the killed run's in the same files (learner.jsonl: steps 1-3, then 1, 2, ...)."""
     from types import SimpleNamespace
 
     from rlsys.launcher import resolve_resume
-    from rlsys.metrics import MetricsLogger, read_jsonl_metrics
+    from rlsys.metrics import read_jsonl_metrics
 
-    logs = tmp_path / "logs"
-    killed, rollout = MetricsLogger(logs, "learner"), MetricsLogger(logs, "rollout0")
-    for step in range(1, 4):
-        killed.log(step, {"reward": 0.0})
-    rollout.log(0, {"eval/accuracy": 0.2})
-    rollout.log(2, {"reward": 0.5})
-    killed.close(), rollout.close()
+    logs = killed_run_records(tmp_path, learner_steps=3, rollout=[(0, {"eval/accuracy": 0.2}), (2, {"reward": 0.5})])
     config = SimpleNamespace(resume_from_checkpoint="auto", logging_dir=str(logs))
     resolve_resume(config, tmp_path)
     assert config.resume_from_checkpoint == ""
@@ -195,13 +204,8 @@ def test_a_resume_takes_back_the_metrics_and_counts_of_the_steps_after_its_check
     from rlsys.launcher import take_back_abandoned_steps
     from rlsys.metrics import MetricsLogger, read_jsonl_metrics
 
-    logs = tmp_path / "logs"
-    killed, rollout = MetricsLogger(logs, "learner"), MetricsLogger(logs, "rollout0")
-    for step in range(1, 7):
-        killed.log(step, {"reward": 0.0})
-    rollout.log(0, {"eval/accuracy": 0.2})
-    rollout.log(6, {"eval/accuracy": 0.3})
-    killed.close(), rollout.close()
+    logs = killed_run_records(tmp_path, learner_steps=6,
+                              rollout=[(0, {"eval/accuracy": 0.2}), (6, {"eval/accuracy": 0.3})])
     bus = InProcessBus()
     for reason in ("before the checkpoint", "after it", "after it too"):
         bus.stream_add(protocol.DEAD_LETTERS, {"reason": reason})

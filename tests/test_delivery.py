@@ -212,15 +212,28 @@ def test_the_rollout_side_refuses_what_the_learner_would_reject():
     assert group_message("g", [trajectory("g")], max_bytes=MB)["group_id"] == "g"
 
 
+def one_held_and_replies_lost(bus, group_ids: list[str], lost: int):
+    """The learner's inbox after the groups were sent, it took the first, and a read handed out the next `lost`
+    entries in a reply that never reached it (the server ran the read; the connection dropped)."""
+    for group_id in group_ids:
+        send(bus, group_id)
+    learner = inbox(bus)
+    (held,) = learner.receive(1, timeout=1)
+    bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, learner.consumer, lost, 1)  # the reply that never came
+    return learner, held
+
+
+def restart(server) -> None:
+    server.process.terminate()
+    server.process.wait(10)
+    server.restart()
+
+
 def test_an_entry_whose_reply_was_lost_without_a_server_restart_is_taken_again(bus):
     """A connection that drops while a read's reply is on its way (the server ran the read; the client reconnects and
     reads again) leaves entries pending for the learner that it never saw, with the same server: they were never
     delivered, and their prompts held their gate slots until the run ended."""
-    for group_id in ["held", "lost", "later"]:
-        send(bus, group_id)
-    learner = inbox(bus)
-    (held,) = learner.receive(1, timeout=1)
-    bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, learner.consumer, 1, 1)  # the reply that never came
+    learner, held = one_held_and_replies_lost(bus, ["held", "lost", "later"], lost=1)
     taken = [d.group_id for _ in range(3) for d in learner.receive(10, timeout=0.1)]
     assert sorted(taken) == ["later", "lost"] and learner.duplicates == 0
     learner.ack([held.entry_id])
@@ -232,14 +245,8 @@ def test_after_a_bus_server_restart_the_learner_takes_again_what_never_arrived_a
     learner, which never saw it. The learner takes it again after the restart, not the entries it holds."""
     with EmbeddedRedis(tmp_path) as server:
         bus = connect(server.url)
-        for group_id in ["held", "lost", "later"]:
-            send(bus, group_id)
-        learner = inbox(bus)
-        (held,) = learner.receive(1, timeout=1)
-        bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, learner.consumer, 1, 1)  # the reply that never came
-        server.process.terminate()
-        server.process.wait(10)
-        server.restart()
+        learner, held = one_held_and_replies_lost(bus, ["held", "lost", "later"], lost=1)
+        restart(server)
         assert [d.group_id for d in learner.receive(10, timeout=1)] == ["lost"]
         assert [d.group_id for d in learner.receive(10, timeout=1)] == ["later"]
         assert learner.duplicates == 0
@@ -253,15 +260,9 @@ def test_entries_still_waiting_to_be_taken_again_when_the_server_restarts_again_
     time: its second copy was dropped as a duplicate and acknowledged, deleting the entry the learner held."""
     with EmbeddedRedis(tmp_path) as server:
         bus = connect(server.url)
-        for group_id in ["held", "lost-1", "lost-2"]:
-            send(bus, group_id)
-        learner = inbox(bus)
-        (held,) = learner.receive(1, timeout=1)
-        bus.stream_read(protocol.TRAJECTORIES, protocol.LEARNERS, learner.consumer, 2, 1)  # replies that never came
+        learner, _ = one_held_and_replies_lost(bus, ["held", "lost-1", "lost-2"], lost=2)
         for taken in (["lost-1"], ["lost-2"]):
-            server.process.terminate()
-            server.process.wait(10)
-            server.restart()
+            restart(server)
             assert [d.group_id for d in learner.receive(1 if taken == ["lost-1"] else 10, timeout=1)] == taken
         assert learner.receive(10, timeout=0.1) == []
         assert learner.duplicates == 0
