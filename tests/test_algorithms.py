@@ -12,7 +12,7 @@ from rlsys.algorithms.batch import per_turn_to_tokens, sequence_batch
 from rlsys.algorithms.packing import micro_batches, pack_by_token_budget, pad_by_token_budget
 from rlsys.algorithms.returns import discounted_turn_returns
 from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, aggregate_token_loss, clipped_value_loss, \
-    kl_penalty, ppo_clip_loss, token_loss_weights
+    kl_k3, kl_penalty, ppo_clip_loss, token_loss_weights
 from rlsys.api import Trajectory
 
 
@@ -510,6 +510,34 @@ def test_an_untrained_token_leaves_the_loss_and_its_gradient_finite():
         assert loss.item() == pytest.approx((-math.exp(0.1) + math.exp(-0.1)) / 2, abs=1e-6)
         assert logp.grad[0].tolist() == pytest.approx([-math.exp(0.1) / 2, 0.0, math.exp(-0.1) / 2], abs=1e-6)
         assert stats["importance_ratio"].item() == pytest.approx((math.exp(0.1) + math.exp(-0.1)) / 2, abs=1e-6)
+
+
+def test_a_trained_token_the_policy_moved_by_more_than_e88_leaves_the_loss_and_gradients_finite():
+    """On a trained token exp(logp - old_logp) overflowed float32 past a gap of about 88: with A < 0 the loss was inf,
+    with A > 0 the clip picked the finite branch but the gradient was 0 * inf = NaN, and k3 against a reference the
+    policy fell 100 below was inf. Each skipped the whole update as non-finite. The log-ratio and k3's exponent are
+    clamped to +-20 (verl's bound): past it the token passes no gradient; ordinary values are unchanged."""
+    logp = torch.tensor([[0.0, 0.0, -1.0]], dtype=torch.float32, requires_grad=True)
+    old = torch.tensor([[-100.0, -100.0, -1.1]], dtype=torch.float32)  # tokens 0 and 1: e^100 more likely now
+    adv = torch.tensor([[-1.0, 1.0, 1.0]], dtype=torch.float32)
+    mask = torch.ones(1, 3)
+    for kwargs, token0 in (({}, math.exp(20)), ({"dual_clip": 3.0}, 3.0)):
+        logp.grad = None
+        loss, stats = ppo_clip_loss(logp, old, adv, mask, 0.2, **kwargs)
+        loss.backward()
+        # By hand: token 0, A = -1, ratio clamped to e^20 (or the dual bound 3); token 1, A = 1, clipped at 1.2;
+        # token 2 inside the clip, ratio e^0.1, gradient -A * ratio / 3.
+        assert loss.item() == pytest.approx((token0 - 1.2 - math.exp(0.1)) / 3, rel=1e-6)
+        assert logp.grad[0].tolist() == pytest.approx([0.0, 0.0, -math.exp(0.1) / 3], abs=1e-6)
+        assert stats["importance_ratio"].item() == pytest.approx((2 * math.exp(20) + math.exp(0.1)) / 3, rel=1e-6)
+    logp = torch.tensor([[-100.0, -1.0, -1.0]], requires_grad=True)  # token 0: 99.5 below the reference
+    ref = torch.tensor([[-0.5, -1.0, -1.5]])
+    kl = kl_k3(logp, ref, mask)
+    kl.sum().backward()
+    # By hand: k3 = e^d - d - 1 with d = ref - logp clamped to 20, gradient 1 - e^d inside the bound, 0 past it.
+    assert kl[0].tolist() == pytest.approx([math.exp(20) - 21, 0.0, math.exp(-0.5) + 0.5 - 1], rel=1e-6)
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 0.0, 1 - math.exp(-0.5)], abs=1e-6)
+    assert torch.isfinite(kl_penalty(logp, ref, mask))
 
 
 def test_aggregate_token_loss_rejects_unknown_modes():

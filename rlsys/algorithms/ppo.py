@@ -6,6 +6,8 @@ import torch
 
 from rlsys.algorithms.choices import LOSS_AGG_MODES
 
+LOG_RATIO_BOUND = 20.0  # |log-ratio| taken at most, in the PPO ratio and k3 (e^20 is finite in float32 and bf16)
+
 
 def next_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                       temperature: float = 1.0, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,7 +93,11 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     # position) old_logp may be anything an agent recorded, and a logp above it by more than about 88 overflows exp to
     # inf, which the 0 advantage and 0 loss weight there turn into a NaN loss and NaN gradients (0 * inf): every such
     # update would be skipped as non-finite. Zeroed before the exp, those positions have ratio 1 and no gradient.
-    ratio = torch.exp(torch.where(generated, logp - old_logp, 0.0))
+    # On the trained tokens the log-ratio is clamped to +-LOG_RATIO_BOUND (verl's): a token the policy moved by more
+    # than e^88 made the loss or its gradient non-finite (inf, or 0 * inf where the clip had picked the other
+    # branch) and the whole update was skipped. Past the bound the clip gives no gradient either, but for a
+    # negative advantage without dual_clip, whose huge gradient the gradient-norm clip would scale away anyway.
+    ratio = torch.exp(torch.where(generated, logp - old_logp, 0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
     token_loss = torch.maximum(unclipped, clipped)
@@ -143,6 +149,9 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None 
         # about -88 there overflows exp to inf, which a 0 loss weight turns into a NaN loss and NaN gradients (0 * inf):
         # zeroed before the exp, those positions give 0 and pass no gradient.
         delta = torch.where(mask > 0, delta, 0.0)
+    # Clamped as the PPO log-ratio is (verl's bound for k3's exponent): a trained token the policy puts more than
+    # about 88 below the reference made the KL, and so the loss, inf. Past the bound it passes no gradient.
+    delta = delta.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return torch.exp(delta) - delta - 1
 
 
