@@ -238,9 +238,9 @@ class PPOHyperparameters:
     is the same with fewer tokens, and the step's statistics cover the sequences computed; true: the same, refused
     where the loss has another term; false: every sequence is computed."""
     filter_uniform_groups: bool = False
-    """Drop groups whose rewards are all equal (no signal for group baselines); counted as groups/filtered. grpo,
-    reinforce_baseline and starpo only: under reinforce, gae and gigpo such a group still has advantages other
-    than 0."""
+    """Drop groups whose rewards are all equal (no signal for group baselines; under starpo the summed turn rewards it
+    compares); counted as groups/filtered. grpo, reinforce_baseline and starpo only: under reinforce, gae and gigpo
+    such a group still has advantages other than 0."""
     tis_cap: float = 0.0
     """Truncated importance sampling: each token's loss times min(p_learner/p_inference, tis_cap); 0 is off. Not with
     ppo.decoupled_loss, whose weight is the same ratio."""

@@ -204,6 +204,34 @@ def test_uniform_groups_are_filtered_and_give_their_gate_slot_back(tmp_path):
     assert bus.stream_length(protocol.TRAJECTORIES) == 2
 
 
+def test_under_starpo_uniform_groups_are_those_whose_summed_turn_rewards_are_equal(tmp_path):
+    """starpo's baseline compares each episode's summed turn rewards, not its `reward` (equal for the built-in agents,
+    not for a plugin that scores turns apart from the episode). The filter compared `reward`: it dropped a group
+    starpo trains on and kept one it gives advantage 0 everywhere."""
+    from rlsys.algorithms.advantages import starpo_advantages
+
+    config = learner_config(tmp_path)
+    config.ppo.batch_size, config.ppo.filter_uniform_groups, config.ppo.adv_estimator = 1, True, "starpo"
+    bus = InProcessBus()
+    learner = Learner(config, bus, tmp_path / "run")
+
+    def group(name, rewards, turn_rewards):
+        learner.ledger.admit(name, served_version=10)
+        return {"group_id": name, "trajectories": [
+            dataclasses.replace(trajectory(learner.model, GOOD, r, group_id=name), turn_rewards=[turn]).to_dict()
+            for r, turn in zip(rewards, turn_rewards)]}
+
+    equal_sums, different_sums = ([1.0, 0.0], [0.5, 0.5]), ([1.0, 1.0], [1.0, 0.0])
+    assert starpo_advantages([[t] for t in equal_sums[1]], ["g", "g"]).tolist() == [0.0, 0.0]  # nothing to train
+    trained = starpo_advantages([[t] for t in different_sums[1]], ["g", "g"])
+    assert trained.abs().tolist() == pytest.approx([1, 1], abs=1e-5)
+    for name, (rewards, turns) in (("equal_sums", equal_sums), ("different_sums", different_sums)):
+        bus.stream_add(protocol.TRAJECTORIES, group(name, rewards, turns))
+    batch = learner.wait_for_batch()
+    assert [g.group_id for g in batch] == ["different_sums"] and learner.filtered_groups == 1
+    assert learner.ledger.counts()["filtered"] == {"uniform_reward": 1}
+
+
 def test_the_gate_lets_a_slow_episode_fall_behind_and_the_learner_refuses_it_as_too_stale(tmp_path):
     """The staleness gate bounds how many prompts are in flight, not how old one is: the learner takes groups in
     the order their episodes end, so a slow one admitted at version 0 outlives the newer prompts admitted as the

@@ -49,6 +49,16 @@ def gigpo(trajectories: list[Trajectory], batch: SequenceBatch, ppo) -> PerToken
                                          for t, a, m in zip(trajectories, per_turn, masks)])}
 
 
+def compared_rewards(trajectories: list[Trajectory], adv_estimator: str) -> list[float]:
+    """What a group baseline (choices.GROUP_BASELINES) compares among a group's trajectories: under starpo the sum of
+    each one's turn rewards, under grpo and reinforce_baseline its `reward`. They are equal for the built-in agents,
+    not for an agent that scores its turns apart from the episode; ppo.filter_uniform_groups drops a group where these
+    are all equal, which is where the estimator gives it advantage 0."""
+    if adv_estimator == "starpo":
+        return [sum(t.turn_rewards) for t in trajectories]  # as starpo_advantages sums them
+    return [t.reward for t in trajectories]
+
+
 def gae(trajectories: list[Trajectory], batch: SequenceBatch, ppo) -> PerToken:
     """GAE over each sequence's generated tokens, rewards at turn ends, V from the pre-update critic."""
     mask = batch.fields["loss_mask"]

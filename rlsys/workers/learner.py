@@ -14,6 +14,7 @@ import torch
 
 from rlsys import protocol, weight_transport
 from rlsys.alarms import PROBE, LogprobCheck, check_logprob_mismatch
+from rlsys.algorithms.estimators import compared_rewards
 from rlsys.algorithms.ppo import AdaptiveKLController
 from rlsys.api import NOT_GENERATED, Trajectory
 from rlsys.api.messages import InvalidMessage, parse_probe_report
@@ -176,7 +177,8 @@ class Learner(PolicyTrainer):
             for group in self.inbox.receive(self.ppo.batch_size - len(groups), timeout=0.5):
                 if self.too_stale(group):
                     self.filter_group(group, "too_stale")
-                elif self.ppo.filter_uniform_groups and len({t.reward for t in group.trajectories}) == 1:
+                elif self.ppo.filter_uniform_groups and len(set(compared_rewards(group.trajectories,
+                                                                                  self.ppo.adv_estimator))) == 1:
                     self.filter_group(group, "uniform_reward")
                 else:
                     groups.append(group)
