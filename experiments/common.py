@@ -171,7 +171,9 @@ class PPOHyperparameters:
     """After warm-up: constant, linear or cosine, decaying to 0 one update after the run's last (the last one takes the
     smallest rate above 0)."""
     pg_clip: float = 0.2
-    """PPO ratio clip."""
+    """PPO ratio clip: the ratio is clipped to [1 - pg_clip, 1 + pg_clip] (the upper bound: see ppo.pg_clip_high)."""
+    pg_clip_high: float = 0.0
+    """DAPO's clip-higher: the upper clip of the ratio is 1 + this, the lower stays 1 - pg_clip; 0: pg_clip."""
     dual_clip: float = 0.0
     """Dual-clip bound (> 1) on the loss of negative-advantage tokens; 0 disables it."""
     init_kl_coef: float = 0.0
@@ -272,6 +274,9 @@ class PPOHyperparameters:
             raise ValueError(f"ppo.num_mini_batches must be at least 1, got {self.num_mini_batches}")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"ppo.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        if self.pg_clip_high < 0:
+            raise ValueError(f"ppo.pg_clip_high must be 0 (the same as ppo.pg_clip) or positive, got "
+                             f"{self.pg_clip_high}: the upper clip of the ratio, 1 + pg_clip_high, must stay above 1")
         if self.dual_clip and self.dual_clip <= 1:
             raise ValueError(f"ppo.dual_clip must be 0 (off) or greater than 1, got {self.dual_clip}")
         if self.max_tokens_per_micro_batch < 0:
@@ -316,6 +321,7 @@ class PPOHyperparameters:
                        "update, so the ratios of a step's only update are all 1")
         acts_only_with = {
             "pg_clip": ratio_moves,
+            "pg_clip_high": ratio_moves,
             "dual_clip": ratio_moves,
             "whiten_advantages": (self.adv_estimator in ("reinforce", "reinforce_baseline", "gae"),
                                   "ppo.adv_estimator=reinforce, reinforce_baseline or gae "

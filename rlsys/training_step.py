@@ -384,7 +384,8 @@ class PolicyTrainer:
             weights = weights * truncated_importance_weights(old_logp, f["behaviour_logprobs"], f["loss_mask"],
                                                              self.ppo.tis_cap)
         loss, stats = ppo_clip_loss(logp, old_logp, f["advantages"], f["loss_mask"], self.ppo.pg_clip,
-                                    dual_clip=self.ppo.dual_clip or None, weights=weights,
+                                    clip_high=self.ppo.pg_clip_high or None, dual_clip=self.ppo.dual_clip or None,
+                                    weights=weights,
                                     token_share=f["token_share"], statistics=statistics, **decoupled)
         stats["policy_loss"] = loss.detach()
         if statistics or self.ppo.entropy_loss_coef:

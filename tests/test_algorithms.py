@@ -571,6 +571,31 @@ def test_dual_clip_bounds_negative_advantage_loss():
     assert stats["dual_clip_fraction"] == 0.5
 
 
+def test_clip_higher_raises_only_the_upper_bound_and_composes_with_dual_clip_and_decoupled():
+    """DAPO's clip-higher (ppo.pg_clip_high): the ratio is clipped to [1 - pg_clip, 1 + pg_clip_high]."""
+    logp = torch.zeros(1, 4, dtype=torch.float64, requires_grad=True)
+    # Ratios e^0.24 (inside 1.28, over 1.2), e^0.3 (over both), e^-0.25 (under 0.8) and e^2 (A < 0: dual clip)
+    old = torch.tensor([[-0.24, -0.3, 0.25, -2.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 2.0, -1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    for kwargs, weight in (({}, 1.0), ({"behaviour_logprobs": old - 0.5}, math.exp(0.5))):
+        logp.grad = None
+        loss, stats = ppo_clip_loss(logp, old, adv, mask, 0.2, clip_high=0.28, dual_clip=3.0, **kwargs)
+        loss.backward()
+        # By hand: token 0 unclipped, -e^0.24; token 1 at the upper bound, -2 * 1.28; token 2 at the lower bound,
+        # 0.8 (as without clip-higher); token 3 the dual bound, 3. Only token 0 has a gradient, -A r / 4.
+        expected = (-math.exp(0.24) - 2 * 1.28 + 0.8 + 3.0) / 4
+        assert loss.item() == pytest.approx(weight * expected)
+        assert logp.grad[0].tolist() == pytest.approx([-weight * math.exp(0.24) / 4, 0.0, 0.0, 0.0])
+        assert stats["clip_fraction"].item() == pytest.approx(2 / 4)  # tokens 1 and 2 (token 3's ratio is unclipped)
+        assert stats["dual_clip_fraction"].item() == pytest.approx(1 / 4)
+    symmetric, stats = ppo_clip_loss(logp, old, adv, mask, 0.2, dual_clip=3.0)
+    assert symmetric.item() == pytest.approx((-1.2 - 2 * 1.2 + 0.8 + 3.0) / 4)
+    assert stats["clip_fraction"].item() == pytest.approx(3 / 4)
+    with pytest.raises(ValueError, match="clip_high must be positive"):
+        ppo_clip_loss(logp, old, adv, mask, 0.2, clip_high=-0.1)
+
+
 def test_decoupled_loss_matches_reference_values_and_gradients():
     logp, old, adv, mask = random_ppo_inputs(8)
     behaviour = old - torch.randn_like(old) * 0.5

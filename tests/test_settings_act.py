@@ -171,7 +171,7 @@ def test_a_turn_discount_the_estimator_never_applies_is_refused(experiment, esti
 
 
 @pytest.mark.parametrize("correction", ["ppo.decoupled_loss=true", "ppo.tis_cap=2"])
-@pytest.mark.parametrize("clip", ["ppo.pg_clip=0.3", "ppo.dual_clip=3"])
+@pytest.mark.parametrize("clip", ["ppo.pg_clip=0.3", "ppo.dual_clip=3", "ppo.pg_clip_high=0.28"])
 def test_a_clip_of_a_ratio_that_is_always_1_is_refused(correction, clip):
     """With ppo.decoupled_loss or ppo.tis_cap the PPO ratio is against the policy before the step's first update; with
     one epoch of one mini-batch that update is the only one, so every ratio is exactly 1 and no clip can act."""
@@ -210,3 +210,11 @@ def test_a_value_clip_around_values_that_cannot_have_moved_is_refused():
     parse_config(["ppo.adv_estimator=gae", "ppo.value_clip=0.5", "ppo.ppo_epochs=1", "ppo.num_mini_batches=2"])
     parse_config(["ppo.adv_estimator=gae", "ppo.value_clip=0.5"])
     parse_config(["ppo.adv_estimator=gae", "ppo.ppo_epochs=1"])
+
+
+def test_clip_higher_is_taken_and_a_negative_one_refused():
+    """ppo.pg_clip_high (DAPO's clip-higher) sets the upper clip of the ratio, 1 + pg_clip_high; 0 keeps pg_clip's."""
+    config = parse_config(["ppo.pg_clip_high=0.28"])
+    assert config.ppo.pg_clip_high == 0.28
+    with pytest.raises(ConfigError, match=r"ppo.pg_clip_high must be 0 \(the same as ppo.pg_clip\) or positive"):
+        parse_config(["ppo.pg_clip_high=-0.1"])

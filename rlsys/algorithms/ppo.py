@@ -67,13 +67,17 @@ def aggregate_token_loss(token_loss: torch.Tensor, mask: torch.Tensor, agg: str 
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  clip: float, *, dual_clip: float | None = None, agg: str = "token-mean",
+                  clip: float, *, clip_high: float | None = None, dual_clip: float | None = None,
+                  agg: str = "token-mean",
                   behaviour_logprobs: torch.Tensor | None = None,
                   imp_weight_cap: float | None = None,
                   weights: torch.Tensor | None = None,
                   token_share: torch.Tensor | None = None,
                   statistics: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """l_t = w_t * max(-A r, -A clip(r, 1-clip, 1+clip)) [min -A*dual_clip if A<0], r = exp(logp-old_logp); agg(l)."""
+    """l_t = w_t * max(-A r, -A clip(r, 1-clip, 1+clip_high)) [min -A*dual_clip if A<0], r = exp(logp-old_logp); agg(l).
+    """
+    # clip_high (DAPO's clip-higher; None: clip) moves only the upper bound, which acts on A > 0 alone, as the dual
+    # clip acts on A < 0 alone: the two compose without a condition between them.
     # dual_clip=c bounds the loss of a negative-advantage token by -A*c (Ye et al. 2020); None: no bound.
     # behaviour_logprobs switches to AReaL's decoupled objective: old_logp is then the proximal policy's logprob
     # (recomputed by the learner) and w_t = exp(old_logp - behaviour_logprobs), detached; otherwise w_t = 1.
@@ -82,6 +86,8 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     # tokens are one micro-batch of a larger mini-batch. The statistics are means over the generated tokens, or with
     # `token_share` (token_loss_weights' token-mean over the whole mini-batch) this micro-batch's part of the
     # mini-batch's means, which the micro-batches' add up to; with statistics=False there are none (an empty dict).
+    if clip_high is not None and clip_high <= 0:
+        raise ValueError(f"clip_high must be positive, got {clip_high}")
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if imp_weight_cap is not None and behaviour_logprobs is None:
@@ -99,7 +105,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     # negative advantage without dual_clip, whose huge gradient the gradient-norm clip would scale away anyway.
     ratio = torch.exp(torch.where(generated, logp - old_logp, 0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
+    clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + (clip if clip_high is None else clip_high))
     token_loss = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
         # With A < 0 and a ratio far above 1 (a token the policy now likes much more than when it was sampled),
