@@ -8,7 +8,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from operator import attrgetter
 from types import SimpleNamespace
 
-from rlsys.algorithms.choices import ADVANTAGE_ESTIMATORS, GROUP_BASELINES, LOSS_AGG_MODES, NEEDS_CRITIC
+from rlsys.algorithms.choices import ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_ESTIMATORS, LOSS_AGG_MODES, \
+    NEEDS_CRITIC
 from rlsys.api import GenerationConfig
 from rlsys.api.generation import MIN_TEMPERATURE
 from rlsys.cpu_features import native_bf16
@@ -178,6 +179,9 @@ class PPOHyperparameters:
     """Dual-clip bound (> 1) on the loss of negative-advantage tokens; 0 disables it."""
     init_kl_coef: float = 0.0
     """KL penalty coefficient against the initial policy; 0 disables it."""
+    kl_estimator: str = "k3"
+    """With init_kl_coef > 0, the KL term's per-token estimate (verl's kl_loss_type): k1 = logp - ref, k2 = (logp -
+    ref)^2 / 2, k3 = e^(ref - logp) - (ref - logp) - 1 (GRPO's; docs/learner.md compares their gradients)."""
     target_kl: float = 0.0
     """With init_kl_coef > 0: adapt the coefficient toward this KL per token; 0 keeps it fixed."""
     kl_horizon: int = 10000
@@ -268,6 +272,8 @@ class PPOHyperparameters:
                 raise ValueError(f"ppo.{name} must be positive, got {getattr(self, name)}")
         if self.adv_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"ppo.adv_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.adv_estimator!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"ppo.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.lr_scheduler_type not in LR_SCHEDULES:
             raise ValueError(f"ppo.lr_scheduler_type must be one of {LR_SCHEDULES}, got {self.lr_scheduler_type!r}")
         if self.num_mini_batches < 1:
@@ -337,6 +343,7 @@ class PPOHyperparameters:
                                "critic's before the step's first update, which a step's only update starts from")}
                if self.adv_estimator == "gae" else {}),
             "target_kl": (self.init_kl_coef > 0, "ppo.init_kl_coef > 0"),
+            "kl_estimator": (self.init_kl_coef > 0, "ppo.init_kl_coef > 0"),
             "kl_horizon": (self.init_kl_coef > 0 and self.target_kl > 0, "ppo.init_kl_coef > 0 and ppo.target_kl > 0"),
             "behaviour_imp_weight_cap": (self.decoupled_loss, "ppo.decoupled_loss=true"),
         }

@@ -30,8 +30,8 @@ from rlsys.algorithms.finite import clip_and_step
 from rlsys.algorithms.importance import truncated_importance_weights
 from rlsys.algorithms.packing import MicroBatch, balance_by_tokens, empty_micro_batch, micro_batches, \
     prefix_groups, shared_tokens
-from rlsys.algorithms.ppo import AdaptiveKLController, FixedKLController, clipped_value_loss, gather_logprobs, \
-    kl_k3, next_token_logits, ppo_clip_loss, taken_logprobs, token_entropy, token_loss_weights
+from rlsys.algorithms.ppo import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, clipped_value_loss, \
+    gather_logprobs, next_token_logits, ppo_clip_loss, taken_logprobs, token_entropy, token_loss_weights
 from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.api import Trajectory
 from rlsys.distributed import Ranks, shard, sync_gradients
@@ -395,7 +395,8 @@ class PolicyTrainer:
             if self.ppo.entropy_loss_coef:
                 loss = loss - self.ppo.entropy_loss_coef * entropy
         if self.reference is not None:
-            kl = (kl_k3(logp, f["ref_logprobs"], f["loss_mask"]) * f["token_share"]).sum()
+            kl_estimate = KL_ESTIMATORS[self.ppo.kl_estimator]
+            kl = (kl_estimate(logp, f["ref_logprobs"], f["loss_mask"]) * f["token_share"]).sum()
             loss = loss + self.kl_controller.value * kl
             stats["kl"] = kl.detach()
         stats["loss"] = loss.detach()

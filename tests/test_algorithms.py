@@ -540,6 +540,30 @@ def test_a_trained_token_the_policy_moved_by_more_than_e88_leaves_the_loss_and_g
     assert torch.isfinite(kl_penalty(logp, ref, mask))
 
 
+def test_kl_estimators_match_their_definitions_by_hand():
+    """ppo.kl_estimator, verl's kl_loss_type: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = e^(ref - logp) -
+    (ref - logp) - 1; each 0 where the mask is 0, with its gradient there."""
+    from rlsys.algorithms import choices
+    from rlsys.algorithms.ppo import KL_ESTIMATORS
+
+    assert tuple(KL_ESTIMATORS) == choices.KL_ESTIMATORS == ("k1", "k2", "k3")
+    ref = torch.tensor([[-1.0, -1.0, -2.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    d = [0.5, -0.5, 0.0]  # logp - ref on the trained tokens
+    expected = {  # estimator: (per-token values, d value / d logp), by hand
+        "k1": ([0.5, -0.5, 0.0], [1.0, 1.0, 1.0]),
+        "k2": ([0.125, 0.125, 0.0], [0.5, -0.5, 0.0]),
+        "k3": ([math.exp(-x) + x - 1 for x in d], [1 - math.exp(-x) for x in d]),
+    }
+    for name, (values, grads) in expected.items():
+        logp = torch.tensor([[-0.5, -1.5, -2.0, -300.0]], dtype=torch.float64, requires_grad=True)
+        kl = KL_ESTIMATORS[name](logp, ref, mask)
+        kl.sum().backward()
+        assert kl[0].tolist() == pytest.approx(values + [0.0]), name
+        assert logp.grad[0].tolist() == pytest.approx(grads + [0.0]), name
+        assert kl_penalty(logp, ref, mask, name).item() == pytest.approx(sum(values) / 3), name
+
+
 def test_aggregate_token_loss_rejects_unknown_modes():
     with pytest.raises(ValueError):
         aggregate_token_loss(torch.ones(2, 3), torch.ones(2, 3), "seq-sum")

@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 import itertools
+import math
 import shutil
 import threading
 import time
@@ -653,6 +654,23 @@ def test_the_kl_term_is_finite_where_untrained_positions_have_logprobs_far_below
     stats = learner.mini_batch_gradients(batch)
     assert float(stats["kl"]) == 0 and float(stats["loss"]) == float(stats["policy_loss"])
     assert all(torch.isfinite(p.grad).all() for p in learner.model.parameters())
+
+
+@pytest.mark.parametrize("estimator,expected", [("k1", -0.5), ("k2", 0.125), ("k3", math.exp(0.5) - 1.5)])
+def test_the_kl_term_is_the_estimator_chosen(tmp_path, estimator, expected):
+    """ppo.kl_estimator picks the KL term's per-token estimate. Before any update the policy is the reference; with
+    the reference's logprobs raised by 0.5 on the trained tokens, logp - ref = -0.5 on each, and the step's KL (a
+    token mean) is k1 = -0.5, k2 = 0.5 * 0.5^2 or k3 = e^0.5 - 0.5 - 1."""
+    import random
+
+    config = learner_config(tmp_path)
+    config.ppo.init_kl_coef, config.ppo.kl_estimator = 0.1, estimator
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    batch = learner.prepare_batch(mixed_length_batch(learner.model, random.Random(0)))
+    batch.fields["ref_logprobs"] = batch.fields["ref_logprobs"] + 0.5 * batch.fields["loss_mask"]
+    stats = learner.mini_batch_gradients(batch)
+    assert float(stats["kl"]) == pytest.approx(expected, abs=1e-4)
+    assert float(stats["loss"]) == pytest.approx(float(stats["policy_loss"]) + 0.1 * expected, abs=1e-4)
 
 
 def test_the_adaptive_kl_coefficient_follows_the_steps_kl_not_its_last_updates(tmp_path):

@@ -15,6 +15,7 @@ REFUSED = [  # (overrides, what the message must say)
     (["ppo.gigpo_step_weight=2"], "ppo.gigpo_step_weight=2.0 does nothing without ppo.adv_estimator=gigpo"),
     (["ppo.adv_estimator=reinforce", "ppo.grpo_scale_by_std=false"], "ppo.adv_estimator=grpo, starpo or gigpo"),
     (["ppo.target_kl=0.01"], "ppo.target_kl=0.01 does nothing without ppo.init_kl_coef > 0"),
+    (["ppo.kl_estimator=k2"], "ppo.kl_estimator=k2 does nothing without ppo.init_kl_coef > 0"),
     (["ppo.behaviour_imp_weight_cap=3"], "without ppo.decoupled_loss=true"),
 ]
 
@@ -31,6 +32,8 @@ def test_a_setting_the_algorithm_never_reads_is_refused(overrides, message):
     ["ppo.adv_estimator=gae", "ppo.whiten_advantages=true", "ppo.gamma=0.9", "ppo.lambd=0.9"],
     ["ppo.adv_estimator=gigpo", "ppo.gigpo_step_weight=2", "ppo.grpo_scale_by_std=false"],
     ["ppo.init_kl_coef=0.1", "ppo.target_kl=0.01", "ppo.kl_horizon=100"],
+    ["ppo.init_kl_coef=0.1", "ppo.kl_estimator=k1"],
+    ["ppo.init_kl_coef=0.1", "ppo.kl_estimator=k2"],
     ["ppo.decoupled_loss=true", "ppo.behaviour_imp_weight_cap=3"],
 ])
 def test_the_same_settings_are_taken_where_they_act(overrides):

@@ -161,9 +161,30 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None 
     return torch.exp(delta) - delta - 1
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token-mean k3 KL over the generated tokens."""
-    return masked_mean(kl_k3(logp, ref_logp, mask), mask)
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token k1 estimate of KL(pi || ref): logp - ref; 0 where `mask` (if given) is 0.
+
+    Its value is unbiased, but as a loss on the policy's own samples its gradient, grad logp, is 0 in expectation:
+    it adds noise to the update and pulls toward the reference only through an adaptive coefficient's reading."""
+    delta = logp - ref_logp
+    return delta if mask is None else torch.where(mask > 0, delta, 0.0)
+
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token k2 estimate of KL(pi || ref): (logp - ref)^2 / 2, never negative; 0 where `mask` (if given) is 0.
+
+    Biased as a value (low variance), but as a loss on the policy's own samples its gradient, (logp - ref) grad logp,
+    is in expectation that of KL(pi || ref) itself."""
+    return 0.5 * kl_k1(logp, ref_logp, mask).square()
+
+
+# Keyed on the names rlsys/algorithms/choices.py lists for the config (ppo.kl_estimator).
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Token-mean KL estimate (KL_ESTIMATORS) over the generated tokens."""
+    return masked_mean(KL_ESTIMATORS[estimator](logp, ref_logp, mask), mask)
 
 
 def token_entropy(distributions: torch.Tensor) -> torch.Tensor:
