@@ -8,8 +8,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from operator import attrgetter
 from types import SimpleNamespace
 
-from rlsys.algorithms.choices import ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_ESTIMATORS, LOSS_AGG_MODES, \
-    NEEDS_CRITIC
+from rlsys.algorithms.choices import ADVANTAGE_ESTIMATORS, GROUP_BASELINES, IMPORTANCE_SAMPLING_LEVELS, \
+    KL_ESTIMATORS, LOSS_AGG_MODES, NEEDS_CRITIC
 from rlsys.api import GenerationConfig
 from rlsys.api.generation import MIN_TEMPERATURE
 from rlsys.cpu_features import native_bf16
@@ -175,6 +175,9 @@ class PPOHyperparameters:
     """PPO ratio clip: the ratio is clipped to [1 - pg_clip, 1 + pg_clip] (the upper bound: see ppo.pg_clip_high)."""
     pg_clip_high: float = 0.0
     """DAPO's clip-higher: the upper clip of the ratio is 1 + this, the lower stays 1 - pg_clip; 0: pg_clip."""
+    importance_sampling_level: str = "token"
+    """token: a PPO ratio per token; sequence: GSPO's, one per sequence, exp(mean of its trained tokens' log-ratios),
+    clipped by the same bounds (the GSPO paper aggregates with ppo.loss_agg_mode=seq-mean-token-mean)."""
     dual_clip: float = 0.0
     """Dual-clip bound (> 1) on the loss of negative-advantage tokens; 0 disables it."""
     init_kl_coef: float = 0.0
@@ -272,6 +275,9 @@ class PPOHyperparameters:
                 raise ValueError(f"ppo.{name} must be positive, got {getattr(self, name)}")
         if self.adv_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"ppo.adv_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.adv_estimator!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"ppo.importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                             f"got {self.importance_sampling_level!r}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"ppo.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.lr_scheduler_type not in LR_SCHEDULES:
@@ -328,6 +334,7 @@ class PPOHyperparameters:
         acts_only_with = {
             "pg_clip": ratio_moves,
             "pg_clip_high": ratio_moves,
+            "importance_sampling_level": ratio_moves,
             "dual_clip": ratio_moves,
             "whiten_advantages": (self.adv_estimator in ("reinforce", "reinforce_baseline", "gae"),
                                   "ppo.adv_estimator=reinforce, reinforce_baseline or gae "

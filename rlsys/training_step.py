@@ -337,6 +337,8 @@ class PolicyTrainer:
         mini_batch.fields["token_share"] = (
             mini_batch.fields["weights"] if not skipped and self.ppo.loss_agg_mode == "token-mean"
             else token_loss_weights(mask, sequences, "token-mean"))
+        if self.ppo.importance_sampling_level == "sequence":  # each pass's tokens' sequences, for their mean log-ratio
+            mini_batch.fields["sequence_index"] = sequences
         self.optimizer.zero_grad()
         if self.critic is not None:
             self.critic_optimizer.zero_grad()
@@ -383,9 +385,15 @@ class PolicyTrainer:
         if self.ppo.tis_cap:  # against the learner's own logprobs, as verl does
             weights = weights * truncated_importance_weights(old_logp, f["behaviour_logprobs"], f["loss_mask"],
                                                              self.ppo.tis_cap)
+        sequence_level = {}
+        if self.ppo.importance_sampling_level == "sequence":
+            # The mini-batch's sequence numbers (mini_batch_gradients); its padding slot's, one past its last, goes
+            # into a bin past this pass's sequences, which holds no trained token.
+            bins = max(mb.indices, default=-1) + 2
+            sequence_level = dict(sequence_index=f["sequence_index"].clamp(max=bins - 1), sequences=bins)
         loss, stats = ppo_clip_loss(logp, old_logp, f["advantages"], f["loss_mask"], self.ppo.pg_clip,
                                     clip_high=self.ppo.pg_clip_high or None, dual_clip=self.ppo.dual_clip or None,
-                                    weights=weights,
+                                    weights=weights, **sequence_level,
                                     token_share=f["token_share"], statistics=statistics, **decoupled)
         stats["policy_loss"] = loss.detach()
         if statistics or self.ppo.entropy_loss_coef:

@@ -620,6 +620,34 @@ def test_clip_higher_raises_only_the_upper_bound_and_composes_with_dual_clip_and
         ppo_clip_loss(logp, old, adv, mask, 0.2, clip_high=-0.1)
 
 
+def test_sequence_level_ratio_is_gspos_one_ratio_per_packed_sequence():
+    """ppo.importance_sampling_level=sequence (GSPO, Zheng et al. 2025): each sequence's ratio is exp(mean over its
+    trained tokens of logp - old_logp), on every one of its tokens, clipped with the same bounds. One packed row of two
+    sequences and padding; an untrained token of sequence 0, 199 above its recorded logprob, stays out of its mean."""
+    logp = torch.zeros(1, 7, dtype=torch.float64, requires_grad=True)
+    # sequence 0: positions 0-3, trained 1 and 2 (log-ratios 0.1 and 0.3: mean 0.2); sequence 1: positions 4-5,
+    # both trained (0.2 and -0.4: mean -0.1); position 6 padding (index 2)
+    old = torch.tensor([[0.0, -0.1, -0.3, -199.0, -0.2, 0.4, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([[0.0, 1.0, 1.0, 0.0, -1.0, -1.0, 0.0]], dtype=torch.float64)
+    index = torch.tensor([[0, 0, 0, 0, 1, 1, 2]])
+    s0, s1 = math.exp(0.2), math.exp(-0.1)
+    for clip_high, loss0, grad0 in ((None, -1.2, 0.0), (0.28, -s0, -s0 / 4)):
+        logp.grad = None
+        loss, stats = ppo_clip_loss(logp, old, adv, mask, 0.2, clip_high=clip_high, sequence_index=index,
+                                    sequences=3)
+        loss.backward()
+        # By hand, token-mean over 4 tokens: sequence 0 (A = 1) at s0 = e^0.2, over the upper bound 1.2 (clipped, no
+        # gradient) and under 1.28; sequence 1 (A = -1) at s1 = e^-0.1 inside, loss s1 a token. d s / d logp_t is
+        # s / 2 for each of a sequence's two trained tokens, so each of them gets 2 * (-A) * s / 2 / 4.
+        assert loss.item() == pytest.approx((2 * loss0 + 2 * s1) / 4)
+        assert logp.grad[0].tolist() == pytest.approx([0, grad0, grad0, 0, s1 / 4, s1 / 4, 0])
+        assert stats["importance_ratio"].item() == pytest.approx((2 * s0 + 2 * s1) / 4)
+        assert stats["clip_fraction"].item() == pytest.approx(0.5 if clip_high is None else 0.0)
+    token_level, _ = ppo_clip_loss(logp, old, adv, mask, 0.2)  # e^0.1 and e^0.3; e^0.2 and e^-0.4
+    assert token_level.item() == pytest.approx((-math.exp(0.1) - 1.2 + math.exp(0.2) + 0.8) / 4)
+
+
 def test_decoupled_loss_matches_reference_values_and_gradients():
     logp, old, adv, mask = random_ppo_inputs(8)
     behaviour = old - torch.randn_like(old) * 0.5

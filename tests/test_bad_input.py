@@ -71,6 +71,8 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["inference.gpu_memory_utilization=2"], "inference.gpu_memory_utilization must be in (0, 1]"),
     (["model.num_heads=3"], "model.hidden_size (256) must be a multiple of model.num_heads (3)"),
     (["inference.dtype=float33"], "inference.dtype must be one of ('float32', 'bfloat16', 'float16'), got 'float33'"),
+    (["ppo.importance_sampling_level=seq"],
+     "ppo.importance_sampling_level must be one of ('token', 'sequence'), got 'seq'"),
     (["ppo.init_kl_coef=0.1", "ppo.kl_estimator=low_var_kl"],
      "ppo.kl_estimator must be one of ('k1', 'k2', 'k3'), got 'low_var_kl'"),
     (["ppo.share_prefixes=true", "learner.attn_implementation=sdpa"], "ppo.share_prefixes=true needs rlsys's attention"),

@@ -64,6 +64,9 @@ SETTINGS = {  # name -> (ppo overrides, expected mean |advantage| for rewards 1,
                                     "loss_agg_mode": "seq-mean-token-mean"}, 0.5),
     "decoupled+adaptive-kl": ({"decoupled_loss": True, "target_kl": 1e-4, "kl_horizon": 10}, 1.0),
     "gae+whiten+padded": ({"adv_estimator": "gae", "whiten_advantages": True, "sequence_packing": False}, None),
+    "gspo+clip-higher+decoupled+k2": ({"importance_sampling_level": "sequence", "pg_clip_high": 0.28,
+                                       "decoupled_loss": True, "kl_estimator": "k2", "target_kl": 1e-4,
+                                       "kl_horizon": 10, "loss_agg_mode": "seq-mean-token-mean"}, 1.0),
 }
 
 
@@ -671,6 +674,41 @@ def test_the_kl_term_is_the_estimator_chosen(tmp_path, estimator, expected):
     stats = learner.mini_batch_gradients(batch)
     assert float(stats["kl"]) == pytest.approx(expected, abs=1e-4)
     assert float(stats["loss"]) == pytest.approx(float(stats["policy_loss"]) + 0.1 * expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_a_sequence_level_ratio_takes_each_sequences_own_tokens_in_any_layout(tmp_path, packing):
+    """ppo.importance_sampling_level=sequence through the learner's passes: several micro-batches, packed rows (with
+    shared prompts) or padded ones. The policy loss is GSPO's, computed here sequence by sequence by hand."""
+    import random
+
+    config = learner_config(tmp_path)
+    config.ppo.importance_sampling_level, config.ppo.sequence_packing = "sequence", packing
+    config.ppo.max_tokens_per_micro_batch = 64
+    learner = Learner(config, InProcessBus(), tmp_path / "run")
+    batch = learner.prepare_batch(mixed_length_batch(learner.model, random.Random(0), groups=3))
+    torch.manual_seed(0)
+    f = batch.fields
+    f["behaviour_logprobs"] = f["behaviour_logprobs"] - 0.6 * torch.rand_like(f["loss_mask"]) * f["loss_mask"]
+    logp = learner.per_token(learner._policy_logprobs(learner.model), batch)
+    expected = {"sequence": 0.0, "token": 0.0}
+    trained = f["loss_mask"].sum().item()
+    for lp, old, adv, mask in zip(*(batch.sequences(values) for values in (logp, f["behaviour_logprobs"],
+                                                                          f["advantages"], f["loss_mask"]))):
+        on = mask > 0
+        if not on.any():
+            continue
+        ratios = {"sequence": math.exp((lp - old)[on].mean().item()), "token": None}
+        for a, r in zip(adv[on].tolist(), (lp - old)[on].exp().tolist()):
+            for level in expected:
+                ratio = ratios[level] or r
+                expected[level] += max(-a * ratio, -a * min(max(ratio, 0.8), 1.2)) / trained
+    stats = learner.mini_batch_gradients(batch)
+    assert len(learner.micro_batches(batch)) > 2
+    assert float(stats["policy_loss"]) == pytest.approx(expected["sequence"], abs=1e-6)
+    assert abs(expected["sequence"] - expected["token"]) > 1e-4  # the level acts
+    learner.ppo.importance_sampling_level = "token"  # the same passes (no update was taken), token by token
+    assert float(learner.mini_batch_gradients(batch)["policy_loss"]) == pytest.approx(expected["token"], abs=1e-6)
 
 
 def test_the_adaptive_kl_coefficient_follows_the_steps_kl_not_its_last_updates(tmp_path):

@@ -174,7 +174,8 @@ def test_a_turn_discount_the_estimator_never_applies_is_refused(experiment, esti
 
 
 @pytest.mark.parametrize("correction", ["ppo.decoupled_loss=true", "ppo.tis_cap=2"])
-@pytest.mark.parametrize("clip", ["ppo.pg_clip=0.3", "ppo.dual_clip=3", "ppo.pg_clip_high=0.28"])
+@pytest.mark.parametrize("clip", ["ppo.pg_clip=0.3", "ppo.dual_clip=3", "ppo.pg_clip_high=0.28",
+                                  "ppo.importance_sampling_level=sequence"])
 def test_a_clip_of_a_ratio_that_is_always_1_is_refused(correction, clip):
     """With ppo.decoupled_loss or ppo.tis_cap the PPO ratio is against the policy before the step's first update; with
     one epoch of one mini-batch that update is the only one, so every ratio is exactly 1 and no clip can act."""

@@ -73,6 +73,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
                   imp_weight_cap: float | None = None,
                   weights: torch.Tensor | None = None,
                   token_share: torch.Tensor | None = None,
+                  sequence_index: torch.Tensor | None = None, sequences: int = 0,
                   statistics: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """l_t = w_t * max(-A r, -A clip(r, 1-clip, 1+clip_high)) [min -A*dual_clip if A<0], r = exp(logp-old_logp); agg(l).
     """
@@ -86,6 +87,9 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     # tokens are one micro-batch of a larger mini-batch. The statistics are means over the generated tokens, or with
     # `token_share` (token_loss_weights' token-mean over the whole mini-batch) this micro-batch's part of the
     # mini-batch's means, which the micro-batches' add up to; with statistics=False there are none (an empty dict).
+    # sequence_index (shaped like mask, values below `sequences`; a row may hold several sequences, packed) makes the
+    # ratio GSPO's (Zheng et al. 2025): one per sequence, exp(mean over its trained tokens of logp - old_logp), on
+    # each of its tokens, with the gradient through the mean; the clips, weights and aggregation are unchanged.
     if clip_high is not None and clip_high <= 0:
         raise ValueError(f"clip_high must be positive, got {clip_high}")
     if dual_clip is not None and dual_clip <= 1:
@@ -103,7 +107,15 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     # than e^88 made the loss or its gradient non-finite (inf, or 0 * inf where the clip had picked the other
     # branch) and the whole update was skipped. Past the bound the clip gives no gradient either, but for a
     # negative advantage without dual_clip, whose huge gradient the gradient-norm clip would scale away anyway.
-    ratio = torch.exp(torch.where(generated, logp - old_logp, 0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    log_ratio = torch.where(generated, logp - old_logp, 0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    if sequence_index is not None:
+        # A token-level ratio weighs each token by a noisy one-sample estimate; GSPO's unit of reward and of
+        # clipping is the sequence. Sums over bins on the device: nothing is read back, whatever the packing.
+        index = sequence_index.flatten()
+        sums = log_ratio.new_zeros(sequences).index_add_(0, index, log_ratio.flatten())
+        counts = log_ratio.new_zeros(sequences).index_add_(0, index, generated.flatten().to(log_ratio.dtype))
+        log_ratio = torch.where(generated, (sums / counts.clamp(min=1))[sequence_index], 0.0)
+    ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + (clip if clip_high is None else clip_high))
     token_loss = torch.maximum(unclipped, clipped)
