@@ -9,6 +9,8 @@ import httpx
 import openai
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
+from rlsys.endpoint.http_client import shared_http_client
+
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "arithmetic",
                                            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                                                           "required": ["expression"]}}}]
@@ -41,6 +43,45 @@ async def openai_tools_run(base_url, api_key, prompt, stream: bool = False):
 
 async def openai_streaming_tools_run(base_url, api_key, prompt):
     return await openai_tools_run(base_url, api_key, prompt, stream=True)
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "calculator", "description": "arithmetic", "strict": True,
+                    "parameters": TOOLS[0]["function"]["parameters"]}]  # the Responses API's flat shape
+
+
+async def responses_tools_run(base_url, api_key, prompt, stream: bool = False):
+    """The tool loop on the Responses API (`client.responses.create`), as OpenAI documents it: the input grows by
+    the response's output items and each function call's output; streamed, each response is the one
+    `response.completed` carries."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    items = [{"role": "user", "content": prompt}]
+    for _ in range(3):
+        response = await client.responses.create(model="rlsys", instructions="Use the calculator.", input=items,
+                                                 tools=RESPONSES_TOOLS, store=False, stream=stream)
+        if stream:
+            events = [event async for event in response]
+            RESPONSES.append(events)
+            response = events[-1].response
+        RESPONSES.append(response)
+        items += [item.model_dump(exclude_none=True) for item in response.output]
+        calls = [item for item in response.output if item.type == "function_call"]
+        if not calls:
+            return float(response.output_text == "409")
+        for call in calls:
+            result = str(eval(json.loads(call.arguments)["expression"]))  # the test's own calculator
+            items.append({"type": "function_call_output", "call_id": call.call_id, "output": result})
+    return 0.0
+
+
+async def responses_streaming_tools_run(base_url, api_key, prompt):
+    return await responses_tools_run(base_url, api_key, prompt, stream=True)
+
+
+async def responses_run(base_url, api_key, prompt):
+    """The plainest agent on the Responses API: one call, a string input; the environment scores the answer."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=shared_http_client())
+    await client.responses.create(model="rlsys", input=prompt)
+    return None
 
 
 async def langgraph_streaming_run(base_url, api_key, prompt):
@@ -101,4 +142,11 @@ async def own_timeout_run(base_url, api_key, prompt):
     raise TimeoutError("the user's HTTP call timed out")
 
 
+
+
+
+async def responses_cut_run(base_url, api_key, prompt):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    RESPONSES.append(await client.responses.create(model="rlsys", input=prompt, max_output_tokens=2))
+    return 0.0
 

@@ -867,9 +867,9 @@ HOSTILE = {  # name -> (path, body, status, param)
 
 def test_a_path_or_method_not_served_is_refused_in_openais_error_shape(tokenizer):
     """The `openai` client reads the error from OpenAI's shape; FastAPI's {"detail": "Not Found"} said nothing of
-    what is served (a client of the Responses API, say)."""
-    response, asked = post(tokenizer, "/responses", {"model": "rlsys", "input": "hi"})
-    assert response.status_code == 404 and "/v1/chat/completions" in refusal(response)["message"] and asked == []
+    what is served (a client cancelling a stored response, say: nothing is stored)."""
+    response, asked = post(tokenizer, "/responses/resp_1/cancel", {})
+    assert response.status_code == 404 and "POST /v1/responses" in refusal(response)["message"] and asked == []
 
     async def get():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=ENDPOINT.app), base_url="http://e/v1") as http:

@@ -20,6 +20,14 @@ it. Other fields the endpoint does not read are left alone: OpenAI clients send 
 `"stream": true` is answered as Server-Sent Events (rlsys/endpoint/streaming.py). `stream_options` is refused
 without it, as OpenAI refuses it; of its keys `include_usage` is honoured, `include_obfuscation` refused unless
 false, and any other refused.
+
+A /v1/responses body (OpenAI's Responses API) is checked here under its own field names and translated into the
+chat call it asks for: `instructions` a system message first, input items messages (consecutive function calls one
+assistant turn, as the model produced them; a call's output a tool message), flat function tools in chat's shape.
+Every field of it either acts, is accepted at its neutral value, or is refused naming it, unknown ones too: that API
+has many fields that change the answer (`previous_response_id`, `reasoning`, `text.format`, built-in tools). The
+endpoint keeps nothing between calls: `store` (OpenAI's default is true) is accepted and nothing is stored, so a
+later `previous_response_id` or `conversation` naming it could not be honoured and is refused.
 """
 
 import json
@@ -35,6 +43,24 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Request fields that are GenerationConfig fields of the same name (max_tokens is apart: it has two names, and
 # the context bounds it too).
 SAME_NAMED_SETTINGS = ("n", "temperature", "top_p", "top_k", "seed")  # top_k: vLLM's extension
+# /v1/responses fields that act (or, as `metadata` and `user`, label the call and change nothing), and those accepted
+# at their neutral value only -> (neutral values, why no other is); a field in neither is refused.
+RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
+                    "max_output_tokens", "temperature", "top_p", "stream", "stream_options", "store", "metadata",
+                    "user", "safety_identifier", "prompt_cache_key"}
+RESPONSES_NEUTRAL = {
+    "previous_response_id": ((None,), "this endpoint keeps no responses between calls (nothing is stored); send the "
+                                      "whole conversation as input"),
+    "conversation": ((None,), "this endpoint keeps no conversations; send the whole conversation as input"),
+    "truncation": (("disabled",), "the conversation is never truncated; a call past the context is refused"),
+    "include": (([],), "no extra output (logprobs, encrypted reasoning) is returned"),
+    "top_logprobs": ((0,), "alternatives to each token's logprob are not listed"),
+    "text": (({"format": {"type": "text"}},), "replies are sampled unconstrained"),
+    "reasoning": (({},), "no reasoning effort or summary is applied"),
+    "background": ((False,), "calls are answered while their client waits"),
+    "service_tier": (("auto", "default"), "calls are served on one tier"),
+}
+RESPONSES_ROLES = {"system", "developer", "user", "assistant"}
 # Settings no engine here applies -> the value that asks for nothing (as OpenAI's and vLLM's defaults do).
 NEUTRAL_SETTINGS = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0,
                     "top_logprobs": 0}
@@ -116,17 +142,94 @@ def chat_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[di
     for i, message in enumerate(messages):
         _message(message, f"messages[{i}]")
     tools = _tools(body.get("tools"))
-    if body.get("tool_choice") not in (None, "auto") and not (body["tool_choice"] == "none" and not tools):
-        raise _invalid("tool_choice", '"auto" (or null) is the only choice supported: the model decides whether to '
-                                      'call a tool; forcing or forbidding a call is not')
-    _flag(body, "parallel_tool_calls")  # true, false or null
-    if body.get("parallel_tool_calls") is False and tools:
-        raise _invalid("parallel_tool_calls", "false is not supported: the model may call several tools in a turn; "
-                                              "send true or leave it out")
+    _tool_choice(body, tools)
     for legacy, neutral in (("functions", (None, [])), ("function_call", (None, "auto", "none"))):
         if body.get(legacy) not in neutral:
             raise _invalid(legacy, 'is not supported (the legacy form of "tools" and "tool_choice"): send "tools"')
     return messages, tools, _sampling(body, max_total_tokens, completion=False)
+
+
+def responses_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[dict], Sampling]:
+    """The chat messages, chat tools and sampling a /v1/responses body asks for."""
+    for name, value in body.items():
+        if value is None or name in RESPONSES_FIELDS:
+            continue
+        if name not in RESPONSES_NEUTRAL:
+            raise _invalid(name, "is not supported by this endpoint's /v1/responses; leave it out")
+        neutral, reason = RESPONSES_NEUTRAL[name]
+        if value not in neutral or type(value) is not type(neutral[0]):  # false is not the neutral 0
+            raise _invalid(name, f"is not supported: {reason}; send {json.dumps(neutral[0])} or leave it out")
+    _flag(body, "store")  # accepted either way: nothing is kept (the module's docstring)
+    instructions = body.get("instructions")
+    if not isinstance(instructions, (str, type(None))):
+        raise _invalid("instructions", "must be a string or null")
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    messages += _input_messages(body.get("input"))
+    # Flat function tools (`{"type": "function", "name", "description", "parameters"}`) in chat's shape.
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+             for t in _tools(body.get("tools"), flat=True)]
+    _tool_choice(body, tools)
+    settings = {name: _setting(name, body[name], name) for name in ("temperature", "top_p")
+                if body.get(name) is not None}
+    _max_new_tokens(body, "max_output_tokens", max_total_tokens, settings)
+    stream, options = _flag(body, "stream"), body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise _invalid("stream_options", "is only allowed when stream is true")
+        if not isinstance(options, dict) or any(key != "include_obfuscation" for key in options):
+            raise _invalid("stream_options", 'must be {"include_obfuscation": false} or null')
+        if _flag(options, "include_obfuscation", "stream_options.include_obfuscation"):
+            raise _invalid("stream_options.include_obfuscation", "is not supported: events are not padded; send "
+                                                                  "false or leave it out")
+    return messages, tools, Sampling(settings, [], False, False, stream, False)
+
+
+def _input_messages(items) -> list[dict]:
+    """A Responses `input` as chat messages."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise _invalid("input", "must be a non-empty string or list of input items")
+    messages = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            if not isinstance(item.get("role"), str) or item["role"] not in RESPONSES_ROLES:
+                raise _invalid(f"{where}.role", f"must be one of {sorted(RESPONSES_ROLES)}")
+            messages.append({"role": item["role"], "content": _input_text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")):
+                raise _invalid(where, "must be a function call whose call_id, name and arguments are strings")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if not (messages and messages[-1]["role"] == "assistant"):
+                messages.append({"role": "assistant", "content": None, "tool_calls": []})
+            messages[-1].setdefault("tool_calls", []).append(call)  # one turn's calls, and its text, are one turn
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise _invalid(f"{where}.call_id", "must be a string")
+            output = _input_text(item.get("output"), f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        else:
+            raise _invalid(where, f'must be a message, a function_call or a function_call_output item (got type '
+                                  f'{kind!r}): this endpoint keeps no items and runs no built-in tools')
+    return messages
+
+
+def _input_text(content, where: str) -> str:
+    """A message's or a call output's content as its text: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid(where, "must be a string or a list of content parts")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
+            raise _invalid(f"{where}[{j}]", "must be a content part object whose text is a string")
+        if part.get("type") not in ("input_text", "output_text"):  # an image, a file: the model would answer without it
+            raise _invalid(f"{where}[{j}]", f'must be an input_text or output_text part: this model reads text only '
+                                            f'(got type {part.get("type")!r})')
+    return "".join(part.get("text", "") for part in content)
 
 
 def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tuple[str | list[int], Sampling]:
@@ -155,11 +258,7 @@ def _sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
     _refuse_unhonoured(body)
     settings = {name: _setting(name, body[name], name) for name in SAME_NAMED_SETTINGS if body.get(name) is not None}
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    if body.get(param) is not None:
-        settings["max_new_tokens"] = _setting("max_new_tokens", body[param], param)
-        if settings["max_new_tokens"] > max_total_tokens:
-            raise _invalid(param, f"must be at most this endpoint's context of {max_total_tokens} tokens, "
-                                  f"got {settings['max_new_tokens']}")
+    _max_new_tokens(body, param, max_total_tokens, settings)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
@@ -167,6 +266,25 @@ def _sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
         raise _invalid("stop", f"must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of at most "
                                f"{MAX_STOP_CHARS} characters")
     return Sampling(settings, stop, _logprobs(body, completion), _flag(body, "return_token_ids"), *_stream(body))
+
+
+def _max_new_tokens(body: dict, param: str, max_total_tokens: int, settings: dict) -> None:
+    """`body[param]`, the reply's budget, into `settings` as max_new_tokens: no more than the context."""
+    if body.get(param) is not None:
+        settings["max_new_tokens"] = _setting("max_new_tokens", body[param], param)
+        if settings["max_new_tokens"] > max_total_tokens:
+            raise _invalid(param, f"must be at most this endpoint's context of {max_total_tokens} tokens, "
+                                  f"got {settings['max_new_tokens']}")
+
+
+def _tool_choice(body: dict, tools: list[dict]) -> None:
+    if body.get("tool_choice") not in (None, "auto") and not (body["tool_choice"] == "none" and not tools):
+        raise _invalid("tool_choice", '"auto" (or null) is the only choice supported: the model decides whether to '
+                                      'call a tool; forcing or forbidding a call is not')
+    _flag(body, "parallel_tool_calls")  # true, false or null
+    if body.get("parallel_tool_calls") is False and tools:
+        raise _invalid("parallel_tool_calls", "false is not supported: the model may call several tools in a turn; "
+                                              "send true or leave it out")
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -259,17 +377,23 @@ def _message(message, where: str) -> None:
         raise _invalid(f"{where}.tool_call_id", "must be a string or null")
 
 
-def _tools(tools) -> list[dict]:
-    """Function tools whose parameters schema is what tool calls are checked against (rlsys.api.tool)."""
+def _tools(tools, flat: bool = False) -> list[dict]:
+    """Function tools whose parameters schema is what tool calls are checked against (rlsys.api.tool): chat's
+    `{"type": "function", "function": {...}}`, or (`flat`) the Responses API's `{"type": "function", "name", ...}`."""
     if tools is None:
         return []
     if not isinstance(tools, list):
         raise _invalid("tools", "must be a list of function tools or null")
+    shape = ('{"type": "function", "name": a non-empty string, "parameters": a JSON schema} (this endpoint runs no '
+             'built-in tools)' if flat else
+             '{"type": "function", "function": {"name": a non-empty string, "parameters": a JSON schema}}')
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
+        if flat:
+            function = tool if isinstance(tool, dict) and tool.get("type") == "function" else None
+        else:
+            function = tool.get("function") if isinstance(tool, dict) else None
         if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
-            raise _invalid(f"tools[{i}]", 'must be {"type": "function", "function": {"name": a non-empty string, '
-                                          '"parameters": a JSON schema}}')
+            raise _invalid(f"tools[{i}]", f"must be {shape}")
         parameters = function.get("parameters")
         if parameters is None:
             continue
@@ -277,6 +401,7 @@ def _tools(tools) -> list[dict]:
         required = parameters.get("required", []) if isinstance(parameters, dict) else None
         if not (isinstance(properties, dict) and all(isinstance(p, dict) for p in properties.values())
                 and isinstance(required, list) and all(isinstance(name, str) for name in required)):
-            raise _invalid(f"tools[{i}].function.parameters", "must be a JSON schema object: properties an object of "
-                                                              "objects, required a list of names")
+            where = f"tools[{i}].parameters" if flat else f"tools[{i}].function.parameters"
+            raise _invalid(where, "must be a JSON schema object: properties an object of objects, required a list of "
+                                  "names")
     return tools

@@ -3,10 +3,11 @@
 One server per rollout worker process (FastAPI on uvicorn), started by the first endpoint episode. Each
 episode opens a session under an API key of its own (a random secret, so the key both authenticates and
 attributes every call): `/v1/chat/completions`, `/v1/completions` and `/v1/models` answer for that
-episode only. A call with a key nobody opened is refused with 401, one with the key of an episode that
-ended with 410, a malformed request with 400, one over MAX_BODY_BYTES with 413 and a chat call to a model
-without a chat template with 404; OpenAI's error body says why, and for 400 which field
-(rlsys/endpoint/request_checks.py); so does a 404 or 405 for a path or method not served (`/v1/responses`, say).
+episode only; so does `/v1/responses` (OpenAI's Responses API), answered by the chat path. A call with a key nobody
+opened is refused with 401, one with the key of an episode that ended with 410, a malformed request with 400, one
+over MAX_BODY_BYTES with 413 and a chat or Responses call to a model without a chat template with 404; OpenAI's error
+body says why, and for 400 which field (rlsys/endpoint/request_checks.py); so does a 404 or 405 for a path or method
+not served (`GET /v1/responses/{id}`, say: nothing is stored).
 Headers over MAX_HEADER_BYTES get a plain 400 and the connection closed, whatever the key; so is a request that has
 not arrived whole within 30 s, and a connection over the server's cap is answered 503
 (rlsys/endpoint/http_protocol.py). A call with `"stream": true` is answered as Server-Sent Events once the model has
@@ -127,7 +128,7 @@ class Endpoint:
         async def not_served(request: Request, error: HTTPException) -> JSONResponse:
             """OpenAI's error shape, as clients parse it, rather than FastAPI's {"detail": ...}."""
             message = (f"{error.detail}: {request.method} {request.url.path}; this endpoint serves POST "
-                       f"/v1/chat/completions, POST /v1/completions and GET /v1/models")
+                       f"/v1/chat/completions, POST /v1/completions, POST /v1/responses and GET /v1/models")
             return JSONResponse(RequestError(error.status_code, message, code=None).body(),
                                 status_code=error.status_code, headers=error.headers)
 
@@ -140,6 +141,11 @@ class Endpoint:
         async def completions(request: Request):
             session, body = await self.session_and_body(request)
             return await session.complete(body, request.is_disconnected)
+
+        @app.post("/v1/responses")
+        async def responses(request: Request):
+            session, body = await self.session_and_body(request)
+            return await session.respond(body, request.is_disconnected)
 
         @app.get("/v1/models")
         async def models(request: Request):

@@ -1,4 +1,4 @@
-"""What one episode's calls do: OpenAI chat and completion requests in, the episode's model out.
+"""What one episode's calls do: OpenAI chat, completion and Responses requests in, the episode's model out.
 
 Each request becomes one request on the episode's queues (`rlsys.api.Model`): batched with everything
 else by the inference worker, routed to the worker holding the episode's prefix, versioned, and resumed
@@ -8,6 +8,11 @@ generated ids, which are kept as they are. Tool calls are parsed from that text 
 rlsys/tools/call_format.py and returned as OpenAI `tool_calls`.
 
 Every field a request sets is checked before any of it is used (rlsys/endpoint/request_checks.py).
+
+A /v1/responses call is the chat call its `instructions` and input items make (request_checks.py translates it), so
+it is prompted, continued token-exactly and recorded as that chat call would be; only its reply is shaped as a
+Responses object: a `message` item with the text and a `function_call` item per parsed tool call, `status`
+"incomplete" (`max_output_tokens`) where the reply was cut by length.
 
 `"stream": true` gets the same reply as Server-Sent Events, split once the model has answered and the call is
 recorded (rlsys/endpoint/streaming.py).
@@ -33,8 +38,8 @@ from starlette.responses import Response
 
 from rlsys.api import GenerationConfig, GenerationOutput, Model
 from rlsys.endpoint.conversation import Conversation
-from rlsys.endpoint.request_checks import RequestError, Sampling, chat_request, completion_request
-from rlsys.endpoint.streaming import event_stream
+from rlsys.endpoint.request_checks import RequestError, Sampling, chat_request, completion_request, responses_request
+from rlsys.endpoint.streaming import event_stream, response_events
 from rlsys.tools.call_format import CALL, parse_turn
 
 ClientGone = Callable[[], Awaitable[bool]]  # whether the call's client has disconnected
@@ -50,11 +55,47 @@ class EpisodeSession:
         self.outputs: list[GenerationOutput] = []  # every reply the engine sent, in call order
 
     async def chat(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
-        if self.tokenizer.chat_template is None:  # a base model: transformers' ValueError would be a bare 500
-            raise RequestError(404, "this is not a chat model (its tokenizer has no chat template), so it is not "
-                                    "served at /v1/chat/completions: call /v1/completions", "model_not_found",
-                               param="model")
+        self.require_chat_template("/v1/chat/completions")
         messages, tools, sampling = chat_request(body, self.max_total_tokens)
+        output, choices = await self.chat_choices(messages, tools, sampling, client_gone)
+        return self.response("chat.completion", output, choices, sampling)
+
+    async def respond(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
+        """A /v1/responses call: the chat call its input and instructions make, answered as a Responses object."""
+        self.require_chat_template("/v1/responses")
+        messages, tools, sampling = responses_request(body, self.max_total_tokens)
+        output, [choice] = await self.chat_choices(messages, tools, sampling, client_gone)
+        message, length = choice["message"], choice["finish_reason"] == "length"
+        status = "incomplete" if length else "completed"
+        items = [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+                  "content": [{"type": "output_text", "text": message["content"], "annotations": [], "logprobs": []}]}
+                 ] if message["content"] or not message.get("tool_calls") else []
+        items += [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                   "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+                  for call in message.get("tool_calls") or []]
+        generated = len(output.output_ids[0])
+        response = {
+            "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "status": status,
+            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if length else None,
+            "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
+            "model": self.model_name, "output": items, "parallel_tool_calls": True,
+            "temperature": sampling.settings.get("temperature", self.defaults.temperature),
+            "top_p": sampling.settings.get("top_p", self.defaults.top_p),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+            "usage": {"input_tokens": len(output.prompt_ids), "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": len(output.prompt_ids) + generated}}
+        return response_events(response) if sampling.stream else response
+
+    def require_chat_template(self, path: str) -> None:
+        if self.tokenizer.chat_template is None:  # a base model: transformers' ValueError would be a bare 500
+            raise RequestError(404, f"this is not a chat model (its tokenizer has no chat template), so it is not "
+                                    f"served at {path}: call /v1/completions", "model_not_found", param="model")
+
+    async def chat_choices(self, messages: list[dict], tools: list[dict], sampling: Sampling,
+                           client_gone: ClientGone | None) -> tuple[GenerationOutput, list[dict]]:
+        """The engine's output for a chat call and its chat choices; the call recorded unless its client has gone."""
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
         try:
             sample, prompt_ids = self.conversation.prompt_for(messages, tools)
@@ -73,7 +114,7 @@ class EpisodeSession:
                             **self.token_ids(sampling, ids)})
         if not (client_gone and await client_gone()):
             self.conversation.record(messages, sample, prompt_ids, output, replies, reasons, tools)
-        return self.response("chat.completion", output, choices, sampling)
+        return output, choices
 
     async def complete(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
         prompt, sampling = completion_request(body, self.max_total_tokens, len(self.tokenizer))

@@ -12,6 +12,13 @@ its finish reason; a completion choice as one chunk with its text and finish rea
 token ids ride on its last chunk before the finish, a completion choice's on its chunk. With
 `stream_options.include_usage` the last chunk has no choices and the call's usage, and every other chunk `"usage":
 null`. The chunks share the reply's id, created and model; the first carries the extension's `prompt_token_ids`.
+
+A /v1/responses reply is sent as that API's typed events (`event: <type>` and `data: <json>`, numbered by
+`sequence_number`, no `[DONE]`): `response.created` and `response.in_progress` with the response as it stands before
+any output, then per output item `response.output_item.added`, its content (a message's text as one
+`response.content_part.added`, `response.output_text.delta`, `response.output_text.done`, `response.content_part.done`;
+a function call's arguments as one `response.function_call_arguments.delta` and `.done`), `response.output_item.done`,
+and last `response.completed` (or `response.incomplete`, cut by `max_output_tokens`) with the whole response.
 """
 
 import json
@@ -30,11 +37,43 @@ def event_stream(response: dict, include_usage: bool) -> Response:
         chunks[0]["prompt_token_ids"] = response["prompt_token_ids"]
     if include_usage:
         chunks = [{**chunk, "usage": None} for chunk in chunks] + [{**head, "choices": [], "usage": response["usage"]}]
-    # Encoded as Starlette's JSONResponse encodes the unstreamed reply.
-    events = [f"data: {json.dumps(c, ensure_ascii=False, allow_nan=False, separators=(',', ':'))}\n\n"
-              for c in chunks]
-    return Response("".join(events) + "data: [DONE]\n\n", media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache"})
+    return _sse([f"data: {_json(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"])
+
+
+def response_events(response: dict) -> Response:
+    """`response` (a Responses object as the unstreamed call gets it) as the events of a Responses stream."""
+    started = {**response, "status": "in_progress", "output": [], "incomplete_details": None, "usage": None}
+    events = [("response.created", {"response": started}), ("response.in_progress", {"response": started})]
+    for index, item in enumerate(response["output"]):
+        where = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            events.append(("response.output_item.added", {"output_index": index,
+                                                          "item": {**item, "status": "in_progress", "content": []}}))
+            for j, part in enumerate(item["content"]):
+                at = {**where, "content_index": j}
+                events += [("response.content_part.added", {**at, "part": {**part, "text": ""}}),
+                           ("response.output_text.delta", {**at, "delta": part["text"], "logprobs": []}),
+                           ("response.output_text.done", {**at, "text": part["text"], "logprobs": []}),
+                           ("response.content_part.done", {**at, "part": part})]
+        else:  # a function call
+            events += [("response.output_item.added", {"output_index": index,
+                                                       "item": {**item, "status": "in_progress", "arguments": ""}}),
+                       ("response.function_call_arguments.delta", {**where, "delta": item["arguments"]}),
+                       ("response.function_call_arguments.done", {**where, "name": item["name"],
+                                                                   "arguments": item["arguments"]})]
+        events.append(("response.output_item.done", {"output_index": index, "item": item}))
+    events.append((f"response.{response['status']}", {"response": response}))
+    return _sse([f"event: {kind}\ndata: {_json({'type': kind, 'sequence_number': i, **data})}\n\n"
+                 for i, (kind, data) in enumerate(events)])
+
+
+def _json(value) -> str:
+    """Encoded as Starlette's JSONResponse encodes the unstreamed reply."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _sse(events: list[str]) -> Response:
+    return Response("".join(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def _chat_chunks(choices: list[dict]) -> Iterator[dict]:
