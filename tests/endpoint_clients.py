@@ -150,3 +150,19 @@ async def responses_cut_run(base_url, api_key, prompt):
     RESPONSES.append(await client.responses.create(model="rlsys", input=prompt, max_output_tokens=2))
     return 0.0
 
+
+async def agents_sdk_run(base_url, api_key, prompt):
+    """An OpenAI Agents SDK agent with one function tool, on its default model class (the Responses API)."""
+    from agents import Agent, OpenAIResponsesModel, RunConfig, Runner, function_tool
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluates an arithmetic expression, such as 12*34+1."""
+        return str(eval(expression))  # the test's own calculator
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    agent = Agent(name="calculator", instructions="Use the calculator.", tools=[calculator],
+                  model=OpenAIResponsesModel(model="rlsys", openai_client=client))
+    result = await Runner.run(agent, prompt, max_turns=4, run_config=RunConfig(tracing_disabled=True))
+    RESPONSES.extend(result.raw_responses)
+    return float(result.final_output == "409")

@@ -233,3 +233,20 @@ def test_a_valid_body_with_one_field_replaced_is_answered_or_refused_naming_that
     else:
         assert error["param"].startswith(field[0]), error
 
+
+def test_an_openai_agents_sdk_agent_with_a_function_tool_trains_token_exactly(tokenizer, tokenizer_dir):
+    """The Agents SDK's default model (`OpenAIResponsesModel`) on the endpoint: the tool call it runs and the answer
+    after it are one sample, the second call continuing the first's ids. The SDK is not among the `agents` extras
+    (openai-agents 0.24 pins websockets below the 17 installed): skipped where it is not importable."""
+    pytest.importorskip("agents")
+    [trajectory], engine = run_episode(tokenizer, tokenizer_dir, "tests.endpoint_clients:agents_sdk_run",
+                                       tool_then_answer(tokenizer))
+    first, second = RESPONSES
+    assert [(i.type, i.name) for i in first.output] == [("function_call", "calculator")]
+    assert second.output[0].content[0].text == "409"
+    (prompt, _), (continued, _) = engine.requests
+    call_ids = ids(tokenizer, CALL) + [tokenizer.eos_token_id]
+    assert continued == prompt + call_ids + ids(tokenizer, "<|user|><tool_response>409</tool_response><|end|>"
+                                                           "<|assistant|>")
+    assert trajectory.token_ids == continued + ids(tokenizer, "409") + [tokenizer.eos_token_id]
+    assert trajectory.reward == 1.0 and trajectory.metrics["history_splits"] == 0
