@@ -151,8 +151,9 @@ async def responses_cut_run(base_url, api_key, prompt):
     return 0.0
 
 
-async def agents_sdk_run(base_url, api_key, prompt):
-    """An OpenAI Agents SDK agent with one function tool, on its default model class (the Responses API)."""
+async def agents_sdk_run(base_url, api_key, prompt, stream: bool = False):
+    """An OpenAI Agents SDK agent with one function tool, on its default model class (the Responses API); streamed,
+    run as `Runner.run_streamed`, which reads the events."""
     from agents import Agent, OpenAIResponsesModel, RunConfig, Runner, function_tool
 
     @function_tool
@@ -163,6 +164,16 @@ async def agents_sdk_run(base_url, api_key, prompt):
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     agent = Agent(name="calculator", instructions="Use the calculator.", tools=[calculator],
                   model=OpenAIResponsesModel(model="rlsys", openai_client=client))
-    result = await Runner.run(agent, prompt, max_turns=4, run_config=RunConfig(tracing_disabled=True))
+    config = RunConfig(tracing_disabled=True)
+    if stream:
+        result = Runner.run_streamed(agent, prompt, max_turns=4, run_config=config)
+        async for _ in result.stream_events():
+            pass
+    else:
+        result = await Runner.run(agent, prompt, max_turns=4, run_config=config)
     RESPONSES.extend(result.raw_responses)
     return float(result.final_output == "409")
+
+
+async def agents_sdk_streamed_run(base_url, api_key, prompt):
+    return await agents_sdk_run(base_url, api_key, prompt, stream=True)

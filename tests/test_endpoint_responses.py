@@ -234,12 +234,13 @@ def test_a_valid_body_with_one_field_replaced_is_answered_or_refused_naming_that
         assert error["param"].startswith(field[0]), error
 
 
-def test_an_openai_agents_sdk_agent_with_a_function_tool_trains_token_exactly(tokenizer, tokenizer_dir):
+@pytest.mark.parametrize("run", ["agents_sdk_run", "agents_sdk_streamed_run"])
+def test_an_openai_agents_sdk_agent_with_a_function_tool_trains_token_exactly(tokenizer, tokenizer_dir, run):
     """The Agents SDK's default model (`OpenAIResponsesModel`) on the endpoint: the tool call it runs and the answer
     after it are one sample, the second call continuing the first's ids. The SDK is not among the `agents` extras
     (openai-agents 0.24 pins websockets below the 17 installed): skipped where it is not importable."""
     pytest.importorskip("agents")
-    [trajectory], engine = run_episode(tokenizer, tokenizer_dir, "tests.endpoint_clients:agents_sdk_run",
+    [trajectory], engine = run_episode(tokenizer, tokenizer_dir, f"tests.endpoint_clients:{run}",
                                        tool_then_answer(tokenizer))
     first, second = RESPONSES
     assert [(i.type, i.name) for i in first.output] == [("function_call", "calculator")]
