@@ -178,6 +178,8 @@ REFUSED = {  # name -> (body, param)
     "stream options unstreamed": ({**BODY, "stream_options": {"include_obfuscation": False}}, "stream_options"),
     "obfuscated events": ({**BODY, "stream": True, "stream_options": {"include_obfuscation": True}},
                           "stream_options.include_obfuscation"),
+    "chat's stream usage": ({**BODY, "stream": True, "stream_options": {"include_usage": True}},
+                            "stream_options.include_usage"),
     "store as text": ({**BODY, "store": "yes"}, "store"),
     "chat's n": ({**BODY, "n": 2}, "n"),
 }

@@ -165,22 +165,20 @@ def responses_request(body: dict, max_total_tokens: int) -> tuple[list[dict], li
         raise _invalid("instructions", "must be a string or null")
     messages = [{"role": "system", "content": instructions}] if instructions else []
     messages += _input_messages(body.get("input"))
-    # Flat function tools (`{"type": "function", "name", "description", "parameters"}`) in chat's shape.
+    # Flat function tools (`{"type": "function", "name", "description", "parameters"}`) in chat's shape. `strict`
+    # (the Agents SDK's default) is not sampled constrained, as chat's is not: a call is checked against the schema
+    # and one that does not fit is returned as text and counted a decode error (rlsys/endpoint/session.py).
     tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
              for t in _tools(body.get("tools"), flat=True)]
     _tool_choice(body, tools)
     settings = {name: _setting(name, body[name], name) for name in ("temperature", "top_p")
                 if body.get(name) is not None}
     _max_new_tokens(body, "max_output_tokens", max_total_tokens, settings)
-    stream, options = _flag(body, "stream"), body.get("stream_options")
-    if options is not None:
-        if not stream:
-            raise _invalid("stream_options", "is only allowed when stream is true")
-        if not isinstance(options, dict) or any(key != "include_obfuscation" for key in options):
-            raise _invalid("stream_options", 'must be {"include_obfuscation": false} or null')
-        if _flag(options, "include_obfuscation", "stream_options.include_obfuscation"):
-            raise _invalid("stream_options.include_obfuscation", "is not supported: events are not padded; send "
-                                                                  "false or leave it out")
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is not None:  # chat's option, not this API's
+        raise _invalid("stream_options.include_usage", "is not a Responses stream option: the usage comes with "
+                                                       "response.completed")
+    stream, _ = _stream(body)
     return messages, tools, Sampling(settings, [], False, False, stream, False)
 
 
