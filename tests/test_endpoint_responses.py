@@ -240,8 +240,7 @@ def test_a_valid_body_with_one_field_replaced_is_answered_or_refused_naming_that
 def test_an_openai_agents_sdk_agent_with_a_function_tool_trains_token_exactly(tokenizer, tokenizer_dir, run):
     """The Agents SDK's default model (`OpenAIResponsesModel`) on the endpoint: the tool call it runs and the answer
     after it are one sample, the second call continuing the first's ids. The SDK is not among the `agents` extras
-    (openai-agents 0.24 pins websockets below the 17 installed): skipped where it is not importable."""
-    pytest.importorskip("agents")
+    (openai-agents 0.24 pins websockets below the 17 installed): scripts/install.sh --tests installs it alone."""
     [trajectory], engine = run_episode(tokenizer, tokenizer_dir, f"tests.endpoint_clients:{run}",
                                        tool_then_answer(tokenizer))
     first, second = RESPONSES
