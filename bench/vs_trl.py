@@ -148,6 +148,7 @@ def trl_arguments(config, steps: int, out_dir: Path, device: str = "cpu", **chan
         per_device_train_batch_size=ppo.batch_size * group, gradient_accumulation_steps=1, num_generations=group,
         num_iterations=ppo.ppo_epochs, learning_rate=ppo.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=ppo.weight_decay, max_grad_norm=ppo.max_grad_norm, beta=0.0, epsilon=ppo.pg_clip,
+        epsilon_high=ppo.pg_clip_high or ppo.pg_clip, importance_sampling_level=ppo.importance_sampling_level,
         loss_type="dapo", scale_rewards="group", temperature=config.gen.temperature, top_p=config.gen.top_p,
         top_k=max(config.gen.top_k, 0), max_completion_length=config.gen.max_new_tokens,
         bf16=config.learner.dtype == "bfloat16",  # rlsys's mixed precision, as HF's Trainer has it (autocast)

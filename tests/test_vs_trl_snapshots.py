@@ -29,3 +29,16 @@ def test_a_streamed_version_of_a_tied_model_is_kept_under_both_names(tmp_path):
     assert set(kept) == set(state) and "lm_head.weight" in kept
     for name, tensor in state.items():
         assert kept[name].equal(tensor), name
+
+
+def test_trls_side_clips_and_weighs_as_rlsys_is_told_to(tmp_path):
+    """The comparison gives TRL rlsys's clip-higher and GSPO settings (its epsilon_high, importance_sampling_level):
+    they were left at TRL's defaults, so a run with either compared two different algorithms."""
+    from bench.vs_trl import trl_arguments
+    from rlsys.cli import parse_config
+
+    given = trl_arguments(parse_config(["ppo.pg_clip_high=0.28", "ppo.importance_sampling_level=sequence"]), 10,
+                          tmp_path)
+    assert (given.epsilon, given.epsilon_high, given.importance_sampling_level) == (0.2, 0.28, "sequence")
+    default = trl_arguments(parse_config([]), 10, tmp_path)
+    assert (default.epsilon, default.epsilon_high, default.importance_sampling_level) == (0.2, 0.2, "token")
