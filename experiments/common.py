@@ -578,7 +578,8 @@ class InferenceConfig:
 @dataclass
 class TraceConfig:
     sample_rate: float = 0.1
-    """Share of training episodes recorded as traces in <run dir>/traces (every evaluation episode is); 0: none."""
+    """Share of episodes recorded as traces in <run dir>/traces, training and evaluation (the same held-out problems
+    at every evaluation); 0: none."""
     mlflow: bool = False
     """At the end of the run, export the traces (and the learner's metrics) to MLflow Tracing."""
     mlflow_tracking_uri: str = ""

@@ -1,7 +1,8 @@
 """Rollout traces: what each recorded episode did, turn by turn, from the agent's call to the gradient.
 
-A rollout worker records a sampled share of its training episodes (`trace.sample_rate`, chosen by a hash
-of the episode id, so every process agrees which) and every evaluation episode: each trajectory's
+A rollout worker records a sampled share of its episodes (`trace.sample_rate`, chosen by a hash of the episode id,
+so every process agrees which): of training episodes, and of evaluation episodes, whose ids name the held-out row,
+so every evaluation traces the same problems and their answers compare before and after. Each trajectory's
 messages (prompt, model turns, feedback and tool results, decoded), token counts, tool calls, per-turn
 rewards and weight versions, the episode's model calls with their timings, and the stop or failure
 reason. The learner adds, for the traced episodes it trains, the step and each trajectory's advantage.
@@ -89,8 +90,9 @@ class TraceWriter:
         self.thread = threading.Thread(target=self._write, name="trace-writer", daemon=True)
         self.thread.start()
 
-    def wants(self, episode_id: str, tag: str) -> bool:
-        return tag != "train" or traced(episode_id, self.sample_rate)
+    def wants(self, episode_id: str) -> bool:
+        # evaluations too: every one of them traced took minutes of MLflow export at the end of a default run
+        return traced(episode_id, self.sample_rate)
 
     def record(self, episode_id: str, tag: str, started: float, trajectories: list[Trajectory] | None,
                failure: tuple[str, str] | None, calls: list[dict]) -> None:

@@ -20,6 +20,7 @@ from rlsys.data.prompts import prompt_stream
 from rlsys.errors import EpisodeFailed
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.launcher import initialize_bus_state
+from rlsys.tracing import read_traces, traced
 from rlsys.workers.rollout_worker import RolloutWorker, next_evaluation
 from tests.helpers import save_random_tiny_model
 
@@ -247,6 +248,34 @@ def test_an_evaluation_is_labelled_with_the_versions_that_generated_it(tmp_path,
                               evaluations_file=tmp_path / "logs" / "rollout0.jsonl")
     report()
     assert capsys.readouterr().out == "step     7/10  held-out accuracy 100.0% (greedy, 2 problems, versions 7-8)\n"
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.25, 1.0])
+def test_evaluation_episodes_are_traced_at_the_sample_rate_the_same_problems_each_time(tmp_path, rate):
+    """Every evaluation episode was traced, even at trace.sample_rate=0: a default run with trace.mlflow=true spent
+    about 2 minutes exporting them at its end. Sampled by the same hash of the episode id, which names the held-out
+    row, every evaluation traces the same problems."""
+    @dataclasses.dataclass
+    class LaterVersionsExperiment(AsyncPPOMATHConfig):
+        @property
+        def agent(self):
+            return AgentAbstraction("answered-by-later-versions", {})
+
+    config = LaterVersionsExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    config.trace.sample_rate = rate
+    worker = RolloutWorker(config, InProcessBus(), 0, run_dir=tmp_path / "run")
+    worker.eval_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(40)]
+    asyncio.run(worker.evaluate("initial"))
+    asyncio.run(worker.evaluate("final"))
+    worker.traces.close()
+    worker.metrics.close()
+    traced_ids = {tag: sorted(e["episode_id"] for e in read_traces(tmp_path / "run") if e["tag"] == tag)
+                  for tag in ("initial", "final")}
+    expected = sorted(f"eval-0-{i}" for i in range(40) if traced(f"eval-0-{i}", rate))
+    assert traced_ids["initial"] == traced_ids["final"] == expected
+    assert 0 < len(expected) < 40 if rate == 0.25 else len(expected) == 40 * rate
 
 
 class RetriedOnce(InProcessBus):

@@ -220,7 +220,7 @@ class RolloutWorker:
     async def run_episode(self, agent, prompt: Prompt, tag: str = "train") -> list[Trajectory]:
         """The agent's trajectories; EpisodeFailed (logged in one line and counted) if the env or agent failed.
         Recorded as a trace if sampled (rlsys/tracing.py)."""
-        if self.traces is None or not self.traces.wants(prompt.qid, tag):
+        if self.traces is None or not self.traces.wants(prompt.qid):
             return await self.play_episode(agent, prompt, tag != "train")
         started, calls = time.time(), []
         try:
