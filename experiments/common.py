@@ -583,7 +583,8 @@ class TraceConfig:
     mlflow: bool = False
     """At the end of the run, export the traces (and the learner's metrics) to MLflow Tracing."""
     mlflow_tracking_uri: str = ""
-    """MLflow tracking store for trace.mlflow; empty: sqlite:///<run dir>/mlflow.db."""
+    """MLflow tracking store for trace.mlflow; empty: sqlite:///<run dir>/mlflow.db. An http(s) server must answer
+    at the start."""
     render_save_dir: str = ""
     """Text games: save each traced episode as a PNG strip and a GIF of its boards here (relative: in the run dir)."""
 

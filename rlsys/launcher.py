@@ -15,7 +15,7 @@ from rlsys.cli import config_to_dict, first_line, registry_name_of, save_config
 from rlsys.console import ProgressReporter
 from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout, visible_devices
-from rlsys.preflight import StartupError, check_extras, check_message_bus
+from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
 from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, describe, settled_prompts
 from rlsys.run_privacy import make_private, write_private
 from rlsys.roles import run_role
@@ -196,6 +196,7 @@ def prepare(config) -> None:
 
     check_message_bus(config.cluster)  # first: it takes a second, preparing the assets may take minutes
     check_extras(config)
+    check_mlflow_server(config.trace)
     devices = visible_devices()
     if config.cluster.backend == "local":
         try:
@@ -320,9 +321,12 @@ def finish_observability(config, run_dir: Path) -> None:
         frames = run_dir / config.trace.render_save_dir if config.trace.render_save_dir else None
         print(f"report: {build_report(run_dir, frames)}", flush=True)
         if config.trace.mlflow:
-            from rlsys.mlflow_export import export_run
+            from rlsys.mlflow_export import default_tracking_uri, export_run
 
-            uri = export_run(run_dir, config.trace.mlflow_tracking_uri, Path(config.logging_dir))
+            uri = config.trace.mlflow_tracking_uri or default_tracking_uri(run_dir)
+            # said first: the export may take minutes (many traces, or a server that stopped answering mid-run)
+            print(f"exporting the traces and learner metrics to MLflow at {uri}", flush=True)
+            export_run(run_dir, uri, Path(config.logging_dir))
             print(f"traces in MLflow: mlflow ui --backend-store-uri {uri}", flush=True)
     except Exception:
         log.warning("could not write the run report or export the traces", exc_info=True)

@@ -1,10 +1,11 @@
 """Checks that stop a run before anything starts, with a message that says what to do.
 
 They run before the (possibly long) dataset and model preparation, so a missing redis-server, a taken
-port or an unreachable Redis is reported in a second, not after a warm start.
+port, an unreachable Redis or MLflow server is reported in seconds, not after a warm start (or at the run's end).
 """
 
 import importlib.util
+import socket
 import urllib.parse
 
 import redis
@@ -13,6 +14,7 @@ from rlsys.bus.redis_bus import without_namespace
 from rlsys.bus.redis_server import MIN_VERSION, EmbeddedRedisError, check_port_free, find_redis_server
 
 CONNECT_TIMEOUT = 5.0
+REACH_TIMEOUT = 10.0  # seconds to wait for a server the config names (a Ray head, MLflow) to accept a connection
 
 
 class StartupError(RuntimeError):
@@ -52,6 +54,43 @@ def check_redis_url(url: str) -> None:
     if (major, minor) < MIN_VERSION:
         raise StartupError(f"Redis at {where} (cluster.redis_url) is version {version}; rlsys needs "
                            f"{MIN_VERSION[0]}.{MIN_VERSION[1]} or newer (stream consumer groups with claims)")
+
+
+def check_reachable(address: str) -> None:
+    """ConnectionError if nothing listens at a HOST:PORT address (auto, ray://... and the like are left to ray.init).
+    ray.init retries a GCS it cannot reach 20 times, about 40 s each: a wrong port or a stopped head made the launcher
+    sit silent for some 14 minutes before it said so."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answered at {address}: {e.strerror or e}") from None
+
+
+def check_mlflow_server(trace) -> None:
+    """An MLflow tracking server (http:// or https://) that trace.mlflow will export to at the run's end accepts a
+    connection now: MLflow's client retries one it cannot reach for about 250 s, after the whole run. Other stores
+    (sqlite, files, databases) are MLflow's to open."""
+    if not trace.mlflow:
+        return
+    uri = trace.mlflow_tracking_uri
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:  # a port that is no number (redacted() would raise it again)
+        raise StartupError(f"trace.mlflow_tracking_uri: {e}") from None
+    if not parts.hostname:
+        raise StartupError(f"trace.mlflow_tracking_uri={redacted(uri)} names no host")
+    try:
+        check_reachable(f"{parts.hostname}:{port}")
+    except ConnectionError as e:
+        raise StartupError(f"trace.mlflow_tracking_uri={redacted(uri)}: no MLflow server answered ({e}); start it "
+                           "(`mlflow server`), fix the URI, or leave trace.mlflow_tracking_uri empty to export to "
+                           "sqlite:///<run dir>/mlflow.db") from None
 
 
 def redacted(url: str) -> str:

@@ -446,9 +446,10 @@ def test_a_rollout_worker_killed_mid_record_costs_the_report_only_that_record(tm
     assert "2 episodes recorded" in build_report(run_dir).read_text()
 
 
-def test_the_mlflow_export_at_a_runs_end_takes_the_learner_metrics_from_its_logging_dir(tmp_path, tokenizer_dir):
+def test_the_mlflow_export_at_a_runs_end_takes_the_learner_metrics_from_its_logging_dir(tmp_path, tokenizer_dir,
+                                                                                        capsys):
     """With logging_dir set, the run's end exported to MLflow the traces without a single learner metric: it looked
-    for learner.jsonl under <run dir>/logs."""
+    for learner.jsonl under <run dir>/logs. The export is said before it begins: it may take minutes."""
     import mlflow
 
     from experiments import AsyncPPOMATHConfig
@@ -461,7 +462,11 @@ def test_the_mlflow_export_at_a_runs_end_takes_the_learner_metrics_from_its_logg
     config = AsyncPPOMATHConfig()
     config.logging_dir, config.trace.mlflow = str(logs), True
     finish_observability(config, run_dir)
-    mlflow.set_tracking_uri(f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+    uri = f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        f"exporting the traces and learner metrics to MLflow at {uri}",
+        f"traces in MLflow: mlflow ui --backend-store-uri {uri}"]
+    mlflow.set_tracking_uri(uri)
     (run,) = mlflow.search_runs([mlflow.get_experiment_by_name("exp/t").experiment_id], output_format="list")
     history = mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "reward")
     assert sorted((m.step, m.value) for m in history) == [(1, 0.1), (2, 0.2)]
@@ -498,3 +503,36 @@ def test_a_resumed_launch_takes_its_last_launch_s_summary_away(tmp_path):
     with pytest.raises(StartupError):  # stops at the dataset, once the resume is decided
         launch(config)
     assert not (run_dir / "summary.json").exists()
+
+
+def test_an_mlflow_server_that_does_not_answer_is_refused_at_the_start_naming_the_key(monkeypatch):
+    """trace.mlflow_tracking_uri=http://... where no server answers: the run trained to its end, then sat silent
+    for about 250 s of MLflow's retries before the export failed."""
+    from rlsys import assets
+    from rlsys.cli import parse_config
+    from rlsys.launcher import prepare
+    from rlsys.preflight import StartupError
+
+    class Checked(Exception):
+        """The MLflow server answered: prepare went on to the dataset and the model."""
+
+    def checked(config):
+        raise Checked
+
+    monkeypatch.setattr(assets, "prepare_assets", checked)
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    with pytest.raises(StartupError) as refused:
+        prepare(parse_config(["trace.mlflow=true", f"trace.mlflow_tracking_uri={uri}/"]))
+    assert str(refused.value).startswith(f"trace.mlflow_tracking_uri={uri}/: no MLflow server answered (nothing "
+                                         f"answered at 127.0.0.1:{port}: Connection refused); start it")
+    assert time.monotonic() - started < 30
+    with pytest.raises(StartupError, match="trace.mlflow_tracking_uri: Port could not be cast"):
+        prepare(parse_config(["trace.mlflow=true", "trace.mlflow_tracking_uri=http://127.0.0.1:mlflow"]))
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        with pytest.raises(Checked):
+            prepare(parse_config(["trace.mlflow=true",
+                                  f"trace.mlflow_tracking_uri=http://127.0.0.1:{server.getsockname()[1]}"]))

@@ -13,7 +13,6 @@ same way on both backends.
 import contextlib
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -21,9 +20,9 @@ from rlsys.bus.redis_server import free_port
 from rlsys.errors import RoleFailed
 from rlsys.placement.base import Placement, PlacementError, RoleHandle, learner_rendezvous
 from rlsys.placement.cpu_threads import role_environment
+from rlsys.preflight import check_reachable
 
 PLACEMENT_TIMEOUT = 120.0  # seconds to wait for the cluster to reserve every bundle
-REACH_TIMEOUT = 10.0  # seconds to wait for the cluster's head to accept a connection
 CPUS_PER_ROLE = 1
 
 
@@ -124,19 +123,6 @@ def keep_sigterm_handler():
     finally:
         if handler is not None:
             signal.signal(signal.SIGTERM, handler)
-
-
-def check_reachable(address: str) -> None:
-    """ConnectionError if nothing listens at a HOST:PORT address (auto, ray://... and the like are left to ray.init).
-    ray.init retries a GCS it cannot reach 20 times, about 40 s each: a wrong port or a stopped head made the launcher
-    sit silent for some 14 minutes before it said so."""
-    host, _, port = address.rpartition(":")
-    if "://" in address or not host or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT).close()
-    except OSError as e:
-        raise ConnectionError(f"nothing answered at {address}: {e.strerror or e}") from None
 
 
 def not_placed(bundle: dict) -> str:
