@@ -3,6 +3,7 @@
 import functools
 import hashlib
 import json
+import time
 from pathlib import Path
 
 from rlsys.data.dataset import load_rows, row_text, rows_fingerprint
@@ -15,8 +16,10 @@ class AssetError(ValueError):
     """A dataset or model the run cannot use; the message says what to do."""
 
 
-def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
-    """Fills in `config.dataset.path`, `config.dataset.eval_path` and `config.model.path`.
+def prepare_assets(config, log=functools.partial(print, flush=True)) -> float:
+    """Fills in `config.dataset.path`, `config.dataset.eval_path` and `config.model.path`; returns the seconds a
+    warm start took (building the tiny model, 0.0 where it was cached or not asked for), which the run reports apart
+    from its training time.
 
     The experiment says what its generated dataset and its warm-start examples are (`generate_dataset`,
     `warm_start_examples`), so each task gets a tiny default model that knows its answer format.
@@ -44,12 +47,14 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
             raise AssetError(str(e)) from None
         config.check_rows(rows, path)
     given_model = bool(config.model.path) and not config.resume_from_checkpoint
+    warm_start_seconds = 0.0
     if config.resume_from_checkpoint:
         check_resumable(config.resume_from_checkpoint)
         config.model.path = resumed_model_path(config.resume_from_checkpoint)
     elif not config.model.path:
         directory = tiny_model_dir(config.model, config.seed, rows_key(train_rows, eval_rows), warm_start_key(config))
         if not (directory / "config.json").exists():
+            started = time.monotonic()
             from rlsys.model.tiny import MAX_POSITIONS, prepare_tiny_model  # torch and transformers' models: only
             from rlsys.model.tokenizer import build_char_tokenizer  # to build one
 
@@ -61,6 +66,7 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
                 config.model, config.seed, examples, directory, log, batch_size=config.warm_start_batch_size,
                 eval_every=config.warm_start_eval_every, max_steps=config.warm_start_max_steps,
                 threads=warm_start_threads(config), samples=config.group_size, temperature=config.gen.temperature)
+            warm_start_seconds = time.monotonic() - started
         config.model.path = str(directory)
     if not Path(config.model.path).exists():
         raise AssetError(f"model.path {config.model.path!r} does not exist; give an HF checkpoint directory "
@@ -74,6 +80,7 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> None:
 
         check_prompt_lengths(config, load_tokenizer(config.model.path), positions, "the model's",
                              {data.path: train_rows, data.eval_path: eval_rows})
+    return warm_start_seconds
 
 
 def check_prompt_lengths(config, tokenizer, positions: int | None, whose: str, rows_at: dict[str, list[dict]]) -> None:

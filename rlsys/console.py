@@ -57,13 +57,15 @@ def held_out_text(name: str, value: float | None) -> str:
 
 def held_out_line(summary: dict) -> str:
     """A run's last word on what it learned. A resumed run's minutes are its last launch's, while its steps and its
-    change count from the run's start: the line says so."""
+    change count from the run's start: the line says so. A warm start's minutes are said apart from the run's."""
     name, before, after = held_out(summary)
     change = "" if before is None or after is None else \
         f" ({100 * (after - before):+.1f} points)" if name == "accuracy" else f" ({after - before:+.3f})"
     since = f" since its resume at step {summary['resumed']['step']}" if summary.get("resumed") else ""
+    warm_start = summary.get("warm_start_minutes")
+    after_warm_start = f", after a {warm_start:.1f} min warm start" if warm_start else ""
     return (f"held-out {name}: {held_out_text(name, before)} before, {held_out_text(name, after)} after "
-            f"{summary['steps']} steps{change} in {summary['minutes']:.1f} min{since}")
+            f"{summary['steps']} steps{change} in {summary['minutes']:.1f} min{since}{after_warm_start}")
 
 
 class ProgressReporter:

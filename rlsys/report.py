@@ -228,6 +228,8 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
     title = f"rlsys run {run_dir.parent.name}/{run_dir.name}"
     name, before, after = held_out(summary)
     headline = [("steps", len(learner)), ("minutes", f"{summary['minutes']:.1f}" if "minutes" in summary else "n/a"),
+                *([("warm start minutes", f"{summary['warm_start_minutes']:.1f}")]
+                  if summary.get("warm_start_minutes") else []),
                 (f"held-out {name} before", held_out_text(name, before)),
                 (f"held-out {name} after", held_out_text(name, after)),
                 # a run that did not finish wrote no summary: what it restarted or set aside is not known, not none

@@ -275,8 +275,14 @@ def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_a
     # resumed at step 80: the run's 100 steps did not take the last launch's 1.2 minutes
     assert held_out_line({**summary, "initial_accuracy": 0.5, "final_accuracy": 0.625, "resumed": {"step": 80}}) == \
         "held-out accuracy: 50.0% before, 62.5% after 100 steps (+12.5 points) in 1.2 min since its resume at step 80"
-    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    # a first run's warm start is said apart from the run's minutes, which no longer count it
+    assert held_out_line({**summary, "initial_accuracy": 0.5, "final_accuracy": 0.625, "warm_start_minutes": 1.1}) \
+        == "held-out accuracy: 50.0% before, 62.5% after 100 steps (+12.5 points) in 1.2 min, after a 1.1 min " \
+           "warm start"
+    assert held_out_line({**summary, "warm_start_minutes": 0.0}) == held_out_line(summary)
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "warm_start_minutes": 1.1}))
     page = build_report(tmp_path).read_text()
+    assert "<th>minutes</th><td>1.2</td>" in page and "<th>warm start minutes</th><td>1.1</td>" in page
     assert "<th>held-out mean reward before</th><td>-0.160</td>" in page
     assert "<th>held-out mean reward after</th><td>1.000</td>" in page
     assert "id='held-out-reward-curve'" in page and "accuracy" not in page.lower().replace("accuracy-curve", "")

@@ -2,6 +2,7 @@
 schedule is part of the cached model's key."""
 
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -275,3 +276,22 @@ def test_a_model_warm_started_on_other_prompts_is_not_reused(tmp_path, monkeypat
     plain = model_path()
     assert model_path("dataset.system_prompt=Be brief.") != plain
     assert model_path() == plain and len(built) == 2  # the same rows: the cached model
+
+
+def test_the_warm_start_s_time_is_returned_to_be_reported_apart_from_the_run_s(tmp_path, monkeypatch):
+    """summary.json's `minutes` and the last line's "in X min" counted a cold first run's warm start (minutes of
+    supervised pre-training) as the run's training time."""
+    from rlsys import assets
+    from rlsys.model import tiny
+
+    def build(cfg, seed, examples, directory, *args, **kwargs):  # a warm start of 0.3 s
+        time.sleep(0.3)
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text("{}")
+
+    monkeypatch.setattr(tiny, "prepare_tiny_model", build)
+    config = parse_config([f"model.cache_dir={tmp_path}"])
+    assert assets.prepare_assets(config, log=lambda *_: None) >= 0.3
+    assert assets.prepare_assets(parse_config([f"model.cache_dir={tmp_path}"]), log=lambda *_: None) == 0.0  # cached
+    assert assets.prepare_assets(parse_config([f"model.cache_dir={tmp_path}", f"model.path={config.model.path}"]),
+                                 log=lambda *_: None) == 0.0  # a model given
