@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rlsys.checkpoint import latest_checkpoint, read_trainer_state  # noqa: E402
+from rlsys.metrics import read_jsonl_metrics  # noqa: E402
 
 PLUGIN = ROOT / "bench" / "chaos_plugin.py"
 KILLS = {"inference0": signal.SIGKILL, "rollout0": signal.SIGKILL, "redis-server": signal.SIGTERM,
@@ -66,7 +67,7 @@ def run_settings(steps: int, each: int) -> list[str]:
 
 def learner_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "logs" / "learner.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_jsonl_metrics(path) if path.exists() else []
 
 
 def role_process(run: subprocess.Popen, role: str) -> psutil.Process | None:

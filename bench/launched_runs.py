@@ -1,7 +1,6 @@
 """What the whole-run benchmarks share: start a real run (training/main_async_ppo.py) and read its speed back."""
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -10,6 +9,8 @@ from pathlib import Path
 from statistics import mean
 
 import yaml
+
+from rlsys.metrics import read_jsonl_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ def launch(settings: list[str], out_dir: Path, trial: str, tree: Path = ROOT,
 
 
 def learner_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "logs" / "learner.jsonl").open()]
+    return read_jsonl_metrics(run_dir / "logs" / "learner.jsonl")
 
 
 def training_speed(run_dir: Path, warmup: int) -> dict[str, float]:

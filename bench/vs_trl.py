@@ -53,6 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.launched_runs import launch, learner_rows, parse_run_arguments  # noqa: E402
+from rlsys.metrics import read_jsonl_metrics  # noqa: E402
 
 DEFAULT_TASK = "async-ppo-math"
 ONE_TURN_MATH = ("math-single-step", "math-code-single-step")  # (agent, env): the episodes TRL's side plays
@@ -310,7 +311,7 @@ def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Pa
     if missed:
         raise RuntimeError(f"the weights of versions {missed} were replaced before they could be kept")
     rows = learner_rows(run_dir)
-    initial = [json.loads(line) for line in (run_dir / "logs" / "rollout0.jsonl").open()]
+    initial = read_jsonl_metrics(run_dir / "logs" / "rollout0.jsonl")
     start = next(r["time"] for r in initial if "eval/accuracy" in r)  # training prompts are admitted from here
     summary = json.loads((run_dir / "summary.json").read_text())
     cpu_at_start = cpu.at(start)

@@ -1,15 +1,37 @@
 """Per-step metrics to TensorBoard and a JSONL file (one object per line, easy to test and plot).
 
+The file is strict JSON, which `jq` and every JSON parser read: a metric that is not a finite number (a NaN loss, an
+infinite logprob difference) is written as the string "NaN", "Infinity" or "-Infinity", the names Python's json
+gives them bare, and `read_jsonl_metrics` and `JsonlFollower` read those strings back as the floats.
+
 The event files are written with TensorBoard's own writer, the one torch's SummaryWriter wraps: a rollout worker
 logs metrics too, and importing torch for its SummaryWriter would cost it a second of CPU while the other roles start.
 """
 
 import json
+import math
 import os
 import time
 from pathlib import Path
 
 from rlsys.run_privacy import PRIVATE_UMASK, append_private, write_private
+
+
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _strict(value):
+    """`value` as strict JSON takes it: a non-finite float as its name in NON_FINITE."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    return value
+
+
+def parse_record(line: str | bytes) -> dict:
+    """One line of a metrics file, its non-finite numbers floats again (files from before they were strings wrote
+    them bare, which Python's json reads too)."""
+    return {key: NON_FINITE.get(value, value) if isinstance(value, str) else value
+            for key, value in json.loads(line).items()}
 
 
 class MetricsLogger:
@@ -22,7 +44,8 @@ class MetricsLogger:
         self.writer = EventFileWriter(str(self.log_dir / "tensorboard" / name))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        record = {"step": step, "time": time.time(), **{key: _strict(value) for key, value in metrics.items()}}
+        self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
@@ -35,7 +58,7 @@ class MetricsLogger:
 
 
 def read_jsonl_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [parse_record(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 class JsonlFollower:
@@ -60,7 +83,7 @@ class JsonlFollower:
             data = file.read()
         whole = data[:data.rfind(b"\n") + 1]
         self.offset += len(whole)
-        return [json.loads(line) for line in whole.splitlines() if line.strip()]
+        return [parse_record(line) for line in whole.splitlines() if line.strip()]
 
 
 ABANDONED = ".abandoned"  # <file>.jsonl.abandoned: the records a resume took back, kept apart for a post-mortem

@@ -347,6 +347,33 @@ def test_the_report_s_worst_step_is_nan_where_a_step_s_logprobs_disagreed_by_nan
         assert f"<th>probe: logprob {figure} (worst step)</th><td>nan</td>" in page
 
 
+def test_metrics_files_are_strict_json_and_their_readers_get_non_finite_numbers_back(tmp_path):
+    """learner.jsonl held bare NaN, which Python's json reads and `jq` and strict JSON parsers refuse."""
+    import math
+
+    from rlsys.metrics import JsonlFollower, MetricsLogger, read_jsonl_metrics
+    from rlsys.report import build_report
+
+    logger = MetricsLogger(tmp_path / "logs", "learner")
+    values = (0.01, math.nan, math.inf, -math.inf)
+    for step, value in enumerate(values, 1):
+        logger.log(step, {"alarms/probe_tokens": 12.0, "alarms/probe_abs_diff_mean": value,
+                          "alarms/probe_abs_diff_max": value, "alarms/probe_kl": value, "loss": value})
+    logger.close()
+    path = tmp_path / "logs" / "learner.jsonl"
+
+    def refused(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    for line in path.read_text().splitlines():
+        json.loads(line, parse_constant=refused)  # as strictly as jq
+    for rows in (read_jsonl_metrics(path), JsonlFollower(path)()):
+        assert [repr(row["loss"]) for row in rows] == ["0.01", "nan", "inf", "-inf"]
+        assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    page = build_report(tmp_path).read_text()  # the worst step is still the NaN one
+    assert "<th>probe: logprob |diff| max (worst step)</th><td>nan</td>" in page
+
+
 def test_where_the_learner_s_time_went_leaves_the_start_up_out_as_the_plot_does(tmp_path):
     """Step 1's wait for data is the run's start-up: counted with the rest, a short run's learner looked as if it
     waited for data most of its time (82% in a 10-step run whose steps waited 13%)."""
