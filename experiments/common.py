@@ -385,7 +385,7 @@ class ClusterConfig:
     """Seconds with no prompt in flight, none admitted and no new weights (mid-training) after which the run stops
     with an error that says what the gate and the counters hold; 0: never (rlsys/stall.py)."""
     redis_port: int = 0
-    """Port of the private Redis (loopback only); 0 picks a free one. Ignored with redis_url."""
+    """Port of the private Redis (loopback only); 0 picks a free one. Refused with redis_url (no private Redis)."""
     max_message_mb: float = 64.0
     """Largest message of one prompt's trajectories; a larger one fails its episode (invalid_output)."""
     max_failed_in_a_row: int = 200

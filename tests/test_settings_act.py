@@ -136,6 +136,19 @@ def test_every_experiment_parses_with_its_defaults_and_with_a_model_and_dataset_
                   "dataset.eval_path=test.jsonl"])
 
 
+@pytest.mark.parametrize("name", EXPERIMENTS.names())
+def test_the_help_of_a_setting_refused_where_it_does_nothing_does_not_call_it_ignored(name):
+    """cluster.redis_port's help said "Ignored with redis_url", where it is refused: --help promised what the run
+    does not do."""
+    from rlsys.cli import describe_fields
+
+    config = parse_config([f"experiment={name}"])
+    docs = {info.path: info.doc for info in describe_fields(type(config))}
+    refused = [f"{group}.{setting}" for group, value in vars(config).items() if hasattr(value, "inactive_settings")
+               for setting in value.inactive_settings()] + list(config.inactive_settings())
+    assert refused and [key for key in refused if "ignored" in docs[key].lower()] == []
+
+
 def test_greedy_sampling_with_an_estimator_that_compares_a_groups_samples_is_refused():
     """At temperature 0 a group's samples are one response n times: in a 3-step run every advantage, the loss and the
     gradient norm were 0 and held-out accuracy moved +0.0 points."""
