@@ -63,7 +63,7 @@ class FieldInfo:
 def parse_config(argv: list[str], default_experiment: str = "async-ppo-math"):
     """The experiment dataclass instance the arguments describe; `--help` prints the keys and exits 0."""
     wants_help, config_files, overrides = split_argv(argv)
-    raw = merge_sources(config_files, overrides)
+    raw, typed = merge_sources(config_files, overrides)
     experiment = pop_experiment_name(raw, default_experiment)
     if "plugins" in raw:
         raw["plugins"] = plugin_entries(raw["plugins"])
@@ -72,7 +72,7 @@ def parse_config(argv: list[str], default_experiment: str = "async-ppo-math"):
     if wants_help:
         print(help_text(cls, experiment))
         raise SystemExit(0)
-    config = build_config(cls, raw, typed=dict(arg.split("=", 1) for arg in overrides))  # the last of a key wins
+    config = build_config(cls, raw, typed)
     refuse_inactive_settings(config)
     return config
 
@@ -206,23 +206,41 @@ def named_config_file(directory: str | None, name: str | None) -> str:
     return str(path)
 
 
-def merge_sources(config_files: list[str], overrides: list[str]) -> dict:
-    """Config files, then overrides, merged into one plain dict; later sources win. Nothing is typed yet."""
-    sources = [read_yaml_file(path) for path in config_files] + [parse_override(arg) for arg in overrides]
+def merge_sources(config_files: list[str], overrides: list[str]) -> tuple[dict, dict[str, str]]:
+    """Config files, then overrides, merged into one plain dict; later sources win. Nothing is typed yet. With it, the
+    text each dotted key's scalar was typed as, the last source's (for keep_typed_text)."""
+    files = [read_yaml_file(path) for path in config_files]
+    sources = [loaded for loaded, _ in files] + [parse_override(arg) for arg in overrides]
     merged = OmegaConf.merge(*sources) if sources else OmegaConf.create()
-    return OmegaConf.to_container(merged, resolve=False)  # interpolations resolve later, against the schema
+    typed = {key: text for _, texts in files for key, text in texts.items()}
+    typed.update(arg.split("=", 1) for arg in overrides)
+    return OmegaConf.to_container(merged, resolve=False), typed  # interpolations resolve later, against the schema
 
 
 def read_yaml_file(path: str):
+    """The file's settings, and the text of each scalar as the file has it, by dotted key."""
     if not Path(path).is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        loaded = OmegaConf.load(path)
+        loaded = OmegaConf.load(path)  # first: it refuses a file whose aliases expand past its limit
+        document = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from None
     if not OmegaConf.is_dict(loaded):
         raise ConfigError(f"config file {path} must hold a mapping of keys to values")
-    return OmegaConf.create(nest_dotted_keys(OmegaConf.to_container(loaded, resolve=False), path))
+    return (OmegaConf.create(nest_dotted_keys(OmegaConf.to_container(loaded, resolve=False), path)),
+            dict(scalar_texts(document)))
+
+
+def scalar_texts(node: yaml.Node, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted key, text) of each scalar of a YAML mapping, nested or dotted, as written: a file is read as YAML 1.1,
+    where `system_prompt: No` is false and `version: 1.10` is 1.1, which keep_typed_text takes back to the text."""
+    for key, value in node.value if isinstance(node, yaml.MappingNode) else ():
+        path = f"{prefix}{key.value}"
+        if isinstance(value, yaml.ScalarNode):
+            yield path, value.value
+        else:
+            yield from scalar_texts(value, f"{path}.")
 
 
 def nest_dotted_keys(document: dict, path: str) -> dict:
@@ -309,10 +327,10 @@ def build_config(cls: type, raw: dict, typed: dict[str, str] | None = None):
 
 
 def keep_typed_text(raw: dict, typed: dict[str, str], fields: dict[str, FieldInfo]) -> None:
-    """A str setting holds the text typed after `=`, not what YAML reads it as: `trial_name=007` was '7',
-    `trial_name=12:30` '750' (base 60), `dataset.system_prompt=No` 'False'. A number is read as the decimal typed:
-    YAML read `seed=0042` as 34 (octal) and `max_steps=1:30` as 90 (base 60), which is refused as no number. After
-    key_problems, which refuses YAML's boolean where it means something else (resume_from_checkpoint=false)."""
+    """A str setting holds the text typed after `=` or in a config file, not what YAML reads it as: `trial_name=007`
+    was '7', `trial_name=12:30` '750' (base 60), `dataset.system_prompt=No` 'False'. A number is read as the decimal
+    typed: YAML read `seed=0042` as 34 (octal) and `max_steps=1:30` as 90 (base 60), which is refused as no number.
+    After key_problems, which refuses YAML's boolean where it means something else (resume_from_checkpoint=false)."""
     for key, text in typed.items():
         *groups, leaf = key.split(".")
         node = value_at(raw, groups, default=None)

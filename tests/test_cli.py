@@ -239,6 +239,26 @@ def test_a_number_is_the_decimal_typed_not_yaml_s_octal_or_base_60():
         parse_config(["env_timeout=2:00"])
 
 
+def test_a_config_file_s_settings_hold_the_text_typed_as_the_command_line_s_do(tmp_path):
+    """A config file was read as YAML 1.1: `dataset.system_prompt: No` became 'False', `experiment_name: NO` 'False',
+    `trial_name: 1.10` '1.1' and `seed: 0042` 34 (octal), where the command line kept what was typed."""
+    path = tmp_path / "run.yaml"
+    path.write_text("experiment_name: NO\ntrial_name: 1.10\nseed: 0042\nppo.lr: 1e-4\n"
+                    "dataset:\n  system_prompt: No\n  prompt_key: 1e3\n")
+    config = parse_config(["--config", str(path)])
+    assert (config.experiment_name, config.trial_name, config.dataset.system_prompt, config.dataset.prompt_key) == (
+        "NO", "1.10", "No", "1e3")
+    assert (config.seed, config.ppo.lr) == (42, 1e-4)
+    assert parse_config(["--config", str(path), "trial_name=007"]).trial_name == "007"  # the last source wins
+    later = tmp_path / "later.yaml"
+    later.write_text("trial_name: 2.50\nseed: 7\n")
+    config = parse_config(["--config", str(path), "--config", str(later)])
+    assert (config.trial_name, config.seed) == ("2.50", 7)
+    later.write_text("trial_name: '2.50'\nmax_steps: 1:30\n")
+    with pytest.raises(ConfigError, match=r"^invalid value for max_steps: expected int, got '1:30'$"):
+        parse_config(["--config", str(path), "--config", str(later)])
+
+
 @pytest.mark.parametrize("override, key, expected", [("ppo.lr=nan", "ppo.lr", "float"),
                                                     ("env_timeout=.nan", "env_timeout", "float"),
                                                     ("reward_weights=[1,nan]", "reward_weights", r"list\[float\]")])
