@@ -1,7 +1,8 @@
 """Trajectory delivery from rollout workers to the learner: at least once, and consumed exactly once.
 
 A rollout worker appends one message per prompt, `{"group_id", "trajectories"}`, to the TRAJECTORIES
-stream; it checks the message first (`group_message`), so it never sends what the learner would refuse.
+stream, labelled with its group id (Bus.stream_add's label, stored beside the payload); it checks the message first
+(`group_message`), so it never sends what the learner would refuse.
 The learner reads the stream through the LEARNERS consumer group (`TrajectoryInbox`). An entry stays
 pending, and in the stream, until the learner acknowledges it, which deletes it:
   * a group it trained: after the step that trained it, once the optimizer update is done, the new
@@ -27,7 +28,9 @@ A message the learner cannot use goes to the DEAD_LETTERS stream with its reason
   * one delivered MAX_DELIVERIES times without an acknowledgement: every consumer that took it died
     (say it crashes the learner), so it is set aside rather than taking the next one down.
 If its group id is a prompt in flight, that prompt is counted as failed (rejected) and gives its
-staleness-gate slot back, so the run neither stalls nor loses count.
+staleness-gate slot back, so the run neither stalls nor loses count. The group id is the payload's, or, where that
+cannot be read (too large, undecodable), the entry's label: so a message set aside unread still names its prompt. A
+label that is not the payload's group id is refused too (it would settle the wrong prompt when unread).
 """
 
 import dataclasses
@@ -234,7 +237,7 @@ class TrajectoryInbox:
         try:
             group_id, trajectories = self._parse(entry)
         except InvalidMessage as e:
-            self._dead_letter(entry, str(e), e.group_id)
+            self._dead_letter(entry, str(e), e.group_id or entry.label or None)
             return None
         if entry.deliveries > MAX_DELIVERIES:
             self._dead_letter(entry, f"delivered {entry.deliveries} times without an acknowledgement", group_id)
@@ -261,7 +264,11 @@ class TrajectoryInbox:
             message = entry.decode(protocol.TRAJECTORIES)
         except BusDecodeError as e:
             raise InvalidMessage(str(e)) from None
-        return read_group_message(message, self.vocab_size)
+        group_id, trajectories = read_group_message(message, self.vocab_size)
+        if entry.label and entry.label != group_id:
+            raise InvalidMessage(f"group {group_id}: the entry is labelled {entry.label!r:.80}, not with its group id",
+                                 group_id)
+        return group_id, trajectories
 
     def _dead_letter(self, entry: StreamEntry, reason: str, group_id: str | None) -> None:
         """Keeps the reason and the payload's start in DEAD_LETTERS, acks the entry, settles its prompt."""

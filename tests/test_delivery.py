@@ -10,7 +10,7 @@ import pytest
 from rlsys import protocol
 from rlsys.api import Trajectory
 from rlsys.api.messages import integer, integers, items, logprob, logprobs
-from rlsys.bus import EmbeddedRedis, connect
+from rlsys.bus import EmbeddedRedis, Step, connect
 from rlsys.delivery import MAX_DELIVERIES, InvalidMessage, TrajectoryInbox, group_message
 from rlsys.prompt_ledger import PromptLedger
 from tests.test_bus import bus, inject_raw_entry, redis_url  # noqa: F401  (fixtures: both buses)
@@ -192,6 +192,32 @@ def test_a_rejected_group_of_an_admitted_prompt_counts_as_failed_and_gives_its_s
     counts = ledger(bus).counts()
     assert counts["failed"] == {"rejected": 1} and counts["admitted"] == 1 and counts["in_flight"] == 0
     assert ledger(bus).slots_taken() == 7  # the admitted prompt took one and gave it back; nothing else did
+
+
+def test_a_message_set_aside_unread_settles_the_prompt_its_label_names(bus):
+    """An entry over the size limit is not fetched, and an undecodable one cannot be read: their group id is in their
+    label, so their prompts are counted failed and give their slots back instead of holding them for the run."""
+    ledger(bus).hold_slots(7)
+    for group_id in ("train-0-1", "train-0-2", "train-0-3"):
+        ledger(bus).admit(group_id, served_version=10)
+    huge = {"group_id": "train-0-1", "trajectories": [good_dict("train-0-1", stop_reason="s" * 2 * MB)]}
+    bus.change([Step.append(protocol.TRAJECTORIES, huge, "train-0-1")])  # as the rollout worker appends
+    inject_raw_entry(bus, protocol.TRAJECTORIES, os.urandom(64) + b"\xc1", label=b"train-0-2")
+    inject_raw_entry(bus, protocol.TRAJECTORIES, raw(group_message("train-0-3", [trajectory("train-0-3")], MB)),
+                     label=b"train-0-1")  # a label that is not its group id is refused, with the payload's group
+    bus.stream_add(protocol.TRAJECTORIES, {"group_id": "x"} | {"pad": "p" * 2 * MB}, label="never-admitted")
+    learner = inbox(bus)
+    assert learner.receive(10, timeout=1) == []
+    letters = dead_letters(bus)
+    assert [letter["group_id"] for letter in letters] == ["train-0-1", "train-0-2", "train-0-3", "never-admitted"]
+    assert "exceeds the limit" in letters[0]["reason"] and "undecodable" in letters[1]["reason"]
+    assert "labelled 'train-0-1', not with its group id" in letters[2]["reason"]
+    counts = ledger(bus).counts()
+    assert counts["failed"] == {"rejected": 3} and counts["in_flight"] == 0
+    assert ledger(bus).slots_taken() == 7
+    assert bus.stream_length(protocol.TRAJECTORIES) == 0
+    with pytest.raises(TypeError, match="at most 256 bytes"):
+        bus.stream_add(protocol.TRAJECTORIES, {}, label="x" * 257)
 
 
 def test_the_rollout_side_refuses_what_the_learner_would_reject():

@@ -106,6 +106,7 @@ class StreamEntry:
     deliveries: int  # times the group has handed it to a consumer, this time included (0 from stream_range)
     problem: str | None = None  # the entry has no payload field, or it is over the reader's max_bytes
     stored_size: int | None = None  # the size of a payload that was not fetched
+    label: str = ""  # what its writer labelled it with (stream_add), read even where the payload is not
 
     @property
     def size(self) -> int:
@@ -117,6 +118,16 @@ class StreamEntry:
         return decode(self.payload, f"stream {stream} entry {self.id}")
 
 
+LABEL_MAX_BYTES = 256  # a stream entry's label is read even where its payload is too large to be: it stays small
+
+
+def check_label(label, stream: str) -> None:
+    """TypeError unless `label` is a str of at most LABEL_MAX_BYTES bytes in UTF-8."""
+    if not isinstance(label, str) or len(label.encode()) > LABEL_MAX_BYTES:
+        raise TypeError(f"the label of an entry of stream {stream!r} must be a str of at most {LABEL_MAX_BYTES} bytes, "
+                        f"got {type(label).__name__} {label!r:.80}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One part of an atomic `Bus.change`: a guard, which must hold, or a write. Build them with the class methods."""
@@ -124,6 +135,7 @@ class Step:
     op: str  # a guard (absent, present, at_most) or a write (incr, add, remove, append)
     key: str
     arg: object = None  # the member, the amount, the limit or the message
+    label: str = ""  # an append's label (Bus.stream_add)
 
     def __post_init__(self):
         # Set members are strings: Redis would store 5 and "5" as the same member, and b"x" as "x", where a Python
@@ -133,6 +145,8 @@ class Step:
                             f"{type(self.arg).__name__} {self.arg!r:.80}")
         if self.op == "incr":
             check_integer(self.arg, f"incr on key {self.key!r}: the amount")
+        if self.op == "append":
+            check_label(self.label, self.key)
 
     @classmethod
     def absent(cls, key: str, member: str) -> "Step":
@@ -165,9 +179,9 @@ class Step:
         return cls("remove", key, member)
 
     @classmethod
-    def append(cls, stream: str, message) -> "Step":
-        """Write: append `message` to `stream`."""
-        return cls("append", stream, message)
+    def append(cls, stream: str, message, label: str = "") -> "Step":
+        """Write: append `message` to `stream`, labelled with `label` (Bus.stream_add)."""
+        return cls("append", stream, message, label)
 
 
 class Bus(abc.ABC):
@@ -234,8 +248,12 @@ class Bus(abc.ABC):
         """The members of the set under `key`, sorted; [] if it is unset."""
 
     @abc.abstractmethod
-    def stream_add(self, stream: str, message) -> str:
-        """Append `message` to `stream`; returns its entry id. Nothing is ever trimmed by adding."""
+    def stream_add(self, stream: str, message, label: str = "") -> str:
+        """Append `message` to `stream`; returns its entry id. Nothing is ever trimmed by adding.
+
+        `label` (at most LABEL_MAX_BYTES) is stored beside the payload and comes back as the entry's `label` even
+        where the payload is over the reader's limit or undecodable: a reader that must settle what an entry stood
+        for (the learner, a group's prompt) still knows what."""
 
     @abc.abstractmethod
     def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float,

@@ -10,8 +10,8 @@ import threading
 import time
 import uuid
 
-from rlsys.bus.base import (Bus, BusError, Step, StreamEntry, check_integer, decode_or_undecodable, decode_value,
-                            encode, encode_value, oversize)
+from rlsys.bus.base import (Bus, BusError, Step, StreamEntry, check_integer, check_label, decode_or_undecodable,
+                            decode_value, encode, encode_value, oversize)
 
 
 @dataclasses.dataclass
@@ -30,6 +30,7 @@ class _Group:
 @dataclasses.dataclass
 class _Stream:
     entries: dict[str, bytes] = dataclasses.field(default_factory=dict)  # entry id -> payload, in id order
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)  # entry id -> its label, where it has one
     last_id: tuple[int, int] = (0, 0)
     groups: dict[str, _Group] = dataclasses.field(default_factory=dict)
 
@@ -49,10 +50,11 @@ def _format_id(parts: tuple[int, int]) -> str:
     return f"{parts[0]}-{parts[1]}"
 
 
-def _entry(entry_id: str, payload: bytes, deliveries: int, max_bytes: int | None) -> StreamEntry:
+def _entry(s: _Stream, entry_id: str, deliveries: int, max_bytes: int | None) -> StreamEntry:
+    payload, label = s.entries[entry_id], s.labels.get(entry_id, "")
     if too_large := oversize(len(payload), max_bytes):
-        return StreamEntry(entry_id, b"", deliveries, too_large, len(payload))
-    return StreamEntry(entry_id, payload, deliveries)
+        return StreamEntry(entry_id, b"", deliveries, too_large, len(payload), label)
+    return StreamEntry(entry_id, payload, deliveries, label=label)
 
 
 class InProcessBus(Bus):
@@ -164,7 +166,7 @@ class InProcessBus(Bus):
                 elif step.op == "remove":
                     self._sets[step.key].discard(step.arg)
                 elif step.op == "append":
-                    self._append(step.key, payloads[i])
+                    self._append(step.key, payloads[i], step.label)
             self._cond.notify_all()
             return None
 
@@ -176,17 +178,20 @@ class InProcessBus(Bus):
         with self._cond:
             return sorted(self._sets.get(key, ()))
 
-    def stream_add(self, stream: str, message) -> str:
+    def stream_add(self, stream: str, message, label: str = "") -> str:
+        check_label(label, stream)
         payload = encode(message, f"stream {stream}")
         with self._cond:
-            entry_id = self._append(stream, payload)
+            entry_id = self._append(stream, payload, label)
             self._cond.notify_all()
             return entry_id
 
-    def _append(self, stream: str, payload: bytes) -> str:
+    def _append(self, stream: str, payload: bytes, label: str) -> str:
         s = self._streams[stream]
         entry_id = s.next_id()
         s.entries[entry_id] = payload
+        if label:
+            s.labels[entry_id] = label
         return entry_id
 
     def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float,
@@ -209,7 +214,7 @@ class InProcessBus(Bus):
             now = time.monotonic()
             for i in fresh:
                 g.pending[i] = _Pending(consumer, now, 1)
-            return [_entry(i, s.entries[i], 1, max_bytes) for i in fresh]
+            return [_entry(s, i, 1, max_bytes) for i in fresh]
 
     def stream_claim(self, stream: str, group: str, consumer: str, min_idle: float,
                      max_count: int, max_bytes: int | None = None) -> list[StreamEntry]:
@@ -227,7 +232,7 @@ class InProcessBus(Bus):
                     del g.pending[entry_id]
                     continue
                 p.consumer, p.delivered_at, p.deliveries = consumer, now, p.deliveries + 1
-                claimed.append(_entry(entry_id, s.entries[entry_id], p.deliveries, max_bytes))
+                claimed.append(_entry(s, entry_id, p.deliveries, max_bytes))
             return claimed
 
     def stream_ack(self, stream: str, group: str, ids: list[str]) -> int:
@@ -238,6 +243,7 @@ class InProcessBus(Bus):
             for entry_id in ids:
                 acked += g.pending.pop(entry_id, None) is not None
                 s.entries.pop(entry_id, None)
+                s.labels.pop(entry_id, None)
             return acked
 
     def stream_pending(self, stream: str, group: str) -> int:
@@ -253,13 +259,15 @@ class InProcessBus(Bus):
         if max_count <= 0:  # as get_many and stream_read; a slice to -1 would take all but the newest
             return []
         with self._cond:
-            entries = list(self._streams[stream].entries.items())[:max_count]
-        return [StreamEntry(i, payload, 0) for i, payload in entries]
+            s = self._streams[stream]
+            return [_entry(s, i, 0, None) for i in list(s.entries)[:max_count]]
 
     def stream_delete(self, stream: str, ids: list[str]) -> int:
         with self._cond:
-            entries = self._streams[stream].entries
-            return sum(entries.pop(entry_id, None) is not None for entry_id in ids)
+            s = self._streams[stream]
+            for entry_id in ids:
+                s.labels.pop(entry_id, None)
+            return sum(s.entries.pop(entry_id, None) is not None for entry_id in ids)
 
     def server_id(self) -> str:
         return self._id  # it lives and dies with this process: it never restarts

@@ -12,21 +12,22 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from rlsys.bus.base import (Bus, BusError, Step, StreamEntry, check_integer, decode_or_undecodable, decode_value,
-                            encode, encode_value, oversize)
+from rlsys.bus.base import (LABEL_MAX_BYTES, Bus, BusError, Step, StreamEntry, check_integer, check_label,
+                            decode_or_undecodable, decode_value, encode, encode_value, oversize)
 
 # A blocking command must return before the socket times out, or redis-py drops the connection while
 # the server may already have popped a message for it (lost). Long waits are therefore cut into slices.
 SOCKET_TIMEOUT = 30.0
 MAX_BLOCK = 10.0
-PAYLOAD = b"m"  # the one field of a stream entry: its msgpack payload
+PAYLOAD = b"m"  # the field of a stream entry that holds its msgpack payload
+LABEL = b"l"  # and the one that holds its label, where it has one (Bus.stream_add)
 PENDING_PAGE = 100
 RECONNECT_SECONDS = 60.0  # how long roles keep retrying while Redis restarts
 RECONNECT_BACKOFF_CAP = 1.0
 
-# Bus.change: KEYS[i] is step i's key, ARGV[2i-1] and ARGV[2i] its op and arg. Guards are checked before any
-# write, and so are the keys that steps count: a script that fails keeps the writes it made. Returns the index of
-# the first guard that does not hold, or 0 when every write was made.
+# Bus.change: KEYS[i] is step i's key, ARGV[3i-2], ARGV[3i-1] and ARGV[3i] its op, arg and label. Guards are
+# checked before any write, and so are the keys that steps count: a script that fails keeps the writes it made.
+# Returns the index of the first guard that does not hold, or 0 when every write was made.
 _CHANGE = """
 local function integer(key)
   local value = redis.call('GET', key)
@@ -37,32 +38,34 @@ local function integer(key)
 end
 local increments = {}
 for i, key in ipairs(KEYS) do
-  local op = ARGV[2 * i - 1]
+  local op = ARGV[3 * i - 2]
   if op == 'incr' or op == 'at_most' then
     local value = integer(key)
     if type(value) == 'table' then return value end
-    if op == 'incr' then increments[key] = (increments[key] or 0) + tonumber(ARGV[2 * i]) end
+    if op == 'incr' then increments[key] = (increments[key] or 0) + tonumber(ARGV[3 * i - 1]) end
   end
 end
 for i, key in ipairs(KEYS) do
-  local op, arg = ARGV[2 * i - 1], ARGV[2 * i]
+  local op, arg = ARGV[3 * i - 2], ARGV[3 * i - 1]
   if op == 'absent' and redis.call('SISMEMBER', key, arg) == 1 then return i end
   if op == 'present' and redis.call('SISMEMBER', key, arg) == 0 then return i end
   if op == 'at_most' and integer(key) + (increments[key] or 0) > tonumber(arg) then return i end
 end
 for i, key in ipairs(KEYS) do
-  local op, arg = ARGV[2 * i - 1], ARGV[2 * i]
+  local op, arg, label = ARGV[3 * i - 2], ARGV[3 * i - 1], ARGV[3 * i]
   if op == 'incr' then redis.call('INCRBY', key, arg)
   elseif op == 'add' then redis.call('SADD', key, arg)
   elseif op == 'remove' then redis.call('SREM', key, arg)
-  elseif op == 'append' then redis.call('XADD', key, '*', 'm', arg) end
+  elseif op == 'append' and label == '' then redis.call('XADD', key, '*', 'm', arg)
+  elseif op == 'append' then redis.call('XADD', key, '*', 'm', arg, 'l', label) end
 end
 return 0
 """
 
 
 # XREADGROUP (no BLOCK: not allowed in scripts) or XCLAIM, with each payload measured on the server: one over
-# the reader's limit, or missing, is not sent back, only its size. Per entry: {id, status, size, payload}.
+# the reader's limit, or missing, is not sent back, only its size. Per entry: {id, status, size, payload, label}, the
+# label '' where the entry has none or one over LABEL_MAX_BYTES (a foreign writer's: the limit holds for it too).
 _FETCH_ENTRIES = """
 local entries
 if ARGV[1] == 'READ' then
@@ -77,21 +80,22 @@ local out = {}
 for _, e in ipairs(entries) do
   local fields = e[2]
   if fields and #fields > 0 then  -- an entry deleted meanwhile comes back from XCLAIM without fields
-    local payload = nil
+    local payload, label = nil, ''
     for i = 1, #fields, 2 do
       if fields[i] == 'm' then payload = fields[i + 1] end
+      if fields[i] == 'l' and #fields[i + 1] <= LABEL_MAX_BYTES then label = fields[i + 1] end
     end
     if payload == nil then
-      table.insert(out, {e[1], 1, 0, ''})
+      table.insert(out, {e[1], 1, 0, '', label})
     elseif limit >= 0 and #payload > limit then
-      table.insert(out, {e[1], 2, #payload, ''})
+      table.insert(out, {e[1], 2, #payload, '', label})
     else
-      table.insert(out, {e[1], 0, #payload, payload})
+      table.insert(out, {e[1], 0, #payload, payload, label})
     end
   end
 end
 return out
-"""
+""".replace("LABEL_MAX_BYTES", str(LABEL_MAX_BYTES))
 STREAM_POLL = (0.005, 0.05)  # a stream read waits by polling (scripts cannot block): first and longest pause
 _OK, _NO_PAYLOAD, _OVERSIZE = 0, 1, 2
 
@@ -194,7 +198,7 @@ class RedisBus(Bus):
         args = []
         for step in steps:
             arg = encode(step.arg, f"stream {step.key}") if step.op == "append" else step.arg
-            args += [step.op, arg]
+            args += [step.op, arg, step.label]
         try:
             unmet = self._change(keys=[self._k(step.key) for step in steps], args=args)
         except redis.ResponseError as e:
@@ -207,8 +211,10 @@ class RedisBus(Bus):
     def set_members(self, key: str) -> list[str]:
         return sorted(member.decode() for member in self._client.smembers(self._k(key)))
 
-    def stream_add(self, stream: str, message) -> str:
-        return self._client.xadd(self._k(stream), {PAYLOAD: encode(message, f"stream {stream}")}).decode()
+    def stream_add(self, stream: str, message, label: str = "") -> str:
+        check_label(label, stream)
+        fields = {PAYLOAD: encode(message, f"stream {stream}"), **({LABEL: label} if label else {})}
+        return self._client.xadd(self._k(stream), fields).decode()
 
     def stream_read(self, stream: str, group: str, consumer: str, max_count: int, timeout: float,
                     max_bytes: int | None = None) -> list[StreamEntry]:
@@ -236,8 +242,8 @@ class RedisBus(Bus):
                 raise
             self._create_group(key, group)
             reply = self._fetch_entries(keys=[key], args=argv)
-        return [_stream_entry(entry_id, status, size, payload, (deliveries or {}).get(entry_id, 1), max_bytes)
-                for entry_id, status, size, payload in reply]
+        return [_stream_entry(entry_id, status, size, payload, (deliveries or {}).get(entry_id, 1), max_bytes, label)
+                for entry_id, status, size, payload, label in reply]
 
     def _create_group(self, key: str, group: str) -> None:
         try:
@@ -294,7 +300,8 @@ class RedisBus(Bus):
     def stream_range(self, stream: str, max_count: int) -> list[StreamEntry]:
         if max_count <= 0:  # as get_many and stream_read; XRANGE refuses a COUNT below 1
             return []
-        return [_stream_entry(entry_id, _OK if PAYLOAD in fields else _NO_PAYLOAD, 0, fields.get(PAYLOAD, b""), 0, None)
+        return [_stream_entry(entry_id, _OK if PAYLOAD in fields else _NO_PAYLOAD, 0, fields.get(PAYLOAD, b""), 0, None,
+                              fields.get(LABEL, b""))
                 for entry_id, fields in self._client.xrange(self._k(stream), count=max_count)]
 
     def stream_delete(self, stream: str, ids: list[str]) -> int:
@@ -316,9 +323,11 @@ def without_namespace(url: str) -> tuple[str, str]:
 
 
 def _stream_entry(entry_id: bytes, status: int, size: int, payload: bytes, deliveries: int,
-                  max_bytes: int | None) -> StreamEntry:
+                  max_bytes: int | None, label: bytes) -> StreamEntry:
+    # a foreign writer's: over the limit dropped as the fetch script drops it, bytes that are not UTF-8 replaced
+    label = label.decode(errors="replace") if len(label) <= LABEL_MAX_BYTES else ""
     if status == _NO_PAYLOAD:
-        return StreamEntry(entry_id.decode(), b"", deliveries, f"the entry has no payload field {PAYLOAD!r}", 0)
+        return StreamEntry(entry_id.decode(), b"", deliveries, f"the entry has no payload field {PAYLOAD!r}", 0, label)
     if status == _OVERSIZE:
-        return StreamEntry(entry_id.decode(), b"", deliveries, oversize(size, max_bytes), size)
-    return StreamEntry(entry_id.decode(), payload, deliveries)
+        return StreamEntry(entry_id.decode(), b"", deliveries, oversize(size, max_bytes), size, label)
+    return StreamEntry(entry_id.decode(), payload, deliveries, label=label)

@@ -294,7 +294,9 @@ class RolloutWorker:
                 await asyncio.to_thread(self.bus.change, [unfinished])  # settled by another role
             self.count_failure_in_a_row(failure)
         else:
-            await asyncio.to_thread(self.bus.change, [Step.append(protocol.TRAJECTORIES, message), unfinished])
+            # labelled with its group id: a learner that cannot read the message still settles its prompt
+            await asyncio.to_thread(self.bus.change, [Step.append(protocol.TRAJECTORIES, message, prompt.qid),
+                                                      unfinished])
             self.failed_in_a_row = 0
         finally:
             self.training.discard(prompt.qid)
