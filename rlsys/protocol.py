@@ -9,6 +9,9 @@ MAX_QUEUE_MESSAGE_BYTES = 64 * 2**20  # a generation request or reply larger tha
 # Seconds between an inference worker's status refreshes (its heartbeat); routers count a worker silent for
 # cluster.inference_dead_after as dead, which must span several beats. Each beat takes the GIL from the engine loop.
 HEARTBEAT_INTERVAL = 0.25
+# Seconds between a rollout worker's publications of its running count (rollout_running), each with a new beat: the
+# stall watch tells a count its event loop keeps publishing from one a blocked loop left behind.
+ROLLOUT_BEAT_INTERVAL = 1.0
 WEIGHTS = "weights:latest"  # key: the newest published policy (rlsys.api.messages.PublishedWeights)
 DATASET_FINGERPRINT = "dataset:fingerprint"  # key: rlsys.data.dataset.rows_fingerprint of the training rows
 WEIGHT_CHECKS = "weights:checks"  # counter: weight updates whose checksum an inference worker verified
@@ -55,7 +58,8 @@ def rollout_position(rollout_worker: int) -> str:
 
 
 def rollout_running(rollout_worker: int) -> str:
-    """Key: how many episodes (training and evaluation) a rollout worker's tasks are running now."""
+    """Key: {"running": how many episodes (training and evaluation) a rollout worker's tasks are running now,
+    "beat": a value new at each publication (every ROLLOUT_BEAT_INTERVAL s)}."""
     return f"rollout:{rollout_worker}:running"
 
 

@@ -8,7 +8,10 @@ nobody is generating, and the rollout workers wait for a gate that only a traine
 generated are not a stall here: a hanging environment, agent or model call is ended by its own timeout and counted.
 What is being generated is what the rollout workers say they run (each publishes its count of running episodes),
 not what the ledger holds in flight: a prompt in flight that no episode runs would otherwise pass for one being
-generated and keep a run waiting in silence; here it stops the run, which names them lost.
+generated and keep a run waiting in silence; here it stops the run, which names them lost. Each count comes with a
+beat, new at each publication (every protocol.ROLLOUT_BEAT_INTERVAL s): a worker whose beat has not changed for
+BEAT_LOST_AFTER seconds has an event loop that a plugin blocks (a synchronous call in an async function), and its
+episodes, which cannot end, count as none being generated; the error names that worker.
 Nor is a run whose inference workers are still starting (after a restart, vLLM's start takes about a minute on a
 CPU): the clock runs only while every one of them serves; nor one whose rollout workers are (their environments'
 warm-up may load a model): only while every one of them has said what it runs since it started.
@@ -20,6 +23,10 @@ from rlsys import protocol
 from rlsys.prompt_ledger import ADMITTED, PromptLedger, describe
 from rlsys.errors import RoleFailed
 from rlsys.workers.inference_status import InferenceStatus
+
+# A live rollout worker publishes a new beat every ROLLOUT_BEAT_INTERVAL; ten missed ones are no slow machine's hiccup
+# (and the run must then still stand still for cluster.stall_timeout to stop).
+BEAT_LOST_AFTER = 10 * protocol.ROLLOUT_BEAT_INTERVAL
 
 
 class RunStalled(RoleFailed):
@@ -36,6 +43,7 @@ class StallWatch:
         self.clock = clock
         self.state: tuple | None = None
         self.since = 0.0
+        self.beats: dict[int, tuple[object, float]] = {}  # rollout worker -> (its last beat, when it was first seen)
 
     def check(self, bus) -> None:
         if not self.timeout:
@@ -44,16 +52,19 @@ class StallWatch:
         # None where a rollout worker has not said yet: it is starting (the launcher deletes the count of one that
         # died, and every count when the roles start again after the learner's death, while the initial evaluation,
         # which tells a start from the rest, is kept)
-        running = [bus.get(protocol.rollout_running(i)) for i in range(self.n_rollout_workers)]
+        published = [bus.get(protocol.rollout_running(i)) for i in range(self.n_rollout_workers)]
+        silent = self.silent_for(published, now)
         if (not bus.get(protocol.eval_result("initial")) or bus.get(protocol.LEARNER_DONE) is not None
-                or not self.inference_serves(bus) or None in running):
+                or not self.inference_serves(bus) or None in published):
             self.state = None  # starting, (re)starting a role, or past the last step: the final evaluation is no stall
             return
         counts = self.ledger.counts()
         weights = bus.get(protocol.WEIGHTS)
         version = weights.get("version") if isinstance(weights, dict) else None
         delivered = bus.stream_length(protocol.TRAJECTORIES)  # one entry a prompt, until the learner trains it
-        running = sum(running)
+        # a count a blocked loop left behind: its episodes will never end (they are named below, not lost)
+        blocked = {i: (published[i]["running"], seconds) for i, seconds in silent.items() if seconds >= BEAT_LOST_AFTER}
+        running = sum(p["running"] for i, p in enumerate(published) if i not in blocked)
         # A learner that holds a batch's worth is training it (a step of a large model on a CPU takes minutes).
         moving = running > 0 or delivered >= self.ledger.batch_size
         state = (counts[ADMITTED], version, delivered)
@@ -61,10 +72,28 @@ class StallWatch:
             self.state, self.since = (None if moving else state), now
             return
         if now - self.since >= self.timeout:
-            lost = counts["in_flight"] - delivered
+            lost = counts["in_flight"] - delivered - sum(n for n, _ in blocked.values())
             behind = {index: status.version for index, status in enumerate(self.statuses(bus))
                       if version is not None and status is not None and status.version < version}
-            raise RunStalled(self.explain(counts, version, self.ledger.slots_taken(), delivered, lost, behind))
+            raise RunStalled(self.explain(counts, version, self.ledger.slots_taken(), delivered, lost, behind)
+                             + self.explain_blocked(blocked))
+
+    def silent_for(self, published: list, now: float) -> dict[int, float]:
+        """{rollout worker: seconds since its beat last changed} of each that published one."""
+        for index, value in enumerate(published):
+            if value is None:
+                self.beats.pop(index, None)
+            elif self.beats.get(index, (None,))[0] != value["beat"]:
+                self.beats[index] = (value["beat"], now)
+        return {index: now - seen for index, (_, seen) in self.beats.items()}
+
+    @staticmethod
+    def explain_blocked(blocked: dict[int, tuple[int, float]]) -> str:
+        return "".join(
+            f". Rollout worker {index} has not published its count for {seconds:.0f} s, with {running} episodes "
+            f"running: its event loop is blocked, so none of them can end. An agent or environment calls something "
+            "that blocks (time.sleep, a synchronous HTTP request, a long computation) in an async function: await an "
+            "async version or run it with asyncio.to_thread" for index, (running, seconds) in blocked.items())
 
     def statuses(self, bus) -> list:
         return [InferenceStatus(bus, index).read() for index in range(self.n_inference_workers)]

@@ -476,3 +476,21 @@ def test_a_held_out_episode_that_failed_counts_against_the_accuracy(tmp_path):
 
     result = evaluated(FailsOnOddRowsExperiment(), tmp_path, range(4))
     assert result["accuracy"] == 0.5 and result["failed"] == 2 and result["episodes"] == 2
+
+
+def test_the_running_count_is_published_once_a_beat_with_a_new_beat_even_unchanged(tmp_path):
+    """The stall watch tells a count a blocked event loop left on the bus from a live one by its beat: a worker that
+    published only changes left an idle worker's count looking as frozen as a blocked one's."""
+    config = AsyncPPOMATHConfig()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    bus = InProcessBus()
+    worker = RolloutWorker(config, bus, 0)
+    asyncio.run(worker.publish_running())
+    first = bus.get(protocol.rollout_running(0))
+    asyncio.run(worker.publish_running())  # within the interval: nothing new
+    assert bus.get(protocol.rollout_running(0)) == first
+    worker.published_running -= protocol.ROLLOUT_BEAT_INTERVAL  # a beat later
+    asyncio.run(worker.publish_running())
+    second = bus.get(protocol.rollout_running(0))
+    assert first["running"] == second["running"] == 0 and second["beat"] != first["beat"]

@@ -1,5 +1,6 @@
 """A run that can no longer make progress stops with an error that says why, instead of waiting in silence."""
 
+import itertools
 import re
 import threading
 import time
@@ -22,6 +23,14 @@ from tests.helpers import child_pids, left_behind, small_run_overrides
 from tests.test_training_loop import run_bus
 
 
+def publish_running(bus, index: int, episodes: int) -> None:
+    """What a rollout worker publishes once a second: its count of running episodes, with a new beat."""
+    bus.set(protocol.rollout_running(index), {"running": episodes, "beat": time.time() + next(BEATS)})
+
+
+BEATS = itertools.count()
+
+
 class Clock:
     def __init__(self):
         self.now = 0.0
@@ -42,7 +51,7 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
         watch.check(bus)
 
     def running(episodes: int) -> None:  # what the rollout worker publishes as its tasks start and end
-        bus.set(protocol.rollout_running(0), episodes)
+        publish_running(bus, 0, episodes)
 
     after(0)
     after(1000)  # starting: no initial evaluation yet
@@ -114,6 +123,44 @@ def test_the_watch_stops_only_a_run_that_stands_still_mid_training():
     never.check(bus)
 
 
+def test_a_rollout_worker_whose_event_loop_a_plugin_blocks_stops_the_run_naming_it():
+    """An agent that blocks the event loop (time.sleep in an async function) froze the worker's published count above
+    0: the watch took its episodes as being generated, and the run waited forever. A count whose beat stopped changing
+    is stale: the run stops, naming the worker, unless another one still generates."""
+    config = AsyncPPOMATHConfig()
+    config.cluster.stall_timeout, config.cluster.n_rollout_workers = 60, 2
+    bus, clock = InProcessBus(), Clock()
+    ledger = PromptLedger.of(bus, config)
+    watch = StallWatch(config, ledger, clock)
+    bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
+    InferenceStatus(bus, 0).publish(WorkerStatus(epoch=1, beat=1, version=0, load=0))
+    for qid in ("p1", "p2", "p3"):
+        ledger.admit(qid, served_version=0)
+
+    def after(seconds: float, live: dict[int, int]) -> None:
+        for _ in range(int(seconds)):  # the live workers (index: episodes) beat every second; the watch polls as often
+            clock.now += 1
+            for index, episodes in live.items():
+                publish_running(bus, index, episodes)
+            watch.check(bus)
+
+    publish_running(bus, 0, 2)
+    publish_running(bus, 1, 1)
+    watch.check(bus)
+    after(1000, live={0: 2, 1: 1})  # both generate, however long their episodes take
+    after(1000, live={1: 1})  # worker 0 is blocked, but worker 1 still generates: the run goes on
+    bus.delete(protocol.rollout_running(1))  # worker 1 died and is being restarted: it warms up, not a stall
+    after(1000, live={})
+    publish_running(bus, 1, 0)  # up again, and idle at a closed gate
+    watch.check(bus)
+    after(59, live={1: 0})
+    with pytest.raises(RunStalled, match=r"Rollout worker 0 has not published its count for 2060 s, with 2 episodes "
+                                         r"running: its event loop is blocked") as stalled:
+        after(1, live={1: 0})
+    assert "Rollout worker 1" not in str(stalled.value)
+    assert "were lost" in str(stalled.value) and " 1 of the prompts in flight" in str(stalled.value)
+
+
 class Exited:
     """A role's handle whose process has exited, as rlsys.placement's are read by the supervisor."""
 
@@ -137,7 +184,7 @@ def test_a_rollout_worker_restarted_after_the_learner_s_death_or_its_own_is_star
     watch.check(bus)
     clock.now += 1000
     watch.check(bus)
-    bus.set(protocol.rollout_running(0), 0)  # up, and idle at a closed gate
+    publish_running(bus, 0, 0)  # up, and idle at a closed gate
     watch.check(bus)
     restarted = []
     supervisor = Supervisor(config, lambda role, index: restarted.append((role, index)))
@@ -146,7 +193,7 @@ def test_a_rollout_worker_restarted_after_the_learner_s_death_or_its_own_is_star
     assert restarted == [("rollout", 0)]
     clock.now += 1000
     watch.check(bus)
-    bus.set(protocol.rollout_running(0), 0)
+    publish_running(bus, 0, 0)
     watch.check(bus)
     clock.now += 60
     with pytest.raises(RunStalled):
@@ -164,7 +211,7 @@ def test_a_stall_while_a_worker_still_serves_an_older_version_says_to_raise_the_
     InferenceStatus(bus, 0).publish(WorkerStatus(epoch=1, beat=1, version=3, load=0))
     InferenceStatus(bus, 1).publish(WorkerStatus(epoch=1, beat=1, version=2, load=0))
     bus.set(protocol.WEIGHTS, {"version": 3, "path": "/w"})
-    bus.set(protocol.rollout_running(0), 0)
+    publish_running(bus, 0, 0)
     watch.check(bus)
     clock.now += 60
     with pytest.raises(RunStalled, match=r"Inference workers still serving an older version: 1 \(2\); if loading "

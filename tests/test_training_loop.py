@@ -317,7 +317,7 @@ def test_an_inference_worker_killed_mid_run_is_restarted_and_its_episodes_finish
             time.sleep(0.2)
         victim = role_process(proc, "inference0")
         with run_bus(tmp_path / "async-ppo-math" / "i") as bus:
-            while not bus.get(protocol.rollout_running(0)):  # what the stall watch counts as being generated
+            while not (bus.get(protocol.rollout_running(0)) or {}).get("running"):  # what the stall watch counts
                 assert proc.poll() is None and time.monotonic() < deadline, proc.output()[-3000:]
                 time.sleep(0.05)
             while not busy_on_a_fresh_beat(bus, 0, proc, deadline):

@@ -27,7 +27,6 @@ from rlsys.workers.routing import EpisodeRouter
 
 log = logging.getLogger(__name__)
 GATE_POLL_SECONDS = 0.05  # how often a worker with free slots asks the staleness gate again
-RUNNING_EVERY = 1.0  # seconds: how often at most a worker publishes how many episodes it runs
 
 
 class RolloutWorker:
@@ -48,7 +47,7 @@ class RolloutWorker:
         self.eval_rows: list[dict] = []
         self.next_prompt: Prompt | None = None  # taken from this worker's share, waiting for the gate to open
         self.running: set[asyncio.Task] = set()
-        self.published_running = (-1, -RUNNING_EVERY)  # the count of `running` the bus holds, and when it was set
+        self.published_running = -protocol.ROLLOUT_BEAT_INTERVAL  # when the count of `running` was last published
         self.training: set[str] = set()  # ids of the training prompts whose episodes run here
         self.episode_ended = asyncio.Event()
         self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
@@ -171,12 +170,15 @@ class RolloutWorker:
                 await self.episode_ended.wait()
 
     async def publish_running(self) -> None:
-        """How many episodes this worker runs, for the stall watch (rlsys/stall.py): when it changed, at most once a
-        RUNNING_EVERY seconds (episodes start and end dozens of times a second; the watch waits minutes)."""
+        """How many episodes this worker runs, for the stall watch (rlsys/stall.py): once a ROLLOUT_BEAT_INTERVAL
+        (episodes start and end dozens of times a second; the watch waits minutes), changed or not, with a new beat
+        each time. So a count that a loop blocked by a plugin left on the bus is told from one that is true now."""
         now = time.monotonic()
-        if len(self.running) != self.published_running[0] and now - self.published_running[1] >= RUNNING_EVERY:
-            self.published_running = (len(self.running), now)
-            await asyncio.to_thread(self.bus.set, protocol.rollout_running(self.index), len(self.running))
+        if now - self.published_running >= protocol.ROLLOUT_BEAT_INTERVAL:
+            self.published_running = now
+            # the wall clock: a beat that differs from the last one (and a restarted worker's from its predecessor's)
+            running = {"running": len(self.running), "beat": time.time()}
+            await asyncio.to_thread(self.bus.set, protocol.rollout_running(self.index), running)
 
     def routing_metrics(self) -> dict[str, float]:
         stats = self.router.stats
