@@ -10,8 +10,10 @@ pending, and in the stream, until the learner acknowledges it, which deletes it:
     is written;
   * a group it filtered, a duplicate, or a message it set aside: as soon as it has decided.
 Nothing else ever removes an entry, so the stream is never trimmed below what is unacknowledged. A
-learner that dies leaves its entries pending; the next one claims them when it starts (a run has one
-learner, so at that moment every pending entry belongs to a dead one) and gets them again. An entry
+learner that dies leaves its entries pending; a learner claims every pending entry when it starts (a run has one
+learner, so at that moment every pending entry belongs to a dead one) and gets them again. Under the launcher it
+finds none: a learner's death restarts every role from the last checkpoint, and the launcher deletes the stream
+first (rlsys/launcher.py, initialize_bus_state). An entry
 handed to the learner by a bus server that then died before its reply went out is pending but never
 arrived: after a server restart the learner claims every pending entry under a new consumer name, and
 takes again those it does not hold. So it does when, with nothing to read, more entries are pending than it holds:
@@ -26,7 +28,11 @@ A message the learner cannot use goes to the DEAD_LETTERS stream with its reason
   * one over the size limit, undecodable, of the wrong shape, or with trajectories the learner cannot
     train on: at its first delivery, since checking the same bytes again gives the same answer;
   * one delivered MAX_DELIVERIES times without an acknowledgement: every consumer that took it died
-    (say it crashes the learner), so it is set aside rather than taking the next one down.
+    (say it crashes the learner), so it is set aside rather than taking the next one down. Under the launcher a
+    learner's death deletes the stream (above), so a delivery count grows only where a learner takes entries again
+    after a bus-server restart or a lost reply; a message that crashes the learner is never delivered again there, and
+    the group made again for its prompt, if it crashes the learner too, stops the run once the learner has used up
+    cluster.max_role_restarts. So MAX_DELIVERIES need not follow that setting.
 If its group id is a prompt in flight, that prompt is counted as failed (rejected) and gives its
 staleness-gate slot back, so the run neither stalls nor loses count. The group id is the payload's, or, where that
 cannot be read (too large, undecodable), the entry's label: so a message set aside unread still names its prompt. A
