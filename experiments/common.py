@@ -14,7 +14,7 @@ from rlsys.api import GenerationConfig
 from rlsys.api.generation import MIN_TEMPERATURE
 from rlsys.cpu_features import native_bf16
 from rlsys.data.dataset import RowFormat
-from rlsys.protocol import HEARTBEAT_INTERVAL
+from rlsys.protocol import HEARTBEAT_INTERVAL, MAX_REDIS_VALUE_MB
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -387,7 +387,7 @@ class ClusterConfig:
     redis_port: int = 0
     """Port of the private Redis (loopback only); 0 picks a free one. Refused with redis_url (no private Redis)."""
     max_message_mb: float = 64.0
-    """Largest message of one prompt's trajectories; a larger one fails its episode (invalid_output)."""
+    """Largest message of one prompt's trajectories; a larger one fails its episode (invalid_output). At most 512."""
     max_failed_in_a_row: int = 200
     """Training episodes of a rollout worker that may fail one after another before the run stops (0: never)."""
     n_learner_ranks: int = 1
@@ -436,6 +436,9 @@ class ClusterConfig:
             raise ValueError(f"cluster.redis_port must be a TCP port (0 to 65535), got {self.redis_port}")
         if self.max_message_mb <= 0:
             raise ValueError(f"cluster.max_message_mb must be positive, got {self.max_message_mb}")
+        if self.max_message_mb > MAX_REDIS_VALUE_MB:  # Redis answers a protocol error and closes the connection
+            raise ValueError(f"cluster.max_message_mb must be at most {MAX_REDIS_VALUE_MB} (the largest value Redis "
+                             f"takes), got {self.max_message_mb:g}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("cluster.redis_url must look like redis://[:PASSWORD@]HOST:PORT/DB, "
                              f"got {self.redis_url.split('@')[-1]!r}")

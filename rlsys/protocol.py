@@ -6,6 +6,7 @@ LEARNERS = "learners"  # the consumer group that reads TRAJECTORIES
 DEAD_LETTERS = "trajectories:dead"  # stream: trajectory messages the learner could not use, with the reason
 DEAD_MESSAGES = "messages:dead"  # stream: {"source", "reason", "size", "head"} of requests/replies a role refused
 MAX_QUEUE_MESSAGE_BYTES = 64 * 2**20  # a generation request or reply larger than this is refused unread
+MAX_REDIS_VALUE_MB = 512  # Redis takes no larger string in a command (proto-max-bulk-len's default)
 # Seconds between an inference worker's status refreshes (its heartbeat); routers count a worker silent for
 # cluster.inference_dead_after as dead, which must span several beats. Each beat takes the GIL from the engine loop.
 HEARTBEAT_INTERVAL = 0.25

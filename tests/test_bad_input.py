@@ -67,6 +67,8 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
                                            "workers beat every 0.25 s"),
     (["cluster.n_rollout_workers=0"], "cluster.n_rollout_workers must be at least 1"),
     (["cluster.max_message_mb=0"], "cluster.max_message_mb must be positive"),
+    (["cluster.max_message_mb=600"], "cluster.max_message_mb must be at most 512 (the largest value Redis takes), "
+                                     "got 600"),
     (["cluster.redis_url=localhost:6379"], "cluster.redis_url must look like redis://"),
     (["inference.gpu_memory_utilization=2"], "inference.gpu_memory_utilization must be in (0, 1]"),
     (["model.num_heads=3"], "model.hidden_size (256) must be a multiple of model.num_heads (3)"),
