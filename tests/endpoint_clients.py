@@ -84,6 +84,59 @@ async def responses_run(base_url, api_key, prompt):
     return None
 
 
+ANTHROPIC_TOOLS = [{"name": "calculator", "description": "arithmetic",
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]  # the Messages API's shape
+
+
+def anthropic_client(base_url, api_key):
+    """The real `anthropic` client on the endpoint: its base URL is the server's root (the client adds /v1/messages)."""
+    import anthropic
+
+    return anthropic.AsyncAnthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0)
+
+
+async def anthropic_tools_run(base_url, api_key, prompt, stream: bool = False):
+    """The tool loop on Anthropic's Messages API as its docs write it: the assistant's content blocks sent back as
+    they came, then a user turn of tool_result blocks; streamed, each reply the stream's final message."""
+    client = anthropic_client(base_url, api_key)
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(3):
+        asked = dict(model="rlsys", max_tokens=128, system="Use the calculator.", messages=messages,
+                     tools=ANTHROPIC_TOOLS)
+        if stream:
+            async with client.messages.stream(**asked) as events:
+                message = await events.get_final_message()
+        else:
+            message = await client.messages.create(**asked)
+        RESPONSES.append(message)
+        messages.append({"role": "assistant", "content": message.content})
+        calls = [block for block in message.content if block.type == "tool_use"]
+        if not calls:
+            return float(message.content[0].text == "409")
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": call.id, "content": str(eval(call.input["expression"]))}
+            for call in calls]})  # the test's own calculator
+    return 0.0
+
+
+async def anthropic_streaming_tools_run(base_url, api_key, prompt):
+    return await anthropic_tools_run(base_url, api_key, prompt, stream=True)
+
+
+async def anthropic_run(base_url, api_key, prompt):
+    """The plainest agent on Anthropic's Messages API: one call, a string message; the environment scores the
+    answer. max_tokens (which that API requires) is the experiment's gen.max_new_tokens."""
+    await anthropic_client(base_url, api_key).messages.create(model="rlsys", max_tokens=8,
+                                                              messages=[{"role": "user", "content": prompt}])
+    return None
+
+
+async def anthropic_cut_run(base_url, api_key, prompt):
+    RESPONSES.append(await anthropic_client(base_url, api_key).messages.create(
+        model="rlsys", max_tokens=2, messages=[{"role": "user", "content": prompt}]))
+    return 0.0
+
+
 async def langgraph_streaming_run(base_url, api_key, prompt):
     """The LangGraph example's agent, its model streaming and the graph run with stream_mode="messages"."""
     from langchain_openai import ChatOpenAI

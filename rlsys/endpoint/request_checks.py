@@ -60,10 +60,26 @@ RESPONSES_NEUTRAL = {
     "background": ((False,), "calls are answered while their client waits"),
     "service_tier": (("auto", "default"), "calls are served on one tier"),
 }
+# /v1/messages fields that act (`metadata` labels the call); `thinking` is accepted disabled only, any other refused.
+MESSAGES_FIELDS = {"model", "max_tokens", "system", "messages", "tools", "tool_choice", "temperature", "top_p", "top_k",
+                   "stop_sequences", "stream", "metadata"}
 RESPONSES_ROLES = {"system", "developer", "user", "assistant"}
+# An API's tool shape, as a refusal describes it, and where in a tool its parameters schema is.
+TOOL_SHAPES = {
+    "chat": ('{"type": "function", "function": {"name": a non-empty string, "parameters": a JSON schema}}',
+             "function.parameters"),
+    "responses": ('{"type": "function", "name": a non-empty string, "parameters": a JSON schema} (this endpoint runs '
+                  'no built-in tools)', "parameters"),
+    "messages": ('{"name": a non-empty string, "input_schema": a JSON schema} (a custom tool: this endpoint runs no '
+                 'server tools)', "input_schema"),
+}
 # Settings no engine here applies -> the value that asks for nothing (as OpenAI's and vLLM's defaults do).
 NEUTRAL_SETTINGS = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0,
                     "top_logprobs": 0}
+
+# Anthropic's error types by status; its others are 4xx invalid_request_error and 5xx api_error.
+ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error"}
 
 
 class RequestError(Exception):
@@ -77,6 +93,11 @@ class RequestError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param,
                           "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        """Anthropic's error shape, as /v1/messages answers it: no param, so the message names the field."""
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
 def _invalid(param: str, reason: str) -> RequestError:
@@ -169,7 +190,7 @@ def responses_request(body: dict, max_total_tokens: int) -> tuple[list[dict], li
     # (the Agents SDK's default) is not sampled constrained, as chat's is not: a call is checked against the schema
     # and one that does not fit is returned as text and counted a decode error (rlsys/endpoint/session.py).
     tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-             for t in _tools(body.get("tools"), flat=True)]
+             for t in _tools(body.get("tools"), "responses")]
     _tool_choice(body, tools)
     settings = {name: _setting(name, body[name], name) for name in ("temperature", "top_p")
                 if body.get(name) is not None}
@@ -230,6 +251,110 @@ def _input_text(content, where: str) -> str:
     return "".join(part.get("text", "") for part in content)
 
 
+def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[dict], Sampling]:
+    """The chat messages, chat tools and sampling a /v1/messages body (Anthropic's Messages API) asks for."""
+    for name, value in body.items():
+        if value is None or name in MESSAGES_FIELDS:
+            continue
+        if name != "thinking":
+            raise _invalid(name, "is not supported by this endpoint's /v1/messages; leave it out")
+        if value != {"type": "disabled"}:
+            raise _invalid(name, 'is not supported: no extended thinking is applied; send {"type": "disabled"} or '
+                                 'leave it out')
+    if body.get("max_tokens") is None:
+        raise _invalid("max_tokens", "is required: the Messages API asks every call for its reply's budget")
+    if not isinstance(body.get("metadata"), (dict, type(None))):
+        raise _invalid("metadata", "must be an object or null")
+    system = body.get("system")
+    system = _blocks_text(system, "system") if system is not None else ""
+    messages = [{"role": "system", "content": system}] if system else []
+    turns = body.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise _invalid("messages", "must be a non-empty list of message objects")
+    for i, turn in enumerate(turns):
+        messages += _anthropic_turn(turn, f"messages[{i}]")
+    if turns[-1].get("role") != "user":  # Anthropic continues a last assistant turn; a chat template closes it
+        raise _invalid(f"messages[{len(turns) - 1}].role", "must be user: a prefilled assistant reply is not "
+                                                            "continued by this endpoint")
+    tools = [{"type": "function", "function": {**{k: t[k] for k in ("name", "description") if k in t},
+                                               **({"parameters": t["input_schema"]} if "input_schema" in t else {})}}
+             for t in _tools(body.get("tools"), "messages")]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+            raise _invalid("tool_choice", 'must be {"type": "auto"} or null')
+        _tool_choice({"tool_choice": choice["type"]}, tools)  # "auto" acts; a forced or forbidden call is refused
+        if _flag(choice, "disable_parallel_tool_use", "tool_choice.disable_parallel_tool_use") and tools:
+            raise _invalid("tool_choice.disable_parallel_tool_use", "true is not supported: the model may call several "
+                                                                    "tools in a turn; send false or leave it out")
+    settings = {name: _setting(name, body[name], name) for name in ("temperature", "top_p", "top_k")
+                if body.get(name) is not None}
+    _max_new_tokens(body, "max_tokens", max_total_tokens, settings)
+    stream, _ = _stream(body)
+    return messages, tools, Sampling(settings, _stop_strings(body, "stop_sequences"), False, False, stream, False)
+
+
+def _anthropic_turn(turn, where: str) -> list[dict]:
+    """A Messages API turn as chat messages: an assistant turn's text and tool_use blocks one assistant message; a user
+    turn's tool_result blocks a tool message each and its text a user message, in their order."""
+    if not isinstance(turn, dict):
+        raise _invalid(where, "must be a message object")
+    role, content = turn.get("role"), turn.get("content")
+    if role not in ("user", "assistant"):
+        raise _invalid(f"{where}.role", "must be one of ['assistant', 'user']")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise _invalid(f"{where}.content", "must be a string or a list of content blocks")
+    messages, kinds = [], ("text", "tool_use") if role == "assistant" else ("text", "tool_result")
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in kinds:  # an image, a document: the model would answer without it
+            raise _invalid(at, f"must be a {' or '.join(kinds)} block in a {role} turn: this model reads text only "
+                               f"(got type {kind!r})")
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise _invalid(f"{at}.text", "must be a string")
+            text = block["text"]
+            if messages and messages[-1]["role"] == role:  # a turn's text blocks are one message
+                messages[-1]["content"] = (messages[-1]["content"] or "") + text
+            else:
+                messages.append({"role": role, "content": text})
+        elif kind == "tool_use":
+            if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+                    and isinstance(block.get("input"), dict)):
+                raise _invalid(at, "must be a tool_use block whose id and name are strings and input an object")
+            call = {"id": block["id"], "type": "function",
+                    "function": {"name": block["name"], "arguments": json.dumps(block["input"])}}
+            if not messages:
+                messages.append({"role": "assistant", "content": None})
+            messages[-1].setdefault("tool_calls", []).append(call)
+        else:
+            if not isinstance(block.get("tool_use_id"), str):
+                raise _invalid(f"{at}.tool_use_id", "must be a string")
+            # A chat tool message has no error flag: the model reads that a call failed from the result's text.
+            _flag(block, "is_error", f"{at}.is_error")
+            output = block.get("content")
+            output = _blocks_text(output, f"{at}.content") if output is not None else ""
+            messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": output})
+    return messages
+
+
+def _blocks_text(content, where: str) -> str:
+    """A string, or a list of Messages API text blocks, as its text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid(where, "must be a string or a list of text blocks")
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else None
+            raise _invalid(f"{where}[{j}]", f"must be a text block whose text is a string: this model reads text only "
+                                            f"(got type {kind!r})")
+    return "".join(block["text"] for block in content)
+
+
 def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tuple[str | list[int], Sampling]:
     """The prompt (text, or token ids below `vocab_size`) and the sampling of a /v1/completions body."""
     prompt = body.get("prompt")
@@ -257,13 +382,18 @@ def _sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
     settings = {name: _setting(name, body[name], name) for name in SAME_NAMED_SETTINGS if body.get(name) is not None}
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     _max_new_tokens(body, param, max_total_tokens, settings)
-    stop = body.get("stop")
+    stop = _stop_strings(body, "stop")
+    return Sampling(settings, stop, _logprobs(body, completion), _flag(body, "return_token_ids"), *_stream(body))
+
+
+def _stop_strings(body: dict, param: str) -> list[str]:
+    stop = body.get(param)
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
             and all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stop)):
-        raise _invalid("stop", f"must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of at most "
-                               f"{MAX_STOP_CHARS} characters")
-    return Sampling(settings, stop, _logprobs(body, completion), _flag(body, "return_token_ids"), *_stream(body))
+        raise _invalid(param, f"must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of at most "
+                              f"{MAX_STOP_CHARS} characters")
+    return stop
 
 
 def _max_new_tokens(body: dict, param: str, max_total_tokens: int, settings: dict) -> None:
@@ -375,31 +505,31 @@ def _message(message, where: str) -> None:
         raise _invalid(f"{where}.tool_call_id", "must be a string or null")
 
 
-def _tools(tools, flat: bool = False) -> list[dict]:
-    """Function tools whose parameters schema is what tool calls are checked against (rlsys.api.tool): chat's
-    `{"type": "function", "function": {...}}`, or (`flat`) the Responses API's `{"type": "function", "name", ...}`."""
+def _tools(tools, api: str = "chat") -> list[dict]:
+    """Function tools whose parameters schema is what tool calls are checked against (rlsys.api.tool), in the shape
+    of `api`: chat's `{"type": "function", "function": {...}}`, the Responses API's flat `{"type": "function", "name",
+    "parameters"}`, or the Messages API's `{"name", "input_schema"}` (its type "custom" or absent)."""
     if tools is None:
         return []
     if not isinstance(tools, list):
         raise _invalid("tools", "must be a list of function tools or null")
-    shape = ('{"type": "function", "name": a non-empty string, "parameters": a JSON schema} (this endpoint runs no '
-             'built-in tools)' if flat else
-             '{"type": "function", "function": {"name": a non-empty string, "parameters": a JSON schema}}')
+    shape, schema = TOOL_SHAPES[api]
     for i, tool in enumerate(tools):
-        if flat:
-            function = tool if isinstance(tool, dict) and tool.get("type") == "function" else None
-        else:
+        if api == "chat":
             function = tool.get("function") if isinstance(tool, dict) else None
+        elif api == "responses":  # its other types are OpenAI's built-in tools
+            function = tool if isinstance(tool, dict) and tool.get("type") == "function" else None
+        else:  # a custom tool; Anthropic's server tools (bash, web search) carry a type of their own
+            function = tool if isinstance(tool, dict) and tool.get("type", "custom") == "custom" else None
         if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
             raise _invalid(f"tools[{i}]", f"must be {shape}")
-        parameters = function.get("parameters")
+        parameters = function.get(schema.split(".")[-1])
         if parameters is None:
             continue
         properties = parameters.get("properties", {}) if isinstance(parameters, dict) else None
         required = parameters.get("required", []) if isinstance(parameters, dict) else None
         if not (isinstance(properties, dict) and all(isinstance(p, dict) for p in properties.values())
                 and isinstance(required, list) and all(isinstance(name, str) for name in required)):
-            where = f"tools[{i}].parameters" if flat else f"tools[{i}].function.parameters"
-            raise _invalid(where, "must be a JSON schema object: properties an object of objects, required a list of "
-                                  "names")
+            raise _invalid(f"tools[{i}].{schema}", "must be a JSON schema object: properties an object of objects, "
+                                                  "required a list of names")
     return tools

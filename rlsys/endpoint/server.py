@@ -3,11 +3,14 @@
 One server per rollout worker process (FastAPI on uvicorn), started by the first endpoint episode. Each
 episode opens a session under an API key of its own (a random secret, so the key both authenticates and
 attributes every call): `/v1/chat/completions`, `/v1/completions` and `/v1/models` answer for that
-episode only; so does `/v1/responses` (OpenAI's Responses API), answered by the chat path. A call with a key nobody
-opened is refused with 401, one with the key of an episode that ended with 410, a malformed request with 400, one
-over MAX_BODY_BYTES with 413 and a chat or Responses call to a model without a chat template with 404; OpenAI's error
-body says why, and for 400 which field (rlsys/endpoint/request_checks.py); so does a 404 or 405 for a path or method
-not served (`GET /v1/responses/{id}`, say: nothing is stored).
+episode only; so do `/v1/responses` (OpenAI's Responses API) and `/v1/messages` (Anthropic's Messages API), both
+answered by the chat path. A call with a key nobody opened is refused with 401, one with the key of an episode that
+ended with 410, a malformed request with 400, one over MAX_BODY_BYTES with 413 and a chat, Responses or Messages call
+to a model without a chat template with 404; OpenAI's error body says why, and for 400 which field
+(rlsys/endpoint/request_checks.py); so does a 404 or 405 for a path or method not served (`GET /v1/responses/{id}`,
+say: nothing is stored). Under /v1/messages the error body is Anthropic's (`{"type": "error", "error": {"type",
+"message"}}`, the message naming the field), and the key may come as Anthropic's clients send it, in `x-api-key`
+(a `Bearer` key comes first); no other path reads that header.
 Headers over MAX_HEADER_BYTES get a plain 400 and the connection closed, whatever the key; so is a request that has
 not arrived whole within 30 s, and a connection over the server's cap is answered 503
 (rlsys/endpoint/http_protocol.py). A call with `"stream": true` is answered as Server-Sent Events once the model has
@@ -39,6 +42,7 @@ for _chatty in ("httpx", "httpx2", "httpcore", "httpcore2", "openai"):
 KEEP_ALIVE_SECONDS = 30
 FINISHED_KEYS_KEPT = 100_000  # keys of ended episodes remembered, to answer 410 rather than 401
 MAX_HEADER_BYTES = 64 * 1024  # a request line and headers; OpenAI clients send about 1 KiB
+MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API: its errors in its shape, its key also as x-api-key
 
 
 class _Server(uvicorn.Server):
@@ -102,6 +106,8 @@ class Endpoint:
     def session(self, request: Request) -> EpisodeSession:
         header = request.headers.get("authorization", "")
         key = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+        if not key and request.url.path == MESSAGES_PATH:  # Anthropic's clients send the key as x-api-key
+            key = request.headers.get("x-api-key", "")
         if key in self.sessions:
             return self.sessions[key]
         if key in self.finished:
@@ -121,15 +127,17 @@ class Endpoint:
         app = FastAPI(title="rlsys episode endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
         @app.exception_handler(RequestError)
-        async def refused(_request: Request, error: RequestError) -> JSONResponse:
-            return JSONResponse(error.body(), status_code=error.status)
+        async def refused(request: Request, error: RequestError) -> JSONResponse:
+            return JSONResponse(_error_body(request, error), status_code=error.status)
 
         @app.exception_handler(HTTPException)
         async def not_served(request: Request, error: HTTPException) -> JSONResponse:
-            """OpenAI's error shape, as clients parse it, rather than FastAPI's {"detail": ...}."""
+            """OpenAI's error shape (Anthropic's under /v1/messages), as clients parse it, rather than FastAPI's
+            {"detail": ...}."""
             message = (f"{error.detail}: {request.method} {request.url.path}; this endpoint serves POST "
-                       f"/v1/chat/completions, POST /v1/completions, POST /v1/responses and GET /v1/models")
-            return JSONResponse(RequestError(error.status_code, message, code=None).body(),
+                       f"/v1/chat/completions, POST /v1/completions, POST /v1/responses, POST {MESSAGES_PATH} and "
+                       f"GET /v1/models")
+            return JSONResponse(_error_body(request, RequestError(error.status_code, message, code=None)),
                                 status_code=error.status_code, headers=error.headers)
 
         @app.post("/v1/chat/completions")
@@ -147,6 +155,11 @@ class Endpoint:
             session, body = await self.session_and_body(request)
             return await session.respond(body, request.is_disconnected)
 
+        @app.post(MESSAGES_PATH)
+        async def messages(request: Request):
+            session, body = await self.session_and_body(request)
+            return await session.message(body, request.is_disconnected)
+
         @app.get("/v1/models")
         async def models(request: Request):
             session = self.session(request)
@@ -154,6 +167,10 @@ class Endpoint:
                                                 "owned_by": "rlsys"}]}
 
         return app
+
+
+def _error_body(request: Request, error: RequestError) -> dict:
+    return error.anthropic_body() if request.url.path == MESSAGES_PATH else error.body()
 
 
 async def _json_body(request: Request) -> dict:

@@ -1,4 +1,5 @@
-"""What one episode's calls do: OpenAI chat, completion and Responses requests in, the episode's model out.
+"""What one episode's calls do: OpenAI chat, completion and Responses requests and Anthropic Messages requests in, the
+episode's model out.
 
 Each request becomes one request on the episode's queues (`rlsys.api.Model`): batched with everything
 else by the inference worker, routed to the worker holding the episode's prefix, versioned, and resumed
@@ -13,6 +14,11 @@ A /v1/responses call is the chat call its `instructions` and input items make (r
 it is prompted, continued token-exactly and recorded as that chat call would be; only its reply is shaped as a
 Responses object: a `message` item with the text and a `function_call` item per parsed tool call, `status`
 "incomplete" (`max_output_tokens`) where the reply was cut by length.
+
+A /v1/messages call (Anthropic's Messages API) is, the same way, the chat call its `system` and `messages` make (a
+tool_use block a tool call, a tool_result block a tool message); its reply is shaped as a Message: a `text` block and
+a `tool_use` block (its `input` the parsed arguments) per tool call, `stop_reason` "end_turn", "max_tokens",
+"stop_sequence" (with the `stop_sequence` hit) or "tool_use".
 
 `"stream": true` gets the same reply as Server-Sent Events, split once the model has answered and the call is
 recorded (rlsys/endpoint/streaming.py).
@@ -38,8 +44,9 @@ from starlette.responses import Response
 
 from rlsys.api import GenerationConfig, GenerationOutput, Model
 from rlsys.endpoint.conversation import Conversation
-from rlsys.endpoint.request_checks import RequestError, Sampling, chat_request, completion_request, responses_request
-from rlsys.endpoint.streaming import event_stream, response_events
+from rlsys.endpoint.request_checks import RequestError, Sampling, chat_request, completion_request, messages_request, \
+    responses_request
+from rlsys.endpoint.streaming import event_stream, message_events, response_events
 from rlsys.tools.call_format import CALL, parse_turn
 
 ClientGone = Callable[[], Awaitable[bool]]  # whether the call's client has disconnected
@@ -87,6 +94,27 @@ class EpisodeSession:
                       "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": len(output.prompt_ids) + generated}}
         return response_events(response) if sampling.stream else response
+
+    async def message(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
+        """A /v1/messages call (Anthropic's Messages API): the chat call its system and messages make, answered as a
+        Message."""
+        self.require_chat_template("/v1/messages")
+        messages, tools, sampling = messages_request(body, self.max_total_tokens)
+        output, [choice] = await self.chat_choices(messages, tools, sampling, client_gone)
+        reply = choice["message"]
+        content = [{"type": "text", "text": reply["content"]}] if reply["content"] else []
+        content += [{"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                     "input": json.loads(call["function"]["arguments"])} for call in reply.get("tool_calls") or []]
+        # The stop string the reply was cut at: the earliest in the generated text (the text sent leaves it out).
+        generated = self.tokenizer.decode(output.output_ids[0], skip_special_tokens=True)
+        stop = min((s for s in sampling.stop if s and s in generated), key=generated.index, default=None)
+        reason = {"length": "max_tokens", "tool_calls": "tool_use"}.get(choice["finish_reason"],
+                                                                        "stop_sequence" if stop else "end_turn")
+        message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": self.model_name,
+                   "content": content, "stop_reason": reason,
+                   "stop_sequence": stop if reason == "stop_sequence" else None,
+                   "usage": {"input_tokens": len(output.prompt_ids), "output_tokens": len(output.output_ids[0])}}
+        return message_events(message) if sampling.stream else message
 
     def require_chat_template(self, path: str) -> None:
         if self.tokenizer.chat_template is None:  # a base model: transformers' ValueError would be a bare 500

@@ -1,4 +1,4 @@
-"""Replies as Server-Sent Events, as OpenAI streams them (`"stream": true`).
+"""Replies as Server-Sent Events, as OpenAI (and, for /v1/messages, Anthropic) streams them (`"stream": true`).
 
 The engine replies whole: the inference worker returns a request's complete generation through the episode's
 queues. So a streamed call is generated, recorded and answered by the same code as the call unstreamed, and only
@@ -19,6 +19,12 @@ any output, then per output item `response.output_item.added`, its content (a me
 `response.content_part.added`, `response.output_text.delta`, `response.output_text.done`, `response.content_part.done`;
 a function call's arguments as one `response.function_call_arguments.delta` and `.done`), `response.output_item.done`,
 and last `response.completed` (or `response.incomplete`, cut by `max_output_tokens`) with the whole response.
+
+A /v1/messages reply (Anthropic's Messages API) is sent as that API's events (`event: <type>`, `data: <json>`):
+`message_start` with the message before any content (usage: its input tokens), then per content block
+`content_block_start`, one `content_block_delta` (a text block's whole text as a `text_delta`, a tool_use block's
+whole input as one `input_json_delta`) and `content_block_stop`, then `message_delta` with the stop reason, stop
+sequence and usage, and `message_stop`.
 """
 
 import json
@@ -65,6 +71,25 @@ def response_events(response: dict) -> Response:
     events.append((f"response.{response['status']}", {"response": response}))
     return _sse([f"event: {kind}\ndata: {_json({'type': kind, 'sequence_number': i, **data})}\n\n"
                  for i, (kind, data) in enumerate(events)])
+
+
+def message_events(message: dict) -> Response:
+    """`message` (a Messages API reply as the unstreamed call gets it) as the events of an Anthropic stream."""
+    started = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
+               "usage": {**message["usage"], "output_tokens": 0}}
+    events = [("message_start", {"message": started})]
+    for index, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            start, delta = {**block, "text": ""}, {"type": "text_delta", "text": block["text"]}
+        else:  # a tool_use block: its input as JSON text
+            start, delta = {**block, "input": {}}, {"type": "input_json_delta", "partial_json": _json(block["input"])}
+        events += [("content_block_start", {"index": index, "content_block": start}),
+                   ("content_block_delta", {"index": index, "delta": delta}),
+                   ("content_block_stop", {"index": index})]
+    events += [("message_delta", {"delta": {"stop_reason": message["stop_reason"],
+                                            "stop_sequence": message["stop_sequence"]}, "usage": message["usage"]}),
+               ("message_stop", {})]
+    return _sse([f"event: {kind}\ndata: {_json({'type': kind, **data})}\n\n" for kind, data in events])
 
 
 def _json(value) -> str:

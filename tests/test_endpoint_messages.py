@@ -1,0 +1,311 @@
+"""Anthropic's Messages API (`POST /v1/messages`) on the endpoint: answered by the chat path, so read by the real
+`anthropic` client from the real server and recorded token-exactly, a tool_use and its tool_result continuing the
+sample the model's own ids began; every field it does not honour refused in Anthropic's error shape, naming it."""
+
+import json
+
+import anthropic
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlsys.api import NOT_GENERATED
+from tests.endpoint_clients import ANTHROPIC_TOOLS, RESPONSES
+from tests.helpers import with_field
+from tests.scripted import ids
+from tests.test_endpoint_streaming import served
+from tests.test_openai_endpoint import CALL, CONTEXT, LOGPROB, PROPERTIES, ROW, json_values, post, run_episode, \
+    tool_then_answer
+
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 5}  # LangChain's ChatAnthropic sends them
+BODY = {"model": "rlsys", "max_tokens": 8, "system": "Use the calculator.", "tools": ANTHROPIC_TOOLS,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "12+34="}]}], **SAMPLING}
+# The installed `anthropic` (2.17) takes no sampling arguments: they go as extra body fields.
+CLIENT_BODY = {**{k: v for k, v in BODY.items() if k not in SAMPLING}, "extra_body": SAMPLING}
+
+
+def messages_served(tokenizer, replies, calls):
+    """`calls(client, http)` with the real `anthropic` client and a raw httpx client on a fresh episode's key."""
+    async def with_anthropic(_openai, http):
+        key = http.headers["authorization"].removeprefix("Bearer ")
+        client = anthropic.AsyncAnthropic(base_url=str(http.base_url).removesuffix("/v1/"), api_key=key, max_retries=0)
+        return await calls(client, http)
+
+    return served(tokenizer, replies, with_anthropic)
+
+
+def anthropic_refusal(response: httpx.Response) -> dict:
+    """Anthropic's error body of a 4xx, checked for its shape."""
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"]
+    return body["error"]
+
+
+def test_a_string_message_is_answered_as_a_message_and_prompted_as_the_chat_call_would_be(tokenizer):
+    async def calls(client, http):
+        message = await client.messages.create(model="rlsys", max_tokens=8, system="Be brief.",
+                                               messages=[{"role": "user", "content": "12+34="}])
+        chat = await http.post("/chat/completions", json={"model": "rlsys", "max_tokens": 8, "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "12+34="}]})
+        return message, chat.json()
+
+    (message, chat), session = messages_served(tokenizer, [["46"], ["46"]], calls)
+    assert isinstance(message, anthropic.types.Message)
+    assert (message.type, message.role, message.model) == ("message", "assistant", "rlsys")
+    assert message.id.startswith("msg_") and message.stop_reason == "end_turn" and message.stop_sequence is None
+    assert [(b.type, b.text) for b in message.content] == [("text", "46")]
+    first, second = session.outputs
+    assert first.prompt_ids == second.prompt_ids  # the chat call's prompt: system is its system message
+    assert (message.usage.input_tokens, message.usage.output_tokens) == \
+        (chat["usage"]["prompt_tokens"], chat["usage"]["completion_tokens"])
+    sample = session.conversation.samples[0]
+    assert sample.transcript.token_ids == first.prompt_ids + ids(tokenizer, "46") + [tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("run", ["anthropic_tools_run", "anthropic_streaming_tools_run"])
+def test_a_tool_use_and_its_result_continue_the_recorded_sample_token_exactly(tokenizer, tokenizer_dir, run):
+    """The agent's tool loop on the Messages API: the first reply is a tool_use block, parsed as chat parses tool
+    calls; the second call sends it back with a tool_result, and its prompt is the first call's ids, the model's own
+    ids, then only the tool's result through the template."""
+    [trajectory], engine = run_episode(tokenizer, tokenizer_dir, f"tests.endpoint_clients:{run}",
+                                       tool_then_answer(tokenizer))
+    first, second = RESPONSES
+    [call] = first.content
+    assert (call.type, call.name, call.input) == ("tool_use", "calculator", {"expression": "12*34+1"})
+    assert first.stop_reason == "tool_use" and second.stop_reason == "end_turn"
+    assert second.content[0].text == "409"
+    (prompt, _), (continued, _) = engine.requests
+    assert prompt == ids(tokenizer, tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": ROW["prompt"]}],
+        tools=[{"type": "function", "function": {"name": "calculator", "description": "arithmetic",
+                                                 "parameters": ANTHROPIC_TOOLS[0]["input_schema"]}}],
+        add_generation_prompt=True, tokenize=False))
+    call_ids, answer = ids(tokenizer, CALL) + [tokenizer.eos_token_id], ids(tokenizer, "409") + [tokenizer.eos_token_id]
+    assert continued == prompt + call_ids + ids(tokenizer, "<|user|><tool_response>409</tool_response><|end|>"
+                                                           "<|assistant|>")
+    assert trajectory.token_ids == continued + answer
+    generated = [0] * len(prompt) + [1] * len(call_ids) + [0] * (len(continued) - len(prompt) - len(call_ids)) + \
+        [1] * len(answer)
+    assert trajectory.loss_mask == generated
+    assert trajectory.logprobs == [LOGPROB if g else 0.0 for g in generated]
+    assert trajectory.versions == [0 if g else NOT_GENERATED for g in generated]
+    assert trajectory.reward == 1.0 and trajectory.metrics["history_splits"] == 0
+
+
+def test_a_streamed_message_is_the_unstreamed_one_as_anthropic_events(tokenizer):
+    async def calls(client, http):
+        unstreamed = await http.post("/messages", json=BODY)
+        streamed = await http.post("/messages", json={**BODY, "stream": True})
+        async with client.messages.stream(**CLIENT_BODY) as stream:  # the client's own reassembly
+            final = await stream.get_final_message()
+        return unstreamed.json(), streamed, final
+
+    (unstreamed, streamed, final), session = messages_served(tokenizer, [[CALL + "Done."]] * 3, calls)
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    blocks = streamed.text.split("\n\n")
+    assert blocks[-1] == ""
+    events = []
+    for block in blocks[:-1]:
+        kind, data = block.split("\n")
+        events.append(json.loads(data[len("data: "):]))
+        assert kind == f"event: {events[-1]['type']}"
+    assert [e["type"] for e in events] == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert events[0]["message"]["content"] == [] and events[0]["message"]["stop_reason"] is None
+    assert events[2]["delta"] == {"type": "text_delta", "text": "Done."}
+    assert events[5]["delta"]["type"] == "input_json_delta"
+    assert json.loads(events[5]["delta"]["partial_json"]) == {"expression": "12*34+1"}
+    assert events[7]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[7]["usage"] == unstreamed["usage"]
+    assert [b["type"] for b in unstreamed["content"]] == ["text", "tool_use"]
+    rebuilt = final.model_dump()  # the client rebuilt the unstreamed message, but for the ids every call draws
+    assert {k: rebuilt[k] for k in unstreamed if k not in ("id", "content", "usage")} == \
+        {k: v for k, v in unstreamed.items() if k not in ("id", "content", "usage")}
+    assert [{k: v for k, v in b.items() if k != "id"} for b in unstreamed["content"]] == \
+        [b.model_dump(include={"type", "text", "name", "input"}) for b in final.content]
+    assert (final.usage.input_tokens, final.usage.output_tokens) == tuple(unstreamed["usage"].values())
+    assert len(session.conversation.samples) == 3  # each call recorded
+
+
+def test_a_reply_cut_by_max_tokens_or_at_a_stop_sequence_says_so(tokenizer, tokenizer_dir):
+    def policy(prompt_ids, gconfig, sample):
+        return ids(tokenizer, "12345") + [tokenizer.eos_token_id]
+
+    [trajectory], _ = run_episode(tokenizer, tokenizer_dir, "tests.endpoint_clients:anthropic_cut_run", policy)
+    [message] = RESPONSES
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 2
+    assert trajectory.stop_reason == "length" and sum(trajectory.loss_mask) == 2
+
+    async def calls(client, _http):
+        return await client.messages.create(model="rlsys", max_tokens=8, stop_sequences=["3", "2"],
+                                            messages=[{"role": "user", "content": "count"}])
+
+    message, session = messages_served(tokenizer, [["12345"]], calls)
+    assert (message.stop_reason, message.stop_sequence, message.content[0].text) == ("stop_sequence", "2", "1")
+    assert session.outputs[0].output_ids[0] == ids(tokenizer, "12")  # the ids kept end at the stop sequence
+
+
+def test_the_key_is_read_from_x_api_key_on_messages_only(tokenizer):
+    """Anthropic's clients (LangChain's ChatAnthropic, older `anthropic` releases) send the key as x-api-key; the
+    installed `anthropic` sends it as a Bearer token. No other path reads x-api-key."""
+    async def calls(client, http):
+        key = http.headers["authorization"].removeprefix("Bearer ")
+        async with httpx.AsyncClient(base_url=http.base_url, headers={"x-api-key": key}) as bare:
+            answered = await bare.post("/messages", json=BODY)
+            chat = await bare.post("/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            wrong = await bare.post("/messages", json=BODY, headers={"x-api-key": "nobody"})
+        with pytest.raises(anthropic.AuthenticationError) as unknown:
+            await anthropic.AsyncAnthropic(base_url=client.base_url, api_key="nobody", max_retries=0).messages.create(
+                **CLIENT_BODY)
+        return answered, chat, wrong, unknown.value
+
+    (answered, chat, wrong, unknown), _ = messages_served(tokenizer, [["46"]], calls)
+    assert answered.status_code == 200 and answered.json()["content"] == [{"type": "text", "text": "46"}]
+    assert chat.status_code == 401 and chat.json()["error"]["code"] == "invalid_api_key"  # OpenAI's shape there
+    assert wrong.status_code == 401
+    assert anthropic_refusal(wrong)["type"] == "authentication_error"
+    assert unknown.status_code == 401 and unknown.type == "authentication_error"
+
+
+def test_a_refusal_reaches_the_anthropic_client_naming_the_field(tokenizer):
+    async def calls(client, _http):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await client.messages.create(model="rlsys", max_tokens=8, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+        return refused.value
+
+    refused, session = messages_served(tokenizer, [], calls)
+    assert refused.status_code == 400 and refused.type == "invalid_request_error"
+    assert refused.api_message.startswith("messages[0].content[0] must be a text or tool_result block")
+    assert session.outputs == []
+
+
+CONVERSATION = [
+    BODY["messages"][0],
+    {"role": "assistant", "content": [{"type": "text", "text": "Let me see."},
+                                      {"type": "tool_use", "id": "t1", "name": "calculator",
+                                       "input": {"expression": "12+34"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text",
+                                                                                         "text": "46"}],
+                                  "is_error": False}, {"type": "text", "text": "And so?"}]}]
+
+
+def test_a_conversation_is_the_chat_call_it_makes(tokenizer):
+    """Each tool_result a tool message, in order, and a user turn's text after them a user message; `thinking`
+    disabled, `metadata`, `stop_sequences` and `tool_choice` auto accepted; `top_k` reaches the model."""
+    body = {**BODY, "messages": CONVERSATION, "thinking": {"type": "disabled"}, "metadata": {"user_id": "u"},
+            "stop_sequences": ["\n\n"], "tool_choice": {"type": "auto", "disable_parallel_tool_use": False}}
+    response, (asked,) = post(tokenizer, "/messages", body)
+    assert response.status_code == 200, response.text
+    chat, (chat_asked,) = post(tokenizer, "/chat/completions", {"max_tokens": 8, "messages": [
+        {"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "12+34="},
+        {"role": "assistant", "content": "Let me see.", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12+34"}'}}
+        ]}, {"role": "tool", "tool_call_id": "t1", "content": "46"}, {"role": "user", "content": "And so?"}],
+        "tools": [{"type": "function", "function": {"name": "calculator", "description": "arithmetic",
+                                                    "parameters": ANTHROPIC_TOOLS[0]["input_schema"]}}]})
+    assert chat.status_code == 200, chat.text
+    assert asked["token_ids"] == chat_asked["token_ids"]
+    assert (asked["gconfig"]["max_new_tokens"], asked["gconfig"]["temperature"], asked["gconfig"]["top_p"],
+            asked["gconfig"]["top_k"]) == (8, 0.7, 0.9, 5)
+
+
+REFUSED = {  # name -> (body, the field the message starts with)
+    "no max_tokens": ({k: v for k, v in BODY.items() if k != "max_tokens"}, "max_tokens"),
+    "max_tokens past the context": ({**BODY, "max_tokens": CONTEXT + 1}, "max_tokens"),
+    "max_tokens 0": ({**BODY, "max_tokens": 0}, "max_tokens"),
+    "no messages": ({k: v for k, v in BODY.items() if k != "messages"}, "messages"),
+    "an empty messages list": ({**BODY, "messages": []}, "messages"),
+    "a system role in messages": ({**BODY, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    "a prefilled reply": ({**BODY, "messages": CONVERSATION[:2]}, "messages[1].role"),
+    "an image": ({**BODY, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]},
+        "messages[0].content[0]"),
+    "a document": ({**BODY, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]},
+        "messages[0].content[0]"),
+    "an image as a tool's result": ({**BODY, "messages": [*CONVERSATION[:2], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "image", "source": {}}]}]}]},
+        "messages[2].content[0].content[0]"),
+    "a tool_use in a user turn": ({**BODY, "messages": [{"role": "user", "content": [CONVERSATION[1]["content"][1]]}]},
+                                  "messages[0].content[0]"),
+    "a tool_use whose input is text": ({**BODY, "messages": [CONVERSATION[0], {"role": "assistant", "content": [
+        {**CONVERSATION[1]["content"][1], "input": '{"expression": "1"}'}]}, CONVERSATION[2]]},
+        "messages[1].content[0]"),
+    "a tool_result without its id": ({**BODY, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "content": "46"}]}]}, "messages[0].content[0].tool_use_id"),
+    "is_error as text": ({**BODY, "messages": [*CONVERSATION[:2], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "46", "is_error": "yes"}]}]},
+        "messages[2].content[0].is_error"),
+    "thinking enabled": ({**BODY, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    "a server tool": ({**BODY, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
+    "a tool's bad schema": ({**BODY, "tools": [{**ANTHROPIC_TOOLS[0], "input_schema": {"properties": [1]}}]},
+                            "tools[0].input_schema"),
+    "any tool": ({**BODY, "tool_choice": {"type": "any"}}, "tool_choice"),
+    "a named tool": ({**BODY, "tool_choice": {"type": "tool", "name": "calculator"}}, "tool_choice"),
+    "no tool": ({**BODY, "tool_choice": {"type": "none"}}, "tool_choice"),
+    "chat's tool_choice": ({**BODY, "tool_choice": "auto"}, "tool_choice"),
+    "one tool call a turn": ({**BODY, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
+                             "tool_choice.disable_parallel_tool_use"),
+    "system as a message list": ({**BODY, "system": [{"role": "system", "content": "x"}]}, "system[0]"),
+    "stop sequences as a number": ({**BODY, "stop_sequences": [1]}, "stop_sequences"),
+    "temperature hot": ({**BODY, "temperature": "hot"}, "temperature"),
+    "metadata as text": ({**BODY, "metadata": "run 1"}, "metadata"),
+    "stream as text": ({**BODY, "stream": "yes"}, "stream"),
+    "a field this endpoint does not know": ({**BODY, "container": "c1"}, "container"),
+    "chat's stop": ({**BODY, "stop": ["\n"]}, "stop"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_field_not_honoured_is_refused_naming_it_and_never_reaches_the_model(tokenizer, name):
+    body, param = REFUSED[name]
+    response, asked = post(tokenizer, "/messages", body)
+    error = anthropic_refusal(response)
+    assert response.status_code == 400 and error["type"] == "invalid_request_error" and asked == [], error
+    assert error["message"].startswith(param + " "), error
+
+
+def test_a_model_without_a_chat_template_refuses_messages_saying_so():
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    base = build_char_tokenizer()
+    base.chat_template = None
+    response, asked = post(base, "/messages", BODY)
+    error = anthropic_refusal(response)
+    assert response.status_code == 404 and error["type"] == "not_found_error" and asked == []
+    assert "/v1/messages: call /v1/completions" in error["message"]
+
+
+FULL = {**BODY, "messages": CONVERSATION, "stream": False, "metadata": {"user_id": "u"},
+        "tool_choice": {"type": "auto"}, "stop_sequences": ["\n\n"]}
+FIELDS = [(k,) for k in FULL] + [("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
+                                 ("messages", 0, "content", 0), ("messages", 0, "content", 0, "type"),
+                                 ("messages", 1, "content", 1), ("messages", 1, "content", 1, "input"),
+                                 ("messages", 1, "content", 1, "id"), ("messages", 2, "content", 0, "content"),
+                                 ("messages", 2, "content", 0, "tool_use_id"), ("tools", 0),
+                                 ("tools", 0, "input_schema"), ("tool_choice", "type"), ("thinking",)]
+
+
+@PROPERTIES
+@given(body=json_values)
+def test_any_json_body_is_answered_or_refused_never_a_server_error(tokenizer, body):
+    response, _ = post(tokenizer, "/messages", body)
+    if response.status_code != 200:
+        anthropic_refusal(response)
+
+
+@PROPERTIES
+@given(field=st.sampled_from(FIELDS), value=json_values)
+def test_a_valid_body_with_one_field_replaced_is_answered_or_refused_naming_that_field(tokenizer, field, value):
+    response, asked = post(tokenizer, "/messages", with_field(FULL, field, value))
+    if response.status_code == 200:
+        assert len(asked) == 1
+        return
+    error = anthropic_refusal(response)
+    assert response.status_code == 400 and asked == [], error
+    if not error["message"].startswith(field[0]):  # refused as a whole: a string no tokenizer takes may sit anywhere
+        assert "not valid Unicode" in error["message"], error
