@@ -34,7 +34,7 @@ setup(
         "agents": ["openai==3.57.0", "langgraph==1.2.24", "langgraph-prebuilt==1.1.3", "langgraph-checkpoint==4.3.2",
                    "langgraph-sdk==0.4.14", "langchain-openai==1.7.4", "langchain-core==1.8.3", "langsmith==0.15.1",
                    "fastapi==0.136.3", "starlette==1.10.0", "uvicorn==0.54.0", "httpx==0.28.1", "httpx2==2.16.2",
-                   "tiktoken==0.14.0"],
+                   "tiktoken==0.14.0", "anthropic==2.17.0"],
         "gguf": ["gguf==0.19.0", "accelerate==1.15.0"],  # python3 -m rlsys.model.convert FILE.gguf
         "ray": ["ray[default]==2.60.0"],  # cluster.backend=ray
     },

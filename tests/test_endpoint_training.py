@@ -1,6 +1,7 @@
 """Training through the OpenAI-compatible endpoint in the full loop (Redis, vLLM inference worker, rollout worker,
-learner) on the tiny model: with the real `openai` client (chat completions and the Responses API), and with the
-LangGraph ReAct example. Every trajectory is checked against what the engine sent back, call by call."""
+learner) on the tiny model: with the real `openai` client (chat completions and the Responses API), the real
+`anthropic` client (the Messages API), and with the LangGraph ReAct example. Every trajectory is checked against what
+the engine sent back, call by call."""
 
 import json
 from pathlib import Path
@@ -46,6 +47,7 @@ def check_episode(record: dict) -> int:
 
 @pytest.mark.parametrize("function", ["rlsys.impl.agent.openai_example:run",
                                       "tests.endpoint_clients:responses_run",  # client.responses.create
+                                      "tests.endpoint_clients:anthropic_run",  # anthropic's messages.create
                                       # LangGraph: the slow tier
                                       pytest.param("rlsys.impl.agent.langgraph_example:run", marks=pytest.mark.slow)])
 def test_trains_through_the_endpoint(cache_dir, tmp_path, function):

@@ -28,6 +28,16 @@ Every field of it either acts, is accepted at its neutral value, or is refused n
 has many fields that change the answer (`previous_response_id`, `reasoning`, `text.format`, built-in tools). The
 endpoint keeps nothing between calls: `store` (OpenAI's default is true) is accepted and nothing is stored, so a
 later `previous_response_id` or `conversation` naming it could not be honoured and is refused.
+
+A /v1/messages body (Anthropic's Messages API) is translated the same way: `system` a system message first, each
+turn's text one message, an assistant turn's tool_use blocks its tool calls, a user turn's tool_result blocks a tool
+message each, in order (`is_error` is read as a flag and not rendered: a chat tool message has none, and the result's
+text says what failed); `tools` custom tools (`input_schema` their parameters); `max_tokens` (required, as Anthropic
+requires it), `temperature`, `top_p`, `top_k`, `stop_sequences` (chat's stop strings), `stream` and
+`tool_choice` `{"type": "auto"}` act, `metadata` labels. A last assistant turn (Anthropic continues it: a prefill) is
+refused, since a chat template closes it; so are images and documents, server tools, a forced or forbidden tool call,
+`disable_parallel_tool_use`, `thinking` other than disabled and any other field. Its refusals are sent in Anthropic's
+error shape (`RequestError.anthropic_body`), the message starting with the field.
 """
 
 import json
