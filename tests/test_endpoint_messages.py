@@ -10,13 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlsys.api import NOT_GENERATED
 from tests.endpoint_clients import ANTHROPIC_TOOLS, RESPONSES
+from tests.test_endpoint_responses import answered_or_refused_naming, check_tool_then_answer, typed_events
 from tests.helpers import with_field
 from tests.scripted import ids
 from tests.test_endpoint_streaming import served
-from tests.test_openai_endpoint import CALL, CONTEXT, LOGPROB, PROPERTIES, ROW, json_values, post, run_episode, \
-    tool_then_answer
+from tests.test_openai_endpoint import CALL, CONTEXT, PROPERTIES, json_values, post, run_episode, tool_then_answer
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 5}  # LangChain's ChatAnthropic sends them
 BODY = {"model": "rlsys", "max_tokens": 8, "system": "Use the calculator.", "tools": ANTHROPIC_TOOLS,
@@ -76,22 +75,8 @@ def test_a_tool_use_and_its_result_continue_the_recorded_sample_token_exactly(to
     assert (call.type, call.name, call.input) == ("tool_use", "calculator", {"expression": "12*34+1"})
     assert first.stop_reason == "tool_use" and second.stop_reason == "end_turn"
     assert second.content[0].text == "409"
-    (prompt, _), (continued, _) = engine.requests
-    assert prompt == ids(tokenizer, tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": ROW["prompt"]}],
-        tools=[{"type": "function", "function": {"name": "calculator", "description": "arithmetic",
-                                                 "parameters": ANTHROPIC_TOOLS[0]["input_schema"]}}],
-        add_generation_prompt=True, tokenize=False))
-    call_ids, answer = ids(tokenizer, CALL) + [tokenizer.eos_token_id], ids(tokenizer, "409") + [tokenizer.eos_token_id]
-    assert continued == prompt + call_ids + ids(tokenizer, "<|user|><tool_response>409</tool_response><|end|>"
-                                                           "<|assistant|>")
-    assert trajectory.token_ids == continued + answer
-    generated = [0] * len(prompt) + [1] * len(call_ids) + [0] * (len(continued) - len(prompt) - len(call_ids)) + \
-        [1] * len(answer)
-    assert trajectory.loss_mask == generated
-    assert trajectory.logprobs == [LOGPROB if g else 0.0 for g in generated]
-    assert trajectory.versions == [0 if g else NOT_GENERATED for g in generated]
-    assert trajectory.reward == 1.0 and trajectory.metrics["history_splits"] == 0
+    check_tool_then_answer(tokenizer, trajectory, engine, {"name": "calculator", "description": "arithmetic",
+                                                           "parameters": ANTHROPIC_TOOLS[0]["input_schema"]})
 
 
 def test_a_streamed_message_is_the_unstreamed_one_as_anthropic_events(tokenizer):
@@ -103,14 +88,7 @@ def test_a_streamed_message_is_the_unstreamed_one_as_anthropic_events(tokenizer)
         return unstreamed.json(), streamed, final
 
     (unstreamed, streamed, final), session = messages_served(tokenizer, [[CALL + "Done."]] * 3, calls)
-    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
-    blocks = streamed.text.split("\n\n")
-    assert blocks[-1] == ""
-    events = []
-    for block in blocks[:-1]:
-        kind, data = block.split("\n")
-        events.append(json.loads(data[len("data: "):]))
-        assert kind == f"event: {events[-1]['type']}"
+    events = typed_events(streamed)
     assert [e["type"] for e in events] == [
         "message_start", "content_block_start", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
@@ -301,11 +279,5 @@ def test_any_json_body_is_answered_or_refused_never_a_server_error(tokenizer, bo
 @PROPERTIES
 @given(field=st.sampled_from(FIELDS), value=json_values)
 def test_a_valid_body_with_one_field_replaced_is_answered_or_refused_naming_that_field(tokenizer, field, value):
-    response, asked = post(tokenizer, "/messages", with_field(FULL, field, value))
-    if response.status_code == 200:
-        assert len(asked) == 1
-        return
-    error = anthropic_refusal(response)
-    assert response.status_code == 400 and asked == [], error
-    if not error["message"].startswith(field[0]):  # refused as a whole: a string no tokenizer takes may sit anywhere
-        assert "not valid Unicode" in error["message"], error
+    answered_or_refused_naming(tokenizer, "/messages", with_field(FULL, field, value), field[0], anthropic_refusal,
+                               names="message")

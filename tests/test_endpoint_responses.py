@@ -56,12 +56,19 @@ def test_a_function_call_and_its_output_continue_the_recorded_sample_token_exact
                                                                   {"expression": "12*34+1"})
     assert call.call_id.startswith("call_") and first.status == "completed"
     assert second.output_text == "409"
+    check_tool_then_answer(tokenizer, trajectory, engine, {k: RESPONSES_TOOLS[0][k] for k in ("name", "description",
+                                                                                          "parameters")})
+    assert trajectory.turn_rewards == [0.0, 1.0] and trajectory.metrics["calls"] == 2
+
+
+def check_tool_then_answer(tokenizer, trajectory, engine, function: dict) -> None:
+    """A tool loop's two calls are one sample: the first prompted with the system prompt, the row's question and the
+    tool (`function`, in chat's shape) through the template; the second with the first's ids, the model's own call and
+    only the tool's result through the template; each generated id trained with its logprob and version."""
     (prompt, _), (continued, _) = engine.requests
     assert prompt == ids(tokenizer, tokenizer.apply_chat_template(
         [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": ROW["prompt"]}],
-        tools=[{"type": "function", "function": {k: RESPONSES_TOOLS[0][k] for k in ("name", "description",
-                                                                                     "parameters")}}],
-        add_generation_prompt=True, tokenize=False))
+        tools=[{"type": "function", "function": function}], add_generation_prompt=True, tokenize=False))
     call_ids, answer = ids(tokenizer, CALL) + [tokenizer.eos_token_id], ids(tokenizer, "409") + [tokenizer.eos_token_id]
     assert continued == prompt + call_ids + ids(tokenizer, "<|user|><tool_response>409</tool_response><|end|>"
                                                            "<|assistant|>")
@@ -71,8 +78,7 @@ def test_a_function_call_and_its_output_continue_the_recorded_sample_token_exact
     assert trajectory.loss_mask == generated
     assert trajectory.logprobs == [LOGPROB if g else 0.0 for g in generated]
     assert trajectory.versions == [0 if g else NOT_GENERATED for g in generated]
-    assert trajectory.reward == 1.0 and trajectory.turn_rewards == [0.0, 1.0]
-    assert trajectory.metrics["history_splits"] == 0 and trajectory.metrics["calls"] == 2
+    assert trajectory.reward == 1.0 and trajectory.metrics["history_splits"] == 0
 
 
 def test_a_streamed_response_is_the_unstreamed_one_as_the_responses_events(tokenizer):
@@ -84,15 +90,7 @@ def test_a_streamed_response_is_the_unstreamed_one_as_the_responses_events(token
         return unstreamed.json(), streamed, final
 
     (unstreamed, streamed, final), session = served(tokenizer, [[CALL + "Done."]] * 3, calls)
-    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
-    blocks = streamed.text.split("\n\n")
-    assert blocks[-1] == ""
-    events = []
-    for block in blocks[:-1]:
-        kind, data = block.split("\n")
-        assert kind.startswith("event: ") and data.startswith("data: ")
-        events.append(json.loads(data[len("data: "):]))
-        assert events[-1]["type"] == kind[len("event: "):]
+    events = typed_events(streamed)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress",
@@ -109,6 +107,20 @@ def test_a_streamed_response_is_the_unstreamed_one_as_the_responses_events(token
     assert events[4]["delta"] == "Done." and json.loads(events[9]["delta"]) == {"expression": "12*34+1"}
     assert final.output_text == "Done." and [i.type for i in final.output] == ["message", "function_call"]
     assert len(session.conversation.samples) == 3  # each call recorded: the same input thrice, a sample each
+
+
+def typed_events(streamed) -> list[dict]:
+    """A stream of typed events (`event: <type>` and `data: <json>` of that type), checked for its shape."""
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    blocks = streamed.text.split("\n\n")
+    assert blocks[-1] == ""
+    events = []
+    for block in blocks[:-1]:
+        kind, data = block.split("\n")
+        assert kind.startswith("event: ") and data.startswith("data: ")
+        events.append(json.loads(data[len("data: "):]))
+        assert events[-1]["type"] == kind[len("event: "):]
+    return events
 
 
 def test_a_reply_cut_by_max_output_tokens_is_incomplete(tokenizer, tokenizer_dir):
@@ -224,16 +236,20 @@ def test_any_json_body_is_answered_or_refused_never_a_server_error(tokenizer, bo
 @PROPERTIES
 @given(field=st.sampled_from(FIELDS), value=json_values)
 def test_a_valid_body_with_one_field_replaced_is_answered_or_refused_naming_that_field(tokenizer, field, value):
-    response, asked = post(tokenizer, "/responses", with_field(FULL, field, value))
+    answered_or_refused_naming(tokenizer, "/responses", with_field(FULL, field, value), field[0])
+
+
+def answered_or_refused_naming(tokenizer, path: str, body: dict, field: str, check_refusal=refusal, names="param"):
+    """`body` is answered, the model asked once, or refused before the model asks, the refusal's `names` naming
+    `field`."""
+    response, asked = post(tokenizer, path, body)
     if response.status_code == 200:
         assert len(asked) == 1
         return
-    error = refusal(response)
+    error = check_refusal(response)
     assert response.status_code == 400 and asked == [], error
-    if error["param"] is None:  # refused as a whole: a string no tokenizer takes may sit in any field
-        assert "not valid Unicode" in error["message"]
-    else:
-        assert error["param"].startswith(field[0]), error
+    if not (error[names] or "").startswith(field):  # refused as a whole: a string no tokenizer takes may sit anywhere
+        assert "not valid Unicode" in error["message"], error
 
 
 @pytest.mark.parametrize("run", ["agents_sdk_run", "agents_sdk_streamed_run"])

@@ -246,8 +246,9 @@ def _input_messages(items) -> list[dict]:
     return messages
 
 
-def _input_text(content, where: str) -> str:
-    """A message's or a call output's content as its text: a string, or a list of text parts."""
+def _input_text(content, where: str, kinds: tuple[str, ...] = ("input_text", "output_text")) -> str:
+    """Content as its text: a string, or a list of text parts of `kinds` (the Responses API's parts by default; the
+    Messages API's are `text` blocks)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -255,8 +256,8 @@ def _input_text(content, where: str) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
             raise _invalid(f"{where}[{j}]", "must be a content part object whose text is a string")
-        if part.get("type") not in ("input_text", "output_text"):  # an image, a file: the model would answer without it
-            raise _invalid(f"{where}[{j}]", f'must be an input_text or output_text part: this model reads text only '
+        if part.get("type") not in kinds:  # an image, a file: the model would answer without it
+            raise _invalid(f"{where}[{j}]", f'must be a part of type {" or ".join(kinds)}: this model reads text only '
                                             f'(got type {part.get("type")!r})')
     return "".join(part.get("text", "") for part in content)
 
@@ -276,7 +277,7 @@ def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], lis
     if not isinstance(body.get("metadata"), (dict, type(None))):
         raise _invalid("metadata", "must be an object or null")
     system = body.get("system")
-    system = _blocks_text(system, "system") if system is not None else ""
+    system = _input_text(system, "system", ("text",)) if system is not None else ""
     messages = [{"role": "system", "content": system}] if system else []
     turns = body.get("messages")
     if not isinstance(turns, list) or not turns:
@@ -346,23 +347,9 @@ def _anthropic_turn(turn, where: str) -> list[dict]:
             # A chat tool message has no error flag: the model reads that a call failed from the result's text.
             _flag(block, "is_error", f"{at}.is_error")
             output = block.get("content")
-            output = _blocks_text(output, f"{at}.content") if output is not None else ""
+            output = _input_text(output, f"{at}.content", ("text",)) if output is not None else ""
             messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": output})
-    return messages
-
-
-def _blocks_text(content, where: str) -> str:
-    """A string, or a list of Messages API text blocks, as its text."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _invalid(where, "must be a string or a list of text blocks")
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else None
-            raise _invalid(f"{where}[{j}]", f"must be a text block whose text is a string: this model reads text only "
-                                            f"(got type {kind!r})")
-    return "".join(block["text"] for block in content)
+    return messages or [{"role": role, "content": ""}]  # an empty reply comes back as no blocks: still its turn
 
 
 def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tuple[str | list[int], Sampling]:
