@@ -79,6 +79,22 @@ def test_a_tool_use_and_its_result_continue_the_recorded_sample_token_exactly(to
                                                            "parameters": ANTHROPIC_TOOLS[0]["input_schema"]})
 
 
+def test_an_empty_reply_sent_back_as_no_blocks_continues_its_sample(tokenizer):
+    """The model's empty turn is a message with no content blocks (as Anthropic answers one); sent back as it came,
+    it is still that turn, so the next call continues the sample rather than splitting it."""
+    async def calls(client, _http):
+        messages = [{"role": "user", "content": "12+34="}]
+        first = await client.messages.create(model="rlsys", max_tokens=8, messages=messages)
+        messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "again"}]
+        return first, await client.messages.create(model="rlsys", max_tokens=8, messages=messages)
+
+    (first, second), session = messages_served(tokenizer, [[""], ["46"]], calls)
+    assert first.content == [] and first.stop_reason == "end_turn" and second.content[0].text == "46"
+    assert session.conversation.history_splits == 0 and len(session.conversation.samples) == 1
+    assert session.outputs[1].prompt_ids[:len(session.outputs[0].prompt_ids) + 1] == \
+        session.outputs[0].prompt_ids + [tokenizer.eos_token_id]  # the first call's ids, then its reply's
+
+
 def test_a_streamed_message_is_the_unstreamed_one_as_anthropic_events(tokenizer):
     async def calls(client, http):
         unstreamed = await http.post("/messages", json=BODY)
