@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlsys.api import NOT_GENERATED
-from tests.endpoint_clients import RESPONSES, RESPONSES_TOOLS
+from tests.endpoint_clients import RESPONSES, RESPONSES_TOOLS, TOOLS
 from tests.scripted import ids
 from tests.test_endpoint_streaming import served
 from tests.helpers import with_field
@@ -149,6 +149,28 @@ def test_neutral_and_labelling_fields_are_answered(tokenizer):
     assert response.status_code == 200, response.text
 
 
+def test_logprobs_included_are_each_output_tokens_as_chat_lists_them(tokenizer):
+    """`include: ["message.output_text.logprobs"]` (with `top_logprobs` 0) fills the output text's logprobs, in the
+    response and on its streamed delta and done events, with what chat's `logprobs: true` lists for the same reply."""
+    asked = {**BODY, "include": ["message.output_text.logprobs"], "top_logprobs": 0}
+
+    async def calls(client, http):
+        response = await client.responses.create(**asked)
+        streamed = await http.post("/responses", json={**asked, "stream": True})
+        chat = await http.post("/chat/completions", json={
+            "model": "rlsys", "max_tokens": 8, "logprobs": True, "tools": TOOLS, "messages": [
+                {"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "12+34="}]})
+        return response, streamed, chat.json()
+
+    (response, streamed, chat), session = served(tokenizer, [["46"]] * 3, calls)
+    expected = chat["choices"][0]["logprobs"]["content"]
+    assert [lp["logprob"] for lp in expected] == [LOGPROB] * len(session.outputs[0].output_ids[0])
+    assert [lp.model_dump() for lp in response.output[0].content[0].logprobs] == expected
+    events = typed_events(streamed)
+    assert [e["logprobs"] for e in events if e["type"].startswith("response.output_text.")] == [expected, expected]
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == expected
+
+
 CONVERSATION = [*INPUT, {"type": "function_call", "call_id": "c1", "name": "calculator",
                          "arguments": '{"expression": "12+34"}'},
                 {"type": "function_call_output", "call_id": "c1", "output": "46"}]
@@ -179,7 +201,9 @@ REFUSED = {  # name -> (body, param)
     "one tool call a turn": ({**BODY, "parallel_tool_calls": False}, "parallel_tool_calls"),
     "a JSON reply": ({**BODY, "text": {"format": {"type": "json_object"}}}, "text"),
     "a reasoning effort": ({**BODY, "reasoning": {"effort": "high"}}, "reasoning"),
-    "logprobs included": ({**BODY, "include": ["message.output_text.logprobs"]}, "include"),
+    "other extra output included": ({**BODY, "include": ["message.output_text.logprobs",
+                                                         "reasoning.encrypted_content"]}, "include"),
+    "include as text": ({**BODY, "include": "message.output_text.logprobs"}, "include"),
     "top logprobs": ({**BODY, "top_logprobs": 3}, "top_logprobs"),
     "truncation": ({**BODY, "truncation": "auto"}, "truncation"),
     "in the background": ({**BODY, "background": True}, "background"),

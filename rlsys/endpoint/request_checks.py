@@ -24,10 +24,12 @@ false, and any other refused.
 A /v1/responses body (OpenAI's Responses API) is checked here under its own field names and translated into the
 chat call it asks for: `instructions` a system message first, input items messages (consecutive function calls one
 assistant turn, as the model produced them; a call's output a tool message), flat function tools in chat's shape.
-Every field of it either acts, is accepted at its neutral value, or is refused naming it, unknown ones too: that API
-has many fields that change the answer (`previous_response_id`, `reasoning`, `text.format`, built-in tools). The
-endpoint keeps nothing between calls: `store` (OpenAI's default is true) is accepted and nothing is stored, so a
-later `previous_response_id` or `conversation` naming it could not be honoured and is refused.
+`include: ["message.output_text.logprobs"]` lists each output token's logprob (with `top_logprobs` 0: no alternatives),
+as chat's `logprobs` does. Every field of it either acts, is accepted at its neutral value, or is refused naming it,
+unknown ones too: that API has many fields that change the answer (`previous_response_id`, `reasoning`,
+`text.format`, built-in tools). The endpoint keeps nothing between calls: `store` (OpenAI's default is true) is
+accepted and nothing is stored, so a later `previous_response_id` or `conversation` naming it could not be honoured
+and is refused.
 
 A /v1/messages body (Anthropic's Messages API) is translated the same way: `system` a system message first, each
 turn's text one message, an assistant turn's tool_use blocks its tool calls, a user turn's tool_result blocks a tool
@@ -57,13 +59,13 @@ SAME_NAMED_SETTINGS = ("n", "temperature", "top_p", "top_k", "seed")  # top_k: v
 # at their neutral value only -> (neutral values, why no other is); a field in neither is refused.
 RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                     "max_output_tokens", "temperature", "top_p", "stream", "stream_options", "store", "metadata",
-                    "user", "safety_identifier", "prompt_cache_key"}
+                    "user", "safety_identifier", "prompt_cache_key", "include"}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one extra output of `include` returned
 RESPONSES_NEUTRAL = {
     "previous_response_id": ((None,), "this endpoint keeps no responses between calls (nothing is stored); send the "
                                       "whole conversation as input"),
     "conversation": ((None,), "this endpoint keeps no conversations; send the whole conversation as input"),
     "truncation": (("disabled",), "the conversation is never truncated; a call past the context is refused"),
-    "include": (([],), "no extra output (logprobs, encrypted reasoning) is returned"),
     "top_logprobs": ((0,), "alternatives to each token's logprob are not listed"),
     "text": (({"format": {"type": "text"}},), "replies are sampled unconstrained"),
     "reasoning": (({},), "no reasoning effort or summary is applied"),
@@ -209,8 +211,13 @@ def responses_request(body: dict, max_total_tokens: int) -> tuple[list[dict], li
     if isinstance(options, dict) and options.get("include_usage") is not None:  # chat's option, not this API's
         raise _invalid("stream_options.include_usage", "is not a Responses stream option: the usage comes with "
                                                        "response.completed")
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(item == LOGPROBS_INCLUDE for item in include)):
+        raise _invalid("include", f'is not supported but for "{LOGPROBS_INCLUDE}" (each output token\'s logprob): no '
+                                  f'other extra output (encrypted reasoning, sources) is returned; send '
+                                  f'["{LOGPROBS_INCLUDE}"], [] or leave it out')
     stream, _ = _stream(body)
-    return messages, tools, Sampling(settings, [], False, False, stream, False)
+    return messages, tools, Sampling(settings, [], LOGPROBS_INCLUDE in (include or []), False, stream, False)
 
 
 def _input_messages(items) -> list[dict]:

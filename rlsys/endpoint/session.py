@@ -12,8 +12,9 @@ Every field a request sets is checked before any of it is used (rlsys/endpoint/r
 
 A /v1/responses call is the chat call its `instructions` and input items make (request_checks.py translates it), so
 it is prompted, continued token-exactly and recorded as that chat call would be; only its reply is shaped as a
-Responses object: a `message` item with the text and a `function_call` item per parsed tool call, `status`
-"incomplete" (`max_output_tokens`) where the reply was cut by length.
+Responses object: a `message` item with the text (and, where `include` asks, each token's logprob, as chat lists
+them) and a `function_call` item per parsed tool call, `status` "incomplete" (`max_output_tokens`) where the reply was
+cut by length.
 
 A /v1/messages call (Anthropic's Messages API) is, the same way, the chat call its `system` and `messages` make (a
 tool_use block a tool call, a tool_result block a tool message); its reply is shaped as a Message: a `text` block and
@@ -75,7 +76,8 @@ class EpisodeSession:
         message, length = choice["message"], choice["finish_reason"] == "length"
         status = "incomplete" if length else "completed"
         items = [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-                  "content": [{"type": "output_text", "text": message["content"], "annotations": [], "logprobs": []}]}
+                  "content": [{"type": "output_text", "text": message["content"], "annotations": [],
+                               "logprobs": choice["logprobs"]["content"] if sampling.logprobs else []}]}
                  ] if message["content"] or not message.get("tool_calls") else []
         items += [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
                    "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}

@@ -16,9 +16,10 @@ null`. The chunks share the reply's id, created and model; the first carries the
 A /v1/responses reply is sent as that API's typed events (`event: <type>` and `data: <json>`, numbered by
 `sequence_number`, no `[DONE]`): `response.created` and `response.in_progress` with the response as it stands before
 any output, then per output item `response.output_item.added`, its content (a message's text as one
-`response.content_part.added`, `response.output_text.delta`, `response.output_text.done`, `response.content_part.done`;
-a function call's arguments as one `response.function_call_arguments.delta` and `.done`), `response.output_item.done`,
-and last `response.completed` (or `response.incomplete`, cut by `max_output_tokens`) with the whole response.
+`response.content_part.added`, `response.output_text.delta`, `response.output_text.done`, `response.content_part.done`,
+the delta and the done with the text's logprobs where `include` asks for them; a function call's arguments as one
+`response.function_call_arguments.delta` and `.done`), `response.output_item.done`, and last `response.completed`
+(or `response.incomplete`, cut by `max_output_tokens`) with the whole response.
 
 A /v1/messages reply (Anthropic's Messages API) is sent as that API's events (`event: <type>`, `data: <json>`):
 `message_start` with the message before any content (usage: its input tokens), then per content block
@@ -57,9 +58,9 @@ def response_events(response: dict) -> Response:
                                                           "item": {**item, "status": "in_progress", "content": []}}))
             for j, part in enumerate(item["content"]):
                 at = {**where, "content_index": j}
-                events += [("response.content_part.added", {**at, "part": {**part, "text": ""}}),
-                           ("response.output_text.delta", {**at, "delta": part["text"], "logprobs": []}),
-                           ("response.output_text.done", {**at, "text": part["text"], "logprobs": []}),
+                events += [("response.content_part.added", {**at, "part": {**part, "text": "", "logprobs": []}}),
+                           ("response.output_text.delta", {**at, "delta": part["text"], "logprobs": part["logprobs"]}),
+                           ("response.output_text.done", {**at, "text": part["text"], "logprobs": part["logprobs"]}),
                            ("response.content_part.done", {**at, "part": part})]
         else:  # a function call
             events += [("response.output_item.added", {"output_index": index,
