@@ -150,16 +150,36 @@ def test_extreme_numbers_the_inbox_accepts_never_put_a_nan_in_the_weights(learne
     assert stats["updates/skipped_non_finite"] >= before
 
 
-def test_a_step_whose_loss_overflows_is_skipped_counted_and_changes_no_weight(learner):
-    """A behaviour logprob of -3e38 is finite in float32, but exp(logp - behaviour) overflows the PPO ratio."""
+def test_a_behaviour_logprob_of_minus_3e38_trains_a_finite_step(learner):
+    """-3e38 is finite in float32, and exp(logp - behaviour) overflowed the PPO ratio: the step was skipped. The
+    log-ratio is clamped now (as verl's): the step is taken, its weights finite."""
     group = [Trajectory(**{**good_trajectory(), "logprobs": [0.0, 0.0, -3e38, -3e38], "reward": r, "turn_rewards": [r],
                            "traj_id": uuid.uuid4().hex}) for r in (1.0, -1.0)]
-    before = [p.detach().clone() for p in learner.model.parameters()]
-    skipped, schedule = learner.skipped_updates, (learner.scheduler.last_epoch, learner.scheduler.get_last_lr())
+    skipped = learner.skipped_updates
     stats = learner.train_step(group)
-    assert stats["updates/skipped_non_finite"] == learner.skipped_updates == skipped + learner.ppo.ppo_epochs
-    assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
-    assert (learner.scheduler.last_epoch, learner.scheduler.get_last_lr()) == schedule, "it counts updates taken"
+    assert stats["updates/skipped_non_finite"] == learner.skipped_updates == skipped
+    assert weights_finite(learner.model)
+
+
+def test_a_step_whose_loss_is_not_finite_is_skipped_counted_and_changes_no_weight(learner):
+    """A model whose forward pass overflows (one diverged in low precision, say) makes the loss NaN: each update is
+    skipped and counted, and neither the weights nor the schedule move."""
+    head = learner.model.get_output_embeddings().weight
+    kept = head.detach().clone()
+    with torch.no_grad():
+        head.mul_(3e38)  # logits past float32's range: inf - inf in the softmax
+    try:
+        group = [Trajectory(**{**good_trajectory(), "reward": r, "turn_rewards": [r], "traj_id": uuid.uuid4().hex})
+                 for r in (1.0, -1.0)]
+        before = [p.detach().clone() for p in learner.model.parameters()]
+        skipped, schedule = learner.skipped_updates, (learner.scheduler.last_epoch, learner.scheduler.get_last_lr())
+        stats = learner.train_step(group)
+        assert stats["updates/skipped_non_finite"] == learner.skipped_updates == skipped + learner.ppo.ppo_epochs
+        assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+        assert (learner.scheduler.last_epoch, learner.scheduler.get_last_lr()) == schedule, "it counts updates taken"
+    finally:
+        with torch.no_grad():
+            head.copy_(kept)
 
 
 @FEW
