@@ -5,6 +5,7 @@ kept here for the tests to check."""
 import asyncio
 import json
 
+import anthropic  # here, not in a run: imported on the worker's event loop, it held every episode's calls meanwhile
 import httpx
 import openai
 from openai.lib.streaming.chat import ChatCompletionStreamState
@@ -89,10 +90,11 @@ ANTHROPIC_TOOLS = [{"name": "calculator", "description": "arithmetic",
 
 
 def anthropic_client(base_url, api_key):
-    """The real `anthropic` client on the endpoint: its base URL is the server's root (the client adds /v1/messages)."""
-    import anthropic
-
-    return anthropic.AsyncAnthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0)
+    """The real `anthropic` client on the endpoint: its base URL is the server's root (the client adds /v1/messages).
+    Over the worker's shared pools, as the OpenAI example's: a client of its own per run made an SSL context and a
+    connection per call, and in the full loop under CI's load calls timed out connecting (the client's 5 s)."""
+    return anthropic.AsyncAnthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0,
+                                    http_client=shared_http_client())
 
 
 async def anthropic_tools_run(base_url, api_key, prompt, stream: bool = False):
