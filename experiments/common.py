@@ -645,6 +645,12 @@ class BaseExperimentConfig:
 
     def __post_init__(self):
         check_at_least("", self, max_steps=1, save_steps=0, save_total_limit=0, logging_steps=1, eval_steps=0)
+        for name in ("experiment_name", "trial_name"):
+            # Each is one directory of output_dir/experiment_name/trial_name: trial_name=. wrote into the experiment's
+            # directory, trial_name=../x and experiment_name=/abs/path outside output_dir. Empty: named by the launcher.
+            value = getattr(self, name)
+            if value in (".", "..") or "/" in value or "\0" in value:
+                raise ValueError(f"{name} must be a single directory name (no '/', not '.' or '..'), got {value!r}")
 
     def refuse_inactive_settings(self) -> None:
         """A setting the user changed from this experiment's default where the rest of its group makes it do

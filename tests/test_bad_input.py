@@ -90,6 +90,13 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
      "tools: unknown tool 'calculater'. Did you mean ['calculator']? Registered tools: ["),
     (["experiment=async-ppo-math-tools", "tool_timeout=-3"], "tool_timeout must be positive, got -3.0"),
     (["cluster.stop_grace_seconds=0"], "cluster.stop_grace_seconds must be positive, got 0.0"),
+    # output_dir/experiment_name/trial_name: '.' wrote into the experiment's directory, '..' and a path out of output_dir
+    (["trial_name=."], "trial_name must be a single directory name (no '/', not '.' or '..'), got '.'"),
+    (["trial_name=../x"], "trial_name must be a single directory name (no '/', not '.' or '..'), got '../x'"),
+    (["trial_name=a/b"], "trial_name must be a single directory name"),
+    (["experiment_name=/abs/path"], "experiment_name must be a single directory name (no '/', not '.' or '..'), "
+                                    "got '/abs/path'"),
+    (["experiment_name=.."], "experiment_name must be a single directory name"),
     # The agent refused them too, but only once the assets were ready (a warm start: minutes), naming its own argument
     (["experiment=async-ppo-openai-agent", "agent_timeout=-1"], "agent_timeout must be positive, got -1.0"),
     (["experiment=async-ppo-openai-agent", "max_total_tokens=1"], "max_total_tokens must be at least 2, got 1"),
