@@ -2,9 +2,11 @@
 watch them, summarise, and always clean up."""
 
 import contextlib
+import copy
 import itertools
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -42,20 +44,33 @@ def run_directory(config) -> Path:
     return experiment_dir / config.trial_name
 
 
-def make_run_directories(config) -> tuple[Path, Path]:
-    """(run directory, logging directory), made, the run directory owner-only; StartupError naming the settings where
-    one cannot be made (output_dir or logging_dir is a file, or not writable), which roles died on, with tracebacks."""
+def make_run_directories(config) -> tuple[Path, Path, list[Path]]:
+    """(run directory, logging directory, those of the two this start made), made, the run directory owner-only;
+    StartupError naming the settings where one cannot be made (output_dir or logging_dir is a file, or not writable),
+    which roles died on, with tracebacks."""
+    named, made = bool(config.trial_name), []
     try:
-        run_dir = run_directory(config)
+        run_dir = run_directory(config)  # claims a directory of its own where no trial_name names one
+        if not named or not run_dir.exists():
+            made.append(run_dir)
         make_private(run_dir)
         if config.logging_dir:  # saved so: the report, run from another directory, finds the metrics
             config.logging_dir = str(Path(config.logging_dir).resolve())
         logging_dir = Path(config.logging_dir) if config.logging_dir else run_dir / "logs"
+        if not logging_dir.exists():
+            made.append(logging_dir)
         logging_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
+        remove_directories(made)
         raise StartupError(f"cannot make the run's directories (output_dir={config.output_dir!r}, logging_dir="
                            f"{config.logging_dir!r}): {e}") from None
-    return run_dir, logging_dir
+    return run_dir, logging_dir, made
+
+
+def remove_directories(directories: list[Path]) -> None:
+    """What a refused start made, removed: a directory (run-<stamp>/ and its logs/) per attempt otherwise."""
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def refuse_a_second_start(run_dir: Path, logging_dir: Path) -> None:
@@ -337,15 +352,25 @@ def finish_observability(config, run_dir: Path) -> None:
 def launch(config) -> dict:
     """Runs a whole experiment; returns (and writes to <run dir>/summary.json) its held-out accuracy and mean
     reward before and after, and where its prompts ended. StartupError, before any process starts, if it cannot
-    run."""
+    run: then the directories it made are gone again, and a trial's directory that was there holds what it held."""
     started = time.monotonic()
-    run_dir, logging_dir = make_run_directories(config)
+    run_dir, logging_dir, made = make_run_directories(config)
+    try:
+        return run_launched(config, run_dir, logging_dir, started)
+    except StartupError:
+        remove_directories(made)
+        raise
+
+
+def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> dict:
+    """launch's part once the run's directories are made."""
     if not config.resume_from_checkpoint:
         refuse_a_second_start(run_dir, logging_dir)
     # Before the logs' directory, the checkpoint `auto` names, and the generated dataset's and tiny model's paths are
     # filled in: the file is what was asked for, so `--config` continues it (resume_from_checkpoint=auto) or reruns it
-    # (trial_name=) from the same caches, without paths of this trial that would send a rerun's logs into it.
-    save_config(config, run_dir / "config.yaml")
+    # (trial_name=) from the same caches, without paths of this trial that would send a rerun's logs into it. Saved
+    # once the checks passed: a refused start leaves the trial's config.yaml as its own run wrote it.
+    requested = copy.deepcopy(config)
     config.logging_dir = str(logging_dir)
     resolve_resume(config, run_dir)
     if config.resume_from_checkpoint:  # the run goes on: its last launch's result is not the run's until it ends
@@ -357,6 +382,7 @@ def launch(config) -> dict:
         trainer_state = read_trainer_state(Path(config.resume_from_checkpoint))
         check_same_dataset(config, trainer_state)
         print(f"resuming from {config.resume_from_checkpoint} (version {trainer_state['version']})", flush=True)
+    save_config(requested, run_dir / "config.yaml")
     with raise_on_sigterm(), placed_roles(config) as placement, \
             message_bus(config, run_dir, placement.bus_host) as (bus_url, server):
         bus = connect(bus_url, wait_out_restarts=server is None)  # it restarts the server it owns: never waits for it

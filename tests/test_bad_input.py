@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 
@@ -376,13 +377,31 @@ def test_a_fresh_start_where_an_earlier_run_wrote_stops_and_changes_nothing(tmp_
     assert left_behind(tmp_path, existing) == []
 
 
-def test_a_runs_saved_config_reruns_as_a_new_run_in_a_directory_of_its_own(tmp_path):
+def test_a_refused_start_leaves_no_directory_behind(tmp_path):
+    """config.yaml was saved before the checks: each refused start left a runs/<experiment>/run-<stamp>/ holding it
+    and an empty logs/, one per attempt."""
+    logs = tmp_path / "logs"
+    with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist"):
+        launch(run_config(tmp_path, "model.path=/nonexistent/model", f"logging_dir={logs}"))
+    assert list((tmp_path / "runs" / "async-ppo-math").iterdir()) == [] and not logs.exists()
+    # A trial that held something keeps it as it was: its config.yaml is what its own run asked for.
+    run_dir = tmp_path / "runs" / "async-ppo-math" / "t"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("trial_name: t\n")
+    with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist"):
+        launch(run_config(tmp_path, "trial_name=t", "model.path=/nonexistent/model"))
+    assert (run_dir / "config.yaml").read_text() == "trial_name: t\n"
+
+
+def test_a_runs_saved_config_reruns_as_a_new_run_in_a_directory_of_its_own(tmp_path, monkeypatch):
     """`--config runs/<experiment>/<trial>/config.yaml trial_name=`, as the refusal above advises: the file held the
     trial's logs directory, so the new run was refused for the old run's logs, or would have written into them."""
-    with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist"):
-        launch(run_config(tmp_path, "trial_name=t", "model.path=/nonexistent/model"))  # saves config.yaml, then stops
+    with monkeypatch.context() as patched:  # a run that passed its checks and saved config.yaml; no role starts
+        patched.setattr("rlsys.launcher.prepare", lambda config: None)
+        patched.setattr("rlsys.launcher.placed_roles", Mock(side_effect=RuntimeError("the roles would start here")))
+        with pytest.raises(RuntimeError, match="the roles would start here"):
+            launch(run_config(tmp_path, "trial_name=t", "model.path=/nonexistent/model"))
     saved = tmp_path / "runs" / "async-ppo-math" / "t" / "config.yaml"
-    (saved.parent / "logs").mkdir(exist_ok=True)  # made at the start, before the model was looked for
     (saved.parent / "logs" / "learner.jsonl").write_text('{"step": 1}\n')  # as if that run had trained
     rerun = parse_config(["--config", str(saved), "trial_name="])
     with pytest.raises(StartupError, match="model.path '/nonexistent/model' does not exist"):  # not the refusal

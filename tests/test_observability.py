@@ -506,14 +506,18 @@ def test_the_mlflow_export_at_a_runs_end_takes_the_learner_metrics_from_its_logg
 
 
 def test_a_relative_logging_dir_is_saved_absolute_so_the_report_finds_it_from_anywhere(tmp_path, monkeypatch):
+    from unittest.mock import Mock
+
     from rlsys.cli import parse_config
     from rlsys.launcher import launch
-    from rlsys.preflight import StartupError
 
     monkeypatch.chdir(tmp_path)
     config = parse_config([f"output_dir={tmp_path / 'runs'}", "trial_name=t", "logging_dir=mylogs",
                            f"dataset.path={tmp_path / 'missing.jsonl'}"])
-    with pytest.raises(StartupError):  # stops at the dataset, after the config is saved
+    # a start that passed its checks and saved its config (a refused one leaves none); no role starts
+    monkeypatch.setattr("rlsys.launcher.prepare", lambda config: None)
+    monkeypatch.setattr("rlsys.launcher.placed_roles", Mock(side_effect=RuntimeError("the roles would start here")))
+    with pytest.raises(RuntimeError, match="the roles would start here"):
         launch(config)
     saved = (tmp_path / "runs" / "async-ppo-math" / "t" / "config.yaml").read_text()
     assert f"logging_dir: {tmp_path / 'mylogs'}\n" in saved
