@@ -136,7 +136,7 @@ if __name__ == "__main__":
 
 
 def test_a_role_whose_launcher_died_as_it_started_does_not_run(tmp_path):
-    """A role asks the kernel for SIGTERM when the launcher dies; one whose launcher died before it asked was never
+    """A role asks the kernel to kill it when the launcher dies; one whose launcher died before it asked was never
     told, and ran on, orphaned."""
     import subprocess
     import sys

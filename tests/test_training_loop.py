@@ -1,6 +1,7 @@
 """The whole loop on real parts: embedded Redis, vLLM inference worker, rollout worker, learner."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -120,6 +121,32 @@ def test_ctrl_c_stops_every_process(cache_dir, tmp_path):
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert alive == [], f"left running after Ctrl-C: {[p.cmdline() for p in alive]}"
     assert proc.returncode != 0
+
+
+def test_a_sigterm_to_the_process_group_stops_the_run_as_ctrl_c_does(cache_dir, tmp_path):
+    """Slurm's scancel, systemd's stop and `kill -TERM -PGID` send SIGTERM to every process of the run at once: it
+    killed each role where it stood, so the learner saved no checkpoint, while the launcher stopped roles already
+    dead."""
+    args = small_run_overrides(cache_dir, tmp_path) + ["max_steps=100000", "logging_steps=1", "trial_name=t"]
+    proc = subprocess.Popen([sys.executable, str(ENTRY), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=tmp_path, start_new_session=True)  # a group of its own, as under Slurm
+    try:
+        for line in proc.stdout:  # wait until training is really under way
+            if line.startswith("step"):
+                break
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert alive == [], f"left running after SIGTERM: {[p.cmdline() for p in alive]}"
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "terminated (SIGTERM): every process of the run was stopped" in output
+    checkpoint = latest_checkpoint(tmp_path / "async-ppo-math" / "t" / "checkpoints")
+    assert checkpoint is not None, output  # the learner's save on the stop
+    assert read_trainer_state(checkpoint)["step"] >= 1
 
 
 def test_bad_key_on_the_command_line_exits_2_with_close_matches(tmp_path):

@@ -6,6 +6,7 @@ the learner (PPO updates, weight publishing, checkpoints). It ends with held-out
 episodes have no success to count, mean reward) before and after training. `--help` lists every setting.
 """
 
+import signal
 import sys
 from pathlib import Path
 
@@ -41,3 +42,7 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         print("interrupted: every process of the run was stopped", file=sys.stderr)
         raise SystemExit(130) from None
+    except SystemExit as e:
+        if e.code == 128 + signal.SIGTERM:  # rlsys.bus.raise_on_sigterm's, once the launcher's stop has run
+            print("terminated (SIGTERM): every process of the run was stopped", file=sys.stderr)
+        raise

@@ -2,6 +2,7 @@
 
 import contextlib
 import ctypes
+import functools
 import logging
 import multiprocessing
 import multiprocessing.resource_tracker
@@ -54,7 +55,8 @@ class LocalPlacement(Placement):
             env.update(learner_rendezvous(index, self.config.cluster.n_learner_ranks, "127.0.0.1", self.master_port))
         ctx = multiprocessing.get_context("spawn")  # vLLM and torch do not survive fork
         process = ctx.Process(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env))
-        with environment(role_environment()), sigint_blocked():  # the environment: libgomp reads it as torch loads
+        # the environment: libgomp reads it as torch loads
+        with environment(role_environment()), stop_signals_blocked():
             process.start()
         self.roles = [handle for handle in self.roles if handle.is_alive()]  # restarts replace the dead
         self.roles.append(LocalRole(process))
@@ -83,15 +85,18 @@ def environment(added: dict[str, str]):
                 os.environ[name] = value
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # what reaches the whole process group to stop a run
+
+
 @contextlib.contextmanager
-def sigint_blocked():
-    """SIGINT held back from this thread for the moment a role process is spawned, which starts with it blocked (a
-    signal mask outlives exec) until run_in_process ignores it: a Ctrl-C in the seconds a new process spends importing
-    the launcher's main module ended each role there with a KeyboardInterrupt traceback on the console. The launcher
-    gets its own Ctrl-C once the mask is back."""
-    # Started first: the first spawn starts multiprocessing's resource tracker, which unblocks SIGINT after it
+def stop_signals_blocked():
+    """SIGINT and SIGTERM held back from this thread for the moment a role process is spawned, which starts with them
+    blocked (a signal mask outlives exec) until run_in_process has its own way with them: a Ctrl-C in the seconds a
+    new process spends importing the launcher's main module ended each role there with a KeyboardInterrupt traceback
+    on the console. The launcher gets its own signal once the mask is back."""
+    # Started first: the first spawn starts multiprocessing's resource tracker, which unblocks both after it
     multiprocessing.resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
@@ -99,10 +104,12 @@ def sigint_blocked():
 
 
 def run_in_process(entry, role: str, index: int, *args) -> None:
-    """A role process: dies with the launcher, leaves Ctrl-C to it, exits with the role's code."""
+    """A role process: dies with the launcher, leaves Ctrl-C and a SIGTERM while the launcher lives to it, exits with
+    the role's code."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked since its spawn (sigint_blocked)
+    signal.signal(signal.SIGTERM, functools.partial(_sigterm, os.getppid()))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since its spawn (stop_signals_blocked)
     code = entry(role, index, *args)
     if role == "inference":
         # vLLM's exit-time shutdown garbage-collects the engine's whole heap twice (8 s of a CPU run's end); the
@@ -117,10 +124,23 @@ def run_in_process(entry, role: str, index: int, *args) -> None:
         sys.exit(code)
 
 
+def _sigterm(launcher: int, signum, frame) -> None:
+    """A SIGTERM while the launcher lives was sent to the whole process group (Slurm's scancel, systemd's stop,
+    `kill -TERM -PGID`): the launcher got it too and stops the role as on Ctrl-C, through the bus, so the learner saves
+    its checkpoint; killed here, it saved none. The launcher's stop kills a role that outlives its grace. Once the
+    launcher is gone, a SIGTERM ends the role as it ends any process."""
+    if os.getppid() == launcher:
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _die_with_parent() -> None:
-    """Linux: the kernel sends SIGTERM to this process if the launcher dies, even by SIGKILL. A launcher that died
-    before (the process takes a moment to get here) is not watched by it: then the role does not start."""
+    """Linux: the kernel kills this process if the launcher dies, even by SIGKILL. SIGKILL, not SIGTERM: a role's
+    SIGTERM handler runs only once its main thread is back in Python, and one waiting in a collective or a long kernel
+    would outlive its launcher. A launcher that died before (the process takes a moment to get here) is not watched
+    by it: then the role does not start."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != multiprocessing.parent_process().pid:
         os._exit(1)
