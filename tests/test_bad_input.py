@@ -91,7 +91,7 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
      "tools: unknown tool 'calculater'. Did you mean ['calculator']? Registered tools: ["),
     (["experiment=async-ppo-math-tools", "tool_timeout=-3"], "tool_timeout must be positive, got -3.0"),
     (["cluster.stop_grace_seconds=0"], "cluster.stop_grace_seconds must be positive, got 0.0"),
-    # output_dir/experiment_name/trial_name: '.' wrote into the experiment's directory, '..' and a path out of output_dir
+    # output_dir/experiment_name/trial_name: '.' wrote into the experiment's directory, '..' and a path outside it
     (["trial_name=."], "trial_name must be a single directory name (no '/', not '.' or '..'), got '.'"),
     (["trial_name=../x"], "trial_name must be a single directory name (no '/', not '.' or '..'), got '../x'"),
     (["trial_name=a/b"], "trial_name must be a single directory name"),
