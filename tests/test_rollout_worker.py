@@ -222,21 +222,29 @@ class AnsweredByLaterVersions(Agent):
 register_agent("answered-by-later-versions", AnsweredByLaterVersions)
 
 
+@dataclasses.dataclass
+class LaterVersionsExperiment(AsyncPPOMATHConfig):
+    @property
+    def agent(self):
+        return AgentAbstraction("answered-by-later-versions", {})
+
+
+def later_versions_worker(tmp_path, bus, sample_rate: float | None = None, run_dir=None) -> RolloutWorker:
+    """A rollout worker whose episodes are answered by versions later than the one served (7 and 8)."""
+    config = LaterVersionsExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    if sample_rate is not None:
+        config.trace.sample_rate = sample_rate
+    return RolloutWorker(config, bus, 0, run_dir=run_dir)
+
+
 def test_an_evaluation_is_labelled_with_the_versions_that_generated_it(tmp_path, capsys):
     """It runs beside training, so inference loads new versions meanwhile: labelled with the version served when it
     began, the evaluation at version 4 of a 10-step run was every episode version 5's, and its curve and console line
     credited version 4 with it."""
-    @dataclasses.dataclass
-    class LaterVersionsExperiment(AsyncPPOMATHConfig):
-        @property
-        def agent(self):
-            return AgentAbstraction("answered-by-later-versions", {})
-
-    config = LaterVersionsExperiment()
-    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
-    config.logging_dir = str(tmp_path / "logs")
     bus = InProcessBus()
-    worker = RolloutWorker(config, bus, 0)
+    worker = later_versions_worker(tmp_path, bus)
     worker.eval_rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
     asyncio.run(worker.evaluate("step-4"))  # no inference worker: the version served is 0
     worker.metrics.close()
@@ -255,17 +263,7 @@ def test_evaluation_episodes_are_traced_at_the_sample_rate_the_same_problems_eac
     """Every evaluation episode was traced, even at trace.sample_rate=0: a default run with trace.mlflow=true spent
     about 2 minutes exporting them at its end. Sampled by the same hash of the episode id, which names the held-out
     row, every evaluation traces the same problems."""
-    @dataclasses.dataclass
-    class LaterVersionsExperiment(AsyncPPOMATHConfig):
-        @property
-        def agent(self):
-            return AgentAbstraction("answered-by-later-versions", {})
-
-    config = LaterVersionsExperiment()
-    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
-    config.logging_dir = str(tmp_path / "logs")
-    config.trace.sample_rate = rate
-    worker = RolloutWorker(config, InProcessBus(), 0, run_dir=tmp_path / "run")
+    worker = later_versions_worker(tmp_path, InProcessBus(), sample_rate=rate, run_dir=tmp_path / "run")
     worker.eval_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(40)]
     asyncio.run(worker.evaluate("initial"))
     asyncio.run(worker.evaluate("final"))
