@@ -31,9 +31,12 @@ def test_a_streamed_version_of_a_tied_model_is_kept_under_both_names(tmp_path):
         assert kept[name].equal(tensor), name
 
 
-def test_trls_side_clips_and_weighs_as_rlsys_is_told_to(tmp_path):
+def test_trls_side_clips_and_weighs_as_rlsys_is_told_to(tmp_path, monkeypatch):
     """The comparison gives TRL rlsys's clip-higher and GSPO settings (its epsilon_high, importance_sampling_level):
     they were left at TRL's defaults, so a run with either compared two different algorithms."""
+    # Importing TRL sets VLLM_LOGGING_LEVEL=ERROR where it is unset, which every vLLM engine this process starts later
+    # reads: set here, monkeypatch takes it away again (tests/test_weight_sync.py reads vLLM's warnings).
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
     from bench.vs_trl import trl_arguments
     from rlsys.cli import parse_config
 
