@@ -109,7 +109,7 @@ class EpisodeSession:
                      "input": json.loads(call["function"]["arguments"])} for call in reply.get("tool_calls") or []]
         # The stop string the reply was cut at: the earliest in the generated text (the text sent leaves it out).
         generated = self.tokenizer.decode(output.output_ids[0], skip_special_tokens=True)
-        stop = min((s for s in sampling.stop if s and s in generated), key=generated.index, default=None)
+        stop = earliest_stop(generated, sampling.stop)
         reason = {"length": "max_tokens", "tool_calls": "tool_use"}.get(choice["finish_reason"],
                                                                         "stop_sequence" if stop else "end_turn")
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": self.model_name,
@@ -198,10 +198,8 @@ class EpisodeSession:
     def text(self, ids: list[int], sampling: Sampling) -> str:
         """What the client reads: the generated text up to the first stop string."""
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        for stop in sampling.stop:
-            if stop and stop in text:
-                text = text[:text.index(stop)]
-        return text
+        stop = earliest_stop(text, sampling.stop)
+        return text if stop is None else text[:text.index(stop)]
 
     def reply_message(self, text: str, schemas: dict, stop_reason: str) -> tuple[dict, str, str]:
         """The assistant message, OpenAI's finish reason, and the sample's recorded stop reason. A turn whose
@@ -241,6 +239,11 @@ class EpisodeSession:
         if sampling.return_token_ids:
             response["prompt_token_ids"] = list(output.prompt_ids)
         return event_stream(response, sampling.include_usage) if sampling.stream else response
+
+
+def earliest_stop(text: str, stops: list[str]) -> str | None:
+    """The stop string that appears first in `text` (where the client's text ends), if any does."""
+    return min((stop for stop in stops if stop and stop in text), key=text.index, default=None)
 
 
 def _finish(stop_reason: str) -> str:
