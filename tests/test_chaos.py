@@ -29,6 +29,8 @@ def test_a_short_chaos_run_answers_every_fault_and_accounts_every_prompt(cache_d
                  "learner0 exited with code -9 (SIGKILL); restarting it", "restarting every role from"):
         assert line in run["console"], line
 
+    # an episode that outlived its cancellation at the end of training is named there (rollout_worker.cancel_episodes)
+    assert "after they were cancelled" not in run["console"], run["console"]
     assert summary["prompts_accounted"] and prompts["in_flight"] == 0, prompts
     assert prompts["trained"] == STEPS * 16, prompts
     assert {"env_error", "env_timeout", "agent_error"} <= set(prompts["failed"]), prompts

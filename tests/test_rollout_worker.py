@@ -3,6 +3,7 @@ outcome, whatever the agent raises."""
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import shutil
 
@@ -21,6 +22,7 @@ from rlsys.errors import EpisodeFailed
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.launcher import initialize_bus_state
 from rlsys.tracing import read_traces, traced
+from rlsys.workers import rollout_worker
 from rlsys.workers.rollout_worker import RolloutWorker, next_evaluation
 from tests.helpers import save_random_tiny_model
 
@@ -492,3 +494,53 @@ def test_the_running_count_is_published_once_a_beat_with_a_new_beat_even_unchang
     asyncio.run(worker.publish_running())
     second = bus.get(protocol.rollout_running(0))
     assert first["running"] == second["running"] == 0 and second["beat"] != first["beat"]
+
+
+class IgnoresCancellation(Agent):
+    """Catches the CancelledError of its episode and goes on awaiting: a plugin bug that must not hang the run's
+    end."""
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(3600)  # the line the log must name
+
+
+IGNORING_LINE = inspect.getsourcelines(IgnoresCancellation.collect_trajectory)[1] + 4
+register_agent("ignores-cancellation", IgnoresCancellation)
+
+
+@dataclasses.dataclass
+class IgnoresCancellationExperiment(AsyncPPOMATHConfig):
+    @property
+    def agent(self):
+        return AgentAbstraction("ignores-cancellation", {})
+
+
+def test_an_episode_that_ignores_its_cancellation_at_the_end_of_training_is_named_and_left_behind(
+        tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(rollout_worker, "CANCEL_GRACE_SECONDS", 0.5)
+    config = IgnoresCancellationExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    worker = RolloutWorker(config, InProcessBus(), 0)
+
+    async def main():
+        prompts = iter([Prompt("train-0-0", [1, 2], {}), Prompt("train-0-1", [1, 2], {})])
+        for _ in range(2):
+            worker._start(worker.run_training_episode(await worker.admit(prompts)))
+        await asyncio.sleep(0.05)  # both episodes await in the agent
+        await asyncio.wait_for(worker.cancel_episodes(), 5)  # returns, rather than waiting an hour
+        left = list(worker.running)
+        for task in left:  # the test's own cleanup: a second cancellation ends them
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        return len(left)
+
+    assert asyncio.run(main()) == 2
+    errors = [r.getMessage() for r in caplog.records if "after they were cancelled" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].startswith("2 episodes still run"), errors
+    # each episode's chain, and the agent's own task, at the line that ignores the cancellation
+    assert errors[0].count("in run_training_episode") == 2, errors[0]
+    assert errors[0].count(f"test_rollout_worker.py:{IGNORING_LINE} in collect_trajectory") == 2, errors[0]

@@ -27,6 +27,7 @@ from rlsys.workers.routing import EpisodeRouter
 
 log = logging.getLogger(__name__)
 GATE_POLL_SECONDS = 0.05  # how often a worker with free slots asks the staleness gate again
+CANCEL_GRACE_SECONDS = 30.0  # how long an episode cancelled at the end of training may take to end (its cleanup)
 
 
 class RolloutWorker:
@@ -132,9 +133,25 @@ class RolloutWorker:
                 next_eval = next_evaluation(version, self.config.eval_steps)
                 self._start(self.evaluate(f"step-{version}"))
             await self.wait_for_an_episode_to_end(GATE_POLL_SECONDS)
-        for task in list(self.running):
-            task.cancel()  # the learner is done: unfinished episodes will never be trained
-        await asyncio.gather(*self.running, return_exceptions=True)
+        await self.cancel_episodes()
+
+    async def cancel_episodes(self) -> None:
+        """The learner is done: unfinished episodes will never be trained, and are cancelled. One still running
+        CANCEL_GRACE_SECONDS later (a plugin that catches CancelledError and goes on awaiting) is logged with where
+        it waits and left behind: the final evaluation and the run's end do not wait for it for ever."""
+        tasks = list(self.running)
+        for task in tasks:
+            task.cancel()
+        if not tasks:
+            return
+        _, stuck = await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
+        if stuck:
+            # where each waits, and where the tasks they may wait for (an agent's, the endpoint's) are
+            others = asyncio.all_tasks() - stuck - {asyncio.current_task()}
+            log.error("%d episodes still run %g s after they were cancelled at the end of training; left behind. "
+                      "They wait at:\n%s\nThe worker's other tasks wait at:\n%s", len(stuck), CANCEL_GRACE_SECONDS,
+                      "\n".join("\n".join(awaiting_at(task)) for task in stuck),
+                      "\n".join("\n".join(awaiting_at(task)) for task in others))
 
     async def take_over(self, rows: list[dict], prompts) -> None:
         """A restarted worker goes on where its killed predecessor stopped: past the prompts it took, and
@@ -369,6 +386,16 @@ class RolloutWorker:
 
     async def _bus_get(self, key: str):
         return await asyncio.to_thread(self.bus.get, key)
+
+
+def awaiting_at(task: asyncio.Task) -> list[str]:
+    """Where `task` waits: each coroutine of the chain it awaits through, outermost first, as `file:line in name`
+    (a task's own stack shows only its outermost frame while it is suspended), down to a future or another task."""
+    where, awaited = [], task.get_coro()
+    while (frame := getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)) is not None:
+        where.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    return where
 
 
 def next_evaluation(version: int, every: int) -> int:

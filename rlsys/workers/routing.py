@@ -153,7 +153,12 @@ class EpisodeRouter:
             refused.cancel()
             if not playing.done():
                 playing.cancel()
-                await asyncio.wait([playing])  # the agent's own cleanup runs before its environment closes
+                cancels = asyncio.current_task().cancelling()
+                try:  # awaited itself, not through asyncio.wait: a second cancellation reaches the agent too
+                    await playing  # the agent's own cleanup runs before its environment closes
+                except BaseException:
+                    if asyncio.current_task().cancelling() > cancels:
+                        raise  # this episode was cancelled while it waited; else what the agent raised is no news
             aborts = self.forget(act_queue)
             if aborts and not asyncio.current_task().cancelling():  # a run that ends stops its workers anyway
                 await self.abort(aborts)
