@@ -564,6 +564,22 @@ def test_kl_estimators_match_their_definitions_by_hand():
         assert kl_penalty(logp, ref, mask, name).item() == pytest.approx(sum(values) / 3), name
 
 
+def test_a_behaviour_weight_past_e88_without_a_cap_leaves_the_loss_and_gradients_finite():
+    """Decoupled PPO's behaviour weight exp(old_logp - behaviour_logprobs) overflowed float32 past a log gap of about
+    88: with behaviour_imp_weight_cap=0 (no cap) the token's loss was inf (NaN where its loss was 0) and the whole
+    update was skipped as non-finite. Its exponent is clamped to +-20 as the PPO log-ratio's is."""
+    logp = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0, -1.1]])  # the ratio is 1 on tokens 0 and 1, e^0.1 on token 2
+    behaviour = torch.tensor([[-100.0, -100.0, -1.0]])  # tokens 0 and 1: e^99 less likely to the sampler
+    adv = torch.tensor([[1.0, 0.0, 1.0]])  # token 1's loss is 0: 0 * inf was NaN
+    loss, stats = ppo_clip_loss(logp, old, adv, torch.ones(1, 3), 0.2, behaviour_logprobs=behaviour)
+    loss.backward()
+    # By hand: token 0, -A * 1 * e^20; token 1, 0; token 2, -A * e^0.1 * e^-0.1 = -1; the mean over 3 tokens.
+    assert loss.item() == pytest.approx((-math.exp(20) - 1) / 3, rel=1e-6)
+    assert logp.grad[0].tolist() == pytest.approx([-math.exp(20) / 3, 0.0, -1 / 3], rel=1e-6)
+    assert stats["importance_weight_max"].item() == pytest.approx(math.exp(20), rel=1e-6)
+
+
 def test_aggregate_token_loss_rejects_unknown_modes():
     with pytest.raises(ValueError):
         aggregate_token_loss(torch.ones(2, 3), torch.ones(2, 3), "seq-sum")

@@ -6,7 +6,8 @@ import torch
 
 from rlsys.algorithms.choices import LOSS_AGG_MODES
 
-LOG_RATIO_BOUND = 20.0  # |log-ratio| taken at most, in the PPO ratio and k3 (e^20 is finite in float32 and bf16)
+# |log-ratio| taken at most, in the PPO ratio, k3 and the behaviour weight (e^20 is finite in float32 and bf16)
+LOG_RATIO_BOUND = 20.0
 
 
 def next_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -130,8 +131,11 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         # recomputed by the learner) and the off-policyness of stale rollouts is corrected separately by the
         # behaviour importance weight. It is a constant of the update: detached, no gradient through it.
         with torch.no_grad():
-            # torch.where keeps padding (where exp could overflow) out of the weights and the statistics.
-            raw_weight = torch.where(generated, torch.exp(old_logp - behaviour_logprobs), 0.0)
+            # torch.where keeps padding (where exp could overflow) out of the weights and the statistics; on the
+            # trained tokens the exponent is clamped as the log-ratio is: without a cap, a gap over about 88 gave an
+            # inf weight, so an inf (or 0 * inf, NaN) loss, and the whole update was skipped.
+            log_weight = (old_logp - behaviour_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+            raw_weight = torch.where(generated, torch.exp(log_weight), 0.0)
             kept = generated if imp_weight_cap is None else generated & (raw_weight <= imp_weight_cap)
             # AReaL's choice: a token with an extreme weight (very stale or a sampler/learner mismatch) is dropped
             # instead of clipped, since a clipped weight would still push on a token the behaviour policy
