@@ -20,18 +20,28 @@ from rlsys.run_privacy import PRIVATE_UMASK, append_private, write_private
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
-def _strict(value):
-    """`value` as strict JSON takes it: a non-finite float as its name in NON_FINITE."""
+def strict_json(value):
+    """`value` as strict JSON takes it: a non-finite float, also in the dicts and lists it holds, as its name in
+    NON_FINITE (the trace files' records nest theirs)."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
     return value
+
+
+def number(value):
+    """A number as strict_json wrote it, a float again: its readers call it only where a number stands, since a
+    text may be "NaN" itself."""
+    return NON_FINITE.get(value, value) if isinstance(value, str) else value
 
 
 def parse_record(line: str | bytes) -> dict:
     """One line of a metrics file, its non-finite numbers floats again (files from before they were strings wrote
     them bare, which Python's json reads too)."""
-    return {key: NON_FINITE.get(value, value) if isinstance(value, str) else value
-            for key, value in json.loads(line).items()}
+    return {key: number(value) for key, value in json.loads(line).items()}
 
 
 class MetricsLogger:
@@ -44,7 +54,7 @@ class MetricsLogger:
         self.writer = EventFileWriter(str(self.log_dir / "tensorboard" / name))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, "time": time.time(), **{key: _strict(value) for key, value in metrics.items()}}
+        record = {"step": step, "time": time.time(), **strict_json(metrics)}
         self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from rlsys.api import Trajectory
+from rlsys.metrics import number, strict_json
 from rlsys.run_privacy import append_private
 from rlsys.tools.call_format import CALL, RESPONSE_OPEN
 
@@ -109,7 +110,7 @@ class TraceWriter:
             while (item := self.queue.get()) is not None:
                 try:
                     record = self._episode(*item)
-                    file.write(json.dumps(record) + "\n")
+                    file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
                     if self.render_dir is not None and record["trajectories"]:
                         from rlsys.frames import render_episode
 
@@ -148,7 +149,8 @@ def write_trained(run_dir: Path, step: int, trajectories: list[Trajectory], adva
                   sample_rate: float) -> None:
     """The learner's part of the traced episodes it just trained: step and mean advantage per trajectory (over its
     tokens with a non-zero advantage)."""
-    lines = [json.dumps({"traj_id": t.traj_id, "group_id": t.group_id, "step": step, "advantage": a})
+    lines = [json.dumps(strict_json({"traj_id": t.traj_id, "group_id": t.group_id, "step": step, "advantage": a}),
+                        allow_nan=False)
              for t, a in zip(trajectories, advantages) if traced(t.group_id, sample_rate)]
     if lines:
         directory = Path(run_dir) / TRACES_DIR
@@ -163,14 +165,26 @@ def read_traces(run_dir: Path) -> list[dict]:
     trained = {}
     if (directory / TRAINED_FILE).exists():
         for row in _records(directory / TRAINED_FILE):
-            trained[row["traj_id"]] = row
+            trained[row["traj_id"]] = {"step": row["step"], "advantage": number(row["advantage"])}
     episodes = []
     for path in sorted(directory.glob("*.jsonl")) if directory.exists() else []:
         if path.name == TRAINED_FILE:
             continue
         for episode in _records(path):
             for t in episode["trajectories"]:
+                _numbers_back(t)
                 if t["traj_id"] in trained:
-                    t["trained"] = {k: trained[t["traj_id"]][k] for k in ("step", "advantage")}
+                    t["trained"] = dict(trained[t["traj_id"]])
             episodes.append(episode)
     return episodes
+
+
+def _numbers_back(trajectory: dict) -> None:
+    """A trajectory record's non-finite numbers, which its writer wrote as strings (strict JSON), floats again; only
+    where a number stands: a model turn's text may be "NaN" itself."""
+    trajectory["reward"] = number(trajectory["reward"])
+    trajectory["turn_rewards"] = [number(r) for r in trajectory["turn_rewards"]]
+    trajectory["metrics"] = {key: number(value) for key, value in trajectory["metrics"].items()}
+    for message in trajectory["messages"]:
+        if message["role"] == "assistant":
+            message["reward"], message["logprob_mean"] = number(message["reward"]), number(message["logprob_mean"])

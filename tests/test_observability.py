@@ -542,6 +542,40 @@ def test_a_resumed_launch_takes_its_last_launch_s_summary_away(tmp_path):
     assert not (run_dir / "summary.json").exists()
 
 
+def test_trace_files_are_strict_json_and_read_traces_gets_non_finite_numbers_back(tmp_path):
+    """A trace wrote a NaN reward or an infinite logprob bare, which `jq` and strict JSON parsers refuse. The numbers
+    come back as floats, and a model turn whose text is "NaN" stays text."""
+    import math
+
+    from rlsys.report import build_report
+    from rlsys.tracing import write_trained
+
+    tokenizer = build_char_tokenizer()
+    prompt, answer = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("What is 0/0?", "NaN"))
+    t = Trajectory(token_ids=prompt + answer, loss_mask=[0] * len(prompt) + [1] * len(answer),
+                   logprobs=[0.0] * len(prompt) + [-math.inf] * len(answer), versions=[0] * (len(prompt) + len(answer)),
+                   turn_ends=[len(prompt) + len(answer)], turn_rewards=[math.nan], reward=math.inf,
+                   metrics={"score": -math.inf}, group_id="train-0-1", stop_reason="stop")
+    writer = TraceWriter(tmp_path, "rollout0", tokenizer, sample_rate=1.0)
+    writer.record("train-0-1", "train", time.time() - 1, [t], None, [])
+    writer.close()
+    write_trained(tmp_path, 1, [t], [math.nan], sample_rate=1.0)
+
+    def refused(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    for path in (tmp_path / "traces").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            json.loads(line, parse_constant=refused)  # as strictly as jq
+    (episode,) = read_traces(tmp_path)
+    (trajectory,) = episode["trajectories"]
+    assert [repr(trajectory[k]) for k in ("reward", "turn_rewards", "metrics")] == ["inf", "[nan]", "{'score': -inf}"]
+    turn = trajectory["messages"][1]
+    assert turn["text"] == "NaN" and repr(turn["reward"]) == "nan" and repr(turn["logprob_mean"]) == "-inf"
+    assert repr(trajectory["trained"]["advantage"]) == "nan"
+    assert "advantage nan" in build_report(tmp_path).read_text()
+
+
 def test_an_mlflow_server_that_does_not_answer_is_refused_at_the_start_naming_the_key(monkeypatch):
     """trace.mlflow_tracking_uri=http://... where no server answers: the run trained to its end, then sat silent
     for about 250 s of MLflow's retries before the export failed."""
