@@ -79,13 +79,14 @@ def parse_config(argv: list[str], default_experiment: str = "async-ppo-math"):
 
 def save_config(config, path) -> None:
     """Writes the resolved config as YAML, with its registry name, so `--config PATH` reruns it; owner-only,
-    and without the Redis password (rlsys.run_privacy)."""
+    and without the Redis or MLflow password (rlsys.run_privacy)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = config_to_dict(config)
     document = {EXPERIMENT_KEY: payload["experiment"], **payload["config"]}
-    if document.get("cluster", {}).get("redis_url"):
-        document["cluster"]["redis_url"] = redact_url(document["cluster"]["redis_url"])
+    for group, key in (("cluster", "redis_url"), ("trace", "mlflow_tracking_uri")):
+        if document.get(group, {}).get(key):
+            document[group][key] = redact_url(document[group][key])
     write_private(path, yaml.dump(document, Dumper=ConfigDumper, sort_keys=False, default_flow_style=False))
 
 

@@ -19,7 +19,7 @@ from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
 from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, describe, settled_prompts
-from rlsys.run_privacy import make_private, write_private
+from rlsys.run_privacy import make_private, redact_url, write_private
 from rlsys.roles import run_role
 from rlsys.stall import StallWatch
 from rlsys.errors import LearnerFailed, RoleFailed
@@ -342,9 +342,9 @@ def finish_observability(config, run_dir: Path) -> None:
 
             uri = config.trace.mlflow_tracking_uri or default_tracking_uri(run_dir)
             # said first: the export may take minutes (many traces, or a server that stopped answering mid-run)
-            print(f"exporting the traces and learner metrics to MLflow at {uri}", flush=True)
+            print(f"exporting the traces and learner metrics to MLflow at {redact_url(uri)}", flush=True)
             export_run(run_dir, uri, Path(config.logging_dir))
-            print(f"traces in MLflow: mlflow ui --backend-store-uri {uri}", flush=True)
+            print(f"traces in MLflow: mlflow ui --backend-store-uri {redact_url(uri)}", flush=True)
     except Exception:
         log.warning("could not write the run report or export the traces", exc_info=True)
 

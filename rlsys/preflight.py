@@ -5,13 +5,16 @@ port, an unreachable Redis or MLflow server is reported in seconds, not after a 
 """
 
 import importlib.util
+import os
 import socket
 import urllib.parse
+from pathlib import Path
 
 import redis
 
 from rlsys.bus.redis_bus import without_namespace
 from rlsys.bus.redis_server import MIN_VERSION, EmbeddedRedisError, check_port_free, find_redis_server
+from rlsys.run_privacy import REDACTED, redact_url
 
 CONNECT_TIMEOUT = 5.0
 REACH_TIMEOUT = 10.0  # seconds to wait for a server the config names (a Ray head, MLflow) to accept a connection
@@ -35,7 +38,7 @@ def check_message_bus(cluster) -> None:
 
 
 def check_redis_url(url: str) -> None:
-    where = redacted(url)
+    where = redact_url(url)
     client = redis.Redis.from_url(without_namespace(url)[0], socket_connect_timeout=CONNECT_TIMEOUT,
                                   socket_timeout=CONNECT_TIMEOUT, retry=None)
     try:
@@ -69,36 +72,65 @@ def check_reachable(address: str) -> None:
         raise ConnectionError(f"nothing answered at {address}: {e.strerror or e}") from None
 
 
+# Where MLflow's database stores listen unless the URI names a port (SQLAlchemy's dialects, `postgresql+psycopg2`'s
+# driver after the +)
+DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
+
+
 def check_mlflow_server(trace) -> None:
-    """An MLflow tracking server (http:// or https://) that trace.mlflow will export to at the run's end accepts a
-    connection now: MLflow's client retries one it cannot reach for about 250 s, after the whole run. Other stores
-    (sqlite, files, databases) are MLflow's to open."""
-    if not trace.mlflow:
-        return
+    """The store trace.mlflow will export to at the run's end can be had now: an MLflow tracking server (http:// or
+    https://) or a database server accepts a connection (MLflow's client retries a server it cannot reach for about
+    250 s, after the whole run), and a sqlite file can be written. Whether a database takes the credentials needs its
+    driver, which is MLflow's to load. Other stores (files, databricks) are MLflow's to open."""
+    if not trace.mlflow or not trace.mlflow_tracking_uri:
+        return  # the default: sqlite:///<run dir>/mlflow.db, in the run directory the launcher made
     uri = trace.mlflow_tracking_uri
+    key = f"trace.mlflow_tracking_uri={redact_url(uri)}"
     parts = urllib.parse.urlsplit(uri)
-    if parts.scheme not in ("http", "https"):
+    scheme = parts.scheme.split("+")[0]
+    if parts.password == REDACTED or REDACTED in parts.query:
+        raise StartupError(f"{key}: its password is REDACTED, as the saved config.yaml keeps it; pass "
+                           "trace.mlflow_tracking_uri=... with the password again")
+    if scheme == "sqlite":
+        check_sqlite_file(uri, key)
+        return
+    if scheme not in ("http", "https", *DATABASE_PORTS):
         return
     try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError as e:  # a port that is no number (redacted() would raise it again)
+        port = parts.port or DATABASE_PORTS.get(scheme) or (443 if scheme == "https" else 80)
+    except ValueError as e:  # a port that is no number
         raise StartupError(f"trace.mlflow_tracking_uri: {e}") from None
     if not parts.hostname:
-        raise StartupError(f"trace.mlflow_tracking_uri={redacted(uri)} names no host")
+        if scheme in DATABASE_PORTS:
+            return  # the database's local socket, which only its driver opens
+        raise StartupError(f"{key} names no host")
     try:
         check_reachable(f"{parts.hostname}:{port}")
     except ConnectionError as e:
-        raise StartupError(f"trace.mlflow_tracking_uri={redacted(uri)}: no MLflow server answered ({e}); start it "
-                           "(`mlflow server`), fix the URI, or leave trace.mlflow_tracking_uri empty to export to "
-                           "sqlite:///<run dir>/mlflow.db") from None
+        server, start = ("database", "start it") if scheme in DATABASE_PORTS else \
+            ("MLflow", "start it (`mlflow server`)")
+        raise StartupError(f"{key}: no {server} server answered ({e}); {start}, fix the URI, or leave "
+                           "trace.mlflow_tracking_uri empty to export to sqlite:///<run dir>/mlflow.db") from None
 
 
-def redacted(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{host}{port}", query=""))
+def check_sqlite_file(uri: str, key: str) -> None:
+    """StartupError if the sqlite file of `uri` (SQLAlchemy's sqlite:///relative or sqlite:////absolute) cannot be
+    written: MLflow makes the directories it lacks, but not below a file or where it may not write."""
+    database = uri.split("://", 1)[1].split("?", 1)[0]
+    if not database.startswith("/") or database[1:] in ("", ":memory:"):
+        return  # in memory: nothing to check
+    path = Path(database[1:]).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing == path:
+        problem = None if path.is_file() and os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK) \
+            else f"{path} is no file this user may write (with its directory)"
+    elif not existing.is_dir():
+        problem = f"{existing} is not a directory"
+    else:
+        problem = None if os.access(existing, os.W_OK | os.X_OK) else f"this user may not write in {existing}"
+    if problem:
+        raise StartupError(f"{key}: {problem}; fix the path, or leave trace.mlflow_tracking_uri empty to export to "
+                           "sqlite:///<run dir>/mlflow.db")
 
 
 def check_extras(config) -> None:

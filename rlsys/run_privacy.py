@@ -3,8 +3,9 @@
 Trajectories, checkpoints, logs and the private Redis's append-only file can hold the dataset with its
 reference answers and everything the model said: the run directory is 0700, files in it 0600 (role
 processes and redis-server run under umask 077; what was made before, by an older run, is tightened when
-the run starts again). The Redis password in `cluster.redis_url` is replaced by REDACTED in the saved
-config.yaml; a rerun from that file passes the URL again (`cluster.redis_url=...`).
+the run starts again). The passwords in `cluster.redis_url` and `trace.mlflow_tracking_uri` are replaced by REDACTED
+in the saved config.yaml, and in what the run prints; a rerun from that file passes the URL again
+(`cluster.redis_url=...`), and one that does not is refused at its start.
 
 What rlsys writes by name in a run directory (config.yaml, summary.json, logs, traces, the report, frames,
 the private Redis's config and log) is never written through a symbolic link: someone may have planted one
@@ -15,6 +16,7 @@ appended log is opened only if it is no link (`append_private`), and `make_priva
 
 import errno
 import os
+import re
 import secrets
 import urllib.parse
 from pathlib import Path
@@ -76,11 +78,16 @@ def append_private(path: Path) -> int:
         raise
 
 
+# A password in a URL's query, as redis-py (redis://host?password=) and libpq (postgresql://host/db?password=) take it
+QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|pwd)=)[^&#]*", re.IGNORECASE)
+
+
 def redact_url(url: str) -> str:
-    """`url` with its password (redis://user:PASSWORD@host) replaced by REDACTED; other URLs unchanged."""
+    """`url` with its password (redis://user:PASSWORD@host, or ?password=PASSWORD) replaced by REDACTED, the rest
+    as written: a URL rebuilt from its parts lost a slash of sqlite:////abs/path and an IPv6 host's brackets."""
     parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:{REDACTED}@{host}"))
+    if parts.password is not None:
+        scheme = f"{parts.scheme}://"
+        host = parts.netloc.rsplit("@", 1)[1]
+        url = f"{scheme}{parts.username or ''}:{REDACTED}@{host}{url[len(scheme) + len(parts.netloc):]}"
+    return QUERY_PASSWORD.sub(rf"\g<1>{REDACTED}", url)

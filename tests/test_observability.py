@@ -542,6 +542,65 @@ def test_a_resumed_launch_takes_its_last_launch_s_summary_away(tmp_path):
     assert not (run_dir / "summary.json").exists()
 
 
+def test_the_mlflow_tracking_uri_is_printed_without_its_password(tmp_path, monkeypatch, capsys):
+    """The launcher printed the URI whole: https://user:PASSWORD@host went into the console and the logs."""
+    from rlsys import mlflow_export
+    from rlsys.cli import parse_config
+    from rlsys.launcher import finish_observability
+
+    exported = []
+    monkeypatch.setattr(mlflow_export, "export_run", lambda run_dir, uri, logs: exported.append(uri))
+    uri = "https://user:s3cret-pass@mlflow.example:5000"
+    config = parse_config(["trace.mlflow=true", f"trace.mlflow_tracking_uri={uri}", f"logging_dir={tmp_path}"])
+    (tmp_path / "config.yaml").touch()
+    finish_observability(config, tmp_path)
+    console = capsys.readouterr().out
+    assert exported == [uri]  # the export itself has the password
+    assert "s3cret-pass" not in console and "mlflow ui --backend-store-uri https://user:REDACTED@mlflow.example:5000" \
+        in console, console
+
+
+def test_a_database_mlflow_store_that_cannot_be_reached_is_refused_at_the_start_naming_the_key(tmp_path, monkeypatch):
+    """A database tracking URI was left to MLflow, which opened it only at the run's end: a database server where
+    nothing listens, or a sqlite file below a file, failed the export after the whole run."""
+    from rlsys import assets
+    from rlsys.cli import parse_config
+    from rlsys.launcher import prepare
+    from rlsys.preflight import StartupError
+
+    class Checked(Exception):
+        """The store can be had: prepare went on to the dataset and the model."""
+
+    def checked(config):
+        raise Checked
+
+    def prepared(uri):
+        prepare(parse_config(["trace.mlflow=true", f"trace.mlflow_tracking_uri={uri}"]))
+
+    monkeypatch.setattr(assets, "prepare_assets", checked)
+    port = free_port()
+    for scheme in ("postgresql", "mysql+pymysql"):
+        with pytest.raises(StartupError) as refused:
+            prepared(f"{scheme}://mlflow:s3cret@127.0.0.1:{port}/runs")
+        assert str(refused.value).startswith(
+            f"trace.mlflow_tracking_uri={scheme}://mlflow:REDACTED@127.0.0.1:{port}/runs: no database server answered "
+            f"(nothing answered at 127.0.0.1:{port}: Connection refused)"), refused.value
+    (tmp_path / "a-file").touch()
+    with pytest.raises(StartupError, match=f"trace.mlflow_tracking_uri=sqlite:///{tmp_path}/a-file/m.db: "
+                                           f"{tmp_path}/a-file is not a directory"):
+        prepared(f"sqlite:///{tmp_path}/a-file/m.db")
+    with pytest.raises(StartupError, match="its password is REDACTED, as the saved config.yaml keeps it"):
+        prepared("https://user:REDACTED@mlflow.example:5000")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        with pytest.raises(Checked):
+            prepared(f"postgresql://mlflow:s3cret@127.0.0.1:{server.getsockname()[1]}/runs")
+    with pytest.raises(Checked):  # a directory to be made: MLflow makes it
+        prepared(f"sqlite:///{tmp_path}/new/dir/m.db")
+    assert not (tmp_path / "new").exists()
+
+
 def test_trace_files_are_strict_json_and_read_traces_gets_non_finite_numbers_back(tmp_path):
     """A trace wrote a NaN reward or an infinite logprob bare, which `jq` and strict JSON parsers refuse. The numbers
     come back as floats, and a model turn whose text is "NaN" stays text."""

@@ -62,6 +62,23 @@ def test_redact_url_replaces_only_the_password():
     assert redact_url("rediss://:p%40ss@h:1") == f"rediss://:{REDACTED}@h:1"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
     assert redact_url("") == ""
+    # MLflow's tracking URIs: a server's, a database's (its password in the query too, as libpq and redis-py take
+    # it), and paths that a rebuilt URL changed (sqlite:////abs lost a slash, an IPv6 host its brackets)
+    assert redact_url("https://user:secret@host:5000/p") == f"https://user:{REDACTED}@host:5000/p"
+    assert redact_url("postgresql+psycopg2://u:p@h/db") == f"postgresql+psycopg2://u:{REDACTED}@h/db"
+    assert redact_url("postgresql://h/db?user=u&password=p&sslmode=require") == \
+        f"postgresql://h/db?user=u&password={REDACTED}&sslmode=require"
+    assert redact_url("redis://h:1/0?PASSWORD=pw") == f"redis://h:1/0?PASSWORD={REDACTED}"
+    assert redact_url("mysql://u:p@[::1]:3306/db") == f"mysql://u:{REDACTED}@[::1]:3306/db"
+    assert redact_url("sqlite:////tmp/runs/mlflow.db") == "sqlite:////tmp/runs/mlflow.db"
+
+
+def test_config_yaml_never_holds_the_mlflow_password(tmp_path):
+    uri = "postgresql://mlflow:s3cret-pass@db.example:5432/mlflow"
+    save_config(parse_config(["trace.mlflow=true", f"trace.mlflow_tracking_uri={uri}"]), tmp_path / "config.yaml")
+    assert "s3cret-pass" not in (tmp_path / "config.yaml").read_text()
+    assert load_config(tmp_path / "config.yaml").trace.mlflow_tracking_uri == \
+        f"postgresql://mlflow:{REDACTED}@db.example:5432/mlflow"
 
 
 def plant_links(tmp_path):
