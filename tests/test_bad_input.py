@@ -461,7 +461,8 @@ def test_a_redis_url_nobody_answers_on_stops_the_run(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nobody listens there
-    with pytest.raises(StartupError, match=f"nobody answers at redis://:REDACTED@127.0.0.1:{port}/0 .*cluster.redis_url empty"):
+    with pytest.raises(StartupError,
+                       match=f"nobody answers at redis://:REDACTED@127.0.0.1:{port}/0 .*cluster.redis_url empty"):
         launch(run_config(tmp_path, f"cluster.redis_url=redis://:secret@127.0.0.1:{port}/0"))
     with EmbeddedRedis(tmp_path / "redis") as server:
         with pytest.raises(StartupError, match="refused the credentials") as error:
