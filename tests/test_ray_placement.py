@@ -1,6 +1,7 @@
 """cluster.backend=ray's placement alone (no run): a role's actor gives its bundle back when its run ends."""
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -234,3 +235,40 @@ def test_a_ray_address_where_nothing_listens_is_refused_within_seconds():
     assert result.stdout.startswith(f"cluster.ray_address={address}: no Ray cluster answered (nothing answered at "
                                     f"{address}: Connection refused); start one (`ray start --head`")
     assert time.monotonic() - started < 60
+
+
+def torch_threads(role, index, *args):
+    """A role's entry that limits its threads as run_role does, then exits with its torch thread count, doubled, plus
+    1 if OMP_NUM_THREADS is in its environment (which its child processes' OpenMP would read)."""
+    import torch
+
+    from rlsys.placement.cpu_threads import role_threads
+    from rlsys.roles import limit_threads
+
+    limit_threads(role_threads(role, parse_config(["inference.num_threads=0"])), role)
+    return 2 * torch.get_num_threads() + ("OMP_NUM_THREADS" in os.environ)
+
+
+def test_a_role_gets_the_same_threads_under_ray_as_on_one_machine(monkeypatch):
+    """Ray sets OMP_NUM_THREADS to an actor's CPUs (1) where it is not set: an inference worker left to the engine's
+    choice (inference.num_threads=0) had one torch thread under Ray and every core on one machine, and the processes
+    it started inherited the 1. A role starts with the launcher's OMP_NUM_THREADS, or none, as a local one does."""
+    from ray import cloudpickle
+
+    from rlsys.placement.local import LocalPlacement
+    from rlsys.placement.ray_actors import RayPlacement
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import the tests
+    codes = {}
+    try:
+        for backend, placement_class in (("local", LocalPlacement), ("ray", RayPlacement)):
+            placement = placement_class(parse_config([f"cluster.backend={backend}"]), torch_threads)
+            try:
+                codes[backend] = [exit_code_within(placement.start(role, 0, ()), 120)
+                                  for role in ("learner", "inference")]
+            finally:
+                placement.close()
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert codes["ray"] == codes["local"] and all(code % 2 == 0 for code in codes["local"]), codes

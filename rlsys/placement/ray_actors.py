@@ -43,6 +43,8 @@ class RoleActor:
         """Runs in `workdir`, the launcher's working directory, as a role on one machine does, so that the config's
         relative paths (plugins=[my_plugin.py], a dataset's file) name what they name for the launcher; on a node
         without that directory they resolve against the node's own, as Ray started it."""
+        if os.environ.get("OMP_NUM_THREADS") == "":  # the launcher had none: Ray's default is not put in its place
+            del os.environ["OMP_NUM_THREADS"]
         if os.path.isdir(workdir):
             os.chdir(workdir)
         else:
@@ -188,11 +190,16 @@ class RayPlacement(Placement):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle, options = self.bundles[(role, index)]
-        added = role_environment()  # read by libgomp as torch loads: set before the actor's process starts
+        # Read by libgomp as torch loads: set before the actor's process starts. Where OMP_NUM_THREADS is not set,
+        # Ray sets it to the actor's CPUs, 1: the role's torch (an inference worker left to the engine's choice)
+        # and every process it starts would have one thread, where a role on one machine gets its cores. The
+        # launcher's value goes along, as a local role inherits it, and none as "", which Ray leaves and the actor
+        # removes before the role imports torch.
+        added = {**role_environment(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "")}
         actor = self.actor_class.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.group,
                                                                  placement_group_bundle_index=bundle),
-            **({"runtime_env": {"env_vars": added}} if added else {}), **options).remote()
+            runtime_env={"env_vars": added}, **options).remote()
         started = actor.ping.remote()  # before the run: an actor answers in the order it was asked
         # Ray sets CUDA_VISIBLE_DEVICES only for an actor given GPUs: one given none would see every GPU of its node,
         # those Ray gave other actors included, and its torch would compute on them
