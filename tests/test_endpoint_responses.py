@@ -43,6 +43,19 @@ def test_a_string_input_is_answered_as_a_response_and_prompted_as_the_chat_call_
     assert sample.transcript.token_ids == first.prompt_ids + ids(tokenizer, "46") + [tokenizer.eos_token_id]
 
 
+
+def test_developer_input_items_are_system_messages_to_a_template_without_that_role(tokenizer):
+    """The Agents SDK and Codex send instructions and `developer` input items: both reach a template that has no
+    developer role as system messages, as the chat path renders them."""
+    async def calls(client, http):
+        await client.responses.create(model="rlsys", instructions="Be brief.", input=[
+            {"role": "developer", "content": "Use digits."}, {"role": "user", "content": "12+34="}])
+
+    _, session = served(tokenizer, [["46"]], calls)
+    [output] = session.outputs
+    assert output.prompt_ids == ids(tokenizer, "<|system|>Be brief.<|end|><|system|>Use digits.<|end|>"
+                                               "<|user|>12+34=<|end|><|assistant|>")
+
 @pytest.mark.parametrize("run", ["responses_tools_run", "responses_streaming_tools_run"])
 def test_a_function_call_and_its_output_continue_the_recorded_sample_token_exactly(tokenizer, tokenizer_dir, run):
     """The agent's loop on the Responses API: the first response is a function_call item, parsed as chat parses

@@ -698,6 +698,52 @@ def test_a_completion_that_ended_with_eos_is_continued_once_past_it(tokenizer):
     assert conversation.history_splits == 0
 
 
+# A template that knows system, user and assistant only, and refuses any other role (as Qwen3.5's does).
+STRICT_ROLES = ("{% for message in messages %}{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+                "{{ raise_exception('Unexpected message role.') }}{% endif %}<|{{ message['role'] }}|>"
+                "{{ message['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("template", ["char", "strict"])
+def test_a_developer_message_is_a_system_message_to_a_template_without_that_role(template):
+    """OpenAI's clients send `developer` (its newer name for the system role) for newer models: a template with no
+    developer role renders it as system, as vLLM does, on the first call and on one that continues a sample. It was
+    rendered as a role the model never saw ("<|developer|>" as plain characters) or refused by the template (a 400)."""
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    if template == "strict":
+        tokenizer.chat_template = STRICT_ROLES
+
+    async def calls(http):
+        history = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "12+34="}]
+        first = await http.post("/chat/completions", json={"messages": history})
+        assert first.status_code == 200, first.text
+        history += [first.json()["choices"][0]["message"], {"role": "developer", "content": "Again."}]
+        second = await http.post("/chat/completions", json={"messages": history})
+        assert second.status_code == 200, second.text
+
+    _, asked, conversation = scripted_calls(tokenizer, ["46", "46"], calls)
+    assert asked[0] == ids(tokenizer, "<|system|>Be brief.<|end|><|user|>12+34=<|end|><|assistant|>")
+    assert asked[1] == asked[0] + ids(tokenizer, "46") + [tokenizer.eos_token_id] + \
+        ids(tokenizer, "<|system|>Again.<|end|><|assistant|>")
+    assert conversation.history_splits == 0
+
+
+def test_a_template_with_a_developer_role_gets_it_as_sent():
+    from rlsys.model.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = "{# roles: system, developer, user, assistant #}" + CHAT_TEMPLATE
+
+    async def calls(http):
+        await http.post("/chat/completions", json={"messages": [{"role": "developer", "content": "Be brief."},
+                                                                  {"role": "user", "content": "12+34="}]})
+
+    _, asked, _ = scripted_calls(tokenizer, ["46"], calls)
+    assert asked[0] == ids(tokenizer, "<|developer|>Be brief.<|end|><|user|>12+34=<|end|><|assistant|>")
+
+
 # ---- what a client may send: answered, or refused with 4xx naming the field and why; never a 500
 
 ENDPOINT = Endpoint()

@@ -2,7 +2,7 @@
 
 from experiments.common import ModelConfig
 from rlsys.model.tiny import build_tiny_model
-from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids, load_tokenizer
+from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids, load_tokenizer, row_prompt_ids
 
 
 def test_a_saved_tiny_model_loads_the_tokenizer_it_was_trained_with(tmp_path):
@@ -20,3 +20,13 @@ def test_a_saved_tiny_model_loads_the_tokenizer_it_was_trained_with(tmp_path):
     assert loaded.decode(ids) == text
     assert chat_prompt_ids(loaded, text) == chat_prompt_ids(built, text)
     assert (loaded.eos_token_id, loaded.pad_token_id) == (built.eos_token_id, built.pad_token_id)
+
+
+def test_a_rows_developer_message_is_rendered_as_the_system_message_the_template_knows():
+    """A dataset row in OpenAI's newer shape has a `developer` message: a template with no such role renders it as
+    system, as the endpoint does (it was "<|developer|>" as plain characters)."""
+    tokenizer = build_char_tokenizer()
+    row = {"prompt": "12+34=", "messages": [{"role": "developer", "content": "Be brief."},
+                                            {"role": "user", "content": "12+34="}]}
+    assert row_prompt_ids(tokenizer, row) == tokenizer("<|system|>Be brief.<|end|><|user|>12+34=<|end|><|assistant|>",
+                                                       add_special_tokens=False)["input_ids"]

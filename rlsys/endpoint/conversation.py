@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from rlsys.api import GenerationOutput, Trajectory
 from rlsys.api.trajectory import Transcript
-from rlsys.model.tokenizer import messages_after_ids
+from rlsys.model.tokenizer import messages_after_ids, template_roles
 from rlsys.tools.call_format import CALL_CLOSE, CALL_OPEN, tool_response
 
 
@@ -57,10 +57,11 @@ def _arguments(arguments):
     return arguments
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
+def template_messages(tokenizer, messages: list[dict]) -> list[dict]:
     """Messages as any chat template takes them: tool results become user messages wrapped in
     <tool_response> (Qwen's convention, as the tool-calling agent does), assistant tool calls are written
-    in the call format the model produces (rlsys/tools/call_format.py)."""
+    in the call format the model produces (rlsys/tools/call_format.py), a developer message is a system message
+    to a template without that role (rlsys.model.tokenizer.template_roles)."""
     rendered = []
     for message in messages:
         role, content, calls, _ = normalized(message)
@@ -70,7 +71,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
         text = content + "".join(f'{CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": {arguments}}}{CALL_CLOSE}'
                                  for name, arguments in calls)
         rendered.append({"role": role, "content": text})
-    return rendered
+    return template_roles(tokenizer, rendered)
 
 
 class Conversation:
@@ -95,7 +96,7 @@ class Conversation:
                     break
         if self.samples:
             self.history_splits += 1
-        text = self.tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
+        text = self.tokenizer.apply_chat_template(template_messages(self.tokenizer, messages), tools=tools or None,
                                                   add_generation_prompt=True, tokenize=False)
         return None, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -122,7 +123,8 @@ class Conversation:
     def new_message_ids(self, sample: Sample, messages: list[dict]) -> list[int]:
         """eos if the model's last turn did not end with one (it was cut), then the template's rendering of
         only the new messages and the assistant's prompt."""
-        return messages_after_ids(self.tokenizer, sample.transcript.token_ids, template_messages(messages))
+        return messages_after_ids(self.tokenizer, sample.transcript.token_ids,
+                                  template_messages(self.tokenizer, messages))
 
     def record(self, messages: list[dict] | str, sample: Sample | None, prompt_ids: list[int],
                output: GenerationOutput, replies: list[dict], finish_reasons: list[str],

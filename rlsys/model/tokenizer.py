@@ -40,8 +40,19 @@ def build_char_tokenizer():
 def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
     """Token ids of a chat (a user's text, or a list of messages), ending where the assistant's answer begins."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(template_roles(tokenizer, messages), add_generation_prompt=True,
+                                         tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def template_roles(tokenizer, messages: list[dict]) -> list[dict]:
+    """`messages` with the `developer` role (OpenAI's newer name for the system role) as `system` where the chat
+    template has no developer role of its own, as vLLM renders it: a template that knows system, user, assistant and
+    tool drops a role it does not know (Qwen2.5's), refuses it (Qwen3.5's) or writes it as a role the model never
+    saw."""
+    if "developer" in str(tokenizer.chat_template):
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 def row_prompt_ids(tokenizer, row: dict) -> list[int]:

@@ -21,7 +21,7 @@ from rlsys.api import Agent, EnvironmentService, GenerationConfig, Prompt, Traje
 from rlsys.api.trajectory import Transcript
 from rlsys.impl.agent.model_client import ModelClient
 from rlsys.impl.agent.multi_turn import SEED_STRIDE, context_limit, gather_or_cancel
-from rlsys.model.tokenizer import load_tokenizer, message_after_ids
+from rlsys.model.tokenizer import chat_prompt_ids, load_tokenizer, message_after_ids
 
 OBSERVATION_ROLE = "user"
 COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "decode_errors", "void_turns", "answered", "verify_failed")
@@ -68,8 +68,7 @@ class ToolCallingAgent(Agent):
             messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{instructions}"}
         else:
             messages.insert(0, {"role": "system", "content": instructions})
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return chat_prompt_ids(self.tokenizer, messages)
 
     async def run_chain(self, chain: int, prompt: Prompt, prompt_ids: list[int], env: EnvironmentService,
                         model: ModelClient) -> Trajectory:
