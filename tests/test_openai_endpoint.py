@@ -698,6 +698,24 @@ def test_a_completion_that_ended_with_eos_is_continued_once_past_it(tokenizer):
     assert conversation.history_splits == 0
 
 
+def test_a_refused_call_is_no_history_split():
+    """A call that continues no sample but is refused (its prompt past the context, a 400) produced no tokens: no
+    sample holds it, so the episode was not split; it was counted one, for chat and for completions alike."""
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+
+    async def calls(http):
+        await http.post("/chat/completions", json={"messages": [{"role": "user", "content": "12+34="}]})
+        await http.post("/completions", json={"prompt": "12+34="})
+        for path, body in (("/chat/completions", {"messages": [{"role": "user", "content": "x" * CONTEXT}]}),
+                           ("/completions", {"prompt": "x" * CONTEXT})):
+            refused = await http.post(path, json=body)
+            assert refused.status_code == 400 and "context" in refused.text, refused.text
+
+    _, asked, conversation = scripted_calls(tokenizer, ["46", "46"], calls)
+    assert len(asked) == 2 and conversation.history_splits == 1  # the completion beside the chat sample
+
 # A template that knows system, user and assistant only, and refuses any other role (as Qwen3.5's does).
 STRICT_ROLES = ("{% for message in messages %}{% if message['role'] not in ['system', 'user', 'assistant'] %}"
                 "{{ raise_exception('Unexpected message role.') }}{% endif %}<|{{ message['role'] }}|>"

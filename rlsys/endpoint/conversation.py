@@ -10,7 +10,8 @@ tools, so only the new messages are rendered (a template renders the tools ahead
 or changes one cannot append to what the model saw without it). A call that continues no sample (the client
 dropped a turn, stripped reasoning, rewrote a message or changed the tools; or the chat template renders earlier
 messages anew once others follow) starts a new sample from the template's rendering of the whole conversation: the
-episode is split there, and counted (`history_splits`). With `n` > 1 a call forks its sample into n.
+episode is split there, and counted (`history_splits`) once the call is recorded. With `n` > 1 a call forks its
+sample into n.
 """
 
 import json
@@ -84,23 +85,23 @@ class Conversation:
         self.decode_errors = 0
         self.calls = 0
 
-    def prompt_for(self, messages: list[dict], tools: list[dict] | None) -> tuple[Sample | None, list[int]]:
-        """The sample a call continues (None: a new one) and the prompt ids to generate from."""
+    def prompt_for(self, messages: list[dict], tools: list[dict] | None) -> tuple[Sample | None, list[int], bool]:
+        """The sample a call continues (None: a new one), the prompt ids to generate from, and whether the call splits
+        the episode (it continues none of the samples there are). The split is counted when the call is recorded: a
+        call refused, or answered to nobody, left no sample."""
         keys, tools_key = [normalized(m) for m in messages], _tools_key(tools)
         for sample in sorted(self.samples, key=lambda s: -len(s.messages)):
             n = len(sample.messages)
             if sample.text is None and n < len(keys) and keys[:n] == sample.messages and sample.tools == tools_key:
                 try:
-                    return sample, sample.transcript.token_ids + self.new_message_ids(sample, messages[n:])
+                    return sample, sample.transcript.token_ids + self.new_message_ids(sample, messages[n:]), False
                 except ValueError:  # a template that renders earlier turns anew once one follows: no ids to append
                     break
-        if self.samples:
-            self.history_splits += 1
         text = self.tokenizer.apply_chat_template(template_messages(self.tokenizer, messages), tools=tools or None,
                                                   add_generation_prompt=True, tokenize=False)
-        return None, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return None, self.tokenizer(text, add_special_tokens=False)["input_ids"], bool(self.samples)
 
-    def prompt_for_text(self, prompt: str | list[int]) -> tuple[Sample | None, list[int]]:
+    def prompt_for_text(self, prompt: str | list[int]) -> tuple[Sample | None, list[int], bool]:
         """/v1/completions: a prompt continues the completion sample it extends, as ids or as text (then only
         the new text is tokenized); otherwise it starts a new one. Extending as text means extending all the text
         the sample's ids hold: a completion cut at a stop string, or ended with eos, was returned without them, and
@@ -111,14 +112,13 @@ class Conversation:
         for sample in completions:
             ids = sample.transcript.token_ids
             if isinstance(prompt, list) and prompt[:len(ids)] == ids:
-                return sample, list(prompt)
+                return sample, list(prompt), False
             if isinstance(prompt, str) and prompt.startswith(sample.text):
-                return sample, ids + self.tokenizer(prompt[len(sample.text):], add_special_tokens=False)["input_ids"]
-        if self.samples:
-            self.history_splits += 1
+                text_ids = self.tokenizer(prompt[len(sample.text):], add_special_tokens=False)["input_ids"]
+                return sample, ids + text_ids, False
         if isinstance(prompt, list):
-            return None, list(prompt)
-        return None, self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            return None, list(prompt), bool(self.samples)
+        return None, self.tokenizer(prompt, add_special_tokens=False)["input_ids"], bool(self.samples)
 
     def new_message_ids(self, sample: Sample, messages: list[dict]) -> list[int]:
         """eos if the model's last turn did not end with one (it was cut), then the template's rendering of
@@ -126,12 +126,13 @@ class Conversation:
         return messages_after_ids(self.tokenizer, sample.transcript.token_ids,
                                   template_messages(self.tokenizer, messages))
 
-    def record(self, messages: list[dict] | str, sample: Sample | None, prompt_ids: list[int],
+    def record(self, messages: list[dict] | str, sample: Sample | None, prompt_ids: list[int], split: bool,
                output: GenerationOutput, replies: list[dict], finish_reasons: list[str],
                tools: list[dict] | None = None) -> None:
         """The call's choices (`messages` is a completion's prompt text, `tools` a chat call's tools): each continues
-        (a copy of) the sample, which the call consumed."""
+        (a copy of) the sample, which the call consumed; `split` as `prompt_for` gave it."""
         self.calls += 1
+        self.history_splits += split
         if sample is not None:  # by identity: a concurrent call that continued it too may have consumed it already
             self.samples = [s for s in self.samples if s is not sample]
         text = messages if isinstance(messages, str) else None

@@ -128,7 +128,7 @@ class EpisodeSession:
         """The engine's output for a chat call and its chat choices; the call recorded unless its client has gone."""
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
         try:
-            sample, prompt_ids = self.conversation.prompt_for(messages, tools)
+            sample, prompt_ids, split = self.conversation.prompt_for(messages, tools)
         except jinja2.TemplateError as e:  # a template may refuse an order of roles, say
             raise RequestError(400, f"the model's chat template refused these messages: {e}", param="messages") \
                 from None
@@ -143,12 +143,12 @@ class EpisodeSession:
                             "logprobs": {"content": self.token_logprobs(output, i)} if sampling.logprobs else None,
                             **self.token_ids(sampling, ids)})
         if not (client_gone and await client_gone()):
-            self.conversation.record(messages, sample, prompt_ids, output, replies, reasons, tools)
+            self.conversation.record(messages, sample, prompt_ids, split, output, replies, reasons, tools)
         return output, choices
 
     async def complete(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
         prompt, sampling = completion_request(body, self.max_total_tokens, len(self.tokenizer))
-        sample, prompt_ids = self.conversation.prompt_for_text(prompt)
+        sample, prompt_ids, split = self.conversation.prompt_for_text(prompt)
         output = await self.generate(prompt_ids, sampling)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, clean_up_tokenization_spaces=False)
         choices, replies = [], []
@@ -163,7 +163,7 @@ class EpisodeSession:
             choices.append({"index": i, "text": completion, "finish_reason": _finish(output.stop_reasons[i]),
                             "logprobs": logprobs, **self.token_ids(sampling, ids)})
         if not (client_gone and await client_gone()):
-            self.conversation.record(text, sample, prompt_ids, output, replies, list(output.stop_reasons))
+            self.conversation.record(text, sample, prompt_ids, split, output, replies, list(output.stop_reasons))
         return self.response("text_completion", output, choices, sampling)
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> GenerationOutput:
