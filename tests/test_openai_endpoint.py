@@ -583,9 +583,10 @@ def test_a_process_that_serves_the_endpoint_raises_its_descriptor_limit_to_the_h
     wanted = http_protocol.DESCRIPTORS_WANTED if int(hard) == resource.RLIM_INFINITY else int(hard)
     assert int(raised) == wanted, (raised, hard)
 
-def scripted_calls(tokenizer, replies: list[str], calls):
+def scripted_calls(tokenizer, replies: list[str], calls, stop_reason: str = "stop"):
     """`calls(http)` on a fresh episode's key over ASGI, its model answering each request with the next of `replies`
-    (and eos): what `calls` returned, the prompt ids the engine was asked, and the episode's conversation."""
+    (and eos) ended with `stop_reason`: what `calls` returned, the prompt ids the engine was asked, and the episode's
+    conversation."""
     async def main():
         obs_queue, act_queue, asked, script = asyncio.Queue(), asyncio.Queue(), [], iter(replies)
 
@@ -596,7 +597,7 @@ def scripted_calls(tokenizer, replies: list[str], calls):
                 reply = ids(tokenizer, next(script)) + [tokenizer.eos_token_id]
                 act_queue.put_nowait(GenerationOutput(qid, token_ids, [reply] * gconfig.n,
                                                       [[LOGPROB] * len(reply)] * gconfig.n,
-                                                      [[0] * len(reply)] * gconfig.n, ["stop"] * gconfig.n))
+                                                      [[0] * len(reply)] * gconfig.n, [stop_reason] * gconfig.n))
 
         serving = asyncio.create_task(engine())
         async with Model(obs_queue, act_queue) as model:
@@ -715,6 +716,28 @@ def test_a_refused_call_is_no_history_split():
 
     _, asked, conversation = scripted_calls(tokenizer, ["46", "46"], calls)
     assert len(asked) == 2 and conversation.history_splits == 1  # the completion beside the chat sample
+
+
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_a_generation_the_engine_aborted_or_failed_is_a_server_error_and_not_recorded(reason):
+    """vLLM's reasons "abort" and "error" end a generation that is no answer: every path answers 500 naming the reason
+    (as vLLM's own server answers "error"; the `openai` client sends such a call again), and no sample holds it. It was
+    answered as a finished reply ("stop", "end_turn") and trained as one."""
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    user = [{"role": "user", "content": "12+34="}]
+
+    async def calls(http):
+        return [await http.post(path, json=body) for path, body in (
+            ("/chat/completions", {"messages": user}), ("/completions", {"prompt": "12+34="}),
+            ("/responses", {"input": "12+34="}), ("/messages", {"messages": user, "max_tokens": 8}))]
+
+    answers, asked, conversation = scripted_calls(tokenizer, ["46"] * 4, calls, stop_reason=reason)
+    assert len(asked) == 4 and [a.status_code for a in answers] == [500] * 4
+    assert all(f"ended with {reason!r}" in a.text for a in answers), [a.text for a in answers]
+    assert answers[0].json()["error"]["type"] == "server_error" and answers[3].json()["error"]["type"] == "api_error"
+    assert conversation.samples == [] and conversation.calls == 0
 
 # A template that knows system, user and assistant only, and refuses any other role (as Qwen3.5's does).
 STRICT_ROLES = ("{% for message in messages %}{% if message['role'] not in ['system', 'user', 'assistant'] %}"

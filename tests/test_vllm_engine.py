@@ -157,3 +157,33 @@ def test_a_weight_load_whose_prefix_cache_stays_stops_the_worker_rather_than_ser
             backend.load_weights({"w": 1})
     assert backend.llm.loaded == ("reload_weights", {"w": 1})
 
+
+
+class _StepStandIn:
+    """vLLM's engine at a step, giving `outputs` (vLLM's own RequestOutput objects): the step's one piece under test."""
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def step(self):
+        return self.outputs
+
+
+def test_a_sequence_vllm_ended_for_any_reason_but_a_stop_or_the_length_says_that_reason():
+    """vLLM ends a request with "abort" (an engine shutdown or pause) or "error" (a request-level failure) as well as
+    "stop" and "length": each is handed on as it is. An aborted or failed generation was handed on as "stop", a reply
+    like any other, and a client read it as the model's finished answer."""
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    def output(rid: str, reason: str | None) -> RequestOutput:
+        sample = CompletionOutput(0, "", [5], None, [{5: Logprob(-0.5)}], finish_reason=reason)
+        return RequestOutput(rid, None, [4], None, [sample], finished=reason is not None)
+
+    backend = VLLMBackend.__new__(VLLMBackend)
+    reasons = {"a": "stop", "b": "length", "c": "abort", "d": "error", "e": None}
+    backend.engine, backend._running = _StepStandIn([output(rid, r) for rid, r in reasons.items()]), set(reasons)
+    deltas = backend.step()
+    assert {d.seq_id: d.finish_reason for d in deltas} == reasons
+    assert [(d.token_ids, d.logprobs) for d in deltas] == [([5], [-0.5])] * 5
+    assert backend._running == {"e"}

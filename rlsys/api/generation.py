@@ -49,7 +49,7 @@ class GenerationOutput:
     output_ids: list[list[int]]  # [sample][token], exactly the tokens the engine produced
     logprobs: list[list[float]]  # behaviour logprob of each produced token
     versions: list[list[int]]  # weight version that produced each token
-    stop_reasons: list[str]  # per sample: "stop" (eos / stop token) or "length"
+    stop_reasons: list[str]  # per sample: "stop" (eos / stop token), "length", or the engine's "abort" or "error"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

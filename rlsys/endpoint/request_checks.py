@@ -95,7 +95,8 @@ ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 4
 
 
 class RequestError(Exception):
-    """A request the endpoint refuses: an HTTP status and OpenAI's error body."""
+    """A request the endpoint refuses, or a call it could not answer (a 5xx): an HTTP status and OpenAI's error
+    body."""
 
     def __init__(self, status: int, message: str, code: str | None = "invalid_request_error",
                  param: str | None = None):
@@ -103,8 +104,8 @@ class RequestError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param,
-                          "code": self.code}}
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> dict:
         """Anthropic's error shape, as /v1/messages answers it: no param, so the message names the field."""

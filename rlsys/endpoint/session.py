@@ -178,6 +178,12 @@ class EpisodeSession:
                 from None
         output = _cut_at_stop_strings(output, sampling.stop, self.tokenizer)
         self.outputs.append(output)
+        # vLLM's "abort" (its shutdown or pause) and "error" (a request-level failure) end a generation that is no
+        # answer: a server error, as vLLM's server answers "error", which the client may send again; nothing recorded.
+        failed = [reason for reason in output.stop_reasons if reason not in ("stop", "length")]
+        if failed:
+            raise RequestError(500, f"the model's generation ended with {failed[0]!r}, not an answer: send the call "
+                                    f"again", "generation_failed")
         return output
 
     def generation_config(self, sampling: Sampling, prompt_length: int) -> GenerationConfig:

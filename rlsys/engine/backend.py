@@ -31,7 +31,9 @@ class TokenDelta:
     seq_id: str
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str | None = None  # None while running; "stop" (eos or stop token, included) or "length"
+    # None while running; "stop" (eos or stop token, included), "length", or vLLM's "abort" or "error": an engine that
+    # aborted or failed the sequence (rlsys asks for neither; its own aborts end sequences no one waits for)
+    finish_reason: str | None = None
 
 
 class GenerationBackend(abc.ABC):

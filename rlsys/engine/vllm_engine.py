@@ -171,8 +171,8 @@ class VLLMBackend(GenerationBackend):
         for output in self.engine.step():
             sample = output.outputs[0]
             finish = None
-            if output.finished:
-                finish = "length" if sample.finish_reason == "length" else "stop"
+            if output.finished:  # vLLM's reason as it is: "abort" and "error" end a sequence that is no answer
+                finish = sample.finish_reason
                 self._running.discard(output.request_id)
             ids = list(sample.token_ids)
             logprobs = [step[token].logprob for token, step in zip(ids, sample.logprobs or [])]
