@@ -142,6 +142,23 @@ def test_a_reply_cut_by_max_tokens_or_at_a_stop_sequence_says_so(tokenizer, toke
     assert session.outputs[0].output_ids[0] == ids(tokenizer, "12")  # the ids kept end at the stop sequence
 
 
+def test_a_reply_is_decoded_once():
+    """The reply's text and the stop sequence it was cut at come from one decode of its ids (a second decode of the
+    same ids searched for the stop sequence)."""
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    tokenizer, decoded = build_char_tokenizer(), []
+    decode = tokenizer.decode
+    tokenizer.decode = lambda token_ids, **kwargs: decoded.append(list(token_ids)) or decode(token_ids, **kwargs)
+
+    async def calls(_client, http):
+        return await http.post("/messages", json={"max_tokens": 8, "messages": [{"role": "user", "content": "?"}]})
+
+    reply, session = messages_served(tokenizer, [["46"]], calls)
+    assert reply.json()["content"] == [{"type": "text", "text": "46"}] and reply.json()["stop_reason"] == "end_turn"
+    assert decoded.count(session.outputs[0].output_ids[0]) == 1
+
+
 def test_the_key_is_read_from_x_api_key_on_messages_only(tokenizer):
     """Anthropic's clients (LangChain's ChatAnthropic, older `anthropic` releases) send the key as x-api-key; the
     installed `anthropic` sends it as a Bearer token. No other path reads x-api-key."""

@@ -65,14 +65,14 @@ class EpisodeSession:
     async def chat(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
         self.require_chat_template("/v1/chat/completions")
         messages, tools, sampling = chat_request(body, self.max_total_tokens)
-        output, choices = await self.chat_choices(messages, tools, sampling, client_gone)
+        output, choices, _ = await self.chat_choices(messages, tools, sampling, client_gone)
         return self.response("chat.completion", output, choices, sampling)
 
     async def respond(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
         """A /v1/responses call: the chat call its input and instructions make, answered as a Responses object."""
         self.require_chat_template("/v1/responses")
         messages, tools, sampling = responses_request(body, self.max_total_tokens)
-        output, [choice] = await self.chat_choices(messages, tools, sampling, client_gone)
+        output, [choice], _ = await self.chat_choices(messages, tools, sampling, client_gone)
         message, length = choice["message"], choice["finish_reason"] == "length"
         status = "incomplete" if length else "completed"
         items = [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
@@ -102,14 +102,11 @@ class EpisodeSession:
         Message."""
         self.require_chat_template("/v1/messages")
         messages, tools, sampling = messages_request(body, self.max_total_tokens)
-        output, [choice] = await self.chat_choices(messages, tools, sampling, client_gone)
+        output, [choice], [stop] = await self.chat_choices(messages, tools, sampling, client_gone)
         reply = choice["message"]
         content = [{"type": "text", "text": reply["content"]}] if reply["content"] else []
         content += [{"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                      "input": json.loads(call["function"]["arguments"])} for call in reply.get("tool_calls") or []]
-        # The stop string the reply was cut at: the earliest in the generated text (the text sent leaves it out).
-        generated = self.tokenizer.decode(output.output_ids[0], skip_special_tokens=True)
-        stop = earliest_stop(generated, sampling.stop)
         reason = {"length": "max_tokens", "tool_calls": "tool_use"}.get(choice["finish_reason"],
                                                                         "stop_sequence" if stop else "end_turn")
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": self.model_name,
@@ -124,8 +121,9 @@ class EpisodeSession:
                                     f"served at {path}: call /v1/completions", "model_not_found", param="model")
 
     async def chat_choices(self, messages: list[dict], tools: list[dict], sampling: Sampling,
-                           client_gone: ClientGone | None) -> tuple[GenerationOutput, list[dict]]:
-        """The engine's output for a chat call and its chat choices; the call recorded unless its client has gone."""
+                           client_gone: ClientGone | None) -> tuple[GenerationOutput, list[dict], list[str | None]]:
+        """The engine's output for a chat call, its chat choices and the stop string each was cut at (None: none); the
+        call recorded unless its client has gone."""
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
         try:
             sample, prompt_ids, split = self.conversation.prompt_for(messages, tools)
@@ -133,9 +131,10 @@ class EpisodeSession:
             raise RequestError(400, f"the model's chat template refused these messages: {e}", param="messages") \
                 from None
         output = await self.generate(prompt_ids, sampling)
-        choices, replies, reasons = [], [], []
+        choices, replies, reasons, stops = [], [], [], []
         for i, ids in enumerate(output.output_ids):
-            text = self.text(ids, sampling)
+            text, stop = self.text(ids, sampling)
+            stops.append(stop)
             reply, finish, recorded = self.reply_message(text, schemas, output.stop_reasons[i])
             replies.append(reply)
             reasons.append(recorded)
@@ -144,7 +143,7 @@ class EpisodeSession:
                             **self.token_ids(sampling, ids)})
         if not (client_gone and await client_gone()):
             self.conversation.record(messages, sample, prompt_ids, split, output, replies, reasons, tools)
-        return output, choices
+        return output, choices, stops
 
     async def complete(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
         prompt, sampling = completion_request(body, self.max_total_tokens, len(self.tokenizer))
@@ -153,7 +152,7 @@ class EpisodeSession:
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, clean_up_tokenization_spaces=False)
         choices, replies = [], []
         for i, ids in enumerate(output.output_ids):
-            completion = self.text(ids, sampling)
+            completion, _ = self.text(ids, sampling)
             replies.append({"role": "assistant", "content": completion})
             logprobs = None
             if sampling.logprobs:
@@ -201,11 +200,12 @@ class EpisodeSession:
         return dataclasses.replace(self.defaults, **settings, max_new_tokens=min(asked, room),
                                    stop_token_ids=list(self.defaults.stop_token_ids) + single)
 
-    def text(self, ids: list[int], sampling: Sampling) -> str:
-        """What the client reads: the generated text up to the first stop string."""
+    def text(self, ids: list[int], sampling: Sampling) -> tuple[str, str | None]:
+        """What the client reads: the generated text up to the first stop string; and that stop string (None: the
+        text holds none)."""
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         stop = earliest_stop(text, sampling.stop)
-        return text if stop is None else text[:text.index(stop)]
+        return (text, None) if stop is None else (text[:text.index(stop)], stop)
 
     def reply_message(self, text: str, schemas: dict, stop_reason: str) -> tuple[dict, str, str]:
         """The assistant message, OpenAI's finish reason, and the sample's recorded stop reason. A turn whose
