@@ -772,10 +772,10 @@ def test_a_developer_message_is_a_system_message_to_a_template_without_that_role
 
 
 def test_a_template_with_a_developer_role_gets_it_as_sent():
-    from rlsys.model.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
+    from rlsys.model.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    tokenizer.chat_template = "{# roles: system, developer, user, assistant #}" + CHAT_TEMPLATE
+    tokenizer.chat_template = STRICT_ROLES.replace("'system', ", "'system', 'developer', ")
 
     async def calls(http):
         await http.post("/chat/completions", json={"messages": [{"role": "developer", "content": "Be brief."},

@@ -47,10 +47,12 @@ def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
 
 def template_roles(tokenizer, messages: list[dict]) -> list[dict]:
     """`messages` with the `developer` role (OpenAI's newer name for the system role) as `system` where the chat
-    template has no developer role of its own, as vLLM renders it: a template that knows system, user, assistant and
-    tool drops a role it does not know (Qwen2.5's), refuses it (Qwen3.5's) or writes it as a role the model never
-    saw."""
-    if "developer" in str(tokenizer.chat_template):
+    template names no developer role (as vLLM tells, by the quoted name), as vLLM renders it: a template that knows
+    system, user, assistant and tool drops a role it does not know (Qwen2.5's), refuses it (Qwen3.5's) or writes it
+    as a role the model never saw. vLLM also merges every system message into the first; here a message is never
+    moved: a later one is appended after the ids the model saw."""
+    template = str(tokenizer.chat_template)
+    if '"developer"' in template or "'developer'" in template:
         return messages
     return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
