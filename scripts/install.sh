@@ -60,6 +60,9 @@ main() {
     # websockets below 17 for its realtime sessions (not used), which would take back the one installed; griffelib
     # (its tool docstrings) is its one import not already here.
     install_packages --no-deps openai-agents==0.24.0 griffelib==2.4.1
+    # LangChain's ChatAnthropic, whose agents the endpoint's /v1/messages is tested with. Without its dependencies:
+    # langchain-core and anthropic are here already, at the versions the agents extra pins.
+    install_packages --no-deps langchain-anthropic==1.7.10
   else
     install_packages -e ".[cpu]"
   fi

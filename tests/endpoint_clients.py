@@ -155,6 +155,31 @@ async def langgraph_streaming_run(base_url, api_key, prompt):
     return None
 
 
+async def chat_anthropic_run(base_url, api_key, prompt, stream: bool = False):
+    """The LangGraph example's agent on LangChain's ChatAnthropic: its model calls /v1/messages (tools bound by
+    `create_react_agent` with bind_tools), streaming and the graph run with stream_mode="messages" where asked."""
+    from langchain_anthropic import ChatAnthropic
+    from langgraph.prebuilt import create_react_agent
+
+    from rlsys.impl.agent.langgraph_example import calculator
+
+    # max_tokens: its default (4096 for a model it does not know) is past the episode's context, and refused.
+    model = ChatAnthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, model="rlsys", max_tokens=128,
+                          max_retries=0, streaming=stream)
+    agent = create_react_agent(model, [calculator])
+    if not stream:
+        RESPONSES.extend((await agent.ainvoke({"messages": [("user", prompt)]}, {"recursion_limit": 8}))["messages"])
+        return None
+    async for message, _ in agent.astream({"messages": [("user", prompt)]}, {"recursion_limit": 8},
+                                          stream_mode="messages"):
+        RESPONSES.append(message)
+    return None
+
+
+async def chat_anthropic_streaming_run(base_url, api_key, prompt):
+    return await chat_anthropic_run(base_url, api_key, prompt, stream=True)
+
+
 async def editing_run(base_url, api_key, prompt):
     """A client that rewrites the model's first answer, then goes on from the rewritten history."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)

@@ -14,7 +14,7 @@ from tests.endpoint_clients import ANTHROPIC_TOOLS, RESPONSES
 from tests.test_endpoint_responses import answered_or_refused_naming, check_tool_then_answer, typed_events
 from tests.helpers import with_field
 from tests.scripted import ids
-from tests.test_endpoint_streaming import served
+from tests.test_endpoint_streaming import record, served
 from tests.test_openai_endpoint import CALL, CONTEXT, PROPERTIES, json_values, post, run_episode, tool_then_answer
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 5}  # LangChain's ChatAnthropic sends them
@@ -61,6 +61,69 @@ def test_a_string_message_is_answered_as_a_message_and_prompted_as_the_chat_call
         (chat["usage"]["prompt_tokens"], chat["usage"]["completion_tokens"])
     sample = session.conversation.samples[0]
     assert sample.transcript.token_ids == first.prompt_ids + ids(tokenizer, "46") + [tokenizer.eos_token_id]
+
+
+def chat_anthropic(http, **settings):
+    """LangChain's ChatAnthropic on the endpoint, as users build it: the endpoint's root as its base URL."""
+    from langchain_anthropic import ChatAnthropic
+
+    return ChatAnthropic(base_url=str(http.base_url).removesuffix("/v1/"), model="rlsys", max_retries=0,
+                         api_key=http.headers["authorization"].removeprefix("Bearer "), **settings)
+
+
+def test_a_chat_anthropic_call_is_answered_and_prompted_as_the_chat_call_would_be(tokenizer):
+    """LangChain's ChatAnthropic, invoked: its system message the chat call's, its usage the reply's ids, its
+    stop_sequences cutting the reply (it sends them with temperature, top_k and top_p, which the model gets); a
+    top-level `cache_control` (prompt caching, which it sends as asked) changes nothing."""
+    pytest.importorskip("langchain_anthropic")  # scripts/install.sh --tests installs it, apart from the extras
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    async def calls(_client, http):
+        model = chat_anthropic(http, max_tokens=8, temperature=0.7, top_k=5, top_p=0.9)
+        asked = [SystemMessage("Be brief."), HumanMessage("12+34=")]
+        answer = await model.ainvoke(asked, cache_control={"type": "ephemeral"})
+        cut = await model.ainvoke(asked, stop=["3"])
+        chat = await http.post("/chat/completions", json={"model": "rlsys", "max_tokens": 8, "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "12+34="}]})
+        return answer, cut, chat.json()
+
+    (answer, cut, chat), session = messages_served(tokenizer, [["46"], ["12345"], ["46"]], calls)
+    assert answer.content == "46" and answer.response_metadata["stop_reason"] == "end_turn"
+    assert (answer.usage_metadata["input_tokens"], answer.usage_metadata["output_tokens"]) == \
+        (chat["usage"]["prompt_tokens"], chat["usage"]["completion_tokens"])
+    assert cut.content == "12" and (cut.response_metadata["stop_reason"], cut.response_metadata["stop_sequence"]) == \
+        ("stop_sequence", "3")
+    first, second, third = session.outputs
+    assert first.prompt_ids == second.prompt_ids == third.prompt_ids
+
+
+def test_a_chat_anthropic_agent_records_what_the_chat_completions_agent_does(tokenizer, tokenizer_dir):
+    """The LangGraph example's ReAct agent on ChatAnthropic (its calculator bound with bind_tools), invoked and
+    streamed with stream_mode="messages": the tool_use it gets is the calculator call, the answer 409, and the
+    episode's record, token for token, the one the same agent on ChatOpenAI leaves through /v1/chat/completions."""
+    pytest.importorskip("langchain_anthropic")  # scripts/install.sh --tests installs it, apart from the extras
+    from langchain_core.messages import AIMessage, AIMessageChunk
+
+    recorded = []
+    for run in ("rlsys.impl.agent.langgraph_example:run", "tests.endpoint_clients:chat_anthropic_run",
+                "tests.endpoint_clients:chat_anthropic_streaming_run"):
+        trajectories, engine = run_episode(tokenizer, tokenizer_dir, run, tool_then_answer(tokenizer))
+        recorded.append(record(trajectories, engine))
+        if run.endswith("chat_anthropic_run"):
+            call, answer = [m for m in RESPONSES if isinstance(m, AIMessage)]
+            assert [(c["name"], c["args"]) for c in call.tool_calls] == [("calculator", {"expression": "12*34+1"})]
+            assert call.response_metadata["stop_reason"] == "tool_use" and answer.content == "409"
+    assert recorded[1] == recorded[0] and recorded[2] == recorded[0]
+    [trajectory], prompts = recorded[0]
+    assert trajectory["reward"] == 1.0 and trajectory["metrics"]["history_splits"] == 0 and len(prompts) == 2
+    chunks = [m for m in RESPONSES if isinstance(m, AIMessageChunk)]  # the streamed run's
+    calls = [c for m in chunks for c in m.tool_call_chunks if c["args"]]
+    assert [json.loads(c["args"]) for c in calls] == [{"expression": "12*34+1"}]
+    text = "".join(b["text"] if isinstance(b, dict) else b for m in chunks if isinstance(m.content, list)
+                   for b in m.content if isinstance(b, str) or b.get("type") == "text")
+    assert text == "409"
+    assert [m.usage_metadata["output_tokens"] for m in chunks if m.usage_metadata and
+            m.usage_metadata["output_tokens"]] == [len(ids(tokenizer, CALL)) + 1, 4]
 
 
 @pytest.mark.parametrize("run", ["anthropic_tools_run", "anthropic_streaming_tools_run"])

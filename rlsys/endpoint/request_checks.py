@@ -36,10 +36,12 @@ turn's text one message, an assistant turn's tool_use blocks its tool calls, a u
 message each, in order (`is_error` is read as a flag and not rendered: a chat tool message has none, and the result's
 text says what failed); `tools` custom tools (`input_schema` their parameters); `max_tokens` (required, as Anthropic
 requires it), `temperature`, `top_p`, `top_k`, `stop_sequences` (chat's stop strings), `stream` and
-`tool_choice` `{"type": "auto"}` act, `metadata` labels. A last assistant turn (Anthropic continues it: a prefill) is
-refused, since a chat template closes it; so are images and documents, server tools, a forced or forbidden tool call,
-`disable_parallel_tool_use`, `thinking` other than disabled and any other field. Its refusals are sent in Anthropic's
-error shape (`RequestError.anthropic_body`), the message starting with the field.
+`tool_choice` `{"type": "auto"}` act, `metadata` labels. `cache_control` (Anthropic's prompt caching, top-level or on
+a block) is accepted: caching changes no answer, and an episode's calls go to the worker holding its prefix anyway.
+A last assistant turn (Anthropic continues it: a prefill) is refused, since a chat template closes it; so are images
+and documents, server tools, a forced or forbidden tool call, `disable_parallel_tool_use`, `thinking` other than
+disabled and any other field. Its refusals are sent in Anthropic's error shape (`RequestError.anthropic_body`), the
+message starting with the field.
 """
 
 import json
@@ -72,9 +74,10 @@ RESPONSES_NEUTRAL = {
     "background": ((False,), "calls are answered while their client waits"),
     "service_tier": (("auto", "default"), "calls are served on one tier"),
 }
-# /v1/messages fields that act (`metadata` labels the call); `thinking` is accepted disabled only, any other refused.
+# /v1/messages fields that act (`metadata` labels the call; `cache_control` asks Anthropic to cache the prompt, which
+# changes no answer); `thinking` is accepted disabled only, any other refused.
 MESSAGES_FIELDS = {"model", "max_tokens", "system", "messages", "tools", "tool_choice", "temperature", "top_p", "top_k",
-                   "stop_sequences", "stream", "metadata"}
+                   "stop_sequences", "stream", "metadata", "cache_control"}
 RESPONSES_ROLES = {"system", "developer", "user", "assistant"}
 # An API's tool shape, as a refusal describes it, and where in a tool its parameters schema is.
 TOOL_SHAPES = {
@@ -282,8 +285,9 @@ def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], lis
                                  'leave it out')
     if body.get("max_tokens") is None:
         raise _invalid("max_tokens", "is required: the Messages API asks every call for its reply's budget")
-    if not isinstance(body.get("metadata"), (dict, type(None))):
-        raise _invalid("metadata", "must be an object or null")
+    for name in ("metadata", "cache_control"):
+        if not isinstance(body.get(name), (dict, type(None))):
+            raise _invalid(name, "must be an object or null")
     system = body.get("system")
     system = _input_text(system, "system", ("text",)) if system is not None else ""
     messages = [{"role": "system", "content": system}] if system else []
