@@ -287,13 +287,66 @@ def test_a_conversation_is_the_chat_call_it_makes(tokenizer):
             asked["gconfig"]["top_k"]) == (8, 0.7, 0.9, 5)
 
 
+# What Claude Code 2.1.332 sends on every call beside the conversation (seen from its requests to a recording server):
+# each field at the value it sends is answered, and changes the prompt only as it says.
+CLAUDE_CODE_FIELDS = {"thinking": {"type": "adaptive", "display": "omitted"},
+                      "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                      "output_config": {"effort": "high"}, "cache_control": {"type": "ephemeral"},
+                      "metadata": {"user_id": '{"device_id": "d", "session_id": "s"}'}}
+
+
+@pytest.mark.parametrize("field", CLAUDE_CODE_FIELDS)
+def test_a_field_claude_code_sends_is_answered_at_what_it_sends_and_changes_no_prompt(tokenizer, field):
+    """On /v1/messages?beta=true, as Claude Code calls (its anthropic-beta header names features: no header is read
+    here, the body's fields are checked): adaptive thinking with nothing displayed (the model thinks or not as its
+    template has it; no thinking block is returned), clearing thinking blocks (none is accepted here, so none is
+    cleared), effort "high" (Anthropic's default), prompt caching and a user label. The prompt and the sampling are
+    the call's without the field."""
+    response, (asked,) = post(tokenizer, "/messages?beta=true", {**BODY, field: CLAUDE_CODE_FIELDS[field]})
+    assert response.status_code == 200, response.text
+    _, (plain,) = post(tokenizer, "/messages", BODY)
+    assert (asked["token_ids"], asked["gconfig"]) == (plain["token_ids"], plain["gconfig"])
+
+
+def test_a_system_turn_among_the_messages_is_a_system_message_where_it_stands(tokenizer):
+    """Claude Code sends its environment as a system turn after the user's (Anthropic's mid-conversation system
+    messages): it is the chat call's system message at that place, and a call whose last turn it is is answered."""
+    turns = [CONVERSATION[0], {"role": "system", "content": [{"type": "text", "text": "cwd: /tmp",
+                                                              "cache_control": {"type": "ephemeral"}}]}]
+    response, (asked,) = post(tokenizer, "/messages", {**BODY, "messages": turns})
+    assert response.status_code == 200, response.text
+    _, (chat,) = post(tokenizer, "/chat/completions", {"max_tokens": 8, "messages": [
+        {"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "12+34="},
+        {"role": "system", "content": "cwd: /tmp"}]})
+    assert asked["token_ids"] == chat["token_ids"]
+
+
+def test_a_tool_whose_loading_is_deferred_is_not_given_to_the_model(tokenizer):
+    """`defer_loading: true` (Claude Code's tool search): Anthropic gives the model no such tool until a search loads
+    it, so a call to it is a call to a tool the model was not given: text, as any such call is, not a tool_use."""
+    deferred = {"name": "WebSearch", "description": "searches the web", "input_schema": {"type": "object"},
+                "defer_loading": True}
+    call = '<tool_call>{"name": "WebSearch", "arguments": {}}</tool_call>'
+
+    async def calls(_client, http):
+        return [(await http.post("/messages", json={**BODY, "tools": [*ANTHROPIC_TOOLS, {**deferred, "defer_loading":
+                                                                                       loading}]})).json()
+                for loading in (True, False)]
+
+    (hidden, shown), _ = messages_served(tokenizer, [[call], [call]], calls)
+    assert (hidden["stop_reason"], hidden["content"]) == ("end_turn", [{"type": "text", "text": call}])
+    assert shown["stop_reason"] == "tool_use" and shown["content"][0]["name"] == "WebSearch"
+
+
 REFUSED = {  # name -> (body, the field the message starts with)
     "no max_tokens": ({k: v for k, v in BODY.items() if k != "max_tokens"}, "max_tokens"),
     "max_tokens past the context": ({**BODY, "max_tokens": CONTEXT + 1}, "max_tokens"),
     "max_tokens 0": ({**BODY, "max_tokens": 0}, "max_tokens"),
     "no messages": ({k: v for k, v in BODY.items() if k != "messages"}, "messages"),
     "an empty messages list": ({**BODY, "messages": []}, "messages"),
-    "a system role in messages": ({**BODY, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    "a tool role in messages": ({**BODY, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    "an image in a system turn": ({**BODY, "messages": [CONVERSATION[0], {"role": "system", "content": [
+        {"type": "image", "source": {}}]}]}, "messages[1].content[0]"),
     "a prefilled reply": ({**BODY, "messages": CONVERSATION[:2]}, "messages[1].role"),
     "an image": ({**BODY, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]},
@@ -315,6 +368,17 @@ REFUSED = {  # name -> (body, the field the message starts with)
         {"type": "tool_result", "tool_use_id": "t1", "content": "46", "is_error": "yes"}]}]},
         "messages[2].content[0].is_error"),
     "thinking enabled": ({**BODY, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    "thinking adaptive, summarized": ({**BODY, "thinking": {"type": "adaptive", "display": "summarized"}}, "thinking"),
+    "tool uses cleared": ({**BODY, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+                          "context_management.edits[0]"),
+    "context management as a list": ({**BODY, "context_management": []}, "context_management"),
+    "low effort": ({**BODY, "output_config": {"effort": "low"}}, "output_config.effort"),
+    "a JSON reply format": ({**BODY, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
+                            "output_config.format"),
+    "output config as text": ({**BODY, "output_config": "high"}, "output_config"),
+    "cache_control as text": ({**BODY, "cache_control": "ephemeral"}, "cache_control"),
+    "defer_loading as text": ({**BODY, "tools": [{**ANTHROPIC_TOOLS[0], "defer_loading": "yes"}]},
+                              "tools[0].defer_loading"),
     "a server tool": ({**BODY, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
     "a tool's bad schema": ({**BODY, "tools": [{**ANTHROPIC_TOOLS[0], "input_schema": {"properties": [1]}}]},
                             "tools[0].input_schema"),
@@ -354,14 +418,16 @@ def test_a_model_without_a_chat_template_refuses_messages_saying_so():
     assert "/v1/messages: call /v1/completions" in error["message"]
 
 
-FULL = {**BODY, "messages": CONVERSATION, "stream": False, "metadata": {"user_id": "u"},
-        "tool_choice": {"type": "auto"}, "stop_sequences": ["\n\n"]}
+FULL = {**BODY, "messages": CONVERSATION, "stream": False, "tool_choice": {"type": "auto"}, "stop_sequences": ["\n\n"],
+        **CLAUDE_CODE_FIELDS}
 FIELDS = [(k,) for k in FULL] + [("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
                                  ("messages", 0, "content", 0), ("messages", 0, "content", 0, "type"),
                                  ("messages", 1, "content", 1), ("messages", 1, "content", 1, "input"),
                                  ("messages", 1, "content", 1, "id"), ("messages", 2, "content", 0, "content"),
                                  ("messages", 2, "content", 0, "tool_use_id"), ("tools", 0),
-                                 ("tools", 0, "input_schema"), ("tool_choice", "type"), ("thinking",)]
+                                 ("tools", 0, "input_schema"), ("tools", 0, "defer_loading"), ("tool_choice", "type"),
+                                 ("thinking", "type"), ("context_management", "edits"),
+                                 ("context_management", "edits", 0), ("output_config", "effort")]
 
 
 @PROPERTIES

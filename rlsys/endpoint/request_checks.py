@@ -32,16 +32,22 @@ accepted and nothing is stored, so a later `previous_response_id` or `conversati
 and is refused.
 
 A /v1/messages body (Anthropic's Messages API) is translated the same way: `system` a system message first, each
-turn's text one message, an assistant turn's tool_use blocks its tool calls, a user turn's tool_result blocks a tool
-message each, in order (`is_error` is read as a flag and not rendered: a chat tool message has none, and the result's
-text says what failed); `tools` custom tools (`input_schema` their parameters); `max_tokens` (required, as Anthropic
-requires it), `temperature`, `top_p`, `top_k`, `stop_sequences` (chat's stop strings), `stream` and
-`tool_choice` `{"type": "auto"}` act, `metadata` labels. `cache_control` (Anthropic's prompt caching, top-level or on
-a block) is accepted: caching changes no answer, and an episode's calls go to the worker holding its prefix anyway.
-A last assistant turn (Anthropic continues it: a prefill) is refused, since a chat template closes it; so are images
-and documents, server tools, a forced or forbidden tool call, `disable_parallel_tool_use`, `thinking` other than
-disabled and any other field. Its refusals are sent in Anthropic's error shape (`RequestError.anthropic_body`), the
-message starting with the field.
+turn's text one message (a system turn among them, as Claude Code sends its environment, a system message where it
+stands), an assistant turn's tool_use blocks its tool calls, a user turn's tool_result blocks a tool message each, in
+order (`is_error` is read as a flag and not rendered: a chat tool message has none, and the result's text says what
+failed); `tools` custom tools (`input_schema` their parameters; one with `defer_loading` left out, as Anthropic leaves
+it out until a tool search loads it); `max_tokens` (required, as Anthropic requires it), `temperature`, `top_p`,
+`top_k`, `stop_sequences` (chat's stop strings), `stream` and `tool_choice` `{"type": "auto"}` act, `metadata` labels.
+`cache_control` (Anthropic's prompt caching, top-level or on a block) is accepted: caching changes no answer, and an
+episode's calls go to the worker holding its prefix anyway. At their neutral values only, as Claude Code sends them:
+`thinking` disabled or adaptive with nothing displayed (the model thinks or not as its template has it; no thinking
+block is returned), `context_management` edits that clear thinking (none is accepted, so none is cleared),
+`output_config.effort` "high" (Anthropic's default). A last assistant turn (Anthropic continues it: a prefill) is
+refused, since a chat template closes it; so are images and documents, server tools, a forced or forbidden tool call,
+`disable_parallel_tool_use`, any other thinking, context edit or output config (a JSON reply format, an effort) and
+any other field. Its refusals are sent in Anthropic's error shape (`RequestError.anthropic_body`), the message
+starting with the field. Headers (`anthropic-version`, `anthropic-beta`) and the query (`?beta=true`) are not read:
+the body's fields are what a beta asks for, and they are checked here.
 """
 
 import json
@@ -75,9 +81,14 @@ RESPONSES_NEUTRAL = {
     "service_tier": (("auto", "default"), "calls are served on one tier"),
 }
 # /v1/messages fields that act (`metadata` labels the call; `cache_control` asks Anthropic to cache the prompt, which
-# changes no answer); `thinking` is accepted disabled only, any other refused.
+# changes no answer); `thinking`, `context_management` and `output_config` are accepted at their neutral values
+# (_refuse_unhonoured_messages), any other field refused.
 MESSAGES_FIELDS = {"model", "max_tokens", "system", "messages", "tools", "tool_choice", "temperature", "top_p", "top_k",
-                   "stop_sequences", "stream", "metadata", "cache_control"}
+                   "stop_sequences", "stream", "metadata", "cache_control", "thinking", "context_management",
+                   "output_config"}
+# Thinking as no model here is asked to think: not at all, or as the model decides with nothing shown (Claude Code's).
+NEUTRAL_THINKING = ({"type": "disabled"}, {"type": "adaptive"}, {"type": "adaptive", "display": "omitted"})
+CLEAR_THINKING = "clear_thinking_20251015"  # the context edit that clears nothing here: no thinking block is accepted
 RESPONSES_ROLES = {"system", "developer", "user", "assistant"}
 # An API's tool shape, as a refusal describes it, and where in a tool its parameters schema is.
 TOOL_SHAPES = {
@@ -276,18 +287,14 @@ def _input_text(content, where: str, kinds: tuple[str, ...] = ("input_text", "ou
 def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[dict], Sampling]:
     """The chat messages, chat tools and sampling a /v1/messages body (Anthropic's Messages API) asks for."""
     for name, value in body.items():
-        if value is None or name in MESSAGES_FIELDS:
-            continue
-        if name != "thinking":
+        if value is not None and name not in MESSAGES_FIELDS:
             raise _invalid(name, "is not supported by this endpoint's /v1/messages; leave it out")
-        if value != {"type": "disabled"}:
-            raise _invalid(name, 'is not supported: no extended thinking is applied; send {"type": "disabled"} or '
-                                 'leave it out')
     if body.get("max_tokens") is None:
         raise _invalid("max_tokens", "is required: the Messages API asks every call for its reply's budget")
-    for name in ("metadata", "cache_control"):
+    for name in ("metadata", "cache_control", "context_management", "output_config"):
         if not isinstance(body.get(name), (dict, type(None))):
             raise _invalid(name, "must be an object or null")
+    _refuse_unhonoured_messages(body)
     system = body.get("system")
     system = _input_text(system, "system", ("text",)) if system is not None else ""
     messages = [{"role": "system", "content": system}] if system else []
@@ -296,12 +303,15 @@ def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], lis
         raise _invalid("messages", "must be a non-empty list of message objects")
     for i, turn in enumerate(turns):
         messages += _anthropic_turn(turn, f"messages[{i}]")
-    if turns[-1].get("role") != "user":  # Anthropic continues a last assistant turn; a chat template closes it
-        raise _invalid(f"messages[{len(turns) - 1}].role", "must be user: a prefilled assistant reply is not "
+    if turns[-1].get("role") == "assistant":  # Anthropic continues a last assistant turn; a chat template closes it
+        raise _invalid(f"messages[{len(turns) - 1}].role", "must be user or system: a prefilled assistant reply is not "
                                                             "continued by this endpoint")
+    # A tool whose loading is deferred is not shown to the model until a tool search loads it (a tool_reference block,
+    # refused in a tool result as any block but text): so it is left out of the prompt.
     tools = [{"type": "function", "function": {**{k: t[k] for k in ("name", "description") if k in t},
                                                **({"parameters": t["input_schema"]} if "input_schema" in t else {})}}
-             for t in _tools(body.get("tools"), "messages")]
+             for i, t in enumerate(_tools(body.get("tools"), "messages"))
+             if not _flag(t, "defer_loading", f"tools[{i}].defer_loading")]
     choice = body.get("tool_choice")
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
@@ -317,16 +327,42 @@ def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], lis
     return messages, tools, Sampling(settings, _stop_strings(body, "stop_sequences"), False, False, stream, False)
 
 
+def _refuse_unhonoured_messages(body: dict) -> None:
+    """`thinking`, `context_management` and `output_config` at any value but one that asks nothing of this model."""
+    if body.get("thinking") not in (None, *NEUTRAL_THINKING):
+        raise _invalid("thinking", 'is not supported but as {"type": "disabled"} or {"type": "adaptive"} (the model '
+                                   'thinks or not as its chat template has it) with "display": "omitted" or none: no '
+                                   'budget is applied and no thinking block is returned; leave it out or send one')
+    edits = (body.get("context_management") or {}).get("edits", [])
+    if not isinstance(edits, list):
+        raise _invalid("context_management.edits", "must be a list of context edits")
+    for i, edit in enumerate(edits):
+        if not (isinstance(edit, dict) and edit.get("type") == CLEAR_THINKING):
+            raise _invalid(f"context_management.edits[{i}]", f"is not supported but as a {CLEAR_THINKING} edit "
+                                                             f"(which clears nothing: no thinking block is accepted): "
+                                                             f"the model is prompted with the conversation as sent, no "
+                                                             f"tool result cleared")
+    for key, value in (body.get("output_config") or {}).items():
+        if key == "effort" and value not in (None, "high"):
+            raise _invalid("output_config.effort", 'is not supported but as "high" (Anthropic\'s default): this model '
+                                                   'has no effort setting; send "high" or leave it out')
+        if key != "effort" and value is not None:  # `format`: a JSON reply; `task_budget`
+            raise _invalid(f"output_config.{key}", "is not supported: replies are sampled unconstrained, with no "
+                                                   "budget but max_tokens; leave it out")
+
+
 def _anthropic_turn(turn, where: str) -> list[dict]:
     """A Messages API turn as chat messages: an assistant turn's text and tool_use blocks one assistant message; a user
     turn's tool_result blocks a tool message each and its text a user message, in their order."""
     if not isinstance(turn, dict):
         raise _invalid(where, "must be a message object")
     role, content = turn.get("role"), turn.get("content")
-    if role not in ("user", "assistant"):
-        raise _invalid(f"{where}.role", "must be one of ['assistant', 'user']")
+    if role not in ("user", "assistant", "system"):
+        raise _invalid(f"{where}.role", "must be one of ['assistant', 'system', 'user']")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
+    if role == "system":  # a system turn among the messages (Claude Code's): text only, a chat system message there
+        return [{"role": role, "content": _input_text(content, f"{where}.content", ("text",))}]
     if not isinstance(content, list):
         raise _invalid(f"{where}.content", "must be a string or a list of content blocks")
     messages, kinds = [], ("text", "tool_use") if role == "assistant" else ("text", "tool_result")
