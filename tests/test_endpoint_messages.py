@@ -97,6 +97,21 @@ def test_a_chat_anthropic_call_is_answered_and_prompted_as_the_chat_call_would_b
     assert first.prompt_ids == second.prompt_ids == third.prompt_ids
 
 
+def test_a_prompt_past_the_context_is_chat_anthropics_context_overflow(tokenizer):
+    """Refused as Anthropic words it ("prompt is too long"), which ChatAnthropic raises as its context overflow (what
+    LangChain's summarizing middleware acts on), not as any bad request."""
+    pytest.importorskip("langchain_anthropic")
+    from langchain_anthropic.chat_models import AnthropicContextOverflowError
+
+    async def calls(_client, http):
+        with pytest.raises(AnthropicContextOverflowError) as overflow:
+            await chat_anthropic(http, max_tokens=8).ainvoke("x" * CONTEXT)
+        return overflow.value
+
+    overflow, session = messages_served(tokenizer, [], calls)
+    assert overflow.status_code == 400 and "this endpoint's context is" in overflow.message and session.outputs == []
+
+
 def test_a_chat_anthropic_agent_records_what_the_chat_completions_agent_does(tokenizer, tokenizer_dir):
     """The LangGraph example's ReAct agent on ChatAnthropic (its calculator bound with bind_tools), invoked and
     streamed with stream_mode="messages": the tool_use it gets is the calculator call, the answer 409, and the

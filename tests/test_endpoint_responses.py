@@ -285,8 +285,9 @@ def answered_or_refused_naming(tokenizer, path: str, body: dict, field: str, che
         return
     error = check_refusal(response)
     assert response.status_code == 400 and asked == [], error
-    if not (error[names] or "").startswith(field):  # refused as a whole: a string no tokenizer takes may sit anywhere
-        assert "not valid Unicode" in error["message"], error
+    if not (error[names] or "").startswith(field):  # refused as a whole: a string no tokenizer takes may sit anywhere,
+        # and any field may make the prompt longer than the context
+        assert "not valid Unicode" in error["message"] or "prompt is too long" in error["message"], error
 
 
 @pytest.mark.parametrize("run", ["agents_sdk_run", "agents_sdk_streamed_run"])

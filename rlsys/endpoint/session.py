@@ -191,7 +191,8 @@ class EpisodeSession:
             raise RequestError(400, "the prompt is empty: it renders to no tokens", param="prompt")
         room = self.max_total_tokens - prompt_length
         if room <= 0:
-            raise RequestError(400, f"the prompt is {prompt_length} tokens; this endpoint's context is "
+            # "prompt is too long", as Anthropic words it: ChatAnthropic reads it as a context overflow
+            raise RequestError(400, f"the prompt is too long: {prompt_length} tokens; this endpoint's context is "
                                     f"{self.max_total_tokens} tokens", "context_length_exceeded")
         settings = dict(sampling.settings)
         asked = settings.pop("max_new_tokens", self.defaults.max_new_tokens)
