@@ -4,6 +4,7 @@ kept here for the tests to check."""
 
 import asyncio
 import json
+import os
 
 import anthropic  # here, not in a run: imported on the worker's event loop, it held every episode's calls meanwhile
 import httpx
@@ -178,6 +179,31 @@ async def chat_anthropic_run(base_url, api_key, prompt, stream: bool = False):
 
 async def chat_anthropic_streaming_run(base_url, api_key, prompt):
     return await chat_anthropic_run(base_url, api_key, prompt, stream=True)
+
+
+CLAUDE_CODE: dict = {}  # where claude_code_run finds the `claude` binary and the directory it works in
+
+
+async def claude_code_run(base_url, api_key, prompt):
+    """Claude Code itself (`claude -p`, the CLI the Claude Agent SDK drives) pointed at the endpoint, as its docs point
+    it at a gateway: ANTHROPIC_BASE_URL the endpoint's root, the episode's key as ANTHROPIC_API_KEY. Its home and
+    working directory are the test's; its output budget is set under the context (its own default is 128000 tokens).
+    Its result, as it prints it, is kept."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(CLAUDE_CODE["home"]), "ANTHROPIC_BASE_URL":
+           base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": api_key, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+    process = await asyncio.create_subprocess_exec(
+        CLAUDE_CODE["binary"], "-p", prompt, "--model", "rlsys", "--output-format", "json", env=env,
+        cwd=CLAUDE_CODE["cwd"], stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await process.communicate()
+    finally:
+        if process.returncode is None:  # the episode was cancelled: no claude outlives it
+            process.kill()
+            await process.wait()
+    RESPONSES.append(json.loads(out) if out.strip() else {"returncode": process.returncode, "stderr": err.decode()})
+    return None
 
 
 async def editing_run(base_url, api_key, prompt):

@@ -3,6 +3,7 @@
 sample the model's own ids began; every field it does not honour refused in Anthropic's error shape, naming it."""
 
 import json
+import shutil
 
 import anthropic
 import httpx
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.endpoint_clients import ANTHROPIC_TOOLS, RESPONSES
+from tests.endpoint_clients import ANTHROPIC_TOOLS, CLAUDE_CODE, RESPONSES
 from tests.test_endpoint_responses import answered_or_refused_naming, check_tool_then_answer, typed_events
 from tests.helpers import with_field
 from tests.scripted import ids
@@ -21,6 +22,7 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 5}  # LangChain's ChatAnt
 BODY = {"model": "rlsys", "max_tokens": 8, "system": "Use the calculator.", "tools": ANTHROPIC_TOOLS,
         "messages": [{"role": "user", "content": [{"type": "text", "text": "12+34="}]}], **SAMPLING}
 # The installed `anthropic` (2.17) takes no sampling arguments: they go as extra body fields.
+CLAUDE_CODE_CONTEXT = 200_000  # its system prompt and tools are some 50,000 characters, a token each here
 CLIENT_BODY = {**{k: v for k, v in BODY.items() if k not in SAMPLING}, "extra_body": SAMPLING}
 
 
@@ -300,6 +302,30 @@ def test_a_conversation_is_the_chat_call_it_makes(tokenizer):
     assert asked["token_ids"] == chat_asked["token_ids"]
     assert (asked["gconfig"]["max_new_tokens"], asked["gconfig"]["temperature"], asked["gconfig"]["top_p"],
             asked["gconfig"]["top_k"]) == (8, 0.7, 0.9, 5)
+
+
+def test_claude_code_reads_a_file_with_its_tool_and_answers_in_one_recorded_sample(tokenizer, tokenizer_dir, tmp_path):
+    """Claude Code itself (npm's @anthropic-ai/claude-code, run as `claude -p` where it is on PATH; not installed by
+    scripts/install.sh: it is 400 MB) on the endpoint: every call it makes is answered, its Read tool runs on the
+    model's call and the model's answer after it is its result. Its calls are one sample, the second continuing the
+    first's ids: Claude Code sends its conversation back as it got it."""
+    binary = shutil.which("claude")
+    if binary is None:
+        pytest.skip("Claude Code is not installed (npm install -g @anthropic-ai/claude-code)")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "answer.txt").write_text("409\n")
+    CLAUDE_CODE.update(binary=binary, home=tmp_path / "home", cwd=tmp_path / "work")
+    call = json.dumps({"name": "Read", "arguments": {"file_path": str(tmp_path / "work" / "answer.txt")}})
+    [trajectory], engine = run_episode(tokenizer, tokenizer_dir, "tests.endpoint_clients:claude_code_run",
+                                       tool_then_answer(tokenizer, f"<tool_call>{call}</tool_call>"),
+                                       max_total_tokens=CLAUDE_CODE_CONTEXT)
+    [result] = RESPONSES
+    assert (result.get("is_error"), result.get("result"), result.get("num_turns")) == (False, "409", 2), result
+    (first, _), (second, _) = engine.requests
+    assert second[:len(first)] == first and "409" in tokenizer.decode(second[len(first):])  # the file, read
+    assert trajectory.reward == 1.0 and trajectory.metrics["history_splits"] == 0
+    assert trajectory.token_ids == second + ids(tokenizer, "409") + [tokenizer.eos_token_id]
 
 
 # What Claude Code 2.1.332 sends on every call beside the conversation (seen from its requests to a recording server):
