@@ -181,7 +181,7 @@ async def chat_anthropic_streaming_run(base_url, api_key, prompt):
     return await chat_anthropic_run(base_url, api_key, prompt, stream=True)
 
 
-CLAUDE_CODE: dict = {}  # where claude_code_run finds the `claude` binary and the directory it works in
+CLAUDE_CODE: dict = {}  # the `claude` binary claude_code_run runs, its directories, and its arguments and settings
 
 
 async def claude_code_run(base_url, api_key, prompt):
@@ -191,9 +191,9 @@ async def claude_code_run(base_url, api_key, prompt):
     Its result, as it prints it, is kept."""
     env = {"PATH": os.environ["PATH"], "HOME": str(CLAUDE_CODE["home"]), "ANTHROPIC_BASE_URL":
            base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": api_key, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024",
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", **CLAUDE_CODE["env"]}
     process = await asyncio.create_subprocess_exec(
-        CLAUDE_CODE["binary"], "-p", prompt, "--model", "rlsys", "--output-format", "json", env=env,
+        CLAUDE_CODE["binary"], "-p", prompt, *CLAUDE_CODE["args"], "--output-format", "json", env=env,
         cwd=CLAUDE_CODE["cwd"], stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     try:
