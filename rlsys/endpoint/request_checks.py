@@ -333,10 +333,10 @@ def _refuse_unhonoured_messages(body: dict) -> None:
         raise _invalid("thinking", 'is not supported but as {"type": "disabled"} or {"type": "adaptive"} (the model '
                                    'thinks or not as its chat template has it) with "display": "omitted" or none: no '
                                    'budget is applied and no thinking block is returned; leave it out or send one')
-    edits = (body.get("context_management") or {}).get("edits", [])
-    if not isinstance(edits, list):
-        raise _invalid("context_management.edits", "must be a list of context edits")
-    for i, edit in enumerate(edits):
+    edits = (body.get("context_management") or {}).get("edits")
+    if not isinstance(edits, (list, type(None))):
+        raise _invalid("context_management.edits", "must be a list of context edits or null")
+    for i, edit in enumerate(edits or []):
         if not (isinstance(edit, dict) and edit.get("type") == CLEAR_THINKING):
             raise _invalid(f"context_management.edits[{i}]", f"is not supported but as a {CLEAR_THINKING} edit "
                                                              f"(which clears nothing: no thinking block is accepted): "
