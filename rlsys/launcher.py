@@ -87,21 +87,26 @@ def refuse_a_second_start(run_dir: Path, logging_dir: Path) -> None:
             f"another with trial_name=NEW (an empty trial_name= names it by the time it starts)")
 
 
-def resolve_resume(config, run_dir: Path) -> None:
-    """`resume_from_checkpoint=auto`: the run directory's newest complete checkpoint, or a fresh start that takes back
-    what an earlier start of the trial logged."""
+def resolve_resume(config, run_dir: Path) -> bool:
+    """`resume_from_checkpoint=auto`: the run directory's newest complete checkpoint, or a fresh start. Returns
+    whether it is that fresh start, which takes back what an earlier start of the trial logged
+    (`take_back_earlier_start`, once the start's checks passed)."""
     if config.resume_from_checkpoint != "auto":
-        return
+        return False
     restore_replaced(run_dir / "checkpoints")  # a step whose save crashed between its renames counts
     latest = latest_checkpoint(run_dir / "checkpoints")
     config.resume_from_checkpoint = str(latest) if latest else ""
     if not latest:
-        # A run killed before its first save left records of steps this start trains again: kept, they mixed with its
-        # own (learner.jsonl held steps 1-48, then 1-3; the console replayed the old progress lines)
-        abandoned = abandon_records_after(config, run_dir, FROM_THE_START["step"], FROM_THE_START["version"])
-        moved = f" ({abandoned} earlier records moved to *.jsonl.abandoned)" if abandoned else ""
         print(f"resume_from_checkpoint=auto: no complete checkpoint in {run_dir / 'checkpoints'}, so the run starts "
-              f"from the beginning{moved}", flush=True)
+              "from the beginning", flush=True)
+    return not latest
+
+
+def take_back_earlier_start(config, run_dir: Path) -> None:
+    """A run killed before its first save left records of steps this start trains again: kept, they mixed with its
+    own (learner.jsonl held steps 1-48, then 1-3; the console replayed the old progress lines)."""
+    if abandoned := abandon_records_after(config, run_dir, FROM_THE_START["step"], FROM_THE_START["version"]):
+        print(f"{abandoned} records of the trial's earlier start moved to *.jsonl.abandoned", flush=True)
 
 
 @contextlib.contextmanager
@@ -372,9 +377,7 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
     # once the checks passed: a refused start leaves the trial's config.yaml as its own run wrote it.
     requested = copy.deepcopy(config)
     config.logging_dir = str(logging_dir)
-    resolve_resume(config, run_dir)
-    if config.resume_from_checkpoint:  # the run goes on: its last launch's result is not the run's until it ends
-        (run_dir / "summary.json").unlink(missing_ok=True)
+    from_the_beginning = resolve_resume(config, run_dir)
     warm_start_seconds = prepare(config)
     print(f"run directory: {run_dir} (each role's full output: {config.logging_dir}/<role>.log)", flush=True)
     trainer_state = {}
@@ -382,6 +385,11 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
         trainer_state = read_trainer_state(Path(config.resume_from_checkpoint))
         check_same_dataset(config, trainer_state)
         print(f"resuming from {config.resume_from_checkpoint} (version {trainer_state['version']})", flush=True)
+    # What continuing the trial changes in it, once the checks passed: a refused start leaves it as it was.
+    if config.resume_from_checkpoint:  # the run goes on: its last launch's result is not the run's until it ends
+        (run_dir / "summary.json").unlink(missing_ok=True)
+    elif from_the_beginning:
+        take_back_earlier_start(config, run_dir)
     save_config(requested, run_dir / "config.yaml")
     with raise_on_sigterm(), placed_roles(config) as placement, \
             message_bus(config, run_dir, placement.bus_host) as (bus_url, server):

@@ -393,6 +393,36 @@ def test_a_refused_start_leaves_no_directory_behind(tmp_path):
     assert (run_dir / "config.yaml").read_text() == "trial_name: t\n"
 
 
+def test_a_refused_continuation_leaves_the_trials_records_as_they_were(tmp_path):
+    """resume_from_checkpoint=auto moved a killed run's records to *.jsonl.abandoned (where it saved no checkpoint),
+    or deleted its summary.json (where it saved one), before the start's checks: a start they refused had changed
+    the trial it was asked to continue."""
+    run_dir = tmp_path / "runs" / "async-ppo-math" / "t"
+    (run_dir / "logs").mkdir(parents=True)
+    for path, text in {"config.yaml": "trial_name: t\n", "logs/learner.jsonl": '{"step": 1}\n{"step": 2}\n',
+                       "logs/rollout0.jsonl": '{"step": 0}\n{"step": 2}\n', "summary.json": "{}\n"}.items():
+        (run_dir / path).write_text(text)
+
+    def trial():
+        return {str(path.relative_to(run_dir)): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    refused = ["trial_name=t", "resume_from_checkpoint=auto", "trace.mlflow=true",
+               f"trace.mlflow_tracking_uri=http://127.0.0.1:{port}"]
+    earlier = trial()
+    with pytest.raises(StartupError, match="no MLflow server answered"):
+        launch(run_config(tmp_path, *refused))
+    assert trial() == earlier
+    (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_2" / TRAINER_STATE).write_text('{"step": 2, "version": 2}')
+    earlier = trial()
+    with pytest.raises(StartupError, match="no MLflow server answered"):
+        launch(run_config(tmp_path, *refused))
+    assert trial() == earlier
+
+
 def test_a_runs_saved_config_reruns_as_a_new_run_in_a_directory_of_its_own(tmp_path, monkeypatch):
     """`--config runs/<experiment>/<trial>/config.yaml trial_name=`, as the refusal above advises: the file held the
     trial's logs directory, so the new run was refused for the old run's logs, or would have written into them."""

@@ -181,13 +181,14 @@ def test_auto_without_a_checkpoint_takes_back_what_the_earlier_start_logged(tmp_
     records went on after the killed run's in the same files (learner.jsonl: steps 1-3, then 1, 2, ...)."""
     from types import SimpleNamespace
 
-    from rlsys.launcher import resolve_resume
+    from rlsys.launcher import resolve_resume, take_back_earlier_start
     from rlsys.metrics import read_jsonl_metrics
 
     logs = killed_run_records(tmp_path, learner_steps=3, rollout=[(0, {"eval/accuracy": 0.2}), (2, {"reward": 0.5})])
     config = SimpleNamespace(resume_from_checkpoint="auto", logging_dir=str(logs))
-    resolve_resume(config, tmp_path)
+    assert resolve_resume(config, tmp_path)  # from the beginning: what was logged is taken back once the checks pass
     assert config.resume_from_checkpoint == ""
+    take_back_earlier_start(config, tmp_path)
     assert read_jsonl_metrics(logs / "learner.jsonl") == []
     assert [r["step"] for r in read_jsonl_metrics(logs / "rollout0.jsonl")] == [0]  # the evaluation before step 1
     assert len((logs / "learner.jsonl.abandoned").read_text().splitlines()) == 3
