@@ -14,7 +14,10 @@ BEAT_LOST_AFTER seconds has an event loop that a plugin blocks (a synchronous ca
 episodes, which cannot end, count as none being generated; the error names that worker.
 Nor is a run whose inference workers are still starting (after a restart, vLLM's start takes about a minute on a
 CPU): the clock runs only while every one of them serves; nor one whose rollout workers are (their environments'
-warm-up may load a model): only while every one of them has said what it runs since it started.
+warm-up may load a model; worker 0 evaluates first): only once every one of them says it trains. A rollout worker
+beats from its start, saying it is starting: one whose beat stands still for `cluster.stall_timeout` before it trains
+has an event loop that a plugin blocks in its warm-up or the first evaluation, which then cannot end; that stops the
+run, naming the worker.
 """
 
 import time
@@ -27,6 +30,8 @@ from rlsys.workers.inference_status import InferenceStatus
 # A live rollout worker publishes a new beat every ROLLOUT_BEAT_INTERVAL; ten missed ones are no slow machine's hiccup
 # (and the run must then still stand still for cluster.stall_timeout to stop).
 BEAT_LOST_AFTER = 10 * protocol.ROLLOUT_BEAT_INTERVAL
+BLOCKING_CALL = ("An agent or environment calls something that blocks (time.sleep, a synchronous HTTP request, a long "
+                 "computation) in an async function: await an async version or run it with asyncio.to_thread")
 
 
 class RunStalled(RoleFailed):
@@ -54,8 +59,12 @@ class StallWatch:
         # which tells a start from the rest, is kept)
         published = [bus.get(protocol.rollout_running(i)) for i in range(self.n_rollout_workers)]
         silent = self.silent_for(published, now)
+        starting = {i for i, p in enumerate(published) if p is None or p.get("starting")}
+        if blocked := {i: seconds for i, seconds in silent.items()
+                       if i in starting and seconds >= max(self.timeout, BEAT_LOST_AFTER)}:
+            raise RunStalled(self.explain_blocked_start(blocked))
         if (not bus.get(protocol.eval_result("initial")) or bus.get(protocol.LEARNER_DONE) is not None
-                or not self.inference_serves(bus) or None in published):
+                or not self.inference_serves(bus) or starting):
             self.state = None  # starting, (re)starting a role, or past the last step: the final evaluation is no stall
             return
         counts = self.ledger.counts()
@@ -91,9 +100,15 @@ class StallWatch:
     def explain_blocked(blocked: dict[int, tuple[int, float]]) -> str:
         return "".join(
             f". Rollout worker {index} has not published its count for {seconds:.0f} s, with {running} episodes "
-            f"running: its event loop is blocked, so none of them can end. An agent or environment calls something "
-            "that blocks (time.sleep, a synchronous HTTP request, a long computation) in an async function: await an "
-            "async version or run it with asyncio.to_thread" for index, (running, seconds) in blocked.items())
+            f"running: its event loop is blocked, so none of them can end. {BLOCKING_CALL}"
+            for index, (running, seconds) in blocked.items())
+
+    @staticmethod
+    def explain_blocked_start(blocked: dict[int, float]) -> str:
+        return ". ".join(
+            f"Rollout worker {index} has not published its count for {seconds:.0f} s while starting: its event loop "
+            f"is blocked, so its environments' warm-up{' or the initial evaluation' if index == 0 else ''} cannot "
+            f"end (cluster.stall_timeout). {BLOCKING_CALL}" for index, seconds in blocked.items())
 
     def statuses(self, bus) -> list:
         return [InferenceStatus(bus, index).read() for index in range(self.n_inference_workers)]

@@ -494,6 +494,7 @@ def test_the_running_count_is_published_once_a_beat_with_a_new_beat_even_unchang
     asyncio.run(worker.publish_running())
     second = bus.get(protocol.rollout_running(0))
     assert first["running"] == second["running"] == 0 and second["beat"] != first["beat"]
+    assert "starting" not in second  # it trains
 
 
 class IgnoresCancellation(Agent):
@@ -544,3 +545,36 @@ def test_an_episode_that_ignores_its_cancellation_at_the_end_of_training_is_name
     # each episode's chain, and the agent's own task, at the line that ignores the cancellation
     assert errors[0].count("in run_training_episode") == 2, errors[0]
     assert errors[0].count(f"test_rollout_worker.py:{IGNORING_LINE} in collect_trajectory") == 2, errors[0]
+
+
+def test_a_starting_worker_beats_from_its_start_saying_it_is_starting(tmp_path):
+    """The stall watch heard from a worker only once it trained: one whose environments' warm-up or first evaluation
+    a plugin blocked was taken as starting for ever, and the run waited in silence (tests/test_stall.py)."""
+    config = AsyncPPOMATHConfig()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    config.dataset.path = write_rows(tmp_path / "train.jsonl", [1, 2, 3])
+    config.dataset.eval_path = write_rows(tmp_path / "eval.jsonl", [4, 5])
+    bus = InProcessBus()
+    worker = RolloutWorker(config, bus, 0)
+
+    async def start_without_engines() -> list:
+        running = asyncio.create_task(worker.run())  # no inference worker will ever be live: it stays starting
+        published = []
+        try:
+            for _ in range(60):  # 3 s: beats once a second
+                await asyncio.sleep(0.05)
+                if (value := bus.get(protocol.rollout_running(0))) not in published:
+                    published.append(value)
+            assert not running.done()
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+        return published
+
+    try:
+        published = asyncio.run(start_without_engines())
+    finally:
+        close_shared_pool()
+    assert published[0] is not None and len(published) >= 3, published
+    assert all(value["starting"] is True and value["running"] == 0 for value in published)

@@ -23,9 +23,11 @@ from tests.helpers import child_pids, left_behind, small_run_overrides
 from tests.test_training_loop import run_bus
 
 
-def publish_running(bus, index: int, episodes: int) -> None:
-    """What a rollout worker publishes once a second: its count of running episodes, with a new beat."""
-    bus.set(protocol.rollout_running(index), {"running": episodes, "beat": time.time() + next(BEATS)})
+def publish_running(bus, index: int, episodes: int, starting: bool = False) -> None:
+    """What a rollout worker publishes once a second: its count of running episodes, with a new beat, and from its
+    start until it trains, that it is starting."""
+    bus.set(protocol.rollout_running(index), {"running": episodes, "beat": time.time() + next(BEATS),
+                                              **({"starting": True} if starting else {})})
 
 
 BEATS = itertools.count()
@@ -161,6 +163,39 @@ def test_a_rollout_worker_whose_event_loop_a_plugin_blocks_stops_the_run_naming_
     assert "were lost" in str(stalled.value) and " 1 of the prompts in flight" in str(stalled.value)
 
 
+def test_a_rollout_worker_whose_start_a_plugin_blocks_stops_the_run_naming_it():
+    """A worker beat only once it trained: one whose environment's warm_up (or, worker 0, whose first evaluation)
+    blocked the event loop never said anything, so the watch took it as starting and the run waited forever. It now
+    beats from its start, saying it is starting; the watch waits for it while it beats, however long its warm-up, and
+    stops the run once its beat has stood still for cluster.stall_timeout."""
+    config = AsyncPPOMATHConfig()
+    config.cluster.stall_timeout, config.cluster.n_rollout_workers = 60, 2
+    bus, clock = InProcessBus(), Clock()
+    watch = StallWatch(config, PromptLedger.of(bus, config), clock)
+    InferenceStatus(bus, 0).publish(WorkerStatus(epoch=1, beat=1, version=0, load=0))
+
+    def after(seconds: int, live: dict[int, bool]) -> None:  # the live workers (index: starting) beat every second
+        for _ in range(seconds):
+            clock.now += 1
+            for index, starting in live.items():
+                publish_running(bus, index, 0, starting)
+            watch.check(bus)
+
+    after(1000, live={0: True})  # worker 0 warms up (a model loading), worker 1 not in its run() yet: both starting
+    after(1000, live={0: True, 1: True})
+    after(59, live={1: True})  # worker 0's loop blocked
+    with pytest.raises(RunStalled, match=r"Rollout worker 0 has not published its count for 60 s while starting: "
+                                         r"its event loop is blocked") as stalled:
+        after(1, live={1: True})
+    assert "Rollout worker 1" not in str(stalled.value)
+    # Restarted after the initial evaluation, a worker that beats is starting, not idle: the clock waits for it.
+    bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
+    after(1000, live={0: True, 1: False})
+    after(60, live={0: False, 1: False})  # up, and idle at a closed gate: its clock starts at its first beat
+    with pytest.raises(RunStalled, match="none admitted"):
+        after(1, live={0: False, 1: False})
+
+
 class Exited:
     """A role's handle whose process has exited, as rlsys.placement's are read by the supervisor."""
 
@@ -253,4 +288,50 @@ def test_a_run_whose_gate_never_opens_again_stops_with_the_reason(cache_dir, tmp
     held, filtered, failed = map(int, counts.groups())
     assert 10**6 - filtered - failed <= held <= 10**6, str(stopped.value)
     closer.join(timeout=10)
+    assert left_behind(tmp_path, existing) == []
+
+
+# A plugin file is imported once per process: its names are its own.
+BLOCKED_WARM_UP_PLUGIN = '''
+import dataclasses
+import time
+
+from experiments import AsyncPPOMATHConfig, register_experiment
+from rlsys.api import EnvServiceAbstraction, register_environment
+from rlsys.impl.env.math_code_single_step import MathCodeSingleStepEnv
+
+
+class BlockingWarmUpEnv(MathCodeSingleStepEnv):
+    async def warm_up(self):
+        time.sleep(3600)  # a synchronous call in an async function: the worker's event loop stands still
+
+
+register_environment("blocking-warm-up-env", BlockingWarmUpEnv)
+
+
+@dataclasses.dataclass
+class BlockingWarmUpExperiment(AsyncPPOMATHConfig):
+    @property
+    def env(self):
+        return EnvServiceAbstraction("blocking-warm-up-env")
+
+
+register_experiment("blocking-warm-up-experiment", BlockingWarmUpExperiment)
+'''
+
+
+@pytest.mark.slow
+def test_a_run_whose_environment_blocks_the_loop_in_its_warm_up_stops_naming_the_worker(cache_dir, tmp_path):
+    """The rollout worker never started training, so it never beat: the watch took it as starting, and the run
+    waited for ever (here, until pytest's timeout)."""
+    existing = child_pids()
+    plugin = tmp_path / "blocked_warm_up_plugin.py"
+    plugin.write_text(BLOCKED_WARM_UP_PLUGIN)
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "experiment=blocking-warm-up-experiment", f"plugins=[{plugin}]", "max_steps=2", "cluster.stall_timeout=20",
+        "cluster.stop_grace_seconds=5"])
+    with pytest.raises(RoleFailed, match=r"Rollout worker 0 has not published its count for 2\d s while starting: its "
+                                         r"event loop is blocked, so its environments' warm-up or the initial "
+                                         r"evaluation cannot end"):
+        launch(config)
     assert left_behind(tmp_path, existing) == []

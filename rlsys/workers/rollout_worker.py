@@ -65,6 +65,8 @@ class RolloutWorker:
                              num_shards=self.config.cluster.n_rollout_workers, skip=frozenset(self.consumed))
 
     async def run(self) -> None:
+        # First: the stall watch hears from a worker whose start a plugin blocks (rlsys/stall.py)
+        starting = asyncio.create_task(self.beat_while_starting())
         routing = [asyncio.create_task(self.router.dispatch_replies()), asyncio.create_task(self.router.watch_workers())]
         try:
             # Engines take a while to start, and so do what environments share: episodes begin once both are up, and
@@ -76,6 +78,7 @@ class RolloutWorker:
                 # "initial" figures stay the run's first (the checkpoint keeps them)
                 resumed = bool(self.config.resume_from_checkpoint)
                 await self.evaluate("initial", "at the resumed step" if resumed else "initial")
+            starting.cancel()
             await self.train()
             self.metrics.log(await self.current_version(), {
                 "episodes/failed": sum(self.failures.values()),
@@ -83,7 +86,7 @@ class RolloutWorker:
             if self.index == 0 and await self.wait_for_final_weights():
                 await self.evaluate("final")
         finally:
-            for task in routing:
+            for task in (starting, *routing):
                 task.cancel()
             self.metrics.close()
             if self.traces is not None:
@@ -186,16 +189,23 @@ class RolloutWorker:
             async with asyncio.timeout(timeout):
                 await self.episode_ended.wait()
 
-    async def publish_running(self) -> None:
+    async def publish_running(self, starting: bool = False) -> None:
         """How many episodes this worker runs, for the stall watch (rlsys/stall.py): once a ROLLOUT_BEAT_INTERVAL
         (episodes start and end dozens of times a second; the watch waits minutes), changed or not, with a new beat
-        each time. So a count that a loop blocked by a plugin left on the bus is told from one that is true now."""
+        each time. So a count that a loop blocked by a plugin left on the bus is told from one that is true now.
+        `starting`: said until the worker trains, while the watch waits for its start."""
         now = time.monotonic()
         if now - self.published_running >= protocol.ROLLOUT_BEAT_INTERVAL:
             self.published_running = now
             # the wall clock: a beat that differs from the last one (and a restarted worker's from its predecessor's)
-            running = {"running": len(self.running), "beat": time.time()}
+            running = {"running": len(self.running), "beat": time.time(), **({"starting": True} if starting else {})}
             await asyncio.to_thread(self.bus.set, protocol.rollout_running(self.index), running)
+
+    async def beat_while_starting(self) -> None:
+        """The beat from run()'s start until it trains: environments' warm-up and worker 0's first evaluation."""
+        while True:
+            await self.publish_running(starting=True)
+            await asyncio.sleep(protocol.ROLLOUT_BEAT_INTERVAL)
 
     def routing_metrics(self) -> dict[str, float]:
         stats = self.router.stats
