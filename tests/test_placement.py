@@ -176,3 +176,28 @@ def test_closing_a_local_placement_ends_every_role_it_started_that_still_runs():
             raise KeyboardInterrupt
     assert [role.is_alive() for role in roles] == [False, False]
     assert time.monotonic() - started < 60
+
+
+def test_a_sigterm_to_one_role_alone_ends_it_and_one_the_launcher_also_got_is_left_to_the_launcher():
+    """A role left every SIGTERM to its launcher while that lived, so the group's (scancel, systemd) stops the run
+    through the bus and the learner saves its checkpoint; but one sent to the role alone (kill PID, a cluster agent)
+    was ignored. The role now ends by it unless the launcher got one within a moment; the supervisor then restarts
+    it as after a crash."""
+    from rlsys.bus import raise_on_sigterm
+    from rlsys.placement.local import SIGTERM_ALONE_SECONDS, LocalPlacement
+
+    with raise_on_sigterm():  # the launcher's own handling of SIGTERM
+        placement = LocalPlacement(parse_config([]), wait_for_the_stop)
+        try:
+            alone, with_the_launcher = placement.start("rollout", 0, ()), placement.start("rollout", 1, ())
+            os.kill(alone.process.pid, signal.SIGTERM)
+            alone.join(SIGTERM_ALONE_SECONDS + 30)
+            assert alone.exitcode == -signal.SIGTERM
+            with pytest.raises(SystemExit):
+                os.kill(with_the_launcher.process.pid, signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)  # the process group's: the launcher got it too
+                time.sleep(5)
+            with_the_launcher.join(SIGTERM_ALONE_SECONDS + 2)
+            assert with_the_launcher.exitcode is None  # the launcher's stop ends it, through the bus
+        finally:
+            placement.close()

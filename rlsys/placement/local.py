@@ -10,6 +10,8 @@ import multiprocessing.util
 import os
 import signal
 import sys
+import threading
+import time
 
 from rlsys.bus.redis_server import free_port
 from rlsys.placement.base import Placement, RoleHandle, learner_rendezvous, process_exit
@@ -46,6 +48,10 @@ class LocalPlacement(Placement):
         self.gpus = gpu_layout(config.cluster, config.inference, visible_devices())
         self.master_port = 0
         self.roles: list[LocalRole] = []  # every role started here that may still run, for close()
+        # Set as the launcher gets a SIGTERM: a role's own SIGTERM is the process group's if it is set soon (_sigterm)
+        self.terminated = multiprocessing.get_context("spawn").RawValue("b", 0)
+        self._launcher_sigterm = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._note_sigterm)
 
     def start(self, role: str, index: int, args: tuple) -> RoleHandle:
         env = {"CUDA_VISIBLE_DEVICES": self.gpus[(role, index)]} if (role, index) in self.gpus else {}
@@ -54,7 +60,8 @@ class LocalPlacement(Placement):
                 self.master_port = free_port()
             env.update(learner_rendezvous(index, self.config.cluster.n_learner_ranks, "127.0.0.1", self.master_port))
         ctx = multiprocessing.get_context("spawn")  # vLLM and torch do not survive fork
-        process = ctx.Process(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env))
+        process = ctx.Process(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env),
+                              kwargs={"launcher_terminated": self.terminated})
         # the environment: libgomp reads it as torch loads
         with environment(role_environment()), stop_signals_blocked():
             process.start()
@@ -68,6 +75,16 @@ class LocalPlacement(Placement):
         started), which the launcher's exit would otherwise wait on (multiprocessing joins its children at exit)."""
         for handle in self.roles:
             handle.kill()
+        signal.signal(signal.SIGTERM, self._launcher_sigterm)
+
+    def _note_sigterm(self, signum, frame) -> None:
+        """The launcher's SIGTERM: noted for the roles, then handled as the launcher handles it."""
+        self.terminated.value = 1
+        if callable(self._launcher_sigterm):
+            self._launcher_sigterm(signum, frame)
+        elif self._launcher_sigterm == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -103,12 +120,12 @@ def stop_signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def run_in_process(entry, role: str, index: int, *args) -> None:
-    """A role process: dies with the launcher, leaves Ctrl-C and a SIGTERM while the launcher lives to it, exits with
+def run_in_process(entry, role: str, index: int, *args, launcher_terminated) -> None:
+    """A role process: dies with the launcher, leaves Ctrl-C and a SIGTERM the launcher also gets to it, exits with
     the role's code."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
-    signal.signal(signal.SIGTERM, functools.partial(_sigterm, os.getppid()))
+    signal.signal(signal.SIGTERM, functools.partial(_sigterm, os.getppid(), launcher_terminated))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since its spawn (stop_signals_blocked)
     code = entry(role, index, *args)
     if role == "inference":
@@ -124,15 +141,33 @@ def run_in_process(entry, role: str, index: int, *args) -> None:
         sys.exit(code)
 
 
-def _sigterm(launcher: int, signum, frame) -> None:
+SIGTERM_ALONE_SECONDS = 3.0  # a role's SIGTERM that its launcher did not also get within this was sent to it alone
+
+
+def _sigterm(launcher: int, launcher_terminated, signum, frame) -> None:
     """A SIGTERM while the launcher lives was sent to the whole process group (Slurm's scancel, systemd's stop,
-    `kill -TERM -PGID`): the launcher got it too and stops the role as on Ctrl-C, through the bus, so the learner saves
-    its checkpoint; killed here, it saved none. The launcher's stop kills a role that outlives its grace. Once the
-    launcher is gone, a SIGTERM ends the role as it ends any process."""
+    `kill -TERM -PGID`) if the launcher got one too: it stops the role as on Ctrl-C, through the bus, so the learner
+    saves its checkpoint; killed here, it saved none. The launcher's stop kills a role that outlives its grace. One the
+    launcher did not get within SIGTERM_ALONE_SECONDS was sent to this role alone (`kill PID`, a cluster agent): it
+    ends the role, which the supervisor restarts as after a crash. Once the launcher is gone, a SIGTERM ends the role
+    as it ends any process."""
     if os.getppid() == launcher:
+        threading.Thread(target=_end_unless_the_launcher_stops, args=(launcher_terminated,), daemon=True).start()
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _end_unless_the_launcher_stops(launcher_terminated) -> None:
+    deadline = time.monotonic() + SIGTERM_ALONE_SECONDS
+    while not launcher_terminated.value:
+        if time.monotonic() > deadline:
+            # From this thread, and at once: the main thread may be in a long call, where Python's handlers wait
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+            libc.signal(signal.SIGTERM, None)  # SIG_DFL
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
 
 
 def _die_with_parent() -> None:
