@@ -219,6 +219,26 @@ def test_garbage_in_a_queue_comes_back_as_undecodable_in_its_place_and_loses_not
     assert isinstance(big, Undecodable) and "exceeds the limit" in big.reason and big.size > 2000 and big.head
 
 
+def test_a_map_key_no_reader_can_hold_is_named_with_its_map_s_path_and_loses_nothing_beside_it(bus):
+    """A tuple key encodes (as an array), and decodes into a list, which cannot be a key: the reader's reason says
+    which map held it, so the writer's bug is found, where checking every message on the writer's side would cost
+    as much as encoding it again."""
+    bus.put_many("obs", ["before", {"rid": "r", "meta": [1, {"ok": 1, ("a", 1): 2}]}, "after"])
+    before, bad, after = bus.get_many("obs", 10, timeout=1)
+    assert (before, after) == ("before", "after")
+    assert isinstance(bad, Undecodable) and "queue obs" in bad.reason, bad
+    assert "the map at ['meta'][1] has a key that is an array" in bad.reason, bad.reason
+    assert "not msgpack written by a Bus" not in bad.reason
+    bus.stream_add("st", {(1, 2): "x"})
+    (entry,) = bus.stream_read("st", "g", "c", 10, timeout=1)
+    with pytest.raises(BusDecodeError, match=rf"stream st entry {entry.id}.*the map at the top has a key that is an "
+                                             r"array"):
+        entry.decode("st")
+    bus.set("k", {"x": {(1,): 2}})
+    with pytest.raises(BusDecodeError, match=r"key k.*the map at \['x'\] has a key that is an array"):
+        bus.get("k")
+
+
 def test_connect_dispatch(redis_url):
     name = uuid.uuid4().hex
     a = connect(f"inproc://{name}")

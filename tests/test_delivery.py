@@ -158,6 +158,8 @@ BAD_MESSAGES = {  # name -> (payload, words the reason must contain)
                                      "turn_rewards[0] must be a finite number in [-1e+06, 1e+06]"),
     "another prompt's trajectory": (raw({"group_id": "x", "trajectories": [good_dict("x"), good_dict("y")]}),
                                     "trajectory 1: group_id 'y' is not its prompt's id 'x'"),
+    "a tuple key": (raw({"group_id": "x", "trajectories": [good_dict("x", metrics={("a", 1): 1.0})]}),
+                    "the map at ['trajectories'][0]['metrics'] has a key that is an array"),
     "huge": (raw({"group_id": "x", "trajectories": [good_dict("x", metrics={"blob": 1.0}, stop_reason="s" * 3 * MB)]}),
              "exceeds the limit of 1.0 MiB"),
 }

@@ -38,9 +38,41 @@ def decode(data: bytes, where: str):
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises many types (ExtraData, FormatError, StackError, UnicodeDecodeError...)
+        if unholdable := _unholdable_key(data):
+            raise BusDecodeError(f"undecodable message on {where!r}: {unholdable}") from e
         reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         raise BusDecodeError(f"undecodable message on {where!r}, not msgpack written by a Bus ({reason}); "
                              f"first bytes {bytes(data[:16])!r}") from e
+
+
+class _Pairs(list):
+    """A map as `_unholdable_key` reads it: its (key, value) pairs, no key hashed."""
+
+
+def _unholdable_key(data: bytes) -> str | None:
+    """Which map of `data` has a key no reader can hold (an array or a map), or None.
+
+    encode sends any key msgpack packs, a tuple too (as an array, which decodes into a list), and checking every
+    message's keys on the writer's side costs several times the encoding. So the reader, once a message fails,
+    reads it again keeping maps as pairs, and names the writer's bug."""
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False, object_pairs_hook=_Pairs)
+    except Exception:  # not msgpack at all: the caller's reason stands
+        return None
+    stack = [(value, "")]
+    while stack:  # depth first in the message's order, without recursion (msgpack nests up to its own limit)
+        value, path = stack.pop()
+        if isinstance(value, _Pairs):
+            for key, _ in value:
+                if isinstance(key, list):
+                    kind = "a map" if isinstance(key, _Pairs) else "an array"
+                    return (f"the map at {path or 'the top'} has a key that is {kind}, which no reader can hold as a "
+                            "key (a tuple key is sent as an array); keys must be strings, numbers, booleans, None "
+                            "or bytes")
+            stack.extend(reversed([(v, f"{path}[{k!r:.40}]") for k, v in value]))
+        elif isinstance(value, list):
+            stack.extend(reversed([(v, f"{path}[{i}]") for i, v in enumerate(value)]))
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +220,8 @@ class Bus(abc.ABC):
     """FIFO queues, a key/value store with atomic counters, sets of strings, and streams read by consumer
     groups with acknowledgement. Sync and thread-safe.
 
-    Messages and values are msgpack-serializable Python values; tuples come back as lists.
+    Messages and values are msgpack-serializable Python values; tuples come back as lists, so a tuple map key
+    cannot be read back: the reader's BusDecodeError (or Undecodable) names the map that holds it.
 
     Streams give at-least-once delivery: an entry read by a consumer stays pending until acknowledged,
     and if that consumer dies another one can claim it. Each stream here has one consumer group, so an
