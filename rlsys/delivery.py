@@ -28,10 +28,10 @@ A message the learner cannot use goes to the DEAD_LETTERS stream with its reason
   * one over the size limit, undecodable, of the wrong shape, or with trajectories the learner cannot
     train on: at its first delivery, since checking the same bytes again gives the same answer;
   * one delivered MAX_DELIVERIES times without an acknowledgement: every consumer that took it died
-    (say it crashes the learner), so it is set aside rather than taking the next one down. Under the launcher a
-    learner's death deletes the stream (above), so a delivery count grows only where a learner takes entries again
-    after a bus-server restart or a lost reply; a message that crashes the learner is never delivered again there, and
-    the group made again for its prompt, if it crashes the learner too, stops the run once the learner has used up
+    (say it crashes the learner), so it is set aside rather than taking the next one down. Taking entries back after
+    a bus-server restart or a lost reply is no such delivery and leaves the count as it was. Under the launcher a
+    learner's death deletes the stream (above), so a message that crashes the learner is never delivered again there,
+    and the group made again for its prompt, if it crashes the learner too, stops the run once the learner has used up
     cluster.max_role_restarts. So MAX_DELIVERIES need not follow that setting.
 If its group id is a prompt in flight, that prompt is counted as failed (rejected) and gives its
 staleness-gate slot back, so the run neither stalls nor loses count. The group id is the payload's, or, where that
@@ -203,18 +203,19 @@ class TrajectoryInbox:
         if self.orphans:
             log.info("took over %d trajectory messages a previous learner left unacknowledged", len(self.orphans))
 
-    def _claim_pending(self) -> list[StreamEntry]:
-        """Every entry pending for another consumer name, now this one's."""
+    def _claim_pending(self, counted: bool = True) -> list[StreamEntry]:
+        """Every entry pending for another consumer name, now this one's; `counted` as in Bus.stream_claim."""
         claimed = []
         while page := self.bus.stream_claim(protocol.TRAJECTORIES, protocol.LEARNERS, self.consumer, 0, CLAIM_PAGE,
-                                            self.max_message_bytes):
+                                            self.max_message_bytes, counted):
             claimed += page
         return claimed
 
     def _take_back_lost_entries(self, why: str) -> None:
         self.takebacks += 1  # a claim takes only what other consumer names hold
         self.consumer = f"{self.name}@{self.server_restarts.server}.{self.takebacks}"
-        lost = [entry for entry in self._claim_pending() if entry.id not in self.held]
+        # not counted: a restart or a lost reply kept them from this learner, which did not fail on them
+        lost = [entry for entry in self._claim_pending(counted=False) if entry.id not in self.held]
         if lost:
             log.warning("%s; %d trajectory messages the bus server had handed out never arrived: taking them again",
                         why, len(lost))

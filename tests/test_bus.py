@@ -376,6 +376,20 @@ def test_claim_takes_over_the_entries_of_a_dead_consumer(bus):
     assert bus.stream_claim("st", "nogroup", "x", min_idle=0, max_count=10) == []
 
 
+def test_a_claim_that_takes_back_what_never_failed_keeps_the_delivery_counts(bus):
+    """A reader taking back what a server restart or a lost reply kept from it (counted=False) is no delivery that
+    failed: the counts stay, and the next counted claim adds one to them."""
+    for i in range(2):
+        bus.stream_add("st", i)
+    held = bus.stream_read("st", "g", "reader", 10, timeout=1)
+    assert [e.deliveries for e in bus.stream_claim("st", "g", "reader-2", min_idle=0, max_count=10)] == [2, 2]
+    for name in ("reader-3", "reader-4"):
+        taken = bus.stream_claim("st", "g", name, min_idle=0, max_count=10, counted=False)
+        assert [e.id for e in taken] == [e.id for e in held] and [e.deliveries for e in taken] == [2, 2]
+        assert [e.decode("st") for e in taken] == [0, 1]
+    assert [e.deliveries for e in bus.stream_claim("st", "g", "heir", min_idle=0, max_count=10)] == [3, 3]
+
+
 def test_concurrent_consumers_of_a_group_get_every_entry_exactly_once(bus):
     expected = [[p, i] for p in range(3) for i in range(100)]
     received, lock = [], threading.Lock()

@@ -298,6 +298,20 @@ def test_entries_still_waiting_to_be_taken_again_when_the_server_restarts_again_
         bus.close()
 
 
+def test_an_entry_taken_back_after_each_of_several_server_restarts_is_no_poison_pill(tmp_path):
+    """A server restart keeps no reader from an entry by failing on it: taken back after three restarts, a good entry
+    was set aside as delivered four times without an acknowledgement, and its prompt counted failed."""
+    with EmbeddedRedis(tmp_path) as server:
+        bus = connect(server.url)
+        lost = [f"lost-{i}" for i in range(MAX_DELIVERIES)]
+        learner, _ = one_held_and_replies_lost(bus, ["held", *lost], lost=len(lost))
+        for group_id in lost:  # each restart leaves the rest waiting to be taken again
+            restart(server)
+            assert [d.group_id for d in learner.receive(1, timeout=1)] == [group_id]
+        assert dead_letters(bus) == [] and learner.dead_letters == 0 and ledger(bus).counts()["failed"] == {}
+        bus.close()
+
+
 def outcome(check):
     """(what `check()` returned, None) or (None, the InvalidMessage's text)."""
     try:

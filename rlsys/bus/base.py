@@ -135,7 +135,7 @@ class StreamEntry:
 
     id: str  # the stream's id for it, "<ms>-<seq>", increasing
     payload: bytes  # the msgpack bytes as stored (b"" where `problem` says why they were not fetched)
-    deliveries: int  # times the group has handed it to a consumer, this time included (0 from stream_range)
+    deliveries: int  # times the group has handed it to a consumer, this one included (see stream_claim); 0 from range
     problem: str | None = None  # the entry has no payload field, or it is over the reader's max_bytes
     stored_size: int | None = None  # the size of a payload that was not fetched
     label: str = ""  # what its writer labelled it with (stream_add), read even where the payload is not
@@ -300,10 +300,11 @@ class Bus(abc.ABC):
 
     @abc.abstractmethod
     def stream_claim(self, stream: str, group: str, consumer: str, min_idle: float,
-                     max_count: int, max_bytes: int | None = None) -> list[StreamEntry]:
+                     max_count: int, max_bytes: int | None = None, counted: bool = True) -> list[StreamEntry]:
         """Take over up to `max_count` entries pending with *other* consumers of `group` for at least
         `min_idle` s (their consumer died or stalls); their delivery count goes up by one. `max_bytes`
-        as in stream_read."""
+        as in stream_read. `counted=False`: the counts stay as they are, for a reader taking back what a server
+        restart or a lost reply kept from it, which is no delivery that failed."""
 
     @abc.abstractmethod
     def stream_ack(self, stream: str, group: str, ids: list[str]) -> int:

@@ -217,7 +217,7 @@ class InProcessBus(Bus):
             return [_entry(s, i, 1, max_bytes) for i in fresh]
 
     def stream_claim(self, stream: str, group: str, consumer: str, min_idle: float,
-                     max_count: int, max_bytes: int | None = None) -> list[StreamEntry]:
+                     max_count: int, max_bytes: int | None = None, counted: bool = True) -> list[StreamEntry]:
         with self._cond:
             s = self._streams[stream]
             g = s.groups.setdefault(group, _Group())
@@ -231,7 +231,7 @@ class InProcessBus(Bus):
                 if entry_id not in s.entries:  # deleted while pending: nothing left to deliver
                     del g.pending[entry_id]
                     continue
-                p.consumer, p.delivered_at, p.deliveries = consumer, now, p.deliveries + 1
+                p.consumer, p.delivered_at, p.deliveries = consumer, now, p.deliveries + (1 if counted else 0)
                 claimed.append(_entry(s, entry_id, p.deliveries, max_bytes))
             return claimed
 

@@ -64,16 +64,33 @@ return 0
 
 
 # XREADGROUP (no BLOCK: not allowed in scripts) or XCLAIM, with each payload measured on the server: one over
-# the reader's limit, or missing, is not sent back, only its size. Per entry: {id, status, size, payload, label}, the
-# label '' where the entry has none or one over LABEL_MAX_BYTES (a foreign writer's: the limit holds for it too).
+# the reader's limit, or missing, is not sent back, only its size. Per entry: {id, status, size, payload, label,
+# deliveries}, the label '' where the entry has none or one over LABEL_MAX_BYTES (a foreign writer's: the limit holds
+# for it too). A claim (ARGV[5] the minimum idle time, ARGV[6] COUNTED or KEPT, then the ids) reads each entry's
+# delivery count as it claims it: XCLAIM adds one to it, or with RETRYCOUNT sets it where it was (Bus.stream_claim).
 _FETCH_ENTRIES = """
-local entries
+local entries, deliveries = {}, {}
 if ARGV[1] == 'READ' then
   local reply = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[5], 'STREAMS', KEYS[1], '>')
   if not reply then return {} end
   entries = reply[1][2]
 else
-  entries = redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[5], unpack(ARGV, 6))
+  for i = 7, #ARGV do
+    local pending = redis.call('XPENDING', KEYS[1], ARGV[2], ARGV[i], ARGV[i], 1)[1]
+    if pending then
+      local count, claimed = pending[4], nil
+      if ARGV[6] == 'KEPT' then
+        claimed = redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[5], ARGV[i], 'RETRYCOUNT', count)
+      else
+        claimed = redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[5], ARGV[i])
+        count = count + 1
+      end
+      if claimed[1] then
+        table.insert(entries, claimed[1])
+        deliveries[claimed[1][1]] = count
+      end
+    end
+  end
 end
 local limit = tonumber(ARGV[4])
 local out = {}
@@ -85,12 +102,13 @@ for _, e in ipairs(entries) do
       if fields[i] == 'm' then payload = fields[i + 1] end
       if fields[i] == 'l' and #fields[i + 1] <= LABEL_MAX_BYTES then label = fields[i + 1] end
     end
+    local count = deliveries[e[1]] or 1
     if payload == nil then
-      table.insert(out, {e[1], 1, 0, '', label})
+      table.insert(out, {e[1], 1, 0, '', label, count})
     elseif limit >= 0 and #payload > limit then
-      table.insert(out, {e[1], 2, #payload, '', label})
+      table.insert(out, {e[1], 2, #payload, '', label, count})
     else
-      table.insert(out, {e[1], 0, #payload, payload, label})
+      table.insert(out, {e[1], 0, #payload, payload, label, count})
     end
   end
 end
@@ -231,8 +249,8 @@ class RedisBus(Bus):
             time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             pause = min(pause * 2, STREAM_POLL[1])
 
-    def _fetch(self, stream: str, group: str, consumer: str, max_bytes: int | None, command: str, args: list,
-               deliveries: dict | None = None) -> list[StreamEntry]:
+    def _fetch(self, stream: str, group: str, consumer: str, max_bytes: int | None, command: str,
+               args: list) -> list[StreamEntry]:
         key = self._k(stream)
         argv = [command, group, consumer, -1 if max_bytes is None else max_bytes, *args]
         try:
@@ -242,8 +260,8 @@ class RedisBus(Bus):
                 raise
             self._create_group(key, group)
             reply = self._fetch_entries(keys=[key], args=argv)
-        return [_stream_entry(entry_id, status, size, payload, (deliveries or {}).get(entry_id, 1), max_bytes, label)
-                for entry_id, status, size, payload, label in reply]
+        return [_stream_entry(entry_id, status, size, payload, deliveries, max_bytes, label)
+                for entry_id, status, size, payload, label, deliveries in reply]
 
     def _create_group(self, key: str, group: str) -> None:
         try:
@@ -253,28 +271,27 @@ class RedisBus(Bus):
                 raise
 
     def stream_claim(self, stream: str, group: str, consumer: str, min_idle: float,
-                     max_count: int, max_bytes: int | None = None) -> list[StreamEntry]:
-        """XPENDING pages (with their delivery counts), then XCLAIM of those held by others. XCLAIM
-        checks the idle time again, so of two consumers claiming the same entry only one gets it."""
+                     max_count: int, max_bytes: int | None = None, counted: bool = True) -> list[StreamEntry]:
+        """XPENDING pages, then XCLAIM of those held by others. XCLAIM checks the idle time again, so of two
+        consumers claiming the same entry only one gets it."""
         key, min_idle_ms = self._k(stream), int(min_idle * 1000)
-        deliveries: dict[bytes, int] = {}
+        ids: list[bytes] = []
         start = "-"
-        while len(deliveries) < max_count:
+        while len(ids) < max_count:
             try:
                 page = self._client.xpending_range(key, group, start, "+", PENDING_PAGE, idle=min_idle_ms)
             except redis.ResponseError as e:
                 if str(e).startswith("NOGROUP"):
                     return []
                 raise
-            for p in page:
-                if p["consumer"].decode() != consumer and len(deliveries) < max_count:
-                    deliveries[p["message_id"]] = p["times_delivered"] + 1
+            ids += [p["message_id"] for p in page if p["consumer"].decode() != consumer][:max_count - len(ids)]
             if len(page) < PENDING_PAGE:
                 break
             start = "(" + page[-1]["message_id"].decode()
-        if not deliveries:
+        if not ids:
             return []
-        return self._fetch(stream, group, consumer, max_bytes, "CLAIM", [min_idle_ms, *deliveries], deliveries)
+        return self._fetch(stream, group, consumer, max_bytes, "CLAIM",
+                           [min_idle_ms, "COUNTED" if counted else "KEPT", *ids])
 
     def stream_ack(self, stream: str, group: str, ids: list[str]) -> int:
         if not ids:
