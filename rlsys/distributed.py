@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from rlsys.protocol import RENDEZVOUS_LISTEN_FD
+
 
 class Ranks:
     """This process's place among the learner's ranks, and the few collectives the learner needs."""
@@ -117,10 +119,13 @@ def join_ranks(rank: int, world: int) -> Ranks:
 def rendezvous_store(rank: int, world: int) -> "dist.TCPStore":
     """The ranks' rendezvous at MASTER_ADDR:MASTER_PORT, rank 0 its server. It listens on MASTER_ADDR alone (loopback
     on one machine, the node's address under Ray): torch's env:// rendezvous listens on every interface, where whoever
-    reaches the machine could read and write the store, which has no password, while the ranks meet in it."""
+    reaches the machine could read and write the store, which has no password, while the ranks meet in it. Rank 0
+    serves on the socket its starter bound, where it hands one over (RENDEZVOUS_LISTEN_FD)."""
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     listener = None
-    if rank == 0:
+    if rank == 0 and (held := os.environ.pop(RENDEZVOUS_LISTEN_FD, None)):
+        listener = int(held)
+    elif rank == 0:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         listener = socket.create_server((address, port), family=family).detach()  # the store owns it from here
     return dist.TCPStore(address, port, world, rank == 0, default_pg_timeout, master_listen_fd=listener)

@@ -18,6 +18,9 @@ DATASET_FINGERPRINT = "dataset:fingerprint"  # key: rlsys.data.dataset.rows_fing
 WEIGHT_CHECKS = "weights:checks"  # counter: weight updates whose checksum an inference worker verified
 LOGPROB_PROBES = "weights:probes"  # queue: each worker's logprobs of the learner's probe sequences, scored at load
 LEARNER_DONE = "learner:final_version"  # key: set once the learner published its last version
+# Not on the bus: the environment variable that hands learner rank 0 the rendezvous's listening socket (its descriptor)
+# where whoever started it bound it (rlsys.placement.local), so that no other process can take the port meanwhile
+RENDEZVOUS_LISTEN_FD = "RLSYS_RENDEZVOUS_LISTEN_FD"
 STOP = "run:stop"  # key: set by the launcher to end every role
 RESUMED_VERSION = "run:resumed_version"  # key: the version of the checkpoint the roles start from; 0 fresh
 

@@ -20,6 +20,7 @@ from rlsys.checkpoint import SHARDED_STATE, read_trainer_state
 from rlsys.cli import config_from_dict, config_to_dict, parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
+from rlsys.placement.local import LocalPlacement
 from rlsys.workers.learner import Learner
 from tests.helpers import child_pids, left_behind, small_run_overrides
 from tests.test_learner import learner_config, mixed_length_batch
@@ -206,3 +207,35 @@ def test_the_ranks_rendezvous_listens_on_the_master_address_alone(tmp_path):
     mp.start_processes(rendezvous_listeners_at_rank, args=(2, free_port(), str(found)), nprocs=2,
                        start_method="spawn")
     assert json.loads(found.read_text()) == ["127.0.0.1"]
+
+
+def summing_rank(role: str, index: int, out: str, env: dict) -> int:
+    """A learner rank placed as the launcher places it: joins the ranks, writes the sum of every rank's index + 1."""
+    from rlsys.distributed import join_ranks, leave_ranks
+
+    os.environ.update(env)
+    ranks = join_ranks(index, 2)
+    Path(out, f"{role}{index}").write_text(str(ranks.summed(torch.tensor([index + 1.0])).item()))
+    leave_ranks(ranks)
+    return 0
+
+
+def test_the_rendezvous_port_cannot_be_taken_between_the_launcher_s_pick_and_rank_0_s_start(tmp_path):
+    """The launcher picked a free port and rank 0 bound it seconds later, once started: another process taking it
+    meanwhile failed the group, and every role restarted from the checkpoint. Rank 0's port is held from the pick."""
+    placement = LocalPlacement(parse_config(["cluster.n_learner_ranks=2"]), summing_rank)
+    try:
+        rank0 = placement.start("learner", 0, (str(tmp_path),))
+        squatter = None
+        with contextlib.suppress(OSError):  # another process, as soon as it could
+            squatter = socket.create_server(("127.0.0.1", placement.master_port))
+        rank1 = placement.start("learner", 1, (str(tmp_path),))
+        for rank in (rank0, rank1):
+            rank.join(120)
+        assert (rank0.exitcode, rank1.exitcode) == (0, 0)
+        assert [(tmp_path / f"learner{i}").read_text() for i in range(2)] == ["3.0", "3.0"]
+        assert squatter is None
+    finally:
+        placement.close()
+        if squatter is not None:
+            squatter.close()

@@ -9,14 +9,15 @@ import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 
-from rlsys.bus.redis_server import free_port
 from rlsys.placement.base import Placement, RoleHandle, learner_rendezvous, process_exit
 from rlsys.placement.cpu_threads import role_environment
 from rlsys.placement.gpus import gpu_layout, visible_devices
+from rlsys.protocol import RENDEZVOUS_LISTEN_FD
 
 
 class LocalRole(RoleHandle):
@@ -55,16 +56,25 @@ class LocalPlacement(Placement):
 
     def start(self, role: str, index: int, args: tuple) -> RoleHandle:
         env = {"CUDA_VISIBLE_DEVICES": self.gpus[(role, index)]} if (role, index) in self.gpus else {}
+        listener = None
         if role == "learner":
-            if index == 0:  # a new group of ranks: a new rendezvous port
-                self.master_port = free_port()
+            if index == 0:  # a new group of ranks: a new rendezvous port, bound here and held until rank 0 serves on
+                # it (a port picked free here and bound by rank 0 once started could be taken by then)
+                listener = socket.create_server(("127.0.0.1", 0))
+                self.master_port = listener.getsockname()[1]
             env.update(learner_rendezvous(index, self.config.cluster.n_learner_ranks, "127.0.0.1", self.master_port))
         ctx = multiprocessing.get_context("spawn")  # vLLM and torch do not survive fork
+        # the socket goes to the process with its arguments (spawn passes on the descriptors of those it pickles)
         process = ctx.Process(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env),
-                              kwargs={"launcher_terminated": self.terminated})
+                              kwargs={"launcher_terminated": self.terminated,
+                                      **({"rendezvous": listener} if listener else {})})
         # the environment: libgomp reads it as torch loads
-        with environment(role_environment()), stop_signals_blocked():
-            process.start()
+        try:
+            with environment(role_environment()), stop_signals_blocked():
+                process.start()
+        finally:
+            if listener is not None:  # rank 0 holds its own copy now
+                listener.close()
         self.roles = [handle for handle in self.roles if handle.is_alive()]  # restarts replace the dead
         self.roles.append(LocalRole(process))
         return self.roles[-1]
@@ -120,10 +130,14 @@ def stop_signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def run_in_process(entry, role: str, index: int, *args, launcher_terminated) -> None:
+def run_in_process(entry, role: str, index: int, *args, launcher_terminated,
+                   rendezvous: socket.socket | None = None) -> None:
     """A role process: dies with the launcher, leaves Ctrl-C and a SIGTERM the launcher also gets to it, exits with
-    the role's code."""
+    the role's code. `rendezvous`: learner rank 0's listening socket, which its rendezvous serves on
+    (rlsys.distributed.rendezvous_store)."""
     _die_with_parent()
+    if rendezvous is not None:
+        os.environ[RENDEZVOUS_LISTEN_FD] = str(rendezvous.detach())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
     signal.signal(signal.SIGTERM, functools.partial(_sigterm, os.getppid(), launcher_terminated))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since its spawn (stop_signals_blocked)
