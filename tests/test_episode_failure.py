@@ -132,3 +132,24 @@ def test_describe_exception_is_one_line():
         text = describe_exception(e)
     assert text.startswith("ValueError: first line (at ") and "test_episode_failure.py" in text and "\n" not in text
     assert describe_exception(KeyError()) == "KeyError"
+
+
+class SwallowingEnv(Env):
+    """A step that catches its first cancellation and goes on, as an HTTP client does now and then when cancelled
+    while it connects (rlsys/cancellation.py)."""
+
+    async def step(self, action):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(3600)
+
+
+def test_an_env_call_that_swallows_its_cancellation_still_ends_at_its_timeout():
+    """The time limit cancelled the call once and waited for it to end: for ever."""
+    start = time.monotonic()
+    with pytest.raises(EpisodeFailed) as failure:
+        asyncio.run(asyncio.wait_for(guard_env(SwallowingEnv("fine"), timeout=0.3).step("action"), 10))
+    assert failure.value.reason == "env_timeout"
+    assert time.monotonic() - start < 3

@@ -16,6 +16,8 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
+from rlsys.cancellation import cancel_and_wait
+
 T = TypeVar("T")
 
 
@@ -71,6 +73,4 @@ async def within(call: Coroutine[Any, Any, T], seconds: float) -> T:
             if done:
                 return task.result()
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
+        await cancel_and_wait([task])

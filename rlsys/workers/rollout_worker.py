@@ -13,6 +13,7 @@ from rlsys import protocol
 from rlsys.api import (NOT_GENERATED, AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent,
                        make_env)
 from rlsys.bus.base import Step
+from rlsys.cancellation import cancel_and_wait
 from rlsys.data.dataset import load_rows, rows_fingerprint
 from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, agent_output, group_message
@@ -139,15 +140,11 @@ class RolloutWorker:
         await self.cancel_episodes()
 
     async def cancel_episodes(self) -> None:
-        """The learner is done: unfinished episodes will never be trained, and are cancelled. One still running
-        CANCEL_GRACE_SECONDS later (a plugin that catches CancelledError and goes on awaiting) is logged with where
-        it waits and left behind: the final evaluation and the run's end do not wait for it for ever."""
-        tasks = list(self.running)
-        for task in tasks:
-            task.cancel()
-        if not tasks:
-            return
-        _, stuck = await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
+        """The learner is done: unfinished episodes will never be trained, and are cancelled (again, those that go on:
+        rlsys/cancellation.py). One still running CANCEL_GRACE_SECONDS later (a plugin that catches every
+        CancelledError and goes on awaiting) is logged with where it waits and left behind: the final evaluation and
+        the run's end do not wait for it for ever."""
+        stuck = await cancel_and_wait(self.running, CANCEL_GRACE_SECONDS)
         if stuck:
             # where each waits, and where the tasks they may wait for (an agent's, the endpoint's) are
             others = asyncio.all_tasks() - stuck - {asyncio.current_task()}

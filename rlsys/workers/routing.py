@@ -31,6 +31,7 @@ from rlsys.api.messages import GenerationAbort, GenerationRefusal, GenerationReq
     parse_generation_request, parse_reply
 from rlsys.bus import ServerRestarts, Undecodable
 from rlsys.bus.dead_letters import set_aside
+from rlsys.cancellation import cancel_and_wait
 from rlsys.workers.inference_status import InferenceStatus
 
 REFRESH_INTERVAL = 0.05  # seconds between reads of the workers' status keys
@@ -151,14 +152,7 @@ class EpisodeRouter:
             if refused.done() and not refused.cancelled():
                 refused.exception()  # a refusal of a request the episode no longer awaited: retrieved, not logged
             refused.cancel()
-            if not playing.done():
-                playing.cancel()
-                cancels = asyncio.current_task().cancelling()
-                try:  # awaited itself, not through asyncio.wait: a second cancellation reaches the agent too
-                    await playing  # the agent's own cleanup runs before its environment closes
-                except BaseException:
-                    if asyncio.current_task().cancelling() > cancels:
-                        raise  # this episode was cancelled while it waited; else what the agent raised is no news
+            await cancel_and_wait([playing])  # the agent's own cleanup runs before its environment closes
             aborts = self.forget(act_queue)
             if aborts and not asyncio.current_task().cancelling():  # a run that ends stops its workers anyway
                 await self.abort(aborts)

@@ -1,0 +1,38 @@
+"""Cancelling tasks that may not end at their first cancellation.
+
+asyncio delivers a cancellation once: code that catches the CancelledError and does not raise it again goes on
+running, and whoever waits for it to end waits for ever. Libraries agents and environments use do this now and then:
+httpx (anyio's connect_tcp, which cancels its own connection attempts once one connects) returns a response now and
+then from a request whose task was cancelled while it connected. A rollout worker that cancels its episodes at the
+end of training, an episode that stops its agent, a time limit that stops an environment call: each cancels again,
+once a CANCEL_AGAIN_SECONDS, what has not ended, as anyio's own cancel scopes do.
+"""
+
+import asyncio
+from collections.abc import Iterable
+
+CANCEL_AGAIN_SECONDS = 1.0
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], limit: float | None = None) -> set[asyncio.Task]:
+    """Cancels `tasks` and waits for them to end, cancelling those that go on again every CANCEL_AGAIN_SECONDS, for
+    at most `limit` s (None: until they end). Returns the tasks still running then. What they raised is retrieved,
+    not raised. The caller waits for them even if it is cancelled meanwhile: its own cancellation is raised after."""
+    tasks = list(tasks)
+    loop = asyncio.get_running_loop()
+    deadline = None if limit is None else loop.time() + limit
+    running, interrupted = {task for task in tasks if not task.done()}, None
+    while running and (deadline is None or loop.time() < deadline):
+        for task in running:
+            task.cancel()
+        wait = CANCEL_AGAIN_SECONDS if deadline is None else min(CANCEL_AGAIN_SECONDS, deadline - loop.time())
+        try:
+            _, running = await asyncio.wait(running, timeout=wait)
+        except asyncio.CancelledError as e:  # raised once they ended: an episode's agent ends before its env closes
+            interrupted = e
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # what a task raised on its way out is no news: retrieved, so asyncio does not log it
+    if interrupted is not None:
+        raise interrupted
+    return running
