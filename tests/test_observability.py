@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 
@@ -506,29 +507,33 @@ def test_the_mlflow_export_at_a_runs_end_takes_the_learner_metrics_from_its_logg
 
 
 def test_a_relative_logging_dir_is_saved_absolute_so_the_report_finds_it_from_anywhere(tmp_path, monkeypatch):
-    from unittest.mock import Mock
-
     from rlsys.cli import parse_config
-    from rlsys.launcher import launch
 
     monkeypatch.chdir(tmp_path)
     config = parse_config([f"output_dir={tmp_path / 'runs'}", "trial_name=t", "logging_dir=mylogs",
                            f"dataset.path={tmp_path / 'missing.jsonl'}"])
     # a start that passed its checks and saved its config (a refused one leaves none); no role starts
-    monkeypatch.setattr("rlsys.launcher.prepare", lambda config: None)
-    monkeypatch.setattr("rlsys.launcher.placed_roles", Mock(side_effect=RuntimeError("the roles would start here")))
-    with pytest.raises(RuntimeError, match="the roles would start here"):
-        launch(config)
+    launch_until_the_roles_start(config, monkeypatch)
     saved = (tmp_path / "runs" / "async-ppo-math" / "t" / "config.yaml").read_text()
     assert f"logging_dir: {tmp_path / 'mylogs'}\n" in saved
 
 
-def test_a_resumed_launch_takes_its_last_launch_s_summary_away(tmp_path):
-    """Left in place, a resumed launch that then crashed had its report show the last launch's result and prompt
-    accounting beside the newer steps, as if the run had ended there."""
-    from rlsys.cli import parse_config
+def launch_until_the_roles_start(config, monkeypatch) -> None:
+    """`launch(config)` as far as a start that passed its checks goes (prepare's reading of the model and data
+    skipped): no role starts."""
     from rlsys.launcher import launch
-    from rlsys.preflight import StartupError
+
+    monkeypatch.setattr("rlsys.launcher.prepare", lambda config: None)
+    monkeypatch.setattr("rlsys.launcher.placed_roles", Mock(side_effect=RuntimeError("the roles would start here")))
+    with pytest.raises(RuntimeError, match="the roles would start here"):
+        launch(config)
+
+
+def test_a_resumed_launch_takes_its_last_launch_s_summary_away(tmp_path, monkeypatch):
+    """Left in place, a resumed launch that then crashed had its report show the last launch's result and prompt
+    accounting beside the newer steps, as if the run had ended there. Taken once the start's checks pass: a refused
+    start leaves the trial as it was (tests/test_bad_input.py)."""
+    from rlsys.cli import parse_config
 
     run_dir = tmp_path / "runs" / "async-ppo-math" / "t"
     checkpoint = run_dir / "checkpoints" / "step_2"
@@ -537,8 +542,8 @@ def test_a_resumed_launch_takes_its_last_launch_s_summary_away(tmp_path):
     (run_dir / "summary.json").write_text(json.dumps({"steps": 2, "held_out": {}}))
     config = parse_config([f"output_dir={tmp_path / 'runs'}", "trial_name=t", "resume_from_checkpoint=auto",
                            f"dataset.path={tmp_path / 'missing.jsonl'}"])
-    with pytest.raises(StartupError):  # stops at the dataset, once the resume is decided
-        launch(config)
+    # a start that passed its checks; no role starts
+    launch_until_the_roles_start(config, monkeypatch)
     assert not (run_dir / "summary.json").exists()
 
 
