@@ -30,7 +30,9 @@ from rlsys.tools.sandbox import SandboxLimits, SandboxResult, run_python
 LIMITS = SandboxLimits(wall_seconds=10, cpu_seconds=2, memory_mb=128, max_processes=16, file_mb=16,
                        output_bytes=8192, workdir_mb=32, allow_unconfined=True)
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-SANDBOX_MODULES = ("confine", "confinement", "queue_time", "sandbox", "sandbox_cgroup", "seccomp_filter")
+# the sandbox's modules and what they import of rlsys, under rlsys/
+SANDBOX_MODULES = ("cancellation", "tools/confine", "tools/confinement", "tools/queue_time", "tools/sandbox",
+                   "tools/sandbox_cgroup", "tools/seccomp_filter")
 # imports the sandbox from a copy of its modules only (`copy_sandbox`), without the package's dependencies
 FROM_COPY = """
 import sys, types
@@ -382,10 +384,9 @@ def safely(check: Callable[[SandboxResult], bool], result: SandboxResult) -> boo
 
 def copy_sandbox(directory: Path) -> None:
     """The sandbox's modules and this file under `directory`, readable by anyone (import them with FROM_COPY)."""
-    package = directory / "rlsys" / "tools"
-    package.mkdir(parents=True)
+    (directory / "rlsys" / "tools").mkdir(parents=True)
     for name in SANDBOX_MODULES:
-        shutil.copy(PACKAGE_ROOT / "rlsys" / "tools" / f"{name}.py", package)
+        shutil.copy(PACKAGE_ROOT / "rlsys" / f"{name}.py", directory / "rlsys" / f"{name}.py")
     shutil.copy(__file__, directory / "sandbox_attacks.py")
     for path in [directory, *directory.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
