@@ -52,16 +52,20 @@ def test_a_saved_dataset_dict_names_its_splits(tmp_path):
 def test_chat_prompts_system_prompt_and_template_go_through_the_chat_template(tmp_path):
     rows = [{"prompt": [{"role": "user", "content": "2+2="}], "answer": 4},
             {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3="}], "answer": "6"},
-            {"prompt": "5+5=", "answer": "10"}]
+            {"prompt": "5+5=", "answer": "10"},
+            {"prompt": [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "4+4="}],
+             "answer": "8"}]
     fmt = RowFormat(system_prompt="You add.", prompt_template="Q: {prompt} A?")
     loaded = load_rows(write(rows, tmp_path / "chat.jsonl"), fmt)
-    assert [r["prompt"] for r in loaded] == ["Q: 2+2= A?", "Q: 3+3= A?", "Q: 5+5= A?"]
+    assert [r["prompt"] for r in loaded] == ["Q: 2+2= A?", "Q: 3+3= A?", "Q: 5+5= A?", "Q: 4+4= A?"]
     assert loaded[0]["answer"] == "4"  # a number is a reference too
     tokenizer = build_char_tokenizer()
     rendered = [tokenizer.decode(row_prompt_ids(tokenizer, r)) for r in loaded]
     assert rendered == ["<|system|>You add.<|end|><|user|>Q: 2+2= A?<|end|><|assistant|>",
                         "<|system|>Be brief.<|end|><|user|>Q: 3+3= A?<|end|><|assistant|>",  # its own system kept
-                        "<|system|>You add.<|end|><|user|>Q: 5+5= A?<|end|><|assistant|>"]
+                        "<|system|>You add.<|end|><|user|>Q: 5+5= A?<|end|><|assistant|>",
+                        # a developer message is the row's system message (OpenAI's newer name): no second one
+                        "<|system|>Be terse.<|end|><|user|>Q: 4+4= A?<|end|><|assistant|>"]
     plain = load_rows(tmp_path / "chat.jsonl")[2]
     assert tokenizer.decode(row_prompt_ids(tokenizer, plain)) == "<|user|>5+5=<|end|><|assistant|>"
 

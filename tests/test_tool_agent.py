@@ -58,6 +58,16 @@ def pieces_match(trajectory, pieces: list[tuple[list[int], int]]) -> None:
     assert trajectory.versions == [0 if g else NOT_GENERATED for piece, g in pieces for _ in piece]
 
 
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_the_environment_s_instructions_join_the_row_s_system_message_under_either_name(tokenizer, tokenizer_dir, role):
+    """A developer message (OpenAI's newer name for the system role) is the row's system message: the instructions
+    join it, rather than coming first as a second system message."""
+    row = {"messages": [{"role": role, "content": "Be terse."}, {"role": "user", "content": "2+2="}]}
+    prompt = Prompt("q1", [], row)
+    rendered = tokenizer.decode(tool_agent(tokenizer_dir).prompt_ids(prompt, "Use the tools."))
+    assert rendered == "<|system|>Be terse.\n\nUse the tools.<|end|><|user|>2+2=<|end|><|assistant|>"
+
+
 def test_calculator_then_python_then_answer(tokenizer, tokenizer_dir):
     config = AsyncPPOMATHToolsConfig(model=ModelConfig(path=str(tokenizer_dir)), group_size=2,
                                      gen=GenerationHyperparameters(max_new_tokens=200), max_total_tokens=4096)

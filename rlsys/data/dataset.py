@@ -217,7 +217,8 @@ def _formatted(given: list[dict], row_format: RowFormat) -> list[dict]:
         if last_user is not None:
             content = row_format.prompt_template.replace(PROMPT_PLACEHOLDER, messages[last_user]["content"])
             messages[last_user] = {**messages[last_user], "content": content}
-    if row_format.system_prompt and messages[0]["role"] != "system":
+    # a row's own system message, under its name or OpenAI's newer one (developer), stands in for the system prompt
+    if row_format.system_prompt and messages[0]["role"] not in ("system", "developer"):
         messages.insert(0, {"role": "system", "content": row_format.system_prompt})
     return messages
 

@@ -64,7 +64,7 @@ class ToolCallingAgent(Agent):
         if not (self.use_instructions and instructions):
             return list(prompt.token_ids)
         messages = list(prompt.data.get("messages") or [{"role": "user", "content": prompt.data["prompt"]}])
-        if messages[0]["role"] == "system":
+        if messages[0]["role"] in ("system", "developer"):  # the row's system message, under either name
             messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{instructions}"}
         else:
             messages.insert(0, {"role": "system", "content": instructions})
