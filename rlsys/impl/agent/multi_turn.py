@@ -32,6 +32,7 @@ from pathlib import Path
 
 from rlsys.algorithms.returns import discounted_turn_returns
 from rlsys.api import NOT_GENERATED, Agent, EnvironmentService, GenerationConfig, GenerationOutput, Prompt, Trajectory
+from rlsys.cancellation import cancel_and_wait
 from rlsys.impl.agent.model_client import ModelClient
 from rlsys.model.tokenizer import load_tokenizer, message_after_ids
 
@@ -76,9 +77,7 @@ async def gather_or_cancel(coroutines) -> list:
     try:
         return await asyncio.gather(*tasks)
     except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)  # again, those that go on: a library may swallow a cancellation
         raise
 
 
