@@ -395,6 +395,8 @@ NO_RESUME = "a fresh start is its default, empty: leave it out (or resume_from_c
 
 # ROLL's names for what rlsys names otherwise: refused with ours, not read as aliases, so that a setting has one name
 # in a config file, in --help, in config.yaml and in the logs.
+MIXED_GAMES_SHARE = ("frozen_lake_share", "experiment=async-ppo-mixed-games's share of FrozenLake among its games, "
+                                         "or a dataset row's env_name: docs/agents.md, 'Mixed games'")
 ROLL_KEYS = {
     "exp_name": ("experiment_name", "the run's name"),
     "pretrain": ("model.path", "the policy's HF checkpoint"),
@@ -403,6 +405,13 @@ ROLL_KEYS = {
     "max_tokens_per_step": ("gen.max_new_tokens", "the most tokens one response (one turn) takes"),
     "rollout_batch_size": ("ppo.batch_size", "prompts (groups) per training step"),
     "num_return_sequences_in_group": ("group_size", "samples per prompt"),
+    # The leaves of a ROLL worker's training_args, generating_args and model_args, and of its env managers
+    "learning_rate": ("ppo.lr", "the policy's AdamW learning rate"),
+    "num_return_sequences": ("group_size", "samples per prompt"),
+    "disable_gradient_checkpointing": ("learner.gradient_checkpointing", "true recomputes activations: the inverse"),
+    "max_env_num_per_worker": ("max_concurrent_rollouts", "most episodes in flight per rollout worker"),
+    "tags": MIXED_GAMES_SHARE,
+    "num_groups_partition": MIXED_GAMES_SHARE,
 }
 
 

@@ -70,7 +70,14 @@ def test_config_path_and_name_are_read_in_each_spelling_and_their_mistakes_name_
 
 @pytest.mark.parametrize("key,ours", [("exp_name", "experiment_name"), ("pretrain", "model.path"),
                                       ("max_tokens_per_step", "gen.max_new_tokens"), ("rollout_batch_size", "ppo.batch_size"),
-                                      ("reward_pretrain", "reward-model environment")])
+                                      ("reward_pretrain", "reward-model environment"),
+                                      # the names of a ROLL worker's and environment manager's sections
+                                      ("actor_train.training_args.learning_rate", "ppo.lr"),
+                                      ("actor_infer.generating_args.num_return_sequences", "group_size"),
+                                      ("disable_gradient_checkpointing", "learner.gradient_checkpointing"),
+                                      ("train_env_manager.max_env_num_per_worker", "max_concurrent_rollouts"),
+                                      ("train_env_manager.tags", "frozen_lake_share"),
+                                      ("num_groups_partition", "frozen_lake_share")])
 def test_rolls_names_are_refused_naming_ours(key, ours):
     """A ROLL config's keys, where rlsys names the setting otherwise: one name per setting, so refused, not aliased."""
     with pytest.raises(ConfigError, match=f"'{key}' is ROLL's name; rlsys's is .*{ours}"):
