@@ -413,10 +413,20 @@ ROLL_KEYS = {
     "tags": MIXED_GAMES_SHARE,
     "num_groups_partition": MIXED_GAMES_SHARE,
 }
+# verl's settings a user of its agent loop copies (its docs ask for the first two), by their whole dotted path
+VERL_KEYS = {
+    "data.return_raw_chat": "rlsys keeps a row's chat messages as the dataset holds them for the agent, which renders "
+                            "them with the chat template: leave it out",
+    "actor_rollout_ref.rollout.mode": "rlsys's rollouts are always asynchronous: leave it out",
+    "actor_rollout_ref.rollout.n": "rlsys's is group_size (samples per prompt)",
+}
 
 
 def unknown_key_messages(path: str, value, fields: dict[str, FieldInfo], experiment: type | None = None
                          ) -> Iterator[str]:
+    if path in VERL_KEYS:
+        yield f"{path!r} is verl's setting; {VERL_KEYS[path]}"
+        return
     leaf = path.rpartition(".")[2]
     if leaf in ROLL_KEYS:
         ours, meaning = ROLL_KEYS[leaf]

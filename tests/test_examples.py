@@ -69,7 +69,8 @@ def test_config_path_and_name_are_read_in_each_spelling_and_their_mistakes_name_
 
 
 @pytest.mark.parametrize("key,ours", [("exp_name", "experiment_name"), ("pretrain", "model.path"),
-                                      ("max_tokens_per_step", "gen.max_new_tokens"), ("rollout_batch_size", "ppo.batch_size"),
+                                      ("max_tokens_per_step", "gen.max_new_tokens"),
+                                      ("rollout_batch_size", "ppo.batch_size"),
                                       ("reward_pretrain", "reward-model environment"),
                                       # the names of a ROLL worker's and environment manager's sections
                                       ("actor_train.training_args.learning_rate", "ppo.lr"),
@@ -82,3 +83,13 @@ def test_rolls_names_are_refused_naming_ours(key, ours):
     """A ROLL config's keys, where rlsys names the setting otherwise: one name per setting, so refused, not aliased."""
     with pytest.raises(ConfigError, match=f"'{key}' is ROLL's name; rlsys's is .*{ours}"):
         parse_config([f"{key}=x"])
+
+
+@pytest.mark.parametrize("key,says", [("data.return_raw_chat", "keeps a row's chat messages"),
+                                      ("actor_rollout_ref.rollout.mode", "always asynchronous"),
+                                      ("actor_rollout_ref.rollout.n", "group_size")])
+def test_verls_agent_loop_settings_are_refused_saying_what_rlsys_does_instead(key, says):
+    """The two settings verl's agent loop asks for, and its samples per prompt: copied from verl's guide, each is
+    refused with what rlsys does in its place, not only an unknown key."""
+    with pytest.raises(ConfigError, match=f"'{key}' is verl's setting; .*{says}"):
+        parse_config([f"{key}=true"])
