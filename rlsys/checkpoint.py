@@ -140,15 +140,18 @@ def read_trainer_state(directory: Path) -> dict:
 DELETING = ".deleting"  # a checkpoint being deleted: renamed first, so a crash mid-delete leaves no step_N half gone
 
 
-def saved_in_order(checkpoints_dir: Path) -> list[tuple[Path, dict]]:
+def saved_in_order(checkpoints_dir: Path, replaced: bool = False) -> list[tuple[Path, dict]]:
     """The complete checkpoints and their trainer states, the one saved first first; half-written `.tmp`, replaced
-    `.old` and `.deleting` directories never count.
+    `.old` and `.deleting` directories never count. `replaced`: with the replaced copies `restore_replaced` would put
+    back, each where it is now (step_N.old).
 
     Saved last, not of the highest step: a run resumed from an earlier checkpoint of its own directory saves lower
     steps than the ones it left behind, and continuing it must not jump back to those. Checkpoints from before
     `saved_at` was kept count as saved before any that has it, the highest step last."""
     complete = [d for d in Path(checkpoints_dir).glob("step_*")
                 if d.name.removeprefix("step_").isdigit() and (d / TRAINER_STATE).exists()]
+    if replaced:
+        complete += replaced_copies(checkpoints_dir).values()
     states = {d: read_trainer_state(d) for d in complete}
     return sorted(((d, states[d]) for d in complete), key=lambda item: (item[1].get("saved_at", 0.0), item[1]["step"]))
 
@@ -159,9 +162,9 @@ def identity(state: dict) -> tuple:
     return state["step"], state.get("saved_at")
 
 
-def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
+def latest_checkpoint(checkpoints_dir: Path, replaced: bool = False) -> Path | None:
     """The complete checkpoint saved last (`saved_in_order`), or None."""
-    ordered = saved_in_order(checkpoints_dir)
+    ordered = saved_in_order(checkpoints_dir, replaced)
     return ordered[-1][0] if ordered else None
 
 
@@ -177,17 +180,25 @@ def delete_checkpoint(directory: Path) -> None:
 LEFTOVERS = (".tmp", ".old", DELETING)
 
 
-def restore_replaced(checkpoints_dir: Path) -> list[Path]:
-    """Puts back each `step_N.old` whose `step_N` is missing: a save of a step saved before crashed between its two
-    renames (the old copy away, the new one not yet in), so the old copy, complete, is the step's only checkpoint.
-    Returns the restored. Only where no save is under way in `checkpoints_dir` (the launcher before it picks the
-    checkpoint to resume from, the learner as it starts): mid-save, the step is missing for a moment."""
-    restored = []
+def replaced_copies(checkpoints_dir: Path) -> dict[Path, Path]:
+    """{step_N: step_N.old} for each `step_N.old` whose `step_N` is missing: a save of a step saved before crashed
+    between its two renames (the old copy away, the new one not yet in), so the old copy, complete, is the step's only
+    checkpoint. Only where no save is under way in `checkpoints_dir`: mid-save, the step is missing for a moment."""
+    copies = {}
     for old in Path(checkpoints_dir).glob("step_*.old"):
         directory = old.with_suffix("")
         if directory.name.removeprefix("step_").isdigit() and not directory.exists() and (old / TRAINER_STATE).exists():
-            old.rename(directory)
-            restored.append(directory)
+            copies[directory] = old
+    return copies
+
+
+def restore_replaced(checkpoints_dir: Path) -> list[Path]:
+    """Puts back each of the `replaced_copies`; returns the restored. Where no save is under way (the launcher once
+    its start can no longer fail, and after the learner died; the learner as it starts)."""
+    restored = []
+    for directory, old in replaced_copies(checkpoints_dir).items():
+        old.rename(directory)
+        restored.append(directory)
     return restored
 
 

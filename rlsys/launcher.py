@@ -90,11 +90,11 @@ def refuse_a_second_start(run_dir: Path, logging_dir: Path) -> None:
 def resolve_resume(config, run_dir: Path) -> bool:
     """`resume_from_checkpoint=auto`: the run directory's newest complete checkpoint, or a fresh start. Returns
     whether it is that fresh start, which takes back what an earlier start of the trial logged
-    (`take_back_earlier_start`, once the start's checks passed)."""
+    (`take_back_earlier_start`, once the start's checks passed). Moves nothing: a step whose save crashed between its
+    renames counts, its replaced copy (step_N.old) read where it is until `begin_trial` puts it back."""
     if config.resume_from_checkpoint != "auto":
         return False
-    restore_replaced(run_dir / "checkpoints")  # a step whose save crashed between its renames counts
-    latest = latest_checkpoint(run_dir / "checkpoints")
+    latest = latest_checkpoint(run_dir / "checkpoints", replaced=True)
     config.resume_from_checkpoint = str(latest) if latest else ""
     if not latest:
         print(f"resume_from_checkpoint=auto: no complete checkpoint in {run_dir / 'checkpoints'}, so the run starts "
@@ -104,9 +104,40 @@ def resolve_resume(config, run_dir: Path) -> bool:
 
 def take_back_earlier_start(config, run_dir: Path) -> None:
     """A run killed before its first save left records of steps this start trains again: kept, they mixed with its
-    own (learner.jsonl held steps 1-48, then 1-3; the console replayed the old progress lines)."""
+    own (learner.jsonl held steps 1-48, then 1-3; the console replayed the old progress lines). Its published weights
+    go too."""
     if abandoned := abandon_records_after(config, run_dir, FROM_THE_START["step"], FROM_THE_START["version"]):
         print(f"{abandoned} records of the trial's earlier start moved to *.jsonl.abandoned", flush=True)
+    remove_weights_after(run_dir, FROM_THE_START["version"])
+
+
+def remove_weights_after(run_dir: Path, version: int) -> None:
+    """The weights an earlier part of the run published (transport=disk) above the `version` it goes on from: no
+    worker loads them (announced anew, each is written again), but they took disk and misled a reader about where the
+    run was. Lazily imported: torch comes with the transport, and only a continued run needs it."""
+    from rlsys.weight_transport import WEIGHTS_DIR, remove_versions_after
+
+    if removed := remove_versions_after(run_dir / WEIGHTS_DIR, version):
+        log.info("removed the weights published above version %d: %s", version, ", ".join(removed))
+
+
+def begin_trial(config, requested, run_dir: Path, from_the_beginning: bool) -> None:
+    """What starting changes in the trial, done once nothing but the roles is left to start: a start that fails
+    before (refused by a check, a placement that cannot be made, a bus that does not start) leaves the trial as it
+    found it. A replaced checkpoint copy `auto` may have picked is put back; a continued run's last summary.json goes
+    (its last launch's result is not the run's until it ends), or, started from the beginning, what its earlier start
+    logged; config.yaml is saved (`requested`: as asked for, see run_launched)."""
+    for restored in restore_replaced(run_dir / "checkpoints"):
+        copy = str(restored.with_name(restored.name + ".old"))  # where the checks read it; the roles find its name
+        if config.resume_from_checkpoint == copy:
+            config.resume_from_checkpoint = str(restored)
+        if config.model.path == copy:  # its own export (rlsys/assets.py, resumed_model_path)
+            config.model.path = str(restored)
+    if config.resume_from_checkpoint:
+        (run_dir / "summary.json").unlink(missing_ok=True)
+    elif from_the_beginning:
+        take_back_earlier_start(config, run_dir)
+    save_config(requested, run_dir / "config.yaml")
 
 
 @contextlib.contextmanager
@@ -162,6 +193,7 @@ def take_back_abandoned_steps(bus, config, run_dir: Path, trainer_state: dict) -
     step = trainer_state["step"]
     if dropped := abandon_records_after(config, run_dir, step, trainer_state["version"]):
         log.info("resumed at step %d: %d records of the steps after it moved to *.jsonl.abandoned", step, dropped)
+    remove_weights_after(run_dir, trainer_state["version"])
     if (checks := trainer_state.get("weight_checks")) is not None:
         bus.delete(protocol.WEIGHT_CHECKS)
         if checks:
@@ -374,7 +406,7 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
     # Before the logs' directory, the checkpoint `auto` names, and the generated dataset's and tiny model's paths are
     # filled in: the file is what was asked for, so `--config` continues it (resume_from_checkpoint=auto) or reruns it
     # (trial_name=) from the same caches, without paths of this trial that would send a rerun's logs into it. Saved
-    # once the checks passed: a refused start leaves the trial's config.yaml as its own run wrote it.
+    # by begin_trial: a start that fails leaves the trial's config.yaml as its own run wrote it.
     requested = copy.deepcopy(config)
     config.logging_dir = str(logging_dir)
     from_the_beginning = resolve_resume(config, run_dir)
@@ -385,15 +417,10 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
         trainer_state = read_trainer_state(Path(config.resume_from_checkpoint))
         check_same_dataset(config, trainer_state)
         print(f"resuming from {config.resume_from_checkpoint} (version {trainer_state['version']})", flush=True)
-    # What continuing the trial changes in it, once the checks passed: a refused start leaves it as it was.
-    if config.resume_from_checkpoint:  # the run goes on: its last launch's result is not the run's until it ends
-        (run_dir / "summary.json").unlink(missing_ok=True)
-    elif from_the_beginning:
-        take_back_earlier_start(config, run_dir)
-    save_config(requested, run_dir / "config.yaml")
     with raise_on_sigterm(), placed_roles(config) as placement, \
             message_bus(config, run_dir, placement.bus_host) as (bus_url, server):
         bus = connect(bus_url, wait_out_restarts=server is None)  # it restarts the server it owns: never waits for it
+        begin_trial(config, requested, run_dir, from_the_beginning)
         supervisor = Supervisor(
             config, lambda role, index: placement.start(role, index, (config_to_dict(config), bus_url, str(run_dir))), server)
         ledger = PromptLedger.of(bus, config)

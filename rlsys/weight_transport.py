@@ -60,6 +60,7 @@ from rlsys.weight_checksum import ChecksumParts, weights_checksum
 
 log = logging.getLogger(__name__)
 
+WEIGHTS_DIR = "weights"  # under the run directory: where transport=disk publishes
 KEEP_VERSIONS = 3  # disk: a worker opens a version just after reading its announcement; one deleted by then is skipped
 ALIGN = 64  # bytes: every tensor in the buffer starts aligned, so it can be viewed in place as its dtype
 IO_TIMEOUT = 30.0  # seconds without progress after which a transfer counts as broken off
@@ -408,6 +409,16 @@ def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_d
     bus.set(protocol.WEIGHTS, {"version": version, "path": str(path), "dtype": dtype,
                                "checksum": weights_checksum(state, dtype), **(extra or {})})
     shutil.rmtree(Path(weights_dir) / f"v{version - KEEP_VERSIONS}", ignore_errors=True)
+
+
+def remove_versions_after(weights_dir: Path, version: int) -> list[str]:
+    """Deletes the versions `publish` wrote under `weights_dir` above `version` (and their temporary directories);
+    returns their names. Only while no learner publishes there."""
+    doomed = [d for d in Path(weights_dir).glob("v*")
+              if (number := d.name.removeprefix("v").removesuffix(".tmp")).isdigit() and int(number) > version]
+    for directory in doomed:
+        shutil.rmtree(directory, ignore_errors=True)
+    return sorted(d.name for d in doomed)
 
 
 class WeightReceiver:

@@ -423,12 +423,91 @@ def test_a_refused_continuation_leaves_the_trials_records_as_they_were(tmp_path)
     assert trial() == earlier
 
 
+def killed_trial(tmp_path: Path, checkpoint: bool) -> Path:
+    """A trial a killed run left: its records of steps 1-6, the summary of its earlier launch, the weights it
+    published (transport=disk) up to version 6 and the one it was writing, and, with `checkpoint`, step_2 and
+    step_4's copy, which a save of step 4 again renamed to step_4.old and was killed before it put the new one in."""
+    run_dir = tmp_path / "runs" / "async-ppo-math" / "t"
+    (run_dir / "logs").mkdir(parents=True)
+    steps = "".join(f'{{"step": {step}}}\n' for step in range(1, 7))
+    files = {"config.yaml": "trial_name: t\n", "logs/learner.jsonl": steps, "logs/rollout0.jsonl": steps,
+             "summary.json": "{}\n", **{f"weights/v{version}/model.safetensors": "" for version in range(1, 7)},
+             "weights/v7.tmp/model.safetensors": ""}  # killed as it wrote version 7
+    if checkpoint:
+        files.update({f"checkpoints/step_2/{TRAINER_STATE}": '{"step": 2, "version": 2, "saved_at": 1.0, '
+                                                            '"consumed_prompts": []}',
+                      f"checkpoints/step_4.old/{TRAINER_STATE}": '{"step": 4, "version": 4, "saved_at": 2.0, '
+                                                                '"consumed_prompts": []}'})
+    for path, text in files.items():
+        (run_dir / path).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / path).write_text(text)
+    return run_dir
+
+
+def trial_files(run_dir: Path, but: str = "") -> dict[str, bytes]:
+    return {str(path.relative_to(run_dir)): path.read_bytes() for path in run_dir.rglob("*")
+            if path.is_file() and not (but and path.is_relative_to(run_dir / but))}
+
+
+def test_a_refused_continuation_puts_no_replaced_checkpoint_back(tmp_path):
+    """`auto` renamed step_4.old back to step_4 before the start's checks: a start they refused changed the trial."""
+    run_dir = killed_trial(tmp_path, checkpoint=True)
+    earlier = trial_files(run_dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    with pytest.raises(StartupError, match="no MLflow server answered"):
+        launch(run_config(tmp_path, "trial_name=t", "resume_from_checkpoint=auto", "trace.mlflow=true",
+                          f"trace.mlflow_tracking_uri=http://127.0.0.1:{port}"))
+    assert trial_files(run_dir) == earlier
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_continuation_whose_bus_does_not_start_leaves_the_trial_as_it_found_it(tmp_path, monkeypatch, checkpoint):
+    """The checks passed, the resume's moves were made (records to *.jsonl.abandoned, summary.json deleted, a
+    replaced checkpoint put back, config.yaml saved), then the embedded Redis could not start: the trial was left
+    half continued."""
+    run_dir = killed_trial(tmp_path, checkpoint)
+    # the server's own directory keeps its config and its log, which says why it did not start
+    earlier = trial_files(run_dir, but="redis")
+    monkeypatch.setattr("rlsys.launcher.prepare", lambda config: 0.0)  # the checks passed; no assets are needed
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(StartupError, match=f"cluster.redis_port {port} is in use"):
+            launch(run_config(tmp_path, "trial_name=t", "resume_from_checkpoint=auto", f"cluster.redis_port={port}",
+                              "model.path=/nonexistent/model"))
+    assert trial_files(run_dir, but="redis") == earlier
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_continuation_that_starts_removes_the_weights_published_after_where_it_goes_on(tmp_path, monkeypatch,
+                                                                                          checkpoint):
+    """A resume from step 4 (version 4) left v5 and v6 of the killed run on disk, never loaded; a start from the
+    beginning (no checkpoint) left them all."""
+    run_dir = killed_trial(tmp_path, checkpoint)
+    monkeypatch.setattr("rlsys.launcher.prepare", lambda config: 0.0)
+    supervisor = Mock()
+    supervisor.return_value.start.side_effect = RuntimeError("the roles would start here")
+    monkeypatch.setattr("rlsys.launcher.Supervisor", supervisor)
+    with pytest.raises(RuntimeError, match="the roles would start here"):
+        launch(run_config(tmp_path, "trial_name=t", "resume_from_checkpoint=auto", "cluster.redis_port=0",
+                          "model.path=/nonexistent/model"))
+    kept = [1, 2, 3, 4] if checkpoint else []
+    assert sorted(d.name for d in (run_dir / "weights").iterdir()) == [f"v{version}" for version in kept]
+    if checkpoint:  # the copy `auto` resumed from is back in its place, the roles told so; the last summary gone
+        assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
+        assert supervisor.call_args.args[0].resume_from_checkpoint == str(run_dir / "checkpoints" / "step_4")
+        assert not (run_dir / "summary.json").exists()
+
+
 def test_a_runs_saved_config_reruns_as_a_new_run_in_a_directory_of_its_own(tmp_path, monkeypatch):
     """`--config runs/<experiment>/<trial>/config.yaml trial_name=`, as the refusal above advises: the file held the
     trial's logs directory, so the new run was refused for the old run's logs, or would have written into them."""
     with monkeypatch.context() as patched:  # a run that passed its checks and saved config.yaml; no role starts
         patched.setattr("rlsys.launcher.prepare", lambda config: None)
-        patched.setattr("rlsys.launcher.placed_roles", Mock(side_effect=RuntimeError("the roles would start here")))
+        patched.setattr("rlsys.launcher.Supervisor", Mock(side_effect=RuntimeError("the roles would start here")))
         with pytest.raises(RuntimeError, match="the roles would start here"):
             launch(run_config(tmp_path, "trial_name=t", "model.path=/nonexistent/model"))
     saved = tmp_path / "runs" / "async-ppo-math" / "t" / "config.yaml"

@@ -151,8 +151,9 @@ def test_a_crash_between_the_renames_of_a_replaced_step_leaves_it_for_auto_and_t
     monkeypatch.undo()
     assert names(checkpoints) == {"step_2", "step_4.old", "step_4.tmp"}
     config = SimpleNamespace(resume_from_checkpoint="auto")
-    resolve_resume(config, tmp_path)
-    assert config.resume_from_checkpoint == str(checkpoints / "step_4")
+    resolve_resume(config, tmp_path)  # picked where it is: put back only once the start can no longer fail
+    assert config.resume_from_checkpoint == str(checkpoints / "step_4.old")
+    assert checkpoint.restore_replaced(checkpoints) == [checkpoints / "step_4"]  # as the launcher's begin_trial does
     state = {"model": {"w": torch.zeros(2)}}
     load_sharded_state(checkpoints / "step_4", state)
     assert state["model"]["w"].tolist() == [4.0, 4.0]  # the copy that was complete before the save

@@ -218,8 +218,9 @@ class Learner(PolicyTrainer):
         if self.ranks.main:
             extra = {"probe": {"version": probe.version, "token_ids": [probe.token_ids],
                                "logprobs": [probe.logprobs]}} if probe else None
-            weight_transport.publish(self.bus, self.model, self.version, self.transport, self.run_dir / "weights",
-                                     state, self.config.inference.dtype, self.weight_server, extra=extra)
+            weight_transport.publish(self.bus, self.model, self.version, self.transport,
+                                     self.run_dir / weight_transport.WEIGHTS_DIR, state, self.config.inference.dtype,
+                                     self.weight_server, extra=extra)
 
     def probe_reports(self) -> dict[str, float]:
         """What the inference workers found when they scored the probes that reached them since the last step
