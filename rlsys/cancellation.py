@@ -9,7 +9,8 @@ once a CANCEL_AGAIN_SECONDS, what has not ended, as anyio's own cancel scopes do
 """
 
 import asyncio
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Coroutine, Iterable
 
 CANCEL_AGAIN_SECONDS = 1.0
 
@@ -36,3 +37,31 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], limit: float | None = N
     if interrupted is not None:
         raise interrupted
     return running
+
+
+def run_to_the_end(main: Coroutine, limit: float = CANCEL_AGAIN_SECONDS):
+    """asyncio.run(main), but what still runs once `main` returned is not waited for for ever: asyncio.run cancels the
+    tasks left once and gathers them, so one that ignores its cancellation (an episode the end of training left behind,
+    rlsys/workers/rollout_worker.py) kept the process from exiting. They are cancelled again for `limit` s
+    (`cancel_and_wait`); those that go on are closed (GeneratorExit is raised where they wait: their `finally` blocks
+    run) and given `limit` s more to end; any still there is left pending as the loop closes."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            loop.run_until_complete(_end_the_rest(limit))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+async def _end_the_rest(limit: float) -> None:
+    stuck = await cancel_and_wait(asyncio.all_tasks() - {asyncio.current_task()}, limit)
+    for task in stuck:
+        with contextlib.suppress(RuntimeError):  # one that awaits again after GeneratorExit: left pending
+            task.get_coro().close()
+    await cancel_and_wait(stuck, limit)  # a closed one ends at its next step, raising RuntimeError: retrieved

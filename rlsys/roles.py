@@ -92,13 +92,12 @@ def _run(role: str, index: int, config, bus, run_dir: str) -> None:
         finally:
             engine.backend.close()
     elif role == "rollout":
-        import asyncio
-
+        from rlsys.cancellation import run_to_the_end
         from rlsys.workers.rollout_worker import RolloutWorker
 
         worker = RolloutWorker(config, bus, index, Path(run_dir))
         freeze_start_up_heap()
-        asyncio.run(worker.run())
+        run_to_the_end(worker.run())  # not asyncio.run: an episode left behind would keep the process from exiting
 
 
 def freeze_start_up_heap() -> None:

@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import inspect
 import json
+import multiprocessing
 import shutil
 
 import pytest
@@ -15,6 +16,7 @@ from rlsys.api import (Agent, AgentAbstraction, EnvironmentService, EnvServiceAb
                        register_agent, register_environment)
 from rlsys.assets import AssetError, prepare_assets
 from rlsys.bus import InProcessBus
+from rlsys.cancellation import run_to_the_end
 from rlsys.checkpoint import read_trainer_state
 from rlsys.console import ProgressReporter
 from rlsys.data.prompts import prompt_stream
@@ -531,7 +533,7 @@ register_agent("swallows-a-cancellation", SwallowsACancellation)
 register_agent("ignores-cancellation", IgnoresCancellation)
 
 
-def worker_running_two_episodes_of(agent: str, tmp_path) -> tuple[RolloutWorker, list[str]]:
+def config_of(agent: str, tmp_path):
     @dataclasses.dataclass
     class Experiment(AsyncPPOMATHConfig):
         @property
@@ -541,7 +543,11 @@ def worker_running_two_episodes_of(agent: str, tmp_path) -> tuple[RolloutWorker,
     config = Experiment()
     config.model.path = str(save_random_tiny_model(tmp_path / "model"))
     config.logging_dir = str(tmp_path / "logs")
-    return RolloutWorker(config, InProcessBus(), 0), ["train-0-0", "train-0-1"]
+    return config
+
+
+def worker_running_two_episodes_of(agent: str, tmp_path) -> tuple[RolloutWorker, list[str]]:
+    return RolloutWorker(config_of(agent, tmp_path), InProcessBus(), 0), ["train-0-0", "train-0-1"]
 
 
 async def start_episodes(worker: RolloutWorker, qids: list[str]) -> None:
@@ -577,18 +583,59 @@ def test_an_episode_that_ignores_its_cancellation_at_the_end_of_training_is_name
         await asyncio.wait_for(worker.cancel_episodes(), 10)  # returns, rather than waiting for ever
         return len(worker.running)
 
-    loop = asyncio.new_event_loop()
-    try:
-        assert loop.run_until_complete(main()) == 2
-    finally:
-        for task in asyncio.all_tasks(loop):  # they ignore cancellation: closed, not awaited
-            task.get_coro().close()
-        loop.close()
+    assert run_to_the_end(main()) == 2  # as the role runs it: asyncio.run would wait for them for ever
     errors = [r.getMessage() for r in caplog.records if "after they were cancelled" in r.getMessage()]
     assert len(errors) == 1 and errors[0].startswith("2 episodes still run"), errors
     # each episode's chain, and the agent's own task, at the line that ignores the cancellation
     assert errors[0].count("in run_training_episode") == 2, errors[0]
     assert errors[0].count(f"test_rollout_worker.py:{IGNORING_LINE} in collect_trajectory") == 2, errors[0]
+
+
+def test_the_event_loop_ends_even_with_a_task_that_ignores_being_closed():
+    """A coroutine that catches GeneratorExit too and awaits again cannot be closed: left pending, not waited for."""
+    ended = []
+
+    async def ignores_everything():
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except BaseException:  # the plugin bug this is about: GeneratorExit too
+                ended.append("caught")
+
+    async def main():
+        asyncio.create_task(ignores_everything())
+        await asyncio.sleep(0)
+        return "returned"
+
+    assert run_to_the_end(main(), limit=0.2) == "returned"
+    assert ended.count("caught") >= 2  # its cancellations, and its closing
+
+
+def end_training_with_an_episode_that_ignores_its_cancellation(tmp_path) -> None:
+    """A rollout role's process, as rlsys/roles.py runs it, whose training ends with one such episode left behind."""
+    from rlsys import roles
+
+    async def train_one_episode(worker):
+        await start_episodes(worker, ["train-0-0"])
+        await worker.cancel_episodes()
+
+    rollout_worker.CANCEL_GRACE_SECONDS = 1.5
+    rollout_worker.RolloutWorker.run = train_one_episode  # no inference worker to wait for: the episode, then its end
+    roles._run("rollout", 0, config_of("ignores-cancellation", tmp_path), InProcessBus(), str(tmp_path))
+
+
+def test_a_rollout_process_whose_episode_ignores_its_cancellation_still_exits(tmp_path):
+    """The episode was left behind at the end of training, but asyncio.run, as it returned, cancelled the tasks left
+    once more and waited for them to end: the process never exited, and the run's stop killed it."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=end_training_with_an_episode_that_ignores_its_cancellation, args=(tmp_path,))
+    process.start()
+    process.join(timeout=120)  # it ends in seconds; the old one never did
+    hung = process.is_alive()
+    if hung:
+        process.kill()
+        process.join()
+    assert not hung and process.exitcode == 0
 
 
 def test_a_starting_worker_beats_from_its_start_saying_it_is_starting(tmp_path):
