@@ -6,12 +6,14 @@ It runs once, at the end of the run, from the files in `<run dir>/traces`: nothi
 rollout path.
 """
 
+import contextlib
 import logging
 import re
 import time
 from pathlib import Path
 
 from rlsys.metrics import read_jsonl_metrics
+from rlsys.run_privacy import redact_passwords
 from rlsys.tracing import read_traces
 
 log = logging.getLogger(__name__)
@@ -90,14 +92,61 @@ def export_run(run_dir: Path, tracking_uri: str = "", logging_dir: Path | None =
     """Learner metrics into an MLflow run and every trace into its experiment; returns the tracking URI.
 
     A run resumed in its directory exports at the end of each launch: into the same MLflow run, only the steps and
-    episodes the exports before did not take (its tags say how far they went), so none is there twice."""
+    episodes the exports before did not take (its tags say how far they went), so none is there twice.
+
+    ExportFailed if MLflow failed. MLflow's errors quote the tracking URI as written, its password too: that error's
+    text, and what MLflow's own logger says meanwhile (of a trace its background queue could not send), come with the
+    password REDACTED."""
+    run_dir = Path(run_dir)
+    uri = tracking_uri or default_tracking_uri(run_dir)
+    with _passwords_out_of_mlflow_logs(uri):
+        try:
+            _export(run_dir, uri, logging_dir)
+        except Exception as e:  # chained, the error would show MLflow's own text, password and all
+            raise ExportFailed(redact_passwords(f"{type(e).__name__}: {e}", uri)) from None
+    return uri
+
+
+class ExportFailed(RuntimeError):
+    """The MLflow export failed; the message is MLflow's, with the tracking URI's password REDACTED."""
+
+
+class _RedactPasswords(logging.Filter):
+    def __init__(self, url: str):
+        super().__init__()
+        self.url = url
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact_passwords(record.getMessage(), self.url), ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact_passwords(logging.Formatter().formatException(record.exc_info), self.url)
+        return True
+
+
+@contextlib.contextmanager
+def _passwords_out_of_mlflow_logs(url: str):
+    """MLflow's loggers write through the handlers of the `mlflow` logger (they do not propagate; importing mlflow
+    sets them up): each redacts `url`'s passwords while the export runs, and until MLflow's background queue has
+    sent (or failed to send) every trace the export gave it."""
+    import mlflow
+
+    handlers, redact = list(logging.getLogger(mlflow.__name__).handlers), _RedactPasswords(url)
+    for handler in handlers:
+        handler.addFilter(redact)
+    try:
+        yield
+    finally:
+        mlflow.flush_trace_async_logging()
+        for handler in handlers:
+            handler.removeFilter(redact)
+
+
+def _export(run_dir: Path, uri: str, logging_dir) -> None:
     import mlflow
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     now = time.time()
-    run_dir = Path(run_dir)
-    uri = tracking_uri or default_tracking_uri(run_dir)
     mlflow.set_tracking_uri(uri)
     name = f"{run_dir.parent.name}/{run_dir.name}"
     if mlflow.get_experiment_by_name(name) is None:  # its artifacts (the traces' spans) in the run directory too,
@@ -127,5 +176,3 @@ def export_run(run_dir: Path, tracking_uri: str = "", logging_dir: Path | None =
                 _export_episode(mlflow, episode, experiment.experiment_id)
                 exported_until = max(exported_until, episode["ended"])
         mlflow.set_tags({EXPORTED_STEP: exported_step, EXPORTED_UNTIL: repr(exported_until)})
-    mlflow.flush_trace_async_logging()  # MLflow writes traces on a background queue; they are all in once we return
-    return uri

@@ -91,3 +91,14 @@ def redact_url(url: str) -> str:
         host = parts.netloc.rsplit("@", 1)[1]
         url = f"{scheme}{parts.username or ''}:{REDACTED}@{host}{url[len(scheme) + len(parts.netloc):]}"
     return QUERY_PASSWORD.sub(rf"\g<1>{REDACTED}", url)
+
+
+def redact_passwords(text: str, url: str) -> str:
+    """`text` with each password of `url` (as redact_url finds them), as written and percent-decoded, replaced by
+    REDACTED: the errors of a client given `url` quote it as it was written (MLflow's "API request to
+    http://user:PASSWORD@host/... failed"), or part of it."""
+    written = [urllib.parse.urlsplit(url).password or ""] + \
+        [m.group(0)[len(m.group(1)):] for m in QUERY_PASSWORD.finditer(url)]
+    for password in sorted({p for w in written for p in (w, urllib.parse.unquote(w))} - {""}, key=len, reverse=True):
+        text = text.replace(password, REDACTED)
+    return text

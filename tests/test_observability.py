@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from unittest.mock import Mock
@@ -671,3 +672,75 @@ def test_an_mlflow_server_that_does_not_answer_is_refused_at_the_start_naming_th
         with pytest.raises(Checked):
             prepare(parse_config(["trace.mlflow=true",
                                   f"trace.mlflow_tracking_uri=http://127.0.0.1:{server.getsockname()[1]}"]))
+
+
+def test_an_mlflow_server_that_is_gone_fails_the_export_without_its_password_in_the_log(tmp_path, tokenizer_dir,
+                                                                                         monkeypatch, caplog, capfd):
+    """MLflow's error quotes the tracking URI as written: "API request to http://user:PASSWORD@host/... failed"."""
+    from experiments import AsyncPPOMATHConfig
+    from rlsys.launcher import finish_observability
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # refused at once, not retried for minutes
+    run_dir, password = tmp_path / "exp" / "t", "s3cret-pw%2Fx"
+    tool_episode(run_dir, tokenizer_dir)
+    config = AsyncPPOMATHConfig()
+    config.logging_dir, config.trace.mlflow = str(run_dir / "logs"), True
+    config.trace.mlflow_tracking_uri = f"http://rlsys:{password}@127.0.0.1:{free_port()}/?pwd=other%20pw"
+    finish_observability(config, run_dir)
+    printed = capfd.readouterr()
+    assert "ExportFailed: MlflowException: API request to http://rlsys:REDACTED@127.0.0.1:" in caplog.text
+    for text in (caplog.text, printed.out, printed.err):
+        for secret in (password, "s3cret-pw/x", "other%20pw", "other pw"):
+            assert secret not in text
+
+
+@pytest.mark.slow  # an MLflow server's start, and MLflow's client giving up on it once it stopped, take minutes
+def test_an_mlflow_store_that_goes_away_mid_export_leaves_its_password_out_of_every_log(tmp_path, tokenizer_dir,
+                                                                                          monkeypatch, caplog, capfd):
+    """MLflow's own error text holds the tracking URI as written, password and all ("API request to
+    http://user:PASSWORD@host/... failed"): in the run's warning when the export failed, and in what MLflow's logger
+    says of a trace its background queue could not send. A real tracking server stops as the export writes its
+    traces."""
+    import rlsys.mlflow_export
+    from experiments import AsyncPPOMATHConfig
+    from rlsys.launcher import finish_observability
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a stopped server is refused at once, not for minutes
+    port, password = free_port(), "s3cret-pw%2Fx"
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                               f"sqlite:///{tmp_path / 'server.db'}", "--host", "127.0.0.1", "--port", str(port),
+                               "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+                time.sleep(0.5)
+        export_episode = rlsys.mlflow_export._export_episode
+
+        def server_stops(*args):
+            server.terminate()
+            server.wait(30)
+            export_episode(*args)
+
+        monkeypatch.setattr(rlsys.mlflow_export, "_export_episode", server_stops)
+        run_dir = tmp_path / "exp" / "t"
+        tool_episode(run_dir, tokenizer_dir)
+        config = AsyncPPOMATHConfig()
+        config.logging_dir, config.trace.mlflow = str(run_dir / "logs"), True
+        config.trace.mlflow_tracking_uri = f"http://rlsys:{password}@127.0.0.1:{port}"
+        finish_observability(config, run_dir)
+    finally:
+        server.terminate()
+        server.wait(30)
+    printed = capfd.readouterr()
+    logged = caplog.text
+    assert "could not write the run report or export the traces" in logged
+    assert f"http://rlsys:REDACTED@127.0.0.1:{port}" in logged  # the failure still says where
+    assert "Failed to send trace to MLflow backend" in printed.err  # MLflow's logger said its part ...
+    for text in (logged, printed.out, printed.err):
+        for secret in (password, urllib.parse.unquote(password)):
+            assert secret not in text  # ... without the password
