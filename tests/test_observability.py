@@ -607,6 +607,34 @@ def test_a_database_mlflow_store_that_cannot_be_reached_is_refused_at_the_start_
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.skipif(os.geteuid() == 0 and not shutil.which("setpriv"), reason="root writes anywhere without setpriv")
+def test_an_mlflow_sqlite_file_this_user_may_not_write_is_refused_at_the_start_naming_the_key_and_the_path(tmp_path):
+    """The check runs in a process that honours file modes: root (the suite's user here) writes in any directory,
+    unless it drops CAP_DAC_OVERRIDE, as setpriv does for the process it starts."""
+    (tmp_path / "read-only").mkdir()
+    (tmp_path / "read-only" / "m.db").touch()
+    (tmp_path / "read-only" / "m.db").chmod(0o444)
+    (tmp_path / "read-only").chmod(0o555)
+    honours_modes = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+                     "--inh-caps=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    check = ("import sys\nfrom rlsys.cli import parse_config\nfrom rlsys.preflight import StartupError, "
+             "check_mlflow_server\ntry:\n    check_mlflow_server(parse_config(['trace.mlflow=true', "
+             "f'trace.mlflow_tracking_uri={sys.argv[1]}']).trace)\nexcept StartupError as e:\n    print(e)\n")
+    for path, problem in ((tmp_path / "read-only" / "new.db", f"this user may not write in {tmp_path}/read-only"),
+                          (tmp_path / "read-only" / "dir" / "new.db",
+                           f"this user may not write in {tmp_path}/read-only"),
+                          (tmp_path / "read-only" / "m.db",
+                           f"{tmp_path}/read-only/m.db is no file this user may write (with its directory)")):
+        refused = subprocess.run([*honours_modes, sys.executable, "-c", check, f"sqlite:///{path}"],
+                                 capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert refused.stdout.startswith(f"trace.mlflow_tracking_uri=sqlite:///{path}: {problem}; fix the path"), \
+            (refused.stdout, refused.stderr[-2000:])
+    (tmp_path / "read-only").chmod(0o755)
+    writable = subprocess.run([*honours_modes, sys.executable, "-c", check, f"sqlite:///{tmp_path}/read-only/new.db"],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert (writable.returncode, writable.stdout) == (0, ""), writable.stderr[-2000:]
+
+
 def test_trace_files_are_strict_json_and_read_traces_gets_non_finite_numbers_back(tmp_path):
     """A trace wrote a NaN reward or an infinite logprob bare, which `jq` and strict JSON parsers refuse. The numbers
     come back as floats, and a model turn whose text is "NaN" stays text."""
