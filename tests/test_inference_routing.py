@@ -16,9 +16,10 @@ from safetensors.torch import save_file
 
 from rlsys import protocol
 from rlsys.api import GenerationConfig
-from rlsys.api.messages import InvalidMessage, WorkerStatus, parse_worker_request
+from rlsys.api.messages import InvalidMessage, WorkerStatus, fields, parse_worker_request
 from rlsys.bus import EmbeddedRedis, InProcessBus, connect
 from rlsys.engine.weights import write_weight_file
+import rlsys.workers.inference_worker
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.inference_status import InferenceStatus
 from rlsys.workers.routing import EpisodeRouter, PendingRequest
@@ -185,6 +186,46 @@ def test_a_request_the_engine_refuses_fails_its_episode_with_the_reason_instead_
     short, short_again, dead = asyncio.run(main())
     assert short.output_ids == [[100, 101]] and short_again.output_ids == [[100, 101]]
     assert dead == 1  # the refused request is kept, with its reason, for inspection
+
+
+def test_a_request_the_worker_cannot_read_fails_its_episode_naming_the_fault_when_its_id_and_queue_can_be_read(
+        monkeypatch):
+    """A request of a role of another version (here: a worker that requires a field this router does not send), or of
+    a plugin's own
+    writer, decodes but is no request this worker reads: it answered nothing, and the episode waited for its timeout.
+    Its id and reply queue are read, so its episode fails at once with the fault. A message that is no map, or whose
+    id is none, cannot be answered: it is set aside unanswered, and the worker serves on."""
+    async def ask(router, prompt):
+        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+
+        async def agent():
+            await obs_queue.put(("q", prompt, GenerationConfig(n=1, max_new_tokens=2)))
+            return await act_queue.get()
+        return await asyncio.wait_for(router.serve(agent(), obs_queue, act_queue), 10)
+
+    def newer_worker(message):  # one that requires a field this router does not send
+        if isinstance(message, dict) and "abort" not in message:
+            fields(message, "generation request", {"rid", "token_ids", "gconfig", "reply_to", "priority"})
+        return parse_worker_request(message)
+
+    async def main():
+        bus = InProcessBus()
+        async with serving(bus, [InferenceWorker(ScriptedEngine(counting_policy), bus, 0, max_batch_requests=8)]) \
+                as router:
+            with monkeypatch.context() as newer:
+                newer.setattr(rlsys.workers.inference_worker, "parse_worker_request", newer_worker)
+                with pytest.raises(InvalidMessage, match=r"inference worker 0 could not read it: generation request: "
+                                                         r"expected keys \['gconfig', 'priority', "):
+                    await ask(router, [1, 2, 3])
+            assert not router.waiting
+            bus.put(protocol.generation_requests(0), b"\xc1 no request")  # no map: no id to answer
+            bus.put(protocol.generation_requests(0), {"rid": ["no", "string"], "reply_to": "act:0"})
+            served_on = await ask(router, [4, 5])
+            return served_on, bus.stream_length(protocol.DEAD_MESSAGES)
+
+    served_on, dead = asyncio.run(main())
+    assert served_on.output_ids == [[100, 101]]
+    assert dead == 3  # each kept, with its reason, for inspection
 
 
 def test_requests_join_a_running_batch():

@@ -14,7 +14,7 @@ import time
 from rlsys import protocol
 from rlsys.alarms import probe_totals
 from rlsys.api.messages import MAX_REASON_CHARS, GenerationAbort, GenerationRefusal, InvalidMessage, WorkerStatus, \
-    parse_published_weights, parse_worker_request
+    parse_published_weights, parse_worker_request, string
 from rlsys.bus import Undecodable
 from rlsys.bus.dead_letters import set_aside
 from rlsys.engine.generation import GenerationEngine
@@ -158,6 +158,7 @@ class InferenceWorker:
             except InvalidMessage as e:
                 self.refused += 1
                 set_aside(self.bus, self.queue, str(e), message)
+                self.answer_unread(message, f"inference worker {self.index} could not read it: {e}")
                 continue
             if isinstance(request, GenerationAbort):  # a no-op for one already answered, or never taken
                 self.aborted += self.engine.is_running(request.rid)
@@ -181,6 +182,19 @@ class InferenceWorker:
         if copies:
             self.copies_dropped += copies
             log.info("dropped %d copies of requests already running", copies)
+
+    def answer_unread(self, message, fault: str) -> None:
+        """A request that decoded but is none this worker reads (from a role of another version, or a plugin's own
+        writer) fails its episode at once with `fault`, where its id and reply queue can be read: else the episode
+        waits for its timeout. Undecodable bytes (not msgpack, over the size limit) hold both inside the body, which
+        a second encoding of each message, beside it, would be needed to read."""
+        if not isinstance(message, dict):
+            return
+        try:
+            rid, reply_to = string(message.get("rid"), "rid"), string(message.get("reply_to"), "reply_to")
+        except InvalidMessage:
+            return
+        self.bus.put(reply_to, GenerationRefusal(rid, fault[:MAX_REASON_CHARS]).to_message())
 
     def reply(self, replies) -> None:
         by_queue: dict[str, list[dict]] = {}
