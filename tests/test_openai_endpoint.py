@@ -771,6 +771,42 @@ def test_a_developer_message_is_a_system_message_to_a_template_without_that_role
     assert conversation.history_splits == 0
 
 
+# A template that wants the system message first and refuses one anywhere else (Qwen3's `loop.first` guard)
+SYSTEM_FIRST = ("{% for message in messages %}{% if message['role'] == 'system' and not loop.first %}"
+                "{{ raise_exception('System message must be at the beginning.') }}{% endif %}<|{{ message['role'] }}|>"
+                "{{ message['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_a_system_message_after_the_first_turn_is_never_moved_so_a_system_first_template_refuses_it(role):
+    """vLLM 0.32's chat path moves system messages only where a developer message is sent to a template without that
+    role: every system message then becomes one, first (vllm/renderers/hf.py, _consolidate_system_messages). Its
+    /v1/messages path does the same to a system turn where the template refuses one after the first. rlsys moves
+    none: the later message's text, merged into the first, would change the ids the model saw on the calls before,
+    and the call would no longer continue them. The template's refusal is answered (400) naming it, and the ids of
+    the call before stay recorded as the model saw them."""
+    from rlsys.model.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = SYSTEM_FIRST
+
+    async def calls(http):
+        history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12+34="}]
+        first = await http.post("/chat/completions", json={"messages": history})
+        assert first.status_code == 200, first.text
+        history += [first.json()["choices"][0]["message"], {"role": role, "content": "Again."},
+                    {"role": "user", "content": "56+1="}]
+        return await http.post("/chat/completions", json={"messages": history})
+
+    refused, asked, conversation = scripted_calls(tokenizer, ["46", "57"], calls)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == \
+        "the model's chat template refused these messages: System message must be at the beginning."
+    assert asked == [ids(tokenizer, "<|system|>Be brief.<|end|><|user|>12+34=<|end|><|assistant|>")]
+    (sample,) = conversation.samples
+    assert sample.transcript.token_ids == asked[0] + ids(tokenizer, "46") + [tokenizer.eos_token_id]
+
+
 def test_a_template_with_a_developer_role_gets_it_as_sent():
     from rlsys.model.tokenizer import build_char_tokenizer
 

@@ -49,8 +49,9 @@ def template_roles(tokenizer, messages: list[dict]) -> list[dict]:
     """`messages` with the `developer` role (OpenAI's newer name for the system role) as `system` where the chat
     template names no developer role (as vLLM tells, by the quoted name), as vLLM renders it: a template that knows
     system, user, assistant and tool drops a role it does not know (Qwen2.5's), refuses it (Qwen3.5's) or writes it
-    as a role the model never saw. vLLM also merges every system message into the first; here a message is never
-    moved: a later one is appended after the ids the model saw."""
+    as a role the model never saw. vLLM (0.32) then also merges every system message into one, first; here a message
+    is never moved (a later one is appended after the ids the model saw, which a merge would change), so a template
+    that wants the system message first refuses a later one, and the endpoint answers with its reason."""
     template = str(tokenizer.chat_template)
     if '"developer"' in template or "'developer'" in template:
         return messages
