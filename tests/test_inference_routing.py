@@ -164,15 +164,17 @@ class ShortPromptsOnly(ScriptedEngine):
         self.backend.add = checked
 
 
+async def ask(router, prompt):
+    """One episode's one request, for 2 tokens, to `router`: its output, or what failed the episode, within 10 s."""
+    obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+
+    async def agent():
+        await obs_queue.put(("q", prompt, GenerationConfig(n=1, max_new_tokens=2)))
+        return await act_queue.get()
+    return await asyncio.wait_for(router.serve(agent(), obs_queue, act_queue), 10)
+
+
 def test_a_request_the_engine_refuses_fails_its_episode_with_the_reason_instead_of_waiting():
-    async def ask(router, prompt):
-        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
-
-        async def agent():
-            await obs_queue.put(("q", prompt, GenerationConfig(n=1, max_new_tokens=2)))
-            return await act_queue.get()
-        return await asyncio.wait_for(router.serve(agent(), obs_queue, act_queue), 10)
-
     async def main():
         bus = InProcessBus()
         async with serving(bus, [InferenceWorker(ShortPromptsOnly(limit=8), bus, 0, max_batch_requests=8)]) as router:
@@ -195,14 +197,6 @@ def test_a_request_the_worker_cannot_read_fails_its_episode_naming_the_fault_whe
     writer, decodes but is no request this worker reads: it answered nothing, and the episode waited for its timeout.
     Its id and reply queue are read, so its episode fails at once with the fault. A message that is no map, or whose
     id is none, cannot be answered: it is set aside unanswered, and the worker serves on."""
-    async def ask(router, prompt):
-        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
-
-        async def agent():
-            await obs_queue.put(("q", prompt, GenerationConfig(n=1, max_new_tokens=2)))
-            return await act_queue.get()
-        return await asyncio.wait_for(router.serve(agent(), obs_queue, act_queue), 10)
-
     def newer_worker(message):  # one that requires a field this router does not send
         if isinstance(message, dict) and "abort" not in message:
             fields(message, "generation request", {"rid", "token_ids", "gconfig", "reply_to", "priority"})

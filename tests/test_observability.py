@@ -172,6 +172,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def mlflow_server(uri: str, port: int, cwd: Path) -> subprocess.Popen:
+    """An MLflow tracking server of store `uri` on 127.0.0.1:`port`, once it answers."""
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return server
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                server.wait(30)
+                raise AssertionError("mlflow server did not start") from None
+            time.sleep(0.5)
+
+
 @needs_chromium
 def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_dir, monkeypatch):
     import mlflow
@@ -195,18 +213,8 @@ def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_di
                                     return_type="list")
     assert [s.name for s in trace.data.spans if s.span_type == "TOOL"] == ["calculator"]
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
-                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    server = mlflow_server(uri, port, tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
-                time.sleep(0.5)
         experiment_id = mlflow.get_experiment_by_name("tools-experiment/t").experiment_id
         url = (f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/traces"
                f"?selectedEvaluationId={trace.info.trace_id}")
@@ -735,18 +743,8 @@ def test_an_mlflow_store_that_goes_away_mid_export_leaves_its_password_out_of_ev
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a stopped server is refused at once, not for minutes
     port, password = free_port(), "s3cret-pw%2Fx"
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                               f"sqlite:///{tmp_path / 'server.db'}", "--host", "127.0.0.1", "--port", str(port),
-                               "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    server = mlflow_server(f"sqlite:///{tmp_path / 'server.db'}", port, tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
-                time.sleep(0.5)
         export_episode = rlsys.mlflow_export._export_episode
 
         def server_stops(*args):
