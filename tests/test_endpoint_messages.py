@@ -3,7 +3,6 @@
 sample the model's own ids began; every field it does not honour refused in Anthropic's error shape, naming it."""
 
 import json
-import shutil
 
 import anthropic
 import httpx
@@ -11,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.endpoint_clients import ANTHROPIC_TOOLS, CLAUDE_CODE, RESPONSES
+from tests.endpoint_clients import ANTHROPIC_TOOLS, CLAUDE_CODE, RESPONSES, claude_code_binary
 from tests.test_endpoint_responses import answered_or_refused_naming, check_tool_then_answer, typed_events
 from tests.helpers import with_field
 from tests.scripted import ids
@@ -304,22 +303,23 @@ def test_a_conversation_is_the_chat_call_it_makes(tokenizer):
             asked["gconfig"]["top_k"]) == (8, 0.7, 0.9, 5)
 
 
-@pytest.mark.parametrize("args, settings", [(["--model", "rlsys"], {}), ([], {"CLAUDE_CODE_EFFORT_LEVEL": "high"})],
-                         ids=["a model it does not know", "its own model, effort high"])
+@pytest.mark.parametrize("args", [["--model", "rlsys"], []], ids=["a model it does not know", "its own model"])
 def test_claude_code_reads_a_file_with_its_tool_and_answers_in_one_recorded_sample(tokenizer, tokenizer_dir, tmp_path,
-                                                                                   args, settings):
-    """Claude Code itself (npm's @anthropic-ai/claude-code, run as `claude -p` where it is on PATH; not installed by
-    scripts/install.sh: it is 400 MB) on the endpoint: every call it makes is answered, its Read tool runs on the
-    model's call and the model's answer after it is its result. Its calls are one sample, the second continuing the
-    first's ids: Claude Code sends its conversation back as it got it. For its own models it asks effort "medium",
-    which is refused: so a run names a model it does not know (it then asks "high") or sets the effort to "high"."""
-    binary = shutil.which("claude")
+                                                                                   args):
+    """Claude Code itself (`claude -p`: on PATH, else the CLI the Claude Agent SDK bundles, which scripts/install.sh
+    --tests installs) on the endpoint, given only its address and the episode's key: every call it makes is answered,
+    its Read tool runs on the model's call and the model's answer after it is its result. Its calls are one sample, the
+    second continuing the first's ids: Claude Code sends its conversation back as it got it. For its own models it asks
+    effort "medium", which is refused in Anthropic's words for a model without effort: it sends the call again without
+    one, as it does to Anthropic (for a model it does not know it asks none)."""
+    binary = claude_code_binary()
     if binary is None:
-        pytest.skip("Claude Code is not installed (npm install -g @anthropic-ai/claude-code)")
+        pytest.skip("Claude Code is not installed (bash scripts/install.sh --tests installs the Claude Agent SDK, "
+                    "which bundles it)")
     (tmp_path / "home").mkdir()
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "answer.txt").write_text("409\n")
-    CLAUDE_CODE.update(binary=binary, home=tmp_path / "home", cwd=tmp_path / "work", args=args, env=settings)
+    CLAUDE_CODE.update(binary=binary, home=tmp_path / "home", cwd=tmp_path / "work", args=args)
     call = json.dumps({"name": "Read", "arguments": {"file_path": str(tmp_path / "work" / "answer.txt")}})
     [trajectory], engine = run_episode(tokenizer, tokenizer_dir, "tests.endpoint_clients:claude_code_run",
                                        tool_then_answer(tokenizer, f"<tool_call>{call}</tool_call>"),

@@ -42,12 +42,13 @@ it out until a tool search loads it); `max_tokens` (required, as Anthropic requi
 episode's calls go to the worker holding its prefix anyway. At their neutral values only, as Claude Code sends them:
 `thinking` disabled or adaptive with nothing displayed (the model thinks or not as its template has it; no thinking
 block is returned), `context_management` edits that clear thinking (none is accepted, so none is cleared),
-`output_config.effort` "high" (Anthropic's default). A last assistant turn (Anthropic continues it: a prefill) is
-refused, since a chat template closes it; so are images and documents, server tools, a forced or forbidden tool call,
-`disable_parallel_tool_use`, any other thinking, context edit or output config (a JSON reply format, an effort) and
-any other field. Its refusals are sent in Anthropic's error shape (`RequestError.anthropic_body`), the message
-starting with the field. Headers (`anthropic-version`, `anthropic-beta`) and the query (`?beta=true`) are not read:
-the body's fields are what a beta asks for, and they are checked here.
+`output_config.effort` "high" (Anthropic's default; any other is refused in Anthropic's own words for a model
+without effort, on which Claude Code sends its call again without one). A last assistant turn (Anthropic continues
+it: a prefill) is refused, since a chat template closes it; so are images and documents, server tools, a forced or
+forbidden tool call, `disable_parallel_tool_use`, any other thinking, context edit or output config (a JSON reply
+format) and any other field. Its refusals are sent in Anthropic's error shape (`RequestError.anthropic_body`), the
+message starting with the field. Headers (`anthropic-version`, `anthropic-beta`) and the query (`?beta=true`) are not
+read: the body's fields are what a beta asks for, and they are checked here.
 """
 
 import json
@@ -344,8 +345,11 @@ def _refuse_unhonoured_messages(body: dict) -> None:
                                                              f"tool result cleared")
     for key, value in (body.get("output_config") or {}).items():
         if key == "effort" and value not in (None, "high"):
-            raise _invalid("output_config.effort", 'is not supported but as "high" (Anthropic\'s default): this model '
-                                                   'has no effort setting; send "high" or leave it out')
+            # Anthropic's words for a model without effort: Claude Code (and so the Agent SDK) reads them and sends
+            # its request again without the effort, as it does to Anthropic's own such models.
+            raise _invalid("output_config.effort", 'is not supported but as "high" (Anthropic\'s default, which asks '
+                                                   'nothing of it): this model does not support the effort parameter; '
+                                                   'send "high" or leave it out')
         if key != "effort" and value is not None:  # `format`: a JSON reply; `task_budget`
             raise _invalid(f"output_config.{key}", "is not supported: replies are sampled unconstrained, with no "
                                                    "budget but max_tokens; leave it out")
