@@ -222,6 +222,29 @@ async def claude_code_run(base_url, api_key, prompt):
     return None
 
 
+async def claude_agent_sdk_run(base_url, api_key, prompt):
+    """An agent on the Claude Agent SDK as its users write one: `query()` on the prompt with a calculator of its own
+    (an in-process MCP tool, `@tool`), pointed at the endpoint by ANTHROPIC_BASE_URL and the episode's key. Claude Code
+    defers MCP tools behind its ToolSearch: the model loads the calculator before it calls it. The messages it
+    yields are kept; its reward is the answer's."""
+    from claude_agent_sdk import ClaudeAgentOptions, ResultMessage, create_sdk_mcp_server, query, tool
+
+    @tool("calculator", "Evaluates an arithmetic expression, such as 12*34+1.", {"expression": str})
+    async def calculator(args):
+        return {"content": [{"type": "text", "text": str(eval(args["expression"]))}]}  # the test's own calculator
+
+    options = ClaudeAgentOptions(
+        cli_path=CLAUDE_CODE["binary"], cwd=CLAUDE_CODE["cwd"], max_turns=4,
+        mcp_servers={"math": create_sdk_mcp_server("math", tools=[calculator])},
+        allowed_tools=["mcp__math__calculator"],
+        env={"HOME": str(CLAUDE_CODE["home"]), "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
+             "ANTHROPIC_API_KEY": api_key, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"})
+    async for message in query(prompt=prompt, options=options):  # read to its end: the CLI's process with it
+        RESPONSES.append(message)
+    result = RESPONSES[-1]
+    return float(isinstance(result, ResultMessage) and result.result == "409")
+
+
 async def editing_run(base_url, api_key, prompt):
     """A client that rewrites the model's first answer, then goes on from the rewritten history."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)

@@ -332,6 +332,39 @@ def test_claude_code_reads_a_file_with_its_tool_and_answers_in_one_recorded_samp
     assert trajectory.token_ids == second + ids(tokenizer, "409") + [tokenizer.eos_token_id]
 
 
+def test_a_claude_agent_sdk_agent_loads_its_tool_calls_it_and_answers_in_one_recorded_sample(tokenizer, tokenizer_dir,
+                                                                                               tmp_path):
+    """The Python Claude Agent SDK's `query()` (tests.endpoint_clients.claude_agent_sdk_run) with a calculator of its
+    own, on the endpoint with only its address and key. Claude Code defers the calculator (an MCP tool): the model
+    calls ToolSearch, whose result is a tool_reference, and the calculator's definition is its tool response, in the
+    sample; the model then calls the calculator, which the SDK runs in this process, and answers its result. The
+    three calls are one sample, each continuing the last, and the episode's reward is the agent's."""
+    pytest.importorskip("claude_agent_sdk")  # scripts/install.sh --tests installs it
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    CLAUDE_CODE.update(binary=claude_code_binary(), home=tmp_path / "home", cwd=tmp_path / "work")
+    search = json.dumps({"name": "ToolSearch", "arguments": {"query": "select:mcp__math__calculator",
+                                                             "max_results": 1}})
+    calculate = json.dumps({"name": "mcp__math__calculator", "arguments": {"expression": "12*34+1"}})
+    replies = [f"<tool_call>{search}</tool_call>", f"<tool_call>{calculate}</tool_call>", "409"]
+
+    def policy(prompt_ids, gconfig, sample):
+        return ids(tokenizer, replies[tokenizer.decode(prompt_ids).count("<tool_response>")]) + \
+            [tokenizer.eos_token_id]
+
+    [trajectory], engine = run_episode(tokenizer, tokenizer_dir, "tests.endpoint_clients:claude_agent_sdk_run", policy,
+                                       max_total_tokens=CLAUDE_CODE_CONTEXT)
+    result = RESPONSES[-1]
+    assert (result.is_error, result.result, result.num_turns) == (False, "409", 3), result
+    (first, _), (second, _), (third, _) = engine.requests
+    assert second[:len(first)] == first and third[:len(second)] == second
+    loaded = tokenizer.decode(second[len(first):])  # the tool search's result: the calculator's definition
+    assert '"name": "mcp__math__calculator"' in loaded and "Evaluates an arithmetic expression" in loaded
+    assert "409" in tokenizer.decode(third[len(second):])  # the calculator's result
+    assert trajectory.reward == 1.0 and trajectory.metrics["history_splits"] == 0
+    assert trajectory.token_ids == third + ids(tokenizer, "409") + [tokenizer.eos_token_id]
+
+
 # What Claude Code 2.1.332 sends on every call beside the conversation (seen from its requests to a recording server):
 # each field at the value it sends is answered, and changes the prompt only as it says.
 CLAUDE_CODE_FIELDS = {"thinking": {"type": "adaptive", "display": "omitted"},
@@ -383,6 +416,42 @@ def test_a_tool_whose_loading_is_deferred_is_not_given_to_the_model(tokenizer):
     assert shown["stop_reason"] == "tool_use" and shown["content"][0]["name"] == "WebSearch"
 
 
+def test_a_tool_reference_loads_its_deferred_tool_showing_its_definition_where_it_stands(tokenizer):
+    """Claude Code's ToolSearch answers with tool_reference blocks: Anthropic then shows the model the deferred tool's
+    definition there, in the conversation, the tools ahead of it unchanged, and the model may call it from then on.
+    Here the tool result's text is the definition as the chat template is given tools, and a call to it a tool_use;
+    the same call where the tool is only declared, in chat's shape, is text (no tool the model was given)."""
+    search = {"name": "ToolSearch", "description": "loads tools", "input_schema": {"type": "object"}}
+    deferred = {"name": "WebSearch", "description": "searches the web", "defer_loading": True,
+                "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}}}
+    turns = [{"role": "user", "content": "12+34="},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                 {"type": "tool_reference", "tool_name": "WebSearch"}]}]}]
+    definition = {"type": "function", "function": {"name": "WebSearch", "description": "searches the web",
+                                                   "parameters": deferred["input_schema"]}}
+    chat_turns = [turns[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "t1", "type": "function", "function": {"name": "ToolSearch", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": json.dumps(definition)}]
+    call = '<tool_call>{"name": "WebSearch", "arguments": {"query": "46"}}</tool_call>'
+
+    async def calls(_client, http):
+        loaded = await http.post("/messages", json={"max_tokens": 100, "tools": [search, deferred], "messages": turns})
+        chat = await http.post("/chat/completions", json={"max_tokens": 100, "messages": chat_turns, "tools": [
+            {"type": "function", "function": {"name": "ToolSearch", "description": "loads tools",
+                                              "parameters": {"type": "object"}}}]})
+        return loaded.json(), chat.json()
+
+    (loaded, chat), session = messages_served(tokenizer, [[call], [call]], calls)
+    assert loaded["stop_reason"] == "tool_use", loaded
+    assert [(b["name"], b["input"]) for b in loaded["content"]] == [("WebSearch", {"query": "46"})]
+    first, second = session.outputs
+    assert first.prompt_ids == second.prompt_ids  # the definition where the reference stood, no other tool rendered
+    assert chat["choices"][0]["finish_reason"] == "stop" and chat["choices"][0]["message"]["content"] == call
+
+
+REFERENCE_TO_NOTHING = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+    {"type": "tool_reference", "tool_name": "Nothing"}]}]}
 REFUSED = {  # name -> (body, the field the message starts with)
     "no max_tokens": ({k: v for k, v in BODY.items() if k != "max_tokens"}, "max_tokens"),
     "max_tokens past the context": ({**BODY, "max_tokens": CONTEXT + 1}, "max_tokens"),
@@ -422,6 +491,10 @@ REFUSED = {  # name -> (body, the field the message starts with)
                             "output_config.format"),
     "output config as text": ({**BODY, "output_config": "high"}, "output_config"),
     "cache_control as text": ({**BODY, "cache_control": "ephemeral"}, "cache_control"),
+    "a tool_reference to no tool of the request": ({**BODY, "messages": [*CONVERSATION[:2], REFERENCE_TO_NOTHING]},
+                                                   "messages[2].content[0].content[0].tool_name"),
+    "a tool_reference in a user turn": ({**BODY, "messages": [{"role": "user", "content": [
+        {"type": "tool_reference", "tool_name": "calculator"}]}]}, "messages[0].content[0]"),
     "defer_loading as text": ({**BODY, "tools": [{**ANTHROPIC_TOOLS[0], "defer_loading": "yes"}]},
                               "tools[0].defer_loading"),
     "a server tool": ({**BODY, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),

@@ -31,24 +31,25 @@ unknown ones too: that API has many fields that change the answer (`previous_res
 accepted and nothing is stored, so a later `previous_response_id` or `conversation` naming it could not be honoured
 and is refused.
 
-A /v1/messages body (Anthropic's Messages API) is translated the same way: `system` a system message first, each
-turn's text one message (a system turn among them, as Claude Code sends its environment, a system message where it
-stands), an assistant turn's tool_use blocks its tool calls, a user turn's tool_result blocks a tool message each, in
-order (`is_error` is read as a flag and not rendered: a chat tool message has none, and the result's text says what
-failed); `tools` custom tools (`input_schema` their parameters; one with `defer_loading` left out, as Anthropic leaves
-it out until a tool search loads it); `max_tokens` (required, as Anthropic requires it), `temperature`, `top_p`,
-`top_k`, `stop_sequences` (chat's stop strings), `stream` and `tool_choice` `{"type": "auto"}` act, `metadata` labels.
-`cache_control` (Anthropic's prompt caching, top-level or on a block) is accepted: caching changes no answer, and an
-episode's calls go to the worker holding its prefix anyway. At their neutral values only, as Claude Code sends them:
-`thinking` disabled or adaptive with nothing displayed (the model thinks or not as its template has it; no thinking
-block is returned), `context_management` edits that clear thinking (none is accepted, so none is cleared),
-`output_config.effort` "high" (Anthropic's default; any other is refused in Anthropic's own words for a model
-without effort, on which Claude Code sends its call again without one). A last assistant turn (Anthropic continues
-it: a prefill) is refused, since a chat template closes it; so are images and documents, server tools, a forced or
-forbidden tool call, `disable_parallel_tool_use`, any other thinking, context edit or output config (a JSON reply
-format) and any other field. Its refusals are sent in Anthropic's error shape (`RequestError.anthropic_body`), the
-message starting with the field. Headers (`anthropic-version`, `anthropic-beta`) and the query (`?beta=true`) are not
-read: the body's fields are what a beta asks for, and they are checked here.
+A /v1/messages body (Anthropic's Messages API) is translated the same way: `system` a system message first, each turn's
+text one message (a system turn among them, as Claude Code sends its environment, a system message where it stands), an
+assistant turn's tool_use blocks its tool calls, a user turn's tool_result blocks a tool message each, in order
+(`is_error` is read as a flag and not rendered: a chat tool message has none, and the result's text says what failed; a
+`tool_reference` block in it, a tool search's answer, is the referenced tool's definition, which loads it); `tools`
+custom tools (`input_schema` their parameters; one with `defer_loading` is not rendered with the others, as Anthropic
+shows it only where a tool_reference loads it, and may be called from then on); `max_tokens` (required, as Anthropic
+requires it), `temperature`, `top_p`, `top_k`, `stop_sequences` (chat's stop strings), `stream` and `tool_choice`
+`{"type": "auto"}` act, `metadata` labels. `cache_control` (Anthropic's prompt caching, top-level or on a block) is
+accepted: caching changes no answer, and an episode's calls go to the worker holding its prefix anyway. At their neutral
+values only, as Claude Code sends them: `thinking` disabled or adaptive with nothing displayed (the model thinks or not
+as its template has it; no thinking block is returned), `context_management` edits that clear thinking (none is
+accepted, so none is cleared), `output_config.effort` "high" (Anthropic's default; any other is refused in Anthropic's
+own words for a model without effort, on which Claude Code sends its call again without one). A last assistant turn
+(Anthropic continues it: a prefill) is refused, since a chat template closes it; so are images and documents, server
+tools, a forced or forbidden tool call, `disable_parallel_tool_use`, any other thinking, context edit or output config
+(a JSON reply format) and any other field. Its refusals are sent in Anthropic's error shape
+(`RequestError.anthropic_body`), the message starting with the field. Headers (`anthropic-version`, `anthropic-beta`)
+and the query (`?beta=true`) are not read: the body's fields are what a beta asks for, and they are checked here.
 """
 
 import json
@@ -269,24 +270,44 @@ def _input_messages(items) -> list[dict]:
     return messages
 
 
-def _input_text(content, where: str, kinds: tuple[str, ...] = ("input_text", "output_text")) -> str:
+def _input_text(content, where: str, kinds: tuple[str, ...] = ("input_text", "output_text"),
+                tools: dict[str, dict] | None = None, loaded: list[str] | None = None) -> str:
     """Content as its text: a string, or a list of text parts of `kinds` (the Responses API's parts by default; the
-    Messages API's are `text` blocks)."""
+    Messages API's are `text` blocks). In a tool result (`tools` the request's tools by name) a `tool_reference` block
+    is the named tool's definition, on a line of its own, and its name is added to `loaded`."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _invalid(where, "must be a string or a list of content parts")
+    texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
             raise _invalid(f"{where}[{j}]", "must be a content part object whose text is a string")
         if part.get("type") not in kinds:  # an image, a file: the model would answer without it
             raise _invalid(f"{where}[{j}]", f'must be a part of type {" or ".join(kinds)}: this model reads text only '
                                             f'(got type {part.get("type")!r})')
-    return "".join(part.get("text", "") for part in content)
+        if part["type"] == "tool_reference":
+            texts.append(("\n" if texts else "") + _tool_definition(part, f"{where}[{j}]", tools, loaded))
+        else:
+            texts.append(part.get("text", ""))
+    return "".join(texts)
 
 
-def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[dict], Sampling]:
-    """The chat messages, chat tools and sampling a /v1/messages body (Anthropic's Messages API) asks for."""
+def _tool_definition(reference: dict, where: str, tools: dict[str, dict], loaded: list[str]) -> str:
+    """A tool_reference (Claude Code's ToolSearch answers with them) loads a deferred tool: Anthropic shows the model
+    its definition where the reference stands in the conversation, the tools ahead of it unchanged (so is a cached
+    prompt), and the model may call it from then on. Here that definition is the tool as the chat template is given
+    tools, as JSON."""
+    name = reference.get("tool_name")
+    if not isinstance(name, str) or name not in tools:
+        raise _invalid(f"{where}.tool_name", f"must name one of this request's tools (got {name!r})")
+    loaded.append(name)
+    return json.dumps(tools[name], ensure_ascii=False)
+
+
+def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[dict], list[dict], Sampling]:
+    """The chat messages, the chat tools rendered ahead of them, the deferred tools a tool_reference loaded (in chat's
+    shape: the model may call them too) and the sampling a /v1/messages body (Anthropic's Messages API) asks for."""
     for name, value in body.items():
         if value is not None and name not in MESSAGES_FIELDS:
             raise _invalid(name, "is not supported by this endpoint's /v1/messages; leave it out")
@@ -296,23 +317,27 @@ def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], lis
         if not isinstance(body.get(name), (dict, type(None))):
             raise _invalid(name, "must be an object or null")
     _refuse_unhonoured_messages(body)
+    declared = _tools(body.get("tools"), "messages")
+    # A tool whose loading is deferred is not shown to the model with the others: a tool_reference in a tool result
+    # (a tool search's answer) shows its definition there and loads it (_tool_definition).
+    deferred = {t["name"] for i, t in enumerate(declared) if _flag(t, "defer_loading", f"tools[{i}].defer_loading")}
+    definitions = {t["name"]: {"type": "function", "function": {
+        **{k: t[k] for k in ("name", "description") if k in t},
+        **({"parameters": t["input_schema"]} if "input_schema" in t else {})}} for t in declared}
     system = body.get("system")
     system = _input_text(system, "system", ("text",)) if system is not None else ""
     messages = [{"role": "system", "content": system}] if system else []
     turns = body.get("messages")
     if not isinstance(turns, list) or not turns:
         raise _invalid("messages", "must be a non-empty list of message objects")
+    referenced = []
     for i, turn in enumerate(turns):
-        messages += _anthropic_turn(turn, f"messages[{i}]")
+        messages += _anthropic_turn(turn, f"messages[{i}]", definitions, referenced)
     if turns[-1].get("role") == "assistant":  # Anthropic continues a last assistant turn; a chat template closes it
         raise _invalid(f"messages[{len(turns) - 1}].role", "must be user or system: a prefilled assistant reply is not "
                                                             "continued by this endpoint")
-    # A tool whose loading is deferred is not shown to the model until a tool search loads it (a tool_reference block,
-    # refused in a tool result as any block but text): so it is left out of the prompt.
-    tools = [{"type": "function", "function": {**{k: t[k] for k in ("name", "description") if k in t},
-                                               **({"parameters": t["input_schema"]} if "input_schema" in t else {})}}
-             for i, t in enumerate(_tools(body.get("tools"), "messages"))
-             if not _flag(t, "defer_loading", f"tools[{i}].defer_loading")]
+    tools = [definitions[t["name"]] for t in declared if t["name"] not in deferred]
+    loaded = [definitions[name] for name in dict.fromkeys(referenced) if name in deferred]  # once each, in order
     choice = body.get("tool_choice")
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
@@ -325,7 +350,8 @@ def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], lis
                 if body.get(name) is not None}
     _max_new_tokens(body, "max_tokens", max_total_tokens, settings)
     stream, _ = _stream(body)
-    return messages, tools, Sampling(settings, _stop_strings(body, "stop_sequences"), False, False, stream, False)
+    return messages, tools, loaded, Sampling(settings, _stop_strings(body, "stop_sequences"), False, False, stream,
+                                             False)
 
 
 def _refuse_unhonoured_messages(body: dict) -> None:
@@ -355,9 +381,10 @@ def _refuse_unhonoured_messages(body: dict) -> None:
                                                    "budget but max_tokens; leave it out")
 
 
-def _anthropic_turn(turn, where: str) -> list[dict]:
+def _anthropic_turn(turn, where: str, tools: dict[str, dict], loaded: list[str]) -> list[dict]:
     """A Messages API turn as chat messages: an assistant turn's text and tool_use blocks one assistant message; a user
-    turn's tool_result blocks a tool message each and its text a user message, in their order."""
+    turn's tool_result blocks a tool message each and its text a user message, in their order. The names of the tools
+    its tool results reference (`tools` the request's, by name) are added to `loaded`."""
     if not isinstance(turn, dict):
         raise _invalid(where, "must be a message object")
     role, content = turn.get("role"), turn.get("content")
@@ -399,7 +426,8 @@ def _anthropic_turn(turn, where: str) -> list[dict]:
             # A chat tool message has no error flag: the model reads that a call failed from the result's text.
             _flag(block, "is_error", f"{at}.is_error")
             output = block.get("content")
-            output = _input_text(output, f"{at}.content", ("text",)) if output is not None else ""
+            output = _input_text(output, f"{at}.content", ("text", "tool_reference"), tools, loaded) \
+                if output is not None else ""
             messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": output})
     return messages or [{"role": role, "content": ""}]  # an empty reply comes back as no blocks: still its turn
 

@@ -101,8 +101,8 @@ class EpisodeSession:
         """A /v1/messages call (Anthropic's Messages API): the chat call its system and messages make, answered as a
         Message."""
         self.require_chat_template("/v1/messages")
-        messages, tools, sampling = messages_request(body, self.max_total_tokens)
-        output, [choice], [stop] = await self.chat_choices(messages, tools, sampling, client_gone)
+        messages, tools, loaded, sampling = messages_request(body, self.max_total_tokens)
+        output, [choice], [stop] = await self.chat_choices(messages, tools, sampling, client_gone, loaded)
         reply = choice["message"]
         content = [{"type": "text", "text": reply["content"]}] if reply["content"] else []
         content += [{"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
@@ -121,10 +121,12 @@ class EpisodeSession:
                                     f"served at {path}: call /v1/completions", "model_not_found", param="model")
 
     async def chat_choices(self, messages: list[dict], tools: list[dict], sampling: Sampling,
-                           client_gone: ClientGone | None) -> tuple[GenerationOutput, list[dict], list[str | None]]:
+                           client_gone: ClientGone | None, loaded: list[dict] = ()) \
+            -> tuple[GenerationOutput, list[dict], list[str | None]]:
         """The engine's output for a chat call, its chat choices and the stop string each was cut at (None: none); the
-        call recorded unless its client has gone."""
-        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+        call recorded unless its client has gone. The model may call `tools`, rendered ahead of the messages, and
+        `loaded`, whose definitions stand among them (a Messages call's tool search loaded them)."""
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in [*tools, *loaded]}
         try:
             sample, prompt_ids, split = self.conversation.prompt_for(messages, tools)
         except jinja2.TemplateError as e:  # a template may refuse an order of roles, say
