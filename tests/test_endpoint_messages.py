@@ -525,6 +525,14 @@ def test_a_field_not_honoured_is_refused_naming_it_and_never_reaches_the_model(t
     assert error["message"].startswith(param + " "), error
 
 
+def test_an_effort_is_refused_in_the_words_claude_code_reads_as_a_model_without_effort(tokenizer):
+    """Claude Code asks effort "medium" of its own models; on a 400 saying the model "does not support the effort
+    parameter" (Anthropic's words) it sends the call again without one. The refusal says so."""
+    response, asked = post(tokenizer, "/messages", {**BODY, "output_config": {"effort": "medium"}})
+    error = anthropic_refusal(response)
+    assert "does not support the effort parameter" in error["message"].lower() and asked == []
+
+
 def test_a_model_without_a_chat_template_refuses_messages_saying_so():
     from rlsys.model.tokenizer import build_char_tokenizer
 
