@@ -21,7 +21,7 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 5}  # LangChain's ChatAnt
 BODY = {"model": "rlsys", "max_tokens": 8, "system": "Use the calculator.", "tools": ANTHROPIC_TOOLS,
         "messages": [{"role": "user", "content": [{"type": "text", "text": "12+34="}]}], **SAMPLING}
 # The installed `anthropic` (2.17) takes no sampling arguments: they go as extra body fields.
-CLAUDE_CODE_CONTEXT = 200_000  # its system prompt and tools are some 50,000 characters, a token each here
+CLAUDE_CODE_CONTEXT = 100_000  # over its prompt (some 10,000 characters, a token each here), under its max_tokens
 CLIENT_BODY = {**{k: v for k, v in BODY.items() if k not in SAMPLING}, "extra_body": SAMPLING}
 
 
@@ -531,6 +531,17 @@ def test_an_effort_is_refused_in_the_words_claude_code_reads_as_a_model_without_
     response, asked = post(tokenizer, "/messages", {**BODY, "output_config": {"effort": "medium"}})
     error = anthropic_refusal(response)
     assert "does not support the effort parameter" in error["message"].lower() and asked == []
+
+
+def test_max_tokens_past_the_context_is_refused_saying_by_how_much_in_the_words_claude_code_reads(tokenizer):
+    """Claude Code asks max_tokens 128000 of its own models; refused as Anthropic words it, "input length and
+    `max_tokens` exceed context limit: <prompt> + <max_tokens> > <context>", it asks again for what the context
+    leaves. The prompt's length is the call's."""
+    response, asked = post(tokenizer, "/messages", {**BODY, "max_tokens": CONTEXT + 1})
+    error = anthropic_refusal(response)
+    _, (plain,) = post(tokenizer, "/messages", BODY)
+    assert f"input length and `max_tokens` exceed context limit: {len(plain['token_ids'])} + {CONTEXT + 1} > " \
+           f"{CONTEXT}," in error["message"] and asked == [], error
 
 
 def test_a_model_without_a_chat_template_refuses_messages_saying_so():

@@ -38,18 +38,19 @@ assistant turn's tool_use blocks its tool calls, a user turn's tool_result block
 `tool_reference` block in it, a tool search's answer, is the referenced tool's definition, which loads it); `tools`
 custom tools (`input_schema` their parameters; one with `defer_loading` is not rendered with the others, as Anthropic
 shows it only where a tool_reference loads it, and may be called from then on); `max_tokens` (required, as Anthropic
-requires it), `temperature`, `top_p`, `top_k`, `stop_sequences` (chat's stop strings), `stream` and `tool_choice`
-`{"type": "auto"}` act, `metadata` labels. `cache_control` (Anthropic's prompt caching, top-level or on a block) is
-accepted: caching changes no answer, and an episode's calls go to the worker holding its prefix anyway. At their neutral
-values only, as Claude Code sends them: `thinking` disabled or adaptive with nothing displayed (the model thinks or not
-as its template has it; no thinking block is returned), `context_management` edits that clear thinking (none is
-accepted, so none is cleared), `output_config.effort` "high" (Anthropic's default; any other is refused in Anthropic's
-own words for a model without effort, on which Claude Code sends its call again without one). A last assistant turn
-(Anthropic continues it: a prefill) is refused, since a chat template closes it; so are images and documents, server
-tools, a forced or forbidden tool call, `disable_parallel_tool_use`, any other thinking, context edit or output config
-(a JSON reply format) and any other field. Its refusals are sent in Anthropic's error shape
-(`RequestError.anthropic_body`), the message starting with the field. Headers (`anthropic-version`, `anthropic-beta`)
-and the query (`?beta=true`) are not read: the body's fields are what a beta asks for, and they are checked here.
+requires it; past the context it is refused once the prompt is rendered, saying by how much), `temperature`, `top_p`,
+`top_k`, `stop_sequences` (chat's stop strings), `stream` and `tool_choice` `{"type": "auto"}` act, `metadata` labels.
+`cache_control` (Anthropic's prompt caching, top-level or on a block) is accepted: caching changes no answer, and an
+episode's calls go to the worker holding its prefix anyway. At their neutral values only, as Claude Code sends them:
+`thinking` disabled or adaptive with nothing displayed (the model thinks or not as its template has it; no thinking
+block is returned), `context_management` edits that clear thinking (none is accepted, so none is cleared),
+`output_config.effort` "high" (Anthropic's default; any other is refused in Anthropic's own words for a model without
+effort, on which Claude Code sends its call again without one). A last assistant turn (Anthropic continues it: a
+prefill) is refused, since a chat template closes it; so are images and documents, server tools, a forced or forbidden
+tool call, `disable_parallel_tool_use`, any other thinking, context edit or output config (a JSON reply format) and any
+other field. Its refusals are sent in Anthropic's error shape (`RequestError.anthropic_body`), the message starting with
+the field. Headers (`anthropic-version`, `anthropic-beta`) and the query (`?beta=true`) are not read: the body's fields
+are what a beta asks for, and they are checked here.
 """
 
 import json
@@ -348,7 +349,9 @@ def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], lis
                                                                     "tools in a turn; send false or leave it out")
     settings = {name: _setting(name, body[name], name) for name in ("temperature", "top_p", "top_k")
                 if body.get(name) is not None}
-    _max_new_tokens(body, "max_tokens", max_total_tokens, settings)
+    # Bounded by the context once the prompt is rendered (EpisodeSession.generation_config), so that a refusal can say
+    # by how much, in Anthropic's words: Claude Code then asks again for what the context leaves.
+    settings["max_new_tokens"] = _setting("max_new_tokens", body["max_tokens"], "max_tokens")
     stream, _ = _stream(body)
     return messages, tools, loaded, Sampling(settings, _stop_strings(body, "stop_sequences"), False, False, stream,
                                              False)

@@ -198,6 +198,11 @@ class EpisodeSession:
                                     f"{self.max_total_tokens} tokens", "context_length_exceeded")
         settings = dict(sampling.settings)
         asked = settings.pop("max_new_tokens", self.defaults.max_new_tokens)
+        if asked > self.max_total_tokens:  # a Messages call's max_tokens (the other APIs refuse it unrendered)
+            raise RequestError(400, f"max_tokens is past this endpoint's context: input length and `max_tokens` "
+                                    f"exceed context limit: {prompt_length} + {asked} > {self.max_total_tokens}, "
+                                    f"decrease input length or `max_tokens` and try again", "invalid_value",
+                               "max_tokens")
         single = [ids[0] for ids in (self.tokenizer.encode(s, add_special_tokens=False) for s in sampling.stop)
                   if len(ids) == 1]
         return dataclasses.replace(self.defaults, **settings, max_new_tokens=min(asked, room),
