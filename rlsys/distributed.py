@@ -120,7 +120,9 @@ def rendezvous_store(rank: int, world: int) -> "dist.TCPStore":
     """The ranks' rendezvous at MASTER_ADDR:MASTER_PORT, rank 0 its server. It listens on MASTER_ADDR alone (loopback
     on one machine, the node's address under Ray): torch's env:// rendezvous listens on every interface, where whoever
     reaches the machine could read and write the store, which has no password, while the ranks meet in it. Rank 0
-    serves on the socket its starter bound, where it hands one over (RENDEZVOUS_LISTEN_FD)."""
+    serves on the socket bound for it before its role started, where there is one (RENDEZVOUS_LISTEN_FD: bound by
+    the launcher on one machine, by rank 0's own Ray actor as it was placed), so that no other process takes the port
+    in between."""
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     listener = None
     if rank == 0 and (held := os.environ.pop(RENDEZVOUS_LISTEN_FD, None)):

@@ -2,6 +2,7 @@
 field replaced."""
 
 import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,16 @@ class ReplayEagerly:
 
     def __call__(self, fn):
         return fn
+
+
+def summing_rank(role: str, index: int, out: str, env: dict) -> int:
+    """A learner rank placed as the launcher places it: joins the ranks, writes the sum of every rank's index + 1."""
+    import torch
+
+    from rlsys.distributed import join_ranks, leave_ranks
+
+    os.environ.update(env)
+    ranks = join_ranks(index, 2)
+    Path(out, f"{role}{index}").write_text(str(ranks.summed(torch.tensor([index + 1.0])).item()))
+    leave_ranks(ranks)
+    return 0

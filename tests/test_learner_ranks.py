@@ -22,7 +22,7 @@ from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.placement.local import LocalPlacement
 from rlsys.workers.learner import Learner
-from tests.helpers import child_pids, left_behind, small_run_overrides
+from tests.helpers import child_pids, left_behind, small_run_overrides, summing_rank
 from tests.test_learner import learner_config, mixed_length_batch
 
 pytestmark = pytest.mark.distributed
@@ -207,17 +207,6 @@ def test_the_ranks_rendezvous_listens_on_the_master_address_alone(tmp_path):
     mp.start_processes(rendezvous_listeners_at_rank, args=(2, free_port(), str(found)), nprocs=2,
                        start_method="spawn")
     assert json.loads(found.read_text()) == ["127.0.0.1"]
-
-
-def summing_rank(role: str, index: int, out: str, env: dict) -> int:
-    """A learner rank placed as the launcher places it: joins the ranks, writes the sum of every rank's index + 1."""
-    from rlsys.distributed import join_ranks, leave_ranks
-
-    os.environ.update(env)
-    ranks = join_ranks(index, 2)
-    Path(out, f"{role}{index}").write_text(str(ranks.summed(torch.tensor([index + 1.0])).item()))
-    leave_ranks(ranks)
-    return 0
 
 
 def test_the_rendezvous_port_cannot_be_taken_between_the_launcher_s_pick_and_rank_0_s_start(tmp_path):

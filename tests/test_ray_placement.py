@@ -1,6 +1,8 @@
 """cluster.backend=ray's placement alone (no run): a role's actor gives its bundle back when its run ends."""
 
+import contextlib
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -272,3 +274,37 @@ def test_a_role_gets_the_same_threads_under_ray_as_on_one_machine(monkeypatch):
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     assert codes["ray"] == codes["local"] and all(code % 2 == 0 for code in codes["local"]), codes
+
+
+def test_learner_rank_0_holds_its_rendezvous_port_from_the_moment_the_other_ranks_are_told_it(tmp_path):
+    """Rank 0's actor picked a port free on its node and the rank bound it seconds later, once its role had started:
+    another process taking it meanwhile failed the group, and every role restarted from the checkpoint. Rank 0's
+    actor binds the port (the kernel picks it) before any rank is told it, and its run serves on that socket; a rank
+    0 started again (the run restarted after a learner died) binds its own."""
+    import tests.helpers
+    from ray import cloudpickle
+
+    from rlsys.placement.ray_actors import RayPlacement
+    from tests.helpers import summing_rank
+
+    cloudpickle.register_pickle_by_value(tests.helpers)  # Ray's workers cannot import the tests
+    placement = RayPlacement(parse_config(["cluster.backend=ray", "cluster.n_learner_ranks=2"]), summing_rank)
+    try:
+        for group in ("first", "restarted"):
+            out = tmp_path / group
+            out.mkdir()
+            rank0 = placement.start("learner", 0, (str(out),))
+            squatter = None
+            with contextlib.suppress(OSError):  # another process on the node, as soon as the port is known
+                squatter = socket.create_server(placement.master)
+            try:
+                rank1 = placement.start("learner", 1, (str(out),))
+                assert [exit_code_within(rank, 120) for rank in (rank0, rank1)] == [0, 0], group
+            finally:
+                if squatter is not None:
+                    squatter.close()
+            assert squatter is None, group
+            assert [(out / f"learner{i}").read_text() for i in range(2)] == ["3.0", "3.0"]
+    finally:
+        placement.close()
+        cloudpickle.unregister_pickle_by_value(tests.helpers)

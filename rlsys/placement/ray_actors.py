@@ -13,14 +13,15 @@ same way on both backends.
 import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 
-from rlsys.bus.redis_server import free_port
 from rlsys.errors import RoleFailed
 from rlsys.placement.base import Placement, PlacementError, RoleHandle, learner_rendezvous
 from rlsys.placement.cpu_threads import role_environment
 from rlsys.preflight import check_reachable
+from rlsys.protocol import RENDEZVOUS_LISTEN_FD
 
 PLACEMENT_TIMEOUT = 120.0  # seconds to wait for the cluster to reserve every bundle
 CPUS_PER_ROLE = 1
@@ -29,12 +30,19 @@ CPUS_PER_ROLE = 1
 class RoleActor:
     """A Ray actor that runs one role until it ends; `run` returns the role's exit code."""
 
-    def address(self) -> tuple[str, int]:
-        """This node's address and a port free on it (for learner rank 0's rendezvous)."""
+    def __init__(self):
+        self.rendezvous: socket.socket | None = None  # learner rank 0's listening socket (listen), until its run
+
+    def listen(self) -> tuple[str, int]:
+        """Learner rank 0's rendezvous: a socket bound on this node's address, at a port the kernel picks, which the
+        rank's run serves on; returns (address, port) for the other ranks. Bound here, in the process that serves it,
+        since a launcher cannot hand a socket to a remote actor: a port picked free and bound by the rank once its
+        role had started could be taken meanwhile, and the group failed (every role restarted)."""
         import ray
 
         host = ray.util.get_node_ip_address()
-        return host, free_port(host)
+        self.rendezvous = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        return host, self.rendezvous.getsockname()[1]
 
     def ping(self) -> bool:
         return True
@@ -45,6 +53,8 @@ class RoleActor:
         without that directory they resolve against the node's own, as Ray started it."""
         if os.environ.get("OMP_NUM_THREADS") == "":  # the launcher had none: Ray's default is not put in its place
             del os.environ["OMP_NUM_THREADS"]
+        if self.rendezvous is not None:  # rlsys.distributed.rendezvous_store serves on it
+            os.environ[RENDEZVOUS_LISTEN_FD] = str(self.rendezvous.detach())
         if os.path.isdir(workdir):
             os.chdir(workdir)
         else:
@@ -207,8 +217,8 @@ class RayPlacement(Placement):
         if role == "learner":
             import ray
 
-            if index == 0:  # rank 0's node hosts the rendezvous of a new group of ranks
-                address = actor.address.remote()
+            if index == 0:  # rank 0 hosts the rendezvous of a new group of ranks, on a port it holds from here
+                address = actor.listen.remote()
                 if not ray.wait([address], timeout=PLACEMENT_TIMEOUT)[0]:
                     ray.kill(actor, no_restart=True)
                     raise RoleFailed(f"learner0 {not_placed(self.group.bundle_specs[bundle])}")
