@@ -308,3 +308,38 @@ def test_learner_rank_0_holds_its_rendezvous_port_from_the_moment_the_other_rank
     finally:
         placement.close()
         cloudpickle.unregister_pickle_by_value(tests.helpers)
+
+
+def omp_num_threads(role, index, *args):
+    """A role's entry that exits with the OMP_NUM_THREADS it started with, 0 for none."""
+    return int(os.environ.get("OMP_NUM_THREADS") or 0)
+
+
+def test_a_role_s_omp_num_threads_is_the_run_s_else_its_node_s_own(monkeypatch):
+    """Every actor started with the launcher's OMP_NUM_THREADS, or none: the one a node's own `ray start` had set (a
+    node with fewer cores, say) was overridden. The run's setting wins; without one, the node's own holds."""
+    from ray import cloudpickle
+    from ray.cluster_utils import Cluster
+
+    from rlsys.placement.ray_actors import RayPlacement
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the node's own, as its `ray start` had it
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import the tests
+    codes = {}
+    try:
+        for run_setting in ("", "2"):
+            if run_setting:
+                monkeypatch.setenv("OMP_NUM_THREADS", run_setting)
+            else:
+                monkeypatch.delenv("OMP_NUM_THREADS")
+            placement = RayPlacement(parse_config(["cluster.backend=ray", f"cluster.ray_address={cluster.address}"]),
+                                     omp_num_threads)
+            try:
+                codes[run_setting] = exit_code_within(placement.start("inference", 0, ()), 60)
+            finally:
+                placement.close()
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        cluster.shutdown()
+    assert codes == {"": 3, "2": 2}

@@ -18,8 +18,10 @@ threads slept soon, since its second thread found the others' idle moments; with
 inference and rollout workers need their core, and 1 learner thread trained 1.14-1.19x the samples/s of 2
 (BENCHMARKS.md, "Learner threads"). Under `cluster.backend=ray` the roles may be on other nodes and `cores` is the
 learner's node's; the rule still counts the other roles there, which errs on the side of too few threads: set
-`learner.num_threads` there. A Ray actor starts with the launcher's OMP_NUM_THREADS, or none, as a local role does,
-not the 1 Ray sets for an actor of one CPU (rlsys/placement/ray_actors.py).
+`learner.num_threads` there. A Ray actor's OMP_NUM_THREADS (read by torch as it loads, and by the processes a role
+starts) is the run's, the launcher's, where it has one (a local role inherits it); else its node's own, from that
+node's `ray start`; else none, as for a local role, not the 1 Ray sets for an actor of one CPU
+(rlsys/placement/ray_actors.py).
 
 Colocated (`cluster.colocate=true`) the roles take turns instead: the synchronous gate keeps inference idle
 while the learner trains and the learner idle while inference generates, so each gets every core (unless its

@@ -51,7 +51,7 @@ class RoleActor:
         """Runs in `workdir`, the launcher's working directory, as a role on one machine does, so that the config's
         relative paths (plugins=[my_plugin.py], a dataset's file) name what they name for the launcher; on a node
         without that directory they resolve against the node's own, as Ray started it."""
-        if os.environ.get("OMP_NUM_THREADS") == "":  # the launcher had none: Ray's default is not put in its place
+        if os.environ.get("OMP_NUM_THREADS") == "":  # neither the run nor the node set it: not Ray's 1 in its place
             del os.environ["OMP_NUM_THREADS"]
         if self.rendezvous is not None:  # rlsys.distributed.rendezvous_store serves on it
             os.environ[RENDEZVOUS_LISTEN_FD] = str(self.rendezvous.detach())
@@ -202,10 +202,12 @@ class RayPlacement(Placement):
         bundle, options = self.bundles[(role, index)]
         # Read by libgomp as torch loads: set before the actor's process starts. Where OMP_NUM_THREADS is not set,
         # Ray sets it to the actor's CPUs, 1: the role's torch (an inference worker left to the engine's choice)
-        # and every process it starts would have one thread, where a role on one machine gets its cores. The
-        # launcher's value goes along, as a local role inherits it, and none as "", which Ray leaves and the actor
-        # removes before the role imports torch.
-        added = {**role_environment(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "")}
+        # and every process it starts would have one thread, where a role on one machine gets its cores. So the
+        # run's own setting, the launcher's, goes along (a local role inherits it); without one, the node's own
+        # (its `ray start` environment, a node with fewer cores, say), which Ray puts for "${...}" as it starts the
+        # worker; without either, "", which the actor removes before the role imports torch: the role's threads are
+        # then counted from its node's cores (cpu_threads.role_threads runs in the role).
+        added = {**role_environment(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "${OMP_NUM_THREADS}")}
         actor = self.actor_class.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.group,
                                                                  placement_group_bundle_index=bundle),
