@@ -123,11 +123,16 @@ def test_ctrl_c_stops_every_process(cache_dir, tmp_path):
     assert proc.returncode != 0
 
 
-def test_a_sigterm_to_the_process_group_stops_the_run_as_ctrl_c_does(cache_dir, tmp_path):
+@pytest.mark.parametrize("placement", [
+    [], pytest.param(["cluster.backend=ray", "inference.engine=transformers"],
+                     marks=[pytest.mark.slow, pytest.mark.distributed], id="ray")])
+def test_a_sigterm_to_the_process_group_stops_the_run_as_ctrl_c_does(cache_dir, tmp_path, placement):
     """Slurm's scancel, systemd's stop and `kill -TERM -PGID` send SIGTERM to every process of the run at once: it
     killed each role where it stood, so the learner saved no checkpoint, while the launcher stopped roles already
-    dead."""
-    args = small_run_overrides(cache_dir, tmp_path) + ["max_steps=100000", "logging_steps=1", "trial_name=t"]
+    dead. On a Ray of the run's own, it stopped that Ray's GCS and raylet, in the launcher's group, and the launcher's
+    stop waited on the lost cluster until Ray's client aborted it a minute later (exit 1)."""
+    args = small_run_overrides(cache_dir, tmp_path) + ["max_steps=100000", "logging_steps=1", "trial_name=t",
+                                                       *placement]
     proc = subprocess.Popen([sys.executable, str(ENTRY), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=tmp_path, start_new_session=True)  # a group of its own, as under Slurm
     try:

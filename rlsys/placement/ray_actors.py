@@ -32,6 +32,9 @@ class RoleActor:
 
     def __init__(self):
         self.rendezvous: socket.socket | None = None  # learner rank 0's listening socket (listen), until its run
+        # Blocked by the Ray of the run's own, whose raylet started this worker (sigterm_left_to_the_launcher): a
+        # SIGTERM sent to the actor alone ends it as Ray ends a worker
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
     def listen(self) -> tuple[str, int]:
         """Learner rank 0's rendezvous: a socket bound on this node's address, at a port the kernel picks, which the
@@ -123,16 +126,27 @@ class RayRole(RoleHandle):
 
 
 @contextlib.contextmanager
-def keep_sigterm_handler():
-    """The SIGTERM handler of the caller (the launcher's, rlsys.bus.raise_on_sigterm) still in place after the block.
+def sigterm_left_to_the_launcher():
+    """Around ray.init: a SIGTERM stops the run through the launcher's stop alone.
+
+    The SIGTERM handler of the caller (the launcher's, rlsys.bus.raise_on_sigterm) is still in place after the block.
     ray.init installs its own, and its core worker a crash handler that reports a SIGTERM, calls the one before it,
     and aborts the process 3 s later: the launcher's stop (every role told to stop, then Ray shut down) would be cut
-    short, the roles killed without their checkpoint and Ray's agents left running."""
+    short, the roles killed without their checkpoint and Ray's agents left running.
+
+    And the processes a Ray of the run's own starts (its GCS, raylet and agents) start with SIGTERM blocked (a signal
+    mask outlives exec), as Ray starts them with SIGINT blocked: they are in the launcher's process group, so a
+    SIGTERM to the group (Slurm's scancel, systemd's stop, `kill -TERM -PGID`) stopped them at once, every role with
+    them, and the launcher's stop waited on the lost cluster until Ray's client aborted it a minute later (exit 1).
+    The launcher's stop shuts that Ray down (SIGKILL after a second each). Its workers are each in a group of their
+    own, and a role's actor takes SIGTERM back (RoleActor)."""
     main = threading.current_thread() is threading.main_thread()  # only the main thread sets handlers
     handler = signal.getsignal(signal.SIGTERM) if main else None
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         if handler is not None:
             signal.signal(signal.SIGTERM, handler)
 
@@ -168,7 +182,7 @@ class RayPlacement(Placement):
             raise PlacementError("cluster.ray_address=ray://... runs this launcher off the cluster, where a private Redis "
                                  "is out of the nodes' reach: set cluster.redis_url to a Redis every node reaches, or run "
                                  "the command on a node of the cluster with cluster.ray_address=auto")
-        with keep_sigterm_handler():
+        with sigterm_left_to_the_launcher():
             if cluster.ray_address:
                 try:
                     check_reachable(cluster.ray_address)
