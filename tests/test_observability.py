@@ -529,11 +529,12 @@ def test_a_relative_logging_dir_is_saved_absolute_so_the_report_finds_it_from_an
 
 def launch_until_the_roles_start(config, monkeypatch) -> None:
     """`launch(config)` as far as a start that passed its checks goes (prepare's reading of the model and data
-    skipped): no role starts."""
+    skipped): its placement made and its bus started, which is when it changes the trial (launcher.begin_trial); no
+    role starts."""
     from rlsys.launcher import launch
 
     monkeypatch.setattr("rlsys.launcher.prepare", lambda config: None)
-    monkeypatch.setattr("rlsys.launcher.placed_roles", Mock(side_effect=RuntimeError("the roles would start here")))
+    monkeypatch.setattr("rlsys.launcher.Supervisor", Mock(side_effect=RuntimeError("the roles would start here")))
     with pytest.raises(RuntimeError, match="the roles would start here"):
         launch(config)
 
