@@ -18,6 +18,8 @@ the in-flight set; recording its outcome removes it and counts the outcome in on
 counted once even if two roles report it. When the run ends, what is still in flight (running episodes, groups
 waiting in the stream or in the learner's unfinished batch) is counted as filtered with reason `run_ended`, from
 the set's size rather than by subtraction: admitted == trained + filtered + failed is then a check that can fail.
+A checkpoint names the prompts in flight when it was saved: a run resumed from it admits them again without
+counting them again, and counts those it ends before reaching (a resume at max_steps reaches none) as run_ended.
 """
 
 import collections
@@ -30,6 +32,7 @@ _IN_FLIGHT = "prompts:in_flight"  # set: ids of admitted prompts whose outcome i
 _FAILED = "prompts:failed_ids"  # set: "reason id" of each failed prompt, so a checkpoint can name them
 _FAILED_UNNAMED = "prompts:failed_unnamed"  # {reason: n}: failures a checkpoint from before _FAILED counted unnamed
 _SETTLED_BEFORE = "prompts:settled_before"  # set: what the checkpoint the run (re)started from had settled
+_CARRIED = "prompts:carried"  # set: in flight at that checkpoint, counted admitted there, not admitted again yet
 _RESTORE_CHUNK = 500  # set members restored per atomic step: one script call stays small
 
 
@@ -83,14 +86,15 @@ class PromptLedger:
     def start(self, version: int = 0, snapshot: dict | None = None, settled: Iterable[str] = ()) -> None:
         """Before any role starts. A resumed run (`version` trained versions, the checkpoint's `snapshot`) counts
         the prompts it trained as holding slots, so it does not admit a burst, and its counters continue from the
-        snapshot; a fresh run starts from zero. `settled` (the checkpoint's `settled_prompts`) is kept for the
-        rollout workers (`settled_before`): one restarted after save_total_limit deleted the checkpoint still
-        finds them."""
+        snapshot, its in-flight prompts carried (counted admitted, and in flight until admitted again); a fresh run
+        starts from zero. `settled` (the checkpoint's `settled_prompts`) is kept for the rollout workers
+        (`settled_before`): one restarted after save_total_limit deleted the checkpoint still finds them."""
         self.hold_slots(version * self.batch_size)
         snapshot = snapshot or {}
         outcomes = [ADMITTED, TRAINED, *map(filtered, FILTER_REASONS), *map(failed, FAILURE_REASONS)]
-        self.bus.delete(_IN_FLIGHT, _FAILED, _FAILED_UNNAMED, _SETTLED_BEFORE, *map(_outcome_key, outcomes))
+        self.bus.delete(_IN_FLIGHT, _CARRIED, _FAILED, _FAILED_UNNAMED, _SETTLED_BEFORE, *map(_outcome_key, outcomes))
         self._add_all(_SETTLED_BEFORE, list(settled))
+        self._add_all(_CARRIED, snapshot.get("in_flight_prompts", []))
         named = snapshot.get("failed_prompts", {})
         self._add_all(_FAILED, [f"{reason} {prompt_id}" for prompt_id, reason in named.items()])
         if unnamed := collections.Counter(snapshot.get("failed", {})) - collections.Counter(named.values()):
@@ -107,27 +111,30 @@ class PromptLedger:
             self.bus.change([Step.add(key, member) for member in members[i:i + _RESTORE_CHUNK]])
 
     def snapshot(self) -> dict:
-        """What a checkpoint keeps: only prompts with an outcome. The in-flight ones are not in the checkpoint's
-        consumed prompts, so a run resumed from it admits them again; counted here, they would count twice.
-        The failed ones are named (`failed_prompts`, id -> reason) so that a resumed run skips them, as it skips
-        the consumed ones; their counts come from the same read as their names, so a failure recorded meanwhile is
-        in neither and simply runs again."""
+        """What a checkpoint keeps: the counts, and the in-flight prompts by name (`in_flight_prompts`): they are not
+        in the checkpoint's consumed prompts, so a run resumed from it admits them again, and `start` carries them
+        so that they are counted once (admitted here, their outcome after the resume). The failed ones are named
+        (`failed_prompts`, id -> reason) so that a resumed run skips them, as it skips the consumed ones; their
+        counts come from the same read as their names, so a failure recorded meanwhile is in neither and simply
+        runs again. The in-flight ones are read last, the carried before the admitted: one admitted meanwhile is
+        among them, and counted admitted with them."""
         named = {prompt_id: reason for reason, prompt_id in
                  (member.split(" ", 1) for member in self.bus.set_members(_FAILED))}
         c = self.counts()
         unnamed = collections.Counter(self.bus.get(_FAILED_UNNAMED) or {})
         c["failed"] = dict(unnamed + collections.Counter(named.values()))
-        c["in_flight"] = 0
+        carried = sorted({*self.bus.set_members(_CARRIED), *self.in_flight()})
+        c["in_flight"] = len(carried)
         c[ADMITTED] = accounted(c)
-        c["failed_prompts"] = named
+        c["failed_prompts"], c["in_flight_prompts"] = named, carried
         return c
 
     def end_run(self) -> dict:
         """After every role stopped: what is still in flight ends as filtered(run_ended); returns the final counts."""
-        unfinished = self.bus.set_size(_IN_FLIGHT)
+        unfinished = self.bus.set_size(_IN_FLIGHT) + self.bus.set_size(_CARRIED)
         if unfinished:
             self.bus.incr(_outcome_key(filtered("run_ended")), unfinished)
-        self.bus.delete(_IN_FLIGHT)
+        self.bus.delete(_IN_FLIGHT, _CARRIED)
         return self.counts()
 
     # the gate
@@ -153,10 +160,14 @@ class PromptLedger:
         """ADMITTED: `prompt_id` took a slot of the gate and is counted as admitted and in flight. GATE_FULL (`capacity(
         served_version)` slots are taken) or IN_FLIGHT (admitted already, and its outcome not recorded): nothing
         changed. In one atomic step with the caller's own writes `also` (Bus.change), so a caller that dies cannot
-        leave a slot taken by no prompt, or a prompt in flight that it did not record."""
-        unmet = self.bus.change([Step.at_most(_GATE_SLOTS, self.capacity(served_version)),
-                                 Step.absent(_IN_FLIGHT, prompt_id), Step.incr(_GATE_SLOTS),
-                                 Step.add(_IN_FLIGHT, prompt_id), Step.incr(_outcome_key(ADMITTED)), *also])
+        leave a slot taken by no prompt, or a prompt in flight that it did not record. A carried prompt (`start`)
+        is counted admitted already: it only moves into the in-flight set."""
+        admission = [Step.at_most(_GATE_SLOTS, self.capacity(served_version)), Step.absent(_IN_FLIGHT, prompt_id),
+                     Step.incr(_GATE_SLOTS), Step.add(_IN_FLIGHT, prompt_id)]
+        unmet = self.bus.change([Step.present(_CARRIED, prompt_id), *admission, Step.remove(_CARRIED, prompt_id),
+                                 *also])
+        if unmet is not None and unmet.key == _CARRIED:
+            unmet = self.bus.change([*admission, Step.incr(_outcome_key(ADMITTED)), *also])
         return ADMITTED if unmet is None else GATE_FULL if unmet.key == _GATE_SLOTS else IN_FLIGHT
 
     def trained(self, prompt_id: str) -> bool:
@@ -186,7 +197,7 @@ class PromptLedger:
 
     def counts(self) -> dict:
         """{"admitted", "trained", "filtered": {reason: n}, "failed": {reason: n}, "in_flight"}; zero reasons left
-        out."""
+        out. In flight: admitted and no outcome yet, the carried prompts included."""
         def by_reason(reasons, key):
             found = {reason: self.bus.get(_outcome_key(key(reason))) or 0 for reason in reasons}
             return {reason: n for reason, n in found.items() if n}
@@ -194,7 +205,7 @@ class PromptLedger:
         return {ADMITTED: self.bus.get(_outcome_key(ADMITTED)) or 0,
                 TRAINED: self.bus.get(_outcome_key(TRAINED)) or 0,
                 "filtered": by_reason(FILTER_REASONS, filtered), "failed": by_reason(FAILURE_REASONS, failed),
-                "in_flight": self.bus.set_size(_IN_FLIGHT)}
+                "in_flight": self.bus.set_size(_IN_FLIGHT) + self.bus.set_size(_CARRIED)}
 
 
 def settled_prompts(trainer_state: dict) -> set[str]:

@@ -109,6 +109,29 @@ def test_a_checkpoint_from_before_failed_prompts_were_named_keeps_its_failure_co
     assert resumed.snapshot()["failed"] == {"env_error": 2} and resumed.snapshot()["admitted"] == 4
 
 
+def test_a_prompt_in_flight_at_the_checkpoint_is_counted_once_whether_a_resume_admits_it_again_or_not():
+    """The checkpoint names its in-flight prompts: one the resumed run admits again is not counted again, one it
+    never reaches (it ended first, as a resume at max_steps does) ends as run_ended rather than vanish."""
+    book = ledger()
+    for qid in "abc":
+        book.admit(qid, 0)
+    book.trained("a")
+    trainer_state = {"consumed_prompts": ["a"], "accounting": book.snapshot()}  # b and c in flight
+    assert settled_prompts(trainer_state) == {"a"}  # so a resumed run admits b and c again
+    resumed = PromptLedger(InProcessBus(), BATCH, ETA)
+    resumed.start(version=0, snapshot=trainer_state["accounting"])
+    assert resumed.counts() == {"admitted": 3, "trained": 1, "filtered": {}, "failed": {}, "in_flight": 2}
+    again = PromptLedger(InProcessBus(), BATCH, ETA)  # resumed again before either was admitted again
+    again.start(version=0, snapshot=resumed.snapshot())
+    assert again.admit("b", 0) == ADMITTED and again.admit("b", 0) == IN_FLIGHT and again.trained("b")
+    assert again.admit("d", 0) == ADMITTED and again.untrained("d", failed("agent_error"))
+    assert again.counts() == {"admitted": 4, "trained": 2, "filtered": {}, "failed": {"agent_error": 1},
+                              "in_flight": 1}
+    final = again.end_run()  # c was never admitted again
+    assert final == {"admitted": 4, "trained": 2, "filtered": {"run_ended": 1}, "failed": {"agent_error": 1},
+                     "in_flight": 0}
+
+
 def test_the_age_bound_refuses_a_group_older_than_max_head_offpolicyness():
     book = ledger()
     assert not book.too_stale([4, 5], training_version=5)
@@ -125,12 +148,12 @@ def test_after_a_crash_a_resume_counts_what_was_settled_and_holds_the_trained_ve
     book.trained("a")
     book.untrained("b", failed("agent_error"))
     snapshot = book.snapshot()  # what a checkpoint keeps; c and d will be admitted again
-    assert snapshot == {"admitted": 2, "trained": 1, "filtered": {}, "failed": {"agent_error": 1}, "in_flight": 0,
-                        "failed_prompts": {"b": "agent_error"}}
+    assert snapshot == {"admitted": 4, "trained": 1, "filtered": {}, "failed": {"agent_error": 1}, "in_flight": 2,
+                        "failed_prompts": {"b": "agent_error"}, "in_flight_prompts": ["c", "d"]}
     # the run crashes here with c and d in flight; a resume from the checkpoint (1 version trained) on the same bus
     resumed = PromptLedger(bus, BATCH, ETA)
     resumed.start(version=1, snapshot=snapshot)
-    assert resumed.counts()["in_flight"] == 0  # the crashed run's in-flight prompts are not carried over
+    assert resumed.in_flight() == []  # no episode of the crashed run's goes on: c and d wait to be admitted again
     assert resumed.slots_taken() == BATCH  # the trained version's prompts hold their slots: no burst
     for qid in "cd":
         assert resumed.admit(qid, 1) == ADMITTED and resumed.trained(qid)

@@ -192,6 +192,18 @@ def test_resume_from_checkpoint_continues_step_and_version(cache_dir, tmp_path):
     # older than its checkpoint, so nothing it trains on is more than eta versions behind.
     assert all(s["staleness_max"] <= second.max_head_offpolicyness for s in steps)
     assert min(s["newest_version"] for s in steps) >= 2
+    # Continued at its last step, it trains nothing and admits nothing: its books are its last checkpoint's, whose
+    # prompts in flight end as run_ended, neither dropped nor counted twice (none is among the consumed ones).
+    last = read_trainer_state(tmp_path / "async-ppo-math" / "b" / "checkpoints" / "step_4")
+    books, carried = last["accounting"], last["accounting"]["in_flight_prompts"]
+    assert books["admitted"] == books["trained"] + sum(books["filtered"].values()) + sum(books["failed"].values()) \
+        + len(carried) <= summary["prompts"]["admitted"]
+    assert not set(carried) & set(last["consumed_prompts"])
+    ended = launch(parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "max_steps=4", "trial_name=b", "resume_from_checkpoint=auto"]))
+    assert ended["prompts"] == {"admitted": books["admitted"], "trained": books["trained"],
+                                "filtered": {**books["filtered"], **({"run_ended": len(carried)} if carried else {})},
+                                "failed": books["failed"], "in_flight": 0}
 
 
 BROKEN_PLUGIN = '''
