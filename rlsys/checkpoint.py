@@ -22,6 +22,13 @@ from pathlib import Path
 TRAINER_STATE = "trainer_state.json"
 SHARDED_STATE = "sharded"  # the DCP directory
 RNG_STATE = "rng.pt"  # rank 0's torch RNG: it draws the mini-batch order
+CHECKPOINTS_DIR = "checkpoints"  # under the run directory: the learner saves there, the launcher resumes from there
+STEP_PREFIX = "step_"  # a checkpoint's directory is step_N, N its step: the name every reader below parses
+
+
+def checkpoint_directory(run_dir: Path, step: int) -> Path:
+    """Where the learner saves step `step`'s checkpoint, named as `saved_in_order` and `remove_leftovers` read."""
+    return Path(run_dir) / CHECKPOINTS_DIR / f"{STEP_PREFIX}{step}"
 
 
 def save_checkpoint(directory: Path, ranks, sharded_state: dict, export, trainer_state: dict) -> Path:
@@ -148,8 +155,8 @@ def saved_in_order(checkpoints_dir: Path, replaced: bool = False) -> list[tuple[
     Saved last, not of the highest step: a run resumed from an earlier checkpoint of its own directory saves lower
     steps than the ones it left behind, and continuing it must not jump back to those. Checkpoints from before
     `saved_at` was kept count as saved before any that has it, the highest step last."""
-    complete = [d for d in Path(checkpoints_dir).glob("step_*")
-                if d.name.removeprefix("step_").isdigit() and (d / TRAINER_STATE).exists()]
+    complete = [d for d in Path(checkpoints_dir).glob(f"{STEP_PREFIX}*")
+                if d.name.removeprefix(STEP_PREFIX).isdigit() and (d / TRAINER_STATE).exists()]
     if replaced:
         complete += replaced_copies(checkpoints_dir).values()
     states = {d: read_trainer_state(d) for d in complete}
@@ -185,9 +192,10 @@ def replaced_copies(checkpoints_dir: Path) -> dict[Path, Path]:
     between its two renames (the old copy away, the new one not yet in), so the old copy, complete, is the step's only
     checkpoint. Only where no save is under way in `checkpoints_dir`: mid-save, the step is missing for a moment."""
     copies = {}
-    for old in Path(checkpoints_dir).glob("step_*.old"):
+    for old in Path(checkpoints_dir).glob(f"{STEP_PREFIX}*.old"):
         directory = old.with_suffix("")
-        if directory.name.removeprefix("step_").isdigit() and not directory.exists() and (old / TRAINER_STATE).exists():
+        if (directory.name.removeprefix(STEP_PREFIX).isdigit() and not directory.exists()
+                and (old / TRAINER_STATE).exists()):
             copies[directory] = old
     return copies
 
@@ -207,8 +215,8 @@ def remove_leftovers(checkpoints_dir: Path, keep: Path | None = None) -> list[Pa
     A `.old` that is its step's only copy is restored first (`restore_replaced`). Only where no save is under way in
     `checkpoints_dir`: the learner calls it as it starts, before its first."""
     restore_replaced(checkpoints_dir)
-    leftovers = [d for d in Path(checkpoints_dir).glob("step_*")
-                 if d.suffix in LEFTOVERS and d.stem.removeprefix("step_").isdigit() and d.is_dir()
+    leftovers = [d for d in Path(checkpoints_dir).glob(f"{STEP_PREFIX}*")
+                 if d.suffix in LEFTOVERS and d.stem.removeprefix(STEP_PREFIX).isdigit() and d.is_dir()
                  and (keep is None or d.resolve() != Path(keep).resolve())]
     for directory in leftovers:
         shutil.rmtree(directory, ignore_errors=True)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rlsys import protocol
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
-from rlsys.checkpoint import identity, latest_checkpoint, read_trainer_state, restore_replaced, saved_in_order
+from rlsys.checkpoint import (CHECKPOINTS_DIR, identity, latest_checkpoint, read_trainer_state, restore_replaced,
+                              saved_in_order)
 from rlsys.cli import config_to_dict, first_line, registry_name_of, save_config
 from rlsys.console import ProgressReporter
 from rlsys.placement import PlacementError, open_placement
@@ -76,7 +77,7 @@ def remove_directories(directories: list[Path]) -> None:
 def refuse_a_second_start(run_dir: Path, logging_dir: Path) -> None:
     """A fresh start (no resume_from_checkpoint) in a run directory an earlier run wrote to would append to its logs
     and leave both runs' checkpoints side by side: refused, naming the two ways on."""
-    checkpoints = run_dir / "checkpoints"
+    checkpoints = run_dir / CHECKPOINTS_DIR
     earlier = [path for path in (logging_dir / "learner.jsonl", run_dir / "summary.json") if path.exists()]
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         earlier.append(checkpoints)
@@ -94,10 +95,10 @@ def resolve_resume(config, run_dir: Path) -> bool:
     renames counts, its replaced copy (step_N.old) read where it is until `begin_trial` puts it back."""
     if config.resume_from_checkpoint != "auto":
         return False
-    latest = latest_checkpoint(run_dir / "checkpoints", replaced=True)
+    latest = latest_checkpoint(run_dir / CHECKPOINTS_DIR, replaced=True)
     config.resume_from_checkpoint = str(latest) if latest else ""
     if not latest:
-        print(f"resume_from_checkpoint=auto: no complete checkpoint in {run_dir / 'checkpoints'}, so the run starts "
+        print(f"resume_from_checkpoint=auto: no complete checkpoint in {run_dir / CHECKPOINTS_DIR}, so the run starts "
               "from the beginning", flush=True)
     return not latest
 
@@ -127,7 +128,7 @@ def begin_trial(config, requested, run_dir: Path, from_the_beginning: bool) -> N
     found it. A replaced checkpoint copy `auto` may have picked is put back; a continued run's last summary.json goes
     (its last launch's result is not the run's until it ends), or, started from the beginning, what its earlier start
     logged; config.yaml is saved (`requested`: as asked for, see run_launched)."""
-    for restored in restore_replaced(run_dir / "checkpoints"):
+    for restored in restore_replaced(run_dir / CHECKPOINTS_DIR):
         copy = str(restored.with_name(restored.name + ".old"))  # where the checks read it; the roles find its name
         if config.resume_from_checkpoint == copy:
             config.resume_from_checkpoint = str(restored)
@@ -326,7 +327,7 @@ def check_same_dataset(config, trainer_state: dict) -> None:
 
 def saved_checkpoints(run_dir: Path) -> set[tuple]:
     """(step, saved_at) of each complete checkpoint in the run directory."""
-    return {identity(state) for _, state in saved_in_order(run_dir / "checkpoints")}
+    return {identity(state) for _, state in saved_in_order(run_dir / CHECKPOINTS_DIR)}
 
 
 def resume_from_latest(config, run_dir: Path, saved_before: set[tuple]) -> dict:
@@ -340,8 +341,8 @@ def resume_from_latest(config, run_dir: Path, saved_before: set[tuple]) -> dict:
     supervisor restarts each that dies) builds its engine and tokenizer from model.path, and a rollout worker reads
     the prompts to skip from the bus (PromptLedger.settled_before): save_total_limit deletes the checkpoint once
     newer ones of its line are saved."""
-    restore_replaced(run_dir / "checkpoints")  # every role stopped: no save is under way
-    saved = [d for d, state in saved_in_order(run_dir / "checkpoints") if identity(state) not in saved_before]
+    restore_replaced(run_dir / CHECKPOINTS_DIR)  # every role stopped: no save is under way
+    saved = [d for d, state in saved_in_order(run_dir / CHECKPOINTS_DIR) if identity(state) not in saved_before]
     latest = (saved[-1] if saved else None) or config.resume_from_checkpoint
     if latest:
         config.resume_from_checkpoint = str(latest)
@@ -350,7 +351,7 @@ def resume_from_latest(config, run_dir: Path, saved_before: set[tuple]) -> dict:
 
 
 def last_checkpoint_note(run_dir: Path) -> str:
-    latest = latest_checkpoint(run_dir / "checkpoints")
+    latest = latest_checkpoint(run_dir / CHECKPOINTS_DIR)
     if latest is None:
         return "no checkpoint was saved"
     return (f"the newest checkpoint is {latest} (step {read_trainer_state(latest)['step']}); continue with "

@@ -18,8 +18,8 @@ from rlsys.algorithms.estimators import compared_rewards
 from rlsys.algorithms.ppo import AdaptiveKLController
 from rlsys.api import NOT_GENERATED, Trajectory
 from rlsys.api.messages import InvalidMessage, parse_probe_report
-from rlsys.checkpoint import (SHARDED_STATE, identity, keep_newest, load_rng_state, load_sharded_state,
-                              read_trainer_state, remove_leftovers, save_checkpoint)
+from rlsys.checkpoint import (CHECKPOINTS_DIR, SHARDED_STATE, checkpoint_directory, identity, keep_newest,
+                              load_rng_state, load_sharded_state, read_trainer_state, remove_leftovers, save_checkpoint)
 from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.distributed import Ranks, full_state_dict
 from rlsys.metrics import MetricsLogger
@@ -64,7 +64,8 @@ class Learner(PolicyTrainer):
         if resumed:
             self._resume(Path(config.resume_from_checkpoint), resumed)
         if ranks.main:  # before its first save, so none of this run's is under way
-            for leftover in remove_leftovers(self.run_dir / "checkpoints", keep=config.resume_from_checkpoint or None):
+            keep = config.resume_from_checkpoint or None
+            for leftover in remove_leftovers(self.run_dir / CHECKPOINTS_DIR, keep=keep):
                 log.info("%s deleted: a save or deletion a crash interrupted left it", leftover)
         self.transport = weight_transport.resolve(config.cluster)
         self.weight_server = None
@@ -272,7 +273,7 @@ class Learner(PolicyTrainer):
                          "dead_letters": self.bus.stream_length(protocol.DEAD_LETTERS) if self.ranks.main else None,
                          "initial_eval": self.initial_eval if self.resumed or not self.ranks.main
                          else self.bus.get(protocol.eval_result("initial"))}
-        saved = save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step}", self.ranks, self.sharded_state(),
+        saved = save_checkpoint(checkpoint_directory(self.run_dir, self.step), self.ranks, self.sharded_state(),
                                 self.export, trainer_state)
         if self.ranks.main:  # which alone wrote the trainer state, and keeps the lineage it holds
             self.lineage = [*self.lineage, list(identity(read_trainer_state(saved)))]
