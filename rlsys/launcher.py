@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from rlsys import protocol
+from rlsys import protocol, run_counters
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.checkpoint import (CHECKPOINTS_DIR, identity, latest_checkpoint, read_trainer_state, restore_replaced,
                               saved_in_order)
@@ -173,14 +173,15 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
                              protocol.rollout_position(i), protocol.rollout_running(i),
                              protocol.role_stop_reason(f"rollout{i}"))))
     if not trainer_state:
-        bus.delete(protocol.DEAD_LETTERS, protocol.DEAD_MESSAGES, protocol.WEIGHT_CHECKS)
+        bus.delete(protocol.DEAD_MESSAGES)
+        run_counters.clear(bus)
     # Read by the inference workers from the bus: they may run where the checkpoint's directory is not
     bus.set(protocol.RESUMED_VERSION, trainer_state.get("version", 0))
     PromptLedger.of(bus, config).start(trainer_state.get("version", 0), trainer_state.get("accounting"),
                                        settled_prompts(trainer_state) if trainer_state else ())
 
 
-FROM_THE_START = {"step": 0, "version": 0, "weight_checks": 0, "dead_letters": 0}  # what a run restarted so takes back
+FROM_THE_START = {"step": 0, "version": 0, **run_counters.AT_THE_START}  # what a run restarted so takes back
 
 
 def take_back_abandoned_steps(bus, config, run_dir: Path, trainer_state: dict) -> None:
@@ -195,13 +196,7 @@ def take_back_abandoned_steps(bus, config, run_dir: Path, trainer_state: dict) -
     if dropped := abandon_records_after(config, run_dir, step, trainer_state["version"]):
         log.info("resumed at step %d: %d records of the steps after it moved to *.jsonl.abandoned", step, dropped)
     remove_weights_after(run_dir, trainer_state["version"])
-    if (checks := trainer_state.get("weight_checks")) is not None:
-        bus.delete(protocol.WEIGHT_CHECKS)
-        if checks:
-            bus.incr(protocol.WEIGHT_CHECKS, checks)
-    if (kept := trainer_state.get("dead_letters")) is not None:
-        bus.stream_delete(protocol.DEAD_LETTERS, [entry.id for entry in bus.stream_range(protocol.DEAD_LETTERS, 2**31)
-                                                  [kept:]])
+    run_counters.take_back(bus, trainer_state)
 
 
 def abandon_records_after(config, run_dir: Path, step: int, version: int) -> int:
@@ -453,7 +448,7 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
             raise RoleFailed(f"{e}; {last_checkpoint_note(run_dir)}") from None
         for name, why in unclean.items():
             log.warning("%s %s as the run stopped; its output: %s", name, why, Path(config.logging_dir) / f"{name}.log")
-        prompts = ledger.end_run()
+        prompts, counters = ledger.end_run(), run_counters.held(bus)
         summary = {
             **held_out_summary(bus, started_from),
             "steps": config.max_steps,
@@ -463,11 +458,11 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
             "run_dir": str(run_dir),
             "prompts": prompts,
             "prompts_accounted": accounted(prompts) == prompts[ADMITTED],
-            "dead_letters": bus.stream_length(protocol.DEAD_LETTERS),
+            "dead_letters": counters["dead_letters"],
             "messages_set_aside": bus.stream_length(protocol.DEAD_MESSAGES),  # requests and replies a role refused
             "restarts": dict(supervisor.restarts),
             "unclean_exits": unclean,  # role name -> how it ended, for each that did not end cleanly at the stop
-            "weight_checks": bus.get(protocol.WEIGHT_CHECKS) or 0,
+            "weight_checks": counters["weight_checks"],
         }
         bus.close()
     if not summary["prompts_accounted"]:

@@ -26,7 +26,7 @@ LAYERS = [
      "what plugins are written against (agents, environments, tools, trajectories) and the registries they join"),
     ("parts", ["rlsys.algorithms", "rlsys.model", "rlsys.bus", "rlsys.tools", "rlsys.alarms", "rlsys.token_continuity",
                "rlsys.weight_checksum", "rlsys.checkpoint", "rlsys.distributed", "rlsys.metrics", "rlsys.prompt_ledger",
-               "rlsys.tracing", "rlsys.frames"],
+               "rlsys.run_counters", "rlsys.tracing", "rlsys.frames"],
      "self-contained pieces (tensor math, the model, the bus, tools, records on disk) that know only the contracts"),
     ("engines", ["rlsys.engine", "rlsys.weight_transport", "rlsys.training_step", "rlsys.endpoint"],
      "generation, the OpenAI-compatible endpoint and the learning step, built from the parts"),
@@ -200,3 +200,45 @@ print(json.dumps({{"driver": driver, "devices": devices, "launcher": launcher, "
     imported = json.loads(done.stdout.splitlines()[-1])
     assert (imported["launcher"], imported["rollout"], imported["devices"]) == ([], ["transformers"], [])
     assert list((tmp_path / "tensorboard" / "rollout0").glob("events.out.tfevents.*"))
+
+
+# Bus methods that change what a key or stream holds, and rlsys.bus.base.Step's, which rlsys.bus' `change` applies
+BUS_WRITES = {"set", "incr", "delete", "put", "put_many", "stream_add", "stream_delete", "change", "add", "remove"}
+# Shared state with one owner: the modules that may write it. Any other module calls the owner.
+OWNERS = {
+    "WEIGHT_CHECKS": {"rlsys.run_counters"},
+    "DEAD_LETTERS": {"rlsys.run_counters",  # what a checkpoint restores
+                     "rlsys.delivery"},  # the entries, which only the learner's inbox sets aside
+    "CHECKPOINTS_DIR": {"rlsys.checkpoint"},  # the directory's name as a string, and step_N within it
+}
+
+
+def state_writes(tree: ast.AST) -> set[str]:
+    """The protocol names (`protocol.X`, or X imported from it) that a call of a BUS_WRITES method takes as an
+    argument, and "CHECKPOINTS_DIR" where the module spells the checkpoints directory's name itself."""
+    written = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUS_WRITES:
+            for arg in node.args:
+                if isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "protocol":
+                    written.add(arg.attr)
+                elif isinstance(arg, ast.Name) and arg.id.isupper():
+                    written.add(arg.id)
+        elif isinstance(node, ast.Constant) and node.value in ("checkpoints", "step_"):
+            written.add("CHECKPOINTS_DIR")
+    return written
+
+
+def test_each_owned_piece_of_state_is_written_only_by_its_owner():
+    strays = []
+    for module, (path, _) in sorted(module_files().items()):
+        for name in sorted(state_writes(ast.parse(path.read_text(), str(path))) & OWNERS.keys()):
+            if module not in OWNERS[name]:
+                strays.append(f"{module} writes {name}, which {', '.join(sorted(OWNERS[name]))} own(s)")
+    assert not strays, "shared state written past its owner:\n  " + "\n  ".join(strays)
+
+
+def test_the_owner_check_sees_a_write():
+    tree = ast.parse("bus.incr(protocol.WEIGHT_CHECKS)\nbus.change([Step.add(DEAD_LETTERS, 1)])\n"
+                     "path = run_dir / 'checkpoints'\nbus.get(protocol.STOP)\n")
+    assert state_writes(tree) == {"WEIGHT_CHECKS", "DEAD_LETTERS", "CHECKPOINTS_DIR"}

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 
-from rlsys import protocol
+from rlsys import protocol, run_counters
 from rlsys.alarms import probe_totals
 from rlsys.api.messages import MAX_REASON_CHARS, GenerationAbort, GenerationRefusal, InvalidMessage, WorkerStatus, \
     parse_published_weights, parse_worker_request, string
@@ -146,7 +146,7 @@ class InferenceWorker:
         if loaded != received.checksum:
             raise WeightChecksumMismatch(f"inference worker {self.index}", received.version, received.checksum,
                                          loaded)
-        self.bus.incr(protocol.WEIGHT_CHECKS)
+        run_counters.count_weight_check(self.bus)
 
     def take_requests(self, timeout: float) -> None:
         copies = 0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rlsys import protocol, weight_transport
+from rlsys import protocol, run_counters, weight_transport
 from rlsys.alarms import PROBE, LogprobCheck, check_logprob_mismatch
 from rlsys.algorithms.estimators import compared_rewards
 from rlsys.algorithms.ppo import AdaptiveKLController
@@ -268,9 +268,8 @@ class Learner(PolicyTrainer):
                          "dataset": self.bus.get(protocol.DATASET_FINGERPRINT) if self.ranks.main else None,
                          "accounting": self.ledger.snapshot() if self.ranks.main else None,
                          # what the run's counters held, so a resume takes back what the steps after it added
-                         # (rlsys/launcher.py, take_back_abandoned_steps)
-                         "weight_checks": (self.bus.get(protocol.WEIGHT_CHECKS) or 0) if self.ranks.main else None,
-                         "dead_letters": self.bus.stream_length(protocol.DEAD_LETTERS) if self.ranks.main else None,
+                         **(run_counters.held(self.bus) if self.ranks.main
+                            else dict.fromkeys(run_counters.AT_THE_START)),
                          "initial_eval": self.initial_eval if self.resumed or not self.ranks.main
                          else self.bus.get(protocol.eval_result("initial"))}
         saved = save_checkpoint(checkpoint_directory(self.run_dir, self.step), self.ranks, self.sharded_state(),
