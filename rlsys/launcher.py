@@ -16,6 +16,8 @@ from rlsys.checkpoint import (CHECKPOINTS_DIR, identity, latest_checkpoint, read
                               saved_in_order)
 from rlsys.cli import config_to_dict, first_line, registry_name_of, save_config
 from rlsys.console import ProgressReporter
+from rlsys.metrics import (LEARNER_RECORDS, drop_records_after, mark_restart, records_file, rollout_records,
+                           rollout_records_files)
 from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
@@ -78,7 +80,7 @@ def refuse_a_second_start(run_dir: Path, logging_dir: Path) -> None:
     """A fresh start (no resume_from_checkpoint) in a run directory an earlier run wrote to would append to its logs
     and leave both runs' checkpoints side by side: refused, naming the two ways on."""
     checkpoints = run_dir / CHECKPOINTS_DIR
-    earlier = [path for path in (logging_dir / "learner.jsonl", run_dir / "summary.json") if path.exists()]
+    earlier = [path for path in (records_file(logging_dir, LEARNER_RECORDS), run_dir / "summary.json") if path.exists()]
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         earlier.append(checkpoints)
     if earlier:
@@ -203,14 +205,13 @@ def abandon_records_after(config, run_dir: Path, step: int, version: int) -> int
     """The files' part of take_back_abandoned_steps: the learner's records (and trained traces) after `step` and the
     rollout workers' after `version` moved to <file>.jsonl.abandoned, TensorBoard told where each starts again.
     Returns how many records moved."""
-    from rlsys.metrics import drop_records_after, mark_restart
     from rlsys.tracing import TRACES_DIR, TRAINED_FILE
 
     logs = Path(config.logging_dir)
-    dropped = drop_records_after(logs / "learner.jsonl", step) + drop_records_after(
+    dropped = drop_records_after(records_file(logs, LEARNER_RECORDS), step) + drop_records_after(
         run_dir / TRACES_DIR / TRAINED_FILE, step)
-    mark_restart(logs, "learner", step + 1)
-    for metrics in sorted(logs.glob("rollout*.jsonl")):
+    mark_restart(logs, LEARNER_RECORDS, step + 1)
+    for metrics in rollout_records_files(logs):
         dropped += drop_records_after(metrics, version)
         mark_restart(logs, metrics.stem, version + 1)
     return dropped
@@ -420,9 +421,9 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
         supervisor = Supervisor(
             config, lambda role, index: placement.start(role, index, (config_to_dict(config), bus_url, str(run_dir))), server)
         ledger = PromptLedger.of(bus, config)
-        report = ProgressReporter(Path(config.logging_dir) / "learner.jsonl", config.logging_steps,
+        report = ProgressReporter(records_file(config.logging_dir, LEARNER_RECORDS), config.logging_steps,
                                   config.max_steps, bus, ledger,
-                                  evaluations_file=Path(config.logging_dir) / "rollout0.jsonl",
+                                  evaluations_file=records_file(config.logging_dir, rollout_records(0)),
                                   resumed=(trainer_state.get("step", 0), trainer_state.get("version", 0)))
         stall = StallWatch(config, ledger)
         restarted, started_from = False, trainer_state

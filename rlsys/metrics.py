@@ -44,13 +44,31 @@ def parse_record(line: str | bytes) -> dict:
     return {key: number(value) for key, value in json.loads(line).items()}
 
 
+LEARNER_RECORDS = "learner"  # the learner's records: <logging dir>/learner.jsonl and tensorboard/learner
+ROLLOUT_RECORDS = "rollout"  # rollout worker i's: rollout<i>.jsonl and tensorboard/rollout<i>
+
+
+def rollout_records(index: int) -> str:
+    return f"{ROLLOUT_RECORDS}{index}"
+
+
+def records_file(log_dir: Path, name: str) -> Path:
+    """Where MetricsLogger(log_dir, name) appends: the name the launcher's resume, the report and MLflow read."""
+    return Path(log_dir) / f"{name}.jsonl"
+
+
+def rollout_records_files(log_dir: Path) -> list[Path]:
+    """Every rollout worker's records file in `log_dir`, in order of name."""
+    return sorted(Path(log_dir).glob(f"{ROLLOUT_RECORDS}*.jsonl"))
+
+
 class MetricsLogger:
     def __init__(self, log_dir: Path, name: str):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = os.fdopen(append_private(self.log_dir / f"{name}.jsonl"), "a", buffering=1)
+        self.jsonl = os.fdopen(append_private(records_file(self.log_dir, name)), "a", buffering=1)
         self.writer = EventFileWriter(str(self.log_dir / "tensorboard" / name))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

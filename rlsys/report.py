@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from rlsys.console import held_out, held_out_text
-from rlsys.metrics import read_jsonl_metrics
+from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file, rollout_records_files
 from rlsys.prompt_ledger import describe
 from rlsys.run_privacy import write_private
 from rlsys.tracing import TRACES_DIR, read_traces
@@ -218,8 +218,8 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
     """Writes `<run dir>/summary.html` from what the run left in its directory; returns its path."""
     run_dir = Path(run_dir)
     logs = _run_paths(run_dir)
-    learner = _rows(logs / "learner.jsonl")
-    rollout = [r for path in sorted(logs.glob("rollout*.jsonl")) for r in _rows(path)]
+    learner = _rows(records_file(logs, LEARNER_RECORDS))
+    rollout = [r for path in rollout_records_files(logs) for r in _rows(path)]
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     episodes = read_traces(run_dir)
     frames_dir = frames_dir or run_dir / "frames"

@@ -10,6 +10,7 @@ import into a function hides an upward dependency from Python's import order, no
 import ast
 import functools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -210,12 +211,15 @@ OWNERS = {
     "DEAD_LETTERS": {"rlsys.run_counters",  # what a checkpoint restores
                      "rlsys.delivery"},  # the entries, which only the learner's inbox sets aside
     "CHECKPOINTS_DIR": {"rlsys.checkpoint"},  # the directory's name as a string, and step_N within it
+    "METRICS_RECORDS": {"rlsys.metrics"},  # learner.jsonl and rollout<i>.jsonl spelled out
 }
+METRICS_RECORDS = re.compile(r"(learner|rollout)\S*\.jsonl")
 
 
 def state_writes(tree: ast.AST) -> set[str]:
     """The protocol names (`protocol.X`, or X imported from it) that a call of a BUS_WRITES method takes as an
-    argument, and "CHECKPOINTS_DIR" where the module spells the checkpoints directory's name itself."""
+    argument, and "CHECKPOINTS_DIR" or "METRICS_RECORDS" where the module spells the checkpoints directory's name or
+    a role's records file itself."""
     written = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUS_WRITES:
@@ -226,6 +230,8 @@ def state_writes(tree: ast.AST) -> set[str]:
                     written.add(arg.id)
         elif isinstance(node, ast.Constant) and node.value in ("checkpoints", "step_"):
             written.add("CHECKPOINTS_DIR")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and METRICS_RECORDS.fullmatch(node.value):
+            written.add("METRICS_RECORDS")
     return written
 
 
@@ -234,11 +240,12 @@ def test_each_owned_piece_of_state_is_written_only_by_its_owner():
     for module, (path, _) in sorted(module_files().items()):
         for name in sorted(state_writes(ast.parse(path.read_text(), str(path))) & OWNERS.keys()):
             if module not in OWNERS[name]:
-                strays.append(f"{module} writes {name}, which {', '.join(sorted(OWNERS[name]))} own(s)")
+                strays.append(f"{module} writes (or spells) {name}, which {', '.join(sorted(OWNERS[name]))} own(s)")
     assert not strays, "shared state written past its owner:\n  " + "\n  ".join(strays)
 
 
 def test_the_owner_check_sees_a_write():
     tree = ast.parse("bus.incr(protocol.WEIGHT_CHECKS)\nbus.change([Step.add(DEAD_LETTERS, 1)])\n"
-                     "path = run_dir / 'checkpoints'\nbus.get(protocol.STOP)\n")
-    assert state_writes(tree) == {"WEIGHT_CHECKS", "DEAD_LETTERS", "CHECKPOINTS_DIR"}
+                     "path = run_dir / 'checkpoints'\nbus.get(protocol.STOP)\n"
+                     "logs.glob('rollout*.jsonl')\n")
+    assert state_writes(tree) == {"WEIGHT_CHECKS", "DEAD_LETTERS", "CHECKPOINTS_DIR", "METRICS_RECORDS"}

@@ -22,7 +22,7 @@ from rlsys.checkpoint import (CHECKPOINTS_DIR, SHARDED_STATE, checkpoint_directo
                               load_rng_state, load_sharded_state, read_trainer_state, remove_leftovers, save_checkpoint)
 from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.distributed import Ranks, full_state_dict
-from rlsys.metrics import MetricsLogger
+from rlsys.metrics import LEARNER_RECORDS, MetricsLogger
 from rlsys.model.loading import CRITIC_DIR
 from rlsys.prompt_ledger import PromptLedger, as_metrics, filtered
 from rlsys.tracing import write_trained
@@ -80,7 +80,7 @@ class Learner(PolicyTrainer):
             # checkpoint's (from before they were kept: from 0)
             self.inbox.duplicates = resumed.get("trajectory_duplicates", 0)
             self.inbox.dead_letters = resumed.get("trajectory_dead_letters", 0)
-            self.metrics = MetricsLogger(Path(config.logging_dir), "learner")
+            self.metrics = MetricsLogger(Path(config.logging_dir), LEARNER_RECORDS)
 
     def _resume(self, checkpoint: Path, trainer: dict) -> None:
         """Onto any number of ranks: the sharded state is resharded as it loads."""

@@ -17,7 +17,7 @@ from rlsys.cancellation import cancel_and_wait
 from rlsys.data.dataset import load_rows, rows_fingerprint
 from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, agent_output, group_message
-from rlsys.metrics import MetricsLogger
+from rlsys.metrics import MetricsLogger, rollout_records
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.prompt_ledger import ADMITTED, FAILURE_REASONS, GATE_FULL, PromptLedger, failed
 from rlsys.errors import RunCannotGoOn
@@ -41,7 +41,7 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(config.model.path)
         self.agents = _build_agents(config, lambda agent: agent)
         self.eval_agents = _build_agents(config, _greedy)
-        self.metrics = MetricsLogger(Path(config.logging_dir), f"rollout{index}")
+        self.metrics = MetricsLogger(Path(config.logging_dir), rollout_records(index))
         self.traces = None if run_dir is None else TraceWriter(
             run_dir, f"rollout{index}", self.tokenizer, config.trace.sample_rate,
             Path(run_dir) / config.trace.render_save_dir if config.trace.render_save_dir else None)
