@@ -164,10 +164,12 @@ class PromptLedger:
         is counted admitted already: it only moves into the in-flight set."""
         admission = [Step.at_most(_GATE_SLOTS, self.capacity(served_version)), Step.absent(_IN_FLIGHT, prompt_id),
                      Step.incr(_GATE_SLOTS), Step.add(_IN_FLIGHT, prompt_id)]
-        unmet = self.bus.change([Step.present(_CARRIED, prompt_id), *admission, Step.remove(_CARRIED, prompt_id),
+        # A carried prompt is rare (a resume's, once each): the common admission goes first, one round trip
+        unmet = self.bus.change([Step.absent(_CARRIED, prompt_id), *admission, Step.incr(_outcome_key(ADMITTED)),
                                  *also])
         if unmet is not None and unmet.key == _CARRIED:
-            unmet = self.bus.change([*admission, Step.incr(_outcome_key(ADMITTED)), *also])
+            unmet = self.bus.change([Step.present(_CARRIED, prompt_id), *admission, Step.remove(_CARRIED, prompt_id),
+                                     *also])
         return ADMITTED if unmet is None else GATE_FULL if unmet.key == _GATE_SLOTS else IN_FLIGHT
 
     def trained(self, prompt_id: str) -> bool:
