@@ -27,6 +27,7 @@ from rlsys.roles import run_role
 from rlsys.stall import StallWatch
 from rlsys.errors import LearnerFailed, RoleFailed
 from rlsys.supervisor import Supervisor
+from rlsys.weight_versions import WEIGHTS_DIR, remove_versions_after
 
 log = logging.getLogger("rlsys")
 
@@ -117,9 +118,7 @@ def take_back_earlier_start(config, run_dir: Path) -> None:
 def remove_weights_after(run_dir: Path, version: int) -> None:
     """The weights an earlier part of the run published (transport=disk) above the `version` it goes on from: no
     worker loads them (announced anew, each is written again), but they took disk and misled a reader about where the
-    run was. Lazily imported: torch comes with the transport, and only a continued run needs it."""
-    from rlsys.weight_transport import WEIGHTS_DIR, remove_versions_after
-
+    run was."""
     if removed := remove_versions_after(run_dir / WEIGHTS_DIR, version):
         log.info("removed the weights published above version %d: %s", version, ", ".join(removed))
 

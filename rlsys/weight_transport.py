@@ -57,10 +57,10 @@ from rlsys.api.messages import MAX_PATH_CHARS, WEIGHT_DTYPES, InvalidMessage, fi
     string
 from rlsys.engine.weights import WEIGHTS_FILE, write_weight_update
 from rlsys.weight_checksum import ChecksumParts, weights_checksum
+from rlsys.weight_versions import version_directory
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_DIR = "weights"  # under the run directory: where transport=disk publishes
 KEEP_VERSIONS = 3  # disk: a worker opens a version just after reading its announcement; one deleted by then is skipped
 ALIGN = 64  # bytes: every tensor in the buffer starts aligned, so it can be viewed in place as its dtype
 IO_TIMEOUT = 30.0  # seconds without progress after which a transfer counts as broken off
@@ -405,20 +405,10 @@ def publish(bus, model: torch.nn.Module, version: int, transport: str, weights_d
         server.offer(version, state, dtype, announce=lambda: bus.set(protocol.WEIGHTS, {
             "version": version, "address": server.address, "token": server.token, **(extra or {})}))
         return
-    path = write_weight_update(model, Path(weights_dir) / f"v{version}", state)
+    path = write_weight_update(model, version_directory(weights_dir, version), state)
     bus.set(protocol.WEIGHTS, {"version": version, "path": str(path), "dtype": dtype,
                                "checksum": weights_checksum(state, dtype), **(extra or {})})
-    shutil.rmtree(Path(weights_dir) / f"v{version - KEEP_VERSIONS}", ignore_errors=True)
-
-
-def remove_versions_after(weights_dir: Path, version: int) -> list[str]:
-    """Deletes the versions `publish` wrote under `weights_dir` above `version` (and their temporary directories);
-    returns their names. Only while no learner publishes there."""
-    doomed = [d for d in Path(weights_dir).glob("v*")
-              if (number := d.name.removeprefix("v").removesuffix(".tmp")).isdigit() and int(number) > version]
-    for directory in doomed:
-        shutil.rmtree(directory, ignore_errors=True)
-    return sorted(d.name for d in doomed)
+    shutil.rmtree(version_directory(weights_dir, version - KEEP_VERSIONS), ignore_errors=True)
 
 
 class WeightReceiver:

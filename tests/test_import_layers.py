@@ -27,7 +27,7 @@ LAYERS = [
      "what plugins are written against (agents, environments, tools, trajectories) and the registries they join"),
     ("parts", ["rlsys.algorithms", "rlsys.model", "rlsys.bus", "rlsys.tools", "rlsys.alarms", "rlsys.token_continuity",
                "rlsys.weight_checksum", "rlsys.checkpoint", "rlsys.distributed", "rlsys.metrics", "rlsys.prompt_ledger",
-               "rlsys.run_counters", "rlsys.tracing", "rlsys.frames"],
+               "rlsys.run_counters", "rlsys.tracing", "rlsys.frames", "rlsys.weight_versions"],
      "self-contained pieces (tensor math, the model, the bus, tools, records on disk) that know only the contracts"),
     ("engines", ["rlsys.engine", "rlsys.weight_transport", "rlsys.training_step", "rlsys.endpoint"],
      "generation, the OpenAI-compatible endpoint and the learning step, built from the parts"),

@@ -27,6 +27,7 @@ from rlsys.model.loading import CRITIC_DIR
 from rlsys.prompt_ledger import PromptLedger, as_metrics, filtered
 from rlsys.tracing import write_trained
 from rlsys.training_step import PolicyTrainer
+from rlsys.weight_versions import WEIGHTS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class Learner(PolicyTrainer):
             extra = {"probe": {"version": probe.version, "token_ids": [probe.token_ids],
                                "logprobs": [probe.logprobs]}} if probe else None
             weight_transport.publish(self.bus, self.model, self.version, self.transport,
-                                     self.run_dir / weight_transport.WEIGHTS_DIR, state, self.config.inference.dtype,
+                                     self.run_dir / WEIGHTS_DIR, state, self.config.inference.dtype,
                                      self.weight_server, extra=extra)
 
     def probe_reports(self) -> dict[str, float]:
