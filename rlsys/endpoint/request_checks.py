@@ -306,7 +306,7 @@ def _tool_definition(reference: dict, where: str, tools: dict[str, dict], loaded
     return json.dumps(tools[name], ensure_ascii=False)
 
 
-def messages_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[dict], list[dict], Sampling]:
+def messages_request(body: dict) -> tuple[list[dict], list[dict], list[dict], Sampling]:
     """The chat messages, the chat tools rendered ahead of them, the deferred tools a tool_reference loaded (in chat's
     shape: the model may call them too) and the sampling a /v1/messages body (Anthropic's Messages API) asks for."""
     for name, value in body.items():

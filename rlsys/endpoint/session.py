@@ -101,7 +101,7 @@ class EpisodeSession:
         """A /v1/messages call (Anthropic's Messages API): the chat call its system and messages make, answered as a
         Message."""
         self.require_chat_template("/v1/messages")
-        messages, tools, loaded, sampling = messages_request(body, self.max_total_tokens)
+        messages, tools, loaded, sampling = messages_request(body)
         output, [choice], [stop] = await self.chat_choices(messages, tools, sampling, client_gone, loaded)
         reply = choice["message"]
         content = [{"type": "text", "text": reply["content"]}] if reply["content"] else []
