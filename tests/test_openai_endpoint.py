@@ -848,9 +848,10 @@ json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st
 PROPERTIES = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def post(tokenizer, path: str, body) -> tuple[httpx.Response, list[dict]]:
-    """`body` (bytes, or a value sent as JSON) posted with a fresh episode's key; the response, and the requests
-    that reached the model, each as the router checked it on its way to an inference worker."""
+def post(tokenizer, path: str, body, max_new_tokens: int = 8) -> tuple[httpx.Response, list[dict]]:
+    """`body` (bytes, or a value sent as JSON) posted with a fresh episode's key (its agent's default budget
+    `max_new_tokens`); the response, and the requests that reached the model, each as the router checked it on its
+    way to an inference worker."""
     async def main():
         obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
         router, asked = EpisodeRouter(InProcessBus(), "replies", n_inference_workers=1), []
@@ -867,7 +868,7 @@ def post(tokenizer, path: str, body) -> tuple[httpx.Response, list[dict]]:
 
         serving = asyncio.create_task(engine())
         async with Model(obs_queue, act_queue) as model:
-            defaults = GenerationConfig(max_new_tokens=8, stop_token_ids=[tokenizer.eos_token_id])
+            defaults = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=[tokenizer.eos_token_id])
             key = ENDPOINT.open(EpisodeSession(model, tokenizer, defaults, CONTEXT, "rlsys"))
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
             try:
@@ -1042,6 +1043,38 @@ def test_tool_call_arguments_json_cannot_read_are_taken_as_text(tokenizer, argum
                                                   "function": {"name": "calculator", "arguments": arguments}}]}
     response, asked = post(tokenizer, "/chat/completions", {**CHAT, "messages": messages})
     assert refusal(response)["code"] == "context_length_exceeded" and asked == []
+
+
+RESPONSES_CALL = {"model": "rlsys", "input": "12+34="}
+BUDGETS = {  # path -> (body, the field that asks the reply's budget)
+    "/chat/completions": (CHAT, "max_tokens"),
+    "/chat/completions (max_completion_tokens)": (CHAT, "max_completion_tokens"),
+    "/completions": (COMPLETION, "max_tokens"),
+    "/responses": (RESPONSES_CALL, "max_output_tokens"),
+}
+
+
+@pytest.mark.parametrize("name", BUDGETS)
+def test_a_budget_past_the_context_is_refused_in_the_words_of_vllms_openai_server(tokenizer, name):
+    """What vLLM's OpenAI server answers (its TokenizeParams check), not the refusal /v1/messages words in Anthropic's
+    terms."""
+    body, param = BUDGETS[name]
+    response, asked = post(tokenizer, name.split()[0], {**body, param: CONTEXT + 1})
+    error = refusal(response)
+    assert error == {"message": f"{param}={CONTEXT + 1} cannot be greater than max_model_len={CONTEXT}. Please "
+                                f"request fewer output tokens.", "type": "invalid_request_error", "param": param,
+                     "code": "invalid_value"} and asked == []
+
+
+@pytest.mark.parametrize("path, body", [("/chat/completions", {k: v for k, v in CHAT.items() if k != "max_tokens"}),
+                                        ("/completions", {k: v for k, v in COMPLETION.items() if k != "max_tokens"}),
+                                        ("/responses", RESPONSES_CALL)], ids=["chat", "completions", "responses"])
+def test_an_agents_default_budget_past_the_context_is_cut_to_what_the_prompt_leaves_not_refused(tokenizer, path, body):
+    """A call that sets no budget asked for none past the context: it gets the agent's default, cut to what the
+    prompt leaves (as vLLM cuts its own default), and no refusal naming a field the call did not send."""
+    response, (asked,) = post(tokenizer, path, body, max_new_tokens=CONTEXT + 100)
+    assert response.status_code == 200, response.text
+    assert asked["gconfig"]["max_new_tokens"] == CONTEXT - len(asked["token_ids"])
 
 
 @pytest.mark.parametrize("name", HOSTILE)

@@ -10,7 +10,10 @@ recurses through it.
 
 The sampling settings are held to the bounds every request to the model is held to
 (`rlsys.api.messages.generation_setting`, the check `Model`, the router and the inference worker run), and
-`max_tokens` to the episode's context as well. Sampling and reply settings the endpoint does not honour (penalties,
+the reply's budget (`max_tokens` by whichever name the API gives it) to the episode's context as well, once the prompt
+is rendered (`reply_budget`): a budget past the whole context is refused in the words of the call's API (vLLM's
+OpenAI server's on the OpenAI paths, Anthropic's on /v1/messages), and one the prompt leaves no room for, or none
+asked (the agent's default), is cut to what the prompt leaves, as vLLM cuts it. Sampling and reply settings the endpoint does not honour (penalties,
 logit bias, min_p, a forced or forbidden tool call, at most one tool call a turn, a JSON reply format, alternatives
 to each token's logprob; a completion's echoed prompt, suffix and best-of choice; the legacy `functions`) may be
 sent at their neutral value, as many clients do, and are refused at any other: the reply would be sampled as if
@@ -38,7 +41,7 @@ assistant turn's tool_use blocks its tool calls, a user turn's tool_result block
 `tool_reference` block in it, a tool search's answer, is the referenced tool's definition, which loads it); `tools`
 custom tools (`input_schema` their parameters; one with `defer_loading` is not rendered with the others, as Anthropic
 shows it only where a tool_reference loads it, and may be called from then on); `max_tokens` (required, as Anthropic
-requires it; past the context it is refused once the prompt is rendered, saying by how much), `temperature`, `top_p`,
+requires it; past the context it is refused saying by how much, in Anthropic's words), `temperature`, `top_p`,
 `top_k`, `stop_sequences` (chat's stop strings), `stream` and `tool_choice` `{"type": "auto"}` act, `metadata` labels.
 `cache_control` (Anthropic's prompt caching, top-level or on a block) is accepted: caching changes no answer, and an
 episode's calls go to the worker holding its prefix anyway. At their neutral values only, as Claude Code sends them:
@@ -148,6 +151,8 @@ class Sampling:
     return_token_ids: bool  # the extension: the prompt's and each choice's token ids
     stream: bool  # the reply is sent as Server-Sent Events
     include_usage: bool  # a streamed reply ends with a chunk of usage
+    budget_param: str  # the request's name for the reply's budget (`settings["max_new_tokens"]`), which a refusal names
+    anthropic: bool  # a /v1/messages call: refused in Anthropic's words
 
 
 def json_body(raw: bytes) -> dict:
@@ -185,7 +190,7 @@ def _refuse_deep_or_unencodable(value) -> None:
                                         "surrogate)") from None
 
 
-def chat_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[dict], Sampling]:
+def chat_request(body: dict) -> tuple[list[dict], list[dict], Sampling]:
     """The messages, the tools and the sampling of a /v1/chat/completions body."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -197,10 +202,10 @@ def chat_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[di
     for legacy, neutral in (("functions", (None, [])), ("function_call", (None, "auto", "none"))):
         if body.get(legacy) not in neutral:
             raise _invalid(legacy, 'is not supported (the legacy form of "tools" and "tool_choice"): send "tools"')
-    return messages, tools, _sampling(body, max_total_tokens, completion=False)
+    return messages, tools, _sampling(body, completion=False)
 
 
-def responses_request(body: dict, max_total_tokens: int) -> tuple[list[dict], list[dict], Sampling]:
+def responses_request(body: dict) -> tuple[list[dict], list[dict], Sampling]:
     """The chat messages, chat tools and sampling a /v1/responses body asks for."""
     for name, value in body.items():
         if value is None or name in RESPONSES_FIELDS:
@@ -224,7 +229,7 @@ def responses_request(body: dict, max_total_tokens: int) -> tuple[list[dict], li
     _tool_choice(body, tools)
     settings = {name: _setting(name, body[name], name) for name in ("temperature", "top_p")
                 if body.get(name) is not None}
-    _max_new_tokens(body, "max_output_tokens", max_total_tokens, settings)
+    _max_new_tokens(body, "max_output_tokens", settings)
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is not None:  # chat's option, not this API's
         raise _invalid("stream_options.include_usage", "is not a Responses stream option: the usage comes with "
@@ -235,7 +240,8 @@ def responses_request(body: dict, max_total_tokens: int) -> tuple[list[dict], li
                                   f'other extra output (encrypted reasoning, sources) is returned; send '
                                   f'["{LOGPROBS_INCLUDE}"], [] or leave it out')
     stream, _ = _stream(body)
-    return messages, tools, Sampling(settings, [], LOGPROBS_INCLUDE in (include or []), False, stream, False)
+    return messages, tools, Sampling(settings, [], LOGPROBS_INCLUDE in (include or []), False, stream, False,
+                                     "max_output_tokens", False)
 
 
 def _input_messages(items) -> list[dict]:
@@ -349,12 +355,10 @@ def messages_request(body: dict) -> tuple[list[dict], list[dict], list[dict], Sa
                                                                     "tools in a turn; send false or leave it out")
     settings = {name: _setting(name, body[name], name) for name in ("temperature", "top_p", "top_k")
                 if body.get(name) is not None}
-    # Bounded by the context once the prompt is rendered (EpisodeSession.generation_config), so that a refusal can say
-    # by how much, in Anthropic's words: Claude Code then asks again for what the context leaves.
-    settings["max_new_tokens"] = _setting("max_new_tokens", body["max_tokens"], "max_tokens")
+    _max_new_tokens(body, "max_tokens", settings)
     stream, _ = _stream(body)
     return messages, tools, loaded, Sampling(settings, _stop_strings(body, "stop_sequences"), False, False, stream,
-                                             False)
+                                             False, "max_tokens", True)
 
 
 def _refuse_unhonoured_messages(body: dict) -> None:
@@ -435,7 +439,7 @@ def _anthropic_turn(turn, where: str, tools: dict[str, dict], loaded: list[str])
     return messages or [{"role": role, "content": ""}]  # an empty reply comes back as no blocks: still its turn
 
 
-def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tuple[str | list[int], Sampling]:
+def completion_request(body: dict, vocab_size: int) -> tuple[str | list[int], Sampling]:
     """The prompt (text, or token ids below `vocab_size`) and the sampling of a /v1/completions body."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -449,7 +453,7 @@ def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tu
     if body.get("suffix") not in (None, ""):
         raise _invalid("suffix", "is not supported: the model continues the prompt, it does not fill in before a "
                                  "suffix; send null or leave it out")
-    sampling = _sampling(body, max_total_tokens, completion=True)
+    sampling = _sampling(body, completion=True)
     n, best_of = sampling.settings.get("n", 1), body.get("best_of")
     if best_of is not None and (type(best_of) is not int or best_of != n):
         raise _invalid("best_of", f"is not supported: every sample is returned, none chosen among more; send n ({n}) "
@@ -457,13 +461,14 @@ def completion_request(body: dict, max_total_tokens: int, vocab_size: int) -> tu
     return prompt, sampling
 
 
-def _sampling(body: dict, max_total_tokens: int, completion: bool) -> Sampling:
+def _sampling(body: dict, completion: bool) -> Sampling:
     _refuse_unhonoured(body)
     settings = {name: _setting(name, body[name], name) for name in SAME_NAMED_SETTINGS if body.get(name) is not None}
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    _max_new_tokens(body, param, max_total_tokens, settings)
+    _max_new_tokens(body, param, settings)
     stop = _stop_strings(body, "stop")
-    return Sampling(settings, stop, _logprobs(body, completion), _flag(body, "return_token_ids"), *_stream(body))
+    return Sampling(settings, stop, _logprobs(body, completion), _flag(body, "return_token_ids"), *_stream(body), param,
+                    False)
 
 
 def _stop_strings(body: dict, param: str) -> list[str]:
@@ -476,13 +481,26 @@ def _stop_strings(body: dict, param: str) -> list[str]:
     return stop
 
 
-def _max_new_tokens(body: dict, param: str, max_total_tokens: int, settings: dict) -> None:
-    """`body[param]`, the reply's budget, into `settings` as max_new_tokens: no more than the context."""
+def _max_new_tokens(body: dict, param: str, settings: dict) -> None:
+    """`body[param]`, the reply's budget, into `settings` as max_new_tokens; bounded by the context in reply_budget."""
     if body.get(param) is not None:
         settings["max_new_tokens"] = _setting("max_new_tokens", body[param], param)
-        if settings["max_new_tokens"] > max_total_tokens:
-            raise _invalid(param, f"must be at most this endpoint's context of {max_total_tokens} tokens, "
-                                  f"got {settings['max_new_tokens']}")
+
+
+def reply_budget(sampling: Sampling, default: int, prompt_length: int, context: int) -> int:
+    """The most new tokens the call's reply takes: what it asks (`default` where it asks nothing), no more than the
+    context leaves after its `prompt_length` tokens, as vLLM's OpenAI server bounds it. A budget past the whole context
+    is refused, in the words of the call's API: vLLM's on the OpenAI paths; Anthropic's on /v1/messages, saying by how
+    much, on which Claude Code asks again for what the context leaves."""
+    asked, param = sampling.settings.get("max_new_tokens"), sampling.budget_param
+    if asked is not None and asked > context:
+        if sampling.anthropic:  # its refusals start with the field, as it has no `param`
+            raise _invalid(param, f"is past this endpoint's context: input length and `{param}` exceed context "
+                                  f"limit: {prompt_length} + {asked} > {context}, decrease input length or `{param}` "
+                                  f"and try again")
+        raise RequestError(400, f"{param}={asked} cannot be greater than max_model_len={context}. Please request fewer "
+                                f"output tokens.", "invalid_value", param)
+    return min(default if asked is None else asked, context - prompt_length)
 
 
 def _tool_choice(body: dict, tools: list[dict]) -> None:

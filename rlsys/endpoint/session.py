@@ -46,7 +46,7 @@ from starlette.responses import Response
 from rlsys.api import GenerationConfig, GenerationOutput, Model
 from rlsys.endpoint.conversation import Conversation
 from rlsys.endpoint.request_checks import RequestError, Sampling, chat_request, completion_request, messages_request, \
-    responses_request
+    reply_budget, responses_request
 from rlsys.endpoint.streaming import event_stream, message_events, response_events
 from rlsys.tools.call_format import CALL, parse_turn
 
@@ -64,14 +64,14 @@ class EpisodeSession:
 
     async def chat(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
         self.require_chat_template("/v1/chat/completions")
-        messages, tools, sampling = chat_request(body, self.max_total_tokens)
+        messages, tools, sampling = chat_request(body)
         output, choices, _ = await self.chat_choices(messages, tools, sampling, client_gone)
         return self.response("chat.completion", output, choices, sampling)
 
     async def respond(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
         """A /v1/responses call: the chat call its input and instructions make, answered as a Responses object."""
         self.require_chat_template("/v1/responses")
-        messages, tools, sampling = responses_request(body, self.max_total_tokens)
+        messages, tools, sampling = responses_request(body)
         output, [choice], _ = await self.chat_choices(messages, tools, sampling, client_gone)
         message, length = choice["message"], choice["finish_reason"] == "length"
         status = "incomplete" if length else "completed"
@@ -148,7 +148,7 @@ class EpisodeSession:
         return output, choices, stops
 
     async def complete(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
-        prompt, sampling = completion_request(body, self.max_total_tokens, len(self.tokenizer))
+        prompt, sampling = completion_request(body, len(self.tokenizer))
         sample, prompt_ids, split = self.conversation.prompt_for_text(prompt)
         output = await self.generate(prompt_ids, sampling)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, clean_up_tokenization_spaces=False)
@@ -188,24 +188,18 @@ class EpisodeSession:
         return output
 
     def generation_config(self, sampling: Sampling, prompt_length: int) -> GenerationConfig:
-        """The agent's settings, with what the request sets; no more new tokens than the episode's budget leaves."""
+        """The agent's settings, with what the request sets; no more new tokens than the episode's context leaves."""
         if prompt_length == 0:  # nothing to continue: the inference worker would set the request aside
             raise RequestError(400, "the prompt is empty: it renders to no tokens", param="prompt")
-        room = self.max_total_tokens - prompt_length
-        if room <= 0:
+        if prompt_length >= self.max_total_tokens:
             # "prompt is too long", as Anthropic words it: ChatAnthropic reads it as a context overflow
             raise RequestError(400, f"the prompt is too long: {prompt_length} tokens; this endpoint's context is "
                                     f"{self.max_total_tokens} tokens", "context_length_exceeded")
-        settings = dict(sampling.settings)
-        asked = settings.pop("max_new_tokens", self.defaults.max_new_tokens)
-        if asked > self.max_total_tokens:  # a Messages call's max_tokens (the other APIs refuse it unrendered)
-            raise RequestError(400, f"max_tokens is past this endpoint's context: input length and `max_tokens` "
-                                    f"exceed context limit: {prompt_length} + {asked} > {self.max_total_tokens}, "
-                                    f"decrease input length or `max_tokens` and try again", "invalid_value",
-                               "max_tokens")
+        budget = reply_budget(sampling, self.defaults.max_new_tokens, prompt_length, self.max_total_tokens)
+        settings = {k: v for k, v in sampling.settings.items() if k != "max_new_tokens"}
         single = [ids[0] for ids in (self.tokenizer.encode(s, add_special_tokens=False) for s in sampling.stop)
                   if len(ids) == 1]
-        return dataclasses.replace(self.defaults, **settings, max_new_tokens=min(asked, room),
+        return dataclasses.replace(self.defaults, **settings, max_new_tokens=budget,
                                    stop_token_ids=list(self.defaults.stop_token_ids) + single)
 
     def text(self, ids: list[int], sampling: Sampling) -> tuple[str, str | None]:
