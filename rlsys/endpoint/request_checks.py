@@ -12,13 +12,13 @@ The sampling settings are held to the bounds every request to the model is held 
 (`rlsys.api.messages.generation_setting`, the check `Model`, the router and the inference worker run), and
 the reply's budget (`max_tokens` by whichever name the API gives it) to the episode's context as well, once the prompt
 is rendered (`reply_budget`): a budget past the whole context is refused in the words of the call's API (vLLM's
-OpenAI server's on the OpenAI paths, Anthropic's on /v1/messages), and one the prompt leaves no room for, or none
-asked (the agent's default), is cut to what the prompt leaves, as vLLM cuts it. Sampling and reply settings the endpoint does not honour (penalties,
-logit bias, min_p, a forced or forbidden tool call, at most one tool call a turn, a JSON reply format, alternatives
-to each token's logprob; a completion's echoed prompt, suffix and best-of choice; the legacy `functions`) may be
-sent at their neutral value, as many clients do, and are refused at any other: the reply would be sampled as if
-they were unset and trained on as such. So is content other than text (an image): the model would answer without
-it. Other fields the endpoint does not read are left alone: OpenAI clients send many.
+OpenAI server's on the OpenAI paths, Anthropic's on /v1/messages), and one within it (or the agent's default, where
+none is asked) is cut to what the prompt leaves, as vLLM cuts it. Sampling and reply settings the endpoint does not
+honour (penalties, logit bias, min_p, a forced or forbidden tool call, at most one tool call a turn, a JSON reply
+format, alternatives to each token's logprob; a completion's echoed prompt, suffix and best-of choice; the legacy
+`functions`) may be sent at their neutral value, as many clients do, and are refused at any other: the reply would be
+sampled as if they were unset and trained on as such. So is content other than text (an image): the model would
+answer without it. Other fields the endpoint does not read are left alone: OpenAI clients send many.
 
 `"stream": true` is answered as Server-Sent Events (rlsys/endpoint/streaming.py). `stream_options` is refused
 without it, as OpenAI refuses it; of its keys `include_usage` is honoured, `include_obfuscation` refused unless
