@@ -79,7 +79,8 @@ def append_private(path: Path) -> int:
 
 
 # A password in a URL's query, as redis-py (redis://host?password=) and libpq (postgresql://host/db?password=) take it
-QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|pwd)=)[^&#]*", re.IGNORECASE)
+QUERY_PASSWORD_KEY = r"[?&](?i:password|passwd|pwd)="
+QUERY_PASSWORD = re.compile(rf"({QUERY_PASSWORD_KEY})[^&#]*")
 
 
 def redact_url(url: str) -> str:
@@ -95,10 +96,15 @@ def redact_url(url: str) -> str:
 
 def redact_passwords(text: str, url: str) -> str:
     """`text` with each password of `url` (as redact_url finds them), as written and percent-decoded, replaced by
-    REDACTED: the errors of a client given `url` quote it as it was written (MLflow's "API request to
-    http://user:PASSWORD@host/... failed"), or part of it."""
+    REDACTED where it stands as a password: between a URL's user and host (`user:PASSWORD@`) or after a query's
+    password key (`?password=PASSWORD`). The errors of a client given `url` quote it so (MLflow's "API request to
+    http://user:PASSWORD@host/... failed", its API path run on after the URI's query). Elsewhere the same characters
+    are other words: a short password ("a", "12") replaced everywhere garbled the text around it (port 5412)."""
     written = [urllib.parse.urlsplit(url).password or ""] + \
         [m.group(0)[len(m.group(1)):] for m in QUERY_PASSWORD.finditer(url)]
-    for password in sorted({p for w in written for p in (w, urllib.parse.unquote(w))} - {""}, key=len, reverse=True):
-        text = text.replace(password, REDACTED)
-    return text
+    forms = sorted({p for w in written for p in (w, urllib.parse.unquote(w))} - {""}, key=len, reverse=True)
+    if not forms:
+        return text
+    password = "|".join(map(re.escape, forms))  # the longest first: a form that holds another is replaced whole
+    text = re.sub(rf"(?<=:)(?:{password})(?=@)", REDACTED, text)
+    return re.sub(rf"({QUERY_PASSWORD_KEY})(?:{password})", lambda m: m.group(1) + REDACTED, text)

@@ -9,7 +9,7 @@ import pytest
 from rlsys.bus import EmbeddedRedis, connect
 from rlsys.cli import load_config, parse_config, save_config
 from rlsys.metrics import MetricsLogger
-from rlsys.run_privacy import REDACTED, append_private, make_private, redact_url, write_private
+from rlsys.run_privacy import REDACTED, append_private, make_private, redact_passwords, redact_url, write_private
 
 
 def mode(path) -> int:
@@ -71,6 +71,23 @@ def test_redact_url_replaces_only_the_password():
     assert redact_url("redis://h:1/0?PASSWORD=pw") == f"redis://h:1/0?PASSWORD={REDACTED}"
     assert redact_url("mysql://u:p@[::1]:3306/db") == f"mysql://u:{REDACTED}@[::1]:3306/db"
     assert redact_url("sqlite:////tmp/runs/mlflow.db") == "sqlite:////tmp/runs/mlflow.db"
+
+
+def test_redact_passwords_replaces_a_password_where_it_stands_as_one_not_the_same_characters_elsewhere():
+    """A short password ("a", "12") is also a piece of the error's other words and numbers: replaced everywhere, it
+    garbled them ("API" -> "REDACTEDPI", port 5412 -> 54REDACTED) and told whoever reads the error what it is."""
+    error = ("MlflowException: API request to http://rlsys:a@127.0.0.1:5412/api/2.0/mlflow/runs/create failed with "
+             "exception HTTPConnectionPool(host='127.0.0.1', port=5412): Max retries exceeded (a connection refused)")
+    assert redact_passwords(error, "http://rlsys:a@127.0.0.1:5412") == error.replace("rlsys:a@", f"rlsys:{REDACTED}@")
+    error = "OperationalError: postgresql://h:5412/db?user=u&password=12&sslmode=require: port 5412 refused (12 tries)"
+    assert redact_passwords(error, "postgresql://h:5412/db?user=u&password=12") == \
+        error.replace("password=12&", f"password={REDACTED}&")
+    # As written and percent-decoded, in the URL's credential and as a query's password (MLflow appends its API path
+    # to the URI as written, so a query's password runs on into it)
+    error = "API request to http://u:p%40s@h/?PWD=x y/api/2.0/mlflow/runs/get failed; u:p@s@h; p%40s p@s, x y"
+    assert redact_passwords(error, "http://u:p%40s@h/?pwd=x%20y") == \
+        f"API request to http://u:{REDACTED}@h/?PWD={REDACTED}/api/2.0/mlflow/runs/get failed; u:{REDACTED}@h; " \
+        f"p%40s p@s, x y"
 
 
 def test_config_yaml_never_holds_the_mlflow_password(tmp_path):
