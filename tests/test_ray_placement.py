@@ -122,7 +122,9 @@ def test_without_a_ray_address_the_run_starts_a_ray_of_its_own_beside_one_that_r
 
     from rlsys.placement.ray_actors import RayPlacement
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    # Three bundles (a CPU each) on two nodes: a rollout worker's custom resource names the node it runs on
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"plain": 1},
+                                                            "include_dashboard": False})
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     try:
         placement = RayPlacement(parse_config(["cluster.backend=ray"]), lambda role, index, *args: 0)
@@ -343,3 +345,47 @@ def test_a_role_s_omp_num_threads_is_the_run_s_else_its_node_s_own(monkeypatch):
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
         cluster.shutdown()
     assert codes == {"": 3, "2": 2}
+
+
+def gomp_spincount(role, index, *args):
+    """A role's entry that exits with the GOMP_SPINCOUNT it started with, 0 for none."""
+    return int(os.environ.get("GOMP_SPINCOUNT") or 0)
+
+
+def test_a_role_s_openmp_wait_is_the_run_s_else_its_node_s_own_else_the_short_spin(monkeypatch):
+    """As for OMP_NUM_THREADS: every actor started with rlsys's GOMP_SPINCOUNT=1000 where the launcher had no OpenMP
+    wait setting, overriding the one a node's own `ray start` had set, and with none (libgomp's long spin) where the
+    launcher had one, which stayed on the launcher's machine. The run's setting wins; without one, the node's own
+    holds; without either, the short spin."""
+    from ray import cloudpickle
+    from ray.cluster_utils import Cluster
+
+    from rlsys.placement.ray_actors import RayPlacement
+
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    # Three bundles (a CPU each) on two nodes: a rollout worker's custom resource names the node it runs on
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"plain": 1},
+                                                            "include_dashboard": False})
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50")  # the node's own, as its `ray start` had it
+    cluster.add_node(num_cpus=1, resources={"spinning": 1})
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import the tests
+    codes = {}
+    try:
+        for node, run_setting in (("plain", {}), ("spinning", {}), ("spinning", {"GOMP_SPINCOUNT": "7"}),
+                                  ("plain", {"OMP_WAIT_POLICY": "PASSIVE"})):
+            for name, value in run_setting.items():
+                monkeypatch.setenv(name, value)
+            placement = RayPlacement(parse_config(["cluster.backend=ray", f"cluster.ray_address={cluster.address}",
+                                                   f"cluster.rollout_resources={node}:1"]), gomp_spincount)
+            try:
+                codes[node, *run_setting.values()] = exit_code_within(placement.start("rollout", 0, ()), 60)
+            finally:
+                placement.close()
+            for name in run_setting:
+                monkeypatch.delenv(name)
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        cluster.shutdown()
+    assert codes == {("plain",): 1000, ("spinning",): 50, ("spinning", "7"): 7, ("plain", "PASSIVE"): 0}

@@ -6,7 +6,8 @@ cores, 2 learner threads beside the inference worker made a run slower than 1 th
 (BENCHMARKS.md, "Learner threads"), because a thread that waits spins on the core the thread it waits for needs.
 So every role starts with `GOMP_SPINCOUNT=1000` (libgomp reads it once, when torch loads, so the launcher puts it in
 each role's environment before the process starts): a waiting thread spins a thousand turns, then sleeps. Unless
-the user set `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` for the run: theirs win.
+the user set `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` for the run: theirs win. A Ray actor gets the run's where it has
+one; else its node's own, from that node's `ray start`; else the short spin (rlsys/placement/ray_actors.py).
 
 The learner gets the cores the run's other roles do not claim, and never fewer than one:
 

@@ -19,7 +19,7 @@ import time
 
 from rlsys.errors import RoleFailed
 from rlsys.placement.base import Placement, PlacementError, RoleHandle, learner_rendezvous
-from rlsys.placement.cpu_threads import role_environment
+from rlsys.placement.cpu_threads import OPENMP_WAIT_SETTINGS, role_environment
 from rlsys.preflight import check_reachable
 from rlsys.protocol import RENDEZVOUS_LISTEN_FD
 
@@ -35,6 +35,11 @@ class RoleActor:
         # Blocked by the Ray of the run's own, whose raylet started this worker (sigterm_left_to_the_launcher): a
         # SIGTERM sent to the actor alone ends it as Ray ends a worker
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        # How OpenMP threads wait, read by libgomp as torch loads (the run's entry imports it, after this): the run's
+        # setting, which the launcher sent along (RayPlacement.start); else the node's own, from its `ray start`;
+        # else the short spin, as a local role gets it. Decided here, since only this process sees its node's
+        # environment; the launcher's short spin overrode the node's own.
+        os.environ.update(role_environment())
 
     def listen(self) -> tuple[str, int]:
         """Learner rank 0's rendezvous: a socket bound on this node's address, at a port the kernel picks, which the
@@ -221,7 +226,9 @@ class RayPlacement(Placement):
         # (its `ray start` environment, a node with fewer cores, say), which Ray puts for "${...}" as it starts the
         # worker; without either, "", which the actor removes before the role imports torch: the role's threads are
         # then counted from its node's cores (cpu_threads.role_threads runs in the role).
-        added = {**role_environment(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "${OMP_NUM_THREADS}")}
+        # How OpenMP threads wait goes along where the run set it; the actor decides the rest (RoleActor).
+        added = {**{name: os.environ[name] for name in OPENMP_WAIT_SETTINGS if name in os.environ},
+                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "${OMP_NUM_THREADS}")}
         actor = self.actor_class.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.group,
                                                                  placement_group_bundle_index=bundle),
