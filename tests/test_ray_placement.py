@@ -389,3 +389,40 @@ def test_a_role_s_openmp_wait_is_the_run_s_else_its_node_s_own_else_the_short_sp
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
         cluster.shutdown()
     assert codes == {("plain",): 1000, ("spinning",): 50, ("spinning", "7"): 7, ("plain", "PASSIVE"): 0}
+
+
+SAVE_SECONDS = 3  # a role's save once told to stop: past the second Ray's shutdown gives each of its own processes
+
+
+def saves_once_stopped(role, index, stop_file, saved_file, env):
+    """A role's entry that, told to stop (`stop_file` there), takes SAVE_SECONDS to save, as a learner saves its
+    checkpoint, then returns."""
+    while not os.path.exists(stop_file):
+        time.sleep(0.05)
+    time.sleep(SAVE_SECONDS)
+    Path(saved_file).write_text("saved")
+    return 0
+
+
+def test_a_role_told_to_stop_has_the_stops_grace_to_save_not_the_second_a_ray_process_gets(tmp_path):
+    """A Ray of the run's own is shut down with a SIGTERM to each of its processes (which they block) and a SIGKILL a
+    second later. A role's actor is not among them: the stop waits cluster.stop_grace_seconds for each role's run,
+    and the placement (its actors, then that Ray) is closed only after, so a save that takes longer than the second
+    is not cut off."""
+    from ray import cloudpickle
+
+    from rlsys.bus.inproc import InProcessBus
+    from rlsys.placement.ray_actors import RayPlacement
+    from rlsys.supervisor import stop_processes
+
+    stop, saved = tmp_path / "stop", tmp_path / "saved"
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import the tests
+    placement = RayPlacement(parse_config(["cluster.backend=ray"]), saves_once_stopped)
+    try:
+        role = placement.start("rollout", 0, (str(stop), str(saved)))
+        stop.touch()  # the run's stop, as the bus's STOP tells a role
+        unclean = stop_processes(InProcessBus(), [role], grace=60)
+    finally:
+        placement.close()
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert unclean == {} and role.exitcode == 0 and saved.read_text() == "saved"
