@@ -544,6 +544,14 @@ def test_max_tokens_past_the_context_is_refused_saying_by_how_much_in_the_words_
            f"{CONTEXT}," in error["message"] and asked == [], error
 
 
+def test_max_tokens_within_the_context_but_past_what_the_prompt_leaves_is_cut_to_it_not_refused(tokenizer):
+    """The context bounds the budget once: a max_tokens no more than the context is cut to what the prompt leaves,
+    as on the OpenAI paths."""
+    response, (asked,) = post(tokenizer, "/messages", {**BODY, "max_tokens": CONTEXT})
+    assert response.status_code == 200, response.text
+    assert asked["gconfig"]["max_new_tokens"] == CONTEXT - len(asked["token_ids"])
+
+
 def test_a_model_without_a_chat_template_refuses_messages_saying_so():
     from rlsys.model.tokenizer import build_char_tokenizer
 
