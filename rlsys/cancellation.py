@@ -11,6 +11,7 @@ once a CANCEL_AGAIN_SECONDS, what has not ended, as anyio's own cancel scopes do
 import asyncio
 import contextlib
 from collections.abc import Coroutine, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 CANCEL_AGAIN_SECONDS = 1.0
 
@@ -44,8 +45,15 @@ def run_to_the_end(main: Coroutine, limit: float = CANCEL_AGAIN_SECONDS):
     tasks left once and gathers them, so one that ignores its cancellation (an episode the end of training left behind,
     rlsys/workers/rollout_worker.py) kept the process from exiting. They are cancelled again for `limit` s
     (`cancel_and_wait`); those that go on are closed (GeneratorExit is raised where they wait: their `finally` blocks
-    run) and given `limit` s more to end; any still there is left pending as the loop closes."""
+    run) and given `limit` s more to end; any still there is left pending as the loop closes.
+
+    Nor does it wait for the calls of the loop's default executor (asyncio.to_thread) still running, as asyncio.run
+    does: a thread cannot be cancelled, and an environment step blocked in one for ever held the loop for ever. Those
+    not started are cancelled; those running go on, and the process's end waits for them a while at most
+    (rlsys/placement/process_end.py)."""
     loop = asyncio.new_event_loop()
+    calls = ThreadPoolExecutor(thread_name_prefix="asyncio")  # as asyncio's own default, but this function's to end
+    loop.set_default_executor(calls)
     asyncio.set_event_loop(loop)
     try:
         return loop.run_until_complete(main)
@@ -53,7 +61,7 @@ def run_to_the_end(main: Coroutine, limit: float = CANCEL_AGAIN_SECONDS):
         try:
             loop.run_until_complete(_end_the_rest(limit))
             loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
+            calls.shutdown(wait=False, cancel_futures=True)
         finally:
             asyncio.set_event_loop(None)
             loop.close()

@@ -5,8 +5,10 @@ import asyncio
 import dataclasses
 import inspect
 import json
+import logging
 import multiprocessing
 import shutil
+import threading
 
 import pytest
 
@@ -533,12 +535,16 @@ register_agent("swallows-a-cancellation", SwallowsACancellation)
 register_agent("ignores-cancellation", IgnoresCancellation)
 
 
-def config_of(agent: str, tmp_path):
+def config_of(agent: str, tmp_path, env: str | None = None):
     @dataclasses.dataclass
     class Experiment(AsyncPPOMATHConfig):
         @property
         def agent(self):
             return AgentAbstraction(agent, {})
+
+        @property
+        def env(self):
+            return EnvServiceAbstraction(env) if env else super().env
 
     config = Experiment()
     config.model.path = str(save_random_tiny_model(tmp_path / "model"))
@@ -640,6 +646,74 @@ def test_a_rollout_process_whose_episode_ignores_its_cancellation_still_exits(tm
         process.kill()
         process.join()
     assert not hung and process.exitcode == 0
+
+
+class StepBlocksInAThread(EnvironmentService):
+    """A synchronous env step run through asyncio.to_thread, as rlsys/api/env.py asks of blocking work, that never
+    returns: a thread cannot be cancelled, and its call goes on after the episode awaiting it was."""
+
+    async def reset(self, seed=None, options=None):
+        return None, {}
+
+    async def step(self, action):
+        return await asyncio.to_thread(never_returns)
+
+
+def never_returns():
+    threading.Event().wait()  # the line the log must name
+
+
+class StepsOnce(Agent):
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        await env.reset()
+        await env.step("answer")
+        return []
+
+
+NEVER_RETURNS_LINE = inspect.getsourcelines(never_returns)[1] + 1
+register_environment("step-blocks-in-a-thread", StepBlocksInAThread)
+register_agent("steps-once", StepsOnce)
+
+
+def end_training_with_an_env_step_blocked_in_a_thread(role: str, index: int, tmp_path) -> int:
+    """A rollout role, as rlsys/roles.py runs it, whose training ends while its episode's env step blocks in a
+    thread; the entry its process runs (rlsys/placement/local.py), which exits as a role's process does."""
+    from rlsys import roles
+
+    logging.basicConfig(filename=tmp_path / "rollout0.log", level=logging.INFO, force=True)
+
+    async def train_one_episode(worker):
+        await start_episodes(worker, ["train-0-0"])
+        await asyncio.sleep(0.5)  # the env step is in its thread
+        await worker.cancel_episodes()
+
+    rollout_worker.RolloutWorker.run = train_one_episode  # no inference worker to wait for: the episode, then its end
+    config = config_of("steps-once", tmp_path, env="step-blocks-in-a-thread")
+    config.env_timeout = 0  # no limit: the end of training cancels the step
+    roles._run(role, index, config, InProcessBus(), str(tmp_path))
+    return 0
+
+
+def test_a_rollout_process_whose_env_step_blocks_in_a_thread_still_exits(tmp_path):
+    """The episode ended with the training, but its env step's thread did not: asyncio.run (and run_to_the_end)
+    waited for the event loop's default executor, and Python's exit joins every thread of a ThreadPoolExecutor, for
+    ever. The process never exited, and the run's stop killed it after its grace."""
+    from rlsys.placement.local import run_in_process
+
+    context = multiprocessing.get_context("spawn")
+    launcher_terminated = context.Value("b", 0)  # held until the child has it
+    process = context.Process(target=run_in_process, args=(end_training_with_an_env_step_blocked_in_a_thread,
+                                                           "rollout", 0, tmp_path),
+                              kwargs={"launcher_terminated": launcher_terminated})
+    process.start()
+    process.join(timeout=120)  # it ends in seconds (its start, the episode's end, THREADS_END_SECONDS); the old never
+    hung = process.is_alive()
+    if hung:
+        process.kill()
+        process.join()
+    assert not hung and process.exitcode == 0
+    log = (tmp_path / "rollout0.log").read_text()
+    assert "left behind" in log and f"test_rollout_worker.py:{NEVER_RETURNS_LINE} in never_returns" in log, log
 
 
 def test_a_starting_worker_beats_from_its_start_saying_it_is_starting(tmp_path):

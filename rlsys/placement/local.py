@@ -17,6 +17,7 @@ import time
 from rlsys.placement.base import Placement, RoleHandle, learner_rendezvous, process_exit
 from rlsys.placement.cpu_threads import role_environment
 from rlsys.placement.gpus import gpu_layout, visible_devices
+from rlsys.placement.process_end import end_process
 from rlsys.protocol import RENDEZVOUS_LISTEN_FD
 
 
@@ -151,6 +152,7 @@ def run_in_process(entry, role: str, index: int, *args, launcher_terminated,
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    end_process(code)  # exits at once where a plugin left a thread that Python's exit would wait for ever for
     if code:
         sys.exit(code)
 
