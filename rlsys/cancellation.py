@@ -14,6 +14,9 @@ from collections.abc import Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 CANCEL_AGAIN_SECONDS = 1.0
+# Tasks run_to_the_end left pending: held, so that the garbage collector does not close them outside any loop (where
+# one that awaits again after its GeneratorExit loops for ever) at some moment of the process's later work
+_left_pending: list[asyncio.Task] = []
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], limit: float | None = None) -> set[asyncio.Task]:
@@ -45,7 +48,8 @@ def run_to_the_end(main: Coroutine, limit: float = CANCEL_AGAIN_SECONDS):
     tasks left once and gathers them, so one that ignores its cancellation (an episode the end of training left behind,
     rlsys/workers/rollout_worker.py) kept the process from exiting. They are cancelled again for `limit` s
     (`cancel_and_wait`); those that go on are closed (GeneratorExit is raised where they wait: their `finally` blocks
-    run) and given `limit` s more to end; any still there is left pending as the loop closes.
+    run) and given `limit` s more to end; any still there is left pending as the loop closes, and held for the life
+    of the process (`coroutines_left_pending`: its end must not close them, rlsys/placement/process_end.py).
 
     Nor does it wait for the calls of the loop's default executor (asyncio.to_thread) still running, as asyncio.run
     does: a thread cannot be cancelled, and an environment step blocked in one for ever held the loop for ever. Those
@@ -72,4 +76,10 @@ async def _end_the_rest(limit: float) -> None:
     for task in stuck:
         with contextlib.suppress(RuntimeError):  # one that awaits again after GeneratorExit: left pending
             task.get_coro().close()
-    await cancel_and_wait(stuck, limit)  # a closed one ends at its next step, raising RuntimeError: retrieved
+    # a closed one ends at its next step, raising RuntimeError: retrieved
+    _left_pending.extend(await cancel_and_wait(stuck, limit))
+
+
+def coroutines_left_pending() -> int:
+    """How many coroutines run_to_the_end left pending, which cannot be closed."""
+    return len(_left_pending)

@@ -18,7 +18,7 @@ from rlsys.api import (Agent, AgentAbstraction, EnvironmentService, EnvServiceAb
                        register_agent, register_environment)
 from rlsys.assets import AssetError, prepare_assets
 from rlsys.bus import InProcessBus
-from rlsys.cancellation import run_to_the_end
+from rlsys.cancellation import coroutines_left_pending, run_to_the_end
 from rlsys.checkpoint import read_trainer_state
 from rlsys.console import ProgressReporter
 from rlsys.data.prompts import prompt_stream
@@ -613,8 +613,10 @@ def test_the_event_loop_ends_even_with_a_task_that_ignores_being_closed():
         await asyncio.sleep(0)
         return "returned"
 
+    left_before = coroutines_left_pending()
     assert run_to_the_end(main(), limit=0.2) == "returned"
     assert ended.count("caught") >= 2  # its cancellations, and its closing
+    assert coroutines_left_pending() == left_before + 1  # held: the process's end must not close it (see below)
     # Left as it is, the coroutine is closed again when it is garbage-collected, outside any loop, where its await
     # fails at once and it loops for ever (it hung the next test that built a model here): let it end now.
     stubborn[0] = False
@@ -714,6 +716,55 @@ def test_a_rollout_process_whose_env_step_blocks_in_a_thread_still_exits(tmp_pat
     assert not hung and process.exitcode == 0
     log = (tmp_path / "rollout0.log").read_text()
     assert "left behind" in log and f"test_rollout_worker.py:{NEVER_RETURNS_LINE} in never_returns" in log, log
+
+
+class IgnoresBeingClosed(Agent):
+    """Catches every exception, GeneratorExit too, and goes on awaiting: its coroutine cannot be closed. Closed by
+    the garbage collector once its loop has closed, its await fails at once, and it loops for ever."""
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except BaseException:
+                pass
+
+
+register_agent("ignores-being-closed", IgnoresBeingClosed)
+
+
+def end_training_with_an_episode_that_ignores_being_closed(role: str, index: int, tmp_path) -> int:
+    """A rollout role, as rlsys/roles.py runs it, whose training ends with such an episode left behind, its
+    coroutine pending as the loop closes; the entry its process runs (rlsys/placement/local.py)."""
+    from rlsys import roles
+
+    async def train_one_episode(worker):
+        await start_episodes(worker, ["train-0-0"])
+        await worker.cancel_episodes()
+
+    rollout_worker.CANCEL_GRACE_SECONDS = 1.5
+    rollout_worker.RolloutWorker.run = train_one_episode
+    roles._run(role, index, config_of("ignores-being-closed", tmp_path), InProcessBus(), str(tmp_path))
+    return 0
+
+
+def test_a_rollout_process_whose_episode_ignores_being_closed_still_exits(tmp_path):
+    """run_to_the_end leaves such a coroutine pending as its loop closes: collected later (at the latest as the
+    interpreter ends), it loops for ever where it is closed, and the process never exited."""
+    from rlsys.placement.local import run_in_process
+
+    context = multiprocessing.get_context("spawn")
+    launcher_terminated = context.Value("b", 0)
+    process = context.Process(target=run_in_process, args=(end_training_with_an_episode_that_ignores_being_closed,
+                                                           "rollout", 0, tmp_path),
+                              kwargs={"launcher_terminated": launcher_terminated})
+    process.start()
+    process.join(timeout=120)  # it ends in seconds (its start, the episode's grace and closing); the old never
+    hung = process.is_alive()
+    if hung:
+        process.kill()
+        process.join()
+    assert not hung and process.exitcode == 0
 
 
 def test_a_starting_worker_beats_from_its_start_saying_it_is_starting(tmp_path):
