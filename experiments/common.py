@@ -379,8 +379,8 @@ class ClusterConfig:
     """Times each role process (and the private redis-server) is restarted after dying before the run stops."""
     stop_grace_seconds: float = 20.0
     """Seconds the roles get to end once the run stops (its end, Ctrl-C, a failure) before they are killed: the learner
-    finishes its step and saves the run's checkpoint in them, which a large model on a CPU takes minutes to do. A
-    second Ctrl-C kills at once."""
+    finishes its step and saves the run's checkpoint in them, which a large model on a CPU takes minutes to do; a
+    rollout worker's cancelled episodes get half of them to end. A second Ctrl-C kills at once."""
     stall_timeout: float = 120.0
     """Seconds with no prompt in flight, none admitted and no new weights (mid-training) after which the run stops
     with an error that says what the gate and the counters hold; 0: never (rlsys/stall.py)."""

@@ -579,10 +579,11 @@ def test_episodes_whose_agents_swallow_a_cancellation_end_with_the_training(tmp_
     assert not [r for r in caplog.records if "after they were cancelled" in r.getMessage()]
 
 
-def test_an_episode_that_ignores_its_cancellation_at_the_end_of_training_is_named_and_left_behind(
-        tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(rollout_worker, "CANCEL_GRACE_SECONDS", 1.5)
+def test_an_episode_that_ignores_its_cancellation_at_the_end_of_training_is_named_and_left_behind(tmp_path, caplog):
+    """It is left behind within a share of the stop's grace, so that a stop does not kill the worker before it
+    writes its records: a fixed 30 s outlived the default grace (20 s)."""
     worker, qids = worker_running_two_episodes_of("ignores-cancellation", tmp_path)
+    worker.config.cluster.stop_grace_seconds = 3
 
     async def main():
         await start_episodes(worker, qids)
@@ -591,7 +592,7 @@ def test_an_episode_that_ignores_its_cancellation_at_the_end_of_training_is_name
 
     assert run_to_the_end(main()) == 2  # as the role runs it: asyncio.run would wait for them for ever
     errors = [r.getMessage() for r in caplog.records if "after they were cancelled" in r.getMessage()]
-    assert len(errors) == 1 and errors[0].startswith("2 episodes still run"), errors
+    assert len(errors) == 1 and errors[0].startswith("2 episodes still run 1.5 s after"), errors
     # each episode's chain, and the agent's own task, at the line that ignores the cancellation
     assert errors[0].count("in run_training_episode") == 2, errors[0]
     assert errors[0].count(f"test_rollout_worker.py:{IGNORING_LINE} in collect_trajectory") == 2, errors[0]
@@ -631,9 +632,10 @@ def end_training_with_an_episode_that_ignores_its_cancellation(tmp_path) -> None
         await start_episodes(worker, ["train-0-0"])
         await worker.cancel_episodes()
 
-    rollout_worker.CANCEL_GRACE_SECONDS = 1.5
     rollout_worker.RolloutWorker.run = train_one_episode  # no inference worker to wait for: the episode, then its end
-    roles._run("rollout", 0, config_of("ignores-cancellation", tmp_path), InProcessBus(), str(tmp_path))
+    config = config_of("ignores-cancellation", tmp_path)
+    config.cluster.stop_grace_seconds = 3  # the episode's cancellation grace is a share of it
+    roles._run("rollout", 0, config, InProcessBus(), str(tmp_path))
 
 
 def test_a_rollout_process_whose_episode_ignores_its_cancellation_still_exits(tmp_path):
@@ -742,9 +744,10 @@ def end_training_with_an_episode_that_ignores_being_closed(role: str, index: int
         await start_episodes(worker, ["train-0-0"])
         await worker.cancel_episodes()
 
-    rollout_worker.CANCEL_GRACE_SECONDS = 1.5
     rollout_worker.RolloutWorker.run = train_one_episode
-    roles._run(role, index, config_of("ignores-being-closed", tmp_path), InProcessBus(), str(tmp_path))
+    config = config_of("ignores-being-closed", tmp_path)
+    config.cluster.stop_grace_seconds = 3  # the episode's cancellation grace is a share of it
+    roles._run(role, index, config, InProcessBus(), str(tmp_path))
     return 0
 
 

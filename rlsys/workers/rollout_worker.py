@@ -28,7 +28,11 @@ from rlsys.workers.routing import EpisodeRouter
 
 log = logging.getLogger(__name__)
 GATE_POLL_SECONDS = 0.05  # how often a worker with free slots asks the staleness gate again
-CANCEL_GRACE_SECONDS = 30.0  # how long an episode cancelled at the end of training may take to end (its cleanup)
+# Of cluster.stop_grace_seconds, the time an episode cancelled at the end of training may take to end (its cleanup):
+# a stop bounds the whole role's end by that grace, and the worker's records, written once its episodes ended, and
+# its process's end (rlsys/placement/process_end.py) come in the rest. A fixed 30 s outlived the default 20 s grace:
+# a stop with an episode that ignored its cancellation killed the worker before it wrote them.
+CANCEL_GRACE_SHARE = 0.5
 
 
 class RolloutWorker:
@@ -141,15 +145,16 @@ class RolloutWorker:
 
     async def cancel_episodes(self) -> None:
         """The learner is done: unfinished episodes will never be trained, and are cancelled (again, those that go on:
-        rlsys/cancellation.py). One still running CANCEL_GRACE_SECONDS later (a plugin that catches every
-        CancelledError and goes on awaiting) is logged with where it waits and left behind: the final evaluation and
-        the run's end do not wait for it for ever."""
-        stuck = await cancel_and_wait(self.running, CANCEL_GRACE_SECONDS)
+        rlsys/cancellation.py). One still running CANCEL_GRACE_SHARE of the stop's grace later (a plugin that catches
+        every CancelledError and goes on awaiting) is logged with where it waits and left behind: the final evaluation
+        and the run's end do not wait for it for ever."""
+        grace = self.config.cluster.stop_grace_seconds * CANCEL_GRACE_SHARE
+        stuck = await cancel_and_wait(self.running, grace)
         if stuck:
             # where each waits, and where the tasks they may wait for (an agent's, the endpoint's) are
             others = asyncio.all_tasks() - stuck - {asyncio.current_task()}
             log.error("%d episodes still run %g s after they were cancelled at the end of training; left behind. "
-                      "They wait at:\n%s\nThe worker's other tasks wait at:\n%s", len(stuck), CANCEL_GRACE_SECONDS,
+                      "They wait at:\n%s\nThe worker's other tasks wait at:\n%s", len(stuck), grace,
                       "\n".join("\n".join(awaiting_at(task)) for task in stuck),
                       "\n".join("\n".join(awaiting_at(task)) for task in others))
 
