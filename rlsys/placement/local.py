@@ -152,7 +152,7 @@ def run_in_process(entry, role: str, index: int, *args, launcher_terminated,
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    end_process(code)  # exits at once where a plugin left a thread that Python's exit would wait for ever for
+    end_process(code)  # watches the exit below: a thread or coroutine a plugin left must not hold it for ever
     if code:
         sys.exit(code)
 
