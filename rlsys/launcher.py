@@ -164,17 +164,9 @@ def initialize_bus_state(bus, config, trainer_state: dict, keep_initial_eval: bo
     accounting continues from the checkpoint's (a fresh run's dead letters are cleared; a resumed
     one keeps those of its earlier part)."""
     cluster = config.cluster
-    bus.delete(protocol.STOP, protocol.LEARNER_DONE, protocol.WEIGHTS, protocol.LOGPROB_PROBES, protocol.TRAJECTORIES,
-               protocol.DATASET_FINGERPRINT,
-               *(protocol.eval_result(tag) for tag in (("final",) if keep_initial_eval else ("initial", "final"))),
-               *(key for i in range(cluster.n_inference_workers)
-                 for key in (protocol.generation_requests(i), protocol.inference_status(i))),
-               *(key for i in range(cluster.n_rollout_workers)
-                 for key in (protocol.replies(i), protocol.rollout_done(i), protocol.rollout_episodes(i),
-                             protocol.rollout_position(i), protocol.rollout_running(i),
-                             protocol.role_stop_reason(f"rollout{i}"))))
+    bus.delete(*protocol.cleared_at_a_start(cluster.n_learner_ranks, cluster.n_inference_workers,
+                                            cluster.n_rollout_workers, not trainer_state, keep_initial_eval))
     if not trainer_state:
-        bus.delete(protocol.DEAD_MESSAGES)
         run_counters.clear(bus)
     # Read by the inference workers from the bus: they may run where the checkpoint's directory is not
     bus.set(protocol.RESUMED_VERSION, trainer_state.get("version", 0))

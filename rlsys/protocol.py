@@ -43,12 +43,13 @@ def inference_status(inference_worker: int) -> str:
 
 
 def inference_epoch(inference_worker: int) -> str:
-    """Counter: how many processes have served as this inference worker (each restart adds one)."""
+    """Counter: how many processes have served as this inference worker (each restart adds one). Never reset (see
+    KEPT_AT_A_START)."""
     return f"inference:{inference_worker}:epoch"
 
 
 def eval_result(tag: str) -> str:
-    """Key: held-out evaluation result ("initial", "final", "step-N")."""
+    """Key: held-out evaluation result ("initial", "final", "step-N"), written through rlsys.evaluations."""
     return f"eval:{tag}"
 
 
@@ -75,3 +76,33 @@ def rollout_done(rollout_worker: int) -> str:
 def role_stop_reason(role: str) -> str:
     """Key: why role `role` (e.g. "rollout0") found that the run cannot go on, before it exited."""
     return f"role:{role}:stop_reason"
+
+
+# The keys a start of the roles leaves as they are, and why; it deletes every other key named here
+# (cleared_at_a_start; tests/test_import_layers.py checks that each key is in one or the other).
+KEPT_AT_A_START = {
+    "RESUMED_VERSION": "each start sets it",
+    "WEIGHT_CHECKS": "rlsys.run_counters': a fresh run clears it, a resume takes it back to its checkpoint's count",
+    "DEAD_LETTERS": "rlsys.run_counters': a fresh run clears it, a resume takes it back to its checkpoint's entries",
+    # A router tells a restarted worker by a new epoch: counted on from any earlier process's, even of an earlier run
+    # on the same Redis, no epoch is ever taken twice (and routers start with the roles, so none holds an old one)
+    "inference_epoch": "each process takes the next epoch, never one that an earlier one published",
+}
+
+
+def cleared_at_a_start(n_learner_ranks: int, n_inference_workers: int, n_rollout_workers: int, fresh: bool,
+                       keep_initial_eval: bool) -> list[str]:
+    """The keys deleted before the roles start (rlsys.launcher), so that none finds what an earlier run, or the
+    earlier part of this one, left: `fresh`, a run from no checkpoint, starts without the messages set aside too (a
+    resume keeps its earlier part's); `keep_initial_eval`, the start of every role again after the learner died,
+    keeps the initial evaluation, which tells rollout worker 0 it is no first start. The evaluations "step-N" are
+    left: no role reads them."""
+    return [STOP, LEARNER_DONE, WEIGHTS, LOGPROB_PROBES, TRAJECTORIES, DATASET_FINGERPRINT,
+            *((DEAD_MESSAGES,) if fresh else ()),
+            *(eval_result(tag) for tag in (("final",) if keep_initial_eval else ("initial", "final"))),
+            *(role_stop_reason(f"learner{rank}") for rank in range(n_learner_ranks)),
+            *(key for i in range(n_inference_workers)
+              for key in (generation_requests(i), inference_status(i), role_stop_reason(f"inference{i}"))),
+            *(key for i in range(n_rollout_workers)
+              for key in (replies(i), rollout_done(i), rollout_episodes(i), rollout_position(i), rollout_running(i),
+                          role_stop_reason(f"rollout{i}")))]

@@ -9,10 +9,12 @@ import into a function hides an upward dependency from Python's import order, no
 
 import ast
 import functools
+import inspect
 import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,3 +251,47 @@ def test_the_owner_check_sees_a_write():
                      "path = run_dir / 'checkpoints'\nbus.get(protocol.STOP)\n"
                      "logs.glob('rollout*.jsonl')\n")
     assert state_writes(tree) == {"WEIGHT_CHECKS", "DEAD_LETTERS", "CHECKPOINTS_DIR", "METRICS_RECORDS"}
+
+
+# Names in rlsys.protocol that are no key on the bus: the learners' consumer group (it lives in TRAJECTORIES' stream)
+# and an environment variable
+NOT_BUS_KEYS = {"LEARNERS", "RENDEZVOUS_LISTEN_FD", "KEPT_AT_A_START"}
+
+
+def unaccounted_keys(module) -> list[str]:
+    """The bus keys `module` (rlsys.protocol) names that a start of the roles neither deletes (cleared_at_a_start)
+    nor leaves with a reason (KEPT_AT_A_START): a key a start forgets, which the next run finds as an earlier one
+    left it. A key function counts as deleted where some key it makes (its argument any text) is."""
+    cleared = module.cleared_at_a_start(2, 2, 2, fresh=True, keep_initial_eval=False)
+    missing = []
+    for name, value in vars(module).items():
+        if name.startswith("_") or name in NOT_BUS_KEYS or name in module.KEPT_AT_A_START or name == "cleared_at_a_start":
+            continue
+        if isinstance(value, str):
+            found = value in cleared
+        elif inspect.isfunction(value) and value.__module__ == module.__name__:
+            shape = re.compile(".+".join(map(re.escape, value("\0").split("\0"))))
+            found = any(shape.fullmatch(key) for key in cleared)
+        else:
+            continue
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def test_a_start_deletes_or_keeps_with_a_reason_every_key_on_the_bus():
+    from rlsys import protocol
+
+    assert not unaccounted_keys(protocol), (
+        "keys that a start of the roles neither deletes nor keeps with a reason (rlsys/protocol.py: add each to "
+        f"cleared_at_a_start or KEPT_AT_A_START): {unaccounted_keys(protocol)}")
+
+
+def test_the_start_check_sees_a_forgotten_key():
+    from rlsys import protocol
+
+    module = types.ModuleType(protocol.__name__)
+    module.__dict__.update(cleared_at_a_start=lambda *_, **__: ["a:1", "b"], KEPT_AT_A_START={"kept": "why"},
+                           A="a:1", B="b", C="c", kept=lambda i: f"k:{i}")
+    exec("def key_of(i):\n    return f'a:{i}'\ndef forgotten(i):\n    return f'f:{i}'\n", module.__dict__)
+    assert unaccounted_keys(module) == ["C", "forgotten"]

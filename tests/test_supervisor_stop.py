@@ -157,3 +157,18 @@ def test_a_role_that_exits_with_code_3_without_a_reason_is_restarted_not_taken_f
         with pytest.raises(RoleFailed, match=r"rollout0 exited with code 3"):
             watching.watch(InProcessBus(), report=lambda: None)
     assert "rollout0 exited with code 3; restarting it (restart 1 of 1)" in caplog.text
+
+
+def test_a_start_clears_the_stop_reasons_an_earlier_run_left_for_every_role():
+    """A role that cannot go on leaves its reason on the bus and exits with code 3; a reason an earlier run on the same
+    Redis left for the learner or an inference worker stayed, and a later run's role that exited with code 3 without
+    one stopped that run with the earlier run's reason instead of being restarted."""
+    from rlsys.launcher import initialize_bus_state
+
+    config = parse_config(["cluster.n_learner_ranks=2"])
+    bus = InProcessBus()
+    roles = ["learner0", "learner1", "inference0", "rollout0"]
+    for role in roles:
+        bus.set(protocol.role_stop_reason(role), "the earlier run's weight checksum did not match")
+    initialize_bus_state(bus, config, {})
+    assert {role: bus.get(protocol.role_stop_reason(role)) for role in roles} == dict.fromkeys(roles)
