@@ -1,6 +1,7 @@
 """The names the roles use on the bus: one place, so every role agrees on them. The staleness gate's and the
 prompt lifecycle's keys are rlsys.prompt_ledger's own; WEIGHT_CHECKS and DEAD_LETTERS, which a checkpoint records and
-a resume restores, are written through rlsys.run_counters (DEAD_LETTERS' entries by rlsys.delivery)."""
+a resume restores, are written through rlsys.run_counters (DEAD_LETTERS' entries by rlsys.delivery). Which keys a
+start of the roles deletes is said here too, beside them (cleared_at_a_start, KEPT_AT_A_START)."""
 
 TRAJECTORIES = "trajectories"  # stream: finished episodes, one entry per prompt's group, read by LEARNERS
 LEARNERS = "learners"  # the consumer group that reads TRAJECTORIES
