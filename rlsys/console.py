@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from rlsys import protocol
+from rlsys.evaluations import initial_evaluation_ended
 from rlsys.metrics import JsonlFollower
 from rlsys.prompt_ledger import TRAINED, PromptLedger
 from rlsys.run_privacy import append_private
@@ -122,7 +122,7 @@ class ProgressReporter:
         elapsed = f"{time.monotonic() - self.started:.0f}s in"
         if self.step_seen >= self.max_steps:
             return f"{elapsed}: training done, final held-out evaluation"
-        if not self.bus.get(protocol.eval_result("initial")):
+        if not initial_evaluation_ended(self.bus):
             return f"{elapsed}: starting the roles and the initial held-out evaluation"
         c = self.ledger.counts()
         return (f"{elapsed}: step {self.step_seen + 1}/{self.max_steps} collecting episodes: {c['in_flight']} prompts "

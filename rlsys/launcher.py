@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from rlsys import protocol, run_counters
+from rlsys import evaluations, protocol, run_counters
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.checkpoint import (CHECKPOINTS_DIR, identity, latest_checkpoint, read_trainer_state, restore_replaced,
                               saved_in_order)
@@ -22,6 +22,7 @@ from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
 from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, describe, settled_prompts
+from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE
 from rlsys.run_privacy import make_private, redact_url, write_private
 from rlsys.roles import run_role
 from rlsys.stall import StallWatch
@@ -81,7 +82,7 @@ def refuse_a_second_start(run_dir: Path, logging_dir: Path) -> None:
     """A fresh start (no resume_from_checkpoint) in a run directory an earlier run wrote to would append to its logs
     and leave both runs' checkpoints side by side: refused, naming the two ways on."""
     checkpoints = run_dir / CHECKPOINTS_DIR
-    earlier = [path for path in (records_file(logging_dir, LEARNER_RECORDS), run_dir / "summary.json") if path.exists()]
+    earlier = [path for path in (records_file(logging_dir, LEARNER_RECORDS), run_dir / SUMMARY_FILE) if path.exists()]
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         earlier.append(checkpoints)
     if earlier:
@@ -136,10 +137,10 @@ def begin_trial(config, requested, run_dir: Path, from_the_beginning: bool) -> N
         if config.model.path == copy:  # its own export (rlsys/assets.py, resumed_model_path)
             config.model.path = str(restored)
     if config.resume_from_checkpoint:
-        (run_dir / "summary.json").unlink(missing_ok=True)
+        (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
     elif from_the_beginning:
         take_back_earlier_start(config, run_dir)
-    save_config(requested, run_dir / "config.yaml")
+    save_config(requested, run_dir / CONFIG_FILE)
 
 
 @contextlib.contextmanager
@@ -213,7 +214,7 @@ def held_out_summary(bus, started_from: dict) -> dict:
     fresh run's first, before any step; a resumed run's, of its checkpoint's weights. Resumed, the "initial" figures
     are the run's first, which its checkpoints keep (from before they were kept: that evaluation at the resumed step,
     as before), and the one at the resumed step is `resumed` ({"step", "accuracy", "reward"})."""
-    start, final = (bus.get(protocol.eval_result(tag)) or {} for tag in ("initial", "final"))
+    start, final = (evaluations.result(bus, tag) or {} for tag in (evaluations.INITIAL, evaluations.FINAL))
     initial = (started_from.get("initial_eval") or start) if started_from else start
     figures = {
         # None where the run did not evaluate, or its episodes have no success to count (rlsys/workers/
@@ -342,7 +343,7 @@ def last_checkpoint_note(run_dir: Path) -> str:
     if latest is None:
         return "no checkpoint was saved"
     return (f"the newest checkpoint is {latest} (step {read_trainer_state(latest)['step']}); continue with "
-            f"--config {run_dir / 'config.yaml'} resume_from_checkpoint=auto")
+            f"--config {run_dir / CONFIG_FILE} resume_from_checkpoint=auto")
 
 
 @contextlib.contextmanager
@@ -459,7 +460,7 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
         bus.close()
     if not summary["prompts_accounted"]:
         log.error("the prompt accounting does not add up: %s", describe(prompts))
-    write_private(run_dir / "summary.json", json.dumps(summary, indent=2))
+    write_private(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
     finish_observability(config, run_dir)
     return summary
 

@@ -18,6 +18,7 @@ import yaml
 from rlsys.console import held_out, held_out_text
 from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file, rollout_records_files
 from rlsys.prompt_ledger import describe
+from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE
 from rlsys.run_privacy import write_private
 from rlsys.tracing import TRACES_DIR, read_traces
 
@@ -41,7 +42,7 @@ figure{display:inline-block;margin:.5em} img{border:1px solid #ccc;max-width:100
 
 def _run_paths(run_dir: Path) -> Path:
     """The run's metrics directory (config.yaml's logging_dir, else <run dir>/logs)."""
-    config_file = run_dir / "config.yaml"
+    config_file = run_dir / CONFIG_FILE
     if config_file.exists():
         logging_dir = (yaml.safe_load(config_file.read_text()) or {}).get("logging_dir")
         if logging_dir:
@@ -220,7 +221,8 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
     logs = _run_paths(run_dir)
     learner = _rows(records_file(logs, LEARNER_RECORDS))
     rollout = [r for path in rollout_records_files(logs) for r in _rows(path)]
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    summary_file = run_dir / SUMMARY_FILE
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     episodes = read_traces(run_dir)
     frames_dir = frames_dir or run_dir / "frames"
     frame_files = sorted(frames_dir.glob("*.png")) if frames_dir.exists() else []
@@ -243,7 +245,7 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
     body.append("</section><h2>Where the time went (learner)</h2>" + _table(_time_split(learner)))
     body.append("<h2>Prompt accounting</h2>")
     body.append(f"<p id='accounting'>{html.escape(describe(prompts))}</p>" if prompts
-                else "<p>no summary.json: the run did not finish</p>")
+                else f"<p>no {SUMMARY_FILE}: the run did not finish</p>")
     body.append("<h2>Correctness alarms</h2>" + _table(_alarm_rows(learner, summary)))
     trace_files = sorted((run_dir / TRACES_DIR).glob("*.jsonl")) if (run_dir / TRACES_DIR).exists() else []
     body.append(f"<h2>Traces</h2><p>{len(episodes)} episodes recorded: "
@@ -264,14 +266,14 @@ def main(argv: list[str]) -> int:
         print("usage: python3 -m rlsys.report RUN_DIR (runs/<experiment>/<trial>)", file=sys.stderr)
         return 2
     run_dir = Path(argv[0])
-    if not (run_dir / "config.yaml").is_file():  # every run writes it first: anything else is no run's directory
-        below = sorted(str(p.parent) for p in run_dir.glob("**/config.yaml"))[:5] if run_dir.is_dir() else []
-        why = "no config.yaml" if run_dir.is_dir() else "no such directory"
+    if not (run_dir / CONFIG_FILE).is_file():  # every run writes it first: anything else is no run's directory
+        below = sorted(str(p.parent) for p in run_dir.glob(f"**/{CONFIG_FILE}"))[:5] if run_dir.is_dir() else []
+        why = f"no {CONFIG_FILE}" if run_dir.is_dir() else "no such directory"
         print(f"error: {run_dir} is not a run directory ({why}); a run's is runs/<experiment>/<trial>"
               + (f", such as {', '.join(below)}" if below else ""), file=sys.stderr)
         return 2
     if not (logs := _run_paths(run_dir)).is_dir():  # else a report of 0 steps, with no word of why
-        print(f"error: {run_dir}'s metrics directory {logs} (config.yaml's logging_dir, else "
+        print(f"error: {run_dir}'s metrics directory {logs} ({CONFIG_FILE}'s logging_dir, else "
               "<run dir>/logs) does not exist; a relative logging_dir is read from the current directory",
               file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ run, naming the worker.
 import time
 
 from rlsys import protocol
+from rlsys.evaluations import initial_evaluation_ended
 from rlsys.prompt_ledger import ADMITTED, PromptLedger, describe
 from rlsys.errors import RoleFailed
 from rlsys.workers.inference_status import InferenceStatus
@@ -63,7 +64,7 @@ class StallWatch:
         if blocked := {i: seconds for i, seconds in silent.items()
                        if i in starting and seconds >= max(self.timeout, BEAT_LOST_AFTER)}:
             raise RunStalled(self.explain_blocked_start(blocked))
-        if (not bus.get(protocol.eval_result("initial")) or bus.get(protocol.LEARNER_DONE) is not None
+        if (not initial_evaluation_ended(bus) or bus.get(protocol.LEARNER_DONE) is not None
                 or not self.inference_serves(bus) or starting):
             self.state = None  # starting, (re)starting a role, or past the last step: the final evaluation is no stall
             return

@@ -29,7 +29,8 @@ LAYERS = [
      "what plugins are written against (agents, environments, tools, trajectories) and the registries they join"),
     ("parts", ["rlsys.algorithms", "rlsys.model", "rlsys.bus", "rlsys.tools", "rlsys.alarms", "rlsys.token_continuity",
                "rlsys.weight_checksum", "rlsys.checkpoint", "rlsys.distributed", "rlsys.metrics", "rlsys.prompt_ledger",
-               "rlsys.run_counters", "rlsys.tracing", "rlsys.frames", "rlsys.weight_versions"],
+               "rlsys.run_counters", "rlsys.tracing", "rlsys.frames", "rlsys.weight_versions",
+               "rlsys.evaluations", "rlsys.run_files"],
      "self-contained pieces (tensor math, the model, the bus, tools, records on disk) that know only the contracts"),
     ("engines", ["rlsys.engine", "rlsys.weight_transport", "rlsys.training_step", "rlsys.endpoint"],
      "generation, the OpenAI-compatible endpoint and the learning step, built from the parts"),
@@ -214,14 +215,17 @@ OWNERS = {
                      "rlsys.delivery"},  # the entries, which only the learner's inbox sets aside
     "CHECKPOINTS_DIR": {"rlsys.checkpoint"},  # the directory's name as a string, and step_N within it
     "METRICS_RECORDS": {"rlsys.metrics"},  # learner.jsonl and rollout<i>.jsonl spelled out
+    "EVAL_RESULTS": {"rlsys.evaluations"},  # protocol.eval_result's keys, written and read
+    "RUN_FILES": {"rlsys.run_files"},  # config.yaml and summary.json spelled out
 }
 METRICS_RECORDS = re.compile(r"(learner|rollout)\S*\.jsonl")
 
 
 def state_writes(tree: ast.AST) -> set[str]:
     """The protocol names (`protocol.X`, or X imported from it) that a call of a BUS_WRITES method takes as an
-    argument, and "CHECKPOINTS_DIR" or "METRICS_RECORDS" where the module spells the checkpoints directory's name or
-    a role's records file itself."""
+    argument, "CHECKPOINTS_DIR" or "METRICS_RECORDS" where the module spells the checkpoints directory's name or
+    a role's records file itself, "EVAL_RESULTS" where it names an evaluation's key (protocol.eval_result), and
+    "RUN_FILES" where it spells config.yaml or summary.json."""
     written = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUS_WRITES:
@@ -230,10 +234,15 @@ def state_writes(tree: ast.AST) -> set[str]:
                     written.add(arg.attr)
                 elif isinstance(arg, ast.Name) and arg.id.isupper():
                     written.add(arg.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "protocol" \
+                and node.attr == "eval_result":
+            written.add("EVAL_RESULTS")
         elif isinstance(node, ast.Constant) and node.value in ("checkpoints", "step_"):
             written.add("CHECKPOINTS_DIR")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and METRICS_RECORDS.fullmatch(node.value):
             written.add("METRICS_RECORDS")
+        elif isinstance(node, ast.Constant) and node.value in ("config.yaml", "summary.json"):
+            written.add("RUN_FILES")
     return written
 
 
@@ -249,8 +258,10 @@ def test_each_owned_piece_of_state_is_written_only_by_its_owner():
 def test_the_owner_check_sees_a_write():
     tree = ast.parse("bus.incr(protocol.WEIGHT_CHECKS)\nbus.change([Step.add(DEAD_LETTERS, 1)])\n"
                      "path = run_dir / 'checkpoints'\nbus.get(protocol.STOP)\n"
-                     "logs.glob('rollout*.jsonl')\n")
-    assert state_writes(tree) == {"WEIGHT_CHECKS", "DEAD_LETTERS", "CHECKPOINTS_DIR", "METRICS_RECORDS"}
+                     "logs.glob('rollout*.jsonl')\nbus.get(protocol.eval_result('initial'))\n"
+                     "save_config(config, run_dir / 'config.yaml')\n")
+    assert state_writes(tree) == {"WEIGHT_CHECKS", "DEAD_LETTERS", "CHECKPOINTS_DIR", "METRICS_RECORDS",
+                                  "EVAL_RESULTS", "RUN_FILES"}
 
 
 # Names in rlsys.protocol that are no key on the bus: the learners' consumer group (it lives in TRAJECTORIES' stream)
@@ -263,9 +274,9 @@ def unaccounted_keys(module) -> list[str]:
     nor leaves with a reason (KEPT_AT_A_START): a key a start forgets, which the next run finds as an earlier one
     left it. A key function counts as deleted where some key it makes (its argument any text) is."""
     cleared = module.cleared_at_a_start(2, 2, 2, fresh=True, keep_initial_eval=False)
-    missing = []
+    missing, not_keys = [], NOT_BUS_KEYS | module.KEPT_AT_A_START.keys() | {"cleared_at_a_start"}
     for name, value in vars(module).items():
-        if name.startswith("_") or name in NOT_BUS_KEYS or name in module.KEPT_AT_A_START or name == "cleared_at_a_start":
+        if name.startswith("_") or name in not_keys:
             continue
         if isinstance(value, str):
             found = value in cleared

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rlsys import protocol, run_counters, weight_transport
+from rlsys import evaluations, protocol, run_counters, weight_transport
 from rlsys.alarms import PROBE, LogprobCheck, check_logprob_mismatch
 from rlsys.algorithms.estimators import compared_rewards
 from rlsys.algorithms.ppo import AdaptiveKLController
@@ -272,7 +272,7 @@ class Learner(PolicyTrainer):
                          **(run_counters.held(self.bus) if self.ranks.main
                             else dict.fromkeys(run_counters.AT_THE_START)),
                          "initial_eval": self.initial_eval if self.resumed or not self.ranks.main
-                         else self.bus.get(protocol.eval_result("initial"))}
+                         else evaluations.result(self.bus, evaluations.INITIAL)}
         saved = save_checkpoint(checkpoint_directory(self.run_dir, self.step), self.ranks, self.sharded_state(),
                                 self.export, trainer_state)
         if self.ranks.main:  # which alone wrote the trainer state, and keeps the lineage it holds

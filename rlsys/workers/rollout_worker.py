@@ -9,7 +9,7 @@ import logging
 import time
 from pathlib import Path
 
-from rlsys import protocol
+from rlsys import evaluations, protocol
 from rlsys.api import (NOT_GENERATED, AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent,
                        make_env)
 from rlsys.bus.base import Step
@@ -78,18 +78,19 @@ class RolloutWorker:
             # the datasets are read meanwhile.
             await asyncio.gather(self.router.live_worker(), self.warm_up_environments(), self.read_datasets())
             gc.freeze()  # what the read built and imported (rows, HF datasets, pyarrow) lives as long as the role
-            if self.index == 0 and not await self._bus_get(protocol.eval_result("initial")):  # not a restart
+            # not a restart
+            if self.index == 0 and not await asyncio.to_thread(evaluations.initial_evaluation_ended, self.bus):
                 # resumed, the evaluation of the checkpoint's weights, at its step: logged as such; the summary's
                 # "initial" figures stay the run's first (the checkpoint keeps them)
                 resumed = bool(self.config.resume_from_checkpoint)
-                await self.evaluate("initial", "at the resumed step" if resumed else "initial")
+                await self.evaluate(evaluations.INITIAL, "at the resumed step" if resumed else "initial")
             starting.cancel()
             await self.train()
             self.metrics.log(await self.current_version(), {
                 "episodes/failed": sum(self.failures.values()),
                 **{f"episodes/failed/{reason}": n for reason, n in self.failures.items()}, **self.routing_metrics()})
             if self.index == 0 and await self.wait_for_final_weights():
-                await self.evaluate("final")
+                await self.evaluate(evaluations.FINAL)
         finally:
             for task in (starting, *routing):
                 task.cancel()
@@ -378,7 +379,7 @@ class RolloutWorker:
                 result.update(held_out_accuracy(score, [ts for ts in own if isinstance(ts, list)],
                                                 f"{name}/accuracy", sum(isinstance(ts, EpisodeFailed) for ts in own)))
         self.metrics.log(low, {f"eval/{k}": v for k, v in result.items()})
-        await asyncio.to_thread(self.bus.set, protocol.eval_result(tag), result)
+        await asyncio.to_thread(evaluations.record, self.bus, tag, result)
         versions = f"version {low}" if high == low else f"versions {low}-{high}"
         if "accuracy" in result:
             log.info("held-out accuracy %s (%s): %.1f%% of %d", label or tag, versions, 100 * result["accuracy"],
