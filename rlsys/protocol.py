@@ -65,8 +65,8 @@ def rollout_position(rollout_worker: int) -> str:
 
 
 def rollout_running(rollout_worker: int) -> str:
-    """Key: {"running": how many episodes (training and evaluation) a rollout worker's tasks are running now,
-    "beat": a value new at each publication (every ROLLOUT_BEAT_INTERVAL s), and "starting": true until it trains}."""
+    """Key: how many episodes a rollout worker's tasks are running now, with its beat
+    (rlsys.api.messages.RolloutRunning, published every ROLLOUT_BEAT_INTERVAL s)."""
     return f"rollout:{rollout_worker}:running"
 
 

@@ -23,6 +23,8 @@ run, naming the worker.
 import time
 
 from rlsys import protocol
+from rlsys.api.messages import InvalidMessage, RolloutRunning, parse_rollout_running
+from rlsys.bus.dead_letters import set_aside
 from rlsys.evaluations import initial_evaluation_ended
 from rlsys.prompt_ledger import ADMITTED, PromptLedger, describe
 from rlsys.errors import RoleFailed
@@ -58,9 +60,9 @@ class StallWatch:
         # None where a rollout worker has not said yet: it is starting (the launcher deletes the count of one that
         # died, and every count when the roles start again after the learner's death, while the initial evaluation,
         # which tells a start from the rest, is kept)
-        published = [bus.get(protocol.rollout_running(i)) for i in range(self.n_rollout_workers)]
+        published = [self.running_of(bus, i) for i in range(self.n_rollout_workers)]
         silent = self.silent_for(published, now)
-        starting = {i for i, p in enumerate(published) if p is None or p.get("starting")}
+        starting = {i for i, p in enumerate(published) if p is None or p.starting}
         if blocked := {i: seconds for i, seconds in silent.items()
                        if i in starting and seconds >= max(self.timeout, BEAT_LOST_AFTER)}:
             raise RunStalled(self.explain_blocked_start(blocked))
@@ -73,8 +75,8 @@ class StallWatch:
         version = weights.get("version") if isinstance(weights, dict) else None
         delivered = bus.stream_length(protocol.TRAJECTORIES)  # one entry a prompt, until the learner trains it
         # a count a blocked loop left behind: its episodes will never end (they are named below, not lost)
-        blocked = {i: (published[i]["running"], seconds) for i, seconds in silent.items() if seconds >= BEAT_LOST_AFTER}
-        running = sum(p["running"] for i, p in enumerate(published) if i not in blocked)
+        blocked = {i: (published[i].running, seconds) for i, seconds in silent.items() if seconds >= BEAT_LOST_AFTER}
+        running = sum(p.running for i, p in enumerate(published) if i not in blocked)
         # A learner that holds a batch's worth is training it (a step of a large model on a CPU takes minutes).
         moving = running > 0 or delivered >= self.ledger.batch_size
         state = (counts[ADMITTED], version, delivered)
@@ -88,13 +90,27 @@ class StallWatch:
             raise RunStalled(self.explain(counts, version, self.ledger.slots_taken(), delivered, lost, behind)
                              + self.explain_blocked(blocked))
 
-    def silent_for(self, published: list, now: float) -> dict[int, float]:
+    @staticmethod
+    def running_of(bus, index: int) -> RolloutRunning | None:
+        """What rollout worker `index` published last; None if nothing, or something malformed (set aside with its
+        reason, and deleted: the worker's next beat writes a good one)."""
+        key = protocol.rollout_running(index)
+        if (message := bus.get(key)) is None:
+            return None
+        try:
+            return parse_rollout_running(message)
+        except InvalidMessage as e:
+            set_aside(bus, key, str(e), message)
+            bus.delete(key)
+            return None
+
+    def silent_for(self, published: list[RolloutRunning | None], now: float) -> dict[int, float]:
         """{rollout worker: seconds since its beat last changed} of each that published one."""
         for index, value in enumerate(published):
             if value is None:
                 self.beats.pop(index, None)
-            elif self.beats.get(index, (None,))[0] != value["beat"]:
-                self.beats[index] = (value["beat"], now)
+            elif self.beats.get(index, (None,))[0] != value.beat:
+                self.beats[index] = (value.beat, now)
         return {index: now - seen for index, (_, seen) in self.beats.items()}
 
     @staticmethod

@@ -14,7 +14,7 @@ from rlsys.bus import InProcessBus
 from rlsys.cli import parse_config
 from rlsys.launcher import initialize_bus_state, launch
 from rlsys.prompt_ledger import PromptLedger
-from rlsys.api.messages import WorkerStatus
+from rlsys.api.messages import RolloutRunning, WorkerStatus
 from rlsys.stall import RunStalled, StallWatch
 from rlsys.supervisor import Supervisor
 from rlsys.errors import RoleFailed
@@ -26,8 +26,7 @@ from tests.test_training_loop import run_bus
 def publish_running(bus, index: int, episodes: int, starting: bool = False) -> None:
     """What a rollout worker publishes once a second: its count of running episodes, with a new beat, and from its
     start until it trains, that it is starting."""
-    bus.set(protocol.rollout_running(index), {"running": episodes, "beat": time.time() + next(BEATS),
-                                              **({"starting": True} if starting else {})})
+    bus.set(protocol.rollout_running(index), RolloutRunning(episodes, time.time() + next(BEATS), starting).to_message())
 
 
 BEATS = itertools.count()
@@ -232,6 +231,30 @@ def test_a_rollout_worker_restarted_after_the_learner_s_death_or_its_own_is_star
     watch.check(bus)
     clock.now += 60
     with pytest.raises(RunStalled):
+        watch.check(bus)
+
+
+def test_a_malformed_running_count_is_set_aside_and_the_watch_goes_on():
+    """The watch read a rollout worker's count as a dict it trusted: one whose "running" was no number (another
+    program on the bus) raised a TypeError out of the launcher's watch. It is set aside with its reason, and the
+    worker taken for one starting until its next beat publishes a good count."""
+    config = AsyncPPOMATHConfig()
+    config.cluster.stall_timeout = 60
+    bus, clock = InProcessBus(), Clock()
+    watch = StallWatch(config, PromptLedger.of(bus, config), clock)
+    bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
+    InferenceStatus(bus, 0).publish(WorkerStatus(epoch=1, beat=1, version=0, load=0))
+    bus.set(protocol.rollout_running(0), {"running": "two", "beat": 1.0})
+    watch.check(bus)
+    (letter,) = [e.decode(protocol.DEAD_MESSAGES) for e in bus.stream_range(protocol.DEAD_MESSAGES, 10)]
+    assert letter["source"] == protocol.rollout_running(0) and "running must be an integer" in letter["reason"]
+    assert bus.get(protocol.rollout_running(0)) is None
+    clock.now += 1000
+    watch.check(bus)  # starting: no stall
+    publish_running(bus, 0, 0)
+    watch.check(bus)
+    clock.now += 60
+    with pytest.raises(RunStalled, match="none admitted"):
         watch.check(bus)
 
 

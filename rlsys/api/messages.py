@@ -266,7 +266,7 @@ def parse_reply(message) -> GenerationReply | GenerationRefusal:
     return parse_generation_reply(message)
 
 
-# ---- inference worker status (its heartbeat) and published weights
+# ---- inference and rollout workers' status (their heartbeats) and published weights
 
 @dataclasses.dataclass(frozen=True)
 class WorkerStatus:
@@ -281,6 +281,26 @@ class WorkerStatus:
 
     def to_message(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutRunning:
+    """What a rollout worker publishes once a protocol.ROLLOUT_BEAT_INTERVAL for the stall watch (rlsys/stall.py): how
+    many episodes (training and evaluation) its tasks run now, a beat new at each publication (so a count a blocked
+    event loop left behind is told from one it keeps publishing), and whether it is still starting (until it trains)."""
+
+    running: int
+    beat: float
+    starting: bool = False
+
+    def to_message(self) -> dict:
+        return {"running": self.running, "beat": self.beat, **({"starting": True} if self.starting else {})}
+
+
+def parse_rollout_running(message) -> RolloutRunning:
+    d = fields(message, "rollout worker's running count", {"running", "beat"}, {"starting"})
+    return RolloutRunning(integer(d["running"], "running"), number(d["beat"], "beat"),
+                          boolean(d.get("starting", False), "starting"))
 
 
 WEIGHT_DTYPES = {"float32", "bfloat16", "float16"}  # what an engine may hold the weights in

@@ -12,6 +12,7 @@ from pathlib import Path
 from rlsys import evaluations, protocol
 from rlsys.api import (NOT_GENERATED, AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent,
                        make_env)
+from rlsys.api.messages import RolloutRunning
 from rlsys.bus.base import Step
 from rlsys.cancellation import cancel_and_wait
 from rlsys.data.dataset import load_rows, rows_fingerprint
@@ -201,8 +202,8 @@ class RolloutWorker:
         if now - self.published_running >= protocol.ROLLOUT_BEAT_INTERVAL:
             self.published_running = now
             # the wall clock: a beat that differs from the last one (and a restarted worker's from its predecessor's)
-            running = {"running": len(self.running), "beat": time.time(), **({"starting": True} if starting else {})}
-            await asyncio.to_thread(self.bus.set, protocol.rollout_running(self.index), running)
+            running = RolloutRunning(len(self.running), time.time(), starting)
+            await asyncio.to_thread(self.bus.set, protocol.rollout_running(self.index), running.to_message())
 
     async def beat_while_starting(self) -> None:
         """The beat from run()'s start until it trains: environments' warm-up and worker 0's first evaluation."""
