@@ -202,16 +202,23 @@ class Exited:
         self.name, self.exitcode, self.exit_reason = name, -9, "was killed by SIGKILL"
 
 
-def test_a_rollout_worker_restarted_after_the_learner_s_death_or_its_own_is_starting_not_stalled():
-    """After the learner died every role starts again with the initial evaluation kept, and a rollout worker that dies
-    is restarted alone: while its successor's environments warmed up (a reward model loading), no episode ran and
-    nothing was admitted, and the watch stopped the run as stalled after 120 s of a start."""
+def past_its_start(version: int):
+    """(config, bus, clock, watch with a 60 s timeout) of a run past its initial evaluation, its inference worker
+    serving `version`."""
     config = AsyncPPOMATHConfig()
     config.cluster.stall_timeout = 60
     bus, clock = InProcessBus(), Clock()
     watch = StallWatch(config, PromptLedger.of(bus, config), clock)
     bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
-    InferenceStatus(bus, 0).publish(WorkerStatus(epoch=1, beat=1, version=3, load=0))
+    InferenceStatus(bus, 0).publish(WorkerStatus(epoch=1, beat=1, version=version, load=0))
+    return config, bus, clock, watch
+
+
+def test_a_rollout_worker_restarted_after_the_learner_s_death_or_its_own_is_starting_not_stalled():
+    """After the learner died every role starts again with the initial evaluation kept, and a rollout worker that dies
+    is restarted alone: while its successor's environments warmed up (a reward model loading), no episode ran and
+    nothing was admitted, and the watch stopped the run as stalled after 120 s of a start."""
+    config, bus, clock, watch = past_its_start(version=3)
     bus.set(protocol.WEIGHTS, {"version": 3, "path": "/w"})
     initialize_bus_state(bus, config, {}, keep_initial_eval=True)  # the roles' start again: their counts are gone
     InferenceStatus(bus, 0).publish(WorkerStatus(epoch=2, beat=1, version=3, load=0))
@@ -238,12 +245,7 @@ def test_a_malformed_running_count_is_set_aside_and_the_watch_goes_on():
     """The watch read a rollout worker's count as a dict it trusted: one whose "running" was no number (another
     program on the bus) raised a TypeError out of the launcher's watch. It is set aside with its reason, and the
     worker taken for one starting until its next beat publishes a good count."""
-    config = AsyncPPOMATHConfig()
-    config.cluster.stall_timeout = 60
-    bus, clock = InProcessBus(), Clock()
-    watch = StallWatch(config, PromptLedger.of(bus, config), clock)
-    bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
-    InferenceStatus(bus, 0).publish(WorkerStatus(epoch=1, beat=1, version=0, load=0))
+    _, bus, clock, watch = past_its_start(version=0)
     bus.set(protocol.rollout_running(0), {"running": "two", "beat": 1.0})
     watch.check(bus)
     (letter,) = [e.decode(protocol.DEAD_MESSAGES) for e in bus.stream_range(protocol.DEAD_MESSAGES, 10)]
