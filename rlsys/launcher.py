@@ -3,6 +3,8 @@ watch them, summarise, and always clean up."""
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -291,7 +293,40 @@ def check_plugins(config) -> None:
         try:
             getattr(cls, "check_args", lambda **_: None)(**abstraction.args)
         except ValueError as e:
-            raise StartupError(f"environment {abstraction.name!r}: {first_line(e)}") from None
+            set_by = "".join(f" (the run sets its {arg} from {key})"
+                             for arg, key in settings_behind(config, abstraction.name).items())
+            raise StartupError(f"environment {abstraction.name!r}: {first_line(e)}{set_by}") from None
+
+
+def settings_behind(config, env_name: str) -> dict[str, str]:
+    """{argument of the environment `env_name`: the setting it takes its value from}, for string settings. An
+    experiment hands its own settings to an environment under the environment's names (reward_model_path as
+    model_path): an error in those names alone sends the user looking for a key they never set. Found by giving each
+    setting a value of its own, in a copy of the config, and seeing which argument takes it."""
+    from rlsys.workers.env_per_row import run_environments
+
+    found = {}
+    for key in string_settings(config):
+        probe, marker = copy.deepcopy(config), f"<{key}>"
+        *parents, name = key.split(".")
+        setattr(functools.reduce(getattr, parents, probe), name, marker)
+        with contextlib.suppress(Exception):  # an experiment's property that cannot take the marker feeds nothing
+            for abstraction in run_environments(probe):
+                if abstraction.name == env_name:
+                    found.update({arg: key for arg, value in abstraction.args.items() if value == marker})
+    return found
+
+
+def string_settings(config, prefix: str = "") -> list[str]:
+    """The dotted keys of `config`'s string settings, those of its nested sections included."""
+    keys = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, str):
+            keys.append(prefix + field.name)
+        elif dataclasses.is_dataclass(value):
+            keys.extend(string_settings(value, f"{prefix}{field.name}."))
+    return keys
 
 
 def check_same_dataset(config, trainer_state: dict) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -233,12 +234,14 @@ def test_an_agent_or_environment_that_refuses_its_arguments_stops_the_run_at_sta
         launch(run_config(tmp_path, "experiment=async-ppo-openai-agent", "agent_function=nonexistent:run", *given))
     with pytest.raises(StartupError, match="environment 'math-code-single-step'.*cannot take args.*verify_timeout"):
         launch(run_config(tmp_path, "experiment=misspelled-env-args", *given))
-    # values the environment's check_args refuses, without loading its model: before, every episode failed on them
-    with pytest.raises(StartupError, match="environment 'reward-model': reward-model needs model_path"):
+    # values the environment's check_args refuses, without loading its model: before, every episode failed on them.
+    # The environment names its own argument (model_path); the error names the setting the user gave too.
+    set_by = re.escape("(the run sets its model_path from reward_model_path)")
+    with pytest.raises(StartupError, match="environment 'reward-model': reward-model needs model_path.*" + set_by):
         launch(run_config(tmp_path, "experiment=bad-input-reward-model", *given))
-    with pytest.raises(StartupError, match="model_path '/nonexistent/rm' does not exist"):
+    with pytest.raises(StartupError, match="model_path '/nonexistent/rm' does not exist.*" + set_by):
         launch(run_config(tmp_path, "experiment=bad-input-reward-model", "reward_model_path=/nonexistent/rm", *given))
-    with pytest.raises(StartupError, match="is not an HF checkpoint directory"):
+    with pytest.raises(StartupError, match="is not an HF checkpoint directory.*" + set_by):
         launch(run_config(tmp_path, "experiment=bad-input-reward-model", f"reward_model_path={tmp_path}", *given))
     assert left_behind(tmp_path, existing) == []
 
