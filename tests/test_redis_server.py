@@ -168,6 +168,32 @@ def test_a_port_taken_on_the_address_it_listens_on_is_named_with_that_address(tm
         squatter.close()
 
 
+def test_a_failed_start_removes_the_directory_it_made_and_keeps_one_it_found(tmp_path):
+    """A start that failed left the directory it made in the run directory: a config holding the password of a
+    server that never ran, and a log whose tail the error quotes. A directory that was there holds an earlier
+    server's data, which a continued run reads: kept."""
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    try:
+        with pytest.raises(EmbeddedRedisError, match=f"cluster.redis_port {taken} is in use"):
+            EmbeddedRedis(tmp_path / "redis", taken).start()
+        assert not (tmp_path / "redis").exists()
+        with EmbeddedRedis(tmp_path / "earlier") as server:
+            bus = connect(server.url)
+            bus.set("admitted", 42)
+            bus.close()
+        with pytest.raises(EmbeddedRedisError, match=f"cluster.redis_port {taken} is in use"):
+            EmbeddedRedis(tmp_path / "earlier", taken).start()
+    finally:
+        squatter.close()
+    with EmbeddedRedis(tmp_path / "earlier") as server:
+        bus = connect(server.url)
+        assert bus.get("admitted") == 42
+        bus.close()
+
+
 def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(redis_server_module.shutil, "which", lambda name: None)
     with pytest.raises(EmbeddedRedisError, match="apt-get install redis-server"):

@@ -156,18 +156,26 @@ class EmbeddedRedis:
         if self.process is not None:
             return self
         binary = find_redis_server()
+        made = not self.run_dir.exists()
         make_private(self.run_dir)  # the AOF of an older server here may be world-readable
         self.password = secrets.token_hex(24)
-        for _ in range(PORT_ATTEMPTS if not self.requested_port else 1):
-            self.port = self.requested_port or free_port(self.host)
-            if self._launch(binary):
-                self._owner = os.getpid()
-                atexit.register(self.stop)
-                return self
-        if self.requested_port:
-            raise _port_in_use(self.port, self.host)
-        raise EmbeddedRedisError(f"redis-server found no free port in {PORT_ATTEMPTS} attempts; "
-                                 f"log tail:\n{self._log_tail()}")
+        try:
+            for _ in range(PORT_ATTEMPTS if not self.requested_port else 1):
+                self.port = self.requested_port or free_port(self.host)
+                if self._launch(binary):
+                    self._owner = os.getpid()
+                    atexit.register(self.stop)
+                    return self
+            if self.requested_port:
+                raise _port_in_use(self.port, self.host)
+            raise EmbeddedRedisError(f"redis-server found no free port in {PORT_ATTEMPTS} attempts; "
+                                     f"log tail:\n{self._log_tail()}")
+        except BaseException:
+            # A directory this start made holds only its config (the password of a server that never ran) and its
+            # log, whose tail the error quotes: it goes. One that was there keeps an earlier server's data.
+            if made:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
 
     def exited(self) -> bool:
         """Whether a started server has died (killed, crashed, shut down by someone else)."""
