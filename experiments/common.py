@@ -53,7 +53,8 @@ TINY_MODEL_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "
 @dataclass
 class ModelConfig:
     path: str = ""
-    """HF checkpoint directory of the policy; empty builds (or reuses) the tiny default model."""
+    """HF checkpoint directory of the policy; empty builds (or reuses) the tiny default model, warm-started on the
+    dataset's rows."""
     hidden_size: int = 256
     """Tiny default model: hidden size."""
     num_layers: int = 4
@@ -92,7 +93,8 @@ class ModelConfig:
 @dataclass
 class DatasetConfig:
     path: str = ""
-    """Training prompts: JSONL, JSON, Parquet or a save_to_disk directory; empty generates the experiment's set."""
+    """Training prompts: JSONL, JSON, Parquet or a save_to_disk directory; empty generates the experiment's set. Without
+    model.path, the tiny model is warm-started on these rows' answers (docs/data.md, 'Your rows, no model')."""
     eval_path: str = ""
     """Held-out prompts, in any format `path` takes; empty uses the generated held-out split."""
     num_train: int = 7600

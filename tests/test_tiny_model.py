@@ -295,3 +295,33 @@ def test_the_warm_start_s_time_is_returned_to_be_reported_apart_from_the_run_s(t
     assert assets.prepare_assets(parse_config([f"model.cache_dir={tmp_path}"]), log=lambda *_: None) == 0.0  # cached
     assert assets.prepare_assets(parse_config([f"model.cache_dir={tmp_path}", f"model.path={config.model.path}"]),
                                  log=lambda *_: None) == 0.0  # a model given
+
+
+def test_a_dataset_given_without_a_model_warm_starts_the_tiny_model_on_its_rows(tmp_path, monkeypatch):
+    """docs/data.md: with dataset.path and no model.path, the tiny default model is taught the training rows' answers
+    and its warm start stops on the held-out rows' (dataset.eval_path); with model.path there is no warm start."""
+    from rlsys import assets
+    from rlsys.data.dataset import write_jsonl
+    from rlsys.model import tiny
+
+    taught = []
+
+    def build(cfg, seed, examples, directory, *args, **kwargs):  # what the warm start would be taught and checked on
+        taught.append(examples(build_char_tokenizer()))
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text("{}")
+
+    monkeypatch.setattr(tiny, "prepare_tiny_model", build)
+    train = write_jsonl([{"prompt": "7+8=", "answer": "15"}, {"prompt": "9+9=", "answer": "18"}], tmp_path / "t.jsonl")
+    held_out = write_jsonl([{"prompt": "6+1=", "answer": "7"}], tmp_path / "e.jsonl")
+    given = [f"model.cache_dir={tmp_path}", f"dataset.path={train}", f"dataset.eval_path={held_out}"]
+    config = parse_config(given)
+    assets.prepare_assets(config, log=lambda *_: None)
+    ((sequences, checks),) = taught
+    tokenizer = build_char_tokenizer()
+    assert [tokenizer.decode([t for t, on in zip(s.token_ids, s.taught) if on]) for s in sequences] == \
+        ["15<|end|>", "18<|end|>"]
+    assert [check.accepted for check in checks] == [("7",)]
+    assert config.model.path.startswith(str(tmp_path))  # the run trains that model
+    assets.prepare_assets(parse_config([*given, f"model.path={config.model.path}"]), log=lambda *_: None)
+    assert len(taught) == 1
