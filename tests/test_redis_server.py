@@ -1,5 +1,6 @@
 """EmbeddedRedis: locked down, durable, and gone (process exited, port closed) on every way its owner ends."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -139,55 +140,45 @@ def test_data_survives_restart_on_same_run_dir(tmp_path):
         bus.close()
 
 
+@contextlib.contextmanager
+def taken_port(host: str = "127.0.0.1"):
+    """A port on `host` that a socket listens on while the block runs."""
+    with socket.socket() as squatter:
+        squatter.bind((host, 0))
+        squatter.listen()
+        yield squatter.getsockname()[1]
+
+
 def test_retries_when_the_chosen_port_is_taken(tmp_path, monkeypatch):
-    squatter = socket.socket()
-    squatter.bind(("127.0.0.1", 0))
-    squatter.listen()
-    taken = squatter.getsockname()[1]
-    ports = iter([taken, redis_server_module.free_port()])
-    monkeypatch.setattr(redis_server_module, "free_port", lambda host="127.0.0.1": next(ports))
-    try:
+    with taken_port() as taken:
+        ports = iter([taken, redis_server_module.free_port()])
+        monkeypatch.setattr(redis_server_module, "free_port", lambda host="127.0.0.1": next(ports))
         with EmbeddedRedis(tmp_path) as server:
             assert server.port != taken
             assert connect(server.url).get("x", default=1) == 1
-    finally:
-        squatter.close()
 
 
 def test_a_port_taken_on_the_address_it_listens_on_is_named_with_that_address(tmp_path):
     """A head node's server listens on the node's address, not loopback: the refusal named 127.0.0.1, where the port
     was free, sending the user to look in the wrong place."""
-    squatter = socket.socket()
-    squatter.bind(("127.0.0.2", 0))
-    squatter.listen()
-    taken = squatter.getsockname()[1]
-    try:
+    with taken_port("127.0.0.2") as taken:
         with pytest.raises(EmbeddedRedisError, match=rf"cluster.redis_port {taken} is in use on 127.0.0.2;"):
             EmbeddedRedis(tmp_path, taken, host="127.0.0.2").start()
-    finally:
-        squatter.close()
 
 
 def test_a_failed_start_removes_the_directory_it_made_and_keeps_one_it_found(tmp_path):
     """A start that failed left the directory it made in the run directory: a config holding the password of a
     server that never ran, and a log whose tail the error quotes. A directory that was there holds an earlier
     server's data, which a continued run reads: kept."""
-    squatter = socket.socket()
-    squatter.bind(("127.0.0.1", 0))
-    squatter.listen()
-    taken = squatter.getsockname()[1]
-    try:
-        with pytest.raises(EmbeddedRedisError, match=f"cluster.redis_port {taken} is in use"):
-            EmbeddedRedis(tmp_path / "redis", taken).start()
-        assert not (tmp_path / "redis").exists()
-        with EmbeddedRedis(tmp_path / "earlier") as server:
-            bus = connect(server.url)
-            bus.set("admitted", 42)
-            bus.close()
-        with pytest.raises(EmbeddedRedisError, match=f"cluster.redis_port {taken} is in use"):
-            EmbeddedRedis(tmp_path / "earlier", taken).start()
-    finally:
-        squatter.close()
+    with EmbeddedRedis(tmp_path / "earlier") as server:
+        bus = connect(server.url)
+        bus.set("admitted", 42)
+        bus.close()
+    with taken_port() as taken:
+        for directory in ("redis", "earlier"):
+            with pytest.raises(EmbeddedRedisError, match=f"cluster.redis_port {taken} is in use"):
+                EmbeddedRedis(tmp_path / directory, taken).start()
+    assert not (tmp_path / "redis").exists()
     with EmbeddedRedis(tmp_path / "earlier") as server:
         bus = connect(server.url)
         assert bus.get("admitted") == 42
