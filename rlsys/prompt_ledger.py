@@ -20,6 +20,11 @@ waiting in the stream or in the learner's unfinished batch) is counted as filter
 the set's size rather than by subtraction: admitted == trained + filtered + failed is then a check that can fail.
 A checkpoint names the prompts in flight when it was saved: a run resumed from it admits them again without
 counting them again, and counts those it ends before reaching (a resume at max_steps reaches none) as run_ended.
+
+The close. The learner closes the ledger before its final save (at max_steps, or told to stop): from then on
+nothing is admitted and no outcome is recorded, so the final checkpoint's books are the run's, and its summary's
+(where the prompts that checkpoint holds in flight end as run_ended). Otherwise the rollout workers, which admit
+until they see the learner done, after that save, counted prompts in the summary that the checkpoint did not.
 """
 
 import collections
@@ -33,7 +38,11 @@ _FAILED = "prompts:failed_ids"  # set: "reason id" of each failed prompt, so a c
 _FAILED_UNNAMED = "prompts:failed_unnamed"  # {reason: n}: failures a checkpoint from before _FAILED counted unnamed
 _SETTLED_BEFORE = "prompts:settled_before"  # set: what the checkpoint the run (re)started from had settled
 _CARRIED = "prompts:carried"  # set: in flight at that checkpoint, counted admitted there, not admitted again yet
+_CLOSED = "prompts:closed"  # counter: 1 once the learner closed the books for its final save (`close`)
 _RESTORE_CHUNK = 500  # set members restored per atomic step: one script call stays small
+
+
+_OPEN = Step.at_most(_CLOSED, 0)  # the guard of every admission and outcome: the ledger is not closed
 
 
 def _outcome_key(outcome: str) -> str:
@@ -42,7 +51,7 @@ def _outcome_key(outcome: str) -> str:
 
 
 ADMITTED, TRAINED = "admitted", "trained"
-GATE_FULL, IN_FLIGHT = "gate_full", "in_flight"  # why `PromptLedger.admit` did not admit a prompt
+GATE_FULL, IN_FLIGHT, CLOSED = "gate_full", "in_flight", "closed"  # why `PromptLedger.admit` did not admit a prompt
 FILTER_REASONS = {
     "uniform_reward": "every sample of the group got the same reward (ppo.filter_uniform_groups)",
     "run_ended": "still in flight, or delivered but not yet trained, when the run ended",
@@ -92,7 +101,8 @@ class PromptLedger:
         self.hold_slots(version * self.batch_size)
         snapshot = snapshot or {}
         outcomes = [ADMITTED, TRAINED, *map(filtered, FILTER_REASONS), *map(failed, FAILURE_REASONS)]
-        self.bus.delete(_IN_FLIGHT, _CARRIED, _FAILED, _FAILED_UNNAMED, _SETTLED_BEFORE, *map(_outcome_key, outcomes))
+        self.bus.delete(_IN_FLIGHT, _CARRIED, _CLOSED, _FAILED, _FAILED_UNNAMED, _SETTLED_BEFORE,
+                        *map(_outcome_key, outcomes))
         self._add_all(_SETTLED_BEFORE, list(settled))
         self._add_all(_CARRIED, snapshot.get("in_flight_prompts", []))
         named = snapshot.get("failed_prompts", {})
@@ -129,6 +139,15 @@ class PromptLedger:
         c["failed_prompts"], c["in_flight_prompts"] = named, carried
         return c
 
+    def close(self) -> None:
+        """The books closed for the learner's final save: nothing is admitted and no outcome recorded after it, so
+        that save's snapshot is the run's last word. A prompt whose episode ends meanwhile stays in flight, and ends
+        as run_ended. A restarted run's `start` opens them again."""
+        self.bus.set(_CLOSED, 1)
+
+    def closed(self) -> bool:
+        return bool(self.bus.get(_CLOSED))
+
     def end_run(self) -> dict:
         """After every role stopped: what is still in flight ends as filtered(run_ended); returns the final counts."""
         unfinished = self.bus.set_size(_IN_FLIGHT) + self.bus.set_size(_CARRIED)
@@ -158,40 +177,47 @@ class PromptLedger:
 
     def admit(self, prompt_id: str, served_version: int, also: tuple[Step, ...] = ()) -> str:
         """ADMITTED: `prompt_id` took a slot of the gate and is counted as admitted and in flight. GATE_FULL (`capacity(
-        served_version)` slots are taken) or IN_FLIGHT (admitted already, and its outcome not recorded): nothing
-        changed. In one atomic step with the caller's own writes `also` (Bus.change), so a caller that dies cannot
-        leave a slot taken by no prompt, or a prompt in flight that it did not record. A carried prompt (`start`)
-        is counted admitted already: it only moves into the in-flight set."""
+        served_version)` slots are taken), IN_FLIGHT (admitted already, and its outcome not recorded) or CLOSED (the
+        ledger is, `close`): nothing changed. In one atomic step with the caller's own writes `also` (Bus.change),
+        so a caller that dies cannot leave a slot taken by no prompt, or a prompt in flight that it did not record. A
+        carried prompt (`start`) is counted admitted already: it only moves into the in-flight set."""
         admission = [Step.at_most(_GATE_SLOTS, self.capacity(served_version)), Step.absent(_IN_FLIGHT, prompt_id),
                      Step.incr(_GATE_SLOTS), Step.add(_IN_FLIGHT, prompt_id)]
         # A carried prompt is rare (a resume's, once each): the common admission goes first, one round trip
-        unmet = self.bus.change([Step.absent(_CARRIED, prompt_id), *admission, Step.incr(_outcome_key(ADMITTED)),
-                                 *also])
+        unmet = self.bus.change([_OPEN, Step.absent(_CARRIED, prompt_id), *admission,
+                                 Step.incr(_outcome_key(ADMITTED)), *also])
         if unmet is not None and unmet.key == _CARRIED:
-            unmet = self.bus.change([Step.present(_CARRIED, prompt_id), *admission, Step.remove(_CARRIED, prompt_id),
-                                     *also])
-        return ADMITTED if unmet is None else GATE_FULL if unmet.key == _GATE_SLOTS else IN_FLIGHT
+            unmet = self.bus.change([_OPEN, Step.present(_CARRIED, prompt_id), *admission,
+                                     Step.remove(_CARRIED, prompt_id), *also])
+        return (ADMITTED if unmet is None else CLOSED if unmet.key == _CLOSED else GATE_FULL
+                if unmet.key == _GATE_SLOTS else IN_FLIGHT)
 
     def trained(self, prompt_id: str) -> bool:
         """Records that the prompt was trained; False, and nothing counted, if it is not in flight (never
-        admitted, or settled already)."""
+        admitted, or settled already) or the ledger is closed."""
         return self._settle(prompt_id, TRAINED, ())
 
     def untrained(self, prompt_id: str, outcome: str, also: tuple[Step, ...] = ()) -> bool:
         """Records an outcome other than trained (filtered(reason) or failed(reason)) and gives the prompt's slot
         back, with the caller's writes `also` in the same atomic step; False, and nothing changed, if the prompt is
-        not in flight. So of several callers exactly one records it and gives its slot back."""
+        not in flight or the ledger is closed. So of several callers exactly one records it and gives its slot
+        back."""
         if outcome.startswith("failed:"):
             also = (Step.add(_FAILED, f"{outcome.removeprefix('failed:')} {prompt_id}"), *also)
         return self._settle(prompt_id, outcome, (Step.incr(_GATE_SLOTS, -1), *also))
 
     def _settle(self, prompt_id: str, outcome: str, also: tuple[Step, ...]) -> bool:
-        return self.bus.change([Step.present(_IN_FLIGHT, prompt_id), Step.remove(_IN_FLIGHT, prompt_id),
+        return self.bus.change([_OPEN, Step.present(_IN_FLIGHT, prompt_id), Step.remove(_IN_FLIGHT, prompt_id),
                                 Step.incr(_outcome_key(outcome)), *also]) is None
 
     def settled_before(self) -> set[str]:
         """The prompts the checkpoint the run (re)started from had trained, filtered or failed (`start`)."""
         return set(self.bus.set_members(_SETTLED_BEFORE))
+
+    def carried(self) -> int:
+        """How many of the prompts in flight were so at the checkpoint the run resumed from, and are not admitted
+        again yet: no episode runs them (`start`)."""
+        return self.bus.set_size(_CARRIED)
 
     def in_flight(self) -> list[str]:
         """The ids of the admitted prompts whose outcome is not recorded yet."""

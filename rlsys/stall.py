@@ -67,8 +67,9 @@ class StallWatch:
                        if i in starting and seconds >= max(self.timeout, BEAT_LOST_AFTER)}:
             raise RunStalled(self.explain_blocked_start(blocked))
         if (not initial_evaluation_ended(bus) or bus.get(protocol.LEARNER_DONE) is not None
-                or not self.inference_serves(bus) or starting):
-            self.state = None  # starting, (re)starting a role, or past the last step: the final evaluation is no stall
+                or self.ledger.closed() or not self.inference_serves(bus) or starting):
+            # starting, (re)starting a role, or past the last step: the final save and evaluation are no stall
+            self.state = None
             return
         counts = self.ledger.counts()
         weights = bus.get(protocol.WEIGHTS)
@@ -84,10 +85,11 @@ class StallWatch:
             self.state, self.since = (None if moving else state), now
             return
         if now - self.since >= self.timeout:
-            lost = counts["in_flight"] - delivered - sum(n for n, _ in blocked.values())
+            carried = self.ledger.carried()  # in flight, run by no episode until admitted again: not lost
+            lost = counts["in_flight"] - carried - delivered - sum(n for n, _ in blocked.values())
             behind = {index: status.version for index, status in enumerate(self.statuses(bus))
                       if version is not None and status is not None and status.version < version}
-            raise RunStalled(self.explain(counts, version, self.ledger.slots_taken(), delivered, lost, behind)
+            raise RunStalled(self.explain(counts, version, self.ledger.slots_taken(), delivered, lost, carried, behind)
                              + self.explain_blocked(blocked))
 
     @staticmethod
@@ -134,10 +136,14 @@ class StallWatch:
         """Every inference worker has published a status and the launcher has not seen its process exit."""
         return all(status is not None and not status.dead for status in self.statuses(bus))
 
-    def explain(self, counts: dict, version, gate, delivered: int, lost: int, behind: dict[int, int]) -> str:
+    def explain(self, counts: dict, version, gate, delivered: int, lost: int, carried: int,
+                behind: dict[int, int]) -> str:
         lost_line = (f" {lost} of the prompts in flight are neither delivered nor run by any rollout worker: they were "
                      "lost (a defect of rlsys or of a plugin that ended an episode's task; please report it)."
                      if lost > 0 else "")
+        carried_line = (f" {carried} of the prompts in flight were in flight at the checkpoint the run resumed from: "
+                        "they run once a rollout worker admits them again, as its place in the dataset reaches them."
+                        if carried else "")
         # A load of a model larger than the timeout allows looks the same from here (the worker's beat goes on while
         # it loads): the gate waits for it, and nothing else moves. Say so rather than leave the user to guess.
         behind_line = (" Inference workers still serving an older version: " + ", ".join(
@@ -146,7 +152,7 @@ class StallWatch:
         return (f"the run stood still for {self.timeout:.0f} s (cluster.stall_timeout): no prompt being generated, "
                 f"none admitted, no new weights (last published version: "
                 f"{version if version is not None else 'none'}). The learner holds {delivered} groups and waits for "
-                f"{self.ledger.batch_size} that nobody is generating.{lost_line} The staleness gate holds "
-                f"{gate} prompts against a limit of (version served + {self.ledger.max_head_offpolicyness} + 1) x "
+                f"{self.ledger.batch_size} that nobody is generating.{lost_line}{carried_line} The staleness gate "
+                f"holds {gate} prompts against a limit of (version served + {self.ledger.max_head_offpolicyness} + 1) x "
                 f"{self.ledger.batch_size}; "
                 f"{describe(counts)}.{behind_line} The rollout workers' logs say why they admit nothing")

@@ -4,8 +4,8 @@ crash, a resume, a too-stale group and the run's end. Every admitted prompt ends
 import pytest
 
 from rlsys.bus import InProcessBus, Step
-from rlsys.prompt_ledger import (ADMITTED, GATE_FULL, IN_FLIGHT, PromptLedger, accounted, as_metrics, describe, failed,
-                                 filtered, settled_prompts)
+from rlsys.prompt_ledger import (ADMITTED, CLOSED, GATE_FULL, IN_FLIGHT, PromptLedger, accounted, as_metrics, describe,
+                                 failed, filtered, settled_prompts)
 
 BATCH, ETA = 2, 1  # capacity at served version v: (v + 1 + 1) * 2
 
@@ -161,3 +161,37 @@ def test_after_a_crash_a_resume_counts_what_was_settled_and_holds_the_trained_ve
     assert final == {"admitted": 4, "trained": 3, "filtered": {}, "failed": {"agent_error": 1}, "in_flight": 0}
     resumed.start()  # a fresh run starts from zero
     assert resumed.counts()["admitted"] == 0 and resumed.slots_taken() == 0
+
+
+def test_the_summary_of_a_real_run_counts_its_prompts_as_its_final_checkpoint_does(cache_dir, tmp_path):
+    """The learner saves its final checkpoint, then says it is done; the rollout workers admitted prompts (and ended
+    episodes) until they saw that, after the save: the summary then counted prompts the checkpoint did not (129
+    admitted against 128), and a resume from it counted otherwise than the summary the user saw. The prompts the
+    checkpoint holds in flight end as run_ended in the summary: nothing else differs."""
+    from rlsys.checkpoint import latest_checkpoint, read_trainer_state
+    from rlsys.cli import parse_config
+    from rlsys.launcher import launch
+    from tests.helpers import small_run_overrides
+
+    summary = launch(parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=2", "trial_name=t"]))
+    books = read_trainer_state(latest_checkpoint(tmp_path / "async-ppo-math" / "t" / "checkpoints"))["accounting"]
+    ended = {"run_ended": books["in_flight"]} if books["in_flight"] else {}
+    assert summary["prompts"] == {"admitted": books["admitted"], "trained": books["trained"],
+                                  "filtered": {**books["filtered"], **ended}, "failed": books["failed"],
+                                  "in_flight": 0}, books
+
+
+def test_a_closed_ledger_admits_and_settles_nothing_so_the_last_snapshot_is_the_run_s_books():
+    """Closed for the learner's final save: a prompt admitted or an episode ended after it would be in the run's
+    summary and not in that checkpoint. What is in flight then ends as run_ended; a restart's `start` opens it."""
+    book = ledger()
+    for qid in "abc":
+        book.admit(qid, 0)
+    book.trained("a")
+    book.close()
+    snapshot = book.snapshot()
+    assert book.admit("d", 0) == CLOSED and not book.untrained("b", failed("agent_error")) and not book.trained("c")
+    assert book.snapshot() == snapshot
+    assert book.end_run() == {"admitted": 3, "trained": 1, "filtered": {"run_ended": 2}, "failed": {}, "in_flight": 0}
+    book.start()
+    assert book.admit("d", 0) == ADMITTED

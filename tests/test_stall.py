@@ -360,3 +360,27 @@ def test_a_run_whose_environment_blocks_the_loop_in_its_warm_up_stops_naming_the
                                          r"evaluation cannot end"):
         launch(config)
     assert left_behind(tmp_path, existing) == []
+
+
+def test_a_stall_after_a_resume_does_not_call_the_prompts_carried_from_the_checkpoint_lost():
+    """The prompts in flight at the checkpoint are counted in flight by the resumed run until it admits them again;
+    no episode runs them meanwhile, and none is lost: the stall's message said they were, a defect to report."""
+    config = AsyncPPOMATHConfig()
+    config.cluster.stall_timeout = 60
+    bus, clock = InProcessBus(), Clock()
+    ledger = PromptLedger.of(bus, config)
+    ledger.start(1, {"admitted": 18, "trained": 16, "in_flight": 2, "in_flight_prompts": ["a", "b"]})
+    watch = StallWatch(config, ledger, clock)
+    bus.set(protocol.eval_result("initial"), {"accuracy": 0.3})
+    InferenceStatus(bus, 0).publish(WorkerStatus(epoch=1, beat=1, version=1, load=0))
+    bus.set(protocol.WEIGHTS, {"version": 1, "path": "/w"})
+    ledger.admit("c", served_version=100)  # in flight, and run by no rollout worker: lost
+    publish_running(bus, 0, 0)
+    watch.check(bus)
+    clock.now += 60
+    publish_running(bus, 0, 0)  # its loop is not blocked
+    with pytest.raises(RunStalled) as stalled:
+        watch.check(bus)
+    message = str(stalled.value)
+    assert " 1 of the prompts in flight are neither delivered nor run by any rollout worker" in message, message
+    assert "2 of the prompts in flight were in flight at the checkpoint the run resumed from" in message, message

@@ -157,6 +157,8 @@ class Learner(PolicyTrainer):
                     "throughput/tokens_per_second": stats["tokens"] * self.ppo.ppo_epochs / max(computed, 1e-9),
                     **self.delivery_metrics()})
                 self.inbox.ack([group.entry_id for group in groups])  # taken into a step: see rlsys/delivery.py
+        if self.ranks.main:  # the final checkpoint's books are the run's: the summary counts as it does
+            self.ledger.close()
         self.save()
         if self.ranks.main:
             self.bus.set(protocol.LEARNER_DONE, self.version)

@@ -20,7 +20,7 @@ from rlsys.data.prompts import prompt_by_id, prompt_stream
 from rlsys.delivery import InvalidMessage, agent_output, group_message
 from rlsys.metrics import MetricsLogger, rollout_records
 from rlsys.model.tokenizer import load_tokenizer
-from rlsys.prompt_ledger import ADMITTED, FAILURE_REASONS, GATE_FULL, PromptLedger, failed
+from rlsys.prompt_ledger import ADMITTED, CLOSED, FAILURE_REASONS, GATE_FULL, PromptLedger, failed
 from rlsys.errors import RunCannotGoOn
 from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
@@ -221,15 +221,15 @@ class RolloutWorker:
 
     async def admit(self, prompts) -> Prompt | None:
         """The next prompt of `prompts`, admitted through the staleness gate (rlsys/prompt_ledger.py) at the version
-        inference serves, and recorded as this worker's in the same atomic step; None while the gate is full (the
-        prompt waits for the next call), or if the prompt is still in flight from the dataset's previous pass (it is
-        skipped)."""
+        inference serves, and recorded as this worker's in the same atomic step; None while the gate is full or the
+        learner closed the ledger for its final save (the prompt waits for the next call), or if the prompt is still
+        in flight from the dataset's previous pass (it is skipped)."""
         position = protocol.rollout_position(self.index)
         self.next_prompt = self.next_prompt or next(prompts)
         qid = self.next_prompt.qid
         admission = await asyncio.to_thread(self.ledger.admit, qid, await self.current_version(),
                                             (Step.incr(position), Step.add(protocol.rollout_episodes(self.index), qid)))
-        if admission == GATE_FULL:
+        if admission in (GATE_FULL, CLOSED):  # the prompt waits: for a slot, or a restart that opens the ledger
             return None
         prompt, self.next_prompt = self.next_prompt, None
         if admission == ADMITTED or await self.admitted_by_a_retry(qid):
