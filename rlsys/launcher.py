@@ -9,6 +9,8 @@ import itertools
 import json
 import logging
 import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -410,6 +412,60 @@ def finish_observability(config, run_dir: Path) -> None:
         log.warning("could not write the run report or export the traces", exc_info=True)
 
 
+@dataclasses.dataclass
+class Part:
+    """What the summary needs of the launch: when it started, its warm start's seconds, the checkpoint it started
+    from, and how the roles of its last part ended (None until they are stopped)."""
+    started: float
+    warm_start_seconds: float
+    started_from: dict
+    unclean: dict[str, str] | None = None
+
+
+STOP_SIGNALS = {128 + signal.SIGTERM: "SIGTERM"}  # SystemExit codes of a stop (rlsys.bus.raise_on_sigterm's)
+
+
+def stop_signal(e: BaseException) -> str | None:
+    """The signal that stopped the launcher by `e`, or None where `e` is no stop's."""
+    if isinstance(e, KeyboardInterrupt):
+        return "SIGINT"
+    return STOP_SIGNALS.get(e.code) if isinstance(e, SystemExit) else None
+
+
+def run_summary(bus, config, run_dir: Path, supervisor: Supervisor, ledger: PromptLedger, part: Part,
+                stopped: str | None = None) -> dict:
+    """The run's summary, once every role stopped: its held-out figures, its steps (a stopped run's: its newest
+    checkpoint's, where a resume goes on), where its prompts ended, its restarts and counters; `stopped`: the signal
+    that stopped it before max_steps, None for a run that ended."""
+    prompts, counters = ledger.end_run(), run_counters.held(bus)
+    steps = config.max_steps
+    if stopped:
+        latest = latest_checkpoint(run_dir / CHECKPOINTS_DIR)
+        steps = read_trainer_state(latest)["step"] if latest else 0
+    return {
+        **held_out_summary(bus, part.started_from),
+        "steps": steps,
+        "stopped": stopped,
+        # the run's own time apart from a warm start's, which a first run on a cold cache spends for minutes
+        "minutes": (time.monotonic() - part.started - part.warm_start_seconds) / 60,
+        "warm_start_minutes": part.warm_start_seconds / 60,
+        "run_dir": str(run_dir),
+        "prompts": prompts,
+        "prompts_accounted": accounted(prompts) == prompts[ADMITTED],
+        "dead_letters": counters["dead_letters"],
+        "messages_set_aside": bus.stream_length(protocol.DEAD_MESSAGES),  # requests and replies a role refused
+        "restarts": dict(supervisor.restarts),
+        "unclean_exits": part.unclean,  # role name -> how it ended, for each that did not end cleanly at the stop
+        "weight_checks": counters["weight_checks"],
+    }
+
+
+def write_summary(summary: dict, run_dir: Path) -> None:
+    if not summary["prompts_accounted"]:
+        log.error("the prompt accounting does not add up: %s", describe(summary["prompts"]))
+    write_private(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+
+
 def launch(config) -> dict:
     """Runs a whole experiment; returns (and writes to <run dir>/summary.json) its held-out accuracy and mean
     reward before and after, and where its prompts ended. StartupError, before any process starts, if it cannot
@@ -453,9 +509,10 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
                                   evaluations_file=records_file(config.logging_dir, rollout_records(0)),
                                   resumed=(trainer_state.get("step", 0), trainer_state.get("version", 0)))
         stall = StallWatch(config, ledger)
-        restarted, started_from = False, trainer_state
+        restarted, part = False, Part(started, warm_start_seconds, trainer_state)
         try:
             while True:
+                part.unclean = None  # until this part's roles are stopped
                 initialize_bus_state(bus, config, trainer_state, keep_initial_eval=restarted)
                 if trainer_state or restarted:  # a restart with no checkpoint yet trains from the start again
                     take_back_abandoned_steps(bus, config, run_dir, trainer_state or FROM_THE_START)
@@ -471,31 +528,17 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
                     trainer_state = resume_from_latest(config, run_dir, saved_before)
                     restarted = True
                 finally:
-                    unclean = supervisor.stop(bus)  # the learner saves a checkpoint when it is told to stop
+                    part.unclean = supervisor.stop(bus)  # the learner saves a checkpoint when it is told to stop
         except RoleFailed as e:
             raise RoleFailed(f"{e}; {last_checkpoint_note(run_dir)}") from None
-        for name, why in unclean.items():
-            log.warning("%s %s as the run stopped; its output: %s", name, why, Path(config.logging_dir) / f"{name}.log")
-        prompts, counters = ledger.end_run(), run_counters.held(bus)
-        summary = {
-            **held_out_summary(bus, started_from),
-            "steps": config.max_steps,
-            # the run's own time apart from a warm start's, which a first run on a cold cache spends for minutes
-            "minutes": (time.monotonic() - started - warm_start_seconds) / 60,
-            "warm_start_minutes": warm_start_seconds / 60,
-            "run_dir": str(run_dir),
-            "prompts": prompts,
-            "prompts_accounted": accounted(prompts) == prompts[ADMITTED],
-            "dead_letters": counters["dead_letters"],
-            "messages_set_aside": bus.stream_length(protocol.DEAD_MESSAGES),  # requests and replies a role refused
-            "restarts": dict(supervisor.restarts),
-            "unclean_exits": unclean,  # role name -> how it ended, for each that did not end cleanly at the stop
-            "weight_checks": counters["weight_checks"],
-        }
+        except (KeyboardInterrupt, SystemExit) as e:
+            if (why := stop_signal(e)) and part.unclean is not None:  # the roles stopped: the books are final
+                write_summary(run_summary(bus, config, run_dir, supervisor, ledger, part, why), run_dir)
+                print(f"summary of the stopped run: {run_dir / SUMMARY_FILE}", file=sys.stderr, flush=True)
+            raise
+        summary = run_summary(bus, config, run_dir, supervisor, ledger, part)
         bus.close()
-    if not summary["prompts_accounted"]:
-        log.error("the prompt accounting does not add up: %s", describe(prompts))
-    write_private(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+    write_summary(summary, run_dir)
     finish_observability(config, run_dir)
     return summary
 

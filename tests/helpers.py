@@ -62,6 +62,17 @@ def small_run_overrides(cache_dir: Path, output_dir: Path) -> list[str]:
     ]
 
 
+def final_books(run_dir: Path) -> dict:
+    """The prompts of the run's newest checkpoint as its summary counts them once the run ended: those it held in
+    flight as run_ended."""
+    from rlsys.checkpoint import latest_checkpoint, read_trainer_state
+
+    books = read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))["accounting"]
+    ended = {"run_ended": books["filtered"].get("run_ended", 0) + books["in_flight"]} if books["in_flight"] else {}
+    return {"admitted": books["admitted"], "trained": books["trained"], "filtered": {**books["filtered"], **ended},
+            "failed": books["failed"], "in_flight": 0}
+
+
 def child_pids() -> set[int]:
     """This process's live descendants now: what a test started before its run is not the run's."""
     return {p.pid for p in psutil.Process().children(recursive=True)}

@@ -168,17 +168,12 @@ def test_the_summary_of_a_real_run_counts_its_prompts_as_its_final_checkpoint_do
     episodes) until they saw that, after the save: the summary then counted prompts the checkpoint did not (129
     admitted against 128), and a resume from it counted otherwise than the summary the user saw. The prompts the
     checkpoint holds in flight end as run_ended in the summary: nothing else differs."""
-    from rlsys.checkpoint import latest_checkpoint, read_trainer_state
     from rlsys.cli import parse_config
     from rlsys.launcher import launch
-    from tests.helpers import small_run_overrides
+    from tests.helpers import final_books, small_run_overrides
 
     summary = launch(parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=2", "trial_name=t"]))
-    books = read_trainer_state(latest_checkpoint(tmp_path / "async-ppo-math" / "t" / "checkpoints"))["accounting"]
-    ended = {"run_ended": books["in_flight"]} if books["in_flight"] else {}
-    assert summary["prompts"] == {"admitted": books["admitted"], "trained": books["trained"],
-                                  "filtered": {**books["filtered"], **ended}, "failed": books["failed"],
-                                  "in_flight": 0}, books
+    assert summary["prompts"] == final_books(tmp_path / "async-ppo-math" / "t")
 
 
 def test_a_closed_ledger_admits_and_settles_nothing_so_the_last_snapshot_is_the_run_s_books():

@@ -19,7 +19,8 @@ from rlsys.data.dataset import load_rows, rows_fingerprint
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.errors import RoleFailed
-from tests.helpers import child_pids, command_line_run, left_behind, role_process, small_run_overrides
+from tests.helpers import (child_pids, command_line_run, final_books, left_behind, role_process,
+                           small_run_overrides)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "training" / "main_async_ppo.py"
@@ -102,7 +103,7 @@ def test_max_head_offpolicyness_zero_is_on_policy_even_with_filtering(cache_dir,
 
 
 def test_ctrl_c_stops_every_process(cache_dir, tmp_path):
-    args = small_run_overrides(cache_dir, tmp_path) + ["max_steps=100000", "logging_steps=1"]
+    args = small_run_overrides(cache_dir, tmp_path) + ["max_steps=100000", "logging_steps=1", "trial_name=c"]
     # SIGINT's default action restored first: a shell that starts the suite in the background (`cmd &`) ignores it,
     # and Python then installs no Ctrl-C handler in the children.
     proc = subprocess.Popen([sys.executable, str(ENTRY), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -121,6 +122,15 @@ def test_ctrl_c_stops_every_process(cache_dir, tmp_path):
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert alive == [], f"left running after Ctrl-C: {[p.cmdline() for p in alive]}"
     assert proc.returncode != 0
+    assert_a_stopped_run_s_summary(tmp_path / "async-ppo-math" / "c", "SIGINT")
+
+
+def assert_a_stopped_run_s_summary(run_dir: Path, signal_name: str) -> None:
+    """A stopped run leaves a summary too, which says so and counts its prompts as its last checkpoint does."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped"] == signal_name
+    assert summary["steps"] == read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))["step"] >= 1
+    assert summary["prompts_accounted"] and summary["prompts"] == final_books(run_dir)
 
 
 @pytest.mark.parametrize("placement", [
@@ -152,6 +162,7 @@ def test_a_sigterm_to_the_process_group_stops_the_run_as_ctrl_c_does(cache_dir, 
     checkpoint = latest_checkpoint(tmp_path / "async-ppo-math" / "t" / "checkpoints")
     assert checkpoint is not None, output  # the learner's save on the stop
     assert read_trainer_state(checkpoint)["step"] >= 1
+    assert_a_stopped_run_s_summary(tmp_path / "async-ppo-math" / "t", "SIGTERM")
 
 
 def test_bad_key_on_the_command_line_exits_2_with_close_matches(tmp_path):
