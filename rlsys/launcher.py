@@ -536,6 +536,8 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
                 write_summary(run_summary(bus, config, run_dir, supervisor, ledger, part, why), run_dir)
                 print(f"summary of the stopped run: {run_dir / SUMMARY_FILE}", file=sys.stderr, flush=True)
             raise
+        for name, why in part.unclean.items():
+            log.warning("%s %s as the run stopped; its output: %s", name, why, Path(config.logging_dir) / f"{name}.log")
         summary = run_summary(bus, config, run_dir, supervisor, ledger, part)
         bus.close()
     write_summary(summary, run_dir)

@@ -40,8 +40,6 @@ _SETTLED_BEFORE = "prompts:settled_before"  # set: what the checkpoint the run (
 _CARRIED = "prompts:carried"  # set: in flight at that checkpoint, counted admitted there, not admitted again yet
 _CLOSED = "prompts:closed"  # counter: 1 once the learner closed the books for its final save (`close`)
 _RESTORE_CHUNK = 500  # set members restored per atomic step: one script call stays small
-
-
 _OPEN = Step.at_most(_CLOSED, 0)  # the guard of every admission and outcome: the ledger is not closed
 
 

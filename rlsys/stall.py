@@ -153,6 +153,6 @@ class StallWatch:
                 f"none admitted, no new weights (last published version: "
                 f"{version if version is not None else 'none'}). The learner holds {delivered} groups and waits for "
                 f"{self.ledger.batch_size} that nobody is generating.{lost_line}{carried_line} The staleness gate "
-                f"holds {gate} prompts against a limit of (version served + {self.ledger.max_head_offpolicyness} + 1) x "
-                f"{self.ledger.batch_size}; "
+                f"holds {gate} prompts against a limit of (version served + {self.ledger.max_head_offpolicyness} + 1)"
+                f" x {self.ledger.batch_size}; "
                 f"{describe(counts)}.{behind_line} The rollout workers' logs say why they admit nothing")

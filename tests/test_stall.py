@@ -384,3 +384,8 @@ def test_a_stall_after_a_resume_does_not_call_the_prompts_carried_from_the_check
     message = str(stalled.value)
     assert " 1 of the prompts in flight are neither delivered nor run by any rollout worker" in message, message
     assert "2 of the prompts in flight were in flight at the checkpoint the run resumed from" in message, message
+    ledger.close()  # the learner's final save, however long it takes, is no stall
+    watch.check(bus)
+    clock.now += 1000
+    publish_running(bus, 0, 0)
+    watch.check(bus)
