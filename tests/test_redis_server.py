@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OWNER_SCRIPT = textwrap.dedent("""
     import signal, sys, time
     from rlsys.bus.redis_server import EmbeddedRedis, raise_on_sigterm
+    if sys.argv[2:] == ["blocked"]:  # started while the owner holds its stop signals back
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises, even under a shell that ignores it
     with raise_on_sigterm(), EmbeddedRedis(sys.argv[1]) as server:
         print(server.pid, server.port, flush=True)
@@ -66,9 +68,11 @@ def test_exception_inside_with_block_stops_server(tmp_path):
     assert_gone(pid, port)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["SIGINT", "SIGTERM", "SIGKILL"])
-def test_server_dies_with_signalled_owner(tmp_path, sig):
-    owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT, str(tmp_path)], cwd=ROOT,
+@pytest.mark.parametrize("sig,started", [(signal.SIGINT, ""), (signal.SIGTERM, ""), (signal.SIGKILL, ""),
+                                         (signal.SIGKILL, "blocked")],
+                         ids=["SIGINT", "SIGTERM", "SIGKILL", "SIGKILL-signals-blocked-at-its-start"])
+def test_server_dies_with_signalled_owner(tmp_path, sig, started):
+    owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT, str(tmp_path), *filter(None, [started])], cwd=ROOT,
                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
     try:
         pid, port = map(int, owner.stdout.readline().split())

@@ -99,6 +99,9 @@ def _die_with_parent_hook():
     parent = os.getpid()
 
     def hook():
+        # A signal mask outlives exec: a server started while its owner's thread held SIGTERM back (as multiprocessing
+        # and rlsys.placement do for a moment around a spawn) would ignore the parent-death signal, and outlive it
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
         prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
