@@ -23,8 +23,8 @@ run, naming the worker.
 import time
 
 from rlsys import protocol
-from rlsys.api.messages import InvalidMessage, RolloutRunning, parse_rollout_running
-from rlsys.bus.dead_letters import set_aside
+from rlsys.api.messages import RolloutRunning, parse_rollout_running
+from rlsys.bus.dead_letters import read_beat
 from rlsys.evaluations import initial_evaluation_ended
 from rlsys.prompt_ledger import ADMITTED, PromptLedger, describe
 from rlsys.errors import RoleFailed
@@ -96,15 +96,7 @@ class StallWatch:
     def running_of(bus, index: int) -> RolloutRunning | None:
         """What rollout worker `index` published last; None if nothing, or something malformed (set aside with its
         reason, and deleted: the worker's next beat writes a good one)."""
-        key = protocol.rollout_running(index)
-        if (message := bus.get(key)) is None:
-            return None
-        try:
-            return parse_rollout_running(message)
-        except InvalidMessage as e:
-            set_aside(bus, key, str(e), message)
-            bus.delete(key)
-            return None
+        return read_beat(bus, protocol.rollout_running(index), parse_rollout_running)
 
     def silent_for(self, published: list[RolloutRunning | None], now: float) -> dict[int, float]:
         """{rollout worker: seconds since its beat last changed} of each that published one."""

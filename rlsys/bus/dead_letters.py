@@ -5,13 +5,17 @@ Trajectory messages have their own dead letters (rlsys.delivery), which also set
 """
 
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
+from rlsys.api.messages import InvalidMessage
 from rlsys.bus.base import Undecodable, encode
 from rlsys.protocol import DEAD_MESSAGES
 
 log = logging.getLogger(__name__)
 
 HEAD_BYTES = 4096  # the start of the message kept for inspection
+T = TypeVar("T")
 
 
 def set_aside(bus, source: str, reason: str, message) -> None:
@@ -30,3 +34,16 @@ def set_aside(bus, source: str, reason: str, message) -> None:
     except Exception:  # the bus itself failing is the caller's problem on its next call; the role lives on
         log.warning("could not record a refused message from %s", source, exc_info=True)
     log.warning("message from %s set aside in %s: %s", source, DEAD_MESSAGES, reason)
+
+
+def read_beat(bus, key: str, parse: Callable[[object], T]) -> T | None:
+    """The message at `key`, which a role rewrites at each of its beats, parsed; None if there is none, or it is
+    malformed: set aside with its reason and deleted, so that the role's next beat writes a good one."""
+    if (message := bus.get(key)) is None:
+        return None
+    try:
+        return parse(message)
+    except InvalidMessage as e:
+        set_aside(bus, key, str(e), message)
+        bus.delete(key)
+        return None

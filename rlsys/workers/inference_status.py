@@ -9,8 +9,8 @@ other machines that no launcher watches. A restarted worker publishes a new epoc
 import logging
 
 from rlsys import protocol
-from rlsys.api.messages import InvalidMessage, WorkerStatus, parse_worker_status
-from rlsys.bus.dead_letters import set_aside
+from rlsys.api.messages import WorkerStatus, parse_worker_status
+from rlsys.bus.dead_letters import read_beat
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +26,7 @@ class InferenceStatus:
 
     def read(self) -> WorkerStatus | None:
         """The status, or None if there is none yet or it is malformed (set aside with its reason)."""
-        message = self.bus.get(self.key)
-        if message is None:
-            return None
-        try:
-            return parse_worker_status(message)
-        except InvalidMessage as e:
-            set_aside(self.bus, self.key, str(e), message)
-            self.bus.delete(self.key)  # the worker's next beat writes a good one
-            return None
+        return read_beat(self.bus, self.key, parse_worker_status)
 
     def mark_dead(self) -> None:
         """The process serving the epoch now published has exited (its successor has not started yet)."""
