@@ -18,7 +18,7 @@ from rlsys import evaluations, protocol, run_counters
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.checkpoint import (CHECKPOINTS_DIR, identity, latest_checkpoint, read_trainer_state, restore_replaced,
                               saved_in_order)
-from rlsys.cli import config_to_dict, first_line, registry_name_of, save_config
+from rlsys.cli import config_to_dict, describe_fields, first_line, registry_name_of, save_config
 from rlsys.console import ProgressReporter
 from rlsys.metrics import (LEARNER_RECORDS, drop_records_after, mark_restart, records_file, rollout_records,
                            rollout_records_files)
@@ -308,27 +308,17 @@ def settings_behind(config, env_name: str) -> dict[str, str]:
     from rlsys.workers.env_per_row import run_environments
 
     found = {}
-    for key in string_settings(config):
-        probe, marker = copy.deepcopy(config), f"<{key}>"
-        *parents, name = key.split(".")
+    for field in describe_fields(type(config)):
+        *parents, name = field.path.split(".")
+        if field.is_group or not isinstance(getattr(functools.reduce(getattr, parents, config), name), str):
+            continue
+        probe, marker = copy.deepcopy(config), f"<{field.path}>"
         setattr(functools.reduce(getattr, parents, probe), name, marker)
         with contextlib.suppress(Exception):  # an experiment's property that cannot take the marker feeds nothing
             for abstraction in run_environments(probe):
                 if abstraction.name == env_name:
-                    found.update({arg: key for arg, value in abstraction.args.items() if value == marker})
+                    found.update({arg: field.path for arg, value in abstraction.args.items() if value == marker})
     return found
-
-
-def string_settings(config, prefix: str = "") -> list[str]:
-    """The dotted keys of `config`'s string settings, those of its nested sections included."""
-    keys = []
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if isinstance(value, str):
-            keys.append(prefix + field.name)
-        elif dataclasses.is_dataclass(value):
-            keys.extend(string_settings(value, f"{prefix}{field.name}."))
-    return keys
 
 
 def check_same_dataset(config, trainer_state: dict) -> None:
@@ -422,14 +412,14 @@ class Part:
     unclean: dict[str, str] | None = None
 
 
-STOP_SIGNALS = {128 + signal.SIGTERM: "SIGTERM"}  # SystemExit codes of a stop (rlsys.bus.raise_on_sigterm's)
+STOP_EXIT_CODES = {128 + signal.SIGTERM: "SIGTERM"}  # SystemExit codes of a stop (rlsys.bus.raise_on_sigterm's)
 
 
 def stop_signal(e: BaseException) -> str | None:
     """The signal that stopped the launcher by `e`, or None where `e` is no stop's."""
     if isinstance(e, KeyboardInterrupt):
         return "SIGINT"
-    return STOP_SIGNALS.get(e.code) if isinstance(e, SystemExit) else None
+    return STOP_EXIT_CODES.get(e.code) if isinstance(e, SystemExit) else None
 
 
 def run_summary(bus, config, run_dir: Path, supervisor: Supervisor, ledger: PromptLedger, part: Part,
