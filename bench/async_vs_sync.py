@@ -19,13 +19,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.launched_runs import launch, learner_rows, parse_run_arguments, training_speed  # noqa: E402
-from rlsys.metrics import read_jsonl_metrics  # noqa: E402
+from rlsys.metrics import read_jsonl_metrics, records_file, rollout_records  # noqa: E402
 
 
 def accuracy_over_time(run_dir: Path) -> list[tuple[int, float, float]]:
     """(version, seconds since the first step ended, held-out accuracy) of each evaluation."""
     start = learner_rows(run_dir)[0]["time"]
-    evals = read_jsonl_metrics(run_dir / "logs" / "rollout0.jsonl")
+    evals = read_jsonl_metrics(records_file(run_dir / "logs", rollout_records(0)))
     return [(int(e["eval/version"]), max(e["time"] - start, 0.0), e["eval/accuracy"])
             for e in evals if "eval/accuracy" in e]
 

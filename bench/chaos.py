@@ -36,8 +36,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlsys.checkpoint import latest_checkpoint, read_trainer_state  # noqa: E402
-from rlsys.metrics import read_jsonl_metrics  # noqa: E402
+from rlsys.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, read_trainer_state  # noqa: E402
+from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file  # noqa: E402
+from rlsys.run_files import SUMMARY_FILE  # noqa: E402
 
 PLUGIN = ROOT / "bench" / "chaos_plugin.py"
 KILLS = {"inference0": signal.SIGKILL, "rollout0": signal.SIGKILL, "redis-server": signal.SIGTERM,
@@ -66,7 +67,7 @@ def run_settings(steps: int, each: int) -> list[str]:
 
 
 def learner_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "logs" / "learner.jsonl"
+    path = records_file(run_dir / "logs", LEARNER_RECORDS)
     return read_jsonl_metrics(path) if path.exists() else []
 
 
@@ -119,9 +120,9 @@ def launch(settings: list[str], out_dir: Path, trial: str, faults: list[Fault], 
     console = (out_dir / f"{trial}.log").read_text()
     if run.wait() != 0:
         raise RuntimeError(f"{' '.join(command)} failed (exit code {run.returncode}):\n{console[-3000:]}")
-    consumed = read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))["consumed_prompts"]
+    consumed = read_trainer_state(latest_checkpoint(run_dir / CHECKPOINTS_DIR))["consumed_prompts"]
     return {"command": command, "seconds": time.monotonic() - started,
-            "summary": json.loads((run_dir / "summary.json").read_text()),
+            "summary": json.loads((run_dir / SUMMARY_FILE).read_text()),
             "consumed": len(set(consumed)), "trained_twice": len(consumed) - len(set(consumed)), "console": console}
 
 

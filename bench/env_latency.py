@@ -29,6 +29,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.launched_runs import ROOT, launch, learner_rows, parse_run_arguments, training_speed  # noqa: E402
+from rlsys.run_files import CONFIG_FILE  # noqa: E402
 
 SYNC = 0  # max_head_offpolicyness of the synchronous setting; the async one's is --async-offpolicyness
 EVAL_PROBLEMS = 64
@@ -51,7 +52,7 @@ def run(name: str, offpolicyness: int, latency: float, args, out_dir: Path, eval
                 f"logging_steps={args.steps}", f"dataset.eval_path={eval_path}", *args.overrides]
     run_dir, command, wall = launch(settings, out_dir, f"{name}-latency{latency:g}")
     window = learner_rows(run_dir)[args.warmup:]
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     return {"setting": name, "max_head_offpolicyness": offpolicyness, "env_latency": latency,
             "prompts_per_step": config["ppo"]["batch_size"], "samples_per_prompt": config["group_size"],
             **training_speed(run_dir, args.warmup), "turns_per_episode": mean(r["agent/num_turns"] for r in window),

@@ -10,7 +10,8 @@ from statistics import mean
 
 import yaml
 
-from rlsys.metrics import read_jsonl_metrics
+from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file
+from rlsys.run_files import CONFIG_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,14 +32,14 @@ def launch(settings: list[str], out_dir: Path, trial: str, tree: Path = ROOT,
 
 
 def learner_rows(run_dir: Path) -> list[dict]:
-    return read_jsonl_metrics(run_dir / "logs" / "learner.jsonl")
+    return read_jsonl_metrics(records_file(run_dir / "logs", LEARNER_RECORDS))
 
 
 def training_speed(run_dir: Path, warmup: int) -> dict[str, float]:
     """Trained samples/s between the end of step `warmup` and the last step (start-up and the first batches left
     out), with the learner's mean update and wait per step over that window."""
     rows = learner_rows(run_dir)
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     per_step = config["ppo"]["batch_size"] * config["group_size"]  # trajectories a step trains (one per sample)
     first, last, window = rows[warmup - 1], rows[-1], rows[warmup:]
     steps, seconds = last["step"] - first["step"], last["time"] - first["time"]

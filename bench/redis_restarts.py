@@ -24,6 +24,9 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlsys.run_files import SUMMARY_FILE  # noqa: E402
 
 
 def shut_down_redis_repeatedly(run: subprocess.Popen, restarts: int, every: float, after: float) -> int:
@@ -55,7 +58,7 @@ def main() -> None:
         sent = shut_down_redis_repeatedly(run, args.restarts, args.every, args.after)
         exit_code = run.wait()
         log_text = log_path.read_text()
-        summaries = list(Path(output_dir).glob("*/restarts/summary.json"))
+        summaries = list(Path(output_dir).glob(f"*/restarts/{SUMMARY_FILE}"))
         if exit_code != 0 or not summaries:
             sys.exit(f"the run failed (exit code {exit_code}):\n{log_text[-3000:]}")
         summary = json.loads(summaries[0].read_text())

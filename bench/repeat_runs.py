@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.chaos import Fault, inject, run_directory  # noqa: E402
 from rlsys.cli import parse_config  # noqa: E402
+from rlsys.run_files import SUMMARY_FILE  # noqa: E402
 
 RAY_WORKER_DIED = "A worker died or was killed while executing a task"
 ANSWER_WITHIN_S = 60  # a run whose role was killed finishes, or stops with an error this soon after the kill
@@ -61,7 +62,7 @@ def one_run(settings: list[str], out_dir: Path, timeout: float, kill: Fault | No
     if kill:  # the reports of the one killed role are the fault, not a crash (Ray's lists SIGSEGV among causes)
         console = without_reports_of(kill.role, console)
     crashes = sorted(set(CRASH.findall(console + logs)))
-    summary_file = run_dir / "summary.json"
+    summary_file = run_dir / SUMMARY_FILE
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     row = {"exit": code, "minutes": (time.monotonic() - started) / 60, "crashes": crashes,
            "restarts": summary.get("restarts", {}), "steps": summary.get("steps"),

@@ -43,11 +43,12 @@ from rlsys.data.dataset import load_rows, write_jsonl  # noqa: E402
 from rlsys.data.prompts import prompt_stream  # noqa: E402
 from rlsys.launcher import initialize_bus_state  # noqa: E402
 from rlsys.placement.local import LocalPlacement  # noqa: E402
-from rlsys.metrics import read_jsonl_metrics  # noqa: E402
+from rlsys.metrics import read_jsonl_metrics, records_file, rollout_records  # noqa: E402
 from rlsys.model.tokenizer import load_tokenizer  # noqa: E402
 from rlsys.prompt_ledger import PromptLedger  # noqa: E402
 from rlsys.roles import limit_threads, run_role  # noqa: E402
 from rlsys.supervisor import stop_processes  # noqa: E402
+from rlsys.tracing import read_traces  # noqa: E402
 
 WARM_UP_EPISODES = 64
 EVAL_ROWS = 16  # the rollout worker evaluates before it trains; a small held-out file keeps that short
@@ -139,7 +140,8 @@ class FullPath:
             self.take_episode()
 
     def latencies(self) -> tuple[float, float]:
-        (routing,) = [r for r in read_jsonl_metrics(self.run_dir / "logs" / "rollout0.jsonl") if "requests/resent" in r]
+        records = read_jsonl_metrics(records_file(self.run_dir / "logs", rollout_records(0)))
+        (routing,) = [r for r in records if "requests/resent" in r]
         return routing["requests/latency_p50"], routing["requests/latency_p99"]
 
 
@@ -203,7 +205,7 @@ def tracing_cost(config, args, tmp: Path) -> None:
             for name, path in paths.items():
                 rates[name].append(path.tokens_per_second(args.episodes))
                 path.drain()
-    traces = sum(1 for _ in open(tmp / "traced" / "traces" / "rollout0.jsonl"))
+    traces = len(read_traces(tmp / "traced"))
     medians = {name: statistics.median(r) for name, r in rates.items()}
     ratio = medians["traced"] / medians["untraced"]
     print(f"windows of {args.episodes} episodes, {args.concurrency} in flight, {args.repeats} per side; "
