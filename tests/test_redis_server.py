@@ -189,6 +189,38 @@ def test_a_failed_start_removes_the_directory_it_made_and_keeps_one_it_found(tmp
         bus.close()
 
 
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*"))
+            if path.is_file()}
+
+
+@pytest.mark.parametrize("fails", ["port-taken", "exits-at-start"])
+def test_a_failed_start_leaves_a_directory_it_found_as_it_was(tmp_path, monkeypatch, fails):
+    """A start that failed in a directory that was there rewrote its redis.conf (the password of a server that never
+    ran, in place of the one an earlier server ran with) and appended its failure to redis.log: a user inspecting
+    the directory, or a retry, found the failed start's files, not the earlier server's."""
+    with EmbeddedRedis(tmp_path) as server:
+        bus = connect(server.url)
+        bus.set("admitted", 42)
+        bus.close()
+    before = files_of(tmp_path)
+    assert {"redis.conf", "redis.log"} <= before.keys()
+    with taken_port() as taken:
+        if fails == "exits-at-start":
+            original = EmbeddedRedis._write_config
+
+            def broken_config(self):
+                path = original(self)
+                with open(path, "a") as f:
+                    f.write("no-such-directive yes\n")
+                return path
+
+            monkeypatch.setattr(EmbeddedRedis, "_write_config", broken_config)
+        with pytest.raises(EmbeddedRedisError, match=("is in use" if fails == "port-taken" else "no-such-directive")):
+            EmbeddedRedis(tmp_path, taken if fails == "port-taken" else 0).start()
+    assert files_of(tmp_path) == before
+
+
 def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(redis_server_module.shutil, "which", lambda name: None)
     with pytest.raises(EmbeddedRedisError, match="apt-get install redis-server"):

@@ -39,6 +39,7 @@ STOP_TIMEOUT = 10.0
 PORT_ATTEMPTS = 5
 MIN_VERSION = (6, 2)  # XPENDING IDLE and XAUTOCLAIM-era stream commands
 _PR_SET_PDEATHSIG = 1
+CONFIG_NAME, LOG_NAME = "redis.conf", "redis.log"  # in the server's directory, beside its append-only file
 # Commands the bus never sends that would let whoever holds the password (sent in clear to other nodes) reach
 # beyond the run's data: CONFIG SET dir/dbfilename writes a file of their choosing as this user (Redis 6.2 has no
 # protected configs), REPLICAOF/SLAVEOF loads a server of theirs, MODULE loads code, DEBUG crashes or stalls it,
@@ -125,6 +126,30 @@ def raise_on_sigterm():
         signal.signal(signal.SIGTERM, previous)
 
 
+class _DirectoryAsFound:
+    """What a start changes in a server's directory that was there, as it was before: its config, its log's length
+    and which entries it held (a server that failed after binding may have begun an append-only file)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.entries = set(os.listdir(directory))
+        config, log = directory / CONFIG_NAME, directory / LOG_NAME
+        self.config = config.read_bytes() if config.is_file() else None
+        self.log_size = log.stat().st_size if log.is_file() else None
+
+    def restore(self) -> None:
+        for name in set(os.listdir(self.directory)) - self.entries:
+            path = self.directory / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if self.config is not None:
+            write_private(self.directory / CONFIG_NAME, self.config)
+        if self.log_size is not None:
+            os.truncate(self.directory / LOG_NAME, self.log_size)
+
+
 class EmbeddedRedis:
     """A redis-server owned by this process, with its data, config and log in `run_dir`.
 
@@ -152,14 +177,14 @@ class EmbeddedRedis:
 
     @property
     def log_file(self) -> Path:
-        return self.run_dir / "redis.log"
+        return self.run_dir / LOG_NAME
 
     def start(self) -> "EmbeddedRedis":
         """Start the server and wait until it answers PING as an authenticated client."""
         if self.process is not None:
             return self
         binary = find_redis_server()
-        made = not self.run_dir.exists()
+        found = _DirectoryAsFound(self.run_dir) if self.run_dir.exists() else None
         make_private(self.run_dir)  # the AOF of an older server here may be world-readable
         self.password = secrets.token_hex(24)
         try:
@@ -175,9 +200,12 @@ class EmbeddedRedis:
                                      f"log tail:\n{self._log_tail()}")
         except BaseException:
             # A directory this start made holds only its config (the password of a server that never ran) and its
-            # log, whose tail the error quotes: it goes. One that was there keeps an earlier server's data.
-            if made:
+            # log, whose tail the error quotes: it goes. One that was there keeps an earlier server's data, and gets
+            # back the config and log that server left, which a user inspecting it, or a retry, then finds.
+            if found is None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+            else:
+                found.restore()
             raise
 
     def exited(self) -> bool:
@@ -207,7 +235,7 @@ class EmbeddedRedis:
             "daemonize no",
             'logfile ""',  # stdout, which goes to redis.log
         ] + [f'rename-command {command} ""' for command in DISABLED_COMMANDS]
-        path = self.run_dir / "redis.conf"
+        path = self.run_dir / CONFIG_NAME
         write_private(path, "\n".join(lines) + "\n")
         return path
 
