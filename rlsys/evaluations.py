@@ -1,11 +1,20 @@
-"""The held-out evaluations' results on the bus (protocol.eval_result): rollout worker 0 records each, INITIAL at each
-start of the roles, "step-N" every eval_interval versions and FINAL after the last; the learner's checkpoint keeps the
-run's first, the launcher's summary reports them, and its console and stall watch tell by the initial one whether the
-run is still starting. One owner, so that every reader means the same by "the initial evaluation has ended"."""
+"""The held-out evaluations' results. Rollout worker 0 runs one at each start of the roles (INITIAL), every
+eval_steps versions and after the last (FINAL), and logs each to its records (the console's lines, the report's
+curve, TensorBoard). INITIAL and FINAL (ON_THE_BUS) also go on the bus (protocol.eval_result): the learner's
+checkpoint keeps the run's first, the launcher's summary reports the two as before and after, and its console and
+stall watch tell by the initial one whether the run is still starting. The summary's learning curve, every
+evaluation, is read back from the records (`curve`), which a resume takes back to its step as it does the learner's.
+One owner, so that every reader means the same by "the initial evaluation has ended" and by an evaluation's
+figures."""
+
+from pathlib import Path
 
 from rlsys import protocol
+from rlsys.metrics import read_jsonl_metrics, records_file, rollout_records
 
 INITIAL, FINAL = "initial", "final"
+ON_THE_BUS = (INITIAL, FINAL)
+PREFIX = "eval/"  # an evaluation's figures in the records: eval/accuracy, eval/reward, eval/version, ...
 
 
 def record(bus, tag: str, result: dict) -> None:
@@ -21,3 +30,12 @@ def initial_evaluation_ended(bus) -> bool:
     """Whether this start of the roles' first evaluation (a resumed run's, of its checkpoint's weights) has ended: until
     it has, the run is starting."""
     return bool(result(bus, INITIAL))
+
+
+def curve(log_dir: Path) -> list[dict]:
+    """Every evaluation of the run, oldest first, as the bus holds INITIAL and FINAL ({"version", "accuracy",
+    "reward", "episodes", "failed", ...}): from rollout worker 0's records in `log_dir`; empty where it has none."""
+    path = records_file(log_dir, rollout_records(0))
+    rows = read_jsonl_metrics(path) if path.exists() else []
+    return [{key.removeprefix(PREFIX): value for key, value in row.items() if key.startswith(PREFIX)}
+            for row in rows if any(key.startswith(PREFIX) for key in row)]

@@ -213,11 +213,12 @@ def abandon_records_after(config, run_dir: Path, step: int, version: int) -> int
     return dropped
 
 
-def held_out_summary(bus, started_from: dict) -> dict:
+def held_out_summary(bus, started_from: dict, logging_dir: Path) -> dict:
     """The summary's held-out figures. The evaluation on the bus as "initial" is the one at the launch's start: a
     fresh run's first, before any step; a resumed run's, of its checkpoint's weights. Resumed, the "initial" figures
     are the run's first, which its checkpoints keep (from before they were kept: that evaluation at the resumed step,
-    as before), and the one at the resumed step is `resumed` ({"step", "accuracy", "reward"})."""
+    as before), and the one at the resumed step is `resumed` ({"step", "accuracy", "reward"}). `held_out_curve`: every
+    evaluation of the run, its launches before a resume included, oldest first."""
     start, final = (evaluations.result(bus, tag) or {} for tag in (evaluations.INITIAL, evaluations.FINAL))
     initial = (started_from.get("initial_eval") or start) if started_from else start
     figures = {
@@ -227,6 +228,7 @@ def held_out_summary(bus, started_from: dict) -> dict:
         "final_accuracy": final.get("accuracy"),
         "initial_reward": initial.get("reward"),
         "final_reward": final.get("reward"),
+        "held_out_curve": evaluations.curve(logging_dir),
     }
     if started_from:
         figures["resumed"] = {"step": started_from["step"], "accuracy": start.get("accuracy"),
@@ -433,7 +435,7 @@ def run_summary(bus, config, run_dir: Path, supervisor: Supervisor, ledger: Prom
         latest = latest_checkpoint(run_dir / CHECKPOINTS_DIR)
         steps = read_trainer_state(latest)["step"] if latest else 0
     return {
-        **held_out_summary(bus, part.started_from),
+        **held_out_summary(bus, part.started_from, Path(config.logging_dir)),
         "steps": steps,
         "stopped": stopped,
         # the run's own time apart from a warm start's, which a first run on a cold cache spends for minutes

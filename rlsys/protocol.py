@@ -50,7 +50,7 @@ def inference_epoch(inference_worker: int) -> str:
 
 
 def eval_result(tag: str) -> str:
-    """Key: held-out evaluation result ("initial", "final", "step-N"), written through rlsys.evaluations."""
+    """Key: held-out evaluation result ("initial", "final"), written through rlsys.evaluations."""
     return f"eval:{tag}"
 
 

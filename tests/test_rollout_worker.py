@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from experiments import AsyncPPOMATHConfig
-from rlsys import protocol
+from rlsys import evaluations, protocol
 from rlsys.api import (Agent, AgentAbstraction, EnvironmentService, EnvServiceAbstraction, Prompt, Trajectory,
                        register_agent, register_environment)
 from rlsys.assets import AssetError, prepare_assets
@@ -254,10 +254,12 @@ def test_an_evaluation_is_labelled_with_the_versions_that_generated_it(tmp_path,
     worker.eval_rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
     asyncio.run(worker.evaluate("step-4"))  # no inference worker: the version served is 0
     worker.metrics.close()
-    result = bus.get(protocol.eval_result("step-4"))
-    assert (result["version"], result["version_max"], result["accuracy"]) == (7, 8, 1.0)
     (row,) = [json.loads(line) for line in (tmp_path / "logs" / "rollout0.jsonl").read_text().splitlines()]
-    assert (row["step"], row["eval/version"], row["eval/version_max"]) == (7, 7, 8)
+    assert (row["step"], row["eval/version"], row["eval/version_max"], row["eval/accuracy"]) == (7, 7, 8, 1.0)
+    (result,) = evaluations.curve(tmp_path / "logs")  # as the summary lists it
+    assert (result["version"], result["version_max"], result["accuracy"]) == (7, 8, 1.0)
+    # an evaluation between the first and the last stays off the bus: the records hold its figures
+    assert bus.get(protocol.eval_result("step-4")) is None
     report = ProgressReporter(tmp_path / "learner.jsonl", every=10, max_steps=10, quiet_seconds=3600,
                               evaluations_file=tmp_path / "logs" / "rollout0.jsonl")
     report()

@@ -88,7 +88,7 @@ def test_max_head_offpolicyness_zero_is_on_policy_even_with_filtering(cache_dir,
     # none in 4 steps.
     config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
         "max_steps=4", "max_head_offpolicyness=0", "eval_steps=2", "ppo.filter_uniform_groups=true", "group_size=2"])
-    launch(config)
+    summary = launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
     assert len(steps) == 4
     assert all(s["staleness_max"] == 0 for s in steps), [s["staleness_max"] for s in steps]
@@ -99,6 +99,11 @@ def test_max_head_offpolicyness_zero_is_on_policy_even_with_filtering(cache_dir,
     eval_versions = [r["step"] for r in rollout if "eval/accuracy" in r]
     assert eval_versions[0] == 0 and eval_versions[-1] == 4  # before and after training
     assert any(2 <= v < 4 for v in eval_versions[1:-1]), eval_versions  # and every eval_steps versions
+    # the summary's learning curve: every evaluation, the first and last the summary's before and after
+    curve = summary["held_out_curve"]
+    assert [e["version"] for e in curve] == eval_versions
+    assert [e["accuracy"] for e in curve] == [r["eval/accuracy"] for r in rollout if "eval/accuracy" in r]
+    assert (curve[0]["accuracy"], curve[-1]["accuracy"]) == (summary["initial_accuracy"], summary["final_accuracy"])
     assert [r["episodes/failed"] for r in rollout if "episodes/failed" in r] == [0]
 
 

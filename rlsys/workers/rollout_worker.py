@@ -353,7 +353,8 @@ class RolloutWorker:
     async def evaluate(self, tag: str, label: str = "") -> None:
         """Greedy episodes on the held-out set: their mean reward, and their accuracy (the mean of the experiment's
         `held_out_score`, for most an episode's success, a failed episode scoring 0) where every episode has a score,
-        logged and stored on the bus. A mixed run's environment types each get their own accuracy by the same rule."""
+        logged (the first and last also stored on the bus: rlsys/evaluations.py). A mixed run's environment types each
+        get their own accuracy by the same rule."""
         version = await self.current_version()
         # worker 0 evaluates alone, so on every held-out row: its share of them would shrink with n_rollout_workers
         prompts = list(prompt_stream(self.eval_rows, self.tokenizer, "eval", seed=self.config.seed, shuffle=False))
@@ -379,8 +380,9 @@ class RolloutWorker:
                 own = [ts for p, ts in zip(prompts, results) if env_type(self.config, p) == name]
                 result.update(held_out_accuracy(score, [ts for ts in own if isinstance(ts, list)],
                                                 f"{name}/accuracy", sum(isinstance(ts, EpisodeFailed) for ts in own)))
-        self.metrics.log(low, {f"eval/{k}": v for k, v in result.items()})
-        await asyncio.to_thread(evaluations.record, self.bus, tag, result)
+        self.metrics.log(low, {f"{evaluations.PREFIX}{k}": v for k, v in result.items()})
+        if tag in evaluations.ON_THE_BUS:  # the others' only reader, the summary's curve, reads the records
+            await asyncio.to_thread(evaluations.record, self.bus, tag, result)
         versions = f"version {low}" if high == low else f"versions {low}-{high}"
         if "accuracy" in result:
             log.info("held-out accuracy %s (%s): %.1f%% of %d", label or tag, versions, 100 * result["accuracy"],
