@@ -189,6 +189,19 @@ def test_a_failed_start_removes_the_directory_it_made_and_keeps_one_it_found(tmp
         bus.close()
 
 
+def break_the_config(monkeypatch) -> None:
+    """Every config EmbeddedRedis writes ends with a directive redis-server refuses: it exits at its start."""
+    original = EmbeddedRedis._write_config
+
+    def broken_config(self):
+        path = original(self)
+        with open(path, "a") as f:
+            f.write("no-such-directive yes\n")
+        return path
+
+    monkeypatch.setattr(EmbeddedRedis, "_write_config", broken_config)
+
+
 def files_of(directory: Path) -> dict[str, bytes]:
     return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*"))
             if path.is_file()}
@@ -207,15 +220,7 @@ def test_a_failed_start_leaves_a_directory_it_found_as_it_was(tmp_path, monkeypa
     assert {"redis.conf", "redis.log"} <= before.keys()
     with taken_port() as taken:
         if fails == "exits-at-start":
-            original = EmbeddedRedis._write_config
-
-            def broken_config(self):
-                path = original(self)
-                with open(path, "a") as f:
-                    f.write("no-such-directive yes\n")
-                return path
-
-            monkeypatch.setattr(EmbeddedRedis, "_write_config", broken_config)
+            break_the_config(monkeypatch)
         with pytest.raises(EmbeddedRedisError, match=("is in use" if fails == "port-taken" else "no-such-directive")):
             EmbeddedRedis(tmp_path, taken if fails == "port-taken" else 0).start()
     assert files_of(tmp_path) == before
@@ -228,15 +233,7 @@ def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):
 
 
 def test_startup_failure_reports_log_tail(tmp_path, monkeypatch):
-    original = EmbeddedRedis._write_config
-
-    def broken_config(self):
-        path = original(self)
-        with open(path, "a") as f:
-            f.write("no-such-directive yes\n")
-        return path
-
-    monkeypatch.setattr(EmbeddedRedis, "_write_config", broken_config)
+    break_the_config(monkeypatch)
     with pytest.raises(EmbeddedRedisError, match="no-such-directive"):
         EmbeddedRedis(tmp_path).start()
 
