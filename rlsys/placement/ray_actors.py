@@ -20,6 +20,7 @@ import time
 from rlsys.errors import RoleFailed
 from rlsys.placement.base import Placement, PlacementError, RoleHandle, learner_rendezvous
 from rlsys.placement.cpu_threads import OPENMP_WAIT_SETTINGS, role_environment
+from rlsys.placement.process_end import HeldExitHandlers, end_role
 from rlsys.preflight import check_reachable
 from rlsys.protocol import RENDEZVOUS_LISTEN_FD
 
@@ -40,6 +41,9 @@ class RoleActor:
         # else the short spin, as a local role gets it. Decided here, since only this process sees its node's
         # environment; the launcher's short spin overrode the node's own.
         os.environ.update(role_environment())
+        # Before the run's arguments bring in the role's modules: the exit handlers they and its plugins register are
+        # the role's, run as it ends (end_role), since the launcher kills this process once the run returned
+        self.exit_handlers = HeldExitHandlers()
 
     def listen(self) -> tuple[str, int]:
         """Learner rank 0's rendezvous: a socket bound on this node's address, at a port the kernel picks, which the
@@ -68,7 +72,11 @@ class RoleActor:
         else:
             print(f"{role}{index}: the launcher's directory {workdir} is not on this node; relative paths in the "
                   f"config resolve against {os.getcwd()}", flush=True)
-        return entry(role, index, *args)
+        threads = set(threading.enumerate())
+        try:
+            return entry(role, index, *args)
+        finally:  # before the reply: the launcher kills this process once it has the role's code
+            end_role(self.exit_handlers, threads)
 
 
 class RayRole(RoleHandle):
