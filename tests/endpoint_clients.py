@@ -166,7 +166,8 @@ async def chat_anthropic_run(base_url, api_key, prompt, stream: bool = False):
 
     from rlsys.impl.agent.langgraph_example import calculator
 
-    # max_tokens: its default (4096 for a model it does not know) is past the episode's context, and refused.
+    # max_tokens: its default (4096 for a model it does not know) is past the episode's context, and refused; so is
+    # one past what the conversation leaves of it, as Anthropic refuses it (the test gives it room).
     model = ChatAnthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, model="rlsys", max_tokens=128,
                           max_retries=0, streaming=stream)
     agent = create_react_agent(model, [calculator])
@@ -183,7 +184,8 @@ async def chat_anthropic_streaming_run(base_url, api_key, prompt):
     return await chat_anthropic_run(base_url, api_key, prompt, stream=True)
 
 
-CLAUDE_CODE: dict = {}  # the `claude` binary claude_code_run runs, its directories and its arguments
+CLAUDE_CODE: dict = {}  # the `claude` binary claude_code_run runs, its directories, its arguments and the settings
+# (environment variables) a test adds
 
 
 def claude_code_binary() -> str | None:
@@ -207,7 +209,7 @@ async def claude_code_run(base_url, api_key, prompt):
     Its result, as it prints it, is kept."""
     env = {"PATH": os.environ["PATH"], "HOME": str(CLAUDE_CODE["home"]), "ANTHROPIC_BASE_URL":
            base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": api_key,
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", **CLAUDE_CODE["settings"]}
     process = await asyncio.create_subprocess_exec(
         CLAUDE_CODE["binary"], "-p", prompt, *CLAUDE_CODE["args"], "--output-format", "json", env=env,
         cwd=CLAUDE_CODE["cwd"], stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,

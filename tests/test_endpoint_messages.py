@@ -22,6 +22,8 @@ BODY = {"model": "rlsys", "max_tokens": 8, "system": "Use the calculator.", "too
         "messages": [{"role": "user", "content": [{"type": "text", "text": "12+34="}]}], **SAMPLING}
 # The installed `anthropic` (2.17) takes no sampling arguments: they go as extra body fields.
 CLAUDE_CODE_CONTEXT = 100_000  # over its prompt (some 10,000 characters, a token each here), under its max_tokens
+# A context the Messages agents' conversations and their max_tokens of 128 fit (Anthropic refuses them past it).
+ROOMY = 512
 CLIENT_BODY = {**{k: v for k, v in BODY.items() if k not in SAMPLING}, "extra_body": SAMPLING}
 
 
@@ -110,7 +112,21 @@ def test_a_prompt_past_the_context_is_chat_anthropics_context_overflow(tokenizer
         return overflow.value
 
     overflow, session = messages_served(tokenizer, [], calls)
-    assert overflow.status_code == 400 and "this endpoint's context is" in overflow.message and session.outputs == []
+    assert overflow.status_code == 400 and "prompt is too long: " in overflow.message and session.outputs == []
+
+
+def test_a_prompt_past_the_context_is_refused_in_anthropics_sentence_whose_numbers_claude_code_reads(tokenizer):
+    """"prompt is too long: <prompt> tokens > <context> maximum", as Anthropic words it: Claude Code compacts its
+    conversation on "prompt is too long" and reads the two numbers for how much."""
+    def body(text: str) -> dict:
+        return {**BODY, "messages": [{"role": "user", "content": text}]}
+
+    _, (fits,) = post(tokenizer, "/messages", body("1"))
+    length = len(fits["token_ids"]) + CONTEXT
+    response, asked = post(tokenizer, "/messages", body("1" * (CONTEXT + 1)))
+    assert response.status_code == 400 and anthropic_refusal(response) == {
+        "type": "invalid_request_error", "message": f"prompt is too long: {length} tokens > {CONTEXT} maximum"}
+    assert asked == []
 
 
 def test_a_chat_anthropic_agent_records_what_the_chat_completions_agent_does(tokenizer, tokenizer_dir):
@@ -123,7 +139,8 @@ def test_a_chat_anthropic_agent_records_what_the_chat_completions_agent_does(tok
     recorded = []
     for run in ("rlsys.impl.agent.langgraph_example:run", "tests.endpoint_clients:chat_anthropic_run",
                 "tests.endpoint_clients:chat_anthropic_streaming_run"):
-        trajectories, engine = run_episode(tokenizer, tokenizer_dir, run, tool_then_answer(tokenizer))
+        trajectories, engine = run_episode(tokenizer, tokenizer_dir, run, tool_then_answer(tokenizer),
+                                           max_total_tokens=ROOMY)
         recorded.append(record(trajectories, engine))
         if run.endswith("chat_anthropic_run"):
             call, answer = [m for m in RESPONSES if isinstance(m, AIMessage)]
@@ -148,7 +165,7 @@ def test_a_tool_use_and_its_result_continue_the_recorded_sample_token_exactly(to
     calls; the second call sends it back with a tool_result, and its prompt is the first call's ids, the model's own
     ids, then only the tool's result through the template."""
     [trajectory], engine = run_episode(tokenizer, tokenizer_dir, f"tests.endpoint_clients:{run}",
-                                       tool_then_answer(tokenizer))
+                                       tool_then_answer(tokenizer), max_total_tokens=ROOMY)
     first, second = RESPONSES
     [call] = first.content
     assert (call.type, call.name, call.input) == ("tool_use", "calculator", {"expression": "12*34+1"})
@@ -303,6 +320,19 @@ def test_a_conversation_is_the_chat_call_it_makes(tokenizer):
             asked["gconfig"]["top_k"]) == (8, 0.7, 0.9, 5)
 
 
+def use_claude_code(tmp_path, args: list[str], settings: dict | None = None) -> None:
+    """claude_code_run set to run the installed Claude Code with `args` and the environment's `settings`, in a home
+    and a working directory of the test's own; the test skipped where it is not installed."""
+    binary = claude_code_binary()
+    if binary is None:
+        pytest.skip("Claude Code is not installed (bash scripts/install.sh --tests installs the Claude Agent SDK, "
+                    "which bundles it)")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    CLAUDE_CODE.update(binary=binary, home=tmp_path / "home", cwd=tmp_path / "work", args=args,
+                       settings=settings or {})
+
+
 @pytest.mark.parametrize("args", [["--model", "rlsys"], []], ids=["a model it does not know", "its own model"])
 def test_claude_code_reads_a_file_with_its_tool_and_answers_in_one_recorded_sample(tokenizer, tokenizer_dir, tmp_path,
                                                                                    args):
@@ -312,14 +342,8 @@ def test_claude_code_reads_a_file_with_its_tool_and_answers_in_one_recorded_samp
     second continuing the first's ids: Claude Code sends its conversation back as it got it. For its own models it asks
     effort "medium", which is refused in Anthropic's words for a model without effort: it sends the call again without
     one, as it does to Anthropic (for a model it does not know it asks none)."""
-    binary = claude_code_binary()
-    if binary is None:
-        pytest.skip("Claude Code is not installed (bash scripts/install.sh --tests installs the Claude Agent SDK, "
-                    "which bundles it)")
-    (tmp_path / "home").mkdir()
-    (tmp_path / "work").mkdir()
+    use_claude_code(tmp_path, args)
     (tmp_path / "work" / "answer.txt").write_text("409\n")
-    CLAUDE_CODE.update(binary=binary, home=tmp_path / "home", cwd=tmp_path / "work", args=args)
     call = json.dumps({"name": "Read", "arguments": {"file_path": str(tmp_path / "work" / "answer.txt")}})
     [trajectory], engine = run_episode(tokenizer, tokenizer_dir, "tests.endpoint_clients:claude_code_run",
                                        tool_then_answer(tokenizer, f"<tool_call>{call}</tool_call>"),
@@ -330,6 +354,24 @@ def test_claude_code_reads_a_file_with_its_tool_and_answers_in_one_recorded_samp
     assert second[:len(first)] == first and "409" in tokenizer.decode(second[len(first):])  # the file, read
     assert trajectory.reward == 1.0 and trajectory.metrics["history_splits"] == 0
     assert trajectory.token_ids == second + ids(tokenizer, "409") + [tokenizer.eos_token_id]
+
+
+def test_claude_code_asked_for_less_than_the_context_but_more_than_its_prompt_leaves_asks_for_what_it_leaves(
+        tokenizer, tokenizer_dir, tmp_path):
+    """Claude Code with CLAUDE_CODE_MAX_OUTPUT_TOKENS under the context (which spares the call refused past the whole
+    context) but past what its prompt leaves: the call is refused in Anthropic's words, Claude Code reads them and
+    asks again for what the context leaves less its margin of 1,000 tokens, and that call is answered. Cut instead,
+    the reply would have had the 1,000 tokens Claude Code keeps back, and a max_tokens stop at a budget it never
+    asked."""
+    context, asked = 36_000, 32_000  # its prompt is some 17,000 tokens here: over 3,000 left, not 32,000
+    use_claude_code(tmp_path, [], {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(asked)})
+    [trajectory], engine = run_episode(tokenizer, tokenizer_dir, "tests.endpoint_clients:claude_code_run",
+                                       lambda *_: ids(tokenizer, "409") + [tokenizer.eos_token_id],
+                                       max_total_tokens=context)
+    [result] = RESPONSES
+    assert (result.get("is_error"), result.get("result")) == (False, "409"), result
+    [(prompt, gconfig)] = engine.requests
+    assert len(prompt) + asked > context and gconfig.max_new_tokens == context - len(prompt) - 1000
 
 
 def test_a_claude_agent_sdk_agent_loads_its_tool_calls_it_and_answers_in_one_recorded_sample(tokenizer, tokenizer_dir,
@@ -544,12 +586,19 @@ def test_max_tokens_past_the_context_is_refused_saying_by_how_much_in_the_words_
            f"{CONTEXT}," in error["message"] and asked == [], error
 
 
-def test_max_tokens_within_the_context_but_past_what_the_prompt_leaves_is_cut_to_it_not_refused(tokenizer):
-    """The context bounds the budget once: a max_tokens no more than the context is cut to what the prompt leaves,
-    as on the OpenAI paths."""
-    response, (asked,) = post(tokenizer, "/messages", {**BODY, "max_tokens": CONTEXT})
-    assert response.status_code == 200, response.text
-    assert asked["gconfig"]["max_new_tokens"] == CONTEXT - len(asked["token_ids"])
+def test_max_tokens_past_what_the_prompt_leaves_is_refused_saying_by_how_much_not_cut(tokenizer):
+    """As Anthropic refuses it, whether or not max_tokens alone is past the context: Claude Code asks again for what
+    the context leaves (less a margin of its own), where a cut reply would end at a max_tokens it did not ask. A
+    max_tokens the prompt leaves room for is answered as asked."""
+    _, (plain,) = post(tokenizer, "/messages", BODY)
+    room = CONTEXT - len(plain["token_ids"])
+    response, asked = post(tokenizer, "/messages", {**BODY, "max_tokens": room + 1})
+    error = anthropic_refusal(response)
+    assert response.status_code == 400 and error["type"] == "invalid_request_error" and asked == [], error
+    assert f"input length and `max_tokens` exceed context limit: {CONTEXT - room} + {room + 1} > {CONTEXT}, " \
+           f"decrease input length or `max_tokens` and try again" in error["message"], error
+    response, (asked,) = post(tokenizer, "/messages", {**BODY, "max_tokens": room})
+    assert response.status_code == 200 and asked["gconfig"]["max_new_tokens"] == room, response.text
 
 
 def test_a_model_without_a_chat_template_refuses_messages_saying_so():

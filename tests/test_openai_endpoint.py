@@ -709,8 +709,8 @@ def test_a_refused_call_is_no_history_split():
     async def calls(http):
         await http.post("/chat/completions", json={"messages": [{"role": "user", "content": "12+34="}]})
         await http.post("/completions", json={"prompt": "12+34="})
-        for path, body in (("/chat/completions", {"messages": [{"role": "user", "content": "x" * CONTEXT}]}),
-                           ("/completions", {"prompt": "x" * CONTEXT})):
+        for path, body in (("/chat/completions", {"messages": [{"role": "user", "content": "x" * (CONTEXT + 1)}]}),
+                           ("/completions", {"prompt": "x" * (CONTEXT + 1)})):
             refused = await http.post(path, json=body)
             assert refused.status_code == 400 and "context" in refused.text, refused.text
 
@@ -1042,7 +1042,7 @@ def test_tool_call_arguments_json_cannot_read_are_taken_as_text(tokenizer, argum
     messages[2] = {**messages[2], "tool_calls": [{"id": "c1", "type": "function",
                                                   "function": {"name": "calculator", "arguments": arguments}}]}
     response, asked = post(tokenizer, "/chat/completions", {**CHAT, "messages": messages})
-    assert refusal(response)["code"] == "context_length_exceeded" and asked == []
+    assert refusal(response)["param"] == "input_tokens" and asked == []
 
 
 RESPONSES_CALL = {"model": "rlsys", "input": "12+34="}
@@ -1060,10 +1060,52 @@ def test_a_budget_past_the_context_is_refused_in_the_words_of_vllms_openai_serve
     terms."""
     body, param = BUDGETS[name]
     response, asked = post(tokenizer, name.split()[0], {**body, param: CONTEXT + 1})
-    error = refusal(response)
-    assert error == {"message": f"{param}={CONTEXT + 1} cannot be greater than max_model_len={CONTEXT}. Please "
-                                f"request fewer output tokens.", "type": "invalid_request_error", "param": param,
-                     "code": "invalid_value"} and asked == []
+    assert response.status_code == 400 and refusal(response) == vllm_refusal(
+        f"{param}={CONTEXT + 1} cannot be greater than max_model_len={CONTEXT}. Please request fewer output tokens.",
+        param, CONTEXT + 1) and asked == []
+
+
+def vllm_refusal(message: str, param: str, value: int) -> dict:
+    """The error vLLM 0.32's OpenAI server answers a request its checks refuse (a VLLMValidationError, as its
+    create_error_response words it)."""
+    return {"message": f"{message} (parameter={param}, value={value})", "type": "BadRequestError", "param": param,
+            "code": 400}
+
+
+LONG_PROMPTS = {  # path -> a body whose prompt is `CONTEXT + 1` characters (a token each) past a short one's
+    "/chat/completions": {**CHAT, "messages": [{"role": "user", "content": "1" * (CONTEXT + 2)}]},
+    "/completions": {**COMPLETION, "prompt": "1" * (CONTEXT + 2)},
+    "/responses": {**RESPONSES_CALL, "input": "1" * (CONTEXT + 2)},
+}
+
+
+@pytest.mark.parametrize("path", LONG_PROMPTS)
+def test_a_prompt_past_the_context_is_refused_as_vllms_openai_server_refuses_it(tokenizer, path):
+    """Its words, status, type and code, the prompt's length its own (vLLM's count, where it tokenizes the prompt
+    itself, stops one past the context: "at least"), not /v1/messages' refusal in Anthropic's words."""
+    body = LONG_PROMPTS[path]
+    short = {**body, **({"prompt": "1"} if path == "/completions" else {"input": "1"} if path == "/responses" else
+                        {"messages": [{"role": "user", "content": "1"}]})}
+    _, (fits,) = post(tokenizer, path, short)
+    length = len(fits["token_ids"]) + CONTEXT + 1
+    response, asked = post(tokenizer, path, body)
+    assert response.status_code == 400 and refusal(response) == vllm_refusal(
+        f"This model's maximum context length is {CONTEXT} tokens. However, your prompt contains {length} input "
+        f"tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
+        f"prompt.", "input_tokens", length) and asked == []
+
+
+@pytest.mark.parametrize("budget", [{}, {"max_tokens": 4}], ids=["the agent's default", "max_tokens"])
+def test_a_prompt_that_fills_the_context_is_refused_as_vllm_refuses_the_budget_of_0_it_leaves(tokenizer, budget):
+    """vLLM admits a prompt of the whole context, cuts the reply's budget to the 0 tokens it leaves, and refuses that
+    budget; so does the endpoint, rather than send the model a request it sets aside."""
+    body = {k: v for k, v in COMPLETION.items() if k != "max_tokens"}
+    response, asked = post(tokenizer, "/completions", {**body, **budget, "prompt": ids(tokenizer, "1") * CONTEXT})
+    assert response.status_code == 400 and refusal(response) == vllm_refusal(
+        "max_tokens must be at least 1, got 0.", "max_tokens", 0) and asked == []
+    response, (asked,) = post(tokenizer, "/completions", {**body, **budget,
+                                                          "prompt": ids(tokenizer, "1") * (CONTEXT - 1)})
+    assert response.status_code == 200 and asked["gconfig"]["max_new_tokens"] == 1, response.text
 
 
 @pytest.mark.parametrize("path, body", [("/chat/completions", {k: v for k, v in CHAT.items() if k != "max_tokens"}),

@@ -10,10 +10,13 @@ recurses through it.
 
 The sampling settings are held to the bounds every request to the model is held to
 (`rlsys.api.messages.generation_setting`, the check `Model`, the router and the inference worker run), and
-the reply's budget (`max_tokens` by whichever name the API gives it) to the episode's context as well, once the prompt
-is rendered (`reply_budget`): a budget past the whole context is refused in the words of the call's API (vLLM's
-OpenAI server's on the OpenAI paths, Anthropic's on /v1/messages), and one within it (or the agent's default, where
-none is asked) is cut to what the prompt leaves, as vLLM cuts it. Sampling and reply settings the endpoint does not
+the prompt and the reply's budget (`max_tokens` by whichever name the API gives it) to the episode's context as well,
+once the prompt is rendered (`reply_budget`), in the words, status and error fields of the call's API. On the OpenAI
+paths as vLLM's OpenAI server answers: a budget or a prompt past the whole context is refused (type "BadRequestError",
+code 400, `param` the budget's name or "input_tokens"), and a budget within it (or the agent's default, where none is
+asked) is cut to what the prompt leaves. On /v1/messages as Anthropic's API answers: a prompt past the context is
+"prompt is too long: <prompt> tokens > <context> maximum", and a max_tokens past what the prompt leaves is refused
+saying both numbers, which Claude Code reads to ask again for less. Sampling and reply settings the endpoint does not
 honour (penalties, logit bias, min_p, a forced or forbidden tool call, at most one tool call a turn, a JSON reply
 format, alternatives to each token's logprob; a completion's echoed prompt, suffix and best-of choice; the legacy
 `functions`) may be sent at their neutral value, as many clients do, and are refused at any other: the reply would be
@@ -41,8 +44,9 @@ assistant turn's tool_use blocks its tool calls, a user turn's tool_result block
 `tool_reference` block in it, a tool search's answer, is the referenced tool's definition, which loads it); `tools`
 custom tools (`input_schema` their parameters; one with `defer_loading` is not rendered with the others, as Anthropic
 shows it only where a tool_reference loads it, and may be called from then on); `max_tokens` (required, as Anthropic
-requires it; past the context it is refused saying by how much, in Anthropic's words), `temperature`, `top_p`,
-`top_k`, `stop_sequences` (chat's stop strings), `stream` and `tool_choice` `{"type": "auto"}` act, `metadata` labels.
+requires it; past what the prompt leaves of the context it is refused saying by how much, in Anthropic's words),
+`temperature`, `top_p`, `top_k`, `stop_sequences` (chat's stop strings), `stream` and `tool_choice` `{"type": "auto"}`
+act, `metadata` labels.
 `cache_control` (Anthropic's prompt caching, top-level or on a block) is accepted: caching changes no answer, and an
 episode's calls go to the worker holding its prefix anyway. At their neutral values only, as Claude Code sends them:
 `thinking` disabled or adaptive with nothing displayed (the model thinks or not as its template has it; no thinking
@@ -116,16 +120,16 @@ ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 4
 
 class RequestError(Exception):
     """A request the endpoint refuses, or a call it could not answer (a 5xx): an HTTP status and OpenAI's error
-    body."""
+    body. Its `error_type` is OpenAI's type for the status unless given (vLLM's refusals carry their own)."""
 
-    def __init__(self, status: int, message: str, code: str | None = "invalid_request_error",
-                 param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | int | None = "invalid_request_error",
+                 param: str | None = None, error_type: str | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.error_type = error_type or ("server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
-        kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> dict:
         """Anthropic's error shape, as /v1/messages answers it: no param, so the message names the field."""
@@ -135,6 +139,12 @@ class RequestError(Exception):
 
 def _invalid(param: str, reason: str) -> RequestError:
     return RequestError(400, f"{param} {reason}", "invalid_value", param)
+
+
+def _vllm_refusal(message: str, param: str, value: int) -> RequestError:
+    """A refusal as vLLM's OpenAI server answers a request its checks refuse (a VLLMValidationError, which its
+    create_error_response words with the parameter and value, its type "BadRequestError" and its code the status)."""
+    return RequestError(400, f"{message} (parameter={param}, value={value})", 400, param, "BadRequestError")
 
 
 def too_large() -> RequestError:
@@ -488,19 +498,36 @@ def _max_new_tokens(body: dict, param: str, settings: dict) -> None:
 
 
 def reply_budget(sampling: Sampling, default: int, prompt_length: int, context: int) -> int:
-    """The most new tokens the call's reply takes: what it asks (`default` where it asks nothing), no more than the
-    context leaves after its `prompt_length` tokens, as vLLM's OpenAI server bounds it. A budget past the whole context
-    is refused, in the words of the call's API: vLLM's on the OpenAI paths; Anthropic's on /v1/messages, saying by how
-    much, on which Claude Code asks again for what the context leaves."""
+    """The most new tokens the call's reply takes: what it asks (`default` where it asks nothing), within the context
+    its `prompt_length` tokens leave; or the call refused, in the words of its API.
+
+    On the OpenAI paths as vLLM's OpenAI server answers, in the order it checks: a budget past the whole context is
+    refused, then a prompt past it; a budget within it is cut to what the prompt leaves, and a prompt that leaves
+    nothing is refused as vLLM refuses the budget of 0 it leaves. On /v1/messages as Anthropic's API answers: a
+    prompt past the context is "prompt is too long", and a prompt and max_tokens that together are past it are refused
+    saying both numbers, nothing cut: Claude Code reads them and asks again for what the context leaves, less a margin
+    of its own (or, where that is under its floor of output tokens, ends the call)."""
     asked, param = sampling.settings.get("max_new_tokens"), sampling.budget_param
+    budget = default if asked is None else asked
+    if sampling.anthropic:  # no `param` in its refusals: the message starts with the field, where one is at fault
+        if prompt_length > context:
+            raise RequestError(400, f"prompt is too long: {prompt_length} tokens > {context} maximum")
+        if prompt_length + budget > context:
+            raise _invalid(param, f"is more than the context leaves: input length and `{param}` exceed context limit: "
+                                  f"{prompt_length} + {budget} > {context}, decrease input length or `{param}` and "
+                                  f"try again")
+        return budget
     if asked is not None and asked > context:
-        if sampling.anthropic:  # its refusals start with the field, as it has no `param`
-            raise _invalid(param, f"is past this endpoint's context: input length and `{param}` exceed context "
-                                  f"limit: {prompt_length} + {asked} > {context}, decrease input length or `{param}` "
-                                  f"and try again")
-        raise RequestError(400, f"{param}={asked} cannot be greater than max_model_len={context}. Please request fewer "
-                                f"output tokens.", "invalid_value", param)
-    return min(default if asked is None else asked, context - prompt_length)
+        raise _vllm_refusal(f"{param}={asked} cannot be greater than max_model_len={context}. Please request fewer "
+                            f"output tokens.", param, asked)
+    if prompt_length > context:
+        raise _vllm_refusal(f"This model's maximum context length is {context} tokens. However, your prompt contains "
+                            f"{prompt_length} input tokens, which exceeds this limit even without any output tokens. "
+                            f"Please reduce the length of the input prompt.", "input_tokens", prompt_length)
+    budget = min(budget, context - prompt_length)
+    if budget < 1:  # vLLM's sampling check, under the name it gives the budget whatever the request's
+        raise _vllm_refusal(f"max_tokens must be at least 1, got {budget}.", "max_tokens", budget)
+    return budget
 
 
 def _tool_choice(body: dict, tools: list[dict]) -> None:

@@ -188,13 +188,10 @@ class EpisodeSession:
         return output
 
     def generation_config(self, sampling: Sampling, prompt_length: int) -> GenerationConfig:
-        """The agent's settings, with what the request sets; no more new tokens than the episode's context leaves."""
+        """The agent's settings, with what the request sets; no more new tokens than the episode's context leaves (a
+        call that does not fit it refused, `reply_budget`)."""
         if prompt_length == 0:  # nothing to continue: the inference worker would set the request aside
             raise RequestError(400, "the prompt is empty: it renders to no tokens", param="prompt")
-        if prompt_length >= self.max_total_tokens:
-            # "prompt is too long", as Anthropic words it: ChatAnthropic reads it as a context overflow
-            raise RequestError(400, f"the prompt is too long: {prompt_length} tokens; this endpoint's context is "
-                                    f"{self.max_total_tokens} tokens", "context_length_exceeded")
         budget = reply_budget(sampling, self.defaults.max_new_tokens, prompt_length, self.max_total_tokens)
         settings = {k: v for k, v in sampling.settings.items() if k != "max_new_tokens"}
         single = [ids[0] for ids in (self.tokenizer.encode(s, add_special_tokens=False) for s in sampling.stop)
