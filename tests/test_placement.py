@@ -161,6 +161,45 @@ def test_a_role_whose_launcher_died_as_it_started_does_not_run(tmp_path):
             os.kill(role, signal.SIGKILL)
 
 
+THREADS_OF_A_ROLE = """
+import glob, signal, sys, threading
+from rlsys.cli import parse_config
+from rlsys.placement.local import LocalPlacement
+
+# A thread started as the launcher's main module loads, as torch's and a BLAS's start: a role process loads it too
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+
+def stop_signals_blocked_per_thread(*args):
+    for status in glob.glob("/proc/self/task/*/status"):
+        blocked = int(next(line for line in open(status) if line.startswith("SigBlk:")).split()[1], 16)
+        print(sorted(s.name for s in (signal.SIGINT, signal.SIGTERM) if blocked >> (s - 1) & 1), flush=True)
+    return 0
+
+if __name__ == "__main__":
+    role = LocalPlacement(parse_config([]), stop_signals_blocked_per_thread).start("rollout", 0, ())
+    role.join(120)
+    sys.exit(role.exitcode)
+"""
+
+
+def test_no_thread_of_a_role_process_keeps_the_stop_signals_blocked(tmp_path):
+    """A role process started with SIGINT and SIGTERM blocked, and unblocked them only in its main thread, as it ran
+    the role: a thread made before (by its imports) kept them blocked for its life, and so did a process such a
+    thread started (a redis-server that outlived its owner, deaf to the parent-death SIGTERM)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "launcher.py"
+    script.write_text(THREADS_OF_A_ROLE)
+    root = Path(__file__).resolve().parents[1]
+    role = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert role.returncode == 0, role.stderr
+    threads = role.stdout.splitlines()
+    assert len(threads) >= 2 and set(threads) == {"[]"}, threads
+
+
 def wait_for_the_stop(*args):
     time.sleep(120)  # a role the stop did not reach: it runs on
 

@@ -3,9 +3,13 @@
 import contextlib
 import ctypes
 import functools
+import io
 import logging
 import multiprocessing
+import multiprocessing.context
+import multiprocessing.popen_spawn_posix
 import multiprocessing.resource_tracker
+import multiprocessing.spawn
 import multiprocessing.util
 import os
 import signal
@@ -64,9 +68,8 @@ class LocalPlacement(Placement):
                 listener = socket.create_server(("127.0.0.1", 0))
                 self.master_port = listener.getsockname()[1]
             env.update(learner_rendezvous(index, self.config.cluster.n_learner_ranks, "127.0.0.1", self.master_port))
-        ctx = multiprocessing.get_context("spawn")  # vLLM and torch do not survive fork
         # the socket goes to the process with its arguments (spawn passes on the descriptors of those it pickles)
-        process = ctx.Process(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env),
+        process = RoleProcess(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env),
                               kwargs={"launcher_terminated": self.terminated,
                                       **({"rendezvous": listener} if listener else {})})
         # the environment: libgomp reads it as torch loads
@@ -119,9 +122,9 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # what reaches the whole process
 @contextlib.contextmanager
 def stop_signals_blocked():
     """SIGINT and SIGTERM held back from this thread for the moment a role process is spawned, which starts with them
-    blocked (a signal mask outlives exec) until run_in_process has its own way with them: a Ctrl-C in the seconds a
-    new process spends importing the launcher's main module ended each role there with a KeyboardInterrupt traceback
-    on the console. The launcher gets its own signal once the mask is back."""
+    blocked (a signal mask outlives exec) until its first statements take them over (_UNBLOCK_FIRST): a Ctrl-C in the
+    seconds a new process spends importing the launcher's main module ended each role there with a KeyboardInterrupt
+    traceback on the console. The launcher gets its own signal once the mask is back."""
     # Started first: the first spawn starts multiprocessing's resource tracker, which unblocks both after it
     multiprocessing.resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -129,6 +132,65 @@ def stop_signals_blocked():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+# A role process's first statements, before its interpreter imports anything: Ctrl-C ignored and a SIGTERM held for
+# run_in_process, then both taken out of the mask the process started with (stop_signals_blocked). Unblocked only in
+# run_in_process, every thread made before it (by the imports of the launcher's main module and of the role's entry:
+# torch's, a BLAS's) kept them blocked for its life, and so did every process such a thread started: a redis-server
+# or an engine that a SIGTERM, the parent-death signal included, never reached. A handler is the whole process's, not
+# a thread's: run_in_process gives both their own.
+_UNBLOCK_FIRST = """
+import signal
+def held_sigterm(signum, frame):
+    held_sigterm.held = True
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, held_sigterm)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+"""
+
+
+class _RolePopen(multiprocessing.popen_spawn_posix.Popen):
+    """multiprocessing's spawn (Python's own _launch), with _UNBLOCK_FIRST ahead of its command."""
+
+    def _launch(self, process_obj):
+        tracker_fd = multiprocessing.resource_tracker.getfd()
+        self._fds.append(tracker_fd)
+        prep_data = multiprocessing.spawn.get_preparation_data(process_obj._name)
+        fp = io.BytesIO()
+        multiprocessing.context.set_spawning_popen(self)
+        try:
+            multiprocessing.context.reduction.dump(prep_data, fp)
+            multiprocessing.context.reduction.dump(process_obj, fp)
+        finally:
+            multiprocessing.context.set_spawning_popen(None)
+        parent_r = child_w = child_r = parent_w = None
+        try:
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            command = multiprocessing.spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            program = command.index("-c") + 1
+            command[program] = _UNBLOCK_FIRST + command[program]
+            self._fds.extend([child_r, child_w])
+            self.pid = multiprocessing.util.spawnv_passfds(multiprocessing.spawn.get_executable(), command, self._fds)
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            self.finalizer = multiprocessing.util.Finalize(
+                self, multiprocessing.util.close_fds, [fd for fd in (parent_r, parent_w) if fd is not None])
+            for fd in (child_r, child_w):
+                if fd is not None:
+                    os.close(fd)
+
+
+class RoleProcess(multiprocessing.context.SpawnProcess):
+    """A spawned role process (vLLM and torch do not survive fork) that takes its stop signals out of its mask before
+    it imports anything (_UNBLOCK_FIRST)."""
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _RolePopen(process_obj)
 
 
 def run_in_process(entry, role: str, index: int, *args, launcher_terminated,
@@ -140,8 +202,9 @@ def run_in_process(entry, role: str, index: int, *args, launcher_terminated,
     if rendezvous is not None:
         os.environ[RENDEZVOUS_LISTEN_FD] = str(rendezvous.detach())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher stops us
-    signal.signal(signal.SIGTERM, functools.partial(_sigterm, os.getppid(), launcher_terminated))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since its spawn (stop_signals_blocked)
+    starting = signal.signal(signal.SIGTERM, functools.partial(_sigterm, os.getppid(), launcher_terminated))
+    if getattr(starting, "held", False):  # one that came as the process started (_UNBLOCK_FIRST)
+        os.kill(os.getpid(), signal.SIGTERM)
     code = entry(role, index, *args)
     if role == "inference":
         # vLLM's exit-time shutdown garbage-collects the engine's whole heap twice (8 s of a CPU run's end); the
