@@ -66,6 +66,43 @@ def test_the_warm_start_takes_every_core_unless_the_learner_has_a_setting(monkey
     assert warm_start_threads(parse_config(["learner.num_threads=1"])) == 1
 
 
+TORCH_OF_THE_WARM_START = """
+import json, os, sys
+from rlsys.assets import prepare_assets
+from rlsys.cli import parse_config
+
+def as_torch_loads(event, args):  # libgomp reads how its threads wait as torch loads it
+    if event == "import" and args[0] == "torch":
+        print(json.dumps({name: os.environ.get(name) for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}), flush=True)
+        os._exit(0)
+
+sys.addaudithook(as_torch_loads)
+prepare_assets(parse_config(sys.argv[1:]), log=lambda line: None)
+print("torch was not loaded", flush=True)
+"""
+
+
+@pytest.mark.parametrize("users,loaded_with", [
+    ({}, {"GOMP_SPINCOUNT": "1000", "OMP_WAIT_POLICY": None}),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": None, "OMP_WAIT_POLICY": "ACTIVE"}),
+])
+def test_the_warm_start_s_threads_wait_as_a_role_s_do(users, loaded_with, tmp_path):
+    """The launcher loaded torch for the tiny model's warm start with libgomp's default spin: beside two busy
+    processes on 2 cores, its threads spun while the one they waited for needed the core, and a warm start of a few
+    minutes took over 15."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    environment = {name: value for name, value in os.environ.items() if name not in OPENMP_WAIT_SETTINGS}
+    loading = subprocess.run([sys.executable, "-c", TORCH_OF_THE_WARM_START, f"model.cache_dir={tmp_path / 'cache'}",
+                              f"output_dir={tmp_path / 'out'}"], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path, env={**environment, **users, "PYTHONPATH": str(root)})
+    assert loading.returncode == 0, loading.stderr
+    assert json.loads(loading.stdout) == loaded_with
+
+
 def report_environment(role, index, path, env):
     """A role entry that writes what its process started with (the OpenMP settings) and the launcher's `env`."""
     with open(path, "w") as f:

@@ -29,6 +29,7 @@ while the learner trains and the learner idle while inference generates, so each
 own `num_threads` says otherwise).
 """
 
+import contextlib
 import os
 
 INFERENCE = "inference"
@@ -50,6 +51,25 @@ OPENMP_WAIT_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 def role_environment(environ=os.environ) -> dict[str, str]:
     """What the launcher adds to each role's environment: the short spin, unless the user chose how threads wait."""
     return {} if any(name in environ for name in OPENMP_WAIT_SETTINGS) else dict(ROLE_ENVIRONMENT)
+
+
+@contextlib.contextmanager
+def role_environment_applied():
+    """os.environ with role_environment() added for a moment: while a role process is spawned, or while the launcher
+    loads torch for the tiny model's warm start (libgomp reads the setting as it loads, and only then): the warm
+    start's threads spun out libgomp's default while the one they waited for needed the core, and beside other busy
+    processes it crawled."""
+    added = role_environment()
+    saved = {name: os.environ.get(name) for name in added}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def role_threads(role: str, config, cores: int | None = None) -> int:
@@ -76,8 +96,9 @@ def auto_learner_threads(config, cores: int) -> int:
 
 def warm_start_threads(config) -> int:
     """The tiny model's warm start's threads: `learner.num_threads` if set, else every core, since it runs alone,
-    before any role starts (on 2 cores 1.4-1.8x faster a step than 1 thread; BENCHMARKS.md, "Cold starts"). A thread
-    count changes the order of float sums, so the model's bits: a cached model is kept whatever built it."""
+    before any role starts (on 2 cores 1.4-1.8x faster a step than 1 thread; BENCHMARKS.md, "Cold starts"), with the
+    roles' short spin (role_environment_applied, where the launcher has not loaded torch before). A thread count
+    changes the order of float sums, so the model's bits: a cached model is kept whatever built it."""
     if hasattr(config, "learner") and config.learner.num_threads:
         return config.learner.num_threads
     return available_cores()

@@ -19,7 +19,7 @@ import threading
 import time
 
 from rlsys.placement.base import Placement, RoleHandle, learner_rendezvous, process_exit
-from rlsys.placement.cpu_threads import role_environment
+from rlsys.placement.cpu_threads import role_environment_applied
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.placement.process_end import end_process
 from rlsys.protocol import RENDEZVOUS_LISTEN_FD
@@ -72,9 +72,8 @@ class LocalPlacement(Placement):
         process = RoleProcess(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env),
                               kwargs={"launcher_terminated": self.terminated,
                                       **({"rendezvous": listener} if listener else {})})
-        # the environment: libgomp reads it as torch loads
         try:
-            with environment(role_environment()), stop_signals_blocked():
+            with role_environment_applied(), stop_signals_blocked():  # a process starts with a copy of it
                 process.start()
         finally:
             if listener is not None:  # rank 0 holds its own copy now
@@ -99,21 +98,6 @@ class LocalPlacement(Placement):
         elif self._launcher_sigterm == signal.SIG_DFL:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def environment(added: dict[str, str]):
-    """os.environ with `added` for the moment a process is spawned (it starts with a copy of the environment)."""
-    saved = {name: os.environ.get(name) for name in added}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # what reaches the whole process group to stop a run
