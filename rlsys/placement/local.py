@@ -3,7 +3,6 @@
 import contextlib
 import ctypes
 import functools
-import io
 import logging
 import multiprocessing
 import multiprocessing.context
@@ -135,37 +134,25 @@ signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 class _RolePopen(multiprocessing.popen_spawn_posix.Popen):
-    """multiprocessing's spawn (Python's own _launch), with _UNBLOCK_FIRST ahead of its command."""
+    """multiprocessing's spawn with _UNBLOCK_FIRST ahead of the program its command runs."""
 
     def _launch(self, process_obj):
-        tracker_fd = multiprocessing.resource_tracker.getfd()
-        self._fds.append(tracker_fd)
-        prep_data = multiprocessing.spawn.get_preparation_data(process_obj._name)
-        fp = io.BytesIO()
-        multiprocessing.context.set_spawning_popen(self)
+        command_line = multiprocessing.spawn.get_command_line
+
+        def unblocking_first(**kwds):
+            command = command_line(**kwds)
+            if "-c" in command:  # a frozen interpreter's has none: its roles unblock in run_in_process
+                program = command.index("-c") + 1
+                command[program] = _UNBLOCK_FIRST + command[program]
+            return command
+
+        # Python's _launch takes its command from spawn's function: replaced only while this launch runs, on the
+        # launcher's one thread that starts roles
+        multiprocessing.spawn.get_command_line = unblocking_first
         try:
-            multiprocessing.context.reduction.dump(prep_data, fp)
-            multiprocessing.context.reduction.dump(process_obj, fp)
+            super()._launch(process_obj)
         finally:
-            multiprocessing.context.set_spawning_popen(None)
-        parent_r = child_w = child_r = parent_w = None
-        try:
-            parent_r, child_w = os.pipe()
-            child_r, parent_w = os.pipe()
-            command = multiprocessing.spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
-            program = command.index("-c") + 1
-            command[program] = _UNBLOCK_FIRST + command[program]
-            self._fds.extend([child_r, child_w])
-            self.pid = multiprocessing.util.spawnv_passfds(multiprocessing.spawn.get_executable(), command, self._fds)
-            self.sentinel = parent_r
-            with open(parent_w, "wb", closefd=False) as f:
-                f.write(fp.getbuffer())
-        finally:
-            self.finalizer = multiprocessing.util.Finalize(
-                self, multiprocessing.util.close_fds, [fd for fd in (parent_r, parent_w) if fd is not None])
-            for fd in (child_r, child_w):
-                if fd is not None:
-                    os.close(fd)
+            multiprocessing.spawn.get_command_line = command_line
 
 
 class RoleProcess(multiprocessing.context.SpawnProcess):
@@ -189,6 +176,7 @@ def run_in_process(entry, role: str, index: int, *args, launcher_terminated,
     starting = signal.signal(signal.SIGTERM, functools.partial(_sigterm, os.getppid(), launcher_terminated))
     if getattr(starting, "held", False):  # one that came as the process started (_UNBLOCK_FIRST)
         os.kill(os.getpid(), signal.SIGTERM)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # where _UNBLOCK_FIRST did not run first
     code = entry(role, index, *args)
     if role == "inference":
         # vLLM's exit-time shutdown garbage-collects the engine's whole heap twice (8 s of a CPU run's end); the
