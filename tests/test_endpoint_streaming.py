@@ -243,3 +243,18 @@ def test_a_langgraph_agent_streaming_messages_records_the_same_trajectory_as_inv
     assert [m.usage_metadata["output_tokens"] for m in chunks if m.usage_metadata] == [len(ids(tokenizer, CALL)) + 1, 4]
     calls = [c for m in chunks for c in m.tool_call_chunks]
     assert any(c["name"] == "calculator" and json.loads(c["args"]) == {"expression": "12*34+1"} for c in calls)
+
+
+
+def test_a_prompt_past_the_context_carries_openais_code_for_it(tokenizer):
+    """Refused in vLLM's words ("maximum context length", which clients matching vLLM's message look for) with
+    OpenAI's code for it, which the openai client gives as the error's `code` where vLLM's status would be."""
+    async def calls(client, _http):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="rlsys", max_tokens=8,
+                                                 messages=[{"role": "user", "content": "1" * (CONTEXT + 1)}])
+        return refused.value
+
+    refused, session = served(tokenizer, [], calls)
+    assert (refused.status_code, refused.code) == (400, "context_length_exceeded") and session.outputs == []
+    assert "maximum context length is 512 tokens" in refused.message

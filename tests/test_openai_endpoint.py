@@ -1065,11 +1065,11 @@ def test_a_budget_past_the_context_is_refused_in_the_words_of_vllms_openai_serve
         param, CONTEXT + 1) and asked == []
 
 
-def vllm_refusal(message: str, param: str, value: int) -> dict:
+def vllm_refusal(message: str, param: str, value: int, code: str | int = 400) -> dict:
     """The error vLLM 0.32's OpenAI server answers a request its checks refuse (a VLLMValidationError, as its
-    create_error_response words it)."""
+    create_error_response words it; `code` where the endpoint gives OpenAI's instead of the status)."""
     return {"message": f"{message} (parameter={param}, value={value})", "type": "BadRequestError", "param": param,
-            "code": 400}
+            "code": code}
 
 
 LONG_PROMPTS = {  # path -> a body whose prompt is `CONTEXT + 1` characters (a token each) past a short one's
@@ -1081,7 +1081,7 @@ LONG_PROMPTS = {  # path -> a body whose prompt is `CONTEXT + 1` characters (a t
 
 @pytest.mark.parametrize("path", LONG_PROMPTS)
 def test_a_prompt_past_the_context_is_refused_as_vllms_openai_server_refuses_it(tokenizer, path):
-    """Its words, status, type and code, the prompt's length its own (vLLM's count, where it tokenizes the prompt
+    """Its words, status and type, OpenAI's code for it, the prompt's length its own (vLLM's count, where it tokenizes the prompt
     itself, stops one past the context: "at least"), not /v1/messages' refusal in Anthropic's words."""
     body = LONG_PROMPTS[path]
     short = {**body, **({"prompt": "1"} if path == "/completions" else {"input": "1"} if path == "/responses" else
@@ -1092,7 +1092,7 @@ def test_a_prompt_past_the_context_is_refused_as_vllms_openai_server_refuses_it(
     assert response.status_code == 400 and refusal(response) == vllm_refusal(
         f"This model's maximum context length is {CONTEXT} tokens. However, your prompt contains {length} input "
         f"tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
-        f"prompt.", "input_tokens", length) and asked == []
+        f"prompt.", "input_tokens", length, "context_length_exceeded") and asked == []
 
 
 @pytest.mark.parametrize("budget", [{}, {"max_tokens": 4}], ids=["the agent's default", "max_tokens"])

@@ -141,10 +141,11 @@ def _invalid(param: str, reason: str) -> RequestError:
     return RequestError(400, f"{param} {reason}", "invalid_value", param)
 
 
-def _vllm_refusal(message: str, param: str, value: int) -> RequestError:
+def _vllm_refusal(message: str, param: str, value: int, code: str | int = 400) -> RequestError:
     """A refusal as vLLM's OpenAI server answers a request its checks refuse (a VLLMValidationError, which its
-    create_error_response words with the parameter and value, its type "BadRequestError" and its code the status)."""
-    return RequestError(400, f"{message} (parameter={param}, value={value})", 400, param, "BadRequestError")
+    create_error_response words with the parameter and value, its type "BadRequestError" and its code the status,
+    unless `code` is given)."""
+    return RequestError(400, f"{message} (parameter={param}, value={value})", code, param, "BadRequestError")
 
 
 def too_large() -> RequestError:
@@ -521,9 +522,12 @@ def reply_budget(sampling: Sampling, default: int, prompt_length: int, context: 
         raise _vllm_refusal(f"{param}={asked} cannot be greater than max_model_len={context}. Please request fewer "
                             f"output tokens.", param, asked)
     if prompt_length > context:
+        # vLLM's words, with OpenAI's code for it where vLLM puts the status: a client tells a context overflow from
+        # any bad request by that code
         raise _vllm_refusal(f"This model's maximum context length is {context} tokens. However, your prompt contains "
                             f"{prompt_length} input tokens, which exceeds this limit even without any output tokens. "
-                            f"Please reduce the length of the input prompt.", "input_tokens", prompt_length)
+                            f"Please reduce the length of the input prompt.", "input_tokens", prompt_length,
+                            "context_length_exceeded")
     budget = min(budget, context - prompt_length)
     if budget < 1:  # vLLM's sampling check, under the name it gives the budget whatever the request's
         raise _vllm_refusal(f"max_tokens must be at least 1, got {budget}.", "max_tokens", budget)
