@@ -93,11 +93,13 @@ def _run(role: str, index: int, config, bus, run_dir: str) -> None:
             engine.backend.close()
     elif role == "rollout":
         from rlsys.cancellation import run_to_the_end
+        from rlsys.stop_grace import LOOP_END_SHARE
         from rlsys.workers.rollout_worker import RolloutWorker
 
         worker = RolloutWorker(config, bus, index, Path(run_dir))
         freeze_start_up_heap()
-        run_to_the_end(worker.run())  # not asyncio.run: an episode left behind would keep the process from exiting
+        # not asyncio.run: an episode left behind would keep the process from exiting
+        run_to_the_end(worker.run(), config.cluster.stop_grace_seconds * LOOP_END_SHARE)
 
 
 def freeze_start_up_heap() -> None:

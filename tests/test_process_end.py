@@ -20,7 +20,7 @@ def run_role_process(entry, tmp_path) -> int:
     context = multiprocessing.get_context("spawn")
     launcher_terminated = context.Value("b", 0)  # held until the child has it
     process = context.Process(target=run_in_process, args=(entry, "rollout", 0, tmp_path),
-                              kwargs={"launcher_terminated": launcher_terminated})
+                              kwargs={"launcher_terminated": launcher_terminated, "grace": 20.0})
     process.start()
     process.join(timeout=120)
     if process.is_alive():

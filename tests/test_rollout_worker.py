@@ -710,9 +710,9 @@ def test_a_rollout_process_whose_env_step_blocks_in_a_thread_still_exits(tmp_pat
     launcher_terminated = context.Value("b", 0)  # held until the child has it
     process = context.Process(target=run_in_process, args=(end_training_with_an_env_step_blocked_in_a_thread,
                                                            "rollout", 0, tmp_path),
-                              kwargs={"launcher_terminated": launcher_terminated})
+                              kwargs={"launcher_terminated": launcher_terminated, "grace": 20.0})
     process.start()
-    process.join(timeout=120)  # it ends in seconds (its start, the episode's end, THREADS_END_SECONDS); the old never
+    process.join(timeout=120)  # it ends in seconds (its start, the episode's end, its wait for threads); the old never
     hung = process.is_alive()
     if hung:
         process.kill()
@@ -762,7 +762,7 @@ def test_a_rollout_process_whose_episode_ignores_being_closed_still_exits(tmp_pa
     launcher_terminated = context.Value("b", 0)
     process = context.Process(target=run_in_process, args=(end_training_with_an_episode_that_ignores_being_closed,
                                                            "rollout", 0, tmp_path),
-                              kwargs={"launcher_terminated": launcher_terminated})
+                              kwargs={"launcher_terminated": launcher_terminated, "grace": 20.0})
     process.start()
     process.join(timeout=120)  # it ends in seconds (its start, the episode's grace and closing); the old never
     hung = process.is_alive()
@@ -803,3 +803,61 @@ def test_a_starting_worker_beats_from_its_start_saying_it_is_starting(tmp_path):
         close_shared_pool()
     assert published[0] is not None and len(published) >= 3, published
     assert all(value["starting"] is True and value["running"] == 0 for value in published)
+
+
+class StopFile:
+    """The bus of a stop, as far as a role process told to stop by a file needs one: its STOP key is that file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def set(self, key, value):
+        assert key == protocol.STOP
+        self.path.touch()
+
+
+def stop_with_every_wait_of_a_role_s_end(role: str, index: int, tmp_path, grace: float) -> int:
+    """A rollout role, as rlsys/roles.py runs it, told to stop (the file `stop`) while everything its end waits for
+    waits its longest: an episode that ignores its cancellation and its closing, and a thread blocked for ever."""
+    from rlsys import roles
+
+    async def train_until_stopped(worker):
+        await start_episodes(worker, ["train-0-0"])
+        threading.Thread(target=threading.Event().wait, name="blocked-for-ever").start()
+        (tmp_path / "ready").touch()
+        while not (tmp_path / "stop").exists():
+            await asyncio.sleep(0.01)
+        await worker.cancel_episodes()
+
+    rollout_worker.RolloutWorker.run = train_until_stopped
+    config = config_of("ignores-being-closed", tmp_path)
+    config.cluster.stop_grace_seconds = grace
+    roles._run(role, index, config, InProcessBus(), str(tmp_path))
+    return 0
+
+
+def test_a_rollout_role_s_end_fits_in_a_short_stop_grace(tmp_path):
+    """The waits of a role's end were fixed or shares of their own: half the grace for the episodes' cancellation,
+    then 2 s for the event loop's end and 5 s for the threads. A grace under 14 s was outlasted, and the stop killed
+    the worker and counted it an unclean exit although it had ended its part. Each is now a share of the grace."""
+    from rlsys.placement.local import LocalRole, run_in_process
+    from rlsys.supervisor import stop_processes
+
+    grace = 6.0
+    context = multiprocessing.get_context("spawn")
+    launcher_terminated = context.Value("b", 0)
+    process = context.Process(target=run_in_process, name="rollout0",
+                              args=(stop_with_every_wait_of_a_role_s_end, "rollout", 0, tmp_path, grace),
+                              kwargs={"launcher_terminated": launcher_terminated, "grace": grace})
+    process.start()
+    role = LocalRole(process)
+    try:
+        for _ in range(1200):  # its start: a minute at most
+            if (tmp_path / "ready").exists() or not process.is_alive():
+                break
+            process.join(0.05)
+        assert (tmp_path / "ready").exists(), "the role did not start"
+        unclean = stop_processes(StopFile(tmp_path / "stop"), [role], grace)
+    finally:
+        role.kill()
+    assert unclean == {}

@@ -70,6 +70,7 @@ class LocalPlacement(Placement):
         # the socket goes to the process with its arguments (spawn passes on the descriptors of those it pickles)
         process = RoleProcess(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env),
                               kwargs={"launcher_terminated": self.terminated,
+                                      "grace": self.config.cluster.stop_grace_seconds,
                                       **({"rendezvous": listener} if listener else {})})
         try:
             with role_environment_applied(), stop_signals_blocked():  # a process starts with a copy of it
@@ -164,10 +165,11 @@ class RoleProcess(multiprocessing.context.SpawnProcess):
         return _RolePopen(process_obj)
 
 
-def run_in_process(entry, role: str, index: int, *args, launcher_terminated,
+def run_in_process(entry, role: str, index: int, *args, launcher_terminated, grace: float,
                    rendezvous: socket.socket | None = None) -> None:
     """A role process: dies with the launcher, leaves Ctrl-C and a SIGTERM the launcher also gets to it, exits with
-    the role's code. `rendezvous`: learner rank 0's listening socket, which its rendezvous serves on
+    the role's code. `grace`: cluster.stop_grace_seconds, whose share its exit waits for threads at most
+    (rlsys/stop_grace.py). `rendezvous`: learner rank 0's listening socket, which its rendezvous serves on
     (rlsys.distributed.rendezvous_store)."""
     _die_with_parent()
     if rendezvous is not None:
@@ -187,7 +189,7 @@ def run_in_process(entry, role: str, index: int, *args, launcher_terminated,
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    end_process(code)  # watches the exit below: a thread or coroutine a plugin left must not hold it for ever
+    end_process(code, grace)  # watches the exit below: a thread or coroutine a plugin left must not hold it for ever
     if code:
         sys.exit(code)
 

@@ -8,9 +8,10 @@ stop, kept the rollout role's process from exiting, until the launcher's stop ki
 ends, it closes what is left: a coroutine that rlsys/cancellation.py's run_to_the_end left pending, one that awaits
 again after its GeneratorExit, loops for ever there.
 
-So the process exits as Python's exit has it, watched: threads still running THREADS_END_SECONDS after the role ended
-are logged with where they are and left behind, the process exiting without them once the exit handlers ran; where
-coroutines were left pending, it exits once the exit handlers ran, before the interpreter's end closes them.
+So the process exits as Python's exit has it, watched: threads still running a share of the stop's grace after the
+role ended (rlsys/stop_grace.py, THREADS_END_SHARE: a stop bounds the role's whole end by that grace) are logged
+with where they are and left behind, the process exiting without them once the exit handlers ran; where coroutines
+were left pending, it exits once the exit handlers ran, before the interpreter's end closes them.
 
 A role run by a Ray actor ends the same way before its run returns (end_role): the actor's process never exits, Ray
 kills it once the launcher has the role's code, threads and all, and without a run of the exit handlers, where Ray's
@@ -28,16 +29,17 @@ import time
 import traceback
 
 from rlsys.cancellation import coroutines_left_pending
+from rlsys.stop_grace import THREADS_END_SHARE
 
 log = logging.getLogger("rlsys")
-THREADS_END_SECONDS = 5.0  # for a call in flight to return (a bus call, a model loading): well within a stop's grace
 
 
-def end_process(code: int, limit: float = THREADS_END_SECONDS) -> None:
+def end_process(code: int, grace: float) -> None:
     """Watches the exit of a process whose role ended with `code`, and returns: the caller exits as usual. Where the
-    exit has not joined its threads `limit` s later, or has coroutines left pending, the process exits with `code`
-    once its exit handlers ran."""
+    exit has not joined its threads THREADS_END_SHARE of the stop's `grace` (cluster.stop_grace_seconds) later, or
+    has coroutines left pending, the process exits with `code` once its exit handlers ran."""
     joined = threading.Event()
+    limit = grace * THREADS_END_SHARE  # for a call in flight to return (a bus call, a model loading)
 
     def exit_handlers_begin() -> None:  # registered last, so run first: Python's exit has joined every thread
         joined.set()
@@ -102,10 +104,11 @@ class HeldExitHandlers:
                 log.exception("the exit handler %r raised", func)
 
 
-def end_role(handlers: HeldExitHandlers, threads_before: set, limit: float = THREADS_END_SECONDS) -> None:
+def end_role(handlers: HeldExitHandlers, threads_before: set, grace: float) -> None:
     """What a process's exit does as a role ends, in a process that outlives its role (a Ray actor's), and returns:
-    the threads the role started (not in `threads_before`) have `limit` s to end, as Python's exit joins them; those
-    still running are logged as left behind, and the role's exit handlers run."""
+    the threads the role started (not in `threads_before`) have THREADS_END_SHARE of the stop's `grace` to end, as
+    Python's exit joins them; those still running are logged as left behind, and the role's exit handlers run."""
+    limit = grace * THREADS_END_SHARE
     deadline = time.monotonic() + limit
     while (left := threads_left(threads_before)) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -59,10 +59,11 @@ class RoleActor:
     def ping(self) -> bool:
         return True
 
-    def run(self, workdir: str, entry, role: str, index: int, *args) -> int:
+    def run(self, workdir: str, grace: float, entry, role: str, index: int, *args) -> int:
         """Runs in `workdir`, the launcher's working directory, as a role on one machine does, so that the config's
         relative paths (plugins=[my_plugin.py], a dataset's file) name what they name for the launcher; on a node
-        without that directory they resolve against the node's own, as Ray started it."""
+        without that directory they resolve against the node's own, as Ray started it. `grace`:
+        cluster.stop_grace_seconds, whose share the role's end waits for its threads at most (rlsys/stop_grace.py)."""
         if os.environ.get("OMP_NUM_THREADS") == "":  # neither the run nor the node set it: not Ray's 1 in its place
             del os.environ["OMP_NUM_THREADS"]
         if self.rendezvous is not None:  # rlsys.distributed.rendezvous_store serves on it
@@ -76,7 +77,7 @@ class RoleActor:
         try:
             return entry(role, index, *args)
         finally:  # before the reply: the launcher kills this process once it has the role's code
-            end_role(self.exit_handlers, threads)
+            end_role(self.exit_handlers, threads, grace)
 
 
 class RayRole(RoleHandle):
@@ -255,8 +256,9 @@ class RayPlacement(Placement):
                     raise RoleFailed(f"learner0 {not_placed(self.group.bundle_specs[bundle])}")
                 self.master = ray.get(address)
             env.update(learner_rendezvous(index, self.config.cluster.n_learner_ranks, *self.master))
-        handle = RayRole(f"{role}{index}", actor, actor.run.remote(os.getcwd(), self.entry, role, index, *args, env),
-                         started, self.group.bundle_specs[bundle])
+        running = actor.run.remote(os.getcwd(), self.config.cluster.stop_grace_seconds, self.entry, role, index, *args,
+                                   env)
+        handle = RayRole(f"{role}{index}", actor, running, started, self.group.bundle_specs[bundle])
         self.roles.append(handle)
         return handle
 

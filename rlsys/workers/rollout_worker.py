@@ -22,6 +22,7 @@ from rlsys.metrics import MetricsLogger, rollout_records
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.prompt_ledger import ADMITTED, CLOSED, FAILURE_REASONS, GATE_FULL, PromptLedger, failed
 from rlsys.errors import RunCannotGoOn
+from rlsys.stop_grace import CANCEL_SHARE
 from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
@@ -29,11 +30,6 @@ from rlsys.workers.routing import EpisodeRouter
 
 log = logging.getLogger(__name__)
 GATE_POLL_SECONDS = 0.05  # how often a worker with free slots asks the staleness gate again
-# Of cluster.stop_grace_seconds, the time an episode cancelled at the end of training may take to end (its cleanup):
-# a stop bounds the whole role's end by that grace, and the worker's records, written once its episodes ended, and
-# its process's end (rlsys/placement/process_end.py) come in the rest. A fixed 30 s outlived the default 20 s grace:
-# a stop with an episode that ignored its cancellation killed the worker before it wrote them.
-CANCEL_GRACE_SHARE = 0.5
 
 
 class RolloutWorker:
@@ -147,10 +143,11 @@ class RolloutWorker:
 
     async def cancel_episodes(self) -> None:
         """The learner is done: unfinished episodes will never be trained, and are cancelled (again, those that go on:
-        rlsys/cancellation.py). One still running CANCEL_GRACE_SHARE of the stop's grace later (a plugin that catches
-        every CancelledError and goes on awaiting) is logged with where it waits and left behind: the final evaluation
-        and the run's end do not wait for it for ever."""
-        grace = self.config.cluster.stop_grace_seconds * CANCEL_GRACE_SHARE
+        rlsys/cancellation.py). One still running CANCEL_SHARE of the stop's grace later (rlsys/stop_grace.py: a stop
+        bounds the whole role's end by that grace; a plugin that catches every CancelledError and goes on awaiting) is
+        logged with where it waits and left behind: the final evaluation and the run's end do not wait for it for
+        ever."""
+        grace = self.config.cluster.stop_grace_seconds * CANCEL_SHARE
         stuck = await cancel_and_wait(self.running, grace)
         if stuck:
             # where each waits, and where the tasks they may wait for (an agent's, the endpoint's) are
