@@ -24,8 +24,9 @@ from rlsys.metrics import (LEARNER_RECORDS, drop_records_after, mark_restart, re
                            rollout_records_files)
 from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout, visible_devices
+from rlsys.placement.local import stop_signals_held
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
-from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, describe, settled_prompts
+from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, as_ended, describe, settled_prompts
 from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE
 from rlsys.run_privacy import make_private, redact_url, write_private
 from rlsys.roles import run_role
@@ -424,20 +425,44 @@ def stop_signal(e: BaseException) -> str | None:
     return STOP_EXIT_CODES.get(e.code) if isinstance(e, SystemExit) else None
 
 
+def stopped_steps(bus, run_dir: Path, prompts: dict) -> tuple[int, int, bool]:
+    """A stopped run's (steps, steps trained, saved at the stop). `steps`: its newest checkpoint's, where a resume goes
+    on; the steps its learner trained (published), those past `steps` lost to a resume; whether that checkpoint holds
+    the run as it stopped: its step the last trained and its books the run's final `prompts`, as the learner's save at
+    the stop leaves it. A learner killed after the grace, or that crashed saving, saved nothing at the stop: the
+    newest checkpoint is older, and `prompts` (the bus's) count outcomes it does not."""
+    latest = latest_checkpoint(run_dir / CHECKPOINTS_DIR)
+    state = read_trainer_state(latest) if latest else {"step": 0, "version": 0}
+    published = (bus.get(protocol.WEIGHTS) or {}).get("version", state["version"])  # step and version rise together
+    trained = state["step"] + max(0, published - state["version"])
+    saved = latest is not None and trained == state["step"] and as_ended(state.get("accounting")) == prompts
+    return state["step"], trained, saved
+
+
+def unsaved_stop_note(summary: dict, run_dir: Path) -> str:
+    """What a stop whose learner did not save loses to a resume."""
+    latest, lost = latest_checkpoint(run_dir / CHECKPOINTS_DIR), summary["steps_trained"] - summary["steps"]
+    where = f"from {latest} (step {summary['steps']})" if latest else "from the beginning (no checkpoint was saved)"
+    return (f"the learner did not save at the stop: a resume goes on {where}, {lost} steps trained after it are lost; "
+            "the summary's prompts count what the run recorded, beyond what a resume holds")
+
+
 def run_summary(bus, config, run_dir: Path, supervisor: Supervisor, ledger: PromptLedger, part: Part,
                 stopped: str | None = None) -> dict:
     """The run's summary, once every role stopped: its held-out figures, its steps (a stopped run's: its newest
-    checkpoint's, where a resume goes on), where its prompts ended, its restarts and counters; `stopped`: the signal
-    that stopped it before max_steps, None for a run that ended."""
+    checkpoint's, where a resume goes on, and `stopped_steps`' steps trained and whether it saved at the stop), where
+    its prompts ended, its restarts and counters; `stopped`: the signal that stopped it before max_steps, None for a
+    run that ended."""
     prompts, counters = ledger.end_run(), run_counters.held(bus)
-    steps = config.max_steps
+    steps, trained, saved = config.max_steps, config.max_steps, None
     if stopped:
-        latest = latest_checkpoint(run_dir / CHECKPOINTS_DIR)
-        steps = read_trainer_state(latest)["step"] if latest else 0
+        steps, trained, saved = stopped_steps(bus, run_dir, prompts)
     return {
         **held_out_summary(bus, part.started_from, Path(config.logging_dir)),
         "steps": steps,
+        "steps_trained": trained,
         "stopped": stopped,
+        "saved_at_stop": saved,  # None for a run that ended
         # the run's own time apart from a warm start's, which a first run on a cold cache spends for minutes
         "minutes": (time.monotonic() - part.started - part.warm_start_seconds) / 60,
         "warm_start_minutes": part.warm_start_seconds / 60,
@@ -456,6 +481,23 @@ def write_summary(summary: dict, run_dir: Path) -> None:
     if not summary["prompts_accounted"]:
         log.error("the prompt accounting does not add up: %s", describe(summary["prompts"]))
     write_private(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+
+
+def write_stopped_summary(bus, config, run_dir: Path, supervisor: Supervisor, ledger: PromptLedger, part: Part,
+                          why: str) -> None:
+    """A run stopped by the signal `why`: its summary, once every role stopped. Where the supervisor's stop did not
+    end (a second Ctrl-C or SIGTERM during it, which means "stop now") or had not begun (a stop as the roles start),
+    what still runs is killed first, so that nothing changes the books as they are read; the learner saved nothing
+    then, and the summary says so. Written with further stop signals held back: it takes a moment, and is the run's
+    last word."""
+    with stop_signals_held():
+        if part.unclean is None:
+            part.unclean = supervisor.kill()
+        summary = run_summary(bus, config, run_dir, supervisor, ledger, part, why)
+        write_summary(summary, run_dir)
+        if not summary["saved_at_stop"]:
+            print(unsaved_stop_note(summary, run_dir), file=sys.stderr, flush=True)
+        print(f"summary of the stopped run: {run_dir / SUMMARY_FILE}", file=sys.stderr, flush=True)
 
 
 def launch(config) -> dict:
@@ -504,11 +546,14 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
         restarted, part = False, Part(started, warm_start_seconds, trainer_state)
         try:
             while True:
-                part.unclean = None  # until this part's roles are stopped
-                initialize_bus_state(bus, config, trainer_state, keep_initial_eval=restarted)
-                if trainer_state or restarted:  # a restart with no checkpoint yet trains from the start again
-                    take_back_abandoned_steps(bus, config, run_dir, trainer_state or FROM_THE_START)
+                # A stop that came as the books are set (again, after a restart) would find them half set: it comes
+                # once they are whole, as the checkpoint's, and the summary counts them so
+                with stop_signals_held():
+                    initialize_bus_state(bus, config, trainer_state, keep_initial_eval=restarted)
+                    if trainer_state or restarted:  # a restart with no checkpoint yet trains from the start again
+                        take_back_abandoned_steps(bus, config, run_dir, trainer_state or FROM_THE_START)
                 saved_before = saved_checkpoints(run_dir)
+                part.unclean = None  # until this part's roles are stopped
                 supervisor.start()
                 stall.state = None  # a new part of the run starts its own clock
                 try:
@@ -524,9 +569,8 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
         except RoleFailed as e:
             raise RoleFailed(f"{e}; {last_checkpoint_note(run_dir)}") from None
         except (KeyboardInterrupt, SystemExit) as e:
-            if (why := stop_signal(e)) and part.unclean is not None:  # the roles stopped: the books are final
-                write_summary(run_summary(bus, config, run_dir, supervisor, ledger, part, why), run_dir)
-                print(f"summary of the stopped run: {run_dir / SUMMARY_FILE}", file=sys.stderr, flush=True)
+            if why := stop_signal(e):
+                write_stopped_summary(bus, config, run_dir, supervisor, ledger, part, why)
             raise
         for name, why in part.unclean.items():
             log.warning("%s %s as the run stopped; its output: %s", name, why, Path(config.logging_dir) / f"{name}.log")

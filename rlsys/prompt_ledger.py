@@ -240,6 +240,18 @@ def settled_prompts(trainer_state: dict) -> set[str]:
     return {*trainer_state["consumed_prompts"], *(trainer_state.get("accounting") or {}).get("failed_prompts", {})}
 
 
+def as_ended(books: dict | None) -> dict | None:
+    """A checkpoint's books (its `accounting`) as a run that ends there counts them (`PromptLedger.end_run`): its
+    prompts in flight as run_ended. None for a checkpoint from before the books were kept."""
+    if books is None:
+        return None
+    ended = dict(books["filtered"])
+    if books["in_flight"]:
+        ended["run_ended"] = ended.get("run_ended", 0) + books["in_flight"]
+    return {ADMITTED: books[ADMITTED], TRAINED: books[TRAINED], "filtered": ended, "failed": books["failed"],
+            "in_flight": 0}
+
+
 def accounted(c: dict) -> int:
     """Admitted prompts with a known place: an outcome, or still in flight."""
     return c[TRAINED] + sum(c["filtered"].values()) + sum(c["failed"].values()) + c["in_flight"]

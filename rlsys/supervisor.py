@@ -113,6 +113,12 @@ class Supervisor:
     def stop(self, bus) -> dict[str, str]:
         return stop_processes(bus, self.processes.values(), self.config.cluster.stop_grace_seconds)
 
+    def kill(self) -> dict[str, str]:
+        """Every role still running killed now, with no grace: a second Ctrl-C (or SIGTERM) during the stop, or a
+        stop as the roles start. Returns how each role that did not end cleanly ended, as `stop` does."""
+        return kill_the_rest(self.processes.values(), "was killed as the run was stopped at once (a second Ctrl-C or "
+                             "SIGTERM during its stop, or one as its roles started)")
+
 
 def stop_processes(bus, processes, grace: float) -> dict[str, str]:
     """Tells every role to stop (the learner finishes its step and saves a checkpoint), then kills what outlives
@@ -124,12 +130,18 @@ def stop_processes(bus, processes, grace: float) -> dict[str, str]:
     deadline = time.monotonic() + grace
     for p in processes:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
+    return kill_the_rest(processes, f"was still running {grace:g} s after the stop, and was killed (a learner that "
+                         "needs longer to finish its step and save: cluster.stop_grace_seconds)")
+
+
+def kill_the_rest(processes, killed: str) -> dict[str, str]:
+    """Kills what still runs of `processes`; returns how each that did not end cleanly ended, by its name (`killed`
+    for those killed here)."""
     unclean = {}
     for p in processes:
         if p.is_alive():
             p.kill()
-            unclean[p.name] = (f"was still running {grace:g} s after the stop, and was killed (a learner that needs "
-                               "longer to finish its step and save: cluster.stop_grace_seconds)")
+            unclean[p.name] = killed
         elif p.exitcode != 0:
             unclean[p.name] = p.exit_reason
     return unclean

@@ -66,11 +66,9 @@ def final_books(run_dir: Path) -> dict:
     """The prompts of the run's newest checkpoint as its summary counts them once the run ended: those it held in
     flight as run_ended."""
     from rlsys.checkpoint import latest_checkpoint, read_trainer_state
+    from rlsys.prompt_ledger import as_ended
 
-    books = read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))["accounting"]
-    ended = {"run_ended": books["filtered"].get("run_ended", 0) + books["in_flight"]} if books["in_flight"] else {}
-    return {"admitted": books["admitted"], "trained": books["trained"], "filtered": {**books["filtered"], **ended},
-            "failed": books["failed"], "in_flight": 0}
+    return as_ended(read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))["accounting"])
 
 
 def child_pids() -> set[int]:

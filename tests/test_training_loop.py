@@ -1,5 +1,6 @@
 """The whole loop on real parts: embedded Redis, vLLM inference worker, rollout worker, learner."""
 
+import contextlib
 import json
 import os
 import signal
@@ -107,23 +108,30 @@ def test_max_head_offpolicyness_zero_is_on_policy_even_with_filtering(cache_dir,
     assert [r["episodes/failed"] for r in rollout if "episodes/failed" in r] == [0]
 
 
+@contextlib.contextmanager
+def a_run_in_training(args: list[str], cwd: Path, trained=lambda: True):
+    """The entry point run as a user runs it, once training is really under way (a step logged, and `trained()`);
+    killed if it outlives the block. SIGINT's default action is restored first: a shell that starts the suite in the
+    background (`cmd &`) ignores it, and Python then installs no Ctrl-C handler in the children."""
+    proc = subprocess.Popen([sys.executable, str(ENTRY), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=cwd, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stdout:
+            if line.startswith("step") and trained():
+                break
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_ctrl_c_stops_every_process(cache_dir, tmp_path):
     args = small_run_overrides(cache_dir, tmp_path) + ["max_steps=100000", "logging_steps=1", "trial_name=c"]
-    # SIGINT's default action restored first: a shell that starts the suite in the background (`cmd &`) ignores it,
-    # and Python then installs no Ctrl-C handler in the children.
-    proc = subprocess.Popen([sys.executable, str(ENTRY), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        for line in proc.stdout:  # wait until training is really under way
-            if line.startswith("step"):
-                break
+    with a_run_in_training(args, tmp_path) as proc:
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("redis-server" in " ".join(c.cmdline()) for c in children)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert alive == [], f"left running after Ctrl-C: {[p.cmdline() for p in alive]}"
     assert proc.returncode != 0
@@ -133,9 +141,52 @@ def test_ctrl_c_stops_every_process(cache_dir, tmp_path):
 def assert_a_stopped_run_s_summary(run_dir: Path, signal_name: str) -> None:
     """A stopped run leaves a summary too, which says so and counts its prompts as its last checkpoint does."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stopped"] == signal_name
-    assert summary["steps"] == read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))["step"] >= 1
+    assert summary["stopped"] == signal_name and summary["saved_at_stop"] is True
+    assert summary["steps"] == summary["steps_trained"] == read_trainer_state(
+        latest_checkpoint(run_dir / "checkpoints"))["step"] >= 1
     assert summary["prompts_accounted"] and summary["prompts"] == final_books(run_dir)
+
+
+def test_a_stopped_run_whose_learner_did_not_save_says_what_its_summary_holds(cache_dir, tmp_path):
+    """A learner still running after the stop's grace is killed before its save: the summary gave the newest
+    checkpoint's step beside the bus's books, which count prompts that checkpoint does not, as if they were its."""
+    run_dir = tmp_path / "async-ppo-math" / "k"
+    args = small_run_overrides(cache_dir, tmp_path) + ["max_steps=100000", "logging_steps=1", "trial_name=k",
+                                                       "save_steps=2", "cluster.stop_grace_seconds=3"]
+    with a_run_in_training(args, tmp_path, lambda: latest_checkpoint(run_dir / "checkpoints") is not None) as proc:
+        role_process(proc, "learner0").suspend()  # it can neither finish its step nor save: killed after the grace
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped"] == "SIGINT" and summary["saved_at_stop"] is False
+    assert summary["unclean_exits"]["learner0"].startswith("was still running 3 s after the stop")
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    assert summary["steps"] == read_trainer_state(checkpoint)["step"] >= 2
+    trained = read_jsonl_metrics(run_dir / "logs" / "learner.jsonl")[-1]["step"]  # logged once published
+    assert summary["steps_trained"] in (trained, trained + 1)
+    assert summary["prompts_accounted"]
+    lost = summary["steps_trained"] - summary["steps"]
+    assert (f"the learner did not save at the stop: a resume goes on from {checkpoint} (step {summary['steps']}), "
+            f"{lost} steps trained after it are lost") in output, output
+
+
+def test_a_second_ctrl_c_during_the_stop_leaves_a_summary_of_what_it_killed(cache_dir, tmp_path):
+    """A second Ctrl-C means "stop now": it killed every role at once, and the run left no summary."""
+    run_dir = tmp_path / "async-ppo-math" / "cc"
+    args = small_run_overrides(cache_dir, tmp_path) + ["max_steps=100000", "logging_steps=1", "trial_name=cc",
+                                                       "cluster.stop_grace_seconds=600"]
+    with a_run_in_training(args, tmp_path) as proc:
+        role_process(proc, "learner0").suspend()  # its stop would last the whole grace
+        proc.send_signal(signal.SIGINT)
+        time.sleep(2)  # the stop is under way
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)  # well within the grace: the second Ctrl-C cut the stop short
+    assert proc.returncode != 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped"] == "SIGINT" and summary["saved_at_stop"] is False
+    assert summary["unclean_exits"]["learner0"].startswith("was killed as the run was stopped at once"), summary
+    assert summary["prompts_accounted"] and summary["steps_trained"] >= 1
+    assert "the learner did not save at the stop" in output, output
 
 
 @pytest.mark.parametrize("placement", [
