@@ -24,7 +24,7 @@ from rlsys.metrics import (LEARNER_RECORDS, drop_records_after, mark_restart, re
                            rollout_records_files)
 from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout, visible_devices
-from rlsys.placement.local import stop_signals_held
+from rlsys.placement.local import STOP_SIGNALS
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
 from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, as_ended, describe, settled_prompts
 from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE
@@ -425,6 +425,23 @@ def stop_signal(e: BaseException) -> str | None:
     return STOP_EXIT_CODES.get(e.code) if isinstance(e, SystemExit) else None
 
 
+@contextlib.contextmanager
+def stop_signals_deferred():
+    """A Ctrl-C or SIGTERM within the block is noted, and handled as the block ends, where it would have been handled
+    (the first of them: the second a run gets kills its roles anyway). A signal mask would not do: it holds a signal
+    back from one thread, and any other thread of the process takes it (Python then raises it in the main thread at
+    once). Main thread only."""
+    came: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: came.append(signum)) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if came:
+            signal.raise_signal(came[0])
+
+
 def stopped_steps(bus, run_dir: Path, prompts: dict) -> tuple[int, int, bool]:
     """A stopped run's (steps, steps trained, saved at the stop). `steps`: its newest checkpoint's, where a resume goes
     on; the steps its learner trained (published), those past `steps` lost to a resume; whether that checkpoint holds
@@ -490,7 +507,7 @@ def write_stopped_summary(bus, config, run_dir: Path, supervisor: Supervisor, le
     what still runs is killed first, so that nothing changes the books as they are read; the learner saved nothing
     then, and the summary says so. Written with further stop signals held back: it takes a moment, and is the run's
     last word."""
-    with stop_signals_held():
+    with stop_signals_deferred():
         if part.unclean is None:
             part.unclean = supervisor.kill()
         summary = run_summary(bus, config, run_dir, supervisor, ledger, part, why)
@@ -548,7 +565,7 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
             while True:
                 # A stop that came as the books are set (again, after a restart) would find them half set: it comes
                 # once they are whole, as the checkpoint's, and the summary counts them so
-                with stop_signals_held():
+                with stop_signals_deferred():
                     initialize_bus_state(bus, config, trainer_state, keep_initial_eval=restarted)
                     if trainer_state or restarted:  # a restart with no checkpoint yet trains from the start again
                         take_back_abandoned_steps(bus, config, run_dir, trainer_state or FROM_THE_START)

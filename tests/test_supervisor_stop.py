@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import threading
 import time
 
 import pytest
@@ -172,3 +173,24 @@ def test_a_start_clears_the_stop_reasons_an_earlier_run_left_for_every_role():
         bus.set(protocol.role_stop_reason(role), "the earlier run's weight checksum did not match")
     initialize_bus_state(bus, config, {})
     assert {role: bus.get(protocol.role_stop_reason(role)) for role in roles} == dict.fromkeys(roles)
+
+
+@pytest.mark.parametrize("signum, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)])
+def test_a_stop_signal_while_they_are_deferred_comes_once_the_block_ends(signum, raised):
+    """What the launcher defers them for (setting a restart's books, writing a stopped run's summary) is done whole:
+    a Ctrl-C or SIGTERM amid it is raised after it, not where it came. A signal mask of the main thread held back
+    nothing: another thread took the signal, and Python raised it in the main thread at once."""
+    from rlsys.bus import raise_on_sigterm
+    from rlsys.launcher import stop_signals_deferred
+
+    other = threading.Thread(target=time.sleep, args=(1,))  # one that could take the signal
+    other.start()
+    done = []
+    with raise_on_sigterm(), pytest.raises(raised):
+        with stop_signals_deferred():
+            os.kill(os.getpid(), signum)
+            time.sleep(0.2)
+            done.append("the deferred part")
+        done.append("after it")
+    other.join()
+    assert done == ["the deferred part"]

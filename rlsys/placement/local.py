@@ -111,14 +111,6 @@ def stop_signals_blocked():
     traceback on the console. The launcher gets its own signal once the mask is back."""
     # Started first: the first spawn starts multiprocessing's resource tracker, which unblocks both after it
     multiprocessing.resource_tracker.ensure_running()
-    with stop_signals_held():
-        yield
-
-
-@contextlib.contextmanager
-def stop_signals_held():
-    """SIGINT and SIGTERM held back from this thread within the block: one that came meanwhile is handled as it
-    ends."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
