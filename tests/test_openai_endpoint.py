@@ -1081,8 +1081,9 @@ LONG_PROMPTS = {  # path -> a body whose prompt is `CONTEXT + 1` characters (a t
 
 @pytest.mark.parametrize("path", LONG_PROMPTS)
 def test_a_prompt_past_the_context_is_refused_as_vllms_openai_server_refuses_it(tokenizer, path):
-    """Its words, status and type, OpenAI's code for it, the prompt's length its own (vLLM's count, where it tokenizes the prompt
-    itself, stops one past the context: "at least"), not /v1/messages' refusal in Anthropic's words."""
+    """Its words, status and type, OpenAI's code for it, the prompt's length its own (vLLM's count, where it
+    tokenizes the prompt itself, stops one past the context: "at least"), not /v1/messages' refusal in Anthropic's
+    words."""
     body = LONG_PROMPTS[path]
     short = {**body, **({"prompt": "1"} if path == "/completions" else {"input": "1"} if path == "/responses" else
                         {"messages": [{"role": "user", "content": "1"}]})}
