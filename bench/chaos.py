@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from rlsys.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, read_trainer_state  # noqa: E402
 from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file  # noqa: E402
-from rlsys.run_files import SUMMARY_FILE  # noqa: E402
+from rlsys.run_files import SUMMARY_FILE, logs_dir  # noqa: E402
 
 PLUGIN = ROOT / "bench" / "chaos_plugin.py"
 KILLS = {"inference0": signal.SIGKILL, "rollout0": signal.SIGKILL, "redis-server": signal.SIGTERM,
@@ -67,7 +67,7 @@ def run_settings(steps: int, each: int) -> list[str]:
 
 
 def learner_rows(run_dir: Path) -> list[dict]:
-    path = records_file(run_dir / "logs", LEARNER_RECORDS)
+    path = records_file(logs_dir(run_dir), LEARNER_RECORDS)
     return read_jsonl_metrics(path) if path.exists() else []
 
 

@@ -11,7 +11,7 @@ from statistics import mean
 import yaml
 
 from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file
-from rlsys.run_files import CONFIG_FILE
+from rlsys.run_files import CONFIG_FILE, logs_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ def launch(settings: list[str], out_dir: Path, trial: str, tree: Path = ROOT,
 
 
 def learner_rows(run_dir: Path) -> list[dict]:
-    return read_jsonl_metrics(records_file(run_dir / "logs", LEARNER_RECORDS))
+    return read_jsonl_metrics(records_file(logs_dir(run_dir), LEARNER_RECORDS))
 
 
 def training_speed(run_dir: Path, warmup: int) -> dict[str, float]:

@@ -43,13 +43,14 @@ def _timed_rank(rank: int, world: int, port: int, model_path: str, sequences: in
     from experiments import AsyncPPOMATHConfig
     from rlsys.bus import InProcessBus
     from rlsys.distributed import join_ranks, leave_ranks
+    from rlsys.run_files import logs_dir
     from rlsys.workers.learner import Learner
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     ranks = join_ranks(rank, world)
     config = AsyncPPOMATHConfig()
-    config.model.path, config.logging_dir = model_path, str(Path(tmp) / "logs")
+    config.model.path, config.logging_dir = model_path, str(logs_dir(Path(tmp)))
     config.ppo.max_tokens_per_micro_batch, config.ppo.ppo_epochs, config.ppo.lr = budget, 1, 1e-6
     config.cluster.n_learner_ranks = world
     learner = Learner(config, InProcessBus(), Path(tmp) / "run", ranks)

@@ -25,6 +25,7 @@ from experiments import AsyncPPOMATHConfig  # noqa: E402
 from rlsys.api import Trajectory  # noqa: E402
 from rlsys.bus import InProcessBus  # noqa: E402
 from rlsys.model.tokenizer import build_char_tokenizer  # noqa: E402
+from rlsys.run_files import logs_dir  # noqa: E402
 from rlsys.workers.learner import Learner  # noqa: E402
 
 PROMPT_TOKENS = 8
@@ -61,7 +62,7 @@ def mixed_length_trajectories(n: int, seed: int) -> list[Trajectory]:
 
 def make_learner(model_path: str, packing: bool, budget: int, run_dir: Path) -> Learner:
     config = AsyncPPOMATHConfig()
-    config.model.path, config.logging_dir = model_path, str(run_dir / "logs")
+    config.model.path, config.logging_dir = model_path, str(logs_dir(run_dir))
     config.ppo.sequence_packing, config.ppo.max_tokens_per_micro_batch = packing, budget
     config.ppo.ppo_epochs, config.ppo.lr = 1, 1e-6
     return Learner(config, InProcessBus(), run_dir)

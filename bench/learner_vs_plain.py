@@ -65,13 +65,14 @@ from rlsys.cli import parse_config  # noqa: E402
 from rlsys.data.dataset import load_rows  # noqa: E402
 from rlsys.distributed import Ranks  # noqa: E402
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids  # noqa: E402
+from rlsys.run_files import logs_dir  # noqa: E402
 from rlsys.training_step import PolicyTrainer, synchronize  # noqa: E402
 
 
 def prepared_config(overrides: list[str], tmp: str):
     """The experiment's config with its model and data in place (the cache), logging under `tmp`."""
     config = parse_config(overrides)
-    config.logging_dir = str(Path(tmp) / "logs")
+    config.logging_dir = str(logs_dir(Path(tmp)))
     prepare_assets(config, log=lambda *a, **k: None)
     return config
 

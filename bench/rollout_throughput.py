@@ -47,6 +47,7 @@ from rlsys.metrics import read_jsonl_metrics, records_file, rollout_records  # n
 from rlsys.model.tokenizer import load_tokenizer  # noqa: E402
 from rlsys.prompt_ledger import PromptLedger  # noqa: E402
 from rlsys.roles import limit_threads, run_role  # noqa: E402
+from rlsys.run_files import logs_dir  # noqa: E402
 from rlsys.supervisor import stop_processes  # noqa: E402
 from rlsys.tracing import read_traces  # noqa: E402
 
@@ -86,7 +87,7 @@ class FullPath:
 
     def __init__(self, config, n_workers: int, concurrency: int, run_dir: Path):
         self.config = dataclasses.replace(config, max_concurrent_rollouts=concurrency, max_head_offpolicyness=10**9,
-                                          logging_dir=str(run_dir / "logs"))
+                                          logging_dir=str(logs_dir(run_dir)))
         self.config.cluster = dataclasses.replace(config.cluster, n_inference_workers=n_workers)
         self.run_dir, self.n_workers, self.concurrency = run_dir, n_workers, concurrency
 
@@ -140,7 +141,7 @@ class FullPath:
             self.take_episode()
 
     def latencies(self) -> tuple[float, float]:
-        records = read_jsonl_metrics(records_file(self.run_dir / "logs", rollout_records(0)))
+        records = read_jsonl_metrics(records_file(logs_dir(self.run_dir), rollout_records(0)))
         (routing,) = [r for r in records if "requests/resent" in r]
         return routing["requests/latency_p50"], routing["requests/latency_p99"]
 

@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.launched_runs import launch, learner_rows, parse_run_arguments  # noqa: E402
 from rlsys.metrics import read_jsonl_metrics, records_file, rollout_records  # noqa: E402
-from rlsys.run_files import SUMMARY_FILE  # noqa: E402
+from rlsys.run_files import SUMMARY_FILE, logs_dir  # noqa: E402
 
 DEFAULT_TASK = "async-ppo-math"
 ONE_TURN_MATH = ("math-single-step", "math-code-single-step")  # (agent, env): the episodes TRL's side plays
@@ -312,7 +312,7 @@ def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Pa
     if missed:
         raise RuntimeError(f"the weights of versions {missed} were replaced before they could be kept")
     rows = learner_rows(run_dir)
-    initial = read_jsonl_metrics(records_file(run_dir / "logs", rollout_records(0)))
+    initial = read_jsonl_metrics(records_file(logs_dir(run_dir), rollout_records(0)))
     start = next(r["time"] for r in initial if "eval/accuracy" in r)  # training prompts are admitted from here
     summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     cpu_at_start = cpu.at(start)

@@ -27,7 +27,7 @@ from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.placement.local import STOP_SIGNALS
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
 from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, as_ended, describe, settled_prompts
-from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE
+from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE, logs_dir
 from rlsys.run_privacy import make_private, redact_url, write_private
 from rlsys.roles import run_role
 from rlsys.stall import StallWatch
@@ -66,7 +66,7 @@ def make_run_directories(config) -> tuple[Path, Path, list[Path]]:
         make_private(run_dir)
         if config.logging_dir:  # saved so: the report, run from another directory, finds the metrics
             config.logging_dir = str(Path(config.logging_dir).resolve())
-        logging_dir = Path(config.logging_dir) if config.logging_dir else run_dir / "logs"
+        logging_dir = logs_dir(run_dir, config.logging_dir)
         if not logging_dir.exists():
             made.append(logging_dir)
         logging_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

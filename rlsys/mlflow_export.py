@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file
+from rlsys.run_files import logs_dir
 from rlsys.run_privacy import redact_passwords
 from rlsys.tracing import read_traces
 
@@ -157,7 +158,7 @@ def _export(run_dir: Path, uri: str, logging_dir) -> None:
                                  output_format="list", max_results=1)
     tags = earlier[0].data.tags if earlier else {}
     exported_step, exported_until = int(tags.get(EXPORTED_STEP, 0)), float(tags.get(EXPORTED_UNTIL, 0.0))
-    metrics_file = records_file(logging_dir or run_dir / "logs", LEARNER_RECORDS)
+    metrics_file = records_file(logs_dir(run_dir, logging_dir), LEARNER_RECORDS)
     with mlflow.start_run(run_id=earlier[0].info.run_id) if earlier else mlflow.start_run(run_name=run_dir.name) as run:
         new = [row for row in (read_jsonl_metrics(metrics_file) if metrics_file.exists() else [])
                if row["step"] > exported_step]

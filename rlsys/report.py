@@ -18,7 +18,7 @@ import yaml
 from rlsys.console import held_out, held_out_text
 from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file, rollout_records_files
 from rlsys.prompt_ledger import describe
-from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE
+from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE, logs_dir
 from rlsys.run_privacy import write_private
 from rlsys.tracing import TRACES_DIR, read_traces
 
@@ -43,11 +43,8 @@ figure{display:inline-block;margin:.5em} img{border:1px solid #ccc;max-width:100
 def _run_paths(run_dir: Path) -> Path:
     """The run's metrics directory (config.yaml's logging_dir, else <run dir>/logs)."""
     config_file = run_dir / CONFIG_FILE
-    if config_file.exists():
-        logging_dir = (yaml.safe_load(config_file.read_text()) or {}).get("logging_dir")
-        if logging_dir:
-            return Path(logging_dir)
-    return run_dir / "logs"
+    saved = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
+    return logs_dir(run_dir, saved.get("logging_dir"))
 
 
 def _rows(path: Path) -> list[dict]:

@@ -216,7 +216,7 @@ OWNERS = {
     "CHECKPOINTS_DIR": {"rlsys.checkpoint"},  # the directory's name as a string, and step_N within it
     "METRICS_RECORDS": {"rlsys.metrics"},  # learner.jsonl and rollout<i>.jsonl spelled out
     "EVAL_RESULTS": {"rlsys.evaluations"},  # protocol.eval_result's keys, written and read
-    "RUN_FILES": {"rlsys.run_files"},  # config.yaml and summary.json spelled out
+    "RUN_FILES": {"rlsys.run_files"},  # config.yaml, summary.json and the logs directory spelled out
 }
 METRICS_RECORDS = re.compile(r"(learner|rollout)\S*\.jsonl")
 
@@ -225,7 +225,7 @@ def state_writes(tree: ast.AST) -> set[str]:
     """The protocol names (`protocol.X`, or X imported from it) that a call of a BUS_WRITES method takes as an
     argument, "CHECKPOINTS_DIR" or "METRICS_RECORDS" where the module spells the checkpoints directory's name or
     a role's records file itself, "EVAL_RESULTS" where it names an evaluation's key (protocol.eval_result), and
-    "RUN_FILES" where it spells config.yaml or summary.json."""
+    "RUN_FILES" where it spells config.yaml, summary.json or the logs directory's name."""
     written = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUS_WRITES:
@@ -241,7 +241,7 @@ def state_writes(tree: ast.AST) -> set[str]:
             written.add("CHECKPOINTS_DIR")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and METRICS_RECORDS.fullmatch(node.value):
             written.add("METRICS_RECORDS")
-        elif isinstance(node, ast.Constant) and node.value in ("config.yaml", "summary.json"):
+        elif isinstance(node, ast.Constant) and node.value in ("config.yaml", "summary.json", "logs"):
             written.add("RUN_FILES")
     return written
 
