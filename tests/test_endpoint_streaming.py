@@ -246,15 +246,28 @@ def test_a_langgraph_agent_streaming_messages_records_the_same_trajectory_as_inv
 
 
 
-def test_a_prompt_past_the_context_carries_openais_code_for_it(tokenizer):
-    """Refused in vLLM's words ("maximum context length", which clients matching vLLM's message look for) with
-    OpenAI's code for it, which the openai client gives as the error's `code` where vLLM's status would be."""
-    async def calls(client, _http):
+def test_a_prompt_past_the_context_is_chat_openais_context_overflow(tokenizer):
+    """Refused with the body OpenAI's API sends for its current models ("Input tokens exceed the configured limit of
+    <context> tokens. Your messages resulted in <prompt> tokens. ...", code "context_length_exceeded", param
+    "messages"): the openai client gives the code as the error's, and LangChain's ChatOpenAI, whose check reads the
+    message (openai 3.x words str(e) from the message alone), raises its context overflow (what LangChain's
+    summarizing middleware acts on), not any bad request."""
+    from langchain_core.exceptions import ContextOverflowError
+    from langchain_openai import ChatOpenAI
+
+    async def calls(client, http):
         with pytest.raises(openai.BadRequestError) as refused:
             await client.chat.completions.create(model="rlsys", max_tokens=8,
                                                  messages=[{"role": "user", "content": "1" * (CONTEXT + 1)}])
-        return refused.value
+        model = ChatOpenAI(base_url=str(http.base_url), api_key=http.headers["authorization"].removeprefix("Bearer "),
+                           model="rlsys", max_retries=0, max_tokens=8)
+        with pytest.raises(ContextOverflowError) as overflow:
+            await model.ainvoke("1" * (CONTEXT + 1))
+        return refused.value, overflow.value
 
-    refused, session = served(tokenizer, [], calls)
-    assert (refused.status_code, refused.code) == (400, "context_length_exceeded") and session.outputs == []
-    assert "maximum context length is 512 tokens" in refused.message
+    (refused, overflow), session = served(tokenizer, [], calls)
+    assert (refused.status_code, refused.type, refused.code, refused.param) == \
+        (400, "invalid_request_error", "context_length_exceeded", "messages")
+    assert refused.body["message"].startswith("Input tokens exceed the configured limit of 512 tokens. Your messages "
+                                              "resulted in ") and session.outputs == []
+    assert isinstance(overflow, openai.BadRequestError) and overflow.status_code == 400

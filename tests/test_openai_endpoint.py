@@ -1042,7 +1042,7 @@ def test_tool_call_arguments_json_cannot_read_are_taken_as_text(tokenizer, argum
     messages[2] = {**messages[2], "tool_calls": [{"id": "c1", "type": "function",
                                                   "function": {"name": "calculator", "arguments": arguments}}]}
     response, asked = post(tokenizer, "/chat/completions", {**CHAT, "messages": messages})
-    assert refusal(response)["param"] == "input_tokens" and asked == []
+    assert refusal(response)["code"] == "context_length_exceeded" and asked == []
 
 
 RESPONSES_CALL = {"model": "rlsys", "input": "12+34="}
@@ -1080,20 +1080,25 @@ LONG_PROMPTS = {  # path -> a body whose prompt is `CONTEXT + 1` characters (a t
 
 
 @pytest.mark.parametrize("path", LONG_PROMPTS)
-def test_a_prompt_past_the_context_is_refused_as_vllms_openai_server_refuses_it(tokenizer, path):
-    """Its words, status and type, OpenAI's code for it, the prompt's length its own (vLLM's count, where it
-    tokenizes the prompt itself, stops one past the context: "at least"), not /v1/messages' refusal in Anthropic's
-    words."""
+def test_a_prompt_past_the_context_is_refused_as_openai_or_vllms_openai_server_refuses_it(tokenizer, path):
+    """On /v1/chat/completions with the body OpenAI's API sends for its current models (whose message LangChain's
+    ChatOpenAI reads as a context overflow); elsewhere in vLLM's words, status and type with OpenAI's code for it; the
+    prompt's length its own (vLLM's count, where it tokenizes the prompt itself, stops one past the context: "at
+    least"), not /v1/messages' refusal in Anthropic's words."""
     body = LONG_PROMPTS[path]
     short = {**body, **({"prompt": "1"} if path == "/completions" else {"input": "1"} if path == "/responses" else
                         {"messages": [{"role": "user", "content": "1"}]})}
     _, (fits,) = post(tokenizer, path, short)
     length = len(fits["token_ids"]) + CONTEXT + 1
     response, asked = post(tokenizer, path, body)
-    assert response.status_code == 400 and refusal(response) == vllm_refusal(
-        f"This model's maximum context length is {CONTEXT} tokens. However, your prompt contains {length} input "
-        f"tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
-        f"prompt.", "input_tokens", length, "context_length_exceeded") and asked == []
+    expected = {"message": f"Input tokens exceed the configured limit of {CONTEXT} tokens. Your messages resulted in "
+                           f"{length} tokens. Please reduce the length of the messages.",
+                "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"} \
+        if path == "/chat/completions" else vllm_refusal(
+            f"This model's maximum context length is {CONTEXT} tokens. However, your prompt contains {length} input "
+            f"tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
+            f"prompt.", "input_tokens", length, "context_length_exceeded")
+    assert response.status_code == 400 and refusal(response) == expected and asked == []
 
 
 @pytest.mark.parametrize("budget", [{}, {"max_tokens": 4}], ids=["the agent's default", "max_tokens"])

@@ -14,7 +14,9 @@ the prompt and the reply's budget (`max_tokens` by whichever name the API gives 
 once the prompt is rendered (`reply_budget`), in the words, status and error fields of the call's API. On the OpenAI
 paths as vLLM's OpenAI server answers: a budget or a prompt past the whole context is refused (type "BadRequestError",
 code 400, `param` the budget's name or "input_tokens"), and a budget within it (or the agent's default, where none is
-asked) is cut to what the prompt leaves. On /v1/messages as Anthropic's API answers: a prompt past the context is
+asked) is cut to what the prompt leaves; but a chat call's prompt past it is refused with the body OpenAI sends
+("Input tokens exceed the configured limit of ...", code "context_length_exceeded"), which LangChain's ChatOpenAI
+raises as its context overflow. On /v1/messages as Anthropic's API answers: a prompt past the context is
 "prompt is too long: <prompt> tokens > <context> maximum", and a max_tokens past what the prompt leaves is refused
 saying both numbers, which Claude Code reads to ask again for less. Sampling and reply settings the endpoint does not
 honour (penalties, logit bias, min_p, a forced or forbidden tool call, at most one tool call a turn, a JSON reply
@@ -163,7 +165,7 @@ class Sampling:
     stream: bool  # the reply is sent as Server-Sent Events
     include_usage: bool  # a streamed reply ends with a chunk of usage
     budget_param: str  # the request's name for the reply's budget (`settings["max_new_tokens"]`), which a refusal names
-    anthropic: bool  # a /v1/messages call: refused in Anthropic's words
+    api: str  # the API called ("chat", "completions", "responses", "messages"), whose words a refusal is in
 
 
 def json_body(raw: bytes) -> dict:
@@ -252,7 +254,7 @@ def responses_request(body: dict) -> tuple[list[dict], list[dict], Sampling]:
                                   f'["{LOGPROBS_INCLUDE}"], [] or leave it out')
     stream, _ = _stream(body)
     return messages, tools, Sampling(settings, [], LOGPROBS_INCLUDE in (include or []), False, stream, False,
-                                     "max_output_tokens", False)
+                                     "max_output_tokens", "responses")
 
 
 def _input_messages(items) -> list[dict]:
@@ -369,7 +371,7 @@ def messages_request(body: dict) -> tuple[list[dict], list[dict], list[dict], Sa
     _max_new_tokens(body, "max_tokens", settings)
     stream, _ = _stream(body)
     return messages, tools, loaded, Sampling(settings, _stop_strings(body, "stop_sequences"), False, False, stream,
-                                             False, "max_tokens", True)
+                                             False, "max_tokens", "messages")
 
 
 def _refuse_unhonoured_messages(body: dict) -> None:
@@ -479,7 +481,7 @@ def _sampling(body: dict, completion: bool) -> Sampling:
     _max_new_tokens(body, param, settings)
     stop = _stop_strings(body, "stop")
     return Sampling(settings, stop, _logprobs(body, completion), _flag(body, "return_token_ids"), *_stream(body), param,
-                    False)
+                    "completions" if completion else "chat")
 
 
 def _stop_strings(body: dict, param: str) -> list[str]:
@@ -503,14 +505,14 @@ def reply_budget(sampling: Sampling, default: int, prompt_length: int, context: 
     its `prompt_length` tokens leave; or the call refused, in the words of its API.
 
     On the OpenAI paths as vLLM's OpenAI server answers, in the order it checks: a budget past the whole context is
-    refused, then a prompt past it; a budget within it is cut to what the prompt leaves, and a prompt that leaves
-    nothing is refused as vLLM refuses the budget of 0 it leaves. On /v1/messages as Anthropic's API answers: a
+    refused, then a prompt past it (a chat call's with OpenAI's own body for it); a budget within it is cut to what
+    the prompt leaves, and a prompt that leaves nothing is refused as vLLM refuses the budget of 0 it leaves. On /v1/messages as Anthropic's API answers: a
     prompt past the context is "prompt is too long", and a prompt and max_tokens that together are past it are refused
     saying both numbers, nothing cut: Claude Code reads them and asks again for what the context leaves, less a margin
     of its own (or, where that is under its floor of output tokens, ends the call)."""
     asked, param = sampling.settings.get("max_new_tokens"), sampling.budget_param
     budget = default if asked is None else asked
-    if sampling.anthropic:  # no `param` in its refusals: the message starts with the field, where one is at fault
+    if sampling.api == "messages":  # no `param` in its refusals: the message starts with the field, where one is at fault
         if prompt_length > context:
             raise RequestError(400, f"prompt is too long: {prompt_length} tokens > {context} maximum")
         if prompt_length + budget > context:
@@ -521,6 +523,12 @@ def reply_budget(sampling: Sampling, default: int, prompt_length: int, context: 
     if asked is not None and asked > context:
         raise _vllm_refusal(f"{param}={asked} cannot be greater than max_model_len={context}. Please request fewer "
                             f"output tokens.", param, asked)
+    if prompt_length > context and sampling.api == "chat":
+        # OpenAI's own body for it (its current models' words): LangChain's ChatOpenAI tells a context overflow from
+        # any bad request by this message, as the openai client words the error from the message alone
+        raise RequestError(400, f"Input tokens exceed the configured limit of {context} tokens. Your messages resulted "
+                                f"in {prompt_length} tokens. Please reduce the length of the messages.",
+                           "context_length_exceeded", "messages")
     if prompt_length > context:
         # vLLM's words, with OpenAI's code for it where vLLM puts the status: a client tells a context overflow from
         # any bad request by that code
