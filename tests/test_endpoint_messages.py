@@ -428,6 +428,22 @@ def test_a_field_claude_code_sends_is_answered_at_what_it_sends_and_changes_no_p
     assert (asked["token_ids"], asked["gconfig"]) == (plain["token_ids"], plain["gconfig"])
 
 
+def test_adaptive_thinking_shown_as_progress_updates_is_answered_with_no_thinking_and_changes_no_prompt(tokenizer):
+    """The `anthropic` client's beta `thinking` with `display: "updates"` (thinking not shown; any short progress
+    updates the model writes between tool calls shown as blocks of their own): the model thinks or not as its chat
+    template has it and writes no such updates, so the reply is its text alone, as a reply with none; the prompt and
+    the sampling are the call's without the field."""
+    async def calls(client, _http):
+        asked = dict(model="rlsys", max_tokens=8, messages=[{"role": "user", "content": "12+34="}])
+        return (await client.beta.messages.create(**asked, thinking={"type": "adaptive", "display": "updates"}),
+                await client.messages.create(**asked))
+
+    (updates, plain), session = messages_served(tokenizer, [["46"], ["46"]], calls)
+    assert [(b.type, b.text) for b in updates.content] == [("text", "46")] and updates.stop_reason == "end_turn"
+    with_updates, without = session.outputs
+    assert with_updates.prompt_ids == without.prompt_ids
+
+
 def test_a_system_turn_among_the_messages_is_a_system_message_where_it_stands(tokenizer):
     """Claude Code sends its environment as a system turn after the user's (Anthropic's mid-conversation system
     messages): it is the chat call's system message at that place, and a call whose last turn it is is answered."""
@@ -524,7 +540,13 @@ REFUSED = {  # name -> (body, the field the message starts with)
         {"type": "tool_result", "tool_use_id": "t1", "content": "46", "is_error": "yes"}]}]},
         "messages[2].content[0].is_error"),
     "thinking enabled": ({**BODY, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-    "thinking adaptive, summarized": ({**BODY, "thinking": {"type": "adaptive", "display": "summarized"}}, "thinking"),
+    "thinking adaptive, summarized": ({**BODY, "thinking": {"type": "adaptive", "display": "summarized"}},
+                                      "thinking.adaptive.display:"),
+    "thinking adaptive, highlights": ({**BODY, "thinking": {"type": "adaptive", "display": "highlights"}},
+                                      "thinking.adaptive.display:"),
+    "thinking blocks bound": ({**BODY, "thinking": {"type": "adaptive", "block_binding": {}}},
+                              "thinking.adaptive.block_binding:"),
+    "thinking between tools": ({**BODY, "thinking": {"type": "between_tools"}}, "thinking"),
     "tool uses cleared": ({**BODY, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
                           "context_management.edits[0]"),
     "context management as a list": ({**BODY, "context_management": []}, "context_management"),
@@ -573,6 +595,15 @@ def test_an_effort_is_refused_in_the_words_claude_code_reads_as_a_model_without_
     response, asked = post(tokenizer, "/messages", {**BODY, "output_config": {"effort": "medium"}})
     error = anthropic_refusal(response)
     assert "does not support the effort parameter" in error["message"].lower() and asked == []
+
+
+def test_a_thinking_display_not_honoured_is_refused_in_anthropics_words_for_it(tokenizer):
+    """"thinking.adaptive.display: Input should be ...", as Anthropic refuses a display its model does not take (Claude
+    Code reads those words to send its call again without the display); the displays answered are named."""
+    response, asked = post(tokenizer, "/messages", {**BODY, "thinking": {"type": "adaptive", "display": "summarized"}})
+    error = anthropic_refusal(response)
+    assert error["message"].startswith("thinking.adaptive.display: Input should be 'omitted' or 'updates'") and \
+        asked == [], error
 
 
 def test_max_tokens_past_the_context_is_refused_saying_by_how_much_in_the_words_claude_code_reads(tokenizer):

@@ -51,10 +51,12 @@ requires it; past what the prompt leaves of the context it is refused saying by 
 act, `metadata` labels.
 `cache_control` (Anthropic's prompt caching, top-level or on a block) is accepted: caching changes no answer, and an
 episode's calls go to the worker holding its prefix anyway. At their neutral values only, as Claude Code sends them:
-`thinking` disabled or adaptive with nothing displayed (the model thinks or not as its template has it; no thinking
-block is returned), `context_management` edits that clear thinking (none is accepted, so none is cleared),
-`output_config.effort` "high" (Anthropic's default; any other is refused in Anthropic's own words for a model without
-effort, on which Claude Code sends its call again without one). A last assistant turn (Anthropic continues it: a
+`thinking` disabled or adaptive, displayed as nothing or as progress updates (the model thinks or not as its template
+has it; no thinking block is returned, and it writes no updates apart from its reply; another display, or a
+`block_binding`, is refused in Anthropic's words for one its model does not take), `context_management` edits that
+clear thinking (none is accepted, so none is cleared), `output_config.effort` "high" (Anthropic's default; any other
+is refused in Anthropic's own words for a model without effort, on which Claude Code sends its call again without
+one). A last assistant turn (Anthropic continues it: a
 prefill) is refused, since a chat template closes it; so are images and documents, server tools, a forced or forbidden
 tool call, `disable_parallel_tool_use`, any other thinking, context edit or output config (a JSON reply format) and any
 other field. Its refusals are sent in Anthropic's error shape (`RequestError.anthropic_body`), the message starting with
@@ -98,8 +100,10 @@ RESPONSES_NEUTRAL = {
 MESSAGES_FIELDS = {"model", "max_tokens", "system", "messages", "tools", "tool_choice", "temperature", "top_p", "top_k",
                    "stop_sequences", "stream", "metadata", "cache_control", "thinking", "context_management",
                    "output_config"}
-# Thinking as no model here is asked to think: not at all, or as the model decides with nothing shown (Claude Code's).
-NEUTRAL_THINKING = ({"type": "disabled"}, {"type": "adaptive"}, {"type": "adaptive", "display": "omitted"})
+# How adaptive thinking may be shown, where the model thinks as it decides (as its chat template has it) and no thinking
+# block is returned: as nothing (Claude Code's "omitted"), or as the short progress updates the model writes between
+# tool calls ("updates", the anthropic client's beta), which it writes none of apart from its reply.
+THINKING_DISPLAYS = (None, "omitted", "updates")
 CLEAR_THINKING = "clear_thinking_20251015"  # the context edit that clears nothing here: no thinking block is accepted
 RESPONSES_ROLES = {"system", "developer", "user", "assistant"}
 # An API's tool shape, as a refusal describes it, and where in a tool its parameters schema is.
@@ -376,10 +380,7 @@ def messages_request(body: dict) -> tuple[list[dict], list[dict], list[dict], Sa
 
 def _refuse_unhonoured_messages(body: dict) -> None:
     """`thinking`, `context_management` and `output_config` at any value but one that asks nothing of this model."""
-    if body.get("thinking") not in (None, *NEUTRAL_THINKING):
-        raise _invalid("thinking", 'is not supported but as {"type": "disabled"} or {"type": "adaptive"} (the model '
-                                   'thinks or not as its chat template has it) with "display": "omitted" or none: no '
-                                   'budget is applied and no thinking block is returned; leave it out or send one')
+    _thinking(body.get("thinking"))
     edits = (body.get("context_management") or {}).get("edits")
     if not isinstance(edits, (list, type(None))):
         raise _invalid("context_management.edits", "must be a list of context edits or null")
@@ -399,6 +400,26 @@ def _refuse_unhonoured_messages(body: dict) -> None:
         if key != "effort" and value is not None:  # `format`: a JSON reply; `task_budget`
             raise _invalid(f"output_config.{key}", "is not supported: replies are sampled unconstrained, with no "
                                                    "budget but max_tokens; leave it out")
+
+
+def _thinking(thinking) -> None:
+    """Thinking disabled or adaptive, shown as THINKING_DISPLAYS allow; any other refused, a display or key of adaptive
+    thinking in Anthropic's words for one its model does not take (Claude Code reads them and sends its call again
+    without it)."""
+    if thinking in (None, {"type": "disabled"}):
+        return
+    if not (isinstance(thinking, dict) and thinking.get("type") == "adaptive"):
+        raise _invalid("thinking", 'is not supported but as {"type": "disabled"} or {"type": "adaptive"} (the model '
+                                   'thinks or not as its chat template has it): no budget is applied and no thinking '
+                                   'block is returned; leave it out or send one')
+    for key, value in thinking.items():
+        if key == "display" and value not in THINKING_DISPLAYS:
+            raise RequestError(400, "thinking.adaptive.display: Input should be 'omitted' or 'updates' (no thinking "
+                                    "block is returned: the model thinks or not as its chat template has it)",
+                               "invalid_value", "thinking.adaptive.display")
+        if key not in ("type", "display") and value is not None:  # block_binding: no thinking block is accepted
+            raise RequestError(400, f"thinking.adaptive.{key}: Extra inputs are not permitted",
+                               "invalid_value", f"thinking.adaptive.{key}")
 
 
 def _anthropic_turn(turn, where: str, tools: dict[str, dict], loaded: list[str]) -> list[dict]:
@@ -506,13 +527,14 @@ def reply_budget(sampling: Sampling, default: int, prompt_length: int, context: 
 
     On the OpenAI paths as vLLM's OpenAI server answers, in the order it checks: a budget past the whole context is
     refused, then a prompt past it (a chat call's with OpenAI's own body for it); a budget within it is cut to what
-    the prompt leaves, and a prompt that leaves nothing is refused as vLLM refuses the budget of 0 it leaves. On /v1/messages as Anthropic's API answers: a
-    prompt past the context is "prompt is too long", and a prompt and max_tokens that together are past it are refused
-    saying both numbers, nothing cut: Claude Code reads them and asks again for what the context leaves, less a margin
-    of its own (or, where that is under its floor of output tokens, ends the call)."""
+    the prompt leaves, and a prompt that leaves nothing is refused as vLLM refuses the budget of 0 it leaves. On
+    /v1/messages as Anthropic's API answers: a prompt past the context is "prompt is too long", and a prompt and
+    max_tokens that together are past it are refused saying both numbers, nothing cut: Claude Code reads them and asks
+    again for what the context leaves, less a margin of its own (or, where that is under its floor of output tokens,
+    ends the call)."""
     asked, param = sampling.settings.get("max_new_tokens"), sampling.budget_param
     budget = default if asked is None else asked
-    if sampling.api == "messages":  # no `param` in its refusals: the message starts with the field, where one is at fault
+    if sampling.api == "messages":  # no `param` in its refusals: the message starts with the field at fault, if one
         if prompt_length > context:
             raise RequestError(400, f"prompt is too long: {prompt_length} tokens > {context} maximum")
         if prompt_length + budget > context:
