@@ -204,6 +204,36 @@ def wait_for_the_stop(*args):
     time.sleep(120)  # a role the stop did not reach: it runs on
 
 
+def test_a_stop_signal_handled_as_a_role_starts_leaves_the_launchers_thread_unblocked(monkeypatch):
+    """Python runs the handlers of signals that came meanwhile inside pthread_sigmask, once it has set the mask: a
+    Ctrl-C that came as the launcher blocked SIGINT and SIGTERM to start a role raised KeyboardInterrupt out of that
+    call, and the launcher's thread kept both blocked for life, as did every process it started after."""
+    import multiprocessing.resource_tracker
+
+    from rlsys.placement.local import STOP_SIGNALS, LocalPlacement
+
+    setting = signal.pthread_sigmask
+
+    def ctrl_c_handled_within(how, mask):
+        previous = setting(how, mask)
+        if how == signal.SIG_BLOCK and set(mask) == STOP_SIGNALS:
+            raise KeyboardInterrupt  # from the call, as Python's handler of a Ctrl-C that came meanwhile raises it
+        return previous
+
+    placement = LocalPlacement(parse_config([]), wait_for_the_stop)
+    multiprocessing.resource_tracker.ensure_running()  # it blocks both as it starts, and unblocks them after
+    monkeypatch.setattr(signal, "pthread_sigmask", ctrl_c_handled_within)
+    before = setting(signal.SIG_BLOCK, ())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            placement.start("rollout", 0, ())
+        after = setting(signal.SIG_BLOCK, ())
+    finally:
+        setting(signal.SIG_SETMASK, before)  # the tests after this one run with the mask it found
+        placement.close()
+    assert after == before == set()
+
+
 def test_closing_a_local_placement_ends_every_role_it_started_that_still_runs():
     """The supervisor's stop ends a run's roles; those it did not reach (a second Ctrl-C during its grace period, an
     error while the roles were being started) ran on, and the launcher's exit waited for them (multiprocessing joins

@@ -21,6 +21,7 @@ from rlsys.placement.base import Placement, RoleHandle, learner_rendezvous, proc
 from rlsys.placement.cpu_threads import role_environment_applied
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.placement.process_end import end_process
+from rlsys.placement.signal_mask import blocked_during
 from rlsys.protocol import RENDEZVOUS_LISTEN_FD
 
 
@@ -73,8 +74,8 @@ class LocalPlacement(Placement):
                                       "grace": self.config.cluster.stop_grace_seconds,
                                       **({"rendezvous": listener} if listener else {})})
         try:
-            with role_environment_applied(), stop_signals_blocked():  # a process starts with a copy of it
-                process.start()
+            with role_environment_applied():  # a process starts with a copy of it
+                started_with_stop_signals_blocked(process)
         finally:
             if listener is not None:  # rank 0 holds its own copy now
                 listener.close()
@@ -103,27 +104,22 @@ class LocalPlacement(Placement):
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # what reaches the whole process group to stop a run
 
 
-@contextlib.contextmanager
-def stop_signals_blocked():
-    """SIGINT and SIGTERM held back from this thread for the moment a role process is spawned, which starts with them
+def started_with_stop_signals_blocked(process: multiprocessing.Process) -> None:
+    """Starts a role process with SIGINT and SIGTERM held back from this thread, so that the process starts with them
     blocked (a signal mask outlives exec) until its first statements take them over (_UNBLOCK_FIRST): a Ctrl-C in the
     seconds a new process spends importing the launcher's main module ended each role there with a KeyboardInterrupt
     traceback on the console. The launcher gets its own signal once the mask is back."""
     # Started first: the first spawn starts multiprocessing's resource tracker, which unblocks both after it
     multiprocessing.resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    blocked_during(STOP_SIGNALS, process.start)
 
 
 # A role process's first statements, before its interpreter imports anything: Ctrl-C ignored and a SIGTERM held for
-# run_in_process, then both taken out of the mask the process started with (stop_signals_blocked). Unblocked only in
-# run_in_process, every thread made before it (by the imports of the launcher's main module and of the role's entry:
-# torch's, a BLAS's) kept them blocked for its life, and so did every process such a thread started: a redis-server
-# or an engine that a SIGTERM, the parent-death signal included, never reached. A handler is the whole process's, not
-# a thread's: run_in_process gives both their own.
+# run_in_process, then both taken out of the mask the process started with (started_with_stop_signals_blocked).
+# Unblocked only in run_in_process, every thread made before it (by the imports of the launcher's main module and of
+# the role's entry: torch's, a BLAS's) kept them blocked for its life, and so did every process such a thread started:
+# a redis-server or an engine that a SIGTERM, the parent-death signal included, never reached. A handler is the whole
+# process's, not a thread's: run_in_process gives both their own.
 _UNBLOCK_FIRST = """
 import signal
 def held_sigterm(signum, frame):
