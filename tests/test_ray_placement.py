@@ -179,6 +179,53 @@ def test_a_sigterm_to_a_launcher_on_ray_runs_its_whole_stop_and_leaves_no_ray_pr
     assert [p.cmdline() for p in alive] == []
 
 
+SIGTERM_DURING_RAY_INIT = """
+import os, signal, time
+import psutil, ray
+from rlsys.bus import raise_on_sigterm
+from rlsys.cli import parse_config
+from rlsys.placement import open_placement
+
+ray_init = ray.init
+
+def init_as_a_sigterm_comes(*args, **kwargs):
+    ray_init(*args, **kwargs)
+    print(*(p.pid for p in psutil.Process().children(recursive=True)), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # no thread takes it: held back, as one that came during ray.init
+
+ray.init = init_as_a_sigterm_comes
+with raise_on_sigterm():
+    try:
+        with open_placement(parse_config(["cluster.backend=ray"]), None):
+            time.sleep(600)
+    finally:
+        time.sleep(5)  # the launcher's stop: Ray's crash handler aborted the launcher 3 s after the SIGTERM
+        print("stopped", flush=True)
+"""
+
+
+def test_a_sigterm_that_comes_during_ray_init_is_the_launchers_not_rays():
+    """The SIGTERM the launcher held back during ray.init came as it unblocked it, before it had put its own handler
+    back: Ray's crash handler took it and aborted the launcher 3 s later, in the middle of its stop, and left Ray's
+    agents running."""
+    import subprocess
+
+    import psutil
+
+    launcher = subprocess.Popen([sys.executable, "-c", SIGTERM_DURING_RAY_INIT], stdout=subprocess.PIPE, text=True,
+                                cwd=Path(__file__).resolve().parents[1])
+    try:
+        ray_processes = [psutil.Process(int(pid)) for pid in launcher.stdout.readline().split()]
+        assert ray_processes
+        assert launcher.stdout.read() == "stopped\n"
+        assert launcher.wait(timeout=60) == 143
+    finally:
+        launcher.kill()
+        launcher.wait()
+    _, alive = psutil.wait_procs(ray_processes, timeout=30)
+    assert [p.cmdline() for p in alive] == []
+
+
 def test_the_private_redis_of_a_run_on_a_ray_of_its_own_listens_on_loopback_only():
     """Every role of a Ray this run started is on this machine: its bus need not be reachable from the network."""
     from rlsys.placement.ray_actors import RayPlacement

@@ -10,7 +10,6 @@ than one that runs. Actors are never restarted by Ray itself (max_restarts=0): t
 same way on both backends.
 """
 
-import contextlib
 import os
 import signal
 import socket
@@ -21,6 +20,7 @@ from rlsys.errors import RoleFailed
 from rlsys.placement.base import Placement, PlacementError, RoleHandle, learner_rendezvous
 from rlsys.placement.cpu_threads import OPENMP_WAIT_SETTINGS, role_environment
 from rlsys.placement.process_end import HeldExitHandlers, end_role
+from rlsys.placement.signal_mask import blocked_during
 from rlsys.preflight import check_reachable
 from rlsys.protocol import RENDEZVOUS_LISTEN_FD
 
@@ -139,11 +139,10 @@ class RayRole(RoleHandle):
         ray.wait([self.done], timeout=30)
 
 
-@contextlib.contextmanager
-def sigterm_left_to_the_launcher():
-    """Around ray.init: a SIGTERM stops the run through the launcher's stop alone.
+def sigterm_left_to_the_launcher(init) -> None:
+    """Runs `init` (ray.init) so that a SIGTERM stops the run through the launcher's stop alone.
 
-    The SIGTERM handler of the caller (the launcher's, rlsys.bus.raise_on_sigterm) is still in place after the block.
+    The SIGTERM handler of the caller (the launcher's, rlsys.bus.raise_on_sigterm) is still in place after it.
     ray.init installs its own, and its core worker a crash handler that reports a SIGTERM, calls the one before it,
     and aborts the process 3 s later: the launcher's stop (every role told to stop, then Ray shut down) would be cut
     short, the roles killed without their checkpoint and Ray's agents left running.
@@ -153,16 +152,40 @@ def sigterm_left_to_the_launcher():
     SIGTERM to the group (Slurm's scancel, systemd's stop, `kill -TERM -PGID`) stopped them at once, every role with
     them, and the launcher's stop waited on the lost cluster until Ray's client aborted it a minute later (exit 1).
     The launcher's stop shuts that Ray down (SIGKILL after a second each). Its workers are each in a group of their
-    own, and a role's actor takes SIGTERM back (RoleActor)."""
+    own, and a role's actor takes SIGTERM back (RoleActor). The threads ray.init makes in the launcher keep SIGTERM
+    blocked too: none starts a process (Ray starts its own from the thread that calls ray.init), and the launcher's
+    main thread, unblocked again, takes the signal."""
     main = threading.current_thread() is threading.main_thread()  # only the main thread sets handlers
     handler = signal.getsignal(signal.SIGTERM) if main else None
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        if handler is not None:
-            signal.signal(signal.SIGTERM, handler)
+
+    def init_then_handler_back() -> None:
+        try:
+            init()
+        finally:
+            # While SIGTERM is still blocked: one that came during ray.init comes, as it is unblocked, to the
+            # launcher's handler, not to the crash handler of Ray's, which aborted the launcher 3 s later
+            if handler is not None:
+                signal.signal(signal.SIGTERM, handler)
+
+    blocked_during({signal.SIGTERM}, init_then_handler_back)
+
+
+def join_or_start_ray(cluster, cpus: int) -> None:
+    """ray.init: joins the cluster `cluster.ray_address` names, else starts a Ray for this run alone with `cpus`
+    logical CPUs at least (one per role, even on a small machine). PlacementError where no cluster answers."""
+    import ray
+
+    if cluster.ray_address:
+        try:
+            check_reachable(cluster.ray_address)
+            ray.init(address=cluster.ray_address, log_to_driver=True)
+        except ConnectionError as e:  # nothing started yet: refused as a layout that cannot be placed
+            raise PlacementError(
+                f"cluster.ray_address={cluster.ray_address}: no Ray cluster answered "
+                f"({str(e).splitlines()[0]}); start one (`ray start --head` on its head node), fix the "
+                "address, or leave cluster.ray_address empty to start a Ray for this run alone") from None
+    else:  # "local": not the cluster RAY_ADDRESS or an earlier `ray start` here names, which ray.init joins by default
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus), include_dashboard=False)
 
 
 def not_placed(bundle: dict) -> str:
@@ -196,20 +219,7 @@ class RayPlacement(Placement):
             raise PlacementError("cluster.ray_address=ray://... runs this launcher off the cluster, where a private Redis "
                                  "is out of the nodes' reach: set cluster.redis_url to a Redis every node reaches, or run "
                                  "the command on a node of the cluster with cluster.ray_address=auto")
-        with sigterm_left_to_the_launcher():
-            if cluster.ray_address:
-                try:
-                    check_reachable(cluster.ray_address)
-                    ray.init(address=cluster.ray_address, log_to_driver=True)
-                except ConnectionError as e:  # nothing started yet: refused as a layout that cannot be placed
-                    raise PlacementError(
-                        f"cluster.ray_address={cluster.ray_address}: no Ray cluster answered "
-                        f"({str(e).splitlines()[0]}); start one (`ray start --head` on its head node), fix the "
-                        "address, or leave cluster.ray_address empty to start a Ray for this run alone") from None
-            else:  # a Ray for this run only, with a logical CPU per role even on a small machine; "local": not
-                # the cluster RAY_ADDRESS or an earlier `ray start` here names, which ray.init joins by default
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, CPUS_PER_ROLE * len(bundles)),
-                         include_dashboard=False)
+        sigterm_left_to_the_launcher(lambda: join_or_start_ray(cluster, CPUS_PER_ROLE * len(bundles)))
         # other nodes reach a private Redis on this node's address; a Ray of this run's own has only this machine
         self.bus_host = ray.util.get_node_ip_address() if cluster.ray_address else "127.0.0.1"
         self.group = placement_group(bundles, strategy=cluster.ray_placement_strategy, name="")
