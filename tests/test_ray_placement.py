@@ -153,23 +153,18 @@ with raise_on_sigterm(), open_placement(parse_config(["cluster.backend=ray"]), N
 """
 
 
-def test_a_sigterm_to_a_launcher_on_ray_runs_its_whole_stop_and_leaves_no_ray_process():
-    """ray.init put its own SIGTERM handling in place of the launcher's: its core worker's crash handler aborted the
-    process 3 s after a SIGTERM, in the middle of the stop, which left the roles without their checkpoint and Ray's
-    agents running."""
-    import signal
+def stopped_by_sigterm_whole(script: str, ray_processes_of) -> None:
+    """Runs the launcher `script`, whose Ray's processes `ray_processes_of(launcher)` reads once the launcher has them
+    and gets a SIGTERM: the launcher's stop runs whole (exit 143), and leaves no Ray process."""
     import subprocess
-    import sys
 
     import psutil
 
-    launcher = subprocess.Popen([sys.executable, "-c", STOPPED_BY_SIGTERM], stdout=subprocess.PIPE, text=True,
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                                 cwd=Path(__file__).resolve().parents[1])
     try:
-        assert launcher.stdout.readline() == "placed\n"
-        ray_processes = psutil.Process(launcher.pid).children(recursive=True)
+        ray_processes = ray_processes_of(launcher)
         assert ray_processes
-        launcher.send_signal(signal.SIGTERM)
         assert launcher.stdout.read() == "stopped\n"
         assert launcher.wait(timeout=60) == 143
     finally:
@@ -177,6 +172,23 @@ def test_a_sigterm_to_a_launcher_on_ray_runs_its_whole_stop_and_leaves_no_ray_pr
         launcher.wait()
     _, alive = psutil.wait_procs(ray_processes, timeout=30)
     assert [p.cmdline() for p in alive] == []
+
+
+def test_a_sigterm_to_a_launcher_on_ray_runs_its_whole_stop_and_leaves_no_ray_process():
+    """ray.init put its own SIGTERM handling in place of the launcher's: its core worker's crash handler aborted the
+    process 3 s after a SIGTERM, in the middle of the stop, which left the roles without their checkpoint and Ray's
+    agents running."""
+    import signal
+
+    import psutil
+
+    def placed_then_sigterm(launcher):
+        assert launcher.stdout.readline() == "placed\n"
+        ray_processes = psutil.Process(launcher.pid).children(recursive=True)
+        launcher.send_signal(signal.SIGTERM)
+        return ray_processes
+
+    stopped_by_sigterm_whole(STOPPED_BY_SIGTERM, placed_then_sigterm)
 
 
 SIGTERM_DURING_RAY_INIT = """
@@ -208,22 +220,10 @@ def test_a_sigterm_that_comes_during_ray_init_is_the_launchers_not_rays():
     """The SIGTERM the launcher held back during ray.init came as it unblocked it, before it had put its own handler
     back: Ray's crash handler took it and aborted the launcher 3 s later, in the middle of its stop, and left Ray's
     agents running."""
-    import subprocess
-
     import psutil
 
-    launcher = subprocess.Popen([sys.executable, "-c", SIGTERM_DURING_RAY_INIT], stdout=subprocess.PIPE, text=True,
-                                cwd=Path(__file__).resolve().parents[1])
-    try:
-        ray_processes = [psutil.Process(int(pid)) for pid in launcher.stdout.readline().split()]
-        assert ray_processes
-        assert launcher.stdout.read() == "stopped\n"
-        assert launcher.wait(timeout=60) == 143
-    finally:
-        launcher.kill()
-        launcher.wait()
-    _, alive = psutil.wait_procs(ray_processes, timeout=30)
-    assert [p.cmdline() for p in alive] == []
+    stopped_by_sigterm_whole(SIGTERM_DURING_RAY_INIT,
+                             lambda launcher: [psutil.Process(int(pid)) for pid in launcher.stdout.readline().split()])
 
 
 def test_the_private_redis_of_a_run_on_a_ray_of_its_own_listens_on_loopback_only():
