@@ -4,9 +4,9 @@ exec), and put back however a signal handler raises meanwhile.
 Python runs the handlers of signals that came meanwhile inside pthread_sigmask itself, once the mask is changed, and
 as each Python function begins (signal.pthread_sigmask is one). A Ctrl-C (KeyboardInterrupt) or a SIGTERM whose
 handler raises (rlsys.bus.raise_on_sigterm's SystemExit) that came as the block began raised out of the call that
-blocked them, before there was a mask to put back; the thread kept both blocked for life, and so did each thread and
-process it started after: a role's, a redis-server, a launcher a test started. Seen: once in some thousands of
-SIGINTs that came as a role process was started.
+blocked them, before there was a mask to put back; the thread kept both blocked for life, and so did each thread it
+made and each process it started after (a test process's launchers, and the processes they started). Seen: once in
+some thousands of SIGINTs that came as a role process was started.
 """
 
 import _signal
