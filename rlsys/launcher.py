@@ -26,7 +26,7 @@ from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.placement.local import STOP_SIGNALS
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
-from rlsys.prompt_ledger import ADMITTED, PromptLedger, accounted, as_ended, describe, settled_prompts
+from rlsys.prompt_ledger import ADMITTED, NO_PROMPTS, PromptLedger, accounted, as_ended, describe, settled_prompts
 from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE, logs_dir
 from rlsys.run_privacy import make_private, redact_url, write_private
 from rlsys.roles import run_role
@@ -442,24 +442,37 @@ def stop_signals_deferred():
             signal.raise_signal(came[0])
 
 
-def stopped_steps(bus, run_dir: Path, prompts: dict) -> tuple[int, int, bool]:
-    """A stopped run's (steps, steps trained, saved at the stop). `steps`: its newest checkpoint's, where a resume goes
-    on; the steps its learner trained (published), those past `steps` lost to a resume; whether that checkpoint holds
-    the run as it stopped: its step the last trained and its books the run's final `prompts`, as the learner's save at
-    the stop leaves it. A learner killed after the grace, or that crashed saving, saved nothing at the stop: the
-    newest checkpoint is older, and `prompts` (the bus's) count outcomes it does not."""
+@dataclasses.dataclass
+class AtTheStop:
+    """Where a stopped run stands against its newest checkpoint, where `resume_from_checkpoint=auto` goes on (None
+    where none was saved: a resume starts from the beginning)."""
+    checkpoint: Path | None
+    steps: int  # the checkpoint's
+    trained: int  # the steps whose weights the learner published: those past `steps` are lost to a resume
+    loses_nothing: bool  # a resume from the checkpoint holds the run as it stopped
+
+
+def stopped_steps(bus, run_dir: Path, prompts: dict) -> AtTheStop:
+    """A stopped run against its newest checkpoint. A resume from it loses nothing where its step is the last trained
+    and its books are the run's final `prompts`: as the learner's save at the stop leaves it, or a stop as a
+    restart set the books from it (with no checkpoint: nothing trained, nothing admitted). A learner killed after the
+    grace, or that crashed saving, saved nothing at the stop: the newest checkpoint is older, and `prompts` (the
+    bus's) count outcomes it does not. A step is counted trained once its weights are published: one the learner was
+    computing, or had computed and not yet published, when it was killed left nothing (no weights, no records, its
+    prompts in flight), and neither its records nor the bus tell it."""
     latest = latest_checkpoint(run_dir / CHECKPOINTS_DIR)
-    state = read_trainer_state(latest) if latest else {"step": 0, "version": 0}
+    state = read_trainer_state(latest) if latest else {"step": 0, "version": 0, "accounting": NO_PROMPTS}
     published = (bus.get(protocol.WEIGHTS) or {}).get("version", state["version"])  # step and version rise together
     trained = state["step"] + max(0, published - state["version"])
-    saved = latest is not None and trained == state["step"] and as_ended(state.get("accounting")) == prompts
-    return state["step"], trained, saved
+    loses_nothing = trained == state["step"] and as_ended(state.get("accounting")) == prompts
+    return AtTheStop(latest, state["step"], trained, loses_nothing)
 
 
-def unsaved_stop_note(summary: dict, run_dir: Path) -> str:
-    """What a stop whose learner did not save loses to a resume."""
-    latest, lost = latest_checkpoint(run_dir / CHECKPOINTS_DIR), summary["steps_trained"] - summary["steps"]
-    where = f"from {latest} (step {summary['steps']})" if latest else "from the beginning (no checkpoint was saved)"
+def unsaved_stop_note(summary: dict) -> str:
+    """What a resume from a stopped run's newest checkpoint loses (its learner did not save at the stop)."""
+    checkpoint, lost = summary["resume_from"], summary["steps_trained"] - summary["steps"]
+    where = (f"from {checkpoint} (step {summary['steps']})" if checkpoint
+             else "from the beginning (no checkpoint was saved)")
     return (f"the learner did not save at the stop: a resume goes on {where}, {lost} steps trained after it are lost; "
             "the summary's prompts count what the run recorded, beyond what a resume holds")
 
@@ -471,15 +484,15 @@ def run_summary(bus, config, run_dir: Path, supervisor: Supervisor, ledger: Prom
     its prompts ended, its restarts and counters; `stopped`: the signal that stopped it before max_steps, None for a
     run that ended."""
     prompts, counters = ledger.end_run(), run_counters.held(bus)
-    steps, trained, saved = config.max_steps, config.max_steps, None
-    if stopped:
-        steps, trained, saved = stopped_steps(bus, run_dir, prompts)
+    at_stop = stopped_steps(bus, run_dir, prompts) if stopped else None
     return {
         **held_out_summary(bus, part.started_from, Path(config.logging_dir)),
-        "steps": steps,
-        "steps_trained": trained,
+        "steps": at_stop.steps if at_stop else config.max_steps,
+        "steps_trained": at_stop.trained if at_stop else config.max_steps,
         "stopped": stopped,
-        "saved_at_stop": saved,  # None for a run that ended
+        # None for a run that ended
+        "resume_loses_nothing": at_stop.loses_nothing if at_stop else None,
+        "resume_from": str(at_stop.checkpoint) if at_stop and at_stop.checkpoint else None,
         # the run's own time apart from a warm start's, which a first run on a cold cache spends for minutes
         "minutes": (time.monotonic() - part.started - part.warm_start_seconds) / 60,
         "warm_start_minutes": part.warm_start_seconds / 60,
@@ -512,8 +525,8 @@ def write_stopped_summary(bus, config, run_dir: Path, supervisor: Supervisor, le
             part.unclean = supervisor.kill()
         summary = run_summary(bus, config, run_dir, supervisor, ledger, part, why)
         write_summary(summary, run_dir)
-        if not summary["saved_at_stop"]:
-            print(unsaved_stop_note(summary, run_dir), file=sys.stderr, flush=True)
+        if not summary["resume_loses_nothing"]:
+            print(unsaved_stop_note(summary), file=sys.stderr, flush=True)
         print(f"summary of the stopped run: {run_dir / SUMMARY_FILE}", file=sys.stderr, flush=True)
 
 
@@ -563,6 +576,7 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
         restarted, part = False, Part(started, warm_start_seconds, trainer_state)
         try:
             while True:
+                part.unclean = {}  # no role of this part runs yet: a stop now finds none, not the last part's ends
                 # A stop that came as the books are set (again, after a restart) would find them half set: it comes
                 # once they are whole, as the checkpoint's, and the summary counts them so
                 with stop_signals_deferred():

@@ -49,6 +49,7 @@ def _outcome_key(outcome: str) -> str:
 
 
 ADMITTED, TRAINED = "admitted", "trained"
+NO_PROMPTS = {ADMITTED: 0, TRAINED: 0, "filtered": {}, "failed": {}, "in_flight": 0}  # books that admitted none
 GATE_FULL, IN_FLIGHT, CLOSED = "gate_full", "in_flight", "closed"  # why `PromptLedger.admit` did not admit a prompt
 FILTER_REASONS = {
     "uniform_reward": "every sample of the group got the same reward (ppo.filter_uniform_groups)",

@@ -141,9 +141,10 @@ def test_ctrl_c_stops_every_process(cache_dir, tmp_path):
 def assert_a_stopped_run_s_summary(run_dir: Path, signal_name: str) -> None:
     """A stopped run leaves a summary too, which says so and counts its prompts as its last checkpoint does."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stopped"] == signal_name and summary["saved_at_stop"] is True
-    assert summary["steps"] == summary["steps_trained"] == read_trainer_state(
-        latest_checkpoint(run_dir / "checkpoints"))["step"] >= 1
+    assert summary["stopped"] == signal_name and summary["resume_loses_nothing"] is True
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    assert summary["steps"] == summary["steps_trained"] == read_trainer_state(checkpoint)["step"] >= 1
+    assert summary["resume_from"] == str(checkpoint)
     assert summary["prompts_accounted"] and summary["prompts"] == final_books(run_dir)
 
 
@@ -158,9 +159,10 @@ def test_a_stopped_run_whose_learner_did_not_save_says_what_its_summary_holds(ca
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stopped"] == "SIGINT" and summary["saved_at_stop"] is False
+    assert summary["stopped"] == "SIGINT" and summary["resume_loses_nothing"] is False
     assert summary["unclean_exits"]["learner0"].startswith("was still running 3 s after the stop")
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    assert summary["resume_from"] == str(checkpoint)
     assert summary["steps"] == read_trainer_state(checkpoint)["step"] >= 2
     trained = read_jsonl_metrics(run_dir / "logs" / "learner.jsonl")[-1]["step"]  # logged once published
     assert summary["steps_trained"] in (trained, trained + 1)
@@ -183,7 +185,7 @@ def test_a_second_ctrl_c_during_the_stop_leaves_a_summary_of_what_it_killed(cach
         output, _ = proc.communicate(timeout=120)  # well within the grace: the second Ctrl-C cut the stop short
     assert proc.returncode != 0
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stopped"] == "SIGINT" and summary["saved_at_stop"] is False
+    assert summary["stopped"] == "SIGINT" and summary["resume_loses_nothing"] is False
     assert summary["unclean_exits"]["learner0"].startswith("was killed as the run was stopped at once"), summary
     assert summary["prompts_accounted"] and summary["steps_trained"] >= 1
     assert "the learner did not save at the stop" in output, output
