@@ -41,7 +41,7 @@ from rlsys.bus import EmbeddedRedis, connect  # noqa: E402
 from rlsys.cli import config_to_dict, parse_config  # noqa: E402
 from rlsys.data.dataset import load_rows, write_jsonl  # noqa: E402
 from rlsys.data.prompts import prompt_stream  # noqa: E402
-from rlsys.launcher import initialize_bus_state  # noqa: E402
+from rlsys.run_start import initialize_bus_state  # noqa: E402
 from rlsys.placement.local import LocalPlacement  # noqa: E402
 from rlsys.metrics import read_jsonl_metrics, records_file, rollout_records  # noqa: E402
 from rlsys.model.tokenizer import load_tokenizer  # noqa: E402

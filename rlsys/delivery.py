@@ -13,7 +13,7 @@ Nothing else ever removes an entry, so the stream is never trimmed below what is
 learner that dies leaves its entries pending; a learner claims every pending entry when it starts (a run has one
 learner, so at that moment every pending entry belongs to a dead one) and gets them again. Under the launcher it
 finds none: a learner's death restarts every role from the last checkpoint, and the launcher deletes the stream
-first (rlsys/launcher.py, initialize_bus_state). An entry
+first (rlsys/run_start.py, initialize_bus_state). An entry
 handed to the learner by a bus server that then died before its reply went out is pending but never
 arrived: after a server restart the learner claims every pending entry under a new consumer name, and
 takes again those it does not hold. So it does when, with nothing to read, more entries are pending than it holds:

@@ -93,7 +93,7 @@ KEPT_AT_A_START = {
 
 def cleared_at_a_start(n_learner_ranks: int, n_inference_workers: int, n_rollout_workers: int, fresh: bool,
                        keep_initial_eval: bool) -> list[str]:
-    """The keys deleted before the roles start (rlsys.launcher), so that none finds what an earlier run, or the
+    """The keys deleted before the roles start (rlsys.run_start), so that none finds what an earlier run, or the
     earlier part of this one, left: `fresh`, a run from no checkpoint, starts without the messages set aside too (a
     resume keeps its earlier part's); `keep_initial_eval`, the start of every role again after the learner died,
     keeps the initial evaluation, which tells rollout worker 0 it is no first start. The evaluations "step-N" are

@@ -25,7 +25,8 @@ from rlsys.checkpoint import TRAINER_STATE
 from rlsys.cli import ConfigError, parse_config, save_config
 from rlsys.data.dataset import DatasetError, load_rows, rows_fingerprint
 from rlsys.impl.env.math_verifier import close_shared_pool
-from rlsys.launcher import last_checkpoint_note, launch, resolve_resume, run_directory
+from rlsys.launcher import launch
+from rlsys.run_start import last_checkpoint_note, resolve_resume, run_directory
 from rlsys.preflight import StartupError
 from tests.helpers import child_pids, left_behind, save_random_tiny_model
 
@@ -520,7 +521,7 @@ def test_a_runs_saved_config_reruns_as_a_new_run_in_a_directory_of_its_own(tmp_p
 
 
 def test_runs_started_in_one_second_without_a_trial_name_get_a_directory_each(tmp_path, monkeypatch):
-    monkeypatch.setattr("rlsys.launcher.time.strftime", lambda _: "run-20261202-000000")
+    monkeypatch.setattr("rlsys.run_start.time.strftime", lambda _: "run-20261202-000000")
     names = [run_directory(run_config(tmp_path)).name for _ in range(3)]
     assert names == ["run-20261202-000000", "run-20261202-000000-2", "run-20261202-000000-3"]
     assert all((tmp_path / "runs" / "async-ppo-math" / name).is_dir() for name in names)

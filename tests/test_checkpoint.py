@@ -129,7 +129,7 @@ def test_a_crash_between_the_renames_of_a_replaced_step_leaves_it_for_auto_and_t
     two, there is no step_N; `auto` must not go back to an earlier step, nor the learner's start delete the copy."""
     from types import SimpleNamespace
 
-    from rlsys.launcher import resolve_resume
+    from rlsys.run_start import resolve_resume
 
     clock = itertools.count(1)
     monkeypatch.setattr(time, "time", lambda: float(next(clock)))
@@ -182,7 +182,7 @@ def test_auto_without_a_checkpoint_takes_back_what_the_earlier_start_logged(tmp_
     records went on after the killed run's in the same files (learner.jsonl: steps 1-3, then 1, 2, ...)."""
     from types import SimpleNamespace
 
-    from rlsys.launcher import resolve_resume, take_back_earlier_start
+    from rlsys.run_start import resolve_resume, take_back_earlier_start
     from rlsys.metrics import read_jsonl_metrics
 
     logs = killed_run_records(tmp_path, learner_steps=3, rollout=[(0, {"eval/accuracy": 0.2}), (2, {"reward": 0.5})])
@@ -203,7 +203,7 @@ def test_a_resume_takes_back_the_metrics_and_counts_of_the_steps_after_its_check
 
     from rlsys import protocol
     from rlsys.bus import InProcessBus
-    from rlsys.launcher import take_back_abandoned_steps
+    from rlsys.run_start import take_back_abandoned_steps
     from rlsys.metrics import MetricsLogger, read_jsonl_metrics
 
     logs = killed_run_records(tmp_path, learner_steps=6,
@@ -268,7 +268,7 @@ def test_a_role_restarted_once_save_total_limit_deleted_the_checkpoint_the_run_r
     deletes that checkpoint once newer ones of its line are saved. An inference or rollout worker that dies after
     that is restarted with the run's config and builds its engine and tokenizer from config.model.path."""
     from experiments import AsyncPPOMATHConfig
-    from rlsys.launcher import resume_from_latest
+    from rlsys.run_start import resume_from_latest
     from rlsys.model.tokenizer import load_tokenizer
     from tests.helpers import save_random_tiny_model
 
@@ -331,7 +331,7 @@ def test_a_learner_that_dies_restarts_the_run_on_the_line_it_continues_not_on_on
     """Resumed from its own step_4 while step_6 and step_8 (saved later) are there, a run whose learner died before
     it saved went on from step_8: the weights, counters and dataset position of the line the user turned away from."""
     from experiments import AsyncPPOMATHConfig
-    from rlsys.launcher import resume_from_latest, saved_checkpoints
+    from rlsys.run_start import resume_from_latest, saved_checkpoints
 
     clock = itertools.count(1)
     monkeypatch.setattr(time, "time", lambda: float(next(clock)))

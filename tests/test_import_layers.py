@@ -39,12 +39,13 @@ LAYERS = [
     ("roles", ["rlsys.workers", "rlsys.delivery"],
      "the loops of the role processes (inference, rollout, learner), which run the engines and the plugins"),
     ("run", ["rlsys.placement", "rlsys.supervisor", "rlsys.stall", "rlsys.assets", "rlsys.preflight",
-             "rlsys.report", "rlsys.console", "rlsys.mlflow_export"],
+             "rlsys.report", "rlsys.console", "rlsys.mlflow_export", "rlsys.stop_signals", "rlsys.run_summary"],
      "starting, watching and summarising a run's role processes"),
     ("experiments", ["experiments"],
      "named configurations of the library, registered into rlsys.api's experiment registry"),
-    ("entry", ["rlsys.cli", "rlsys.launcher", "rlsys.roles", "training"],
-     "the command line (which offers the built-in experiments by name), the run's plan and the roles' entry (which reads a\n     config back as the command line does)"),
+    ("entry", ["rlsys.cli", "rlsys.launcher", "rlsys.run_start", "rlsys.roles", "training"],
+     "the command line (which offers the built-in experiments by name), the run's plan and where it starts, and the "
+     "roles' entry (which reads a config back as the command line does)"),
 ]
 
 

@@ -746,7 +746,7 @@ def test_a_resumed_learner_continues_its_adaptive_kl_coefficient_and_counters(tm
     # as training left them: the coefficient adapted, a group filtered, an update skipped
     learner.kl_controller.value, learner.filtered_groups, learner.skipped_updates = 0.37, 5, 2
     learner.inbox.duplicates, learner.inbox.dead_letters = 3, 1  # logged every step as trajectories/*
-    bus.incr(protocol.WEIGHT_CHECKS, 3)  # the run's counters, which a resume takes back to these (rlsys/launcher.py)
+    bus.incr(protocol.WEIGHT_CHECKS, 3)  # the run's counters, which a resume takes back to these (rlsys/run_start.py)
     bus.stream_add(protocol.DEAD_LETTERS, {"reason": "a message the learner could not use"})
     config.resume_from_checkpoint = str(learner.save())
     assert {k: read_trainer_state(config.resume_from_checkpoint)[k] for k in ("weight_checks", "dead_letters")} == \

@@ -529,7 +529,7 @@ def test_a_relative_logging_dir_is_saved_absolute_so_the_report_finds_it_from_an
 
 def launch_until_the_roles_start(config, monkeypatch) -> None:
     """`launch(config)` as far as a start that passed its checks goes (prepare's reading of the model and data
-    skipped): its placement made and its bus started, which is when it changes the trial (launcher.begin_trial); no
+    skipped): its placement made and its bus started, which is when it changes the trial (run_start.begin_trial); no
     role starts."""
     from rlsys.launcher import launch
 

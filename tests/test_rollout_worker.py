@@ -24,7 +24,7 @@ from rlsys.console import ProgressReporter
 from rlsys.data.prompts import prompt_stream
 from rlsys.errors import EpisodeFailed
 from rlsys.impl.env.math_verifier import close_shared_pool
-from rlsys.launcher import initialize_bus_state
+from rlsys.run_start import initialize_bus_state
 from rlsys.tracing import read_traces, traced
 from rlsys.workers import rollout_worker
 from rlsys.workers.rollout_worker import RolloutWorker, next_evaluation

@@ -12,7 +12,8 @@ from experiments import AsyncPPOMATHConfig
 from rlsys import protocol
 from rlsys.bus import InProcessBus
 from rlsys.cli import parse_config
-from rlsys.launcher import initialize_bus_state, launch
+from rlsys.launcher import launch
+from rlsys.run_start import initialize_bus_state
 from rlsys.prompt_ledger import PromptLedger
 from rlsys.api.messages import RolloutRunning, WorkerStatus
 from rlsys.stall import RunStalled, StallWatch

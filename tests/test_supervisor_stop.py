@@ -164,7 +164,7 @@ def test_a_start_clears_the_stop_reasons_an_earlier_run_left_for_every_role():
     """A role that cannot go on leaves its reason on the bus and exits with code 3; a reason an earlier run on the same
     Redis left for the learner or an inference worker stayed, and a later run's role that exited with code 3 without
     one stopped that run with the earlier run's reason instead of being restarted."""
-    from rlsys.launcher import initialize_bus_state
+    from rlsys.run_start import initialize_bus_state
 
     config = parse_config(["cluster.n_learner_ranks=2"])
     bus = InProcessBus()
@@ -181,7 +181,7 @@ def test_a_stop_signal_while_they_are_deferred_comes_once_the_block_ends(signum,
     a Ctrl-C or SIGTERM amid it is raised after it, not where it came. A signal mask of the main thread held back
     nothing: another thread took the signal, and Python raised it in the main thread at once."""
     from rlsys.bus import raise_on_sigterm
-    from rlsys.launcher import stop_signals_deferred
+    from rlsys.stop_signals import stop_signals_deferred
 
     other = threading.Thread(target=time.sleep, args=(1,))  # one that could take the signal
     other.start()

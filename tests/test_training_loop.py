@@ -234,7 +234,7 @@ def test_resume_from_checkpoint_continues_step_and_version(cache_dir, tmp_path):
     first = parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=2", "trial_name=a"])
     before = launch(first)
     checkpoint = tmp_path / "async-ppo-math" / "a" / "checkpoints" / "step_2"
-    # What a resume checks it reads the same training rows against (launcher.check_same_dataset).
+    # What a resume checks it reads the same training rows against (run_start.check_same_dataset).
     rows = load_rows(first.dataset.path, first.dataset.row_format())
     state = read_trainer_state(checkpoint)
     assert state["dataset"] == rows_fingerprint(rows)

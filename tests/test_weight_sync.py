@@ -580,7 +580,7 @@ def test_a_resumed_runs_worker_goes_live_only_once_it_serves_the_checkpoints_ver
     evaluation at the resumed step and the first rollouts: it goes live (its status, which routers wait for) once it
     serves the version the learner publishes from the checkpoint; a run stopped before that ends it unstarted."""
     from experiments import AsyncPPOMATHConfig
-    from rlsys.launcher import initialize_bus_state
+    from rlsys.run_start import initialize_bus_state
 
     path = save_random_tiny_model(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

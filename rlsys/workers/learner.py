@@ -60,7 +60,7 @@ class Learner(PolicyTrainer):
         # save_total_limit keeps first (rlsys/checkpoint.py, keep_newest)
         self.lineage: list[list] = []
         # the held-out evaluation before the run's first step; a resumed learner carries its checkpoint's, since the
-        # bus's "initial" is then the evaluation at the resumed step (rlsys/launcher.py, held_out_summary)
+        # bus's "initial" is then the evaluation at the resumed step (rlsys/run_summary.py, held_out_summary)
         self.resumed, self.initial_eval = bool(resumed), resumed.get("initial_eval")
         if resumed:
             self._resume(Path(config.resume_from_checkpoint), resumed)
