@@ -90,7 +90,7 @@ def unsaved_stop_note(summary: dict) -> str:
 def run_summary(bus, config, run_dir: Path, supervisor: Supervisor, ledger: PromptLedger, part: Part,
                 stopped: str | None = None) -> dict:
     """The run's summary, once every role stopped: its held-out figures, its steps (a stopped run's: its newest
-    checkpoint's, where a resume goes on, and `stopped_steps`' steps trained and whether it saved at the stop), where
+    checkpoint's, where a resume goes on, and `stopped_steps`' steps trained and whether a resume loses any), where
     its prompts ended, its restarts and counters; `stopped`: the signal that stopped it before max_steps, None for a
     run that ended."""
     prompts, counters = ledger.end_run(), run_counters.held(bus)
