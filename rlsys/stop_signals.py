@@ -24,11 +24,26 @@ def stop_signals_deferred():
     back from one thread, and any other thread of the process takes it (Python then raises it in the main thread at
     once). Main thread only."""
     came: list[int] = []
-    previous = {signum: signal.signal(signum, lambda signum, frame: came.append(signum)) for signum in STOP_SIGNALS}
+    previous = {}
     try:
+        for signum in STOP_SIGNALS:  # one at a time: a signal whose handler raises between two swaps undoes the first
+            previous[signum] = signal.signal(signum, lambda signum, frame: came.append(signum))
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        handlers_put_back(previous)
         if came:
             signal.raise_signal(came[0])
+
+
+def handlers_put_back(handlers: dict) -> None:
+    """signal.signal(signum, handler) for each, whatever a handler of a signal that comes meanwhile raises (it runs
+    before a swap, which it leaves unmade, or after one): every handler is put back, and the first raise follows."""
+    raised = None
+    for signum, handler in handlers.items():
+        while signal.getsignal(signum) is not handler:
+            try:
+                signal.signal(signum, handler)
+            except BaseException as e:  # a stop signal's own (KeyboardInterrupt, SystemExit): raised below
+                raised = raised or e
+    if raised is not None:
+        raise raised

@@ -16,7 +16,7 @@ from rlsys import protocol, supervisor
 from rlsys.bus.inproc import InProcessBus
 from rlsys.cli import parse_config
 from rlsys.errors import LearnerFailed, RoleFailed
-from rlsys.placement.local import LocalPlacement, LocalRole
+from rlsys.placement.local import STOP_SIGNALS, LocalPlacement, LocalRole
 
 
 def finish() -> None:
@@ -194,3 +194,30 @@ def test_a_stop_signal_while_they_are_deferred_comes_once_the_block_ends(signum,
         done.append("after it")
     other.join()
     assert done == ["the deferred part"]
+
+
+@pytest.mark.parametrize("raising_call", [2, 3], ids=["between-the-two-swaps", "as-the-first-is-put-back"])
+def test_a_stop_signal_whose_handler_raises_amid_the_swaps_leaves_every_handler_as_it_was(monkeypatch, raising_call):
+    """A signal that came while the handlers were being swapped runs its handler inside signal.signal, before the
+    swap it was called for; where that handler raises (SIGTERM's SystemExit, Ctrl-C's KeyboardInterrupt), the other
+    signal's handler was left as the block's, which only notes a signal: a later Ctrl-C or SIGTERM did nothing."""
+    from rlsys import stop_signals
+
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    calls, real_signal = [], signal.signal
+
+    def signal_with_one_pending(signum, handler):
+        calls.append(signum)
+        if len(calls) == raising_call:
+            raise SystemExit(128 + signal.SIGTERM)  # the pending signal's handler ran first: no swap made
+        return real_signal(signum, handler)
+
+    monkeypatch.setattr(stop_signals.signal, "signal", signal_with_one_pending)
+    with pytest.raises(SystemExit):
+        with stop_signals.stop_signals_deferred():
+            pass
+    monkeypatch.setattr(stop_signals.signal, "signal", real_signal)
+    after = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum, handler in before.items():  # this process's other tests keep theirs, whatever this one finds
+        signal.signal(signum, handler)
+    assert after == before
