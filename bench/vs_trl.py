@@ -53,7 +53,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.launched_runs import launch, learner_rows, parse_run_arguments  # noqa: E402
-from rlsys.metrics import read_jsonl_metrics, records_file, rollout_records  # noqa: E402
+from rlsys import evaluations  # noqa: E402
+from rlsys.metrics import read_jsonl_metrics  # noqa: E402
 from rlsys.run_files import SUMMARY_FILE, logs_dir  # noqa: E402
 
 DEFAULT_TASK = "async-ppo-math"
@@ -312,8 +313,9 @@ def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Pa
     if missed:
         raise RuntimeError(f"the weights of versions {missed} were replaced before they could be kept")
     rows = learner_rows(run_dir)
-    initial = read_jsonl_metrics(records_file(logs_dir(run_dir), rollout_records(0)))
-    start = next(r["time"] for r in initial if "eval/accuracy" in r)  # training prompts are admitted from here
+    initial = read_jsonl_metrics(evaluations.records_path(logs_dir(run_dir)))
+    # training prompts are admitted from the initial evaluation's end
+    start = next(r["time"] for r in initial if "accuracy" in evaluations.figures(r))
     summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     cpu_at_start = cpu.at(start)
     timed = rows[min(2, len(rows) - 1):]  # the learner's own split of a step, its first steps left out

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from rlsys.evaluations import initial_evaluation_ended
+from rlsys.evaluations import figures, initial_evaluation_ended
 from rlsys.metrics import JsonlFollower
 from rlsys.prompt_ledger import TRAINED, PromptLedger
 from rlsys.run_privacy import append_private
@@ -96,26 +96,27 @@ class ProgressReporter:
                 self.print(f"step {row['step']:>5}/{self.max_steps}  reward {row['reward']:.3f}  "
                            f"staleness {row['staleness_mean']:.2f}  wait {row['time/wait_data']:.2f}s  "
                            f"update {row['time/compute']:.2f}s")
-        for row in self.new_evaluations():
-            name, key = ("accuracy", "eval/accuracy") if "eval/accuracy" in row else ("mean reward", "eval/reward")
-            failed = row.get("eval/failed", 0)  # counted in the accuracy, as unsolved
+        for evaluation in self.new_evaluations():
+            name, key = ("accuracy", "accuracy") if "accuracy" in evaluation else ("mean reward", "reward")
+            failed = evaluation.get("failed", 0)  # counted in the accuracy, as unsolved
             # an evaluation runs beside training: weights it began with may be replaced before it ends
-            versions = (f", versions {row['eval/version']}-{row['eval/version_max']}" if "eval/version_max" in row
-                        else "")
-            self.print(f"step {row['eval/version']:>5}/{self.max_steps}  held-out {name} "
-                       f"{held_out_text(name, row[key])} (greedy, {row['eval/episodes'] + failed} problems"
+            versions = (f", versions {evaluation['version']}-{evaluation['version_max']}"
+                        if "version_max" in evaluation else "")
+            self.print(f"step {evaluation['version']:>5}/{self.max_steps}  held-out {name} "
+                       f"{held_out_text(name, evaluation[key])} (greedy, {evaluation['episodes'] + failed} problems"
                        + (f", {failed} failed" if failed else "") + versions + ")")
         if self.bus is not None and time.monotonic() - self.last_line >= self.quiet_seconds:
             with contextlib.suppress(redis.ConnectionError):  # our server restarting: the supervisor sees to it
                 self.print(self.waiting_line())
 
     def new_evaluations(self) -> list[dict]:
-        """Evaluations after the first and before the last (the run's summary gives those two) not printed yet."""
+        """Evaluations after the first and before the last (the run's summary gives those two) not printed yet, as
+        `figures` names them."""
         if self.evaluations is None:
             return []
-        new = [row for row in self.evaluations()
-               if "eval/version" in row and self.evaluation_seen < row["eval/version"] < self.max_steps]
-        self.evaluation_seen = max([self.evaluation_seen] + [row["eval/version"] for row in new])
+        new = [evaluation for evaluation in map(figures, self.evaluations())
+               if "version" in evaluation and self.evaluation_seen < evaluation["version"] < self.max_steps]
+        self.evaluation_seen = max([self.evaluation_seen] + [evaluation["version"] for evaluation in new])
         return new
 
     def waiting_line(self) -> str:

@@ -32,10 +32,20 @@ def initial_evaluation_ended(bus) -> bool:
     return bool(result(bus, INITIAL))
 
 
+def records_path(log_dir: Path) -> Path:
+    """Where every evaluation is logged: rollout worker 0's records in `log_dir`."""
+    return records_file(log_dir, rollout_records(0))
+
+
+def figures(row: dict) -> dict:
+    """An evaluation's figures in a row of its records, named as the bus names them ({"version", "accuracy",
+    "reward", "episodes", "failed", ...}); empty where the row is not an evaluation's."""
+    return {key.removeprefix(PREFIX): value for key, value in row.items() if key.startswith(PREFIX)}
+
+
 def curve(log_dir: Path) -> list[dict]:
-    """Every evaluation of the run, oldest first, as the bus holds INITIAL and FINAL ({"version", "accuracy",
-    "reward", "episodes", "failed", ...}): from rollout worker 0's records in `log_dir`; empty where it has none."""
-    path = records_file(log_dir, rollout_records(0))
+    """Every evaluation of the run, oldest first, as the bus holds INITIAL and FINAL (`figures`): from its records
+    in `log_dir`; empty where it has none."""
+    path = records_path(log_dir)
     rows = read_jsonl_metrics(path) if path.exists() else []
-    return [{key.removeprefix(PREFIX): value for key, value in row.items() if key.startswith(PREFIX)}
-            for row in rows if any(key.startswith(PREFIX) for key in row)]
+    return [evaluation for evaluation in map(figures, rows) if evaluation]

@@ -9,11 +9,12 @@ import logging
 import time
 from pathlib import Path
 
+from rlsys import evaluations
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.checkpoint import read_trainer_state
 from rlsys.cli import config_to_dict, describe_fields, first_line
 from rlsys.console import ProgressReporter
-from rlsys.metrics import LEARNER_RECORDS, records_file, rollout_records
+from rlsys.metrics import LEARNER_RECORDS, records_file
 from rlsys.placement import PlacementError, open_placement
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
@@ -204,7 +205,7 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
         ledger = PromptLedger.of(bus, config)
         report = ProgressReporter(records_file(config.logging_dir, LEARNER_RECORDS), config.logging_steps,
                                   config.max_steps, bus, ledger,
-                                  evaluations_file=records_file(config.logging_dir, rollout_records(0)),
+                                  evaluations_file=evaluations.records_path(config.logging_dir),
                                   resumed=(trainer_state.get("step", 0), trainer_state.get("version", 0)))
         stall = StallWatch(config, ledger)
         part = Part(started, warm_start_seconds, trainer_state)

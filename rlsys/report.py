@@ -15,8 +15,9 @@ from pathlib import Path
 
 import yaml
 
+from rlsys import evaluations
 from rlsys.console import held_out, held_out_text
-from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file, rollout_records_files
+from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file
 from rlsys.prompt_ledger import describe
 from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE, logs_dir
 from rlsys.run_privacy import write_private
@@ -79,8 +80,8 @@ def _curve(series: dict[str, tuple[list, list]], title: str, ylabel: str, xlabel
     return _svg(fig)
 
 
-def _series(rows: list[dict], key: str) -> tuple[list, list]:
-    points = [(r["step"], r[key]) for r in rows if key in r]
+def _series(rows: list[dict], key: str, x: str = "step") -> tuple[list, list]:
+    points = [(r[x], r[key]) for r in rows if key in r]
     return [p[0] for p in points], [p[1] for p in points]
 
 
@@ -95,17 +96,17 @@ def time_curves(learner: list[dict]) -> tuple[dict[str, tuple[list, list]], str]
     return times, f"Time per step (from step 2; step 1 waited {learner[0]['time/wait_data']:.0f} s for the start-up)"
 
 
-def _figures(learner: list[dict], rollout: list[dict]) -> list[tuple[str, str]]:
-    """(id, svg) of every curve the run has data for."""
+def _figures(learner: list[dict], held_out_curve: list[dict]) -> list[tuple[str, str]]:
+    """(id, svg) of every curve the run has data for; `held_out_curve`: evaluations.curve's."""
     figures = []
     if learner:
         reward = {"reward (train, mean)": _series(learner, "reward")}
         figures.append(("reward-curve", _curve(reward, "Training reward", "reward")))
-    evals = _series(rollout, "eval/accuracy")
+    evals = _series(held_out_curve, "accuracy", "version")
     if evals[0]:
         figures.append(("accuracy-curve", _curve({"held-out accuracy": evals}, "Held-out accuracy (greedy)",
                                                  "accuracy", "version")))
-    elif (evals := _series(rollout, "eval/reward"))[0]:  # episodes with no success to count: their mean reward
+    elif (evals := _series(held_out_curve, "reward", "version"))[0]:  # no success to count: their mean reward
         figures.append(("held-out-reward-curve", _curve({"held-out mean reward": evals},
                                                         "Held-out mean reward (greedy)", "reward", "version")))
     times, title = time_curves(learner)
@@ -217,7 +218,6 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
     run_dir = Path(run_dir)
     logs = _run_paths(run_dir)
     learner = _rows(records_file(logs, LEARNER_RECORDS))
-    rollout = [r for path in rollout_records_files(logs) for r in _rows(path)]
     summary_file = run_dir / SUMMARY_FILE
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     episodes = read_traces(run_dir)
@@ -238,7 +238,7 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
     prompts = summary.get("prompts")
     body = [f"<h1>{html.escape(title)}</h1>", _table(headline),
             "<h2>Curves</h2><section id='curves'>"]
-    body += [f"<figure id='{fid}'>{svg}</figure>" for fid, svg in _figures(learner, rollout)]
+    body += [f"<figure id='{fid}'>{svg}</figure>" for fid, svg in _figures(learner, evaluations.curve(logs))]
     body.append("</section><h2>Where the time went (learner)</h2>" + _table(_time_split(learner)))
     body.append("<h2>Prompt accounting</h2>")
     body.append(f"<p id='accounting'>{html.escape(describe(prompts))}</p>" if prompts

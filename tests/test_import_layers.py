@@ -217,6 +217,7 @@ OWNERS = {
     "CHECKPOINTS_DIR": {"rlsys.checkpoint"},  # the directory's name as a string, and step_N within it
     "METRICS_RECORDS": {"rlsys.metrics"},  # learner.jsonl and rollout<i>.jsonl spelled out
     "EVAL_RESULTS": {"rlsys.evaluations"},  # protocol.eval_result's keys, written and read
+    "EVAL_RECORDS": {"rlsys.evaluations"},  # an evaluation's figures' names in the records (eval/accuracy, ...)
     "RUN_FILES": {"rlsys.run_files"},  # config.yaml, summary.json and the logs directory spelled out
 }
 METRICS_RECORDS = re.compile(r"(learner|rollout)\S*\.jsonl")
@@ -225,8 +226,9 @@ METRICS_RECORDS = re.compile(r"(learner|rollout)\S*\.jsonl")
 def state_writes(tree: ast.AST) -> set[str]:
     """The protocol names (`protocol.X`, or X imported from it) that a call of a BUS_WRITES method takes as an
     argument, "CHECKPOINTS_DIR" or "METRICS_RECORDS" where the module spells the checkpoints directory's name or
-    a role's records file itself, "EVAL_RESULTS" where it names an evaluation's key (protocol.eval_result), and
-    "RUN_FILES" where it spells config.yaml, summary.json or the logs directory's name."""
+    a role's records file itself, "EVAL_RESULTS" where it names an evaluation's key (protocol.eval_result),
+    "EVAL_RECORDS" where it spells the name of an evaluation's figure in the records ("eval/..."), and "RUN_FILES"
+    where it spells config.yaml, summary.json or the logs directory's name."""
     written = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUS_WRITES:
@@ -244,6 +246,8 @@ def state_writes(tree: ast.AST) -> set[str]:
             written.add("METRICS_RECORDS")
         elif isinstance(node, ast.Constant) and node.value in ("config.yaml", "summary.json", "logs"):
             written.add("RUN_FILES")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("eval/"):
+            written.add("EVAL_RECORDS")
     return written
 
 
@@ -272,9 +276,9 @@ def test_the_owner_check_sees_a_write():
     tree = ast.parse("bus.incr(protocol.WEIGHT_CHECKS)\nbus.change([Step.add(DEAD_LETTERS, 1)])\n"
                      "path = run_dir / 'checkpoints'\nbus.get(protocol.STOP)\n"
                      "logs.glob('rollout*.jsonl')\nbus.get(protocol.eval_result('initial'))\n"
-                     "save_config(config, run_dir / 'config.yaml')\n")
+                     "save_config(config, run_dir / 'config.yaml')\nrow['eval/accuracy']\n")
     assert state_writes(tree) == {"WEIGHT_CHECKS", "DEAD_LETTERS", "CHECKPOINTS_DIR", "METRICS_RECORDS",
-                                  "EVAL_RESULTS", "RUN_FILES"}
+                                  "EVAL_RESULTS", "RUN_FILES", "EVAL_RECORDS"}
 
 
 # Names in rlsys.protocol that are no key on the bus: the learners' consumer group (it lives in TRAJECTORIES' stream)
