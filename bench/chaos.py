@@ -36,9 +36,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.launched_runs import learner_rows  # noqa: E402
 from rlsys.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, read_trainer_state  # noqa: E402
-from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file  # noqa: E402
-from rlsys.run_files import SUMMARY_FILE, logs_dir  # noqa: E402
+from rlsys.run_files import SUMMARY_FILE  # noqa: E402
 
 PLUGIN = ROOT / "bench" / "chaos_plugin.py"
 KILLS = {"inference0": signal.SIGKILL, "rollout0": signal.SIGKILL, "redis-server": signal.SIGTERM,
@@ -66,11 +66,6 @@ def run_settings(steps: int, each: int) -> list[str]:
             f"cluster.max_role_restarts={2 * each + 2}"]
 
 
-def learner_rows(run_dir: Path) -> list[dict]:
-    path = records_file(logs_dir(run_dir), LEARNER_RECORDS)
-    return read_jsonl_metrics(path) if path.exists() else []
-
-
 def role_process(run: subprocess.Popen, role: str) -> psutil.Process | None:
     for process in psutil.Process(run.pid).children(recursive=True):
         try:
@@ -92,7 +87,10 @@ def inject(run: subprocess.Popen, run_dir: Path, faults: list[Fault], signals: d
     role being restarted is waited for), and times how long the learner then takes to log another step, until the
     run ends."""
     while run.poll() is None:
-        rows = learner_rows(run_dir)
+        try:
+            rows = learner_rows(run_dir)
+        except FileNotFoundError:  # the learner has logged no step yet
+            rows = []
         pending = next((f for f in faults if f.sent_at is None), None)
         if pending and rows and rows[-1]["step"] >= pending.step and (process := role_process(run, pending.role)):
             process.send_signal(signals[pending.role])
