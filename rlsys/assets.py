@@ -77,7 +77,7 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> float:
                          "give a directory written by save_pretrained, or leave model.path empty for the tiny model")
     positions = (_model_config(config.model.path) or {}).get("max_position_embeddings")
     if given_model and (positions or config.inference.max_model_len):  # a resumed run's rows were checked at its start
-        from rlsys.model.tokenizer import load_tokenizer  # the agents load it next (launcher.check_plugins)
+        from rlsys.model.tokenizer import load_tokenizer  # the agents load it next (config_checks.check_plugins)
 
         check_prompt_lengths(config, load_tokenizer(config.model.path), positions, "the model's",
                              {data.path: train_rows, data.eval_path: eval_rows})

@@ -1,10 +1,17 @@
-"""The run's plan: build what it needs, start its roles as processes joined by the bus (each runs rlsys/roles.py),
-watch them, summarise, and always clean up. Where the run starts (its directory, a resume, a restart's take-back) is
-rlsys/run_start.py; its summary, rlsys/run_summary.py."""
+"""The run's plan, on one page: `launch` makes the run's directories; `run_launched` runs the start-up checks and
+makes the dataset and model ready (`prepare`), places the roles as processes joined by the bus (each runs
+rlsys/roles.py) and hands them to `supervise`, which starts and watches them, part by part, until they finish; then the
+summary and the report. Every way out stops the roles and the bus, and a start refused (StartupError) leaves no
+directory it made.
+
+Where each part lives: the start-up checks in rlsys/preflight.py (what the run needs outside itself: the bus, its
+packages, an MLflow server) and rlsys/config_checks.py (what its config asks of this machine and of its plugins); where
+the run starts (its directory, a resume, what a restart takes back) in rlsys/run_start.py; the roles' processes in
+rlsys/placement/ and rlsys/supervisor.py; the summary in rlsys/run_summary.py; Ctrl-C and SIGTERM in
+rlsys/stop_signals.py."""
 
 import contextlib
 import copy
-import functools
 import logging
 import time
 from pathlib import Path
@@ -12,11 +19,11 @@ from pathlib import Path
 from rlsys import evaluations
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.checkpoint import read_trainer_state
-from rlsys.cli import config_to_dict, describe_fields, first_line
+from rlsys.cli import config_to_dict
+from rlsys.config_checks import check_devices, check_plugins
 from rlsys.console import ProgressReporter
 from rlsys.metrics import LEARNER_RECORDS, records_file
 from rlsys.placement import PlacementError, open_placement
-from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
 from rlsys.prompt_ledger import PromptLedger
 from rlsys.run_privacy import redact_url
@@ -31,138 +38,6 @@ from rlsys.errors import LearnerFailed, RoleFailed
 from rlsys.supervisor import Supervisor
 
 log = logging.getLogger("rlsys")
-
-
-@contextlib.contextmanager
-def message_bus(config, run_dir: Path, host: str = "127.0.0.1"):
-    """(url, embedded server or None): the configured Redis, or a private server in the run directory
-    listening on `host`, stopped on every way out."""
-    if config.cluster.redis_url:
-        yield config.cluster.redis_url, None
-        return
-    server = EmbeddedRedis(run_dir / "redis", config.cluster.redis_port, host)
-    try:
-        server.start()
-    except EmbeddedRedisError as e:
-        raise StartupError(str(e)) from None
-    with server:
-        yield server.url, server
-
-
-def prepare(config) -> float:
-    """Dataset and model ready, or a StartupError that names what is wrong with them; returns the seconds a warm
-    start of the tiny model took (0.0 if none ran)."""
-    from rlsys.assets import AssetError, prepare_assets
-    from rlsys.data.dataset import DatasetError
-
-    check_message_bus(config.cluster)  # first: it takes a second, preparing the assets may take minutes
-    check_extras(config)
-    check_mlflow_server(config.trace)
-    devices = visible_devices()
-    if config.cluster.backend == "local":
-        try:
-            gpu_layout(config.cluster, config.inference, devices)
-        except PlacementError as e:
-            raise StartupError(str(e)) from None
-        if config.cluster.colocate and devices:
-            raise StartupError("cluster.colocate=true takes turns on CPU cores; on GPUs it would need vLLM's sleep "
-                               "mode and in-memory weight hand-over, which rlsys does not have yet: leave it false")
-    # Refused here rather than by a role that would die and be restarted.
-    device = "cuda" if devices else "cpu"
-    # Under Ray a role has a GPU where its bundle has (a role given none sees none), whatever this machine has
-    on_ray = config.cluster.backend == "ray"
-    learner_device = "cuda" if config.cluster.learner_gpus else "cpu" if on_ray else device
-    inference_device = "cuda" if config.cluster.gpus_per_inference_worker else "cpu" if on_ray else device
-    try:
-        if hasattr(config, "learner"):
-            config.learner.check_device(learner_device, config.cluster.n_learner_ranks)
-        config.inference.check_device(inference_device)
-    except ValueError as e:
-        raise StartupError(str(e)) from None
-    try:
-        warm_start_seconds = prepare_assets(config)
-    except (AssetError, DatasetError) as e:
-        raise StartupError(str(e)) from None
-    check_plugins(config)
-    return warm_start_seconds
-
-
-def check_plugins(config) -> None:
-    """The run's agents built once and its environments' arguments bound to their constructors, here: a name,
-    an argument or a value they refuse stops the run with their message, not a rollout worker restarted until it
-    gives up, the reason in its log. Environments are not built here: some load a model (reward-model); their
-    `check_args` refuses what they could never run with."""
-    import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments, as the roles do)
-    import rlsys.impl.env  # noqa: F401
-    from rlsys.api import ENVIRONMENTS, make_agent
-    from rlsys.workers.env_per_row import run_environments
-
-    for abstraction in {repr(a): a for a in [config.agent, *config.agents.values()]}.values():
-        try:
-            make_agent(abstraction)
-        except Exception as e:  # a plugin's constructor may raise anything
-            raise StartupError(f"agent {abstraction.name!r} cannot be built: {first_line(e)}") from None
-    for abstraction in run_environments(config):
-        try:
-            cls = ENVIRONMENTS.check(abstraction.name, abstraction.args)
-        except (KeyError, TypeError) as e:
-            raise StartupError(first_line(e)) from None
-        try:
-            getattr(cls, "check_args", lambda **_: None)(**abstraction.args)
-        except ValueError as e:
-            set_by = "".join(f" (the run sets its {arg} from {key})"
-                             for arg, key in settings_behind(config, abstraction.name).items())
-            raise StartupError(f"environment {abstraction.name!r}: {first_line(e)}{set_by}") from None
-
-
-def settings_behind(config, env_name: str) -> dict[str, str]:
-    """{argument of the environment `env_name`: the setting it takes its value from}, for string settings. An
-    experiment hands its own settings to an environment under the environment's names (reward_model_path as
-    model_path): an error in those names alone sends the user looking for a key they never set. Found by giving each
-    setting a value of its own, in a copy of the config, and seeing which argument takes it."""
-    from rlsys.workers.env_per_row import run_environments
-
-    found = {}
-    for field in describe_fields(type(config)):
-        *parents, name = field.path.split(".")
-        if field.is_group or not isinstance(getattr(functools.reduce(getattr, parents, config), name), str):
-            continue
-        probe, marker = copy.deepcopy(config), f"<{field.path}>"
-        setattr(functools.reduce(getattr, parents, probe), name, marker)
-        with contextlib.suppress(Exception):  # an experiment's property that cannot take the marker feeds nothing
-            for abstraction in run_environments(probe):
-                if abstraction.name == env_name:
-                    found.update({arg: field.path for arg, value in abstraction.args.items() if value == marker})
-    return found
-
-
-@contextlib.contextmanager
-def placed_roles(config):
-    """The placement `cluster.backend` names; StartupError if the layout cannot be placed."""
-    try:
-        with open_placement(config, run_role) as placement:
-            yield placement
-    except PlacementError as e:
-        raise StartupError(str(e)) from None
-
-
-def finish_observability(config, run_dir: Path) -> None:
-    """The run report, and the MLflow export if asked for; neither failing loses the run's result."""
-    from rlsys.report import build_report
-
-    try:
-        frames = run_dir / config.trace.render_save_dir if config.trace.render_save_dir else None
-        print(f"report: {build_report(run_dir, frames)}", flush=True)
-        if config.trace.mlflow:
-            from rlsys.mlflow_export import default_tracking_uri, export_run
-
-            uri = config.trace.mlflow_tracking_uri or default_tracking_uri(run_dir)
-            # said first: the export may take minutes (many traces, or a server that stopped answering mid-run)
-            print(f"exporting the traces and learner metrics to MLflow at {redact_url(uri)}", flush=True)
-            export_run(run_dir, uri, Path(config.logging_dir))
-            print(f"traces in MLflow: mlflow ui --backend-store-uri {redact_url(uri)}", flush=True)
-    except Exception:
-        log.warning("could not write the run report or export the traces", exc_info=True)
 
 
 def launch(config) -> dict:
@@ -255,3 +130,67 @@ def supervise(bus, config, run_dir: Path, supervisor: Supervisor, part: Part, re
             restarted = True
         finally:
             part.unclean = supervisor.stop(bus)  # the learner saves a checkpoint when it is told to stop
+
+
+def prepare(config) -> float:
+    """The start-up checks passed and the dataset and model ready, or a StartupError that names what is wrong;
+    returns the seconds a warm start of the tiny model took (0.0 if none ran). The plugins are checked last: the
+    agents load the model's tokenizer, whose path preparing the assets fills in."""
+    from rlsys.assets import AssetError, prepare_assets
+    from rlsys.data.dataset import DatasetError
+
+    check_message_bus(config.cluster)  # first: it takes a second, preparing the assets may take minutes
+    check_extras(config)
+    check_mlflow_server(config.trace)
+    check_devices(config)
+    try:
+        warm_start_seconds = prepare_assets(config)
+    except (AssetError, DatasetError) as e:
+        raise StartupError(str(e)) from None
+    check_plugins(config)
+    return warm_start_seconds
+
+
+@contextlib.contextmanager
+def message_bus(config, run_dir: Path, host: str = "127.0.0.1"):
+    """(url, embedded server or None): the configured Redis, or a private server in the run directory
+    listening on `host`, stopped on every way out."""
+    if config.cluster.redis_url:
+        yield config.cluster.redis_url, None
+        return
+    server = EmbeddedRedis(run_dir / "redis", config.cluster.redis_port, host)
+    try:
+        server.start()
+    except EmbeddedRedisError as e:
+        raise StartupError(str(e)) from None
+    with server:
+        yield server.url, server
+
+
+@contextlib.contextmanager
+def placed_roles(config):
+    """The placement `cluster.backend` names; StartupError if the layout cannot be placed."""
+    try:
+        with open_placement(config, run_role) as placement:
+            yield placement
+    except PlacementError as e:
+        raise StartupError(str(e)) from None
+
+
+def finish_observability(config, run_dir: Path) -> None:
+    """The run report, and the MLflow export if asked for; neither failing loses the run's result."""
+    from rlsys.report import build_report
+
+    try:
+        frames = run_dir / config.trace.render_save_dir if config.trace.render_save_dir else None
+        print(f"report: {build_report(run_dir, frames)}", flush=True)
+        if config.trace.mlflow:
+            from rlsys.mlflow_export import default_tracking_uri, export_run
+
+            uri = config.trace.mlflow_tracking_uri or default_tracking_uri(run_dir)
+            # said first: the export may take minutes (many traces, or a server that stopped answering mid-run)
+            print(f"exporting the traces and learner metrics to MLflow at {redact_url(uri)}", flush=True)
+            export_run(run_dir, uri, Path(config.logging_dir))
+            print(f"traces in MLflow: mlflow ui --backend-store-uri {redact_url(uri)}", flush=True)
+    except Exception:
+        log.warning("could not write the run report or export the traces", exc_info=True)

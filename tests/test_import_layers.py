@@ -43,9 +43,10 @@ LAYERS = [
      "starting, watching and summarising a run's role processes"),
     ("experiments", ["experiments"],
      "named configurations of the library, registered into rlsys.api's experiment registry"),
-    ("entry", ["rlsys.cli", "rlsys.launcher", "rlsys.run_start", "rlsys.roles", "training"],
-     "the command line (which offers the built-in experiments by name), the run's plan and where it starts, and the "
-     "roles' entry (which reads a config back as the command line does)"),
+    ("entry", ["rlsys.cli", "rlsys.launcher", "rlsys.run_start", "rlsys.config_checks", "rlsys.roles", "training"],
+     "the command line (which offers the built-in experiments by name), the run's plan, where it starts and the "
+     "checks of its config (which name the keys they refuse as the command line does), and the roles' entry (which "
+     "reads a config back as the command line does)"),
 ]
 
 

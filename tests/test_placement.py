@@ -73,7 +73,7 @@ def test_under_ray_the_learner_s_settings_are_checked_against_its_bundle_s_devic
     ray = ["cluster.backend=ray", "learner.attn_implementation=flash_attention_2"]
     with pytest.raises(Checked):
         prepare(parse_config([*ray, "cluster.learner_gpus=1"]))
-    monkeypatch.setattr("rlsys.launcher.visible_devices", lambda: ["0"])  # a launcher on a GPU node
+    monkeypatch.setattr("rlsys.config_checks.visible_devices", lambda: ["0"])  # a launcher on a GPU node
     with pytest.raises(StartupError, match="flash_attention_2 needs a GPU"):
         prepare(parse_config(ray))
 
@@ -84,7 +84,7 @@ def test_under_ray_the_inference_settings_are_checked_against_its_bundle_s_devic
     from rlsys.launcher import prepare
     from rlsys.preflight import StartupError
 
-    monkeypatch.setattr("rlsys.launcher.visible_devices", lambda: ["0"])  # a launcher on a GPU node
+    monkeypatch.setattr("rlsys.config_checks.visible_devices", lambda: ["0"])  # a launcher on a GPU node
     with pytest.raises(StartupError, match="CUDA graphs, which need a GPU"):
         prepare(parse_config(["cluster.backend=ray", "inference.engine=transformers", "inference.enforce_eager=false"]))
 
