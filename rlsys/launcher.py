@@ -18,7 +18,6 @@ from pathlib import Path
 
 from rlsys import evaluations
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
-from rlsys.checkpoint import read_trainer_state
 from rlsys.cli import config_to_dict
 from rlsys.config_checks import check_devices, check_plugins
 from rlsys.console import ProgressReporter
@@ -27,9 +26,10 @@ from rlsys.placement import PlacementError, open_placement
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
 from rlsys.prompt_ledger import PromptLedger
 from rlsys.run_privacy import redact_url
-from rlsys.run_start import (FROM_THE_START, begin_trial, check_same_dataset, initialize_bus_state,
-                             last_checkpoint_note, make_run_directories, refuse_a_second_start, remove_directories,
-                             resolve_resume, resume_from_latest, saved_checkpoints, take_back_abandoned_steps)
+from rlsys.run_start import (FROM_THE_START, begin_trial, initialize_bus_state, last_checkpoint_note,
+                             make_run_directories, refuse_a_second_start, remove_directories, resolve_resume,
+                             resume_from_latest, resumed_trainer_state, saved_checkpoints,
+                             take_back_abandoned_steps)
 from rlsys.run_summary import Part, run_summary, write_stopped_summary, write_summary
 from rlsys.roles import run_role
 from rlsys.stall import StallWatch
@@ -54,7 +54,8 @@ def launch(config) -> dict:
 
 
 def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> dict:
-    """launch's part once the run's directories are made."""
+    """launch's part once the run's directories are made: the checks and the assets, then the roles placed and the
+    bus started, supervised to their end and summarised."""
     if not config.resume_from_checkpoint:
         refuse_a_second_start(run_dir, logging_dir)
     # Before the logs' directory, the checkpoint `auto` names, and the generated dataset's and tiny model's paths are
@@ -66,11 +67,7 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
     from_the_beginning = resolve_resume(config, run_dir)
     warm_start_seconds = prepare(config)
     print(f"run directory: {run_dir} (each role's full output: {config.logging_dir}/<role>.log)", flush=True)
-    trainer_state = {}
-    if config.resume_from_checkpoint:
-        trainer_state = read_trainer_state(Path(config.resume_from_checkpoint))
-        check_same_dataset(config, trainer_state)
-        print(f"resuming from {config.resume_from_checkpoint} (version {trainer_state['version']})", flush=True)
+    trainer_state = resumed_trainer_state(config)
     with raise_on_sigterm(), placed_roles(config) as placement, \
             message_bus(config, run_dir, placement.bus_host) as (bus_url, server):
         bus = connect(bus_url, wait_out_restarts=server is None)  # it restarts the server it owns: never waits for it

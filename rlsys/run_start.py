@@ -133,6 +133,17 @@ def begin_trial(config, requested, run_dir: Path, from_the_beginning: bool) -> N
     save_config(requested, run_dir / CONFIG_FILE)
 
 
+def resumed_trainer_state(config) -> dict:
+    """The trainer state of the checkpoint the run resumes from ({} for a run from the start), once its training rows
+    are the ones it was trained on (check_same_dataset)."""
+    if not config.resume_from_checkpoint:
+        return {}
+    trainer_state = read_trainer_state(Path(config.resume_from_checkpoint))
+    check_same_dataset(config, trainer_state)
+    print(f"resuming from {config.resume_from_checkpoint} (version {trainer_state['version']})", flush=True)
+    return trainer_state
+
+
 def check_same_dataset(config, trainer_state: dict) -> None:
     """A resume reads the training rows its checkpoint was trained on: its prompts are named by their row's place,
     so on other rows it would skip rows never trained and train others again. A checkpoint from before the
