@@ -3,8 +3,9 @@ GPU layout, and its agents and environments built once. A config these refuse wo
 at their start, restarted until they give up, the reason only in their logs.
 
 rlsys/preflight.py holds the other start-up checks, of what a run needs outside itself (the bus, its packages, an
-MLflow server). These sit in the entry layer: they build the plugins, and name the keys a refusal comes from
-through rlsys.cli; the device check needs the placement, which imports preflight, so it cannot sit there."""
+MLflow server). These sit in the entry layer: a refusal names the keys it comes from through rlsys.cli. The device
+check reads the placement's GPU layout, and the placement imports preflight (check_reachable, for a Ray head): in
+preflight it would close an import circle."""
 
 import contextlib
 import copy
