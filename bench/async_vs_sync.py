@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.launched_runs import launch, learner_rows, parse_run_arguments, training_speed  # noqa: E402
 from rlsys import evaluations  # noqa: E402
+from rlsys.learner_figures import STALENESS_MEAN  # noqa: E402
 from rlsys.metrics import read_jsonl_metrics  # noqa: E402
 from rlsys.run_files import logs_dir  # noqa: E402
 
@@ -53,7 +54,7 @@ def main() -> None:
     for r in results:
         curve = "  ".join(f"v{v} {100 * a:.1f}% @{t:.0f}s" for v, t, a in r["accuracy"])
         print(f"{r['max_head_offpolicyness']:>3} {r['samples_per_second']:>10.1f} {r['seconds_per_step']:>7.2f} "
-              f"{r['learner_compute_s']:>10.2f} {r['learner_wait_s']:>7.2f} {r['staleness_mean']:>9.2f}  {curve}")
+              f"{r['learner_compute_s']:>10.2f} {r['learner_wait_s']:>7.2f} {r[STALENESS_MEAN]:>9.2f}  {curve}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     by_eta = {r["max_head_offpolicyness"]: r["samples_per_second"] for r in results}

@@ -29,6 +29,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.launched_runs import ROOT, launch, learner_rows, parse_run_arguments, training_speed  # noqa: E402
+from rlsys.learner_figures import STALENESS_MEAN  # noqa: E402
 from rlsys.run_files import CONFIG_FILE  # noqa: E402
 
 SYNC = 0  # max_head_offpolicyness of the synchronous setting; the async one's is --async-offpolicyness
@@ -108,7 +109,7 @@ def main() -> None:
           f"{'turns':>6} {'staleness':>9}")
     for r in results:
         learner = (f"{r['learner_compute_s']:>10.2f} {r['learner_wait_s']:>7.2f} {r['turns_per_episode']:>6.2f} "
-                   f"{r['staleness_mean']:>9.2f}" if r["setting"] != "trl" else f"{'-':>10} {'-':>7} {'-':>6} {'-':>9}")
+                   f"{r[STALENESS_MEAN]:>9.2f}" if r["setting"] != "trl" else f"{'-':>10} {'-':>7} {'-':>6} {'-':>9}")
         print(f"{r['setting']:<7} {r['env_latency']:>7g} {r['samples_per_second']:>10.1f} {r['seconds_per_step']:>7.2f} "
               f"{learner}")
     low, high = latencies[0], latencies[-1]

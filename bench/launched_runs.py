@@ -10,6 +10,7 @@ from statistics import mean
 
 import yaml
 
+from rlsys.learner_figures import COMPUTE, STALENESS_MEAN, WAIT_DATA
 from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file
 from rlsys.run_files import CONFIG_FILE, logs_dir
 
@@ -44,9 +45,9 @@ def training_speed(run_dir: Path, warmup: int) -> dict[str, float]:
     first, last, window = rows[warmup - 1], rows[-1], rows[warmup:]
     steps, seconds = last["step"] - first["step"], last["time"] - first["time"]
     return {"samples_per_second": steps * per_step / seconds, "seconds_per_step": seconds / steps,
-            "learner_compute_s": mean(r["time/compute"] for r in window),
-            "learner_wait_s": mean(r["time/wait_data"] for r in window),
-            "staleness_mean": mean(r["staleness_mean"] for r in window)}
+            "learner_compute_s": mean(r[COMPUTE] for r in window),
+            "learner_wait_s": mean(r[WAIT_DATA] for r in window),
+            STALENESS_MEAN: mean(r[STALENESS_MEAN] for r in window)}
 
 
 def parse_run_arguments(parser: argparse.ArgumentParser, steps: int, out: str) -> tuple[argparse.Namespace, Path]:

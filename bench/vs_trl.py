@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.launched_runs import launch, learner_rows, parse_run_arguments  # noqa: E402
 from rlsys import evaluations  # noqa: E402
+from rlsys.learner_figures import COMPUTE, PUBLISH, WAIT_DATA, label  # noqa: E402
 from rlsys.metrics import read_jsonl_metrics  # noqa: E402
 from rlsys.run_files import SUMMARY_FILE, logs_dir  # noqa: E402
 
@@ -319,7 +320,7 @@ def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Pa
     summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     cpu_at_start = cpu.at(start)
     timed = rows[min(2, len(rows) - 1):]  # the learner's own split of a step, its first steps left out
-    learner_s = {key: sum(r[f"time/{key}"] for r in timed) / len(timed) for key in ("compute", "publish", "wait_data")}
+    learner_s = {label(key): sum(r[key] for r in timed) / len(timed) for key in (COMPUTE, PUBLISH, WAIT_DATA)}
     return {"times": [r["time"] - start for r in rows], "cpu": [cpu.at(r["time"]) - cpu_at_start for r in rows],
             "learner_s_per_step": learner_s,
             "snapshots": linker.kept, "wall_s": wall,

@@ -19,6 +19,7 @@ import math
 import torch
 
 from rlsys.errors import RunCannotGoOn
+from rlsys.learner_figures import LOGPROB_ALARM, PROBE_ALARM
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class LogprobCheck:
         return LogprobCheck.merged([self.totals()])
 
     @staticmethod
-    def merged(parts: list[list[float]], prefix: str = "alarms/logprob") -> dict[str, float]:
+    def merged(parts: list[list[float]], prefix: str = LOGPROB_ALARM) -> dict[str, float]:
         """`parts` (totals of ranks, or of workers' probes) as the logged figures, under `prefix`."""
         tokens = sum(p[0] for p in parts)
         if not tokens:
@@ -91,7 +92,6 @@ def largest(values) -> float:
     return max(values, key=lambda v: (math.isnan(v), v))
 
 
-PROBE = "alarms/probe"  # the prefix of the probe's figures
 PROBE_TOKENS = 256  # the probe's first tokens: a weight or numerics mismatch shows in every position's logprob
 
 
@@ -125,7 +125,7 @@ def probe_totals(learner: list[list[float]], scored: list[list[float]]) -> list[
 def check_logprob_mismatch(stats: dict[str, float], step: int, warn_at: float, stop: bool) -> None:
     """Warns when the mean absolute logprob difference, in the batch or in the probe, exceeds `warn_at` (0: never);
     raises if `stop`."""
-    for prefix, what in (("alarms/logprob", "the sampled tokens"), (PROBE, "the probe sequences")):
+    for prefix, what in ((LOGPROB_ALARM, "the sampled tokens"), (PROBE_ALARM, "the probe sequences")):
         mean = stats.get(f"{prefix}_abs_diff_mean")
         if not warn_at or mean is None or mean <= warn_at:
             continue

@@ -14,6 +14,7 @@ from pathlib import Path
 import redis
 
 from rlsys.evaluations import figures, initial_evaluation_ended
+from rlsys.learner_figures import COMPUTE, STALENESS_MEAN, WAIT_DATA
 from rlsys.metrics import JsonlFollower
 from rlsys.prompt_ledger import TRAINED, PromptLedger
 from rlsys.run_privacy import append_private
@@ -94,8 +95,8 @@ class ProgressReporter:
             self.step_seen = row["step"]
             if row["step"] % self.every == 0 or row["step"] == self.max_steps:
                 self.print(f"step {row['step']:>5}/{self.max_steps}  reward {row['reward']:.3f}  "
-                           f"staleness {row['staleness_mean']:.2f}  wait {row['time/wait_data']:.2f}s  "
-                           f"update {row['time/compute']:.2f}s")
+                           f"staleness {row[STALENESS_MEAN]:.2f}  wait {row[WAIT_DATA]:.2f}s  "
+                           f"update {row[COMPUTE]:.2f}s")
         for evaluation in self.new_evaluations():
             name, key = ("accuracy", "accuracy") if "accuracy" in evaluation else ("mean reward", "reward")
             failed = evaluation.get("failed", 0)  # counted in the accuracy, as unsolved

@@ -17,6 +17,7 @@ import yaml
 
 from rlsys import evaluations
 from rlsys.console import held_out, held_out_text
+from rlsys.learner_figures import LOGPROB_ALARM, PROBE_ALARM, TIME_KEYS, WAIT_DATA, label
 from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file
 from rlsys.prompt_ledger import describe
 from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE, logs_dir
@@ -26,11 +27,10 @@ from rlsys.tracing import TRACES_DIR, read_traces
 REPORT_FILE = "summary.html"
 TRACES_SHOWN = 4
 FRAMES_SHOWN = 4
-TIME_KEYS = ("time/wait_data", "time/compute", "time/publish", "time/save")
 # The two logprob comparisons' figures (rlsys/alarms.py; the report reads the file, not torch): tokens sampled by the
 # learner's own version, which an asynchronous run has at its first steps only, and the probe, which an inference
 # worker scores after loading each version.
-LOGPROB_ALARMS = {"alarms/logprob": "sampled tokens", "alarms/probe": "probe"}
+LOGPROB_ALARMS = {LOGPROB_ALARM: "sampled tokens", PROBE_ALARM: "probe"}
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px;color:#222}
 h1{font-size:1.5em} h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em}
@@ -69,8 +69,8 @@ def _curve(series: dict[str, tuple[list, list]], title: str, ylabel: str, xlabel
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.2, 3.2))
-    for label, (x, y) in series.items():
-        ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3, label=label)
+    for name, (x, y) in series.items():
+        ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3, label=name)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -90,10 +90,10 @@ def time_curves(learner: list[dict]) -> tuple[dict[str, tuple[list, list]], str]
     (engines loading, the first evaluation), often longer than all the other steps together: with more steps than
     one, the plot starts at step 2 and its title says what step 1 waited."""
     shown = learner[1:] if len(learner) > 1 else learner
-    times = {key.removeprefix("time/"): _series(shown, key) for key in TIME_KEYS if any(key in r for r in shown)}
-    if shown is learner or "time/wait_data" not in learner[0]:
+    times = {label(key): _series(shown, key) for key in TIME_KEYS if any(key in r for r in shown)}
+    if shown is learner or WAIT_DATA not in learner[0]:
         return times, "Time per step"
-    return times, f"Time per step (from step 2; step 1 waited {learner[0]['time/wait_data']:.0f} s for the start-up)"
+    return times, f"Time per step (from step 2; step 1 waited {learner[0][WAIT_DATA]:.0f} s for the start-up)"
 
 
 def _figures(learner: list[dict], held_out_curve: list[dict]) -> list[tuple[str, str]]:
@@ -112,7 +112,7 @@ def _figures(learner: list[dict], held_out_curve: list[dict]) -> list[tuple[str,
     times, title = time_curves(learner)
     if times:
         figures.append(("time-curve", _curve(times, title, "seconds")))
-    alarms = {key.removeprefix("alarms/"): _series(learner, key)
+    alarms = {label(key): _series(learner, key)
               for prefix in LOGPROB_ALARMS for key in (f"{prefix}_abs_diff_mean", f"{prefix}_abs_diff_max")
               if any(key in r for r in learner)}
     if alarms:
@@ -132,10 +132,9 @@ def _time_split(learner: list[dict]) -> list[tuple[str, str]]:
     shown = learner[1:] if len(learner) > 1 else learner
     totals = {key: sum(r.get(key, 0.0) for r in shown) for key in TIME_KEYS}
     whole = sum(totals.values()) or 1.0
-    rows = [(key.removeprefix("time/"), f"{seconds:.1f} s ({100 * seconds / whole:.0f}%)")
-            for key, seconds in totals.items()]
-    if shown is not learner and "time/wait_data" in learner[0]:
-        rows.append(("start-up (step 1's wait for data, left out above)", f"{learner[0]['time/wait_data']:.1f} s"))
+    rows = [(label(key), f"{seconds:.1f} s ({100 * seconds / whole:.0f}%)") for key, seconds in totals.items()]
+    if shown is not learner and WAIT_DATA in learner[0]:
+        rows.append(("start-up (step 1's wait for data, left out above)", f"{learner[0][WAIT_DATA]:.1f} s"))
     return rows
 
 

@@ -35,6 +35,7 @@ from rlsys.algorithms.ppo import KL_ESTIMATORS, AdaptiveKLController, FixedKLCon
 from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.api import Trajectory
 from rlsys.distributed import Ranks, shard, sync_gradients
+from rlsys.learner_figures import STALENESS_MAX, STALENESS_MEAN
 from rlsys.model.loading import check_full_attention, load_critic, load_policy
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.model.varlen_attention import known_segment_starts
@@ -570,8 +571,8 @@ def batch_stats(trajectories: list[Trajectory], batch: SequenceBatch, version: i
         "void_fraction": sum(t.void for t in trajectories) / len(trajectories),
         "tokens": batch.num_tokens,
         # Versions behind the learner when consumed; AReaL's eta bounds the max.
-        "staleness_max": float(version - advantage[5]),
-        "staleness_mean": float(version - advantage[6]),
+        STALENESS_MAX: float(version - advantage[5]),
+        STALENESS_MEAN: float(version - advantage[6]),
         "newest_version": advantage[7],
     }
     if "returns" in batch.fields:

@@ -30,7 +30,7 @@ LAYERS = [
     ("parts", ["rlsys.algorithms", "rlsys.model", "rlsys.bus", "rlsys.tools", "rlsys.alarms", "rlsys.token_continuity",
                "rlsys.weight_checksum", "rlsys.checkpoint", "rlsys.distributed", "rlsys.metrics", "rlsys.prompt_ledger",
                "rlsys.run_counters", "rlsys.tracing", "rlsys.frames", "rlsys.weight_versions",
-               "rlsys.evaluations", "rlsys.run_files"],
+               "rlsys.evaluations", "rlsys.run_files", "rlsys.learner_figures"],
      "self-contained pieces (tensor math, the model, the bus, tools, records on disk) that know only the contracts"),
     ("engines", ["rlsys.engine", "rlsys.weight_transport", "rlsys.training_step", "rlsys.endpoint"],
      "generation, the OpenAI-compatible endpoint and the learning step, built from the parts"),
@@ -220,8 +220,11 @@ OWNERS = {
     "EVAL_RESULTS": {"rlsys.evaluations"},  # protocol.eval_result's keys, written and read
     "EVAL_RECORDS": {"rlsys.evaluations"},  # an evaluation's figures' names in the records (eval/accuracy, ...)
     "RUN_FILES": {"rlsys.run_files"},  # config.yaml, summary.json and the logs directory spelled out
+    # the names of the learner's figures that others read: its time split, staleness and logprob alarms
+    "LEARNER_FIGURES": {"rlsys.learner_figures"},
 }
 METRICS_RECORDS = re.compile(r"(learner|rollout)\S*\.jsonl")
+LEARNER_FIGURES = re.compile(r"(time|alarms)/.*|staleness_(mean|max)")
 
 
 def state_writes(tree: ast.AST) -> set[str]:
@@ -229,7 +232,8 @@ def state_writes(tree: ast.AST) -> set[str]:
     argument, "CHECKPOINTS_DIR" or "METRICS_RECORDS" where the module spells the checkpoints directory's name or
     a role's records file itself, "EVAL_RESULTS" where it names an evaluation's key (protocol.eval_result),
     "EVAL_RECORDS" where it spells the name of an evaluation's figure in the records ("eval/..."), and "RUN_FILES"
-    where it spells config.yaml, summary.json or the logs directory's name."""
+    where it spells config.yaml, summary.json or the logs directory's name; "LEARNER_FIGURES" where it spells the
+    name of a learner's figure that others read ("time/...", "alarms/...", "staleness_mean")."""
     written = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUS_WRITES:
@@ -249,6 +253,8 @@ def state_writes(tree: ast.AST) -> set[str]:
             written.add("RUN_FILES")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("eval/"):
             written.add("EVAL_RECORDS")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and LEARNER_FIGURES.fullmatch(node.value):
+            written.add("LEARNER_FIGURES")
     return written
 
 
@@ -277,9 +283,12 @@ def test_the_owner_check_sees_a_write():
     tree = ast.parse("bus.incr(protocol.WEIGHT_CHECKS)\nbus.change([Step.add(DEAD_LETTERS, 1)])\n"
                      "path = run_dir / 'checkpoints'\nbus.get(protocol.STOP)\n"
                      "logs.glob('rollout*.jsonl')\nbus.get(protocol.eval_result('initial'))\n"
-                     "save_config(config, run_dir / 'config.yaml')\nrow['eval/accuracy']\n")
+                     "save_config(config, run_dir / 'config.yaml')\nrow['eval/accuracy']\n"
+                     "row[f'time/{key}']\n")
     assert state_writes(tree) == {"WEIGHT_CHECKS", "DEAD_LETTERS", "CHECKPOINTS_DIR", "METRICS_RECORDS",
-                                  "EVAL_RESULTS", "RUN_FILES", "EVAL_RECORDS"}
+                                  "EVAL_RESULTS", "RUN_FILES", "EVAL_RECORDS", "LEARNER_FIGURES"}
+    for spelled in ("row['staleness_mean']", "stats.get('alarms/probe_kl')"):
+        assert state_writes(ast.parse(spelled)) == {"LEARNER_FIGURES"}
 
 
 # Names in rlsys.protocol that are no key on the bus: the learners' consumer group (it lives in TRAJECTORIES' stream)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from rlsys import evaluations, protocol, run_counters, weight_transport
-from rlsys.alarms import PROBE, LogprobCheck, check_logprob_mismatch
+from rlsys.alarms import LogprobCheck, check_logprob_mismatch
 from rlsys.algorithms.estimators import compared_rewards
 from rlsys.algorithms.ppo import AdaptiveKLController
 from rlsys.api import NOT_GENERATED, Trajectory
@@ -22,6 +22,7 @@ from rlsys.checkpoint import (CHECKPOINTS_DIR, SHARDED_STATE, checkpoint_directo
                               load_rng_state, load_sharded_state, read_trainer_state, remove_leftovers, save_checkpoint)
 from rlsys.delivery import Delivery, TrajectoryInbox
 from rlsys.distributed import Ranks, full_state_dict
+from rlsys.learner_figures import COMPUTE, PROBE_ALARM, PUBLISH, SAVE, WAIT_DATA
 from rlsys.metrics import LEARNER_RECORDS, MetricsLogger
 from rlsys.model.loading import CRITIC_DIR
 from rlsys.prompt_ledger import PromptLedger, as_metrics, filtered
@@ -152,8 +153,7 @@ class Learner(PolicyTrainer):
             if self.ranks.main:
                 self.metrics.log(self.step, {
                     **stats, "groups/filtered": self.filtered_groups, "version": self.version,
-                    "time/wait_data": waited, "time/compute": computed, "time/publish": published,
-                    "time/save": time.monotonic() - saving,
+                    WAIT_DATA: waited, COMPUTE: computed, PUBLISH: published, SAVE: time.monotonic() - saving,
                     "throughput/tokens_per_second": stats["tokens"] * self.ppo.ppo_epochs / max(computed, 1e-9),
                     **self.delivery_metrics()})
                 self.inbox.ack([group.entry_id for group in groups])  # taken into a step: see rlsys/delivery.py
@@ -235,7 +235,7 @@ class Learner(PolicyTrainer):
                 totals.append(parse_probe_report(message).totals)
             except InvalidMessage as e:
                 log.warning("a logprob probe report was set aside: %s", e)
-        return LogprobCheck.merged(totals, PROBE) if totals else {}
+        return LogprobCheck.merged(totals, PROBE_ALARM) if totals else {}
 
     def sharded_state(self) -> dict:
         """This rank's part of the model and optimizer state (and the critic's), keyed by parameter name."""
