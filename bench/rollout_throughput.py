@@ -50,6 +50,7 @@ from rlsys.roles import limit_threads, run_role  # noqa: E402
 from rlsys.run_files import logs_dir  # noqa: E402
 from rlsys.supervisor import stop_processes  # noqa: E402
 from rlsys.tracing import read_traces  # noqa: E402
+from rlsys.workers.routing import LATENCY_P50, LATENCY_P99, RESENT  # noqa: E402
 
 WARM_UP_EPISODES = 64
 EVAL_ROWS = 16  # the rollout worker evaluates before it trains; a small held-out file keeps that short
@@ -142,8 +143,8 @@ class FullPath:
 
     def latencies(self) -> tuple[float, float]:
         records = read_jsonl_metrics(records_file(logs_dir(self.run_dir), rollout_records(0)))
-        (routing,) = [r for r in records if "requests/resent" in r]
-        return routing["requests/latency_p50"], routing["requests/latency_p99"]
+        (routing,) = [r for r in records if RESENT in r]
+        return routing[LATENCY_P50], routing[LATENCY_P99]
 
 
 def alternate_windows(path: FullPath, alone: EngineAlone, args, engine_rates: list[float]) -> list[float]:

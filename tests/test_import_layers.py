@@ -222,6 +222,7 @@ OWNERS = {
     "RUN_FILES": {"rlsys.run_files"},  # config.yaml, summary.json and the logs directory spelled out
     # the names of the learner's figures that others read: its time split, staleness and logprob alarms
     "LEARNER_FIGURES": {"rlsys.learner_figures"},
+    "ROUTING_FIGURES": {"rlsys.workers.routing"},  # a rollout worker's request figures (requests/resent, ...)
 }
 METRICS_RECORDS = re.compile(r"(learner|rollout)\S*\.jsonl")
 LEARNER_FIGURES = re.compile(r"(time|alarms)/.*|staleness_(mean|max)")
@@ -233,7 +234,8 @@ def state_writes(tree: ast.AST) -> set[str]:
     a role's records file itself, "EVAL_RESULTS" where it names an evaluation's key (protocol.eval_result),
     "EVAL_RECORDS" where it spells the name of an evaluation's figure in the records ("eval/..."), and "RUN_FILES"
     where it spells config.yaml, summary.json or the logs directory's name; "LEARNER_FIGURES" where it spells the
-    name of a learner's figure that others read ("time/...", "alarms/...", "staleness_mean")."""
+    name of a learner's figure that others read ("time/...", "alarms/...", "staleness_mean") and "ROUTING_FIGURES"
+    a rollout worker's request figure's ("requests/...")."""
     written = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUS_WRITES:
@@ -255,6 +257,8 @@ def state_writes(tree: ast.AST) -> set[str]:
             written.add("EVAL_RECORDS")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and LEARNER_FIGURES.fullmatch(node.value):
             written.add("LEARNER_FIGURES")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("requests/"):
+            written.add("ROUTING_FIGURES")
     return written
 
 
@@ -284,9 +288,9 @@ def test_the_owner_check_sees_a_write():
                      "path = run_dir / 'checkpoints'\nbus.get(protocol.STOP)\n"
                      "logs.glob('rollout*.jsonl')\nbus.get(protocol.eval_result('initial'))\n"
                      "save_config(config, run_dir / 'config.yaml')\nrow['eval/accuracy']\n"
-                     "row[f'time/{key}']\n")
+                     "row[f'time/{key}']\nrow['requests/resent']\n")
     assert state_writes(tree) == {"WEIGHT_CHECKS", "DEAD_LETTERS", "CHECKPOINTS_DIR", "METRICS_RECORDS",
-                                  "EVAL_RESULTS", "RUN_FILES", "EVAL_RECORDS", "LEARNER_FIGURES"}
+                                  "EVAL_RESULTS", "RUN_FILES", "EVAL_RECORDS", "LEARNER_FIGURES", "ROUTING_FIGURES"}
     for spelled in ("row['staleness_mean']", "stats.get('alarms/probe_kl')"):
         assert state_writes(ast.parse(spelled)) == {"LEARNER_FIGURES"}
 

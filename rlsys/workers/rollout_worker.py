@@ -85,7 +85,8 @@ class RolloutWorker:
             await self.train()
             self.metrics.log(await self.current_version(), {
                 "episodes/failed": sum(self.failures.values()),
-                **{f"episodes/failed/{reason}": n for reason, n in self.failures.items()}, **self.routing_metrics()})
+                **{f"episodes/failed/{reason}": n for reason, n in self.failures.items()},
+                **self.router.stats.figures()})
             if self.index == 0 and await self.wait_for_final_weights():
                 await self.evaluate(evaluations.FINAL)
         finally:
@@ -207,11 +208,6 @@ class RolloutWorker:
         while True:
             await self.publish_running(starting=True)
             await asyncio.sleep(protocol.ROLLOUT_BEAT_INTERVAL)
-
-    def routing_metrics(self) -> dict[str, float]:
-        stats = self.router.stats
-        return {"requests/resent": stats.resent, "requests/latency_p50": stats.latency_percentile(0.5),
-                "requests/latency_p99": stats.latency_percentile(0.99)}
 
     async def current_version(self) -> int:
         return self.router.workers.served_version()

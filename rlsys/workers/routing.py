@@ -110,6 +110,10 @@ class PendingRequest:
     refused: asyncio.Future | None = None  # the episode's: set with the reason if a worker refuses a request
 
 
+# A rollout worker's figures of its requests in its records (`RouterStats.figures`), which the benchmarks read
+RESENT, LATENCY_P50, LATENCY_P99 = "requests/resent", "requests/latency_p50", "requests/latency_p99"
+
+
 @dataclass
 class RouterStats:
     latencies: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LATENCY_WINDOW))
@@ -121,6 +125,12 @@ class RouterStats:
             return 0.0
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def figures(self) -> dict[str, float]:
+        """What a rollout worker logs of its requests: how many it resent, and its replies' latency (the median
+        and the 99th percentile)."""
+        return {RESENT: self.resent, LATENCY_P50: self.latency_percentile(0.5),
+                LATENCY_P99: self.latency_percentile(0.99)}
 
 
 class EpisodeRouter:
