@@ -122,6 +122,9 @@ def supervise(bus, config, run_dir: Path, supervisor: Supervisor, part: Part, re
             report()
             return
         except LearnerFailed:  # counted as a restart of the rank that died
+            # Every role stopped before the newest checkpoint is read: no save under way. The `finally` stops them
+            # again (at once, or within what is left of this stop's grace where a Ctrl-C cut it short) and says how
+            # they ended; with its stop alone, one cut short would leave them to be killed at once, as by a second
             supervisor.stop(bus)
             trainer_state = resume_from_latest(config, run_dir, saved_before)
             restarted = True

@@ -43,6 +43,7 @@ class Supervisor:
     def __init__(self, config, start_role, server=None):
         self.config, self.start_role, self.server = config, start_role, server
         self.processes: dict = {}
+        self.stop_deadline: float | None = None  # when the first stop of the running roles kills what still runs
         self.restarts: collections.Counter[str] = collections.Counter()  # name -> times restarted
 
     def start(self) -> None:
@@ -50,6 +51,7 @@ class Supervisor:
         roles = [("inference", i) for i in range(cluster.n_inference_workers)]
         roles += [("rollout", i) for i in range(cluster.n_rollout_workers)]
         roles += [("learner", rank) for rank in range(cluster.n_learner_ranks)]
+        self.stop_deadline = None
         self.processes = {(role, index): self.start_role(role, index) for role, index in roles}
 
     def watch(self, bus, report) -> None:
@@ -111,7 +113,13 @@ class Supervisor:
         log.warning("%s %s; restarting it (restart %d of %d)", name, why, self.restarts[name], limit)
 
     def stop(self, bus) -> dict[str, str]:
-        return stop_processes(bus, self.processes.values(), self.config.cluster.stop_grace_seconds)
+        """`stop_processes` for the roles started last. Called again (a learner's restart stops them, then the part's
+        end does: after a Ctrl-C that cut the first short, the roles told to stop still run), it waits only what is
+        left of the first call's grace: the roles get one cluster.stop_grace_seconds, not one for each call."""
+        grace = self.config.cluster.stop_grace_seconds
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + grace
+        return stop_processes(bus, self.processes.values(), grace, self.stop_deadline)
 
     def kill(self) -> dict[str, str]:
         """Every role still running killed now, with no grace: a second Ctrl-C (or SIGTERM) during the stop, or a
@@ -120,14 +128,14 @@ class Supervisor:
                              "SIGTERM during its stop, or one as its roles started)")
 
 
-def stop_processes(bus, processes, grace: float) -> dict[str, str]:
+def stop_processes(bus, processes, grace: float, deadline: float | None = None) -> dict[str, str]:
     """Tells every role to stop (the learner finishes its step and saves a checkpoint), then kills what outlives
-    `grace` seconds (cluster.stop_grace_seconds). Returns how each role that did not end cleanly ended, by its name: a
-    role that crashes on its way out has finished its part, but what it left (its log's end, a checkpoint) deserves a
-    look."""
+    `grace` seconds (cluster.stop_grace_seconds), or `deadline` (time.monotonic()'s) where an earlier stop of the same
+    roles set it. Returns how each role that did not end cleanly ended, by its name: a role that crashes on its way out
+    has finished its part, but what it left (its log's end, a checkpoint) deserves a look."""
     with contextlib.suppress(Exception):
         bus.set(protocol.STOP, 1)
-    deadline = time.monotonic() + grace
+    deadline = time.monotonic() + grace if deadline is None else deadline
     for p in processes:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     return kill_the_rest(processes, f"was still running {grace:g} s after the stop, and was killed (a learner that "

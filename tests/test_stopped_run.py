@@ -1,6 +1,7 @@
-"""A run stopped by a signal as a learner's restart resets the books: its summary, from the launcher's own loop over
-a real embedded Redis, with a supervisor that starts no process (a whole run, with its learner killed and the
-signal timed to the reset, would take minutes and could not choose its moment)."""
+"""A run stopped by a signal during a learner's restart (as the restart stops the roles, finds the newest checkpoint,
+or resets the books): its summary, from the launcher's own loop over a real embedded Redis, with a supervisor that
+starts no process (a whole run, with its learner killed and the signal timed to the restart, would take minutes and
+could not choose its moment)."""
 
 import collections
 import json
@@ -22,10 +23,12 @@ BOOKS = {"admitted": 8, "trained": 4, "filtered": {"uniform_reward": 2}, "failed
 
 class LearnerDiesOnce:
     """A supervisor whose first part's learner dies once it trained past the checkpoint: published version 6, and
-    admitted prompts the checkpoint does not hold. Its stop reports that learner's death, as the real one's does."""
+    admitted prompts the checkpoint does not hold. Its stop reports that learner's death, as the real one's does;
+    the launcher gets `signum` during its first stop (the restart's), as a real stop waits for the roles, where
+    `signum` is not None."""
 
-    def __init__(self, config, start_role, server=None):
-        self.config, self.restarts = config, collections.Counter()
+    def __init__(self, config, signum: int | None):
+        self.config, self.restarts, self.signum, self.stops = config, collections.Counter(), signum, 0
 
     def start(self) -> None:
         pass
@@ -39,34 +42,48 @@ class LearnerDiesOnce:
         raise LearnerFailed("learner0 exited with code -9 (SIGKILL)")
 
     def stop(self, bus) -> dict[str, str]:
+        self.stops += 1
+        if self.stops == 1 and self.signum is not None:
+            os.kill(os.getpid(), self.signum)
         return {"learner0": "exited with code -9 (SIGKILL)"}
 
     def kill(self) -> dict[str, str]:
         return self.stop(None)
 
 
-def stopped_during_the_restarts_reset(tmp_path: Path, monkeypatch, checkpoint: bool) -> dict:
-    """The launcher's summary of a run whose learner died, and which got a Ctrl-C as the restart set the books."""
+def stopped_during_the_restart(tmp_path: Path, monkeypatch, checkpoint: bool, moment: str = "reset",
+                               signum: int = signal.SIGINT) -> tuple[dict, int]:
+    """The launcher's summary of a run whose learner died, and which got `signum` during the restart: as it stopped
+    the roles ("stop"), found the newest checkpoint ("resume"), or set the books ("reset"); and how many times it
+    stopped the roles."""
     run_dir = tmp_path / "runs" / "async-ppo-math" / "t"
     if checkpoint:
         state = {"step": 4, "version": 4, "saved_at": 1.0, "consumed_prompts": ["p1", "p2"], "accounting": BOOKS}
         (run_dir / "checkpoints" / "step_4").mkdir(parents=True)
         (run_dir / "checkpoints" / "step_4" / TRAINER_STATE).write_text(json.dumps(state))
-    real_initialize = launcher.initialize_bus_state
+    real_initialize, real_resume = launcher.initialize_bus_state, launcher.resume_from_latest
 
     def signalled_amid_the_reset(bus, config, trainer_state, keep_initial_eval=False):
-        if keep_initial_eval:  # the restart's
-            os.kill(os.getpid(), signal.SIGINT)
+        if keep_initial_eval and moment == "reset":  # the restart's
+            os.kill(os.getpid(), signum)
         real_initialize(bus, config, trainer_state, keep_initial_eval)
 
+    def signalled_amid_the_resume(config, run_dir, saved_before):
+        if moment == "resume":
+            os.kill(os.getpid(), signum)
+        return real_resume(config, run_dir, saved_before)
+
     monkeypatch.setattr("rlsys.launcher.prepare", lambda config: 0.0)  # no assets: no role runs
-    monkeypatch.setattr("rlsys.launcher.Supervisor", LearnerDiesOnce)
+    made = []
+    monkeypatch.setattr("rlsys.launcher.Supervisor", lambda config, start_role, server=None: made.append(
+        LearnerDiesOnce(config, signum if moment == "stop" else None)) or made[-1])
     monkeypatch.setattr("rlsys.launcher.initialize_bus_state", signalled_amid_the_reset)
+    monkeypatch.setattr("rlsys.launcher.resume_from_latest", signalled_amid_the_resume)
     config = parse_config([f"output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'cache'}", "trial_name=t",
                            "resume_from_checkpoint=auto", "cluster.redis_port=0", "model.path=/nonexistent/model"])
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
         launcher.launch(config)
-    return json.loads((run_dir / "summary.json").read_text())
+    return json.loads((run_dir / "summary.json").read_text()), made[0].stops
 
 
 @pytest.mark.parametrize("checkpoint", [True, False])
@@ -75,7 +92,7 @@ def test_a_stop_as_a_restart_resets_the_books_leaves_the_checkpoints_run(tmp_pat
     resume from that checkpoint loses nothing, though the learner saved nothing at the stop. The summary named the
     dead learner's exit, from the restart's stop, as how it ended at the user's, when no role ran; a restart from no
     checkpoint, which loses nothing either, was said to lose what it had trained."""
-    summary = stopped_during_the_restarts_reset(tmp_path, monkeypatch, checkpoint)
+    summary, stops = stopped_during_the_restart(tmp_path, monkeypatch, checkpoint)
     assert summary["stopped"] == "SIGINT"
     assert summary["steps"] == summary["steps_trained"] == (4 if checkpoint else 0)
     assert summary["resume_loses_nothing"] is True and "saved_at_stop" not in summary
@@ -88,4 +105,38 @@ def test_a_stop_as_a_restart_resets_the_books_leaves_the_checkpoints_run(tmp_pat
         assert summary["prompts"] == {"admitted": 0, "trained": 0, "in_flight": 0, "failed": {}, "filtered": {}}
     assert summary["unclean_exits"] == {}  # no role ran at the stop
     assert summary["restarts"] == {"learner0": 1}
+    assert stops == 2  # the restart's, and its part's end: none as the books were set
     assert "did not save at the stop" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+@pytest.mark.parametrize("moment", ["stop", "resume"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_as_a_restart_stops_the_roles_or_finds_the_checkpoint_counts_the_dead_parts_books(
+        tmp_path, monkeypatch, capsys, checkpoint, moment, signum):
+    """Before the books are reset, they are the dead part's: prompts admitted past the checkpoint, and weights the
+    learner published after it, which it did not save at the stop. The summary counts them so, says a resume loses
+    them, and names the dead learner's exit, which the stop reported. The roles are stopped twice (the restart's stop,
+    then the part's end); the supervisor's second stop waits only what is left of the first's grace
+    (tests/test_supervisor_stop.py)."""
+    summary, stops = stopped_during_the_restart(tmp_path, monkeypatch, checkpoint, moment, signum)
+    assert summary["stopped"] == signal.Signals(signum).name
+    assert (summary["steps"], summary["steps_trained"]) == ((4, 6) if checkpoint else (0, 6))
+    assert summary["resume_loses_nothing"] is False and "saved_at_stop" not in summary
+    checkpoints = tmp_path / "runs" / "async-ppo-math" / "t" / "checkpoints"
+    assert summary["resume_from"] == (str(checkpoints / "step_4") if checkpoint else None)
+    if checkpoint:  # p8 from the checkpoint's books, p9 to p11 the dead part's, in flight: ended with the run
+        assert summary["prompts"] == {"admitted": 11, "trained": 4, "in_flight": 0, "failed": {"env_error": 1},
+                                      "filtered": {"uniform_reward": 2, "run_ended": 4}}
+    else:
+        assert summary["prompts"] == {"admitted": 3, "trained": 0, "in_flight": 0, "failed": {},
+                                      "filtered": {"run_ended": 3}}
+    assert summary["prompts_accounted"] is True
+    assert summary["unclean_exits"] == {"learner0": "exited with code -9 (SIGKILL)"}
+    assert summary["restarts"] == {"learner0": 1}
+    assert stops == 2
+    err = capsys.readouterr().err
+    assert "the learner did not save at the stop" in err
+    lost = "from " + (f"{checkpoints / 'step_4'} (step 4), 2 steps" if checkpoint else
+                      "the beginning (no checkpoint was saved), 6 steps")
+    assert f"a resume goes on {lost} trained after it are lost" in err

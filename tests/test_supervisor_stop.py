@@ -16,6 +16,7 @@ from rlsys import protocol, supervisor
 from rlsys.bus.inproc import InProcessBus
 from rlsys.cli import parse_config
 from rlsys.errors import LearnerFailed, RoleFailed
+from rlsys.placement.base import RoleHandle
 from rlsys.placement.local import STOP_SIGNALS, LocalPlacement, LocalRole
 
 
@@ -145,6 +146,49 @@ def test_the_stop_gives_the_roles_cluster_stop_grace_seconds(grace, killed):
     assert ("learner0" in unclean) == killed
     if killed:
         assert unclean["learner0"].startswith(f"was still running {grace} s after the stop")
+
+
+class HungRole(RoleHandle):
+    """A role that outlives any grace; `ctrl_c`, while it holds one, cuts the wait for it short a second later, as a
+    Ctrl-C does the stop's."""
+
+    def __init__(self, name: str, ctrl_c: list):
+        self.name, self.ctrl_c, self.waits, self.code = name, ctrl_c, [], None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.code
+
+    def join(self, timeout: float) -> None:
+        self.waits.append(timeout)
+        if self.ctrl_c:
+            self.ctrl_c.pop()
+            time.sleep(1)
+            raise KeyboardInterrupt
+
+    def kill(self) -> None:
+        self.code = -9
+
+
+def test_a_stop_called_again_waits_only_what_is_left_of_the_first_ones_grace():
+    """A learner's restart stops the roles, and the part's end stops them again: a Ctrl-C during the restart's stop
+    cut it short, and the second gave the roles a whole grace more (two, where a role that hangs is killed after
+    cluster.stop_grace_seconds). A new part's roles get their own."""
+    roles, ctrl_c = {}, ["once"]
+    watching = supervisor.Supervisor(parse_config(["cluster.stop_grace_seconds=10"]), lambda role, index: (
+        roles.setdefault(f"{role}{index}", HungRole(f"{role}{index}", ctrl_c))))
+    watching.start()
+    with pytest.raises(KeyboardInterrupt):
+        watching.stop(InProcessBus())
+    unclean = watching.stop(InProcessBus())
+    assert max(wait for role in roles.values() for wait in role.waits[-1:]) <= 10 - 1
+    killed = ("was still running 10 s after the stop, and was killed (a learner that needs longer to finish its step "
+              "and save: cluster.stop_grace_seconds)")
+    assert unclean == dict.fromkeys(roles, killed) and len(roles) == 3
+    roles.clear()
+    watching.start()
+    watching.stop(InProcessBus())
+    assert roles["learner0"].waits[0] > 10 - 1  # the first stop was a second ago: this part's waits its own grace
 
 
 def rollout_exits_3(role, index, *args):
