@@ -106,7 +106,7 @@ class FullPath:
             try:
                 yield self
             finally:
-                stop_processes(self.bus, processes.values())
+                stop_processes(self.bus, processes.values(), self.config.cluster.stop_grace_seconds)
                 self.bus.close()
 
     def tokens_per_second(self, episodes: int) -> float:
