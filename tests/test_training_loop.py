@@ -233,6 +233,11 @@ def test_bad_key_on_the_command_line_exits_2_with_close_matches(tmp_path):
 def test_resume_from_checkpoint_continues_step_and_version(cache_dir, tmp_path):
     first = parse_config(small_run_overrides(cache_dir, tmp_path) + ["max_steps=2", "trial_name=a"])
     before = launch(first)
+    # The learner saves its final checkpoint, then says it is done; the rollout workers admitted prompts (and ended
+    # episodes) until they saw that, after the save: the summary then counted prompts the checkpoint did not (129
+    # admitted against 128), and a resume from it counted otherwise than the summary the user saw. The prompts the
+    # checkpoint holds in flight end as run_ended in the summary: nothing else differs.
+    assert before["prompts"] == final_books(tmp_path / "async-ppo-math" / "a")
     checkpoint = tmp_path / "async-ppo-math" / "a" / "checkpoints" / "step_2"
     # What a resume checks it reads the same training rows against (run_start.check_same_dataset).
     rows = load_rows(first.dataset.path, first.dataset.row_format())
