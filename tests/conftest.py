@@ -1,3 +1,4 @@
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -7,6 +8,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from rlsys.placement.cpu_threads import role_environment_applied  # noqa: E402 (needs ROOT on the path)
+
+# libgomp reads how its threads wait once, as torch loads, and the test modules load torch as they are collected,
+# before any launcher can apply the roles' short spin: the in-process warm starts (launch(config) from a test) ran
+# with libgomp's default spin, unlike a command-line run's. Loaded here first, with the short spin, as the launcher
+# loads it; os.environ is left as it was, so what the tests see of the environment is unchanged.
+with role_environment_applied():
+    importlib.import_module("torch")
 
 
 @pytest.fixture(scope="session", autouse=True)
