@@ -14,7 +14,9 @@ from rlsys.placement.cpu_threads import role_environment_applied  # noqa: E402 (
 # libgomp reads how its threads wait once, as torch loads, and the test modules load torch as they are collected,
 # before any launcher can apply the roles' short spin: the in-process warm starts (launch(config) from a test) ran
 # with libgomp's default spin, unlike a command-line run's. Loaded here first, with the short spin, as the launcher
-# loads it; os.environ is left as it was, so what the tests see of the environment is unchanged.
+# loads it; os.environ is left as it was, so what the tests see of the environment is unchanged. Alone on the cores
+# the short spin is a little slower; beside other work the default one crawled, and a first test's in-process warm
+# start ran past pytest's timeout (BENCHMARKS.md, "The warm start inside pytest").
 with role_environment_applied():
     importlib.import_module("torch")
 
