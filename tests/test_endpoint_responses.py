@@ -14,8 +14,8 @@ from tests.endpoint_clients import RESPONSES, RESPONSES_TOOLS, TOOLS
 from tests.scripted import ids
 from tests.test_endpoint_streaming import served
 from tests.helpers import with_field
-from tests.test_openai_endpoint import CALL, CONTEXT, LOGPROB, PROPERTIES, ROW, json_values, post, refusal, \
-    run_episode, tool_then_answer
+from tests.test_openai_endpoint import CALL, CONTEXT, LOGPROB, PROPERTIES, RESPONSES_OVERFLOW, ROW, json_values, post, \
+    refusal, run_episode, tool_then_answer
 
 INPUT = [{"role": "user", "content": [{"type": "input_text", "text": "12+34="}]}]
 BODY = {"model": "rlsys", "instructions": "Use the calculator.", "input": INPUT, "tools": RESPONSES_TOOLS,
@@ -134,6 +134,48 @@ def typed_events(streamed) -> list[dict]:
         events.append(json.loads(data[len("data: "):]))
         assert events[-1]["type"] == kind[len("event: "):]
     return events
+
+
+def test_a_prompt_past_the_context_is_the_responses_apis_context_overflow_unstreamed_and_streamed(tokenizer):
+    """Unstreamed, refused with the body OpenAI's Responses API sends (400, code "context_length_exceeded", param
+    "input"). Streamed, as OpenAI streams it: a stream that fails, `response.created` and `response.in_progress`, an
+    `error` event holding that body, then `response.failed`, its response's error that code and message. Codex reads
+    a context overflow from that `response.failed` code alone (codex-rs/codex-api/src/sse/responses.rs; a 400 is to it
+    an invalid request); the openai client raises the `error` event as an APIError with the code, and LangChain's
+    ChatOpenAI on the Responses API raises that as its context overflow (by "exceeds the context window"). Nothing
+    reaches the model."""
+    from langchain_core.exceptions import ContextOverflowError
+    from langchain_openai import ChatOpenAI
+    long = "1" * (CONTEXT + 1)
+
+    async def calls(client, http):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model="rlsys", input=long)
+        streamed = await http.post("/responses", json={"model": "rlsys", "input": long, "stream": True})
+        with pytest.raises(openai.APIError) as failed:
+            async for _ in await client.responses.create(model="rlsys", input=long, stream=True):
+                pass
+        model = ChatOpenAI(base_url=str(http.base_url), api_key=http.headers["authorization"].removeprefix("Bearer "),
+                           model="rlsys", max_retries=0, use_responses_api=True, streaming=True)
+        with pytest.raises(ContextOverflowError) as overflow:
+            await model.ainvoke(long)
+        return refused.value, streamed, failed.value, overflow.value
+
+    (refused, streamed, failed, overflow), session = served(tokenizer, [], calls)
+    assert (refused.status_code, refused.body, refused.code) == (400, RESPONSES_OVERFLOW, "context_length_exceeded")
+    events = typed_events(streamed)
+    assert [(e["type"], e["sequence_number"]) for e in events] == \
+        [("response.created", 0), ("response.in_progress", 1), ("error", 2), ("response.failed", 3)]
+    started, failure = events[0]["response"], events[3]["response"]
+    assert events[2] == {"type": "error", "sequence_number": 2, "error": RESPONSES_OVERFLOW}
+    assert (started["status"], started["error"], failure["status"], failure["output"], failure["usage"]) == \
+        ("in_progress", None, "failed", [], None)
+    assert failure["error"] == {"code": "context_length_exceeded", "message": RESPONSES_OVERFLOW["message"]}
+    assert {k: v for k, v in failure.items() if k not in ("status", "error")} == \
+        {k: v for k, v in started.items() if k not in ("status", "error")}
+    assert type(failed) is openai.APIError and (failed.code, failed.message) == \
+        ("context_length_exceeded", RESPONSES_OVERFLOW["message"])
+    assert isinstance(overflow, openai.APIError) and session.outputs == []
 
 
 def test_a_reply_cut_by_max_output_tokens_is_incomplete(tokenizer, tokenizer_dir):

@@ -1072,6 +1072,10 @@ def vllm_refusal(message: str, param: str, value: int, code: str | int = 400) ->
             "code": code}
 
 
+# OpenAI's Responses API's body for an input past the context (unstreamed; its words carry no numbers)
+RESPONSES_OVERFLOW = {"message": "Your input exceeds the context window of this model. Please adjust your input and "
+                                 "try again.", "type": "invalid_request_error", "param": "input",
+                      "code": "context_length_exceeded"}
 LONG_PROMPTS = {  # path -> a body whose prompt is `CONTEXT + 1` characters (a token each) past a short one's
     "/chat/completions": {**CHAT, "messages": [{"role": "user", "content": "1" * (CONTEXT + 2)}]},
     "/completions": {**COMPLETION, "prompt": "1" * (CONTEXT + 2)},
@@ -1082,9 +1086,10 @@ LONG_PROMPTS = {  # path -> a body whose prompt is `CONTEXT + 1` characters (a t
 @pytest.mark.parametrize("path", LONG_PROMPTS)
 def test_a_prompt_past_the_context_is_refused_as_openai_or_vllms_openai_server_refuses_it(tokenizer, path):
     """On /v1/chat/completions with the body OpenAI's API sends for its current models (whose message LangChain's
-    ChatOpenAI reads as a context overflow); elsewhere in vLLM's words, status and type with OpenAI's code for it; the
-    prompt's length its own (vLLM's count, where it tokenizes the prompt itself, stops one past the context: "at
-    least"), not /v1/messages' refusal in Anthropic's words."""
+    ChatOpenAI reads as a context overflow), on /v1/responses with the body OpenAI's Responses API sends, on
+    /v1/completions in vLLM's words, status and type with OpenAI's code for it; the prompt's length its own (vLLM's
+    count, where it tokenizes the prompt itself, stops one past the context: "at least"), not /v1/messages' refusal in
+    Anthropic's words."""
     body = LONG_PROMPTS[path]
     short = {**body, **({"prompt": "1"} if path == "/completions" else {"input": "1"} if path == "/responses" else
                         {"messages": [{"role": "user", "content": "1"}]})}
@@ -1094,7 +1099,7 @@ def test_a_prompt_past_the_context_is_refused_as_openai_or_vllms_openai_server_r
     expected = {"message": f"Input tokens exceed the configured limit of {CONTEXT} tokens. Your messages resulted in "
                            f"{length} tokens. Please reduce the length of the messages.",
                 "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"} \
-        if path == "/chat/completions" else vllm_refusal(
+        if path == "/chat/completions" else RESPONSES_OVERFLOW if path == "/responses" else vllm_refusal(
             f"This model's maximum context length is {CONTEXT} tokens. However, your prompt contains {length} input "
             f"tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
             f"prompt.", "input_tokens", length, "context_length_exceeded")

@@ -14,9 +14,9 @@ the prompt and the reply's budget (`max_tokens` by whichever name the API gives 
 once the prompt is rendered (`reply_budget`), in the words, status and error fields of the call's API. On the OpenAI
 paths as vLLM's OpenAI server answers: a budget or a prompt past the whole context is refused (type "BadRequestError",
 code 400, `param` the budget's name or "input_tokens"), and a budget within it (or the agent's default, where none is
-asked) is cut to what the prompt leaves; but a chat call's prompt past it is refused with the body OpenAI sends
-("Input tokens exceed the configured limit of ...", code "context_length_exceeded"), which LangChain's ChatOpenAI
-raises as its context overflow. On /v1/messages as Anthropic's API answers: a prompt past the context is
+asked) is cut to what the prompt leaves; but a prompt past it is refused on /v1/chat/completions and /v1/responses
+with the body OpenAI sends there (code "context_length_exceeded"), which those APIs' clients read as a context
+overflow (`context_overflow`). On /v1/messages as Anthropic's API answers: a prompt past the context is
 "prompt is too long: <prompt> tokens > <context> maximum", and a max_tokens past what the prompt leaves is refused
 saying both numbers, which Claude Code reads to ask again for less. Sampling and reply settings the endpoint does not
 honour (penalties, logit bias, min_p, a forced or forbidden tool call, at most one tool call a turn, a JSON reply
@@ -118,6 +118,8 @@ TOOL_SHAPES = {
 # Settings no engine here applies -> the value that asks for nothing (as OpenAI's and vLLM's defaults do).
 NEUTRAL_SETTINGS = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0,
                     "top_logprobs": 0}
+
+CONTEXT_OVERFLOW = "context_length_exceeded"  # OpenAI's error code for a prompt past the model's context
 
 # Anthropic's error types by status; its others are 4xx invalid_request_error and 5xx api_error.
 ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -526,17 +528,17 @@ def reply_budget(sampling: Sampling, default: int, prompt_length: int, context: 
     its `prompt_length` tokens leave; or the call refused, in the words of its API.
 
     On the OpenAI paths as vLLM's OpenAI server answers, in the order it checks: a budget past the whole context is
-    refused, then a prompt past it (a chat call's with OpenAI's own body for it); a budget within it is cut to what
-    the prompt leaves, and a prompt that leaves nothing is refused as vLLM refuses the budget of 0 it leaves. On
-    /v1/messages as Anthropic's API answers: a prompt past the context is "prompt is too long", and a prompt and
-    max_tokens that together are past it are refused saying both numbers, nothing cut: Claude Code reads them and asks
-    again for what the context leaves, less a margin of its own (or, where that is under its floor of output tokens,
-    ends the call)."""
+    refused, then a prompt past it (`context_overflow`: a chat or Responses call's with OpenAI's own body for it); a
+    budget within it is cut to what the prompt leaves, and a prompt that leaves nothing is refused as vLLM refuses the
+    budget of 0 it leaves. On /v1/messages as Anthropic's API answers: a prompt past the context is "prompt is too
+    long", and a prompt and max_tokens that together are past it are refused saying both numbers, nothing cut: Claude
+    Code reads them and asks again for what the context leaves, less a margin of its own (or, where that is under its
+    floor of output tokens, ends the call)."""
     asked, param = sampling.settings.get("max_new_tokens"), sampling.budget_param
     budget = default if asked is None else asked
     if sampling.api == "messages":  # no `param` in its refusals: the message starts with the field at fault, if one
         if prompt_length > context:
-            raise RequestError(400, f"prompt is too long: {prompt_length} tokens > {context} maximum")
+            raise context_overflow(sampling.api, prompt_length, context)
         if prompt_length + budget > context:
             raise _invalid(param, f"is more than the context leaves: input length and `{param}` exceed context limit: "
                                   f"{prompt_length} + {budget} > {context}, decrease input length or `{param}` and "
@@ -545,23 +547,36 @@ def reply_budget(sampling: Sampling, default: int, prompt_length: int, context: 
     if asked is not None and asked > context:
         raise _vllm_refusal(f"{param}={asked} cannot be greater than max_model_len={context}. Please request fewer "
                             f"output tokens.", param, asked)
-    if prompt_length > context and sampling.api == "chat":
-        # OpenAI's own body for it (its current models' words): LangChain's ChatOpenAI tells a context overflow from
-        # any bad request by this message, as the openai client words the error from the message alone
-        raise RequestError(400, f"Input tokens exceed the configured limit of {context} tokens. Your messages resulted "
-                                f"in {prompt_length} tokens. Please reduce the length of the messages.",
-                           "context_length_exceeded", "messages")
     if prompt_length > context:
-        # vLLM's words, with OpenAI's code for it where vLLM puts the status: a client tells a context overflow from
-        # any bad request by that code
-        raise _vllm_refusal(f"This model's maximum context length is {context} tokens. However, your prompt contains "
-                            f"{prompt_length} input tokens, which exceeds this limit even without any output tokens. "
-                            f"Please reduce the length of the input prompt.", "input_tokens", prompt_length,
-                            "context_length_exceeded")
+        raise context_overflow(sampling.api, prompt_length, context)
     budget = min(budget, context - prompt_length)
     if budget < 1:  # vLLM's sampling check, under the name it gives the budget whatever the request's
         raise _vllm_refusal(f"max_tokens must be at least 1, got {budget}.", "max_tokens", budget)
     return budget
+
+
+def context_overflow(api: str, prompt_length: int, context: int) -> RequestError:
+    """A prompt of `prompt_length` tokens past the `context`, refused in the words and fields by which the clients of
+    `api` tell a context overflow from any bad request (and so can shorten their history and call again).
+
+    /v1/chat/completions: OpenAI's body for its current models; LangChain's ChatOpenAI reads its message (the openai
+    client words an error from the message alone). /v1/responses: OpenAI's Responses API's body; a streamed call is
+    answered with it as a stream that fails (`EpisodeSession.respond`). /v1/completions: vLLM's words, with OpenAI's
+    code where vLLM puts the status (LiteLLM reads "This model's maximum context length is"). /v1/messages:
+    Anthropic's "prompt is too long", whose numbers Claude Code reads."""
+    if api == "messages":
+        return RequestError(400, f"prompt is too long: {prompt_length} tokens > {context} maximum")
+    if api == "chat":
+        return RequestError(400, f"Input tokens exceed the configured limit of {context} tokens. Your messages "
+                                 f"resulted in {prompt_length} tokens. Please reduce the length of the messages.",
+                            CONTEXT_OVERFLOW, "messages")
+    if api == "responses":
+        return RequestError(400, "Your input exceeds the context window of this model. Please adjust your input and "
+                                 "try again.", CONTEXT_OVERFLOW, "input")
+    return _vllm_refusal(f"This model's maximum context length is {context} tokens. However, your prompt contains "
+                         f"{prompt_length} input tokens, which exceeds this limit even without any output tokens. "
+                         f"Please reduce the length of the input prompt.", "input_tokens", prompt_length,
+                         CONTEXT_OVERFLOW)
 
 
 def _tool_choice(body: dict, tools: list[dict]) -> None:

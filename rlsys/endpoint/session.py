@@ -45,9 +45,9 @@ from starlette.responses import Response
 
 from rlsys.api import GenerationConfig, GenerationOutput, Model
 from rlsys.endpoint.conversation import Conversation
-from rlsys.endpoint.request_checks import RequestError, Sampling, chat_request, completion_request, messages_request, \
-    reply_budget, responses_request
-from rlsys.endpoint.streaming import event_stream, message_events, response_events
+from rlsys.endpoint.request_checks import CONTEXT_OVERFLOW, RequestError, Sampling, chat_request, completion_request, \
+    messages_request, reply_budget, responses_request
+from rlsys.endpoint.streaming import event_stream, failed_response_events, message_events, response_events
 from rlsys.tools.call_format import CALL, parse_turn
 
 ClientGone = Callable[[], Awaitable[bool]]  # whether the call's client has disconnected
@@ -72,7 +72,14 @@ class EpisodeSession:
         """A /v1/responses call: the chat call its input and instructions make, answered as a Responses object."""
         self.require_chat_template("/v1/responses")
         messages, tools, sampling = responses_request(body)
-        output, [choice], _ = await self.chat_choices(messages, tools, sampling, client_gone)
+        try:
+            output, [choice], _ = await self.chat_choices(messages, tools, sampling, client_gone)
+        except RequestError as refused:
+            if not (sampling.stream and refused.code == CONTEXT_OVERFLOW):
+                raise
+            # OpenAI streams this one refusal as a response that fails, not an HTTP error: Codex compacts its history
+            # on `response.failed`'s code, and takes a 400 for an invalid request
+            return failed_response_events(self.response_object(body, sampling), refused.body()["error"])
         message, length = choice["message"], choice["finish_reason"] == "length"
         status = "incomplete" if length else "completed"
         items = [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
@@ -83,19 +90,23 @@ class EpisodeSession:
                    "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
                   for call in message.get("tool_calls") or []]
         generated = len(output.output_ids[0])
-        response = {
-            "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "status": status,
-            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if length else None,
-            "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
-            "model": self.model_name, "output": items, "parallel_tool_calls": True,
-            "temperature": sampling.settings.get("temperature", self.defaults.temperature),
-            "top_p": sampling.settings.get("top_p", self.defaults.top_p),
-            "max_output_tokens": body.get("max_output_tokens"),
-            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-            "usage": {"input_tokens": len(output.prompt_ids), "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": len(output.prompt_ids) + generated}}
+        response = {**self.response_object(body, sampling), "status": status, "output": items,
+                    "incomplete_details": {"reason": "max_output_tokens"} if length else None,
+                    "usage": {"input_tokens": len(output.prompt_ids), "input_tokens_details": {"cached_tokens": 0},
+                              "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                              "total_tokens": len(output.prompt_ids) + generated}}
         return response_events(response) if sampling.stream else response
+
+    def response_object(self, body: dict, sampling: Sampling) -> dict:
+        """A /v1/responses call's Responses object as it stands before any output: in progress, no usage."""
+        return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+                "status": "in_progress", "error": None, "incomplete_details": None,
+                "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
+                "model": self.model_name, "output": [], "parallel_tool_calls": True,
+                "temperature": sampling.settings.get("temperature", self.defaults.temperature),
+                "top_p": sampling.settings.get("top_p", self.defaults.top_p),
+                "max_output_tokens": body.get("max_output_tokens"),
+                "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [], "usage": None}
 
     async def message(self, body: dict, client_gone: ClientGone | None = None) -> dict | Response:
         """A /v1/messages call (Anthropic's Messages API): the chat call its system and messages make, answered as a

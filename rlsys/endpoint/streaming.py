@@ -4,7 +4,8 @@ The engine replies whole: the inference worker returns a request's complete gene
 queues. So a streamed call is generated, recorded and answered by the same code as the call unstreamed, and only
 then is its reply split into chunks, all sent at once. The client reassembles the same reply, the training record
 is the same, and anything refused before the model answers (a bad field, an ended episode) is still an HTTP error
-status with OpenAI's error body: no byte of the stream has been sent by then.
+status with OpenAI's error body: no byte of the stream has been sent by then (but for a Responses call past the
+context, below).
 
 A chat choice comes as a chunk with `{"role": "assistant", "content": ""}`, then one with its whole content, then
 one with its whole tool calls (each with its `index`, `id`, `type` and `function`), then one with an empty delta and
@@ -19,7 +20,10 @@ any output, then per output item `response.output_item.added`, its content (a me
 `response.content_part.added`, `response.output_text.delta`, `response.output_text.done`, `response.content_part.done`,
 the delta and the done with the text's logprobs where `include` asks for them; a function call's arguments as one
 `response.function_call_arguments.delta` and `.done`), `response.output_item.done`, and last `response.completed`
-(or `response.incomplete`, cut by `max_output_tokens`) with the whole response.
+(or `response.incomplete`, cut by `max_output_tokens`) with the whole response. A streamed call whose prompt is past
+the context is not an HTTP error, as OpenAI streams it: its model takes the call and fails it, so the stream starts
+(`response.created`, `response.in_progress`) and ends with an `error` event and `response.failed` (Codex reads a
+context overflow from `response.failed`'s code; the openai client raises the `error` event).
 
 A /v1/messages reply (Anthropic's Messages API) is sent as that API's events (`event: <type>`, `data: <json>`):
 `message_start` with the message before any content (usage: its input tokens), then per content block
@@ -70,6 +74,21 @@ def response_events(response: dict) -> Response:
                                                                    "arguments": item["arguments"]})]
         events.append(("response.output_item.done", {"output_index": index, "item": item}))
     events.append((f"response.{response['status']}", {"response": response}))
+    return _numbered_events(events)
+
+
+def failed_response_events(started: dict, error: dict) -> Response:
+    """A Responses call that fails once started, as OpenAI streams it: `response.created` and `response.in_progress`
+    with the response `started` (in progress, no output), an `error` event with `error` (OpenAI's error body), and
+    `response.failed`, its response's error the code and message."""
+    failed = {**started, "status": "failed", "error": {"code": error["code"], "message": error["message"]}}
+    return _numbered_events([("response.created", {"response": started}),
+                             ("response.in_progress", {"response": started}), ("error", {"error": error}),
+                             ("response.failed", {"response": failed})])
+
+
+def _numbered_events(events: list[tuple[str, dict]]) -> Response:
+    """Typed events as the Responses API streams them, numbered by `sequence_number`."""
     return _sse([f"event: {kind}\ndata: {_json({'type': kind, 'sequence_number': i, **data})}\n\n"
                  for i, (kind, data) in enumerate(events)])
 
