@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rlsys.data.dataset import load_rows, row_text, rows_fingerprint
 from rlsys.data.prompts import no_share
-from rlsys.placement.cpu_threads import role_environment_applied, warm_start_threads
+from rlsys.placement.cpu_threads import torch_loaded_with_the_roles_spin, warm_start_threads
 from rlsys.workers.env_per_row import check_env_names
 
 
@@ -55,8 +55,8 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> float:
         directory = tiny_model_dir(config.model, config.seed, rows_key(train_rows, eval_rows), warm_start_key(config))
         if not (directory / "config.json").exists():
             started = time.monotonic()
-            with role_environment_applied():  # how its threads wait: read as torch loads
-                from rlsys.model.tiny import MAX_POSITIONS, prepare_tiny_model  # torch and transformers' models:
+            torch_loaded_with_the_roles_spin()
+            from rlsys.model.tiny import MAX_POSITIONS, prepare_tiny_model  # torch and transformers' models:
             from rlsys.model.tokenizer import build_char_tokenizer  # only to build one
 
             check_prompt_lengths(config, build_char_tokenizer(), MAX_POSITIONS, "the tiny model's",

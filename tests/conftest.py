@@ -1,4 +1,3 @@
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -9,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rlsys.placement.cpu_threads import role_environment_applied  # noqa: E402 (needs ROOT on the path)
+from rlsys.placement.cpu_threads import torch_loaded_with_the_roles_spin  # noqa: E402 (needs ROOT on the path)
 
 # libgomp reads how its threads wait once, as torch loads, and the test modules load torch as they are collected,
 # before any launcher can apply the roles' short spin: the in-process warm starts (launch(config) from a test) ran
@@ -17,8 +16,7 @@ from rlsys.placement.cpu_threads import role_environment_applied  # noqa: E402 (
 # loads it; os.environ is left as it was, so what the tests see of the environment is unchanged. Alone on the cores
 # the short spin is a little slower; beside other work the default one crawled, and a first test's in-process warm
 # start ran past pytest's timeout (BENCHMARKS.md, "The warm start inside pytest").
-with role_environment_applied():
-    importlib.import_module("torch")
+torch_loaded_with_the_roles_spin()
 
 
 @pytest.fixture(scope="session", autouse=True)

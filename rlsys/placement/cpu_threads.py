@@ -72,6 +72,14 @@ def role_environment_applied():
                 os.environ[name] = value
 
 
+def torch_loaded_with_the_roles_spin() -> None:
+    """Load torch in this process (if it is not yet) as a role loads it, with the short spin: libgomp reads how its
+    threads wait as torch loads, and only then. For the launcher's warm start and pytest, which load torch in their
+    own process rather than in a role's."""
+    with role_environment_applied():
+        __import__("torch")  # as an import statement loads it, its "import" audit event included
+
+
 def role_threads(role: str, config, cores: int | None = None) -> int:
     """torch threads for a process of `role`; 0 leaves the choice to the engine (inference.num_threads=0)."""
     colocated = config.cluster.colocate
