@@ -21,16 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.launched_runs import launch, learner_rows, parse_run_arguments, training_speed  # noqa: E402
 from rlsys import evaluations  # noqa: E402
 from rlsys.learner_figures import STALENESS_MEAN  # noqa: E402
-from rlsys.metrics import read_jsonl_metrics  # noqa: E402
+from rlsys.metrics import LOGGED_AT, read_jsonl_metrics  # noqa: E402
 from rlsys.run_files import logs_dir  # noqa: E402
 
 
 def accuracy_over_time(run_dir: Path) -> list[tuple[int, float, float]]:
     """(version, seconds since the first step ended, held-out accuracy) of each evaluation."""
-    start = learner_rows(run_dir)[0]["time"]
+    start = learner_rows(run_dir)[0][LOGGED_AT]
     rows = read_jsonl_metrics(evaluations.records_path(logs_dir(run_dir)))
-    return [(int(e["version"]), max(row["time"] - start, 0.0), e["accuracy"])
-            for row in rows if "accuracy" in (e := evaluations.figures(row))]
+    return [(int(e["version"]), max(row[LOGGED_AT] - start, 0.0), e[evaluations.ACCURACY])
+            for row in rows if evaluations.ACCURACY in (e := evaluations.figures(row))]
 
 
 def main() -> None:

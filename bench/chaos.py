@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.launched_runs import learner_rows  # noqa: E402
 from rlsys.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, read_trainer_state  # noqa: E402
+from rlsys.metrics import LOGGED_AT, STEP  # noqa: E402
 from rlsys.run_files import SUMMARY_FILE  # noqa: E402
 
 PLUGIN = ROOT / "bench" / "chaos_plugin.py"
@@ -92,11 +93,11 @@ def inject(run: subprocess.Popen, run_dir: Path, faults: list[Fault], signals: d
         except FileNotFoundError:  # the learner has logged no step yet
             rows = []
         pending = next((f for f in faults if f.sent_at is None), None)
-        if pending and rows and rows[-1]["step"] >= pending.step and (process := role_process(run, pending.role)):
+        if pending and rows and rows[-1][STEP] >= pending.step and (process := role_process(run, pending.role)):
             process.send_signal(signals[pending.role])
             pending.sent_at = time.time()
         for fault in faults:
-            after = [row["time"] for row in rows if fault.sent_at is not None and row["time"] > fault.sent_at]
+            after = [row[LOGGED_AT] for row in rows if fault.sent_at is not None and row[LOGGED_AT] > fault.sent_at]
             if after and fault.recovered_s is None:
                 fault.recovered_s = after[0] - fault.sent_at
         time.sleep(0.2)

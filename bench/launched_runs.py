@@ -11,7 +11,7 @@ from statistics import mean
 import yaml
 
 from rlsys.learner_figures import COMPUTE, STALENESS_MEAN, WAIT_DATA
-from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file
+from rlsys.metrics import LEARNER_RECORDS, LOGGED_AT, STEP, read_jsonl_metrics, records_file
 from rlsys.run_files import CONFIG_FILE, logs_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def training_speed(run_dir: Path, warmup: int) -> dict[str, float]:
     config = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     per_step = config["ppo"]["batch_size"] * config["group_size"]  # trajectories a step trains (one per sample)
     first, last, window = rows[warmup - 1], rows[-1], rows[warmup:]
-    steps, seconds = last["step"] - first["step"], last["time"] - first["time"]
+    steps, seconds = last[STEP] - first[STEP], last[LOGGED_AT] - first[LOGGED_AT]
     return {"samples_per_second": steps * per_step / seconds, "seconds_per_step": seconds / steps,
             "learner_compute_s": mean(r[COMPUTE] for r in window),
             "learner_wait_s": mean(r[WAIT_DATA] for r in window),

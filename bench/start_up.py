@@ -24,6 +24,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.launched_runs import ROOT, launch, learner_rows  # noqa: E402
+from rlsys.metrics import LOGGED_AT  # noqa: E402
 
 STEPS = 10
 
@@ -35,7 +36,7 @@ def start_once(tree: Path, out_dir: Path, trial: str, cold: bool) -> dict[str, f
         env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-", dir=out_dir)
     started = time.time()  # the learner's metrics are stamped with time.time()
     run_dir, _, seconds = launch([f"max_steps={STEPS}", "eval_steps=0"], out_dir, trial, tree, env)
-    return {"first_step_s": learner_rows(run_dir)[0]["time"] - started, "total_s": seconds}
+    return {"first_step_s": learner_rows(run_dir)[0][LOGGED_AT] - started, "total_s": seconds}
 
 
 def main() -> None:

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.launched_runs import launch, learner_rows, parse_run_arguments  # noqa: E402
 from rlsys import evaluations  # noqa: E402
 from rlsys.learner_figures import COMPUTE, PUBLISH, WAIT_DATA, label  # noqa: E402
-from rlsys.metrics import read_jsonl_metrics  # noqa: E402
+from rlsys.metrics import LOGGED_AT, read_jsonl_metrics  # noqa: E402
 from rlsys.run_files import SUMMARY_FILE, logs_dir  # noqa: E402
 
 DEFAULT_TASK = "async-ppo-math"
@@ -316,12 +316,12 @@ def run_rlsys(steps: int, snapshot_steps: int, overrides: list[str], out_dir: Pa
     rows = learner_rows(run_dir)
     initial = read_jsonl_metrics(evaluations.records_path(logs_dir(run_dir)))
     # training prompts are admitted from the initial evaluation's end
-    start = next(r["time"] for r in initial if "accuracy" in evaluations.figures(r))
+    start = next(r[LOGGED_AT] for r in initial if evaluations.ACCURACY in evaluations.figures(r))
     summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     cpu_at_start = cpu.at(start)
     timed = rows[min(2, len(rows) - 1):]  # the learner's own split of a step, its first steps left out
     learner_s = {label(key): sum(r[key] for r in timed) / len(timed) for key in (COMPUTE, PUBLISH, WAIT_DATA)}
-    return {"times": [r["time"] - start for r in rows], "cpu": [cpu.at(r["time"]) - cpu_at_start for r in rows],
+    return {"times": [r[LOGGED_AT] - start for r in rows], "cpu": [cpu.at(r[LOGGED_AT]) - cpu_at_start for r in rows],
             "learner_s_per_step": learner_s,
             "snapshots": linker.kept, "wall_s": wall,
             "command": " ".join(command), "own_initial_accuracy": summary["initial_accuracy"],

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import redis
 
-from rlsys.evaluations import figures, initial_evaluation_ended
-from rlsys.learner_figures import COMPUTE, STALENESS_MEAN, WAIT_DATA
-from rlsys.metrics import JsonlFollower
+from rlsys.evaluations import ACCURACY, REWARD, figures, headline, initial_evaluation_ended
+from rlsys.learner_figures import BATCH_REWARD, COMPUTE, STALENESS_MEAN, WAIT_DATA
+from rlsys.metrics import STEP, JsonlFollower
 from rlsys.prompt_ledger import TRAINED, PromptLedger
 from rlsys.run_privacy import append_private
 
@@ -41,32 +41,37 @@ def role_output_to_file(log_file: Path, role: str) -> None:
     logging.getLogger("rlsys").addHandler(to_console)
 
 
+HELD_OUT_NAMES = {ACCURACY: "accuracy", REWARD: "mean reward"}  # an evaluation's figures (`headline`), as said
+
+
 def held_out(summary: dict) -> tuple[str, float | None, float | None]:
-    """A run's held-out figure, named, before and after: its accuracy, or, where its episodes have no success to
-    count (rewards from a reward model), their mean reward. None where the run did not evaluate."""
+    """A run's held-out figure (an evaluation's ACCURACY or REWARD), before and after: its accuracy, or, where its
+    episodes have no success to count (rewards from a reward model), their mean reward. None where the run did not
+    evaluate."""
     tags = ("initial", "final")
     if any(summary.get(f"{tag}_accuracy") is not None for tag in tags) \
             or all(summary.get(f"{tag}_reward") is None for tag in tags):
-        return "accuracy", summary.get("initial_accuracy"), summary.get("final_accuracy")
-    return "mean reward", summary.get("initial_reward"), summary.get("final_reward")
+        return ACCURACY, summary.get("initial_accuracy"), summary.get("final_accuracy")
+    return REWARD, summary.get("initial_reward"), summary.get("final_reward")
 
 
-def held_out_text(name: str, value: float | None) -> str:
-    """One of `held_out`'s figures as the console and the report show it."""
-    return "n/a" if value is None else f"{value:.1%}" if name == "accuracy" else f"{value:.3f}"
+def held_out_text(figure: str, value: float | None) -> str:
+    """The value of an evaluation's `figure` (ACCURACY or REWARD) as the console and the report show it."""
+    return "n/a" if value is None else f"{value:.1%}" if figure == ACCURACY else f"{value:.3f}"
 
 
 def held_out_line(summary: dict) -> str:
     """A run's last word on what it learned. A resumed run's minutes are its last launch's, while its steps and its
     change count from the run's start: the line says so. A warm start's minutes are said apart from the run's."""
-    name, before, after = held_out(summary)
+    figure, before, after = held_out(summary)
     change = "" if before is None or after is None else \
-        f" ({100 * (after - before):+.1f} points)" if name == "accuracy" else f" ({after - before:+.3f})"
+        f" ({100 * (after - before):+.1f} points)" if figure == ACCURACY else f" ({after - before:+.3f})"
     since = f" since its resume at step {summary['resumed']['step']}" if summary.get("resumed") else ""
     warm_start = summary.get("warm_start_minutes")
     after_warm_start = f", after a {warm_start:.1f} min warm start" if warm_start else ""
-    return (f"held-out {name}: {held_out_text(name, before)} before, {held_out_text(name, after)} after "
-            f"{summary['steps']} steps{change} in {summary['minutes']:.1f} min{since}{after_warm_start}")
+    return (f"held-out {HELD_OUT_NAMES[figure]}: {held_out_text(figure, before)} before, "
+            f"{held_out_text(figure, after)} after {summary['steps']} steps{change} in {summary['minutes']:.1f} min"
+            f"{since}{after_warm_start}")
 
 
 class ProgressReporter:
@@ -90,21 +95,22 @@ class ProgressReporter:
 
     def __call__(self) -> None:
         for row in self.steps():
-            if row["step"] <= self.step_seen:  # a step a resume took back and trains again was said already
+            if row[STEP] <= self.step_seen:  # a step a resume took back and trains again was said already
                 continue
-            self.step_seen = row["step"]
-            if row["step"] % self.every == 0 or row["step"] == self.max_steps:
-                self.print(f"step {row['step']:>5}/{self.max_steps}  reward {row['reward']:.3f}  "
+            self.step_seen = row[STEP]
+            if row[STEP] % self.every == 0 or row[STEP] == self.max_steps:
+                self.print(f"step {row[STEP]:>5}/{self.max_steps}  reward {row[BATCH_REWARD]:.3f}  "
                            f"staleness {row[STALENESS_MEAN]:.2f}  wait {row[WAIT_DATA]:.2f}s  "
                            f"update {row[COMPUTE]:.2f}s")
         for evaluation in self.new_evaluations():
-            name, key = ("accuracy", "accuracy") if "accuracy" in evaluation else ("mean reward", "reward")
+            figure = headline(evaluation)
             failed = evaluation.get("failed", 0)  # counted in the accuracy, as unsolved
             # an evaluation runs beside training: weights it began with may be replaced before it ends
             versions = (f", versions {evaluation['version']}-{evaluation['version_max']}"
                         if "version_max" in evaluation else "")
-            self.print(f"step {evaluation['version']:>5}/{self.max_steps}  held-out {name} "
-                       f"{held_out_text(name, evaluation[key])} (greedy, {evaluation['episodes'] + failed} problems"
+            self.print(f"step {evaluation['version']:>5}/{self.max_steps}  held-out {HELD_OUT_NAMES[figure]} "
+                       f"{held_out_text(figure, evaluation[figure])} "
+                       f"(greedy, {evaluation['episodes'] + failed} problems"
                        + (f", {failed} failed" if failed else "") + versions + ")")
         if self.bus is not None and time.monotonic() - self.last_line >= self.quiet_seconds:
             with contextlib.suppress(redis.ConnectionError):  # our server restarting: the supervisor sees to it

@@ -15,6 +15,10 @@ from rlsys.metrics import read_jsonl_metrics, records_file, rollout_records
 INITIAL, FINAL = "initial", "final"
 ON_THE_BUS = (INITIAL, FINAL)
 PREFIX = "eval/"  # an evaluation's figures in the records: eval/accuracy, eval/reward, eval/version, ...
+# Two of an evaluation's figures, named as on the bus (`figures`): the mean of its episodes' scores, where each has
+# one (for most, its success), and their mean reward, which every evaluation has
+ACCURACY = "accuracy"
+REWARD = "reward"
 
 
 def record(bus, tag: str, result: dict) -> None:
@@ -41,6 +45,12 @@ def figures(row: dict) -> dict:
     """An evaluation's figures in a row of its records, named as the bus names them ({"version", "accuracy",
     "reward", "episodes", "failed", ...}); empty where the row is not an evaluation's."""
     return {key.removeprefix(PREFIX): value for key, value in row.items() if key.startswith(PREFIX)}
+
+
+def headline(evaluation: dict) -> str:
+    """Which figure an evaluation is told by: its ACCURACY, or where its episodes have no success to count (rewards
+    from a reward model), their mean REWARD."""
+    return ACCURACY if ACCURACY in evaluation else REWARD
 
 
 def curve(log_dir: Path) -> list[dict]:

@@ -46,6 +46,10 @@ def parse_record(line: str | bytes) -> dict:
 
 LEARNER_RECORDS = "learner"  # the learner's records: <logging dir>/learner.jsonl and tensorboard/learner
 ROLLOUT_RECORDS = "rollout"  # rollout worker i's: rollout<i>.jsonl and tensorboard/rollout<i>
+# What every row of the records holds beside the figures logged: the step it was logged at, and when (seconds since
+# the epoch)
+STEP = "step"
+LOGGED_AT = "time"
 
 
 def rollout_records(index: int) -> str:
@@ -72,7 +76,7 @@ class MetricsLogger:
         self.writer = EventFileWriter(str(self.log_dir / "tensorboard" / name))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, "time": time.time(), **strict_json(metrics)}
+        record = {STEP: step, LOGGED_AT: time.time(), **strict_json(metrics)}
         self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
@@ -128,7 +132,7 @@ def drop_records_after(path: Path, last_step: int) -> int:
     kept, dropped = [], []
     for line in path.read_text().splitlines(keepends=True):
         try:
-            step = json.loads(line)["step"]
+            step = json.loads(line)[STEP]
         except (ValueError, KeyError, TypeError):  # a line a kill cut short
             dropped.append(line if line.endswith("\n") else line + "\n")
             continue

@@ -12,7 +12,7 @@ import re
 import time
 from pathlib import Path
 
-from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file
+from rlsys.metrics import LEARNER_RECORDS, LOGGED_AT, STEP, read_jsonl_metrics, records_file
 from rlsys.run_files import logs_dir
 from rlsys.run_privacy import redact_passwords
 from rlsys.tracing import read_traces
@@ -161,13 +161,13 @@ def _export(run_dir: Path, uri: str, logging_dir) -> None:
     metrics_file = records_file(logs_dir(run_dir, logging_dir), LEARNER_RECORDS)
     with mlflow.start_run(run_id=earlier[0].info.run_id) if earlier else mlflow.start_run(run_name=run_dir.name) as run:
         new = [row for row in (read_jsonl_metrics(metrics_file) if metrics_file.exists() else [])
-               if row["step"] > exported_step]
+               if row[STEP] > exported_step]
         # in batches (one call a step took 12 s a thousand steps, one database write each), stamped when logged
-        metrics = [Metric(metric_name(k), float(v), int(row.get("time", now) * 1000), row["step"])
-                   for row in new for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))]
+        metrics = [Metric(metric_name(k), float(v), int(row.get(LOGGED_AT, now) * 1000), row[STEP])
+                   for row in new for k, v in row.items() if k not in (STEP, LOGGED_AT) and isinstance(v, (int, float))]
         for start in range(0, len(metrics), METRICS_PER_BATCH):
             MlflowClient().log_batch(run.info.run_id, metrics=metrics[start:start + METRICS_PER_BATCH])
-        exported_step = max([exported_step] + [row["step"] for row in new])
+        exported_step = max([exported_step] + [row[STEP] for row in new])
         # Against the exports before's mark, not one that moves as this one goes: each rollout worker's file is in
         # the order its episodes ended, but the files follow one another, so a worker's episodes that ended before
         # the last of the file read before it would be taken for exported.

@@ -16,12 +16,13 @@ from pathlib import Path
 import yaml
 
 from rlsys import evaluations
-from rlsys.console import held_out, held_out_text
-from rlsys.learner_figures import LOGPROB_ALARM, PROBE_ALARM, TIME_KEYS, WAIT_DATA, label
-from rlsys.metrics import LEARNER_RECORDS, read_jsonl_metrics, records_file
+from rlsys.console import HELD_OUT_NAMES, held_out, held_out_text
+from rlsys.learner_figures import BATCH_REWARD, LOGPROB_ALARM, PROBE_ALARM, TIME_KEYS, WAIT_DATA, agent_figure, label
+from rlsys.metrics import LEARNER_RECORDS, STEP, read_jsonl_metrics, records_file
 from rlsys.prompt_ledger import describe
 from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE, logs_dir
 from rlsys.run_privacy import write_private
+from rlsys.token_continuity import PREFIX_BREAKS
 from rlsys.tracing import TRACES_DIR, read_traces
 
 REPORT_FILE = "summary.html"
@@ -80,7 +81,7 @@ def _curve(series: dict[str, tuple[list, list]], title: str, ylabel: str, xlabel
     return _svg(fig)
 
 
-def _series(rows: list[dict], key: str, x: str = "step") -> tuple[list, list]:
+def _series(rows: list[dict], key: str, x: str = STEP) -> tuple[list, list]:
     points = [(r[x], r[key]) for r in rows if key in r]
     return [p[0] for p in points], [p[1] for p in points]
 
@@ -100,13 +101,13 @@ def _figures(learner: list[dict], held_out_curve: list[dict]) -> list[tuple[str,
     """(id, svg) of every curve the run has data for; `held_out_curve`: evaluations.curve's."""
     figures = []
     if learner:
-        reward = {"reward (train, mean)": _series(learner, "reward")}
+        reward = {"reward (train, mean)": _series(learner, BATCH_REWARD)}
         figures.append(("reward-curve", _curve(reward, "Training reward", "reward")))
-    evals = _series(held_out_curve, "accuracy", "version")
+    evals = _series(held_out_curve, evaluations.ACCURACY, "version")
     if evals[0]:
         figures.append(("accuracy-curve", _curve({"held-out accuracy": evals}, "Held-out accuracy (greedy)",
                                                  "accuracy", "version")))
-    elif (evals := _series(held_out_curve, "reward", "version"))[0]:  # no success to count: their mean reward
+    elif (evals := _series(held_out_curve, evaluations.REWARD, "version"))[0]:  # no success to count: their mean reward
         figures.append(("held-out-reward-curve", _curve({"held-out mean reward": evals},
                                                         "Held-out mean reward (greedy)", "reward", "version")))
     times, title = time_curves(learner)
@@ -145,7 +146,7 @@ def _alarm_rows(learner: list[dict], summary: dict) -> list[tuple[str, str]]:
         values = [r[key] for r in learner if key in r]
         return f"{max(values, key=lambda v: (math.isnan(v), v)):.4g}" if values else "n/a"
 
-    breaks = [r["agent/prefix_breaks"] for r in learner if "agent/prefix_breaks" in r]
+    breaks = [r[agent_figure(PREFIX_BREAKS)] for r in learner if agent_figure(PREFIX_BREAKS) in r]
     compared = sum(any(r.get(f"{prefix}_tokens") for prefix in LOGPROB_ALARMS) for r in learner)
     rows = [("steps with a train/inference logprob comparison", f"{compared} of {len(learner)}")]
     for prefix, what in LOGPROB_ALARMS.items():
@@ -224,12 +225,12 @@ def build_report(run_dir: Path, frames_dir: Path | None = None) -> Path:
     frame_files = sorted(frames_dir.glob("*.png")) if frames_dir.exists() else []
 
     title = f"rlsys run {run_dir.parent.name}/{run_dir.name}"
-    name, before, after = held_out(summary)
+    figure, before, after = held_out(summary)
     headline = [("steps", len(learner)), ("minutes", f"{summary['minutes']:.1f}" if "minutes" in summary else "n/a"),
                 *([("warm start minutes", f"{summary['warm_start_minutes']:.1f}")]
                   if summary.get("warm_start_minutes") else []),
-                (f"held-out {name} before", held_out_text(name, before)),
-                (f"held-out {name} after", held_out_text(name, after)),
+                (f"held-out {HELD_OUT_NAMES[figure]} before", held_out_text(figure, before)),
+                (f"held-out {HELD_OUT_NAMES[figure]} after", held_out_text(figure, after)),
                 # a run that did not finish wrote no summary: what it restarted or set aside is not known, not none
                 ("restarts", summary.get("restarts", {}) or "none" if summary else "n/a"),
                 ("dead letters", summary.get("dead_letters", 0) if summary else "n/a"),

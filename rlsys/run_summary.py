@@ -30,15 +30,15 @@ def held_out_summary(bus, started_from: dict, logging_dir: Path) -> dict:
     figures = {
         # None where the run did not evaluate, or its episodes have no success to count (rlsys/workers/
         # rollout_worker.py, evaluate); the mean reward is there whenever it evaluated
-        "initial_accuracy": initial.get("accuracy"),
-        "final_accuracy": final.get("accuracy"),
-        "initial_reward": initial.get("reward"),
-        "final_reward": final.get("reward"),
+        "initial_accuracy": initial.get(evaluations.ACCURACY),
+        "final_accuracy": final.get(evaluations.ACCURACY),
+        "initial_reward": initial.get(evaluations.REWARD),
+        "final_reward": final.get(evaluations.REWARD),
         "held_out_curve": evaluations.curve(logging_dir),
     }
     if started_from:
-        figures["resumed"] = {"step": started_from["step"], "accuracy": start.get("accuracy"),
-                              "reward": start.get("reward")}
+        figures["resumed"] = {"step": started_from["step"], "accuracy": start.get(evaluations.ACCURACY),
+                              "reward": start.get(evaluations.REWARD)}
     return figures
 
 

@@ -5,6 +5,8 @@ import logging
 
 log = logging.getLogger(__name__)
 
+PREFIX_BREAKS = "prefix_breaks"  # an episode's breaks among its trajectories' metrics, as the agents log them
+
 
 class PrefixCheck:
     """Multi-turn episodes: each request must begin with exactly the tokens of an earlier turn (its prompt and

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from rlsys.api import Trajectory
-from rlsys.metrics import number, strict_json
+from rlsys.metrics import STEP, number, strict_json
 from rlsys.run_privacy import append_private
 from rlsys.tools.call_format import CALL, RESPONSE_OPEN
 
@@ -148,8 +148,8 @@ def _records(path: Path) -> list[dict]:
 def write_trained(run_dir: Path, step: int, trajectories: list[Trajectory], advantages: list[float],
                   sample_rate: float) -> None:
     """The learner's part of the traced episodes it just trained: step and mean advantage per trajectory (over its
-    tokens with a non-zero advantage)."""
-    lines = [json.dumps(strict_json({"traj_id": t.traj_id, "group_id": t.group_id, "step": step, "advantage": a}),
+    tokens with a non-zero advantage). Its rows' step is the records' (a resume takes back the rows after its own)."""
+    lines = [json.dumps(strict_json({"traj_id": t.traj_id, "group_id": t.group_id, STEP: step, "advantage": a}),
                         allow_nan=False)
              for t, a in zip(trajectories, advantages) if traced(t.group_id, sample_rate)]
     if lines:
@@ -165,7 +165,7 @@ def read_traces(run_dir: Path) -> list[dict]:
     trained = {}
     if (directory / TRAINED_FILE).exists():
         for row in _records(directory / TRAINED_FILE):
-            trained[row["traj_id"]] = {"step": row["step"], "advantage": number(row["advantage"])}
+            trained[row["traj_id"]] = {"step": row[STEP], "advantage": number(row["advantage"])}
     episodes = []
     for path in sorted(directory.glob("*.jsonl")) if directory.exists() else []:
         if path.name == TRAINED_FILE:

@@ -35,7 +35,7 @@ from rlsys.algorithms.ppo import KL_ESTIMATORS, AdaptiveKLController, FixedKLCon
 from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.api import Trajectory
 from rlsys.distributed import Ranks, shard, sync_gradients
-from rlsys.learner_figures import STALENESS_MAX, STALENESS_MEAN
+from rlsys.learner_figures import BATCH_REWARD, STALENESS_MAX, STALENESS_MEAN, agent_figure
 from rlsys.model.loading import check_full_attention, load_critic, load_policy
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.model.varlen_attention import known_segment_starts
@@ -546,7 +546,7 @@ def mean_agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         for key, value in t.metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] = counts.get(key, 0) + 1
-    return {f"agent/{key}": total / counts[key] for key, total in sums.items()}
+    return {agent_figure(key): total / counts[key] for key, total in sums.items()}
 
 
 def batch_stats(trajectories: list[Trajectory], batch: SequenceBatch, version: int) -> dict[str, float]:
@@ -563,7 +563,7 @@ def batch_stats(trajectories: list[Trajectory], batch: SequenceBatch, version: i
                              advantages.max(), advantages.min(), versions.min(), versions.mean(), versions.max(),
                              generated.sum().float()]).tolist()  # one read back
     stats = {
-        "reward": rewards.mean().item(),
+        BATCH_REWARD: rewards.mean().item(),
         "reward_std": rewards.std(unbiased=False).item(),
         **dict(zip(("advantage_mean", "advantage_std", "advantage_abs_mean", "advantage_max", "advantage_min"),
                    advantage[:5])),

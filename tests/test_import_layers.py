@@ -223,9 +223,178 @@ OWNERS = {
     # the names of the learner's figures that others read: its time split, staleness and logprob alarms
     "LEARNER_FIGURES": {"rlsys.learner_figures"},
     "ROUTING_FIGURES": {"rlsys.workers.routing"},  # a rollout worker's request figures (requests/resent, ...)
+    "RECORD_FIELDS": {"rlsys.metrics"},  # the step and the time of every row of the records
+    "AGENT_FIGURES": {"rlsys.token_continuity"},  # an agent's figure that others read: its episode's prefix breaks
 }
 METRICS_RECORDS = re.compile(r"(learner|rollout)\S*\.jsonl")
-LEARNER_FIGURES = re.compile(r"(time|alarms)/.*|staleness_(mean|max)")
+LEARNER_FIGURES = re.compile(r"(time|alarms|agent)/.*|staleness_(mean|max)")
+AGENT_FIGURES = {"prefix_breaks"}  # num_turns, the other, is an experiment's setting too: spelled, it is no figure
+
+# Names in the records that are plain words too ("step", "reward"): checked where they key a row of the records, not
+# wherever they are spelled (a trajectory's "reward" in the traces, a checkpoint's "step"). The owner of each, by the
+# kind of row: a role's records (the learner's "reward"; every row's "step" and "time") or an evaluation's figures.
+ROW_WORDS = {"record": {"step": "RECORD_FIELDS", "time": "RECORD_FIELDS", "reward": "LEARNER_FIGURES",
+                        "accuracy": "EVAL_RECORDS"},
+             "evaluation": {"reward": "EVAL_RECORDS", "accuracy": "EVAL_RECORDS"}}
+# Where rows come from: the records' readers, and an evaluation's figures (as `figures` names them, on the bus too).
+# (kind of row, what the call returns: "rows", one "row", or a "reader" whose calls return rows)
+ROW_SOURCES = {"rlsys.metrics.read_jsonl_metrics": ("record", "rows"),
+               "rlsys.metrics.JsonlFollower": ("record", "reader"),
+               "rlsys.evaluations.curve": ("evaluation", "rows"),
+               "rlsys.evaluations.figures": ("evaluation", "row"),
+               "rlsys.evaluations.result": ("evaluation", "row")}
+
+
+class RowTracker:
+    """Which expressions of a module hold rows of the records, followed from ROW_SOURCES through assignments, loops,
+    comprehensions, `map(figures, rows)`, a function's arguments to its parameters and any function that returns
+    rows (`readers`, by name, from every module). A name is its function's (its module's where that has none of that
+    name; `self.x` its class's): the same name in another function may hold other things."""
+
+    def __init__(self, tree: ast.AST, readers: dict[str, str]):
+        self.tree, self.readers, self.returns, self.names, self.scope, self.nodes = tree, readers, {}, {}, {}, []
+        self.imported = {alias.asname or alias.name: f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom)
+                         else alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                         for alias in node.names}
+        self.follow()
+
+    def follow(self) -> dict[str, str]:
+        """Follows the rows again (`readers` may have grown); returns this module's functions that return rows. A
+        module that imports no source of rows or reader of them holds none: it is not walked."""
+        sources = {name.rpartition(".")[0] for name in ROW_SOURCES} | set(ROW_SOURCES)
+        if not self.nodes and (set(self.imported.values()) & sources or self.imported.keys() & self.readers.keys()):
+            self.nodes = self.scoped(self.tree, None)
+            self.functions = {node.name: node for node in self.nodes
+                              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            self.local = {self.key(node) for node in self.nodes if isinstance(node, ast.arg)
+                          or isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}  # a function's own
+        while self.nodes and self.bind_once():
+            pass
+        return self.returns
+
+    def scoped(self, node: ast.AST, function: str | None) -> list[ast.AST]:
+        """Every node below `node`, each noted with the function it is in."""
+        found = []
+        for child in ast.iter_child_nodes(node):
+            self.scope[child] = function
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            found += [child, *self.scoped(child, inner)]
+        return found
+
+    def key(self, node: ast.AST) -> tuple[str | None, str]:
+        if isinstance(node, ast.Attribute):
+            return "attribute", ast.unparse(node)
+        return self.scope.get(node), node.arg if isinstance(node, ast.arg) else node.id
+
+    def qualified(self, node: ast.AST) -> str | None:
+        if isinstance(node, ast.Name):
+            return self.imported.get(node.id, node.id)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            return f"{self.imported.get(node.value.id, node.value.id)}.{node.attr}"
+        return None
+
+    def kind(self, node: ast.AST | None) -> tuple[str, str] | None:
+        """(kind of row, "rows" | "row" | "reader") of what `node` evaluates to, None where it is no row."""
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            key = self.key(node)
+            return self.names.get(key) or (None if key in self.local else self.names.get((None, key[1])))
+        if isinstance(node, ast.Call):
+            return self.call_kind(node)
+        if isinstance(node, ast.Subscript) and (whole := self.kind(node.value)) and whole[1] == "rows":
+            return whole[0], "rows" if isinstance(node.slice, ast.Slice) else "row"
+        if isinstance(node, (ast.BoolOp, ast.IfExp)):
+            parts = node.values if isinstance(node, ast.BoolOp) else [node.body, node.orelse]
+            return next(filter(None, map(self.kind, parts)), None)
+        if isinstance(node, ast.NamedExpr):
+            return self.kind(node.value)
+        if isinstance(node, (ast.ListComp, ast.GeneratorExp)) and (each := self.kind(node.elt)) and each[1] == "row":
+            return each[0], "rows"
+        return None
+
+    def call_kind(self, call: ast.Call) -> tuple[str, str] | None:
+        name = self.qualified(call.func)
+        if name in ROW_SOURCES:
+            return ROW_SOURCES[name]
+        if (callee := self.kind(call.func)) and callee[1] == "reader":
+            return callee[0], "rows"
+        short = call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", None)
+        if short in self.readers or short in self.returns:
+            return self.readers.get(short) or self.returns[short], "rows"
+        if short == "map" and len(call.args) == 2 and ROW_SOURCES.get(self.qualified(call.args[0]), (0, 0))[1] == "row":
+            return ROW_SOURCES[self.qualified(call.args[0])][0], "rows"
+        if short in ("list", "sorted", "reversed") and call.args and (rows := self.kind(call.args[0])):
+            return rows
+        return None
+
+    def bind(self, target: ast.AST, kind: tuple[str, str] | None) -> bool:
+        """Whether binding `target` to a value of `kind` told something new."""
+        if kind is None:
+            return False
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return kind[1] == "rows" and any([self.bind(each, (kind[0], "row")) for each in target.elts])
+        if isinstance(target, (ast.Name, ast.Attribute, ast.arg)):
+            key = self.key(target)
+            new = key not in self.names
+            self.names.setdefault(key, kind)
+            return new
+        return False
+
+    def bind_once(self) -> bool:
+        changed = False
+        for node in self.nodes:
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    pairs = zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple) \
+                        and isinstance(node.value, ast.Tuple) else [(target, node.value)]  # a, b = x, y
+                    changed |= any([self.bind(name, self.kind(value)) for name, value in pairs])
+            elif isinstance(node, (ast.For, ast.comprehension)) and (rows := self.kind(node.iter)) \
+                    and rows[1] == "rows":
+                changed |= self.bind(node.target, (rows[0], "row"))
+            elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+                callee = self.functions.get(node.func.id if isinstance(node.func, ast.Name) else node.func.attr)
+                params = [a for a in callee.args.posonlyargs + callee.args.args if a.arg != "self"] if callee else []
+                changed |= any([self.bind(param, self.kind(arg)) for param, arg in zip(params, node.args)])
+            elif isinstance(node, ast.Return) and (rows := self.kind(node.value)) and rows[1] == "rows" \
+                    and (function := self.scope[node]) not in self.returns:
+                self.returns[function] = rows[0]
+                changed = True
+        return changed
+
+    def keyed(self) -> set[str]:
+        """The owners' names (ROW_WORDS) of the words this module keys a row with: `row["step"]`, `row.get("time")`,
+        `"accuracy" in row`, or a word handed to a function beside rows (`series(rows, "reward")`)."""
+        found = set()
+        for node in self.nodes:
+            if isinstance(node, ast.Subscript):
+                found.add(owner(self.kind(node.value), node.slice))
+            elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+                found.add(owner(self.kind(node.comparators[0]), node.left))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                    and node.args:
+                found.add(owner(self.kind(node.func.value), node.args[0]))
+            elif isinstance(node, ast.Call):
+                rows = next(filter(None, map(self.kind, node.args)), None)
+                found.update(owner(rows, word) for word in node.args)
+        return found - {None}
+
+
+def owner(kind: tuple[str, str] | None, word: ast.AST) -> str | None:
+    """The owner's name (ROW_WORDS) of `word` keying a row of `kind`; None where it is no row or no such word."""
+    if kind is None or not isinstance(word, ast.Constant) or not isinstance(word.value, str):
+        return None
+    return ROW_WORDS[kind[0]].get(word.value)
+
+
+@functools.lru_cache(maxsize=None)
+def row_readers() -> dict[str, str]:
+    """The functions of every checked module that return rows of the records, by name: their kind of row."""
+    readers: dict[str, str] = {}
+    trackers = [RowTracker(ast.parse(path.read_text(), str(path)), readers) for path in checked_files().values()]
+    while True:
+        found = {name: kind for tracker in trackers for name, kind in tracker.follow().items()}
+        if found.items() <= readers.items():
+            return readers
+        readers.update(found)
 
 
 def state_writes(tree: ast.AST) -> set[str]:
@@ -234,8 +403,9 @@ def state_writes(tree: ast.AST) -> set[str]:
     a role's records file itself, "EVAL_RESULTS" where it names an evaluation's key (protocol.eval_result),
     "EVAL_RECORDS" where it spells the name of an evaluation's figure in the records ("eval/..."), and "RUN_FILES"
     where it spells config.yaml, summary.json or the logs directory's name; "LEARNER_FIGURES" where it spells the
-    name of a learner's figure that others read ("time/...", "alarms/...", "staleness_mean") and "ROUTING_FIGURES"
-    a rollout worker's request figure's ("requests/...")."""
+    name of a learner's figure that others read ("time/...", "alarms/...", "agent/...", "staleness_mean"),
+    "ROUTING_FIGURES" a rollout worker's request figure's ("requests/...") and "AGENT_FIGURES" an agent's; and the
+    owner of each plain word (ROW_WORDS) it keys a row of the records with (RowTracker)."""
     written = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUS_WRITES:
@@ -259,7 +429,9 @@ def state_writes(tree: ast.AST) -> set[str]:
             written.add("LEARNER_FIGURES")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("requests/"):
             written.add("ROUTING_FIGURES")
-    return written
+        elif isinstance(node, ast.Constant) and node.value in AGENT_FIGURES:
+            written.add("AGENT_FIGURES")
+    return written | RowTracker(tree, row_readers()).keyed()
 
 
 # The scripts a user runs beside the library (benchmarks, data preparation): no layer's modules, yet readers of the
@@ -273,10 +445,14 @@ def script_files() -> dict[str, Path]:
             for directory in SCRIPT_DIRS for path in sorted((ROOT / directory).rglob("*.py"))}
 
 
+def checked_files() -> dict[str, Path]:
+    """Dotted name -> file, for every module of the layers and every script."""
+    return {module: path for module, (path, _) in module_files().items()} | script_files()
+
+
 def test_each_owned_piece_of_state_is_written_only_by_its_owner():
     strays = []
-    files = {module: path for module, (path, _) in module_files().items()} | script_files()
-    for module, path in sorted(files.items()):
+    for module, path in sorted(checked_files().items()):
         for name in sorted(state_writes(ast.parse(path.read_text(), str(path))) & OWNERS.keys()):
             if module not in OWNERS[name]:
                 strays.append(f"{module} writes (or spells) {name}, which {', '.join(sorted(OWNERS[name]))} own(s)")
@@ -291,8 +467,34 @@ def test_the_owner_check_sees_a_write():
                      "row[f'time/{key}']\nrow['requests/resent']\n")
     assert state_writes(tree) == {"WEIGHT_CHECKS", "DEAD_LETTERS", "CHECKPOINTS_DIR", "METRICS_RECORDS",
                                   "EVAL_RESULTS", "RUN_FILES", "EVAL_RECORDS", "LEARNER_FIGURES", "ROUTING_FIGURES"}
-    for spelled in ("row['staleness_mean']", "stats.get('alarms/probe_kl')"):
+    for spelled in ("row['staleness_mean']", "stats.get('alarms/probe_kl')", "mean(r['agent/num_turns'] for r in w)"):
         assert state_writes(ast.parse(spelled)) == {"LEARNER_FIGURES"}
+
+
+def test_the_owner_check_sees_a_plain_word_key_a_row_of_the_records_and_nothing_else():
+    """"step", "reward", "accuracy" key rows of the records where the row came from a reader of them, however far
+    it went (a loop, a comprehension, a function's argument or return, an attribute); elsewhere they are words."""
+    reads = {
+        "from rlsys.metrics import read_jsonl_metrics\nfor row in read_jsonl_metrics(p):\n    print(row['step'])":
+            {"RECORD_FIELDS"},
+        "from rlsys import evaluations\nfirst = evaluations.result(bus, 'initial') or {}\nfirst.get('accuracy')":
+            {"EVAL_RECORDS"},
+        "from rlsys.metrics import read_jsonl_metrics as read\ndef rows(p):\n    return read(p)\n"
+        "def plot(learner):\n    return series(learner, 'reward')\nplot(rows(p)[1:])": {"LEARNER_FIGURES"},
+        "from rlsys.metrics import JsonlFollower\nfrom rlsys.evaluations import figures\nclass C:\n"
+        "    def __init__(self, p):\n        self.follow = JsonlFollower(p)\n    def new(self):\n"
+        "        return [e for e in map(figures, self.follow()) if e]\n"
+        "    def say(self):\n        for e in self.new():\n            'accuracy' in e": {"EVAL_RECORDS"},
+        "from rlsys.metrics import read_jsonl_metrics\nfirst, last = rows[0], read_jsonl_metrics(p)[-1]\nlast['time']":
+            {"RECORD_FIELDS"},
+    }
+    for source, owners in reads.items():
+        assert state_writes(ast.parse(source)) == owners, source
+    words = ("from rlsys.metrics import read_jsonl_metrics\nrows = read_jsonl_metrics(p)\n"
+             "def other():\n    rows = traces()\n    return rows[0]['reward'], state['step'], t.get('accuracy')\n"
+             "{'step': 1, 'reward': 0.5}\nrows[0]['advantage']\nsorted(rows, key='step')[0]['version']")
+    assert state_writes(ast.parse(words)) == set()
+    assert state_writes(ast.parse("state = read_trainer_state(p)\nstate['step'], message['reward']")) == set()
 
 
 # Names in rlsys.protocol that are no key on the bus: the learners' consumer group (it lives in TRAJECTORIES' stream)

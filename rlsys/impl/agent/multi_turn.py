@@ -35,8 +35,10 @@ from rlsys.api import NOT_GENERATED, Agent, EnvironmentService, GenerationConfig
 from rlsys.cancellation import cancel_and_wait
 from rlsys.impl.agent.model_client import ModelClient
 from rlsys.model.tokenizer import load_tokenizer, message_after_ids
+from rlsys.token_continuity import PREFIX_BREAKS
 
 ROLLOUT_MODES = ("chain", "tree")
+NUM_TURNS = "num_turns"  # a trajectory's turns among its metrics
 SEED_STRIDE = 7919  # requests of one episode with a fixed seed still draw different random streams
 
 
@@ -158,7 +160,7 @@ class Transcript:
             for key, value in reaction.metrics.items():
                 per_step.setdefault(key, []).append(float(value))
         return {**{key: sum(v) / len(v) for key, v in per_step.items()},
-                "num_turns": float(len(self.reactions)), "void_turns": float(sum(r.void for r in self.reactions)),
+                NUM_TURNS: float(len(self.reactions)), "void_turns": float(sum(r.void for r in self.reactions)),
                 "success": float(self.reactions[-1].success), "first_turn_success": float(self.reactions[0].success),
                 "truncated": float(self.truncated)}
 
@@ -247,7 +249,7 @@ class MultiTurnAgent(Agent):
             trajectories = [t.trajectory(prompt.qid, self.turn_discount) for t in transcripts]
         for t in trajectories:  # the episode's count, beside its other metrics (the learner logs the mean)
             if t.metrics:  # not on a single-turn sample of a turn before the last (see single_turn_samples)
-                t.metrics["prefix_breaks"] = float(model.prefix.breaks)
+                t.metrics[PREFIX_BREAKS] = float(model.prefix.breaks)
         return trajectories
 
     async def _play(self, ask, prompt: Prompt, transcript: Transcript, env: EnvironmentService,

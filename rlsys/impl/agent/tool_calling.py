@@ -22,6 +22,7 @@ from rlsys.api.trajectory import Transcript
 from rlsys.impl.agent.model_client import ModelClient
 from rlsys.impl.agent.multi_turn import SEED_STRIDE, context_limit, gather_or_cancel
 from rlsys.model.tokenizer import chat_prompt_ids, load_tokenizer, message_after_ids
+from rlsys.token_continuity import PREFIX_BREAKS
 
 OBSERVATION_ROLE = "user"
 COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "decode_errors", "void_turns", "answered", "verify_failed")
@@ -55,7 +56,7 @@ class ToolCallingAgent(Agent):
             # reply that will never come
             trajectories = await gather_or_cancel(chains)
         for t in trajectories:  # the episode's count, on each of its trajectories (the learner logs the mean)
-            t.metrics["prefix_breaks"] = float(model.prefix.breaks)
+            t.metrics[PREFIX_BREAKS] = float(model.prefix.breaks)
         return trajectories
 
     def prompt_ids(self, prompt: Prompt, instructions: str | None) -> list[int]:
