@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from rlsys import evaluations, protocol, run_counters
-from rlsys.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, read_trainer_state
+from rlsys.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, read_trainer_state, restore_replaced
 from rlsys.prompt_ledger import ADMITTED, NO_PROMPTS, PromptLedger, accounted, as_ended, describe
 from rlsys.run_files import SUMMARY_FILE
 from rlsys.run_privacy import write_private
@@ -128,11 +128,14 @@ def write_stopped_summary(bus, config, run_dir: Path, supervisor: Supervisor, le
     """A run stopped by the signal `why`: its summary, once every role stopped. Where the supervisor's stop did not
     end (a second Ctrl-C or SIGTERM during it, which means "stop now") or had not begun (a stop as the roles start),
     what still runs is killed first, so that nothing changes the books as they are read; the learner saved nothing
-    then, and the summary says so. Written with further stop signals held back: it takes a moment, and is the run's
-    last word."""
+    then, and the summary says so. A checkpoint the learner was replacing as it died (its old copy renamed away, and
+    the stop came before a restart put it back, or the learner was killed at the stop) is put back first, as the next
+    start would (`restore_replaced`: no role runs, so no save is under way), so that the summary names it where that
+    start finds it. Written with further stop signals held back: it takes a moment, and is the run's last word."""
     with stop_signals_deferred():
         if part.unclean is None:
             part.unclean = supervisor.kill()
+        restore_replaced(run_dir / CHECKPOINTS_DIR)
         summary = run_summary(bus, config, run_dir, supervisor, ledger, part, why)
         write_summary(summary, run_dir)
         if not summary["resume_loses_nothing"]:
