@@ -203,7 +203,8 @@ ray_init = ray.init
 def init_as_a_sigterm_comes(*args, **kwargs):
     ray_init(*args, **kwargs)
     print(*(p.pid for p in psutil.Process().children(recursive=True)), flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)  # no thread takes it: held back, as one that came during ray.init
+    os.kill(os.getpid(), signal.SIGTERM)  # held back where no thread takes it, as one that came during ray.init
+    time.sleep(1)  # as ray.init goes on after one in its middle: a thread that takes it has done so
 
 ray.init = init_as_a_sigterm_comes
 with raise_on_sigterm():
@@ -216,14 +217,28 @@ with raise_on_sigterm():
 """
 
 
+def ray_processes_printed(launcher) -> list:
+    """The processes of its Ray that the launcher SIGTERM_DURING_RAY_INIT runs printed."""
+    import psutil
+
+    return [psutil.Process(int(pid)) for pid in launcher.stdout.readline().split()]
+
+
 def test_a_sigterm_that_comes_during_ray_init_is_the_launchers_not_rays():
     """The SIGTERM the launcher held back during ray.init came as it unblocked it, before it had put its own handler
     back: Ray's crash handler took it and aborted the launcher 3 s later, in the middle of its stop, and left Ray's
     agents running."""
-    import psutil
+    stopped_by_sigterm_whole(SIGTERM_DURING_RAY_INIT, ray_processes_printed)
 
-    stopped_by_sigterm_whole(SIGTERM_DURING_RAY_INIT,
-                             lambda launcher: [psutil.Process(int(pid)) for pid in launcher.stdout.readline().split()])
+
+def test_a_sigterm_during_ray_init_that_another_thread_of_the_launcher_takes_is_the_launchers_not_rays():
+    """A thread the launcher has before ray.init does not block SIGTERM (torch's intra-op threads, which the tiny
+    model's warm start leaves): the SIGTERM that came during ray.init went to it at once, not held back, and ran Ray's
+    crash handler, which aborted the launcher (SIGABRT) before its stop; with that handler off, Ray's own SIGTERM
+    handler ran, whose sys.exit(15) was not the launcher's exit."""
+    a_thread_first = ("import threading, time\n"
+                      "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()  # SIGTERM unblocked\n")
+    stopped_by_sigterm_whole(a_thread_first + SIGTERM_DURING_RAY_INIT, ray_processes_printed)
 
 
 def test_the_private_redis_of_a_run_on_a_ray_of_its_own_listens_on_loopback_only():

@@ -154,18 +154,36 @@ def sigterm_left_to_the_launcher(init) -> None:
     The launcher's stop shuts that Ray down (SIGKILL after a second each). Its workers are each in a group of their
     own, and a role's actor takes SIGTERM back (RoleActor). The threads ray.init makes in the launcher keep SIGTERM
     blocked too: none starts a process (Ray starts its own from the thread that calls ray.init), and the launcher's
-    main thread, unblocked again, takes the signal."""
+    main thread, unblocked again, takes the signal.
+
+    A thread the launcher had before does not block it (torch's intra-op threads, which the tiny model's warm start
+    leaves), and takes a SIGTERM that comes during ray.init at once: Ray's crash handler aborted the launcher there. So
+    the launcher's core worker installs none (a crash of the launcher's own prints no C++ stack then; Ray's other
+    processes, the roles' among them, keep theirs), and Ray's own SIGTERM handler, whose sys.exit(SIGTERM) the main
+    thread then runs, is taken as the launcher's."""
+    import ray._private.ray_constants as ray_constants  # read as ray.init makes the core worker
+
     main = threading.current_thread() is threading.main_thread()  # only the main thread sets handlers
     handler = signal.getsignal(signal.SIGTERM) if main else None
+    crash_handler_off = ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
 
     def init_then_handler_back() -> None:
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
         try:
-            init()
-        finally:
-            # While SIGTERM is still blocked: one that came during ray.init comes, as it is unblocked, to the
-            # launcher's handler, not to the crash handler of Ray's, which aborted the launcher 3 s later
-            if handler is not None:
-                signal.signal(signal.SIGTERM, handler)
+            try:
+                init()
+            finally:
+                ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = crash_handler_off
+                # While SIGTERM is still blocked: one that came during ray.init and no thread took comes, as it is
+                # unblocked, to the launcher's handler
+                if handler is not None:
+                    signal.signal(signal.SIGTERM, handler)
+        except SystemExit as e:  # Ray's SIGTERM handler's, run for one that a thread of the launcher took
+            if e.code != signal.SIGTERM or not callable(handler):
+                raise
+            signal.signal(signal.SIGTERM, handler)  # where the exit came before the handler was put back
+            handler(signal.SIGTERM, None)
+            raise  # a handler that returns: ray.init was cut short all the same
 
     blocked_during({signal.SIGTERM}, init_then_handler_back)
 
