@@ -165,7 +165,8 @@ def sigterm_left_to_the_launcher(init) -> None:
 
     main = threading.current_thread() is threading.main_thread()  # only the main thread sets handlers
     handler = signal.getsignal(signal.SIGTERM) if main else None
-    crash_handler_off = ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
+    # Ray's own setting (checked with Ray 2.60); a Ray without it runs as before rather than failing every start
+    crash_handler_off = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", False)
 
     def init_then_handler_back() -> None:
         ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
