@@ -29,7 +29,7 @@ def accuracy_over_time(run_dir: Path) -> list[tuple[int, float, float]]:
     """(version, seconds since the first step ended, held-out accuracy) of each evaluation."""
     start = learner_rows(run_dir)[0][LOGGED_AT]
     rows = read_jsonl_metrics(evaluations.records_path(logs_dir(run_dir)))
-    return [(int(e["version"]), max(row[LOGGED_AT] - start, 0.0), e[evaluations.ACCURACY])
+    return [(int(e[evaluations.VERSION]), max(row[LOGGED_AT] - start, 0.0), e[evaluations.ACCURACY])
             for row in rows if evaluations.ACCURACY in (e := evaluations.figures(row))]
 
 

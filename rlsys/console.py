@@ -13,7 +13,8 @@ from pathlib import Path
 
 import redis
 
-from rlsys.evaluations import ACCURACY, REWARD, figures, headline, initial_evaluation_ended
+from rlsys.evaluations import (ACCURACY, EPISODES, FAILED, REWARD, VERSION, VERSION_MAX, figures, headline,
+                               initial_evaluation_ended)
 from rlsys.learner_figures import BATCH_REWARD, COMPUTE, STALENESS_MEAN, WAIT_DATA
 from rlsys.metrics import STEP, JsonlFollower
 from rlsys.prompt_ledger import TRAINED, PromptLedger
@@ -104,13 +105,13 @@ class ProgressReporter:
                            f"update {row[COMPUTE]:.2f}s")
         for evaluation in self.new_evaluations():
             figure = headline(evaluation)
-            failed = evaluation.get("failed", 0)  # counted in the accuracy, as unsolved
+            failed = evaluation.get(FAILED, 0)  # counted in the accuracy, as unsolved
             # an evaluation runs beside training: weights it began with may be replaced before it ends
-            versions = (f", versions {evaluation['version']}-{evaluation['version_max']}"
-                        if "version_max" in evaluation else "")
-            self.print(f"step {evaluation['version']:>5}/{self.max_steps}  held-out {HELD_OUT_NAMES[figure]} "
+            versions = (f", versions {evaluation[VERSION]}-{evaluation[VERSION_MAX]}"
+                        if VERSION_MAX in evaluation else "")
+            self.print(f"step {evaluation[VERSION]:>5}/{self.max_steps}  held-out {HELD_OUT_NAMES[figure]} "
                        f"{held_out_text(figure, evaluation[figure])} "
-                       f"(greedy, {evaluation['episodes'] + failed} problems"
+                       f"(greedy, {evaluation[EPISODES] + failed} problems"
                        + (f", {failed} failed" if failed else "") + versions + ")")
         if self.bus is not None and time.monotonic() - self.last_line >= self.quiet_seconds:
             with contextlib.suppress(redis.ConnectionError):  # our server restarting: the supervisor sees to it
@@ -122,8 +123,8 @@ class ProgressReporter:
         if self.evaluations is None:
             return []
         new = [evaluation for evaluation in map(figures, self.evaluations())
-               if "version" in evaluation and self.evaluation_seen < evaluation["version"] < self.max_steps]
-        self.evaluation_seen = max([self.evaluation_seen] + [evaluation["version"] for evaluation in new])
+               if VERSION in evaluation and self.evaluation_seen < evaluation[VERSION] < self.max_steps]
+        self.evaluation_seen = max([self.evaluation_seen] + [evaluation[VERSION] for evaluation in new])
         return new
 
     def waiting_line(self) -> str:

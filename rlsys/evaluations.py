@@ -15,10 +15,13 @@ from rlsys.metrics import read_jsonl_metrics, records_file, rollout_records
 INITIAL, FINAL = "initial", "final"
 ON_THE_BUS = (INITIAL, FINAL)
 PREFIX = "eval/"  # an evaluation's figures in the records: eval/accuracy, eval/reward, eval/version, ...
-# Two of an evaluation's figures, named as on the bus (`figures`): the mean of its episodes' scores, where each has
-# one (for most, its success), and their mean reward, which every evaluation has
-ACCURACY = "accuracy"
-REWARD = "reward"
+# An evaluation's figures, named as on the bus (`figures`); rlsys/workers/rollout_worker.py, evaluate, writes them.
+ACCURACY = "accuracy"  # the mean of its episodes' scores, where each has one (for most, its success)
+REWARD = "reward"  # their mean reward, which every evaluation has
+VERSION = "version"  # the oldest weight version that generated a token of it, the step its row is logged at
+VERSION_MAX = "version_max"  # the newest, only where it is not VERSION (new weights came while it ran)
+EPISODES = "episodes"  # its episodes that ended
+FAILED = "failed"  # its episodes that failed (an agent's or environment's error), in ACCURACY as unsolved
 
 
 def record(bus, tag: str, result: dict) -> None:
@@ -42,8 +45,8 @@ def records_path(log_dir: Path) -> Path:
 
 
 def figures(row: dict) -> dict:
-    """An evaluation's figures in a row of its records, named as the bus names them ({"version", "accuracy",
-    "reward", "episodes", "failed", ...}); empty where the row is not an evaluation's."""
+    """An evaluation's figures in a row of its records, named as the bus names them ({VERSION, ACCURACY, REWARD,
+    EPISODES, FAILED, ...}); empty where the row is not an evaluation's."""
     return {key.removeprefix(PREFIX): value for key, value in row.items() if key.startswith(PREFIX)}
 
 

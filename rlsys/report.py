@@ -103,11 +103,11 @@ def _figures(learner: list[dict], held_out_curve: list[dict]) -> list[tuple[str,
     if learner:
         reward = {"reward (train, mean)": _series(learner, BATCH_REWARD)}
         figures.append(("reward-curve", _curve(reward, "Training reward", "reward")))
-    evals = _series(held_out_curve, evaluations.ACCURACY, "version")
+    evals = _series(held_out_curve, evaluations.ACCURACY, evaluations.VERSION)
     if evals[0]:
         figures.append(("accuracy-curve", _curve({"held-out accuracy": evals}, "Held-out accuracy (greedy)",
                                                  "accuracy", "version")))
-    elif (evals := _series(held_out_curve, evaluations.REWARD, "version"))[0]:  # no success to count: their mean reward
+    elif (evals := _series(held_out_curve, evaluations.REWARD, evaluations.VERSION))[0]:  # no successes: mean reward
         figures.append(("held-out-reward-curve", _curve({"held-out mean reward": evals},
                                                         "Held-out mean reward (greedy)", "reward", "version")))
     times, title = time_curves(learner)

@@ -235,7 +235,8 @@ AGENT_FIGURES = {"prefix_breaks"}  # num_turns, the other, is an experiment's se
 # kind of row: a role's records (the learner's "reward"; every row's "step" and "time") or an evaluation's figures.
 ROW_WORDS = {"record": {"step": "RECORD_FIELDS", "time": "RECORD_FIELDS", "reward": "LEARNER_FIGURES",
                         "accuracy": "EVAL_RECORDS"},
-             "evaluation": {"reward": "EVAL_RECORDS", "accuracy": "EVAL_RECORDS"}}
+             "evaluation": {word: "EVAL_RECORDS" for word in ("reward", "accuracy", "version", "version_max",
+                                                              "episodes", "failed")}}
 # Where rows come from: the records' readers, and an evaluation's figures (as `figures` names them, on the bus too).
 # (kind of row, what the call returns: "rows", one "row", or a "reader" whose calls return rows)
 ROW_SOURCES = {"rlsys.metrics.read_jsonl_metrics": ("record", "rows"),
@@ -472,8 +473,9 @@ def test_the_owner_check_sees_a_write():
 
 
 def test_the_owner_check_sees_a_plain_word_key_a_row_of_the_records_and_nothing_else():
-    """"step", "reward", "accuracy" key rows of the records where the row came from a reader of them, however far
-    it went (a loop, a comprehension, a function's argument or return, an attribute); elsewhere they are words."""
+    """"step", "reward", "accuracy", an evaluation's "version" key rows of the records where the row came from a
+    reader of them, however far it went (a loop, a comprehension, a function's argument or return, an attribute);
+    elsewhere they are words."""
     reads = {
         "from rlsys.metrics import read_jsonl_metrics\nfor row in read_jsonl_metrics(p):\n    print(row['step'])":
             {"RECORD_FIELDS"},
@@ -487,6 +489,9 @@ def test_the_owner_check_sees_a_plain_word_key_a_row_of_the_records_and_nothing_
         "    def say(self):\n        for e in self.new():\n            'accuracy' in e": {"EVAL_RECORDS"},
         "from rlsys.metrics import read_jsonl_metrics\nfirst, last = rows[0], read_jsonl_metrics(p)[-1]\nlast['time']":
             {"RECORD_FIELDS"},
+        "from rlsys import evaluations\nfor e in evaluations.curve(d):\n    e['version_max'], e.get('failed')":
+            {"EVAL_RECORDS"},
+        "from rlsys import evaluations\nplot(evaluations.curve(d), evaluations.ACCURACY, 'version')": {"EVAL_RECORDS"},
     }
     for source, owners in reads.items():
         assert state_writes(ast.parse(source)) == owners, source
@@ -495,6 +500,14 @@ def test_the_owner_check_sees_a_plain_word_key_a_row_of_the_records_and_nothing_
              "{'step': 1, 'reward': 0.5}\nrows[0]['advantage']\nsorted(rows, key='step')[0]['version']")
     assert state_writes(ast.parse(words)) == set()
     assert state_writes(ast.parse("state = read_trainer_state(p)\nstate['step'], message['reward']")) == set()
+    # beside an evaluation's rows, a version that is none of theirs: the weights' on the bus, a trace's, a checkpoint's,
+    # the learner's in its records (an evaluation's words key an evaluation's rows)
+    versions = ("from rlsys import evaluations\nfrom rlsys.metrics import read_jsonl_metrics\n"
+                "curve = evaluations.curve(d)\nweights = bus.get(protocol.WEIGHTS) or {}\nweights['version']\n"
+                "for episode in read_traces(run_dir):\n    episode['version'], episode.get('failed')\n"
+                "{'version': 1, 'episodes': 2}\nread_trainer_state(p)['version']\n"
+                "[row['version'] for row in read_jsonl_metrics(p) if 'episodes/failed' in row]")
+    assert state_writes(ast.parse(versions)) == set()
 
 
 # Names in rlsys.protocol that are no key on the bus: the learners' consumer group (it lives in TRAJECTORIES' stream)
