@@ -131,6 +131,27 @@ def test_a_probe_as_long_as_the_model_s_context_is_scored_where_vllm_can(short_v
     assert scored[0] == pytest.approx(short_vllm.score(full[:7]), abs=1e-5)
 
 
+def test_vllm_takes_each_sample_s_parameters_as_they_are_not_a_deep_copy(short_vllm, monkeypatch):
+    """Each sample, and each resume after a weight update, is a vLLM request with sampling parameters made for it
+    alone, so vLLM may take them as they are (skip_clone). Its deep copy of them was the largest part of what adding a
+    request cost (BENCHMARKS.md, "Adding a request to vLLM"). Each request keeps its own settings."""
+    import copy
+
+    from vllm import SamplingParams
+
+    from rlsys.api import GenerationConfig
+    from rlsys.engine.generation import GenerationEngine
+
+    copied, deepcopy = [], copy.deepcopy
+    monkeypatch.setattr(copy, "deepcopy", lambda x, *args: copied.append(type(x)) or deepcopy(x, *args))
+    replies = GenerationEngine(short_vllm).generate([
+        ("two", [4, 7], GenerationConfig(n=2, max_new_tokens=3, temperature=0.0)),
+        ("one", [4, 8], GenerationConfig(n=1, max_new_tokens=1, seed=3))])
+    lengths = [[len(ids) for ids in reply.output_ids] for reply in replies]
+    assert len(lengths[0]) == 2 and all(1 <= n <= 3 for n in lengths[0]) and lengths[1] == [1], lengths
+    assert SamplingParams not in copied
+
+
 class _LLMStandIn:
     """vLLM's LLM at a weight load, its prefix-cache reset answering `resets` (the load's one piece under test)."""
 

@@ -5,6 +5,7 @@ arrive while others generate join the running batch at the next step, and a weig
 every sequence between two steps, which vLLM's own async front end offers no way to do in place.
 """
 
+import functools
 import gc
 import logging
 import os
@@ -44,6 +45,19 @@ def kv_cache_bytes(model_path: str, inference_cfg) -> int | None:
     per_token = kv_bytes_per_token(config, dtype.itemsize if isinstance(dtype, torch.dtype) else 4)
     sequence = -(-(inference_cfg.max_model_len or positions) // BLOCK_ROUNDING) * BLOCK_ROUNDING
     return max(min(cap, (inference_cfg.max_num_seqs + 1) * sequence * per_token), sequence * per_token)
+
+
+@functools.cache
+def vllm_names() -> tuple:
+    """What VLLMBackend.add builds a request from. Imported on first use, once vLLM's environment is set
+    (configure_cpu_backend); `from vllm import X` resolves X through the package's lazy `__getattr__`, an import
+    machinery call each time."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMClientError
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams, TokensPrompt, RequestOutputKind, VLLMClientError
 
 
 def configure_cpu_backend(enforce_eager: bool) -> None:
@@ -149,17 +163,17 @@ class VLLMBackend(GenerationBackend):
             self.step()
 
     def add(self, seq_id: str, token_ids: list[int], sampling: SamplingSettings, arrival: float = 0.0) -> None:
-        from vllm import SamplingParams
-        from vllm.exceptions import VLLMClientError
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
+        # every sample of every request, and again at each resume after a weight update, passes here
+        SamplingParams, TokensPrompt, RequestOutputKind, VLLMClientError = vllm_names()
         try:
             params = SamplingParams(
                 n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
                 output_kind=RequestOutputKind.DELTA,
-                detokenize=False)  # the worker sends token ids; text is the agents' business (their tokenizer)
+                detokenize=False,  # the worker sends token ids; text is the agents' business (their tokenizer)
+                # made for this one request and never read again here: vLLM may take it as it is; its deep copy was
+                # the largest part of what adding a request cost (BENCHMARKS.md, "Adding a request to vLLM")
+                skip_clone=True)
             self.engine.add_request(seq_id, TokensPrompt(prompt_token_ids=list(token_ids)), params,
                                     arrival_time=arrival)
         except VLLMClientError as e:  # a prompt too long, a token outside the vocabulary: no ValueError in vLLM 0.32
