@@ -196,6 +196,18 @@ class PromptLedger:
         admitted, or settled already) or the ledger is closed."""
         return self._settle(prompt_id, TRAINED, ())
 
+    def trained_all(self, prompt_ids: list[str]) -> None:
+        """`trained` for each of `prompt_ids` (a step's groups). Where each is in flight once and the ledger is open, as
+        at every step but the last, in one atomic step: one round trip to the bus, not one a prompt. Otherwise, where
+        a guard does not hold (and nothing changed), one by one, each recorded or not as `trained` would."""
+        steps = [step for prompt_id in prompt_ids
+                 for step in (Step.present(_IN_FLIGHT, prompt_id), Step.remove(_IN_FLIGHT, prompt_id))]
+        if not prompt_ids or (len(set(prompt_ids)) == len(prompt_ids) and self.bus.change(
+                [_OPEN, *steps, Step.incr(_outcome_key(TRAINED), len(prompt_ids))]) is None):
+            return
+        for prompt_id in prompt_ids:
+            self.trained(prompt_id)
+
     def untrained(self, prompt_id: str, outcome: str, also: tuple[Step, ...] = ()) -> bool:
         """Records an outcome other than trained (filtered(reason) or failed(reason)) and gives the prompt's slot
         back, with the caller's writes `also` in the same atomic step; False, and nothing changed, if the prompt is

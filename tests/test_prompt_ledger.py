@@ -163,6 +163,31 @@ def test_after_a_crash_a_resume_counts_what_was_settled_and_holds_the_trained_ve
     assert resumed.counts()["admitted"] == 0 and resumed.slots_taken() == 0
 
 
+def test_a_step_s_groups_are_recorded_trained_in_one_change_or_one_by_one_where_a_guard_does_not_hold(monkeypatch):
+    """The learner records a step's groups trained in one atomic change (one round trip to the bus, not one a group).
+    Where one is not in flight (settled already, or twice in the list) or the ledger is closed, each is recorded or
+    not as `trained` would: every admitted prompt still ends in exactly one outcome."""
+    bus = InProcessBus()
+    book = ledger(bus)
+    for qid in "abcdefg":
+        assert book.admit(qid, 10) == ADMITTED
+    changes = []
+    change = bus.change
+    monkeypatch.setattr(bus, "change", lambda steps: changes.append(steps) or change(steps))
+    book.trained_all(["a", "b", "c"])
+    assert len(changes) == 1 and book.counts()["trained"] == 3 and book.in_flight() == list("defg")
+    assert book.untrained("d", failed("agent_error"))
+    book.trained_all(["d", "e"])  # d failed meanwhile: e alone is trained
+    book.trained_all(["f", "f"])
+    book.trained_all([])
+    counts = book.counts()
+    assert counts["trained"] == 5 and counts["failed"] == {"agent_error": 1} and book.in_flight() == ["g"]
+    book.close()
+    book.trained_all(["g"])
+    assert book.end_run() == {"admitted": 7, "trained": 5, "filtered": {"run_ended": 1}, "failed": {"agent_error": 1},
+                              "in_flight": 0}
+
+
 def test_a_closed_ledger_admits_and_settles_nothing_so_the_last_snapshot_is_the_run_s_books():
     """Closed for the learner's final save: a prompt admitted or an episode ended after it would be in the run's
     summary and not in that checkpoint. What is in flight then ends as run_ended; a restart's `start` opens it."""

@@ -145,8 +145,7 @@ class Learner(PolicyTrainer):
                 check_logprob_mismatch(stats, self.step, self.config.alarms.logprob_diff_warn,
                                        self.config.alarms.stop_on_logprob_diff)
                 self.consumed_prompts += [group.group_id for group in groups]
-                for group in groups:
-                    self.ledger.trained(group.group_id)
+                self.ledger.trained_all([group.group_id for group in groups])
             saving = time.monotonic()
             if self.config.save_steps and self.step % self.config.save_steps == 0:
                 self.save()  # after the step's prompts are counted trained: the checkpoint holds them so
