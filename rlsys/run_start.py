@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from rlsys import protocol, run_counters
-from rlsys.checkpoint import (CHECKPOINTS_DIR, identity, latest_checkpoint, read_trainer_state, restore_replaced,
-                              saved_in_order)
+from rlsys.checkpoint import (CHECKPOINTS_DIR, identity, latest_checkpoint, read_trainer_state, replaced_copies,
+                              restore_replaced, saved_in_order)
 from rlsys.cli import registry_name_of, save_config
 from rlsys.metrics import LEARNER_RECORDS, drop_records_after, mark_restart, records_file, rollout_records_files
 from rlsys.preflight import StartupError
@@ -239,8 +239,15 @@ def resume_from_latest(config, run_dir: Path, saved_before: set[tuple]) -> dict:
 
 
 def last_checkpoint_note(run_dir: Path) -> str:
-    latest = latest_checkpoint(run_dir / CHECKPOINTS_DIR)
+    """The checkpoint a failed run continues from, and the command that continues it. A learner that died as it
+    saved a step again leaves that step's complete copy as step_N.old, which the resume puts back and goes on from."""
+    checkpoints = run_dir / CHECKPOINTS_DIR
+    latest = latest_checkpoint(checkpoints, replaced=True)
     if latest is None:
         return "no checkpoint was saved"
-    return (f"the newest checkpoint is {latest} (step {read_trainer_state(latest)['step']}); continue with "
-            f"--config {run_dir / CONFIG_FILE} resume_from_checkpoint=auto")
+    put_back = {old: directory for directory, old in replaced_copies(checkpoints).items()}.get(latest)
+    step = f"step {read_trainer_state(latest)['step']}"
+    where = f"{latest} ({step})" if put_back is None else \
+        f"{put_back} ({step}; {latest.name} until the resume puts it back)"
+    return f"the newest checkpoint is {where}; continue with --config {run_dir / CONFIG_FILE} " \
+           "resume_from_checkpoint=auto"

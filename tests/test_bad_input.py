@@ -527,17 +527,22 @@ def test_runs_started_in_one_second_without_a_trial_name_get_a_directory_each(tm
     assert all((tmp_path / "runs" / "async-ppo-math" / name).is_dir() for name in names)
 
 
-def test_a_failed_runs_note_names_the_command_that_continues_it(tmp_path):
+@pytest.mark.parametrize("replaced", [False, True])
+def test_a_failed_runs_note_names_the_command_that_continues_it(tmp_path, replaced):
+    """`replaced`: the learner died as it saved step 4 again, between its renames (step_4.old, no step_4): the step
+    the command continues from is 4, not 2, and the note names it."""
     config = run_config(tmp_path)  # no trial_name: named by the time it started, which a relaunch would not be
     run_dir = run_directory(config)
     save_config(config, run_dir / "config.yaml")
-    checkpoint = run_dir / "checkpoints" / "step_4"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / TRAINER_STATE).write_text('{"step": 4}')
-    again = parse_config(last_checkpoint_note(run_dir).split("continue with ")[1].split())
+    for step, name in ((2, "step_2"), (4, "step_4.old" if replaced else "step_4")):
+        (run_dir / "checkpoints" / name).mkdir(parents=True)
+        (run_dir / "checkpoints" / name / TRAINER_STATE).write_text(f'{{"step": {step}, "saved_at": {step}}}')
+    note = last_checkpoint_note(run_dir)
+    assert f"is {run_dir / 'checkpoints' / 'step_4'} (step 4" in note
+    again = parse_config(note.split("continue with ")[1].split())
     assert run_directory(again) == run_dir
     resolve_resume(again, run_dir)
-    assert again.resume_from_checkpoint == str(checkpoint)
+    assert again.resume_from_checkpoint == str(run_dir / "checkpoints" / name)  # put back as step_4 at its start
 
 
 @pytest.mark.parametrize("setting", ["output_dir", "logging_dir"])
