@@ -79,6 +79,15 @@ def test_args_the_constructor_does_not_take_name_what_it_accepts():
         make_env(EnvServiceAbstraction("test-null", {"level": 3}))
 
 
+def test_a_misspelled_arg_is_named_with_its_close_match_even_where_a_required_one_is_missing():
+    """A newcomer's typo of a required arg: Python reports the missing one first; the error names the typo too."""
+    registry = Registry("agent")
+    registry.register("needs-two", type("NeedsTwo", (EchoAgent,), {"__init__": lambda self, gconfig, my_param: None}))
+    with pytest.raises(TypeError, match=r"missing a required argument: 'my_param'.*unknown: 'my_parm' \(did you "
+                                        r"mean 'my_param'\?\)\. It accepts: \['gconfig', 'my_param'\]"):
+        registry.check("needs-two", {"gconfig": None, "my_parm": 1.0})
+
+
 def test_registry_kind_names_errors():
     registry = Registry("widget")
     with pytest.raises(KeyError, match="unknown widget 'x'.*Registered widgets: \\[\\]"):

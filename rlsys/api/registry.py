@@ -53,7 +53,12 @@ class Registry(Generic[T]):
             signature.bind(None, **args)
         except TypeError as e:
             accepted = [p for p in signature.parameters if p != "self"]
-            raise TypeError(f"{self.kind} {name!r} ({cls.__qualname__}) cannot take args {sorted(args)}: {e}. "
+            # bind names one fault, a missing arg before an unknown one, and a typo of a required arg is both
+            takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+            said = "".join(f"; unknown: {a!r}" + "".join(f" (did you mean {m!r}?)"
+                                                    for m in close_matches(a, accepted)[:1])
+                           for a in args if not takes_any and a not in accepted)
+            raise TypeError(f"{self.kind} {name!r} ({cls.__qualname__}) cannot take args {sorted(args)}: {e}{said}. "
                             f"It accepts: {accepted}") from None
         return cls
 
