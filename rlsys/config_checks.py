@@ -42,13 +42,31 @@ def check_devices(config) -> None:
         raise StartupError(str(e)) from None
 
 
-def check_plugins(config) -> None:
-    """The run's agents built once and its environments' arguments bound to their constructors, here: a name,
-    an argument or a value they refuse stops the run with their message, not a rollout worker restarted until it
-    gives up, the reason in its log. Environments are not built here: some load a model (reward-model); their
-    `check_args` refuses what they could never run with."""
+def check_plugin_names(config) -> None:
+    """The run's agents and environments looked up by name and their arguments bound to their constructors, nothing
+    built: a misspelled name or argument stops the run in a second, before a warm start of minutes."""
     import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments, as the roles do)
     import rlsys.impl.env  # noqa: F401
+    from rlsys.api import AGENTS, ENVIRONMENTS
+    from rlsys.workers.env_per_row import run_environments
+
+    for abstraction in {repr(a): a for a in [config.agent, *config.agents.values()]}.values():
+        try:
+            AGENTS.check(abstraction.name, abstraction.args)
+        except (KeyError, TypeError) as e:
+            raise StartupError(f"agent {abstraction.name!r} cannot be built: {first_line(e)}") from None
+    for abstraction in run_environments(config):
+        try:
+            ENVIRONMENTS.check(abstraction.name, abstraction.args)
+        except (KeyError, TypeError) as e:
+            raise StartupError(first_line(e)) from None
+
+
+def check_plugins(config) -> None:
+    """The run's agents built once and its environments' arguments checked, here, once `check_plugin_names` passed
+    and the model is ready (the agents load its tokenizer): an argument or a value they refuse stops the run with
+    their message, not a rollout worker restarted until it gives up, the reason in its log. Environments are not
+    built here: some load a model (reward-model); their `check_args` refuses what they could never run with."""
     from rlsys.api import ENVIRONMENTS, make_agent
     from rlsys.workers.env_per_row import run_environments
 
@@ -58,10 +76,7 @@ def check_plugins(config) -> None:
         except Exception as e:  # a plugin's constructor may raise anything
             raise StartupError(f"agent {abstraction.name!r} cannot be built: {first_line(e)}") from None
     for abstraction in run_environments(config):
-        try:
-            cls = ENVIRONMENTS.check(abstraction.name, abstraction.args)
-        except (KeyError, TypeError) as e:
-            raise StartupError(first_line(e)) from None
+        cls = ENVIRONMENTS.lookup(abstraction.name)
         try:
             getattr(cls, "check_args", lambda **_: None)(**abstraction.args)
         except ValueError as e:

@@ -19,7 +19,7 @@ from pathlib import Path
 from rlsys import evaluations
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, connect, raise_on_sigterm
 from rlsys.cli import config_to_dict
-from rlsys.config_checks import check_devices, check_plugins
+from rlsys.config_checks import check_devices, check_plugin_names, check_plugins
 from rlsys.console import ProgressReporter
 from rlsys.metrics import LEARNER_RECORDS, records_file
 from rlsys.placement import PlacementError, open_placement
@@ -135,7 +135,8 @@ def supervise(bus, config, run_dir: Path, supervisor: Supervisor, part: Part, re
 def prepare(config) -> float:
     """The start-up checks passed and the dataset and model ready, or a StartupError that names what is wrong;
     returns the seconds a warm start of the tiny model took (0.0 if none ran). The plugins are checked last: the
-    agents load the model's tokenizer, whose path preparing the assets fills in."""
+    agents load the model's tokenizer, whose path preparing the assets fills in (their names and arguments
+    are checked before)."""
     from rlsys.assets import AssetError, prepare_assets
     from rlsys.data.dataset import DatasetError
 
@@ -143,6 +144,7 @@ def prepare(config) -> float:
     check_extras(config)
     check_mlflow_server(config.trace)
     check_devices(config)
+    check_plugin_names(config)  # a typo in a name or an argument is said before minutes of warm start
     try:
         warm_start_seconds = prepare_assets(config)
     except (AssetError, DatasetError) as e:

@@ -19,7 +19,7 @@ import pytest
 
 import rlsys.impl.env  # noqa: F401  (registers the environments)
 from experiments import AsyncPPOMATHConfig, register_experiment
-from rlsys.api import EnvServiceAbstraction, make_env
+from rlsys.api import AgentAbstraction, EnvServiceAbstraction, make_env
 from rlsys.bus import EmbeddedRedis
 from rlsys.checkpoint import TRAINER_STATE
 from rlsys.cli import ConfigError, parse_config, save_config
@@ -209,6 +209,37 @@ class MisspelledEnvArgs(AsyncPPOMATHConfig):
 
 
 register_experiment("misspelled-env-args", MisspelledEnvArgs)
+
+
+@dataclasses.dataclass
+class MisspelledAgent(AsyncPPOMATHConfig):
+    @property
+    def agent(self):
+        return AgentAbstraction("math-single-stpe", args=dict(gconfig=None, tokenizer_path=self.model.path))
+
+
+@dataclasses.dataclass
+class MisspelledAgentArgs(AsyncPPOMATHConfig):
+    @property
+    def agent(self):
+        return AgentAbstraction("math-single-step", args=dict(gconfig=None, tokenizer_pth=self.model.path))
+
+
+register_experiment("misspelled-agent", MisspelledAgent)
+register_experiment("misspelled-agent-args", MisspelledAgentArgs)
+
+
+def test_a_plugin_name_or_argument_that_is_wrong_stops_the_run_before_the_warm_start(tmp_path, monkeypatch):
+    """A newcomer's typo in an agent's or environment's name or argument is said in a second, not after the minutes
+    of the tiny model's warm start (the agents are built, with the model's tokenizer, only after it)."""
+    monkeypatch.setattr("rlsys.assets.prepare_assets", Mock(side_effect=AssertionError("the warm start ran first")))
+    with pytest.raises(StartupError, match=re.escape("unknown agent 'math-single-stpe'. Did you mean "
+                                                     "['math-single-step']?")):
+        launch(run_config(tmp_path, "experiment=misspelled-agent"))
+    with pytest.raises(StartupError, match=re.escape("unknown: 'tokenizer_pth' (did you mean 'tokenizer_path'?)")):
+        launch(run_config(tmp_path, "experiment=misspelled-agent-args"))
+    with pytest.raises(StartupError, match="environment 'math-code-single-step'.*cannot take args.*verify_timeout"):
+        launch(run_config(tmp_path, "experiment=misspelled-env-args"))
 
 
 @dataclasses.dataclass
