@@ -63,16 +63,20 @@ def held_out_text(figure: str, value: float | None) -> str:
 
 def held_out_line(summary: dict) -> str:
     """A run's last word on what it learned. A resumed run's minutes are its last launch's, while its steps and its
-    change count from the run's start: the line says so. A warm start's minutes are said apart from the run's."""
+    change count from the run's start: the line says so. A warm start's minutes are said apart from the run's, and
+    held-out episodes that failed, where any did."""
     figure, before, after = held_out(summary)
     change = "" if before is None or after is None else \
         f" ({100 * (after - before):+.1f} points)" if figure == ACCURACY else f" ({after - before:+.3f})"
     since = f" since its resume at step {summary['resumed']['step']}" if summary.get("resumed") else ""
     warm_start = summary.get("warm_start_minutes")
     after_warm_start = f", after a {warm_start:.1f} min warm start" if warm_start else ""
+    failed = [summary.get(key) or 0 for key in ("initial_failed", "final_failed")]
+    counted = "counted unsolved" if figure == ACCURACY else "left out of the mean"
+    failures = f"; held-out episodes failed: {failed[0]} before, {failed[1]} after ({counted})" if any(failed) else ""
     return (f"held-out {HELD_OUT_NAMES[figure]}: {held_out_text(figure, before)} before, "
             f"{held_out_text(figure, after)} after {summary['steps']} steps{change} in {summary['minutes']:.1f} min"
-            f"{since}{after_warm_start}")
+            f"{since}{after_warm_start}{failures}")
 
 
 class ProgressReporter:

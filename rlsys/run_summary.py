@@ -34,6 +34,10 @@ def held_out_summary(bus, started_from: dict, logging_dir: Path) -> dict:
         "final_accuracy": final.get(evaluations.ACCURACY),
         "initial_reward": initial.get(evaluations.REWARD),
         "final_reward": final.get(evaluations.REWARD),
+        # held-out episodes that failed (their environment or agent raised or hung): unsolved in the accuracy, left
+        # out of the mean reward
+        "initial_failed": initial.get(evaluations.FAILED),
+        "final_failed": final.get(evaluations.FAILED),
         "held_out_curve": evaluations.curve(logging_dir),
     }
     if started_from:

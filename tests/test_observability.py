@@ -255,6 +255,18 @@ def test_the_time_plot_leaves_the_first_steps_start_up_wait_out():
     assert time_curves(rows[:1]) == ({"wait_data": ([1], [95.0]), "compute": ([1], [0.5])}, "Time per step")
 
 
+def test_the_summary_counts_the_held_out_episodes_that_failed_before_and_after(tmp_path):
+    from rlsys import evaluations
+    from rlsys.bus.inproc import InProcessBus
+    from rlsys.run_summary import held_out_summary
+
+    bus = InProcessBus()
+    evaluations.record(bus, evaluations.INITIAL, {"accuracy": 0.59, "reward": 0.72, "episodes": 82, "failed": 18})
+    evaluations.record(bus, evaluations.FINAL, {"accuracy": 0.6, "reward": 0.73, "episodes": 83, "failed": 17})
+    figures = held_out_summary(bus, {}, tmp_path)
+    assert (figures["initial_failed"], figures["final_failed"]) == (18, 17)
+
+
 def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_accuracy(tmp_path, capsys):
     """Rewards from a reward model or TRL's functions are scores, not verdicts: the console, the last line and the
     report call the held-out figure what it is."""
@@ -290,6 +302,15 @@ def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_a
         == "held-out accuracy: 50.0% before, 62.5% after 100 steps (+12.5 points) in 1.2 min, after a 1.1 min " \
            "warm start"
     assert held_out_line({**summary, "warm_start_minutes": 0.0}) == held_out_line(summary)
+    # held-out episodes that failed (an environment that raised or hung) are said: an accuracy counts them unsolved,
+    # a mean reward leaves them out, and without this the last line read as a model that got them wrong
+    assert held_out_line({**summary, "initial_accuracy": 0.5, "final_accuracy": 0.5, "initial_failed": 18,
+                          "final_failed": 17}) == \
+        "held-out accuracy: 50.0% before, 50.0% after 100 steps (+0.0 points) in 1.2 min; held-out episodes " \
+        "failed: 18 before, 17 after (counted unsolved)"
+    assert held_out_line({**summary, "initial_failed": 0, "final_failed": 2}).endswith(
+        "in 1.2 min; held-out episodes failed: 0 before, 2 after (left out of the mean)")
+    assert held_out_line({**summary, "initial_failed": 0, "final_failed": 0}) == held_out_line(summary)
     (tmp_path / "summary.json").write_text(json.dumps({**summary, "warm_start_minutes": 1.1}))
     page = build_report(tmp_path).read_text()
     assert "<th>minutes</th><td>1.2</td>" in page and "<th>warm start minutes</th><td>1.1</td>" in page
