@@ -199,6 +199,7 @@ register_agent("returns-junk", ReturnsJunk)
 @pytest.mark.parametrize("junk,named", [((), "got tuple"), ([{"reward": 1.0}], "got a list of ['dict']")])
 def test_an_evaluation_episode_that_returns_no_trajectories_fails_as_invalid_output(tmp_path, caplog, junk, named):
     """As a training episode does: not a TypeError or AttributeError out of the evaluation, ending the worker."""
+    caplog.set_level(logging.INFO, logger="rlsys")
     @dataclasses.dataclass
     class ReturnsJunkExperiment(AsyncPPOMATHConfig):
         @property
@@ -214,6 +215,8 @@ def test_an_evaluation_episode_that_returns_no_trajectories_fails_as_invalid_out
     asyncio.run(worker.evaluate("initial"))
     assert worker.failures == {"invalid_output": 1} and bus.get(protocol.eval_result("initial"))["episodes"] == 0
     assert f"collect_trajectory must return a list of Trajectory, {named}" in caplog.text
+    # the worker's log line counts the failed episode among the problems, as the accuracy does (it said "of 0")
+    assert "held-out accuracy initial (version 0): 0.0% of 1 (1 failed, counted unsolved)" in caplog.text
 
 
 class AnsweredByLaterVersions(Agent):

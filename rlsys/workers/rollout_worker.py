@@ -380,11 +380,11 @@ class RolloutWorker:
         versions = f"version {low}" if high == low else f"versions {low}-{high}"
         figure = evaluations.headline(result)
         if figure == evaluations.ACCURACY:
-            log.info("held-out accuracy %s (%s): %.1f%% of %d", label or tag, versions, 100 * result[figure],
-                     len(episodes))
+            log.info("held-out accuracy %s (%s): %.1f%% of %d%s", label or tag, versions, 100 * result[figure],
+                     len(results), f" ({failed} failed, counted unsolved)" if failed else "")
         else:
-            log.info("held-out mean reward %s (%s): %.3f over %d", label or tag, versions, result[figure],
-                     len(episodes))
+            log.info("held-out mean reward %s (%s): %.3f over %d%s", label or tag, versions, result[figure],
+                     len(episodes), f" ({failed} failed, left out)" if failed else "")
 
     async def wait_for_final_weights(self) -> bool:
         """True once inference serves the learner's final version; False if the run is stopped first."""
