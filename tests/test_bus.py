@@ -187,6 +187,22 @@ def test_set_get_delete_nested_values(bus):
     assert bus.get("k") is None and bus.get("v") is None and bus.qsize("q") == 0
 
 
+def test_get_keys_gives_each_key_s_value_in_order_as_get_does(bus):
+    bus.set("a", {"x": [1, 2]})
+    bus.set("n", 7)
+    bus.incr("c", 3)
+    bus.set("f", False)
+    bus.put("q", 1)  # a queue, a set and a stream hold no value
+    bus.change([Step.add("s", "m")])
+    bus.stream_add("st", 1)
+    keys = ["n", "missing", "a", "f", "c", "q", "s", "st", "n"]
+    assert bus.get_keys(keys) == [7, None, {"x": [1, 2]}, False, 3, None, None, None, 7]
+    assert bus.get_keys(keys, default="unset") == [7, "unset", {"x": [1, 2]}, False, 3, "unset", "unset", "unset", 7]
+    values = ["n", "missing", "a", "f", "c"]
+    assert bus.get_keys(values, "unset") == [bus.get(key, "unset") for key in values]
+    assert bus.get_keys([]) == []
+
+
 def test_bytes_round_trip(bus):
     blob = bytes(range(256)) * 40
     bus.put("q", {"token_ids": [1, 2], "raw": blob, "text": "héllo"})

@@ -341,6 +341,45 @@ def test_an_episode_whose_outcome_the_bus_could_not_record_fails_the_worker_inst
     assert worker.ledger.counts()["in_flight"] >= 1  # not settled: the successor's to redo
 
 
+class EndsOnTheThirdPass(InProcessBus):
+    """Counts how the worker reads whether to go on; `key` is set as the third pass of the train loop reads it."""
+
+    def __init__(self, key: str):
+        super().__init__()
+        self.key, self.single_reads, self.passes = key, [], 0
+
+    def get(self, key, default=None):
+        if key in (protocol.LEARNER_DONE, protocol.STOP):
+            self.single_reads.append(key)
+            if key == protocol.LEARNER_DONE:  # a pass's first read
+                self.next_pass()
+        return super().get(key, default)
+
+    def get_keys(self, keys, default=None):
+        self.next_pass()
+        return super().get_keys(keys, default)
+
+    def next_pass(self) -> None:
+        self.passes += 1
+        if self.passes == 3:
+            self.set(self.key, 5 if self.key == protocol.LEARNER_DONE else 1)
+
+
+@pytest.mark.parametrize("key", [protocol.LEARNER_DONE, protocol.STOP])
+def test_the_train_loop_reads_the_learner_s_end_and_the_stop_in_one_bus_call_a_pass_and_ends_on_either(tmp_path, key):
+    """Two round trips and two thread hops a pass, each pass of the loop, were one of the rollout worker's largest
+    costs outside its agents (BENCHMARKS.md, 2026-12-07)."""
+    config = CancelledWithinExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    config.max_concurrent_rollouts = 0  # no episode: each pass only reads, then waits GATE_POLL_SECONDS
+    bus = EndsOnTheThirdPass(key)
+    worker = RolloutWorker(config, bus, 0)
+    worker.train_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(4)]
+    asyncio.run(asyncio.wait_for(worker.train(), 30))
+    assert bus.single_reads == [] and bus.passes == 3
+
+
 def test_a_prompt_still_in_flight_from_the_last_pass_is_skipped_and_the_next_one_admitted(tmp_path, caplog):
     config = CancelledWithinExperiment()
     config.model.path = str(save_random_tiny_model(tmp_path / "model"))

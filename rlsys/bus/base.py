@@ -257,6 +257,11 @@ class Bus(abc.ABC):
         """The value under `key` (an int for counters), or `default` if unset."""
 
     @abc.abstractmethod
+    def get_keys(self, keys: list[str], default=None) -> list:
+        """The values under `keys`, in their order, each as `get` gives it, all read in one step (one round trip).
+        A key that holds no value (unset, or a queue, set or stream) gives `default`."""
+
+    @abc.abstractmethod
     def incr(self, key: str, amount: int = 1) -> int:
         """Atomically add `amount` to the integer under `key` (unset counts as 0); returns the new value."""
 

@@ -118,6 +118,11 @@ class InProcessBus(Bus):
             data = self._values.get(key)
         return default if data is None else decode_value(data, key)
 
+    def get_keys(self, keys: list[str], default=None) -> list:
+        with self._cond:
+            values = [self._values.get(key) for key in keys]
+        return [default if data is None else decode_value(data, key) for key, data in zip(keys, values)]
+
     def incr(self, key: str, amount: int = 1) -> int:
         check_integer(amount, f"incr of key {key!r}: the amount")
         with self._cond:

@@ -201,6 +201,12 @@ class RedisBus(Bus):
         data = self._client.get(self._k(key))
         return default if data is None else decode_value(data, key)
 
+    def get_keys(self, keys: list[str], default=None) -> list:
+        if not keys:  # MGET refuses an empty list
+            return []
+        values = self._client.mget([self._k(key) for key in keys])  # nil for a key of another type too
+        return [default if data is None else decode_value(data, key) for key, data in zip(keys, values)]
+
     def incr(self, key: str, amount: int = 1) -> int:
         check_integer(amount, f"incr of key {key!r}: the amount")
         try:

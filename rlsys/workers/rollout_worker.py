@@ -125,7 +125,7 @@ class RolloutWorker:
         prompts = self.prompts(self.train_rows, "train", shuffle=True)
         await self.take_over(self.train_rows, prompts)
         next_eval = next_evaluation(await self.current_version(), self.config.eval_steps)
-        while not await self._bus_get(protocol.LEARNER_DONE) and not await self._bus_get(protocol.STOP):
+        while not any(await asyncio.to_thread(self.bus.get_keys, [protocol.LEARNER_DONE, protocol.STOP])):
             if self.cannot_go_on:
                 raise self.cannot_go_on
             if self.crashed:  # the worker fails, and its successor redoes the episodes whose outcome is not out
