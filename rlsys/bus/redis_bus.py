@@ -114,6 +114,10 @@ for _, e in ipairs(entries) do
 end
 return out
 """.replace("LABEL_MAX_BYTES", str(LABEL_MAX_BYTES))
+# Bus.server_id: the run id INFO reports (a random id each redis-server process draws at start), picked out on the
+# server. The learner's inbox asks before each read; INFO's whole section, parsed by redis-py, cost it more than the
+# round trip (BENCHMARKS.md, 2026-12-07).
+_RUN_ID = "return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')"
 STREAM_POLL = (0.005, 0.05)  # a stream read waits by polling (scripts cannot block): first and longest pause
 _OK, _NO_PAYLOAD, _OVERSIZE = 0, 1, 2
 
@@ -137,6 +141,7 @@ class RedisBus(Bus):
         self._prefix = f"{namespace}:" if namespace else ""
         self._change = client.register_script(_CHANGE)
         self._fetch_entries = client.register_script(_FETCH_ENTRIES)
+        self._run_id = client.register_script(_RUN_ID)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "", wait_out_restarts: bool = True) -> "RedisBus":
@@ -331,7 +336,7 @@ class RedisBus(Bus):
         return self._client.xdel(self._k(stream), *ids) if ids else 0
 
     def server_id(self) -> str:
-        return self._client.info("server")["run_id"]  # a random id each redis-server process draws at start
+        return self._run_id().decode()
 
     def close(self) -> None:
         self._client.close()
