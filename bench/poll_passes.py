@@ -1,0 +1,132 @@
+"""Two polls of the bus, as they were and as they are, side by side: the rollout worker's loop asking whether to go on,
+the learner's inbox asking whether Redis restarted.
+
+    python3 bench/poll_passes.py [--passes 2000] [--repeats 5] [--out bench/results/poll_passes.json]
+
+Each pass of the rollout worker's train loop (rlsys/workers/rollout_worker.py, `train`) first reads whether the
+learner is done (protocol.LEARNER_DONE) and whether the run is being stopped (protocol.STOP), from an asyncio event
+loop, over the run's Redis. Over a private Redis, in an event loop, `--passes` passes a window:
+
+- "a call each": `bus.get` of each key in a thread of its own (`asyncio.to_thread`), as the loop did before 2026-12-07:
+  two round trips and two thread hops;
+- "one call" and "one call, again": `bus.get_keys` of both in one thread hop, as it does now, twice; their ratio is the
+  noise between identical sides on this machine at this time.
+
+Windows alternate, the order rotated each repeat; medians of the microseconds a pass takes, of this process's CPU time
+(the event loop's thread and the pool thread together; the machine is shared, so CPU time is the figure) and of wall
+time. Redis's own CPU is not counted. The last line is the headline: a call each / one call, CPU time.
+
+The learner's inbox asks the bus for its server's id before each read (rlsys/delivery.py, TrajectoryInbox.receive: a
+restart may have lost entries it handed out). `--passes` asks a window, on this thread, as the learner does:
+
+- "INFO parsed": INFO's server section, parsed by redis-py, and its run_id, as RedisBus.server_id did before 2026-12-07;
+- "run id" and "run id, again": RedisBus.server_id as it is, a script that sends back the run id alone, twice.
+"""
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlsys import protocol  # noqa: E402
+from rlsys.bus import EmbeddedRedis, RedisBus, connect  # noqa: E402
+
+
+async def a_call_each(bus) -> bool:
+    return not await asyncio.to_thread(bus.get, protocol.LEARNER_DONE) and \
+        not await asyncio.to_thread(bus.get, protocol.STOP)
+
+
+async def one_call(bus) -> bool:
+    return not any(await asyncio.to_thread(bus.get_keys, [protocol.LEARNER_DONE, protocol.STOP]))
+
+
+SIDES = {"a call each": a_call_each, "one call": one_call, "one call, again": one_call}
+
+
+def info_parsed(bus) -> str:
+    return bus._client.info("server")["run_id"]
+
+
+SERVER_ID_SIDES = {"INFO parsed": info_parsed, "run id": RedisBus.server_id, "run id, again": RedisBus.server_id}
+
+
+async def window(bus, goes_on, passes: int) -> tuple[float, float]:
+    """(CPU, wall) microseconds a pass takes, mean over `passes` passes."""
+    started, started_cpu = time.perf_counter(), time.process_time()
+    for _ in range(passes):
+        if not await goes_on(bus):
+            raise RuntimeError("a side read the run as ended: the keys are unset")
+    return 1e6 * (time.process_time() - started_cpu) / passes, 1e6 * (time.perf_counter() - started) / passes
+
+
+def server_id_window(bus, server_id, passes: int) -> tuple[float, float]:
+    """(CPU, wall) microseconds an ask takes, mean over `passes` asks."""
+    reference = bus.server_id()
+    started, started_cpu = time.perf_counter(), time.process_time()
+    for _ in range(passes):
+        if server_id(bus) != reference:
+            raise RuntimeError("a side read another server id")
+    return 1e6 * (time.process_time() - started_cpu) / passes, 1e6 * (time.perf_counter() - started) / passes
+
+
+async def measure(bus, sides: dict, timed, passes: int, repeats: int) -> dict:
+    """Windows of each of `sides`, timed by `timed` (a coroutine function or a function), the order rotated."""
+    async def run(side, count):
+        return await timed(bus, side, count) if asyncio.iscoroutinefunction(timed) else timed(bus, side, count)
+    windows = {name: {"cpu_us": [], "wall_us": []} for name in sides}
+    await run(next(iter(sides.values())), passes // 4)  # warm-up: the pool's thread, the connection, the script
+    names = list(sides)
+    for repeat in range(repeats):
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            cpu, wall = await run(sides[name], passes)
+            windows[name]["cpu_us"].append(cpu)
+            windows[name]["wall_us"].append(wall)
+    return windows
+
+
+def report(title: str, windows: dict, before: str, after: str, again: str) -> tuple[dict, float, float]:
+    """Prints the table; (medians, identical sides, before / after), of CPU time."""
+    medians = {name: {m: statistics.median(v) for m, v in w.items()} for name, w in windows.items()}
+    print(title)
+    print(f"{'side':<16} {'CPU us':>7} {'wall us':>8}   CPU us of each window")
+    for name, m in medians.items():
+        print(f"{name:<16} {m['cpu_us']:>7.1f} {m['wall_us']:>8.1f}   "
+              + " ".join(f"{us:.1f}" for us in windows[name]["cpu_us"]))
+    same = medians[again]["cpu_us"] / medians[after]["cpu_us"]
+    ratio = medians[before]["cpu_us"] / medians[after]["cpu_us"]
+    print(f"identical sides ({again} / {after}), CPU time: {same:.3f}; {before} / {after}: {ratio:.3f}")
+    return medians, same, ratio
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--passes", type=int, default=2000, help="passes a window")
+    parser.add_argument("--repeats", type=int, default=5, help="windows a side")
+    parser.add_argument("--out", default="bench/results/poll_passes.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
+        bus = connect(server.url)
+        bus.delete(protocol.LEARNER_DONE, protocol.STOP)
+        windows = asyncio.run(measure(bus, SIDES, window, args.passes, args.repeats))
+        asks = asyncio.run(measure(bus, SERVER_ID_SIDES, server_id_window, args.passes, args.repeats))
+        bus.close()
+    print(f"{args.passes} passes (asks) a window, {args.repeats} windows a side")
+    medians, same, ratio = report("the rollout worker's loop: whether to go on", windows, *SIDES)
+    id_medians, id_same, id_ratio = report("the learner's inbox: the server's id", asks, *SERVER_ID_SIDES)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "args": vars(args), "windows": windows, "medians": medians, "identical_sides": same, "ratio": ratio,
+        "server_id": {"windows": asks, "medians": id_medians, "identical_sides": id_same, "ratio": id_ratio}},
+        indent=2))
+    print(f"ratio: {ratio:.2f} (a call each / one call, CPU time of a pass's reads)")
+
+
+if __name__ == "__main__":
+    main()
