@@ -342,6 +342,28 @@ def test_after_a_bus_server_restart_lost_requests_are_sent_again_and_copies_are_
     assert copies_dropped == 1 and resent == 2
 
 
+def test_each_pass_of_the_router_s_watch_reads_the_workers_and_the_server_s_id_in_one_thread_hop(monkeypatch):
+    """It made a hop for each, every REFRESH_INTERVAL: thread hops were among the rollout worker's largest costs
+    (BENCHMARKS.md, 2026-12-07)."""
+    router = EpisodeRouter(InProcessBus(), protocol.replies(0), n_inference_workers=1)
+    hops, passes, to_thread, refresh = [], [], asyncio.to_thread, router.workers.refresh
+    monkeypatch.setattr(router.workers, "refresh", lambda: passes.append(len(hops)) or refresh())  # hops made so far
+
+    async def counted(function, *args, **kwargs):
+        hops.append(function)
+        return await to_thread(function, *args, **kwargs)
+
+    async def watch_three_passes():
+        monkeypatch.setattr(asyncio, "to_thread", counted)
+        watch = asyncio.create_task(router.watch_workers())
+        while len(passes) < 3:
+            await asyncio.sleep(0.01)
+        watch.cancel()
+
+    asyncio.run(watch_three_passes())
+    assert passes[:3] == [1, 2, 3]  # the refresh of pass k in its k-th hop
+
+
 def test_weight_update_mid_generation_tags_each_token_with_its_version(tmp_path):
     bus = InProcessBus()
     engine = ScriptedEngine(counting_policy, logprob=-0.5, tokens_per_step=1)

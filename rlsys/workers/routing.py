@@ -252,12 +252,17 @@ class EpisodeRouter:
 
     async def watch_workers(self) -> None:
         while True:
-            await asyncio.to_thread(self.workers.refresh)
-            if await asyncio.to_thread(self.server_restarts.happened):
+            if await asyncio.to_thread(self.look_at_the_bus):
                 for pending in self.waiting.values():
                     pending.epoch = UNDELIVERED
             await self.resend_orphans()
             await asyncio.sleep(REFRESH_INTERVAL)
+
+    def look_at_the_bus(self) -> bool:
+        """The workers' statuses read again, then whether the bus's server restarted since the last look: both in the
+        one thread hop of a pass of `watch_workers`, which makes one every REFRESH_INTERVAL."""
+        self.workers.refresh()
+        return self.server_restarts.happened()
 
     async def resend_orphans(self) -> None:
         """Requests whose worker died or restarted, or that a bus restart may have lost, go to their worker
