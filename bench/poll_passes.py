@@ -1,5 +1,5 @@
-"""Two polls of the bus, as they were and as they are, side by side: the rollout worker's loop asking whether to go on,
-the learner's inbox asking whether Redis restarted.
+"""Polls of the bus, as they were and as they are, side by side: the rollout worker's loop asking whether to go on,
+the learner's inbox asking whether Redis restarted, the rollout worker's router watching the inference workers.
 
     python3 bench/poll_passes.py [--passes 2000] [--repeats 5] [--out bench/results/poll_passes.json]
 
@@ -21,6 +21,12 @@ restart may have lost entries it handed out). `--passes` asks a window, on this 
 
 - "INFO parsed": INFO's server section, parsed by redis-py, and its run_id, as RedisBus.server_id did before 2026-12-07;
 - "run id" and "run id, again": RedisBus.server_id as it is, a script that sends back the run id alone, twice.
+
+The rollout worker's router reads the inference workers' statuses and asks whether Redis restarted every
+REFRESH_INTERVAL (rlsys/workers/routing.py, EpisodeRouter.watch_workers), in an event loop:
+
+- "a hop each": each in a thread hop of its own, as before 2026-12-07;
+- "one hop" and "one hop, again": both in one hop (EpisodeRouter.look_at_the_bus), as now.
 """
 
 import argparse
@@ -36,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlsys import protocol  # noqa: E402
 from rlsys.bus import EmbeddedRedis, RedisBus, connect  # noqa: E402
+from rlsys.workers.routing import EpisodeRouter  # noqa: E402
 
 
 async def a_call_each(bus) -> bool:
@@ -57,12 +64,24 @@ def info_parsed(bus) -> str:
 SERVER_ID_SIDES = {"INFO parsed": info_parsed, "run id": RedisBus.server_id, "run id, again": RedisBus.server_id}
 
 
+async def a_hop_each(router: EpisodeRouter) -> bool:
+    await asyncio.to_thread(router.workers.refresh)
+    return not await asyncio.to_thread(router.server_restarts.happened)
+
+
+async def one_hop(router: EpisodeRouter) -> bool:
+    return not await asyncio.to_thread(router.look_at_the_bus)
+
+
+ROUTER_SIDES = {"a hop each": a_hop_each, "one hop": one_hop, "one hop, again": one_hop}
+
+
 async def window(bus, goes_on, passes: int) -> tuple[float, float]:
-    """(CPU, wall) microseconds a pass takes, mean over `passes` passes."""
+    """(CPU, wall) microseconds a pass takes, mean over `passes` passes; `bus` is what `goes_on` takes."""
     started, started_cpu = time.perf_counter(), time.process_time()
     for _ in range(passes):
         if not await goes_on(bus):
-            raise RuntimeError("a side read the run as ended: the keys are unset")
+            raise RuntimeError("a side read the run as ended, or a restart: neither happened")
     return 1e6 * (time.process_time() - started_cpu) / passes, 1e6 * (time.perf_counter() - started) / passes
 
 
@@ -76,10 +95,11 @@ def server_id_window(bus, server_id, passes: int) -> tuple[float, float]:
     return 1e6 * (time.process_time() - started_cpu) / passes, 1e6 * (time.perf_counter() - started) / passes
 
 
-async def measure(bus, sides: dict, timed, passes: int, repeats: int) -> dict:
-    """Windows of each of `sides`, timed by `timed` (a coroutine function or a function), the order rotated."""
+async def measure(subject, sides: dict, timed, passes: int, repeats: int) -> dict:
+    """Windows of each of `sides` on `subject` (the bus, or the router), timed by `timed` (a coroutine function or a
+    function), the order rotated."""
     async def run(side, count):
-        return await timed(bus, side, count) if asyncio.iscoroutinefunction(timed) else timed(bus, side, count)
+        return await timed(subject, side, count) if asyncio.iscoroutinefunction(timed) else timed(subject, side, count)
     windows = {name: {"cpu_us": [], "wall_us": []} for name in sides}
     await run(next(iter(sides.values())), passes // 4)  # warm-up: the pool's thread, the connection, the script
     names = list(sides)
@@ -116,14 +136,19 @@ def main() -> None:
         bus.delete(protocol.LEARNER_DONE, protocol.STOP)
         windows = asyncio.run(measure(bus, SIDES, window, args.passes, args.repeats))
         asks = asyncio.run(measure(bus, SERVER_ID_SIDES, server_id_window, args.passes, args.repeats))
+        router = EpisodeRouter(bus, protocol.replies(0), n_inference_workers=1)
+        watches = asyncio.run(measure(router, ROUTER_SIDES, window, args.passes, args.repeats))
         bus.close()
     print(f"{args.passes} passes (asks) a window, {args.repeats} windows a side")
     medians, same, ratio = report("the rollout worker's loop: whether to go on", windows, *SIDES)
     id_medians, id_same, id_ratio = report("the learner's inbox: the server's id", asks, *SERVER_ID_SIDES)
+    watch_medians, watch_same, watch_ratio = report("the router's watch: statuses and the server's id", watches,
+                                                    *ROUTER_SIDES)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "args": vars(args), "windows": windows, "medians": medians, "identical_sides": same, "ratio": ratio,
-        "server_id": {"windows": asks, "medians": id_medians, "identical_sides": id_same, "ratio": id_ratio}},
+        "server_id": {"windows": asks, "medians": id_medians, "identical_sides": id_same, "ratio": id_ratio},
+        "router": {"windows": watches, "medians": watch_medians, "identical_sides": watch_same, "ratio": watch_ratio}},
         indent=2))
     print(f"ratio: {ratio:.2f} (a call each / one call, CPU time of a pass's reads)")
 
