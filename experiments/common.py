@@ -761,10 +761,15 @@ class AsyncRLExperimentConfig(BaseExperimentConfig):
     env_timeout: float = 120.0
     """Seconds an environment's reset, step or close may take, not counting waits for a sandbox slot other episodes
     hold; a longer call fails its episode (env_timeout). 0: no limit."""
+    agent_stuck_after: float = 600.0
+    """Seconds an episode may go with no model request outstanding and no environment call running (its agent stuck
+    on something of its own) before it fails (agent_stuck); one whose agent awaits a reply it never asked for fails
+    within seconds. 0: no limit, for an agent that waits on something outside the run (a person, an outside API)."""
 
     def __post_init__(self):
         super().__post_init__()
-        check_at_least("", self, max_head_offpolicyness=0, max_concurrent_rollouts=1, env_timeout=0)
+        check_at_least("", self, max_head_offpolicyness=0, max_concurrent_rollouts=1, env_timeout=0,
+                       agent_stuck_after=0)
         if self.cluster.colocate and self.inference.num_threads != 1:
             raise ValueError("cluster.colocate=true gives the inference worker every core while the learner waits; "
                              f"leave inference.num_threads at 1 (got {self.inference.num_threads})")

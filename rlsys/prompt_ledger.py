@@ -62,6 +62,8 @@ FAILURE_REASONS = {
     "env_timeout": "an environment call took longer than env_timeout seconds",
     "agent_error": "the agent raised",
     "agent_timeout": "the agent's function took longer than its timeout",
+    "agent_stuck": "the agent waited agent_stuck_after seconds (or on a reply it never asked for) with no model "
+                   "request outstanding and no environment call running",
     "invalid_output": "the agent returned no trajectories, or ones the learner could not take",
     "rejected": "the learner set the group's message aside in the dead-letter stream",
 }

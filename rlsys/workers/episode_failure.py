@@ -21,31 +21,35 @@ import traceback
 
 from rlsys.errors import EpisodeFailed
 from rlsys.tools.queue_time import Overran, within
+from rlsys.workers.episode_activity import EpisodeActivity
 
 
 GUARDED = ("reset", "step", "close", "fork")
 
 
-def guard_env(env, timeout: float):
+def guard_env(env, timeout: float, activity: EpisodeActivity | None = None):
     """`env`, with reset/step/close/fork raising EpisodeFailed on an exception or after `timeout` s (0: no
-    limit); what fork returns is guarded the same way."""
+    limit), each call counted in `activity` while it runs (an episode in one is not stuck on its agent); what fork
+    returns is guarded the same way."""
+    activity = activity or EpisodeActivity()
     for name in GUARDED:
-        setattr(env, name, _guarded(getattr(env, name), f"{type(env).__name__}.{name}", timeout))
+        setattr(env, name, _guarded(getattr(env, name), f"{type(env).__name__}.{name}", timeout, activity))
     fork = env.fork
 
     async def guarded_fork():
         copy = await fork()
         for name in GUARDED:  # the copy's instance attributes: wrappers of the original's methods
             vars(copy).pop(name, None)
-        return guard_env(copy, timeout)
+        return guard_env(copy, timeout, activity)
 
     env.fork = guarded_fork
     return env
 
 
-def _guarded(method, label: str, timeout: float):
+def _guarded(method, label: str, timeout: float, activity: EpisodeActivity):
     @functools.wraps(method)
     async def call(*args, **kwargs):
+        activity.count_env_call(1)
         try:
             return await (within(method(*args, **kwargs), timeout) if timeout else method(*args, **kwargs))
         except EpisodeFailed:
@@ -54,6 +58,8 @@ def _guarded(method, label: str, timeout: float):
             raise EpisodeFailed("env_timeout", f"{label} took longer than {timeout:g}s (env_timeout)") from None
         except Exception as e:
             raise EpisodeFailed("env_error", f"{label} raised {describe_exception(e)}") from e
+        finally:
+            activity.count_env_call(-1)
 
     return call
 

@@ -25,6 +25,7 @@ from rlsys.errors import RunCannotGoOn
 from rlsys.stop_grace import CANCEL_SHARE
 from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
+from rlsys.workers.episode_activity import ActQueue, EpisodeActivity, awaiting_at
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
 from rlsys.workers.routing import EpisodeRouter
 
@@ -258,7 +259,7 @@ class RolloutWorker:
         return trajectories
 
     async def play_episode(self, agent, prompt: Prompt, evaluation: bool, calls: list | None = None) -> list[Trajectory]:
-        obs_queue, act_queue = asyncio.Queue(), asyncio.Queue()
+        obs_queue, act_queue, activity = asyncio.Queue(), ActQueue(), EpisodeActivity()
         env = None
         try:
             try:
@@ -266,9 +267,9 @@ class RolloutWorker:
             except Exception as e:  # environment code like reset and step: its failure, not the agent's
                 raise EpisodeFailed("env_error", f"the environment's constructor raised {describe_exception(e)}") \
                     from e
-            env = guard_env(made, self.config.env_timeout)
+            env = guard_env(made, self.config.env_timeout, activity)
             trajectories = await self.router.serve(agent.collect_trajectory(prompt, env, obs_queue, act_queue),
-                                                   obs_queue, act_queue, calls)
+                                                   obs_queue, act_queue, calls, activity, self.config.agent_stuck_after)
             try:  # checked here, not only as a training group's message: evaluation reads them too
                 agent_output(trajectories)
             except InvalidMessage as e:
@@ -397,16 +398,6 @@ class RolloutWorker:
 
     async def _bus_get(self, key: str):
         return await asyncio.to_thread(self.bus.get, key)
-
-
-def awaiting_at(task: asyncio.Task) -> list[str]:
-    """Where `task` waits: each coroutine of the chain it awaits through, outermost first, as `file:line in name`
-    (a task's own stack shows only its outermost frame while it is suspended), down to a future or another task."""
-    where, awaited = [], task.get_coro()
-    while (frame := getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)) is not None:
-        where.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
-        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
-    return where
 
 
 def next_evaluation(version: int, every: int) -> int:

@@ -32,6 +32,8 @@ from rlsys.api.messages import GenerationAbort, GenerationRefusal, GenerationReq
 from rlsys.bus import ServerRestarts, Undecodable
 from rlsys.bus.dead_letters import set_aside
 from rlsys.cancellation import cancel_and_wait
+from rlsys.errors import EpisodeFailed
+from rlsys.workers.episode_activity import EpisodeActivity, awaiting_at, stuck_for
 from rlsys.workers.inference_status import InferenceStatus
 
 REFRESH_INTERVAL = 0.05  # seconds between reads of the workers' status keys
@@ -108,6 +110,7 @@ class PendingRequest:
     epoch: int = 0
     calls: list | None = None  # the episode's call log, when it is traced (rlsys/tracing.py)
     refused: asyncio.Future | None = None  # the episode's: set with the reason if a worker refuses a request
+    activity: EpisodeActivity | None = None  # the episode's: counts the request until its reply is put
 
 
 # A rollout worker's figures of its requests in its records (`RouterStats.figures`), which the benchmarks read
@@ -145,20 +148,29 @@ class EpisodeRouter:
         self.server_restarts = ServerRestarts(bus)
 
     async def serve(self, episode: Awaitable, obs_queue: asyncio.Queue, act_queue: asyncio.Queue,
-                    calls: list | None = None):
+                    calls: list | None = None, activity: EpisodeActivity | None = None, stuck_after: float = 0.0):
         """Runs `episode` (an agent's `collect_trajectory` over these queues) with its requests forwarded, and
         returns what it returns. A request the router or an inference worker refuses cancels it and raises
-        InvalidMessage."""
+        InvalidMessage. With `stuck_after` (and the `activity` its environment counts its calls in), one stuck on
+        something of its own (rlsys/workers/episode_activity.py) is cancelled and raises EpisodeFailed("agent_stuck")
+        saying where its agent waited."""
+        activity = activity or EpisodeActivity()
         refused = asyncio.get_running_loop().create_future()
-        forwarder = asyncio.create_task(self.forward(obs_queue, act_queue, calls, refused))
+        forwarder = asyncio.create_task(self.forward(obs_queue, act_queue, calls, refused, activity))
         playing = asyncio.ensure_future(episode)
+        watcher = asyncio.create_task(stuck_for(playing, activity, obs_queue, act_queue, stuck_after) if stuck_after
+                                      else asyncio.Event().wait())
         try:
-            await asyncio.wait([playing, forwarder, refused], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([playing, forwarder, refused, watcher], return_when=asyncio.FIRST_COMPLETED)
             if not playing.done():
+                if watcher.done():
+                    where = "\n".join(awaiting_at(playing))
+                    raise EpisodeFailed("agent_stuck", f"the agent {watcher.result()}; it waits at:\n{where}")
                 (forwarder if forwarder.done() else refused).result()  # each ends only by raising
             return playing.result()
         finally:
             forwarder.cancel()
+            watcher.cancel()
             if refused.done() and not refused.cancelled():
                 refused.exception()  # a refusal of a request the episode no longer awaited: retrieved, not logged
             refused.cancel()
@@ -168,22 +180,24 @@ class EpisodeRouter:
                 await self.abort(aborts)
 
     async def forward(self, obs_queue: asyncio.Queue, act_queue: asyncio.Queue, calls: list | None = None,
-                      refused: asyncio.Future | None = None) -> None:
+                      refused: asyncio.Future | None = None, activity: EpisodeActivity | None = None) -> None:
         """Sends one episode's requests, all to the worker that took its first, while that worker lives (or to the
         one its last request was re-sent to, when that one died).
         `calls`: if given, each answered request appends when it was sent, how long it took and its sizes.
         Raises InvalidMessage on a request an inference worker would refuse; `refused` gets the reason of one its
-        engine refuses."""
+        engine refuses. `activity` counts the requests taken until their replies are put in `act_queue`."""
         worker, pending = None, None
+        activity = activity or EpisodeActivity()
         while True:
             qid, message = self.checked_request(await obs_queue.get())
+            activity.count_request(1)
             put_at = time.monotonic()
             if pending is not None:  # where the last request went: one re-sent took the episode's prefix with it
                 worker = pending.worker
             if worker is None or not self.workers.is_alive(worker):
                 worker = await self.live_worker()
             pending = self.waiting[message["rid"]] = PendingRequest(qid, act_queue, message, put_at, calls=calls,
-                                                                    refused=refused)
+                                                                    refused=refused, activity=activity)
             await self.send(pending, worker)
 
     def checked_request(self, request) -> tuple[str, dict]:
@@ -243,6 +257,8 @@ class EpisodeRouter:
                                           "worker": pending.worker, "prompt_tokens": len(output.prompt_ids),
                                           "output_tokens": [len(ids) for ids in output.output_ids]})
                 pending.act_queue.put_nowait(output)
+                if pending.activity is not None:
+                    pending.activity.count_request(-1)
 
     @staticmethod
     def fail(pending: PendingRequest, reason: str) -> None:
