@@ -2,24 +2,23 @@
 through the real rollout worker, and the evaluation or the training goes on."""
 
 import asyncio
-import dataclasses
 import threading
 
 import pytest
 
 from experiments import AsyncPPOMATHConfig
-from rlsys import protocol
-from rlsys.api import (Agent, AgentAbstraction, EnvironmentService, EnvServiceAbstraction, GenerationConfig, Model,
-                       ModelRequest, Prompt, Trajectory, register_agent, register_environment)
-from rlsys.bus import InProcessBus
 from experiments.common import InferenceConfig
+from rlsys import protocol
+from rlsys.api import (Agent, EnvironmentService, GenerationConfig, Model, ModelRequest, Prompt, Trajectory,
+                       register_agent, register_environment)
+from rlsys.bus import InProcessBus
 from rlsys.engine.generation import GenerationEngine
 from rlsys.engine.transformers_engine import TransformersBackend
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.workers.episode_activity import ActQueue, EpisodeActivity, stuck_for
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.rollout_worker import RolloutWorker
-from tests.helpers import save_random_tiny_model
+from tests.test_rollout_worker import config_of
 
 
 def solved(prompt: Prompt) -> list[Trajectory]:
@@ -67,23 +66,6 @@ class WaitsOnItsOwn(Agent):
 
 
 register_agent("waits-on-its-own", WaitsOnItsOwn)
-
-
-def config_of(agent: str, tmp_path, env: str | None = None):
-    @dataclasses.dataclass
-    class Experiment(AsyncPPOMATHConfig):
-        @property
-        def agent(self):
-            return AgentAbstraction(agent, {})
-
-        @property
-        def env(self):
-            return EnvServiceAbstraction(env) if env else super().env
-
-    config = Experiment()
-    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
-    config.logging_dir = str(tmp_path / "logs")
-    return config
 
 
 async def with_inference(worker: RolloutWorker, bus, work):
