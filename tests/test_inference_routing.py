@@ -364,6 +364,36 @@ def test_each_pass_of_the_router_s_watch_reads_the_workers_and_the_server_s_id_i
     assert passes[:3] == [1, 2, 3]  # the refresh of pass k in its k-th hop
 
 
+class CountsReads(InProcessBus):
+    """Counts the bus calls that read a value: `get` by key, and `get_keys` by the keys of each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.gets, self.get_keys_calls = [], []
+
+    def get(self, key, default=None):
+        self.gets.append(key)
+        return super().get(key, default)
+
+    def get_keys(self, keys, default=None):
+        self.get_keys_calls.append(list(keys))
+        return super().get_keys(keys, default)
+
+
+def test_a_refresh_reads_every_worker_s_status_in_one_bus_call_and_sets_a_malformed_one_aside():
+    """A round trip each, every REFRESH_INTERVAL, grew with the inference workers (BENCHMARKS.md, 2026-12-07)."""
+    bus = CountsReads()
+    InferenceStatus(bus, 0).publish(WorkerStatus(1, 1, 4, 2))
+    bus.set(protocol.inference_status(1), {"epoch": "one"})  # malformed
+    InferenceStatus(bus, 3).publish(WorkerStatus(2, 5, 3, 0))
+    router = EpisodeRouter(bus, protocol.replies(0), n_inference_workers=4)
+    router.workers.refresh()
+    assert bus.gets == [] and bus.get_keys_calls == [[protocol.inference_status(i) for i in range(4)]]
+    assert [router.workers.is_alive(i) for i in range(4)] == [True, False, False, True]
+    assert router.workers.served_version() == 3 and router.workers.least_loaded() == 3
+    assert bus.stream_length(protocol.DEAD_MESSAGES) == 1 and bus.get(protocol.inference_status(1)) is None
+
+
 def test_weight_update_mid_generation_tags_each_token_with_its_version(tmp_path):
     bus = InProcessBus()
     engine = ScriptedEngine(counting_policy, logprob=-0.5, tokens_per_step=1)

@@ -37,9 +37,14 @@ def set_aside(bus, source: str, reason: str, message) -> None:
 
 
 def read_beat(bus, key: str, parse: Callable[[object], T]) -> T | None:
-    """The message at `key`, which a role rewrites at each of its beats, parsed; None if there is none, or it is
+    """The message at `key`, which a role rewrites at each of its beats, parsed (`parse_beat`)."""
+    return parse_beat(bus, key, bus.get(key), parse)
+
+
+def parse_beat(bus, key: str, message, parse: Callable[[object], T]) -> T | None:
+    """`message`, read from `key`, which a role rewrites at each of its beats, parsed; None if there is none, or it is
     malformed: set aside with its reason and deleted, so that the role's next beat writes a good one."""
-    if (message := bus.get(key)) is None:
+    if message is None:
         return None
     try:
         return parse(message)

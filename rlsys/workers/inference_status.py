@@ -10,7 +10,7 @@ import logging
 
 from rlsys import protocol
 from rlsys.api.messages import WorkerStatus, parse_worker_status
-from rlsys.bus.dead_letters import read_beat
+from rlsys.bus.dead_letters import parse_beat
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,11 @@ class InferenceStatus:
 
     def read(self) -> WorkerStatus | None:
         """The status, or None if there is none yet or it is malformed (set aside with its reason)."""
-        return read_beat(self.bus, self.key, parse_worker_status)
+        return self.parsed(self.bus.get(self.key))
+
+    def parsed(self, message) -> WorkerStatus | None:
+        """`message`, read from this key, as `read` gives it."""
+        return parse_beat(self.bus, self.key, message, parse_worker_status)
 
     def mark_dead(self) -> None:
         """The process serving the epoch now published has exited (its successor has not started yet)."""
@@ -34,3 +38,9 @@ class InferenceStatus:
         if status is not None and not status.dead:
             self.publish(WorkerStatus(status.epoch, status.beat, status.version, 0, dead=True,
                                      weights_streamed=status.weights_streamed))
+
+
+def read_statuses(bus, statuses: list[InferenceStatus]) -> list[WorkerStatus | None]:
+    """Each of `statuses` as its `read` gives it, all read in one round trip (a router reads them every 50 ms)."""
+    messages = bus.get_keys([status.key for status in statuses])
+    return [status.parsed(message) for status, message in zip(statuses, messages)]

@@ -34,7 +34,7 @@ from rlsys.bus.dead_letters import set_aside
 from rlsys.cancellation import cancel_and_wait
 from rlsys.errors import EpisodeFailed
 from rlsys.workers.episode_activity import EpisodeActivity, awaiting_at, stuck_for
-from rlsys.workers.inference_status import InferenceStatus
+from rlsys.workers.inference_status import InferenceStatus, read_statuses
 
 REFRESH_INTERVAL = 0.05  # seconds between reads of the workers' status keys
 UNDELIVERED = -1  # the epoch of a request that must be sent again (no worker epoch is negative)
@@ -65,8 +65,7 @@ class InferenceWorkers:
 
     def refresh(self) -> None:
         now = time.monotonic()
-        for view, status_key in zip(self.views, self.statuses):
-            status = status_key.read()
+        for view, status in zip(self.views, read_statuses(self.bus, self.statuses)):
             if status is None:
                 continue
             if not view.seen or status.beat != view.beat or status.epoch != view.epoch:
