@@ -27,6 +27,12 @@ REFRESH_INTERVAL (rlsys/workers/routing.py, EpisodeRouter.watch_workers), in an 
 
 - "a hop each": each in a thread hop of its own, as before 2026-12-07;
 - "one hop" and "one hop, again": both in one hop (EpisodeRouter.look_at_the_bus), as now.
+
+Within that hop, InferenceWorkers.refresh reads each inference worker's status key. With `--workers` 2 and 4 (each
+status published), `--passes` reads of all of them a window, on this thread:
+
+- "a GET each": each with InferenceStatus.read, a round trip each, as before 2026-12-07;
+- "one MGET" and "one MGET, again": all with read_statuses, one round trip, as now.
 """
 
 import argparse
@@ -42,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlsys import protocol  # noqa: E402
 from rlsys.bus import EmbeddedRedis, RedisBus, connect  # noqa: E402
+from rlsys.api.messages import WorkerStatus  # noqa: E402
+from rlsys.workers.inference_status import InferenceStatus, read_statuses  # noqa: E402
 from rlsys.workers.routing import EpisodeRouter  # noqa: E402
 
 
@@ -76,6 +84,17 @@ async def one_hop(router: EpisodeRouter) -> bool:
 ROUTER_SIDES = {"a hop each": a_hop_each, "one hop": one_hop, "one hop, again": one_hop}
 
 
+def a_get_each(statuses: list[InferenceStatus]) -> list:
+    return [status.read() for status in statuses]
+
+
+def one_mget(statuses: list[InferenceStatus]) -> list:
+    return read_statuses(statuses[0].bus, statuses)
+
+
+REFRESH_SIDES = {"a GET each": a_get_each, "one MGET": one_mget, "one MGET, again": one_mget}
+
+
 async def window(bus, goes_on, passes: int) -> tuple[float, float]:
     """(CPU, wall) microseconds a pass takes, mean over `passes` passes; `bus` is what `goes_on` takes."""
     started, started_cpu = time.perf_counter(), time.process_time()
@@ -93,6 +112,22 @@ def server_id_window(bus, server_id, passes: int) -> tuple[float, float]:
         if server_id(bus) != reference:
             raise RuntimeError("a side read another server id")
     return 1e6 * (time.process_time() - started_cpu) / passes, 1e6 * (time.perf_counter() - started) / passes
+
+
+def statuses_window(statuses: list[InferenceStatus], read, passes: int) -> tuple[float, float]:
+    """(CPU, wall) microseconds a read of all `statuses` takes, mean over `passes` reads."""
+    started, started_cpu = time.perf_counter(), time.process_time()
+    for _ in range(passes):
+        if None in read(statuses):
+            raise RuntimeError("a side read a status as missing or malformed: each was published")
+    return 1e6 * (time.process_time() - started_cpu) / passes, 1e6 * (time.perf_counter() - started) / passes
+
+
+def published_statuses(bus, workers: int) -> list[InferenceStatus]:
+    statuses = [InferenceStatus(bus, index) for index in range(workers)]
+    for index, status in enumerate(statuses):
+        status.publish(WorkerStatus(epoch=1, beat=index, version=3, load=index))
+    return statuses
 
 
 async def measure(subject, sides: dict, timed, passes: int, repeats: int) -> dict:
@@ -129,6 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=2000, help="passes a window")
     parser.add_argument("--repeats", type=int, default=5, help="windows a side")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="inference workers a refresh reads")
     parser.add_argument("--out", default="bench/results/poll_passes.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
@@ -138,17 +174,23 @@ def main() -> None:
         asks = asyncio.run(measure(bus, SERVER_ID_SIDES, server_id_window, args.passes, args.repeats))
         router = EpisodeRouter(bus, protocol.replies(0), n_inference_workers=1)
         watches = asyncio.run(measure(router, ROUTER_SIDES, window, args.passes, args.repeats))
+        refreshes = {n: asyncio.run(measure(published_statuses(bus, n), REFRESH_SIDES, statuses_window, args.passes,
+                                            args.repeats)) for n in args.workers}
         bus.close()
     print(f"{args.passes} passes (asks) a window, {args.repeats} windows a side")
     medians, same, ratio = report("the rollout worker's loop: whether to go on", windows, *SIDES)
     id_medians, id_same, id_ratio = report("the learner's inbox: the server's id", asks, *SERVER_ID_SIDES)
     watch_medians, watch_same, watch_ratio = report("the router's watch: statuses and the server's id", watches,
                                                     *ROUTER_SIDES)
+    refresh = {n: dict(zip(("medians", "identical_sides", "ratio"), report(
+        f"the router's refresh: the statuses of {n} workers", windows_n, *REFRESH_SIDES)), windows=windows_n)
+        for n, windows_n in refreshes.items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "args": vars(args), "windows": windows, "medians": medians, "identical_sides": same, "ratio": ratio,
         "server_id": {"windows": asks, "medians": id_medians, "identical_sides": id_same, "ratio": id_ratio},
-        "router": {"windows": watches, "medians": watch_medians, "identical_sides": watch_same, "ratio": watch_ratio}},
+        "router": {"windows": watches, "medians": watch_medians, "identical_sides": watch_same, "ratio": watch_ratio},
+        "refresh": refresh},
         indent=2))
     print(f"ratio: {ratio:.2f} (a call each / one call, CPU time of a pass's reads)")
 
