@@ -1,7 +1,8 @@
 """Small builders shared by tests: a tiny randomly initialised model saved in HF format, a message with one
-field replaced."""
+field replaced, the math experiment with a test's agent."""
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,7 +12,9 @@ import msgpack
 import psutil
 import pytest
 
+from experiments import AsyncPPOMATHConfig
 from experiments.common import ModelConfig
+from rlsys.api import AgentAbstraction, EnvServiceAbstraction
 from rlsys.model.tiny import build_tiny_model
 from rlsys.model.tokenizer import build_char_tokenizer
 
@@ -159,3 +162,23 @@ def summing_rank(role: str, index: int, out: str, env: dict) -> int:
     Path(out, f"{role}{index}").write_text(str(ranks.summed(torch.tensor([index + 1.0])).item()))
     leave_ranks(ranks)
     return 0
+
+
+def config_of(agent: str, tmp_path, env: str | None = None):
+    """The math experiment with `agent` (and `env`, where given) by registered name, a random tiny model and its logs
+    under `tmp_path`. Shared here, not imported from a test module: a test module imported by another is imported
+    twice (by pytest and by name), and the agents it registers are refused the second time."""
+    @dataclasses.dataclass
+    class Experiment(AsyncPPOMATHConfig):
+        @property
+        def agent(self):
+            return AgentAbstraction(agent, {})
+
+        @property
+        def env(self):
+            return EnvServiceAbstraction(env) if env else super().env
+
+    config = Experiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    return config

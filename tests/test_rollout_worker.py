@@ -28,7 +28,7 @@ from rlsys.run_start import initialize_bus_state
 from rlsys.tracing import read_traces, traced
 from rlsys.workers import rollout_worker
 from rlsys.workers.rollout_worker import RolloutWorker, next_evaluation
-from tests.helpers import save_random_tiny_model
+from tests.helpers import config_of, save_random_tiny_model
 
 
 def write_rows(path, answers):
@@ -577,23 +577,6 @@ class IgnoresCancellation(Agent):
 IGNORING_LINE = inspect.getsourcelines(IgnoresCancellation.collect_trajectory)[1] + 3
 register_agent("swallows-a-cancellation", SwallowsACancellation)
 register_agent("ignores-cancellation", IgnoresCancellation)
-
-
-def config_of(agent: str, tmp_path, env: str | None = None):
-    @dataclasses.dataclass
-    class Experiment(AsyncPPOMATHConfig):
-        @property
-        def agent(self):
-            return AgentAbstraction(agent, {})
-
-        @property
-        def env(self):
-            return EnvServiceAbstraction(env) if env else super().env
-
-    config = Experiment()
-    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
-    config.logging_dir = str(tmp_path / "logs")
-    return config
 
 
 def worker_running_two_episodes_of(agent: str, tmp_path) -> tuple[RolloutWorker, list[str]]:

@@ -18,7 +18,7 @@ from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.workers.episode_activity import ActQueue, EpisodeActivity, stuck_for
 from rlsys.workers.inference_worker import InferenceWorker
 from rlsys.workers.rollout_worker import RolloutWorker
-from tests.test_rollout_worker import config_of
+from tests.helpers import config_of
 
 
 def solved(prompt: Prompt) -> list[Trajectory]:
