@@ -67,6 +67,45 @@ def test_a_role_killed_by_a_native_abort_leaves_its_python_stack_in_its_log(tmp_
     assert "Fatal Python error: Aborted" in log and "in tearing_down_the_ranks" in log, log
 
 
+FAILING_ROLE = """
+import itertools
+from pathlib import Path
+from rlsys.console import role_output_to_file
+from rlsys.workers.failure_log import FailureLog
+log_file = Path({log_file!r})
+role_output_to_file(log_file, "rollout0")
+ticks = itertools.count()  # each look at the clock a second later: 300 failures take minutes
+failures = FailureLog(log_file, clock=lambda: float(next(ticks)))
+for i in range(300):
+    failures.failed(f"train-0-{{i}}", "env_error",
+                    f"BrokenEnv.step raised ImportError: no reward package {{i}} (at env.py:7 in step)")
+failures.failed("train-0-300", "agent_error", "RuntimeError: a bug (at agent.py:3 in run)")
+failures.close()
+"""
+
+
+def test_many_failed_episodes_reach_the_console_as_the_first_in_full_then_counts_and_the_log_as_each(tmp_path):
+    """A broken reward fails every episode: the console says the first failure of its kind in full (its exception
+    and where), then a count now and then instead of a line each, while the role's log keeps every one."""
+    log_file = tmp_path / "rollout0.log"
+    proc = subprocess.run([sys.executable, "-c", FAILING_ROLE.format(log_file=str(log_file))], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    console = proc.stderr.splitlines()
+    in_full = [line for line in console if "failed (env_error): BrokenEnv.step raised ImportError" in line]
+    assert in_full == ["rollout0 WARNING episode train-0-0 failed (env_error): BrokenEnv.step raised ImportError: "
+                       "no reward package 0 (at env.py:7 in step)"], console
+    counts = [re.fullmatch(rf"rollout0 WARNING (\d+) more episodes failed \(env_error\), (\d+) in all: see "
+                           rf"{re.escape(str(log_file))}", line) for line in console if "more episodes" in line]
+    assert all(counts) and 2 <= len(counts) <= 300 // 60 + 2, console  # one a minute at most, and the rest at the end
+    assert sum(int(c[1]) for c in counts) == 299 and int(counts[-1][2]) == 300, console
+    assert any("failed (agent_error): RuntimeError: a bug" in line for line in console), console
+    assert len(console) == 1 + len(counts) + 1, console
+    logged = re.findall(r"episode train-0-(\d+) failed \(env_error\): BrokenEnv.step raised ImportError: "
+                        r"no reward package (\d+)", log_file.read_text())
+    assert [int(qid) for qid, _ in logged] == list(range(300)) and all(qid == n for qid, n in logged)
+
+
 def test_a_finished_run_leaves_nothing_in_the_temp_directory(tiny_run):
     run_dir, _ = tiny_run
     left = [p.name for p in (run_dir.parents[1] / "tmp").iterdir()

@@ -107,7 +107,7 @@ def test_an_agent_s_own_cancelled_error_fails_its_episode_and_an_episode_cancell
     assert asyncio.run(main())
     counts = worker.ledger.counts()
     assert counts["failed"] == {"agent_error": 1} and counts["in_flight"] == 1  # counted as run_ended at the end
-    assert worker.ledger.slots_taken() == 1 and worker.failures == {"agent_error": 1}
+    assert worker.ledger.slots_taken() == 1 and worker.failures.by_reason == {"agent_error": 1}
     # what a restarted worker would find: past both prompts, and the cancelled one to redo
     assert bus.get(protocol.rollout_position(0)) == 2 and bus.set_members(protocol.rollout_episodes(0)) == ["train-0-1"]
 
@@ -147,7 +147,7 @@ def test_an_episode_failed_with_an_unknown_reason_is_counted_as_an_agent_error_n
     worker = after_one_training_episode(OwnReasonExperiment(), tmp_path)
     counts = worker.ledger.counts()
     assert counts["failed"] == {"agent_error": 1} and counts["in_flight"] == 0 and worker.ledger.slots_taken() == 0
-    assert worker.failures == {"agent_error": 1}
+    assert worker.failures.by_reason == {"agent_error": 1}
     assert "EpisodeFailed('out_of_budget') is not one of the failure reasons" in caplog.text
     assert "spent its budget" in caplog.text
 
@@ -179,7 +179,7 @@ def test_an_environment_whose_constructor_raises_fails_its_episode_as_an_env_err
     """Counted as the agent's error, it sent the user looking at the wrong plugin."""
     worker = after_one_training_episode(UnmadeEnvExperiment(), tmp_path)
     counts = worker.ledger.counts()
-    assert counts["failed"] == {"env_error": 1} and counts["in_flight"] == 0 and worker.failures == {"env_error": 1}
+    assert counts["failed"] == {"env_error": 1} and counts["in_flight"] == 0 and worker.failures.by_reason == {"env_error": 1}
     assert "the environment's constructor raised FileNotFoundError: reward_model.bin" in caplog.text
 
 
@@ -213,7 +213,7 @@ def test_an_evaluation_episode_that_returns_no_trajectories_fails_as_invalid_out
     worker = RolloutWorker(config, bus, 0)
     worker.eval_rows = [{"prompt": "1+1=", "answer": "2"}]
     asyncio.run(worker.evaluate("initial"))
-    assert worker.failures == {"invalid_output": 1} and bus.get(protocol.eval_result("initial"))["episodes"] == 0
+    assert worker.failures.by_reason == {"invalid_output": 1} and bus.get(protocol.eval_result("initial"))["episodes"] == 0
     assert f"collect_trajectory must return a list of Trajectory, {named}" in caplog.text
     # the worker's log line counts the failed episode among the problems, as the accuracy does (it said "of 0")
     assert "held-out accuracy initial (version 0): 0.0% of 1 (1 failed, counted unsolved)" in caplog.text

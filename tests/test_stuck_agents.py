@@ -104,7 +104,7 @@ def test_an_agent_that_awaits_a_reply_it_never_asked_for_fails_as_stuck_and_the_
         close_shared_pool()
     result = bus.get(protocol.eval_result("initial"))
     assert result["failed"] == 2 and result["episodes"] == 2 and result["accuracy"] == 0.5
-    assert worker.failures == {"agent_stuck": 3}
+    assert worker.failures.by_reason == {"agent_stuck": 3}
     counts = worker.ledger.counts()
     assert counts["failed"] == {"agent_stuck": 1} and counts["in_flight"] == 1  # the other was delivered
     assert "awaits act_queue.get() with no request put" in caplog.text and "in collect_trajectory" in caplog.text
@@ -122,7 +122,7 @@ def test_an_agent_idle_past_agent_stuck_after_fails_naming_where_it_waits_and_a_
         asyncio.run(with_inference(worker, bus, worker.evaluate("initial")))
     finally:
         close_shared_pool()
-    assert bus.get(protocol.eval_result("initial"))["failed"] == 1 and worker.failures == {"agent_stuck": 1}
+    assert bus.get(protocol.eval_result("initial"))["failed"] == 1 and worker.failures.by_reason == {"agent_stuck": 1}
     assert "ran 1s (agent_stuck_after) with no model request outstanding" in caplog.text
     assert "test_stuck_agents.py" in caplog.text and "in collect_trajectory" in caplog.text
 

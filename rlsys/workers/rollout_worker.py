@@ -1,7 +1,6 @@
 """The rollout worker: runs many episodes at once and bridges each episode's queues to the bus."""
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import gc
@@ -27,6 +26,7 @@ from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
 from rlsys.workers.episode_activity import ActQueue, EpisodeActivity, awaiting_at
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
+from rlsys.workers.failure_log import FailureLog
 from rlsys.workers.routing import EpisodeRouter
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ class RolloutWorker:
         self.published_running = -protocol.ROLLOUT_BEAT_INTERVAL  # when the count of `running` was last published
         self.training: set[str] = set()  # ids of the training prompts whose episodes run here
         self.episode_ended = asyncio.Event()
-        self.failures: collections.Counter[str] = collections.Counter()  # reason -> failed episodes, eval included
+        # failed episodes by reason, eval included, and what the log says of them
+        self.failures = FailureLog(Path(config.logging_dir) / f"rollout{index}.log")
         self.failed_in_a_row = 0  # training episodes that failed since the last one that did not
         self.cannot_go_on: RunCannotGoOn | None = None
         self.crashed: BaseException | None = None  # raised by an episode's task outside the episode (the bus)
@@ -85,8 +86,8 @@ class RolloutWorker:
             starting.cancel()
             await self.train()
             self.metrics.log(await self.current_version(), {
-                "episodes/failed": sum(self.failures.values()),
-                **{f"episodes/failed/{reason}": n for reason, n in self.failures.items()},
+                "episodes/failed": sum(self.failures.by_reason.values()),
+                **{f"episodes/failed/{reason}": n for reason, n in self.failures.by_reason.items()},
                 **self.router.stats.figures()})
             if self.index == 0 and await self.wait_for_final_weights():
                 await self.evaluate(evaluations.FINAL)
@@ -94,6 +95,7 @@ class RolloutWorker:
             for task in (starting, *routing):
                 task.cancel()
             self.metrics.close()
+            self.failures.close()
             if self.traces is not None:
                 self.traces.close()
         self.bus.set(protocol.rollout_done(self.index), 1)
@@ -302,8 +304,7 @@ class RolloutWorker:
         if failure.reason not in FAILURE_REASONS:  # an agent's or env's own: the ledger could not record the episode
             failure = EpisodeFailed("agent_error", f"EpisodeFailed({failure.reason!r}) is not one of the failure "
                                                    f"reasons {sorted(FAILURE_REASONS)}: {failure.detail}")
-        self.failures[failure.reason] += 1
-        log.warning("episode %s failed (%s): %s", prompt.qid, failure.reason, failure.detail)
+        self.failures.failed(prompt.qid, failure.reason, failure.detail)
         return failure
 
     async def run_training_episode(self, prompt: Prompt) -> None:
