@@ -203,7 +203,8 @@ def test_faulty_envs_agents_and_poisoned_messages_are_survived_and_accounted(cac
     assert left_behind(tmp_path, existing) == []
 
 
-def test_an_env_that_always_fails_stops_the_run_with_its_reason_instead_of_using_up_the_dataset(cache_dir, tmp_path):
+def test_an_env_that_always_fails_stops_the_run_with_its_reason_instead_of_using_up_the_dataset(cache_dir, tmp_path,
+                                                                                              capfd):
     existing = child_pids()
     plugin = tmp_path / "broken_env_plugin.py"
     plugin.write_text(BROKEN_ENV_PLUGIN)
@@ -222,6 +223,11 @@ def test_an_env_that_always_fails_stops_the_run_with_its_reason_instead_of_using
     rollout_log = (Path(config.logging_dir) / "rollout0.log").read_text()
     failed = re.findall(r"episode train-\S+ failed \(env_error\)", rollout_log)
     assert 40 <= len(failed) <= 40 + config.max_concurrent_rollouts, len(failed)
+    # the console says the failure once in full, then counts that add up to the log's (held-out episodes included)
+    console = capfd.readouterr().err
+    assert len(re.findall(r"failed \(env_error\): BrokenEnv.step raised ImportError", console)) == 1, console
+    counts = [int(n) for n in re.findall(r"(\d+) more episodes failed \(env_error\)", console)]
+    assert counts and 1 + sum(counts) == len(re.findall(r"episode \S+ failed \(env_error\)", rollout_log)), console
     assert left_behind(tmp_path, existing) == []
 
 
