@@ -106,6 +106,24 @@ def test_many_failed_episodes_reach_the_console_as_the_first_in_full_then_counts
     assert [int(qid) for qid, _ in logged] == list(range(300)) and all(qid == n for qid, n in logged)
 
 
+def test_a_reason_whose_details_differ_each_time_is_said_in_full_three_times_then_counted(tmp_path, caplog):
+    """A detail that names the episode's own values makes each failure a kind of its own: the console still hears of
+    at most three in full, and counts the rest."""
+    from rlsys.workers.failure_log import FailureLog
+
+    failures = FailureLog(tmp_path / "rollout0.log", clock=lambda: 0.0)
+    with caplog.at_level("INFO", logger="rlsys.workers.failure_log"):
+        for i in range(10):
+            failures.failed(f"train-0-{i}", "invalid_output",
+                            f"group train-0-{i}: the same trajectory id appears twice")
+        failures.close()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned[:3] == [f"episode train-0-{i} failed (invalid_output): group train-0-{i}: the same trajectory id "
+                          "appears twice" for i in range(3)]
+    assert warned[3:] == [f"7 more episodes failed (invalid_output), 10 in all: see {tmp_path / 'rollout0.log'}"]
+    assert sum("failed (invalid_output): group" in r.getMessage() for r in caplog.records) == 10
+
+
 def test_a_finished_run_leaves_nothing_in_the_temp_directory(tiny_run):
     run_dir, _ = tiny_run
     left = [p.name for p in (run_dir.parents[1] / "tmp").iterdir()
