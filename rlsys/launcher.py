@@ -25,6 +25,7 @@ from rlsys.metrics import LEARNER_RECORDS, records_file
 from rlsys.placement import PlacementError, open_placement
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
 from rlsys.prompt_ledger import PromptLedger
+from rlsys.run_files import role_log
 from rlsys.run_privacy import redact_url
 from rlsys.run_start import (FROM_THE_START, begin_trial, initialize_bus_state, last_checkpoint_note,
                              make_run_directories, refuse_a_second_start, remove_directories, resolve_resume,
@@ -90,7 +91,7 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
                 write_stopped_summary(bus, config, run_dir, supervisor, ledger, part, why)
             raise
         for name, why in part.unclean.items():
-            log.warning("%s %s as the run stopped; its output: %s", name, why, Path(config.logging_dir) / f"{name}.log")
+            log.warning("%s %s as the run stopped; its output: %s", name, why, role_log(config.logging_dir, name))
         summary = run_summary(bus, config, run_dir, supervisor, ledger, part)
         bus.close()
     write_summary(summary, run_dir)

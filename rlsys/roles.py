@@ -19,6 +19,7 @@ from rlsys.cli import config_from_dict
 from rlsys.console import role_output_to_file
 from rlsys.errors import RunCannotGoOn
 from rlsys.placement.cpu_threads import role_threads
+from rlsys.run_files import role_log
 from rlsys.run_privacy import PRIVATE_UMASK
 from rlsys.supervisor import CANNOT_GO_ON_EXIT
 
@@ -34,7 +35,7 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, e
     import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
     import rlsys.impl.env  # noqa: F401
     config = config_from_dict(payload)
-    role_output_to_file(Path(config.logging_dir) / f"{role}{index}.log", f"{role}{index}")
+    role_output_to_file(role_log(config.logging_dir, f"{role}{index}"), f"{role}{index}")
     limit_threads(role_threads(role, config), role)
     bus = connect(bus_url)
     try:

@@ -13,3 +13,8 @@ LOGS_DIR = "logs"
 def logs_dir(run_dir: Path, logging_dir: str | Path | None = None) -> Path:
     """The directory of a run's records and role logs: the config's `logging_dir` where set, else <run dir>/logs."""
     return Path(logging_dir) if logging_dir else run_dir / LOGS_DIR
+
+
+def role_log(logging_dir: str | Path, name: str) -> Path:
+    """Where the role process `name` (learner0, rollout1, ...) writes its output: <logging_dir>/<name>.log."""
+    return Path(logging_dir) / f"{name}.log"

@@ -21,6 +21,7 @@ from rlsys.metrics import MetricsLogger, rollout_records
 from rlsys.model.tokenizer import load_tokenizer
 from rlsys.prompt_ledger import ADMITTED, CLOSED, FAILURE_REASONS, GATE_FULL, PromptLedger, failed
 from rlsys.errors import RunCannotGoOn
+from rlsys.run_files import role_log
 from rlsys.stop_grace import CANCEL_SHARE
 from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
@@ -55,7 +56,7 @@ class RolloutWorker:
         self.training: set[str] = set()  # ids of the training prompts whose episodes run here
         self.episode_ended = asyncio.Event()
         # failed episodes by reason, eval included, and what the log says of them
-        self.failures = FailureLog(Path(config.logging_dir) / f"rollout{index}.log")
+        self.failures = FailureLog(role_log(config.logging_dir, f"rollout{index}"))
         self.failed_in_a_row = 0  # training episodes that failed since the last one that did not
         self.cannot_go_on: RunCannotGoOn | None = None
         self.crashed: BaseException | None = None  # raised by an episode's task outside the episode (the bus)
