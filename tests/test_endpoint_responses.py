@@ -14,8 +14,8 @@ from tests.endpoint_clients import RESPONSES, RESPONSES_TOOLS, TOOLS
 from tests.scripted import ids
 from tests.test_endpoint_streaming import served
 from tests.helpers import with_field
-from tests.test_openai_endpoint import CALL, CONTEXT, LOGPROB, PROPERTIES, RESPONSES_OVERFLOW, ROW, json_values, post, \
-    refusal, run_episode, tool_then_answer
+from tests.test_openai_endpoint import CALL, CONTEXT, LOGPROB, PROPERTIES, ROW, json_values, post, refusal, \
+    responses_overflow, run_episode, tool_then_answer
 
 INPUT = [{"role": "user", "content": [{"type": "input_text", "text": "12+34="}]}]
 BODY = {"model": "rlsys", "instructions": "Use the calculator.", "input": INPUT, "tools": RESPONSES_TOOLS,
@@ -138,12 +138,13 @@ def typed_events(streamed) -> list[dict]:
 
 def test_a_prompt_past_the_context_is_the_responses_apis_context_overflow_unstreamed_and_streamed(tokenizer):
     """Unstreamed, refused with the body OpenAI's Responses API sends (400, code "context_length_exceeded", param
-    "input"). Streamed, as OpenAI streams it: a stream that fails, `response.created` and `response.in_progress`, an
-    `error` event holding that body, then `response.failed`, its response's error that code and message. Codex reads
-    a context overflow from that `response.failed` code alone (codex-rs/codex-api/src/sse/responses.rs; a 400 is to it
-    an invalid request); the openai client raises the `error` event as an APIError with the code, and LangChain's
-    ChatOpenAI on the Responses API raises that as its context overflow (by "exceeds the context window"). Nothing
-    reaches the model."""
+    "input"), indented as OpenAI sends it. Streamed, as OpenAI streams it: a stream that fails, `response.created` and
+    `response.in_progress`, an `error` event holding that body, then `response.failed`, its response's error that code
+    and message. Codex reads a context overflow from that `response.failed` code alone
+    (codex-rs/codex-api/src/sse/responses.rs; a 400 is to it an invalid request); the openai client raises the `error`
+    event as an APIError with the code. LangChain's ChatOpenAI on the Responses API raises both as its context overflow:
+    the 400 by its message's "Input tokens exceed the configured limit" (openai words str(e) from the message alone,
+    so the code is not seen), the failed stream by "exceeds the context window". Nothing reaches the model."""
     from langchain_core.exceptions import ContextOverflowError
     from langchain_openai import ChatOpenAI
     long = "1" * (CONTEXT + 1)
@@ -151,31 +152,72 @@ def test_a_prompt_past_the_context_is_the_responses_apis_context_overflow_unstre
     async def calls(client, http):
         with pytest.raises(openai.BadRequestError) as refused:
             await client.responses.create(model="rlsys", input=long)
+        raw = await http.post("/responses", json={"model": "rlsys", "input": long})
         streamed = await http.post("/responses", json={"model": "rlsys", "input": long, "stream": True})
         with pytest.raises(openai.APIError) as failed:
             async for _ in await client.responses.create(model="rlsys", input=long, stream=True):
                 pass
-        model = ChatOpenAI(base_url=str(http.base_url), api_key=http.headers["authorization"].removeprefix("Bearer "),
-                           model="rlsys", max_retries=0, use_responses_api=True, streaming=True)
-        with pytest.raises(ContextOverflowError) as overflow:
-            await model.ainvoke(long)
-        return refused.value, streamed, failed.value, overflow.value
+        overflows = []
+        for streaming in (False, True):
+            model = ChatOpenAI(base_url=str(http.base_url), model="rlsys", max_retries=0, use_responses_api=True,
+                               api_key=http.headers["authorization"].removeprefix("Bearer "), streaming=streaming)
+            with pytest.raises(ContextOverflowError) as overflow:
+                await model.ainvoke(long)
+            overflows.append(overflow.value)
+        return refused.value, raw, streamed, failed.value, overflows
 
-    (refused, streamed, failed, overflow), session = served(tokenizer, [], calls)
-    assert (refused.status_code, refused.body, refused.code) == (400, RESPONSES_OVERFLOW, "context_length_exceeded")
+    (refused, raw, streamed, failed, overflows), session = served(tokenizer, [], calls)
+    expected = responses_overflow(len(ids(tokenizer, f"<|user|>{long}<|end|><|assistant|>")))
+    assert (refused.status_code, refused.body, refused.code) == (400, expected, "context_length_exceeded")
+    assert raw.text == json.dumps({"error": expected}, indent=4)
     events = typed_events(streamed)
     assert [(e["type"], e["sequence_number"]) for e in events] == \
         [("response.created", 0), ("response.in_progress", 1), ("error", 2), ("response.failed", 3)]
     started, failure = events[0]["response"], events[3]["response"]
-    assert events[2] == {"type": "error", "sequence_number": 2, "error": RESPONSES_OVERFLOW}
+    assert events[2] == {"type": "error", "sequence_number": 2, "error": expected}
     assert (started["status"], started["error"], failure["status"], failure["output"], failure["usage"]) == \
         ("in_progress", None, "failed", [], None)
-    assert failure["error"] == {"code": "context_length_exceeded", "message": RESPONSES_OVERFLOW["message"]}
+    assert failure["error"] == {"code": "context_length_exceeded", "message": expected["message"]}
     assert {k: v for k, v in failure.items() if k not in ("status", "error")} == \
         {k: v for k, v in started.items() if k not in ("status", "error")}
     assert type(failed) is openai.APIError and (failed.code, failed.message) == \
-        ("context_length_exceeded", RESPONSES_OVERFLOW["message"])
-    assert isinstance(overflow, openai.APIError) and session.outputs == []
+        ("context_length_exceeded", expected["message"])
+    unstreamed, streamed_overflow = overflows
+    assert isinstance(unstreamed, openai.BadRequestError) and unstreamed.status_code == 400
+    assert isinstance(streamed_overflow, openai.APIError) and session.outputs == []
+
+
+def test_litellm_raises_its_context_window_error_for_a_prompt_past_the_context_on_every_api(tokenizer, monkeypatch):
+    """LiteLLM tells a context overflow from any bad request by the error's text: on /v1/responses by OpenAI's
+    `"code": "context_length_exceeded"` with the space OpenAI's indented body has, on the others by their words. Each
+    of its calls, on each API the endpoint serves, raises its ContextWindowExceededError (what its callers trim on),
+    streamed or not (`aresponses(stream=True)` calls a model LiteLLM does not know unstreamed); none reaches the
+    model."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else its import fetches model prices from the web
+    litellm = pytest.importorskip("litellm")  # scripts/install.sh --tests installs it, apart from the extras
+    long = "1" * (CONTEXT + 1)
+
+    async def calls(client, http):
+        base, key = str(http.base_url), http.headers["authorization"].removeprefix("Bearer ")
+        openai_api = {"model": "openai/rlsys", "api_base": base, "api_key": key, "num_retries": 0}
+        chat = {"messages": [{"role": "user", "content": long}], "max_tokens": 8}
+        raised = []
+        for call in (litellm.acompletion(**openai_api, **chat), litellm.acompletion(**openai_api, **chat, stream=True),
+                     litellm.atext_completion(**openai_api, prompt=long, max_tokens=8),
+                     litellm.aresponses(**openai_api, input=long), litellm.aresponses(**openai_api, input=long,
+                                                                                      stream=True),
+                     litellm.acompletion(model="anthropic/rlsys", api_base=base + "messages", api_key=key,
+                                         num_retries=0, **chat)):
+            with pytest.raises(litellm.BadRequestError) as refused:
+                answer = await call
+                async for _ in answer:  # a stream raises once read
+                    pass
+            raised.append(refused.value)
+        return raised
+
+    raised, session = served(tokenizer, [], calls)
+    assert [type(e).__name__ for e in raised] == ["ContextWindowExceededError"] * 6, [str(e) for e in raised]
+    assert session.outputs == []
 
 
 def test_a_reply_cut_by_max_output_tokens_is_incomplete(tokenizer, tokenizer_dir):

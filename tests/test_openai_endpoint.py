@@ -414,7 +414,7 @@ def test_a_call_whose_episode_ends_before_it_is_answered_gets_410(tokenizer, end
         writer.write(body[sent:])
         await writer.drain()
         try:
-            answer = await asyncio.wait_for(reader.readuntil(b"}}"), 20)
+            answer = await asyncio.wait_for(reader.readuntil(b"\n}"), 20)  # the end of the indented body
         except TimeoutError:
             answer = b"no answer"
         writer.close()
@@ -1072,10 +1072,14 @@ def vllm_refusal(message: str, param: str, value: int, code: str | int = 400) ->
             "code": code}
 
 
-# OpenAI's Responses API's body for an input past the context (unstreamed; its words carry no numbers)
-RESPONSES_OVERFLOW = {"message": "Your input exceeds the context window of this model. Please adjust your input and "
-                                 "try again.", "type": "invalid_request_error", "param": "input",
-                      "code": "context_length_exceeded"}
+def responses_overflow(length: int) -> dict:
+    """The body for an input of `length` tokens past the context on /v1/responses: OpenAI's Responses API's, its
+    sentence followed by OpenAI's chat one (which LangChain's ChatOpenAI reads from a 400)."""
+    return {"message": f"Your input exceeds the context window of this model. Input tokens exceed the configured limit "
+                       f"of {CONTEXT} tokens. Your input resulted in {length} tokens. Please adjust your input and try "
+                       f"again.", "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}
+
+
 LONG_PROMPTS = {  # path -> a body whose prompt is `CONTEXT + 1` characters (a token each) past a short one's
     "/chat/completions": {**CHAT, "messages": [{"role": "user", "content": "1" * (CONTEXT + 2)}]},
     "/completions": {**COMPLETION, "prompt": "1" * (CONTEXT + 2)},
@@ -1099,7 +1103,7 @@ def test_a_prompt_past_the_context_is_refused_as_openai_or_vllms_openai_server_r
     expected = {"message": f"Input tokens exceed the configured limit of {CONTEXT} tokens. Your messages resulted in "
                            f"{length} tokens. Please reduce the length of the messages.",
                 "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"} \
-        if path == "/chat/completions" else RESPONSES_OVERFLOW if path == "/responses" else vllm_refusal(
+        if path == "/chat/completions" else responses_overflow(length) if path == "/responses" else vllm_refusal(
             f"This model's maximum context length is {CONTEXT} tokens. However, your prompt contains {length} input "
             f"tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
             f"prompt.", "input_tokens", length, "context_length_exceeded")

@@ -560,9 +560,11 @@ def context_overflow(api: str, prompt_length: int, context: int) -> RequestError
     `api` tell a context overflow from any bad request (and so can shorten their history and call again).
 
     /v1/chat/completions: OpenAI's body for its current models; LangChain's ChatOpenAI reads its message (the openai
-    client words an error from the message alone). /v1/responses: OpenAI's Responses API's body; a streamed call is
-    answered with it as a stream that fails (`EpisodeSession.respond`). /v1/completions: vLLM's words, with OpenAI's
-    code where vLLM puts the status (LiteLLM reads "This model's maximum context length is"). /v1/messages:
+    client words an error from the message alone). /v1/responses: OpenAI's Responses API's body, its message OpenAI's
+    Responses sentence and then its chat one: ChatOpenAI reads the chat one from a 400 and "exceeds the context window"
+    from a failed stream, which is how a streamed call is answered (`EpisodeSession.respond`); LiteLLM reads OpenAI's
+    code in the body, sent indented as OpenAI sends it (rlsys/endpoint/server.py). /v1/completions: vLLM's words, with
+    OpenAI's code where vLLM puts the status (LiteLLM reads "This model's maximum context length is"). /v1/messages:
     Anthropic's "prompt is too long", whose numbers Claude Code reads."""
     if api == "messages":
         return RequestError(400, f"prompt is too long: {prompt_length} tokens > {context} maximum")
@@ -571,8 +573,9 @@ def context_overflow(api: str, prompt_length: int, context: int) -> RequestError
                                  f"resulted in {prompt_length} tokens. Please reduce the length of the messages.",
                             CONTEXT_OVERFLOW, "messages")
     if api == "responses":
-        return RequestError(400, "Your input exceeds the context window of this model. Please adjust your input and "
-                                 "try again.", CONTEXT_OVERFLOW, "input")
+        return RequestError(400, f"Your input exceeds the context window of this model. Input tokens exceed the "
+                                 f"configured limit of {context} tokens. Your input resulted in {prompt_length} "
+                                 f"tokens. Please adjust your input and try again.", CONTEXT_OVERFLOW, "input")
     return _vllm_refusal(f"This model's maximum context length is {context} tokens. However, your prompt contains "
                          f"{prompt_length} input tokens, which exceeds this limit even without any output tokens. "
                          f"Please reduce the length of the input prompt.", "input_tokens", prompt_length,

@@ -20,9 +20,11 @@ answered it whole (rlsys/endpoint/streaming.py).
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import secrets
 import socket
+from collections.abc import Mapping
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -128,7 +130,7 @@ class Endpoint:
 
         @app.exception_handler(RequestError)
         async def refused(request: Request, error: RequestError) -> JSONResponse:
-            return JSONResponse(_error_body(request, error), status_code=error.status)
+            return _error_response(request, error)
 
         @app.exception_handler(HTTPException)
         async def not_served(request: Request, error: HTTPException) -> JSONResponse:
@@ -137,8 +139,7 @@ class Endpoint:
             message = (f"{error.detail}: {request.method} {request.url.path}; this endpoint serves POST "
                        f"/v1/chat/completions, POST /v1/completions, POST /v1/responses, POST {MESSAGES_PATH} and "
                        f"GET /v1/models")
-            return JSONResponse(_error_body(request, RequestError(error.status_code, message, code=None)),
-                                status_code=error.status_code, headers=error.headers)
+            return _error_response(request, RequestError(error.status_code, message, code=None), error.headers)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
@@ -169,8 +170,19 @@ class Endpoint:
         return app
 
 
-def _error_body(request: Request, error: RequestError) -> dict:
-    return error.anthropic_body() if request.url.path == MESSAGES_PATH else error.body()
+class _OpenAIErrorResponse(JSONResponse):
+    """OpenAI's error body as OpenAI's API sends it, indented (Starlette's JSONResponse leaves out the spaces): clients
+    read it as text too, as LiteLLM tells a context overflow by `"code": "context_length_exceeded"`, with the space."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=4).encode()
+
+
+def _error_response(request: Request, error: RequestError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """A refusal in its API's error shape: Anthropic's under /v1/messages, as compact as Anthropic sends it."""
+    if request.url.path == MESSAGES_PATH:
+        return JSONResponse(error.anthropic_body(), status_code=error.status, headers=headers)
+    return _OpenAIErrorResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def _json_body(request: Request) -> dict:
