@@ -15,8 +15,9 @@ once the prompt is rendered (`reply_budget`), in the words, status and error fie
 paths as vLLM's OpenAI server answers: a budget or a prompt past the whole context is refused (type "BadRequestError",
 code 400, `param` the budget's name or "input_tokens"), and a budget within it (or the agent's default, where none is
 asked) is cut to what the prompt leaves; but a prompt past it is refused on /v1/chat/completions and /v1/responses
-with the body OpenAI sends there (code "context_length_exceeded"), which those APIs' clients read as a context
-overflow (`context_overflow`). On /v1/messages as Anthropic's API answers: a prompt past the context is
+with the body OpenAI sends there (code "context_length_exceeded"; on /v1/responses its message followed by chat's),
+which those APIs' clients read as a context overflow (`context_overflow`). On /v1/messages as Anthropic's API
+answers: a prompt past the context is
 "prompt is too long: <prompt> tokens > <context> maximum", and a max_tokens past what the prompt leaves is refused
 saying both numbers, which Claude Code reads to ask again for less. Sampling and reply settings the endpoint does not
 honour (penalties, logit bias, min_p, a forced or forbidden tool call, at most one tool call a turn, a JSON reply
