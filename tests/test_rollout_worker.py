@@ -380,6 +380,58 @@ def test_the_train_loop_reads_the_learner_s_end_and_the_stop_in_one_bus_call_a_p
     assert bus.single_reads == [] and bus.passes == 3
 
 
+class FailsThriceThenWaits(Agent):
+    """Its first three episodes fail as agent_error; the rest wait (on the model, say) until the run ends."""
+
+    def __init__(self):
+        self.episodes = 0
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        self.episodes += 1
+        if self.episodes <= 3:
+            raise RuntimeError("a bug")
+        await asyncio.Event().wait()
+
+
+register_agent("fails-thrice-then-waits", FailsThriceThenWaits)
+
+
+class AMinuteOnAfterTheFailures(InProcessBus):
+    """Each pass of the train loop (its read of whether to go on) notes the count lines the console heard so far, at
+    the failure log's clock: 0 while episodes fail, then 59 and 60 seconds after the last failures, and the stop."""
+
+    def __init__(self, caplog):
+        super().__init__()
+        self.caplog, self.now, self.worker, self.heard = caplog, 0.0, None, []
+
+    def get_keys(self, keys, default=None):
+        counts = [r.getMessage() for r in self.caplog.records if "more episodes failed" in r.getMessage()]
+        self.heard.append((self.now, counts))
+        if sum(self.worker.failures.by_reason.values()) == 3:
+            if self.now == 0.0:
+                self.now = 59.0
+            elif self.now == 59.0:
+                self.now = 60.0
+            else:
+                self.set(protocol.STOP, 1)
+        return super().get_keys(keys, default)
+
+
+def test_a_reason_s_last_failures_are_counted_on_the_console_a_minute_on_though_no_failure_follows(tmp_path, caplog):
+    """Said only with the reason's next failure (or at the worker's end), a run whose failures stopped left its
+    console silent on the last ones for as long as it went on."""
+    config = config_of("fails-thrice-then-waits", tmp_path)
+    bus = AMinuteOnAfterTheFailures(caplog)
+    worker = bus.worker = RolloutWorker(config, bus, 0)
+    worker.failures.clock = lambda: bus.now
+    worker.train_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(8)]
+    with caplog.at_level("WARNING", logger="rlsys.workers.failure_log"):
+        asyncio.run(asyncio.wait_for(worker.train(), 30))
+    said = f"2 more episodes failed (agent_error), 3 in all: see {worker.failures.log_file}"
+    assert [counts for now, counts in bus.heard if now == 59.0] == [[]]  # not before the minute
+    assert bus.heard[-1] == (60.0, [said]), bus.heard  # the pass after the minute said it, the worker still running
+
+
 def test_a_prompt_still_in_flight_from_the_last_pass_is_skipped_and_the_next_one_admitted(tmp_path, caplog):
     config = CancelledWithinExperiment()
     config.model.path = str(save_random_tiny_model(tmp_path / "model"))

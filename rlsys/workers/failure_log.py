@@ -2,7 +2,9 @@
 hears WARNING and above (rlsys/console.py), gets the first failure of each kind in full (of KINDS_IN_FULL kinds a
 reason at most: a detail may name the episode's own values), and then, for a reason's further failures, a count at
 most every COUNT_EVERY seconds: a broken reward fails every episode, and a line each would bury the run's progress
-lines."""
+lines. A count falls due COUNT_EVERY after its reason was last said, and the worker's loop asks for those due
+(`say_due`): said only with the reason's next failure, the last failures of a run whose failures stopped stayed unsaid
+for as long as it went on."""
 
 import collections
 import logging
@@ -22,7 +24,8 @@ def kind(detail: str) -> str:
 
 
 class FailureLog:
-    """Failed episodes by reason (`by_reason`), and their log lines; `close` says the counts not said yet."""
+    """Failed episodes by reason (`by_reason`), and their log lines; `say_due` says the counts due, `close` those not
+    said yet."""
 
     def __init__(self, log_file: Path, clock=time.monotonic):
         self.log_file, self.clock = log_file, clock
@@ -41,8 +44,14 @@ class FailureLog:
             self.said_at[reason] = self.clock()
             return
         self.unsaid[reason] += 1
-        if self.clock() - self.said_at[reason] >= COUNT_EVERY:
-            self.say_count(reason)
+        self.say_due()
+
+    def say_due(self) -> None:
+        """Says the count of each reason with failures unsaid whose last line is COUNT_EVERY old."""
+        now = self.clock()
+        for reason, n in self.unsaid.items():
+            if n and now - self.said_at[reason] >= COUNT_EVERY:
+                self.say_count(reason)
 
     def say_count(self, reason: str) -> None:
         log.warning("%d more episodes failed (%s), %d in all: see %s", self.unsaid[reason], reason,

@@ -135,6 +135,7 @@ class RolloutWorker:
             if self.crashed:  # the worker fails, and its successor redoes the episodes whose outcome is not out
                 raise self.crashed
             self.episode_ended.clear()
+            self.failures.say_due()  # the last failures of a reason are said a minute on, even if none follows
             await self.publish_running()
             if len(self.running) < self.config.max_concurrent_rollouts and (prompt := await self.admit(prompts)):
                 self._start(self.run_training_episode(prompt))
