@@ -1,11 +1,14 @@
-"""The held-out evaluations' results. Rollout worker 0 runs one at each start of the roles (INITIAL), every
-eval_steps versions and after the last (FINAL), and logs each to its records (the console's lines, the report's
-curve, TensorBoard). INITIAL and FINAL (ON_THE_BUS) also go on the bus (protocol.eval_result): the learner's
-checkpoint keeps the run's first, the launcher's summary reports the two as before and after, and its console and
-stall watch tell by the initial one whether the run is still starting. The summary's learning curve, every
-evaluation, is read back from the records (`curve`), which a resume takes back to its step as it does the learner's.
-One owner, so that every reader means the same by "the initial evaluation has ended" and by an evaluation's
-figures."""
+"""The held-out evaluations' results. Rollout worker 0 runs one at each start of the roles (INITIAL), every eval_steps
+versions and after the last (FINAL), and logs each to its records at the oldest version that generated a token of it
+(VERSION). Inference loads new weights while one runs beside training, so they run one at a time, the next due at the
+next multiple of eval_steps after the newest version the last one measured, and FINAL is the last one where that
+measured the final weights alone: no two measure the same weights, nor log one version twice. Each is logged (the
+console's lines, the report's curve, TensorBoard). INITIAL and FINAL (ON_THE_BUS) also go on the bus
+(protocol.eval_result): the learner's checkpoint keeps the run's first, the launcher's summary reports the two as
+before and after, and its console and stall watch tell by the initial one whether the run is still starting. The
+summary's learning curve, every evaluation, is read back from the records (`curve`), which a resume takes back to its
+step as it does the learner's. One owner, so that every reader means the same by "the initial evaluation has ended"
+and by an evaluation's figures."""
 
 from pathlib import Path
 

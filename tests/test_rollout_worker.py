@@ -269,6 +269,80 @@ def test_an_evaluation_is_labelled_with_the_versions_that_generated_it(tmp_path,
     assert capsys.readouterr().out == "step     7/10  held-out accuracy 100.0% (greedy, 2 problems, versions 7-8)\n"
 
 
+class Served:
+    """The version inference serves, as the test moves it; evaluation episodes answer, with it, once told to."""
+    version = 0
+    answer: asyncio.Event | None = None
+
+
+class AnsweredWhenTold(Agent):
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        await Served.answer.wait()
+        return [Trajectory(token_ids=[5, 6], loss_mask=[0, 1], logprobs=[0.0, -0.1], versions=[-1, Served.version],
+                           turn_ends=[2], turn_rewards=[1.0], reward=1.0, group_id=prompt.qid, stop_reason="stop",
+                           metrics={"success": 1.0})]
+
+
+register_agent("answered-when-told", AnsweredWhenTold)
+
+
+class ServingTheTestsVersion(RolloutWorker):
+    async def current_version(self) -> int:
+        return Served.version
+
+
+def test_no_two_evaluations_measure_the_same_weights(tmp_path):
+    """Inference loads new weights while an evaluation runs: the one started for version 4 was all version 6's, and
+    the one started for 6 meanwhile measured the same weights: the curve had two points at version 6, and the final
+    evaluation logged the last version's a second time."""
+    @dataclasses.dataclass
+    class AnsweredWhenToldExperiment(AsyncPPOMATHConfig):
+        @property
+        def agent(self):
+            return AgentAbstraction("answered-when-told", {})
+
+    config = AnsweredWhenToldExperiment()
+    config.model.path = str(save_random_tiny_model(tmp_path / "model"))
+    config.logging_dir = str(tmp_path / "logs")
+    config.eval_steps, config.max_concurrent_rollouts = 2, 0  # no training episode: the loop only evaluates
+    bus = InProcessBus()
+    worker = ServingTheTestsVersion(config, bus, 0)
+    worker.train_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(4)]
+    worker.eval_rows = worker.train_rows[:2]
+
+    async def until(condition):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+    async def run():
+        Served.version, Served.answer = 3, asyncio.Event()
+        training = asyncio.create_task(worker.train())  # the next evaluation is due at 4
+        await asyncio.sleep(0.2)
+        Served.version = 4
+        await until(lambda: worker.running)  # version 4's evaluation runs
+        Served.version = 6
+        await asyncio.sleep(0.5)  # ten passes of the loop at version 6: its evaluation would have started
+        Served.answer.set()  # every episode of the evaluation started at 4 is version 6's
+        await until(lambda: not worker.running)
+        Served.answer.clear()
+        Served.version = 8
+        await until(lambda: worker.running)
+        Served.answer.set()
+        await until(lambda: not worker.running)
+        bus.set(protocol.LEARNER_DONE, 8)
+        await training
+        return await worker.evaluate(evaluations.FINAL)  # the final weights, 8, alone measured already
+
+    try:
+        final = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        close_shared_pool()
+    worker.metrics.close()
+    curve = evaluations.curve(tmp_path / "logs")
+    assert [(e["version"], e.get("version_max")) for e in curve] == [(6, None), (8, None)]
+    assert bus.get(protocol.eval_result("final")) == final and final["version"] == 8
+
+
 @pytest.mark.parametrize("rate", [0.0, 0.25, 1.0])
 def test_evaluation_episodes_are_traced_at_the_sample_rate_the_same_problems_each_time(tmp_path, rate):
     """Every evaluation episode was traced, even at trace.sample_rate=0: a default run with trace.mlflow=true spent

@@ -63,6 +63,10 @@ class RolloutWorker:
         # Prompts a resumed run already trained, filtered or failed: skipped, so none is trained twice or run again.
         # From the bus, not the checkpoint, which save_total_limit may have deleted before this worker (re)started.
         self.consumed = self.ledger.settled_before()
+        # worker 0's held-out evaluations between the first and the last: one at a time, the next due at `next_eval`
+        self.evaluating: asyncio.Task | None = None
+        self.next_eval = 0  # a version (0: none is due)
+        self.last_evaluation: dict | None = None  # the figures of the last one logged
 
     def prompts(self, rows: list[dict], tag: str, shuffle: bool):
         """Endless (shuffle=True) or one-pass stream of this worker's share of a dataset's rows."""
@@ -128,7 +132,7 @@ class RolloutWorker:
     async def train(self) -> None:
         prompts = self.prompts(self.train_rows, "train", shuffle=True)
         await self.take_over(self.train_rows, prompts)
-        next_eval = next_evaluation(await self.current_version(), self.config.eval_steps)
+        self.next_eval = next_evaluation(await self.current_version(), self.config.eval_steps)
         while not any(await asyncio.to_thread(self.bus.get_keys, [protocol.LEARNER_DONE, protocol.STOP])):
             if self.cannot_go_on:
                 raise self.cannot_go_on
@@ -141,9 +145,8 @@ class RolloutWorker:
                 self._start(self.run_training_episode(prompt))
                 continue
             version = await self.current_version()
-            if self.index == 0 and next_eval and version >= next_eval:
-                next_eval = next_evaluation(version, self.config.eval_steps)
-                self._start(self.evaluate(f"step-{version}"))
+            if self.index == 0 and self.evaluation_due(version):
+                self.evaluating = self._start(self.evaluate_between(version))
             await self.wait_for_an_episode_to_end(GATE_POLL_SECONDS)
         await self.cancel_episodes()
 
@@ -179,10 +182,11 @@ class RolloutWorker:
             log.warning("rollout worker %d restarted: redoing %d unfinished episodes", self.index,
                         len(unfinished))
 
-    def _start(self, coroutine) -> None:
+    def _start(self, coroutine) -> asyncio.Task:
         task = asyncio.create_task(coroutine)
         self.running.add(task)
         task.add_done_callback(self._ended)
+        return task
 
     def _ended(self, task: asyncio.Task) -> None:
         self.running.discard(task)
@@ -347,12 +351,34 @@ class RolloutWorker:
         except InvalidMessage as e:
             raise self.failed(prompt, EpisodeFailed("invalid_output", str(e))) from None
 
-    async def evaluate(self, tag: str, label: str = "") -> None:
+    def evaluation_due(self, version: int) -> bool:
+        """Whether worker 0 starts an evaluation between the first and the last at `version`: once inference serves
+        `next_eval`, and not while one runs. Inference loads new weights while one runs, so one started for version 4
+        may be all version 6's; a second, started for 6 meanwhile, measured those weights again, and the curve had two
+        points at version 6."""
+        return bool(self.next_eval) and version >= self.next_eval and (self.evaluating is None
+                                                                         or self.evaluating.done())
+
+    async def evaluate_between(self, version: int) -> None:
+        """The evaluation started at `version`; the next is due at the next multiple of eval_steps after the newest
+        version that generated a token of it, so it measures weights no evaluation has."""
+        result = await self.evaluate(f"step-{version}")
+        newest = result.get(evaluations.VERSION_MAX, result[evaluations.VERSION])
+        self.next_eval = next_evaluation(newest, self.config.eval_steps)
+
+    async def evaluate(self, tag: str, label: str = "") -> dict:
         """Greedy episodes on the held-out set: their mean reward, and their accuracy (the mean of the experiment's
         `held_out_score`, for most an episode's success, a failed episode scoring 0) where every episode has a score,
-        logged (the first and last also stored on the bus: rlsys/evaluations.py). A mixed run's environment types each
-        get their own accuracy by the same rule."""
+        logged (the first and last also stored on the bus: rlsys/evaluations.py) and returned. A mixed run's
+        environment types each get their own accuracy by the same rule. The final weights are not evaluated again
+        where the last evaluation measured them alone (it ended as inference loaded them): that one is the final."""
         version = await self.current_version()
+        last = self.last_evaluation
+        if tag == evaluations.FINAL and last and last[evaluations.VERSION] == version \
+                and evaluations.VERSION_MAX not in last:
+            await asyncio.to_thread(evaluations.record, self.bus, tag, last)
+            log.info("held-out evaluation final: version %d was evaluated already, and is not again", version)
+            return last
         # worker 0 evaluates alone, so on every held-out row: its share of them would shrink with n_rollout_workers
         prompts = list(prompt_stream(self.eval_rows, self.tokenizer, "eval", seed=self.config.seed, shuffle=False))
         results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p, tag)
@@ -360,14 +386,25 @@ class RolloutWorker:
         for result in results:
             if not isinstance(result, (list, EpisodeFailed)):
                 raise result  # not an episode's failure (already counted): a bug or a cancellation
+        result = self.evaluation_figures(prompts, results, version)
+        self.metrics.log(result[evaluations.VERSION], {f"{evaluations.PREFIX}{k}": v for k, v in result.items()})
+        if tag in evaluations.ON_THE_BUS:  # the others' only reader, the summary's curve, reads the records
+            await asyncio.to_thread(evaluations.record, self.bus, tag, result)
+        self.last_evaluation = result
+        _log_evaluation(result, label or tag)
+        return result
+
+    def evaluation_figures(self, prompts: list[Prompt], results: list, served: int) -> dict:
+        """An evaluation's figures (rlsys/evaluations.py names them) from its episodes' `results` (trajectories or
+        EpisodeFailed); `served`: the version served when it began."""
         episodes = [trajectories for trajectories in results if isinstance(trajectories, list)]
         failed = len(results) - len(episodes)
         answered = [ts for ts in episodes if ts]
         score = self.config.held_out_score
         # The weights evaluated: those that generated its tokens. Inference goes on loading new versions while it
-        # runs beside training, so the version served when it began (`version`) was often not one of them: every
-        # episode of the evaluation at version 4 was generated by version 5.
-        low, high = evaluated_versions(episodes, version)
+        # runs beside training, so the version served when it began was often not one of them: every episode of the
+        # evaluation at version 4 was generated by version 5.
+        low, high = evaluated_versions(episodes, served)
         result = {evaluations.REWARD: sum(_mean([t.reward for t in ts]) for ts in answered) / max(len(answered), 1),
                   evaluations.VERSION: low, **({evaluations.VERSION_MAX: high} if high != low else {}),
                   evaluations.EPISODES: len(episodes), evaluations.FAILED: failed,
@@ -378,17 +415,7 @@ class RolloutWorker:
                 failed_own = sum(isinstance(ts, EpisodeFailed) for ts in own)
                 result.update(held_out_accuracy(score, [ts for ts in own if isinstance(ts, list)],
                                                 f"{name}/{evaluations.ACCURACY}", failed_own))
-        self.metrics.log(low, {f"{evaluations.PREFIX}{k}": v for k, v in result.items()})
-        if tag in evaluations.ON_THE_BUS:  # the others' only reader, the summary's curve, reads the records
-            await asyncio.to_thread(evaluations.record, self.bus, tag, result)
-        versions = f"version {low}" if high == low else f"versions {low}-{high}"
-        figure = evaluations.headline(result)
-        if figure == evaluations.ACCURACY:
-            log.info("held-out accuracy %s (%s): %.1f%% of %d%s", label or tag, versions, 100 * result[figure],
-                     len(results), f" ({failed} failed, counted unsolved)" if failed else "")
-        else:
-            log.info("held-out mean reward %s (%s): %.3f over %d%s", label or tag, versions, result[figure],
-                     len(episodes), f" ({failed} failed, left out)" if failed else "")
+        return result
 
     async def wait_for_final_weights(self) -> bool:
         """True once inference serves the learner's final version; False if the run is stopped first."""
@@ -426,6 +453,19 @@ def held_out_accuracy(score, episodes: list[list[Trajectory]], key: str, failed:
     if any(None in episode for episode in scores):
         return {}
     return {key: sum(_mean(episode) for episode in scores if episode) / max(len(scores) + failed, 1)}
+
+
+def _log_evaluation(result: dict, label: str) -> None:
+    low, high = result[evaluations.VERSION], result.get(evaluations.VERSION_MAX, result[evaluations.VERSION])
+    versions = f"version {low}" if high == low else f"versions {low}-{high}"
+    failed, episodes = result[evaluations.FAILED], result[evaluations.EPISODES]
+    figure = evaluations.headline(result)
+    if figure == evaluations.ACCURACY:
+        log.info("held-out accuracy %s (%s): %.1f%% of %d%s", label, versions, 100 * result[figure],
+                 episodes + failed, f" ({failed} failed, counted unsolved)" if failed else "")
+    else:
+        log.info("held-out mean reward %s (%s): %.3f over %d%s", label, versions, result[figure],
+                 episodes, f" ({failed} failed, left out)" if failed else "")
 
 
 def _mean(values: list[float]) -> float:
