@@ -119,7 +119,7 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
 
     def held_out_score(self, trajectory) -> float:
         """First-attempt accuracy, as the single-turn experiment counts it; what retries add shows in the
-        held-out reward (`eval/reward`), a success at attempt k worth turn_discount**(k-1)."""
+        held-out reward (`eval/reward_of_ended`), a success at attempt k worth turn_discount**(k-1)."""
         if "first_turn_success" not in trajectory.metrics:
             raise ValueError(f"{type(self).__name__} scores held-out episodes by first-attempt success, which a "
                              "MultiTurnAgent records (metrics['first_turn_success']); this agent's trajectories lack "

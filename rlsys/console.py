@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from rlsys.evaluations import (ACCURACY, EPISODES, FAILED, REWARD, VERSION, VERSION_MAX, figures, headline,
+from rlsys.evaluations import (ACCURACY, EPISODES, FAILED, REWARD_OF_ENDED, VERSION, VERSION_MAX, figures, headline,
                                initial_evaluation_ended)
 from rlsys.learner_figures import BATCH_REWARD, COMPUTE, STALENESS_MEAN, WAIT_DATA
 from rlsys.metrics import STEP, JsonlFollower
@@ -42,22 +42,22 @@ def role_output_to_file(log_file: Path, role: str) -> None:
     logging.getLogger("rlsys").addHandler(to_console)
 
 
-HELD_OUT_NAMES = {ACCURACY: "accuracy", REWARD: "mean reward"}  # an evaluation's figures (`headline`), as said
+# an evaluation's figures (`headline`), as said
+HELD_OUT_NAMES = {ACCURACY: "accuracy", REWARD_OF_ENDED: "mean reward of the episodes that ended"}
 
 
 def held_out(summary: dict) -> tuple[str, float | None, float | None]:
-    """A run's held-out figure (an evaluation's ACCURACY or REWARD), before and after: its accuracy, or, where its
-    episodes have no success to count (rewards from a reward model), their mean reward. None where the run did not
-    evaluate."""
-    tags = ("initial", "final")
-    if any(summary.get(f"{tag}_accuracy") is not None for tag in tags) \
-            or all(summary.get(f"{tag}_reward") is None for tag in tags):
-        return ACCURACY, summary.get("initial_accuracy"), summary.get("final_accuracy")
-    return REWARD, summary.get("initial_reward"), summary.get("final_reward")
+    """A run's held-out figure (an evaluation's ACCURACY or REWARD_OF_ENDED), before and after: its accuracy, or,
+    where its episodes have no success to count (rewards from a reward model), the mean reward of those that ended.
+    None where the run did not evaluate."""
+    tags = ("initial", "final")  # the summary's keys: rlsys/run_summary.py
+    figure = ACCURACY if any(summary.get(f"{tag}_{ACCURACY}") is not None for tag in tags) \
+        or all(summary.get(f"{tag}_{REWARD_OF_ENDED}") is None for tag in tags) else REWARD_OF_ENDED
+    return figure, summary.get(f"initial_{figure}"), summary.get(f"final_{figure}")
 
 
 def held_out_text(figure: str, value: float | None) -> str:
-    """The value of an evaluation's `figure` (ACCURACY or REWARD) as the console and the report show it."""
+    """The value of an evaluation's `figure` (ACCURACY or REWARD_OF_ENDED) as the console and the report show it."""
     return "n/a" if value is None else f"{value:.1%}" if figure == ACCURACY else f"{value:.3f}"
 
 

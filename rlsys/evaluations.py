@@ -17,14 +17,19 @@ from rlsys.metrics import read_jsonl_metrics, records_file, rollout_records
 
 INITIAL, FINAL = "initial", "final"
 ON_THE_BUS = (INITIAL, FINAL)
-PREFIX = "eval/"  # an evaluation's figures in the records: eval/accuracy, eval/reward, eval/version, ...
+PREFIX = "eval/"  # an evaluation's figures in the records: eval/accuracy, eval/reward_of_ended, eval/version, ...
 # An evaluation's figures, named as on the bus (`figures`); rlsys/workers/rollout_worker.py, evaluate, writes them.
-ACCURACY = "accuracy"  # the mean of its episodes' scores, where each has one (for most, its success)
-REWARD = "reward"  # their mean reward, which every evaluation has
+# The two figures count different episodes, and are named for them: a failed episode has no reward to average (any
+# number given it would be invented: 0 is above a wrong answer's reward where that is negative), while a held-out
+# problem it failed on was not solved (left out, failures would raise the accuracy).
+ACCURACY = "accuracy"  # the share of its problems solved: the mean score of every episode, a failed one's 0, where
+#   each has a score (for most, its success)
+REWARD_OF_ENDED = "reward_of_ended"  # the mean reward of the episodes that ended (EPISODES), in every evaluation
 VERSION = "version"  # the oldest weight version that generated a token of it, the step its row is logged at
 VERSION_MAX = "version_max"  # the newest, only where it is not VERSION (new weights came while it ran)
-EPISODES = "episodes"  # its episodes that ended
-FAILED = "failed"  # its episodes that failed (an agent's or environment's error), in ACCURACY as unsolved
+EPISODES = "episodes"  # its episodes that ended, each with at least one trajectory
+FAILED = "failed"  # its episodes that failed (an agent's or environment's error), in ACCURACY as unsolved, not in
+#   REWARD_OF_ENDED
 
 
 def record(bus, tag: str, result: dict) -> None:
@@ -48,15 +53,15 @@ def records_path(log_dir: Path) -> Path:
 
 
 def figures(row: dict) -> dict:
-    """An evaluation's figures in a row of its records, named as the bus names them ({VERSION, ACCURACY, REWARD,
-    EPISODES, FAILED, ...}); empty where the row is not an evaluation's."""
+    """An evaluation's figures in a row of its records, named as the bus names them ({VERSION, ACCURACY,
+    REWARD_OF_ENDED, EPISODES, FAILED, ...}); empty where the row is not an evaluation's."""
     return {key.removeprefix(PREFIX): value for key, value in row.items() if key.startswith(PREFIX)}
 
 
 def headline(evaluation: dict) -> str:
     """Which figure an evaluation is told by: its ACCURACY, or where its episodes have no success to count (rewards
-    from a reward model), their mean REWARD."""
-    return ACCURACY if ACCURACY in evaluation else REWARD
+    from a reward model), the mean reward of those that ended, REWARD_OF_ENDED."""
+    return ACCURACY if ACCURACY in evaluation else REWARD_OF_ENDED
 
 
 def curve(log_dir: Path) -> list[dict]:

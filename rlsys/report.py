@@ -107,8 +107,8 @@ def _figures(learner: list[dict], held_out_curve: list[dict]) -> list[tuple[str,
     if evals[0]:
         figures.append(("accuracy-curve", _curve({"held-out accuracy": evals}, "Held-out accuracy (greedy)",
                                                  "accuracy", "version")))
-    elif (evals := _series(held_out_curve, evaluations.REWARD, evaluations.VERSION))[0]:  # no successes: mean reward
-        figures.append(("held-out-reward-curve", _curve({"held-out mean reward": evals},
+    elif (evals := _series(held_out_curve, evaluations.REWARD_OF_ENDED, evaluations.VERSION))[0]:  # no successes
+        figures.append(("held-out-reward-curve", _curve({"held-out mean reward of the episodes that ended": evals},
                                                         "Held-out mean reward (greedy)", "reward", "version")))
     times, title = time_curves(learner)
     if times:

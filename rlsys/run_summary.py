@@ -19,30 +19,29 @@ from rlsys.supervisor import Supervisor
 log = logging.getLogger("rlsys")
 
 
+# an evaluation's figures the summary gives, before and after (rlsys/evaluations.py names them)
+SUMMARY_FIGURES = (evaluations.ACCURACY, evaluations.REWARD_OF_ENDED, evaluations.FAILED)
+
+
 def held_out_summary(bus, started_from: dict, logging_dir: Path) -> dict:
     """The summary's held-out figures. The evaluation on the bus as "initial" is the one at the launch's start: a
     fresh run's first, before any step; a resumed run's, of its checkpoint's weights. Resumed, the "initial" figures
     are the run's first, which its checkpoints keep (from before they were kept: that evaluation at the resumed step,
-    as before), and the one at the resumed step is `resumed` ({"step", "accuracy", "reward"}). `held_out_curve`: every
-    evaluation of the run, its launches before a resume included, oldest first."""
+    as before), and the one at the resumed step is `resumed` ({"step", "accuracy", "reward_of_ended"}).
+    `held_out_curve`: every evaluation of the run, its launches before a resume included, oldest first."""
     start, final = (evaluations.result(bus, tag) or {} for tag in (evaluations.INITIAL, evaluations.FINAL))
     initial = (started_from.get("initial_eval") or start) if started_from else start
     figures = {
-        # None where the run did not evaluate, or its episodes have no success to count (rlsys/workers/
-        # rollout_worker.py, evaluate); the mean reward is there whenever it evaluated
-        "initial_accuracy": initial.get(evaluations.ACCURACY),
-        "final_accuracy": final.get(evaluations.ACCURACY),
-        "initial_reward": initial.get(evaluations.REWARD),
-        "final_reward": final.get(evaluations.REWARD),
-        # held-out episodes that failed (their environment or agent raised or hung): unsolved in the accuracy, left
-        # out of the mean reward
-        "initial_failed": initial.get(evaluations.FAILED),
-        "final_failed": final.get(evaluations.FAILED),
+        # initial_accuracy, final_accuracy (None where the run did not evaluate, or its episodes have no success to
+        # count), initial_reward_of_ended, ... (there whenever it evaluated), and initial_failed, final_failed: the
+        # held-out episodes that failed (their environment or agent raised or hung), in the accuracy as unsolved
+        **{f"{tag}_{figure}": evaluation.get(figure) for figure in SUMMARY_FIGURES
+           for tag, evaluation in (("initial", initial), ("final", final))},
         "held_out_curve": evaluations.curve(logging_dir),
     }
     if started_from:
-        figures["resumed"] = {"step": started_from["step"], "accuracy": start.get(evaluations.ACCURACY),
-                              "reward": start.get(evaluations.REWARD)}
+        resumed_at = (evaluations.ACCURACY, evaluations.REWARD_OF_ENDED)
+        figures["resumed"] = {"step": started_from["step"], **{figure: start.get(figure) for figure in resumed_at}}
     return figures
 
 

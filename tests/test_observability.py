@@ -332,24 +332,28 @@ def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_a
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    rows = [{"step": v, "eval/reward": r, "eval/version": v, "eval/episodes": 100}
+    rows = [{"step": v, "eval/reward_of_ended": r, "eval/version": v, "eval/episodes": 100}
             for v, r in ((0, -0.16), (50, 0.42), (100, 1.0))]
     (logs / "rollout0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     ProgressReporter(logs / "learner.jsonl", every=10, max_steps=100, quiet_seconds=3600,
                      evaluations_file=logs / "rollout0.jsonl")()
-    assert capsys.readouterr().out == "step    50/100  held-out mean reward 0.420 (greedy, 100 problems)\n"
+    assert capsys.readouterr().out == \
+        "step    50/100  held-out mean reward of the episodes that ended 0.420 (greedy, 100 problems)\n"
     rows[1].update({"eval/episodes": 97, "eval/failed": 3})  # failed episodes: among the problems, and named
     (logs / "rollout0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     ProgressReporter(logs / "learner.jsonl", every=10, max_steps=100, quiet_seconds=3600,
                      evaluations_file=logs / "rollout0.jsonl")()
-    assert capsys.readouterr().out == "step    50/100  held-out mean reward 0.420 (greedy, 100 problems, 3 failed)\n"
+    assert capsys.readouterr().out == \
+        "step    50/100  held-out mean reward of the episodes that ended 0.420 (greedy, 100 problems, 3 failed)\n"
 
-    summary = {"initial_accuracy": None, "final_accuracy": None, "initial_reward": -0.16, "final_reward": 1.0,
+    summary = {"initial_accuracy": None, "final_accuracy": None, "initial_reward_of_ended": -0.16,
+               "final_reward_of_ended": 1.0,
                "steps": 100, "minutes": 1.25}
-    assert held_out_line(summary) == "held-out mean reward: -0.160 before, 1.000 after 100 steps (+1.160) in 1.2 min"
+    assert held_out_line(summary) == "held-out mean reward of the episodes that ended: -0.160 before, " \
+                                      "1.000 after 100 steps (+1.160) in 1.2 min"
     assert held_out_line({**summary, "initial_accuracy": 0.5, "final_accuracy": 0.625}) == \
         "held-out accuracy: 50.0% before, 62.5% after 100 steps (+12.5 points) in 1.2 min"
-    assert held_out_line({**summary, "initial_accuracy": 0.5, "final_reward": None}) == \
+    assert held_out_line({**summary, "initial_accuracy": 0.5, "final_reward_of_ended": None}) == \
         "held-out accuracy: 50.0% before, n/a after 100 steps in 1.2 min"  # stopped before its final evaluation
     # resumed at step 80: the run's 100 steps did not take the last launch's 1.2 minutes
     assert held_out_line({**summary, "initial_accuracy": 0.5, "final_accuracy": 0.625, "resumed": {"step": 80}}) == \
@@ -371,8 +375,8 @@ def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_a
     (tmp_path / "summary.json").write_text(json.dumps({**summary, "warm_start_minutes": 1.1}))
     page = build_report(tmp_path).read_text()
     assert "<th>minutes</th><td>1.2</td>" in page and "<th>warm start minutes</th><td>1.1</td>" in page
-    assert "<th>held-out mean reward before</th><td>-0.160</td>" in page
-    assert "<th>held-out mean reward after</th><td>1.000</td>" in page
+    assert "<th>held-out mean reward of the episodes that ended before</th><td>-0.160</td>" in page
+    assert "<th>held-out mean reward of the episodes that ended after</th><td>1.000</td>" in page
     assert "id='held-out-reward-curve'" in page and "accuracy" not in page.lower().replace("accuracy-curve", "")
 
 

@@ -211,7 +211,7 @@ def test_a_run_learns_what_the_reward_model_prefers(cache_dir, tmp_path):
     first, last = (sum(s["reward"] for s in part) / len(part) for part in (steps[:5], steps[-5:]))
     print(f"mean reward, first 5 steps {first:+.3f}, last 5 {last:+.3f}")  # for BENCHMARKS.md: pytest -s
     assert last - first >= MARGIN, (first, last)
-    assert summary["final_reward"] - summary["initial_reward"] >= 2 * MARGIN  # held out, greedy
+    assert summary["final_reward_of_ended"] - summary["initial_reward_of_ended"] >= 2 * MARGIN  # held out, greedy
     assert summary["initial_accuracy"] is summary["final_accuracy"] is None  # a score has no success to count
     assert summary["prompts_accounted"] and summary["unclean_exits"] == {}
     assert left_behind(tmp_path, existing) == []

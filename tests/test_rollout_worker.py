@@ -20,11 +20,12 @@ from rlsys.assets import AssetError, prepare_assets
 from rlsys.bus import InProcessBus
 from rlsys.cancellation import coroutines_left_pending, run_to_the_end
 from rlsys.checkpoint import read_trainer_state
-from rlsys.console import ProgressReporter
+from rlsys.console import ProgressReporter, held_out_line
 from rlsys.data.prompts import prompt_stream
 from rlsys.errors import EpisodeFailed
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.run_start import initialize_bus_state
+from rlsys.run_summary import held_out_summary
 from rlsys.tracing import read_traces, traced
 from rlsys.workers import rollout_worker
 from rlsys.workers.rollout_worker import RolloutWorker, next_evaluation
@@ -650,6 +651,52 @@ def test_a_held_out_episode_that_failed_counts_against_the_accuracy(tmp_path):
 
     result = evaluated(FailsOnOddRowsExperiment(), tmp_path, range(4))
     assert result["accuracy"] == 0.5 and result["failed"] == 2 and result["episodes"] == 2
+
+
+class RaisesOrAnswersNothingOnOddRows(Agent):
+    """Answers 0 and 2 right, with rewards 1 and 0.5; raises on 1 and returns no trajectories for 3."""
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        answer = int(prompt.data["answer"])
+        if answer == 1:
+            raise RuntimeError("no answer")
+        if answer == 3:
+            return []
+        (trajectory,) = await AnswersRight().collect_trajectory(prompt, env, obs_queue, act_queue)
+        return [dataclasses.replace(trajectory, reward=1.0 - answer / 4)]
+
+
+register_agent("raises-or-answers-nothing-on-odd-rows", RaisesOrAnswersNothingOnOddRows)
+
+
+@pytest.mark.parametrize("scored", [True, False])
+def test_the_held_out_figures_are_named_for_the_episodes_they_count(tmp_path, scored):
+    """The held-out accuracy counted a failed episode unsolved while the mean reward left it out, under a name that
+    said nothing of it; and an episode that returned no trajectories was one that ended, in the accuracy as unsolved
+    and in neither the mean reward nor the failed ones. The accuracy is of every held-out problem; the mean reward,
+    named so, of the episodes that ended, each with a reward, the others failed."""
+    @dataclasses.dataclass
+    class HalfEndedExperiment(AsyncPPOMATHConfig):
+        @property
+        def agent(self):
+            return AgentAbstraction("raises-or-answers-nothing-on-odd-rows", {})
+
+        def held_out_score(self, trajectory):
+            return super().held_out_score(trajectory) if scored else None  # None: a reward model's run
+
+    result = evaluated(HalfEndedExperiment(), tmp_path, range(4))
+    accuracy = {"accuracy": 0.5} if scored else {}
+    assert result == {**accuracy, "reward_of_ended": 0.75, "episodes": 2, "failed": 2, "version": 0}
+    bus = InProcessBus()
+    for tag in (evaluations.INITIAL, evaluations.FINAL):
+        evaluations.record(bus, tag, result)
+    summary = {**held_out_summary(bus, {}, tmp_path / "logs"), "steps": 4, "minutes": 0.5}
+    assert {key: summary[key] for key in ("initial_reward_of_ended", "final_reward_of_ended", "final_failed")} == \
+        {"initial_reward_of_ended": 0.75, "final_reward_of_ended": 0.75, "final_failed": 2}
+    if not scored:
+        assert held_out_line(summary) == (
+            "held-out mean reward of the episodes that ended: 0.750 before, 0.750 after 4 steps (+0.000) in 0.5 min; "
+            "held-out episodes failed: 2 before, 2 after (left out of the mean)")
 
 
 def test_the_running_count_is_published_once_a_beat_with_a_new_beat_even_unchanged(tmp_path):

@@ -256,7 +256,7 @@ def test_resume_from_checkpoint_continues_step_and_version(cache_dir, tmp_path):
                    if "eval/version" in r]
     assert [r["eval/version"] for r in evaluations] == [2, 4]  # at the resumed step, and the final one
     assert summary["resumed"] == {"step": 2, "accuracy": evaluations[0]["eval/accuracy"],
-                                  "reward": evaluations[0]["eval/reward"]}
+                                  "reward_of_ended": evaluations[0]["eval/reward_of_ended"]}
     steps = read_jsonl_metrics(tmp_path / "async-ppo-math" / "b" / "logs" / "learner.jsonl")
     assert [(s["step"], s["version"]) for s in steps] == [(3, 3), (4, 4)]
     # The prompt accounting went on from the checkpoint's: its 2 steps' prompts, then 2 more steps'.

@@ -152,7 +152,7 @@ def test_a_run_trains_with_a_trl_reward_function(cache_dir, tmp_path, rewards_fi
     summary = launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
     assert [s["step"] for s in steps] == [1, 2, 3] and summary["prompts_accounted"]
-    assert summary["prompts"]["failed"] == {} and summary["final_reward"] is not None
+    assert summary["prompts"]["failed"] == {} and summary["final_reward_of_ended"] is not None
     # the functions' rewards are scores, not verdicts: the run reports their held-out mean, and no accuracy
     assert summary["initial_accuracy"] is summary["final_accuracy"] is None
     logged = [json.loads(line) for line in calls.read_text().splitlines()]
