@@ -639,7 +639,8 @@ class BaseExperimentConfig:
     logging_steps: int = 10
     """Print a progress line every this many steps."""
     eval_steps: int = 50
-    """Evaluate on the held-out set every this many steps (and before and after); 0: only before and after."""
+    """Evaluate on the held-out set every this many steps (and before and after); 0: only before and after. One at a
+    time: the next is due at the next multiple after the newest version the last one measured (rlsys/evaluations.py)."""
     resume_from_checkpoint: str = ""
     """Checkpoint to continue from (weights, optimizer, step, dataset position); auto: this trial's newest."""
     plugins: list[str] = field(default_factory=list)

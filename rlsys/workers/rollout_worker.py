@@ -370,10 +370,10 @@ class RolloutWorker:
     async def evaluate(self, tag: str, label: str = "") -> dict:
         """Greedy episodes on the held-out set: the mean reward of those that ended, and the accuracy of all (the mean
         of the experiment's `held_out_score`, for most an episode's success, a failed episode scoring 0) where every
-        episode has a score,
-        logged (the first and last also stored on the bus: rlsys/evaluations.py) and returned. A mixed run's
-        environment types each get their own accuracy by the same rule. The final weights are not evaluated again
-        where the last evaluation measured them alone (it ended as inference loaded them): that one is the final."""
+        episode has a score, logged (the first and last also stored on the bus: rlsys/evaluations.py) and returned. A
+        mixed run's environment types each get their own accuracy by the same rule. The final weights are not
+        evaluated again where the last evaluation measured them alone (it ended as inference loaded them): that one is
+        the final."""
         version = await self.current_version()
         last = self.last_evaluation
         if tag == evaluations.FINAL and last and last[evaluations.VERSION] == version \
