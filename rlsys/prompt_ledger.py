@@ -81,6 +81,9 @@ def failed(reason: str) -> str:
     return f"failed:{reason}"
 
 
+_OUTCOMES = [ADMITTED, TRAINED, *map(filtered, FILTER_REASONS), *map(failed, FAILURE_REASONS)]  # each has a counter
+
+
 class PromptLedger:
     """The gate and the lifecycle of a run's prompts, over the run's bus. Every role builds its own on the same bus."""
 
@@ -101,9 +104,8 @@ class PromptLedger:
         (`settled_before`): one restarted after save_total_limit deleted the checkpoint still finds them."""
         self.hold_slots(version * self.batch_size)
         snapshot = snapshot or {}
-        outcomes = [ADMITTED, TRAINED, *map(filtered, FILTER_REASONS), *map(failed, FAILURE_REASONS)]
         self.bus.delete(_IN_FLIGHT, _CARRIED, _CLOSED, _FAILED, _FAILED_UNNAMED, _SETTLED_BEFORE,
-                        *map(_outcome_key, outcomes))
+                        *map(_outcome_key, _OUTCOMES))
         self._add_all(_SETTLED_BEFORE, list(settled))
         self._add_all(_CARRIED, snapshot.get("in_flight_prompts", []))
         named = snapshot.get("failed_prompts", {})
@@ -238,13 +240,14 @@ class PromptLedger:
 
     def counts(self) -> dict:
         """{"admitted", "trained", "filtered": {reason: n}, "failed": {reason: n}, "in_flight"}; zero reasons left
-        out. In flight: admitted and no outcome yet, the carried prompts included."""
-        def by_reason(reasons, key):
-            found = {reason: self.bus.get(_outcome_key(key(reason))) or 0 for reason in reasons}
-            return {reason: n for reason, n in found.items() if n}
+        out. In flight: admitted and no outcome yet, the carried prompts included. The outcome counters are read in
+        one round trip: the learner reads them every step, on its own thread."""
+        found = dict(zip(_OUTCOMES, self.bus.get_keys(list(map(_outcome_key, _OUTCOMES)), 0)))
 
-        return {ADMITTED: self.bus.get(_outcome_key(ADMITTED)) or 0,
-                TRAINED: self.bus.get(_outcome_key(TRAINED)) or 0,
+        def by_reason(reasons, key):
+            return {reason: found[key(reason)] for reason in reasons if found[key(reason)]}
+
+        return {ADMITTED: found[ADMITTED], TRAINED: found[TRAINED],
                 "filtered": by_reason(FILTER_REASONS, filtered), "failed": by_reason(FAILURE_REASONS, failed),
                 "in_flight": self.bus.set_size(_IN_FLIGHT) + self.bus.set_size(_CARRIED)}
 

@@ -4,8 +4,8 @@ crash, a resume, a too-stale group and the run's end. Every admitted prompt ends
 import pytest
 
 from rlsys.bus import InProcessBus, Step
-from rlsys.prompt_ledger import (ADMITTED, CLOSED, GATE_FULL, IN_FLIGHT, PromptLedger, accounted, as_metrics, describe,
-                                 failed, filtered, settled_prompts)
+from rlsys.prompt_ledger import (ADMITTED, CLOSED, FAILURE_REASONS, FILTER_REASONS, GATE_FULL, IN_FLIGHT, PromptLedger,
+                                 accounted, as_metrics, describe, failed, filtered, settled_prompts)
 
 BATCH, ETA = 2, 1  # capacity at served version v: (v + 1 + 1) * 2
 
@@ -186,6 +186,25 @@ def test_a_step_s_groups_are_recorded_trained_in_one_change_or_one_by_one_where_
     book.trained_all(["g"])
     assert book.end_run() == {"admitted": 7, "trained": 5, "filtered": {"run_ended": 1}, "failed": {"agent_error": 1},
                               "in_flight": 0}
+
+
+def test_the_counts_read_every_outcome_s_counter_in_one_round_trip(monkeypatch):
+    """The learner reads the counts every step, on its own thread (its delivery metrics): the outcome counters in one
+    read of the bus, not a round trip each, then the two sets in flight. Each outcome is still counted as it is."""
+    bus = InProcessBus()
+    book = ledger(bus)
+    outcomes = [filtered(r) for r in FILTER_REASONS] + [failed(r) for r in FAILURE_REASONS]
+    for i in range(len(outcomes) + 3):
+        assert book.admit(f"p{i}", 100) == ADMITTED
+    assert book.trained("p0")
+    for i, outcome in enumerate(outcomes, start=1):
+        assert book.untrained(f"p{i}", outcome)
+    reads = []
+    for name in ("get", "get_keys", "set_size"):
+        monkeypatch.setattr(bus, name, lambda *a, real=getattr(bus, name), name=name: reads.append(name) or real(*a))
+    assert book.counts() == {"admitted": len(outcomes) + 3, "trained": 1, "filtered": dict.fromkeys(FILTER_REASONS, 1),
+                             "failed": dict.fromkeys(FAILURE_REASONS, 1), "in_flight": 2}
+    assert reads == ["get_keys", "set_size", "set_size"]
 
 
 def test_a_closed_ledger_admits_and_settles_nothing_so_the_last_snapshot_is_the_run_s_books():
