@@ -222,10 +222,15 @@ class TrajectoryInbox:
         # every pending entry not held, so the orphans not taken yet too: added to them, those would come twice
         self.orphans = lost
 
-    def receive(self, max_count: int, timeout: float) -> list[Delivery]:
-        """Up to `max_count` new groups (waiting up to `timeout` s for the first entry); each must be acked."""
-        if self.server_restarts.happened():
+    def receive(self, max_count: int, timeout: float, unless: str | None = None) -> list[Delivery] | None:
+        """Up to `max_count` new groups (waiting up to `timeout` s for the first entry); each must be acked. None, and
+        nothing read, when the key `unless` (the learner's STOP) holds a true value: that key is read with the server's
+        id, which the inbox asks before each read (a restart may have lost entries it handed out), in one round trip."""
+        restarted, stop = self.server_restarts.happened_reading([unless] if unless else [])
+        if restarted:  # taken back even when stopping: each restart is seen once, and must be acted on
             self._take_back_lost_entries("the bus server restarted")
+        if any(stop):
+            return None
         if self.orphans:
             entries, self.orphans = self.orphans[:max_count], self.orphans[max_count:]
         else:

@@ -200,6 +200,18 @@ def test_get_keys_gives_each_key_s_value_in_order_as_get_does(bus):
     assert bus.get_keys(keys, default="unset") == [7, "unset", {"x": [1, 2]}, False, 3, "unset", "unset", "unset", 7]
     values = ["n", "missing", "a", "f", "c"]
     assert bus.get_keys(values, "unset") == [bus.get(key, "unset") for key in values]
+
+
+def test_server_id_and_keys_gives_the_server_s_id_and_the_keys_values_as_get_keys_does(bus):
+    """The learner's inbox reads its STOP key with the server's id before each read of the stream, in one round trip."""
+    bus.set("n", 7)
+    bus.set("f", False)
+    bus.put("q", 1)  # a queue holds no value
+    keys = ["n", "missing", "f", "q"]
+    assert bus.server_id_and_keys(keys) == (bus.server_id(), [7, None, False, None]) == (bus.server_id(),
+                                                                                          bus.get_keys(keys))
+    assert bus.server_id_and_keys(keys, default="unset") == (bus.server_id(), [7, "unset", False, "unset"])
+    assert bus.server_id_and_keys([]) == (bus.server_id(), [])
     assert bus.get_keys([]) == []
 
 

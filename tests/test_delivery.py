@@ -283,6 +283,41 @@ def test_after_a_bus_server_restart_the_learner_takes_again_what_never_arrived_a
         bus.close()
 
 
+def test_a_pass_reads_the_stop_with_the_server_s_id_in_one_round_trip_and_a_stop_reads_nothing(bus, monkeypatch):
+    """The learner's wait asked the bus for STOP, then for the server's id (a restart may have lost entries), then read
+    the stream: three round trips a pass. The first two are one now; a stop still ends the wait and takes no entry."""
+    send(bus, "g1")
+    send(bus, "g2")
+    learner = inbox(bus)
+    calls = []
+    for name in ("get", "get_keys", "server_id", "server_id_and_keys", "stream_read"):
+        monkeypatch.setattr(bus, name, lambda *a, real=getattr(bus, name), name=name, **k: calls.append(name)
+                            or real(*a, **k))
+    assert [d.group_id for d in learner.receive(1, timeout=1, unless=protocol.STOP)] == ["g1"]
+    assert calls == ["server_id_and_keys", "stream_read"]
+    bus.set(protocol.STOP, 1)
+    assert learner.receive(1, timeout=1, unless=protocol.STOP) is None
+    assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 1  # g2 was not read
+    bus.delete(protocol.STOP)
+    assert [d.group_id for d in learner.receive(1, timeout=1, unless=protocol.STOP)] == ["g2"]
+
+
+def test_a_restart_seen_with_a_stop_is_acted_on_before_the_inbox_stops_reading(tmp_path):
+    """The server's id comes with STOP: a restart seen in the same round trip as a stop is not lost with it (each
+    restart is seen once), so a learner that goes on reading takes again at once what never arrived."""
+    with EmbeddedRedis(tmp_path) as server:
+        bus = connect(server.url)
+        learner, held = one_held_and_replies_lost(bus, ["held", "lost", "later"], lost=1)
+        restart(server)
+        bus.set(protocol.STOP, 1)
+        assert learner.receive(10, timeout=1, unless=protocol.STOP) is None
+        bus.delete(protocol.STOP)
+        assert [d.group_id for d in learner.receive(10, timeout=1, unless=protocol.STOP)] == ["lost"]
+        assert [d.group_id for d in learner.receive(10, timeout=1, unless=protocol.STOP)] == ["later"]
+        assert learner.duplicates == 0
+        bus.close()
+
+
 def test_entries_still_waiting_to_be_taken_again_when_the_server_restarts_again_are_taken_once(tmp_path):
     """What the learner had yet to take again after one restart was claimed again at the next and queued a second
     time: its second copy was dropped as a duplicate and acknowledged, deleting the entry the learner held."""

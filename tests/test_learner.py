@@ -236,6 +236,22 @@ def test_under_starpo_uniform_groups_are_those_whose_summed_turn_rewards_are_equ
     assert learner.ledger.counts()["filtered"] == {"uniform_reward": 1}
 
 
+def test_a_stop_ends_the_wait_for_a_batch_and_takes_no_group(tmp_path):
+    """The wait reads STOP with the bus server's id in one round trip before each read of the stream: a stop set while
+    groups wait still ends it, with none of them taken."""
+    config = learner_config(tmp_path)
+    config.ppo.batch_size = 2
+    bus = InProcessBus()
+    learner = Learner(config, bus, tmp_path / "run")
+    learner.ledger.admit("g", served_version=10)
+    bus.stream_add(protocol.TRAJECTORIES, {"group_id": "g", "trajectories": [
+        trajectory(learner.model, GOOD, 1.0, group_id="g").to_dict()]})
+    bus.set(protocol.STOP, 1)
+    assert learner.wait_for_batch() is None
+    assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 0
+    assert bus.stream_length(protocol.TRAJECTORIES) == 1 and learner.consumed_prompts == []
+
+
 def test_the_gate_lets_a_slow_episode_fall_behind_and_the_learner_refuses_it_as_too_stale(tmp_path):
     """The staleness gate bounds how many prompts are in flight, not how old one is: the learner takes groups in
     the order their episodes end, so a slow one admitted at version 0 outlives the newer prompts admitted as the

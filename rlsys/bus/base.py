@@ -336,6 +336,11 @@ class Bus(abc.ABC):
     def server_id(self) -> str:
         """Changes whenever the server behind the bus restarts (see ServerRestarts)."""
 
+    @abc.abstractmethod
+    def server_id_and_keys(self, keys: list[str], default=None) -> tuple[str, list]:
+        """(`server_id`, the values under `keys` as `get_keys` gives them), all read in one step (one round trip): a
+        reader that asks before each read whether the server restarted learns whether to go on in the same trip."""
+
     def close(self) -> None:
         """Release connections. The bus must not be used afterwards."""
 
@@ -359,7 +364,11 @@ class ServerRestarts:
         self.server = bus.server_id()
 
     def happened(self) -> bool:
-        """True once after each restart since the last call."""
-        server = self.bus.server_id()
+        """True once after each restart since the last call (or `happened_reading`'s)."""
+        return self.happened_reading([])[0]
+
+    def happened_reading(self, keys: list[str]) -> tuple[bool, list]:
+        """(`happened`, the values under `keys`, None where unset), in one round trip."""
+        server, values = self.bus.server_id_and_keys(keys)
         restarted, self.server = server != self.server, server
-        return restarted
+        return restarted, values

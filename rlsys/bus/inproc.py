@@ -119,6 +119,9 @@ class InProcessBus(Bus):
         return default if data is None else decode_value(data, key)
 
     def get_keys(self, keys: list[str], default=None) -> list:
+        return self._values_of(keys, default)
+
+    def _values_of(self, keys: list[str], default) -> list:
         with self._cond:
             values = [self._values.get(key) for key in keys]
         return [default if data is None else decode_value(data, key) for key, data in zip(keys, values)]
@@ -276,6 +279,9 @@ class InProcessBus(Bus):
 
     def server_id(self) -> str:
         return self._id  # it lives and dies with this process: it never restarts
+
+    def server_id_and_keys(self, keys: list[str], default=None) -> tuple[str, list]:
+        return self._id, self._values_of(keys, default)
 
     def close(self) -> None:
         """Nothing to release: the bus is shared by everyone in the process who connected to its name."""

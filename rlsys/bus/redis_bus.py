@@ -118,6 +118,12 @@ return out
 # server. The learner's inbox asks before each read; INFO's whole section, parsed by redis-py, cost it more than the
 # round trip (BENCHMARKS.md, 2026-12-07).
 _RUN_ID = "return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')"
+# Bus.server_id_and_keys: that run id and MGET's values (false, sent back as nil, where a key holds none).
+_RUN_ID_AND_KEYS = """
+local values = {}
+if #KEYS > 0 then values = redis.call('MGET', unpack(KEYS)) end
+return {string.match(redis.call('INFO', 'server'), 'run_id:(%x+)'), values}
+"""
 STREAM_POLL = (0.005, 0.05)  # a stream read waits by polling (scripts cannot block): first and longest pause
 _OK, _NO_PAYLOAD, _OVERSIZE = 0, 1, 2
 
@@ -142,6 +148,7 @@ class RedisBus(Bus):
         self._change = client.register_script(_CHANGE)
         self._fetch_entries = client.register_script(_FETCH_ENTRIES)
         self._run_id = client.register_script(_RUN_ID)
+        self._run_id_and_keys = client.register_script(_RUN_ID_AND_KEYS)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "", wait_out_restarts: bool = True) -> "RedisBus":
@@ -210,7 +217,7 @@ class RedisBus(Bus):
         if not keys:  # MGET refuses an empty list
             return []
         values = self._client.mget([self._k(key) for key in keys])  # nil for a key of another type too
-        return [default if data is None else decode_value(data, key) for key, data in zip(keys, values)]
+        return _decoded(keys, values, default)
 
     def incr(self, key: str, amount: int = 1) -> int:
         check_integer(amount, f"incr of key {key!r}: the amount")
@@ -338,6 +345,10 @@ class RedisBus(Bus):
     def server_id(self) -> str:
         return self._run_id().decode()
 
+    def server_id_and_keys(self, keys: list[str], default=None) -> tuple[str, list]:
+        server, values = self._run_id_and_keys(keys=[self._k(key) for key in keys])
+        return server.decode(), _decoded(keys, values, default)
+
     def close(self) -> None:
         self._client.close()
 
@@ -348,6 +359,11 @@ def without_namespace(url: str) -> tuple[str, str]:
     query = urllib.parse.parse_qs(parts.query)
     namespace = query.pop("namespace", [""])[0]
     return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query, doseq=True))), namespace
+
+
+def _decoded(keys: list[str], values: list, default) -> list:
+    """MGET's values under `keys`, each as Bus.get gives it, `default` for a nil."""
+    return [default if data is None else decode_value(data, key) for key, data in zip(keys, values)]
 
 
 def _stream_entry(entry_id: bytes, status: int, size: int, payload: bytes, deliveries: int,

@@ -175,9 +175,10 @@ class Learner(PolicyTrainer):
         """Blocks until `batch_size` groups arrived; None if the run is being stopped."""
         groups: list[Delivery] = []
         while len(groups) < self.ppo.batch_size:
-            if self.bus.get(protocol.STOP):
+            received = self.inbox.receive(self.ppo.batch_size - len(groups), timeout=0.5, unless=protocol.STOP)
+            if received is None:
                 return None
-            for group in self.inbox.receive(self.ppo.batch_size - len(groups), timeout=0.5):
+            for group in received:
                 if self.too_stale(group):
                     self.filter_group(group, "too_stale")
                 elif self.ppo.filter_uniform_groups and len(set(compared_rewards(group.trajectories,
