@@ -115,10 +115,10 @@ end
 return out
 """.replace("LABEL_MAX_BYTES", str(LABEL_MAX_BYTES))
 # Bus.server_id: the run id INFO reports (a random id each redis-server process draws at start), picked out on the
-# server. The learner's inbox asks before each read; INFO's whole section, parsed by redis-py, cost it more than the
-# round trip (BENCHMARKS.md, 2026-12-07).
+# server: INFO's whole section, parsed by redis-py, cost more than the round trip (BENCHMARKS.md, 2026-12-07).
 _RUN_ID = "return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')"
-# Bus.server_id_and_keys: that run id and MGET's values (false, sent back as nil, where a key holds none).
+# Bus.server_id_and_keys: that run id and MGET's values (false, sent back as nil, where a key holds none); the learner's
+# inbox asks it before each read, with STOP.
 _RUN_ID_AND_KEYS = """
 local values = {}
 if #KEYS > 0 then values = redis.call('MGET', unpack(KEYS)) end
