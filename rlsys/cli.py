@@ -198,6 +198,9 @@ def named_config_file(directory: str | None, name: str | None) -> str:
         raise ConfigError("--config_path needs --config_name too: the file's name in that directory")
     folder = Path(directory or ".")
     path = folder / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+    if not folder.is_dir():
+        where = "" if folder.is_absolute() else f" in the current directory {Path.cwd()}"
+        raise ConfigError(f"--config_path {folder}: no directory {folder}{where}" + missing_folder_hint(folder))
     if not path.is_file():
         there = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
         close = difflib.get_close_matches(Path(name).stem, there, n=3)
@@ -205,6 +208,16 @@ def named_config_file(directory: str | None, name: str | None) -> str:
                           + (f"; did you mean: {', '.join(close)}?" if close else "")
                           + (f"; {folder} holds: {', '.join(there)}" if there else f"; {folder} holds no .yaml file"))
     return str(path)
+
+
+def missing_folder_hint(folder: Path) -> str:
+    """Where a relative --config_path that is not here is in the repository (its examples/, run from elsewhere)."""
+    if folder.is_absolute():
+        return ""
+    in_repository = Path(__file__).resolve().parents[1] / folder
+    if in_repository.is_dir():
+        return f"; the {folder} rlsys comes with are in {in_repository}: --config_path {in_repository}"
+    return ": run where it is, or give its full path"
 
 
 def merge_sources(config_files: list[str], overrides: list[str]) -> tuple[dict, dict[str, str]]:

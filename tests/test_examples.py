@@ -68,6 +68,20 @@ def test_config_path_and_name_are_read_in_each_spelling_and_their_mistakes_name_
         parse_config(["-cn"])
 
 
+def test_a_config_path_that_is_no_directory_here_says_so_and_where_the_examples_are(tmp_path, monkeypatch):
+    # The README's `--config_path examples`, run from a directory of one's own: there is no examples/ there
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        parse_config(["--config_path", "examples", "--config_name", "async-ppo-sokoban"])
+    said = str(error.value)
+    assert f"no directory examples in the current directory {tmp_path}" in said
+    assert f"the examples rlsys comes with are in {EXAMPLES}: --config_path {EXAMPLES}" in said
+    assert "holds no .yaml file" not in said
+    with pytest.raises(ConfigError, match=r"no directory mine in the current directory .*: run where it is, or "
+                                          r"give its full path$"):
+        parse_config(["--config_path", "mine", "--config_name", "x"])
+
+
 @pytest.mark.parametrize("key,ours", [("exp_name", "experiment_name"), ("pretrain", "model.path"),
                                       ("max_tokens_per_step", "gen.max_new_tokens"),
                                       ("rollout_batch_size", "ppo.batch_size"),
