@@ -308,7 +308,9 @@ def lookup_experiment(name: str) -> type:
     try:
         return EXPERIMENTS.lookup(name)
     except KeyError as e:
-        raise ConfigError(e.args[0]) from None  # the Registry's message lists what is registered
+        # the Registry's message lists what is registered
+        raise ConfigError(f"{e.args[0]}; an experiment of your own is registered by its file: add "
+                          f"plugins=[my_plugin.py] (or plugins=[mypkg.my_plugin])") from None
 
 
 # ---------------------------------------------------------------------------------------------------------

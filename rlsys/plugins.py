@@ -54,7 +54,16 @@ def import_plugin_module(name: str) -> None:
         if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
             raise  # the plugin itself imports something missing: its traceback says what
         raise ConfigError(f"cannot import plugin {name!r}: no module named {e.name!r} "
-                          f"(is it on PYTHONPATH? a file is given by its path, ending in .py)") from None
+                          f"({file_here_hint(name)})") from None
+
+
+def file_here_hint(name: str) -> str:
+    """What to do when a module named on the command line is not found: a file of that name beside the user is not
+    searched (sys.path starts at the script's directory, training/)."""
+    file = Path(*name.split(".")).with_suffix(".py")
+    if file.is_file():
+        return f"{file} is in the current directory, where imports do not look: plugins=[{file}], or PYTHONPATH=."
+    return "is it on PYTHONPATH? a file is given by its path, ending in .py"
 
 
 def plugin_module_name(path: Path) -> str:

@@ -118,6 +118,15 @@ def test_plugin_module_that_does_not_exist():
         parse_config(["plugins=[/no/such/plugin.py]"])
 
 
+def test_a_plugin_named_as_a_module_that_is_a_file_here_says_how_to_load_it(tmp_path, monkeypatch):
+    # my_plugin.py beside the user, run as python3 training/main_async_ppo.py: the current directory is not searched
+    (tmp_path / "newcomer_plugin_here.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"newcomer_plugin_here\.py is in the current directory, where imports do "
+                                          r"not look: plugins=\[newcomer_plugin_here\.py\], or PYTHONPATH=\."):
+        parse_config(["plugins=[newcomer_plugin_here]"])
+
+
 def test_a_plugin_that_registers_a_taken_name_is_a_config_error_naming_the_plugin(tmp_path, monkeypatch):
     source = textwrap.dedent("""
         from rlsys.api import register_agent
@@ -285,6 +294,10 @@ def test_unknown_experiment_lists_registered():
     with pytest.raises(ConfigError, match=r"unknown experiment 'async-ppo-mth'.*Registered experiments: .*"
                                           r"'async-ppo-math'.*'test-cli-my-param'"):
         parse_config(["experiment=async-ppo-mth"])
+    # a user's experiment asked for without the file that registers it
+    with pytest.raises(ConfigError, match=r"unknown experiment 'my-experiment'.*an experiment of your own is "
+                                          r"registered by its file: add plugins=\[my_plugin\.py\]"):
+        parse_config(["experiment=my-experiment", "my_param=5.0"])
 
 
 def test_help_lists_every_field_with_type_default_and_doc(capsys):
