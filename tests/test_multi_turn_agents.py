@@ -12,7 +12,7 @@ from rlsys.api import NOT_GENERATED, AgentAbstraction, EnvServiceAbstraction, Ge
     Prompt, make_agent, make_env
 from rlsys.impl.agent.math_multi_turn import CORRECT_FEEDBACK, WRONG_FEEDBACK
 from rlsys.impl.agent.model_client import ModelClient
-from rlsys.impl.agent.multi_turn import RolloutStrategy, token_key
+from rlsys.impl.agent.multi_turn import MultiTurnAgent, Reaction, RolloutStrategy, token_key
 from rlsys.impl.env.frozen_lake import FrozenLakeEnv, generate_lake, shortest_path
 from rlsys.impl.env.sokoban import SokobanEnv, generate_room, solve
 from rlsys.model.tokenizer import build_char_tokenizer, chat_prompt_ids, row_prompt_ids
@@ -119,6 +119,32 @@ def test_math_multi_turn_chains_retry_after_wrong_answers(tokenizer, tokenizer_d
     # Every chain's first turn saw the same context: one anchor state; later contexts differ by the answers.
     assert len({t.turn_obs_keys[0] for t in trajectories}) == 1
     assert second.turn_obs_keys[1] == token_key(second.token_ids[:second.turn_ends[0]] + wrong)
+
+
+class UsersRetryAgent(MultiTurnAgent):
+    """A user's multi-turn agent as docs/agents.md has one written: __init__ passes only what it changes."""
+
+    def __init__(self, gconfig, tokenizer_path, num_turns: int = 2):
+        super().__init__(gconfig, tokenizer_path, num_turns)
+
+    async def start(self, env, prompt):
+        await env.reset(options=prompt.data)
+
+    async def react(self, env, prompt, response, stop_reason):
+        _, success, *_ = await env.step((prompt.qid, [response]))
+        right = success[0] == 1.0
+        return Reaction(reward=float(right), done=right, feedback=CORRECT_FEEDBACK if right else WRONG_FEEDBACK,
+                        success=right)
+
+
+def test_a_users_multi_turn_agent_passes_only_its_turns_and_gets_chains_undiscounted(tokenizer, tokenizer_dir):
+    gconfig = GenerationConfig(n=1, max_new_tokens=8, stop_token_ids=[tokenizer.eos_token_id])
+    agent = UsersRetryAgent(gconfig, str(tokenizer_dir))
+    trajectories, _ = play(agent, math_env(), math_prompt(tokenizer), answer_by_history(tokenizer, [["45", "46"]]))
+    assert agent.strategy == RolloutStrategy() and agent.max_context_tokens > 0
+    [trajectory] = trajectories
+    assert turn_answers(tokenizer, trajectory) == ["45", "46"]
+    assert trajectory.turn_rewards == [0.0, 1.0] and trajectory.reward == 1.0  # no discount unless asked
 
 
 def test_math_multi_turn_marks_cut_off_and_empty_answers_void(tokenizer, tokenizer_dir):

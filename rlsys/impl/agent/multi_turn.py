@@ -198,8 +198,8 @@ class MultiTurnAgent(Agent):
 
     marks_void = True  # a turn that is neither an action nor an answer
 
-    def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, max_turns: int, turn_discount: float,
-                 strategy: RolloutStrategy | dict | None, max_context_tokens: int):
+    def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, max_turns: int, turn_discount: float = 1.0,
+                 strategy: RolloutStrategy | dict | None = None, max_context_tokens: int = 0):
         if max_turns < 1:
             raise ValueError(f"max_turns must be at least 1, got {max_turns}")
         if not 0 <= turn_discount <= 1:
