@@ -54,6 +54,21 @@ def test_math_single_step_scores_each_sample_and_masks_the_prompt(tmp_path):
 
     scored = asyncio.run(run_scripted_episode(agent, Scores(), prompt, policy, ScriptedEngine(policy, logprob=-0.25)))
     assert [t.reward for t in scored] == [0.9, -0.4, 0.1] and all("success" not in t.metrics for t in scored)
+
+    # A user's gym-like environment that returns one reward, not one per answer: the episode fails saying what to return
+    class OneReward(EnvironmentService):
+        async def step(self, action):
+            return None, 1.0, True, False, {}
+
+    class TwoRewards(OneReward):
+        async def step(self, action):
+            return None, [1.0, 0.0], True, False, {}
+
+    for env, returned in ((OneReward(), "1.0"), (TwoRewards(), r"\[1.0, 0.0\]")):
+        with pytest.raises(TypeError, match=rf"{type(env).__name__}.step returned the reward {returned} for 3 answers: "
+                                            r"the math agents step the environment with \(qid, \[answer, \.\.\.\]\) "
+                                            r"and need a list of one reward per answer"):
+            asyncio.run(run_scripted_episode(agent, env, prompt, policy, ScriptedEngine(policy)))
     score = parse_config(["experiment=async-ppo-math"]).held_out_score
     assert held_out_accuracy(score, [scored], "accuracy") == {}
     assert held_out_accuracy(score, [trajectories], "accuracy") == {"accuracy": pytest.approx(1 / 3)}

@@ -14,6 +14,7 @@ A turn is void when its answer is empty or was cut off by the token limit before
 import random
 
 from rlsys.api import EnvironmentService, GenerationConfig, Prompt, register_agent
+from rlsys.impl.agent.math_single_step import answer_rewards
 from rlsys.impl.agent.multi_turn import MultiTurnAgent, Reaction, RolloutStrategy
 from rlsys.model.warm_start_examples import TaughtSequence, answer_ids
 from rlsys.model.tokenizer import message_after_ids, row_prompt_ids
@@ -34,7 +35,7 @@ class MathMultiTurnAgent(MultiTurnAgent):
 
     async def react(self, env: EnvironmentService, prompt: Prompt, response: str, stop_reason: str) -> Reaction:
         _, rewards, _, _, info = await env.step((prompt.qid, [response]))
-        correct = float(rewards[0]) == 1.0
+        correct = answer_rewards(env, rewards, 1)[0] == 1.0
         status = info.get("statuses", ["ok"])[0]
         return Reaction(reward=float(correct), done=correct, feedback=CORRECT_FEEDBACK if correct else WRONG_FEEDBACK,
                         success=correct, void=stop_reason != "stop" or not response.strip(),

@@ -25,6 +25,15 @@ def single_turn_trajectory(prompt: Prompt, act: GenerationOutput, sample: int, r
     )
 
 
+def answer_rewards(env: EnvironmentService, rewards, n_answers: int) -> list[float]:
+    """The reward of each answer the math agents stepped `env` with; a gym-like single reward, or a list of another
+    length, is refused naming the environment (it failed deep in the agent, as a float not subscriptable)."""
+    if not hasattr(rewards, "__len__") or isinstance(rewards, (str, dict)) or len(rewards) != n_answers:
+        raise TypeError(f"{type(env).__name__}.step returned the reward {rewards!r} for {n_answers} answers: the math "
+                        f"agents step the environment with (qid, [answer, ...]) and need a list of one reward per answer")
+    return [float(reward) for reward in rewards]
+
+
 class MathSingleStepAgent(Agent):
     def __init__(self, gconfig: GenerationConfig, tokenizer_path: str):
         self.gconfig = gconfig
@@ -37,12 +46,13 @@ class MathSingleStepAgent(Agent):
         act: GenerationOutput = await act_queue.get()
         answers = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in act.output_ids]
         _, rewards, _, _, info = await env.step((prompt.qid, answers))
+        rewards = answer_rewards(env, rewards, len(answers))
         statuses = info.get("statuses", ["ok"] * len(answers))
         # Whether an answer is right is the environment's to say (a verifier's verdict); one whose reward is a
         # score (a reward model's, TRL reward functions') says nothing, and its episodes have no success.
         successes = info.get("success")
         return [
-            single_turn_trajectory(prompt, act, i, float(rewards[i]), {
+            single_turn_trajectory(prompt, act, i, rewards[i], {
                 "verify_failed": float(statuses[i] in ("timeout", "error")),
                 **({"success": float(successes[i])} if successes is not None else {})})
             for i in range(len(answers))
