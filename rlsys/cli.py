@@ -412,6 +412,8 @@ NO_RESUME = "a fresh start is its default, empty: leave it out (or resume_from_c
 # in a config file, in --help, in config.yaml and in the logs.
 MIXED_GAMES_SHARE = ("frozen_lake_share", "experiment=async-ppo-mixed-games's share of FrozenLake among its games, "
                                          "or a dataset row's env_name: docs/agents.md, 'Mixed games'")
+MICRO_BATCH_TOKENS = ("ppo.max_tokens_per_micro_batch", "a pass's token budget: micro-batches are cut by tokens and "
+                      "accumulate into one optimizer step per mini-batch, ppo.num_mini_batches a batch")
 ROLL_KEYS = {
     "exp_name": ("experiment_name", "the run's name"),
     "pretrain": ("model.path", "the policy's HF checkpoint"),
@@ -427,6 +429,15 @@ ROLL_KEYS = {
     "max_env_num_per_worker": ("max_concurrent_rollouts", "most episodes in flight per rollout worker"),
     "tags": MIXED_GAMES_SHARE,
     "num_groups_partition": MIXED_GAMES_SHARE,
+    "num_env_groups": ("ppo.batch_size", "prompts (groups) per training step, each played group_size times"),
+    "max_steps_per_traj": ("max_turns", "actions per episode, in the game experiments"),
+    "env_type": ("experiment", "experiment=async-ppo-frozen-lake, async-ppo-sokoban, ...: each sets its env up"),
+    "env_config": ("an experiment's env property", "register_environment and an experiment of your own: README, "
+                                                   "'Writing an agent, an environment and an experiment'"),
+    "per_device_train_batch_size": MICRO_BATCH_TOKENS,
+    "gradient_accumulation_steps": MICRO_BATCH_TOKENS,
+    "strategy_name": ("inference.engine", "vllm or transformers; the learner is torch's, FSDP2 over its ranks"),
+    "tp_size": ("inference.tensor_parallel_size", "the GPUs vLLM splits one inference worker's model over"),
 }
 # verl's settings a user of its agent loop copies (its docs ask for the first two), by their whole dotted path
 VERL_KEYS = {

@@ -92,7 +92,18 @@ def test_a_config_path_that_is_no_directory_here_says_so_and_where_the_examples_
                                       ("disable_gradient_checkpointing", "learner.gradient_checkpointing"),
                                       ("train_env_manager.max_env_num_per_worker", "max_concurrent_rollouts"),
                                       ("train_env_manager.tags", "frozen_lake_share"),
-                                      ("num_groups_partition", "frozen_lake_share")])
+                                      ("num_groups_partition", "frozen_lake_share"),
+                                      # the rest of the names ROLL's agentic pipeline guide lists
+                                      ("train_env_manager.num_env_groups", "ppo.batch_size"),
+                                      ("custom_envs.FrozenLake.max_steps_per_traj", "max_turns"),
+                                      ("custom_envs.FrozenLake.env_type", "experiment"),
+                                      ("custom_envs.FrozenLake.env_config", "register_environment"),
+                                      ("actor_train.training_args.per_device_train_batch_size",
+                                       "ppo.max_tokens_per_micro_batch"),
+                                      ("actor_train.training_args.gradient_accumulation_steps",
+                                       "ppo.max_tokens_per_micro_batch"),
+                                      ("actor_infer.strategy_args.strategy_name", "inference.engine"),
+                                      ("actor_infer.strategy_args.tp_size", "inference.tensor_parallel_size")])
 def test_rolls_names_are_refused_naming_ours(key, ours):
     """A ROLL config's keys, where rlsys names the setting otherwise: one name per setting, so refused, not aliased."""
     with pytest.raises(ConfigError, match=f"'{key}' is ROLL's name; rlsys's is .*{ours}"):

@@ -30,7 +30,8 @@ def answer_rewards(env: EnvironmentService, rewards, n_answers: int) -> list[flo
     length, is refused naming the environment (it failed deep in the agent, as a float not subscriptable)."""
     if not hasattr(rewards, "__len__") or isinstance(rewards, (str, dict)) or len(rewards) != n_answers:
         raise TypeError(f"{type(env).__name__}.step returned the reward {rewards!r} for {n_answers} answers: the math "
-                        f"agents step the environment with (qid, [answer, ...]) and need a list of one reward per answer")
+                        "agents step the environment with (qid, [answer, ...]) and need a list of one reward per "
+                        "answer")
     return [float(reward) for reward in rewards]
 
 
