@@ -76,7 +76,9 @@ def plugin_module_name(path: Path) -> str:
 
 def import_plugin_file(path: Path) -> None:
     if not path.is_file():
-        raise ConfigError(f"plugin file not found: {path}")
+        where = "" if path.is_absolute() else f" (relative to the current directory {Path.cwd()}: run where it is, " \
+                                              "or give its full path)"
+        raise ConfigError(f"plugin file not found: {path}{where}")
     name = plugin_module_name(path)
     if name in sys.modules:
         return  # executing it again would register its classes twice, which the registries refuse

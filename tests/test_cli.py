@@ -116,6 +116,10 @@ def test_plugin_module_that_does_not_exist():
         parse_config(["plugins=[no_such_plugin_module]"])
     with pytest.raises(ConfigError, match="plugin file not found"):
         parse_config(["plugins=[/no/such/plugin.py]"])
+    # a run's config.yaml keeps the path as typed: continued from another directory, the message says where it looked
+    with pytest.raises(ConfigError, match=r"plugin file not found: no_such_plugin\.py \(relative to the current "
+                                          r"directory .*: run where it is, or give its full path\)$"):
+        parse_config(["plugins=[no_such_plugin.py]"])
 
 
 def test_a_plugin_named_as_a_module_that_is_a_file_here_says_how_to_load_it(tmp_path, monkeypatch):
