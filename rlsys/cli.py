@@ -211,12 +211,16 @@ def named_config_file(directory: str | None, name: str | None) -> str:
 
 
 def missing_folder_hint(folder: Path) -> str:
-    """Where a relative --config_path that is not here is in the repository (its examples/, run from elsewhere)."""
+    """Where a relative --config_path that is not here is in the repository (its examples/, run from elsewhere), or
+    which examples rlsys has (ROLL's guide's examples/qwen2.5-0.5B-agentic is not one)."""
     if folder.is_absolute():
         return ""
-    in_repository = Path(__file__).resolve().parents[1] / folder
-    if in_repository.is_dir():
-        return f"; the {folder} rlsys comes with are in {in_repository}: --config_path {in_repository}"
+    repository = Path(__file__).resolve().parents[1]
+    if (repository / folder).is_dir():
+        return f"; the {folder} rlsys comes with are in {repository / folder}: --config_path {repository / folder}"
+    examples = repository / "examples"
+    if folder.parts[0] == "examples" and examples.is_dir():
+        return f"; rlsys's examples are in {examples}: {', '.join(sorted(p.stem for p in examples.glob('*.yaml')))}"
     return ": run where it is, or give its full path"
 
 

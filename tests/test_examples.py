@@ -80,6 +80,11 @@ def test_a_config_path_that_is_no_directory_here_says_so_and_where_the_examples_
     with pytest.raises(ConfigError, match=r"no directory mine in the current directory .*: run where it is, or "
                                           r"give its full path$"):
         parse_config(["--config_path", "mine", "--config_name", "x"])
+    # ROLL's guide's own example, typed in the repository: rlsys's examples are named instead
+    monkeypatch.chdir(EXAMPLES.parent)
+    with pytest.raises(ConfigError, match=rf"no directory examples/qwen2.5-0.5B-agentic in the current directory "
+                                          rf".*; rlsys's examples are in {EXAMPLES}: async-ppo-frozen-lake, .*async-ppo-webshop$"):
+        parse_config(["--config_path", "examples/qwen2.5-0.5B-agentic", "--config_name", "agent_val_frozen_lake"])
 
 
 @pytest.mark.parametrize("key,ours", [("exp_name", "experiment_name"), ("pretrain", "model.path"),
