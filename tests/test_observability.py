@@ -353,6 +353,8 @@ def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_a
                                       "1.000 after 100 steps (+1.160) in 1.2 min"
     assert held_out_line({**summary, "initial_accuracy": 0.5, "final_accuracy": 0.625}) == \
         "held-out accuracy: 50.0% before, 62.5% after 100 steps (+12.5 points) in 1.2 min"
+    assert held_out_line({**summary, "steps": 1}).startswith(
+        "held-out mean reward of the episodes that ended: -0.160 before, 1.000 after 1 step ")
     assert held_out_line({**summary, "initial_accuracy": 0.5, "final_reward_of_ended": None}) == \
         "held-out accuracy: 50.0% before, n/a after 100 steps in 1.2 min"  # stopped before its final evaluation
     # resumed at step 80: the run's 100 steps did not take the last launch's 1.2 minutes
