@@ -74,9 +74,9 @@ def held_out_line(summary: dict) -> str:
     failed = [summary.get(key) or 0 for key in ("initial_failed", "final_failed")]
     counted = "counted unsolved" if figure == ACCURACY else "left out of the mean"
     failures = f"; held-out episodes failed: {failed[0]} before, {failed[1]} after ({counted})" if any(failed) else ""
+    steps = f"{summary['steps']} step{'' if summary['steps'] == 1 else 's'}"
     return (f"held-out {HELD_OUT_NAMES[figure]}: {held_out_text(figure, before)} before, "
-            f"{held_out_text(figure, after)} after {summary['steps']} step{'' if summary['steps'] == 1 else 's'}{change}"
-            f" in {summary['minutes']:.1f} min"
+            f"{held_out_text(figure, after)} after {steps}{change} in {summary['minutes']:.1f} min"
             f"{since}{after_warm_start}{failures}")
 
 
