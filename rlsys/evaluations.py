@@ -30,6 +30,9 @@ VERSION_MAX = "version_max"  # the newest, only where it is not VERSION (new wei
 EPISODES = "episodes"  # its episodes that ended, each with at least one trajectory
 FAILED = "failed"  # its episodes that failed (an agent's or environment's error), in ACCURACY as unsolved, not in
 #   REWARD_OF_ENDED
+# A run's records and checkpoints from before REWARD_OF_ENDED was named so (2026-12-07) hold that figure as "reward":
+# read back under today's name, so that a report, console or resume of such a run keeps its held-out reward.
+EARLIER_NAMES = {"reward": REWARD_OF_ENDED}
 
 
 def record(bus, tag: str, result: dict) -> None:
@@ -55,7 +58,12 @@ def records_path(log_dir: Path) -> Path:
 def figures(row: dict) -> dict:
     """An evaluation's figures in a row of its records, named as the bus names them ({VERSION, ACCURACY,
     REWARD_OF_ENDED, EPISODES, FAILED, ...}); empty where the row is not an evaluation's."""
-    return {key.removeprefix(PREFIX): value for key, value in row.items() if key.startswith(PREFIX)}
+    return named_now({key.removeprefix(PREFIX): value for key, value in row.items() if key.startswith(PREFIX)})
+
+
+def named_now(evaluation: dict) -> dict:
+    """An evaluation's figures under today's names, one an earlier run wrote under its EARLIER_NAMES renamed."""
+    return {EARLIER_NAMES.get(key, key): value for key, value in evaluation.items()}
 
 
 def headline(evaluation: dict) -> str:

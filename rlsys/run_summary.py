@@ -30,7 +30,7 @@ def held_out_summary(bus, started_from: dict, logging_dir: Path) -> dict:
     as before), and the one at the resumed step is `resumed` ({"step", "accuracy", "reward_of_ended"}).
     `held_out_curve`: every evaluation of the run, its launches before a resume included, oldest first."""
     start, final = (evaluations.result(bus, tag) or {} for tag in (evaluations.INITIAL, evaluations.FINAL))
-    initial = (started_from.get("initial_eval") or start) if started_from else start
+    initial = evaluations.named_now(started_from.get("initial_eval") or start) if started_from else start
     figures = {
         # initial_accuracy, final_accuracy (None where the run did not evaluate, or its episodes have no success to
         # count), initial_reward_of_ended, ... (there whenever it evaluated), and initial_failed, final_failed: the

@@ -324,6 +324,34 @@ def test_the_summary_counts_the_held_out_episodes_that_failed_before_and_after(t
     assert (figures["initial_failed"], figures["final_failed"]) == (18, 17)
 
 
+def test_a_run_from_before_the_held_out_reward_was_renamed_keeps_it_in_its_report_console_and_resume(tmp_path, capsys):
+    """Records and checkpoints written before 2026-12-07 hold the held-out mean reward of the episodes that ended as
+    `reward`: read back under its name now, or a report rebuilt for such a run lost its curve and a resume its
+    "before" figure."""
+    from rlsys import evaluations
+    from rlsys.bus.inproc import InProcessBus
+    from rlsys.console import ProgressReporter
+    from rlsys.report import build_report
+    from rlsys.run_summary import held_out_summary
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rows = [{"step": v, "eval/reward": r, "eval/version": v, "eval/episodes": 100}
+            for v, r in ((0, -0.16), (50, 0.42), (100, 1.0))]
+    (logs / "rollout0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ProgressReporter(logs / "learner.jsonl", every=10, max_steps=100, quiet_seconds=3600,
+                     evaluations_file=logs / "rollout0.jsonl")()
+    assert capsys.readouterr().out == \
+        "step    50/100  held-out mean reward of the episodes that ended 0.420 (greedy, 100 problems)\n"
+    assert "id='held-out-reward-curve'" in build_report(tmp_path).read_text()
+
+    bus = InProcessBus()  # resumed from a checkpoint that kept the run's first evaluation under the earlier name
+    evaluations.record(bus, evaluations.INITIAL, {"reward_of_ended": 0.5, "version": 80, "episodes": 100})
+    figures = held_out_summary(bus, {"step": 80, "initial_eval": {"reward": -0.16, "episodes": 100}}, logs)
+    assert figures["initial_reward_of_ended"] == -0.16 and figures["resumed"]["reward_of_ended"] == 0.5
+    assert [e[evaluations.REWARD_OF_ENDED] for e in figures["held_out_curve"]] == [-0.16, 0.42, 1.0]
+
+
 def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_accuracy(tmp_path, capsys):
     """Rewards from a reward model or TRL's functions are scores, not verdicts: the console, the last line and the
     report call the held-out figure what it is."""
