@@ -324,24 +324,35 @@ def test_the_summary_counts_the_held_out_episodes_that_failed_before_and_after(t
     assert (figures["initial_failed"], figures["final_failed"]) == (18, 17)
 
 
+def held_out_rows(reward_key: str) -> list[dict]:
+    """Three evaluations' rows of a run whose episodes have no success, their mean reward under `reward_key`."""
+    return [{"step": v, reward_key: r, "eval/version": v, "eval/episodes": 100}
+            for v, r in ((0, -0.16), (50, 0.42), (100, 1.0))]
+
+
+def said_of(logs: Path, rows: list[dict], capsys) -> str:
+    """What the console's progress lines say of evaluations `rows` in rollout worker 0's records in `logs`."""
+    from rlsys.console import ProgressReporter
+
+    (logs / "rollout0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ProgressReporter(logs / "learner.jsonl", every=10, max_steps=100, quiet_seconds=3600,
+                     evaluations_file=logs / "rollout0.jsonl")()
+    return capsys.readouterr().out
+
+
 def test_a_run_from_before_the_held_out_reward_was_renamed_keeps_it_in_its_report_console_and_resume(tmp_path, capsys):
     """Records and checkpoints written before 2026-12-07 hold the held-out mean reward of the episodes that ended as
     `reward`: read back under its name now, or a report rebuilt for such a run lost its curve and a resume its
     "before" figure."""
     from rlsys import evaluations
     from rlsys.bus.inproc import InProcessBus
-    from rlsys.console import ProgressReporter
     from rlsys.report import build_report
     from rlsys.run_summary import held_out_summary
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    rows = [{"step": v, "eval/reward": r, "eval/version": v, "eval/episodes": 100}
-            for v, r in ((0, -0.16), (50, 0.42), (100, 1.0))]
-    (logs / "rollout0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    ProgressReporter(logs / "learner.jsonl", every=10, max_steps=100, quiet_seconds=3600,
-                     evaluations_file=logs / "rollout0.jsonl")()
-    assert capsys.readouterr().out == \
+    rows = held_out_rows("eval/reward")
+    assert said_of(logs, rows, capsys) == \
         "step    50/100  held-out mean reward of the episodes that ended 0.420 (greedy, 100 problems)\n"
     assert "id='held-out-reward-curve'" in build_report(tmp_path).read_text()
 
@@ -355,23 +366,16 @@ def test_a_run_from_before_the_held_out_reward_was_renamed_keeps_it_in_its_repor
 def test_a_run_whose_episodes_have_no_success_reports_their_mean_reward_and_no_accuracy(tmp_path, capsys):
     """Rewards from a reward model or TRL's functions are scores, not verdicts: the console, the last line and the
     report call the held-out figure what it is."""
-    from rlsys.console import ProgressReporter, held_out_line
+    from rlsys.console import held_out_line
     from rlsys.report import build_report
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    rows = [{"step": v, "eval/reward_of_ended": r, "eval/version": v, "eval/episodes": 100}
-            for v, r in ((0, -0.16), (50, 0.42), (100, 1.0))]
-    (logs / "rollout0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    ProgressReporter(logs / "learner.jsonl", every=10, max_steps=100, quiet_seconds=3600,
-                     evaluations_file=logs / "rollout0.jsonl")()
-    assert capsys.readouterr().out == \
+    rows = held_out_rows("eval/reward_of_ended")
+    assert said_of(logs, rows, capsys) == \
         "step    50/100  held-out mean reward of the episodes that ended 0.420 (greedy, 100 problems)\n"
     rows[1].update({"eval/episodes": 97, "eval/failed": 3})  # failed episodes: among the problems, and named
-    (logs / "rollout0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    ProgressReporter(logs / "learner.jsonl", every=10, max_steps=100, quiet_seconds=3600,
-                     evaluations_file=logs / "rollout0.jsonl")()
-    assert capsys.readouterr().out == \
+    assert said_of(logs, rows, capsys) == \
         "step    50/100  held-out mean reward of the episodes that ended 0.420 (greedy, 100 problems, 3 failed)\n"
 
     summary = {"initial_accuracy": None, "final_accuracy": None, "initial_reward_of_ended": -0.16,
