@@ -61,9 +61,12 @@ CLAIM_PAGE = 1000
 
 
 def agent_output(trajectories) -> list[Trajectory]:
-    """What an agent's collect_trajectory returned, if it is a list of Trajectory; else InvalidMessage."""
+    """What an agent's collect_trajectory returned, if it is a non-empty list of Trajectory (an episode with none has
+    no reward, nothing to train on or score); else InvalidMessage."""
     if not isinstance(trajectories, list) or not all(isinstance(t, Trajectory) for t in trajectories):
         raise InvalidMessage(f"collect_trajectory must return a list of Trajectory, got {_type_names(trajectories)}")
+    if not trajectories:
+        raise InvalidMessage("collect_trajectory must return a non-empty list of Trajectory, got an empty list")
     return trajectories
 
 

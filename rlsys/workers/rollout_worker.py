@@ -279,8 +279,7 @@ class RolloutWorker:
             trajectories = await self.router.serve(agent.collect_trajectory(prompt, env, obs_queue, act_queue),
                                                    obs_queue, act_queue, calls, activity, self.config.agent_stuck_after)
             try:  # checked here, not only as a training group's message: evaluation reads them too
-                if not agent_output(trajectories):  # no reward, nothing to train on
-                    raise InvalidMessage("collect_trajectory returned no trajectories")
+                agent_output(trajectories)
             except InvalidMessage as e:
                 raise EpisodeFailed("invalid_output", str(e)) from None
             if len(self.config.envs) > 1:  # a mixed run: metrics per environment type too
