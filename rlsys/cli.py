@@ -443,6 +443,17 @@ ROLL_KEYS = {
     "strategy_name": ("inference.engine", "vllm or transformers; the learner is torch's, FSDP2 over its ranks"),
     "tp_size": ("inference.tensor_parallel_size", "the GPUs vLLM splits one inference worker's model over"),
 }
+# ROLL's settings that rlsys has no setting for, by the name at any depth of a path: what rlsys does in their place
+ROLL_WITHOUT_COUNTERPART = {
+    "model_type": "rlsys trains causal language models only, of the architecture model.path's config.json names "
+                  "(any HF causal LM); leave it out",
+    "pp_size": "rlsys offers no pipeline parallelism: the learner shards one model over cluster.n_learner_ranks "
+               "with FSDP2, and vLLM splits an inference worker's model over inference.tensor_parallel_size GPUs, "
+               "which together hold the models rlsys is meant for without a pipeline's idle stages; leave it out",
+    "custom_envs": "an environment is a class registered with register_environment, and an experiment's env property "
+                   "sets it up (experiment=async-ppo-frozen-lake, async-ppo-sokoban, ..., or one of your own: README, "
+                   "'Writing an agent, an environment and an experiment')",
+}
 # verl's settings a user of its agent loop copies (its docs ask for the first two), by their whole dotted path
 VERL_KEYS = {
     "data.return_raw_chat": "rlsys keeps a row's chat messages as the dataset holds them for the agent, which renders "
@@ -461,6 +472,10 @@ def unknown_key_messages(path: str, value, fields: dict[str, FieldInfo], experim
     if leaf in ROLL_KEYS:
         ours, meaning = ROLL_KEYS[leaf]
         yield f"{path!r} is ROLL's name; rlsys's is {ours} ({meaning})"
+        return
+    roll_name = next((name for name in path.split(".") if name in ROLL_WITHOUT_COUNTERPART), None)
+    if roll_name is not None and not (isinstance(value, dict) and value):  # a group's inner names may be ROLL_KEYS
+        yield f"{path!r} is ROLL's setting; rlsys has none: {ROLL_WITHOUT_COUNTERPART[roll_name]}"
         return
     # An unknown group (`ppp: {lr: 1}`) is reported leaf by leaf: `ppp.lr` finds `ppo.lr`, `ppp` alone may not.
     if isinstance(value, dict) and value:

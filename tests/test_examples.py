@@ -115,6 +115,16 @@ def test_rolls_names_are_refused_naming_ours(key, ours):
         parse_config([f"{key}=x"])
 
 
+@pytest.mark.parametrize("key,says", [("actor_train.model_args.model_type", "causal language models"),
+                                      ("actor_infer.strategy_args.pp_size", "no pipeline parallelism"),
+                                      ("custom_envs", "register_environment"),
+                                      ("custom_envs.FrozenLake.max_actions", "register_environment")])
+def test_rolls_names_without_a_counterpart_say_what_rlsys_does_instead(key, says):
+    """ROLL's settings that rlsys has no setting for are refused saying what it does in their place, not as unknown."""
+    with pytest.raises(ConfigError, match=f"'{key}' is ROLL's setting; rlsys has none: .*{says}"):
+        parse_config([f"{key}=x"])
+
+
 @pytest.mark.parametrize("key,says", [("data.return_raw_chat", "keeps a row's chat messages"),
                                       ("actor_rollout_ref.rollout.mode", "always asynchronous"),
                                       ("actor_rollout_ref.rollout.n", "group_size")])
