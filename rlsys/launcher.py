@@ -25,7 +25,7 @@ from rlsys.metrics import LEARNER_RECORDS, records_file
 from rlsys.placement import PlacementError, open_placement
 from rlsys.preflight import StartupError, check_extras, check_message_bus, check_mlflow_server
 from rlsys.prompt_ledger import PromptLedger
-from rlsys.run_files import role_log
+from rlsys.run_files import role_log, with_absolute_paths
 from rlsys.run_privacy import redact_url
 from rlsys.run_start import (FROM_THE_START, begin_trial, initialize_bus_state, last_checkpoint_note,
                              make_run_directories, refuse_a_second_start, remove_directories, resolve_resume,
@@ -63,7 +63,7 @@ def run_launched(config, run_dir: Path, logging_dir: Path, started: float) -> di
     # filled in: the file is what was asked for, so `--config` continues it (resume_from_checkpoint=auto) or reruns it
     # (trial_name=) from the same caches, without paths of this trial that would send a rerun's logs into it. Saved
     # by begin_trial: a start that fails leaves the trial's config.yaml as its own run wrote it.
-    requested = copy.deepcopy(config)
+    requested = with_absolute_paths(copy.deepcopy(config))
     config.logging_dir = str(logging_dir)
     from_the_beginning = resolve_resume(config, run_dir)
     warm_start_seconds = prepare(config)

@@ -3,11 +3,18 @@ saved by the launcher as the run starts (every run's directory has one; `--confi
 it), and SUMMARY_FILE, its result, written by the launcher as the run ends; and where its records are (logs_dir).
 Named here, below both the launcher that writes them and the report that reads them, so that the two agree."""
 
+import os
 from pathlib import Path
+
+from rlsys.plugins import is_plugin_file
 
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 LOGS_DIR = "logs"
+# The settings that name a path the run reads or writes, as (group, key); trace.render_save_dir is not one: its
+# relative path is in the run's directory, wherever the run starts.
+PATH_SETTINGS = (("", "output_dir"), ("", "logging_dir"), ("", "resume_from_checkpoint"), ("model", "path"),
+                 ("model", "cache_dir"), ("dataset", "path"), ("dataset", "eval_path"))
 
 
 def logs_dir(run_dir: Path, logging_dir: str | Path | None = None) -> Path:
@@ -18,3 +25,16 @@ def logs_dir(run_dir: Path, logging_dir: str | Path | None = None) -> Path:
 def role_log(logging_dir: str | Path, name: str) -> Path:
     """Where the role process `name` (learner0, rollout1, ...) writes its output: <logging_dir>/<name>.log."""
     return Path(logging_dir) / f"{name}.log"
+
+
+def with_absolute_paths(config):
+    """`config` with each path it was given relative to the current directory made absolute, its plugin files too, so
+    that `--config <run dir>/CONFIG_FILE` continues or reruns the run from any directory. A `~` path stays as given
+    (it means the same home from anywhere), and so do `auto` and a plugin's module name."""
+    for group, key in PATH_SETTINGS:
+        holder = getattr(config, group) if group else config
+        value = getattr(holder, key)
+        if value and value != "auto" and not value.startswith("~"):
+            setattr(holder, key, os.path.abspath(value))
+    config.plugins = [os.path.abspath(entry) if is_plugin_file(entry) else entry for entry in config.plugins]
+    return config

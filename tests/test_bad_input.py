@@ -551,6 +551,28 @@ def test_a_runs_saved_config_reruns_as_a_new_run_in_a_directory_of_its_own(tmp_p
     assert rerun.trial_name != "t" and Path(rerun.logging_dir) == saved.parents[1] / rerun.trial_name / "logs"
 
 
+def test_a_runs_saved_config_continues_it_from_another_directory(tmp_path, monkeypatch):
+    """config.yaml kept output_dir and a plugin file as given, relative: `--config <it> resume_from_checkpoint=auto`
+    from another directory could not find the plugin, and would have started a new run under that directory."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    (here / "model").mkdir(parents=True)
+    elsewhere.mkdir()
+    (here / "my_plugin.py").write_text("LOADED = True\n")
+    monkeypatch.chdir(here)
+    with monkeypatch.context() as patched:  # a run that passed its checks and saved config.yaml; no role starts
+        patched.setattr("rlsys.launcher.prepare", lambda config: None)
+        patched.setattr("rlsys.launcher.Supervisor", Mock(side_effect=RuntimeError("the roles would start here")))
+        with pytest.raises(RuntimeError, match="the roles would start here"):
+            launch(parse_config(["output_dir=runs", "model.cache_dir=cache", "plugins=[my_plugin.py, json]",
+                                 "model.path=model", "trial_name=t", "dataset.num_train=50", "dataset.num_eval=10"]))
+    saved = here / "runs" / "async-ppo-math" / "t" / "config.yaml"
+    monkeypatch.chdir(elsewhere)
+    again = parse_config(["--config", str(saved), "resume_from_checkpoint=auto"])
+    assert run_directory(again) == saved.parent
+    assert again.plugins == [str(here / "my_plugin.py"), "json"]  # a module's name stays a name
+    assert (again.model.path, again.model.cache_dir) == (str(here / "model"), str(here / "cache"))
+
+
 def test_runs_started_in_one_second_without_a_trial_name_get_a_directory_each(tmp_path, monkeypatch):
     monkeypatch.setattr("rlsys.run_start.time.strftime", lambda _: "run-20261202-000000")
     names = [run_directory(run_config(tmp_path)).name for _ in range(3)]
