@@ -59,7 +59,7 @@ class EnvLatencyConfig(AsyncPPOMATHConfig):
 
     @property
     def agent(self) -> AgentAbstraction:
-        return multi_turn_agent(self, "text-game", max_turns=self.num_turns)
+        return multi_turn_agent(self, "text-game", num_turns=self.num_turns)
 
     @property
     def env(self) -> EnvServiceAbstraction:

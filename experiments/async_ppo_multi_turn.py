@@ -176,7 +176,7 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
 
     @property
     def agent(self) -> AgentAbstraction:
-        return multi_turn_agent(self, "text-game", max_turns=self.max_turns)
+        return multi_turn_agent(self, "text-game", num_turns=self.max_turns)
 
     def check_rows(self, rows: list[dict], path: str) -> None:
         check_seeds(rows, path)

@@ -147,6 +147,25 @@ def test_a_users_multi_turn_agent_passes_only_its_turns_and_gets_chains_undiscou
     assert trajectory.turn_rewards == [0.0, 1.0] and trajectory.reward == 1.0  # no discount unless asked
 
 
+class EarlierNamesAgent(UsersRetryAgent):
+    """A user's agent written before the turn limit took the seed's name, num_turns."""
+
+    def __init__(self, gconfig, tokenizer_path):
+        MultiTurnAgent.__init__(self, gconfig, tokenizer_path, max_turns=2)
+
+
+def test_the_turn_limit_is_num_turns_and_the_earlier_max_turns_is_refused_naming_it(tokenizer_dir):
+    """One name for the limit, the seed's and experiment=async-ppo-math-multi-turn's: max_turns is refused, not
+    read, so that the agents of one name-space (MultiTurnAgent and its subclasses) never spell it two ways."""
+    gconfig = GenerationConfig(n=1, max_new_tokens=8)
+    assert frozen_lake_agent(tokenizer_dir, n=1, num_turns=5).num_turns == 5
+    assert UsersRetryAgent(gconfig, str(tokenizer_dir)).num_turns == 2
+    with pytest.raises(TypeError, match=r"EarlierNamesAgent: max_turns is now num_turns .*num_turns=2"):
+        EarlierNamesAgent(gconfig, str(tokenizer_dir))
+    with pytest.raises(TypeError, match=r"TextGameAgent: max_turns is now num_turns .*num_turns=4"):
+        frozen_lake_agent(tokenizer_dir, n=1, max_turns=4)
+
+
 def test_math_multi_turn_marks_cut_off_and_empty_answers_void(tokenizer, tokenizer_dir):
     eos = tokenizer.eos_token_id
     agent, _ = math_agent(tokenizer_dir, n=2, num_turns=2)
@@ -279,7 +298,7 @@ def test_text_game_agent_plays_frozen_lake_turn_by_turn(tokenizer, tokenizer_dir
         moves_made = turn - 1 - (1 if "jump" in tokenizer.decode(prompt_ids) else 0)
         return ids(tokenizer, path[moves_made]) + [eos]
 
-    agent = frozen_lake_agent(tokenizer_dir, n=2, max_turns=12)
+    agent = frozen_lake_agent(tokenizer_dir, n=2, num_turns=12)
     trajectories, _ = play(agent, env, prompt, policy)
     clean, invalid = trajectories
 
@@ -315,7 +334,7 @@ def test_text_game_episode_ends_at_max_turns_or_in_a_hole(tokenizer, tokenizer_d
     env = FrozenLakeEnv()
     prompt = game_prompt(tokenizer, env, "lake", seed)
     eos = tokenizer.eos_token_id
-    agent = frozen_lake_agent(tokenizer_dir, n=2, max_turns=3)
+    agent = frozen_lake_agent(tokenizer_dir, n=2, num_turns=3)
     trajectories, _ = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "UD"[i]) + [eos])
     bumping, falling = trajectories
     assert bumping.metrics["num_turns"] == 3 and bumping.metrics["truncated"] == 1.0
@@ -332,7 +351,7 @@ def test_an_episode_the_env_cuts_at_its_step_limit_counts_as_truncated(tokenizer
     env = FrozenLakeEnv(max_steps=3)
     prompt = game_prompt(tokenizer, env, "lake", seed)
     eos = tokenizer.eos_token_id
-    agent = frozen_lake_agent(tokenizer_dir, n=2, max_turns=3)
+    agent = frozen_lake_agent(tokenizer_dir, n=2, num_turns=3)
     bumping, falling = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "UD"[i]) + [eos])[0]
     assert bumping.metrics["num_turns"] == 3 and bumping.metrics["truncated"] == 1.0
     assert falling.metrics["num_turns"] == 1 and falling.metrics["truncated"] == 0.0
@@ -354,7 +373,7 @@ def test_tree_rollout_forks_the_game_so_branches_play_on_their_own_boards(tokeni
 
     agent = make_agent(AgentAbstraction("text-game", {
         "gconfig": GenerationConfig(n=1, max_new_tokens=4, stop_token_ids=[eos]),
-        "tokenizer_path": str(tokenizer_dir), "max_turns": 10, "max_context_tokens": 512,
+        "tokenizer_path": str(tokenizer_dir), "num_turns": 10, "max_context_tokens": 512,
         "strategy": RolloutStrategy(mode="tree", tree_branching=2, tree_depth=1)}))
     trajectories, requests = play(agent, env, prompt, policy)
 
@@ -386,7 +405,7 @@ def test_warm_start_walks_are_tokenized_exactly_like_the_agents_conversations(to
         (walk,), checks = random_walks(tokenizer, env, [row], max_turns=6, seed=seed, hint=0.5)
         moves = moves_made(tokenizer, walk.token_ids)
         prompt = Prompt(f"lake{seed}", chat_prompt_ids(tokenizer, row["prompt"]), row)
-        (trajectory,), _ = play(frozen_lake_agent(tokenizer_dir, n=1, max_turns=6), env, prompt,
+        (trajectory,), _ = play(frozen_lake_agent(tokenizer_dir, n=1, num_turns=6), env, prompt,
                                 lambda p, g, i: ids(tokenizer, moves[len(moves_made(tokenizer, p))]) + [eos])
         assert trajectory.token_ids == walk.token_ids and trajectory.loss_mask == walk.taught
         assert len(checks) == len(moves)
@@ -450,7 +469,7 @@ def test_a_crashing_env_fails_the_episode_and_cancels_its_other_chains(tokenizer
     eos = tokenizer.eos_token_id
 
     async def scenario():
-        agent = frozen_lake_agent(tokenizer_dir, n=2, max_turns=50, max_context_tokens=10_000)
+        agent = frozen_lake_agent(tokenizer_dir, n=2, num_turns=50, max_context_tokens=10_000)
         with pytest.raises(RuntimeError, match="the lake cracked"):
             await run_scripted_episode(agent, env, prompt, lambda p, g, i: ids(tokenizer, "LD"[i]) + [eos])
         await asyncio.sleep(0.2)
@@ -465,7 +484,7 @@ def test_an_episode_stops_before_its_context_outgrows_the_budget(tokenizer, toke
     eos = tokenizer.eos_token_id
     per_turn = 2 + len(user_turn(tokenizer, prompt.data["prompt"][len(env.instruction):]))  # a move, then the board
     budget = len(prompt.token_ids) + 2 * per_turn + 4  # room for two turns and a third's 4 new tokens
-    agent = frozen_lake_agent(tokenizer_dir, n=1, max_turns=20, max_context_tokens=budget)
+    agent = frozen_lake_agent(tokenizer_dir, n=1, num_turns=20, max_context_tokens=budget)
     (trajectory,), _ = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "L") + [eos])
     assert trajectory.metrics["num_turns"] == 3 and trajectory.metrics["truncated"] == 1.0
     assert len(trajectory.token_ids) <= budget

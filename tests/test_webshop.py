@@ -123,7 +123,7 @@ def test_a_scripted_shopper_plays_through_the_text_game_agent(tokenizer, tokeniz
 
     agent = make_agent(AgentAbstraction("text-game", {
         "gconfig": GenerationConfig(n=2, max_new_tokens=40, stop_token_ids=[eos]),
-        "tokenizer_path": str(tokenizer_dir), "max_turns": 8, "max_context_tokens": 512}))
+        "tokenizer_path": str(tokenizer_dir), "num_turns": 8, "max_context_tokens": 512}))
     engine = ScriptedEngine(policy, logprob=-0.5)
     expert_run, hasty = asyncio.run(run_scripted_episode(agent, env, prompt, policy, engine))
     assert expert_run.reward == 1.0 and expert_run.metrics["success"] == 1.0

@@ -122,7 +122,7 @@ class Transcript:
     turn_keys: list[str] = field(default_factory=list)
     reactions: list[Reaction] = field(default_factory=list)
     stop_reasons: list[str] = field(default_factory=list)
-    truncated: bool = False  # ended by max_turns, the context budget or the env's step limit, not by the task
+    truncated: bool = False  # ended by num_turns, the context budget or the env's step limit, not by the task
 
     @classmethod
     def from_prompt(cls, prompt_ids: list[int], key: str) -> "Transcript":
@@ -198,13 +198,19 @@ class MultiTurnAgent(Agent):
 
     marks_void = True  # a turn that is neither an action nor an answer
 
-    def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, max_turns: int, turn_discount: float = 1.0,
-                 strategy: RolloutStrategy | dict | None = None, max_context_tokens: int = 0):
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be at least 1, got {max_turns}")
+    def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, num_turns: int | None = None,
+                 turn_discount: float = 1.0, strategy: RolloutStrategy | dict | None = None, max_context_tokens: int = 0,
+                 *, max_turns: int | None = None):
+        if max_turns is not None:  # the limit's earlier name, refused rather than read: one name in every agent
+            raise TypeError(f"{type(self).__name__}: max_turns is now num_turns (the most turns an episode takes, as "
+                            f"the seed and experiment=async-ppo-math-multi-turn name it): pass num_turns={max_turns}")
+        if num_turns is None:
+            raise TypeError(f"{type(self).__name__} needs num_turns, the most turns an episode takes")
+        if num_turns < 1:
+            raise ValueError(f"num_turns must be at least 1, got {num_turns}")
         if not 0 <= turn_discount <= 1:
             raise ValueError(f"turn_discount must be in [0, 1], got {turn_discount}")
-        self.gconfig, self.max_turns, self.turn_discount = gconfig, max_turns, turn_discount
+        self.gconfig, self.num_turns, self.turn_discount = gconfig, num_turns, turn_discount
         self.strategy = RolloutStrategy(**strategy) if isinstance(strategy, dict) else strategy or RolloutStrategy()
         # An episode ends before a request could outgrow this; 0: the model's own limit.
         self.max_context_tokens = max_context_tokens or context_limit(tokenizer_path)
@@ -266,7 +272,7 @@ class MultiTurnAgent(Agent):
             transcript.add_context(feedback)  # a closing message, if any
             return [transcript]
         next_request = len(transcript.token_ids) + len(feedback) + self.gconfig.max_new_tokens
-        if turn >= self.max_turns or next_request > self.max_context_tokens:
+        if turn >= self.num_turns or next_request > self.max_context_tokens:
             transcript.truncated = True
             return [transcript]
         transcript.add_context(feedback)

@@ -1,7 +1,7 @@
 """`text-game`: plays a text env (frozen-lake, sokoban, webshop) over many turns.
 
 The prompt is the game's first observation. Each turn the model answers with a move, the env applies it,
-and the new board comes back as the next user message (loss mask 0), until the game ends or `max_turns`.
+and the new board comes back as the next user message (loss mask 0), until the game ends or `num_turns`.
 Each step's env reward is that turn's reward; the episode reward is their (discounted) sum. The rendered
 board is the turn's state key, so GiGPO groups the turns of a group's episodes that saw the same board.
 A turn whose response is not a move (the env's `action_is_valid` is false) is void.
@@ -12,10 +12,11 @@ from rlsys.impl.agent.multi_turn import MultiTurnAgent, Reaction, RolloutStrateg
 
 
 class TextGameAgent(MultiTurnAgent):
-    def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, max_turns: int = 8,
+    def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, num_turns: int = 8,
                  turn_discount: float = 1.0, strategy: RolloutStrategy | dict | None = None,
-                 max_context_tokens: int = 0):
-        super().__init__(gconfig, tokenizer_path, max_turns, turn_discount, strategy, max_context_tokens)
+                 max_context_tokens: int = 0, *, max_turns: int | None = None):
+        super().__init__(gconfig, tokenizer_path, num_turns, turn_discount, strategy, max_context_tokens,
+                         max_turns=max_turns)
 
     async def start(self, env: EnvironmentService, prompt: Prompt) -> str:
         board, _ = await env.reset(options=prompt.data)
