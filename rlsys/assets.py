@@ -52,8 +52,12 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> float:
         check_resumable(config.resume_from_checkpoint)
         config.model.path = resumed_model_path(config.resume_from_checkpoint)
     elif not config.model.path:
-        directory = tiny_model_dir(config.model, config.seed, rows_key(train_rows, eval_rows), warm_start_key(config))
+        key = tiny_model_key(config.model, config.seed, rows_key(train_rows, eval_rows), warm_start_key(config))
+        directory = tiny_model_dir(config.model, key)
         if not (directory / "config.json").exists():
+            if nearest := nearest_cached_difference(directory.parent, key):
+                log(f"no tiny model is cached for these settings; the nearest cached one was built with {nearest}: "
+                    "building and warm-starting it again")
             started = time.monotonic()
             torch_loaded_with_the_roles_spin()
             from rlsys.model.tiny import MAX_POSITIONS, prepare_tiny_model  # torch and transformers' models:
@@ -67,6 +71,7 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> float:
                 config.model, config.seed, examples, directory, log, batch_size=config.warm_start_batch_size,
                 eval_every=config.warm_start_eval_every, max_steps=config.warm_start_max_steps,
                 threads=warm_start_threads(config), samples=config.group_size, temperature=config.gen.temperature)
+            (directory / CACHE_KEY_FILE).write_text(json.dumps(key, sort_keys=True))
             warm_start_seconds = time.monotonic() - started
         config.model.path = str(directory)
     if not Path(config.model.path).exists():
@@ -143,12 +148,48 @@ def _model_config(directory: str) -> dict | None:
                                                          "_name_or_path")}
 
 
-def tiny_model_dir(cfg, seed: int, data: str, warm_start: dict) -> Path:
-    """The tiny model's cache directory, keyed by everything that changes the model: `data` names the rows it is
-    taught and checked on (rows_key), `warm_start` the experiment's own settings."""
-    fields = {"model": vars(cfg), "seed": seed, "data": data, "warm_start": warm_start}
-    key = json.dumps(fields, sort_keys=True, default=str)
-    return Path(cfg.cache_dir).expanduser() / "models" / hashlib.sha256(key.encode()).hexdigest()[:16]
+CACHE_KEY_FILE = "rlsys_cache_key.json"  # beside a cached tiny model: what it was built with, to say what differs
+
+
+def tiny_model_key(cfg, seed: int, data: str, warm_start: dict) -> dict:
+    """Everything that changes the tiny model, as JSON reads it back: `data` names the rows it is taught and checked
+    on (rows_key), `warm_start` the experiment's own settings."""
+    return json.loads(json.dumps({"model": vars(cfg), "seed": seed, "data": data, "warm_start": warm_start},
+                                 default=str))
+
+
+def tiny_model_dir(cfg, key: dict) -> Path:
+    """The tiny model's cache directory, named by its key (tiny_model_key)."""
+    text = json.dumps(key, sort_keys=True, default=str)
+    return Path(cfg.cache_dir).expanduser() / "models" / hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def nearest_cached_difference(models: Path, key: dict) -> str:
+    """What sets `key` apart from the cached model whose key differs least, in the settings' names ("" where no
+    cached model has its key beside it): a warm start that runs again says why, not only that it runs."""
+    cached = []
+    for file in models.glob(f"*/{CACHE_KEY_FILE}"):
+        try:
+            cached.append(key_differences(key, json.loads(file.read_text())))
+        except (OSError, ValueError):
+            continue  # a model being written, or one a user edited: no figure to compare, nothing to say
+    return " and ".join(min(cached, key=len)) if cached else ""
+
+
+def key_differences(key: dict, other: dict) -> list[str]:
+    train, held_out = key["data"].split(":")
+    other_train, other_held_out = other.get("data", ":").split(":")
+    names = [f"model.{name}" for name, value in key["model"].items() if other.get("model", {}).get(name) != value]
+    names += ["seed"] * (key["seed"] != other.get("seed"))
+    names += ["another warm-start schedule (the experiment's)"] * (key["warm_start"] != other.get("warm_start"))
+    differences = [f"other {', '.join(names)}"] if names else []
+    if held_out != other_held_out:  # a warm start is checked on, and stops on, the first held-out rows
+        differences.append("other held-out rows (dataset.num_eval, dataset.eval_path: the warm start stops on their "
+                           "accuracy)")
+    if train != other_train:
+        differences.append("other training rows (dataset.path, dataset.num_train; a generated set's also move with "
+                           "dataset.num_eval and seed)")
+    return differences
 
 
 def rows_key(train_rows: list[dict], eval_rows: list[dict]) -> str:

@@ -10,7 +10,7 @@ import torch
 from experiments.async_ppo_math import AsyncPPOMATHConfig
 from experiments.async_ppo_multi_turn import AsyncPPOMathMultiTurnConfig
 from experiments.common import ModelConfig
-from rlsys.assets import tiny_model_dir
+from rlsys.assets import tiny_model_dir, tiny_model_key
 from rlsys.model.tiny import _length_groups, _supervised_batch, build_tiny_model, supervised_backward
 from rlsys.model.warm_start_examples import TaughtSequence
 from rlsys.cli import parse_config
@@ -209,7 +209,8 @@ def test_the_reach_and_what_it_is_sampled_with_are_part_of_the_cached_model_key(
 
     def key(*overrides):
         config = parse_config(list(overrides))
-        return tiny_model_dir(config.model, config.seed, tmp_path, warm_start_key(config))
+        return tiny_model_dir(config.model, tiny_model_key(config.model, config.seed, tmp_path,
+                                                            warm_start_key(config)))
 
     assert parse_config([]).model.warm_start_reach == 0.75  # the default experiment's
     assert len({key(), key("model.warm_start_reach=0.5"), key("group_size=4"), key("gen.temperature=0.8")}) == 4
@@ -225,7 +226,8 @@ def test_a_model_warm_started_on_another_schedule_is_not_reused(tmp_path):
         warm_start_batch_size = AsyncPPOMATHConfig.warm_start_batch_size // 2
 
     def key(config):
-        return tiny_model_dir(config.model, config.seed, tmp_path, config.warm_start_settings)
+        return tiny_model_dir(config.model, tiny_model_key(config.model, config.seed, tmp_path,
+                                                            config.warm_start_settings))
 
     assert key(AsyncPPOMATHConfig()) == key(AsyncPPOMATHConfig())
     assert key(Halved()) != key(AsyncPPOMATHConfig())
@@ -276,6 +278,36 @@ def test_a_model_warm_started_on_other_prompts_is_not_reused(tmp_path, monkeypat
     plain = model_path()
     assert model_path("dataset.system_prompt=Be brief.") != plain
     assert model_path() == plain and len(built) == 2  # the same rows: the cached model
+
+
+def test_a_warm_start_that_runs_again_says_what_differs_from_the_nearest_cached_model(tmp_path, monkeypatch):
+    """dataset.num_eval=50 changed the generated rows, and with them the cached model's key: the tiny model was
+    warm-started again, a minute or more, with no word why."""
+    from rlsys import assets
+    from rlsys.model import tiny
+
+    def build(cfg, seed, examples, directory, *args, **kwargs):  # no warm start: what the run says is the test
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text("{}")
+
+    monkeypatch.setattr(tiny, "prepare_tiny_model", build)
+    said = []
+
+    def prepare(*overrides):
+        said.clear()
+        small = ["dataset.num_train=50", "dataset.num_eval=10"]
+        config = parse_config([f"model.cache_dir={tmp_path}", *small, *overrides])
+        assets.prepare_assets(config, log=said.append)
+
+    prepare()
+    assert said == []  # nothing cached to compare with: the warm start's own lines say what it does
+    prepare("dataset.num_eval=12")
+    assert len(said) == 1 and "other held-out rows (dataset.num_eval" in said[0] and "other training rows" in said[0]
+    assert said[0].startswith("no tiny model is cached for these settings; the nearest cached one")
+    prepare("model.hidden_size=64")
+    assert "model.hidden_size" in said[0] and "rows" not in said[0]
+    prepare("dataset.num_eval=12")
+    assert said == []  # cached now
 
 
 def test_the_warm_start_s_time_is_returned_to_be_reported_apart_from_the_run_s(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from rlsys.cli import ConfigError, parse_config
 from rlsys.data.dataset import DatasetError, RowFormat, load_rows
 from rlsys.data.worked_sums import generate_worked_sums_dataset, prompt_width, worked_sum
 from rlsys.impl.env.math_answers import check_answer, reference_answer
-from rlsys.assets import tiny_model_dir
+from rlsys.assets import tiny_model_dir, tiny_model_key
 from rlsys.model.tokenizer import row_prompt_ids
 
 TERMS = (AsyncPPOMathLongConfig.min_terms, AsyncPPOMathLongConfig.max_terms)  # the experiment's
@@ -88,9 +88,11 @@ def test_the_long_experiment_is_registered_and_resolves(tmp_path, tokenizer):
     assert "worked-sums-6to7x1" in str(train.parent)
     longest = max(len(row["solution"]) for row in load_rows(train))
     assert longest < config.gen.max_new_tokens  # room for the working and the end of sequence
-    own = tiny_model_dir(config.model, config.seed, train.parent, config.warm_start_settings)
+    own = tiny_model_dir(config.model, tiny_model_key(config.model, config.seed, train.parent,
+                                                     config.warm_start_settings))
     data = default.generate_dataset(tmp_path / "data")[0].parent
-    assert own != tiny_model_dir(default.model, default.seed, data, default.warm_start_settings)
+    assert own != tiny_model_dir(default.model, tiny_model_key(default.model, default.seed, data,
+                                                               default.warm_start_settings))
     taught, checks = config.warm_start_examples(tokenizer, load_rows(train)[:3], load_rows(held_out)[:3])
     first = taught[0]
     answer = [t for t, m in zip(first.token_ids, first.taught) if m]

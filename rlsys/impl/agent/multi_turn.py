@@ -199,8 +199,8 @@ class MultiTurnAgent(Agent):
     marks_void = True  # a turn that is neither an action nor an answer
 
     def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, num_turns: int | None = None,
-                 turn_discount: float = 1.0, strategy: RolloutStrategy | dict | None = None, max_context_tokens: int = 0,
-                 *, max_turns: int | None = None):
+                 turn_discount: float = 1.0, strategy: RolloutStrategy | dict | None = None,
+                 max_context_tokens: int = 0, *, max_turns: int | None = None):
         if max_turns is not None:  # the limit's earlier name, refused rather than read: one name in every agent
             raise TypeError(f"{type(self).__name__}: max_turns is now num_turns (the most turns an episode takes, as "
                             f"the seed and experiment=async-ppo-math-multi-turn name it): pass num_turns={max_turns}")
