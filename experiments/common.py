@@ -391,7 +391,8 @@ class ClusterConfig:
     max_message_mb: float = 64.0
     """Largest message of one prompt's trajectories; a larger one fails its episode (invalid_output). At most 512."""
     max_failed_in_a_row: int = 200
-    """Training episodes of a rollout worker that may fail one after another before the run stops (0: never)."""
+    """Training episodes of a rollout worker that may fail one after another before the run stops (0: never); the
+    initial held-out evaluation's count too where it plays training's environments (docs/faults.md)."""
     n_learner_ranks: int = 1
     """Learner processes training one model sharded with FSDP2 (NCCL on GPUs, gloo on CPU); rank 0 alone talks to
     the bus; 1 uses no torch.distributed."""

@@ -214,21 +214,52 @@ def test_an_env_that_always_fails_stops_the_run_with_its_reason_instead_of_using
         "experiment=always-failing-experiment", f"plugins=[{plugin}]", "dataset.num_eval=8",
         "model.warm_start_accuracy=0", "cluster.max_failed_in_a_row=40"])
     with pytest.raises(RoleFailed, match=re.escape(
-            "rollout0 stopped the run: the last 40 training episodes all failed; the latest with env_error: "
+            "rollout0 stopped the run: the last 40 episodes (8 of them the initial held-out evaluation's, which plays "
+            "training's environments) all failed; the latest with env_error: "
             "BrokenEnv.step raised ImportError: the reward package is not installed")) as failure:
         launch(config)
     assert "cluster.max_failed_in_a_row" in str(failure.value)
-    # It stopped at the limit, not after the dataset's 7,600 rows: the 40, and at most the episodes that ran beside
-    # the 40th, failed. (Not a time bound: the run's time is the machine's load, not the stop's.)
+    # It stopped at the limit, not after the dataset's 7,600 rows: the 40, the evaluation's 8 among them, and at most
+    # the episodes that ran beside the 40th, failed. (Not a time bound: the run's time is the machine's load.)
     rollout_log = (Path(config.logging_dir) / "rollout0.log").read_text()
     failed = re.findall(r"episode train-\S+ failed \(env_error\)", rollout_log)
-    assert 40 <= len(failed) <= 40 + config.max_concurrent_rollouts, len(failed)
+    assert 32 <= len(failed) <= 32 + config.max_concurrent_rollouts, len(failed)
     # the console says the failure once in full, then counts that add up to the log's (held-out episodes included)
     console = capfd.readouterr().err
     assert len(re.findall(r"failed \(env_error\): BrokenEnv.step raised ImportError", console)) == 1, console
     counts = [int(n) for n in re.findall(r"(\d+) more episodes failed \(env_error\)", console)]
     assert counts and 1 + sum(counts) == len(re.findall(r"episode \S+ failed \(env_error\)", rollout_log)), console
     assert left_behind(tmp_path, existing) == []
+
+
+def test_a_run_whose_every_episode_fails_stops_in_its_initial_evaluation_not_after_it(cache_dir, tmp_path):
+    """The initial evaluation (500 held-out episodes by default) ran to its end, a minute or two of failing episodes,
+    before training's 200 failures stopped the run: it plays training's environments, so its failures count."""
+    existing = child_pids()
+    plugin = tmp_path / "broken_env_plugin.py"
+    plugin.write_text(BROKEN_ENV_PLUGIN.replace("always-failing", "failing-from-the-start"))  # one registry a process
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "experiment=failing-from-the-start-experiment", f"plugins=[{plugin}]", "dataset.num_eval=8",
+        "model.warm_start_accuracy=0", "cluster.max_failed_in_a_row=5"])
+    with pytest.raises(RoleFailed, match=re.escape(
+            "rollout0 stopped the run: the last 5 episodes (5 of them the initial held-out evaluation's, which plays "
+            "training's environments) all failed; the latest with env_error: BrokenEnv.step raised ImportError")):
+        launch(config)
+    rollout_log = (Path(config.logging_dir) / "rollout0.log").read_text()
+    assert re.findall(r"episode train-\S+ failed", rollout_log) == []  # no training episode ran
+    assert "held-out accuracy initial" not in rollout_log  # nor did the evaluation end as if it had measured one
+    assert left_behind(tmp_path, existing) == []
+
+
+def test_the_initial_evaluations_failures_count_only_where_it_plays_trainings_environments():
+    """A held-out evaluation set up its own way (eval_envs) may fail for a reason training does not share: a run
+    whose evaluation alone is broken goes on training, with its held-out accuracy counting the failures unsolved."""
+    from rlsys.workers.rollout_worker import evaluation_shares_training_failures
+
+    assert evaluation_shares_training_failures(parse_config([]))
+    assert evaluation_shares_training_failures(parse_config(["experiment=async-ppo-sokoban"]))
+    own_eval = parse_config(["experiment=async-ppo-mixed-games", "eval_invalid_action_penalty=0.5"])
+    assert own_eval.eval_envs != own_eval.envs and not evaluation_shares_training_failures(own_eval)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -58,6 +59,7 @@ class RolloutWorker:
         # failed episodes by reason, eval included, and what the log says of them
         self.failures = FailureLog(role_log(config.logging_dir, f"rollout{index}"))
         self.failed_in_a_row = 0  # training episodes that failed since the last one that did not
+        self.evaluated_in_a_row = 0  # how many of those were the initial evaluation's (count_evaluation_episode)
         self.cannot_go_on: RunCannotGoOn | None = None
         self.crashed: BaseException | None = None  # raised by an episode's task outside the episode (the bus)
         # Prompts a resumed run already trained, filtered or failed: skipped, so none is trained twice or run again.
@@ -331,7 +333,7 @@ class RolloutWorker:
             # labelled with its group id: a learner that cannot read the message still settles its prompt
             await asyncio.to_thread(self.bus.change, [Step.append(protocol.TRAJECTORIES, message, prompt.qid),
                                                       unfinished])
-            self.failed_in_a_row = 0
+            self.failed_in_a_row = self.evaluated_in_a_row = 0
         finally:
             self.training.discard(prompt.qid)
 
@@ -341,9 +343,27 @@ class RolloutWorker:
         self.failed_in_a_row += 1
         limit = self.config.cluster.max_failed_in_a_row
         if limit and self.failed_in_a_row >= limit and not self.cannot_go_on:
+            evaluated = self.evaluated_in_a_row
+            which = (f"episodes ({evaluated} of them the initial held-out evaluation's, which plays training's "
+                     "environments)") if evaluated else "training episodes"
             self.cannot_go_on = RunCannotGoOn(
-                f"the last {self.failed_in_a_row} training episodes all failed; the latest with {failure}. "
+                f"the last {self.failed_in_a_row} {which} all failed; the latest with {failure}. "
                 "Fix the environment or agent (or raise cluster.max_failed_in_a_row)")
+
+    def count_evaluation_episode(self, episodes: list[asyncio.Task], done: asyncio.Task) -> None:
+        """An initial evaluation's episode counted as a training one (evaluation_shares_training_failures): a run whose
+        every episode fails stops once max_failed_in_a_row of them have, its other held-out episodes cancelled,
+        instead of playing all of them (a minute or two) before training fails as many again."""
+        if done.cancelled() or not isinstance(failure := done.exception(), (EpisodeFailed, type(None))):
+            return  # not an episode's outcome: evaluate raises it
+        if failure is None:
+            self.failed_in_a_row = self.evaluated_in_a_row = 0
+            return
+        self.evaluated_in_a_row += 1
+        self.count_failure_in_a_row(failure)
+        if self.cannot_go_on:
+            for episode in episodes:
+                episode.cancel()
 
     def trajectory_message(self, prompt: Prompt, trajectories) -> dict:
         try:
@@ -382,8 +402,13 @@ class RolloutWorker:
             return last
         # worker 0 evaluates alone, so on every held-out row: its share of them would shrink with n_rollout_workers
         prompts = list(prompt_stream(self.eval_rows, self.tokenizer, "eval", seed=self.config.seed, shuffle=False))
-        results = await asyncio.gather(*(self.run_episode(self.agent_for(p, self.eval_agents), p, tag)
-                                         for p in prompts), return_exceptions=True)
+        episodes = [asyncio.create_task(self.run_episode(self.agent_for(p, self.eval_agents), p, tag)) for p in prompts]
+        if tag == evaluations.INITIAL and evaluation_shares_training_failures(self.config):
+            for episode in episodes:
+                episode.add_done_callback(functools.partial(self.count_evaluation_episode, episodes))
+        results = await asyncio.gather(*episodes, return_exceptions=True)
+        if self.cannot_go_on:
+            raise self.cannot_go_on
         for result in results:
             if not isinstance(result, (list, EpisodeFailed)):
                 raise result  # not an episode's failure (already counted): a bug or a cancellation
@@ -429,6 +454,13 @@ class RolloutWorker:
 
     async def _bus_get(self, key: str):
         return await asyncio.to_thread(self.bus.get, key)
+
+
+def evaluation_shares_training_failures(config) -> bool:
+    """Whether a held-out episode fails where a training one would: it plays the same agents (greedily) in the same
+    environments, on rows the run checked as it checks training's. An evaluation set up its own way (eval_envs) may
+    fail for a reason of its own, and its failures, counted unsolved, must not stop a run that trains."""
+    return config.eval_envs == config.envs
 
 
 def next_evaluation(version: int, every: int) -> int:
