@@ -52,28 +52,7 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> float:
         check_resumable(config.resume_from_checkpoint)
         config.model.path = resumed_model_path(config.resume_from_checkpoint)
     elif not config.model.path:
-        key = tiny_model_key(config.model, config.seed, rows_key(train_rows, eval_rows), warm_start_key(config))
-        directory = tiny_model_dir(config.model, key)
-        if not (directory / "config.json").exists():
-            if nearest := nearest_cached_difference(directory.parent, key):
-                log(f"no tiny model is cached for these settings; the nearest cached one was built with {nearest}: "
-                    "building and warm-starting it again")
-            started = time.monotonic()
-            torch_loaded_with_the_roles_spin()
-            from rlsys.model.tiny import MAX_POSITIONS, prepare_tiny_model  # torch and transformers' models:
-            from rlsys.model.tokenizer import build_char_tokenizer  # only to build one
-
-            check_prompt_lengths(config, build_char_tokenizer(), MAX_POSITIONS, "the tiny model's",
-                                 {data.path: train_rows, data.eval_path: eval_rows})
-
-            examples = functools.partial(config.warm_start_examples, train_rows=train_rows, eval_rows=eval_rows)
-            prepare_tiny_model(
-                config.model, config.seed, examples, directory, log, batch_size=config.warm_start_batch_size,
-                eval_every=config.warm_start_eval_every, max_steps=config.warm_start_max_steps,
-                threads=warm_start_threads(config), samples=config.group_size, temperature=config.gen.temperature)
-            (directory / CACHE_KEY_FILE).write_text(json.dumps(key, sort_keys=True))
-            warm_start_seconds = time.monotonic() - started
-        config.model.path = str(directory)
+        config.model.path, warm_start_seconds = tiny_model(config, train_rows, eval_rows, log)
     if not Path(config.model.path).exists():
         raise AssetError(f"model.path {config.model.path!r} does not exist; give an HF checkpoint directory "
                          "(written by save_pretrained), or leave model.path empty for the tiny model")
@@ -111,6 +90,33 @@ def check_prompt_lengths(config, tokenizer, positions: int | None, whose: str, r
                                  f"tokens as the model is sent it, and {context} leaves room for at most {limit - 1} "
                                  "(one more for the answer): shorten or drop the row"
                                  + (", or raise inference.max_model_len" if longer else ""))
+
+
+def tiny_model(config, train_rows: list[dict], eval_rows: list[dict], log) -> tuple[str, float]:
+    """The tiny default model's directory, taught the rows and cached, and the seconds its warm start took (0.0 where
+    it was cached); a warm start that runs again first says what differs from the nearest cached model."""
+    data = config.dataset
+    key = tiny_model_key(config.model, config.seed, rows_key(train_rows, eval_rows), warm_start_key(config))
+    directory = tiny_model_dir(config.model, key)
+    if (directory / "config.json").exists():
+        return str(directory), 0.0
+    if nearest := nearest_cached_difference(directory.parent, key):
+        log(f"no tiny model is cached for these settings; the nearest cached one was built with {nearest}: "
+            "building and warm-starting it again")
+    started = time.monotonic()
+    torch_loaded_with_the_roles_spin()
+    from rlsys.model.tiny import MAX_POSITIONS, prepare_tiny_model  # torch and transformers' models:
+    from rlsys.model.tokenizer import build_char_tokenizer  # only to build one
+
+    check_prompt_lengths(config, build_char_tokenizer(), MAX_POSITIONS, "the tiny model's",
+                         {data.path: train_rows, data.eval_path: eval_rows})
+    examples = functools.partial(config.warm_start_examples, train_rows=train_rows, eval_rows=eval_rows)
+    prepare_tiny_model(
+        config.model, config.seed, examples, directory, log, batch_size=config.warm_start_batch_size,
+        eval_every=config.warm_start_eval_every, max_steps=config.warm_start_max_steps,
+        threads=warm_start_threads(config), samples=config.group_size, temperature=config.gen.temperature)
+    (directory / CACHE_KEY_FILE).write_text(json.dumps(key, sort_keys=True))
+    return str(directory), time.monotonic() - started
 
 
 def check_resumable(checkpoint: str) -> None:

@@ -232,6 +232,7 @@ def test_an_env_that_always_fails_stops_the_run_with_its_reason_instead_of_using
     assert left_behind(tmp_path, existing) == []
 
 
+@pytest.mark.slow  # the first tier's run above counts the evaluation's failures; this one stops in it
 def test_a_run_whose_every_episode_fails_stops_in_its_initial_evaluation_not_after_it(cache_dir, tmp_path):
     """The initial evaluation (500 held-out episodes by default) ran to its end, a minute or two of failing episodes,
     before training's 200 failures stopped the run: it plays training's environments, so its failures count."""
