@@ -20,7 +20,10 @@ The learner's inbox asks the bus for its server's id before each read (rlsys/del
 restart may have lost entries it handed out). `--passes` asks a window, on this thread, as the learner does:
 
 - "INFO parsed": INFO's server section, parsed by redis-py, and its run_id, as RedisBus.server_id did before 2026-12-07;
-- "run id" and "run id, again": RedisBus.server_id as it is, a script that sends back the run id alone, twice.
+- "run id alone": a script of its own that sends back the run id alone, as RedisBus.server_id did until the cleanup of
+  2026-12-07;
+- "run id" and "run id, again": RedisBus.server_id as it is (Bus.server_id_and_keys with no keys: the script that sends
+  back the run id and the keys' values), twice. The table's ratio is run id alone / run id.
 
 The rollout worker's router reads the inference workers' statuses and asks whether Redis restarted every
 REFRESH_INTERVAL (rlsys/workers/routing.py, EpisodeRouter.watch_workers), in an event loop:
@@ -37,6 +40,7 @@ status published), `--passes` reads of all of them a window, on this thread:
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
@@ -69,7 +73,20 @@ def info_parsed(bus) -> str:
     return bus._client.info("server")["run_id"]
 
 
-SERVER_ID_SIDES = {"INFO parsed": info_parsed, "run id": RedisBus.server_id, "run id, again": RedisBus.server_id}
+RUN_ID_ALONE = "return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')"
+
+
+@functools.cache
+def run_id_alone_script(client):
+    return client.register_script(RUN_ID_ALONE)  # sent by its hash, as RedisBus's scripts are
+
+
+def run_id_alone(bus) -> str:
+    return run_id_alone_script(bus._client)().decode()
+
+
+SERVER_ID_SIDES = {"INFO parsed": info_parsed, "run id alone": run_id_alone, "run id": RedisBus.server_id,
+                   "run id, again": RedisBus.server_id}
 
 
 async def a_hop_each(router: EpisodeRouter) -> bool:
@@ -179,7 +196,8 @@ def main() -> None:
         bus.close()
     print(f"{args.passes} passes (asks) a window, {args.repeats} windows a side")
     medians, same, ratio = report("the rollout worker's loop: whether to go on", windows, *SIDES)
-    id_medians, id_same, id_ratio = report("the learner's inbox: the server's id", asks, *SERVER_ID_SIDES)
+    id_medians, id_same, id_ratio = report("the learner's inbox: the server's id", asks,
+                                            "run id alone", "run id", "run id, again")
     watch_medians, watch_same, watch_ratio = report("the router's watch: statuses and the server's id", watches,
                                                     *ROUTER_SIDES)
     refresh = {n: dict(zip(("medians", "identical_sides", "ratio"), report(

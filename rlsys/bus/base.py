@@ -332,9 +332,9 @@ class Bus(abc.ABC):
         """Deletes entries from `stream` (a resume drops the dead letters of the steps it abandoned); returns how many
         were there."""
 
-    @abc.abstractmethod
     def server_id(self) -> str:
         """Changes whenever the server behind the bus restarts (see ServerRestarts)."""
+        return self.server_id_and_keys([])[0]
 
     @abc.abstractmethod
     def server_id_and_keys(self, keys: list[str], default=None) -> tuple[str, list]:

@@ -277,11 +277,8 @@ class InProcessBus(Bus):
                 s.labels.pop(entry_id, None)
             return sum(s.entries.pop(entry_id, None) is not None for entry_id in ids)
 
-    def server_id(self) -> str:
-        return self._id  # it lives and dies with this process: it never restarts
-
     def server_id_and_keys(self, keys: list[str], default=None) -> tuple[str, list]:
-        return self._id, self._values_of(keys, default)
+        return self._id, self._values_of(keys, default)  # the id lives and dies with this process: it never restarts
 
     def close(self) -> None:
         """Nothing to release: the bus is shared by everyone in the process who connected to its name."""

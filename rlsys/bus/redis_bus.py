@@ -114,10 +114,9 @@ for _, e in ipairs(entries) do
 end
 return out
 """.replace("LABEL_MAX_BYTES", str(LABEL_MAX_BYTES))
-# Bus.server_id: the run id INFO reports (a random id each redis-server process draws at start), picked out on the
-# server: INFO's whole section, parsed by redis-py, cost more than the round trip (BENCHMARKS.md, 2026-12-07).
-_RUN_ID = "return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')"
-# Bus.server_id_and_keys: that run id and MGET's values (false, sent back as nil, where a key holds none); the learner's
+# Bus.server_id_and_keys (and so Bus.server_id, with no keys): the run id INFO reports (a random id each redis-server
+# process draws at start), picked out on the server: INFO's whole section, parsed by redis-py, cost more than the round
+# trip (BENCHMARKS.md, 2026-12-07); and MGET's values (false, sent back as nil, where a key holds none). The learner's
 # inbox asks it before each read, with STOP.
 _RUN_ID_AND_KEYS = """
 local values = {}
@@ -147,7 +146,6 @@ class RedisBus(Bus):
         self._prefix = f"{namespace}:" if namespace else ""
         self._change = client.register_script(_CHANGE)
         self._fetch_entries = client.register_script(_FETCH_ENTRIES)
-        self._run_id = client.register_script(_RUN_ID)
         self._run_id_and_keys = client.register_script(_RUN_ID_AND_KEYS)
 
     @classmethod
@@ -341,9 +339,6 @@ class RedisBus(Bus):
 
     def stream_delete(self, stream: str, ids: list[str]) -> int:
         return self._client.xdel(self._k(stream), *ids) if ids else 0
-
-    def server_id(self) -> str:
-        return self._run_id().decode()
 
     def server_id_and_keys(self, keys: list[str], default=None) -> tuple[str, list]:
         server, values = self._run_id_and_keys(keys=[self._k(key) for key in keys])
