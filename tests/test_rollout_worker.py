@@ -2,6 +2,7 @@
 outcome, whatever the agent raises."""
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -505,6 +506,62 @@ def test_a_reason_s_last_failures_are_counted_on_the_console_a_minute_on_though_
     said = f"2 more episodes failed (agent_error), 3 in all: see {worker.failures.log_file}"
     assert [counts for now, counts in bus.heard if now == 59.0] == [[]]  # not before the minute
     assert bus.heard[-1] == (60.0, [said]), bus.heard  # the pass after the minute said it, the worker still running
+
+
+def test_a_reason_s_last_failures_are_counted_on_the_console_a_minute_on_while_worker_0_evaluates(tmp_path, caplog):
+    """Only the train loop asked for the counts due: through worker 0's initial and final evaluations, which run
+    outside it, a count due waited for the evaluation's end."""
+    config = config_of("fails-thrice-then-waits", tmp_path)
+    worker = RolloutWorker(config, InProcessBus(), 0)
+    now = 0.0
+    worker.failures.clock = lambda: now
+    worker.eval_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(8)]
+    said = f"2 more episodes failed (agent_error), 3 in all: see {worker.failures.log_file}"
+
+    def counts() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "more episodes failed" in r.getMessage()]
+
+    async def a_minute_on_within_the_evaluation() -> tuple[list, list]:
+        nonlocal now
+        evaluation = asyncio.create_task(worker.evaluate(evaluations.INITIAL))
+        while sum(worker.failures.by_reason.values()) < 3:  # the rest of its episodes wait until it is cancelled
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(2 * rollout_worker.SAY_DUE_EVERY)
+        before, now = counts(), 60.0
+        for _ in range(int(5 / 0.01)):
+            if counts():
+                break
+            await asyncio.sleep(0.01)
+        assert not evaluation.done()
+        evaluation.cancel()
+        return before, counts()
+
+    with caplog.at_level("WARNING", logger="rlsys.workers.failure_log"):
+        before, after = asyncio.run(asyncio.wait_for(a_minute_on_within_the_evaluation(), 30))
+    assert before == []  # not before the minute
+    assert after == [said]  # said while the evaluation still ran
+
+
+def test_a_reason_s_last_failures_are_counted_on_the_console_while_worker_0_waits_for_the_final_weights(tmp_path,
+                                                                                                      caplog):
+    config = config_of("fails-thrice-then-waits", tmp_path)
+    bus = InProcessBus()
+    worker = RolloutWorker(config, bus, 0)
+    now = 0.0
+    worker.failures.clock = lambda: now
+    for qid in ("eval-0", "eval-1", "eval-2"):
+        worker.failures.failed(qid, "agent_error", "RuntimeError: a bug")
+    bus.set(protocol.LEARNER_DONE, 5)  # inference serves no version yet: the wait goes on
+    now = 60.0
+
+    async def wait_a_while():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(worker.wait_for_final_weights(), 1)
+
+    with caplog.at_level("WARNING", logger="rlsys.workers.failure_log"):
+        asyncio.run(wait_a_while())
+    assert [r.getMessage() for r in caplog.records if "more episodes failed" in r.getMessage()] == [
+        f"2 more episodes failed (agent_error), 3 in all: see {worker.failures.log_file}"]
 
 
 def test_a_prompt_still_in_flight_from_the_last_pass_is_skipped_and_the_next_one_admitted(tmp_path, caplog):

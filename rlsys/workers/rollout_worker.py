@@ -33,6 +33,7 @@ from rlsys.workers.routing import EpisodeRouter
 
 log = logging.getLogger(__name__)
 GATE_POLL_SECONDS = 0.05  # how often a worker with free slots asks the staleness gate again
+SAY_DUE_EVERY = 1.0  # seconds between an evaluation's asks for the failure counts due (FailureLog.say_due)
 
 
 class RolloutWorker:
@@ -409,7 +410,11 @@ class RolloutWorker:
         if tag == evaluations.INITIAL and evaluation_shares_training_failures(self.config):
             for episode in episodes:
                 episode.add_done_callback(functools.partial(self.count_evaluation_episode, episodes))
-        results = await asyncio.gather(*episodes, return_exceptions=True)
+        saying = asyncio.create_task(self.say_failures_due())
+        try:
+            results = await asyncio.gather(*episodes, return_exceptions=True)
+        finally:
+            saying.cancel()
         if self.cannot_go_on:
             raise self.cannot_go_on
         for result in results:
@@ -422,6 +427,13 @@ class RolloutWorker:
         self.last_evaluation = result
         _log_evaluation(result, label or tag)
         return result
+
+    async def say_failures_due(self) -> None:
+        """The failure counts due, every SAY_DUE_EVERY while an evaluation runs: the train loop asks each pass, but
+        worker 0's initial and final evaluations run outside it, and may take minutes."""
+        while True:
+            self.failures.say_due()
+            await asyncio.sleep(SAY_DUE_EVERY)
 
     def evaluation_figures(self, prompts: list[Prompt], results: list, served: int) -> dict:
         """An evaluation's figures (rlsys/evaluations.py names them) from its episodes' `results` (trajectories or
@@ -452,6 +464,7 @@ class RolloutWorker:
         while not await self._bus_get(protocol.STOP):
             if final is not None and await self.current_version() >= final:
                 return True
+            self.failures.say_due()  # outside the train loop, which asks each pass
             await asyncio.sleep(0.05)
         return False
 
