@@ -237,9 +237,11 @@ ROW_WORDS = {"record": {"step": "RECORD_FIELDS", "time": "RECORD_FIELDS", "rewar
                         "accuracy": "EVAL_RECORDS"},
              "evaluation": {word: "EVAL_RECORDS" for word in ("reward", "accuracy", "version", "version_max",
                                                               "episodes", "failed")}}
-# Where rows come from: the records' readers, and an evaluation's figures (as `figures` names them, on the bus too).
-# (kind of row, what the call returns: "rows", one "row", or a "reader" whose calls return rows)
+# Where rows come from: the records' readers, and an evaluation's figures (as `figures` names them, on the bus too);
+# and where they go: the records' writer, whose `log(step, figures)` writes a row. (kind of row, what the call returns:
+# "rows", one "row", a "reader" whose calls return rows, or a "writer")
 ROW_SOURCES = {"rlsys.metrics.read_jsonl_metrics": ("record", "rows"),
+               "rlsys.metrics.MetricsLogger": ("record", "writer"),
                "rlsys.metrics.JsonlFollower": ("record", "reader"),
                "rlsys.evaluations.curve": ("evaluation", "rows"),
                "rlsys.evaluations.figures": ("evaluation", "row"),
@@ -363,20 +365,55 @@ class RowTracker:
 
     def keyed(self) -> set[str]:
         """The owners' names (ROW_WORDS) of the words this module keys a row with: `row["step"]`, `row.get("time")`,
-        `"accuracy" in row`, or a word handed to a function beside rows (`series(rows, "reward")`)."""
+        `"accuracy" in row`, a word handed to a function beside rows (`series(rows, "reward")`) or to a method of
+        rows (`row.update(...)`), a dict's keys handed so or as a row (`log(step, {"reward": r})` to the records'
+        writer, `say({"accuracy": a})` where say's parameter holds rows); each word spelled, or the default of the
+        parameter that holds it (`def plot(rows, key="reward")`)."""
         found = set()
         for node in self.nodes:
             if isinstance(node, ast.Subscript):
-                found.add(owner(self.kind(node.value), node.slice))
+                found.add(owner(self.kind(node.value), self.word(node.slice)))
             elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
-                found.add(owner(self.kind(node.comparators[0]), node.left))
+                found.add(owner(self.kind(node.comparators[0]), self.word(node.left)))
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
                     and node.args:
-                found.add(owner(self.kind(node.func.value), node.args[0]))
+                found.add(owner(self.kind(node.func.value), self.word(node.args[0])))
             elif isinstance(node, ast.Call):
-                rows = next(filter(None, map(self.kind, node.args)), None)
-                found.update(owner(rows, word) for word in node.args)
+                found.update(self.handed(node))
         return found - {None}
+
+    def handed(self, call: ast.Call) -> set[str | None]:
+        """The owners' names of the words `call` hands beside rows, to a method of rows, or as a row (a dict's keys)."""
+        beside = [self.kind(arg) for arg in call.args]
+        if isinstance(call.func, ast.Attribute):
+            beside.append(self.kind(call.func.value))
+        rows = next((kind for kind in beside if kind and kind[1] != "writer"), None)
+        found = {owner(rows, self.word(arg)) for arg in call.args}
+        kinds = self.parameter_kinds(call)
+        for kind, arg in zip(kinds + [None] * len(call.args), call.args):
+            if isinstance(arg, ast.Dict):
+                row = kind if kind and kind[1] == "row" else rows
+                found |= {owner(row, self.word(key)) for key in arg.keys if key is not None}
+        return found
+
+    def parameter_kinds(self, call: ast.Call) -> list[tuple[str, str] | None]:
+        """The kind of row each positional parameter of `call`'s function holds: a writer's `log(step, row)`, or a
+        function of this module whose parameter rows reach."""
+        if isinstance(call.func, ast.Attribute) and call.func.attr == "log" \
+                and (writer := self.kind(call.func.value)) and writer[1] == "writer":
+            return [None, (writer[0], "row")]
+        callee = self.functions.get(call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", ""))
+        params = [a for a in callee.args.posonlyargs + callee.args.args if a.arg != "self"] if callee else []
+        return [self.names.get(self.key(param)) for param in params]
+
+    def word(self, node: ast.AST) -> ast.AST:
+        """`node`, or where it is a parameter of its function with a default, that default."""
+        if isinstance(node, ast.Name) and (function := self.functions.get(self.scope.get(node))):
+            params = function.args.posonlyargs + function.args.args
+            defaults = dict(zip(params[len(params) - len(function.args.defaults):], function.args.defaults))
+            defaults |= {a: d for a, d in zip(function.args.kwonlyargs, function.args.kw_defaults) if d is not None}
+            return next((default for param, default in defaults.items() if param.arg == node.id), node)
+        return node
 
 
 def owner(kind: tuple[str, str] | None, word: ast.AST) -> str | None:
@@ -492,6 +529,20 @@ def test_the_owner_check_sees_a_plain_word_key_a_row_of_the_records_and_nothing_
         "from rlsys import evaluations\nfor e in evaluations.curve(d):\n    e['version_max'], e.get('failed')":
             {"EVAL_RECORDS"},
         "from rlsys import evaluations\nplot(evaluations.curve(d), evaluations.ACCURACY, 'version')": {"EVAL_RECORDS"},
+        # written through a dict: to the records' writer, beside rows, or as a row to a function whose parameter holds
+        # one; and words a parameter takes by default
+        "from rlsys.metrics import MetricsLogger\nclass W:\n    def __init__(self, d):\n"
+        "        self.metrics = MetricsLogger(d, 'x')\n    def end(self, r):\n"
+        "        self.metrics.log(1, {'reward': r})":
+            {"LEARNER_FIGURES"},
+        "from rlsys.metrics import read_jsonl_metrics\nrows = read_jsonl_metrics(p)\nrows.append({'step': 3})":
+            {"RECORD_FIELDS"},
+        "from rlsys import evaluations\ndef say(e):\n    return e\nsay(evaluations.result(bus, 'final'))\n"
+        "say({'accuracy': 0.5})": {"EVAL_RECORDS"},
+        "from rlsys.metrics import read_jsonl_metrics\ndef plot(rows, key='reward'):\n"
+        "    return [r[key] for r in rows]\nplot(read_jsonl_metrics(p))": {"LEARNER_FIGURES"},
+        "from rlsys.metrics import read_jsonl_metrics\ndef plot(rows, *, key='time'):\n    return series(rows, key)\n"
+        "plot(read_jsonl_metrics(p))": {"RECORD_FIELDS"},
     }
     for source, owners in reads.items():
         assert state_writes(ast.parse(source)) == owners, source
@@ -500,6 +551,12 @@ def test_the_owner_check_sees_a_plain_word_key_a_row_of_the_records_and_nothing_
              "{'step': 1, 'reward': 0.5}\nrows[0]['advantage']\nsorted(rows, key='step')[0]['version']")
     assert state_writes(ast.parse(words)) == set()
     assert state_writes(ast.parse("state = read_trainer_state(p)\nstate['step'], message['reward']")) == set()
+    words = ("from rlsys.metrics import MetricsLogger, read_jsonl_metrics\nlogger = MetricsLogger(d, 'x')\n"
+             "logger.log(1, {'episodes/failed': 2})\nlog.log(20, {'step': 1})\n"
+             "def f(x, key='step'):\n    return x[key]\n"
+             "def g(rows, key='advantage'):\n    return [r[key] for r in rows]\ng(read_jsonl_metrics(p))\n"
+             "say({'reward': 1})")
+    assert state_writes(ast.parse(words)) == set()
     # beside an evaluation's rows, a version that is none of theirs: the weights' on the bus, a trace's, a checkpoint's,
     # the learner's in its records (an evaluation's words key an evaluation's rows)
     versions = ("from rlsys import evaluations\nfrom rlsys.metrics import read_jsonl_metrics\n"
