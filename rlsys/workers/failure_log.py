@@ -2,9 +2,9 @@
 hears WARNING and above (rlsys/console.py), gets the first failure of each kind in full (of KINDS_IN_FULL kinds a
 reason at most: a detail may name the episode's own values), and then, for a reason's further failures, a count at
 most every COUNT_EVERY seconds: a broken reward fails every episode, and a line each would bury the run's progress
-lines. A count falls due COUNT_EVERY after its reason was last said, and the worker's loop asks for those due
-(`say_due`): said only with the reason's next failure, the last failures of a run whose failures stopped stayed unsaid
-for as long as it went on."""
+lines. A count falls due COUNT_EVERY after its reason was last said, and the worker asks for those due (`say_due`)
+each pass of its train loop, while it evaluates and while it waits for the final weights: said only with the reason's
+next failure, the last failures of a run whose failures stopped stayed unsaid for as long as it went on."""
 
 import collections
 import logging
