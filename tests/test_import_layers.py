@@ -548,15 +548,13 @@ def test_the_owner_check_sees_a_plain_word_key_a_row_of_the_records_and_nothing_
         assert state_writes(ast.parse(source)) == owners, source
     words = ("from rlsys.metrics import read_jsonl_metrics\nrows = read_jsonl_metrics(p)\n"
              "def other():\n    rows = traces()\n    return rows[0]['reward'], state['step'], t.get('accuracy')\n"
-             "{'step': 1, 'reward': 0.5}\nrows[0]['advantage']\nsorted(rows, key='step')[0]['version']")
+             "{'step': 1, 'reward': 0.5}\nrows[0]['advantage']\nsorted(rows, key='step')[0]['version']\n"
+             "from rlsys.metrics import MetricsLogger\nlogger = MetricsLogger(d, 'x')\n"
+             "logger.log(1, {'episodes/failed': 2})\nlog.log(20, {'step': 1})\nsay({'reward': 1})\n"
+             "def f(x, key='step'):\n    return x[key]\n"
+             "def g(rows, key='advantage'):\n    return [r[key] for r in rows]\ng(read_jsonl_metrics(p))")
     assert state_writes(ast.parse(words)) == set()
     assert state_writes(ast.parse("state = read_trainer_state(p)\nstate['step'], message['reward']")) == set()
-    words = ("from rlsys.metrics import MetricsLogger, read_jsonl_metrics\nlogger = MetricsLogger(d, 'x')\n"
-             "logger.log(1, {'episodes/failed': 2})\nlog.log(20, {'step': 1})\n"
-             "def f(x, key='step'):\n    return x[key]\n"
-             "def g(rows, key='advantage'):\n    return [r[key] for r in rows]\ng(read_jsonl_metrics(p))\n"
-             "say({'reward': 1})")
-    assert state_writes(ast.parse(words)) == set()
     # beside an evaluation's rows, a version that is none of theirs: the weights' on the bus, a trace's, a checkpoint's,
     # the learner's in its records (an evaluation's words key an evaluation's rows)
     versions = ("from rlsys import evaluations\nfrom rlsys.metrics import read_jsonl_metrics\n"
