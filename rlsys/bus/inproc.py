@@ -122,6 +122,9 @@ class InProcessBus(Bus):
         return self._values_of(keys, default)
 
     def _values_of(self, keys: list[str], default) -> list:
+        """get_keys's reading, which server_id_and_keys shares: on Redis that is one script, not a get_keys, and a
+        test's bus that counts the get_keys calls a role makes (a pass of the train loop, a refresh) must not count
+        it."""
         with self._cond:
             values = [self._values.get(key) for key in keys]
         return [default if data is None else decode_value(data, key) for key, data in zip(keys, values)]
