@@ -33,6 +33,25 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
+@pytest.fixture(scope="session")
+def warm_start_caches(tmp_path_factory):
+    """One empty cache per warm-start identity (tests/helpers.py, warm_start_identity), for the session: the math,
+    math-tools and OpenAI-agent experiments teach the same model the same sums, so the first of them run starts from
+    an empty cache and the others reuse what it built, as a user's second experiment would; the FrozenLake GiGPO
+    run reuses the FrozenLake experiment's. A run that teaches anything else gets a cache of its own."""
+    from tests.helpers import warm_start_identity
+
+    made = {}
+
+    def cache_for(config):
+        identity = warm_start_identity(config)
+        if identity not in made:
+            made[identity] = tmp_path_factory.mktemp("cache")
+        return made[identity]
+
+    return cache_for
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     """The character tokenizer saved where agents can load it by path."""

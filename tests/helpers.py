@@ -3,6 +3,7 @@ field replaced, the math experiment with a test's agent."""
 
 import contextlib
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 from experiments import AsyncPPOMATHConfig
 from experiments.common import ModelConfig
 from rlsys.api import AgentAbstraction, EnvServiceAbstraction
+from rlsys.assets import warm_start_key
 from rlsys.model.tiny import build_tiny_model
 from rlsys.model.tokenizer import build_char_tokenizer
 
@@ -63,6 +65,19 @@ def small_run_overrides(cache_dir: Path, output_dir: Path) -> list[str]:
         "model.warm_start_accuracy=0.2", "model.warm_start_reach=0", "dataset.num_eval=200", "eval_steps=0",
         "ppo.lr=1e-4", "logging_steps=5",
     ]
+
+
+def warm_start_identity(config) -> str:
+    """Everything that makes an experiment's dataset and tiny model what they are: two experiments with the same
+    identity generate the same files and warm-start the same model from the same examples, so a cold start of one
+    is the cold start of the other."""
+    kind = type(config)
+    fields = {"model": {k: v for k, v in vars(config.model).items() if k != "cache_dir"}, "seed": config.seed,
+              "dataset": vars(config.dataset), "warm_start": warm_start_key(config),
+              "code": [f"{getattr(kind, m).__module__}.{getattr(kind, m).__qualname__}"
+                       for m in ("generate_dataset", "warm_start_examples")],
+              "schedule": [config.warm_start_batch_size, config.warm_start_eval_every, config.warm_start_max_steps]}
+    return json.dumps(fields, sort_keys=True, default=str)
 
 
 def final_books(run_dir: Path) -> dict:

@@ -8,9 +8,9 @@ import pytest
 
 import experiments
 from experiments import EXPERIMENTS
-from rlsys.assets import warm_start_key
 from rlsys.cli import parse_config
 from rlsys.launcher import launch
+from tests.helpers import warm_start_identity
 from tests.test_examples import EXAMPLES
 
 BUILT_IN = [name for name in EXPERIMENTS.names() if EXPERIMENTS.lookup(name).__module__.startswith("experiments.")]
@@ -28,35 +28,6 @@ def test_every_built_in_experiment_is_covered():
     assert experiments.__all__  # the package registers them on import
 
 
-def warm_start_identity(config) -> str:
-    """Everything that makes an experiment's dataset and tiny model what they are: two experiments with the same
-    identity generate the same files and warm-start the same model from the same examples, so a cold start of one
-    is the cold start of the other."""
-    kind = type(config)
-    fields = {"model": {k: v for k, v in vars(config.model).items() if k != "cache_dir"}, "seed": config.seed,
-              "dataset": vars(config.dataset), "warm_start": warm_start_key(config),
-              "code": [f"{getattr(kind, m).__module__}.{getattr(kind, m).__qualname__}"
-                       for m in ("generate_dataset", "warm_start_examples")],
-              "schedule": [config.warm_start_batch_size, config.warm_start_eval_every, config.warm_start_max_steps]}
-    return json.dumps(fields, sort_keys=True, default=str)
-
-
-@pytest.fixture(scope="module")
-def caches(tmp_path_factory):
-    """One empty cache per warm-start identity: the math, math-tools and OpenAI-agent experiments teach the same
-    model the same sums, so the first of them run starts from an empty cache and the others reuse what it built, as a
-    user's second experiment would; an experiment that teaches anything else gets a cache of its own."""
-    made = {}
-
-    def cache_for(config):
-        identity = warm_start_identity(config)
-        if identity not in made:
-            made[identity] = tmp_path_factory.mktemp("cache")
-        return made[identity]
-
-    return cache_for
-
-
 def test_experiments_share_a_cache_only_when_their_warm_start_is_the_same():
     configs = {name: parse_config([f"experiment={name}"]) for name in ("async-ppo-math", "async-ppo-math-tools",
                                                                        "async-ppo-openai-agent",
@@ -68,6 +39,14 @@ def test_experiments_share_a_cache_only_when_their_warm_start_is_the_same():
     assert warm_start_identity(other) != identities["async-ppo-math"]
 
 
+def two_step_example(name: str, tmp_path) -> list[str]:
+    """The command line of `name`'s two-step test: its example file, 100 held-out problems, not up to 500 (the two
+    evaluations are not what is tested here, and with tool calls 500 took two of the math-tools run's four minutes on
+    CI's 2 cores)."""
+    return ["--config_path", str(EXAMPLES), "--config_name", name, f"output_dir={tmp_path / 'runs'}", "max_steps=2",
+            "dataset.num_eval=100"]
+
+
 # Each from an empty cache, as a new user starts it (shared only where the warm start is the same, above): the math
 # experiments (and the OpenAI-agent one, on the same task) warm-start the default 2.4M-parameter model until it adds
 # two-digit numbers at 30%, WebShop its walk model until it copies the expert's actions at 70% (BENCHMARKS.md, "Cold
@@ -75,13 +54,10 @@ def test_experiments_share_a_cache_only_when_their_warm_start_is_the_same():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.long] if name in LONG_COLD_START else [])
                                   for name in BUILT_IN])
-def test_each_experiment_trains_two_steps_with_its_defaults(tmp_path, caches, name):
-    # 100 held-out problems, not up to 500: the two evaluations are not what is tested here, and with tool calls
-    # 500 took two of the math-tools run's four minutes on CI's 2 cores.
-    example = ["--config_path", str(EXAMPLES), "--config_name", name, f"output_dir={tmp_path / 'runs'}", "max_steps=2",
-               "dataset.num_eval=100"]
+def test_each_experiment_trains_two_steps_with_its_defaults(tmp_path, warm_start_caches, name):
+    example = two_step_example(name, tmp_path)
     config = parse_config(example)
-    config = parse_config([*example, f"model.cache_dir={caches(config)}"])
+    config = parse_config([*example, f"model.cache_dir={warm_start_caches(config)}"])
     assert type(config) is EXPERIMENTS.lookup(name)
     summary = launch(config)
     prompts = summary["prompts"]

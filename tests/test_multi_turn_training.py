@@ -8,8 +8,9 @@ import pytest
 from rlsys.cli import ConfigError, parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
-from tests.helpers import small_run_overrides
+from tests.helpers import small_run_overrides, warm_start_identity
 from tests.test_examples import EXAMPLES
+from tests.test_experiment_defaults import two_step_example
 
 
 def mean(values) -> float:
@@ -37,12 +38,26 @@ def test_math_multi_turn_learns_with_its_defaults(tmp_path):
     assert summary["prompts_accounted"], summary["prompts"]
 
 
-@pytest.mark.slow
-def test_frozen_lake_trains_with_gigpo_in_the_full_loop(cache_dir, tmp_path):
+def gigpo_run(tmp_path: Path) -> list[str]:
+    """The GiGPO run's command line: FrozenLake's own model and warm start, and the 100 held-out boards of the
+    experiment's two-step test (no assertion here reads an evaluation), so that both warm-start the same model and a
+    session builds it once."""
     own_threshold = parse_config(["experiment=async-ppo-frozen-lake"]).model.warm_start_accuracy
-    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
-        "experiment=async-ppo-frozen-lake", f"model.warm_start_accuracy={own_threshold}", "max_steps=30",
-        "ppo.batch_size=8", "ppo.lr=3e-4", "ppo.adv_estimator=gigpo", "eval_steps=0"])
+    return small_run_overrides(tmp_path / "cache", tmp_path) + [
+        "experiment=async-ppo-frozen-lake", f"model.warm_start_accuracy={own_threshold}", "dataset.num_eval=100",
+        "max_steps=30", "ppo.batch_size=8", "ppo.lr=3e-4", "ppo.adv_estimator=gigpo", "eval_steps=0"]
+
+
+def test_the_gigpo_run_warm_starts_the_frozen_lake_experiments_model(tmp_path):
+    gigpo = parse_config(gigpo_run(tmp_path))
+    example = parse_config(two_step_example("async-ppo-frozen-lake", tmp_path))
+    assert warm_start_identity(gigpo) == warm_start_identity(example)
+
+
+@pytest.mark.slow
+def test_frozen_lake_trains_with_gigpo_in_the_full_loop(warm_start_caches, tmp_path):
+    run = gigpo_run(tmp_path)
+    config = parse_config([*run, f"model.cache_dir={warm_start_caches(parse_config(run))}"])
     launch(config)
     steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
     assert [s["step"] for s in steps] == list(range(1, 31))
