@@ -1,11 +1,13 @@
 """Environment calls bounded in time, and failures named by their reason."""
 
 import asyncio
+import threading
 import time
 
 import pytest
 
 from rlsys.api import EnvironmentService
+from rlsys.blocking_calls import left_running
 from rlsys.tools.queue_time import queued_for, within
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
 
@@ -153,3 +155,76 @@ def test_an_env_call_that_swallows_its_cancellation_still_ends_at_its_timeout():
         asyncio.run(asyncio.wait_for(guard_env(SwallowingEnv("fine"), timeout=0.3).step("action"), 10))
     assert failure.value.reason == "env_timeout"
     assert time.monotonic() - start < 3
+
+
+class SyncEnv(EnvironmentService):
+    """Synchronous methods, as a user writes a reward function that may block: `step` sleeps `block` seconds."""
+
+    def __init__(self, block: float, release: threading.Event | None = None):
+        self.block, self.release = block, release
+
+    def reset(self, seed=None, options=None):
+        return "board", {}
+
+    def step(self, action):
+        if self.release is not None:
+            self.release.wait(self.block)  # a blocking call: the loop it ran on could do nothing else meanwhile
+        else:
+            time.sleep(self.block)
+        if action == "raise":
+            raise ZeroDivisionError("reward divided by zero")
+        return None, 1.0, True, False, {"thread": threading.current_thread().name}
+
+    def close(self):
+        return asyncio.sleep(0, "an awaitable a synchronous method returned")  # awaited on the loop
+
+
+def test_a_synchronous_env_method_runs_off_the_event_loop_and_returns_or_raises_as_an_async_one():
+    """A `def step` ran on the event loop: a blocking reward stopped every episode of the worker, and what it returned
+    (no coroutine) failed every episode as an env_error."""
+    async def episode():
+        env = guard_env(SyncEnv(0.0), timeout=5)
+        observation = await env.reset()
+        result = await env.step("answer")
+        with pytest.raises(EpisodeFailed) as failure:
+            await env.step("raise")
+        return observation, result, failure.value, await env.close()
+
+    observation, result, failure, closed = asyncio.run(episode())
+    assert observation == ("board", {}) and result[:4] == (None, 1.0, True, False)
+    assert result[4]["thread"] == "SyncEnv.step" and closed == "an awaitable a synchronous method returned"
+    assert failure.reason == "env_error" and "SyncEnv.step raised ZeroDivisionError: reward divided by zero" in \
+        failure.detail
+
+
+def test_a_synchronous_env_method_that_blocks_fails_its_episode_at_its_deadline_while_the_loop_goes_on():
+    """A blocking `def step` froze the event loop until it returned, past any deadline: every episode of the worker
+    stood still and the stall watch stopped the run. It now runs on a thread of its own: the deadline ends its
+    episode, the loop's other work goes on, and the thread left running is counted until it ends."""
+    release = threading.Event()
+
+    async def blocked_and_ticking():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        start = time.monotonic()
+        with pytest.raises(EpisodeFailed) as failure:
+            await guard_env(SyncEnv(3600, release), timeout=0.3).step("answer")
+        took, left = time.monotonic() - start, left_running()
+        ticker.cancel()
+        return failure.value, took, ticks, left
+
+    failure, took, ticks, left = asyncio.run(blocked_and_ticking())
+    assert failure.reason == "env_timeout" and "SyncEnv.step took longer than 0.3s" in failure.detail
+    assert 0.3 <= took < 3 and ticks >= 5 and left.count("SyncEnv.step") == 1
+    release.set()
+    deadline = time.monotonic() + 10
+    while "SyncEnv.step" in left_running():
+        assert time.monotonic() < deadline, "the thread's end was not counted"
+        time.sleep(0.01)

@@ -23,7 +23,8 @@ PACKAGES = ("rlsys", "experiments", "training")
 # Bottom first. A module belongs to the entry with the longest prefix of its dotted name.
 LAYERS = [
     ("foundation", ["rlsys", "rlsys.errors", "rlsys.protocol", "rlsys.run_privacy",
-                    "rlsys.host_copy", "rlsys.plugins", "rlsys.cancellation", "rlsys.stop_grace"],
+                    "rlsys.host_copy", "rlsys.plugins", "rlsys.cancellation", "rlsys.stop_grace",
+                    "rlsys.blocking_calls"],
      "the errors every layer raises, the bus's key names, plugin importing and small helpers: they import no rlsys"),
     ("contracts", ["rlsys.api"],
      "what plugins are written against (agents, environments, tools, trajectories) and the registries they join"),

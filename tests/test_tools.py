@@ -3,6 +3,7 @@
 import asyncio
 import json
 import re
+import threading
 import time
 
 import pytest
@@ -313,6 +314,63 @@ def test_a_tool_whose_start_overruns_is_stopped_then_and_started_again_at_the_ne
     assert first[4]["tool_timeouts"] == 1 and stopped_after_first == 1
     assert second[0] == "<tool_response>call 1</tool_response>"
     assert (RecordingTool.started, RecordingTool.stopped) == (2, 2)
+
+
+class BlockingTool(Tool):
+    """A tool written with plain `def`s around a blocking client: `call` blocks until `release` is set."""
+
+    description = "blocking test tool"
+    parameters = {"type": "object", "properties": {"mode": {"type": "string"}}, "required": ["mode"]}
+    release = threading.Event()
+    threads: list[str] = []
+
+    def start(self):
+        BlockingTool.threads.append(threading.current_thread().name)
+
+    def call(self, mode):
+        if mode == "block":
+            BlockingTool.release.wait(3600)  # a blocking call: the loop it ran on could do nothing else meanwhile
+        return ToolOutput(f"{mode} on {threading.current_thread().name}")
+
+    def stop(self):
+        BlockingTool.threads.append(threading.current_thread().name)
+
+
+register_tool("blocking-test-tool", BlockingTool)
+
+
+def test_a_tool_with_synchronous_methods_runs_them_off_the_loop_and_one_that_blocks_times_out():
+    """A tool's `def call` ran on the event loop: one that blocked froze every episode of the worker past its
+    tool_timeout, and what a `def` returned (no coroutine) was a tool error on every call. It runs on a thread of its
+    own now: a blocked call is reported to the model as timed out at tool_timeout while the loop goes on."""
+    BlockingTool.release.clear()
+    BlockingTool.threads = []
+    env = make_env(EnvServiceAbstraction("math-tools", {"tools": {"blocking-test-tool": {}}, "tool_timeout": 0.5}))
+    blocking_call = call("MODE").replace("recording-test-tool", "blocking-test-tool")
+
+    async def episode():
+        await env.reset(options={"prompt": "1+1", "answer": "2"})
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        blocked = await env.step((0, blocking_call.replace("MODE", "block")))
+        ticker.cancel()
+        quick = await env.step((0, blocking_call.replace("MODE", "quick")))
+        await env.close()
+        return blocked, ticks, quick
+
+    blocked, ticks, quick = asyncio.run(episode())
+    BlockingTool.release.set()
+    assert blocked[0] == "<tool_response>error: blocking-test-tool did not finish in 0.5s</tool_response>"
+    assert blocked[4]["tool_timeouts"] == 1 and ticks >= 5
+    assert quick[0] == "<tool_response>quick on BlockingTool.call</tool_response>" and quick[4]["tool_errors"] == 0
+    assert BlockingTool.threads == ["BlockingTool.start", "BlockingTool.stop"]
 
 
 def test_a_python_call_queued_for_a_sandbox_slot_is_not_timed_out_for_the_wait(monkeypatch):

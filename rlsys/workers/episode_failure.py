@@ -11,14 +11,19 @@ attributes, isinstance) so agents that use more of their env than the contract k
 a guarded env is guarded in its own right: a copy of the instance would otherwise keep methods bound to
 the original, and every chain of a group would step one board.
 
-The deadline can only interrupt an env that awaits (I/O, `asyncio.to_thread`, a process pool): one that
-blocks the event loop with synchronous work stalls every episode of the worker, which is why CPU-heavy
-environment work belongs off the loop (see rlsys/api/env.py).
+A synchronous method (`def step`, a reward function that may block) runs on a thread of its own
+(rlsys/blocking_calls.py), so the deadline ends its episode while the worker's other episodes go on; what it returns
+may still be awaitable, and is then awaited on the loop. The deadline can only interrupt an `async def` method that
+awaits (I/O, a process pool): one that blocks the event loop with synchronous work stalls every episode of the worker
+until the stall watch stops the run naming the worker, which is why blocking environment work belongs in a `def`
+method or off the loop (see rlsys/api/env.py). Which a method is is read once, when the env is guarded: an `async def`
+method pays nothing for it.
 """
 
 import functools
 import traceback
 
+from rlsys.blocking_calls import async_form
 from rlsys.errors import EpisodeFailed
 from rlsys.tools.queue_time import Overran, within
 from rlsys.workers.episode_activity import EpisodeActivity
@@ -47,11 +52,13 @@ def guard_env(env, timeout: float, activity: EpisodeActivity | None = None):
 
 
 def _guarded(method, label: str, timeout: float, activity: EpisodeActivity):
+    run = async_form(method, label)
+
     @functools.wraps(method)
     async def call(*args, **kwargs):
         activity.count_env_call(1)
         try:
-            return await (within(method(*args, **kwargs), timeout) if timeout else method(*args, **kwargs))
+            return await (within(run(*args, **kwargs), timeout) if timeout else run(*args, **kwargs))
         except EpisodeFailed:
             raise
         except Overran:

@@ -6,7 +6,9 @@ stopped at `close`, so per-chain state (a Python session) never leaks between ch
 `step` parses the turn (format in `rlsys/tools/call_format.py`): a final answer is checked with
 math-verify in the shared verifier pool and ends the chain with reward 1 or 0; otherwise the calls
 run in order and their results are the observation. Whatever a tool does (raise, hang, return junk)
-ends as an error response with a recorded reason, never as an exception out of `step`.
+ends as an error response with a recorded reason, never as an exception out of `step`. A tool whose `call`, `start`
+or `stop` is a plain `def` (a blocking client) runs it on a thread of its own (rlsys/blocking_calls.py), so its time
+limit holds and the worker's other episodes go on while it blocks.
 """
 
 import asyncio
@@ -17,6 +19,7 @@ from typing import Any
 
 from rlsys.api import TOOLS, EnvironmentService, Tool, ToolOutput, make_tool, register_environment
 from rlsys.api.tool import describe_tool
+from rlsys.blocking_calls import async_form
 from rlsys.impl.env.math_verifier import shared_pool
 from rlsys.tools.call_format import ToolCall, instructions, no_action_hint, parse_turn, tool_response
 from rlsys.tools.queue_time import within
@@ -88,7 +91,7 @@ class MathToolsEnv(EnvironmentService):
         try:
             tool = await self.tool(chain, call.name)
             doing = "finish"
-            output = await within(tool.call(**call.arguments), self.tool_timeout)  # a wait for a slot not counted
+            output = await within(tool_method(tool, "call")(**call.arguments), self.tool_timeout)  # a slot's wait: free
         except asyncio.TimeoutError:
             reason = f"{call.name} did not {doing} in {self.tool_timeout:g}s"
             return ToolOutput(f"error: {reason}", "timeout", reason)
@@ -112,7 +115,7 @@ class MathToolsEnv(EnvironmentService):
         if name not in tools:
             tool = make_tool(name, self.tool_args[name])
             try:
-                await asyncio.wait_for(tool.start(), self.tool_timeout)
+                await asyncio.wait_for(tool_method(tool, "start")(), self.tool_timeout)
             except BaseException:  # close() would not see it: what a start that overran or failed acquired goes now
                 await self.stop([tool])
                 raise
@@ -129,11 +132,16 @@ class MathToolsEnv(EnvironmentService):
         await self.stop(tools)
 
     async def stop(self, tools: list[Tool]) -> None:
-        results = await asyncio.gather(*(asyncio.wait_for(t.stop(), self.tool_timeout) for t in tools),
+        results = await asyncio.gather(*(asyncio.wait_for(tool_method(t, "stop")(), self.tool_timeout) for t in tools),
                                        return_exceptions=True)
         for tool, result in zip(tools, results):
             if isinstance(result, BaseException):
                 log.warning("stopping tool %s failed: %r", type(tool).__name__, result)
+
+
+def tool_method(tool: Tool, name: str):
+    """The tool's method `name` as an async one: a `def` runs on a thread of its own."""
+    return async_form(getattr(tool, name), f"{type(tool).__name__}.{name}")
 
 
 register_environment("math-tools", MathToolsEnv)

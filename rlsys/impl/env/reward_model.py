@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlsys.api import EnvironmentService, register_environment
-from rlsys.impl.env.thread_results import settle_from_thread
+from rlsys.blocking_calls import settle_from_thread
 
 log = logging.getLogger(__name__)
 CLOSE_WAIT_SECONDS = 15.0  # for the batch in progress; within the grace the launcher gives a stopping role

@@ -11,19 +11,17 @@ column of the row is a keyword argument holding one value per answer. The reward
 rewards times `weights` (1 each by default); a None (a function that does not apply to that answer) adds nothing, as
 TRL's nansum. Functions run on a thread, off the rollout worker's event loop. One that raises or returns the wrong
 number of rewards fails the episode (`env_error`) with its name; one that hangs is ended by `env_timeout`; the run
-goes on either way. A thread cannot be stopped, so each step's runs on a daemon thread of its own: a hung one holds
-that thread, not one of the event loop's default executor, whose few threads every bus call of the rollout worker
-waits for, and not the process's exit.
+goes on either way. Each step's functions run on a daemon thread of their own (rlsys/blocking_calls.py): a hung one holds that
+thread, not one of the event loop's default executor, and is counted as left running.
 """
 
-import asyncio
+import functools
 import math
-import threading
 from typing import Any
 
 from rlsys.api import EnvironmentService, register_environment
+from rlsys.blocking_calls import on_own_thread
 from rlsys.data.dataset import GIVEN_PROMPT
-from rlsys.impl.env.thread_results import settle_from_thread
 from rlsys.plugins import load_function
 
 NOT_COLUMNS = ("prompt", "completion", "completions", "prompts", GIVEN_PROMPT)  # passed by name already
@@ -53,7 +51,7 @@ class TRLRewardFunctionsEnv(EnvironmentService):
         if self.row is None:
             raise RuntimeError("step() before reset(): no dataset row to score against")
         _qid, answers = action
-        rewards = await in_own_thread(self.score, answers)
+        rewards = await on_own_thread(functools.partial(self.score, answers), "trl-reward")
         return None, rewards, True, False, {"statuses": ["ok"] * len(answers)}
 
     def score(self, answers: list[str]) -> list[float]:
@@ -76,21 +74,6 @@ class TRLRewardFunctionsEnv(EnvironmentService):
                                        "a reward is a finite number or None")
                 total[i] += 0.0 if r is None else weight * float(r)
         return total
-
-
-async def in_own_thread(function, *args):
-    """`function(*args)` on a new daemon thread; what it returns or raises, once it does."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def run():
-        try:
-            settle_from_thread(loop, future, function(*args))
-        except BaseException as e:  # noqa: BLE001 (raised in the caller)
-            settle_from_thread(loop, future, error=e)
-
-    threading.Thread(target=run, name="trl-reward", daemon=True).start()
-    return await future
 
 
 register_environment("trl-reward-funcs", TRLRewardFunctionsEnv)
