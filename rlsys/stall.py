@@ -34,7 +34,8 @@ from rlsys.workers.inference_status import InferenceStatus
 # (and the run must then still stand still for cluster.stall_timeout to stop).
 BEAT_LOST_AFTER = 10 * protocol.ROLLOUT_BEAT_INTERVAL
 BLOCKING_CALL = ("An agent or environment calls something that blocks (time.sleep, a synchronous HTTP request, a long "
-                 "computation) in an async function: await an async version or run it with asyncio.to_thread")
+                 "computation) in an async function: await an async version, or write the environment method or "
+                 "tool call that blocks as a plain def, which runs on a thread of its own under its time limit")
 
 
 class RunStalled(RoleFailed):

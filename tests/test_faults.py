@@ -107,6 +107,43 @@ class AlwaysFailingExperiment(AsyncPPOMATHConfig):
 register_experiment("always-failing-experiment", AlwaysFailingExperiment)
 '''
 
+# A user's reward written as a plain function, synchronous, that blocks on some problems.
+BLOCKING_REWARD_PLUGIN = '''
+import dataclasses
+import re
+import time
+
+from experiments import AsyncPPOMATHConfig, register_experiment
+from rlsys.api import EnvServiceAbstraction, register_environment
+from rlsys.impl.env.math_code_single_step import MathCodeSingleStepEnv
+
+
+def last_number_reward(answer, reference):
+    if reference.endswith("2"):
+        time.sleep(3600)  # a reward service that never answers, called synchronously
+    return float(re.findall(r"-?\\d+", answer)[-1:] == [reference])
+
+
+class BlockingRewardEnv(MathCodeSingleStepEnv):
+    def step(self, action):
+        answers = action[1]
+        rewards = [last_number_reward(a, self.reference) for a in answers]
+        return None, rewards, True, False, {"statuses": ["ok"] * len(answers), "success": [r == 1 for r in rewards]}
+
+
+register_environment("blocking-reward-env", BlockingRewardEnv)
+
+
+@dataclasses.dataclass
+class BlockingRewardExperiment(AsyncPPOMATHConfig):
+    @property
+    def env(self):
+        return EnvServiceAbstraction("blocking-reward-env")
+
+
+register_experiment("blocking-reward-experiment", BlockingRewardExperiment)
+'''
+
 MB = 2**20
 POISON = {  # what is injected -> words of the reason it must be set aside with
     "raw bytes": "undecodable",
@@ -261,6 +298,33 @@ def test_the_initial_evaluations_failures_count_only_where_it_plays_trainings_en
     assert evaluation_shares_training_failures(parse_config(["experiment=async-ppo-sokoban"]))
     own_eval = parse_config(["experiment=async-ppo-mixed-games", "eval_invalid_action_penalty=0.5"])
     assert own_eval.eval_envs != own_eval.envs and not evaluation_shares_training_failures(own_eval)
+
+
+@pytest.mark.slow
+def test_a_synchronous_reward_that_blocks_fails_its_episodes_and_the_run_goes_on(cache_dir, tmp_path, capfd):
+    """A reward function that blocks in a synchronous `def step` ran on the rollout worker's event loop: the worker's
+    every episode and its beat stood still, and the stall watch stopped the run. The step now runs on a thread of its
+    own: the episodes it blocks fail with env_timeout at their deadline, the run trains its steps, and every prompt,
+    held-out ones included, is accounted."""
+    existing = child_pids()
+    plugin = tmp_path / "blocking_reward_plugin.py"
+    plugin.write_text(BLOCKING_REWARD_PLUGIN)
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "experiment=blocking-reward-experiment", f"plugins=[{plugin}]", "trial_name=blocking", "max_steps=4",
+        "env_timeout=1", "cluster.stall_timeout=60"])
+    summary = launch(config)  # a run whose loop the reward blocked stopped here with RoleFailed
+    output = capfd.readouterr().err
+    steps = read_jsonl_metrics(Path(config.logging_dir) / "learner.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 5))
+    prompts = summary["prompts"]
+    assert set(prompts["failed"]) == {"env_timeout"} and prompts["failed"]["env_timeout"] >= 1, prompts
+    assert summary["prompts_accounted"] and accounted(prompts) == prompts["admitted"], prompts
+    assert prompts["trained"] == 4 * config.ppo.batch_size and prompts["in_flight"] == 0
+    assert summary["initial_failed"] >= 1 and summary["final_failed"] >= 1  # held-out ones: counted unsolved
+    assert "failed (env_timeout): BlockingRewardEnv.step took longer than 1s (env_timeout)" in output
+    rollout_log = (Path(config.logging_dir) / "rollout0.log").read_text()
+    assert "BlockingRewardEnv.step is still running on its thread, which cannot be stopped: left running" in rollout_log
+    assert left_behind(tmp_path, existing) == []
 
 
 @pytest.mark.slow

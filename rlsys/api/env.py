@@ -11,7 +11,9 @@ from rlsys.api.registry import Registry
 class EnvironmentService(abc.ABC):
     """Gym-like and async, so one slow episode never blocks the others.
 
-    CPU-heavy work (answer checking, code execution) belongs off the event loop with a hard timeout.
+    CPU-heavy work (answer checking, code execution) belongs off the event loop with a hard timeout. A method that
+    may block (a synchronous reward function or client) may be written as a plain `def`: the rollout worker runs it
+    on a thread of its own under `env_timeout`; an `async def` that blocks stops every episode of its worker.
     """
 
     async def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:

@@ -26,7 +26,9 @@ class Tool(abc.ABC):
     An environment makes one instance per tool for each independent line of an episode (a chain), so
     state a tool keeps (a Python session's variables) belongs to that chain: acquired in `start`,
     released in `stop`, which the environment calls at its close. `parameters` is the JSON schema of the
-    keyword arguments `call` takes; the environment checks a call against it before calling.
+    keyword arguments `call` takes; the environment checks a call against it before calling. A tool around a
+    blocking client may write its methods as plain `def`s: each call then runs on a thread of its own, under the
+    environment's time limit.
     """
 
     description: str = ""
