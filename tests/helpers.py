@@ -1,6 +1,7 @@
 """Small builders shared by tests: a tiny randomly initialised model saved in HF format, a message with one
 field replaced, the math experiment with a test's agent."""
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -197,3 +198,23 @@ def config_of(agent: str, tmp_path, env: str | None = None):
     config.model.path = str(save_random_tiny_model(tmp_path / "model"))
     config.logging_dir = str(tmp_path / "logs")
     return config
+
+
+class LoopTicks:
+    """How often the running event loop woke a task that sleeps 10 ms at a time while the block ran: a loop that a
+    call blocks wakes it not at all meanwhile."""
+
+    def __init__(self):
+        self.count = 0
+
+    async def __aenter__(self) -> "LoopTicks":
+        self.task = asyncio.create_task(self.tick())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.task.cancel()
+
+    async def tick(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            self.count += 1

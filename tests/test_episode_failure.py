@@ -10,6 +10,7 @@ from rlsys.api import EnvironmentService
 from rlsys.blocking_calls import left_running
 from rlsys.tools.queue_time import queued_for, within
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
+from tests.helpers import LoopTicks
 
 
 class Env(EnvironmentService):
@@ -204,21 +205,11 @@ def test_a_synchronous_env_method_that_blocks_fails_its_episode_at_its_deadline_
     release = threading.Event()
 
     async def blocked_and_ticking():
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
         start = time.monotonic()
-        with pytest.raises(EpisodeFailed) as failure:
-            await guard_env(SyncEnv(3600, release), timeout=0.3).step("answer")
-        took, left = time.monotonic() - start, left_running()
-        ticker.cancel()
-        return failure.value, took, ticks, left
+        async with LoopTicks() as ticks:
+            with pytest.raises(EpisodeFailed) as failure:
+                await guard_env(SyncEnv(3600, release), timeout=0.3).step("answer")
+        return failure.value, time.monotonic() - start, ticks.count, left_running()
 
     failure, took, ticks, left = asyncio.run(blocked_and_ticking())
     assert failure.reason == "env_timeout" and "SyncEnv.step took longer than 0.3s" in failure.detail

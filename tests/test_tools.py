@@ -14,6 +14,7 @@ from rlsys.tools import sandbox
 from rlsys.tools.calculator import CalculatorError, evaluate, format_number
 from rlsys.tools.call_format import DecodeError, ToolCall, parse_turn
 from rlsys.tools.queue_time import queued_for, within
+from tests.helpers import LoopTicks
 
 SCHEMAS = {name: TOOLS.lookup(name).parameters for name in ("calculator", "python")}
 
@@ -350,20 +351,11 @@ def test_a_tool_with_synchronous_methods_runs_them_off_the_loop_and_one_that_blo
 
     async def episode():
         await env.reset(options={"prompt": "1+1", "answer": "2"})
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        blocked = await env.step((0, blocking_call.replace("MODE", "block")))
-        ticker.cancel()
+        async with LoopTicks() as ticks:
+            blocked = await env.step((0, blocking_call.replace("MODE", "block")))
         quick = await env.step((0, blocking_call.replace("MODE", "quick")))
         await env.close()
-        return blocked, ticks, quick
+        return blocked, ticks.count, quick
 
     blocked, ticks, quick = asyncio.run(episode())
     BlockingTool.release.set()
