@@ -10,6 +10,8 @@ import logging
 import multiprocessing
 import shutil
 import threading
+import time
+import types
 
 import pytest
 
@@ -30,7 +32,7 @@ from rlsys.run_summary import held_out_summary
 from rlsys.tracing import read_traces, traced
 from rlsys.workers import rollout_worker
 from rlsys.workers.rollout_worker import RolloutWorker, next_evaluation
-from tests.helpers import config_of, save_random_tiny_model
+from tests.helpers import LoopTicks, config_of, save_random_tiny_model
 
 
 def write_rows(path, answers):
@@ -183,6 +185,44 @@ def test_an_environment_whose_constructor_raises_fails_its_episode_as_an_env_err
     counts = worker.ledger.counts()
     assert counts["failed"] == {"env_error": 1} and counts["in_flight"] == 0 and worker.failures.by_reason == {"env_error": 1}
     assert "the environment's constructor raised FileNotFoundError: reward_model.bin" in caplog.text
+
+
+class SyncWarmUpEnv(EnvironmentService):
+    """A warm-up written as a plain `def` around a blocking start: it waits `release` (5 s at most)."""
+
+    release = threading.Event()
+    threads: list[str] = []
+
+    def warm_up(self):
+        SyncWarmUpEnv.threads.append(threading.current_thread().name)
+        SyncWarmUpEnv.release.wait(5)
+
+    async def step(self, action):
+        return None, [0.0], True, False, {}
+
+
+register_environment("sync-warm-up-test-env", SyncWarmUpEnv)
+
+
+def test_an_environment_s_synchronous_warm_up_runs_off_the_loop_and_is_ended_by_env_timeout(tmp_path, caplog):
+    """A `def warm_up` ran on the worker's event loop: a blocking one stood the worker still past env_timeout (and its
+    beat: the stall watch stopped the run), then failed as `await None`. It runs on a thread of its own now."""
+    config = config_of("math-single-step", tmp_path, env="sync-warm-up-test-env")
+    config.env_timeout = 0.3
+    SyncWarmUpEnv.release.clear()
+    SyncWarmUpEnv.threads = []
+
+    async def warm_up():
+        start = time.monotonic()
+        async with LoopTicks() as ticks:
+            await RolloutWorker.warm_up_environments(types.SimpleNamespace(config=config))
+        return time.monotonic() - start, ticks.count
+
+    with caplog.at_level(logging.WARNING):
+        took, ticks = asyncio.run(warm_up())
+    SyncWarmUpEnv.release.set()
+    assert SyncWarmUpEnv.threads == ["SyncWarmUpEnv.warm_up"] and took < 3 and ticks >= 5
+    assert "environment sync-warm-up-test-env did not warm up (TimeoutError (at " in caplog.text
 
 
 class ReturnsJunk(Agent):

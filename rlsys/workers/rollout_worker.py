@@ -13,6 +13,7 @@ from rlsys import evaluations, protocol
 from rlsys.api import (NOT_GENERATED, AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent,
                        make_env)
 from rlsys.api.messages import RolloutRunning
+from rlsys.blocking_calls import async_form
 from rlsys.bus.base import Step
 from rlsys.cancellation import cancel_and_wait
 from rlsys.data.dataset import load_rows, rows_fingerprint
@@ -129,7 +130,7 @@ class RolloutWorker:
             try:
                 async with asyncio.timeout(self.config.env_timeout or None):  # 0: no limit
                     env = await asyncio.to_thread(make_env, abstraction)  # a constructor may load a model
-                    await env.warm_up()
+                    await async_form(env.warm_up, f"{type(env).__name__}.warm_up")()  # a `def` on its own thread
             except Exception as e:  # TimeoutError included
                 log.warning("environment %s did not warm up (%s); its episodes will start what it needs",
                             abstraction.name, describe_exception(e))
