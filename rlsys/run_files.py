@@ -17,6 +17,12 @@ PATH_SETTINGS = (("", "output_dir"), ("", "logging_dir"), ("", "resume_from_chec
                  ("model", "cache_dir"), ("dataset", "path"), ("dataset", "eval_path"))
 
 
+def continue_arguments(run_dir: Path) -> str:
+    """The arguments that continue the run in `run_dir` from its newest checkpoint (from the start where none was
+    saved), as the console says them to a run that stopped or failed."""
+    return f"--config {run_dir / CONFIG_FILE} resume_from_checkpoint=auto"
+
+
 def logs_dir(run_dir: Path, logging_dir: str | Path | None = None) -> Path:
     """The directory of a run's records and role logs: the config's `logging_dir` where set, else <run dir>/logs."""
     return Path(logging_dir) if logging_dir else run_dir / LOGS_DIR

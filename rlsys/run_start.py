@@ -16,7 +16,7 @@ from rlsys.cli import registry_name_of, save_config
 from rlsys.metrics import LEARNER_RECORDS, drop_records_after, mark_restart, records_file, rollout_records_files
 from rlsys.preflight import StartupError
 from rlsys.prompt_ledger import PromptLedger, settled_prompts
-from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE, logs_dir
+from rlsys.run_files import CONFIG_FILE, SUMMARY_FILE, continue_arguments, logs_dir
 from rlsys.run_privacy import make_private
 from rlsys.weight_versions import WEIGHTS_DIR, remove_versions_after
 
@@ -249,5 +249,4 @@ def last_checkpoint_note(run_dir: Path) -> str:
     step = f"step {read_trainer_state(latest)['step']}"
     where = f"{latest} ({step})" if put_back is None else \
         f"{put_back} ({step}; {latest.name} until the resume puts it back)"
-    return f"the newest checkpoint is {where}; continue with --config {run_dir / CONFIG_FILE} " \
-           "resume_from_checkpoint=auto"
+    return f"the newest checkpoint is {where}; continue with {continue_arguments(run_dir)}"

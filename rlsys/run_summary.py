@@ -11,7 +11,7 @@ from pathlib import Path
 from rlsys import evaluations, protocol, run_counters
 from rlsys.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, read_trainer_state, restore_replaced
 from rlsys.prompt_ledger import ADMITTED, NO_PROMPTS, PromptLedger, accounted, as_ended, describe
-from rlsys.run_files import SUMMARY_FILE
+from rlsys.run_files import SUMMARY_FILE, continue_arguments
 from rlsys.run_privacy import write_private
 from rlsys.stop_signals import stop_signals_deferred
 from rlsys.supervisor import Supervisor
@@ -143,4 +143,5 @@ def write_stopped_summary(bus, config, run_dir: Path, supervisor: Supervisor, le
         write_summary(summary, run_dir)
         if not summary["resume_loses_nothing"]:
             print(unsaved_stop_note(summary), file=sys.stderr, flush=True)
-        print(f"summary of the stopped run: {run_dir / SUMMARY_FILE}", file=sys.stderr, flush=True)
+        print(f"summary of the stopped run: {run_dir / SUMMARY_FILE}; continue it with {continue_arguments(run_dir)}",
+              file=sys.stderr, flush=True)

@@ -162,7 +162,10 @@ def test_a_stop_as_a_restart_resets_the_books_leaves_the_checkpoints_run(tmp_pat
     assert summary["unclean_exits"] == {}  # no role ran at the stop
     assert summary["restarts"] == {"learner0": 1}
     assert stops == 2  # the restart's, and its part's end: none as the books were set
-    assert "did not save at the stop" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "did not save at the stop" not in err
+    # the console says how to go on, as a failed run's does
+    assert f"continue it with --config {checkpoints.parent / 'config.yaml'} resume_from_checkpoint=auto" in err
 
 
 @pytest.mark.parametrize("checkpoint", [True, False])
