@@ -18,7 +18,7 @@ setup(
         "math-verify>=0.8",
         "tensorboard",
         "pyyaml",
-        "datasets==5.2.0",  # reads JSONL, JSON, Parquet and save_to_disk datasets
+        "datasets==5.2.0",  # reads JSONL, JSON, Parquet, Arrow and save_to_disk datasets
         "pyarrow==25.0.1",
         "matplotlib==3.11.2",  # the run report's curves
         "pillow==13.0.0",  # frames of text-game episodes

@@ -93,8 +93,8 @@ class ModelConfig:
 @dataclass
 class DatasetConfig:
     path: str = ""
-    """Training prompts: JSONL, JSON, Parquet or a save_to_disk directory; empty generates the experiment's set. Without
-    model.path, the tiny model is warm-started on these rows' answers (docs/data.md, 'Your rows, no model')."""
+    """Training prompts: JSONL, JSON, Parquet, Arrow or a save_to_disk directory; empty generates the experiment's set.
+    Without model.path, the tiny model is warm-started on these rows' answers (docs/data.md, 'Your rows, no model')."""
     eval_path: str = ""
     """Held-out prompts, in any format `path` takes; empty uses the generated held-out split."""
     num_train: int = 7600

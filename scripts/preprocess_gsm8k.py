@@ -2,7 +2,7 @@
 
     python3 scripts/preprocess_gsm8k.py IN OUT [--agent-name NAME] [--instruction TEXT]
 
-IN is any file rlsys reads (JSONL, JSON, Parquet, a save_to_disk directory) with GSM8K's fields: `question`,
+IN is any file rlsys reads (JSONL, JSON, Parquet, Arrow, a save_to_disk directory) with GSM8K's fields: `question`,
 and `answer`, a solution ending in `#### 42`. OUT (.jsonl or .parquet) gets one row per problem, with the
 fields both rlsys's defaults and verl's layout read:
 

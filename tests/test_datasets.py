@@ -1,4 +1,4 @@
-"""Datasets as users have them: JSONL, JSON, Parquet and save_to_disk directories, read with Hugging Face
+"""Datasets as users have them: JSONL, JSON, Parquet, Arrow and save_to_disk directories, read with Hugging Face
 `datasets`; key mapping (nested too), chat-message prompts, system prompt and template through the chat
 template; bad rows named by file, row and field; verl-style GSM8K preprocessing."""
 
@@ -29,12 +29,16 @@ def write(rows: list[dict], path: Path) -> Path:
         path.write_text(json.dumps(rows))
     elif path.suffix == ".parquet":
         datasets.Dataset.from_list(rows).to_parquet(str(path))
+    elif path.suffix == ".arrow":  # a file of the format `load_dataset` caches a download in (~/.cache/huggingface)
+        saved = path.with_suffix(".saved")
+        datasets.Dataset.from_list(rows).save_to_disk(str(saved))
+        next(saved.glob("*.arrow")).rename(path)
     else:
         datasets.Dataset.from_list(rows).save_to_disk(str(path))
     return path
 
 
-@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "rows.parquet", "saved"])
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "rows.parquet", "rows.arrow", "saved"])
 def test_each_format_loads_with_nested_keys_mapped(tmp_path, name):
     rows = load_rows(write(ROWS, tmp_path / name), VERL)
     assert [(r["prompt"], r["answer"], r["id"]) for r in rows] == [("1+1=", "2", 0), ("2+3=", "5", 1)]

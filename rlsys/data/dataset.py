@@ -1,6 +1,6 @@
 """Prompt datasets as users have them, checked row by row: JSON read by Python, the rest by Hugging Face `datasets`.
 
-A dataset is a JSONL, JSON or Parquet file, or a directory written by `Dataset.save_to_disk`. Each row
+A dataset is a JSONL, JSON, Parquet or Arrow file, or a directory written by `Dataset.save_to_disk`. Each row
 gives a prompt and a reference answer under the keys `RowFormat` names; a dotted key reaches into nested
 fields (`reward_model.ground_truth`, as verl writes it). A prompt is a string or a list of chat messages
 (`{"role", "content"}`); an answer is a string or a number. Every row comes out in one shape:
@@ -37,8 +37,9 @@ class RowFormat:
     settings: str = "dataset."  # where the config names the keys (dataset.prompt_key), for errors; "": no config
 
 
-SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-FORMATS = "a JSONL, JSON or Parquet file, or a directory written by Dataset.save_to_disk"
+# .arrow: the files `datasets.load_dataset` caches a download in (~/.cache/huggingface/datasets), read where they are
+SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+FORMATS = "a JSONL, JSON, Parquet or Arrow file, or a directory written by Dataset.save_to_disk"
 
 
 def load_rows(path: str | Path, row_format: RowFormat = RowFormat(), agent_names: list[str] | None = None) -> list[dict]:
