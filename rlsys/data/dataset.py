@@ -90,8 +90,9 @@ def _read(path: Path) -> list[tuple[str, object]]:
         except (FileNotFoundError, ValueError) as e:
             raise DatasetError(f"cannot read dataset {path}: {e}; give {FORMATS}") from None
         if isinstance(loaded, datasets.DatasetDict):
+            example = "train" if "train" in loaded else sorted(loaded)[0]  # what dataset.path, the first asked, wants
             raise DatasetError(f"dataset {path} holds the splits {sorted(loaded)}; give one of them, "
-                               f"e.g. {path / sorted(loaded)[0]}")
+                               f"e.g. {path / example}")
         return _numbered(path, loaded.to_list())
     try:
         return _numbered(path, datasets.load_dataset(builder, data_files=str(path), split="train").to_list())
