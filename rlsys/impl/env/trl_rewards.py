@@ -11,8 +11,8 @@ column of the row is a keyword argument holding one value per answer. The reward
 rewards times `weights` (1 each by default); a None (a function that does not apply to that answer) adds nothing, as
 TRL's nansum. Functions run on a thread, off the rollout worker's event loop. One that raises or returns the wrong
 number of rewards fails the episode (`env_error`) with its name; one that hangs is ended by `env_timeout`; the run
-goes on either way. Each step's functions run on a daemon thread of their own (rlsys/blocking_calls.py): a hung one holds that
-thread, not one of the event loop's default executor, and is counted as left running.
+goes on either way. Each step's functions run on a daemon thread of their own (rlsys/blocking_calls.py): a hung one
+holds that thread, not one of the event loop's default executor, and is counted as left running.
 """
 
 import functools
