@@ -338,9 +338,14 @@ class RolloutWorker:
             # labelled with its group id: a learner that cannot read the message still settles its prompt
             await asyncio.to_thread(self.bus.change, [Step.append(protocol.TRAJECTORIES, message, prompt.qid),
                                                       unfinished])
-            self.failed_in_a_row = self.evaluated_in_a_row = 0
+            self.count_success_in_a_row()
         finally:
             self.training.discard(prompt.qid)
+
+    def count_success_in_a_row(self) -> None:
+        """An episode counted toward max_failed_in_a_row ended well: the failures in a row, and the evaluation's
+        share of them, count from 0 again."""
+        self.failed_in_a_row = self.evaluated_in_a_row = 0
 
     def count_failure_in_a_row(self, failure: EpisodeFailed) -> None:
         """Episodes that all fail mean a broken env or agent, not bad luck: the run stops instead of burning
@@ -362,7 +367,7 @@ class RolloutWorker:
         if done.cancelled() or not isinstance(failure := done.exception(), (EpisodeFailed, type(None))):
             return  # not an episode's outcome: evaluate raises it
         if failure is None:
-            self.failed_in_a_row = self.evaluated_in_a_row = 0
+            self.count_success_in_a_row()
             return
         self.evaluated_in_a_row += 1
         self.count_failure_in_a_row(failure)
