@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.chaos import Fault, inject, run_directory  # noqa: E402
 from rlsys.cli import parse_config  # noqa: E402
+from rlsys.protocol import role_name  # noqa: E402
 from rlsys.run_files import SUMMARY_FILE  # noqa: E402
 
 RAY_WORKER_DIED = "A worker died or was killed while executing a task"
@@ -92,7 +93,7 @@ def planned_kill(seed: int, run: int, settings: list[str]) -> Fault:
     config = parse_config(settings)
     steps, ranks = config.max_steps, config.cluster.n_learner_ranks
     rng = random.Random(f"{seed}-{run}")
-    roles = ["inference0", "rollout0"] + [f"learner{rank}" for rank in range(ranks)]
+    roles = [role_name("inference", 0), role_name("rollout", 0)] + [role_name("learner", rank) for rank in range(ranks)]
     return Fault(rng.choice(roles), rng.randint(2, max(2, steps - 2)))
 
 

@@ -74,8 +74,13 @@ def rollout_done(rollout_worker: int) -> str:
     return f"rollout:{rollout_worker}:done"
 
 
+def role_name(role: str, index: int) -> str:
+    """A role process's name, e.g. "rollout0": its process, its log file and its stop reason's key are named by it."""
+    return f"{role}{index}"
+
+
 def role_stop_reason(role: str) -> str:
-    """Key: why role `role` (e.g. "rollout0") found that the run cannot go on, before it exited."""
+    """Key: why role `role` (a role_name, e.g. "rollout0") found that the run cannot go on, before it exited."""
     return f"role:{role}:stop_reason"
 
 
@@ -101,9 +106,9 @@ def cleared_at_a_start(n_learner_ranks: int, n_inference_workers: int, n_rollout
     return [STOP, LEARNER_DONE, WEIGHTS, LOGPROB_PROBES, TRAJECTORIES, DATASET_FINGERPRINT,
             *((DEAD_MESSAGES,) if fresh else ()),
             *(eval_result(tag) for tag in (("final",) if keep_initial_eval else ("initial", "final"))),
-            *(role_stop_reason(f"learner{rank}") for rank in range(n_learner_ranks)),
+            *(role_stop_reason(role_name("learner", rank)) for rank in range(n_learner_ranks)),
             *(key for i in range(n_inference_workers)
-              for key in (generation_requests(i), inference_status(i), role_stop_reason(f"inference{i}"))),
+              for key in (generation_requests(i), inference_status(i), role_stop_reason(role_name("inference", i)))),
             *(key for i in range(n_rollout_workers)
               for key in (replies(i), rollout_done(i), rollout_episodes(i), rollout_position(i), rollout_running(i),
-                          role_stop_reason(f"rollout{i}")))]
+                          role_stop_reason(role_name("rollout", i))))]

@@ -31,18 +31,19 @@ def run_role(role: str, index: int, payload: dict, bus_url: str, run_dir: str, e
     gc.disable()  # until the role is built: freeze_start_up_heap
     os.environ.update(env)  # its GPUs and, for learner ranks, the rendezvous
     os.umask(PRIVATE_UMASK)  # what a role writes (logs, weights, checkpoints) is its user's alone
-    _name_process(f"{role}{index}")
+    name = protocol.role_name(role, index)
+    _name_process(name)
     import rlsys.impl.agent  # noqa: F401  (registers the built-in agents and environments)
     import rlsys.impl.env  # noqa: F401
     config = config_from_dict(payload)
-    role_output_to_file(role_log(config.logging_dir, f"{role}{index}"), f"{role}{index}")
+    role_output_to_file(role_log(config.logging_dir, name), name)
     limit_threads(role_threads(role, config), role)
     bus = connect(bus_url)
     try:
         _run(role, index, config, bus, run_dir)
     except RunCannotGoOn as e:
-        log.error("%s%d: the run cannot go on: %s", role, index, e)
-        bus.set(protocol.role_stop_reason(f"{role}{index}"), str(e))
+        log.error("%s: the run cannot go on: %s", name, e)
+        bus.set(protocol.role_stop_reason(name), str(e))
         return CANNOT_GO_ON_EXIT
     finally:
         bus.close()

@@ -20,6 +20,7 @@ from rlsys.api import AgentAbstraction, EnvServiceAbstraction
 from rlsys.assets import warm_start_key
 from rlsys.model.tiny import build_tiny_model
 from rlsys.model.tokenizer import build_char_tokenizer
+from rlsys.protocol import role_name
 
 
 ENTRY = Path(__file__).resolve().parents[1] / "training" / "main_async_ppo.py"
@@ -175,7 +176,7 @@ def summing_rank(role: str, index: int, out: str, env: dict) -> int:
 
     os.environ.update(env)
     ranks = join_ranks(index, 2)
-    Path(out, f"{role}{index}").write_text(str(ranks.summed(torch.tensor([index + 1.0])).item()))
+    Path(out, role_name(role, index)).write_text(str(ranks.summed(torch.tensor([index + 1.0])).item()))
     leave_ranks(ranks)
     return 0
 

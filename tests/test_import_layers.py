@@ -566,9 +566,9 @@ def test_the_owner_check_sees_a_plain_word_key_a_row_of_the_records_and_nothing_
     assert state_writes(ast.parse(versions)) == set()
 
 
-# Names in rlsys.protocol that are no key on the bus: the learners' consumer group (it lives in TRAJECTORIES' stream)
-# and an environment variable
-NOT_BUS_KEYS = {"LEARNERS", "RENDEZVOUS_LISTEN_FD", "KEPT_AT_A_START"}
+# Names in rlsys.protocol that are no key on the bus: the learners' consumer group (it lives in TRAJECTORIES' stream),
+# an environment variable and the role processes' names (role_stop_reason's keys are made of them)
+NOT_BUS_KEYS = {"LEARNERS", "RENDEZVOUS_LISTEN_FD", "KEPT_AT_A_START", "role_name"}
 
 
 def unaccounted_keys(module) -> list[str]:

@@ -21,6 +21,7 @@ from rlsys.cli import config_from_dict, config_to_dict, parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.placement.local import LocalPlacement
+from rlsys.protocol import role_name
 from rlsys.workers.learner import Learner
 from tests.helpers import child_pids, left_behind, small_run_overrides, summing_rank
 from tests.test_learner import learner_config, mixed_length_batch
@@ -222,7 +223,7 @@ def test_the_rendezvous_port_cannot_be_taken_between_the_launcher_s_pick_and_ran
         for rank in (rank0, rank1):
             rank.join(120)
         assert (rank0.exitcode, rank1.exitcode) == (0, 0)
-        assert [(tmp_path / f"learner{i}").read_text() for i in range(2)] == ["3.0", "3.0"]
+        assert [(tmp_path / role_name("learner", i)).read_text() for i in range(2)] == ["3.0", "3.0"]
         assert squatter is None
     finally:
         placement.close()

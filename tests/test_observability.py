@@ -18,6 +18,7 @@ import pytest
 
 from rlsys.api import Trajectory
 from rlsys.model.tokenizer import build_char_tokenizer
+from rlsys.protocol import role_name
 from rlsys.tracing import TraceWriter, read_traces
 from tests.helpers import small_run_overrides
 
@@ -578,7 +579,7 @@ def test_the_mlflow_export_takes_every_rollout_workers_episodes(tmp_path):
                 "ended": start + ended, "seconds": 1.0, "failure": None, "calls": [], "trajectories": []}
 
     for worker, ends in ((0, (1, 3, 5)), (1, (2, 4, 6))):  # their episodes ended in turn
-        (run_dir / "traces" / f"rollout{worker}.jsonl").write_text(
+        (run_dir / "traces" / f"{role_name('rollout', worker)}.jsonl").write_text(
             "".join(json.dumps(episode(worker, end)) + "\n" for end in ends))
     mlflow.set_tracking_uri(export_run(run_dir))
     experiment = mlflow.get_experiment_by_name("two-workers/t").experiment_id

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlsys.cli import parse_config
+from rlsys.protocol import role_name
 
 pytestmark = pytest.mark.distributed
 
@@ -368,7 +369,7 @@ def test_learner_rank_0_holds_its_rendezvous_port_from_the_moment_the_other_rank
                 if squatter is not None:
                     squatter.close()
             assert squatter is None, group
-            assert [(out / f"learner{i}").read_text() for i in range(2)] == ["3.0", "3.0"]
+            assert [(out / role_name("learner", i)).read_text() for i in range(2)] == ["3.0", "3.0"]
     finally:
         placement.close()
         cloudpickle.unregister_pickle_by_value(tests.helpers)

@@ -176,7 +176,7 @@ def test_a_stop_called_again_waits_only_what_is_left_of_the_first_ones_grace():
     cluster.stop_grace_seconds). A new part's roles get their own."""
     roles, ctrl_c = {}, ["once"]
     watching = supervisor.Supervisor(parse_config(["cluster.stop_grace_seconds=10"]), lambda role, index: (
-        roles.setdefault(f"{role}{index}", HungRole(f"{role}{index}", ctrl_c))))
+        roles.setdefault(protocol.role_name(role, index), HungRole(protocol.role_name(role, index), ctrl_c))))
     watching.start()
     with pytest.raises(KeyboardInterrupt):
         watching.stop(InProcessBus())

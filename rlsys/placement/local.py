@@ -22,7 +22,7 @@ from rlsys.placement.cpu_threads import role_environment_applied
 from rlsys.placement.gpus import gpu_layout, visible_devices
 from rlsys.placement.process_end import end_process
 from rlsys.placement.signal_mask import blocked_during
-from rlsys.protocol import RENDEZVOUS_LISTEN_FD
+from rlsys.protocol import RENDEZVOUS_LISTEN_FD, role_name
 
 
 class LocalRole(RoleHandle):
@@ -69,7 +69,8 @@ class LocalPlacement(Placement):
                 self.master_port = listener.getsockname()[1]
             env.update(learner_rendezvous(index, self.config.cluster.n_learner_ranks, "127.0.0.1", self.master_port))
         # the socket goes to the process with its arguments (spawn passes on the descriptors of those it pickles)
-        process = RoleProcess(target=run_in_process, name=f"{role}{index}", args=(self.entry, role, index, *args, env),
+        process = RoleProcess(target=run_in_process, name=role_name(role, index),
+                              args=(self.entry, role, index, *args, env),
                               kwargs={"launcher_terminated": self.terminated,
                                       "grace": self.config.cluster.stop_grace_seconds,
                                       **({"rendezvous": listener} if listener else {})})

@@ -22,7 +22,7 @@ from rlsys.placement.cpu_threads import OPENMP_WAIT_SETTINGS, role_environment
 from rlsys.placement.process_end import HeldExitHandlers, end_role
 from rlsys.placement.signal_mask import blocked_during
 from rlsys.preflight import check_reachable
-from rlsys.protocol import RENDEZVOUS_LISTEN_FD
+from rlsys.protocol import RENDEZVOUS_LISTEN_FD, role_name
 
 PLACEMENT_TIMEOUT = 120.0  # seconds to wait for the cluster to reserve every bundle
 CPUS_PER_ROLE = 1
@@ -71,8 +71,8 @@ class RoleActor:
         if os.path.isdir(workdir):
             os.chdir(workdir)
         else:
-            print(f"{role}{index}: the launcher's directory {workdir} is not on this node; relative paths in the "
-                  f"config resolve against {os.getcwd()}", flush=True)
+            print(f"{role_name(role, index)}: the launcher's directory {workdir} is not on this node; relative paths in "
+                  f"the config resolve against {os.getcwd()}", flush=True)
         threads = set(threading.enumerate())
         try:
             return entry(role, index, *args)
@@ -287,7 +287,7 @@ class RayPlacement(Placement):
             env.update(learner_rendezvous(index, self.config.cluster.n_learner_ranks, *self.master))
         running = actor.run.remote(os.getcwd(), self.config.cluster.stop_grace_seconds, self.entry, role, index, *args,
                                    env)
-        handle = RayRole(f"{role}{index}", actor, running, started, self.group.bundle_specs[bundle])
+        handle = RayRole(role_name(role, index), actor, running, started, self.group.bundle_specs[bundle])
         self.roles.append(handle)
         return handle
 

@@ -50,7 +50,7 @@ class RolloutWorker:
         self.eval_agents = _build_agents(config, _greedy)
         self.metrics = MetricsLogger(Path(config.logging_dir), rollout_records(index))
         self.traces = None if run_dir is None else TraceWriter(
-            run_dir, f"rollout{index}", self.tokenizer, config.trace.sample_rate,
+            run_dir, protocol.role_name("rollout", index), self.tokenizer, config.trace.sample_rate,
             Path(run_dir) / config.trace.render_save_dir if config.trace.render_save_dir else None)
         self.train_rows: list[dict] = []  # read_datasets
         self.eval_rows: list[dict] = []
@@ -60,7 +60,7 @@ class RolloutWorker:
         self.training: set[str] = set()  # ids of the training prompts whose episodes run here
         self.episode_ended = asyncio.Event()
         # failed episodes by reason, eval included, and what the log says of them
-        self.failures = FailureLog(role_log(config.logging_dir, f"rollout{index}"))
+        self.failures = FailureLog(role_log(config.logging_dir, protocol.role_name("rollout", index)))
         self.failed_in_a_row = 0  # training episodes that failed since the last one that did not
         self.evaluated_in_a_row = 0  # how many of those were the initial evaluation's (count_evaluation_episode)
         self.cannot_go_on: RunCannotGoOn | None = None
