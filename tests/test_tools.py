@@ -285,6 +285,26 @@ def test_env_gives_each_chain_its_own_tool_state_and_releases_it_at_close():
     assert (RecordingTool.started, stopped_before_close, RecordingTool.stopped) == (2, 0, 2)
 
 
+def test_a_tool_s_methods_are_made_async_once_when_the_tool_is_made_not_at_each_call(monkeypatch):
+    """Each call read its tool's method and made its async form again (with its thread's label): work repeated on
+    every call of an episode. The forms are made with the tool now: start, call and stop once for each tool."""
+    from rlsys.impl.env import math_tools
+
+    made = []
+    monkeypatch.setattr(math_tools, "async_form", lambda method, label: made.append(label) or method)
+    env = make_env(EnvServiceAbstraction("math-tools", {"tools": {"recording-test-tool": {}}}))
+
+    async def episode():
+        await env.reset(options={"prompt": "1+1", "answer": "2"})
+        steps = [await env.step((chain, call("ok"))) for chain in (0, 0, 0, 1, 1)]
+        await env.close()
+        return steps
+
+    assert [s[0] for s in asyncio.run(episode())][2:4] == ["<tool_response>call 3</tool_response>",
+                                                          "<tool_response>call 1</tool_response>"]
+    assert sorted(made) == sorted(["RecordingTool.start", "RecordingTool.call", "RecordingTool.stop"] * 2)
+
+
 class SlowStartTool(RecordingTool):
     """Its first start overruns any tool_timeout, after acquiring what its stop releases."""
 

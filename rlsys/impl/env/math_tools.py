@@ -40,7 +40,7 @@ class MathToolsEnv(EnvironmentService):
         self.max_response_chars = max_response_chars
         self.verify_timeout, self.verifier_workers = verify_timeout, verifier_workers
         self.reference: str | None = None
-        self.chains: dict[Hashable, dict[str, Tool]] = {}
+        self.chains: dict[Hashable, dict[str, AsyncTool]] = {}
 
     async def warm_up(self) -> None:
         await asyncio.to_thread(shared_pool(self.verifier_workers).wait_ready)
@@ -91,7 +91,7 @@ class MathToolsEnv(EnvironmentService):
         try:
             tool = await self.tool(chain, call.name)
             doing = "finish"
-            output = await within(tool_method(tool, "call")(**call.arguments), self.tool_timeout)  # a slot's wait: free
+            output = await within(tool.call(**call.arguments), self.tool_timeout)  # a slot's wait: free
         except asyncio.TimeoutError:
             reason = f"{call.name} did not {doing} in {self.tool_timeout:g}s"
             return ToolOutput(f"error: {reason}", "timeout", reason)
@@ -109,13 +109,13 @@ class MathToolsEnv(EnvironmentService):
             return ToolOutput(f"error: {reason}", "error", reason)
         return output
 
-    async def tool(self, chain: Hashable, name: str) -> Tool:
+    async def tool(self, chain: Hashable, name: str) -> "AsyncTool":
         """The chain's instance of a tool, made and started at the chain's first call of it."""
         tools = self.chains.setdefault(chain, {})
         if name not in tools:
-            tool = make_tool(name, self.tool_args[name])
+            tool = AsyncTool(make_tool(name, self.tool_args[name]))
             try:
-                await asyncio.wait_for(tool_method(tool, "start")(), self.tool_timeout)
+                await asyncio.wait_for(tool.start(), self.tool_timeout)
             except BaseException:  # close() would not see it: what a start that overran or failed acquired goes now
                 await self.stop([tool])
                 raise
@@ -131,17 +131,22 @@ class MathToolsEnv(EnvironmentService):
         self.chains = {}
         await self.stop(tools)
 
-    async def stop(self, tools: list[Tool]) -> None:
-        results = await asyncio.gather(*(asyncio.wait_for(tool_method(t, "stop")(), self.tool_timeout) for t in tools),
+    async def stop(self, tools: list["AsyncTool"]) -> None:
+        results = await asyncio.gather(*(asyncio.wait_for(t.stop(), self.tool_timeout) for t in tools),
                                        return_exceptions=True)
         for tool, result in zip(tools, results):
             if isinstance(result, BaseException):
-                log.warning("stopping tool %s failed: %r", type(tool).__name__, result)
+                log.warning("stopping tool %s failed: %r", tool.kind, result)
 
 
-def tool_method(tool: Tool, name: str):
-    """The tool's method `name` as an async one: a `def` runs on a thread of its own."""
-    return async_form(getattr(tool, name), f"{type(tool).__name__}.{name}")
+class AsyncTool:
+    """A tool's start, call and stop as async methods, each read once, when the tool is made: a `def` runs on a
+    thread of its own, named for the tool's class and the method (rlsys/blocking_calls.py)."""
+
+    def __init__(self, tool: Tool):
+        self.kind = type(tool).__name__
+        self.start, self.call, self.stop = (async_form(getattr(tool, name), f"{self.kind}.{name}")
+                                            for name in ("start", "call", "stop"))
 
 
 register_environment("math-tools", MathToolsEnv)
