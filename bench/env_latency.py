@@ -29,7 +29,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.launched_runs import ROOT, launch, learner_rows, parse_run_arguments, training_speed  # noqa: E402
-from rlsys.impl.agent.multi_turn import NUM_TURNS  # noqa: E402
+from rlsys.impl.agent.multi_turn import TURNS  # noqa: E402
 from rlsys.learner_figures import STALENESS_MEAN, agent_figure  # noqa: E402
 from rlsys.run_files import CONFIG_FILE  # noqa: E402
 
@@ -58,7 +58,7 @@ def run(name: str, offpolicyness: int, latency: float, args, out_dir: Path, eval
     return {"setting": name, "max_head_offpolicyness": offpolicyness, "env_latency": latency,
             "prompts_per_step": config["ppo"]["batch_size"], "samples_per_prompt": config["group_size"],
             **training_speed(run_dir, args.warmup),
-            "turns_per_episode": mean(r[agent_figure(NUM_TURNS)] for r in window),
+            "turns_per_episode": mean(r[agent_figure(TURNS)] for r in window),
             "command": " ".join(command), "wall_s": wall}
 
 

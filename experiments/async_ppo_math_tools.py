@@ -18,7 +18,7 @@ from rlsys.tools.sandbox import SandboxLimits
 
 @dataclass
 class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
-    max_turns: int = 4
+    num_turns: int = 4
     """Model turns per episode; each turn may call tools or answer."""
     max_total_tokens: int = 1024
     """Token budget of an episode (prompt, turns and tool responses); capped at inference.max_model_len (if set) and
@@ -50,7 +50,7 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_at_least("", self, max_turns=1, max_total_tokens=2, tool_output_chars=1, max_calls_per_turn=1)
+        check_at_least("", self, num_turns=1, max_total_tokens=2, tool_output_chars=1, max_calls_per_turn=1)
         if self.tool_timeout <= 0:
             raise ValueError(f"tool_timeout must be positive, got {self.tool_timeout}")
         for name in self.tools:  # here, not in every episode's environment
@@ -68,7 +68,7 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
     def agent(self) -> AgentAbstraction:
         return AgentAbstraction("tool-calling", args=dict(
             gconfig=self.gen.generation_config(n=self.group_size), tokenizer_path=self.model.path,
-            max_turns=self.max_turns, max_total_tokens=min(self.max_total_tokens, self.inference.max_model_len or self.max_total_tokens),
+            num_turns=self.num_turns, max_total_tokens=min(self.max_total_tokens, self.inference.max_model_len or self.max_total_tokens),
             use_instructions=self.tool_instructions))
 
     @property

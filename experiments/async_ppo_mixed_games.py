@@ -28,7 +28,7 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
     max_steps: int = 200
     frozen_lake_share: float = 0.5
     """Share of the rows (so of a batch's groups, on average) that are FrozenLake; the rest are Sokoban."""
-    max_turns: int = 8
+    num_turns: int = 8
     """Moves per episode in both games."""
     invalid_action_penalty: float = 0.1
     """Training: reward added (negated) for a response that is not a move."""
@@ -54,13 +54,13 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
         super().__post_init__()
         if not 0 < self.frozen_lake_share < 1:
             raise ValueError(f"frozen_lake_share must be in (0, 1): both games in the run, got {self.frozen_lake_share}")
-        check_at_least("", self, max_turns=1, invalid_action_penalty=0, eval_invalid_action_penalty=0)
+        check_at_least("", self, num_turns=1, invalid_action_penalty=0, eval_invalid_action_penalty=0)
         check_fraction("", self, "turn_discount", "warm_start_hint")
         refuse_unapplied_turn_discount(self)
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
         return {**super().inactive_settings(), "warm_start_hint": self.model.tiny_only(),
-                **rollout_inactive_settings(self, "max_turns"),
+                **rollout_inactive_settings(self),
                 "frozen_lake_share": (not self.dataset.path, f"with dataset.path set (the rows, and which game each "
                                       f"is, are read from {self.dataset.path!r})", "leave dataset.path empty for the "
                                       "generated mix")}
@@ -68,7 +68,7 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
     def games(self, penalty: float | None = None) -> dict:
         """The two single-game experiments this one mixes, with their shares of the dataset."""
         share, d = self.frozen_lake_share, self.dataset
-        common = dict(seed=self.seed, max_turns=self.max_turns, turn_discount=self.turn_discount,
+        common = dict(seed=self.seed, num_turns=self.num_turns, turn_discount=self.turn_discount,
                       warm_start_hint=self.warm_start_hint,
                       invalid_action_penalty=self.invalid_action_penalty if penalty is None else penalty)
         lake = DatasetConfig(num_train=max(1, round(share * d.num_train)), num_eval=max(1, round(share * d.num_eval)))
@@ -90,7 +90,7 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
 
     @property
     def agent(self) -> AgentAbstraction:
-        return multi_turn_agent(self, "text-game", num_turns=self.max_turns)
+        return multi_turn_agent(self, "text-game", num_turns=self.num_turns)
 
     def check_rows(self, rows: list[dict], path: str) -> None:
         check_seeds(rows, path)
@@ -110,7 +110,8 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
 
     @property
     def warm_start_settings(self) -> dict:
-        return {**super().warm_start_settings, "hint": self.warm_start_hint, "max_turns": self.max_turns,
+        # "max_turns": the cache's key for num_turns, kept under its earlier name so that cached warm starts still count
+        return {**super().warm_start_settings, "hint": self.warm_start_hint, "max_turns": self.num_turns,
                 "share": self.frozen_lake_share}
 
     def warm_start_examples(self, tokenizer, train_rows: list[dict],

@@ -48,16 +48,16 @@ def refuse_unapplied_turn_discount(config) -> None:
                          "ppo.adv_estimator=grpo or reinforce (which train on the discounted episode reward)")
 
 
-def rollout_inactive_settings(config, turns_key: str) -> dict[str, tuple[bool, str, str]]:
+def rollout_inactive_settings(config) -> dict[str, tuple[bool, str, str]]:
     """The rollout strategy, turn_discount and GiGPO's step discount where the episodes make them do nothing (an
     `inactive_settings` table): greedy rollouts never branch nor split an episode into its turns (MultiTurnAgent), an
-    episode of one turn (`turns_key`: the experiment's num_turns or max_turns) has no second turn to branch at, train
+    episode of one turn (num_turns=1) has no second turn to branch at, train
     apart or discount, a sample of one turn (single_turn_samples) none either, and a tree of depth 0 or of one branch
     per node is a chain."""
-    turns, rollout = getattr(config, turns_key), config.rollout
+    turns, rollout = config.num_turns, config.rollout
     sampled = (config.gen.temperature > 0, "with gen.temperature=0 (greedy rollouts neither branch nor split into "
                                            "turns)", "give gen.temperature above 0")
-    several = (turns > 1, f"with {turns_key}=1 (an episode of one turn)", f"set {turns_key} to 2 or more")
+    several = (turns > 1, "with num_turns=1 (an episode of one turn)", "set num_turns to 2 or more")
     wide = (rollout.tree_branching > 1, "with rollout.tree_branching=1 (one response a node: a chain)",
             "set rollout.tree_branching to 2 or more")
     deep = (rollout.tree_depth > 0, "with rollout.tree_depth=0 (no turn branches)",
@@ -105,7 +105,7 @@ class AsyncPPOMathMultiTurnConfig(AsyncPPOMATHConfig):
     rollout: RolloutStrategy = field(default_factory=RolloutStrategy)
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
-        return {**super().inactive_settings(), **rollout_inactive_settings(self, "num_turns")}
+        return {**super().inactive_settings(), **rollout_inactive_settings(self)}
 
     def __post_init__(self):
         super().__post_init__()
@@ -147,7 +147,7 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
     """An environment played turn by turn by the `text-game` agent; subclasses name the env and how to walk it."""
 
     max_steps: int = 200
-    max_turns: int = 8
+    num_turns: int = 8
     """Actions per episode; the env truncates the episode after this many."""
     invalid_action_penalty: float = 0.1
     """Reward added (negated) for a response that is not a valid action; the state stays as it was."""
@@ -166,29 +166,30 @@ class AsyncPPOTurnBasedConfig(AsyncPPOMATHConfig):
 
     def inactive_settings(self) -> dict[str, tuple[bool, str, str]]:
         return {**super().inactive_settings(), "warm_start_hint": self.model.tiny_only(),
-                **rollout_inactive_settings(self, "max_turns")}
+                **rollout_inactive_settings(self)}
 
     def __post_init__(self):
         super().__post_init__()
-        check_at_least("", self, max_turns=1, invalid_action_penalty=0)
+        check_at_least("", self, num_turns=1, invalid_action_penalty=0)
         check_fraction("", self, "turn_discount", "warm_start_hint")
         refuse_unapplied_turn_discount(self)
 
     @property
     def agent(self) -> AgentAbstraction:
-        return multi_turn_agent(self, "text-game", num_turns=self.max_turns)
+        return multi_turn_agent(self, "text-game", num_turns=self.num_turns)
 
     def check_rows(self, rows: list[dict], path: str) -> None:
         check_seeds(rows, path)
 
     @property
     def warm_start_settings(self) -> dict:
-        return {**super().warm_start_settings, "hint": self.warm_start_hint, "max_turns": self.max_turns}
+        # "max_turns": the cache's key for num_turns, kept under its earlier name so that cached warm starts still count
+        return {**super().warm_start_settings, "hint": self.warm_start_hint, "max_turns": self.num_turns}
 
     def warm_start_examples(self, tokenizer, train_rows: list[dict],
                             eval_rows: list[dict]) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
         """Walks of valid actions, a share of them the expert's: the format and the rules; RL finds the goal."""
-        env, turns, hint, n = make_env(self.env), self.max_turns, self.warm_start_hint, self.warm_start_tasks
+        env, turns, hint, n = make_env(self.env), self.num_turns, self.warm_start_hint, self.warm_start_tasks
         taught, _ = self.walks(tokenizer, env, train_rows[:n], turns, self.seed, hint)
         _, checks = self.walks(tokenizer, env, eval_rows[:n // 10], turns, self.seed + 1, hint)
         return taught, checks
@@ -216,7 +217,7 @@ class AsyncPPOTextGameConfig(AsyncPPOTurnBasedConfig):
 
     @property
     def env_args(self) -> dict:
-        return dict(max_steps=self.max_turns, invalid_action_penalty=self.invalid_action_penalty,
+        return dict(max_steps=self.num_turns, invalid_action_penalty=self.invalid_action_penalty,
                     **self.board_options)
 
     @property

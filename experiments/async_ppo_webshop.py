@@ -47,7 +47,7 @@ class AsyncPPOWebShopConfig(AsyncPPOTurnBasedConfig):
     def env(self) -> EnvServiceAbstraction:
         return EnvServiceAbstraction("webshop", args=dict(
             num_products=self.num_products, catalog_seed=self.seed, results_per_page=self.results_per_page,
-            max_steps=self.max_turns, invalid_action_penalty=self.invalid_action_penalty))
+            max_steps=self.num_turns, invalid_action_penalty=self.invalid_action_penalty))
 
     def generate_dataset(self, data_dir: Path) -> tuple[Path, Path]:
         d = self.dataset

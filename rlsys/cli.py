@@ -434,7 +434,7 @@ ROLL_KEYS = {
     "tags": MIXED_GAMES_SHARE,
     "num_groups_partition": MIXED_GAMES_SHARE,
     "num_env_groups": ("ppo.batch_size", "prompts (groups) per training step, each played group_size times"),
-    "max_steps_per_traj": ("max_turns", "actions per episode, in the game experiments"),
+    "max_steps_per_traj": ("num_turns", "actions per episode, in the game experiments"),
     "env_type": ("experiment", "experiment=async-ppo-frozen-lake, async-ppo-sokoban, ...: each sets its env up"),
     "env_config": ("an experiment's env property", "register_environment and an experiment of your own: README, "
                                                    "'Writing an agent, an environment and an experiment'"),
@@ -454,6 +454,11 @@ ROLL_WITHOUT_COUNTERPART = {
                    "sets it up (experiment=async-ppo-frozen-lake, async-ppo-sokoban, ..., or one of your own: README, "
                    "'Writing an agent, an environment and an experiment')",
 }
+# rlsys's own earlier names of a setting, by their whole dotted path: refused with the name it has now, so that a
+# config file written before the rename says what to change rather than which keys are near it
+RENAMED_KEYS = {
+    "max_turns": ("num_turns", "the most turns an episode takes, the seed's name, in every experiment with turns"),
+}
 # verl's settings a user of its agent loop copies (its docs ask for the first two), by their whole dotted path
 VERL_KEYS = {
     "data.return_raw_chat": "rlsys keeps a row's chat messages as the dataset holds them for the agent, which renders "
@@ -467,6 +472,10 @@ def unknown_key_messages(path: str, value, fields: dict[str, FieldInfo], experim
                          ) -> Iterator[str]:
     if path in VERL_KEYS:
         yield f"{path!r} is verl's setting; {VERL_KEYS[path]}"
+        return
+    if path in RENAMED_KEYS:
+        ours, meaning = RENAMED_KEYS[path]
+        yield f"{path!r} is now {ours} ({meaning}): set {ours}={value}"
         return
     leaf = path.rpartition(".")[2]
     if leaf in ROLL_KEYS:

@@ -25,7 +25,7 @@ LOGPROB_ALARM = "alarms/logprob"
 PROBE_ALARM = "alarms/probe"
 
 # The agents' own metrics of a trajectory (Trajectory.metrics, named by the agent that writes them: multi_turn's
-# NUM_TURNS, token_continuity's PREFIX_BREAKS), each the batch's mean under this prefix, so that none shadows the
+# TURNS, token_continuity's PREFIX_BREAKS), each the batch's mean under this prefix, so that none shadows the
 # learner's own
 AGENT_PREFIX = "agent/"
 

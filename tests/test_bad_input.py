@@ -85,7 +85,7 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
      "alarms.stop_on_logprob_diff=True does nothing with alarms.logprob_diff_warn=0"),
     (["experiment=async-ppo-math-multi-turn", "num_turns=0"], "num_turns must be at least 1, got 0"),
     (["experiment=async-ppo-math-multi-turn", "turn_discount=7"], "turn_discount must be in [0, 1], got 7.0"),
-    (["experiment=async-ppo-sokoban", "max_turns=0"], "max_turns must be at least 1, got 0"),
+    (["experiment=async-ppo-sokoban", "num_turns=0"], "num_turns must be at least 1, got 0"),
     (["experiment=async-ppo-sokoban", "num_boxes=40"], "a 6x6 room holds 1 to 14 boxes"),
     (["experiment=async-ppo-frozen-lake", "game_size=1"], "game_size must be at least 2, got 1"),
     (["experiment=async-ppo-frozen-lake", "frozen_prob=0"], "frozen_prob must be in (0, 1], got 0.0"),  # it hung

@@ -183,13 +183,24 @@ def test_subclass_field_is_unknown_to_the_base_experiment_which_names_the_experi
     with pytest.raises(ConfigError, match=r"unknown key 'my_param' for experiment async-ppo-math; it is a key of "
                                           r"experiments? .*'test-cli-my-param'.*: add experiment="):
         parse_config(["my_param=5.0"])
-    with pytest.raises(ConfigError, match=r"^unknown key 'num_turns' for experiment async-ppo-math; it is a key of "
-                                          r"experiment 'async-ppo-math-multi-turn': add "
-                                          r"experiment=async-ppo-math-multi-turn$"):
-        parse_config(["num_turns=3"])
+    with pytest.raises(ConfigError, match=r"^unknown key 'turn_discount' for experiment async-ppo-math; it is a key "
+                                          r"of experiments .*'async-ppo-math-multi-turn'.*: add experiment= one of "
+                                          r"them$"):
+        parse_config(["turn_discount=0.5"])
     with pytest.raises(ConfigError, match=r"^unknown key 'frozen_lake_share' for experiment async-ppo-sokoban; .*"
                                           r"add experiment=async-ppo-mixed-games$"):
         parse_config(["experiment=async-ppo-sokoban", "frozen_lake_share=0.5"])
+
+
+@pytest.mark.parametrize("experiment", ["async-ppo-frozen-lake", "async-ppo-sokoban", "async-ppo-webshop",
+                                        "async-ppo-mixed-games", "async-ppo-math-tools"])
+def test_the_turn_limit_is_num_turns_in_every_experiment_and_max_turns_is_refused_naming_it(experiment):
+    """These experiments called their turn limit max_turns, while their agents, the seed and
+    experiment=async-ppo-math-multi-turn call it num_turns: one name now, and the earlier one says what to write."""
+    with pytest.raises(ConfigError, match=r"^'max_turns' is now num_turns \(the most turns an episode takes.*\): set "
+                                          r"num_turns=5$"):
+        parse_config([f"experiment={experiment}", "max_turns=5"])
+    assert parse_config([f"experiment={experiment}", "num_turns=5"]).agent.args["num_turns"] == 5
 
 
 def test_wrong_type_names_key_expected_type_and_value():

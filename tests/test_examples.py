@@ -100,7 +100,7 @@ def test_a_config_path_that_is_no_directory_here_says_so_and_where_the_examples_
                                       ("num_groups_partition", "frozen_lake_share"),
                                       # the rest of the names ROLL's agentic pipeline guide lists
                                       ("train_env_manager.num_env_groups", "ppo.batch_size"),
-                                      ("custom_envs.FrozenLake.max_steps_per_traj", "max_turns"),
+                                      ("custom_envs.FrozenLake.max_steps_per_traj", "num_turns"),
                                       ("custom_envs.FrozenLake.env_type", "experiment"),
                                       ("custom_envs.FrozenLake.env_config", "register_environment"),
                                       ("actor_train.training_args.per_device_train_batch_size",

@@ -506,7 +506,7 @@ def test_the_owner_check_sees_a_write():
                      "row[f'time/{key}']\nrow['requests/resent']\n")
     assert state_writes(tree) == {"WEIGHT_CHECKS", "DEAD_LETTERS", "CHECKPOINTS_DIR", "METRICS_RECORDS",
                                   "EVAL_RESULTS", "RUN_FILES", "EVAL_RECORDS", "LEARNER_FIGURES", "ROUTING_FIGURES"}
-    for spelled in ("row['staleness_mean']", "stats.get('alarms/probe_kl')", "mean(r['agent/num_turns'] for r in w)"):
+    for spelled in ("row['staleness_mean']", "stats.get('alarms/probe_kl')", "mean(r['agent/turns'] for r in w)"):
         assert state_writes(ast.parse(spelled)) == {"LEARNER_FIGURES"}
 
 

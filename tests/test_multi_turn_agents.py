@@ -111,7 +111,7 @@ def test_math_multi_turn_chains_retry_after_wrong_answers(tokenizer, tokenizer_d
     third = by_first["1"]
     assert third.turn_rewards == [0.0, 0.0, 0.0] and third.reward == 0.0
     assert third.token_ids[-2:] == [ids(tokenizer, "3")[0], eos]  # no feedback after the last allowed turn
-    assert [t.metrics["num_turns"] for t in (first, second, third)] == [1, 2, 3]
+    assert [t.metrics["turns"] for t in (first, second, third)] == [1, 2, 3]
     assert [t.metrics["success"] for t in (first, second, third)] == [1, 1, 0]
     assert [t.metrics["first_turn_success"] for t in (first, second, third)] == [1, 0, 0]
     assert [t.metrics["truncated"] for t in (first, second, third)] == [0, 0, 1]
@@ -219,7 +219,7 @@ def test_greedy_rollouts_never_branch_nor_split(tokenizer, tokenizer_dir):
                           strategy=RolloutStrategy(mode="tree", tree_branching=3, single_turn_samples=True))
     agent.gconfig.temperature = 0.0
     trajectories, _ = play(agent, math_env(), math_prompt(tokenizer), lambda p, g, i: ids(tokenizer, "45") + [eos])
-    assert len(trajectories) == 1 and trajectories[0].metrics["num_turns"] == 3
+    assert len(trajectories) == 1 and trajectories[0].metrics["turns"] == 3
 
 
 def test_single_turn_samples_train_each_turn_with_its_history_as_prompt(tokenizer, tokenizer_dir):
@@ -256,7 +256,7 @@ def test_single_turn_samples_count_each_episode_once_in_the_learner_s_agent_metr
     samples, _ = play(agent, math_env(), math_prompt(tokenizer), policy)
     assert len(samples) == 4
     logged = mean_agent_metrics(samples)
-    assert logged["agent/success"] == 0.5 and logged["agent/num_turns"] == 2.0
+    assert logged["agent/success"] == 0.5 and logged["agent/turns"] == 2.0
     assert logged["agent/truncated"] == 0.5 and logged["agent/prefix_breaks"] == 0.0
     whole, _ = math_agent(tokenizer_dir, n=2, num_turns=3)
     episodes, _ = play(whole, math_env(), math_prompt(tokenizer), policy)
@@ -328,7 +328,7 @@ def test_text_game_agent_plays_frozen_lake_turn_by_turn(tokenizer, tokenizer_dir
     assert all(v == NOT_GENERATED for v, m in zip(clean.versions, clean.loss_mask) if not m)
 
 
-def test_text_game_episode_ends_at_max_turns_or_in_a_hole(tokenizer, tokenizer_dir):
+def test_text_game_episode_ends_at_num_turns_or_in_a_hole(tokenizer, tokenizer_dir):
     seed = 15
     assert generate_lake(4, 0.8, seed)[1][0] == "O"  # moving down from the start falls through
     env = FrozenLakeEnv()
@@ -337,15 +337,15 @@ def test_text_game_episode_ends_at_max_turns_or_in_a_hole(tokenizer, tokenizer_d
     agent = frozen_lake_agent(tokenizer_dir, n=2, num_turns=3)
     trajectories, _ = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "UD"[i]) + [eos])
     bumping, falling = trajectories
-    assert bumping.metrics["num_turns"] == 3 and bumping.metrics["truncated"] == 1.0
+    assert bumping.metrics["turns"] == 3 and bumping.metrics["truncated"] == 1.0
     assert bumping.metrics["action_is_effective"] == 0.0 and bumping.turn_rewards == [0.0] * 3
-    assert falling.metrics["num_turns"] == 1 and falling.metrics["truncated"] == 0.0
+    assert falling.metrics["turns"] == 1 and falling.metrics["truncated"] == 0.0
     assert falling.turn_rewards == [0.0] and falling.metrics["success"] == 0.0
     assert falling.token_ids == prompt.token_ids + ids(tokenizer, "D") + [eos]  # nothing after the fall
 
 
 def test_an_episode_the_env_cuts_at_its_step_limit_counts_as_truncated(tokenizer, tokenizer_dir):
-    """The experiments give the env's step limit and the agent's max_turns one value (max_turns): the env ends the
+    """The experiments give the env's step limit and the agent's turn limit one value (num_turns): the env ends the
     episode at the last turn, and that episode was cut short all the same (it counted 0)."""
     seed = 15
     env = FrozenLakeEnv(max_steps=3)
@@ -353,8 +353,8 @@ def test_an_episode_the_env_cuts_at_its_step_limit_counts_as_truncated(tokenizer
     eos = tokenizer.eos_token_id
     agent = frozen_lake_agent(tokenizer_dir, n=2, num_turns=3)
     bumping, falling = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "UD"[i]) + [eos])[0]
-    assert bumping.metrics["num_turns"] == 3 and bumping.metrics["truncated"] == 1.0
-    assert falling.metrics["num_turns"] == 1 and falling.metrics["truncated"] == 0.0
+    assert bumping.metrics["turns"] == 3 and bumping.metrics["truncated"] == 1.0
+    assert falling.metrics["turns"] == 1 and falling.metrics["truncated"] == 0.0
 
 
 def test_tree_rollout_forks_the_game_so_branches_play_on_their_own_boards(tokenizer, tokenizer_dir):
@@ -402,7 +402,7 @@ def test_warm_start_walks_are_tokenized_exactly_like_the_agents_conversations(to
     for seed in (3, 15):
         env = FrozenLakeEnv(max_steps=6)
         row = {"prompt": env.first_observation(seed), "answer": "", "seed": seed}
-        (walk,), checks = random_walks(tokenizer, env, [row], max_turns=6, seed=seed, hint=0.5)
+        (walk,), checks = random_walks(tokenizer, env, [row], num_turns=6, seed=seed, hint=0.5)
         moves = moves_made(tokenizer, walk.token_ids)
         prompt = Prompt(f"lake{seed}", chat_prompt_ids(tokenizer, row["prompt"]), row)
         (trajectory,), _ = play(frozen_lake_agent(tokenizer_dir, n=1, num_turns=6), env, prompt,
@@ -486,7 +486,7 @@ def test_an_episode_stops_before_its_context_outgrows_the_budget(tokenizer, toke
     budget = len(prompt.token_ids) + 2 * per_turn + 4  # room for two turns and a third's 4 new tokens
     agent = frozen_lake_agent(tokenizer_dir, n=1, num_turns=20, max_context_tokens=budget)
     (trajectory,), _ = play(agent, env, prompt, lambda p, g, i: ids(tokenizer, "L") + [eos])
-    assert trajectory.metrics["num_turns"] == 3 and trajectory.metrics["truncated"] == 1.0
+    assert trajectory.metrics["turns"] == 3 and trajectory.metrics["truncated"] == 1.0
     assert len(trajectory.token_ids) <= budget
 
 

@@ -33,7 +33,7 @@ def test_math_multi_turn_learns_with_its_defaults(tmp_path):
     before, after = summary["initial_accuracy"], summary["final_accuracy"]
     assert after >= before + 0.10, f"first-attempt accuracy {before:.3f} -> {after:.3f}: RL did not help"
     # Retries happen and some succeed: the (discounted) reward is below the success rate.
-    assert all(1 < s["agent/num_turns"] <= 3 for s in steps)
+    assert all(1 < s["agent/turns"] <= 3 for s in steps)
     assert sum(s["agent/success"] - s["reward"] for s in steps) > 0
     assert summary["prompts_accounted"], summary["prompts"]
 
@@ -66,7 +66,7 @@ def test_frozen_lake_trains_with_gigpo_in_the_full_loop(warm_start_caches, tmp_p
     assert mean(rewards[-8:]) > mean(rewards[:8]), rewards
     success = [s["agent/success"] for s in steps]
     assert mean(success[-8:]) > mean(success[:8]), success  # more boards solved, not only fewer penalties
-    assert all(s["agent/num_turns"] > 1 for s in steps)
+    assert all(s["agent/turns"] > 1 for s in steps)
 
 
 def test_multi_turn_experiments_check_their_settings():

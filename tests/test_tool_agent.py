@@ -158,16 +158,18 @@ def test_an_answer_whose_check_timed_out_counts_as_verify_failed(tokenizer, toke
     assert trajectory.metrics["answered"] == 1 and trajectory.metrics["verify_failed"] == 1
 
 
-def test_max_turns_ends_the_episode_after_the_last_turn(tokenizer, tokenizer_dir):
+def test_num_turns_ends_the_episode_after_the_last_turn(tokenizer, tokenizer_dir):
     env = make_env(EnvServiceAbstraction("math-tools"))
     prompt = Prompt("q9", chat_prompt_ids(tokenizer, ROW["prompt"]), ROW)
-    [trajectory], engine = run(tool_agent(tokenizer_dir, max_turns=3, use_instructions=False), env,
+    [trajectory], engine = run(tool_agent(tokenizer_dir, num_turns=3, use_instructions=False), env,
                                scripted(tokenizer, {0: [CALCULATOR] * 5}), prompt)
 
-    assert trajectory.stop_reason == "max_turns" and len(engine.requests) == 3
+    assert trajectory.stop_reason == "num_turns" and len(engine.requests) == 3
     assert len(trajectory.turn_ends) == 3 and trajectory.turn_ends[-1] == len(trajectory.token_ids)  # no trailing observation
     assert trajectory.turn_rewards == [0.0] * 3 and trajectory.reward == 0.0
     assert trajectory.metrics["tool_calls"] == 3 and trajectory.metrics["answered"] == 0
+    with pytest.raises(TypeError, match=r"ToolCallingAgent: max_turns is now num_turns .*num_turns=3"):
+        tool_agent(tokenizer_dir, max_turns=3)  # the limit's earlier name, as MultiTurnAgent refuses it
 
 
 def test_token_budget_caps_each_turn_and_ends_the_episode(tokenizer, tokenizer_dir):

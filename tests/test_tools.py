@@ -476,11 +476,11 @@ def test_env_cuts_every_response_to_max_response_chars_errors_that_quote_the_cal
 def test_experiment_is_picked_by_name_and_its_fields_reach_the_agent_and_env():
     from rlsys.cli import parse_config
 
-    config = parse_config(["experiment=async-ppo-math-tools", "max_turns=2", "max_total_tokens=200",
+    config = parse_config(["experiment=async-ppo-math-tools", "num_turns=2", "max_total_tokens=200",
                            "tools=[calculator,python]", "sandbox.wall_seconds=2.5", "python_persistent=false",
                            "inference.max_model_len=150", "model.path=/models/x"])
     assert config.agent.name == "tool-calling" and config.env.name == "math-tools"
-    assert config.agent.args["max_turns"] == 2 and config.agent.args["max_total_tokens"] == 150  # capped by the engine
+    assert config.agent.args["num_turns"] == 2 and config.agent.args["max_total_tokens"] == 150  # capped by the engine
     python = config.env.args["tools"]["python"]
     assert python["limits"]["wall_seconds"] == 2.5 and python["persistent"] is False
     assert config.env.args["tools"]["calculator"] == {}

@@ -130,6 +130,6 @@ def test_a_scripted_shopper_plays_through_the_text_game_agent(tokenizer, tokeniz
     assert expert_run.turn_rewards == [0.0, 0.0, 0.0, 1.0] and expert_run.metrics["action_is_valid"] == 1.0
     generated = tokenizer.decode([t for t, m in zip(expert_run.token_ids, expert_run.loss_mask) if m])
     assert generated == "<|end|>".join(expert) + "<|end|>"  # exactly the actions, each ended by eos
-    assert hasty.metrics["num_turns"] == 3 and hasty.metrics["success"] == 0.0
+    assert hasty.metrics["turns"] == 3 and hasty.metrics["success"] == 0.0
     assert hasty.reward == reward(env.goal, first_result, ()) < 1.0
     assert not expert_run.void and not hasty.void

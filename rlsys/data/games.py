@@ -88,7 +88,7 @@ class Walk:
         self.sequence.taught += [0] * len(ids)
 
 
-def random_walks(tokenizer, env: TextGameEnv, rows: list[dict], max_turns: int, seed: int,
+def random_walks(tokenizer, env: TextGameEnv, rows: list[dict], num_turns: int, seed: int,
                  hint: float) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
     """A walk of valid moves through each row's puzzle, tokenized as the text-game agent's conversation would be.
 
@@ -102,7 +102,7 @@ def random_walks(tokenizer, env: TextGameEnv, rows: list[dict], max_turns: int, 
     for row in rows:
         game = env.new_game(row["seed"], row)
         walk = Walk(tokenizer, row)
-        for turn in range(1, min(max_turns, env.max_steps) + 1):
+        for turn in range(1, min(num_turns, env.max_steps) + 1):
             moves = valid_moves(game)
             if not moves:
                 break
@@ -111,7 +111,7 @@ def random_walks(tokenizer, env: TextGameEnv, rows: list[dict], max_turns: int, 
             move = solution[0] if solution else rng.choice(moves)
             walk.respond(move)
             _, terminated, _ = game.move(move)
-            if terminated or turn == min(max_turns, env.max_steps):
+            if terminated or turn == min(num_turns, env.max_steps):
                 break  # as the agent does: no board after the last move
             walk.observe(game.render())
         walks.append(walk.sequence)

@@ -52,7 +52,7 @@ def random_action(rng: random.Random, env: WebShopEnv) -> str:
     return f"click[{BUY}]" if state.selected else f"click[{rng.choice(state.item.option_values)}]"
 
 
-def shop_walks(tokenizer, env: WebShopEnv, rows: list[dict], max_turns: int, seed: int,
+def shop_walks(tokenizer, env: WebShopEnv, rows: list[dict], num_turns: int, seed: int,
                hint: float) -> tuple[list[TaughtSequence], list[AnswerCheck]]:
     """A walk through the shop per row: each action is the expert's with probability `hint`, otherwise a random
     one that moves on (`random_action`). The walks teach the action format and the pages, and
@@ -62,7 +62,7 @@ def shop_walks(tokenizer, env: WebShopEnv, rows: list[dict], max_turns: int, see
     for row in rows:
         page, _ = env.reset_sync(row["seed"])
         walk = Walk(tokenizer, row)
-        for turn in range(1, min(max_turns, env.max_steps) + 1):
+        for turn in range(1, min(num_turns, env.max_steps) + 1):
             expert = env.expert_action()
             checks.append(walk.check((expert,)))
             if rng.random() < hint:
@@ -71,7 +71,7 @@ def shop_walks(tokenizer, env: WebShopEnv, rows: list[dict], max_turns: int, see
                 action = random_action(rng, env)
             walk.respond(action)
             _, bought = env.apply(action)
-            if bought is not None or turn == min(max_turns, env.max_steps) or \
+            if bought is not None or turn == min(num_turns, env.max_steps) or \
                     len(walk.sequence.token_ids) > MAX_WALK_TOKENS:
                 break  # as the agent does: no page after the last action
             walk.observe(env.render())

@@ -38,7 +38,7 @@ from rlsys.model.tokenizer import load_tokenizer, message_after_ids
 from rlsys.token_continuity import PREFIX_BREAKS
 
 ROLLOUT_MODES = ("chain", "tree")
-NUM_TURNS = "num_turns"  # a trajectory's turns among its metrics
+TURNS = "turns"  # among a trajectory's metrics: the turns its episode took (num_turns is the most it may take)
 SEED_STRIDE = 7919  # requests of one episode with a fixed seed still draw different random streams
 
 
@@ -160,7 +160,7 @@ class Transcript:
             for key, value in reaction.metrics.items():
                 per_step.setdefault(key, []).append(float(value))
         return {**{key: sum(v) / len(v) for key, v in per_step.items()},
-                NUM_TURNS: float(len(self.reactions)), "void_turns": float(sum(r.void for r in self.reactions)),
+                TURNS: float(len(self.reactions)), "void_turns": float(sum(r.void for r in self.reactions)),
                 "success": float(self.reactions[-1].success), "first_turn_success": float(self.reactions[0].success),
                 "truncated": float(self.truncated)}
 
@@ -193,6 +193,19 @@ class Transcript:
         return samples
 
 
+def turn_limit(agent: Agent, num_turns: int | None, max_turns: int | None) -> int:
+    """`num_turns`, the most turns an episode takes, checked. Its earlier name `max_turns` is refused rather than
+    read, naming the new one: the limit has one name in every agent and every experiment, the seed's."""
+    if max_turns is not None:
+        raise TypeError(f"{type(agent).__name__}: max_turns is now num_turns (the most turns an episode takes, as "
+                        f"the seed and every experiment with turns name it): pass num_turns={max_turns}")
+    if num_turns is None:
+        raise TypeError(f"{type(agent).__name__} needs num_turns, the most turns an episode takes")
+    if num_turns < 1:
+        raise ValueError(f"num_turns must be at least 1, got {num_turns}")
+    return num_turns
+
+
 class MultiTurnAgent(Agent):
     """An agent that talks to its environment over several turns; subclasses say how one turn plays out."""
 
@@ -201,13 +214,7 @@ class MultiTurnAgent(Agent):
     def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, num_turns: int | None = None,
                  turn_discount: float = 1.0, strategy: RolloutStrategy | dict | None = None,
                  max_context_tokens: int = 0, *, max_turns: int | None = None):
-        if max_turns is not None:  # the limit's earlier name, refused rather than read: one name in every agent
-            raise TypeError(f"{type(self).__name__}: max_turns is now num_turns (the most turns an episode takes, as "
-                            f"the seed and experiment=async-ppo-math-multi-turn name it): pass num_turns={max_turns}")
-        if num_turns is None:
-            raise TypeError(f"{type(self).__name__} needs num_turns, the most turns an episode takes")
-        if num_turns < 1:
-            raise ValueError(f"num_turns must be at least 1, got {num_turns}")
+        num_turns = turn_limit(self, num_turns, max_turns)
         if not 0 <= turn_discount <= 1:
             raise ValueError(f"turn_discount must be in [0, 1], got {turn_discount}")
         self.gconfig, self.num_turns, self.turn_discount = gconfig, num_turns, turn_discount

@@ -7,7 +7,7 @@ user message through the chat template (loss mask 0, version NOT_GENERATED). The
 observations, as Qwen's template does for tool results, so any chat template works unchanged. A turn
 the model ended without eos (it hit max_new_tokens) is closed with an eos that is not trained on.
 
-A chain ends when the model answers (stop_reason "answer"), after `max_turns` turns ("max_turns"), or
+A chain ends when the model answers (stop_reason "answer"), after `num_turns` turns ("num_turns"), or
 when the next turn would not fit in `max_total_tokens` ("token_budget"). Tokens are never
 re-tokenized: new pieces are appended as ids. A chain with a turn that neither calls a tool nor answers
 is void (`ppo.mask_void_trajectories` can keep it out of the loss).
@@ -20,7 +20,7 @@ from collections import Counter
 from rlsys.api import Agent, EnvironmentService, GenerationConfig, Prompt, Trajectory, register_agent
 from rlsys.api.trajectory import Transcript
 from rlsys.impl.agent.model_client import ModelClient
-from rlsys.impl.agent.multi_turn import SEED_STRIDE, context_limit, gather_or_cancel
+from rlsys.impl.agent.multi_turn import SEED_STRIDE, TURNS, context_limit, gather_or_cancel, turn_limit
 from rlsys.model.tokenizer import chat_prompt_ids, load_tokenizer, message_after_ids
 from rlsys.token_continuity import PREFIX_BREAKS
 
@@ -31,14 +31,13 @@ COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "decode_errors", "void_
 class ToolCallingAgent(Agent):
     marks_void = True  # a turn that is neither an action nor an answer
 
-    def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, max_turns: int = 4,
-                 max_total_tokens: int = 1024, use_instructions: bool = True):
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be at least 1, got {max_turns}")
+    def __init__(self, gconfig: GenerationConfig, tokenizer_path: str, num_turns: int = 4,
+                 max_total_tokens: int = 1024, use_instructions: bool = True, *, max_turns: int | None = None):
+        num_turns = turn_limit(self, num_turns, max_turns)
         self.gconfig = gconfig
         self.tokenizer = load_tokenizer(tokenizer_path)
         # An episode never outgrows the model: a budget past its positions would fail at the engine instead.
-        self.max_turns, self.max_total_tokens = max_turns, min(max_total_tokens, context_limit(tokenizer_path))
+        self.num_turns, self.max_total_tokens = num_turns, min(max_total_tokens, context_limit(tokenizer_path))
         self.use_instructions = use_instructions
 
     async def collect_trajectory(self, prompt: Prompt, env: EnvironmentService, obs_queue: asyncio.Queue,
@@ -75,8 +74,8 @@ class ToolCallingAgent(Agent):
                         model: ModelClient) -> Trajectory:
         transcript = Transcript.of_prompt(prompt_ids)
         turn_ends, turn_rewards, counts = [], [], Counter({key: 0 for key in COUNTED})
-        stop_reason = "max_turns"
-        for turn in range(self.max_turns):
+        stop_reason = "num_turns"
+        for turn in range(self.num_turns):
             output = await model.generate(f"{prompt.qid}:{chain}:{turn}", transcript.token_ids,
                                           self.turn_config(chain, turn, len(transcript.token_ids)))
             transcript.add_generated(output)
@@ -88,7 +87,7 @@ class ToolCallingAgent(Agent):
             if terminated or truncated:
                 stop_reason = "answer" if terminated else "truncated"
                 break
-            if turn == self.max_turns - 1:
+            if turn == self.num_turns - 1:
                 break
             piece = message_after_ids(self.tokenizer, output.output_ids[0], OBSERVATION_ROLE, observation or "")
             if len(transcript.token_ids) + len(piece) >= self.max_total_tokens:  # no room left to generate
@@ -96,7 +95,7 @@ class ToolCallingAgent(Agent):
                 break
             transcript.add_observation(piece)
         metrics = {key: float(value) for key, value in counts.items()}
-        metrics.update(turns=float(len(turn_ends)), success=float(sum(turn_rewards) > 0))
+        metrics.update({TURNS: float(len(turn_ends))}, success=float(sum(turn_rewards) > 0))
         return Trajectory(token_ids=transcript.token_ids, loss_mask=transcript.loss_mask,
                           logprobs=transcript.logprobs, versions=transcript.versions, turn_ends=turn_ends,
                           turn_rewards=turn_rewards, reward=sum(turn_rewards), group_id=prompt.qid,
