@@ -275,11 +275,12 @@ class PolicyTrainer:
         """One optimizer step on a mini-batch (and one critic step, for gae); without `statistics`, of the loss
         terms' figures only the loss, which decides whether the step is taken. `fills`, `first_pass`: see
         mini_batch_gradients."""
-        computed = self.sequences_to_compute(mini_batch)
-        if not computed:
+        if not mini_batch.token_counts[:, 0].any():
             # Every trajectory in it is void: no loss, and a step on zero gradients would still move by Adam's momentum.
             return {"grad_norm": 0.0}
-        stats = self.mini_batch_gradients(mini_batch, computed, statistics, fills, first_pass)
+        computed = self.sequences_to_compute(mini_batch)
+        stats = (self.mini_batch_gradients(mini_batch, computed, statistics, fills, first_pass) if computed
+                 else self.zero_gradients(len(mini_batch)))
         # A non-finite loss or gradient skips the step (and is counted) instead of writing NaN weights. The loss
         # is the whole mini-batch's (merged over ranks) and the norm a global one, so every rank decides alike.
         # On one rank nothing is read back here: whether it was taken is read with the step's figures (settle).
@@ -292,6 +293,17 @@ class PolicyTrainer:
                 self.critic_optimizer, self.ppo.max_grad_norm, stats.get("critic/value_loss"))
         self.updates.append((stepped, critic_stepped))
         return stats
+
+    def zero_gradients(self, sequences: int) -> dict[str, float]:
+        """The gradients of a mini-batch of `sequences` none of which can move the policy (sequences_to_compute), set
+        to 0 without a pass: what computing them gives (every term is the advantage times something finite). The
+        update on them is still taken, as on any other mini-batch: AdamW's moments and weight decay move the weights,
+        and the schedule counts it. Every parameter gets a gradient, as every one of a causal LM's takes part in its
+        passes. No loss is computed, so the step has no loss statistics."""
+        for optimizer in (self.optimizer, self.critic_optimizer):
+            for p in [p for group in (optimizer.param_groups if optimizer else ()) for p in group["params"]]:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        return {"sequences/skipped_zero_advantage": float(sequences)}
 
     def sequences_to_compute(self, mini_batch: SequenceBatch) -> list[int]:
         """The sequences of `mini_batch` an update on it computes (computed_sequences): on the host, from the counts
@@ -529,12 +541,9 @@ def mean_length(trajectories: list[Trajectory]) -> float:
 
 
 def computed_sequences(token_counts: np.ndarray) -> list[int]:
-    """From SequenceBatch.token_counts, which sequences an update computes: those that can move the policy; every one
-    if none can but some token is trained (a step as on any other batch); none if no token is trained."""
-    trained, live = token_counts.T
-    if not trained.any():
-        return []
-    return [i for i, n in enumerate(live.tolist()) if n] or list(range(len(live)))
+    """From SequenceBatch.token_counts, which sequences an update computes: those that can move the policy; none if
+    none can (the update then steps on zero gradients: PolicyTrainer.zero_gradients)."""
+    return np.flatnonzero(token_counts[:, 1]).tolist()
 
 
 def mean_agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:

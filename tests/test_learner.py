@@ -478,11 +478,45 @@ def test_a_group_whose_samples_got_one_reward_is_not_computed_and_the_gradients_
     for name, grad in grads.items():
         assert torch.allclose(grad, reference_grads[name], atol=1e-6), name
     assert any(g.abs().max() > 1e-3 for g in reference_grads.values())
-    learner.micro_batches = passes
     uniform = learner.prepare_batch([dataclasses.replace(t, reward=1.0) for t in batch])
-    every = learner.sequences_to_compute(uniform)  # none can move the policy: a step as before, every one computed
-    assert every == list(range(12))
-    assert learner.mini_batch_gradients(uniform, every)["sequences/skipped_zero_advantage"] == 0
+    assert learner.sequences_to_compute(uniform) == []  # none can move the policy: none is computed
+
+
+def recorded(micro_batches, passes: list):
+    """The learner's micro_batches, each pass it returns also appended to `passes`."""
+    def recording(*args, **kwargs):
+        out = micro_batches(*args, **kwargs)
+        passes.extend(out)
+        return out
+    return recording
+
+
+def test_an_update_no_sequence_of_which_can_move_the_policy_computes_none_and_leaves_the_same_weights(tmp_path):
+    """Every group's samples got one reward: every advantage is 0, so is every gradient, and no pass computes them.
+    The update is still taken, and AdamW's moments and weight decay move the weights exactly as computing every
+    sequence (ppo.skip_zero_advantage=false) does."""
+    import random
+
+    learners, computed = {}, {}
+    for skip in ("auto", "false"):
+        config = learner_config(tmp_path)
+        config.ppo.init_kl_coef, config.ppo.weight_decay, config.ppo.skip_zero_advantage = 0.0, 0.1, skip
+        learner = learners[skip] = Learner(config, InProcessBus(), tmp_path / skip)
+        batch = mixed_length_batch(learner.model, random.Random(0), groups=3)
+        learner.train_step(batch)  # every sequence computed: the moments the next step moves by
+        before = [p.detach().clone() for p in learner.model.parameters()]
+        learner.micro_batches = recorded(learner.micro_batches, computed.setdefault(skip, []))
+        stats = learner.train_step([dataclasses.replace(t, reward=1.0) for t in batch])
+        assert stats["grad_norm"] == 0.0
+        assert not all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+    assert sum(len(mb.indices) for mb in computed["auto"]) == 0  # no pass at all
+    assert sum(len(mb.indices) for mb in computed["false"]) == 2 * 12  # each of the 2 epochs' updates, every one
+    auto, every = learners["auto"], learners["false"]
+    for (name, a), b in zip(auto.model.named_parameters(), every.model.parameters()):
+        assert torch.equal(a, b), name
+        moments = zip(auto.optimizer.state[a].values(), every.optimizer.state[b].values())
+        assert all(torch.equal(x, y) for x, y in moments), name
+    assert auto.scheduler.last_epoch == every.scheduler.last_epoch == 4
 
 
 @pytest.mark.parametrize("ppo", [{"decoupled_loss": True}, {"tis_cap": 2.0}])
