@@ -248,8 +248,8 @@ class PPOHyperparameters:
     """auto: where the loss is the policy term alone (no KL, entropy or value term), a sequence whose trained tokens
     all have advantage 0 (a GRPO group whose samples got one reward) is not computed, in the update's passes or in
     the proximal pass (ppo.decoupled_loss, ppo.tis_cap): it adds 0 to the loss and to every gradient, so the update
-    is the same with fewer tokens, and the step's statistics cover the sequences computed; true: the same, refused
-    where the loss has another term; false: every sequence is computed."""
+    is the same with fewer tokens, and the step's statistics cover the sequences computed (an update with none steps
+    on zero gradients); true: the same, refused where the loss has another term; false: every sequence is computed."""
     filter_uniform_groups: bool = False
     """Drop groups whose rewards are all equal (no signal for group baselines; under starpo the summed turn rewards it
     compares); counted as groups/filtered. grpo, reinforce_baseline and starpo only: under reinforce, gae and gigpo
