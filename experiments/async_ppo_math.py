@@ -118,5 +118,11 @@ class AsyncPPOMATHConfig(AsyncRLExperimentConfig, PPOMATHConfig):
         """What the tiny default model is taught before RL, and the held-out checks that stop the teaching."""
         return arithmetic_warm_start(tokenizer, train_rows, eval_rows)
 
+    @property
+    def tiny_model_caveat(self) -> str:
+        """What a run on the tiny default model must expect that its warm start did not teach; empty: nothing. Said
+        at start as a warning (rlsys/assets.py)."""
+        return ""
+
 
 register_experiment("async-ppo-math", AsyncPPOMATHConfig)

@@ -65,6 +65,13 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
                 raise ValueError(str(e)) from None
 
     @property
+    def tiny_model_caveat(self) -> str:
+        # Its warm start is the arithmetic one (bare answers after bare prompts): the call format is never taught.
+        return ("the tiny default model was warm-started on bare answers, never on the tool-call format: it emits "
+                "neither <tool_call> nor <answer>, so every turn is void, every reward 0 and nothing trains "
+                "(docs/tools.md). Give a chat model (model.path=...) to train tool use")
+
+    @property
     def agent(self) -> AgentAbstraction:
         return AgentAbstraction("tool-calling", args=dict(
             gconfig=self.gen.generation_config(n=self.group_size), tokenizer_path=self.model.path,

@@ -53,6 +53,8 @@ def prepare_assets(config, log=functools.partial(print, flush=True)) -> float:
         config.model.path = resumed_model_path(config.resume_from_checkpoint)
     elif not config.model.path:
         config.model.path, warm_start_seconds = tiny_model(config, train_rows, eval_rows, log)
+        if caveat := config.tiny_model_caveat:
+            log(f"warning: {caveat}")
     if not Path(config.model.path).exists():
         raise AssetError(f"model.path {config.model.path!r} does not exist; give an HF checkpoint directory "
                          "(written by save_pretrained), or leave model.path empty for the tiny model")

@@ -310,6 +310,33 @@ def test_a_warm_start_that_runs_again_says_what_differs_from_the_nearest_cached_
     assert said == []  # cached now
 
 
+def test_a_run_on_the_tiny_model_says_at_start_what_its_warm_start_did_not_teach(tmp_path, monkeypatch):
+    """The math-tools run on the tiny default model trained nothing: its warm start teaches bare answers, so the model
+    never emitted <tool_call> or <answer>, every turn was void and every reward 0, and the run said nothing of it."""
+    from rlsys import assets
+    from rlsys.model import tiny
+
+    def build(cfg, seed, examples, directory, *args, **kwargs):  # no warm start: what the run says is the test
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text("{}")
+
+    monkeypatch.setattr(tiny, "prepare_tiny_model", build)
+    said = []
+    small = [f"model.cache_dir={tmp_path}", "dataset.num_train=50", "dataset.num_eval=10"]
+    tools = ["experiment=async-ppo-math-tools", *small, "tools=[calculator]"]  # no sandbox to check for
+    assets.prepare_assets(parse_config(tools), log=said.append)
+    assert [line for line in said if line.startswith("warning: the tiny default model")] == said
+    assert len(said) == 1 and "neither <tool_call> nor <answer>" in said[0] and "model.path=" in said[0]
+    said.clear()
+    assets.prepare_assets(parse_config(["experiment=async-ppo-math", *small]), log=said.append)
+    assert said == []  # taught its answer format
+    config = parse_config([*tools, f"model.path={tmp_path}"])
+    (tmp_path / "config.json").write_text("{}")
+    said.clear()
+    assets.prepare_assets(config, log=said.append)
+    assert said == []  # a model of the user's: nothing to warn of
+
+
 def test_the_warm_start_s_time_is_returned_to_be_reported_apart_from_the_run_s(tmp_path, monkeypatch):
     """summary.json's `minutes` and the last line's "in X min" counted a cold first run's warm start (minutes of
     supervised pre-training) as the run's training time."""
