@@ -395,6 +395,11 @@ class ClusterConfig:
     max_failed_in_a_row: int = 200
     """Training episodes of a rollout worker that may fail one after another before the run stops (0: never); the
     initial held-out evaluation's count too where it plays training's environments (docs/faults.md)."""
+    max_threads_left_running: int = 100
+    """Calls of user code (a plain-`def` environment method or constructor, a tool's call) a rollout worker may leave
+    running on their threads past their deadlines, which nothing can stop, before the run stops naming them (0:
+    never): each holds a thread and what it holds until memory or the thread limit would end the worker unexplained
+    (docs/faults.md)."""
     n_learner_ranks: int = 1
     """Learner processes training one model sharded with FSDP2 (NCCL on GPUs, gloo on CPU); rank 0 alone talks to
     the bus; 1 uses no torch.distributed."""
@@ -428,7 +433,7 @@ class ClusterConfig:
 
     def __post_init__(self):
         check_at_least("cluster.", self, n_inference_workers=1, n_rollout_workers=1, redis_port=0, max_role_restarts=0,
-                           max_failed_in_a_row=0, n_learner_ranks=1)
+                           max_failed_in_a_row=0, max_threads_left_running=0, n_learner_ranks=1)
         if not self.stop_grace_seconds > 0:
             raise ValueError(f"cluster.stop_grace_seconds must be positive, got {self.stop_grace_seconds}")
         if self.stall_timeout < 0:

@@ -55,6 +55,7 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["eval_steps=-5"], "eval_steps must be at least 0"),
     (["max_steps=0"], "max_steps must be at least 1"),
     (["env_timeout=-1"], "env_timeout must be at least 0"),
+    (["cluster.max_threads_left_running=-1"], "cluster.max_threads_left_running must be at least 0, got -1"),
     (["ppo.num_mini_batches=1000"], "ppo.num_mini_batches (1000) is more than the sequences of a step"),
     (["gen.temperature=-1"], "gen.temperature must be at least 0"),
     (["gen.temperature=1e-7"], "gen.temperature 1e-07 is sampled at 0.01 in the engines (vLLM's floor)"),

@@ -8,6 +8,7 @@ import inspect
 import json
 import logging
 import multiprocessing
+import re
 import shutil
 import threading
 import time
@@ -20,12 +21,13 @@ from rlsys import evaluations, protocol
 from rlsys.api import (Agent, AgentAbstraction, EnvironmentService, EnvServiceAbstraction, Prompt, Trajectory,
                        register_agent, register_environment)
 from rlsys.assets import AssetError, prepare_assets
+from rlsys.blocking_calls import left_running
 from rlsys.bus import InProcessBus
 from rlsys.cancellation import coroutines_left_pending, run_to_the_end
 from rlsys.checkpoint import read_trainer_state
 from rlsys.console import ProgressReporter, held_out_line
 from rlsys.data.prompts import prompt_stream
-from rlsys.errors import EpisodeFailed
+from rlsys.errors import EpisodeFailed, RunCannotGoOn
 from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.run_start import initialize_bus_state
 from rlsys.run_summary import held_out_summary
@@ -184,7 +186,7 @@ def test_an_environment_whose_constructor_raises_fails_its_episode_as_an_env_err
     worker = after_one_training_episode(UnmadeEnvExperiment(), tmp_path)
     counts = worker.ledger.counts()
     assert counts["failed"] == {"env_error": 1} and counts["in_flight"] == 0 and worker.failures.by_reason == {"env_error": 1}
-    assert "the environment's constructor raised FileNotFoundError: reward_model.bin" in caplog.text
+    assert "UnmadeEnv.__init__ raised FileNotFoundError: reward_model.bin" in caplog.text
 
 
 class SyncWarmUpEnv(EnvironmentService):
@@ -1156,3 +1158,101 @@ def test_a_rollout_role_s_end_fits_in_a_short_stop_grace(tmp_path):
     finally:
         role.kill()
     assert unclean == {}
+
+
+class StepsWithoutTheModel(Agent):
+    """Resets and steps its environment once, asking the model nothing: an episode that is its environment's calls."""
+
+    async def collect_trajectory(self, prompt, env, obs_queue, act_queue):
+        await env.reset()
+        await env.step("answer")
+        raise AssertionError("not reached: the tests' environments do not return from step")
+
+
+register_agent("steps-without-the-model", StepsWithoutTheModel)
+
+
+class HangingStepEnv(EnvironmentService):
+    """A synchronous `step` that blocks until `release` (a client call with no timeout of its own)."""
+
+    release = threading.Event()
+
+    def step(self, action):
+        HangingStepEnv.release.wait(60)
+        return None, 0.0, True, False, {}
+
+
+register_environment("hanging-step-test-env", HangingStepEnv)
+
+
+def wait_until_ended(label: str) -> None:
+    """The test's threads left running have ended (their release set), so no later test counts them."""
+    deadline = time.monotonic() + 10
+    while label in left_running():
+        assert time.monotonic() < deadline, f"{label} still runs"
+        time.sleep(0.01)
+
+
+def test_threads_left_running_past_the_cap_stop_the_run_naming_the_method_and_the_count(tmp_path):
+    """An environment whose `def step` hangs left one thread running per episode, with no end: the worker admitted
+    episodes until memory or the thread limit ended its process with an error that named neither. Episodes failing
+    (max_failed_in_a_row=0 here: a step that hangs now and then fails none in a row) stopped nothing."""
+    config = config_of("steps-without-the-model", tmp_path, env="hanging-step-test-env")
+    config.env_timeout, config.max_concurrent_rollouts = 0.2, 2
+    config.cluster.max_failed_in_a_row, config.cluster.max_threads_left_running = 0, 3
+    worker = RolloutWorker(config, InProcessBus(), 0)
+    worker.train_rows = [{"prompt": f"{a}+0=", "answer": str(a)} for a in range(50)]
+    HangingStepEnv.release.clear()
+    try:
+        with pytest.raises(RunCannotGoOn) as stopped:
+            asyncio.run(asyncio.wait_for(worker.train(), 30))
+    finally:
+        HangingStepEnv.release.set()
+        wait_until_ended("HangingStepEnv.step")
+    message = str(stopped.value)
+    left = int(re.search(r"(\d+) calls of user code still run", message).group(1))
+    assert 3 <= left <= 3 + config.max_concurrent_rollouts, message
+    assert f"(HangingStepEnv.step: {left})" in message and "cluster.max_threads_left_running" in message, message
+    assert worker.failures.by_reason["env_timeout"] >= left
+
+
+class HangingConstructorEnv(EnvironmentService):
+    """A constructor that blocks until `release` (a client that connects with no timeout), or raises if told."""
+
+    release = threading.Event()
+
+    def __init__(self, raises: bool = False):
+        if raises:
+            raise FileNotFoundError("reward_model.bin")
+        HangingConstructorEnv.release.wait(5)
+
+    async def step(self, action):
+        return None, 0.0, True, False, {}
+
+
+register_environment("hanging-constructor-test-env", HangingConstructorEnv)
+
+
+def test_an_environment_constructor_that_blocks_fails_its_episode_at_env_timeout_while_the_loop_goes_on(tmp_path,
+                                                                                                       caplog):
+    """The constructor ran on the worker's event loop: one that blocked stood every episode of the worker still, past
+    env_timeout and the worker's beat, until it returned."""
+    config = config_of("steps-without-the-model", tmp_path, env="hanging-constructor-test-env")
+    config.env_timeout = 0.3
+    worker = RolloutWorker(config, InProcessBus(), 0)
+    HangingConstructorEnv.release.clear()
+
+    async def episode():
+        start = time.monotonic()
+        async with LoopTicks() as ticks:
+            await worker.run_training_episode(await worker.admit(iter([Prompt("train-0-0", [1, 2], {})])))
+        return time.monotonic() - start, ticks.count
+
+    try:
+        took, ticks = asyncio.run(episode())
+    finally:
+        HangingConstructorEnv.release.set()
+        wait_until_ended("HangingConstructorEnv.__init__")
+    assert worker.failures.by_reason == {"env_timeout": 1} and worker.ledger.counts()["in_flight"] == 0
+    assert took < 3 and ticks >= 5, (took, ticks)
+    assert "HangingConstructorEnv.__init__ took longer than 0.3s (env_timeout)" in caplog.text

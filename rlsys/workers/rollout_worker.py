@@ -1,6 +1,7 @@
 """The rollout worker: runs many episodes at once and bridges each episode's queues to the bus."""
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -10,10 +11,9 @@ import time
 from pathlib import Path
 
 from rlsys import evaluations, protocol
-from rlsys.api import (NOT_GENERATED, AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent,
-                       make_env)
+from rlsys.api import NOT_GENERATED, AgentAbstraction, GenerationConfig, Prompt, Trajectory, make_agent
 from rlsys.api.messages import RolloutRunning
-from rlsys.blocking_calls import async_form
+from rlsys.blocking_calls import async_form, left_running
 from rlsys.bus.base import Step
 from rlsys.cancellation import cancel_and_wait
 from rlsys.data.dataset import load_rows, rows_fingerprint
@@ -28,7 +28,7 @@ from rlsys.stop_grace import CANCEL_SHARE
 from rlsys.tracing import TraceWriter
 from rlsys.workers.env_per_row import env_for, env_type, run_environments, with_env_type_metrics
 from rlsys.workers.episode_activity import ActQueue, EpisodeActivity, awaiting_at
-from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
+from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, new_env
 from rlsys.workers.failure_log import FailureLog
 from rlsys.workers.routing import EpisodeRouter
 
@@ -129,7 +129,7 @@ class RolloutWorker:
         for abstraction in run_environments(self.config):
             try:
                 async with asyncio.timeout(self.config.env_timeout or None):  # 0: no limit
-                    env = await asyncio.to_thread(make_env, abstraction)  # a constructor may load a model
+                    env = await new_env(abstraction, 0)  # a constructor may load a model: on a thread of its own
                     await async_form(env.warm_up, f"{type(env).__name__}.warm_up")()  # a `def` on its own thread
             except Exception as e:  # TimeoutError included
                 log.warning("environment %s did not warm up (%s); its episodes will start what it needs",
@@ -140,6 +140,7 @@ class RolloutWorker:
         await self.take_over(self.train_rows, prompts)
         self.next_eval = next_evaluation(await self.current_version(), self.config.eval_steps)
         while not any(await asyncio.to_thread(self.bus.get_keys, [protocol.LEARNER_DONE, protocol.STOP])):
+            self.count_left_running()
             if self.cannot_go_on:
                 raise self.cannot_go_on
             if self.crashed:  # the worker fails, and its successor redoes the episodes whose outcome is not out
@@ -277,12 +278,7 @@ class RolloutWorker:
         obs_queue, act_queue, activity = asyncio.Queue(), ActQueue(), EpisodeActivity()
         env = None
         try:
-            try:
-                made = make_env(env_for(self.config, prompt, evaluation))
-            except Exception as e:  # environment code like reset and step: its failure, not the agent's
-                raise EpisodeFailed("env_error", f"the environment's constructor raised {describe_exception(e)}") \
-                    from e
-            env = guard_env(made, self.config.env_timeout, activity)
+            env = await new_env(env_for(self.config, prompt, evaluation), self.config.env_timeout, activity)
             trajectories = await self.router.serve(agent.collect_trajectory(prompt, env, obs_queue, act_queue),
                                                    obs_queue, act_queue, calls, activity, self.config.agent_stuck_after)
             try:  # checked here, not only as a training group's message: evaluation reads them too
@@ -359,6 +355,20 @@ class RolloutWorker:
             self.cannot_go_on = RunCannotGoOn(
                 f"the last {self.failed_in_a_row} {which} all failed; the latest with {failure}. "
                 "Fix the environment or agent (or raise cluster.max_failed_in_a_row)")
+
+    def count_left_running(self) -> None:
+        """Calls of user code left running on their threads past their deadlines (rlsys/blocking_calls.py) cannot be
+        stopped, and one that hangs for good leaves another with each episode that makes it: past
+        cluster.max_threads_left_running the run stops naming them, instead of running on until memory or the thread
+        limit ends the worker with an error that names neither."""
+        limit = self.config.cluster.max_threads_left_running
+        left = left_running() if limit and not self.cannot_go_on else []
+        if len(left) >= limit > 0:
+            by_call = ", ".join(f"{label}: {n}" for label, n in collections.Counter(left).most_common())
+            self.cannot_go_on = RunCannotGoOn(
+                f"{len(left)} calls of user code still run on threads their episodes left past their deadlines "
+                f"({by_call}), which nothing can stop; each further one would hold another. Make the call return "
+                "(a timeout of its own) or raise cluster.max_threads_left_running")
 
     def count_evaluation_episode(self, episodes: list[asyncio.Task], done: asyncio.Task) -> None:
         """An initial evaluation's episode counted as a training one (evaluation_shares_training_failures): a run whose
