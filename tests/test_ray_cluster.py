@@ -4,7 +4,7 @@ The learner is pinned to the head node and the inference worker to one of two ot
 resources; weights travel from the learner's memory over the stream only (the run directory never holds a weight
 file). One node is removed mid-run, with the inference worker on it: Ray moves its bundle to the other node, the supervisor
 starts a new actor there, the run finishes its steps with every prompt accounted, and every Ray process
-is gone at the end.
+is gone at the end. A rollout worker's actor killed on a Ray of the run's own is restarted the same way.
 """
 
 import contextlib
@@ -102,4 +102,40 @@ def test_a_run_on_three_ray_nodes_survives_losing_the_inference_node(cache_dir, 
     assert summary["unclean_exits"] == {}, summary["unclean_exits"]  # the roles ended cleanly on their nodes
     assert summary["prompts_accounted"], summary["prompts"]
     assert summary["final_accuracy"] is not None
+    assert left_behind(tmp_path, existing) == []
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_whose_ray_actor_is_killed_is_restarted_and_the_run_loses_no_prompt(cache_dir, tmp_path):
+    """A role killed on Ray (its actor's process SIGKILLed: the OOM killer, `ray.kill`) runs no handler of its own:
+    the supervisor counts the restart, the successor redoes the unfinished episodes (the summary accounts every prompt,
+    none left in flight), and the role's children (its verifier workers) go with it."""
+    import signal
+
+    existing = child_pids()
+    config = parse_config(small_run_overrides(cache_dir, tmp_path) + [
+        "trial_name=killed", "max_steps=20", "inference.engine=transformers", "cluster.backend=ray"])
+    run_dir = tmp_path / "async-ppo-math" / "killed"
+    seen: dict = {}
+
+    def kill_the_rollout_worker() -> None:
+        deadline = time.monotonic() + 600
+        steps = run_dir / "logs" / "learner.jsonl"
+        while not (steps.exists() and steps.read_text().strip() and role_process("rollout0")):  # mid-training
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        worker = role_process("rollout0")
+        seen["children"] = worker.children(recursive=True)
+        worker.send_signal(signal.SIGKILL)
+        seen["killed"] = True
+
+    killer = threading.Thread(target=kill_the_rollout_worker, daemon=True)
+    killer.start()
+    summary = launch(config)
+    killer.join(timeout=60)
+    assert seen.get("killed"), "the rollout worker was never killed"
+    assert summary["restarts"] == {"rollout0": 1}, summary["restarts"]
+    assert summary["prompts_accounted"] and summary["prompts"]["in_flight"] == 0, summary["prompts"]
+    alive = [p for p in seen["children"] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert seen["children"] and not alive, alive
     assert left_behind(tmp_path, existing) == []
