@@ -1,18 +1,23 @@
-"""User code that may block, run where a block cannot freeze the event loop: a daemon thread of its own per call.
+"""User code that may block, run where a block cannot freeze the event loop: a daemon thread to itself per call.
 
-A synchronous environment method, tool call or reward function run on the rollout worker's event loop would stop
-every episode of the worker (and its beat) for as long as it blocks, and nothing can pre-empt it there. On a thread
-its caller's deadline still ends the wait. A thread cannot be stopped, though: one still running when its caller stops
-waiting is left running, named in `left_running` and logged, and logged again if it ends. Each call has a thread of
-its own rather than a pool's: a hung call holds only its own thread, never one that later calls queue for, nor one of
-the loop's default executor, whose few threads every bus call of the rollout worker waits for (asyncio.to_thread). A
-daemon thread does not hold the process's exit either (rlsys/placement/process_end.py logs those still running then).
+A synchronous environment method or constructor, tool call or reward function run on the rollout worker's event loop
+would stop every episode of the worker (and its beat) for as long as it blocks, and nothing can pre-empt it there. On
+a thread its caller's deadline still ends the wait. A thread cannot be stopped, though: one still running when its
+caller stops waiting is left running, named in `left_running` and logged, and logged again if it ends. Each call has a
+thread to itself rather than a pool's queue: a hung call holds only its own thread, never one that later calls queue
+for, nor one of the loop's default executor, whose few threads every bus call of the rollout worker waits for
+(asyncio.to_thread). A thread whose call returned waits a while for the next (a thread's start costs several times
+the hand-over, and an episode makes its environment on one); one that was left running takes calls again once its
+call ends. A daemon thread does not hold the process's exit either (rlsys/placement/process_end.py logs those still
+running then).
 """
 
 import asyncio
 import functools
 import inspect
 import logging
+import os
+import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -22,6 +27,53 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _left_running: list[str] = []  # the labels of calls still running after their callers stopped waiting
+_idle: list["_Thread"] = []  # threads whose call returned, waiting for another; the most recent last
+IDLE_NAME = "blocking-calls-idle"
+IDLE_SECONDS = 30.0  # a thread given no call for this long ends: a burst's threads do not stay for good
+
+
+class _Thread:
+    """A daemon thread that runs the calls handed to it (`calls`) one at a time, named for the one it runs; between
+    calls in `_idle`, until IDLE_SECONDS pass without one."""
+
+    def __init__(self):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self.serve, name=IDLE_NAME, daemon=True).start()
+
+    def serve(self) -> None:
+        while (call := self.next_call()) is not None:
+            call()
+            threading.current_thread().name = IDLE_NAME
+            with _lock:
+                _idle.append(self)
+
+    def next_call(self) -> Callable[[], None] | None:
+        try:
+            return self.calls.get(timeout=IDLE_SECONDS)
+        except queue.Empty:
+            with _lock:
+                if self in _idle:
+                    _idle.remove(self)
+                    return None
+            return self.calls.get()  # taken from _idle meanwhile: its call is on the way
+
+
+def _hand_over(call: Callable[[], None]) -> None:
+    """`call()` on an idle thread, or a new one if none is idle."""
+    with _lock:
+        thread = _idle.pop() if _idle else None
+    (thread or _Thread()).calls.put(call)
+
+
+def _forget_threads() -> None:
+    """In a forked child: its parent's threads are not there (nor a hold of the lock one of them had)."""
+    global _lock
+    _lock = threading.Lock()
+    _idle.clear()
+    _left_running.clear()
+
+
+os.register_at_fork(after_in_child=_forget_threads)
 
 
 def left_running() -> list[str]:
@@ -31,13 +83,15 @@ def left_running() -> list[str]:
 
 
 async def on_own_thread(function: Callable[[], Any], label: str) -> Any:
-    """`function()` on a new daemon thread named `label`; what it returns or raises, once it does. A cancelled wait
+    """`function()` on a daemon thread to itself, named `label` while it runs; what it returns or raises, once it
+    does. A cancelled wait
     (its caller's deadline) leaves the call running on its thread: named in `left_running` until it ends."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     call = {"ended": False, "abandoned_at": None}
 
     def run() -> None:
+        threading.current_thread().name = label
         result, error = None, None
         try:
             result = function()
@@ -51,7 +105,7 @@ async def on_own_thread(function: Callable[[], Any], label: str) -> Any:
                             label, time.monotonic() - call["abandoned_at"], len(_left_running))
         settle_from_thread(loop, future, result, error)
 
-    threading.Thread(target=run, name=label, daemon=True).start()
+    _hand_over(run)
     try:
         return await future
     except asyncio.CancelledError:

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from rlsys.api import EnvironmentService
+from rlsys import blocking_calls
 from rlsys.blocking_calls import left_running
 from rlsys.tools.queue_time import queued_for, within
 from rlsys.workers.episode_failure import EpisodeFailed, describe_exception, guard_env
@@ -219,3 +220,28 @@ def test_a_synchronous_env_method_that_blocks_fails_its_episode_at_its_deadline_
     while "SyncEnv.step" in left_running():
         assert time.monotonic() < deadline, "the thread's end was not counted"
         time.sleep(0.01)
+
+
+def test_a_thread_whose_call_returned_takes_the_next_call_and_a_hung_one_takes_none(monkeypatch):
+    """Each synchronous call started a thread of its own, which costs several times the hand-over to a waiting one;
+    an episode now makes its environment on one, so every episode paid it. A thread whose call returned takes the
+    next; one still in a call takes none (a later call never waits behind a hung one); an idle one ends in time."""
+    monkeypatch.setattr(blocking_calls, "IDLE_SECONDS", 0.5)
+    release = threading.Event()
+
+    async def calls():
+        first = await blocking_calls.on_own_thread(threading.get_ident, "first")
+        second = await blocking_calls.on_own_thread(threading.get_ident, "second")
+        hung = asyncio.ensure_future(blocking_calls.on_own_thread(release.wait, "hung"))
+        await asyncio.sleep(0.05)
+        beside = await asyncio.wait_for(blocking_calls.on_own_thread(threading.get_ident, "beside"), 5)
+        release.set()
+        await hung
+        return first, second, beside
+
+    first, second, beside = asyncio.run(calls())
+    assert first == second and beside != first
+    deadline = time.monotonic() + 10
+    while any(t.ident in (first, beside) for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "idle threads did not end"
+        time.sleep(0.05)

@@ -13,7 +13,8 @@ original, and every chain of a group would step one board.
 A synchronous method (`def step`, a reward function that may block) runs on a thread of its own
 (rlsys/blocking_calls.py), so the deadline ends its episode while the worker's other episodes go on; what it returns
 may still be awaitable, and is then awaited on the loop. The constructor always does: one that connects or loads
-cannot be told from one that does not before it runs, and a thread's start is small beside an episode. The deadline
+cannot be told from one that does not before it runs, and its hand-over to a waiting thread is small beside
+an episode (BENCHMARKS.md, "An episode's environment made off the loop"). The deadline
 can only interrupt an `async def` method that awaits (I/O, a process pool): one that blocks the event loop with
 synchronous work stalls every episode of the worker until the stall watch stops the run naming the worker, which is
 why blocking environment work belongs in a `def` method or off the loop (see rlsys/api/env.py). Which a method is is
