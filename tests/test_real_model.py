@@ -8,6 +8,7 @@ The slowest test of this file: on a 2-core machine the conversion takes about a 
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import gguf
 import numpy as np
@@ -26,13 +27,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    return convert("smollm2", tmp_path_factory.mktemp("smollm2") / "hf")
+def smollm2_conversion(tmp_path_factory) -> tuple[Path, int]:
+    """SmolLM2 converted, and how many times the conversion read the GGUF file (each read parses all its metadata,
+    seconds of CPU on 2 cores)."""
+    with mock.patch.object(gguf.GGUFReader, "__init__", autospec=True, side_effect=gguf.GGUFReader.__init__) as reads:
+        out = convert("smollm2", tmp_path_factory.mktemp("smollm2") / "hf")
+    return out, reads.call_count
 
 
-def gguf_tensor(name: str) -> np.ndarray:
-    tensor = next(t for t in gguf.GGUFReader(smollm2_gguf()).tensors if t.name == name)
-    return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+@pytest.fixture(scope="module")
+def smollm2(smollm2_conversion) -> Path:
+    return smollm2_conversion[0]
+
+
+def gguf_tensors(*names: str) -> list[np.ndarray]:
+    """`names`' tensors of the SmolLM2 GGUF file, dequantized, from one read of the file."""
+    tensors = {t.name: t for t in gguf.GGUFReader(smollm2_gguf()).tensors if t.name in names}
+    return [gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type) for name in names]
 
 
 def test_the_gguf_file_becomes_a_plain_checkpoint_with_the_same_weights(smollm2):
@@ -40,8 +51,9 @@ def test_the_gguf_file_becomes_a_plain_checkpoint_with_the_same_weights(smollm2)
     assert model.config.model_type == "llama" and model.config.tie_word_embeddings
     embeddings = model.model.embed_tokens.weight.detach().numpy()
     assert embeddings.shape == (49152, 576)
-    np.testing.assert_allclose(embeddings, gguf_tensor("token_embd.weight"), atol=1e-6)  # dequantized Q8_0
-    np.testing.assert_allclose(model.model.norm.weight.detach().numpy(), gguf_tensor("output_norm.weight"))
+    token_embd, output_norm = gguf_tensors("token_embd.weight", "output_norm.weight")
+    np.testing.assert_allclose(embeddings, token_embd, atol=1e-6)  # dequantized Q8_0
+    np.testing.assert_allclose(model.model.norm.weight.detach().numpy(), output_norm)
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # tied, as in the GGUF
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -54,6 +66,11 @@ def test_the_command_line_says_what_it_cannot_convert(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rlsys.model.convert", str(tmp_path / "nope.gguf"), str(tmp_path / "o")],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "error:" in done.stderr and "does not exist" in done.stderr
+
+
+def test_the_conversion_reads_the_gguf_file_once_each_for_its_config_weights_and_tokenizer(smollm2_conversion):
+    """from_pretrained is handed the config convert read: it read the file a fourth time for it."""
+    assert smollm2_conversion[1] == 3
 
 
 def test_a_gguf_file_without_the_gguf_package_is_an_error_naming_the_extra(tmp_path, monkeypatch, capsys):

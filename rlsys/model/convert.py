@@ -50,9 +50,10 @@ def convert(source: str | Path, out_dir: str | Path, dtype: str = "float32") -> 
     torch_dtype = getattr(torch, dtype)
     config = AutoConfig.from_pretrained(directory, **kwargs)
     # The loading info, not the loaded state dict: from_pretrained fills weights the source lacks with random ones
-    # (a base model's missing output head), which a copy of its state dict would carry on unnoticed.
-    loaded, info = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, output_loading_info=True,
-                                                        **kwargs)
+    # (a base model's missing output head), which a copy of its state dict would carry on unnoticed. The config read
+    # above is handed on: from_pretrained would read it again, a whole parse of a GGUF file's metadata.
+    loaded, info = AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=torch_dtype,
+                                                        output_loading_info=True, **kwargs)
     # Weights it has and the model does not use (an old GPT-2's attn.masked_bias) are left behind, as transformers does.
     missing = set(info["missing_keys"]) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing:
