@@ -105,7 +105,7 @@ def test_a_run_on_three_ray_nodes_survives_losing_the_inference_node(cache_dir, 
     assert left_behind(tmp_path, existing) == []
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 90 s; the slow tier's Ray run restarts a role already (its node lost)
 def test_a_rollout_worker_whose_ray_actor_is_killed_is_restarted_and_the_run_loses_no_prompt(cache_dir, tmp_path):
     """A role killed on Ray (its actor's process SIGKILLed: the OOM killer, `ray.kill`) runs no handler of its own:
     the supervisor counts the restart, the successor redoes the unfinished episodes (the summary accounts every prompt,
