@@ -75,7 +75,8 @@ class AsyncPPOMATHToolsConfig(AsyncPPOMATHConfig):
     def agent(self) -> AgentAbstraction:
         return AgentAbstraction("tool-calling", args=dict(
             gconfig=self.gen.generation_config(n=self.group_size), tokenizer_path=self.model.path,
-            num_turns=self.num_turns, max_total_tokens=min(self.max_total_tokens, self.inference.max_model_len or self.max_total_tokens),
+            num_turns=self.num_turns,
+            max_total_tokens=min(self.max_total_tokens, self.inference.max_model_len or self.max_total_tokens),
             use_instructions=self.tool_instructions))
 
     @property

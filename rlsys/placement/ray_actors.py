@@ -71,8 +71,8 @@ class RoleActor:
         if os.path.isdir(workdir):
             os.chdir(workdir)
         else:
-            print(f"{role_name(role, index)}: the launcher's directory {workdir} is not on this node; relative paths in "
-                  f"the config resolve against {os.getcwd()}", flush=True)
+            print(f"{role_name(role, index)}: the launcher's directory {workdir} is not on this node; relative paths "
+                  f"in the config resolve against {os.getcwd()}", flush=True)
         threads = set(threading.enumerate())
         try:
             return entry(role, index, *args)
