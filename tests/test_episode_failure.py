@@ -227,6 +227,10 @@ def test_a_thread_whose_call_returned_takes_the_next_call_and_a_hung_one_takes_n
     an episode now makes its environment on one, so every episode paid it. A thread whose call returned takes the
     next; one still in a call takes none (a later call never waits behind a hung one); an idle one ends in time."""
     monkeypatch.setattr(blocking_calls, "IDLE_SECONDS", 0.5)
+    with blocking_calls._lock:  # threads earlier tests left idle wait out the time they read then: one call each
+        waiting, blocking_calls._idle[:] = list(blocking_calls._idle), []
+    for thread in waiting:
+        thread.calls.put(lambda: None)
     release = threading.Event()
 
     async def calls():
