@@ -34,20 +34,23 @@ IDLE_SECONDS = 30.0  # a thread given no call for this long ends: a burst's thre
 
 class _Thread:
     """A daemon thread that runs the calls handed to it (`calls`) one at a time, named for the one it runs; between
-    calls in `_idle`, until IDLE_SECONDS pass without one."""
+    calls in `_idle`, until IDLE_SECONDS pass without one. A call returns how to tell its caller what it gave, done
+    once the thread is idle again: a caller that makes its next call at once finds this thread waiting for it."""
 
     def __init__(self):
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self.serve, name=IDLE_NAME, daemon=True).start()
+        self.thread = threading.Thread(target=self.serve, name=IDLE_NAME, daemon=True)
+        self.thread.start()
 
     def serve(self) -> None:
         while (call := self.next_call()) is not None:
-            call()
-            threading.current_thread().name = IDLE_NAME
+            answer = call()
+            self.thread.name = IDLE_NAME
             with _lock:
                 _idle.append(self)
+            answer()
 
-    def next_call(self) -> Callable[[], None] | None:
+    def next_call(self) -> Callable[[], Callable[[], None]] | None:
         try:
             return self.calls.get(timeout=IDLE_SECONDS)
         except queue.Empty:
@@ -58,7 +61,7 @@ class _Thread:
             return self.calls.get()  # taken from _idle meanwhile: its call is on the way
 
 
-def _hand_over(call: Callable[[], None]) -> None:
+def _hand_over(call: Callable[[], Callable[[], None]]) -> None:
     """`call()` on an idle thread, or a new one if none is idle."""
     with _lock:
         thread = _idle.pop() if _idle else None
@@ -84,13 +87,13 @@ def left_running() -> list[str]:
 
 async def on_own_thread(function: Callable[[], Any], label: str) -> Any:
     """`function()` on a daemon thread to itself, named `label` while it runs; what it returns or raises, once it
-    does. A cancelled wait
-    (its caller's deadline) leaves the call running on its thread: named in `left_running` until it ends."""
+    does. A cancelled wait (its caller's deadline) leaves the call running on its thread: named in `left_running`
+    until it ends."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     call = {"ended": False, "abandoned_at": None}
 
-    def run() -> None:
+    def run() -> Callable[[], None]:
         threading.current_thread().name = label
         result, error = None, None
         try:
@@ -103,7 +106,7 @@ async def on_own_thread(function: Callable[[], Any], label: str) -> Any:
                 _left_running.remove(label)
                 log.warning("%s ended on its thread %.0f s after its caller stopped waiting (%d still running)",
                             label, time.monotonic() - call["abandoned_at"], len(_left_running))
-        settle_from_thread(loop, future, result, error)
+        return functools.partial(settle_from_thread, loop, future, result, error)
 
     _hand_over(run)
     try:

@@ -225,27 +225,37 @@ def test_a_synchronous_env_method_that_blocks_fails_its_episode_at_its_deadline_
 def test_a_thread_whose_call_returned_takes_the_next_call_and_a_hung_one_takes_none(monkeypatch):
     """Each synchronous call started a thread of its own, which costs several times the hand-over to a waiting one;
     an episode now makes its environment on one, so every episode paid it. A thread whose call returned takes the
-    next; one still in a call takes none (a later call never waits behind a hung one); an idle one ends in time."""
+    next, even one made at once (it is waiting before its caller hears back); one still in a call takes none (a later
+    call never waits behind a hung one); an idle one ends in time."""
     monkeypatch.setattr(blocking_calls, "IDLE_SECONDS", 0.5)
-    with blocking_calls._lock:  # threads earlier tests left idle wait out the time they read then: one call each
-        waiting, blocking_calls._idle[:] = list(blocking_calls._idle), []
-    for thread in waiting:
-        thread.calls.put(lambda: None)
-    release = threading.Event()
+    started, real_init = [], blocking_calls._Thread.__init__
+
+    def counted_init(self):
+        real_init(self)
+        started.append(self.thread)
+
+    monkeypatch.setattr(blocking_calls._Thread, "__init__", counted_init)
+    release, hung_on = threading.Event(), []
+
+    def hang():
+        hung_on.append(threading.get_ident())
+        release.wait()
 
     async def calls():
-        first = await blocking_calls.on_own_thread(threading.get_ident, "first")
-        second = await blocking_calls.on_own_thread(threading.get_ident, "second")
-        hung = asyncio.ensure_future(blocking_calls.on_own_thread(release.wait, "hung"))
-        await asyncio.sleep(0.05)
+        for _ in range(20):  # one after another: one thread at most (none if an earlier test left one idle)
+            await blocking_calls.on_own_thread(threading.get_ident, "in turn")
+        in_turn = len(started)
+        hung = asyncio.ensure_future(blocking_calls.on_own_thread(hang, "hung"))
+        while not hung_on:
+            await asyncio.sleep(0.01)
         beside = await asyncio.wait_for(blocking_calls.on_own_thread(threading.get_ident, "beside"), 5)
         release.set()
         await hung
-        return first, second, beside
+        return in_turn, beside
 
-    first, second, beside = asyncio.run(calls())
-    assert first == second and beside != first
+    in_turn, beside = asyncio.run(calls())
+    assert in_turn <= 1 and beside != hung_on[0]
     deadline = time.monotonic() + 10
-    while any(t.ident in (first, beside) for t in threading.enumerate()):
+    while any(thread.is_alive() for thread in started):
         assert time.monotonic() < deadline, "idle threads did not end"
         time.sleep(0.05)
