@@ -387,14 +387,16 @@ def test_a_tool_with_synchronous_methods_runs_them_off_the_loop_and_one_that_blo
 
 def test_a_python_call_queued_for_a_sandbox_slot_is_not_timed_out_for_the_wait(monkeypatch):
     """One slot: a chain's call that hangs holds it until the env's limit; another chain's quick call, queued behind
-    it all that time, runs once it is free and is not reported as timed out (the wait was not its run)."""
+    it all that time, runs once it is free and is not reported as timed out (the wait was not its run). The hang
+    sleeps rather than spins, and the limit is 4 s: a spinning hang took one of CI's two cores while the quick call's
+    sandbox started (about 0.3 s alone), and under load that start once overran a 2 s limit."""
     monkeypatch.setattr(sandbox, "MAX_CONCURRENT", 1)
-    env = make_env(EnvServiceAbstraction("math-tools", {"tool_timeout": 2.0}))
+    env = make_env(EnvServiceAbstraction("math-tools", {"tool_timeout": 4.0}))
     python_call = '<tool_call>{{"name": "python", "arguments": {{"code": "{}"}}}}</tool_call>'.format
 
     async def episode():
         await env.reset(options={"prompt": "6*7", "answer": "42"})
-        hang = asyncio.ensure_future(env.step((0, python_call("while True: pass"))))
+        hang = asyncio.ensure_future(env.step((0, python_call("import time; time.sleep(600)"))))
         while not (sandbox._semaphores.get(asyncio.get_running_loop()) or asyncio.Semaphore()).locked():
             await asyncio.sleep(0.01)  # the hanging call holds the slot
         quick = await env.step((1, python_call("print(6*7)")))
@@ -403,7 +405,7 @@ def test_a_python_call_queued_for_a_sandbox_slot_is_not_timed_out_for_the_wait(m
         return hung, quick
 
     hung, quick = asyncio.run(episode())
-    assert hung[0] == "<tool_response>error: python did not finish in 2s</tool_response>"
+    assert hung[0] == "<tool_response>error: python did not finish in 4s</tool_response>"
     assert hung[4]["tool_timeouts"] == 1
     assert quick[0] == "<tool_response>42\n</tool_response>" and quick[4]["tool_timeouts"] == 0
 
