@@ -52,8 +52,15 @@ class FieldInfo:
     path: str
     type: Any
     default: Any
-    doc: str
     is_group: bool  # a nested dataclass: its own fields are the keys, it takes no value itself
+    owner: type  # the dataclass that holds it (its doc is read from that class's source)
+
+    @property
+    def doc(self) -> str:
+        """Read from the source when asked: only --help and the settings' checks show docs, and parsing every config
+        class's source was most of building a config, which the launcher and each role do as they start
+        (BENCHMARKS.md, "Start-up: a config built without its docs")."""
+        return attribute_docs(self.owner).get(self.path.rpartition(".")[2], "")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -577,13 +584,12 @@ def _iter_fields(cls: type, defaults, prefix: str) -> Iterator[FieldInfo]:
     """`defaults` is the instance a parent's default_factory made, so a subclass's overridden group
     defaults show up; None reads each field's own default."""
     hints = type_hints(cls)
-    docs = attribute_docs(cls)
     for f in dataclasses.fields(cls):
         path = f"{prefix}{f.name}"
         declared = hints.get(f.name, f.type)
         default = getattr(defaults, f.name) if defaults is not None else field_default(f)
         group = nested_dataclass(declared, default)
-        yield FieldInfo(path, declared, default, docs.get(f.name, ""), is_group=group is not None)
+        yield FieldInfo(path, declared, default, is_group=group is not None, owner=cls)
         if group is not None:
             group_defaults = default if dataclasses.is_dataclass(default) else None
             yield from _iter_fields(group, group_defaults, prefix=f"{path}.")

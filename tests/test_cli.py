@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import pytest
 
 from experiments import AsyncPPOMATHConfig, register_experiment
-from rlsys.cli import ConfigError, config_from_dict, config_to_dict, load_config, parse_config, save_config
+from rlsys.cli import (ConfigError, attribute_docs, config_from_dict, config_to_dict, load_config, parse_config,
+                       save_config)
 from rlsys.plugins import import_plugins, plugin_module_name
 
 SUBCLASS_EXPERIMENT = "test-cli-my-param"
@@ -360,6 +361,21 @@ def test_dict_round_trip():
     assert payload["experiment"] == SUBCLASS_EXPERIMENT
     assert payload["config"]["my_param"] == 2.5 and payload["config"]["cluster"]["n_rollout_workers"] == 3
     assert config_from_dict(payload) == config
+
+
+def test_a_role_builds_its_config_without_reading_a_class_s_source(monkeypatch):
+    """The launcher and every role build the run's config as they start; the docs under each key are --help's and
+    the settings' checks', and reading them (every config class's source, parsed) was most of a build's time."""
+    payload = config_to_dict(parse_config([f"experiment={SUBCLASS_EXPERIMENT}", "my_param=2.5", "ppo.lr=1e-5"]))
+
+    def read_source(klass):
+        raise AssertionError(f"{klass.__qualname__}'s source was read to build a config")
+
+    monkeypatch.setattr("rlsys.cli.class_attribute_docs", read_source)
+    attribute_docs.cache_clear()  # what an earlier test read stays read: this process starts as a role does
+    built = config_from_dict(payload)
+    assert built.my_param == 2.5 and built.ppo.lr == 1e-5
+    assert parse_config([f"experiment={SUBCLASS_EXPERIMENT}", "my_param=2.5", "ppo.lr=1e-5"]) == built
 
 
 def test_unregistered_class_cannot_be_sent_to_workers():
