@@ -57,9 +57,9 @@ class FieldInfo:
 
     @property
     def doc(self) -> str:
-        """Read from the source when asked: only --help and the settings' checks show docs, and parsing every config
-        class's source was most of building a config, which the launcher and each role do as they start
-        (BENCHMARKS.md, "Start-up: a config built without its docs")."""
+        """Read from the source when asked: --help shows docs, a run never does, and parsing every config class's
+        source was most of building a config, which the launcher and each role do as they start (BENCHMARKS.md,
+        "Start-up: a config built without its docs")."""
         return attribute_docs(self.owner).get(self.path.rpartition(".")[2], "")
 
 
