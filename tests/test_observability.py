@@ -1,10 +1,12 @@
 """What a person sees of a run: a short console, TensorBoard scalars, traces, the HTML report, and the
 traces in MLflow's UI, the last two opened in a real headless browser (Debian's chromium)."""
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -234,7 +236,7 @@ def mlflow_server(uri: str, port: int, cwd: Path) -> subprocess.Popen:
     """An MLflow tracking server of store `uri` on 127.0.0.1:`port`, once it answers."""
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
                                "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -242,10 +244,22 @@ def mlflow_server(uri: str, port: int, cwd: Path) -> subprocess.Popen:
             return server
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                server.wait(30)
+                stop_server(server)
                 raise AssertionError("mlflow server did not start") from None
             time.sleep(0.5)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """The server and the workers it started (its session), asked to stop and, past 30 s, killed: at a load average
+    of 17 the server once took longer than that to stop after the test had passed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait(30)
 
 
 @needs_chromium
@@ -283,8 +297,7 @@ def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_di
                  timeout=180)
         assert screenshot.stat().st_size > 10_000
     finally:
-        server.terminate()
-        server.wait(30)
+        stop_server(server)
 
 
 def test_frames_show_each_board_with_its_move_and_reward(tmp_path):
@@ -866,8 +879,7 @@ def test_an_mlflow_store_that_goes_away_mid_export_leaves_its_password_out_of_ev
         export_episode = rlsys.mlflow_export._export_episode
 
         def server_stops(*args):
-            server.terminate()
-            server.wait(30)
+            stop_server(server)
             export_episode(*args)
 
         monkeypatch.setattr(rlsys.mlflow_export, "_export_episode", server_stops)
@@ -878,8 +890,7 @@ def test_an_mlflow_store_that_goes_away_mid_export_leaves_its_password_out_of_ev
         config.trace.mlflow_tracking_uri = f"http://rlsys:{password}@127.0.0.1:{port}"
         finish_observability(config, run_dir)
     finally:
-        server.terminate()
-        server.wait(30)
+        stop_server(server)
     printed = capfd.readouterr()
     logged = caplog.text
     assert "could not write the run report or export the traces" in logged
