@@ -1,5 +1,7 @@
 """What a run needs before its roles start: a dataset and a policy checkpoint, generated when not given."""
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -96,16 +98,40 @@ def check_prompt_lengths(config, tokenizer, positions: int | None, whose: str, r
 
 def tiny_model(config, train_rows: list[dict], eval_rows: list[dict], log) -> tuple[str, float]:
     """The tiny default model's directory, taught the rows and cached, and the seconds its warm start took (0.0 where
-    it was cached); a warm start that runs again first says what differs from the nearest cached model."""
-    data = config.dataset
+    it was cached, the wait where another run built it); a warm start that runs again first says what differs from
+    the nearest cached model."""
     key = tiny_model_key(config.model, config.seed, rows_key(train_rows, eval_rows), warm_start_key(config))
     directory = tiny_model_dir(config.model, key)
     if (directory / "config.json").exists():
         return str(directory), 0.0
+    started = time.monotonic()
+    with one_builder(directory, log):
+        if (directory / "config.json").exists():  # another run built it while this one waited
+            return str(directory), time.monotonic() - started
+        _build_tiny_model(config, key, directory, train_rows, eval_rows, log)
+    return str(directory), time.monotonic() - started
+
+
+@contextlib.contextmanager
+def one_builder(directory: Path, log):
+    """Held while the tiny model for `directory` is built: runs started together (a sweep over ppo.lr, say) warm-start
+    it once and the others wait for it, where each warm-started its own on the same cores and they wrote and renamed
+    one `.tmp` folder. The system drops the lock of a builder that dies; the next waiter builds."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"another run is warm-starting this tiny model ({directory}): waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _build_tiny_model(config, key: dict, directory: Path, train_rows: list[dict], eval_rows: list[dict], log) -> None:
+    data = config.dataset
     if nearest := nearest_cached_difference(directory.parent, key):
         log(f"no tiny model is cached for these settings; the nearest cached one was built with {nearest}: "
             "building and warm-starting it again")
-    started = time.monotonic()
     torch_loaded_with_the_roles_spin()
     from rlsys.model.tiny import MAX_POSITIONS, prepare_tiny_model  # torch and transformers' models:
     from rlsys.model.tokenizer import build_char_tokenizer  # only to build one
@@ -118,7 +144,6 @@ def tiny_model(config, train_rows: list[dict], eval_rows: list[dict], log) -> tu
         eval_every=config.warm_start_eval_every, max_steps=config.warm_start_max_steps,
         threads=warm_start_threads(config), samples=config.group_size, temperature=config.gen.temperature)
     (directory / CACHE_KEY_FILE).write_text(json.dumps(key, sort_keys=True))
-    return str(directory), time.monotonic() - started
 
 
 def check_resumable(checkpoint: str) -> None:

@@ -384,3 +384,44 @@ def test_a_dataset_given_without_a_model_warm_starts_the_tiny_model_on_its_rows(
     assert config.model.path.startswith(str(tmp_path))  # the run trains that model
     assets.prepare_assets(parse_config([*given, f"model.path={config.model.path}"]), log=lambda *_: None)
     assert len(taught) == 1
+
+
+def test_runs_started_together_warm_start_the_tiny_model_once(tmp_path, monkeypatch):
+    """A sweep started at once (`... ppo.lr=1e-5 & ... ppo.lr=3e-5 &`) warm-started the same tiny model in each run,
+    every one on the same cores, and the runs wrote and renamed one `.tmp` folder: now the first builds it, the others
+    say they wait and train the model it built."""
+    import multiprocessing
+
+    from rlsys import assets
+    from rlsys.model import tiny
+
+    context = multiprocessing.get_context("fork")  # the children keep this test's stand-in for the warm start
+    building, release, said = context.Event(), context.Event(), context.Queue()
+
+    def build(cfg, seed, examples, directory, *args, **kwargs):  # no warm start: who builds, and who waits, is the test
+        with open(tmp_path / "builds", "a") as builds:
+            builds.write(f"{directory}\n")
+        building.set()
+        release.wait(60)
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text("{}")
+
+    monkeypatch.setattr(tiny, "prepare_tiny_model", build)
+
+    def run(name):
+        config = parse_config([f"model.cache_dir={tmp_path}", "dataset.num_train=50", "dataset.num_eval=10"])
+        assets.prepare_assets(config, log=lambda line: said.put((name, line)))
+        said.put((name, f"model {config.model.path}"))
+
+    first = context.Process(target=run, args=("first",))
+    first.start()
+    assert building.wait(60)
+    model = (tmp_path / "builds").read_text().strip()
+    second = context.Process(target=run, args=("second",))
+    second.start()
+    assert said.get(timeout=60) == ("second", f"another run is warm-starting this tiny model ({model}): waiting for it")
+    release.set()
+    first.join(60), second.join(60)
+    assert first.exitcode == second.exitcode == 0
+    assert dict(said.get(timeout=5) for _ in range(2)) == {"first": f"model {model}", "second": f"model {model}"}
+    assert (tmp_path / "builds").read_text() == f"{model}\n"  # built once

@@ -15,6 +15,7 @@ renders `messages` (system prompt included) with the tokenizer's chat template.
 import codecs
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,7 +228,9 @@ def _formatted(given: list[dict], row_format: RowFormat) -> list[dict]:
 
 def write_jsonl(rows: list[dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    # This process's own name: runs generating the file at once each rename a whole one (with one name for all, one
+    # renamed it from under another).
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
     tmp.rename(path)  # atomic: a reader never sees half a file
     return path
