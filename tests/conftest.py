@@ -1,3 +1,4 @@
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -27,27 +28,36 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
+def shared_temp(tmp_path_factory) -> Path:
+    """A folder every worker of this pytest run sees: under pytest-xdist (the tiers' `-n 2`) each worker has a session
+    and a base temp of its own, siblings in one folder; without it, the session's base temp."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """One model cache for the session: the small test model is warm-started once, not once per module."""
-    return tmp_path_factory.mktemp("cache")
+    """One model cache for the whole pytest run: the small test model is warm-started once, not once per module or
+    per worker (a worker that wants it while the other builds it waits, as a second run of a sweep does: assets.py,
+    one_builder)."""
+    directory = shared_temp(tmp_path_factory) / "cache"
+    directory.mkdir(exist_ok=True)
+    return directory
 
 
 @pytest.fixture(scope="session")
 def warm_start_caches(tmp_path_factory):
-    """One empty cache per warm-start identity (tests/helpers.py, warm_start_identity), for the session: the math,
-    math-tools and OpenAI-agent experiments teach the same model the same sums, so the first of them run starts from
-    an empty cache and the others reuse what it built, as a user's second experiment would; the FrozenLake GiGPO
+    """One empty cache per warm-start identity (tests/helpers.py, warm_start_identity), for the whole pytest run: the
+    math, math-tools and OpenAI-agent experiments teach the same model the same sums, so the first of them run starts
+    from an empty cache and the others reuse what it built, as a user's second experiment would; the FrozenLake GiGPO
     run reuses the FrozenLake experiment's. A run that teaches anything else gets a cache of its own."""
     from tests.helpers import warm_start_identity
 
-    made = {}
-
     def cache_for(config):
-        identity = warm_start_identity(config)
-        if identity not in made:
-            made[identity] = tmp_path_factory.mktemp("cache")
-        return made[identity]
+        digest = hashlib.sha256(warm_start_identity(config).encode()).hexdigest()[:16]
+        directory = shared_temp(tmp_path_factory) / f"cache-{digest}"
+        directory.mkdir(exist_ok=True)
+        return directory
 
     return cache_for
 
