@@ -122,12 +122,14 @@ def test_the_install_script_has_two_tiers_and_ci_installs_the_test_tier():
     assert "bash scripts/install.sh --tests" in (root / ".ci" / "run").read_text()
     readme = (root / "README.md").read_text()
     assert "bash scripts/install.sh && python3 training/main_async_ppo.py" in readme
-    assert 'bash scripts/install.sh --tests && python3 -m pytest tests -q -m "not slow and not long"' in readme
-    # CI runs the README's two tiers, and neither runs the by-hand `long` tests
+    assert ('bash scripts/install.sh --tests && python3 -m pytest tests -q -m "not slow and not long" -n 2 '
+            '--dist loadfile') in readme
+    # CI runs the README's two tiers, two test files at a time, and neither runs the by-hand `long` tests
     tiers = [line.split(" --durations")[0] for line in (root / ".ci" / "run").read_text().splitlines()
              if line.startswith("python3 -m pytest")]
-    assert tiers == ['python3 -m pytest tests -q -m "not slow and not long"',
-                     'python3 -m pytest tests -q -m "slow and not long"'] and all(t in readme for t in tiers)
+    assert tiers == ['python3 -m pytest tests -q -m "not slow and not long" -n 2 --dist loadfile',
+                     'python3 -m pytest tests -q -m "slow and not long" -n 2 --dist loadfile'] and \
+        all(t in readme for t in tiers)
 
 
 def test_uv_is_told_where_pip_would_install_from(tmp_path):

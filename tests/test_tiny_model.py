@@ -87,7 +87,6 @@ def test_a_warm_start_prints_a_line_at_most_every_few_seconds_and_no_bars(tmp_pa
     from rlsys.model.tiny import prepare_tiny_model
     from rlsys.model.warm_start_examples import AnswerCheck
 
-    tokenizer = build_char_tokenizer()
     taught = [TaughtSequence([5, 6, 7, 8], [0, 0, 1, 1])] * 4
     checks = [AnswerCheck([5, 6], ("#### 1",))]
     cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, warm_start_accuracy=1.0,
