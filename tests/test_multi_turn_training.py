@@ -18,7 +18,7 @@ def mean(values) -> float:
 
 
 @pytest.mark.slow
-# Past pytest.ini's 900 s, a hang's limit: its cold start and 60 steps took 646 s alone on CI's 2 cores, 912 s
+# Past pytest.ini's 900 s, a hang's limit: its cold start and 60 steps took 646 s alone on CI's 2 cores, 912 and 957 s
 # beside another test file (the tiers run two at a time, README).
 @pytest.mark.timeout(1800)
 def test_math_multi_turn_learns_with_its_defaults(tmp_path):
