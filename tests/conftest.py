@@ -28,11 +28,14 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def shared_temp(tmp_path_factory) -> Path:
-    """A folder every worker of this pytest run sees: under pytest-xdist (the tiers' `-n 2`) each worker has a session
-    and a base temp of its own, siblings in one folder; without it, the session's base temp."""
+def shared_temp(tmp_path_factory, name: str) -> Path:
+    """The folder `name` that every worker of this pytest run sees, made if missing: under pytest-xdist (the tiers'
+    `-n 2`) each worker has a session and a base temp of its own, siblings in one folder; without it, the session's
+    base temp holds it."""
     base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    directory = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    directory.mkdir(exist_ok=True)
+    return directory
 
 
 @pytest.fixture(scope="session")
@@ -40,9 +43,7 @@ def cache_dir(tmp_path_factory):
     """One model cache for the whole pytest run: the small test model is warm-started once, not once per module or
     per worker (a worker that wants it while the other builds it waits, as a second run of a sweep does: assets.py,
     one_builder)."""
-    directory = shared_temp(tmp_path_factory) / "cache"
-    directory.mkdir(exist_ok=True)
-    return directory
+    return shared_temp(tmp_path_factory, "cache")
 
 
 @pytest.fixture(scope="session")
@@ -55,9 +56,7 @@ def warm_start_caches(tmp_path_factory):
 
     def cache_for(config):
         digest = hashlib.sha256(warm_start_identity(config).encode()).hexdigest()[:16]
-        directory = shared_temp(tmp_path_factory) / f"cache-{digest}"
-        directory.mkdir(exist_ok=True)
-        return directory
+        return shared_temp(tmp_path_factory, f"cache-{digest}")
 
     return cache_for
 
