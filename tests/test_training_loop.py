@@ -18,7 +18,7 @@ from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import parse_config
 from rlsys.data.dataset import load_rows, rows_fingerprint
 from rlsys.launcher import launch
-from rlsys.metrics import read_jsonl_metrics
+from rlsys.metrics import JsonlFollower, read_jsonl_metrics
 from rlsys.errors import RoleFailed
 from tests.helpers import (child_pids, command_line_run, final_books, left_behind, role_process,
                            small_run_overrides)
@@ -148,6 +148,21 @@ def assert_a_stopped_run_s_summary(run_dir: Path, signal_name: str) -> None:
     assert summary["prompts_accounted"] and summary["prompts"] == final_books(run_dir)
 
 
+def suspend_past_a_checkpoint(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Suspends the learner once it has published a step after its newest checkpoint, which a resume from that
+    checkpoint would lose. Suspended just after a save, while the staleness limit holds the rollout, it would have
+    lost nothing, as the summary then rightly says: it is let run to its next logged step and suspended again."""
+    learner = role_process(proc, "learner0")
+    while True:
+        learner.suspend()
+        checkpoint = latest_checkpoint(run_dir / "checkpoints")
+        logged = JsonlFollower(run_dir / "logs" / "learner.jsonl")()  # whole lines: published steps
+        if checkpoint and logged and logged[-1]["step"] > read_trainer_state(checkpoint)["step"]:
+            return
+        learner.resume()
+        next(line for line in proc.stdout if line.startswith("step"))
+
+
 def test_a_stopped_run_whose_learner_did_not_save_says_what_its_summary_holds(cache_dir, tmp_path):
     """A learner still running after the stop's grace is killed before its save: the summary gave the newest
     checkpoint's step beside the bus's books, which count prompts that checkpoint does not, as if they were its."""
@@ -155,7 +170,7 @@ def test_a_stopped_run_whose_learner_did_not_save_says_what_its_summary_holds(ca
     args = small_run_overrides(cache_dir, tmp_path) + ["max_steps=100000", "logging_steps=1", "trial_name=k",
                                                        "save_steps=2", "cluster.stop_grace_seconds=3"]
     with a_run_in_training(args, tmp_path, lambda: latest_checkpoint(run_dir / "checkpoints") is not None) as proc:
-        role_process(proc, "learner0").suspend()  # it can neither finish its step nor save: killed after the grace
+        suspend_past_a_checkpoint(proc, run_dir)  # it can neither finish its step nor save: killed after the grace
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     summary = json.loads((run_dir / "summary.json").read_text())
