@@ -4,6 +4,7 @@ schedule is part of the cached model's key."""
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -385,42 +386,82 @@ def test_a_dataset_given_without_a_model_warm_starts_the_tiny_model_on_its_rows(
     assert len(taught) == 1
 
 
+class StandInWarmStarts:
+    """Runs of `prepare_assets` in forked processes whose warm start is a stand-in: each records its build in
+    `builds`, sets `building` and waits for `release()` before it saves the model. Who builds, and who waits, is the
+    test. Each run's log lines come back on `said` as (name, line), and last its model's path. The release is a file,
+    not an Event: a process killed as it waits on an Event leaves the Event's lock held."""
+
+    def __init__(self, tmp_path, monkeypatch):
+        import multiprocessing
+
+        from rlsys.model import tiny
+
+        context = multiprocessing.get_context("fork")  # the children keep this stand-in for the warm start
+        self.context, self.tmp_path = context, tmp_path
+        self.building, self.said = context.Event(), context.Queue()
+        self.builds, self.released = tmp_path / "builds", tmp_path / "released"
+        monkeypatch.setattr(tiny, "prepare_tiny_model", self.build)
+
+    def build(self, cfg, seed, examples, directory, *args, **kwargs):
+        with open(self.builds, "a") as builds:
+            builds.write(f"{directory}\n")
+        self.building.set()
+        deadline = time.monotonic() + 60
+        while not self.released.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text("{}")
+
+    def release(self) -> None:
+        self.released.touch()
+
+    def start(self, name: str):
+        process = self.context.Process(target=self.run, args=(name,))
+        process.start()
+        return process
+
+    def run(self, name: str) -> None:
+        from rlsys import assets
+
+        config = parse_config([f"model.cache_dir={self.tmp_path}", "dataset.num_train=50", "dataset.num_eval=10"])
+        assets.prepare_assets(config, log=lambda line: self.said.put((name, line)))
+        self.said.put((name, f"model {config.model.path}"))
+
+    def second_waits(self) -> str:
+        """Starts "first", and "second" once the first builds: the model's path, once the second said it waits."""
+        self.first = self.start("first")
+        assert self.building.wait(60)
+        model = self.builds.read_text().strip()
+        self.second = self.start("second")
+        waiting = f"another run is warm-starting this tiny model ({model}): waiting for it"
+        assert self.said.get(timeout=60) == ("second", waiting)
+        return model
+
+
 def test_runs_started_together_warm_start_the_tiny_model_once(tmp_path, monkeypatch):
     """A sweep started at once (`... ppo.lr=1e-5 & ... ppo.lr=3e-5 &`) warm-started the same tiny model in each run,
     every one on the same cores, and the runs wrote and renamed one `.tmp` folder: now the first builds it, the others
     say they wait and train the model it built."""
-    import multiprocessing
+    runs = StandInWarmStarts(tmp_path, monkeypatch)
+    model = runs.second_waits()
+    runs.release()
+    runs.first.join(60), runs.second.join(60)
+    assert runs.first.exitcode == runs.second.exitcode == 0
+    assert dict(runs.said.get(timeout=5) for _ in range(2)) == {"first": f"model {model}", "second": f"model {model}"}
+    assert runs.builds.read_text() == f"{model}\n"  # built once
 
-    from rlsys import assets
-    from rlsys.model import tiny
 
-    context = multiprocessing.get_context("fork")  # the children keep this test's stand-in for the warm start
-    building, release, said = context.Event(), context.Event(), context.Queue()
-
-    def build(cfg, seed, examples, directory, *args, **kwargs):  # no warm start: who builds, and who waits, is the test
-        with open(tmp_path / "builds", "a") as builds:
-            builds.write(f"{directory}\n")
-        building.set()
-        release.wait(60)
-        directory.mkdir(parents=True)
-        (directory / "config.json").write_text("{}")
-
-    monkeypatch.setattr(tiny, "prepare_tiny_model", build)
-
-    def run(name):
-        config = parse_config([f"model.cache_dir={tmp_path}", "dataset.num_train=50", "dataset.num_eval=10"])
-        assets.prepare_assets(config, log=lambda line: said.put((name, line)))
-        said.put((name, f"model {config.model.path}"))
-
-    first = context.Process(target=run, args=("first",))
-    first.start()
-    assert building.wait(60)
-    model = (tmp_path / "builds").read_text().strip()
-    second = context.Process(target=run, args=("second",))
-    second.start()
-    assert said.get(timeout=60) == ("second", f"another run is warm-starting this tiny model ({model}): waiting for it")
-    release.set()
-    first.join(60), second.join(60)
-    assert first.exitcode == second.exitcode == 0
-    assert dict(said.get(timeout=5) for _ in range(2)) == {"first": f"model {model}", "second": f"model {model}"}
-    assert (tmp_path / "builds").read_text() == f"{model}\n"  # built once
+def test_a_run_killed_warm_starting_the_tiny_model_leaves_the_build_to_the_run_waiting(tmp_path, monkeypatch):
+    """The run that builds is killed (Ctrl-C, out of memory) before it saved the model: its lock goes with it, and
+    the run that waited builds the model itself rather than waiting for ever or taking a folder that is not there."""
+    runs = StandInWarmStarts(tmp_path, monkeypatch)
+    model = runs.second_waits()
+    runs.first.kill()
+    runs.first.join(60)
+    runs.release()
+    runs.second.join(60)
+    assert runs.second.exitcode == 0
+    assert runs.said.get(timeout=5) == ("second", f"model {model}")
+    assert runs.builds.read_text() == f"{model}\n{model}\n"  # the second built it too
+    assert (Path(model) / "config.json").exists()
