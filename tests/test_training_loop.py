@@ -18,7 +18,7 @@ from rlsys.checkpoint import latest_checkpoint, read_trainer_state
 from rlsys.cli import parse_config
 from rlsys.data.dataset import load_rows, rows_fingerprint
 from rlsys.launcher import launch
-from rlsys.metrics import JsonlFollower, read_jsonl_metrics
+from rlsys.metrics import read_jsonl_metrics
 from rlsys.errors import RoleFailed
 from tests.helpers import (child_pids, command_line_run, final_books, left_behind, role_process,
                            small_run_overrides)
@@ -148,19 +148,23 @@ def assert_a_stopped_run_s_summary(run_dir: Path, signal_name: str) -> None:
     assert summary["prompts_accounted"] and summary["prompts"] == final_books(run_dir)
 
 
-def suspend_past_a_checkpoint(proc: subprocess.Popen, run_dir: Path) -> None:
-    """Suspends the learner once it has published a step after its newest checkpoint, which a resume from that
-    checkpoint would lose. Suspended just after a save, while the staleness limit holds the rollout, it would have
-    lost nothing, as the summary then rightly says: it is let run to its next logged step and suspended again."""
-    learner = role_process(proc, "learner0")
+def suspend_past_a_checkpoint(proc: subprocess.Popen, run_dir: Path) -> int:
+    """Suspends the learner once it has logged a step after its newest checkpoint, which a resume from that
+    checkpoint trains again; returns that step. Stopped on a step's record alone, it may have saved the next step
+    since (its save comes before its record), or, suspended just after a save while the staleness limit holds the
+    rollout, have nothing a resume would lose, as a stopped run's summary then rightly says: it is let run to its
+    next logged step and suspended again."""
+    learner, records = role_process(proc, "learner0"), run_dir / "logs" / "learner.jsonl"
+    deadline = time.monotonic() + 600
     while True:
         learner.suspend()
-        checkpoint = latest_checkpoint(run_dir / "checkpoints")
-        logged = JsonlFollower(run_dir / "logs" / "learner.jsonl")()  # whole lines: published steps
-        if checkpoint and logged and logged[-1]["step"] > read_trainer_state(checkpoint)["step"]:
-            return
+        checkpoint, logged = latest_checkpoint(run_dir / "checkpoints"), last_logged_step(records)
+        if checkpoint and logged > read_trainer_state(checkpoint)["step"]:
+            return logged
         learner.resume()
-        next(line for line in proc.stdout if line.startswith("step"))
+        while last_logged_step(records) == logged:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run stopped logging steps"
+            time.sleep(0.01)
 
 
 def test_a_stopped_run_whose_learner_did_not_save_says_what_its_summary_holds(cache_dir, tmp_path):
@@ -389,16 +393,16 @@ def test_a_run_killed_after_a_checkpoint_and_resumed_counts_the_steps_after_it_o
     learner_metrics = run_dir / "logs" / "learner.jsonl"
     with command_line_run(tmp_path, args + ["max_steps=100000"]) as proc:
         deadline = time.monotonic() + 600
-        while not ((killed_at := last_logged_step(learner_metrics)) >= 6 and killed_at % 4 in (2, 3)):
+        while last_logged_step(learner_metrics) < 5:  # past its first checkpoint, at step 4
             assert proc.poll() is None and time.monotonic() < deadline, proc.output()[-3000:]
             time.sleep(0.01)
+        killed_at = suspend_past_a_checkpoint(proc, run_dir)  # steps it will train again
         children = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(signal.SIGKILL)  # the roles die with it, the suspended learner too
         proc.wait()
     psutil.wait_procs(children, timeout=20)
     checkpoint = read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))
-    killed_at = last_logged_step(learner_metrics)
-    assert killed_at > checkpoint["step"], (killed_at, checkpoint["step"])  # steps it will train again
+    assert last_logged_step(learner_metrics) == killed_at > checkpoint["step"], (killed_at, checkpoint["step"])
 
     final = checkpoint["step"] + 3
     summary = launch(parse_config(args + [f"max_steps={final}", "resume_from_checkpoint=auto"]))
