@@ -80,8 +80,8 @@ def test_get_many_returns_empty_after_timeout(bus):
 def test_get_many_returns_at_once_when_data_is_there(bus):
     bus.put_many("q", ["a", "b"])
     start = time.monotonic()
-    assert bus.get_many("q", 10, timeout=5) == ["a", "b"]  # does not wait for more than what is there
-    assert time.monotonic() - start < 0.1
+    assert bus.get_many("q", 10, timeout=30) == ["a", "b"]  # does not wait for more than what is there
+    assert time.monotonic() - start < 5  # nor its timeout: a bound a loaded machine's stalls stay far under
 
 
 def test_get_many_with_zero_timeout_does_not_block(bus):
@@ -89,7 +89,7 @@ def test_get_many_with_zero_timeout_does_not_block(bus):
     assert bus.get_many("q", 10, timeout=0) == []
     bus.put("q", 1)
     assert bus.get_many("q", 10, timeout=0) == [1]
-    assert time.monotonic() - start < 0.1
+    assert time.monotonic() - start < 2  # BLPOP 0 would block for ever; 2 s is far above a loaded machine's stalls
 
 
 def test_producer_thread_wakes_blocked_consumer(bus):

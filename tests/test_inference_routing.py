@@ -271,7 +271,8 @@ def test_a_dead_worker_s_requests_are_resent_and_episodes_finish():
         dying = ScriptedEngine(counting_policy, tokens_per_step=1)
         workers = [DyingWorker(dying, bus, 0, max_batch_requests=64, steps=5),
                    InferenceWorker(survivor, bus, 1, max_batch_requests=64)]
-        async with serving(bus, workers, dead_after=0.5) as router:
+        # 8 beats: a survivor's beat thread starved for a second on a loaded machine must not look dead
+        async with serving(bus, workers, dead_after=2) as router:
             while not all(router.workers.is_alive(i) for i in range(2)):
                 await asyncio.sleep(0.01)
             requests = [[(f"e{e}", [e], LONG)] for e in range(6)]

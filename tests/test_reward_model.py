@@ -121,11 +121,13 @@ def test_pairs_whose_caller_gave_up_are_not_scored(reward_model_path):
     """Timed out, a pair still queued is dropped: scoring it for nobody would only push later pairs past their own
     timeouts."""
     scorer = RewardModelScorer(reward_model_path, batch_size=1)
-    passes = []
-    scorer.forward = lambda pairs: passes.append(len(pairs)) or time.sleep(0.3) or [1.0] * len(pairs)
+    passes, gave_up = [], threading.Event()
+    # each pass lasts until the caller has given up (a fixed pass could end first on a loaded machine), then none
+    scorer.forward = lambda pairs: passes.append(len(pairs)) or gave_up.wait(30) and [1.0] * len(pairs)
     scores = asyncio.run(scorer.score(["p"] * 4, ["a!"] * 4, timeout=0.1))
+    gave_up.set()
     assert [s.status for s in scores] == ["timeout"] * 4
-    time.sleep(1.5)  # the four passes would be over by now
+    time.sleep(1.5)  # the other three passes, instant now, would be over by now
     assert len(passes) <= 1  # at most the one in progress when the caller gave up
     scorer.close()
 
