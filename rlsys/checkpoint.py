@@ -115,7 +115,8 @@ class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         import torch
 
-        if (module, name) in _INDEX_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _INDEX_CLASSES or is_dtype:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name}")
 

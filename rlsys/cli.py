@@ -178,7 +178,8 @@ def split_argv(argv: list[str]) -> tuple[bool, list[str], list[str]]:
             if not _:
                 value = next(args, None)
             if not value:
-                raise ConfigError(f"{option} needs a value: --config FILE.yaml, or --config_path DIR --config_name NAME")
+                raise ConfigError(f"{option} needs a value: --config FILE.yaml, "
+                                  "or --config_path DIR --config_name NAME")
             if CONFIG_OPTIONS[option] == "config":
                 config_files.append(value)
             elif CONFIG_OPTIONS[option] in named:

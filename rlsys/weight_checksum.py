@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 def weights_checksum(tensors: dict[str, torch.Tensor], dtype: str | None = None) -> str:
     """Digest of every tensor's name, dtype, shape and bytes (as their integer sums), in name order.
 
-    `dtype` (a torch dtype name): cast each floating tensor to it first, so a learner training in float32 can compute the
-    checksum of the bfloat16 copy an engine holds."""
+    `dtype` (a torch dtype name): cast each floating tensor to it first, so a learner training in float32 can compute
+    the checksum of the bfloat16 copy an engine holds."""
     cast = getattr(torch, dtype) if dtype else None
     devices = {t.device for t in tensors.values()}
     if len(devices) == 1 and (device := devices.pop()).type in GRAPH_CAPTURE and device.type not in _eager:

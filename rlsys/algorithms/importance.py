@@ -6,7 +6,8 @@ import torch
 
 def truncated_importance_weights(learner_logprobs: torch.Tensor, inference_logprobs: torch.Tensor,
                                  mask: torch.Tensor, cap: float) -> torch.Tensor:
-    """w_t = min(pi_learner(a_t) / pi_inference(a_t), C) = min(exp(logp_learner - logp_inference), C), 0 where mask is 0.
+    """w_t = min(pi_learner(a_t) / pi_inference(a_t), C) = min(exp(logp_learner - logp_inference), C); 0 where
+    mask is 0.
 
     The same weights give two numerically different policies on the same tokens (a sampler in bf16 with its
     own kernels, a learner in fp32): the policy gradient is estimated with samples from pi_inference while

@@ -62,8 +62,9 @@ def find_redis_server() -> str:
     output = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
     found = re.search(r"v=(\d+)\.(\d+)", output)
     if found and tuple(map(int, found.groups())) < MIN_VERSION:
-        raise EmbeddedRedisError(f"{binary} is Redis {found[1]}.{found[2]}; rlsys needs {MIN_VERSION[0]}.{MIN_VERSION[1]} "
-                                 "or newer (stream consumer groups with claims); install a newer redis-server")
+        raise EmbeddedRedisError(f"{binary} is Redis {found[1]}.{found[2]}; rlsys needs "
+                                 f"{MIN_VERSION[0]}.{MIN_VERSION[1]} or newer (stream consumer groups with claims); "
+                                 "install a newer redis-server")
     return binary
 
 

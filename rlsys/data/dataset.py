@@ -43,7 +43,8 @@ SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": 
 FORMATS = "a JSONL, JSON, Parquet or Arrow file, or a directory written by Dataset.save_to_disk"
 
 
-def load_rows(path: str | Path, row_format: RowFormat = RowFormat(), agent_names: list[str] | None = None) -> list[dict]:
+def load_rows(path: str | Path, row_format: RowFormat = RowFormat(),
+              agent_names: list[str] | None = None) -> list[dict]:
     """The rows of the dataset at `path`, each checked and in the one shape above; with `agent_names`, a
     row's `agent_name` must be one of them."""
     path = Path(path)
@@ -206,7 +207,8 @@ def _chat(prompt, where: str) -> list[dict]:
             # a column of messages gets every key any message has, None where a message lacks it
             messages.append({k: v for k, v in message.items() if v is not None})
     else:
-        raise DatasetError(f"{where} must be a string or a non-empty list of chat messages, got {type(prompt).__name__}")
+        raise DatasetError(f"{where} must be a string or a non-empty list of chat messages, "
+                           f"got {type(prompt).__name__}")
     if not any(message["content"].strip() for message in messages):  # the model would be asked nothing
         raise DatasetError(f"{where} is empty" + ("" if isinstance(prompt, str) else " (every message's content is)"))
     return messages

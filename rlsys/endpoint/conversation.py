@@ -108,7 +108,8 @@ class Conversation:
         a client that sends them back (ReAct's "Observation:", a template's end of turn) must not be continued from
         ids that hold them already (the model saw them twice); one that sends something else in their place starts
         a new sample."""
-        completions = sorted((s for s in self.samples if s.text is not None), key=lambda s: -len(s.transcript.token_ids))
+        completions = sorted((s for s in self.samples if s.text is not None),
+                             key=lambda s: -len(s.transcript.token_ids))
         for sample in completions:
             ids = sample.transcript.token_ids
             if isinstance(prompt, list) and prompt[:len(ids)] == ids:

@@ -40,7 +40,8 @@ def convert(source: str | Path, out_dir: str | Path, dtype: str = "float32") -> 
 
     source = smollm2_gguf() if str(source) == SMOLLM2 else Path(source)
     if not source.exists():
-        raise FileNotFoundError(f"{source} does not exist; give a .gguf file, an HF checkpoint directory or {SMOLLM2!r}")
+        raise FileNotFoundError(f"{source} does not exist; give a .gguf file, an HF checkpoint directory "
+                                f"or {SMOLLM2!r}")
     if source.is_dir():
         directory, kwargs = source, {}
     elif source.suffix == ".gguf":

@@ -43,8 +43,8 @@ def gpu_layout(cluster, inference, devices: list[str]) -> dict[tuple[str, int], 
                              f"{cluster.n_inference_workers} inference workers x {per_worker}, tensor parallel {tp}), "
                              f"this machine has {len(devices)}: {fits}")
     if cluster.n_learner_ranks > 1 and not per_rank:
-        raise PlacementError(f"cluster.n_learner_ranks={cluster.n_learner_ranks} on a GPU machine needs a GPU per rank: "
-                             f"set cluster.learner_gpus={cluster.n_learner_ranks}")
+        raise PlacementError(f"cluster.n_learner_ranks={cluster.n_learner_ranks} on a GPU machine needs a GPU per "
+                             f"rank: set cluster.learner_gpus={cluster.n_learner_ranks}")
     layout = {}
     for rank in range(cluster.n_learner_ranks if per_rank else 0):
         layout[("learner", rank)] = ",".join(devices[rank * per_rank:(rank + 1) * per_rank])

@@ -228,16 +228,18 @@ class RayPlacement(Placement):
                                   ("rollout", cluster.n_rollout_workers, 0)):
             custom = cluster.resources(role)
             for index in range(count):
-                self.bundles[(role, index)] = (len(bundles), dict(num_cpus=CPUS_PER_ROLE, num_gpus=gpus, resources=custom))
+                options = dict(num_cpus=CPUS_PER_ROLE, num_gpus=gpus, resources=custom)
+                self.bundles[(role, index)] = (len(bundles), options)
                 bundles.append({"CPU": CPUS_PER_ROLE, **({"GPU": gpus} if gpus else {}), **custom})
         tp = config.inference.tensor_parallel_size
         if tp > max(cluster.gpus_per_inference_worker, 1):
-            raise PlacementError(f"inference.tensor_parallel_size={tp} on Ray needs cluster.gpus_per_inference_worker >= {tp} "
-                                 f"(it is {cluster.gpus_per_inference_worker}): an actor sees only the GPUs it asked for")
+            raise PlacementError(f"inference.tensor_parallel_size={tp} on Ray needs "
+                                 f"cluster.gpus_per_inference_worker >= {tp} (it is "
+                                 f"{cluster.gpus_per_inference_worker}): an actor sees only the GPUs it asked for")
         if cluster.ray_address.startswith("ray://") and not cluster.redis_url:
-            raise PlacementError("cluster.ray_address=ray://... runs this launcher off the cluster, where a private Redis "
-                                 "is out of the nodes' reach: set cluster.redis_url to a Redis every node reaches, or run "
-                                 "the command on a node of the cluster with cluster.ray_address=auto")
+            raise PlacementError("cluster.ray_address=ray://... runs this launcher off the cluster, where a private "
+                                 "Redis is out of the nodes' reach: set cluster.redis_url to a Redis every node "
+                                 "reaches, or run the command on a node of the cluster with cluster.ray_address=auto")
         sigterm_left_to_the_launcher(lambda: join_or_start_ray(cluster, CPUS_PER_ROLE * len(bundles)))
         # other nodes reach a private Redis on this node's address; a Ray of this run's own has only this machine
         self.bus_host = ray.util.get_node_ip_address() if cluster.ray_address else "127.0.0.1"

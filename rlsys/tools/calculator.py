@@ -67,7 +67,8 @@ def _eval(node: ast.AST, depth: int) -> int | float:
         if isinstance(node.op, ast.Pow):
             _check_power(left, right)
         return _bounded(BINARY[type(node.op)](left, right))
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS and not node.keywords:
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS
+            and not node.keywords):
         args = [_eval(arg, depth + 1) for arg in node.args]
         _check_call(node.func.id, args)
         return _bounded(FUNCTIONS[node.func.id](*args))

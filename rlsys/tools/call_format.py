@@ -78,7 +78,8 @@ def decode_call(body: str, tools: dict[str, dict]) -> ToolCall | DecodeError:
         return DecodeError(body, f"a call must be a JSON object with keys {sorted(CALL_KEYS)}")
     if set(call) != CALL_KEYS:
         missing, extra = sorted(CALL_KEYS - set(call)), sorted(set(call) - CALL_KEYS)
-        return DecodeError(body, "; ".join([f"missing {missing}"] * bool(missing) + [f"unexpected {extra}"] * bool(extra)))
+        problems = [f"missing {missing}"] * bool(missing) + [f"unexpected {extra}"] * bool(extra)
+        return DecodeError(body, "; ".join(problems))
     name, arguments = call["name"], call["arguments"]
     if not isinstance(name, str) or name not in tools:
         return DecodeError(body, f"unknown tool {name!r}; tools: {', '.join(sorted(tools))}")

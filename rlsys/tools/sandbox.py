@@ -369,7 +369,8 @@ def outcome(report: dict, output: CappedOutput, ending: Ending, limits: SandboxL
     if ending.timed_out:
         return "timeout", f"wall time limit of {limits.wall_seconds:g}s exceeded; killed"
     if ending.cpu_exceeded:
-        return "cpu_limit", f"CPU time limit of {limits.cpu_seconds}s exceeded by the sandbox's processes together; killed"
+        return "cpu_limit", (f"CPU time limit of {limits.cpu_seconds}s exceeded by the sandbox's processes "
+                             "together; killed")
     if output.overflowed:
         return "output_limit", f"output exceeded {limits.output_bytes} bytes; killed"
     if ending.oom_kills:

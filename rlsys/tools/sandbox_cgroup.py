@@ -5,8 +5,8 @@ limit together).
 Both layouts are handled: cgroup v2 (one unified tree) and v1 (a tree per controller, as on hybrid
 machines that mount v2 at /sys/fs/cgroup/unified without controllers). The run's cgroup is made
 inside the caller's own, so any limit the caller is under still applies (v2: in the root cgroup where
-the caller's own cannot have children with controllers; not tested here, our machines are v1). Memory counts swap where the
-kernel allows (memsw / swap.max) and shmem: tmpfs, /dev/shm and memfd pages are charged to it. Socket
+the caller's own cannot have children with controllers; not tested here, our machines are v1). Memory counts swap
+where the kernel allows (memsw / swap.max) and shmem: tmpfs, /dev/shm and memfd pages are charged to it. Socket
 buffers count too (v1: apart, under a limit of the same size).
 CPU is not throttled but counted; the parent reads `cpu_seconds()` and ends the run past its limit.
 Where no cgroup can be made (a non-root user without delegation), `SandboxCgroup.create` raises
@@ -41,7 +41,8 @@ class SandboxCgroup:
             cgroup = cls({}, 1)
             for controller in V1_CONTROLLERS:
                 try:
-                    cgroup.dirs[controller] = make_dir(os.path.join(ROOT, controller, own[controller].lstrip("/"), name))
+                    own_dir = own[controller].lstrip("/")
+                    cgroup.dirs[controller] = make_dir(os.path.join(ROOT, controller, own_dir, name))
                 except OSError:
                     cgroup.remove()
                     raise

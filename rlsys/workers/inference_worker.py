@@ -150,7 +150,8 @@ class InferenceWorker:
 
     def take_requests(self, timeout: float) -> None:
         copies = 0
-        for message in self.bus.get_many(self.queue, self.max_batch_requests, timeout, protocol.MAX_QUEUE_MESSAGE_BYTES):
+        messages = self.bus.get_many(self.queue, self.max_batch_requests, timeout, protocol.MAX_QUEUE_MESSAGE_BYTES)
+        for message in messages:
             try:
                 if isinstance(message, Undecodable):
                     raise InvalidMessage(message.reason)

@@ -47,7 +47,8 @@ class RolloutStrategy:
     mode: str = "chain"
     """chain: each of the group's first responses goes on as one chain; tree: turns 2..tree_depth+1 branch."""
     tree_branching: int = 2
-    """tree: responses per node at a branching turn (a prompt yields <= group_size * tree_branching**tree_depth leaves)."""
+    """tree: responses per node at a branching turn (a prompt yields <= group_size * tree_branching**tree_depth
+    leaves)."""
     tree_depth: int = 1
     """tree: how many turns after the first branch; later turns go on as chains."""
     single_turn_samples: bool = False
@@ -86,7 +87,9 @@ async def gather_or_cancel(coroutines) -> list:
 def context_limit(model_path: str) -> int:
     """The model's own limit on prompt + response (max_position_embeddings), or none if it does not say."""
     config = Path(model_path) / "config.json"
-    return json.loads(config.read_text()).get("max_position_embeddings", sys.maxsize) if config.exists() else sys.maxsize
+    if not config.exists():
+        return sys.maxsize
+    return json.loads(config.read_text()).get("max_position_embeddings", sys.maxsize)
 
 
 def token_key(token_ids: list[int]) -> str:
