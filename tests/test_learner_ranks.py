@@ -16,12 +16,13 @@ import torch.multiprocessing as mp
 
 from rlsys.api import Trajectory
 from rlsys.bus import InProcessBus
+from rlsys.bus.redis_server import free_port
 from rlsys.checkpoint import SHARDED_STATE, read_trainer_state
 from rlsys.cli import config_from_dict, config_to_dict, parse_config
 from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.placement.local import LocalPlacement
-from rlsys.protocol import role_name
+from rlsys.protocol import RENDEZVOUS_LISTEN_FD, role_name
 from rlsys.workers.learner import Learner
 from tests.helpers import child_pids, left_behind, small_run_overrides, summing_rank
 from tests.test_learner import learner_config, mixed_length_batch
@@ -43,13 +44,23 @@ SETTINGS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous() -> socket.socket:
+    """Rank 0's rendezvous socket, bound here and handed to the ranks, as LocalPlacement does: a port picked free here
+    and bound by rank 0 once spawned, seconds later, could be taken by then (the other test file's servers, the
+    ephemeral ports of its connections)."""
+    return socket.create_server(("127.0.0.1", 0))
 
 
-def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: list[dict], run_dir: str,
+def meet_at(rank: int, listener: socket.socket) -> None:
+    """The rendezvous environment of `rank`: rank 0 serves on `listener` (rlsys.distributed.rendezvous_store)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(listener.getsockname()[1]))
+    if rank == 0:
+        os.environ[RENDEZVOUS_LISTEN_FD] = str(listener.detach())
+    else:
+        listener.close()
+
+
+def one_step_at_rank(rank: int, world: int, listener: socket.socket, payload: dict, batch: list[dict], run_dir: str,
                      clock: list[float] | None = None) -> None:
     """A learner rank, built as the learner role builds it: one train step on `batch`, then a checkpoint; rank 0
     writes the gathered weights. clock: the first step measures the layout (as on a GPU in bfloat16), with a clock
@@ -58,7 +69,7 @@ def one_step_at_rank(rank: int, world: int, port: int, payload: dict, batch: lis
     from rlsys.roles import freeze_start_up_heap
 
     faulthandler.enable(all_threads=True)  # a native abort (at teardown, say) shows where each thread was
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    meet_at(rank, listener)
     torch.set_num_threads(1)
     gc.disable()  # as the learner role does until it is built: the heap it built is then frozen
     ranks = join_ranks(rank, world)
@@ -108,7 +119,7 @@ def test_two_ranks_take_the_single_rank_step_and_their_checkpoint_resumes_on_one
 
     run_dir = tmp_path / "two"
     run_dir.mkdir()
-    mp.start_processes(one_step_at_rank, args=(2, free_port(), config_to_dict(config), [t.to_dict() for t in batch],
+    mp.start_processes(one_step_at_rank, args=(2, rendezvous(), config_to_dict(config), [t.to_dict() for t in batch],
                                                str(run_dir)), nprocs=2, start_method="spawn")
 
     sharded = torch.load(run_dir / "params.pt", weights_only=True)
@@ -130,10 +141,43 @@ def test_two_ranks_take_the_single_rank_step_and_their_checkpoint_resumes_on_one
         got, expected = optimizer.state_dict()["state"], reference.state_dict()["state"]
         assert len(got) == len(expected) == len(list(model.parameters()))
         for i in expected:
-            assert got[i]["step"].item() == expected[i]["step"].item() == config.ppo.ppo_epochs * config.ppo.num_mini_batches
+            assert (got[i]["step"].item() == expected[i]["step"].item()
+                    == config.ppo.ppo_epochs * config.ppo.num_mini_batches)
             assert torch.allclose(got[i]["exp_avg"], expected[i]["exp_avg"], atol=1e-7, rtol=1e-4)
             assert torch.allclose(got[i]["exp_avg_sq"], expected[i]["exp_avg_sq"], atol=1e-10, rtol=1e-3)
     assert resumed.scheduler.state_dict()["last_epoch"] == single.scheduler.state_dict()["last_epoch"]
+
+
+def test_two_ranks_step_alike_through_mini_batches_that_cannot_move_the_policy_and_void_ones(tmp_path):
+    """A mini-batch none of whose sequences can move the policy (its group's rewards all equal) takes its step on zero
+    gradients without a pass (PolicyTrainer.zero_gradients), and one of void trajectories takes none: every rank must
+    choose alike, or their collectives would not meet, and the zero gradients must be sharded as the parameters are.
+    One trajectory a mini-batch, so the step takes each kind, and weight decay, so that every step taken moves."""
+    config = learner_config(tmp_path)
+    config.ppo.lr, config.ppo.ppo_epochs, config.ppo.weight_decay = 1e-3, 1, 0.1
+    config.ppo.mask_void_trajectories, config.ppo.num_mini_batches = True, 6
+    single = Learner(config, InProcessBus(), tmp_path / "single")
+    batch = mixed_length_batch(single.model, random.Random(0), groups=3)[:6]  # groups g0 g1 g2 g0 g1 g2
+    for t in batch:
+        if t.group_id == "g0":  # one reward for the whole group: zero advantage
+            t.turn_rewards, t.reward = [0.5, 0.5], 1.0
+        if t.group_id == "g1":  # a turn with neither an action nor an answer: out of the loss
+            t.void = True
+    before = {k: v.clone() for k, v in single.model.state_dict().items()}
+    zeroed, zero_gradients = [], single.zero_gradients
+    single.zero_gradients = lambda sequences: zeroed.append(sequences) or zero_gradients(sequences)
+    single.train_step(batch)
+    assert zeroed == [1, 1]
+    assert single.scheduler.state_dict()["last_epoch"] == 4  # the void mini-batches took no step
+
+    run_dir = tmp_path / "two"
+    run_dir.mkdir()
+    mp.start_processes(one_step_at_rank, args=(2, rendezvous(), config_to_dict(config), [t.to_dict() for t in batch],
+                                               str(run_dir)), nprocs=2, start_method="spawn")
+    sharded = torch.load(run_dir / "params.pt", weights_only=True)
+    for key, value in single.model.state_dict().items():
+        assert torch.allclose(sharded[key], value, atol=1e-5, rtol=0), key
+    assert max((single.model.state_dict()[k] - before[k]).abs().max() for k in before) > 1e-4
 
 
 def test_two_ranks_measure_the_layout_and_keep_the_same_one_the_faster_on_the_slowest_rank(tmp_path):
@@ -149,7 +193,7 @@ def test_two_ranks_measure_the_layout_and_keep_the_same_one_the_faster_on_the_sl
 
     run_dir = tmp_path / "two"
     run_dir.mkdir()
-    mp.start_processes(measuring_rank, args=(2, free_port(), config_to_dict(config), [t.to_dict() for t in batch],
+    mp.start_processes(measuring_rank, args=(2, rendezvous(), config_to_dict(config), [t.to_dict() for t in batch],
                                              str(run_dir)), nprocs=2, start_method="spawn")
     slowest = {"layout/packed_seconds": 1.0, "layout/padded_seconds": 2.0}
     assert [json.loads((run_dir / f"layout-{rank}.json").read_text()) for rank in (0, 1)] == [["packed", slowest]] * 2
@@ -164,8 +208,9 @@ CLOCKS = {0: [0, 1, 1, 2, 2, 3, 3, 3.5],  # packed 1.0, padded 0.5
           1: [0, 1, 1, 2, 2, 2.8, 3, 5]}  # packed 0.8, padded 2.0
 
 
-def measuring_rank(rank: int, world: int, port: int, payload: dict, batch: list[dict], run_dir: str) -> None:
-    one_step_at_rank(rank, world, port, payload, batch, run_dir, clock=CLOCKS[rank])
+def measuring_rank(rank: int, world: int, listener: socket.socket, payload: dict, batch: list[dict],
+                   run_dir: str) -> None:
+    one_step_at_rank(rank, world, listener, payload, batch, run_dir, clock=CLOCKS[rank])
 
 
 @pytest.mark.slow
@@ -205,6 +250,7 @@ def test_the_ranks_rendezvous_listens_on_the_master_address_alone(tmp_path):
     """torch's env:// rendezvous served its store (no password) on every interface, whatever MASTER_ADDR said: on one
     machine, loopback is where the ranks meet."""
     found = tmp_path / "listeners.json"
+    # a port rank 0 binds itself, as where no launcher holds one for it (ranks started by hand)
     mp.start_processes(rendezvous_listeners_at_rank, args=(2, free_port(), str(found)), nprocs=2,
                        start_method="spawn")
     assert json.loads(found.read_text()) == ["127.0.0.1"]
