@@ -1,7 +1,8 @@
 """Endpoint throughput: generated tokens per second through the OpenAI-compatible endpoint vs the queue path vs
 the engine alone, in one run.
 
-    python3 bench/endpoint_throughput.py [--episodes 256] [--concurrency 64] [--repeats 3] [--only-endpoint] [key=value ...]
+    python3 bench/endpoint_throughput.py [--episodes 256] [--concurrency 64] [--repeats 3]
+        [--only-endpoint] [key=value ...]
 
 The same prompts and settings on every side (the default experiment's: 8 samples per prompt, up to 8 new
 tokens, temperature 1, the default tiny model), set up as bench/rollout_throughput.py does. An agent's

@@ -112,8 +112,8 @@ def main() -> None:
     for r in results:
         learner = (f"{r['learner_compute_s']:>10.2f} {r['learner_wait_s']:>7.2f} {r['turns_per_episode']:>6.2f} "
                    f"{r[STALENESS_MEAN]:>9.2f}" if r["setting"] != "trl" else f"{'-':>10} {'-':>7} {'-':>6} {'-':>9}")
-        print(f"{r['setting']:<7} {r['env_latency']:>7g} {r['samples_per_second']:>10.1f} {r['seconds_per_step']:>7.2f} "
-              f"{learner}")
+        print(f"{r['setting']:<7} {r['env_latency']:>7g} {r['samples_per_second']:>10.1f} "
+              f"{r['seconds_per_step']:>7.2f} {learner}")
     low, high = latencies[0], latencies[-1]
     ratios = {f"{name}_latency_ratio": throughput(name, high) / throughput(name, low) for name in ("async", "sync")}
     ratios["async_over_sync"] = throughput("async", high) / throughput("sync", high)

@@ -72,7 +72,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--budget", type=int, default=2048, help="tokens per micro-batch (ppo.max_tokens_per_micro_batch)")
+    parser.add_argument("--budget", type=int, default=2048,
+                        help="tokens per micro-batch (ppo.max_tokens_per_micro_batch)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--out", default="bench/results/learner_throughput.json")
@@ -94,7 +95,8 @@ def main() -> None:
                 learner.train_step(trajectories)
                 times[name].append(time.perf_counter() - started)
 
-    computed = {"packed": tokens, "padded": sum(mb.num_tokens for mb in _padded_layout(learners["padded"], trajectories))}
+    computed = {"packed": tokens,
+                "padded": sum(mb.num_tokens for mb in _padded_layout(learners["padded"], trajectories))}
     rows = {name: {"tokens_per_second": tokens / statistics.median(t), "seconds": t, "computed_tokens": computed[name]}
             for name, t in times.items()}
     ratio = rows["packed"]["tokens_per_second"] / rows["padded"]["tokens_per_second"]

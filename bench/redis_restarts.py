@@ -1,6 +1,7 @@
 """A run whose private redis-server is shut down again and again: does it finish, with every prompt accounted?
 
-    python3 bench/redis_restarts.py [--restarts 12] [--every 3] [--after 20] [--out bench/results/redis_restarts.json] [key=value ...]
+    python3 bench/redis_restarts.py [--restarts 12] [--every 3] [--after 20]
+        [--out bench/results/redis_restarts.json] [key=value ...]
 
 Runs `training/main_async_ppo.py` (the default experiment, `max_steps=60` unless overridden) in a fresh
 output directory and, from `--after` seconds on, sends its redis-server SIGTERM every `--every` seconds,

@@ -60,7 +60,8 @@ def main() -> None:
             result = other_process(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=-all",
                                     "--bounding-set=-all"], "/usr/bin/python3", "nobody")
             columns[f"nobody: {result['mode']}"] = result
-        result = other_process(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin"], sys.executable, "root")
+        result = other_process(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin"],
+                               sys.executable, "root")
         columns[f"root without CAP_SYS_ADMIN: {result['mode']}"] = result
     attacks = list(next(iter(columns.values()))["results"])
     width = max(map(len, attacks)) + 2

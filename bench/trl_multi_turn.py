@@ -32,8 +32,9 @@ class SumsRollout:
         from trl.models import unwrap_model_for_generation
 
         # As TRL's own generation does: gradient checkpointing off (it would also turn the KV cache off).
-        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
-                                         gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs) as model:
+        with unwrap_model_for_generation(
+                trainer.model_wrapped, trainer.accelerator,
+                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs) as model:
             return self.play(model, prompts)
 
     def play(self, model, prompts: list[list[dict]]) -> dict:

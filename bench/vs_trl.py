@@ -147,7 +147,8 @@ def trl_arguments(config, steps: int, out_dir: Path, device: str = "cpu", **chan
 
     ppo, group = config.ppo, config.group_size
     settings = dict(
-        output_dir=str(out_dir / "trl"), use_cpu=device == "cpu", report_to="none", save_strategy="no", logging_steps=10,
+        output_dir=str(out_dir / "trl"), use_cpu=device == "cpu", report_to="none", save_strategy="no",
+        logging_steps=10,
         seed=config.seed, data_seed=config.seed, shuffle_dataset=False, max_steps=steps * ppo.ppo_epochs,
         per_device_train_batch_size=ppo.batch_size * group, gradient_accumulation_steps=1, num_generations=group,
         num_iterations=ppo.ppo_epochs, learning_rate=ppo.lr, lr_scheduler_type="constant", warmup_steps=0,

@@ -12,6 +12,6 @@ from experiments.common import AsyncRLExperimentConfig, PPOMATHConfig
 from rlsys.api.experiment import EXPERIMENTS, register_experiment
 
 __all__ = ["AsyncPPOMATHConfig", "AsyncPPOMATHToolsConfig", "AsyncPPOMixedGamesConfig", "AsyncPPOFrozenLakeConfig",
-           "AsyncPPOMathLongConfig", "AsyncPPOMathMultiTurnConfig", "AsyncPPOOpenAIAgentConfig", "AsyncPPOSokobanConfig",
-           "AsyncPPOTextGameConfig", "AsyncPPOTurnBasedConfig", "AsyncPPOWebShopConfig", "AsyncRLExperimentConfig",
-           "PPOMATHConfig", "EXPERIMENTS", "register_experiment"]
+           "AsyncPPOMathLongConfig", "AsyncPPOMathMultiTurnConfig", "AsyncPPOOpenAIAgentConfig",
+           "AsyncPPOSokobanConfig", "AsyncPPOTextGameConfig", "AsyncPPOTurnBasedConfig", "AsyncPPOWebShopConfig",
+           "AsyncRLExperimentConfig", "PPOMATHConfig", "EXPERIMENTS", "register_experiment"]

@@ -53,7 +53,8 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
     def __post_init__(self):
         super().__post_init__()
         if not 0 < self.frozen_lake_share < 1:
-            raise ValueError(f"frozen_lake_share must be in (0, 1): both games in the run, got {self.frozen_lake_share}")
+            raise ValueError("frozen_lake_share must be in (0, 1): both games in the run, "
+                             f"got {self.frozen_lake_share}")
         check_at_least("", self, num_turns=1, invalid_action_penalty=0, eval_invalid_action_penalty=0)
         check_fraction("", self, "turn_discount", "warm_start_hint")
         refuse_unapplied_turn_discount(self)
@@ -72,7 +73,8 @@ class AsyncPPOMixedGamesConfig(AsyncPPOMATHConfig):
                       warm_start_hint=self.warm_start_hint,
                       invalid_action_penalty=self.invalid_action_penalty if penalty is None else penalty)
         lake = DatasetConfig(num_train=max(1, round(share * d.num_train)), num_eval=max(1, round(share * d.num_eval)))
-        room = DatasetConfig(num_train=max(1, d.num_train - lake.num_train), num_eval=max(1, d.num_eval - lake.num_eval))
+        room = DatasetConfig(num_train=max(1, d.num_train - lake.num_train),
+                             num_eval=max(1, d.num_eval - lake.num_eval))
         return {"frozen-lake": AsyncPPOFrozenLakeConfig(dataset=lake, **common),
                 "sokoban": AsyncPPOSokobanConfig(dataset=room, **common)}
 

@@ -16,7 +16,8 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from rlsys.endpoint.http_client import shared_http_client
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "arithmetic",
-                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                           "parameters": {"type": "object",
+                                                          "properties": {"expression": {"type": "string"}},
                                                           "required": ["expression"]}}}]
 RESPONSES: list = []  # what the functions got back, per call
 SEEN: dict = {}  # what probing_run observed

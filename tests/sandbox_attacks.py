@@ -90,8 +90,10 @@ print(json.dumps({path: attempt(libc.mount(None, path.encode(), None, MS_REMOUNT
 """
 NAMESPACES = """
 CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
-print(json.dumps({"unshare-user": attempt(libc.unshare(CLONE_NEWUSER)), "unshare-mount": attempt(libc.unshare(CLONE_NEWNS)),
-                  "ptrace-traceme": attempt(libc.ptrace(0, 0, None, None)), "keyctl": attempt(libc.syscall(250, 0, 0, 0, 0))}))
+print(json.dumps({"unshare-user": attempt(libc.unshare(CLONE_NEWUSER)),
+                  "unshare-mount": attempt(libc.unshare(CLONE_NEWNS)),
+                  "ptrace-traceme": attempt(libc.ptrace(0, 0, None, None)),
+                  "keyctl": attempt(libc.syscall(250, 0, 0, 0, 0))}))
 """
 WRITE_HOST = """
 import json
@@ -241,8 +243,10 @@ else:
     ctypes.memset(address, 1, 256 * 2**20)
     print("held", flush=True)
 """
-SIGINT_TO_INIT = "import os, signal\nos.kill(os.getppid(), signal.SIGINT)\nimport time; time.sleep(0.3)\nprint('alive')\n"
-SIGINT_TO_SELF = "import os, signal\nsignal.signal(signal.SIGINT, signal.SIG_DFL)\nos.kill(os.getpid(), signal.SIGINT)\n"
+SIGINT_TO_INIT = ("import os, signal\nos.kill(os.getppid(), signal.SIGINT)\n"
+                  "import time; time.sleep(0.3)\nprint('alive')\n")
+SIGINT_TO_SELF = ("import os, signal\nsignal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+                  "os.kill(os.getpid(), signal.SIGINT)\n")
 SIGXCPU = """
 import resource
 resource.setrlimit(resource.RLIMIT_CPU, (1, 2))
@@ -361,7 +365,8 @@ async def run_attacks(confinement: Confinement, workspace: Path, secret: str) ->
         for leftover in Path("/dev/shm").glob("rlsys-attack-*"):  # unconfined floods write the host's /dev/shm
             leftover.unlink(missing_ok=True)
     skipped = {a.name: {"contained": False, "status": "not run", "reason": skip_reason(a, confinement), "stdout": "",
-                        "mode": confinement.mode} for a in attacks(workspace, port, secret) if skip_reason(a, confinement)}
+                        "mode": confinement.mode}
+               for a in attacks(workspace, port, secret) if skip_reason(a, confinement)}
     return skipped | {attack.name: {"contained": safely(attack.contained, result), "status": result.status,
                           "reason": result.reason, "stdout": result.stdout[-300:], "mode": result.mode}
             for attack, result in zip(chosen, results)}

@@ -42,7 +42,8 @@ def test_inference_worker_that_loads_other_weights_than_published_stops_the_run(
     path = save_random_tiny_model(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(path)
     bus = InProcessBus()
-    worker = InferenceWorker(GenerationEngine(TransformersBackend(str(path), InferenceConfig(engine="transformers"), 0)),
+    worker = InferenceWorker(GenerationEngine(TransformersBackend(str(path), InferenceConfig(engine="transformers"),
+                                                                  0)),
                              bus, 3, max_batch_requests=8)
     with torch.no_grad():
         next(model.parameters()).add_(0.01)
@@ -228,8 +229,9 @@ class EchoModel:
     async def serve(self):
         while True:
             qid, token_ids, gconfig = await self.obs_queue.get()
-            await self.act_queue.put(GenerationOutput(qid=qid, prompt_ids=token_ids, output_ids=[[7, 8]], logprobs=[[-1.0, -1.0]],
-                                                      versions=[[0, 0]], stop_reasons=["stop"]))
+            await self.act_queue.put(GenerationOutput(qid=qid, prompt_ids=token_ids, output_ids=[[7, 8]],
+                                                      logprobs=[[-1.0, -1.0]], versions=[[0, 0]],
+                                                      stop_reasons=["stop"]))
 
 
 def test_a_turn_that_breaks_the_token_prefix_is_counted_and_warned(caplog):
@@ -317,7 +319,8 @@ def test_learner_reports_the_mismatch_of_what_inference_sampled(tmp_path, shift)
     config = learner_config(tmp_path)
     learner = Learner(config, InProcessBus(), tmp_path / "run")
     # Behaviour logprobs as the learner computes them, shifted: an engine that scores every token 0.4 lower.
-    stats = learner.train_step([trajectory(learner.model, GOOD, 1.0, shift), trajectory(learner.model, BAD, 0.0, shift)])
+    stats = learner.train_step([trajectory(learner.model, GOOD, 1.0, shift),
+                                trajectory(learner.model, BAD, 0.0, shift)])
     assert stats["alarms/logprob_tokens"] == len(GOOD) + len(BAD)
     assert stats["alarms/logprob_abs_diff_mean"] == pytest.approx(shift, abs=1e-4)
     assert stats["alarms/logprob_abs_diff_max"] == pytest.approx(shift, abs=1e-4)

@@ -54,7 +54,8 @@ def test_each_reference_format_scores_right_answers_right_and_wrong_ones_wrong(n
 
 @pytest.mark.parametrize("reference,final", [(GSM8K, "72"), ("#### 1,234", "1234"), ("5 cm", "5"),
                                              ("first #### 3, then\n#### 42", "42"),
-                                             ("3.5\\mbox{ inches}", "3.5"), ("2x", "2x"), ("\\frac{1}{2}", "\\frac{1}{2}")])
+                                             ("3.5\\mbox{ inches}", "3.5"), ("2x", "2x"),
+                                             ("\\frac{1}{2}", "\\frac{1}{2}")])
 def test_reference_answer_is_the_final_answer_without_separators_or_units(reference, final):
     assert reference_answer(reference) == final
 

@@ -106,8 +106,8 @@ def test_the_warm_start_s_threads_wait_as_a_role_s_do(users, loaded_with, tmp_pa
 def report_environment(role, index, path, env):
     """A role entry that writes what its process started with (the OpenMP settings) and the launcher's `env`."""
     with open(path, "w") as f:
-        json.dump({"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-                   "env": env}, f)
+        json.dump({"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
+                   "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "env": env}, f)
     return 0
 
 

@@ -56,7 +56,8 @@ def test_a_saved_dataset_dict_names_its_splits(tmp_path):
 
 def test_chat_prompts_system_prompt_and_template_go_through_the_chat_template(tmp_path):
     rows = [{"prompt": [{"role": "user", "content": "2+2="}], "answer": 4},
-            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3="}], "answer": "6"},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3="}],
+             "answer": "6"},
             {"prompt": "5+5=", "answer": "10"},
             {"prompt": [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "4+4="}],
              "answer": "8"}]
@@ -78,7 +79,8 @@ def test_chat_prompts_system_prompt_and_template_go_through_the_chat_template(tm
 @pytest.mark.parametrize("rows, fmt, message", [
     ([ROWS[0], {"question": "x", "id": 2}], VERL, r"rows.parquet: row 2: field 'reward_model.ground_truth' missing"),
     ([ROWS[0], {**ROWS[1], "question": None}], VERL, r"rows.parquet: row 2: field 'question' missing"),
-    ([{"prompt": [{"role": "user"}], "answer": "1"}], RowFormat(), r"row 1: field 'prompt': message 0 must be an object"),
+    ([{"prompt": [{"role": "user"}], "answer": "1"}], RowFormat(),
+     r"row 1: field 'prompt': message 0 must be an object"),
     ([{"prompt": [], "answer": "1"}], RowFormat(), r"row 1: field 'prompt' must be a string or a non-empty list"),
     ([{"prompt": "p", "answer": ["1"]}], RowFormat(), r"row 1: field 'answer' must be a string or a number, got list"),
     ([ROWS[0], {**ROWS[1], "question": " \n"}], VERL, r"rows.parquet: row 2: field 'question' is empty$"),

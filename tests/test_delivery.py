@@ -41,7 +41,8 @@ def send(bus, group_id: str, n: int = 2, admit: bool = True) -> dict:
 
 
 def inbox(bus, name: str = "learner-a", **kwargs) -> TrajectoryInbox:
-    return TrajectoryInbox(bus, ledger(bus), name, max_message_bytes=kwargs.pop("max_message_bytes", MB), vocab_size=100, **kwargs)
+    return TrajectoryInbox(bus, ledger(bus), name, max_message_bytes=kwargs.pop("max_message_bytes", MB),
+                           vocab_size=100, **kwargs)
 
 
 def dead_letters(bus) -> list[dict]:
@@ -57,7 +58,8 @@ def test_a_group_stays_in_the_stream_until_acknowledged(bus):
     assert bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 1
     assert bus.stream_length(protocol.TRAJECTORIES) == 1  # not trimmed while unacknowledged
     learner.ack([delivery.entry_id])
-    assert bus.stream_length(protocol.TRAJECTORIES) == 0 and bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 0
+    assert (bus.stream_length(protocol.TRAJECTORIES) == 0
+            and bus.stream_pending(protocol.TRAJECTORIES, protocol.LEARNERS) == 0)
 
 
 def test_duplicates_are_dropped_by_group_id_and_a_reused_trajectory_id_fails_its_own_prompt(bus):
@@ -136,8 +138,10 @@ BAD_MESSAGES = {  # name -> (payload, words the reason must contain)
                             "token_ids[3] (vocabulary of 100) must be an integer in [0, 99], got 1000000"),
     "repeated trajectory": (raw({"group_id": "x", "trajectories": [good_dict("x", traj_id="t")] * 2}), "appears twice"),
     "nan reward": (raw({"group_id": "x", "trajectories": [good_dict("x", reward=math.nan)]}), "reward"),
-    "turn end at 1": (raw({"group_id": "x", "trajectories": [good_dict("x", turn_ends=[1])]}), "turn_ends[0] must be an integer in [2, 4], got 1"),
-    "inf logprob": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0, 0, -math.inf, 0])]}), "logprobs"),
+    "turn end at 1": (raw({"group_id": "x", "trajectories": [good_dict("x", turn_ends=[1])]}),
+                      "turn_ends[0] must be an integer in [2, 4], got 1"),
+    "inf logprob": (raw({"group_id": "x", "trajectories": [good_dict("x", logprobs=[0, 0, -math.inf, 0])]}),
+                    "logprobs"),
     "nothing generated": (raw({"group_id": "x", "trajectories": [good_dict("x", loss_mask=[1, 0, 0, 0])]}),
                           "nothing to train on"),
     "a trained token without a version": (

@@ -83,7 +83,8 @@ def test_a_config_path_that_is_no_directory_here_says_so_and_where_the_examples_
     # ROLL's guide's own example, typed in the repository: rlsys's examples are named instead
     monkeypatch.chdir(EXAMPLES.parent)
     with pytest.raises(ConfigError, match=rf"no directory examples/qwen2.5-0.5B-agentic in the current directory "
-                                          rf".*; rlsys's examples are in {EXAMPLES}: async-ppo-frozen-lake, .*async-ppo-webshop$"):
+                                          rf".*; rlsys's examples are in {EXAMPLES}: "
+                                          r"async-ppo-frozen-lake, .*async-ppo-webshop$"):
         parse_config(["--config_path", "examples/qwen2.5-0.5B-agentic", "--config_name", "agent_val_frozen_lake"])
 
 

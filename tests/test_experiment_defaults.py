@@ -84,7 +84,8 @@ def test_a_run_that_cannot_go_on_ends_with_one_error_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         main.main(["max_steps=1"])
     assert exit_.value.code == 1
-    assert capsys.readouterr().err == "error: rollout0 stopped the run: the last 200 training episodes all failed; ...\n"
+    assert capsys.readouterr().err == ("error: rollout0 stopped the run: "
+                                       "the last 200 training episodes all failed; ...\n")
 
 
 def test_a_quiet_run_says_what_it_waits_for(tmp_path, capsys):
@@ -111,7 +112,8 @@ def test_a_quiet_run_says_what_it_waits_for(tmp_path, capsys):
         metrics.write_text("\n".join(json.dumps({**row, "step": step}) for step in (1, 2, 3)) + "\n")
         report()
         lines = capsys.readouterr().out.splitlines()
-        assert lines[0].startswith("step     3/3  reward 0.250") and "training done, final held-out evaluation" in lines[1]
+        assert (lines[0].startswith("step     3/3  reward 0.250")
+                and "training done, final held-out evaluation" in lines[1])
         bus.close()
         report.quiet_seconds = 3600
         report()  # nothing new, nothing said (and no bus call: the server is still up, but the client is closed)
@@ -150,7 +152,8 @@ def test_the_console_reads_only_what_was_appended_since_its_last_poll(tmp_path, 
     report = ProgressReporter(metrics, every=2, max_steps=6, quiet_seconds=3600)
     metrics.write_text(line[1] + line[2] + line[3][:20])  # step 3's line is being written
     report()
-    assert capsys.readouterr().out.splitlines() == ["step     2/6  reward 0.250  staleness 1.00  wait 0.10s  update 2.00s"]
+    assert capsys.readouterr().out.splitlines() == ["step     2/6  reward 0.250  staleness 1.00  "
+                                                    "wait 0.10s  update 2.00s"]
     with open(metrics, "r+") as file:  # what was read is not parsed again: spoiling it changes nothing
         file.write("x" * len(line[1]))
         file.seek(0, 2)

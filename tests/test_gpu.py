@@ -104,7 +104,8 @@ def test_a_train_step_on_the_gpu_gives_the_cpus_policy(tmp_path):
 def test_bfloat16_mixed_precision_trains_toward_the_rewarded_answer(tmp_path):
     config = config_for(tmp_path, dtype="bfloat16")
     trainer = PolicyTrainer(config, Ranks(), config.model.path)
-    good, bad = logprobs_of(trainer.model, PROMPT + GOOD)[-3:].sum(), logprobs_of(trainer.model, PROMPT + BAD)[-3:].sum()
+    good, bad = (logprobs_of(trainer.model, PROMPT + GOOD)[-3:].sum(),
+                 logprobs_of(trainer.model, PROMPT + BAD)[-3:].sum())
     for _ in range(5):
         stats = trainer.train_step(batch(trainer.model))
     assert next(trainer.model.parameters()).dtype == torch.float32  # master weights stay float32

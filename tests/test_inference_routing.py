@@ -229,7 +229,8 @@ def test_requests_join_a_running_batch():
         engine = ScriptedEngine(counting_policy, tokens_per_step=1)
         engine.backend.step = one_millisecond_per_step(engine.backend.step)
         async with serving(bus, [InferenceWorker(engine, bus, 0, max_batch_requests=64)]) as router:
-            long_one = asyncio.create_task(episode(router, [("long", [1], GenerationConfig(max_new_tokens=2000))], True))
+            long_one = asyncio.create_task(episode(router, [("long", [1], GenerationConfig(max_new_tokens=2000))],
+                                                   True))
             while not engine.in_flight:
                 await asyncio.sleep(0.001)  # the long request is generating
             short = await episode(router, [("short", [2], GenerationConfig(max_new_tokens=2))], True)

@@ -45,7 +45,8 @@ def trajectory(model, answer: list[int], reward: float, staleness_shift: float =
         behaviour = gather_logprobs(next_token_logits(model, ids, torch.ones_like(ids)), ids)[0, -len(answer):]
     n = len(PROMPT)
     return Trajectory(token_ids=PROMPT + answer, loss_mask=[0] * n + [1] * len(answer),
-                      logprobs=[0.0] * n + (behaviour - staleness_shift).tolist(), versions=[-1] * n + [version] * len(answer),
+                      logprobs=[0.0] * n + (behaviour - staleness_shift).tolist(),
+                      versions=[-1] * n + [version] * len(answer),
                       turn_ends=[n + len(answer)], turn_rewards=[reward], reward=reward, group_id=group_id,
                       stop_reason="stop")
 
@@ -448,7 +449,8 @@ def test_sequences_with_no_untrained_prefix_are_balanced_over_the_ranks(tmp_path
 
 @pytest.mark.parametrize("ppo", [
     {"loss_agg_mode": "token-mean"},
-    {"loss_agg_mode": "seq-mean-token-mean", "decoupled_loss": True, "dual_clip": 3.0, "max_tokens_per_micro_batch": 64},
+    {"loss_agg_mode": "seq-mean-token-mean", "decoupled_loss": True, "dual_clip": 3.0,
+     "max_tokens_per_micro_batch": 64},
 ])
 def test_a_group_whose_samples_got_one_reward_is_not_computed_and_the_gradients_are_the_same(tmp_path, ppo):
     """Zero-advantage sequences add nothing to a loss that is the policy term alone: left out of the passes, the
@@ -1003,7 +1005,8 @@ def test_learner_settings_act_or_are_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="bfloat16 on CPUs is for one learner rank.*cluster.n_learner_ranks=1"):
         config.learner.check_device("cpu", ranks=2)
     monkeypatch.setattr("experiments.common.native_bf16", lambda: False)
-    with pytest.raises(ValueError, match="bfloat16 on a CPU needs bf16 arithmetic in its hardware.*learner.dtype=float32"):
+    with pytest.raises(ValueError, match="bfloat16 on a CPU needs bf16 arithmetic in its hardware"
+                                         ".*learner.dtype=float32"):
         Learner(config, InProcessBus(), tmp_path / "run")
     with pytest.raises(ValueError, match="would attend across the sequences of a packed row"):
         parse_config(["learner.attn_implementation=sdpa", "ppo.sequence_packing=true"])

@@ -226,7 +226,8 @@ def test_warm_up_starts_every_verifier_worker_before_the_first_check():
         asyncio.run(env.warm_up())
         workers = list(shared_pool(2)._workers)
         assert len(workers) == 2 and all(w.ready and w.process.poll() is None for w in workers)
-        assert score(shared_pool(2), ["\\frac{1}{2}", "\\frac{1}{3}"], reference="0.5") == [Verdict(True, "ok"), Verdict(False, "ok")]
+        assert (score(shared_pool(2), ["\\frac{1}{2}", "\\frac{1}{3}"], reference="0.5")
+                == [Verdict(True, "ok"), Verdict(False, "ok")])
     finally:
         close_shared_pool()
 

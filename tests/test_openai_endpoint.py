@@ -68,8 +68,8 @@ def run_episode(tokenizer, tokenizer_dir, run: str, policy, n: int = 1, **kwargs
     engine = ScriptedEngine(policy, logprob=LOGPROB)
     prompt = Prompt("q0", chat_prompt_ids(tokenizer, ROW["prompt"]), ROW)
     env = make_env(EnvServiceAbstraction("math-code-single-step"))
-    trajectories = asyncio.run(run_scripted_episode(agent(tokenizer, tokenizer_dir, run, n, **kwargs), env, prompt, policy,
-                                                    engine))
+    trajectories = asyncio.run(run_scripted_episode(agent(tokenizer, tokenizer_dir, run, n, **kwargs), env, prompt,
+                                                    policy, engine))
     return trajectories, engine
 
 
@@ -150,7 +150,8 @@ def test_a_client_that_edits_history_is_split_and_counted(tokenizer, tokenizer_d
 def test_keys_requests_and_completions(tokenizer, tokenizer_dir):
     SEEN.clear()
     trajectories, engine = run_episode(tokenizer, tokenizer_dir, "tests.endpoint_clients:probing_run",
-                                       lambda prompt_ids, gconfig, sample: ids(tokenizer, "46") + [tokenizer.eos_token_id])
+                                       lambda prompt_ids, gconfig, sample: (ids(tokenizer, "46")
+                                                                            + [tokenizer.eos_token_id]))
     assert SEEN["wrong_key"] == 401 and SEEN["bad"] == 400
     assert SEEN["models"]["data"][0]["id"] == "rlsys"
     assert SEEN["completion"] == "46"

@@ -90,10 +90,12 @@ def test_under_ray_the_inference_settings_are_checked_against_its_bundle_s_devic
 
 
 def test_a_layout_that_does_not_fit_says_what_fits():
-    with pytest.raises(PlacementError, match=r"needs 8 GPUs .* has 4: the learner's 2 leave 2: at most 1 inference workers of 2"):
+    with pytest.raises(PlacementError, match=r"needs 8 GPUs .* has 4: the learner's 2 leave 2: "
+                                             r"at most 1 inference workers of 2"):
         layout(["0", "1", "2", "3"], learner_gpus=2, n_learner_ranks=2, gpus_per_inference_worker=2,
                n_inference_workers=3)
-    with pytest.raises(PlacementError, match="tensor_parallel_size=4 needs at least that many GPUs per inference worker"):
+    with pytest.raises(PlacementError, match="tensor_parallel_size=4 needs at least that many GPUs "
+                                             "per inference worker"):
         layout(["0", "1", "2", "3"], InferenceConfig(tensor_parallel_size=4), gpus_per_inference_worker=2)
 
 

@@ -2,8 +2,8 @@
 
 The learner is pinned to the head node and the inference worker to one of two other nodes by custom
 resources; weights travel from the learner's memory over the stream only (the run directory never holds a weight
-file). One node is removed mid-run, with the inference worker on it: Ray moves its bundle to the other node, the supervisor
-starts a new actor there, the run finishes its steps with every prompt accounted, and every Ray process
+file). One node is removed mid-run, with the inference worker on it: Ray moves its bundle to the other node,
+the supervisor starts a new actor there, the run finishes its steps with every prompt accounted, and every Ray process
 is gone at the end. A rollout worker's actor killed on a Ray of the run's own is restarted the same way.
 """
 

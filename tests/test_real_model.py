@@ -63,7 +63,8 @@ def test_the_gguf_file_becomes_a_plain_checkpoint_with_the_same_weights(smollm2)
 
 
 def test_the_command_line_says_what_it_cannot_convert(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "rlsys.model.convert", str(tmp_path / "nope.gguf"), str(tmp_path / "o")],
+    done = subprocess.run([sys.executable, "-m", "rlsys.model.convert", str(tmp_path / "nope.gguf"),
+                           str(tmp_path / "o")],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "error:" in done.stderr and "does not exist" in done.stderr
 

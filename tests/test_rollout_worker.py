@@ -185,7 +185,8 @@ def test_an_environment_whose_constructor_raises_fails_its_episode_as_an_env_err
     """Counted as the agent's error, it sent the user looking at the wrong plugin."""
     worker = after_one_training_episode(UnmadeEnvExperiment(), tmp_path)
     counts = worker.ledger.counts()
-    assert counts["failed"] == {"env_error": 1} and counts["in_flight"] == 0 and worker.failures.by_reason == {"env_error": 1}
+    assert (counts["failed"] == {"env_error": 1} and counts["in_flight"] == 0
+            and worker.failures.by_reason == {"env_error": 1})
     assert "UnmadeEnv.__init__ raised FileNotFoundError: reward_model.bin" in caplog.text
 
 
@@ -257,7 +258,8 @@ def test_an_evaluation_episode_that_returns_no_trajectories_fails_as_invalid_out
     worker = RolloutWorker(config, bus, 0)
     worker.eval_rows = [{"prompt": "1+1=", "answer": "2"}]
     asyncio.run(worker.evaluate("initial"))
-    assert worker.failures.by_reason == {"invalid_output": 1} and bus.get(protocol.eval_result("initial"))["episodes"] == 0
+    assert (worker.failures.by_reason == {"invalid_output": 1}
+            and bus.get(protocol.eval_result("initial"))["episodes"] == 0)
     assert f"collect_trajectory must return a list of Trajectory, {named}" in caplog.text
     # the worker's log line counts the failed episode among the problems, as the accuracy does (it said "of 0")
     assert "held-out accuracy initial (version 0): 0.0% of 1 (1 failed, counted unsolved)" in caplog.text

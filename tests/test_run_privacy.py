@@ -52,7 +52,8 @@ def test_config_yaml_never_holds_the_redis_password_and_a_rerun_passes_the_url_a
     save_config(config, tmp_path / "config.yaml")
     text = (tmp_path / "config.yaml").read_text()
     assert "s3cret-pass" not in text and mode(tmp_path / "config.yaml") == 0o600
-    assert load_config(tmp_path / "config.yaml").cluster.redis_url == f"redis://:{REDACTED}@10.0.0.5:6379/0?namespace=exp"
+    assert (load_config(tmp_path / "config.yaml").cluster.redis_url
+            == f"redis://:{REDACTED}@10.0.0.5:6379/0?namespace=exp")
     rerun = parse_config(["--config", str(tmp_path / "config.yaml"), f"cluster.redis_url={url}"])
     assert rerun.cluster.redis_url == url
 

@@ -77,7 +77,8 @@ class Heartbeat:
 
 @pytest.fixture
 def workspace():
-    """Outside the sandbox, readable and writable by anyone: the sandbox, not permissions, must stop reads and writes."""
+    """Outside the sandbox, readable and writable by anyone: the sandbox, not permissions, must stop reads and
+    writes."""
     directory = Path(tempfile.mkdtemp(prefix="rlsys-attack-"))
     directory.chmod(0o755)
     yield directory
@@ -250,7 +251,8 @@ def test_every_tool_result_carries_the_isolation_in_force():
 
 
 def test_limits_output_and_crashes_are_classified():
-    programs = {"huge_allocation": "block = bytearray(10 * 2**30)\n", "output_flood": "while True:\n    print('x' * 1000)\n",
+    programs = {"huge_allocation": "block = bytearray(10 * 2**30)\n",
+                "output_flood": "while True:\n    print('x' * 1000)\n",
                 "big_file": "with open('big', 'wb') as f:\n    f.write(b'0' * (64 * 2**20))\n",
                 "segfault": "import ctypes\nctypes.string_at(0)\n"}
 

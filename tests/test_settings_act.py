@@ -60,7 +60,8 @@ GROUP_REFUSED = [  # (overrides, what the message must say)
      "inference.gpu_memory_utilization=0.9 does nothing with inference.engine=transformers and enforce_eager=true"),
     (["experiment=async-ppo-sokoban", "rollout.tree_branching=3"],
      "rollout.tree_branching=3 does nothing with rollout.mode=chain"),
-    (["experiment=async-ppo-frozen-lake", "rollout.tree_depth=2"], "rollout.tree_depth=2 does nothing with rollout.mode=chain"),
+    (["experiment=async-ppo-frozen-lake", "rollout.tree_depth=2"],
+     "rollout.tree_depth=2 does nothing with rollout.mode=chain"),
     # Greedy rollouts never branch nor split an episode into its turns (MultiTurnAgent); one turn has no second to
     # branch at, to train apart or to discount; a tree of depth 0 or of one branch per node is a chain.
     (["experiment=async-ppo-frozen-lake", "rollout.mode=tree", "gen.temperature=0", "ppo.adv_estimator=reinforce"],

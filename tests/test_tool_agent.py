@@ -165,7 +165,8 @@ def test_num_turns_ends_the_episode_after_the_last_turn(tokenizer, tokenizer_dir
                                scripted(tokenizer, {0: [CALCULATOR] * 5}), prompt)
 
     assert trajectory.stop_reason == "num_turns" and len(engine.requests) == 3
-    assert len(trajectory.turn_ends) == 3 and trajectory.turn_ends[-1] == len(trajectory.token_ids)  # no trailing observation
+    # no trailing observation
+    assert len(trajectory.turn_ends) == 3 and trajectory.turn_ends[-1] == len(trajectory.token_ids)
     assert trajectory.turn_rewards == [0.0] * 3 and trajectory.reward == 0.0
     assert trajectory.metrics["tool_calls"] == 3 and trajectory.metrics["answered"] == 0
     with pytest.raises(TypeError, match=r"ToolCallingAgent: max_turns is now num_turns .*num_turns=3"):
@@ -192,7 +193,8 @@ def test_a_turn_cut_at_max_new_tokens_is_closed_with_an_untrained_eos(tokenizer,
     [trajectory], _ = run(agent, make_env(EnvServiceAbstraction("math-tools")),
                           scripted(tokenizer, scripts, eos=False), prompt)
 
-    observation = [tokenizer.eos_token_id] + ids(tokenizer, "<|user|><tool_response>408</tool_response><|end|><|assistant|>")
+    observation = [tokenizer.eos_token_id] + ids(tokenizer, "<|user|><tool_response>408</tool_response>"
+                                                            "<|end|><|assistant|>")
     pieces_match(trajectory, [(prompt.token_ids, 0), (ids(tokenizer, CALCULATOR), 1), (observation, 0),
                               (ids(tokenizer, "<answer>409</answer>"), 1)])
     assert trajectory.reward == 1.0 and trajectory.metrics["tool_calls"] == 1

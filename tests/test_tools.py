@@ -152,7 +152,8 @@ def test_python_session_keeps_variables_until_stopped_and_skips_failed_cells():
     assert [o.text for o in outputs[:2]] == ["set\n", "21\n"]  # earlier cells re-run silently
     assert outputs[2].status == "error" and 'File "<cell 3>", line 1' in outputs[2].text
     assert "ZeroDivisionError" in outputs[2].text and "main.py" not in outputs[2].text
-    assert outputs[3].status == "error" and "NameError: name 'y' is not defined" in outputs[3].text  # failed cell dropped
+    # failed cell dropped
+    assert outputs[3].status == "error" and "NameError: name 'y' is not defined" in outputs[3].text
     assert (outputs[4].text, outputs[4].status, outputs[4].reason) == ("42\n", "ok", "")
     assert outputs[4].isolation[0].startswith("mode=")  # the confinement it ran under
     assert tool.cells is None  # released at stop
@@ -274,7 +275,8 @@ def test_env_gives_each_chain_its_own_tool_state_and_releases_it_at_close():
     observations = [s[0] for s in steps]
     assert observations[:3] == ["<tool_response>call 1</tool_response>", "<tool_response>call 2</tool_response>",
                                 "<tool_response>call 1</tool_response>"]  # chain 1 has its own count
-    assert observations[3] == "<tool_response>error: recording-test-tool failed: RuntimeError: tool broke</tool_response>"
+    assert observations[3] == ("<tool_response>error: recording-test-tool failed: RuntimeError: tool broke"
+                               "</tool_response>")
     assert observations[4] == "<tool_response>error: recording-test-tool did not finish in 0.5s</tool_response>"
     assert "returned int, not ToolOutput" in observations[5]
     assert observations[6] == ("<tool_response>error: recording-test-tool returned a ToolOutput whose text is int, "

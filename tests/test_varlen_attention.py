@@ -39,8 +39,8 @@ def test_sequences_continuing_a_shared_prefix_equal_each_sequence_alone(tmp_path
     alone = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
     generator = torch.Generator().manual_seed(0)
     tokens = lambda n: torch.randint(4, 100, (n,), generator=generator)  # noqa: E731
-    groups = [(tokens(6), [tokens(n) for n in (3, 1, 4)]), (tokens(2), [tokens(5)]), (tokens(90), [tokens(40), tokens(2)]),
-              (tokens(0), [tokens(7)])]  # the last one shares nothing
+    groups = [(tokens(6), [tokens(n) for n in (3, 1, 4)]), (tokens(2), [tokens(5)]),
+              (tokens(90), [tokens(40), tokens(2)]), (tokens(0), [tokens(7)])]  # the last one shares nothing
     ids, positions, starts, contexts = [], [], [], []
     cursor = 0
     for prefix, continuations in groups:

@@ -83,7 +83,8 @@ def check_updates(tmp_path, bus, server: WeightServer, tied: bool, caplog) -> No
         assert received.version == version
         if transport == "stream":  # a tied output head is the embedding's memory, sent once
             sizes = {name: t.numel() * 4 for name, t in model.state_dict().items()}
-            assert 0 <= received.buffer.numel() - (sum(sizes.values()) - tied * sizes["lm_head.weight"]) < 64 * len(sizes)
+            assert (0 <= received.buffer.numel() - (sum(sizes.values()) - tied * sizes["lm_head.weight"])
+                    < 64 * len(sizes))
         engine.load_weights(received.weights)
         received = receiver.settle(received)
         assert received is not None  # arrived whole
