@@ -51,7 +51,7 @@ class AsyncPPOMathLongConfig(AsyncPPOMATHConfig):
         if self.term_digits < 1:
             raise ValueError(f"term_digits must be at least 1, got {self.term_digits}")
         largest = [term_range(self.term_digits)[-1]] * self.max_terms
-        # + 1: and the end of sequence
+        # the working's tokens and the end-of-sequence token
         longest = len(worked_sum(largest, prompt_width(self.max_terms, self.term_digits))) + 1
         if longest > self.gen.max_new_tokens:
             raise ValueError(f"a working of max_terms={self.max_terms} numbers of term_digits={self.term_digits} "
