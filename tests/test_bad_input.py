@@ -28,7 +28,7 @@ from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.launcher import launch
 from rlsys.run_start import last_checkpoint_note, resolve_resume, run_directory
 from rlsys.preflight import StartupError
-from tests.helpers import child_pids, left_behind, refusing_port, save_random_tiny_model
+from tests.helpers import child_pids, left_behind, save_random_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "training" / "main_async_ppo.py"
@@ -81,8 +81,7 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
      "ppo.importance_sampling_level must be one of ('token', 'sequence'), got 'seq'"),
     (["ppo.init_kl_coef=0.1", "ppo.kl_estimator=low_var_kl"],
      "ppo.kl_estimator must be one of ('k1', 'k2', 'k3'), got 'low_var_kl'"),
-    (["ppo.share_prefixes=true", "learner.attn_implementation=sdpa"],
-     "ppo.share_prefixes=true needs rlsys's attention"),
+    (["ppo.share_prefixes=true", "learner.attn_implementation=sdpa"], "ppo.share_prefixes=true needs rlsys's attention"),
     (["alarms.stop_on_logprob_diff=true", "alarms.logprob_diff_warn=0"],
      "alarms.stop_on_logprob_diff=True does nothing with alarms.logprob_diff_warn=0"),
     (["experiment=async-ppo-math-multi-turn", "num_turns=0"], "num_turns must be at least 1, got 0"),
@@ -107,8 +106,7 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["experiment=async-ppo-openai-agent", "max_total_tokens=1"], "max_total_tokens must be at least 2, got 1"),
     (["experiment=async-ppo-math-tools", "max_total_tokens=1"], "max_total_tokens must be at least 2, got 1"),
     (["ppo.mask_void_trajectories=true"],
-     "ppo.mask_void_trajectories=True does nothing with agents that never mark a trajectory void "
-     "(['math-single-step'])"),
+     "ppo.mask_void_trajectories=True does nothing with agents that never mark a trajectory void (['math-single-step'])"),
     (["experiment=async-ppo-math-long", "dataset.path=a.jsonl", "dataset.eval_path=b.jsonl", "min_terms=3"],
      "min_terms=3 does nothing with dataset.path set"),
     (["experiment=async-ppo-sokoban", "model.path=/m", "warm_start_hint=0.5"],
@@ -148,8 +146,7 @@ GOOD_ROW = json.dumps({"prompt": "1+1=", "answer": "2"})
     (f"{GOOD_ROW}\n{GOOD_ROW}\n{json.dumps({'prompt': '3+3='})}\n", r":3: field 'answer' missing"),
     (f"{json.dumps({'question': '3+3=', 'answer': '6'})}\n",  # verl's column name: the message names the setting
      r":1: field 'prompt' missing \(the row has \['answer', 'question'\]; dataset.prompt_key=FIELD reads another"),
-    (f"{json.dumps({'prompt': 7, 'answer': '7'})}\n",
-     r":1: field 'prompt' must be a string or a non-empty list of chat messages, got int"),
+    (f"{json.dumps({'prompt': 7, 'answer': '7'})}\n", r":1: field 'prompt' must be a string or a non-empty list of chat messages, got int"),
     (f"{GOOD_ROW}\n[1, 2]\n", r":2: expected a JSON object, got list"),
     ("", r"has no rows"),
     ("\n   \n\n", r"has no rows"),
@@ -184,15 +181,13 @@ def test_an_unreadable_dataset_says_why(tmp_path):
 def run_config(tmp_path: Path, *overrides: str):
     given = any(o.startswith("dataset.path=") for o in overrides)  # then a generated set's size would be refused
     small = [] if given else ["dataset.num_train=50", "dataset.num_eval=10"]
-    return parse_config([f"output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'cache'}", *small,
-                         *overrides])
+    return parse_config([f"output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'cache'}", *small, *overrides])
 
 
 def test_a_learner_or_engine_setting_this_device_cannot_honour_stops_the_run(tmp_path, monkeypatch):
     existing = child_pids()
     monkeypatch.setattr("experiments.common.native_bf16", lambda: False)  # a CPU without bf16 arithmetic
-    with pytest.raises(StartupError,
-                       match="bfloat16 on a CPU needs bf16 arithmetic in its hardware.*learner.dtype=float32"):
+    with pytest.raises(StartupError, match="bfloat16 on a CPU needs bf16 arithmetic in its hardware.*learner.dtype=float32"):
         launch(run_config(tmp_path, "learner.dtype=bfloat16"))
     with pytest.raises(StartupError, match="flash_attention_2 needs a GPU"):
         launch(run_config(tmp_path, "learner.attn_implementation=flash_attention_2"))
@@ -447,19 +442,21 @@ def test_a_refused_continuation_leaves_the_trials_records_as_they_were(tmp_path)
     def trial():
         return {str(path.relative_to(run_dir)): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
 
-    with refusing_port() as port:
-        refused = ["trial_name=t", "resume_from_checkpoint=auto", "trace.mlflow=true",
-                   f"trace.mlflow_tracking_uri=http://127.0.0.1:{port}"]
-        earlier = trial()
-        with pytest.raises(StartupError, match="no MLflow server answered"):
-            launch(run_config(tmp_path, *refused))
-        assert trial() == earlier
-        (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
-        (run_dir / "checkpoints" / "step_2" / TRAINER_STATE).write_text('{"step": 2, "version": 2}')
-        earlier = trial()
-        with pytest.raises(StartupError, match="no MLflow server answered"):
-            launch(run_config(tmp_path, *refused))
-        assert trial() == earlier
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    refused = ["trial_name=t", "resume_from_checkpoint=auto", "trace.mlflow=true",
+               f"trace.mlflow_tracking_uri=http://127.0.0.1:{port}"]
+    earlier = trial()
+    with pytest.raises(StartupError, match="no MLflow server answered"):
+        launch(run_config(tmp_path, *refused))
+    assert trial() == earlier
+    (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_2" / TRAINER_STATE).write_text('{"step": 2, "version": 2}')
+    earlier = trial()
+    with pytest.raises(StartupError, match="no MLflow server answered"):
+        launch(run_config(tmp_path, *refused))
+    assert trial() == earlier
 
 
 def killed_trial(tmp_path: Path, checkpoint: bool) -> Path:
@@ -491,7 +488,10 @@ def test_a_refused_continuation_puts_no_replaced_checkpoint_back(tmp_path):
     """`auto` renamed step_4.old back to step_4 before the start's checks: a start they refused changed the trial."""
     run_dir = killed_trial(tmp_path, checkpoint=True)
     earlier = trial_files(run_dir)
-    with refusing_port() as port, pytest.raises(StartupError, match="no MLflow server answered"):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    with pytest.raises(StartupError, match="no MLflow server answered"):
         launch(run_config(tmp_path, "trial_name=t", "resume_from_checkpoint=auto", "trace.mlflow=true",
                           f"trace.mlflow_tracking_uri=http://127.0.0.1:{port}"))
     assert trial_files(run_dir) == earlier
@@ -628,8 +628,11 @@ def test_a_taken_redis_port_stops_the_run(tmp_path):
 
 def test_a_redis_url_nobody_answers_on_stops_the_run(tmp_path):
     existing = child_pids()
-    with refusing_port() as port, pytest.raises(
-            StartupError, match=f"nobody answers at redis://:REDACTED@127.0.0.1:{port}/0 .*cluster.redis_url empty"):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    with pytest.raises(StartupError,
+                       match=f"nobody answers at redis://:REDACTED@127.0.0.1:{port}/0 .*cluster.redis_url empty"):
         launch(run_config(tmp_path, f"cluster.redis_url=redis://:secret@127.0.0.1:{port}/0"))
     with EmbeddedRedis(tmp_path / "redis") as server:
         with pytest.raises(StartupError, match="refused the credentials") as error:
