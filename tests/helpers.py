@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -90,15 +89,6 @@ def final_books(run_dir: Path) -> dict:
     from rlsys.prompt_ledger import as_ended
 
     return as_ended(read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))["accounting"])
-
-
-@contextlib.contextmanager
-def refusing_port():
-    """A loopback port where every connection is refused while the block runs: bound here and never listened on. (A
-    port picked free and let go could be taken, and answered on, by another process meanwhile.)"""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield s.getsockname()[1]
 
 
 def child_pids() -> set[int]:

@@ -19,11 +19,10 @@ from unittest.mock import Mock
 import pytest
 
 from rlsys.api import Trajectory
-from rlsys.bus.redis_server import free_port
 from rlsys.model.tokenizer import build_char_tokenizer
 from rlsys.protocol import role_name
 from rlsys.tracing import TraceWriter, read_traces
-from tests.helpers import refusing_port, small_run_overrides
+from tests.helpers import small_run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -227,11 +226,14 @@ def tool_episode(run_dir: Path, tokenizer_dir: Path) -> None:
     writer.close()
 
 
-def mlflow_server(uri: str, cwd: Path, tries: int = 3) -> tuple[subprocess.Popen, int]:
-    """An MLflow tracking server of store `uri` on 127.0.0.1, once it answers, and its port. The port is picked free
-    and bound by the server seconds later: one another process took meanwhile (the other test file's servers, the
-    ephemeral ports of its connections) ends the server, and the start is tried again on another."""
-    port = free_port()
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mlflow_server(uri: str, port: int, cwd: Path) -> subprocess.Popen:
+    """An MLflow tracking server of store `uri` on 127.0.0.1:`port`, once it answers."""
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
                                "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
@@ -239,10 +241,8 @@ def mlflow_server(uri: str, cwd: Path, tries: int = 3) -> tuple[subprocess.Popen
     while True:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return server, port
+            return server
         except OSError:
-            if server.poll() is not None and tries > 1:
-                return mlflow_server(uri, cwd, tries - 1)
             if server.poll() is not None or time.monotonic() > deadline:
                 stop_server(server)
                 raise AssertionError("mlflow server did not start") from None
@@ -284,7 +284,8 @@ def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_di
     (trace,) = mlflow.search_traces(locations=[mlflow.get_experiment_by_name("tools-experiment/t").experiment_id],
                                     return_type="list")
     assert [s.name for s in trace.data.spans if s.span_type == "TOOL"] == ["calculator"]
-    server, port = mlflow_server(uri, tmp_path)
+    port = free_port()
+    server = mlflow_server(uri, port, tmp_path)
     try:
         experiment_id = mlflow.get_experiment_by_name("tools-experiment/t").experiment_id
         url = (f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/traces"
@@ -722,13 +723,13 @@ def test_a_database_mlflow_store_that_cannot_be_reached_is_refused_at_the_start_
         prepare(parse_config(["trace.mlflow=true", f"trace.mlflow_tracking_uri={uri}"]))
 
     monkeypatch.setattr(assets, "prepare_assets", checked)
-    with refusing_port() as port:
-        for scheme in ("postgresql", "mysql+pymysql"):
-            with pytest.raises(StartupError) as refused:
-                prepared(f"{scheme}://mlflow:s3cret@127.0.0.1:{port}/runs")
-            assert str(refused.value).startswith(
-                f"trace.mlflow_tracking_uri={scheme}://mlflow:REDACTED@127.0.0.1:{port}/runs: no database server "
-                f"answered (nothing answered at 127.0.0.1:{port}: Connection refused)"), refused.value
+    port = free_port()
+    for scheme in ("postgresql", "mysql+pymysql"):
+        with pytest.raises(StartupError) as refused:
+            prepared(f"{scheme}://mlflow:s3cret@127.0.0.1:{port}/runs")
+        assert str(refused.value).startswith(
+            f"trace.mlflow_tracking_uri={scheme}://mlflow:REDACTED@127.0.0.1:{port}/runs: no database server answered "
+            f"(nothing answered at 127.0.0.1:{port}: Connection refused)"), refused.value
     (tmp_path / "a-file").touch()
     with pytest.raises(StartupError, match=f"trace.mlflow_tracking_uri=sqlite:///{tmp_path}/a-file/m.db: "
                                            f"{tmp_path}/a-file is not a directory"):
@@ -822,11 +823,11 @@ def test_an_mlflow_server_that_does_not_answer_is_refused_at_the_start_naming_th
         raise Checked
 
     monkeypatch.setattr(assets, "prepare_assets", checked)
-    with refusing_port() as port:
-        uri = f"http://127.0.0.1:{port}"
-        started = time.monotonic()
-        with pytest.raises(StartupError) as refused:
-            prepare(parse_config(["trace.mlflow=true", f"trace.mlflow_tracking_uri={uri}/"]))
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    with pytest.raises(StartupError) as refused:
+        prepare(parse_config(["trace.mlflow=true", f"trace.mlflow_tracking_uri={uri}/"]))
     assert str(refused.value).startswith(f"trace.mlflow_tracking_uri={uri}/: no MLflow server answered (nothing "
                                          f"answered at 127.0.0.1:{port}: Connection refused); start it")
     assert time.monotonic() - started < 30
@@ -851,9 +852,8 @@ def test_an_mlflow_server_that_is_gone_fails_the_export_without_its_password_in_
     tool_episode(run_dir, tokenizer_dir)
     config = AsyncPPOMATHConfig()
     config.logging_dir, config.trace.mlflow = str(run_dir / "logs"), True
-    with refusing_port() as port:
-        config.trace.mlflow_tracking_uri = f"http://rlsys:{password}@127.0.0.1:{port}/?pwd=other%20pw"
-        finish_observability(config, run_dir)
+    config.trace.mlflow_tracking_uri = f"http://rlsys:{password}@127.0.0.1:{free_port()}/?pwd=other%20pw"
+    finish_observability(config, run_dir)
     printed = capfd.readouterr()
     assert "ExportFailed: MlflowException: API request to http://rlsys:REDACTED@127.0.0.1:" in caplog.text
     for text in (caplog.text, printed.out, printed.err):
@@ -873,8 +873,8 @@ def test_an_mlflow_store_that_goes_away_mid_export_leaves_its_password_out_of_ev
     from rlsys.launcher import finish_observability
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a stopped server is refused at once, not for minutes
-    password = "s3cret-pw%2Fx"
-    server, port = mlflow_server(f"sqlite:///{tmp_path / 'server.db'}", tmp_path)
+    port, password = free_port(), "s3cret-pw%2Fx"
+    server = mlflow_server(f"sqlite:///{tmp_path / 'server.db'}", port, tmp_path)
     try:
         export_episode = rlsys.mlflow_export._export_episode
 

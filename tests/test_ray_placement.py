@@ -293,13 +293,12 @@ def test_a_ray_address_where_nothing_listens_is_refused_within_seconds():
     import subprocess
     import sys
 
-    from tests.helpers import refusing_port
+    from rlsys.bus.redis_server import free_port
 
-    with refusing_port() as port:
-        address = f"127.0.0.1:{port}"
-        started = time.monotonic()
-        result = subprocess.run([sys.executable, "-c", PLACED_AT, address], capture_output=True, text=True,
-                                timeout=90, cwd=Path(__file__).resolve().parents[1])
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", PLACED_AT, address], capture_output=True, text=True, timeout=90,
+                            cwd=Path(__file__).resolve().parents[1])
     assert result.stdout.startswith(f"cluster.ray_address={address}: no Ray cluster answered (nothing answered at "
                                     f"{address}: Connection refused); start one (`ray start --head`")
     assert time.monotonic() - started < 60
