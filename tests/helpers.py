@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,20 @@ def left_behind(tmp_path: Path, existing: set[int]) -> list[str]:
             if p.status() != psutil.STATUS_ZOMBIE:
                 names.append(" ".join(p.cmdline()))
     return names
+
+
+@contextlib.contextmanager
+def held_port(host: str = "127.0.0.1"):
+    """A port on `host` that this process holds bound, not listening, while the block runs. A port picked free and
+    closed again can be taken before it is used: the processes of the test file running beside this one (pytest-xdist)
+    take theirs from the same range, for their servers and for their connections' own ends. One held is given to
+    none of them (neither a bind to port 0 nor a connection takes a bound port), nobody else can bind it, and a
+    connection to it is refused; only a server that sets SO_REUSEADDR, as this socket does (redis-server, uvicorn,
+    socket.create_server), binds and listens on it: the one the test starts there."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind((host, 0))
+        yield holder.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

@@ -28,7 +28,7 @@ from rlsys.impl.env.math_verifier import close_shared_pool
 from rlsys.launcher import launch
 from rlsys.run_start import last_checkpoint_note, resolve_resume, run_directory
 from rlsys.preflight import StartupError
-from tests.helpers import child_pids, left_behind, save_random_tiny_model
+from tests.helpers import child_pids, held_port, left_behind, save_random_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "training" / "main_async_ppo.py"
@@ -442,21 +442,19 @@ def test_a_refused_continuation_leaves_the_trials_records_as_they_were(tmp_path)
     def trial():
         return {str(path.relative_to(run_dir)): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nobody listens there
-    refused = ["trial_name=t", "resume_from_checkpoint=auto", "trace.mlflow=true",
-               f"trace.mlflow_tracking_uri=http://127.0.0.1:{port}"]
-    earlier = trial()
-    with pytest.raises(StartupError, match="no MLflow server answered"):
-        launch(run_config(tmp_path, *refused))
-    assert trial() == earlier
-    (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
-    (run_dir / "checkpoints" / "step_2" / TRAINER_STATE).write_text('{"step": 2, "version": 2}')
-    earlier = trial()
-    with pytest.raises(StartupError, match="no MLflow server answered"):
-        launch(run_config(tmp_path, *refused))
-    assert trial() == earlier
+    with held_port() as port:  # where nothing listens
+        refused = ["trial_name=t", "resume_from_checkpoint=auto", "trace.mlflow=true",
+                   f"trace.mlflow_tracking_uri=http://127.0.0.1:{port}"]
+        earlier = trial()
+        with pytest.raises(StartupError, match="no MLflow server answered"):
+            launch(run_config(tmp_path, *refused))
+        assert trial() == earlier
+        (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
+        (run_dir / "checkpoints" / "step_2" / TRAINER_STATE).write_text('{"step": 2, "version": 2}')
+        earlier = trial()
+        with pytest.raises(StartupError, match="no MLflow server answered"):
+            launch(run_config(tmp_path, *refused))
+        assert trial() == earlier
 
 
 def killed_trial(tmp_path: Path, checkpoint: bool) -> Path:
@@ -488,12 +486,10 @@ def test_a_refused_continuation_puts_no_replaced_checkpoint_back(tmp_path):
     """`auto` renamed step_4.old back to step_4 before the start's checks: a start they refused changed the trial."""
     run_dir = killed_trial(tmp_path, checkpoint=True)
     earlier = trial_files(run_dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nobody listens there
-    with pytest.raises(StartupError, match="no MLflow server answered"):
-        launch(run_config(tmp_path, "trial_name=t", "resume_from_checkpoint=auto", "trace.mlflow=true",
-                          f"trace.mlflow_tracking_uri=http://127.0.0.1:{port}"))
+    with held_port() as port:  # where nothing listens
+        with pytest.raises(StartupError, match="no MLflow server answered"):
+            launch(run_config(tmp_path, "trial_name=t", "resume_from_checkpoint=auto", "trace.mlflow=true",
+                              f"trace.mlflow_tracking_uri=http://127.0.0.1:{port}"))
     assert trial_files(run_dir) == earlier
 
 
@@ -628,12 +624,10 @@ def test_a_taken_redis_port_stops_the_run(tmp_path):
 
 def test_a_redis_url_nobody_answers_on_stops_the_run(tmp_path):
     existing = child_pids()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nobody listens there
-    with pytest.raises(StartupError,
-                       match=f"nobody answers at redis://:REDACTED@127.0.0.1:{port}/0 .*cluster.redis_url empty"):
-        launch(run_config(tmp_path, f"cluster.redis_url=redis://:secret@127.0.0.1:{port}/0"))
+    with held_port() as port:  # where nothing listens
+        with pytest.raises(StartupError,
+                           match=f"nobody answers at redis://:REDACTED@127.0.0.1:{port}/0 .*cluster.redis_url empty"):
+            launch(run_config(tmp_path, f"cluster.redis_url=redis://:secret@127.0.0.1:{port}/0"))
     with EmbeddedRedis(tmp_path / "redis") as server:
         with pytest.raises(StartupError, match="refused the credentials") as error:
             launch(run_config(tmp_path, f"cluster.redis_url=redis://:wrong-password@127.0.0.1:{server.port}/0"))

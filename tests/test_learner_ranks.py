@@ -16,7 +16,6 @@ import torch.multiprocessing as mp
 
 from rlsys.api import Trajectory
 from rlsys.bus import InProcessBus
-from rlsys.bus.redis_server import free_port
 from rlsys.checkpoint import SHARDED_STATE, read_trainer_state
 from rlsys.cli import config_from_dict, config_to_dict, parse_config
 from rlsys.launcher import launch
@@ -24,7 +23,7 @@ from rlsys.metrics import read_jsonl_metrics
 from rlsys.placement.local import LocalPlacement
 from rlsys.protocol import RENDEZVOUS_LISTEN_FD, role_name
 from rlsys.workers.learner import Learner
-from tests.helpers import child_pids, left_behind, small_run_overrides, summing_rank
+from tests.helpers import child_pids, held_port, left_behind, small_run_overrides, summing_rank
 from tests.test_learner import learner_config, mixed_length_batch
 
 pytestmark = pytest.mark.distributed
@@ -250,9 +249,9 @@ def test_the_ranks_rendezvous_listens_on_the_master_address_alone(tmp_path):
     """torch's env:// rendezvous served its store (no password) on every interface, whatever MASTER_ADDR said: on one
     machine, loopback is where the ranks meet."""
     found = tmp_path / "listeners.json"
-    # a port rank 0 binds itself, as where no launcher holds one for it (ranks started by hand)
-    mp.start_processes(rendezvous_listeners_at_rank, args=(2, free_port(), str(found)), nprocs=2,
-                       start_method="spawn")
+    # a port rank 0 binds itself, as where no launcher holds one for it (ranks started by hand); held here meanwhile
+    with held_port() as port:
+        mp.start_processes(rendezvous_listeners_at_rank, args=(2, port, str(found)), nprocs=2, start_method="spawn")
     assert json.loads(found.read_text()) == ["127.0.0.1"]
 
 

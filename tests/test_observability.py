@@ -22,7 +22,7 @@ from rlsys.api import Trajectory
 from rlsys.model.tokenizer import build_char_tokenizer
 from rlsys.protocol import role_name
 from rlsys.tracing import TraceWriter, read_traces
-from tests.helpers import small_run_overrides
+from tests.helpers import held_port, small_run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -226,27 +226,28 @@ def tool_episode(run_dir: Path, tokenizer_dir: Path) -> None:
     writer.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def mlflow_server(uri: str, port: int, cwd: Path) -> subprocess.Popen:
-    """An MLflow tracking server of store `uri` on 127.0.0.1:`port`, once it answers."""
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
-                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while True:
+@contextlib.contextmanager
+def mlflow_server(uri: str, cwd: Path):
+    """An MLflow tracking server of store `uri` on 127.0.0.1, once it answers: (its process, its port), stopped after
+    the block. Its port is held (held_port) until then: no other process takes it before the server binds it (uvicorn
+    binds with SO_REUSEADDR), nor listens there once the server stopped."""
+    with held_port() as port:
+        server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+                                   "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return server
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                stop_server(server)
-                raise AssertionError("mlflow server did not start") from None
-            time.sleep(0.5)
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except OSError:
+                    if server.poll() is not None or time.monotonic() > deadline:
+                        raise AssertionError("mlflow server did not start") from None
+                    time.sleep(0.5)
+            yield server, port
+        finally:
+            stop_server(server)
 
 
 def stop_server(server: subprocess.Popen) -> None:
@@ -284,9 +285,7 @@ def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_di
     (trace,) = mlflow.search_traces(locations=[mlflow.get_experiment_by_name("tools-experiment/t").experiment_id],
                                     return_type="list")
     assert [s.name for s in trace.data.spans if s.span_type == "TOOL"] == ["calculator"]
-    port = free_port()
-    server = mlflow_server(uri, port, tmp_path)
-    try:
+    with mlflow_server(uri, tmp_path) as (_, port):
         experiment_id = mlflow.get_experiment_by_name("tools-experiment/t").experiment_id
         url = (f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/traces"
                f"?selectedEvaluationId={trace.info.trace_id}")
@@ -296,8 +295,6 @@ def test_mlflow_ui_shows_a_traced_run_with_its_tool_calls(tmp_path, tokenizer_di
         chromium(f"--screenshot={screenshot}", "--window-size=1400,900", "--virtual-time-budget=30000", url,
                  timeout=180)
         assert screenshot.stat().st_size > 10_000
-    finally:
-        stop_server(server)
 
 
 def test_frames_show_each_board_with_its_move_and_reward(tmp_path):
@@ -723,13 +720,13 @@ def test_a_database_mlflow_store_that_cannot_be_reached_is_refused_at_the_start_
         prepare(parse_config(["trace.mlflow=true", f"trace.mlflow_tracking_uri={uri}"]))
 
     monkeypatch.setattr(assets, "prepare_assets", checked)
-    port = free_port()
-    for scheme in ("postgresql", "mysql+pymysql"):
-        with pytest.raises(StartupError) as refused:
-            prepared(f"{scheme}://mlflow:s3cret@127.0.0.1:{port}/runs")
-        assert str(refused.value).startswith(
-            f"trace.mlflow_tracking_uri={scheme}://mlflow:REDACTED@127.0.0.1:{port}/runs: no database server answered "
-            f"(nothing answered at 127.0.0.1:{port}: Connection refused)"), refused.value
+    with held_port() as port:  # where nothing listens
+        for scheme in ("postgresql", "mysql+pymysql"):
+            with pytest.raises(StartupError) as refused:
+                prepared(f"{scheme}://mlflow:s3cret@127.0.0.1:{port}/runs")
+            assert str(refused.value).startswith(
+                f"trace.mlflow_tracking_uri={scheme}://mlflow:REDACTED@127.0.0.1:{port}/runs: no database server "
+                f"answered (nothing answered at 127.0.0.1:{port}: Connection refused)"), refused.value
     (tmp_path / "a-file").touch()
     with pytest.raises(StartupError, match=f"trace.mlflow_tracking_uri=sqlite:///{tmp_path}/a-file/m.db: "
                                            f"{tmp_path}/a-file is not a directory"):
@@ -823,11 +820,11 @@ def test_an_mlflow_server_that_does_not_answer_is_refused_at_the_start_naming_th
         raise Checked
 
     monkeypatch.setattr(assets, "prepare_assets", checked)
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    started = time.monotonic()
-    with pytest.raises(StartupError) as refused:
-        prepare(parse_config(["trace.mlflow=true", f"trace.mlflow_tracking_uri={uri}/"]))
+    with held_port() as port:  # where nothing listens
+        uri = f"http://127.0.0.1:{port}"
+        started = time.monotonic()
+        with pytest.raises(StartupError) as refused:
+            prepare(parse_config(["trace.mlflow=true", f"trace.mlflow_tracking_uri={uri}/"]))
     assert str(refused.value).startswith(f"trace.mlflow_tracking_uri={uri}/: no MLflow server answered (nothing "
                                          f"answered at 127.0.0.1:{port}: Connection refused); start it")
     assert time.monotonic() - started < 30
@@ -852,8 +849,9 @@ def test_an_mlflow_server_that_is_gone_fails_the_export_without_its_password_in_
     tool_episode(run_dir, tokenizer_dir)
     config = AsyncPPOMATHConfig()
     config.logging_dir, config.trace.mlflow = str(run_dir / "logs"), True
-    config.trace.mlflow_tracking_uri = f"http://rlsys:{password}@127.0.0.1:{free_port()}/?pwd=other%20pw"
-    finish_observability(config, run_dir)
+    with held_port() as port:  # where nothing listens
+        config.trace.mlflow_tracking_uri = f"http://rlsys:{password}@127.0.0.1:{port}/?pwd=other%20pw"
+        finish_observability(config, run_dir)
     printed = capfd.readouterr()
     assert "ExportFailed: MlflowException: API request to http://rlsys:REDACTED@127.0.0.1:" in caplog.text
     for text in (caplog.text, printed.out, printed.err):
@@ -873,9 +871,8 @@ def test_an_mlflow_store_that_goes_away_mid_export_leaves_its_password_out_of_ev
     from rlsys.launcher import finish_observability
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a stopped server is refused at once, not for minutes
-    port, password = free_port(), "s3cret-pw%2Fx"
-    server = mlflow_server(f"sqlite:///{tmp_path / 'server.db'}", port, tmp_path)
-    try:
+    password = "s3cret-pw%2Fx"
+    with mlflow_server(f"sqlite:///{tmp_path / 'server.db'}", tmp_path) as (server, port):
         export_episode = rlsys.mlflow_export._export_episode
 
         def server_stops(*args):
@@ -889,8 +886,6 @@ def test_an_mlflow_store_that_goes_away_mid_export_leaves_its_password_out_of_ev
         config.logging_dir, config.trace.mlflow = str(run_dir / "logs"), True
         config.trace.mlflow_tracking_uri = f"http://rlsys:{password}@127.0.0.1:{port}"
         finish_observability(config, run_dir)
-    finally:
-        stop_server(server)
     printed = capfd.readouterr()
     logged = caplog.text
     assert "could not write the run report or export the traces" in logged

@@ -11,6 +11,7 @@ import pytest
 
 from rlsys.cli import parse_config
 from rlsys.protocol import role_name
+from tests.helpers import held_port
 
 pytestmark = pytest.mark.distributed
 
@@ -293,12 +294,11 @@ def test_a_ray_address_where_nothing_listens_is_refused_within_seconds():
     import subprocess
     import sys
 
-    from rlsys.bus.redis_server import free_port
-
-    address = f"127.0.0.1:{free_port()}"
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", PLACED_AT, address], capture_output=True, text=True, timeout=90,
-                            cwd=Path(__file__).resolve().parents[1])
+    with held_port() as port:  # where nothing listens
+        address = f"127.0.0.1:{port}"
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "-c", PLACED_AT, address], capture_output=True, text=True,
+                                timeout=90, cwd=Path(__file__).resolve().parents[1])
     assert result.stdout.startswith(f"cluster.ray_address={address}: no Ray cluster answered (nothing answered at "
                                     f"{address}: Connection refused); start one (`ray start --head`")
     assert time.monotonic() - started < 60

@@ -1,6 +1,7 @@
 """EmbeddedRedis: locked down, durable, and gone (process exited, port closed) on every way its owner ends."""
 
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ import redis
 
 from rlsys.bus import EmbeddedRedis, EmbeddedRedisError, RedisBus, ServerRestarts, connect
 from rlsys.bus import redis_server as redis_server_module
-from tests.helpers import alive, no_leaked_servers  # noqa: F401  (a fixture)
+from tests.helpers import alive, held_port, no_leaked_servers  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 OWNER_SCRIPT = textwrap.dedent("""
@@ -155,7 +156,9 @@ def taken_port(host: str = "127.0.0.1"):
 
 def test_retries_when_the_chosen_port_is_taken(tmp_path, monkeypatch):
     with taken_port() as taken:
-        ports = iter([taken, redis_server_module.free_port()])
+        # the taken port first, then free ones picked as the server does: one picked here, before the start, could be
+        # taken too by the time the server binds it, and the retry then had no port left to try
+        ports = itertools.chain([taken], iter(redis_server_module.free_port, None))
         monkeypatch.setattr(redis_server_module, "free_port", lambda host="127.0.0.1": next(ports))
         with EmbeddedRedis(tmp_path) as server:
             assert server.port != taken
@@ -389,15 +392,15 @@ def test_the_port_of_a_server_stopped_with_clients_connected_counts_as_free(tmp_
     its port for a minute. redis-server binds such a port again (SO_REUSEADDR), but the check before a run's start
     found it "in use": the same command with a fixed cluster.redis_port, rerun after a Ctrl-C to resume, was
     refused for a minute."""
-    from rlsys.bus.redis_server import check_port_free, free_port
+    from rlsys.bus.redis_server import check_port_free
 
-    port = free_port()
-    with EmbeddedRedis(tmp_path, port) as server:
-        bus = connect(server.url)
-        bus.set("x", 1)
-    bus.close()
-    check_port_free(port)
-    with EmbeddedRedis(tmp_path, port) as server:
-        again = connect(server.url)
-        assert server.port == port and again.get("x") == 1
-        again.close()
+    with held_port() as port:  # no other process takes it before either start or between them
+        with EmbeddedRedis(tmp_path, port) as server:
+            bus = connect(server.url)
+            bus.set("x", 1)
+        bus.close()
+        check_port_free(port)
+        with EmbeddedRedis(tmp_path, port) as server:
+            again = connect(server.url)
+            assert server.port == port and again.get("x") == 1
+            again.close()
