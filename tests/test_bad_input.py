@@ -81,7 +81,8 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
      "ppo.importance_sampling_level must be one of ('token', 'sequence'), got 'seq'"),
     (["ppo.init_kl_coef=0.1", "ppo.kl_estimator=low_var_kl"],
      "ppo.kl_estimator must be one of ('k1', 'k2', 'k3'), got 'low_var_kl'"),
-    (["ppo.share_prefixes=true", "learner.attn_implementation=sdpa"], "ppo.share_prefixes=true needs rlsys's attention"),
+    (["ppo.share_prefixes=true", "learner.attn_implementation=sdpa"],
+     "ppo.share_prefixes=true needs rlsys's attention"),
     (["alarms.stop_on_logprob_diff=true", "alarms.logprob_diff_warn=0"],
      "alarms.stop_on_logprob_diff=True does nothing with alarms.logprob_diff_warn=0"),
     (["experiment=async-ppo-math-multi-turn", "num_turns=0"], "num_turns must be at least 1, got 0"),
@@ -106,7 +107,8 @@ ENTRY = ROOT / "training" / "main_async_ppo.py"
     (["experiment=async-ppo-openai-agent", "max_total_tokens=1"], "max_total_tokens must be at least 2, got 1"),
     (["experiment=async-ppo-math-tools", "max_total_tokens=1"], "max_total_tokens must be at least 2, got 1"),
     (["ppo.mask_void_trajectories=true"],
-     "ppo.mask_void_trajectories=True does nothing with agents that never mark a trajectory void (['math-single-step'])"),
+     "ppo.mask_void_trajectories=True does nothing with agents that never mark a trajectory void "
+     "(['math-single-step'])"),
     (["experiment=async-ppo-math-long", "dataset.path=a.jsonl", "dataset.eval_path=b.jsonl", "min_terms=3"],
      "min_terms=3 does nothing with dataset.path set"),
     (["experiment=async-ppo-sokoban", "model.path=/m", "warm_start_hint=0.5"],
@@ -146,7 +148,8 @@ GOOD_ROW = json.dumps({"prompt": "1+1=", "answer": "2"})
     (f"{GOOD_ROW}\n{GOOD_ROW}\n{json.dumps({'prompt': '3+3='})}\n", r":3: field 'answer' missing"),
     (f"{json.dumps({'question': '3+3=', 'answer': '6'})}\n",  # verl's column name: the message names the setting
      r":1: field 'prompt' missing \(the row has \['answer', 'question'\]; dataset.prompt_key=FIELD reads another"),
-    (f"{json.dumps({'prompt': 7, 'answer': '7'})}\n", r":1: field 'prompt' must be a string or a non-empty list of chat messages, got int"),
+    (f"{json.dumps({'prompt': 7, 'answer': '7'})}\n",
+     r":1: field 'prompt' must be a string or a non-empty list of chat messages, got int"),
     (f"{GOOD_ROW}\n[1, 2]\n", r":2: expected a JSON object, got list"),
     ("", r"has no rows"),
     ("\n   \n\n", r"has no rows"),
@@ -181,13 +184,15 @@ def test_an_unreadable_dataset_says_why(tmp_path):
 def run_config(tmp_path: Path, *overrides: str):
     given = any(o.startswith("dataset.path=") for o in overrides)  # then a generated set's size would be refused
     small = [] if given else ["dataset.num_train=50", "dataset.num_eval=10"]
-    return parse_config([f"output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'cache'}", *small, *overrides])
+    return parse_config([f"output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'cache'}", *small,
+                         *overrides])
 
 
 def test_a_learner_or_engine_setting_this_device_cannot_honour_stops_the_run(tmp_path, monkeypatch):
     existing = child_pids()
     monkeypatch.setattr("experiments.common.native_bf16", lambda: False)  # a CPU without bf16 arithmetic
-    with pytest.raises(StartupError, match="bfloat16 on a CPU needs bf16 arithmetic in its hardware.*learner.dtype=float32"):
+    with pytest.raises(StartupError,
+                       match="bfloat16 on a CPU needs bf16 arithmetic in its hardware.*learner.dtype=float32"):
         launch(run_config(tmp_path, "learner.dtype=bfloat16"))
     with pytest.raises(StartupError, match="flash_attention_2 needs a GPU"):
         launch(run_config(tmp_path, "learner.attn_implementation=flash_attention_2"))
