@@ -186,9 +186,11 @@ def test_two_ranks_step_alike_through_mini_batches_that_cannot_move_the_policy_a
     """A mini-batch none of whose sequences can move the policy (its group's rewards all equal) takes its step on zero
     gradients without a pass (PolicyTrainer.zero_gradients), one of void trajectories takes none, and one that mixes
     them with sequences that can computes those alone, which may leave a rank no share: every rank must choose alike,
-    or their collectives would not meet, and the zero gradients must be sharded as the parameters are. Small
-    mini-batches over two epochs, so the step takes each kind; weight decay, so that every step taken moves; the
-    decoupled loss, whose first update fills in the proximal logprobs unless it has none to compute."""
+    or their collectives would not meet, and the zero gradients must be sharded as the parameters are. A step on zero
+    gradients follows no backward pass: after the no_grad ones (here the proximal pass of the decoupled loss) FSDP
+    kept the root module's parameters gathered, and the next update's passes read them without that step's weight
+    decay. Small mini-batches over two epochs, so the step takes each kind; weight decay, so that every step taken
+    moves."""
     config = learner_config(tmp_path)
     config.ppo.lr, config.ppo.ppo_epochs, config.ppo.weight_decay, config.ppo.decoupled_loss = 1e-3, 2, 0.1, True
     config.ppo.mask_void_trajectories, config.ppo.num_mini_batches = True, 6
@@ -213,6 +215,7 @@ def test_two_ranks_step_alike_through_mini_batches_that_cannot_move_the_policy_a
     kinds = [kind(u) for u in updates]
     assert {"void", "cannot move", "partly skipped"} <= set(kinds), kinds
     assert all(u == {"sequences": u["sequences"], "trained": 0, "grad_norm": 0.0} for u in updates if kind(u) == "void")
+    assert single.scheduler.state_dict()["last_epoch"] == len(updates) - kinds.count("void")  # those took no step
     # one of zero-advantage sequences alone, none void
     assert any(u["sequences/skipped_zero_advantage"] == u["trained"] == u["sequences"] for u in updates
                if kind(u) == "cannot move"), updates
