@@ -187,6 +187,18 @@ def sync_gradients(models, enabled: bool) -> None:
             model.set_requires_gradient_sync(enabled)
 
 
+def reshard(models) -> None:
+    """Registers the sharded models' shards as their parameters again, freeing any gathered copy. FSDP keeps the
+    root module's parameters gathered after a forward pass, for the backward pass it expects; after a pass without
+    one (no_grad) the copy stays, and the next forward pass reads it, not the shards an optimizer step wrote since."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in models:
+        for module in (model.modules() if model is not None else ()):
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 def full_state_dict(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Tensor]:
     """The whole model's tensors on rank 0 (on CPU), {} on the others; every rank must call it."""
     if ranks.world == 1:

@@ -34,7 +34,7 @@ from rlsys.algorithms.ppo import KL_ESTIMATORS, AdaptiveKLController, FixedKLCon
     gather_logprobs, next_token_logits, ppo_clip_loss, taken_logprobs, token_entropy, token_loss_weights
 from rlsys.algorithms.schedule import lr_multiplier
 from rlsys.api import Trajectory
-from rlsys.distributed import Ranks, shard, sync_gradients
+from rlsys.distributed import Ranks, reshard, shard, sync_gradients
 from rlsys.learner_figures import BATCH_REWARD, STALENESS_MAX, STALENESS_MEAN, agent_figure
 from rlsys.model.loading import check_full_attention, load_critic, load_policy
 from rlsys.model.tokenizer import load_tokenizer
@@ -300,6 +300,9 @@ class PolicyTrainer:
         update on them is still taken, as on any other mini-batch: AdamW's moments and weight decay move the weights,
         and the schedule counts it. Every parameter gets a gradient, as every one of a causal LM's takes part in its
         passes. No loss is computed, so the step has no loss statistics."""
+        # Sharded, the root module's parameters may still be gathered from the step's no_grad passes (reference,
+        # proximal): with no backward pass to release them, the next update's passes would read them, not this one's.
+        reshard((self.model, self.critic))
         for optimizer in (self.optimizer, self.critic_optimizer):
             for p in [p for group in (optimizer.param_groups if optimizer else ()) for p in group["params"]]:
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import socket
+import time
 import types
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from rlsys.launcher import launch
 from rlsys.metrics import read_jsonl_metrics
 from rlsys.placement.local import LocalPlacement
 from rlsys.protocol import RENDEZVOUS_LISTEN_FD, role_name
+from rlsys.training_step import read_back
 from rlsys.workers.learner import Learner
 from tests.helpers import child_pids, held_port, left_behind, small_run_overrides, summing_rank
 from tests.test_learner import learner_config, mixed_length_batch
@@ -62,8 +64,9 @@ def meet_at(rank: int, listener: socket.socket) -> None:
 def one_step_at_rank(rank: int, world: int, listener: socket.socket, payload: dict, batch: list[dict], run_dir: str,
                      clock: list[float] | None = None) -> None:
     """A learner rank, built as the learner role builds it: one train step on `batch`, then a checkpoint; rank 0
-    writes the gathered weights. clock: the first step measures the layout (as on a GPU in bfloat16), with a clock
-    that reads these times in turn; each rank then writes the layout it kept and the seconds it logged."""
+    writes the gathered weights, each rank its step's figures and each update's (recorded_updates). clock: the first
+    step measures the layout (as on a GPU in bfloat16), with a clock that reads these times in turn; each rank then
+    writes the layout it kept and the seconds it logged."""
     from rlsys.distributed import full_state_dict, join_ranks, leave_ranks
     from rlsys.roles import freeze_start_up_heap
 
@@ -80,7 +83,9 @@ def one_step_at_rank(rank: int, world: int, listener: socket.socket, payload: di
 
         learner.measures_layout = True
         rlsys.training_step.time = types.SimpleNamespace(perf_counter=iter(clock).__next__)
+    updates = recorded_updates(learner)
     stats = learner.train_step([Trajectory.from_dict(t) for t in batch])
+    Path(run_dir, f"figures-{rank}.json").write_text(json.dumps({"step": stats, "updates": updates}))
     if clock is not None:
         Path(run_dir, f"layout-{rank}.json").write_text(json.dumps(
             ["packed" if learner.packed else "padded", {k: v for k, v in stats.items() if k.startswith("layout/")}]))
@@ -93,6 +98,35 @@ def one_step_at_rank(rank: int, world: int, listener: socket.socket, payload: di
     leave_ranks(ranks)
     # The group is gone with its threads: none left to be torn down at interpreter exit, with the peers gone.
     assert not [name for name in native_threads() if "gloo" in name], native_threads()
+
+
+def recorded_updates(learner: Learner) -> list[dict[str, float]]:
+    """Filled in as `learner` takes its optimizer steps: each one's figures, how many sequences its mini-batch held
+    and how many of them have a trained token (not void). A train step reports its last update's figures alone."""
+    updates, optimizer_step = [], learner.optimizer_step
+
+    def recorded(mini_batch, *args, **kwargs):
+        stats = optimizer_step(mini_batch, *args, **kwargs)
+        updates.append({"sequences": len(mini_batch), "trained": int(mini_batch.token_counts[:, 0].astype(bool).sum()),
+                        **dict(zip(stats, read_back(list(stats.values()))))})
+        return stats
+
+    learner.optimizer_step = recorded
+    return updates
+
+
+def on_two_ranks(fn, *args, timeout: float = 300) -> None:
+    """fn(rank, 2, rendezvous, *args) on two spawned ranks. Ranks whose collectives do not meet wait on each other
+    for ever: past `timeout` they are killed and the test fails, well within pytest's own timeout, which would leave
+    them behind. A rank that ends otherwise than with exit code 0 fails the test too (ProcessContext.join raises)."""
+    ranks = mp.start_processes(fn, args=(2, rendezvous(), *args), nprocs=2, start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout
+    while not ranks.join(max(0.0, deadline - time.monotonic())):  # returns as each rank ends
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                process.kill()
+                process.join()
+            pytest.fail(f"the ranks had not ended after {timeout} s")
 
 
 def native_threads() -> list[str]:
@@ -149,30 +183,52 @@ def test_two_ranks_take_the_single_rank_step_and_their_checkpoint_resumes_on_one
 
 def test_two_ranks_step_alike_through_mini_batches_that_cannot_move_the_policy_and_void_ones(tmp_path):
     """A mini-batch none of whose sequences can move the policy (its group's rewards all equal) takes its step on zero
-    gradients without a pass (PolicyTrainer.zero_gradients), and one of void trajectories takes none: every rank must
-    choose alike, or their collectives would not meet, and the zero gradients must be sharded as the parameters are.
-    One trajectory a mini-batch, so the step takes each kind, and weight decay, so that every step taken moves."""
+    gradients without a pass (PolicyTrainer.zero_gradients), one of void trajectories takes none, and one that mixes
+    them with sequences that can computes those alone, which may leave a rank no share: every rank must choose alike,
+    or their collectives would not meet, and the zero gradients must be sharded as the parameters are. A step on zero
+    gradients follows no backward pass: after the no_grad ones (here the proximal pass of the decoupled loss) FSDP
+    kept the root module's parameters gathered, and the next update's passes read them without that step's weight
+    decay. Small mini-batches over two epochs, so the step takes each kind; weight decay, so that every step taken
+    moves."""
     config = learner_config(tmp_path)
-    config.ppo.lr, config.ppo.ppo_epochs, config.ppo.weight_decay = 1e-3, 1, 0.1
+    config.ppo.lr, config.ppo.ppo_epochs, config.ppo.weight_decay, config.ppo.decoupled_loss = 1e-3, 2, 0.1, True
     config.ppo.mask_void_trajectories, config.ppo.num_mini_batches = True, 6
     single = Learner(config, InProcessBus(), tmp_path / "single")
-    batch = mixed_length_batch(single.model, random.Random(0), groups=3)[:6]  # groups g0 g1 g2 g0 g1 g2
+    batch = mixed_length_batch(single.model, random.Random(0), groups=3)[:9]  # groups g0 g1 g2, three times
     for t in batch:
         if t.group_id == "g0":  # one reward for the whole group: zero advantage
             t.turn_rewards, t.reward = [0.5, 0.5], 1.0
         if t.group_id == "g1":  # a turn with neither an action nor an answer: out of the loss
             t.void = True
     before = {k: v.clone() for k, v in single.model.state_dict().items()}
-    zeroed, zero_gradients = [], single.zero_gradients
-    single.zero_gradients = lambda sequences: zeroed.append(sequences) or zero_gradients(sequences)
-    single.train_step(batch)
-    assert zeroed == [1, 1]
-    assert single.scheduler.state_dict()["last_epoch"] == 4  # the void mini-batches took no step
+    updates = recorded_updates(single)
+    stats = single.train_step(batch)
+
+    def kind(update: dict) -> str:
+        if not update["trained"]:
+            return "void"
+        if "loss" not in update:
+            return "cannot move"
+        return "partly skipped" if update["sequences/skipped_zero_advantage"] else "all computed"
+
+    kinds = [kind(u) for u in updates]
+    assert {"void", "cannot move", "partly skipped"} <= set(kinds), kinds
+    assert all(u == {"sequences": u["sequences"], "trained": 0, "grad_norm": 0.0} for u in updates if kind(u) == "void")
+    assert single.scheduler.state_dict()["last_epoch"] == len(updates) - kinds.count("void")  # those took no step
+    # one of zero-advantage sequences alone, none void
+    assert any(u["sequences/skipped_zero_advantage"] == u["trained"] == u["sequences"] for u in updates
+               if kind(u) == "cannot move"), updates
 
     run_dir = tmp_path / "two"
     run_dir.mkdir()
-    mp.start_processes(one_step_at_rank, args=(2, rendezvous(), config_to_dict(config), [t.to_dict() for t in batch],
-                                               str(run_dir)), nprocs=2, start_method="spawn")
+    on_two_ranks(one_step_at_rank, config_to_dict(config), [t.to_dict() for t in batch], str(run_dir))
+    for rank in (0, 1):
+        figures = json.loads((run_dir / f"figures-{rank}.json").read_text())
+        # each update's figures, the skipped sequences' counts among them, as one rank's, and the step's
+        assert len(figures["updates"]) == len(updates), rank
+        for n, (got, expected) in enumerate(zip(figures["updates"], updates)):
+            assert got == pytest.approx(expected, rel=1e-4, abs=1e-6), (rank, n)
+        assert figures["step"] == pytest.approx(stats, rel=1e-4, abs=1e-6), rank
     sharded = torch.load(run_dir / "params.pt", weights_only=True)
     for key, value in single.model.state_dict().items():
         assert torch.allclose(sharded[key], value, atol=1e-5, rtol=0), key
