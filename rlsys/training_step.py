@@ -300,8 +300,9 @@ class PolicyTrainer:
         update on them is still taken, as on any other mini-batch: AdamW's moments and weight decay move the weights,
         and the schedule counts it. Every parameter gets a gradient, as every one of a causal LM's takes part in its
         passes. No loss is computed, so the step has no loss statistics."""
-        # Sharded, the root module's parameters may still be gathered from the step's no_grad passes (reference,
-        # proximal): with no backward pass to release them, the next update's passes would read them, not this one's.
+        # Sharded, the root module's parameters may still be gathered from the step's proximal pass (no_grad; the
+        # reference and value passes come only with a KL or value term, under which every update computes): with no
+        # backward pass to release them, the next update's passes would read them, not the weights this step writes.
         reshard((self.model, self.critic))
         for optimizer in (self.optimizer, self.critic_optimizer):
             for p in [p for group in (optimizer.param_groups if optimizer else ()) for p in group["params"]]:
