@@ -152,8 +152,7 @@ def test_two_ranks_take_the_single_rank_step_and_their_checkpoint_resumes_on_one
 
     run_dir = tmp_path / "two"
     run_dir.mkdir()
-    mp.start_processes(one_step_at_rank, args=(2, rendezvous(), config_to_dict(config), [t.to_dict() for t in batch],
-                                               str(run_dir)), nprocs=2, start_method="spawn")
+    on_two_ranks(one_step_at_rank, config_to_dict(config), [t.to_dict() for t in batch], str(run_dir))
 
     sharded = torch.load(run_dir / "params.pt", weights_only=True)
     assert set(sharded) == set(single.model.state_dict())  # tied weights under both names, as inference loads them
@@ -248,8 +247,7 @@ def test_two_ranks_measure_the_layout_and_keep_the_same_one_the_faster_on_the_sl
 
     run_dir = tmp_path / "two"
     run_dir.mkdir()
-    mp.start_processes(measuring_rank, args=(2, rendezvous(), config_to_dict(config), [t.to_dict() for t in batch],
-                                             str(run_dir)), nprocs=2, start_method="spawn")
+    on_two_ranks(measuring_rank, config_to_dict(config), [t.to_dict() for t in batch], str(run_dir))
     slowest = {"layout/packed_seconds": 1.0, "layout/padded_seconds": 2.0}
     assert [json.loads((run_dir / f"layout-{rank}.json").read_text()) for rank in (0, 1)] == [["packed", slowest]] * 2
     sharded = torch.load(run_dir / "params.pt", weights_only=True)
